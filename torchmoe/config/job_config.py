@@ -1,0 +1,222 @@
+"""The typed job configuration: one dataclass per TOML section.
+
+Every field has a type, a default and a docstring (the string right below it); `--help` and the
+README's config reference are generated from them. Key names follow torchtitan's 2025 TOML
+configs so users can port their files (DESIGN §3, a contract).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: config.toml, metrics.jsonl, checkpoints, traces."""
+    description: str = ""
+    """Free-text description of the job, printed at start."""
+    device_memory_gib: float = 0.0
+    """Memory per device in GiB for the dry-run's OOM warning; 0 = detect (CUDA) or skip."""
+
+
+@dataclass
+class Model:
+    name: str = "llama4"
+    """Model family. Only 'llama4' exists."""
+    flavor: str = "debugmodel"
+    """Model size: debugmodel, bench256, 17bx16e (Scout) or 17bx128e (Maverick)."""
+    tokenizer_path: str = ""
+    """Hugging Face tokenizer.json (or a folder holding one); empty = built-in byte tokenizer."""
+    attn_backend: str = ""
+    """Attention kernel: 'sdpa' or 'flex'; empty = the flavor's default."""
+    use_grouped_mm: bool = True
+    """Run routed experts with torch._grouped_mm (False: a per-expert loop, for debugging)."""
+    load_balance_coeff: float = -1.0
+    """Aux-loss-free expert-bias update rate; -1 = the flavor's default, 0 = disabled."""
+    aux_loss_coeff: float = 0.0
+    """Coefficient of the sequence-wise load-balancing auxiliary loss (0 = off)."""
+    z_loss_coeff: float = 0.0
+    """Coefficient of the router z-loss (0 = off)."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer: 'AdamW' or 'Adam'."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; norms, biases and embeddings are excluded."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    implementation: str = "foreach"
+    """'for-loop', 'foreach' or 'fused' (fused needs all parameters on one device type)."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero to optimizer.lr."""
+    decay_ratio: float = -1.0
+    """Fraction of the steps spent decaying at the end (WSD); -1 = decay over all post-warmup steps."""
+    decay_type: str = "linear"
+    """Decay shape: 'linear', 'sqrt' or 'cosine'."""
+    min_lr_factor: float = 0.0
+    """The LR decays to lr * min_lr_factor."""
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-batch."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all dp ranks; -1 = local_batch_size * dp (no accumulation)."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    steps: int = 10000
+    """Optimizer steps to train for."""
+    max_norm: float = 1.0
+    """Gradient clipping by total norm (<= 0 disables clipping)."""
+    dataset: str = "python_docs"
+    """'python_docs' (offline text shipped with Python), 'local' (files at dataset_path) or 'hf' (hub dataset named by dataset_path, streamed)."""
+    dataset_path: str = ""
+    """For 'local': a file, folder or glob of .txt/.jsonl/.parquet; for 'hf': 'name' or 'name:config'."""
+    dataset_split: str = "train"
+    """Split of a Hugging Face hub dataset."""
+    dataset_text_field: str = "text"
+    """Field holding the text in .jsonl/.parquet rows and hub datasets."""
+    seed: int = 0
+    """Seed for initialization and anything random in training."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower; for debugging)."""
+    mixed_precision_param: str = "bfloat16"
+    """Dtype of parameters in compute under FSDP: 'bfloat16' or 'float32'."""
+    mixed_precision_reduce: str = "float32"
+    """Dtype of gradient reduction under FSDP: 'float32' or 'bfloat16'."""
+    device: str = ""
+    """'cpu' or 'cuda'; empty = cuda when available, else cpu."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas (DDP alone, or the replicate dim of HSDP)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shards; -1 = whatever the other degrees leave of the world size."""
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel degree (attention heads, FFN hidden, MoE TP, loss parallel)."""
+    expert_parallel_degree: int = 1
+    """Expert-parallel degree; borrows ranks from dp_shard * cp * tp and must divide it."""
+    context_parallel_degree: int = 1
+    """Context-parallel degree (sequence sharded across ranks in attention)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule: 'GPipe', '1F1B', 'Interleaved1F1B' or 'ZBVZeroBubble'."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with compute (needs compile and CUDA)."""
+    fsdp_reshard_after_forward: str = "default"
+    """'default' (yes except with PP), 'always' or 'never'."""
+    fsdp_cpu_offload: bool = False
+    """Keep FSDP parameters, gradients and optimizer state on CPU."""
+    disable_loss_parallel: bool = False
+    """With TP, gather the logits instead of computing a vocab-sharded cross entropy."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints (DCP) and resume from the newest complete one."""
+    folder: str = "checkpoint"
+    """Checkpoint folder under job.dump_folder; each save is step-N/."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k checkpoints; 0 = keep all."""
+    create_seed_checkpoint: bool = False
+    """Write step-0 from one process and exit; every layout that finds it starts from it."""
+    initial_load_path: str = ""
+    """Load weights from this checkpoint (DCP folder, or HF folder with initial_load_in_hf) when no checkpoint exists yet."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face Llama 4 folder (config.json + safetensors)."""
+    last_save_in_hf: bool = False
+    """Also write the final weights as a Hugging Face folder (step-N-hf/)."""
+    async_mode: str = "disabled"
+    """'disabled' or 'async' (write in a background thread after staging to CPU)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """'none', 'selective' or 'full'."""
+    selective_ac_option: str = "op"
+    """For selective: 'op' (save matmul outputs per policy) or an integer n (checkpoint every n-th block)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """Float8 linears via torchao (CUDA, SM89+ only)."""
+    recipe_name: str = "tensorwise"
+    """'tensorwise', 'rowwise' or 'rowwise_with_gw_hp'."""
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather FSDP parameters in float8 (tensorwise only)."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Compute float8 scales for all FSDP parameters in one kernel after each step."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router"])
+    """Modules whose names contain any of these stay in high precision."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log every this many steps."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard scalars (needs the tensorboard extra)."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder under job.dump_folder."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder under job.dump_folder."""
+    profile_freq: int = 10
+    """Trace one step every this many steps."""
+    enable_memory_snapshot: bool = False
+    """Dump CUDA memory snapshots (GPU only)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Snapshot folder under job.dump_folder."""
+
+
+@dataclass
+class JobConfig:
+    """A whole training job. TOML sections map one-to-one onto these fields."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)

@@ -1,0 +1,242 @@
+"""Llama 4 text-model hyper-parameters and the named flavors.
+
+    python -c "from torchmoe.models.llama4.args import FLAVORS; print(FLAVORS['17bx16e'].param_counts())"
+
+`ModelArgs` is the single description of a model's shape; the model, the Hugging Face mapping,
+the dry-run planner and the parallelize pipeline all read it. Flavors are a plain dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class ModelArgs:
+    """Shape and behaviour of a Llama 4 text model.
+
+    Layer ``i`` is an MoE layer when ``i in moe_layer_ids`` and uses RoPE (chunked local attention,
+    QK L2-norm) when ``rope_layers[i]``; otherwise it is a NoPE layer with full causal attention and
+    attention temperature tuning, exactly as Hugging Face's ``Llama4TextConfig`` derives them.
+    """
+
+    dim: int = 5120
+    n_layers: int = 48
+    n_heads: int = 40
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 202048
+    norm_eps: float = 1e-5
+    max_seq_len: int = 131072
+    # RoPE: base and the llama3 frequency scaling (None = plain RoPE).
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = field(
+        default_factory=lambda: {
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        }
+    )
+    # iRoPE: every `no_rope_layer_interval`-th layer is NoPE unless `no_rope_layers` lists them
+    # explicitly (HF convention: 1 = this layer uses RoPE, 0 = NoPE).
+    no_rope_layer_interval: int = 4
+    no_rope_layers: list[int] | None = None
+    attention_chunk_size: int | None = 8192
+    use_qk_norm: bool = True
+    attn_temperature_tuning: bool = True
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    # "sdpa" (scaled_dot_product_attention with explicit masks) or "flex" (FlexAttention block masks).
+    attn_backend: str = "sdpa"
+    # Feed-forward: dense SwiGLU layers use `ffn_hidden_dim`; experts and the shared expert use
+    # `moe_hidden_dim`.
+    ffn_hidden_dim: int = 16384
+    moe_hidden_dim: int = 8192
+    # MoE placement: `moe_layers` overrides the interleave step when set.
+    interleave_moe_layer_step: int = 1
+    moe_layers: list[int] | None = None
+    num_experts: int = 16
+    top_k: int = 1
+    num_shared_experts: int = 1
+    score_func: str = "sigmoid"  # "sigmoid" (Llama 4) or "softmax"
+    score_before_experts: bool = True  # Llama 4 scales expert inputs; False scales outputs
+    load_balance_coeff: float | None = 1e-3  # aux-loss-free bias update rate; None disables
+    aux_loss_coeff: float = 0.0  # sequence-wise load-balancing loss coefficient
+    z_loss_coeff: float = 0.0  # router z-loss coefficient
+    use_grouped_mm: bool = True  # torch._grouped_mm for routed experts (else a per-expert loop)
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            problems.append(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if not 1 <= self.top_k <= self.num_experts:
+            problems.append(f"top_k ({self.top_k}) must be in [1, num_experts={self.num_experts}]")
+        if self.score_func not in ("sigmoid", "softmax"):
+            problems.append(f"score_func ({self.score_func!r}) must be 'sigmoid' or 'softmax'")
+        if self.attn_backend not in ("sdpa", "flex"):
+            problems.append(f"attn_backend ({self.attn_backend!r}) must be 'sdpa' or 'flex'")
+        if self.no_rope_layers is not None and len(self.no_rope_layers) < self.n_layers:
+            problems.append(f"no_rope_layers has {len(self.no_rope_layers)} entries, need n_layers={self.n_layers}")
+        if self.moe_layers is not None and any(not 0 <= i < self.n_layers for i in self.moe_layers):
+            problems.append(f"moe_layers {self.moe_layers} must lie in [0, {self.n_layers})")
+        if problems:
+            raise ValueError("invalid ModelArgs: " + "; ".join(problems))
+
+    # ---- per-layer structure (HF Llama4TextConfig.__post_init__ semantics) -------------------
+
+    @property
+    def moe_layer_ids(self) -> frozenset[int]:
+        if self.moe_layers is not None:
+            return frozenset(self.moe_layers)
+        step = self.interleave_moe_layer_step
+        return frozenset(range(step - 1, self.n_layers, step))
+
+    @property
+    def rope_layers(self) -> list[bool]:
+        if self.no_rope_layers is not None:
+            return [bool(x) for x in self.no_rope_layers[: self.n_layers]]
+        return [(i + 1) % self.no_rope_layer_interval != 0 for i in range(self.n_layers)]
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.num_experts > 0 and layer_id in self.moe_layer_ids
+
+    def replace(self, **overrides) -> "ModelArgs":
+        return dataclasses.replace(self, **overrides)
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    def _attention_params(self) -> int:
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.dim * q_out + 2 * self.dim * kv_out + q_out * self.dim
+
+    def _expert_params(self) -> int:
+        return 3 * self.dim * self.moe_hidden_dim
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameter counts: ``total``, ``active`` (per token: top_k routed experts), ``embedding``.
+
+        ``active`` counts the embedding and the output head, as the published "17B active" does.
+        """
+        total = active = 0
+        for i in range(self.n_layers):
+            layer = self._attention_params() + 2 * self.dim  # attention + two RMSNorms
+            total += layer
+            active += layer
+            if self.is_moe_layer(i):
+                shared = self.num_shared_experts * self._expert_params()
+                router = self.dim * self.num_experts
+                total += self.num_experts * self._expert_params() + shared + router
+                active += self.top_k * self._expert_params() + shared + router
+            else:
+                total += 3 * self.dim * self.ffn_hidden_dim
+                active += 3 * self.dim * self.ffn_hidden_dim
+        embedding = self.vocab_size * self.dim
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
+        extra = embedding + head + self.dim  # + final norm
+        return {"total": total + extra, "active": active + extra, "embedding": embedding}
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), counting only the active experts.
+
+        ``6 * N`` for the matmuls over the active non-embedding parameters ``N`` (the embedding
+        lookup is no matmul; the output head is), plus ``12 * n_heads * head_dim * L_eff`` per layer
+        for the attention scores and weighted sum (2 matmuls, x3 for backward, x2 multiply-add),
+        where ``L_eff`` is the context a query attends over: ``seq_len`` for full-attention layers
+        and ``min(seq_len, attention_chunk_size)`` for chunked ones. Causal masking is not halved,
+        following the PaLM/MFU convention so numbers compare across trainers.
+        """
+        counts = self.param_counts()
+        n_matmul = counts["active"] - counts["embedding"]
+        attn = 0
+        for use_rope in self.rope_layers:
+            ctx = seq_len
+            if use_rope and self.attention_chunk_size is not None:
+                ctx = min(seq_len, self.attention_chunk_size)
+            attn += 12 * self.n_heads * self.head_dim * ctx
+        return 6 * n_matmul + attn
+
+
+# Released Llama 4 text configs (Hugging Face meta-llama/Llama-4-{Scout-17B-16E,Maverick-17B-128E}).
+_SCOUT = ModelArgs()
+_MAVERICK = ModelArgs(
+    num_experts=128,
+    interleave_moe_layer_step=2,
+    use_qk_norm=False,
+    rope_scaling=None,
+)
+
+FLAVORS: dict[str, ModelArgs] = {
+    # Tiny: every feature (dense + MoE layers, NoPE + chunked RoPE layers, temperature tuning,
+    # llama3 rope scaling, shared expert) at sizes divisible by 4 for TP/EP up to 4.
+    "debugmodel": ModelArgs(
+        dim=128,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=16,
+        vocab_size=512,
+        max_seq_len=2048,
+        rope_theta=10000.0,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        attention_chunk_size=64,
+        floor_scale=32.0,
+        ffn_hidden_dim=384,
+        moe_hidden_dim=256,
+        interleave_moe_layer_step=2,
+        num_experts=8,
+        top_k=1,
+    ),
+    # The benchmark reference config of scripts/bench_train.py (issue 4): MoE every 2nd layer.
+    "bench256": ModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=16,
+        head_dim=16,
+        vocab_size=2048,
+        max_seq_len=2048,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        attention_chunk_size=None,
+        no_rope_layer_interval=1_000_000,
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+        ffn_hidden_dim=768,
+        moe_hidden_dim=512,
+        interleave_moe_layer_step=2,
+        num_experts=8,
+        top_k=1,
+    ),
+    "17bx16e": _SCOUT,
+    "17bx128e": _MAVERICK,
+}
+
+
+def build_model_args(flavor: str, *, attn_backend: str = "", use_grouped_mm: bool = True,
+                     load_balance_coeff: float = -1.0, aux_loss_coeff: float = 0.0,
+                     z_loss_coeff: float = 0.0) -> ModelArgs:
+    """The flavor's `ModelArgs` with the `[model]` section's overrides applied.
+
+    Takes the fields of `config.job_config.Model` as keywords (``build_model_args(**vars(cfg))``
+    minus the non-shape keys is what the trainer passes); sentinel values keep the flavor's own.
+    """
+    if flavor not in FLAVORS:
+        raise KeyError(flavor)
+    overrides: dict = {"use_grouped_mm": use_grouped_mm, "aux_loss_coeff": aux_loss_coeff,
+                       "z_loss_coeff": z_loss_coeff}
+    if attn_backend:
+        overrides["attn_backend"] = attn_backend
+    if load_balance_coeff >= 0:
+        overrides["load_balance_coeff"] = load_balance_coeff or None
+    return FLAVORS[flavor].replace(**overrides)
