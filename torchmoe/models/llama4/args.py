@@ -46,7 +46,7 @@ class ModelArgs:
     attention_chunk_size: int | None = 8192
     use_qk_norm: bool = True
     attn_temperature_tuning: bool = True
-    floor_scale: float = 8192.0
+    floor_scale: int = 8192
     attn_scale: float = 0.1
     # "sdpa" (scaled_dot_product_attention with explicit masks) or "flex" (FlexAttention block masks).
     attn_backend: str = "sdpa"
@@ -190,7 +190,7 @@ FLAVORS: dict[str, ModelArgs] = {
             "original_max_position_embeddings": 64,
         },
         attention_chunk_size=64,
-        floor_scale=32.0,
+        floor_scale=32,
         ffn_hidden_dim=384,
         moe_hidden_dim=256,
         interleave_moe_layer_step=2,

@@ -1,0 +1,268 @@
+"""The Llama 4 text transformer (iRoPE attention, interleaved dense and MoE feed-forward).
+
+    python -c "import torch; from torchmoe.models.llama4 import Transformer, FLAVORS; \\
+        m = Transformer(FLAVORS['debugmodel']); m.init_weights(); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
+
+Numerics follow Hugging Face ``Llama4ForCausalLM`` operation for operation (norms and rotary
+embeddings in fp32, interleaved-pair complex RoPE, QK L2-norm after RoPE, temperature tuning of
+NoPE queries), so logits match it to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.models.llama4.moe import FeedForward, MoE
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, normalised in fp32 and cast back before the weight (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, *, elementwise_affine: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        return out * self.weight if self.weight is not None else out
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,) fp32, with Llama 3's long-context scaling.
+
+    llama3 scaling divides low frequencies (wavelength > original_max / low_freq_factor) by
+    ``factor``, keeps high frequencies, and interpolates smoothly in between.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low) if high != low else torch.zeros_like(wavelen)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def precompute_freqs_cis(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """Complex rotations (seq_len, head_dim // 2) for positions 0..seq_len-1."""
+    inv_freq = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
+    positions = torch.arange(seq_len, device=device).float()
+    freqs = torch.outer(positions, inv_freq)  # (S, hd/2)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of q/k.
+
+    xq: (B, S, H, hd), xk: (B, S, Hkv, hd), freqs_cis: (S, hd/2) complex.
+    """
+    fc = freqs_cis[None, :, None, :]  # (1, S, 1, hd/2)
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    return torch.view_as_real(xq_ * fc).flatten(3).type_as(xq), torch.view_as_real(xk_ * fc).flatten(3).type_as(xk)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention.
+
+    RoPE layers: rotary embeddings, QK L2-norm (``use_qk_norm``), causal attention within chunks
+    of ``attention_chunk_size``. NoPE layers: no rotation, full causal attention, queries scaled by
+    ``1 + attn_scale * log1p(floor((pos + 1) / floor_scale))`` (temperature tuning).
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.use_rope = args.rope_layers[layer_id]
+        self.qk_norm = RMSNorm(args.head_dim, args.norm_eps, elementwise_affine=False) if (
+            args.use_qk_norm and self.use_rope) else None
+        self.chunk_size = args.attention_chunk_size if self.use_rope else None
+        self.temperature = (args.floor_scale, args.attn_scale) if (
+            args.attn_temperature_tuning and not self.use_rope) else None
+        self.attn_backend = args.attn_backend
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """x: (B, S, dim), freqs_cis: (S, hd/2) -> (B, S, dim)."""
+        bsz, seq_len, _ = x.shape
+        # -1 head counts: under tensor parallel each rank holds a slice of the heads.
+        xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, H, hd)
+        xk = self.wk(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, Hkv, hd)
+        xv = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
+        if self.use_rope:
+            xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        if self.qk_norm is not None:
+            xq, xk = self.qk_norm(xq), self.qk_norm(xk)
+        if self.temperature is not None:
+            floor_scale, attn_scale = self.temperature
+            pos = torch.arange(seq_len, device=x.device).float()
+            scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0  # (S,)
+            xq = (xq * scale.view(1, seq_len, 1, 1)).to(xq.dtype)
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, S, hd)
+        out = self._attend(q, k, v)  # (B, H, S, hd)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq_len = q.shape[2]
+        chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq_len else None
+        if self.attn_backend == "flex":
+            return _flex_attention(q, k, v, chunk)
+        if chunk is not None and seq_len % chunk == 0:
+            # Chunked causal attention is independent causal attention per chunk: fold the chunks
+            # into the batch and use the mask-free causal kernel.
+            bsz, heads, _, hd = q.shape
+            fold = lambda t: t.reshape(bsz, t.shape[1], seq_len // chunk, chunk, hd).transpose(1, 2).reshape(
+                -1, t.shape[1], chunk, hd)
+            out = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), is_causal=True, enable_gqa=True)
+            return out.reshape(bsz, seq_len // chunk, heads, chunk, hd).transpose(1, 2).reshape(bsz, heads, seq_len, hd)
+        if chunk is not None:
+            pos = torch.arange(seq_len, device=q.device)
+            mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] // chunk == pos[None, :] // chunk)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def init_weights(self, init_std: float) -> None:
+        for w in (self.wq.weight, self.wk.weight, self.wv.weight):
+            nn.init.trunc_normal_(w, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+_BLOCK_MASKS: dict = {}
+_MAX_ROPE_CACHE = 65536
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """FlexAttention with a (chunked) causal block mask, cached per (length, chunk, device)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    seq_len = q.shape[2]
+    key = (seq_len, chunk, q.device)
+    if key not in _BLOCK_MASKS:
+        if chunk is None:
+            mask_mod = lambda b, h, qi, ki: qi >= ki
+        else:
+            mask_mod = lambda b, h, qi, ki: (qi >= ki) & (qi // chunk == ki // chunk)
+        _BLOCK_MASKS[key] = create_block_mask(mask_mod, None, None, seq_len, seq_len, device=q.device)
+    return flex_attention(q, k, v, block_mask=_BLOCK_MASKS[key], enable_gqa=True)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn_or_moe(norm(h))``."""
+
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args, layer_id)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.moe_enabled = args.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            self.moe = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Depth-scaled init of output projections keeps the residual stream's variance bounded.
+        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """x: (B, S, dim) -> (B, S, dim)."""
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+    def init_weights(self, buffer_device: torch.device | None) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        if self.moe_enabled:
+            self.moe.init_weights(self.weight_init_std)
+        else:
+            self.feed_forward.init_weights(self.weight_init_std)
+
+
+class Transformer(nn.Module):
+    """Token embedding -> blocks -> final norm -> output head.
+
+    ``layers`` is a ModuleDict keyed by the global layer index so pipeline stages can drop layers
+    (and set ``tok_embeddings`` / ``norm`` / ``output`` to None) while names stay stable for
+    checkpoints.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from args, recomputed by init_weights on the real device. Capped
+        # because released configs advertise up to 10M positions (gigabytes of table).
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args, self._rope_cache_len()), persistent=False)
+
+    def _rope_cache_len(self) -> int:
+        return min(self.args.max_seq_len, _MAX_ROPE_CACHE)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, S) int64 ids (or (B, S, dim) hidden states on later pipeline stages)
+        -> logits (B, S, vocab) (or hidden states when this stage has no output head)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq_len = h.shape[1]
+        if seq_len <= self.freqs_cis.shape[0]:
+            freqs_cis = self.freqs_cis[:seq_len]
+        else:  # longer than the cached table (capped, see __init__): compute on the fly
+            freqs_cis = precompute_freqs_cis(self.args, seq_len, self.freqs_cis.device)
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise parameters in place (call under a seeded RNG) and rebuild buffers.
+
+        Works after ``to_empty(device=...)`` from the meta device; ``buffer_device`` places
+        buffers elsewhere than parameters (e.g. CUDA buffers with CPU-offloaded parameters).
+        """
+        self.init_buffers(buffer_device or self.freqs_cis.device)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights(buffer_device)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.args.tie_word_embeddings:
+            cutoff = 3 * self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Rebuild every buffer on `device`: the RoPE table and fresh (zero) MoE router state.
+
+        Used alone when parameters come from a checkpoint (their buffers are loaded after)."""
+        with torch.no_grad():
+            self.freqs_cis = precompute_freqs_cis(self.args, self._rope_cache_len(), torch.device(device))
+        for moe in self.moe_layers():
+            moe.reset_router_state(device)
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE modules of this model (or pipeline stage), in layer order."""
+        return [layer.moe for layer in self.layers.values() if layer.moe_enabled]

@@ -1,0 +1,342 @@
+"""Mixture-of-experts layer: token-choice router, grouped routed experts, shared expert.
+
+    python -m pytest -q tests/unit/test_moe.py
+
+Dropless: every token reaches its top-k experts. Routed experts are one module holding
+``[num_experts, ...]`` weights, run with ``torch._grouped_mm`` over tokens sorted expert-major;
+the per-expert loop is kept as the reference the grouped path is tested against.
+
+Load balancing is DeepSeek-V3's auxiliary-loss-free expert bias: the bias only changes which
+experts are *selected*, never the gate values, and is updated once per optimizer step from the
+token counts accumulated in ``tokens_per_expert`` over all micro-batches (see `update_expert_bias`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchmoe.models.llama4.args import ModelArgs
+
+# On CUDA, grouped GEMM kernels want every expert's row block to start at a multiple of 16 rows
+# (bf16 tensor-core tiles); on CPU no padding is needed.
+_CUDA_GROUP_ALIGN = 16
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``. Used for dense layers and the shared expert."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., dim) -> (..., dim)."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for w in (self.w2.weight, self.w3.weight):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts stored as stacked weights.
+
+    Weights follow ``nn.Linear`` (out, in) per expert: ``w1, w3: [E, hidden, dim]``,
+    ``w2: [E, dim, hidden]``, so tensor parallel shards dim 1 of w1/w3 and dim 2 of w2, and expert
+    parallel shards dim 0 of all three.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Run each expert on its contiguous block of rows.
+
+        Args:
+            x: (rows, dim) tokens sorted expert-major; expert e owns the next
+                ``num_tokens_per_expert[e]`` rows. Rows past the last block are ignored.
+            num_tokens_per_expert: (num_local_experts,) integer row counts.
+        Returns:
+            (rows, dim); rows past the last block are unspecified.
+        """
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.use_grouped_mm:
+            return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
+        return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter (TP/EP place experts so each rank's shard is
+    self-contained), or the tensor itself."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def _grouped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:
+    """One grouped GEMM per projection; no host-device synchronisation."""
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))  # (rows, hidden)
+    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (rows, dim)
+
+
+def _looped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:
+    """Reference path: a Python loop over experts (``tolist`` syncs; fine for a reference)."""
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        rows = x[start : start + n]
+        h = F.silu(rows @ w1[e].T) * (rows @ w3[e].T)
+        out[start : start + n] = h @ w2[e].T
+        start += n
+    return out
+
+
+class TokenChoiceRouter(nn.Module):
+    """Top-k token-choice router.
+
+    Selection uses ``scores + expert_bias`` (bias from aux-loss-free balancing); gate values are
+    the unbiased scores. With sigmoid scoring and a zero bias this is exactly Hugging Face's
+    Llama 4 router (top-k on logits, sigmoid of the chosen logits), as sigmoid is monotonic.
+    """
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route tokens.
+
+        Args:
+            x: (T, dim) tokens.
+            expert_bias: (E,) selection bias or None.
+        Returns:
+            top_scores (T, k) gate values, selected (T, k) expert ids, scores (T, E) all
+            expert scores (fp32, for the auxiliary loss), logits (T, E) (fp32, for the z-loss).
+        """
+        logits = self.gate(x).float()  # (T, E): routing in fp32 so bf16 ties don't flip choices
+        if self.score_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+        else:
+            scores = F.softmax(logits, dim=-1)
+        choice = scores if expert_bias is None else scores + expert_bias
+        _, selected = torch.topk(choice, self.top_k, dim=-1)  # (T, k)
+        top_scores = scores.gather(-1, selected)  # (T, k)
+        return top_scores, selected, scores, logits
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Pass ``x`` through unchanged; in backward, feed ``grad_scale`` as the auxiliary loss's
+    gradient. This adds the loss to the objective without changing the model's outputs, so it
+    works unchanged under gradient accumulation, activation checkpointing and pipeline stages."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor, grad_scale: float) -> torch.Tensor:
+        ctx.grad_scale = grad_scale
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        aux_grad = torch.full(ctx.aux_shape, ctx.grad_scale, dtype=ctx.aux_dtype, device=grad_out.device)
+        return grad_out, aux_grad, None
+
+
+@torch.compiler.disable
+def _accumulate_token_counts(buffer: torch.Tensor, counts: torch.Tensor) -> None:
+    """Add this forward's counts unless the forward is an activation-checkpoint recomputation.
+
+    Recomputation runs inside the autograd engine (a graph task is current); counting it again
+    would skew the counts by the recomputed fraction. Kept out of torch.compile so the check runs
+    at every call rather than once at trace time.
+    """
+    if torch._C._current_graph_task_id() == -1:
+        buffer.add_(counts)
+
+
+class MoE(nn.Module):
+    """Router + routed experts + shared expert, with load-balancing state.
+
+    Buffers (persistent, so checkpoints carry the router state):
+        expert_bias: (E,) fp32 selection bias, updated by `update_expert_bias`.
+        tokens_per_expert: (E,) fp32 tokens routed to each expert since the last bias update.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_experts = args.num_experts
+        self.top_k = args.top_k
+        self.score_before_experts = args.score_before_experts
+        self.aux_loss_coeff = args.aux_loss_coeff
+        self.z_loss_coeff = args.z_loss_coeff
+        self.load_balance_coeff = args.load_balance_coeff
+        self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func)
+        self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.shared_experts = (
+            FeedForward(args.dim, args.moe_hidden_dim * args.num_shared_experts)
+            if args.num_shared_experts > 0
+            else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32))
+        # The trainer sets this to 1 / micro-batches per step so auxiliary-loss gradients match the
+        # main loss's normalisation; the last values are kept for metrics.
+        self.aux_loss_grad_scale = 1.0
+        self.last_aux_loss: torch.Tensor | None = None
+        # Token dispatch hooks: expert parallelism replaces these to move tokens between ranks.
+        self.dispatcher: TokenDispatcher = TokenDispatcher(args.num_experts, args.top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, S, dim) -> (B, S, dim)."""
+        bsz, seq_len, dim = x.shape
+        tokens = x.reshape(-1, dim)  # (T, dim)
+        bias = self.expert_bias if self.load_balance_coeff else None
+        top_scores, selected, scores, logits = self.router(tokens, bias)
+        flat_expert = selected.reshape(-1)  # (T*k,)
+        # scatter_add rather than bincount: bincount sizes its output from the data (a host sync).
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
+        with torch.no_grad():
+            _accumulate_token_counts(self.tokens_per_expert, counts.float())
+
+        routed = self.dispatcher.route(tokens, top_scores, selected, counts, self.score_before_experts, self.experts)
+
+        out = self.shared_experts(tokens) if self.shared_experts is not None else torch.zeros_like(tokens)
+        out = out + routed
+        out = self._attach_aux_losses(out, scores, selected, logits, bsz, seq_len)
+        return out.reshape(bsz, seq_len, dim)
+
+    def _attach_aux_losses(self, out, scores, selected, logits, bsz, seq_len) -> torch.Tensor:
+        """Sequence-wise balance loss (DeepSeek-V3) and router z-loss (ST-MoE), if enabled.
+
+        balance = coeff * mean_b sum_e f_be * P_be, with f_be = E / (k * S) * tokens of sequence b
+        routed to e and P_be = mean over the sequence of the normalised scores of e.
+        z = coeff * mean_t logsumexp(logits_t)^2.
+        """
+        if not (self.aux_loss_coeff or self.z_loss_coeff) or not torch.is_grad_enabled():
+            return out
+        aux = out.new_zeros((), dtype=torch.float32)
+        if self.aux_loss_coeff:
+            probs = (scores / scores.sum(-1, keepdim=True)).view(bsz, seq_len, -1)  # (B, S, E)
+            hits = torch.zeros(bsz, self.num_experts, device=out.device)
+            hits.scatter_add_(1, selected.view(bsz, -1), torch.ones_like(selected.view(bsz, -1), dtype=hits.dtype))
+            f = hits * self.num_experts / (self.top_k * seq_len)  # (B, E)
+            aux = aux + self.aux_loss_coeff * (f * probs.mean(1)).sum(-1).mean()
+        if self.z_loss_coeff:
+            aux = aux + self.z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        self.last_aux_loss = aux.detach()
+        return _AttachAuxLoss.apply(out, aux, self.aux_loss_grad_scale)
+
+    def init_weights(self, init_std: float) -> None:
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+
+    def reset_router_state(self, device: torch.device | str) -> None:
+        """Zero expert bias and token counts (fp32) on `device`."""
+        with torch.no_grad():
+            self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+            self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+
+
+class TokenDispatcher:
+    """Single-rank dispatch: sort routed copies expert-major, run the experts, scatter back.
+
+    Expert parallelism subclasses this to add the all-to-all exchange between the local sort and
+    the expert computation. Everything here is index arithmetic on device: no host sync.
+    """
+
+    def __init__(self, num_experts: int, top_k: int) -> None:
+        self.num_experts = num_experts
+        self.top_k = top_k
+
+    def route(self, tokens, top_scores, selected, counts, score_before_experts, experts) -> torch.Tensor:
+        """Compute the weighted sum of each token's top-k expert outputs.
+
+        Args:
+            tokens: (T, dim); top_scores, selected: (T, k); counts: (E,) int64 routed copies per
+                expert.
+        Returns:
+            (T, dim).
+        """
+        num_tokens, dim = tokens.shape
+        flat_expert = selected.reshape(-1)  # (T*k,) expert of each routed copy
+        order = torch.argsort(flat_expert, stable=True)  # routed copies sorted expert-major
+        token_of = order // self.top_k  # (T*k,) source token of each sorted row
+        rows = tokens[token_of]  # (T*k, dim)
+        gates = top_scores.reshape(-1)[order].unsqueeze(-1)  # (T*k, 1) fp32
+        if score_before_experts:
+            rows = (rows.float() * gates).to(tokens.dtype)
+        rows, positions, padded_counts = self._pad_for_kernel(rows, flat_expert[order], counts)
+        out = self.run_experts(rows, padded_counts, experts)
+        out = out[positions] if positions is not None else out
+        if not score_before_experts:
+            out = (out.float() * gates).to(tokens.dtype)
+        result = torch.zeros(num_tokens, dim, dtype=out.dtype, device=out.device)
+        return result.index_add_(0, token_of, out)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        """rows: (R, dim) expert-major, counts: (E,) -> (R, dim). EP overrides this to exchange
+        rows with the ranks owning the experts."""
+        return experts(rows, counts)
+
+    @staticmethod
+    def _pad_for_kernel(rows, sorted_expert, counts):
+        """On CUDA, place each expert's block at a row offset aligned to `_CUDA_GROUP_ALIGN`.
+
+        Returns the (possibly padded) rows, the index of each original row in them (None when
+        unpadded) and the per-expert row counts including padding. The padded buffer has a
+        static size (R + E * (align - 1)) so no host sync is needed.
+        """
+        if not rows.is_cuda:
+            return rows, None, counts
+        align = _CUDA_GROUP_ALIGN
+        padded = (counts + align - 1) // align * align  # (E,)
+        padded_start = torch.cumsum(padded, 0) - padded
+        start = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(rows.shape[0], device=rows.device) - start[sorted_expert]
+        positions = padded_start[sorted_expert] + rank_in_expert  # (R,)
+        buffer = rows.new_zeros(rows.shape[0] + counts.numel() * (align - 1), rows.shape[1])
+        buffer[positions] = rows
+        return buffer, positions, padded
+
+
+def update_expert_bias(moe_layers: list[MoE], counts: list[torch.Tensor] | None = None) -> None:
+    """Aux-loss-free load balancing: once per optimizer step, nudge each layer's selection bias
+    towards under-loaded experts and reset the counts.
+
+    ``bias += coeff * sign(mean(load) - load)``, centred to zero mean so the bias never drifts as
+    a whole. ``counts`` (one (E,) tensor per layer) overrides the local buffers when the caller has
+    reduced them over data/expert-parallel ranks, so every replica applies the same update.
+    """
+    with torch.no_grad():
+        for i, moe in enumerate(moe_layers):
+            load = counts[i] if counts is not None else moe.tokens_per_expert
+            if moe.load_balance_coeff:
+                delta = moe.load_balance_coeff * torch.sign(load.mean() - load)
+                moe.expert_bias.add_(delta - delta.mean())
+            moe.tokens_per_expert.zero_()
