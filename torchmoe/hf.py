@@ -56,6 +56,8 @@ def load_hf_state_dict(hf_dir: str | os.PathLike, model: Transformer) -> None:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
                     for name, tensor in hf_to_torchmoe(key, f.get_tensor(key)):
+                        if name == "output.weight" and model.output is None:
+                            continue  # tied: HF may store the head although it is the embedding
                         if name not in params:
                             raise HFConversionError(f"{key} ({path.name}) maps to {name!r}, which this model lacks")
                         if params[name].shape != tensor.shape:
@@ -63,7 +65,7 @@ def load_hf_state_dict(hf_dir: str | os.PathLike, model: Transformer) -> None:
                                 f"{key} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
                         params[name].copy_(tensor)
                         loaded.add(name)
-    missing = sorted(set(params) - loaded - ({"output.weight"} if model.args.tie_word_embeddings else set()))
+    missing = sorted(set(params) - loaded)
     if missing:
         raise HFConversionError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -102,8 +104,6 @@ def save_model(model: Transformer, out_dir: str | os.PathLike, *, max_shard_byte
     if bias_max > 0:
         warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face Llama 4 "
                       "and is dropped: expert selection there ignores it", stacklevel=2)
-    if args.tie_word_embeddings:
-        state.pop("output.weight", None)
     dtype = state["tok_embeddings.weight"].dtype
     config = hf_config_from_args(args, dtype)
 

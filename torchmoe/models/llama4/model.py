@@ -203,8 +203,8 @@ class Transformer(nn.Module):
     """Token embedding -> blocks -> final norm -> output head.
 
     ``layers`` is a ModuleDict keyed by the global layer index so pipeline stages can drop layers
-    (and set ``tok_embeddings`` / ``norm`` / ``output`` to None) while names stay stable for
-    checkpoints.
+    (and set ``tok_embeddings`` / ``norm`` / ``output`` to None; a stage without ``norm`` returns
+    hidden states) while names stay stable for checkpoints.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -213,9 +213,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        # Tied embeddings reuse tok_embeddings.weight in forward rather than sharing a Parameter:
+        # shared Parameters come apart under to_empty() and per-module sharding.
+        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: derived from args, recomputed by init_weights on the real device. Capped
         # because released configs advertise up to 10M positions (gigabytes of table).
         self.register_buffer("freqs_cis", precompute_freqs_cis(args, self._rope_cache_len()), persistent=False)
@@ -234,8 +234,12 @@ class Transformer(nn.Module):
             freqs_cis = precompute_freqs_cis(self.args, seq_len, self.freqs_cis.device)
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.norm is None:  # not the last pipeline stage
+            return h
+        h = self.norm(h)
+        if self.output is None:  # tied embeddings
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise parameters in place (call under a seeded RNG) and rebuild buffers.
@@ -250,7 +254,7 @@ class Transformer(nn.Module):
             layer.init_weights(buffer_device)
         if self.norm is not None:
             self.norm.reset_parameters()
-        if self.output is not None and not self.args.tie_word_embeddings:
+        if self.output is not None:
             cutoff = 3 * self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
 

@@ -1,0 +1,106 @@
+"""Model construction, initialisation, sizes and FLOPs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchmoe.models.llama4 import FLAVORS, Transformer, build_model_args
+
+
+def _meta_then_init(flavor: str, seed: int) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(FLAVORS[flavor])
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def test_meta_init_is_finite_and_seed_reproducible():
+    a, b, c = (_meta_then_init("debugmodel", s) for s in (0, 0, 1))
+    for (name, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.isfinite(pa).all(), name
+        assert torch.equal(pa, pb), name
+        if pa.numel() > 1 and "norm" not in name:
+            assert not torch.equal(pa, pc), name
+    for name, buf in a.named_buffers():
+        assert torch.isfinite(torch.view_as_real(buf) if buf.is_complex() else buf).all(), name
+    assert all(m.expert_bias.abs().sum() == 0 for m in a.moe_layers())
+    logits = a(torch.randint(0, 512, (2, 96)))
+    assert torch.isfinite(logits).all() and logits.shape == (2, 96, 512)
+
+
+def test_debug_flavor_exercises_every_feature():
+    args = FLAVORS["debugmodel"]
+    assert 0 < len(args.moe_layer_ids) < args.n_layers  # dense and MoE layers interleaved
+    assert False in args.rope_layers and True in args.rope_layers  # NoPE and RoPE layers
+    assert args.attention_chunk_size and args.rope_scaling and args.use_qk_norm and args.attn_temperature_tuning
+    for size in (args.n_heads, args.n_kv_heads, args.num_experts, args.ffn_hidden_dim, args.moe_hidden_dim,
+                 args.vocab_size, args.dim):
+        assert size % 4 == 0  # TP and EP up to 4
+
+
+def test_param_count_matches_modules():
+    model = _meta_then_init("debugmodel", 0)
+    counts = FLAVORS["debugmodel"].param_counts()
+    assert sum(p.numel() for p in model.parameters()) == counts["total"]
+    assert counts["embedding"] == model.tok_embeddings.weight.numel()
+
+
+@pytest.mark.parametrize(
+    "flavor, total, active",
+    # Published: Scout 109B total / 17B active, Maverick 400B / 17B. The Scout figure includes the
+    # ~1.2B vision tower and projector, which a text model lacks: text-only is 107.8B.
+    [("17bx16e", 107.77e9, 17.17e9), ("17bx128e", 400.71e9, 17.18e9)],
+)
+def test_released_flavor_sizes(flavor, total, active):
+    counts = FLAVORS[flavor].param_counts()
+    assert counts["total"] == pytest.approx(total, rel=1e-3)
+    assert counts["active"] == pytest.approx(active, rel=1e-3)
+    with torch.device("meta"):
+        model = Transformer(FLAVORS[flavor])
+    assert sum(p.numel() for p in model.parameters()) == counts["total"]
+
+
+def test_flops_per_token_formula():
+    args = FLAVORS["17bx16e"]
+    counts = args.param_counts()
+    seq = 8192
+    # 36 chunked RoPE layers see min(seq, chunk) = 8192 tokens, 12 NoPE layers the full 8192.
+    attn = 12 * args.n_heads * args.head_dim * seq * args.n_layers
+    assert args.flops_per_token(seq) == 6 * (counts["active"] - counts["embedding"]) + attn
+    long = args.flops_per_token(32768)
+    n_rope = sum(args.rope_layers)
+    expected_attn = 12 * args.n_heads * args.head_dim * (n_rope * 8192 + (args.n_layers - n_rope) * 32768)
+    assert long == 6 * (counts["active"] - counts["embedding"]) + expected_attn
+
+
+def test_build_model_args_overrides():
+    args = build_model_args("debugmodel", attn_backend="flex", use_grouped_mm=False, load_balance_coeff=0.0,
+                            aux_loss_coeff=0.1)
+    assert (args.attn_backend, args.use_grouped_mm, args.load_balance_coeff, args.aux_loss_coeff) == (
+        "flex", False, None, 0.1)
+    assert build_model_args("debugmodel").load_balance_coeff == FLAVORS["debugmodel"].load_balance_coeff
+
+
+def test_flex_attention_matches_sdpa():
+    model = _meta_then_init("debugmodel", 0)
+    flex = Transformer(FLAVORS["debugmodel"].replace(attn_backend="flex"))
+    flex.load_state_dict(model.state_dict())
+    flex.init_buffers("cpu")
+    tokens = torch.randint(0, 512, (1, 128))
+    with torch.no_grad():
+        torch.testing.assert_close(flex(tokens), model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_longer_than_rope_cache_computes_on_the_fly():
+    args = FLAVORS["debugmodel"].replace(max_seq_len=64)
+    model = Transformer(args)
+    model.init_weights()
+    big = Transformer(args.replace(max_seq_len=256))
+    big.load_state_dict(model.state_dict())
+    big.init_buffers("cpu")
+    tokens = torch.randint(0, 512, (1, 200))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), big(tokens))
