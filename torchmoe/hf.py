@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,9 +28,11 @@ from torchmoe.models.llama4.hf import (
     hf_to_torchmoe,
     torchmoe_to_hf,
 )
+from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.model import Transformer
 
-__all__ = ["HFConversionError", "load_model", "save_model", "load_hf_state_dict"]
+__all__ = ["HFConversionError", "iter_hf_state", "load_hf_state_dict", "load_model", "save_model",
+           "save_state_dict_as_hf"]
 
 _DEFAULT_SHARD_BYTES = 5 * 1024**3
 
@@ -45,26 +48,31 @@ def _safetensors_files(hf_dir: Path) -> list[Path]:
     return files
 
 
+def iter_hf_state(hf_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) for every text-model tensor of a Hugging Face Llama 4 folder, read one
+    checkpoint tensor at a time (vision tensors skipped, fused experts split)."""
+    for path in _safetensors_files(Path(hf_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield from hf_to_torchmoe(key, f.get_tensor(key))
+
+
 def load_hf_state_dict(hf_dir: str | os.PathLike, model: Transformer) -> None:
     """Copy the weights of a Hugging Face Llama 4 folder into `model`'s parameters in place,
-    one checkpoint tensor at a time (casting to each parameter's dtype). Every parameter must
-    be covered; extra text-model tensors are an error, vision tensors are skipped."""
+    casting to each parameter's dtype. Every parameter must be covered; unknown text-model
+    tensors are an error."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
-        for path in _safetensors_files(Path(hf_dir)):
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    for name, tensor in hf_to_torchmoe(key, f.get_tensor(key)):
-                        if name == "output.weight" and model.output is None:
-                            continue  # tied: HF may store the head although it is the embedding
-                        if name not in params:
-                            raise HFConversionError(f"{key} ({path.name}) maps to {name!r}, which this model lacks")
-                        if params[name].shape != tensor.shape:
-                            raise HFConversionError(
-                                f"{key} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-                        params[name].copy_(tensor)
-                        loaded.add(name)
+        for name, tensor in iter_hf_state(hf_dir):
+            if name == "output.weight" and model.output is None:
+                continue  # tied: HF may store the head although it is the embedding
+            if name not in params:
+                raise HFConversionError(f"the checkpoint's {name!r} has no place in this model")
+            if params[name].shape != tensor.shape:
+                raise HFConversionError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise HFConversionError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -96,14 +104,20 @@ def save_model(model: Transformer, out_dir: str | os.PathLike, *, max_shard_byte
     The aux-loss-free expert bias has no Hugging Face counterpart: a non-zero bias is dropped with
     a warning, since HF routing then selects experts without it.
     """
+    state = {k: _full(v) for k, v in model.state_dict().items()}
+    save_state_dict_as_hf(state, model.args, out_dir, max_shard_bytes=max_shard_bytes)
+
+
+def save_state_dict_as_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, *,
+                          max_shard_bytes: int = _DEFAULT_SHARD_BYTES) -> None:
+    """`save_model` for a full (unsharded) torchmoe state dict, e.g. gathered from a sharded
+    model by the trainer."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = model.args
-    state = {k: _full(v) for k, v in model.state_dict().items()}
     bias_max = max((state[k].abs().max().item() for k in state if k.endswith("expert_bias")), default=0.0)
     if bias_max > 0:
         warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face Llama 4 "
-                      "and is dropped: expert selection there ignores it", stacklevel=2)
+                      "and is dropped: expert selection there ignores it", stacklevel=3)
     dtype = state["tok_embeddings.weight"].dtype
     config = hf_config_from_args(args, dtype)
 

@@ -1,0 +1,63 @@
+"""Activation checkpointing per transformer block: full, selective per layer, selective per op."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Outputs saved by per-op selective AC: expensive to recompute, small relative to their cost.
+# Matmuls alternate (every second one saved) to balance memory against recompute.
+_SAVE_ALWAYS = {
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._grouped_mm.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops.aten.max.default,  # float8 amax: tiny, and recomputing it under TP needs comms
+}
+if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+    _SAVE_ALWAYS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+_MM = torch.ops.aten.mm.default
+
+
+def _op_policy_context():
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in _SAVE_ALWAYS:
+            return CheckpointPolicy.MUST_SAVE
+        if func == _MM:
+            # Forward and recompute count separately so both make the same decisions.
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
+    """Wrap the blocks of `model` (a `Transformer` or pipeline stage) in place.
+
+    Args:
+        mode: 'none', 'full' (recompute whole blocks) or 'selective'.
+        selective_option: for 'selective', 'op' (per-op policy: save attention, grouped GEMM,
+            every second matmul) or an integer n (fully checkpoint every n-th block).
+    """
+    if mode == "none":
+        return
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif selective_option == "op":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_op_policy_context)
+        elif i % int(selective_option) == 0:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            continue
+        model.layers.register_module(name, wrapped)

@@ -1,0 +1,75 @@
+"""Data parallelism: FSDP2 (``fully_shard``) over ``dp_shard × cp``, HSDP with ``dp_replicate``,
+or DDP (``replicate``) when only ``dp_replicate > 1``.
+
+Gradients are *summed* across data-parallel ranks (divide factor 1): the trainer normalises each
+micro-batch's loss by the token count of the whole global batch, so the sum is the exact
+gradient of the global mean loss, whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
+    """'default' reshards unless pipelining (stages run several micro-batches back to back, so
+    keeping parameters gathered between them saves all-gathers)."""
+    return {"always": True, "never": False}.get(policy, not pp_enabled)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: str,
+    pp_enabled: bool,
+    cpu_offload: bool,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
+    """Shard `model` in place: one FSDP unit per transformer block, the embedding, and the final
+    norm + output head; the root wraps whatever is left.
+
+    Args:
+        dp_mesh: 1-D (``dp_shard_cp``) for FSDP, or 2-D (``dp_replicate``, ``dp_shard_cp``) for HSDP.
+        param_dtype / reduce_dtype: mixed-precision compute and gradient-reduction dtypes.
+        reshard_after_forward: 'default', 'always' or 'never'.
+        expert_mesh: when experts are expert-parallel, the mesh sharding their parameters
+            (``efsdp``, with ``dp_replicate`` for HSDP); routed experts then form their own
+            FSDP units on it, inside each block's unit.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    reshard = _reshard_after_forward(reshard_after_forward, pp_enabled)
+    common = dict(mp_policy=mp, offload_policy=offload)
+
+    units: list[nn.Module] = []
+    if model.tok_embeddings is not None:
+        units.append(fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=reshard, **common))
+    for block in model.layers.values():
+        if expert_mesh is not None and block.moe_enabled:
+            units.append(fully_shard(block.moe.experts, mesh=expert_mesh, reshard_after_forward=reshard, **common))
+        units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **common))
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if head:
+        # The head is used last in forward and first in backward: keeping it gathered avoids an
+        # immediate re-gather.
+        units.append(fully_shard(head, mesh=dp_mesh, reshard_after_forward=False, **common))
+    units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **common))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce_dtype: str) -> None:
+    """Replicate `model` over `dp_mesh` (DDP semantics: full parameters everywhere, gradients
+    all-reduced during backward), with gradients summed like FSDP's."""
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    replicate(model, mesh=dp_mesh, mp_policy=mp)
+    model.set_gradient_divide_factor(1.0)

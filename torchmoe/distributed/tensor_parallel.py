@@ -1,0 +1,141 @@
+"""Tensor parallelism for the Llama 4 transformer, including MoE tensor parallelism.
+
+Layout (sequence parallel between blocks): the residual stream is a DTensor sharded on the
+sequence dim over ``tp``; each attention / FFN / MoE block all-gathers its input sequence,
+computes on a slice of the heads or hidden units, and reduce-scatters its output back.
+
+MoE TP (``tp > 1`` and ``ep == 1``): the MoE block's input is all-gathered (``Shard(1)`` ->
+``Replicate()``) and its output, a partial sum over the local hidden units of every expert, is
+reduce-scattered (``Partial()`` -> ``Shard(1)``). Routed and shared experts are column-wise on
+w1/w3 and row-wise on w2; the router gate is replicated on the same mesh so every parameter is a
+DTensor on ``tp`` (uniform clipping, optimizer and FSDP handling).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated on the mesh; plain-tensor input in, plain-tensor output out.
+
+    Used for the router gate: its input is the all-gathered (identical on every rank) MoE input,
+    and the gradient reaching it is already complete because the experts' input boundary
+    all-reduces (see `ExpertTensorParallel`).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def input_fn(mod, inputs, mesh):
+            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor)
+                         and not isinstance(t, DTensor) else t for t in inputs)
+
+        def output_fn(mod, outputs, mesh):
+            return outputs.to_local()
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Routed experts sharded on the hidden dim: w1/w3 ``Shard(1)`` (column-wise), w2 ``Shard(2)``
+    (row-wise), so each rank's output is a partial sum.
+
+    The expert input is the same on every rank, but its gradient is a partial sum over the local
+    hidden units: marking the local input's gradient ``Partial`` makes autograd all-reduce it at
+    this boundary, so everything upstream (gates, router, attention) sees complete gradients.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+                param = getattr(mod, pname)
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
+
+        def input_fn(mod, inputs, mesh):
+            x, *rest = inputs
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return (x, *rest)
+
+        return distribute_module(module, device_mesh, partition, input_fn)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_tp: bool) -> None:
+    """Shard `model` (a `Transformer`, or a pipeline stage of one) over `tp_mesh` in place.
+
+    Args:
+        loss_parallel: keep the logits vocab-sharded (``Shard(-1)`` DTensor) for a vocab-parallel
+            cross entropy; otherwise gather them to every rank as a plain tensor.
+        moe_tp: tensor-parallelise MoE blocks (False when expert parallelism handles them).
+    """
+    top_plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        top_plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    parallelize_module(model, tp_mesh, top_plan)
+
+    for block in model.layers.values():
+        plan: dict[str, ParallelStyle] = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+        }
+        if not block.moe_enabled:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            })
+        elif moe_tp:
+            plan.update(_moe_tp_plan(block.moe.shared_experts is not None))
+        else:
+            # Experts are expert-parallel: the MoE block sees its own sequence shard as a local
+            # tensor and returns one (EP dispatches tokens itself).
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+                output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _moe_tp_plan(has_shared: bool) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=False),
+        "moe.router.gate": ReplicateParallel(),
+        "moe.experts": ExpertTensorParallel(),
+    }
+    if has_shared:
+        plan.update({
+            "moe.shared_experts.w1": ColwiseParallel(),
+            "moe.shared_experts.w3": ColwiseParallel(),
+            # Partial out: added to the routed experts' partial sum, reduced once by the block.
+            "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+        })
+    return plan

@@ -1,0 +1,73 @@
+"""The parallelize pipeline: turn a single-device Llama 4 into the layout the job asks for.
+
+Applied in place, in this order (each step assumes the previous ones):
+    0. float8 linears      (module swap; must precede TP so TP shards the float8 modules)
+    1. tensor parallel     (incl. MoE TP when ep == 1, loss parallel, async TP)
+    2. expert parallel     (routed experts sharded over ep, tokens all-to-all)
+    3. activation checkpointing
+    4. torch.compile per block  (after AC so recomputation is compiled too; before FSDP so
+                                 FSDP's hooks stay outside the graphs)
+    5. FSDP2 / HSDP, or DDP
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchmoe.config.job_config import JobConfig
+from torchmoe.distributed.activation_checkpoint import apply_ac
+from torchmoe.distributed.compile import apply_compile
+from torchmoe.distributed.data_parallel import apply_ddp, apply_fsdp
+from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
+from torchmoe.distributed.tensor_parallel import apply_tp
+
+
+def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, cfg: JobConfig) -> nn.Module:
+    """Apply every enabled parallelism and optimisation to `model` (on the meta device or
+    materialised) and return it. `mesh` may be None only when the world is a single rank."""
+    par = cfg.parallelism
+    if cfg.float8.enable:
+        from torchmoe.distributed.float8 import apply_float8
+
+        apply_float8(model, cfg.float8)
+
+    if dims.tp_enabled:
+        if par.enable_async_tensor_parallel:
+            _enable_async_tp(mesh["tp"])
+        apply_tp(model, mesh["tp"], loss_parallel=not par.disable_loss_parallel, moe_tp=dims.moe_tp_enabled)
+
+    if dims.ep_enabled:
+        from torchmoe.distributed.expert_parallel import apply_ep
+
+        apply_ep(model, mesh["ep"], tp_mesh=mesh["tp"] if dims.tp_enabled else None)
+
+    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+
+    if cfg.compile.enable:
+        apply_compile(model)
+
+    if dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            mesh[dims.dense_fsdp_dims],
+            param_dtype=cfg.training.mixed_precision_param,
+            reduce_dtype=cfg.training.mixed_precision_reduce,
+            reshard_after_forward=par.fsdp_reshard_after_forward,
+            pp_enabled=dims.pp_enabled,
+            cpu_offload=par.fsdp_cpu_offload,
+            expert_mesh=mesh[dims.expert_fsdp_dims] if dims.ep_enabled else None,
+        )
+    elif dims.ddp_enabled:
+        apply_ddp(model, mesh["dp_replicate"], param_dtype=cfg.training.mixed_precision_param,
+                  reduce_dtype=cfg.training.mixed_precision_reduce)
+    return model
+
+
+def _enable_async_tp(tp_mesh) -> None:
+    """Async TP: inductor fuses TP collectives with the matmuls they feed, over symmetric memory.
+    Validation guarantees CUDA and compile are on."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

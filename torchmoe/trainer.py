@@ -1,0 +1,326 @@
+"""The training loop: build everything from a `JobConfig`, then step.
+
+    python -m torchmoe train --config configs/debug_model.toml
+    torchrun --nproc_per_node=4 -m torchmoe train --config configs/debug_model.toml \\
+        --parallelism.data_parallel_shard_degree 4
+
+The loop is layout-agnostic: the parallelize pipeline decides how the model is split; here only
+the loss normalisation (by the global batch's token count, so any dp degree and gradient
+accumulation give the same gradients) and the reductions over the `loss` mesh know about ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchmoe.components.checkpoint import (
+    CheckpointManager,
+    ModelWrapper,
+    OptimizerWrapper,
+    RankLocal,
+    RNGState,
+    load_model_only,
+)
+from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.components.metrics import MetricsLogger, device_peak_flops, peak_memory_gib, setup_logging
+from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
+from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import JobConfig
+from torchmoe.config.loader import write_config_toml
+from torchmoe.data.dataloader import build_dataloader
+from torchmoe.data.tokenizer import build_tokenizer
+from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
+from torchmoe.models.llama4 import Transformer, build_model_args, update_expert_bias
+from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.models.llama4.parallelize import parallelize_llama4
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the run stops without saving that state."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens_per_expert: torch.Tensor | None  # (n_moe_layers, n_experts), summed over the batch
+
+
+def _device(requested: str) -> torch.device:
+    if requested == "cuda" or (not requested and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("training.device", requested, "CUDA is not available on this machine",
+                              'use training.device = "cpu" (or leave it empty)')
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _init_distributed(device: torch.device) -> int:
+    """Join the launched world (torchrun sets WORLD_SIZE); returns the world size."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=(
+            device if device.type == "cuda" else None))
+    return world_size
+
+
+def _model_args(cfg: JobConfig, vocab_needed: int) -> ModelArgs:
+    m = cfg.model
+    args = build_model_args(m.flavor, attn_backend=m.attn_backend, use_grouped_mm=m.use_grouped_mm,
+                            load_balance_coeff=m.load_balance_coeff, aux_loss_coeff=m.aux_loss_coeff,
+                            z_loss_coeff=m.z_loss_coeff)
+    if vocab_needed > args.vocab_size:
+        raise ConfigError("model.tokenizer_path", m.tokenizer_path,
+                          f"the tokenizer has {vocab_needed} tokens but flavor {m.flavor!r} has vocab_size "
+                          f"{args.vocab_size}", "use a tokenizer that fits the flavor's vocabulary")
+    return args
+
+
+def _refuse_unbuilt_layouts(dims: ParallelDims) -> None:
+    for name, degree, what in (("pipeline_parallel_degree", dims.pp, "pipeline parallelism"),
+                               ("context_parallel_degree", dims.cp, "context parallelism")):
+        if degree > 1:
+            raise ConfigError(f"parallelism.{name}", degree, f"{what} is planned (--dry-run shows it) but the "
+                              "trainer cannot run it yet", f"set parallelism.{name} = 1 for training")
+
+
+class Trainer:
+    """Owns the model, optimizer, data and bookkeeping of one training job on this rank."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.device = _device(cfg.training.device)
+        world_size = _init_distributed(self.device)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        setup_logging(self.rank)
+        self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        _refuse_unbuilt_layouts(self.dims)
+        self.mesh: ParallelMesh | None = self.dims.build_mesh(self.device.type) if world_size > 1 else None
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.dump_folder = Path(cfg.job.dump_folder)
+        if self.rank == 0:
+            write_config_toml(cfg, self.dump_folder / "config.toml")
+
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        self.model_args = _model_args(cfg, tokenizer.vocab_size)
+        dp_rank = self.mesh["batch"].get_local_rank() if self.mesh is not None else 0
+        self.dataloader = build_dataloader(cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp)
+        self.global_tokens = self.dataloader.global_batch_size * cfg.training.seq_len
+
+        with torch.device("meta"):
+            model = Transformer(self.model_args)
+        self.model = parallelize_llama4(model, self.dims, self.mesh, cfg)
+        self.model.to_empty(device=self.device)
+        torch.manual_seed(cfg.training.seed)
+        with torch.no_grad():
+            self.model.init_weights(buffer_device=self.device)
+        self.model.train()
+        self.moe_layers = self.model.moe_layers()
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.checkpointer = CheckpointManager(self.dump_folder, cfg.checkpoint, total_steps=cfg.training.steps)
+        self.state = {
+            "model": ModelWrapper([self.model]),
+            "optimizer": OptimizerWrapper([self.model], [self.optimizer]),
+            "lr_scheduler": self.scheduler,
+            "dataloader": self.dataloader,
+            "rng": RankLocal(RNGState(), rank=self.rank),
+        }
+        self.step = 0
+        self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        self._stop_signal: int | None = None
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def load_initial_state(self) -> None:
+        """Resume from the newest complete checkpoint, else load `initial_load_path` if set."""
+        resumed = self.checkpointer.load_latest(self.state)
+        if resumed is not None:
+            self.step = resumed
+            return
+        ckpt = self.cfg.checkpoint
+        if not ckpt.initial_load_path:
+            return
+        if ckpt.initial_load_in_hf:
+            from torchmoe.hf import iter_hf_state
+
+            full = dict(iter_hf_state(ckpt.initial_load_path))
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+            logger.info("loaded Hugging Face weights from %s", ckpt.initial_load_path)
+        else:
+            load_model_only(ckpt.initial_load_path, [self.model])
+
+    def _set_aux_loss_scale(self, micro_batches: int) -> None:
+        # Auxiliary losses are means per micro-batch on each dp rank; gradients are summed over
+        # dp ranks and micro-batches, so each contributes 1 / (micro-batches * dp).
+        for moe in self.moe_layers:
+            moe.aux_loss_grad_scale = 1.0 / (micro_batches * self.dims.dp * self.dims.cp)
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """Forward/backward over this rank's micro-batches, clip, step, update the MoE biases."""
+        self._set_aux_loss_scale(len(micro_batches))
+        local_loss = torch.zeros((), device=self.device)
+        for inputs, labels in micro_batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with loss_parallel() if self.loss_parallel else nullcontext():
+                logits = self.model(inputs)  # (B, S, V)
+                # Sum over tokens / tokens of the whole global batch: summing these over
+                # micro-batches and dp ranks gives exactly the global mean.
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                loss = loss / self.global_tokens
+                loss.backward()
+            local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+
+        global_loss, stop = self._reduce_loss_and_stop_flag(local_loss)
+        if not torch.isfinite(global_loss):
+            raise TrainingDiverged(f"loss is {global_loss.item()} at step {self.step + 1}: stopping without "
+                                   "saving; lower optimizer.lr or check the data")
+        max_norm = self.cfg.training.max_norm
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"))
+        if not torch.isfinite(grad_norm):
+            raise TrainingDiverged(f"gradient norm is {grad_norm.item()} at step {self.step + 1}: stopping "
+                                   "without saving")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        counts = self._update_moe_biases()
+        if stop:
+            self._stop_signal = self._stop_signal or signal.SIGTERM
+        return StepResult(global_loss.item(), grad_norm.item(), counts)
+
+    def _reduce_loss_and_stop_flag(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Sum the loss over data-parallel ranks and agree on stopping, in one all-reduce.
+
+        Only the tp-coordinate-0 rank of each TP group contributes the loss (its TP peers hold
+        the same value); any rank that caught SIGTERM/SIGINT raises the stop flag for all.
+        """
+        if self.mesh is None:
+            return local_loss, self._stop_signal is not None
+        weight = 1.0 if self.mesh["tp"].get_local_rank() == 0 else 0.0
+        flag = 1.0 if self._stop_signal is not None else 0.0
+        buf = torch.stack([local_loss * weight, torch.tensor(flag, device=self.device)])
+        dist.all_reduce(buf)
+        return buf[0], bool(buf[1].item() > 0)
+
+    def _update_moe_biases(self) -> torch.Tensor | None:
+        """Reduce this step's per-expert token counts over the batch and update every layer's
+        bias identically on all replicas. Returns the (n_moe_layers, n_experts) counts."""
+        if not self.moe_layers:
+            return None
+        counts = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # (L, E)
+        if self.mesh is not None and self.dims.dp * self.dims.cp > 1:
+            dist.all_reduce(counts, group=self.mesh["loss"].get_group())
+        update_expert_bias(self.moe_layers, list(counts))
+        return counts
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame) -> None:
+        logger.warning("received %s: saving a checkpoint after this step and stopping",
+                       signal.Signals(signum).name)
+        self._stop_signal = signum
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        steps = cfg.training.steps
+        flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
+        metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
+                                peak_flops=device_peak_flops(self.device), start_step=self.step)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        if self.step > 0:
+            logger.info("resuming at step %d", self.step + 1)
+        with ExitStack() as stack:
+            stack.callback(self.checkpointer.close)
+            stack.callback(metrics.close)
+            prof = stack.enter_context(maybe_profile(cfg.profiling, self.dump_folder, rank=self.rank,
+                                                     start_step=self.step))
+            mem = stack.enter_context(maybe_memory_snapshot(cfg.profiling, self.dump_folder, rank=self.rank,
+                                                            start_step=self.step))
+            while self.step < steps:
+                t0 = time.perf_counter()
+                result = self.train_step(self.dataloader.next_batch())
+                self.step += 1
+                dt = time.perf_counter() - t0
+                if metrics.should_log(self.step):
+                    tokens_per_sec = self.global_tokens / dt
+                    metrics.log(self.step, {
+                        "loss": result.loss,
+                        "grad_norm": result.grad_norm,
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "tokens_per_sec": tokens_per_sec,
+                        "tflops": flops_per_token * tokens_per_sec / self.dims.world_size / 1e12,
+                        "memory_gib": peak_memory_gib(self.device),
+                    }, tokens_per_expert=result.tokens_per_expert)
+                if self._stop_signal is not None:
+                    if cfg.checkpoint.enable:
+                        self.checkpointer.save(self.step, self.state)
+                    else:
+                        logger.warning("checkpoint.enable is false: stopping at step %d without a checkpoint",
+                                       self.step)
+                    return
+                self.checkpointer.maybe_save(self.step, self.state)
+                prof.step()
+                mem.step()
+        if cfg.checkpoint.last_save_in_hf:
+            self._save_hf()
+
+    def _save_hf(self) -> None:
+        """Gather the full weights to rank 0 and write them as a Hugging Face folder."""
+        from torchmoe.hf import save_state_dict_as_hf
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
+            save_state_dict_as_hf(full, self.model_args, out)
+            logger.info("saved Hugging Face weights to %s", out)
+
+    def create_seed_checkpoint(self) -> None:
+        if self.dims.world_size != 1:
+            raise ConfigError("checkpoint.create_seed_checkpoint", True,
+                              f"a seed checkpoint is written by one process, but the world has "
+                              f"{self.dims.world_size} ranks", "run it without torchrun (one process)")
+        path = self.checkpointer.save_seed_checkpoint(self.state)
+        logger.info("seed checkpoint written to %s", path)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(cfg: JobConfig) -> None:
+    """Run the job `cfg` describes (the `torchmoe train` command)."""
+    if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
+        raise ConfigError("checkpoint.create_seed_checkpoint", True, "needs checkpoint.enable = true",
+                          "add --checkpoint.enable true")
+    trainer = Trainer(cfg)
+    try:
+        if cfg.checkpoint.create_seed_checkpoint:
+            trainer.create_seed_checkpoint()
+            return
+        trainer.load_initial_state()
+        trainer.fit()
+    finally:
+        trainer.close()
