@@ -1,0 +1,17 @@
+"""Job configuration: the typed `JobConfig`, loading (TOML + `--section.key` flags) and validation."""
+
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import JobConfig
+from torchmoe.config.loader import job_config_from_dict, load_job_config, load_toml_config, write_config_toml
+from torchmoe.config.validate import resolve_degrees, validate_job_config
+
+__all__ = [
+    "ConfigError",
+    "JobConfig",
+    "job_config_from_dict",
+    "load_job_config",
+    "load_toml_config",
+    "resolve_degrees",
+    "validate_job_config",
+    "write_config_toml",
+]

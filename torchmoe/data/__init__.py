@@ -1,0 +1,30 @@
+"""The data pipeline: tokenizers, document sources, and the packing, dp-sharded loader."""
+
+from torchmoe.data.dataloader import DataLoader, PackedStream, build_dataloader
+from torchmoe.data.dataset import (
+    Documents,
+    FileDocuments,
+    HFDocuments,
+    InMemoryDocuments,
+    build_documents,
+    local_files,
+    python_docs_files,
+)
+from torchmoe.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "DataLoader",
+    "Documents",
+    "FileDocuments",
+    "HFDocuments",
+    "HFTokenizer",
+    "InMemoryDocuments",
+    "PackedStream",
+    "Tokenizer",
+    "build_dataloader",
+    "build_documents",
+    "build_tokenizer",
+    "local_files",
+    "python_docs_files",
+]

@@ -61,10 +61,17 @@ def apply_fsdp(
     if head:
         # The head is used last in forward and first in backward: keeping it gathered avoids an
         # immediate re-gather.
-        units.append(fully_shard(head, mesh=dp_mesh, reshard_after_forward=False, **common))
+        units.extend(fully_shard(head, mesh=dp_mesh, reshard_after_forward=False, **common))
     units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **common))
     for unit in units:
-        unit.set_gradient_divide_factor(1.0)
+        _sum_gradients(unit)
+
+
+def _sum_gradients(unit) -> None:
+    """Reduce gradients with a plain SUM: divide factor 1, and no pre-multiplied-sum op (gloo
+    has none, and with a factor of 1 there is nothing to multiply)."""
+    unit.set_gradient_divide_factor(1.0)
+    unit.set_force_sum_reduction_for_comms(True)
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce_dtype: str) -> None:
@@ -72,4 +79,4 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce
     all-reduced during backward), with gradients summed like FSDP's."""
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     replicate(model, mesh=dp_mesh, mp_policy=mp)
-    model.set_gradient_divide_factor(1.0)
+    _sum_gradients(model)

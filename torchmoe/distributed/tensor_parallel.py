@@ -84,7 +84,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
     """
     top_plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
-        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        # DTensor out (not local): the sequence length read downstream must be the global one.
+        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                     use_local_output=False)
     if model.norm is not None:
         top_plan["norm"] = SequenceParallel()
     if model.output is not None:
@@ -102,14 +104,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
         }
         if not block.moe_enabled:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
                 "feed_forward.w3": ColwiseParallel(),
             })
         elif moe_tp:

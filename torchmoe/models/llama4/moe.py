@@ -88,10 +88,21 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 def _grouped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:
     """One grouped GEMM per projection; no host-device synchronisation."""
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # torch 2.13's fake-tensor kernel of _grouped_mm accepts only bf16, so under
+        # torch.compile other dtypes run eagerly between the compiled regions.
+        return _grouped_swiglu_eager(x, w1, w2, w3, counts)
+    return _grouped_swiglu_impl(x, w1, w2, w3, counts)
+
+
+def _grouped_swiglu_impl(x, w1, w2, w3, counts) -> torch.Tensor:
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert
     h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))  # (rows, hidden)
     h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (rows, dim)
+
+
+_grouped_swiglu_eager = torch.compiler.disable(_grouped_swiglu_impl)
 
 
 def _looped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""CheckpointManager on 2 gloo ranks with FSDP2-sharded state, resumed on 2 ranks and in 1.
+
+    pytest -m distributed tests/distributed/test_checkpoint_dcp.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from torchmoe.components.checkpoint import (
+    CheckpointManager,
+    ModelWrapper,
+    OptimizerWrapper,
+    RankLocal,
+    RNGState,
+)
+from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+WORLD = 2
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(6, 8)
+        self.w2 = nn.Linear(8, 6)
+        self.register_buffer("expert_bias", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.relu(self.w1(x))) + self.expert_bias.sum()
+
+
+class _Run:
+    def __init__(self, *, shard: bool, rank: int = 0) -> None:
+        torch.manual_seed(1234)
+        self.model = _Net()
+        if shard:
+            mesh = init_device_mesh("cpu", (WORLD,))
+            fully_shard(self.model.w1, mesh=mesh)
+            fully_shard(self.model.w2, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.sched = build_lr_scheduler(self.opt, LRSchedulerConfig(warmup_steps=1), total_steps=10)
+        self.loader = {"offset": 0}
+        self.state = {
+            "model": ModelWrapper(self.model),
+            "optimizer": OptimizerWrapper(self.model, self.opt),
+            "lr_scheduler": self.sched,
+            "dataloader": RankLocal(self.loader, rank=rank),
+            "rng": RankLocal(RNGState(), rank=rank),
+        }
+        self.rank = rank
+
+    def step(self) -> None:
+        x = torch.randn(4, 6) + self.rank  # each data-parallel rank sees its own batch
+        self.model(x).pow(2).mean().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.sched.step()
+        with torch.no_grad():
+            self.model.expert_bias += 1.0
+        self.loader["offset"] += 4 + self.rank
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the unsharded model and optimizer state (collective; complete on rank 0)."""
+        model = get_model_state_dict(self.model, options=FULL)
+        optim = get_optimizer_state_dict(self.model, self.opt, options=FULL)
+        state = {**{f"model.{k}": v for k, v in model.items()}, **{f"optim.{k}": v for k, v in optim.items()}}
+        # Buffers and optimizer step counters may alias live tensors that training updates.
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _assert_state_equal(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for k in expected:
+        if isinstance(expected[k], torch.Tensor):
+            torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0, msg=k)
+        else:
+            assert got[k] == expected[k], k
+
+
+def _cfg(**kw) -> CheckpointConfig:
+    return CheckpointConfig(enable=True, interval=1, **kw)
+
+
+def _worker(rank: int, dump: str) -> None:
+    run = _Run(shard=True, rank=rank)
+    run.step()
+    run.step()
+    sync = CheckpointManager(dump, _cfg(), total_steps=10)
+    sync.save(2, run.state)
+    ref2 = run.full_state()
+    run.step()
+    async_ = CheckpointManager(dump, _cfg(async_mode="async"), total_steps=10)
+    async_.save(3, run.state)
+    async_.close()
+    ref3 = run.full_state()
+    if rank == 0:
+        torch.save({"ref2": ref2, "ref3": ref3}, Path(dump) / "ref.pt")
+
+    resumed = _Run(shard=True, rank=rank)
+    assert CheckpointManager(dump, _cfg(), total_steps=10).load_latest(resumed.state) == 3
+    got3 = resumed.full_state()
+    assert resumed.loader == {"offset": 3 * (4 + rank)}
+    assert resumed.sched.last_epoch == 3
+    if rank == 0:
+        _assert_state_equal(got3, ref3)
+
+    # A shard that only rank 1 reads is truncated: every rank must fall back to step-2 together.
+    if rank == 0:
+        shard = Path(dump) / "checkpoint" / "step-3" / "__1_0.distcp"
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    dist.barrier()
+    fallback = _Run(shard=True, rank=rank)
+    assert CheckpointManager(dump, _cfg(), total_steps=10).load_latest(fallback.state) == 2
+    got2 = fallback.full_state()
+    assert fallback.loader == {"offset": 2 * (4 + rank)}
+    if rank == 0:
+        _assert_state_equal(got2, ref2)
+
+
+def _entry(rank: int, dump: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{dump}/store", rank=rank, world_size=WORLD)
+    try:
+        _worker(rank, dump)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_save_resume_fallback_and_reshard_to_one_process(tmp_path: Path) -> None:
+    mp.spawn(_entry, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    names = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert names == ["step-2", "step-3"]
+
+    # The FSDP-sharded checkpoint loads into an unsharded model in a process without a group.
+    single = _Run(shard=False, rank=0)
+    assert CheckpointManager(tmp_path, _cfg(), total_steps=10).load_latest(single.state) == 2
+    assert single.loader == {"offset": 8}
+    ref2 = torch.load(tmp_path / "ref.pt")["ref2"]
+    _assert_state_equal(single.full_state(), ref2)

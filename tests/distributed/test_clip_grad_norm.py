@@ -1,0 +1,100 @@
+"""clip_grad_norm_ and build_optimizer with DTensor parameters on two different meshes (gloo).
+
+    pytest -m distributed tests/distributed/test_clip_grad_norm.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
+from torchmoe.config.job_config import Optimizer as OptimizerConfig
+
+pytestmark = pytest.mark.distributed
+WORLD = 2
+
+
+def _spawn(worker, tmp_path: Path) -> None:
+    mp.spawn(_entry, args=(worker, str(tmp_path / "store")), nprocs=WORLD, join=True)
+
+
+def _entry(rank: int, worker, store: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        worker(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _full_tensors() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(param, grad) pairs, identical on every rank."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 6), (6,), (8, 2), (2, 4, 3)]
+    return [(torch.randn(s, generator=g), torch.randn(s, generator=g) * 2) for s in shapes]
+
+
+def _dtensor_params() -> list[nn.Parameter]:
+    """Like dense params on a dp_shard mesh and expert params on an ep mesh: two 1-D meshes
+    over the same ranks in different orders, mixing Shard(0) and Replicate()."""
+    dense = DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp_shard",))
+    expert = DeviceMesh("cpu", [1, 0], mesh_dim_names=("ep",))
+    layout = [(dense, Shard(0)), (dense, Replicate()), (expert, Shard(0)), (expert, Replicate())]
+    params = []
+    for (p, grad), (mesh, placement) in zip(_full_tensors(), layout):
+        param = nn.Parameter(distribute_tensor(p, mesh, [placement]))
+        param.grad = distribute_tensor(grad, mesh, [placement])
+        params.append(param)
+    return params
+
+
+def _check_clip(rank: int) -> None:
+    ref = [nn.Parameter(p.clone()) for p, _ in _full_tensors()]
+    for r, (_, grad) in zip(ref, _full_tensors()):
+        r.grad = grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(ref, max_norm=1.0)
+    for foreach in (None, False):
+        params = _dtensor_params()
+        total = clip_grad_norm_(params, 1.0, foreach=foreach)
+        assert not isinstance(total, DTensor)
+        torch.testing.assert_close(total, expected)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+
+
+def _check_optimizer(rank: int) -> None:
+    for implementation in ("foreach", "for-loop"):
+        params = _dtensor_params()
+        model = nn.Module()
+        for i, p in enumerate(params):
+            model.register_parameter(f"p{i}", p)
+        ref = nn.Module()
+        for i, (p, grad) in enumerate(_full_tensors()):
+            ref.register_parameter(f"p{i}", nn.Parameter(p.clone()))
+            getattr(ref, f"p{i}").grad = grad.clone()
+        cfg = OptimizerConfig(implementation=implementation)
+        opt, ref_opt = build_optimizer(model, cfg), build_optimizer(ref, cfg)
+        # Foreach kernels cannot take tensors of two meshes: one param group per mesh.
+        # (decay, dense), (no decay, dense: the 1-D p1), (decay, expert) vs decay / no decay.
+        assert len(opt.param_groups) == 3 and len(ref_opt.param_groups) == 2
+        opt.step()
+        ref_opt.step()
+        for p, r in zip(params, ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), r.detach())
+
+
+def _check_all(rank: int) -> None:
+    _check_clip(rank)
+    _check_optimizer(rank)
+
+
+def test_clip_grad_norm_and_optimizer_across_meshes(tmp_path: Path) -> None:
+    # One spawn for both checks: starting the workers is most of the cost.
+    _spawn(_check_all, tmp_path)

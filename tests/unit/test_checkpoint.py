@@ -1,0 +1,276 @@
+"""CheckpointManager in one process without a process group (DCP's no-dist mode)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from torchmoe.components.checkpoint import (
+    MARKER,
+    CheckpointManager,
+    ModelWrapper,
+    OptimizerWrapper,
+    RankLocal,
+    RNGState,
+    load_model_only,
+)
+from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+
+# pytest resets warning filters per test; the module's filter for DCP's no-process-group notice
+# (which async saves emit from their thread) is restated here.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(6, 8)
+        self.w2 = nn.Linear(8, 6)
+        self.norm = nn.LayerNorm(6)
+        self.register_buffer("expert_bias", torch.zeros(4))  # persistent: checkpointed
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.w2(torch.relu(self.w1(x)))) + self.expert_bias.sum()
+
+
+class _Run:
+    """A tiny training setup: model, AdamW, LR schedule, loader position, RNG."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = _Net()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.sched = build_lr_scheduler(self.opt, LRSchedulerConfig(warmup_steps=2), total_steps=20)
+        self.loader = {"epoch": 0, "offset": 0}
+        self.state = {
+            "model": ModelWrapper(self.model),
+            "optimizer": OptimizerWrapper(self.model, self.opt),
+            "lr_scheduler": self.sched,
+            "dataloader": RankLocal(self.loader, rank=0),
+            "rng": RankLocal(RNGState(), rank=0),
+        }
+
+    def step(self) -> float:
+        x = torch.randn(4, 6)  # draws from the RNG: resumes must restore it
+        loss = self.model(x).pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.sched.step()
+        self.model.expert_bias += 0.5  # stands in for the MoE bias update
+        self.loader["offset"] += 4
+        return loss.item()
+
+
+def _manager(tmp_path: Path, **kw) -> CheckpointManager:
+    cfg = CheckpointConfig(enable=True, **{"interval": 1, **kw})
+    return CheckpointManager(tmp_path, cfg, total_steps=20)
+
+
+def _steps(tmp_path: Path) -> list[int]:
+    return [s for s, _ in _manager(tmp_path).complete_checkpoints()]
+
+
+def test_round_trip_continues_the_exact_loss_curve(tmp_path: Path) -> None:
+    run = _Run()
+    ckpt = _manager(tmp_path, interval=3)
+    for step in range(1, 4):
+        run.step()
+        ckpt.maybe_save(step, run.state)
+    assert (tmp_path / "checkpoint" / "step-3" / MARKER).is_file()
+    expected = [run.step() for _ in range(3)]
+
+    resumed = _Run(seed=123)
+    assert _manager(tmp_path).load_latest(resumed.state) == 3
+    assert resumed.loader == {"epoch": 0, "offset": 12}
+    assert resumed.sched.last_epoch == 3
+    torch.testing.assert_close(resumed.model.expert_bias, torch.full((4,), 1.5))
+    assert [resumed.step() for _ in range(3)] == expected
+    for a, b in zip(resumed.model.state_dict().values(), run.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_persistent_buffers_only(tmp_path: Path) -> None:
+    run = _Run()
+    _manager(tmp_path).save(1, run.state)
+    meta = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-1")).read_metadata()
+    assert "model.expert_bias" in meta.state_dict_metadata
+    assert "model.scratch" not in meta.state_dict_metadata
+
+
+def test_interval_and_final_step(tmp_path: Path) -> None:
+    ckpt = CheckpointManager(tmp_path, CheckpointConfig(enable=True, interval=5), total_steps=12)
+    assert [s for s in range(1, 13) if ckpt.should_save(s)] == [5, 10, 12]
+    off = CheckpointManager(tmp_path, CheckpointConfig(enable=False), total_steps=12)
+    assert not any(off.should_save(s) for s in range(1, 13))
+    assert off.load_latest(_Run().state) is None
+
+
+def test_keep_latest_k(tmp_path: Path) -> None:
+    run = _Run()
+    ckpt = _manager(tmp_path, keep_latest_k=2)
+    for step in range(1, 5):
+        ckpt.maybe_save(step, run.state)
+    assert _steps(tmp_path) == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-3", "step-4"]
+
+
+def test_incomplete_folders_are_never_loaded(tmp_path: Path) -> None:
+    run = _Run()
+    run.step()
+    _manager(tmp_path).save(1, run.state)
+    root = tmp_path / "checkpoint"
+    # A kill mid-write leaves a temp folder; a folder renamed without its marker is not complete.
+    shutil.copytree(root / "step-1", root / "step-7.tmp-deadbeef")
+    shutil.copytree(root / "step-1", root / "step-5")
+    (root / "step-5" / MARKER).unlink()
+    assert _steps(tmp_path) == [1]
+    assert _manager(tmp_path).load_latest(_Run(seed=1).state) == 1
+
+    # The next save removes the dead temp folder of the earlier run (and leaves step-5 alone).
+    _manager(tmp_path).save(2, run.state)
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2", "step-5"]
+
+
+def _truncate_distcp(folder: Path) -> None:
+    for f in folder.glob("*.distcp"):
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size // 2)
+
+
+def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, caplog) -> None:
+    run = _Run()
+    ckpt = _manager(tmp_path)
+    run.step()
+    ckpt.save(1, run.state)
+    after_1 = [t.clone() for t in run.model.state_dict().values()]
+    run.step()
+    ckpt.save(2, run.state)
+    _truncate_distcp(tmp_path / "checkpoint" / "step-2")
+
+    resumed = _Run(seed=5)
+    with caplog.at_level(logging.WARNING):
+        assert _manager(tmp_path).load_latest(resumed.state) == 1
+    assert "could not load checkpoint" in caplog.text and "step-2" in caplog.text
+    for a, b in zip(resumed.model.state_dict().values(), after_1):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    _truncate_distcp(tmp_path / "checkpoint" / "step-1")
+    with pytest.raises(RuntimeError, match="no checkpoint .* could be loaded"):
+        _manager(tmp_path).load_latest(_Run().state)
+
+
+def test_async_save_is_complete_after_wait(tmp_path: Path) -> None:
+    run = _Run()
+    ckpt = _manager(tmp_path, async_mode="async", interval=2)
+    for step in range(1, 5):
+        run.step()
+        ckpt.maybe_save(step, run.state)
+    ckpt.close()
+    assert _steps(tmp_path) == [2, 4]
+    assert not list((tmp_path / "checkpoint").glob("*.tmp-*"))
+    resumed = _Run(seed=9)
+    assert _manager(tmp_path).load_latest(resumed.state) == 4
+    for a, b in zip(resumed.model.state_dict().values(), run.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_async_save_snapshots_state_at_save_time(tmp_path: Path) -> None:
+    run = _Run()
+    ckpt = _manager(tmp_path, async_mode="async")
+    ckpt.save(1, run.state)
+    saved = [t.clone() for t in run.model.state_dict().values()]
+    with torch.no_grad():
+        for p in run.model.parameters():
+            p.add_(1.0)  # training goes on while the save is in flight
+    ckpt.wait()
+    resumed = _Run(seed=3)
+    _manager(tmp_path).load_latest(resumed.state)
+    for a, b in zip(resumed.model.state_dict().values(), saved):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_seed_checkpoint_loads_model_only(tmp_path: Path) -> None:
+    seed = _Run(seed=42)
+    path = _manager(tmp_path).save_seed_checkpoint(seed.state)
+    assert path.name == "step-0" and (path / MARKER).is_file()
+    fresh = _Run(seed=7)
+    assert _manager(tmp_path).load_latest(fresh.state) == 0
+    for a, b in zip(fresh.model.state_dict().values(), seed.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fresh.step()  # the optimizer is fresh and usable
+
+
+def test_rank_local_state_of_another_world_size_is_kept(tmp_path: Path, caplog) -> None:
+    run = _Run()
+    run.state["dataloader"] = RankLocal(run.loader, rank=1)  # as if written by rank 1 only
+    run.loader["offset"] = 99
+    _manager(tmp_path).save(1, run.state)
+    resumed = _Run()
+    with caplog.at_level(logging.WARNING):
+        assert _manager(tmp_path).load_latest(resumed.state) == 1
+    assert resumed.loader == {"epoch": 0, "offset": 0}
+    assert "no rank-local state for this rank (dataloader)" in caplog.text
+
+
+def test_load_model_only_from_step_folder_and_bare_dcp(tmp_path: Path) -> None:
+    src = _Run(seed=11)
+    _manager(tmp_path).save(3, src.state)
+    target = _Net()
+    load_model_only(tmp_path / "checkpoint" / "step-3", target)
+    for a, b in zip(target.state_dict().values(), src.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    bare = tmp_path / "bare"
+    dcp.save(src.model.state_dict(), checkpoint_id=str(bare), no_dist=True)
+    target = _Net()
+    load_model_only(bare, [target])
+    torch.testing.assert_close(target.w1.weight, src.model.w1.weight, rtol=0, atol=0)
+
+    with pytest.raises(ValueError, match="lacks 2 model keys"):
+        load_model_only(bare, nn.Linear(6, 6))
+    with pytest.raises(FileNotFoundError, match="not a DCP folder"):
+        load_model_only(tmp_path, target)
+
+
+def _stages(seed: int) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """Two pipeline stages: pruned copies of one model that keep its FQNs."""
+    torch.manual_seed(seed)
+    first, second = _Net(), _Net()
+    first.w2 = None
+    second.w1 = None
+    parts = [first, second]
+    return parts, [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in parts]
+
+
+def test_model_parts_with_one_optimizer_each(tmp_path: Path) -> None:
+    parts, opts = _stages(0)
+    for part, opt in zip(parts, opts):
+        for p in part.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    state = {"model": ModelWrapper(parts), "optimizer": OptimizerWrapper(parts, opts)}
+    _manager(tmp_path).save(1, state)
+    meta = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-1")).read_metadata()
+    assert {"model.w1.weight", "model.w2.weight", "optimizer.state.w2.bias.exp_avg"} <= set(
+        meta.state_dict_metadata
+    )
+
+    new_parts, new_opts = _stages(1)
+    new_state = {"model": ModelWrapper(new_parts), "optimizer": OptimizerWrapper(new_parts, new_opts)}
+    assert _manager(tmp_path).load_latest(new_state) == 1
+    for old, new in zip(parts, new_parts):
+        for a, b in zip(old.state_dict().values(), new.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for old, new in zip(opts, new_opts):
+        for p_old, p_new in zip(old.param_groups[0]["params"], new.param_groups[0]["params"]):
+            torch.testing.assert_close(old.state[p_old]["exp_avg"], new.state[p_new]["exp_avg"])

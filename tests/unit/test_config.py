@@ -1,0 +1,418 @@
+"""Config front door: TOML + flag loading, strict validation, degree arithmetic, TOML round trip.
+
+    python -m pytest -q tests/unit/test_config.py
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchmoe import cli
+from torchmoe.config import (
+    ConfigError,
+    JobConfig,
+    load_job_config,
+    resolve_degrees,
+    validate_job_config,
+    write_config_toml,
+)
+from torchmoe.config.job_config import Parallelism
+from torchmoe.models.llama4.args import FLAVORS, ModelArgs
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEBUG = str(CONFIGS / "debug_model.toml")
+
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _raises(fn, *args, key: str, value: str, fix: str, problem: str = "", **kwargs) -> ConfigError:
+    """Assert `fn` raises a ConfigError naming `key`, showing `value` and suggesting `fix`."""
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    err = info.value
+    message = str(err)
+    assert err.key == key, message
+    assert f"{key} = {value}" in message, message
+    assert fix in err.fix and fix in message, message
+    assert problem in err.problem, message
+    return err
+
+
+# ---- shipped configs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("debug_model", 1), ("llama4_16e", 64), ("llama4_128e", 256),
+                                                  ("llama4_128e", 1024)])
+def test_shipped_configs_load_and_validate(name: str, world_size: int) -> None:
+    cfg = load_job_config(["--config", str(CONFIGS / f"{name}.toml")])
+    validate_job_config(cfg, world_size, check_device=name == "debug_model")
+
+
+def test_shipped_configs_have_run_command_header() -> None:
+    for path in CONFIGS.glob("*.toml"):
+        assert f"-m torchmoe train --config configs/{path.name}" in path.read_text(), path
+
+
+def test_debug_config_values() -> None:
+    cfg = load_job_config(["--config", DEBUG])
+    assert (cfg.model.flavor, cfg.training.device) == ("debugmodel", "cpu")
+    assert cfg.training.mixed_precision_param == "float32"
+    assert (cfg.training.seq_len, cfg.training.local_batch_size, cfg.checkpoint.enable) == (128, 8, False)
+    assert cfg.job.dump_folder == "./outputs/debug"
+
+
+# ---- precedence and flag syntax --------------------------------------------------------------
+
+
+def test_flag_beats_toml_beats_default(tmp_path: Path) -> None:
+    path = _toml(tmp_path, "[training]\nsteps = 50\nseq_len = 64\n[optimizer]\nlr = 1\n")
+    cfg = load_job_config(["--config", path, "--training.steps", "7"])
+    assert cfg.training.steps == 7  # flag
+    assert cfg.training.seq_len == 64  # TOML
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # TOML int for a float field
+    assert cfg.training.seed == JobConfig().training.seed  # default
+    assert load_job_config([]) == JobConfig()
+
+
+def test_equals_form_hyphens_and_negative_numbers() -> None:
+    cfg = load_job_config(["--config=" + DEBUG, "--parallelism.tensor_parallel_degree=4",
+                           "--optimizer.lr", "1e-4", "--parallelism.data-parallel-shard-degree", "-1"])
+    assert cfg.parallelism.tensor_parallel_degree == 4
+    assert cfg.optimizer.lr == 1e-4
+    assert cfg.parallelism.data_parallel_shard_degree == -1
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--compile.enable", "true"], True),
+    (["--compile.enable=True"], True),
+    (["--compile.enable", "FALSE"], False),
+    (["--compile.enable"], True),
+])
+def test_boolean_flags(args: list[str], expected: bool) -> None:
+    assert load_job_config(args).compile.enable is expected
+
+
+def test_boolean_flag_false_overrides_toml(tmp_path: Path) -> None:
+    path = _toml(tmp_path, "[checkpoint]\nenable = true\n")
+    assert load_job_config(["--config", path, "--checkpoint.enable", "false"]).checkpoint.enable is False
+
+
+def test_list_flags() -> None:
+    assert load_job_config(["--float8.filter_fqns", "output", "router", "gate"]).float8.filter_fqns == \
+        ["output", "router", "gate"]
+    assert load_job_config(["--float8.filter_fqns=output"]).float8.filter_fqns == ["output"]
+    assert load_job_config(["--float8.filter_fqns"]).float8.filter_fqns == []
+
+
+def test_help_shows_docstrings_and_toml_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _toml(tmp_path, "[parallelism]\ntensor_parallel_degree = 4\n")
+    with pytest.raises(SystemExit) as info:
+        load_job_config(["--config", path, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--parallelism.tensor_parallel_degree" in out and "Tensor-parallel degree" in out
+    assert "(default: 4)" in out
+    assert "--float8.filter_fqns" in out
+
+
+# ---- flag errors -----------------------------------------------------------------------------
+
+
+def test_unknown_flag_suggests_closest() -> None:
+    _raises(load_job_config, ["--training.stesp", "5"], key="--training.stesp", value='"5"',
+            fix="did you mean --training.steps?", problem="unknown option")
+    _raises(load_job_config, ["--optimizer.warmup_steps", "5"], key="--optimizer.warmup_steps", value='"5"',
+            fix="--lr_scheduler.warmup_steps")
+
+
+@pytest.mark.parametrize(("args", "key", "value", "fix"), [
+    (["--training.steps", "ten"], "--training.steps", '"ten"', "pass an integer"),
+    (["--optimizer.lr", "fast"], "--optimizer.lr", '"fast"', "pass a number"),
+    (["--compile.enable", "yes"], "--compile.enable", '"yes"', "pass true or false"),
+    (["--training.steps"], "--training.steps", '""', "pass one value"),
+    (["--training.steps", "1", "2"], "--training.steps", '"1 2"', "pass one value"),
+    (["configs/debug_model.toml"], "argument", '"configs/debug_model.toml"', "--config configs/debug_model.toml"),
+    (["--config", "a.toml", "--config", "b.toml"], "--config", '"b.toml"', "single --config"),
+])
+def test_bad_flag_values(args: list[str], key: str, value: str, fix: str) -> None:
+    _raises(load_job_config, args, key=key, value=value, fix=fix)
+
+
+# ---- TOML errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "key", "value", "fix", "problem"), [
+    ("[trainig]\nsteps = 5\n", "[trainig]", "{steps = 5}", "did you mean [training]?", "unknown section"),
+    ("[training]\nstesp = 5\n", "training.stesp", "5", "did you mean training.steps?", "unknown key"),
+    ("[optimizer]\nwarmup_steps = 5\n", "optimizer.warmup_steps", "5", "lr_scheduler.warmup_steps", "unknown key"),
+    ("steps = 5\n", "steps", "5", "[training] steps", "outside any [section]"),
+    ('[training]\nsteps = "5"\n', "training.steps", '"5"', "steps = 5", "expected an integer"),
+    ("[training]\nsteps = 5.0\n", "training.steps", "5.0", "as an integer", "expected an integer"),
+    ('[optimizer]\nlr = "3e-4"\n', "optimizer.lr", '"3e-4"', "lr = 0.0003", "expected a number"),
+    ('[compile]\nenable = "true"\n', "compile.enable", '"true"', "enable = true", "expected a boolean"),
+    ("[model]\nflavor = 7\n", "model.flavor", "7", "as a string", "expected a string"),
+    ('[float8]\nfilter_fqns = "output"\n', "float8.filter_fqns", '"output"', 'filter_fqns = ["output"]',
+     "expected a list"),
+    ("training = 3\n", "training", "3", "[training] followed by", "expected a [section] table"),
+])
+def test_toml_errors(tmp_path: Path, text: str, key: str, value: str, fix: str, problem: str) -> None:
+    _raises(load_job_config, ["--config", _toml(tmp_path, text)], key=key, value=value, fix=fix, problem=problem)
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    _raises(load_job_config, ["--config", missing], key="--config", value=f'"{missing}"',
+            fix="configs/debug_model.toml", problem="file not found")
+    bad = _toml(tmp_path, '[training]\nsteps = 5\nseq_len = "abc\n')
+    err = _raises(load_job_config, ["--config", bad], key="--config", value=f'"{bad}"', fix="TOML syntax",
+                  problem="malformed TOML")
+    assert "line 3" in err.problem
+
+
+# ---- validation rules ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def debug_cfg() -> JobConfig:
+    return load_job_config(["--config", DEBUG])
+
+
+def _with(base: JobConfig, settings: dict[str, object]) -> JobConfig:
+    cfg = copy.deepcopy(base)
+    for dotted, value in settings.items():
+        section, key = dotted.split(".")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+# (settings on top of debug_model.toml, world size, key, value as shown, fix substring, problem substring)
+RULES = [
+    ({"training.steps": 0}, 1, "training.steps", "0", "1 or more", ">= 1"),
+    ({"optimizer.lr": 0.0}, 1, "optimizer.lr", "0.0", "positive", "> 0"),
+    ({"optimizer.lr": math.nan}, 1, "optimizer.lr", "nan", "positive", "> 0"),
+    ({"training.seq_len": 0}, 1, "training.seq_len", "0", "1 or more", ">= 1"),
+    ({"training.local_batch_size": 0}, 1, "training.local_batch_size", "0", "1 or more", ">= 1"),
+    ({"lr_scheduler.warmup_steps": -1}, 1, "lr_scheduler.warmup_steps", "-1", "0 for no warmup", ">= 0"),
+    ({"lr_scheduler.min_lr_factor": 1.5}, 1, "lr_scheduler.min_lr_factor", "1.5", "between 0 and 1", "[0, 1]"),
+    ({"lr_scheduler.decay_ratio": -0.5}, 1, "lr_scheduler.decay_ratio", "-0.5", "or -1", "[0, 1]"),
+    ({"lr_scheduler.decay_ratio": 1.5}, 1, "lr_scheduler.decay_ratio", "1.5", "or -1", "[0, 1]"),
+    ({"metrics.log_freq": 0}, 1, "metrics.log_freq", "0", "1 or more", ">= 1"),
+    ({"checkpoint.keep_latest_k": -1}, 1, "checkpoint.keep_latest_k", "-1", "0 to keep every", ">= 0"),
+    ({"checkpoint.interval": 0}, 1, "checkpoint.interval", "0", "1 or more", ">= 1"),
+    ({"lr_scheduler.decay_type": "cosin"}, 1, "lr_scheduler.decay_type", '"cosin"', 'did you mean "cosine"', "allowed"),
+    ({"activation_checkpoint.mode": "ful"}, 1, "activation_checkpoint.mode", '"ful"', 'did you mean "full"', "allowed"),
+    ({"parallelism.fsdp_reshard_after_forward": "sometimes"}, 1, "parallelism.fsdp_reshard_after_forward",
+     '"sometimes"', '"always"', "allowed"),
+    ({"training.mixed_precision_param": "fp16"}, 1, "training.mixed_precision_param", '"fp16"', '"bfloat16"',
+     "allowed"),
+    ({"training.mixed_precision_reduce": "float16"}, 1, "training.mixed_precision_reduce", '"float16"',
+     '"float32"', "allowed"),
+    ({"model.flavor": "17bx16"}, 1, "model.flavor", '"17bx16"', 'did you mean "17bx16e"', "allowed"),
+    ({"optimizer.name": "adamw"}, 1, "optimizer.name", '"adamw"', 'did you mean "AdamW"', "allowed"),
+    ({"training.dataset": "c4"}, 1, "training.dataset", '"c4"', '"python_docs"', "allowed"),
+    ({"parallelism.pipeline_parallel_schedule": "1f1b"}, 1, "parallelism.pipeline_parallel_schedule", '"1f1b"',
+     'did you mean "1F1B"', "allowed"),
+    ({"model.attn_backend": "flash"}, 1, "model.attn_backend", '"flash"', '"sdpa"', "allowed"),
+    ({"training.dataset": "local"}, 1, "training.dataset_path", '""', "set dataset_path", "needs a path"),
+    ({"checkpoint.initial_load_in_hf": True}, 1, "checkpoint.initial_load_in_hf", "true", "initial_load_path",
+     "no checkpoint.initial_load_path"),
+    ({"activation_checkpoint.selective_ac_option": "abc"}, 1, "activation_checkpoint.selective_ac_option", '"abc"',
+     '"op"', "positive integer"),
+    # degrees
+    ({"parallelism.data_parallel_replicate_degree": 2, "parallelism.data_parallel_shard_degree": 4,
+      "parallelism.tensor_parallel_degree": 3}, 16, "parallelism.data_parallel_shard_degree", "4",
+     "data_parallel_shard_degree = -1",
+     "dp_replicate(2) * dp_shard(4) * cp(1) * tp(3) * pp(1) = 24 != WORLD_SIZE(16)"),
+    ({"parallelism.tensor_parallel_degree": 3}, 16, "parallelism.data_parallel_shard_degree", "-1",
+     "multiple of 3", "WORLD_SIZE(16) / (dp_replicate(1) * cp(1) * tp(3) * pp(1)) = 16/3 is not an integer"),
+    ({"parallelism.data_parallel_shard_degree": 0}, 1, "parallelism.data_parallel_shard_degree", "0",
+     "set it to 1", "or -1"),
+    ({"parallelism.tensor_parallel_degree": 2, "parallelism.expert_parallel_degree": 3}, 4,
+     "parallelism.expert_parallel_degree", "3", "divides 4: 1, 2, 4",
+     "must divide dp_shard(2) * cp(1) * tp(2) = 4"),
+    ({"parallelism.tensor_parallel_degree": 2, "parallelism.expert_parallel_degree": 6}, 6,
+     "parallelism.expert_parallel_degree", "6", "divides 8: 1, 2, 4, 8", "has 8 experts; 8 % 6 = 2"),
+    ({"parallelism.data_parallel_replicate_degree": 2, "parallelism.data_parallel_shard_degree": 1,
+      "parallelism.tensor_parallel_degree": 2}, 4, "parallelism.data_parallel_replicate_degree", "2",
+     "plain DDP with every other degree 1", "HSDP needs dp_shard > 1"),
+    ({"parallelism.data_parallel_replicate_degree": 2, "parallelism.pipeline_parallel_degree": 2}, 4,
+     "parallelism.data_parallel_replicate_degree", "2", "data_parallel_shard_degree > 1", "pp(2)"),
+    # model shape vs degrees
+    ({"parallelism.tensor_parallel_degree": 3}, 3, "parallelism.tensor_parallel_degree", "3", "1, 2, 4",
+     "n_heads (8); 8 % 3 = 2"),
+    ({"parallelism.tensor_parallel_degree": 8}, 8, "parallelism.tensor_parallel_degree", "8", "1, 2, 4",
+     "n_kv_heads (4)"),
+    ({"parallelism.pipeline_parallel_degree": 5}, 5, "parallelism.pipeline_parallel_degree", "5", "<= 4",
+     "4 layers"),
+    ({"parallelism.context_parallel_degree": 2, "training.seq_len": 130}, 2, "training.seq_len", "130",
+     "multiple of 4", "2 * cp = 4 chunks; 130 % 4 = 2"),
+    ({"parallelism.tensor_parallel_degree": 2, "training.seq_len": 127}, 2, "training.seq_len", "127",
+     "multiple of 2", "sequence parallelism"),
+    ({"training.global_batch_size": 100, "parallelism.data_parallel_shard_degree": 2}, 2,
+     "training.global_batch_size", "100", "multiple of 16",
+     "local_batch_size(8) * dp_replicate(1) * dp_shard(2) = 16; 100 % 16 = 4"),
+    ({"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_microbatch_size": 3}, 2,
+     "parallelism.pipeline_parallel_microbatch_size", "3", "divides 8", "local_batch_size(8)"),
+    # feature combinations
+    ({"parallelism.enable_async_tensor_parallel": True}, 1, "parallelism.enable_async_tensor_parallel", "true",
+     "compile.enable = true", "torch.compile"),
+    ({"activation_checkpoint.mode": "selective", "model.attn_backend": "flex"}, 1, "activation_checkpoint.mode",
+     '"selective"', 'attn_backend = "sdpa"', '"flex"'),
+    ({"float8.enable": True}, 1, "float8.enable", "true", "float8.enable = false", 'training.device = "cpu"'),
+    ({"parallelism.enable_async_tensor_parallel": True, "compile.enable": True}, 1,
+     "parallelism.enable_async_tensor_parallel", "true", "= false", 'training.device = "cpu"'),
+    ({"float8.enable": True, "float8.enable_fsdp_float8_all_gather": True, "float8.recipe_name": "rowwise"}, 1,
+     "float8.enable_fsdp_float8_all_gather", "true", 'recipe_name = "tensorwise"', "only works with"),
+]
+
+
+@pytest.mark.parametrize(("settings", "world_size", "key", "value", "fix", "problem"), RULES,
+                         ids=[f"{r[2]}-{i}" for i, r in enumerate(RULES)])
+def test_validation_rules(debug_cfg: JobConfig, settings: dict, world_size: int, key: str, value: str,
+                          fix: str, problem: str) -> None:
+    _raises(validate_job_config, _with(debug_cfg, settings), world_size, key=key, value=value, fix=fix,
+            problem=problem)
+
+
+@pytest.mark.parametrize(("settings", "world_size"), [
+    ({"parallelism.data_parallel_replicate_degree": 2, "parallelism.data_parallel_shard_degree": 1}, 2),  # DDP
+    ({"parallelism.data_parallel_replicate_degree": 2, "parallelism.tensor_parallel_degree": 2}, 8),  # HSDP + TP
+    ({"parallelism.tensor_parallel_degree": 2, "parallelism.expert_parallel_degree": 4,
+      "parallelism.context_parallel_degree": 2}, 8),
+    ({"parallelism.pipeline_parallel_degree": 4, "parallelism.pipeline_parallel_microbatch_size": 2}, 4),
+    ({"training.global_batch_size": 32, "parallelism.data_parallel_shard_degree": 2}, 2),
+    ({"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "2"}, 1),
+])
+def test_valid_layouts_pass(debug_cfg: JobConfig, settings: dict, world_size: int) -> None:
+    validate_job_config(_with(debug_cfg, settings), world_size)
+
+
+@pytest.mark.parametrize(("dim", "shape"), [
+    ("ffn_hidden_dim", {"ffn_hidden_dim": 385}),
+    ("moe_hidden_dim", {"moe_hidden_dim": 257}),
+    ("vocab_size", {"vocab_size": 513}),
+])
+def test_tp_must_divide_every_sharded_dim(monkeypatch: pytest.MonkeyPatch, debug_cfg: JobConfig, dim: str,
+                                          shape: dict) -> None:
+    monkeypatch.setitem(FLAVORS, "odd", FLAVORS["debugmodel"].replace(**shape))
+    cfg = _with(debug_cfg, {"model.flavor": "odd", "parallelism.tensor_parallel_degree": 2})
+    _raises(validate_job_config, cfg, 2, key="parallelism.tensor_parallel_degree", value="2",
+            fix="divides every sharded dim", problem=f"odd flavor's {dim}")
+
+
+def test_tp_ignores_ffn_dim_without_dense_layers(monkeypatch: pytest.MonkeyPatch, debug_cfg: JobConfig) -> None:
+    all_moe: ModelArgs = FLAVORS["debugmodel"].replace(ffn_hidden_dim=385, interleave_moe_layer_step=1)
+    monkeypatch.setitem(FLAVORS, "all_moe", all_moe)
+    validate_job_config(_with(debug_cfg, {"model.flavor": "all_moe", "parallelism.tensor_parallel_degree": 2}), 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_features_need_cuda_unless_dry_run(debug_cfg: JobConfig) -> None:
+    cfg = _with(debug_cfg, {"training.device": "", "float8.enable": True})
+    _raises(validate_job_config, cfg, 1, key="float8.enable", value="true", fix="CUDA machine", problem="not available")
+    validate_job_config(cfg, 1, check_device=False)  # the dry-run plans for the target machine
+    cuda = _with(debug_cfg, {"training.device": "cuda"})
+    _raises(validate_job_config, cuda, 1, key="training.device", value='"cuda"', fix='"cpu"', problem="not available")
+
+
+# ---- resolve_degrees -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("degrees", "world_size", "expected"), [
+    ({}, 1, dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1)),
+    ({"tensor_parallel_degree": 8}, 64, dict(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=8, ep=1)),
+    ({"data_parallel_replicate_degree": 2, "context_parallel_degree": 2, "tensor_parallel_degree": 2,
+      "pipeline_parallel_degree": 2, "expert_parallel_degree": 4}, 32,
+     dict(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4)),
+    ({"data_parallel_shard_degree": 4, "tensor_parallel_degree": 2}, 8,
+     dict(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=2, ep=1)),
+])
+def test_resolve_degrees(degrees: dict, world_size: int, expected: dict) -> None:
+    assert resolve_degrees(Parallelism(**degrees), world_size) == expected
+
+
+def test_resolve_degrees_errors() -> None:
+    _raises(resolve_degrees, Parallelism(), 0, key="WORLD_SIZE", value="0", fix="--world-size")
+    _raises(resolve_degrees, Parallelism(data_parallel_shard_degree=3), 4, key="parallelism.data_parallel_shard_degree",
+            value="3", fix="-1", problem="dp_replicate(1) * dp_shard(3) * cp(1) * tp(1) * pp(1) = 3 != WORLD_SIZE(4)")
+    _raises(resolve_degrees, Parallelism(tensor_parallel_degree=0), 4, key="parallelism.tensor_parallel_degree",
+            value="0", fix="set it to 1", problem=">= 1")
+
+
+# ---- write/reload round trip -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["debug_model", "llama4_16e", "llama4_128e"])
+def test_write_config_round_trip(tmp_path: Path, name: str) -> None:
+    cfg = load_job_config(["--config", str(CONFIGS / f"{name}.toml"), "--optimizer.lr", "1.5e-4",
+                           "--float8.filter_fqns", "output", "router", "shared", "--job.description", 'say "hi"'])
+    path = write_config_toml(cfg, tmp_path / "out" / "config.toml")
+    reloaded = load_job_config(["--config", str(path)])
+    assert reloaded == cfg
+    assert dataclasses.asdict(reloaded) == dataclasses.asdict(cfg)
+
+
+# ---- the CLI around the config (in process) --------------------------------------------------
+
+
+def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, attr: str, fn) -> None:
+    module = types.ModuleType(name)
+    setattr(module, attr, fn)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    (["--parallelism.tensor_parallel_degree", "2"], None, 2),  # product of the degrees, dp_shard -1 as 1
+    (["--world-size", "4"], None, 4),
+    (["--world-size=4"], "8", 4),
+    ([], "8", 8),
+])
+def test_dry_run_world_size(monkeypatch: pytest.MonkeyPatch, args: list[str], env: str | None, expected: int) -> None:
+    seen = {}
+    _fake_module(monkeypatch, "torchmoe.plan.dry_run", "run_dry_run",
+                 lambda cfg, world_size: seen.update(cfg=cfg, world_size=world_size))
+    monkeypatch.delenv("RANK", raising=False)
+    if env is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", env)
+    assert cli.main(["train", "--config", DEBUG, "--dry-run", *args]) == 0
+    assert seen["world_size"] == expected
+    assert seen["cfg"].model.flavor == "debugmodel"
+
+
+def test_real_run_refuses_mismatched_world_size(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["train", "--config", DEBUG, "--world-size", "4"]) == 2
+    assert "--world-size = 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("module", "attr", "args"), [
+    ("torchmoe.plan.dry_run", "run_dry_run", ["--dry-run"]),
+    ("torchmoe.trainer", "train", []),
+])
+def test_config_error_inside_the_run_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                             module: str, attr: str, args: list[str]) -> None:
+    def fail(*_args):
+        raise ConfigError("model.tokenizer_path", "missing/", "no tokenizer.json there", "download it")
+
+    _fake_module(monkeypatch, module, attr, fail)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["train", "--config", DEBUG, *args]) == 2
+    err = capsys.readouterr().err
+    assert 'model.tokenizer_path = "missing/": no tokenizer.json there' in err and "fix: download it" in err

@@ -1,0 +1,177 @@
+"""Document sources: python_docs, local files (txt/jsonl/parquet, folders, globs), hub datasets.
+
+    pytest tests/unit/test_dataset.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import Training
+from torchmoe.data import (
+    FileDocuments,
+    HFDocuments,
+    build_documents,
+    local_files,
+    python_docs_files,
+)
+
+
+def _write_jsonl(path: Path, texts: list[str | None], field: str = "text") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({field: t, "id": i}) for i, t in enumerate(texts)]
+    path.write_text("\n".join(lines[:1] + [""] + lines[1:]) + "\n")  # a blank line is not a document
+
+
+def _write_parquet(path: Path, texts: list[str | None], row_group_size: int = 2) -> None:
+    pa = pytest.importorskip("pyarrow", reason="parquet needs pyarrow")
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"text": texts, "n": list(range(len(texts)))})
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+# python_docs -------------------------------------------------------------------------------
+
+
+def test_python_docs_is_large_real_and_deterministic() -> None:
+    files = python_docs_files()
+    assert len(files) > 500
+    assert sum(f.stat().st_size for f in files) > 10_000_000
+    docs = build_documents(Training(dataset="python_docs"))
+    first = list(itertools.islice(docs, 50))
+    again = list(itertools.islice(build_documents(Training()), 50))
+    assert first == again
+    assert all(isinstance(d, str) for d in first)
+    text = "".join(first)
+    assert "def " in text and "import " in text and '"""' in text
+    # Resuming at document k reads the same documents as a full pass.
+    assert list(itertools.islice(docs.iter_from(20), 30)) == first[20:]
+
+
+def test_python_docs_order_and_exclusions(tmp_path: Path) -> None:
+    files = {
+        "os.py": "", "zipfile.py": "", "json/__init__.py": "", "json/decoder.py": "",
+        "test/test_os.py": "", "idlelib/idle_test/test_x.py": "", "idlelib/editor.py": "",
+        "site-packages/pkg/mod.py": "", "__pycache__/os.py": "",
+        "_sysconfigdata__linux.py": "", "config-3.11-x86_64/python-config.py": "",
+        "README.txt": "", "lib-dynload/x.so": "",
+    }  # fmt: skip
+    for rel in files:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    got = [p.relative_to(tmp_path).as_posix() for p in python_docs_files(tmp_path)]
+    # Modules sorted by relative path, then the test suite.
+    assert got == [
+        "idlelib/editor.py", "json/__init__.py", "json/decoder.py", "os.py", "zipfile.py",
+        "idlelib/idle_test/test_x.py", "test/test_os.py",
+    ]  # fmt: skip
+
+
+# local -------------------------------------------------------------------------------------
+
+
+def test_local_txt_folder_one_document_per_file(tmp_path: Path) -> None:
+    for name, text in {"b.txt": "second", "a.txt": "first", "sub/c.txt": "third", "skip.md": "no"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9")  # latin-1: decoded with replacement, not an error
+    docs = build_documents(Training(dataset="local", dataset_path=str(tmp_path)))
+    assert list(docs) == ["first", "second", "caf\ufffd", "third"]  # a, b, bad, sub/c
+
+
+def test_local_jsonl_with_custom_field(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "d.jsonl", ["one", "two", None, "four"], field="content")
+    cfg = Training(dataset="local", dataset_path=str(tmp_path / "d.jsonl"), dataset_text_field="content")
+    assert list(build_documents(cfg)) == ["one", "two", "", "four"]
+    cfg.dataset_text_field = "text"
+    with pytest.raises(ValueError, match=r'dataset_text_field = "text": .*d\.jsonl:1 has no such field'):
+        list(build_documents(cfg))
+
+
+def test_local_parquet(tmp_path: Path) -> None:
+    texts = [f"row {i}" for i in range(7)]
+    _write_parquet(tmp_path / "d.parquet", texts)
+    docs = build_documents(Training(dataset="local", dataset_path=str(tmp_path / "d.parquet")))
+    assert list(docs) == texts
+    for k in range(9):  # across row-group boundaries and past the end
+        assert list(docs.iter_from(k)) == texts[k:]
+    bad = Training(dataset="local", dataset_path=str(tmp_path), dataset_text_field="body")
+    with pytest.raises(ValueError, match=r'dataset_text_field = "body": .*d\.parquet has no such column'):
+        list(build_documents(bad))
+
+
+def test_local_mixed_folder_iter_from_matches_full_pass(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("alpha")
+    _write_jsonl(tmp_path / "b.jsonl", ["b0", "b1", "b2"])
+    _write_parquet(tmp_path / "c.parquet", ["c0", None, "c2", "c3", "c4"])
+    (tmp_path / "d.txt").write_text("delta")
+    docs = FileDocuments(local_files(str(tmp_path)))
+    full = list(docs)
+    assert full == ["alpha", "b0", "b1", "b2", "c0", "", "c2", "c3", "c4", "delta"]
+    for k in range(len(full) + 2):
+        assert list(docs.iter_from(k)) == full[k:]
+
+
+def test_local_glob(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "x" / "1.jsonl", ["one"])
+    _write_jsonl(tmp_path / "y" / "2.jsonl", ["two"])
+    (tmp_path / "x" / "3.txt").write_text("three")
+    assert [p.name for p in local_files(str(tmp_path / "*" / "*.jsonl"))] == ["1.jsonl", "2.jsonl"]
+    assert [p.name for p in local_files(str(tmp_path / "**" / "*"))] == ["1.jsonl", "3.txt", "2.jsonl"]
+
+
+def test_local_no_match_error_names_path_and_fix(tmp_path: Path) -> None:
+    pattern = str(tmp_path / "*.jsonl")
+    with pytest.raises(ValueError) as err:
+        build_documents(Training(dataset="local", dataset_path=pattern))
+    # A ConfigError too: the CLI prints it as one message and exits with status 2.
+    assert isinstance(err.value, ConfigError)
+    assert pattern in str(err.value) and "matches no .txt/.jsonl/.parquet files" in str(err.value)
+    assert "fix: point it at" in str(err.value) and "glob" in str(err.value)
+    (tmp_path / "notes.md").write_text("x")
+    with pytest.raises(ValueError, match=r"folder holds no \.txt/\.jsonl/\.parquet files"):
+        local_files(str(tmp_path))
+    with pytest.raises(ValueError, match=r"unsupported file type '\.md'"):
+        local_files(str(tmp_path / "notes.md"))
+    with pytest.raises(ValueError, match='dataset = "local" needs files'):
+        local_files("")
+
+
+def test_unknown_dataset_kind() -> None:
+    with pytest.raises(ValueError, match=r'training.dataset = "c4": unknown dataset\n.*python_docs'):
+        build_documents(Training(dataset="c4"))
+
+
+# hf ----------------------------------------------------------------------------------------
+
+
+def test_hf_spec_parsing(tmp_path: Path) -> None:
+    pytest.importorskip("datasets", reason="dataset='hf' needs the 'datasets' package")
+    docs = HFDocuments.from_spec("allenai/c4:en", split="validation", text_field="body")
+    assert (docs.name, docs.config, docs.split, docs.text_field) == ("allenai/c4", "en", "validation", "body")
+    assert HFDocuments.from_spec("roneneldan/TinyStories").config is None
+    odd = tmp_path / "a:b"
+    odd.mkdir()
+    assert HFDocuments.from_spec(str(odd)).name == str(odd)
+    with pytest.raises(ValueError, match='dataset = "hf" needs a hub dataset'):
+        HFDocuments.from_spec("")
+
+
+def test_hf_streams_a_local_dataset(tmp_path: Path) -> None:
+    pytest.importorskip("datasets", reason="dataset='hf' needs the 'datasets' package")
+    texts = [f"document number {i}" for i in range(6)]
+    _write_jsonl(tmp_path / "data" / "train.jsonl", texts)
+    docs = build_documents(Training(dataset="hf", dataset_path=str(tmp_path / "data")))
+    assert isinstance(docs, HFDocuments)
+    assert list(docs) == texts
+    assert list(docs.iter_from(4)) == texts[4:]
+    docs.text_field = "content"
+    with pytest.raises(ValueError, match=r'dataset_text_field = "content": row 0 .* has no such field'):
+        next(iter(docs))

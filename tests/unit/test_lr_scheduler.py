@@ -1,0 +1,89 @@
+"""Exact LR factors of the warmup-stable-decay schedule, and the LambdaLR built from it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchmoe.components.lr_scheduler import build_lr_scheduler, lr_factor
+from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+
+
+def _f(step: int, **kw) -> float:
+    return lr_factor(step, **kw)
+
+
+def test_warmup_never_starts_at_zero() -> None:
+    kw = dict(warmup_steps=4, total_steps=20)
+    assert [_f(s, **kw) for s in (1, 2, 4)] == [1 / 5, 2 / 5, 4 / 5]
+    # The first post-warmup step trains at the peak.
+    assert _f(5, **kw) == 1.0
+
+
+@pytest.mark.parametrize(
+    "decay_type, expected",
+    [
+        # warmup 2, total 10, decay over the 8 post-warmup steps: p = (s - 3) / 8.
+        ("linear", {3: 1.0, 4: 1 - 1 / 8, 7: 1 - 4 / 8, 10: 1 - 7 / 8}),
+        ("sqrt", {3: 1.0, 4: 1 - math.sqrt(1 / 8), 7: 1 - math.sqrt(4 / 8), 10: 1 - math.sqrt(7 / 8)}),
+        (
+            "cosine",
+            {3: 1.0, 4: 0.5 * (1 + math.cos(math.pi / 8)), 7: 0.5, 10: 0.5 * (1 + math.cos(7 * math.pi / 8))},
+        ),
+    ],
+)
+def test_decay_over_all_post_warmup_steps(decay_type: str, expected: dict[int, float]) -> None:
+    for step, value in expected.items():
+        got = _f(step, warmup_steps=2, total_steps=10, decay_type=decay_type)
+        assert got == pytest.approx(value, abs=1e-12), step
+
+
+def test_wsd_with_min_lr() -> None:
+    # 100 steps, 10 warmup, last 20% (20 steps) decay linearly to 0.1: stable on 11..80.
+    kw = dict(warmup_steps=10, total_steps=100, decay_ratio=0.2, decay_type="linear", min_lr_factor=0.1)
+    assert _f(10, **kw) == pytest.approx(10 / 11)
+    assert _f(11, **kw) == 1.0 and _f(80, **kw) == 1.0
+    assert _f(81, **kw) == 1.0  # p = 0
+    assert _f(91, **kw) == pytest.approx(0.1 + 0.9 * (1 - 10 / 20))
+    assert _f(100, **kw) == pytest.approx(0.1 + 0.9 * (1 / 20))
+    assert _f(101, **kw) == pytest.approx(0.1)  # the limit, one step after the end
+    assert _f(500, **kw) == pytest.approx(0.1)
+
+
+def test_decay_ratio_longer_than_post_warmup_is_capped() -> None:
+    kw = dict(warmup_steps=8, total_steps=10, decay_ratio=0.5)
+    assert [_f(s, **kw) for s in (9, 10)] == [1.0, 0.5]
+
+
+def test_lambda_lr_follows_lr_factor_and_round_trips() -> None:
+    cfg = LRSchedulerConfig(warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.2)
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=2.0)
+    sched = build_lr_scheduler(opt, cfg, total_steps=12)
+    kw = dict(warmup_steps=3, total_steps=12, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.2)
+    seen = []
+    for step in range(1, 8):
+        seen.append(opt.param_groups[0]["lr"])  # the LR that trains this step
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([2.0 * lr_factor(s, **kw) for s in range(1, 8)])
+
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched2 = build_lr_scheduler(opt2, cfg, total_steps=12)
+    sched2.load_state_dict(sched.state_dict())
+    opt2.param_groups[0]["lr"] = opt.param_groups[0]["lr"]  # restored by the optimizer's state
+    for _ in range(3):
+        for o, s in ((opt, sched), (opt2, sched2)):
+            o.step()
+            s.step()
+        assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_bad_config_is_an_error() -> None:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ValueError, match="decay_type"):
+        build_lr_scheduler(opt, LRSchedulerConfig(decay_type="exp"), total_steps=10)
+    with pytest.raises(ValueError, match="min_lr_factor"):
+        build_lr_scheduler(opt, LRSchedulerConfig(min_lr_factor=2.0), total_steps=10)

@@ -1,0 +1,170 @@
+"""MetricsLogger (metrics.jsonl contract, console, TensorBoard) and the metric helpers."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from torchmoe.components import metrics as metrics_mod
+from torchmoe.components.metrics import (
+    MetricsLogger,
+    device_peak_flops,
+    moe_imbalance,
+    peak_memory_gib,
+    setup_logging,
+)
+from torchmoe.config.job_config import Metrics as MetricsConfig
+
+CONTRACT_FIELDS = {
+    "step", "loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu", "memory_gib",
+    "elapsed_s", "moe_imbalance",
+}
+
+
+def _values(loss: float) -> dict:
+    return {
+        "loss": torch.tensor(loss),
+        "grad_norm": 1.5,
+        "lr": 8e-4,
+        "tokens_per_sec": 12345.6,
+        "tflops": 98.9,
+        "memory_gib": 3.25,
+    }
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, width=200, force_terminal=False), out
+
+
+def test_jsonl_has_the_contract_fields(tmp_path: Path) -> None:
+    console, out = _console()
+    counts = torch.tensor([[1, 1, 1, 1], [4, 0, 0, 0]])  # imbalance 1 and 4
+    with MetricsLogger(
+        tmp_path, MetricsConfig(log_freq=5), rank=0, total_steps=10, peak_flops=989e12, console=console
+    ) as m:
+        m.log(1, _values(7.5), tokens_per_expert=counts)
+        m.log(5, {**_values(6.25), "loss": float("nan")})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first, second = (json.loads(line) for line in lines)
+    assert CONTRACT_FIELDS <= first.keys()
+    assert first["step"] == 1 and first["loss"] == 7.5
+    assert first["mfu"] == pytest.approx(10.0)  # 98.9 TFLOP/s of 989
+    assert first["moe_imbalance"] == pytest.approx(2.5)
+    assert first["tokens_per_expert"] == counts.tolist()
+    assert first["elapsed_s"] >= 0
+    assert second["step"] == 5 and second["loss"] is None  # non-finite -> null, strict JSON
+    assert "moe_imbalance" not in second and "tokens_per_expert" not in second
+
+    text = out.getvalue()
+    assert "step  1/10" in text and "loss 7.5000" in text and "MFU 10.0%" in text
+    assert "12,346 tok/s" in text and "imb 2.50" in text and "eta" in text
+
+
+def test_mfu_is_null_without_a_known_peak(tmp_path: Path) -> None:
+    console, _ = _console()
+    with MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=3, console=console) as m:
+        record = m.log(1, _values(1.0))
+    assert record["mfu"] is None
+
+
+def test_other_ranks_write_nothing(tmp_path: Path) -> None:
+    console, out = _console()
+    with MetricsLogger(tmp_path, MetricsConfig(), rank=1, total_steps=3, console=console) as m:
+        assert m.log(1, _values(1.0)) is None
+    assert not (tmp_path / "metrics.jsonl").exists() and out.getvalue() == ""
+
+
+def test_should_log() -> None:
+    m = MetricsLogger("unused", MetricsConfig(log_freq=4), rank=1, total_steps=10)
+    assert [s for s in range(1, 11) if m.should_log(s)] == [1, 4, 8, 10]
+
+
+def test_moe_imbalance_math() -> None:
+    assert moe_imbalance(torch.tensor([5, 5, 5, 5])) == 1.0
+    assert moe_imbalance(torch.tensor([[8, 0, 0, 0]])) == 4.0
+    # Per layer: max/mean = 3/2 and 6/3; averaged: 1.75. Empty layers are skipped.
+    counts = torch.tensor([[1, 3, 2, 2], [6, 3, 0, 3], [0, 0, 0, 0]])
+    assert moe_imbalance(counts) == pytest.approx(1.75)
+    assert moe_imbalance(torch.zeros(2, 4)) == 1.0
+
+
+def test_device_helpers_on_cpu() -> None:
+    assert device_peak_flops("cpu") is None
+    assert 0 < peak_memory_gib("cpu") < 1024
+
+
+class _FakeWriter:
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self.calls: list[tuple] = []
+
+    def add_scalar(self, tag, value, step) -> None:
+        self.calls.append(("scalar", tag, value, step))
+
+    def add_histogram(self, tag, values, step) -> None:
+        self.calls.append(("histogram", tag, values.tolist(), step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_tensorboard_scalars_and_expert_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics_mod, "_summary_writer_cls", lambda: _FakeWriter)
+    console, _ = _console()
+    m = MetricsLogger(
+        tmp_path, MetricsConfig(enable_tensorboard=True), rank=0, total_steps=3, console=console
+    )
+    writer = m._tb
+    m.log(2, _values(3.0), tokens_per_expert=torch.tensor([[2, 2], [3, 1]]))
+    m.close()
+    assert writer.log_dir == str(tmp_path / "tb")
+    assert ("scalar", "train/loss", 3.0, 2) in writer.calls
+    assert ("histogram", "moe/tokens_per_expert/layer1", [3.0, 1.0], 2) in writer.calls
+    assert ("scalar", "moe/imbalance/layer1", 1.5, 2) in writer.calls
+
+
+def test_tensorboard_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)
+    with pytest.raises(RuntimeError, match="pip install 'torchmoe\\[tensorboard\\]'"):
+        MetricsLogger(tmp_path, MetricsConfig(enable_tensorboard=True), rank=0, total_steps=3)
+
+
+def test_setup_logging_prefixes_the_rank(capsys: pytest.CaptureFixture) -> None:
+    setup_logging(3)
+    try:
+        log = logging.getLogger("torchmoe.components.test")
+        log.info("hidden on rank 3")
+        log.warning("router collapsed")
+        err = capsys.readouterr().err
+        assert "[rank3]" in err and "router collapsed" in err and "hidden" not in err
+    finally:
+        root = logging.getLogger("torchmoe")
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        root.propagate = True
+        root.setLevel(logging.NOTSET)
+
+
+def test_eta_format() -> None:
+    assert metrics_mod._duration(3725) == "1h02m" and metrics_mod._duration(65) == "1m05s"
+
+
+def test_live_bar_on_a_terminal(tmp_path: Path) -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=True)
+    with MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=4, console=console) as m:
+        m.log(2, _values(2.0))
+        assert m._progress.tasks[0].completed == 2
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # strip ANSI codes
+    assert "loss 2.0000" in text and "2/4" in text

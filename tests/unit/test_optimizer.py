@@ -1,0 +1,104 @@
+"""build_optimizer param groups and implementations; clip_grad_norm_ against torch's."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torchmoe.components import optimizer as optim_mod
+from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
+from torchmoe.config.job_config import Optimizer as OptimizerConfig
+
+
+class _TinyMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(16, 8)
+        self.norm = nn.RMSNorm(8)
+        self.proj = nn.Linear(8, 8, bias=True)
+        self.output = nn.Linear(8, 16, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.proj(self.norm(self.tok_embeddings(tokens))))
+
+
+def _groups(opt: torch.optim.Optimizer, model: nn.Module) -> dict[float, set[str]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[float, set[str]] = {}
+    for g in opt.param_groups:
+        out.setdefault(g["weight_decay"], set()).update(names[id(p)] for p in g["params"])
+    return out
+
+
+def test_weight_decay_exclusions_and_hyperparameters() -> None:
+    model = _TinyMoE()
+    cfg = OptimizerConfig(lr=3e-4, eps=1e-7, weight_decay=0.05, beta1=0.8, beta2=0.9)
+    opt = build_optimizer(model, cfg)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert _groups(opt, model) == {
+        0.05: {"proj.weight", "output.weight"},
+        0.0: {"tok_embeddings.weight", "norm.weight", "proj.bias"},
+    }
+    for g in opt.param_groups:
+        assert g["lr"] == 3e-4 and g["eps"] == 1e-7 and g["betas"] == (0.8, 0.9)
+    # The expert bias is a buffer: never optimized.
+    assert all(p is not model.expert_bias for g in opt.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize(
+    "implementation, foreach, fused",
+    [("for-loop", False, False), ("foreach", True, False), ("fused", False, True)],
+)
+def test_implementations(implementation: str, foreach: bool, fused: bool) -> None:
+    model = _TinyMoE()
+    opt = build_optimizer(model, OptimizerConfig(name="Adam", implementation=implementation))
+    assert isinstance(opt, torch.optim.Adam) and not isinstance(opt, torch.optim.AdamW)
+    assert all(g["foreach"] == foreach and g["fused"] == fused for g in opt.param_groups)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+
+
+def test_fused_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setattr(optim_mod, "_get_fused_kernels_supported_devices", lambda: ["cuda"])
+    with caplog.at_level(logging.WARNING):
+        opt = build_optimizer(_TinyMoE(), OptimizerConfig(implementation="fused"))
+    assert all(g["foreach"] and not g["fused"] for g in opt.param_groups)
+    assert "using 'foreach' instead" in caplog.text
+
+
+def test_bad_names_are_errors() -> None:
+    with pytest.raises(ValueError, match="optimizer.name"):
+        build_optimizer(_TinyMoE(), OptimizerConfig(name="SGD"))
+    with pytest.raises(ValueError, match="optimizer.implementation"):
+        build_optimizer(_TinyMoE(), OptimizerConfig(implementation="triton"))
+
+
+def _params_with_grads(seed: int) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(*s, generator=g)) for s in [(4, 3), (5,), (2, 2, 2)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 3
+    params.append(nn.Parameter(torch.zeros(3)))  # no grad: skipped
+    return params
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("max_norm", [0.5, 1e4])
+def test_clip_matches_torch(norm_type: float, foreach: bool | None, max_norm: float) -> None:
+    ours, ref = _params_with_grads(0), _params_with_grads(0)
+    total = clip_grad_norm_(ours, max_norm, norm_type=norm_type, foreach=foreach)
+    expected = torch.nn.utils.clip_grad_norm_(ref, max_norm, norm_type=norm_type)
+    torch.testing.assert_close(total, expected)
+    for a, b in zip(ours, ref):
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_clip_without_grads_returns_zero() -> None:
+    assert clip_grad_norm_([nn.Parameter(torch.ones(2))], 1.0).item() == 0.0

@@ -1,0 +1,327 @@
+"""The planner: parameter layout, memory estimate (checked against measurements) and the dry run.
+
+    python -m pytest -q tests/unit/test_plan.py
+
+Measurements use no accelerator and no real communication: parameter shards come from the real
+parallelize pipeline applied to a meta-device model under a fake process group; activations from
+the tensors autograd actually saves in a CPU forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from rich.console import Console
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torchmoe.config.job_config import ActivationCheckpoint, JobConfig, Parallelism, Training
+from torchmoe.config.loader import load_job_config
+from torchmoe.distributed.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims
+from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
+from torchmoe.models.llama4.moe import GroupedExperts
+from torchmoe.plan.dry_run import format_ranks, run_dry_run
+from torchmoe.plan.layout import param_specs, pipeline_layout, rank_param_specs, shard_numel
+from torchmoe.plan.memory import GIB, ActivationModel, estimate_memory, memory_per_pp_rank
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small enough to count by hand: layer 0 dense, layer 1 MoE (4 experts, 1 shared).
+TINY = ModelArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=4, vocab_size=16,
+                 ffn_hidden_dim=12, moe_hidden_dim=8, num_experts=4, top_k=1,
+                 interleave_moe_layer_step=2, max_seq_len=64)
+
+
+def _dims(**degrees: int) -> ParallelDims:
+    full = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1) | degrees
+    return ParallelDims(**full, world_size=math.prod(full[d] for d in MESH_DIMS))
+
+
+# ---- parameter layout --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavor", list(FLAVORS))
+def test_param_specs_are_the_models_parameters(flavor):
+    with torch.device("meta"):
+        model = Transformer(FLAVORS[flavor])
+    real = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert real == [(s.fqn, s.shape) for s in param_specs(FLAVORS[flavor])]
+
+
+def test_scout_param_totals():
+    args = FLAVORS["17bx16e"]
+    counts = args.param_counts()
+    assert counts["total"] == sum(s.numel for s in param_specs(args)) == 107_769_861_120
+    assert counts["active"] == 17_172_894_720
+    assert counts["embedding"] == 202048 * 5120
+
+
+def test_pipeline_layout():
+    pipe = pipeline_layout(10, 4, "1F1B")
+    assert pipe.layers == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert pipe.ranks == [[0], [1], [2], [3]]
+    pipe = pipeline_layout(8, 2, "Interleaved1F1B")
+    assert pipe.ranks == [[0, 2], [1, 3]] and pipe.rank_layers(1) == [2, 3, 6, 7]
+    pipe = pipeline_layout(8, 2, "ZBVZeroBubble")
+    assert pipe.ranks == [[0, 3], [1, 2]]
+    assert pipe.has_first_stage(0) and pipe.has_last_stage(0) and not pipe.has_last_stage(1)
+    specs = param_specs(TINY)
+    on_rank0 = {s.fqn for s in rank_param_specs(specs, pipeline_layout(2, 2, "1F1B"), 0)}
+    assert "tok_embeddings.weight" in on_rank0 and "output.weight" not in on_rank0
+    assert all(not f.startswith("layers.1.") for f in on_rank0)
+    assert pipeline_layout(4, 1, "ZBVZeroBubble").ranks == [[0]]  # no PP: one stage
+
+
+# ---- parameters, gradients, optimizer state: by hand --------------------------------------------
+
+
+def test_states_by_hand_fsdp_tp_ep():
+    # dp_shard2 x tp2, ep2: dense FSDP over 2 ranks, efsdp = 2 * 2 / 2 = 2.
+    # embedding/output [16, 8] -> TP vocab [8, 8] -> FSDP [4, 8]: 32 each; final norm [8] -> 4.
+    # layer 0: wq/wk/wv [8, 8] -> [4, 8] -> [2, 8]: 16 each; wo [8, 8] -> [8, 4] -> [4, 4]: 16;
+    #   norms 4 + 4; w1/w3 [12, 8] -> [6, 8] -> [3, 8]: 24 each; w2 [8, 12] -> [8, 6] -> [4, 6]: 24.
+    layer0 = 4 * 16 + 8 + 3 * 24
+    # layer 1: attention + norms as above; router [4, 8] (not TP'd) -> [2, 8]: 16; shared expert
+    #   (not TP'd under EP) [8, 8] -> [4, 8]: 32 x 3; experts [4, 8, 8] -> EP [2, 8, 8] -> [1, 8, 8]: 64 x 3.
+    layer1 = 4 * 16 + 8 + 16 + 3 * 32 + 3 * 64
+    per_rank = 32 + 32 + 4 + layer0 + layer1
+    assert per_rank == 588
+    est = memory_per_pp_rank(TINY, _dims(dp_shard=2, tp=2, ep=2), Training(), ActivationCheckpoint(),
+                             Parallelism())[0]
+    assert (est.params, est.grads, est.optimizer) == (4 * per_rank, 4 * per_rank, 8 * per_rank)
+    # FSDP units' TP/EP-local elements in execution order: embedding 64; layer 0 attention 4 * 32,
+    # norms 16, FFN 3 * 48; layer 1 attention 128, norms 16, router 32, shared 3 * 64, experts
+    # 3 * 128; head 8 + 64. bf16 gathers (2 B), fp32 reduce: grads 2 + 4 B.
+    units = [64, 128 + 16 + 144, 128 + 16 + 32 + 192 + 384, 72]
+    assert est.fsdp_buffers == 2 * (units[2] + units[1]) + 6 * units[2] == 6592
+
+
+def test_no_fsdp_means_full_fp32_states_and_no_buffers():
+    est = memory_per_pp_rank(TINY, _dims(), Training(), ActivationCheckpoint(), Parallelism())[0]
+    total = sum(s.numel for s in param_specs(TINY))
+    assert (est.params, est.grads, est.optimizer, est.fsdp_buffers) == (4 * total, 4 * total, 8 * total, 0)
+
+
+def test_cpu_offload_moves_states_to_host():
+    cfg = Parallelism(fsdp_cpu_offload=True)
+    est = memory_per_pp_rank(TINY, _dims(dp_shard=2), Training(), ActivationCheckpoint(), cfg)[0]
+    plain = memory_per_pp_rank(TINY, _dims(dp_shard=2), Training(), ActivationCheckpoint(), Parallelism())[0]
+    assert est.params == est.grads == est.optimizer == 0
+    assert est.host == plain.params + plain.grads + plain.optimizer
+
+
+# ---- parameters: measured on the real parallelize pipeline --------------------------------------
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group (no communication) of any size, this process being `rank`."""
+
+    def init(rank: int, world_size: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _measured_local_elements(model: torch.nn.Module) -> int:
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("flavor, degrees, rank", [
+    ("debugmodel", dict(dp_shard=4), 0),
+    ("debugmodel", dict(dp_shard=2, tp=2), 0),  # MoE TP
+    ("debugmodel", dict(dp_shard=2, tp=2), 3),
+    ("debugmodel", dict(dp_replicate=2, dp_shard=2, tp=2), 5),  # HSDP
+    ("debugmodel", dict(dp_shard=2, cp=2), 1),
+    ("uneven", dict(dp_shard=4), 0),  # FSDP padding: rank 0 holds the padded (largest) shard
+    ("debugmodel", dict(dp_shard=2, tp=2, ep=4), 0),
+    ("debugmodel", dict(dp_shard=4, ep=2), 3),
+])
+def test_states_match_parallelized_meta_model(fake_world, flavor, degrees, rank):
+    if degrees.get("ep", 1) > 1:
+        pytest.importorskip("torchmoe.distributed.expert_parallel", reason="expert parallelism not implemented yet")
+    from torchmoe.models.llama4.parallelize import parallelize_llama4
+
+    args = FLAVORS["debugmodel"]
+    if flavor == "uneven":
+        args = args.replace(vocab_size=510, ffn_hidden_dim=382)
+    dims = _dims(**degrees)
+    fake_world(rank, dims.world_size)
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(args)
+    cfg = JobConfig()
+    parallelize_llama4(model, dims, mesh, cfg)
+    est = memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism)[0]
+    assert est.params == 4 * _measured_local_elements(model)
+
+
+def test_expert_fsdp_on_dim1_matches_fully_shard(fake_world):
+    # dp_shard16, ep4: 2 local experts but 4 efsdp ranks, so experts shard on dim 1.
+    dims = _dims(dp_shard=16, ep=4)
+    fake_world(0, dims.world_size)
+    mesh = dims.build_mesh("cpu")
+    args = FLAVORS["debugmodel"]
+    with torch.device("meta"):
+        experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, use_grouped_mm=True)
+    for name in ("w1", "w2", "w3"):
+        param = getattr(experts, name)
+        experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(param, mesh["ep"], [Shard(0)])))
+    fully_shard(experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p: Shard(1))
+    specs = [s for s in param_specs(args) if s.fqn.startswith("layers.1.moe.experts.")]
+    assert sum(shard_numel(s, dims) for s in specs) == _measured_local_elements(experts)
+
+
+# ---- activations: measured on CPU ---------------------------------------------------------------
+
+
+def _saved_bytes(model: torch.nn.Module, fn) -> int:
+    """Bytes of the distinct tensors autograd saves while running `fn`, except `model`'s own
+    parameters and buffers (those are counted as state, not activations)."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(n for ptr, n in storages.items() if ptr not in own)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_activations_match_saved_tensors(dtype):
+    args = FLAVORS["debugmodel"]
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    for p in model.parameters():
+        p.data = p.data.to(dtype)  # what FSDP's mixed precision computes with
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, args.dim, dtype=dtype, requires_grad=True)
+    freqs = model.freqs_cis[:seq]
+    act = ActivationModel(args, _dims(), a=torch.finfo(dtype).bits // 8, compiled=False, loss_parallel=False)
+    for i, block in model.layers.items():
+        measured = _saved_bytes(model, lambda: block(x, freqs))
+        estimated = act.block_full(int(i)) * batch * seq
+        # Left out as negligible: NoPE layers' (seq,) temperature scale, MoE's (E,) int32 offsets.
+        assert abs(estimated - measured) <= 4 * seq + 4 * args.num_experts, (i, estimated, measured)
+
+
+def test_head_activations_match_saved_tensors_plus_logits():
+    args = FLAVORS["debugmodel"]
+    model = Transformer(args)
+    model.init_weights()
+    batch, seq = 2, 64
+    h = torch.randn(batch, seq, args.dim, requires_grad=True)
+    labels = torch.randint(0, args.vocab_size, (batch * seq,))
+    logits_bytes = batch * seq * args.vocab_size * 4  # alive during the loss, though not saved
+
+    def head() -> None:
+        F.cross_entropy(model.output(model.norm(h)).float().flatten(0, 1), labels)
+
+    act = ActivationModel(args, _dims(), a=4, compiled=False, loss_parallel=False)
+    measured = _saved_bytes(model, head) + logits_bytes
+    # Left out as negligible: the int64 labels and the loss's scalar weight total.
+    assert abs(act.head() * batch * seq - measured) <= 8 * batch * seq + 4
+
+
+def _activations(ac: ActivationCheckpoint, training: Training = Training(local_batch_size=2, seq_len=2048),
+                 **degrees: int) -> float:
+    return estimate_memory(FLAVORS["17bx16e"], dict(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=1, ep=1) | degrees,
+                           training, ac, Parallelism())["activations"]
+
+
+def test_activations_monotonic_in_ac_mode_batch_and_sharding():
+    none = _activations(ActivationCheckpoint(mode="none"))
+    every2 = _activations(ActivationCheckpoint(mode="selective", selective_ac_option="2"))
+    op = _activations(ActivationCheckpoint(mode="selective", selective_ac_option="op"))
+    full = _activations(ActivationCheckpoint(mode="full"))
+    assert none > every2 > full and none > op > full
+    # Scout, 2 x 2048 tokens, bf16, no AC: tens of GiB (~82 KB per token per layer over 48 layers).
+    assert 10 < none < 100
+    doubled = _activations(ActivationCheckpoint(mode="none"), Training(local_batch_size=4, seq_len=2048))
+    assert doubled == pytest.approx(2 * none, rel=1e-6)
+    assert _activations(ActivationCheckpoint(mode="none"), cp=2, dp_shard=4) < none
+    assert _activations(ActivationCheckpoint(mode="none"), tp=2, dp_shard=4) < none
+
+
+def test_pipeline_first_rank_holds_more_microbatches():
+    per_rank = memory_per_pp_rank(FLAVORS["17bx16e"], _dims(pp=4, dp_shard=2),
+                                  Training(local_batch_size=8, seq_len=2048),
+                                  ActivationCheckpoint(mode="full"), Parallelism(pipeline_parallel_schedule="1F1B"))
+    # 1F1B keeps pp - r micro-batches in flight on pp rank r (the last adds the head's logits).
+    assert per_rank[0].activations > per_rank[1].activations > per_rank[2].activations
+    assert per_rank[3].params > per_rank[1].params  # the output head lives there
+
+
+# ---- dry run ------------------------------------------------------------------------------------
+
+
+def _config(name: str, tmp_path: Path, *flags: str) -> JobConfig:
+    return load_job_config(["--config", str(REPO / "configs" / name), "--job.dump_folder", str(tmp_path), *flags])
+
+
+def test_format_ranks():
+    assert format_ranks([0, 1, 2]) == "0, 1, 2"
+    assert format_ranks(list(range(0, 1024, 8))) == "0, 8, 16, …, 1016 (128 ranks)"
+
+
+def test_dry_run_maverick_1024_json_and_timing(tmp_path):
+    cfg = _config("llama4_128e.toml", tmp_path)
+    out = io.StringIO()
+    start = time.perf_counter()
+    report = run_dry_run(cfg, 1024, console=Console(file=out, width=200))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10, elapsed
+    written = json.loads((tmp_path / "dry_run.json").read_text())
+    assert written == json.loads(json.dumps(report))
+    for key in ("world_size", "mesh", "params_total", "params_active", "params_per_rank", "flops_per_token",
+                "memory_per_rank_gib", "plan", "groups"):
+        assert key in written, key
+    assert written["world_size"] == 1024
+    assert written["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 128, "cp": 1, "tp": 8,
+                               "dp_shard_cp": 128, "ep": 8, "efsdp": 128, "batch": 128, "loss": 128}
+    assert written["params_total"] == FLAVORS["17bx128e"].param_counts()["total"]
+    assert written["flops_per_token"] == FLAVORS["17bx128e"].flops_per_token(8192)
+    assert set(written["memory_per_rank_gib"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert set(written["groups"]) == {"0", "512", "1023"}
+    assert written["groups"]["1023"]["ep"] == list(range(1016, 1024))
+    assert written["groups"]["1023"]["dp_shard"] == list(range(7, 1024, 8))
+    assert set(written["groups"]["0"]) == set(ALL_NAMES)
+    assert written["plan"]["expert_parallel"]["enabled"] and not written["plan"]["moe_tensor_parallel"]["enabled"]
+    text = out.getvalue()
+    assert "0, 8, 16, …, 1016 (128 ranks)" in text and "wrote" in text
+
+
+def test_dry_run_warns_when_memory_exceeds_device(tmp_path):
+    cfg = _config("llama4_16e.toml", tmp_path, "--job.device_memory_gib", "8",
+                  "--activation_checkpoint.mode", "none")
+    out = io.StringIO()
+    report = run_dry_run(cfg, 64, console=Console(file=out, width=200))
+    assert report["memory_per_rank_gib"]["total"] > 8
+    assert "exceeds the device's 8.0 GiB" in out.getvalue()
+    assert report["plan"]["moe_tensor_parallel"]["enabled"]
+
+
+def test_dry_run_debug_model_single_rank(tmp_path):
+    cfg = _config("debug_model.toml", tmp_path)
+    cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, device_memory_gib=0.0))
+    out = io.StringIO()
+    report = run_dry_run(cfg, 1, console=Console(file=out, width=200))
+    assert report["params_per_rank"] == report["params_total"]
+    assert report["memory_per_rank_gib"]["params"] == pytest.approx(4 * report["params_total"] / GIB)
+    assert report["groups"] == {"0": {name: [0] for name in ALL_NAMES}}

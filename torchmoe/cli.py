@@ -1,0 +1,190 @@
+"""The `torchmoe` command line (also `python -m torchmoe`, and `torchrun ... -m torchmoe`).
+
+    python -m torchmoe train --config configs/debug_model.toml --training.steps 20
+    python -m torchmoe train --config configs/llama4_16e.toml --dry-run --world-size 64
+
+Exit status (DESIGN §3): 0 success, 2 a user error, printed as one message naming the key, the
+value and the fix, without a traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.markup import escape
+
+from torchmoe.config import ConfigError, load_job_config, validate_job_config
+from torchmoe.config.job_config import Parallelism
+
+TRAIN_DESCRIPTION = """\
+Train a Llama 4 MoE model from a TOML job file plus --section.key overrides
+(precedence: flag > TOML > default). Booleans take true/false; lists take several values.
+
+  --config FILE    TOML job file, e.g. configs/debug_model.toml; the defaults shown below are
+                   the values in effect with it.
+  --dry-run        Validate, then print the mesh, parallel plan, parameter and FLOP counts and
+                   per-rank memory, without creating a process group or real tensors.
+  --world-size N   Ranks to plan for with --dry-run (default: WORLD_SIZE if set, else the
+                   product of the degrees with data_parallel_shard_degree -1 counted as 1).
+"""
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One `torchmoe <name>` subcommand: a one-line summary and a handler returning the exit code."""
+
+    summary: str
+    run: Callable[[list[str]], int]
+
+
+def _positive_int(key: str, text: str, fix: str) -> int:
+    if not (text.isdigit() and int(text) >= 1):
+        raise ConfigError(key, text, "expected a positive integer", fix)
+    return int(text)
+
+
+def _split_train_flags(argv: Sequence[str]) -> tuple[bool, int | None, list[str]]:
+    """Take `--dry-run` and `--world-size N` out of argv; the rest are config flags."""
+    dry_run, world_size, rest = False, None, []
+    tokens = iter(argv)
+    for token in tokens:
+        flag, eq, value = token.partition("=")
+        if flag in ("--dry-run", "--dry_run"):
+            if eq:
+                raise ConfigError("--dry-run", value, "takes no value", "pass --dry-run alone")
+            dry_run = True
+        elif flag in ("--world-size", "--world_size"):
+            value = value if eq else next(tokens, "")
+            world_size = _positive_int("--world-size", value, "pass the number of ranks, e.g. --world-size 64")
+        else:
+            rest.append(token)
+    return dry_run, world_size, rest
+
+
+def _env_world_size() -> int | None:
+    text = os.environ.get("WORLD_SIZE")
+    if text is None:
+        return None
+    return _positive_int("WORLD_SIZE", text, "unset WORLD_SIZE or set it to the number of ranks")
+
+
+def _degree_product(parallelism: Parallelism) -> int:
+    """The world size the degrees describe, counting dp_shard = -1 as 1 (for the dry-run)."""
+    degrees = (parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree,
+               parallelism.context_parallel_degree, parallelism.tensor_parallel_degree,
+               parallelism.pipeline_parallel_degree)
+    # Invalid degrees count as 1 here so that validation reports them by name.
+    return math.prod(max(d, 1) for d in degrees)
+
+
+def resolve_world_size(flag: int | None, dry_run: bool, parallelism: Parallelism) -> int:
+    """World size for `train`: `--world-size`, else WORLD_SIZE, else (dry-run) the degrees' product.
+
+    A real run always uses the launched world (WORLD_SIZE, or 1 without torchrun), so a
+    `--world-size` that disagrees with it is an error rather than silently ignored.
+    """
+    env = _env_world_size()
+    if dry_run:
+        if flag is not None:
+            return flag
+        return env if env is not None else _degree_product(parallelism)
+    launched = env if env is not None else 1
+    if flag is not None and flag != launched:
+        raise ConfigError("--world-size", flag, f"this run was launched with {launched} process(es) (WORLD_SIZE)",
+                          "use --world-size only with --dry-run; launch a real run with torchrun --nproc-per-node N")
+    return launched
+
+
+class _RankSpecificError(Exception):
+    """A ConfigError raised while running, which may differ between ranks, so every rank reports it."""
+
+    def __init__(self, err: ConfigError) -> None:
+        super().__init__(str(err))
+        self.err = err
+
+
+def _train(argv: list[str]) -> int:
+    dry_run, world_size_flag, config_argv = _split_train_flags(argv)
+    try:
+        cfg = load_job_config(config_argv, prog="torchmoe train", description=TRAIN_DESCRIPTION)
+    except SystemExit as exit_:  # --help was printed
+        return int(exit_.code or 0)
+    world_size = resolve_world_size(world_size_flag, dry_run, cfg.parallelism)
+    validate_job_config(cfg, world_size, check_device=not dry_run)
+    try:
+        # Imported here: both pull in the whole training stack, which config errors and
+        # --help should not wait for.
+        if dry_run:
+            from torchmoe.plan.dry_run import run_dry_run
+
+            run_dry_run(cfg, world_size)
+        else:
+            from torchmoe.trainer import train
+
+            train(cfg)
+    except ConfigError as err:
+        raise _RankSpecificError(err) from err
+    return 0
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
+}
+
+
+def _overview() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"usage: torchmoe {{{','.join(SUBCOMMANDS)}}} [OPTIONS]", "", "subcommands:"]
+    lines += [f"  {name:<{width}}  {sub.summary}" for name, sub in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _report(err: ConfigError, rank: str | None) -> None:
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    # soft_wrap: never break the message (the arithmetic, paths) at the terminal width.
+    Console(stderr=True, soft_wrap=True, highlight=False).print(f"{prefix}[bold red]error:[/] {escape(str(err))}")
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(_overview() + "\n")
+        return SUBCOMMANDS["train"].run(["--help"])
+    if not argv or argv[0].startswith("-"):
+        raise ConfigError("subcommand", argv[0] if argv else "", "missing subcommand",
+                          f"run e.g. `torchmoe train --config configs/debug_model.toml`\n{_overview()}")
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        close = difflib.get_close_matches(name, list(SUBCOMMANDS), n=1)
+        fix = f"did you mean `torchmoe {close[0]}`?" if close else f"available: {', '.join(SUBCOMMANDS)}"
+        raise ConfigError("subcommand", name, "unknown subcommand", fix)
+    return SUBCOMMANDS[name].run(rest)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `torchmoe` command line; returns the exit status.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+    """
+    rank = os.environ.get("RANK")
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as err:
+        # Config errors are the same on every rank: one message from rank 0 is enough.
+        if rank in (None, "0"):
+            _report(err, rank=None)
+        return 2
+    except _RankSpecificError as wrapped:
+        _report(wrapped.err, rank=rank)
+        return 2
+    except BrokenPipeError:
+        # `torchmoe train --help | head`: the reader left. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again, as the Python docs recommend.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -1,0 +1,526 @@
+"""Distributed checkpoints (DCP) with atomic visibility and automatic resume.
+
+    ckpt = CheckpointManager(job.dump_folder, job_config.checkpoint, total_steps=steps)
+    state = {
+        "model": ModelWrapper(model_parts),
+        "optimizer": OptimizerWrapper(model_parts, optimizers),
+        "lr_scheduler": scheduler,
+        "dataloader": dataloader,                 # its state is the same on every rank
+        "rng": RankLocal(RNGState(), rank=rank),
+    }
+    step = ckpt.load_latest(state) or 0           # resume; None when there is no checkpoint
+    for step in range(step + 1, steps + 1):
+        ...
+        ckpt.maybe_save(step, state)
+    ckpt.close()
+
+Layout (DESIGN §3, a contract): `<dump_folder>/<checkpoint.folder>/step-N/`, DCP format, plus a
+`.complete` marker holding JSON metadata. Every rank writes its shards into
+`step-N.tmp-<id>/`; once DCP reports the save finished on all ranks, rank 0 writes the marker
+and renames the folder to `step-N/`. A `step-N/` without the marker is never loaded, so a job
+killed at any moment leaves either the previous checkpoints or a complete new one.
+
+Model and optimizer state go through `get_model_state_dict` / `get_optimizer_state_dict`, which
+return (sharded) DTensors keyed by the model's FQNs, so a checkpoint saved under one layout (FSDP
+degree, TP, EP, PP split) loads under another. Persistent buffers, such as the MoE expert biases
+of aux-loss-free balancing, are part of the model state dict.
+
+Per-rank state (RNG; a dataloader position that differs between ranks) must be wrapped in
+`RankLocal`: DCP deduplicates same-named values across ranks, so without a rank in the key only
+one rank's value would survive. When resuming with a different world size a rank finds no value
+of its own; it then keeps its current state and logs a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".complete"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^step-\d+\.tmp-(\w+)$")
+
+
+def _as_list(x: Any) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+# Without a process group DCP saves and loads in one process (a supported mode here: CPU and
+# single-GPU runs) but warns on every call, async saves included, from their background thread;
+# so the filter is process-wide, and matches only that message.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stateful wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelWrapper(Stateful):
+    """The model state (parameters and persistent buffers) of one or more model parts.
+
+    Pipeline stages are pruned copies of the full model that keep its FQNs, so the parts'
+    state dicts merge into one dict keyed like the unsplit model's.
+    """
+
+    def __init__(self, model_parts: nn.Module | list[nn.Module]) -> None:
+        self.model_parts = _as_list(model_parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        for part in self.model_parts:
+            sd.update(get_model_state_dict(part))
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # strict=False: each part takes only its own keys from the merged dict. Missing keys are
+        # still errors: DCP loads exactly the keys that state_dict() returned.
+        options = StateDictOptions(strict=False)
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=options)
+
+
+class OptimizerWrapper(Stateful):
+    """Optimizer state of one optimizer per model part, keyed by parameter FQN.
+
+    The flattened form (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`) does not depend on how
+    parameters are grouped, so it loads into an optimizer built for another layout.
+    """
+
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def __init__(
+        self,
+        model_parts: nn.Module | list[nn.Module],
+        optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer],
+    ) -> None:
+        self.model_parts = _as_list(model_parts)
+        self.optimizers = _as_list(optimizers)
+        if len(self.model_parts) != len(self.optimizers):
+            raise ValueError(
+                f"OptimizerWrapper: {len(self.model_parts)} model parts but "
+                f"{len(self.optimizers)} optimizers; pass one optimizer per model part"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        for part, opt in zip(self.model_parts, self.optimizers):
+            sd.update(get_optimizer_state_dict(part, opt, options=self._OPTIONS))
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
+
+
+class RNGState(Stateful):
+    """The random generators of this process: torch CPU, the current CUDA device, Python."""
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["cpu"])
+        random.setstate(state_dict["python"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
+
+
+class RankLocal(Stateful):
+    """Keys the state of `obj` by this process's rank (`rank<r>`), so every rank's value is kept.
+
+    `obj` is a Stateful or a plain dict (updated in place on load).
+    """
+
+    def __init__(self, obj: Stateful | dict[str, Any], *, rank: int) -> None:
+        self.obj = obj
+        self.key = f"rank{rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        inner = dict(self.obj) if isinstance(self.obj, dict) else self.obj.state_dict()
+        return {self.key: inner}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        inner = state_dict[self.key]
+        if isinstance(self.obj, dict):
+            self.obj.update(inner)
+        else:
+            self.obj.load_state_dict(inner)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner (strict), except that keys under `optional` prefixes which
+    the checkpoint lacks are skipped and recorded in `skipped` (rank-local state of a rank that
+    did not exist when the checkpoint was written)."""
+
+    def __init__(self, optional: tuple[str, ...]) -> None:
+        super().__init__()
+        self.optional = optional
+        self.skipped: list[str] = []
+
+    def create_local_plan(self) -> LoadPlan:
+        present = self.metadata.state_dict_metadata
+        for fqn in list(self.state_dict):
+            if fqn not in present and fqn.startswith(self.optional):
+                del self.state_dict[fqn]
+                self.skipped.append(fqn)
+        return super().create_local_plan()
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """dcp.load of `state` from `path`, tolerating missing rank-local keys (with a warning)."""
+    optional = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
+    planner = _LoadPlanner(optional)
+    dcp.load(state, checkpoint_id=str(path), planner=planner, no_dist=not _dist_on())
+    if planner.skipped:
+        logger.warning(
+            "%s has no rank-local state for this rank (%s); keeping the current state",
+            path, ", ".join(sorted({k.split(".")[0] for k in planner.skipped})),
+        )
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a (possibly multi-rank) DCP failure."""
+    if isinstance(e, CheckpointException):
+        # failures: rank -> (exception, traceback)
+        return "; ".join(f"rank {r}: {exc!r}" for r, (exc, _) in sorted(e.failures.items()))
+    return repr(e)
+
+
+def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Module]) -> None:
+    """Load only model weights (no optimizer, no step) from a DCP folder.
+
+    Accepts a torchmoe `step-N/` folder (keys `model.<fqn>`) or a DCP folder of a bare model
+    state dict (keys `<fqn>`), e.g. `checkpoint.initial_load_path`. Every parameter and
+    persistent buffer of the model must be in it; extra keys are ignored.
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"checkpoint.initial_load_path={str(path)!r}: not a DCP folder (no .metadata); "
+            "pass a step-N folder"
+        )
+    wrapper = ModelWrapper(model_parts)
+    sd = wrapper.state_dict()
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if all(k in keys for k in sd):
+        dcp.load(sd, checkpoint_id=str(path), no_dist=not _dist_on())
+        wrapper.load_state_dict(sd)
+    elif all(f"model.{k}" in keys for k in sd):
+        dcp.load({"model": wrapper}, checkpoint_id=str(path), no_dist=not _dist_on())
+    else:
+        missing = [k for k in sd if k not in keys and f"model.{k}" not in keys]
+        raise ValueError(
+            f"checkpoint.initial_load_path={str(path)!r} lacks {len(missing)} model keys, "
+            f"e.g. {missing[:5]}; is it a checkpoint of this model flavor?"
+        )
+    logger.info("loaded model weights from %s", path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _PendingSave:
+    """An async save in flight: rank 0 finalizes it (marker + rename) once `future` is done."""
+
+    step: int
+    tmp: Path
+    meta: dict[str, Any]
+    future: Future
+    finalized: bool = False
+
+
+class CheckpointManager:
+    """Saves `step-N/` checkpoints, keeps the newest k, and resumes from the newest complete one.
+
+    Construct on every rank, after `torch.cuda.set_device` (it broadcasts an id, and creates a
+    gloo group for async saves); all methods except `should_save` and `complete_checkpoints`
+    are collective and must be called by every rank.
+
+    Args:
+        dump_folder: job.dump_folder; checkpoints go to `<dump_folder>/<cfg.folder>/`.
+        cfg: the `[checkpoint]` section.
+        total_steps: training.steps; the last step is always saved.
+    """
+
+    def __init__(self, dump_folder: str | os.PathLike, cfg: CheckpointConfig, *, total_steps: int) -> None:
+        if cfg.async_mode not in ("disabled", "async"):
+            raise ValueError(f"checkpoint.async_mode={cfg.async_mode!r}: expected 'disabled' or 'async'")
+        if cfg.enable and cfg.interval < 1:
+            raise ValueError(f"checkpoint.interval={cfg.interval}: must be >= 1")
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.total_steps = total_steps
+        self.rank = _rank()
+        self.world_size = dist.get_world_size() if _dist_on() else 1
+        self._pending: _PendingSave | None = None
+        self._last_saved: int | None = None
+        # All ranks write into the same temporary folder, so its id comes from rank 0. It differs
+        # from run to run, so leftovers of a killed run are never mistaken for this run's.
+        ids = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
+        if _dist_on():
+            dist.broadcast_object_list(ids, src=0)
+        self.id: str = ids[0]
+        # DCP's background thread runs collectives; on the default group they could interleave
+        # with the training loop's, so async saves get their own gloo group.
+        self._async_pg = (
+            dist.new_group(backend="gloo") if cfg.async_mode == "async" and _dist_on() else None
+        )
+
+    # ---- saving ------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """True at every `interval`-th step and at the last step."""
+        return (
+            self.cfg.enable
+            and step != self._last_saved
+            and (step % self.cfg.interval == 0 or step == self.total_steps)
+        )
+
+    def maybe_save(self, step: int, state: dict[str, Any]) -> bool:
+        """Call after every training step: saves when `should_save(step)`; returns whether it did.
+
+        Also makes a finished async save visible (rank 0) without waiting for the next one.
+        """
+        self._poll()
+        if not self.should_save(step):
+            return False
+        self.save(step, state)
+        return True
+
+    def save(self, step: int, state: dict[str, Any], *, model_only: bool = False) -> None:
+        """Save `state` as `step-<step>/` (in the background when async_mode='async').
+
+        Args:
+            step: the number of completed training steps.
+            state: name -> Stateful or (nested) dict of tensors and picklable values.
+            model_only: record in the marker that only "model" was saved (seed checkpoints).
+        """
+        self.wait()
+        tmp = self.folder / f"step-{step}.tmp-{self.id}"
+        meta = {
+            "step": step,
+            "model_only": model_only,
+            "world_size": self.world_size,
+            "keys": sorted(state),
+            "saved_at": time.time(),
+        }
+        logger.info("saving checkpoint step-%d (%s)", step, self.cfg.async_mode)
+        self._last_saved = step
+        if self.cfg.async_mode == "async" and not model_only:
+            future = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=self._async_pg, no_dist=not _dist_on()
+            )
+            # Older return type: a Future; newer with async staging: an AsyncSaveResponse.
+            future = getattr(future, "upload_completion", future)
+            self._pending = _PendingSave(step, tmp, meta, future)
+            return
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist_on())
+        # dcp.save returns only after rank 0 has gathered every rank's write results and written
+        # .metadata, so every shard is on disk: rank 0 may make the folder visible now.
+        if self.rank == 0:
+            self._finalize(step, tmp, meta)
+        self._barrier()
+
+    def save_seed_checkpoint(self, state: dict[str, Any]) -> Path:
+        """Write `step-0/` holding only `state["model"]` (freshly initialized weights).
+
+        Any layout that later finds it loads the model from it and starts training at step 1.
+        """
+        self.save(0, {"model": state["model"]}, model_only=True)
+        return self.folder / "step-0"
+
+    def wait(self) -> None:
+        """Block until an async save in flight is written and visible; re-raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.future.result()
+        if self.rank == 0 and not pending.finalized:
+            self._finalize(pending.step, pending.tmp, pending.meta)
+        self._barrier()
+
+    def close(self) -> None:
+        """Finish any async save; call once at the end of training (also on error paths)."""
+        self.wait()
+
+    def _poll(self) -> None:
+        p = self._pending
+        # Only successful saves are finalized here; errors surface in wait() on every rank.
+        if self.rank == 0 and p is not None and not p.finalized and p.future.done():
+            if p.future.exception() is None:
+                self._finalize(p.step, p.tmp, p.meta)
+                p.finalized = True
+
+    def _finalize(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
+        """Rank 0: marker, atomic rename to step-N/, then prune old checkpoints."""
+        marker = tmp / MARKER
+        with open(marker, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        final = self.folder / f"step-{step}"
+        if final.exists():
+            # A folder of the same step without a marker (never loaded) or an older save of
+            # this step (e.g. a seed checkpoint written again): replaced by the new one.
+            _remove_checkpoint(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.folder)
+        logger.info("checkpoint step-%d is complete: %s", step, final)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Rank 0: delete complete checkpoints beyond keep_latest_k and stale temp folders."""
+        if self.cfg.keep_latest_k > 0:
+            for _, path in self.complete_checkpoints()[: -self.cfg.keep_latest_k]:
+                logger.info("deleting old checkpoint %s (keep_latest_k=%d)", path, self.cfg.keep_latest_k)
+                _remove_checkpoint(path)
+        for path in self.folder.iterdir():
+            m = _TMP_DIR.match(path.name)
+            if m and m.group(1) != self.id and path.is_dir():
+                logger.info("deleting incomplete checkpoint %s left by an earlier run", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        if _dist_on():
+            dist.barrier()
+
+    # ---- loading -----------------------------------------------------------------------------
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, path) of every `step-N/` holding the completion marker, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for path in self.folder.iterdir():
+            m = _STEP_DIR.match(path.name)
+            if m and (path / MARKER).is_file():
+                found.append((int(m.group(1)), path))
+        return sorted(found)
+
+    def _candidates(self) -> list[tuple[int, Path, bool]]:
+        """(step, path, model_only) to try, newest first, as rank 0 sees them."""
+        found = []
+        for step, path in reversed(self.complete_checkpoints()):
+            try:
+                meta = json.loads((path / MARKER).read_text())
+            except (OSError, ValueError) as e:
+                logger.warning("ignoring checkpoint %s: unreadable %s (%r)", path, MARKER, e)
+                continue
+            found.append((step, path, bool(meta.get("model_only"))))
+        return found
+
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        """Load the newest complete checkpoint into `state`; returns its step, None if none.
+
+        A checkpoint that fails to load on any rank (truncated or corrupt file, missing keys) is
+        reported with a warning and every rank tries the previous one. If every one fails this
+        raises, rather than silently training from scratch. A seed checkpoint (model only) loads
+        only `state["model"]` and returns 0. Returns None when checkpointing is disabled.
+        """
+        if not self.cfg.enable:
+            return None
+        # Rank 0 decides, so that every rank tries the same folders even on a filesystem whose
+        # directory listings lag between nodes.
+        candidates = [self._candidates() if self.rank == 0 else None]
+        if _dist_on():
+            dist.broadcast_object_list(candidates, src=0)
+        errors = []
+        for step, path, model_only in candidates[0]:
+            to_load = {"model": state["model"]} if model_only else state
+            t0 = time.perf_counter()
+            error = None
+            try:
+                _dcp_load(to_load, path)
+            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+                error = _describe(e)
+            # DCP raises its read errors on every rank, but a Stateful's load_state_dict may fail
+            # on one rank only: all ranks must move on to the same previous checkpoint.
+            if not _all_ranks_ok(error is None):
+                error = error or "failed on another rank"
+                errors.append(f"{path.name}: {error}")
+                logger.warning("could not load checkpoint %s (%s); trying the previous one", path, error)
+                continue
+            logger.info(
+                "resumed from %s%s in %.1fs", path, " (model only)" if model_only else "",
+                time.perf_counter() - t0,
+            )
+            self._last_saved = step
+            return step
+        if errors:
+            raise RuntimeError(
+                f"no checkpoint under {self.folder} could be loaded: " + " | ".join(errors)
+                + "; delete or move the broken step-N folders to start over"
+            )
+        return None
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    if not _dist_on():
+        return ok
+    flags: list[bool | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    return all(flags)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    # The marker goes first: if deletion is interrupted, the rest is never taken for complete.
+    (path / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (POSIX: the directory entry itself must be synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some network filesystems cannot sync a directory; the rename itself still holds
+    finally:
+        os.close(fd)

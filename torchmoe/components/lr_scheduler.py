@@ -1,0 +1,131 @@
+"""Warmup-stable-decay learning-rate schedule.
+
+    scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, job_config.training.steps)
+    for step in range(1, steps + 1):
+        ...; optimizer.step(); scheduler.step()
+
+Step numbering: training step s (1-based) trains with lr * lr_factor(s). The LambdaLR starts at
+last_epoch=0, so its lambda maps epoch i to lr_factor(i + 1).
+
+    factor
+    1 |        _____________
+      |      /              \\       warmup:  s / (warmup + 1)             s = 1 .. warmup
+      |    /                  \\     stable:  1
+      |  /                      \\   decay:   min + (1 - min) * shape(p),  p = (s - start - 1) / decay
+      |/                           shape:   linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p)) / 2
+      +---------------------------- s
+        warmup     stable     decay      (start = steps - decay, the last step before decaying)
+
+Neither end reaches its limit inside training: step 1 trains at lr / (warmup + 1), never 0 (a
+step at lr 0 is wasted compute), and the last step at p = (decay - 1) / decay, just above
+lr * min_lr_factor, which the curve reaches one step after the end. The first decay step trains
+at the peak, so even with decay over all post-warmup steps (decay_ratio = -1) the peak is used.
+This follows torchtitan's warmup-stable-decay convention, so ported configs keep their curve.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+DECAY_TYPES = ("linear", "sqrt", "cosine")
+
+
+def decay_steps_for(total_steps: int, warmup_steps: int, decay_ratio: float) -> int:
+    """Number of decay steps at the end: all post-warmup steps when decay_ratio < 0 (default -1),
+    else round(decay_ratio * total_steps), capped at the post-warmup steps."""
+    post_warmup = max(total_steps - warmup_steps, 0)
+    if decay_ratio < 0:
+        return post_warmup
+    return min(round(decay_ratio * total_steps), post_warmup)
+
+
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_ratio: float = -1.0,
+    decay_type: str = "linear",
+    min_lr_factor: float = 0.0,
+) -> float:
+    """The multiplier of the peak LR used by training step `step` (1-based); see module docstring."""
+    return _factor(
+        step,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps_for(total_steps, warmup_steps, decay_ratio),
+        total_steps=total_steps,
+        decay_type=decay_type,
+        min_lr_factor=min_lr_factor,
+    )
+
+
+def _factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    decay_steps: int,
+    total_steps: int,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
+    if step <= warmup_steps:
+        return step / (warmup_steps + 1)
+    decay_start = total_steps - decay_steps
+    if step <= decay_start:
+        return 1.0
+    progress = min((step - decay_start - 1) / decay_steps, 1.0)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    elif decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"lr_scheduler.decay_type={decay_type!r}: expected one of {DECAY_TYPES}")
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
+) -> LambdaLR:
+    """A LambdaLR following `lr_factor`; its state_dict (last_epoch, base_lrs) checkpoints it.
+
+    Args:
+        optimizer: the optimizer whose param groups' lr is the peak LR.
+        cfg: the `[lr_scheduler]` section.
+        total_steps: training.steps.
+    """
+    if cfg.decay_type not in DECAY_TYPES:
+        raise ValueError(f"lr_scheduler.decay_type={cfg.decay_type!r}: expected one of {DECAY_TYPES}")
+    if cfg.warmup_steps < 0:
+        raise ValueError(f"lr_scheduler.warmup_steps={cfg.warmup_steps}: must be >= 0")
+    if not 0.0 <= cfg.min_lr_factor <= 1.0:
+        raise ValueError(f"lr_scheduler.min_lr_factor={cfg.min_lr_factor}: must be in [0, 1]")
+    if cfg.decay_ratio > 1.0:
+        raise ValueError(f"lr_scheduler.decay_ratio={cfg.decay_ratio}: must be -1 or in [0, 1]")
+    decay_steps = decay_steps_for(total_steps, cfg.warmup_steps, cfg.decay_ratio)
+    if cfg.decay_ratio >= 0 and decay_steps < round(cfg.decay_ratio * total_steps):
+        logger.warning(
+            "lr_scheduler: warmup_steps(%d) + decay_ratio(%g) * steps(%d) > steps; "
+            "decaying over the %d post-warmup steps instead",
+            cfg.warmup_steps, cfg.decay_ratio, total_steps, decay_steps,
+        )
+    return LambdaLR(
+        optimizer,
+        lambda i: _factor(
+            i + 1,
+            warmup_steps=cfg.warmup_steps,
+            decay_steps=decay_steps,
+            total_steps=total_steps,
+            decay_type=cfg.decay_type,
+            min_lr_factor=cfg.min_lr_factor,
+        ),
+    )

@@ -1,0 +1,319 @@
+"""Training metrics: metrics.jsonl, a console line with a progress bar, TensorBoard.
+
+    setup_logging(rank)
+    metrics = MetricsLogger(job.dump_folder, job_config.metrics, rank=rank, total_steps=steps,
+                            peak_flops=device_peak_flops(device))
+    if metrics.should_log(step):
+        metrics.log(step, {"loss": loss, "grad_norm": grad_norm, "lr": lr,
+                           "tokens_per_sec": global_tps, "tflops": tflops_per_rank,
+                           "memory_gib": peak_memory_gib(device)},
+                    tokens_per_expert=counts)  # (n_layers, n_experts) or None
+    metrics.close()
+
+metrics.jsonl (DESIGN §3, a contract): rank 0 appends one JSON object per logged step with
+`step, loss, grad_norm, lr, tokens_per_sec` (global), `tflops` (achieved per rank), `mfu`
+(percent of the device's peak bf16 dense FLOP/s; null when the peak is unknown, e.g. on CPU),
+`memory_gib` (peak per rank), `elapsed_s` (since the logger started, unless given),
+`moe_imbalance` (max/mean tokens per expert averaged over MoE layers) and, when counts are
+given, `tokens_per_expert` (a list per MoE layer). Non-finite numbers are written as null so the
+file stays strict JSON. A resumed run appends again from its checkpoint step, so a step can
+appear twice: the later line is the one that continues.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from torchmoe.config.job_config import Metrics as MetricsConfig
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+# Peak dense bf16 tensor-core FLOP/s per device, matched against torch.cuda.get_device_name()
+# in order (more specific names first).
+_PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("MI325X", 1307e12),
+    ("MI300X", 1307e12),
+]
+
+
+class _CurrentStderrHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever `sys.stderr` is at emit time, so that rich's
+    live progress bar (which swaps sys.stderr) keeps log lines above the bar."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def setup_logging(rank: int, level: int = logging.INFO) -> None:
+    """Send the `torchmoe` loggers to stderr as `[rank<r>] HH:MM:SS LEVEL name: message`.
+
+    Rank 0 logs at `level`; other ranks only warnings and errors, so that a problem on any
+    rank is seen, but routine messages are not repeated world-size times. Idempotent.
+    """
+    root = logging.getLogger("torchmoe")
+    for h in [h for h in root.handlers if isinstance(h, _CurrentStderrHandler)]:
+        root.removeHandler(h)
+    handler = _CurrentStderrHandler()
+    handler.setFormatter(
+        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    root.addHandler(handler)
+    root.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    root.propagate = False
+
+
+def device_peak_flops(device: torch.device | str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device, or None when unknown (CPU, unlisted GPUs)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in _PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    logger.warning("unknown peak FLOP/s for %r; MFU will not be reported", name)
+    return None
+
+
+def peak_memory_gib(device: torch.device | str) -> float:
+    """Peak memory of this rank in GiB: CUDA max_memory_allocated, else the process's max RSS."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def moe_imbalance(tokens_per_expert: torch.Tensor) -> float:
+    """max / mean tokens per expert, per MoE layer, averaged over layers.
+
+    Args:
+        tokens_per_expert: (n_layers, n_experts) counts, or (n_experts,) for one layer.
+
+    Returns:
+        1.0 for perfect balance, n_experts when one expert takes every token. Layers that
+        routed no tokens are skipped; with none left the result is 1.0.
+    """
+    counts = tokens_per_expert.detach().float().cpu()
+    if counts.ndim == 1:
+        counts = counts[None]  # (1, n_experts)
+    mean = counts.mean(dim=1)  # (n_layers,)
+    used = mean > 0
+    if not used.any():
+        return 1.0
+    return (counts.max(dim=1).values[used] / mean[used]).mean().item()
+
+
+def _summary_writer_cls():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise RuntimeError(
+            "metrics.enable_tensorboard=true needs the tensorboard package: "
+            "pip install 'torchmoe[tensorboard]' (or set metrics.enable_tensorboard=false)"
+        ) from e
+    return SummaryWriter
+
+
+def _number(v: Any) -> Any:
+    """A JSON-safe scalar: tensors become Python numbers, non-finite floats null."""
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0 (other ranks: every method is a no-op).
+
+    Args:
+        dump_folder: job.dump_folder; metrics.jsonl and the TensorBoard folder go there.
+        cfg: the `[metrics]` section.
+        rank: global rank of this process.
+        total_steps: training.steps, for the progress bar and ETA.
+        peak_flops: peak FLOP/s of one device (see `device_peak_flops`); None = no MFU.
+        start_step: the step training resumes from (the bar and ETA start there).
+        console: where to print; default stdout. The live bar only runs on a terminal;
+            otherwise plain lines (with an ETA) are printed.
+    """
+
+    def __init__(
+        self,
+        dump_folder: str | Path,
+        cfg: MetricsConfig,
+        *,
+        rank: int,
+        total_steps: int,
+        peak_flops: float | None = None,
+        start_step: int = 0,
+        console: Console | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.total_steps = total_steps
+        self.peak_flops = peak_flops
+        self.start_step = start_step
+        self._t0 = time.perf_counter()
+        self.path = Path(dump_folder) / METRICS_FILE
+        self._file = None
+        self._tb = None
+        self._progress: Progress | None = None
+        if rank != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if cfg.enable_tensorboard:
+            self._tb = _summary_writer_cls()(log_dir=str(Path(dump_folder) / cfg.save_tb_folder))
+        self.console = console or Console(highlight=False)
+        if self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step)
+            self._progress.start()
+
+    def should_log(self, step: int) -> bool:
+        """Log the first step, every log_freq-th and the last (any rank may call this)."""
+        return step == 1 or step % self.cfg.log_freq == 0 or step == self.total_steps
+
+    def log(
+        self,
+        step: int,
+        values: Mapping[str, Any],
+        *,
+        tokens_per_expert: torch.Tensor | None = None,
+    ) -> dict[str, Any] | None:
+        """Record one step; returns the JSON record (rank 0) or None.
+
+        Args:
+            step: the training step just finished.
+            values: loss, grad_norm, lr, tokens_per_sec, tflops, memory_gib and any extra
+                scalars (floats or 0-dim tensors). mfu, elapsed_s and moe_imbalance are
+                derived when absent.
+            tokens_per_expert: (n_layers, n_experts) routed-token counts of this step.
+        """
+        if self.rank != 0:
+            return None
+        record: dict[str, Any] = {"step": step}
+        record.update({k: _number(v) for k, v in values.items()})
+        record.setdefault("elapsed_s", round(time.perf_counter() - self._t0, 3))
+        if "mfu" not in record:
+            tflops = record.get("tflops")
+            record["mfu"] = (
+                100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops and tflops is not None else None
+            )
+        if tokens_per_expert is not None:
+            record.setdefault("moe_imbalance", moe_imbalance(tokens_per_expert))
+            record["tokens_per_expert"] = tokens_per_expert.detach().cpu().tolist()
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            self._write_tensorboard(step, record, tokens_per_expert)
+        self._print(step, record)
+        return record
+
+    def _write_tensorboard(self, step: int, record: dict[str, Any], counts: torch.Tensor | None) -> None:
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(f"train/{k}", v, step)
+        if counts is not None:
+            counts = counts.detach().float().cpu()
+            for layer, row in enumerate(counts.reshape(-1, counts.shape[-1])):  # row: (n_experts,)
+                self._tb.add_histogram(f"moe/tokens_per_expert/layer{layer}", row, step)
+                self._tb.add_scalar(f"moe/imbalance/layer{layer}", moe_imbalance(row), step)
+        self._tb.flush()
+
+    def _print(self, step: int, r: dict[str, Any]) -> None:
+        width = len(str(self.total_steps))
+        parts = [f"[bold]step {step:>{width}}/{self.total_steps}[/]"]
+
+        def add(key: str, fmt: str, style: str) -> None:
+            if r.get(key) is not None:
+                parts.append(f"[{style}]{fmt.format(r[key])}[/]")
+
+        add("loss", "loss {:.4f}", "cyan")
+        add("grad_norm", "grad {:.3f}", "magenta")
+        add("lr", "lr {:.2e}", "white")
+        add("tokens_per_sec", "{:,.0f} tok/s", "green")
+        add("tflops", "{:.1f} TFLOP/s", "green")
+        add("mfu", "MFU {:.1f}%", "green")
+        add("memory_gib", "mem {:.2f} GiB", "yellow")
+        add("moe_imbalance", "imb {:.2f}", "red")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+        else:
+            done = step - self.start_step
+            if done > 0 and step < self.total_steps:
+                eta = (time.perf_counter() - self._t0) / done * (self.total_steps - step)
+                parts.append(f"eta {_duration(eta)}")
+        self.console.print("  ".join(parts))
+
+    def close(self) -> None:
+        """Stop the progress bar and close metrics.jsonl and TensorBoard (idempotent)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

@@ -1,0 +1,190 @@
+"""The optimizer and gradient-norm clipping across device meshes.
+
+    optimizer = build_optimizer(model, job_config.optimizer)
+    grad_norm = clip_grad_norm_(model.parameters(), job_config.training.max_norm)
+
+Under FSDP2 + TP + EP the parameters of one model are DTensors on *different* meshes: dense
+weights on `dp_shard_cp × tp`, routed-expert weights on `ep × efsdp`. Both the optimizer and the
+clipping here are written for that case; with plain tensors they behave like the torch ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Hashable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+from torchmoe.config.job_config import Optimizer as OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
+# Parameters whose names contain one of these never get weight decay: decaying the token
+# embedding pulls rare tokens' rows toward zero for no regularization benefit.
+_NO_DECAY_NAMES = ("tok_embeddings",)
+
+
+def _mesh_key(t: torch.Tensor, *, placements: bool = False) -> Hashable:
+    """What tensors must share to go through one foreach/fused call: None for plain tensors,
+    the mesh (device type, ranks, dim names) for DTensors, plus their placements if asked."""
+    if not isinstance(t, DTensor):
+        return None
+    mesh = t.device_mesh
+    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+    return key + (t.placements,) if placements else key
+
+
+def _no_decay(name: str, param: nn.Parameter) -> bool:
+    # 1-D (and 0-D) parameters are norm scales and biases. The MoE expert-bias used for
+    # aux-loss-free balancing is a buffer, not a parameter, so the optimizer never sees it.
+    return param.ndim < 2 or any(n in name for n in _NO_DECAY_NAMES)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """Build Adam/AdamW over the trainable parameters of `model`.
+
+    Param groups: one per (decay or not, mesh). foreach and fused kernels batch all tensors of a
+    param group into one op, and DTensor refuses one op over tensors on different meshes (or a
+    mix of DTensors and plain tensors), so parameters are grouped by mesh; each group's kernel
+    then only sees tensors of one mesh. With plain tensors this is just the usual two groups.
+
+    Args:
+        model: the (possibly parallelized) model, or an `nn.ModuleList` of pipeline stages.
+        cfg: the `[optimizer]` section.
+
+    Returns:
+        The optimizer ('Adam' applies weight_decay as torch does: L2 added to the gradient).
+        `implementation='fused'` falls back to foreach with a warning where the
+        parameters' device type or dtype has no fused kernel.
+    """
+    name = cfg.name.lower()
+    if name not in _OPTIMIZERS:
+        raise ValueError(f"optimizer.name={cfg.name!r}: expected one of 'AdamW', 'Adam'")
+    if cfg.implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"optimizer.implementation={cfg.implementation!r}: expected one of {_IMPLEMENTATIONS}"
+        )
+    groups: dict[tuple[bool, Hashable], list[nn.Parameter]] = {}
+    for pname, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((_no_decay(pname, p), _mesh_key(p)), []).append(p)
+    if not groups:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    param_groups = [
+        {"params": params, "weight_decay": 0.0 if no_decay else cfg.weight_decay}
+        for (no_decay, _), params in groups.items()
+    ]
+    params = [p for g in param_groups for p in g["params"]]
+
+    implementation = cfg.implementation
+    if implementation == "fused" and not _fused_supported(params):
+        logger.warning(
+            "optimizer.implementation='fused' is not supported for these parameters "
+            "(device types %s, dtypes %s); using 'foreach' instead",
+            sorted({p.device.type for p in params}),
+            sorted({str(p.dtype) for p in params}),
+        )
+        implementation = "foreach"
+    kwargs = dict(
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        foreach=implementation == "foreach",
+        fused=implementation == "fused",
+    )
+    cls = _OPTIMIZERS[name]
+    try:
+        return cls(param_groups, **kwargs)
+    except RuntimeError as e:
+        if implementation != "fused":
+            raise
+        logger.warning("fused %s failed to build (%s); using 'foreach' instead", cls.__name__, e)
+        kwargs.update(foreach=True, fused=False)
+        return cls(param_groups, **kwargs)
+
+
+def _fused_supported(params: list[nn.Parameter]) -> bool:
+    devices = _get_fused_kernels_supported_devices()
+    return all(p.device.type in devices and p.is_floating_point() for p in params)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """Clip gradients by their total norm over all parameters, whatever mesh each lives on.
+
+    Each group of gradients sharing a mesh and placements gets one norm, computed by DTensor on
+    its own mesh and reduced there by `.full_tensor()` (a sum over Shard dims, nothing over
+    Replicate dims). The group norms are then combined as plain tensors: sum of p-th powers
+    (max for inf). Adding norms from different meshes inside DTensor would fail (cross-mesh op),
+    and reducing local shard norms by hand would double-count replicated dims.
+
+    Args:
+        parameters: tensors or DTensors; those without `.grad` are skipped.
+        max_norm: clip so that the total norm is at most this.
+        norm_type: p of the p-norm (`math.inf` for the max norm).
+        foreach: use foreach kernels (None = torch's default for the device).
+        pp_mesh: with pipeline parallelism, the `pp` mesh: each stage holds different
+            parameters, so the per-stage norms are combined over it.
+
+    Returns:
+        The total norm before clipping, a 0-dim plain tensor on the gradients' device.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    by_mesh: dict[Hashable, list[torch.Tensor]] = {}
+    for g in grads:
+        # Also split by placements so the per-tensor norms stacked inside get_total_norm share
+        # one placement (Partial for sharded grads, Replicate for replicated ones).
+        by_mesh.setdefault(_mesh_key(g, placements=True), []).append(g)
+    device = _local(grads[0]).device
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type, foreach=foreach)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norms.append(norm.to(device=device, dtype=torch.float32))
+    stacked = torch.stack(norms)  # (n_groups,)
+    if math.isinf(norm_type):
+        total = stacked.max()
+        if pp_mesh is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+    else:
+        total = stacked.pow(norm_type).sum()
+        if pp_mesh is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+        total = total.pow(1.0 / norm_type)
+
+    # Scaling each local shard scales the DTensor whatever its placement, so the clip itself
+    # needs no communication and no mesh grouping: only a grouping by device for foreach.
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        local = _local(g)
+        by_device.setdefault(local.device, []).append(local)
+    for dev, local_grads in by_device.items():
+        if foreach is False:
+            for g in local_grads:
+                g.mul_(coef.to(dev))
+        else:
+            torch._foreach_mul_(local_grads, coef.to(dev))
+    return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,0 +1,149 @@
+"""torch.profiler traces and CUDA memory snapshots, every `profile_freq` steps.
+
+    with maybe_profile(job_config.profiling, job.dump_folder, rank=rank, start_step=step) as prof, \\
+         maybe_memory_snapshot(job_config.profiling, job.dump_folder, rank=rank, start_step=step) as mem:
+        for step in range(step + 1, steps + 1):
+            train_step(...)
+            prof.step()
+            mem.step()
+
+Traces: `<dump_folder>/<save_traces_folder>/iteration_<N>/rank<r>_trace.json` (open in
+chrome://tracing or https://ui.perfetto.dev), one per traced step N = profile_freq, 2*profile_freq...
+Memory snapshots: `<dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/rank<r>_memory_snapshot.pickle`
+(drag into https://pytorch.org/memory_viz); an exception inside the block (e.g. CUDA OOM) dumps
+`iteration_<N>_exit/` before propagating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from torchmoe.config.job_config import Profiling as ProfilingConfig
+
+logger = logging.getLogger(__name__)
+
+# Entries of allocation history kept for a memory snapshot (about the last few steps' worth).
+_MEMORY_HISTORY_ENTRIES = 100_000
+
+
+class _NoOp:
+    def step(self) -> None:
+        """Nothing to record."""
+
+
+class _Profiler:
+    """Steps a torch.profiler whose step numbers are training steps."""
+
+    def __init__(self, prof: profile) -> None:
+        self._prof = prof
+
+    def step(self) -> None:
+        """Call once after every training step."""
+        self._prof.step()
+
+
+@contextlib.contextmanager
+def maybe_profile(
+    cfg: ProfilingConfig, dump_folder: str | Path, *, rank: int, start_step: int = 0
+) -> Iterator[_Profiler | _NoOp]:
+    """Yield an object whose `step()` the loop calls after each training step.
+
+    When `cfg.enable_profiling`, training step N is traced whenever N is a multiple of
+    `cfg.profile_freq`, after up to 3 warmup steps (the profiler's own start-up cost would
+    otherwise show in the trace).
+
+    Args:
+        cfg: the `[profiling]` section.
+        dump_folder: job.dump_folder.
+        rank: global rank, part of the trace file name.
+        start_step: the step training resumes from, so trace folders are named by true step.
+    """
+    if not cfg.enable_profiling:
+        yield _NoOp()
+        return
+    if cfg.profile_freq < 1:
+        raise ValueError(f"profiling.profile_freq={cfg.profile_freq}: must be >= 1")
+    folder = Path(dump_folder) / cfg.save_traces_folder
+    active = 1
+    warmup = min(3, cfg.profile_freq - active)
+    wait = cfg.profile_freq - warmup - active
+    base = schedule(wait=wait, warmup=warmup, active=active)
+
+    def on_trace_ready(prof: profile) -> None:
+        # prof.step_num counts step() calls; it equals the training step just traced.
+        step = prof.step_num + start_step
+        out = folder / f"iteration_{step}"
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        prof.export_chrome_trace(str(out / f"rank{rank}_trace.json"))
+        logger.info("profiler trace of step %d written to %s in %.1fs", step, out, time.perf_counter() - t0)
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    # The schedule sees training-step indices (0-based) so that the traced steps stay multiples
+    # of profile_freq after a resume.
+    with profile(
+        activities=activities,
+        schedule=lambda i: base(i + start_step),
+        on_trace_ready=on_trace_ready,
+        record_shapes=True,
+    ) as prof:
+        yield _Profiler(prof)
+
+
+class _MemorySnapshotter:
+    def __init__(self, folder: Path, freq: int, rank: int, start_step: int) -> None:
+        self.folder = folder
+        self.freq = freq
+        self.rank = rank
+        self.step_num = start_step
+
+    def step(self) -> None:
+        """Call once after every training step; dumps a snapshot every profile_freq steps."""
+        self.step_num += 1
+        if self.step_num % self.freq == 0:
+            self.dump(f"iteration_{self.step_num}")
+
+    def dump(self, name: str) -> None:
+        out = self.folder / name
+        out.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(out / f"rank{self.rank}_memory_snapshot.pickle"))
+        logger.info("memory snapshot written to %s", out)
+
+
+@contextlib.contextmanager
+def maybe_memory_snapshot(
+    cfg: ProfilingConfig, dump_folder: str | Path, *, rank: int, start_step: int = 0
+) -> Iterator[_MemorySnapshotter | _NoOp]:
+    """Record the CUDA allocator's history and dump snapshots every `cfg.profile_freq` steps.
+
+    A no-op (with one info message) when disabled or without CUDA: the CPU allocator keeps no
+    such history.
+    """
+    if not cfg.enable_memory_snapshot:
+        yield _NoOp()
+        return
+    if not torch.cuda.is_available():
+        logger.info("profiling.enable_memory_snapshot: needs CUDA; no memory snapshots on CPU")
+        yield _NoOp()
+        return
+    snap = _MemorySnapshotter(
+        Path(dump_folder) / cfg.save_memory_snapshot_folder, max(cfg.profile_freq, 1), rank, start_step
+    )
+    torch.cuda.memory._record_memory_history(max_entries=_MEMORY_HISTORY_ENTRIES)
+    try:
+        yield snap
+    except BaseException:
+        # The history right before a failure (typically an OOM) is the most useful one.
+        snap.dump(f"iteration_{snap.step_num + 1}_exit")
+        raise
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

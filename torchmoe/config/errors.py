@@ -1,0 +1,42 @@
+"""`ConfigError`: the one exception type for a user's configuration mistake.
+
+The CLI turns it into a single message on stderr and exit status 2 (DESIGN §3); anything else
+escaping `torchmoe train` is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def show_value(value: Any) -> str:
+    """Render a config value the way it would be written in TOML (`true`, `"abc"`, `[..]`, `{..}`)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {show_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+class ConfigError(Exception):
+    """A user error in the job configuration.
+
+    Args:
+        key: what is wrong, as the user spells it: ``section.key``, a flag such as ``--config``,
+            or a section name.
+        value: the offending value (rendered TOML-style in the message).
+        problem: what is wrong with it, e.g. the arithmetic that does not add up.
+        fix: what to do about it.
+    """
+
+    def __init__(self, key: str, value: Any, problem: str, fix: str) -> None:
+        self.key = key
+        self.value = value
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{key} = {show_value(value)}: {problem}\n  fix: {fix}")

@@ -1,0 +1,323 @@
+"""Build a `JobConfig` from a TOML file plus `--section.key VALUE` overrides, and write one back.
+
+    python -c "from torchmoe.config import load_job_config; print(load_job_config(['--training.steps=5']))"
+
+Precedence is flag > TOML > dataclass default (DESIGN §3): the TOML file is turned into a
+`JobConfig` first and handed to tyro as its default, so `--help` shows every option with its
+docstring and the value this job would actually use. Every mistake a user can make here raises
+`ConfigError`; tyro only ever sees arguments that were already checked, so its own error boxes
+never appear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+import tyro
+from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
+
+from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.job_config import JobConfig
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+_HELP_FLAGS = ("-h", "--help")
+_HELP_HINT = "run `torchmoe train --help` to list every option"
+
+# What each supported field type looks like, for "expected ..." messages.
+_EXPECTED_TOML = {
+    bool: "a boolean (true or false, unquoted)",
+    int: "an integer",
+    float: "a number",
+    str: "a string (in double quotes)",
+    list[str]: 'a list of strings, e.g. ["output", "router"]',
+}
+
+
+# ---- the schema: every "section.key" and its type --------------------------------------------
+
+
+@functools.cache
+def _config_fields() -> dict[str, dict[str, Any]]:
+    """``{section: {key: type}}`` for every field of `JobConfig`, in declaration order."""
+    sections: dict[str, dict[str, Any]] = {}
+    for section in dataclasses.fields(JobConfig):
+        section_cls = typing.get_type_hints(JobConfig)[section.name]
+        hints = typing.get_type_hints(section_cls)
+        sections[section.name] = {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+    return sections
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{k}" for s, keys in _config_fields().items() for k in keys]
+
+
+def _closest_key(name: str) -> str | None:
+    """The valid ``section.key`` a misspelled ``name`` most likely meant, or None.
+
+    Tries, in order: a close spelling within the same section; the same key under another section
+    (``optimizer.steps`` -> ``training.steps``, or a bare ``steps``); a close spelling anywhere.
+    """
+    fields = _config_fields()
+    section, _, leaf = name.rpartition(".")
+    if section in fields:
+        match = difflib.get_close_matches(leaf, list(fields[section]), n=1, cutoff=0.6)
+        if match:
+            return f"{section}.{match[0]}"
+    for other, keys in fields.items():
+        if leaf in keys:
+            return f"{other}.{leaf}"
+    match = difflib.get_close_matches(name, _all_keys(), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+# ---- TOML -> JobConfig -----------------------------------------------------------------------
+
+
+def _toml_value(key: str, value: Any, typ: Any) -> Any:
+    """Check a TOML value against the field type; TOML ints are accepted for float fields."""
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list[str]: isinstance(value, list) and all(isinstance(v, str) for v in value),
+    }[typ]
+    if not ok:
+        leaf = key.rpartition(".")[2]
+        fix = f"write {leaf} as {_EXPECTED_TOML[typ]}"
+        if isinstance(value, str) and typ in (bool, int, float):  # quoted by mistake: show it unquoted
+            try:
+                fix += f", e.g. {leaf} = {show_value(_parse_scalar(value, typ))}"
+            except ValueError:
+                pass
+        elif isinstance(value, str) and typ == list[str]:
+            fix += f", e.g. {leaf} = {show_value([value])}"
+        raise ConfigError(key, value, f"expected {_EXPECTED_TOML[typ]}, got {type(value).__name__}", fix)
+    return float(value) if typ is float else value
+
+
+def job_config_from_dict(data: Mapping[str, Any]) -> JobConfig:
+    """Build a `JobConfig` from parsed TOML; fields left out keep their defaults.
+
+    Raises:
+        ConfigError: an unknown section or key (with the closest valid name) or a wrong type.
+    """
+    fields = _config_fields()
+    sections: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in fields:
+            if not isinstance(table, Mapping):
+                match = _closest_key(section)
+                if match:
+                    home, _, leaf = match.partition(".")
+                    fix = f"move it under its section: [{home}] {leaf} = ..."
+                else:
+                    fix = f"every key belongs to a [section]; {_HELP_HINT}"
+                raise ConfigError(section, table, "top-level key outside any [section]", fix)
+            match = difflib.get_close_matches(section, list(fields), n=1, cutoff=0.6)
+            fix = f"did you mean [{match[0]}]?" if match else f"valid sections: {', '.join(fields)}"
+            raise ConfigError(f"[{section}]", dict(table), "unknown section", fix)
+        if not isinstance(table, Mapping):
+            raise ConfigError(section, table, "expected a [section] table",
+                              f"write it as a table: [{section}] followed by key = value lines")
+        values = {}
+        for key, value in table.items():
+            dotted = f"{section}.{key}"
+            if key not in fields[section]:
+                match = _closest_key(dotted)
+                fix = f"did you mean {match}?" if match else f"valid keys in [{section}]: {', '.join(fields[section])}"
+                raise ConfigError(dotted, value, f"unknown key in [{section}]", fix)
+            values[key] = _toml_value(dotted, value, fields[section][key])
+        section_cls = typing.get_type_hints(JobConfig)[section]
+        sections[section] = section_cls(**values)
+    return JobConfig(**sections)
+
+
+def load_toml_config(path: str | Path) -> JobConfig:
+    """Read a TOML job file into a `JobConfig` (no overrides, no validation).
+
+    Raises:
+        ConfigError: the file is missing or unreadable, is not valid TOML (the message carries
+            the parser's line and column), or holds an unknown key or a wrong type.
+    """
+    path = Path(path)
+    shipped = "the shipped configs are configs/debug_model.toml, configs/llama4_16e.toml, configs/llama4_128e.toml"
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("--config", str(path), "file not found", f"check the path; {shipped}") from None
+    except IsADirectoryError:
+        raise ConfigError("--config", str(path), "is a directory, not a TOML file",
+                          f"pass the .toml file itself; {shipped}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError("--config", str(path), f"not UTF-8 text ({err.reason} at byte {err.start})",
+                          "save the file as UTF-8 TOML") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("--config", str(path), f"malformed TOML: {err}",
+                          "fix the TOML syntax at that line (strings need double quotes, tables [section])") from None
+    return job_config_from_dict(data)
+
+
+def write_config_toml(cfg: JobConfig, path: str | Path) -> Path:
+    """Write the fully resolved `cfg` as TOML (a run writes `<job.dump_folder>/config.toml`).
+
+    The file reloads to an equal `JobConfig` with ``load_job_config(["--config", path])``.
+    Returns the path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"# Resolved torchmoe job config. Rerun it: python -m torchmoe train --config {path}\n\n"
+    path.write_text(header + tomli_w.dumps(dataclasses.asdict(cfg)), encoding="utf-8")
+    return path
+
+
+# ---- command-line overrides ------------------------------------------------------------------
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered not in ("true", "false"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return lowered == "true"
+
+
+def _parse_scalar(text: str, typ: Any) -> Any:
+    """Parse one command-line string as `typ` (the same rules tyro then applies)."""
+    if typ is bool:
+        return _parse_bool(text)
+    if typ in (int, float):
+        return typ(text)
+    return text
+
+
+# tyro's stock bool parser only takes "True"/"False"; DESIGN §3 promises true/false, any case.
+_REGISTRY = ConstructorRegistry()
+
+
+@_REGISTRY.primitive_rule
+def _bool_rule(type_info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
+    if type_info.type is not bool:
+        return None
+    return PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="{true,false}",
+        instance_from_str=lambda args: _parse_bool(args[0]),
+        is_instance=lambda x: isinstance(x, bool),
+        str_from_instance=lambda x: ["true" if x else "false"],
+    )
+
+
+def _check_override(flag: str, values: list[str]) -> list[str]:
+    """Check one ``--section.key`` override; return its values in the form tyro should get.
+
+    Raises:
+        ConfigError: unknown flag (with the closest valid one), wrong number of values, or a value
+            that does not parse as the field's type.
+    """
+    name = flag[2:].replace("-", "_")
+    section, _, leaf = name.partition(".")
+    typ = _config_fields().get(section, {}).get(leaf)
+    if typ is None:
+        match = _closest_key(name)
+        fix = f"did you mean --{match}?" if match else _HELP_HINT
+        raise ConfigError(flag, " ".join(values), "unknown option", fix)
+    if typ == list[str]:
+        return values
+    if typ is bool and not values:  # a bare boolean flag means true
+        return ["true"]
+    if len(values) != 1:
+        got = "no value" if not values else f"{len(values)} values ({' '.join(values)})"
+        raise ConfigError(flag, " ".join(values), f"expects exactly one value, got {got}",
+                          f"pass one value: --{name} VALUE (or --{name}=VALUE)")
+    try:
+        _parse_scalar(values[0], typ)
+    except ValueError:
+        expected = {bool: "true or false", int: "an integer", float: "a number"}[typ]
+        example = show_value(getattr(getattr(JobConfig(), section), leaf))
+        raise ConfigError(flag, values[0], f"expected {expected}",
+                          f"pass {expected}, e.g. --{name} {example}") from None
+    return values
+
+
+def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[str]]], bool]:
+    """Split argv into (config path, [(flag, values)], help requested).
+
+    A flag is any token starting with ``--``; the tokens after it up to the next flag are its
+    values (so negative numbers such as ``-1`` stay values). ``--flag=value`` is one value.
+    """
+    config_path: str | None = None
+    overrides: list[tuple[str, list[str]]] = []
+    wants_help = False
+    for token in argv:
+        if token in _HELP_FLAGS:
+            wants_help = True
+        elif token.startswith("--"):
+            flag, eq, value = token.partition("=")
+            overrides.append((flag, [value] if eq else []))
+        elif overrides:
+            overrides[-1][1].append(token)
+        else:
+            fix = f"pass it as --config {token}" if token.endswith(".toml") else \
+                f"options look like --section.key VALUE; {_HELP_HINT}"
+            raise ConfigError("argument", token, "unexpected positional argument", fix)
+    remaining = []
+    for flag, values in overrides:
+        if flag != "--config":
+            remaining.append((flag, values))
+        elif config_path is not None:
+            raise ConfigError("--config", " ".join(values), "given more than once", "pass a single --config FILE")
+        elif len(values) != 1:
+            raise ConfigError("--config", " ".join(values), "expects exactly one file",
+                              "pass --config FILE, e.g. --config configs/debug_model.toml")
+        else:
+            config_path = values[0]
+    return config_path, remaining, wants_help
+
+
+def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", description: str | None = None) -> JobConfig:
+    """Parse ``[--config FILE] [--section.key VALUE | --section.key=VALUE ...]`` into a `JobConfig`.
+
+    Values come from the flag, else the TOML file, else the dataclass default. List fields take
+    any number of values (``--float8.filter_fqns output router``); booleans take true/false (a
+    bare boolean flag means true). The result is not validated: call `validate_job_config`.
+
+    With ``-h``/``--help`` in argv, prints the help (every option, its docstring and the
+    effective default under this TOML file) and raises ``SystemExit(0)`` like argparse.
+
+    Args:
+        argv: the arguments after the subcommand.
+        prog: program name shown in the help.
+        description: text shown at the top of the help.
+
+    Raises:
+        ConfigError: any user error in the file or the flags.
+    """
+    config_path, overrides, wants_help = _split_args(argv)
+    base = load_toml_config(config_path) if config_path is not None else JobConfig()
+    if wants_help:
+        tyro_args = ["--help"]
+    else:
+        tyro_args = []
+        for flag, values in overrides:
+            tyro_args += [f"--{flag[2:].replace('-', '_')}", *_check_override(flag, values)]
+    return tyro.cli(
+        JobConfig,
+        prog=prog,
+        description=description,
+        args=tyro_args,
+        default=base,
+        use_underscores=True,
+        config=(tyro.conf.FlagConversionOff,),
+        registry=_REGISTRY,
+    )

@@ -1,0 +1,187 @@
+"""Tokenizers: a built-in byte tokenizer and Hugging Face `tokenizer.json` files.
+
+    from torchmoe.data import build_tokenizer
+    tok = build_tokenizer("")                      # bytes, vocab 258, no files
+    tok = build_tokenizer("path/to/Llama-4-Scout") # folder holding tokenizer.json
+
+Both expose the same small interface, which is all the data pipeline and the trainer use.
+`encode` never adds special tokens: the packer decides where BOS/EOS go.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from torchmoe.data.dataset import DataConfigError
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. Ids are in `[0, vocab_size)`."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOS."""
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text; tokenizers that can encode in parallel override it."""
+        return [self.encode(text) for text in texts]
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids` (special tokens are kept, as their text where they have one)."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included; the model's vocab must be at least this."""
+
+    @property
+    @abstractmethod
+    def bos_id(self) -> int | None:
+        """Beginning-of-text id, or None when the tokenizer has none."""
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int:
+        """End-of-text id; the packer puts it after every document."""
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257 (vocab 258).
+
+    Needs no files, so the debug model trains anywhere; its vocab (512) holds every id.
+    """
+
+    _BOS = 256
+    _EOS = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        # Specials have no bytes; dropping them keeps decode total on any id list.
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def bos_id(self) -> int:
+        return self._BOS
+
+    @property
+    def eos_id(self) -> int:
+        return self._EOS
+
+
+# Tried in order when no tokenizer_config.json / special_tokens_map.json names the token.
+# Llama 4 first; then the conventions of other common families.
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+_EOS_CANDIDATES = ("<|end_of_text|>", "<|eot|>", "</s>", "<eos>", "<|endoftext|>")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face fast tokenizer loaded from `tokenizer.json` via the `tokenizers` library.
+
+    Args:
+        path: the `tokenizer.json` file, or a folder holding it. BOS/EOS are read from the
+            `bos_token`/`eos_token` of `tokenizer_config.json` (then `special_tokens_map.json`)
+            next to it when present, else found by their usual names (Llama 4:
+            `<|begin_of_text|>`, `<|end_of_text|>`).
+
+    Raises:
+        DataConfigError: the file or the `tokenizers` package is missing, or the tokenizer has
+            no end-of-text token.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            from tokenizers import Tokenizer as _RustTokenizer
+        except ImportError as e:
+            raise DataConfigError(
+                "model.tokenizer_path", str(path), "loading tokenizer.json needs the 'tokenizers' package",
+                "pip install 'torchmoe[data]', or leave it empty for the built-in byte tokenizer",
+            ) from e  # fmt: skip
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise DataConfigError(
+                "model.tokenizer_path", str(path), f"no tokenizer file at {file}",
+                "give a tokenizer.json or a folder holding one, or leave it empty for the built-in "
+                "byte tokenizer",
+            )  # fmt: skip
+        self._tok = _RustTokenizer.from_file(str(file))
+        self.path = file
+        named = _special_tokens_from_configs(file.parent)
+        self._bos = self._find_id(named.get("bos_token"), _BOS_CANDIDATES)
+        eos = self._find_id(named.get("eos_token"), _EOS_CANDIDATES)
+        if eos is None:
+            raise DataConfigError(
+                "model.tokenizer_path", str(path),
+                f"the tokenizer has no end-of-text token (looked for {', '.join(_EOS_CANDIDATES)})",
+                "name it as eos_token in a tokenizer_config.json next to tokenizer.json",
+            )  # fmt: skip
+        self._eos = eos
+
+    def _find_id(self, named: str | None, candidates: tuple[str, ...]) -> int | None:
+        for token in ((named,) if named else ()) + candidates:
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # Runs on all cores (the library's thread pool; TOKENIZERS_PARALLELISM=false disables).
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+
+def _special_tokens_from_configs(folder: Path) -> dict[str, str]:
+    """`bos_token`/`eos_token` from the HF config files in `folder`.
+
+    `tokenizer_config.json` takes precedence over `special_tokens_map.json`.
+    """
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        config: dict[str, Any] = json.loads(file.read_text(encoding="utf-8"))
+        for key in ("bos_token", "eos_token"):
+            value = config.get(key)
+            # Saved either as a plain string or as a serialized AddedToken {"content": ...}.
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str) and value:
+                found[key] = value
+    return found
+
+
+def build_tokenizer(tokenizer_path: str) -> Tokenizer:
+    """The tokenizer for `model.tokenizer_path`: bytes when empty, else a Hugging Face file."""
+    if not tokenizer_path:
+        return ByteTokenizer()
+    return HFTokenizer(tokenizer_path)

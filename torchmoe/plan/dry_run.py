@@ -1,0 +1,268 @@
+"""`torchmoe train --dry-run`: plan a job without a process group or a single real tensor.
+
+    python -m torchmoe train --config configs/llama4_128e.toml --dry-run --world-size 1024
+
+Prints the mesh (dims, sizes, and for rank 0, a middle rank and the last rank their coordinates
+and the members of each of their groups), the parallel plan, total / active / per-rank parameter
+counts, FLOPs per token and the per-rank memory estimate, and writes the same as
+``<job.dump_folder>/dry_run.json``. Groups come from `parallel_dims.mesh_layout`, the function
+the real DeviceMesh is checked against, so what is printed is what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from torchmoe.config.job_config import JobConfig
+from torchmoe.config.validate import resolve_degrees
+from torchmoe.distributed.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
+from torchmoe.models.llama4.args import ModelArgs, build_model_args
+from torchmoe.plan.layout import (
+    ParamSpec,
+    local_shape,
+    param_specs,
+    pipeline_layout,
+    rank_param_specs,
+    shard_numel,
+    stages_per_rank,
+)
+from torchmoe.plan.memory import GIB, MemoryEstimate, compute_dtype_bytes, memory_per_pp_rank
+
+# Longer member lists are abbreviated when printed (the JSON keeps them whole).
+_MAX_LISTED = 8
+# Above this fraction of device memory the estimate is flagged even though it fits.
+_TIGHT_FRACTION = 0.9
+
+
+def format_ranks(members: list[int]) -> str:
+    """``0, 1, 2, 3`` or, for long groups, ``0, 8, 16, …, 1016 (128 ranks)``."""
+    if len(members) <= _MAX_LISTED:
+        return ", ".join(map(str, members))
+    return f"{', '.join(map(str, members[:3]))}, …, {members[-1]} ({len(members)} ranks)"
+
+
+def example_ranks(world_size: int) -> list[int]:
+    """Rank 0, one in the middle and the last rank (deduplicated for tiny worlds)."""
+    return sorted({0, world_size // 2, world_size - 1})
+
+
+def device_memory_gib(cfg_gib: float) -> float | None:
+    """Memory per device: the config's value, else the first CUDA device's, else unknown (None)."""
+    if cfg_gib > 0:
+        return cfg_gib
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB
+    return None
+
+
+def _model_args(cfg: JobConfig) -> ModelArgs:
+    m = cfg.model
+    return build_model_args(m.flavor, attn_backend=m.attn_backend, use_grouped_mm=m.use_grouped_mm,
+                            load_balance_coeff=m.load_balance_coeff, aux_loss_coeff=m.aux_loss_coeff,
+                            z_loss_coeff=m.z_loss_coeff)
+
+
+def _linear_specs(specs: list[ParamSpec]) -> list[ParamSpec]:
+    """The nn.Linear weights (2-D, not the embedding): what float8 conversion can touch."""
+    return [s for s in specs if len(s.shape) == 2 and not s.fqn.startswith("tok_embeddings")]
+
+
+def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> dict[str, dict]:
+    """Each technique: ``{"enabled": bool, "detail": str}``, in the order parallelize applies them."""
+    p, t = cfg.parallelism, cfg.training
+    plan: dict[str, dict] = {}
+
+    def add(name: str, enabled: bool, detail: str) -> None:
+        plan[name] = {"enabled": enabled, "detail": detail}
+
+    loss_parallel = dims.tp_enabled and not p.disable_loss_parallel
+    add("tensor_parallel", dims.tp_enabled,
+        f"tp={dims.tp}: attention heads, dense FFN and shared-expert hidden dims, embedding/output vocab; "
+        f"sequence-parallel norms; loss parallel {'on' if loss_parallel else 'off'}; "
+        f"async TP {'on' if p.enable_async_tensor_parallel else 'off'}" if dims.tp_enabled else "off")
+    add("moe_tensor_parallel", dims.moe_tp_enabled,
+        f"routed experts' hidden dim over tp={dims.tp} (w1/w3 column-wise, w2 row-wise), router gate "
+        "replicated; MoE input all-gathered, output reduce-scattered" if dims.moe_tp_enabled else "off")
+    add("expert_parallel", dims.ep_enabled,
+        f"ep={dims.ep}: {args.num_experts // dims.ep} of {args.num_experts} experts per rank, dropless "
+        f"all-to-all over groups of {dims.ep} consecutive ranks of dp_shard x cp x tp (tp first)"
+        if dims.ep_enabled else "off")
+    add("context_parallel", dims.cp_enabled,
+        f"cp={dims.cp}: {t.seq_len // dims.cp} of {t.seq_len} tokens per rank (ring attention)"
+        if dims.cp_enabled else "off")
+    add("activation_checkpoint", cfg.activation_checkpoint.mode != "none",
+        cfg.activation_checkpoint.mode + (f" ({cfg.activation_checkpoint.selective_ac_option})"
+                                          if cfg.activation_checkpoint.mode == "selective" else ""))
+    add("compile", cfg.compile.enable, "torch.compile per transformer block" if cfg.compile.enable else "off")
+    add("data_parallel", dims.dp_enabled or dims.fsdp_enabled, _data_parallel_detail(cfg, dims))
+    add("pipeline_parallel", dims.pp_enabled, _pipeline_detail(cfg, dims, args) if dims.pp_enabled else "off")
+    add("float8", cfg.float8.enable, _float8_detail(cfg, args) if cfg.float8.enable else "off")
+    return plan
+
+
+def _data_parallel_detail(cfg: JobConfig, dims: ParallelDims) -> str:
+    t = cfg.training
+    if dims.fsdp_enabled:
+        kind = f"HSDP (replicate over dp_replicate={dims.dp_replicate}, shard within)" if dims.hsdp_enabled else "FSDP"
+        return (f"{kind}: dense params over dp_shard_cp={dims.dp_shard_cp}, routed experts over "
+                f"efsdp={dims.efsdp}; compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
+                f"reshard after forward: {cfg.parallelism.fsdp_reshard_after_forward}"
+                + ("; CPU offload" if cfg.parallelism.fsdp_cpu_offload else ""))
+    if dims.ddp_enabled:
+        return f"DDP over dp_replicate={dims.dp_replicate} (fp32, no mixed precision without FSDP)"
+    return "off (one data-parallel rank; fp32)"
+
+
+def _pipeline_detail(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> str:
+    p = cfg.parallelism
+    pipe = pipeline_layout(args.n_layers, dims.pp, p.pipeline_parallel_schedule)
+    sizes = [len(layers) for layers in pipe.layers]
+    microbatches = max(cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size, 1)
+    return (f"pp={dims.pp}, schedule {p.pipeline_parallel_schedule}: {pipe.num_stages} stages "
+            f"({stages_per_rank(dims.pp, p.pipeline_parallel_schedule)} per rank), layers per stage {sizes}; "
+            f"{microbatches} micro-batches of {p.pipeline_parallel_microbatch_size}")
+
+
+def _float8_detail(cfg: JobConfig, args: ModelArgs) -> str:
+    """What `distributed/float8.py` converts: nn.Linear layers outside filter_fqns whose in and
+    out features are multiples of 16 (float8 GEMM tiles)."""
+    f8 = cfg.float8
+    linears = _linear_specs(param_specs(args))
+    filtered = [s for s in linears if any(name in s.fqn for name in f8.filter_fqns)]
+    misaligned = [s for s in linears if s not in filtered and any(n % 16 for n in s.shape)]
+    converted = len(linears) - len(filtered) - len(misaligned)
+    matched = [name for name in f8.filter_fqns if any(name in s.fqn for s in filtered)]
+    return (f"recipe {f8.recipe_name}: {converted} of {len(linears)} nn.Linear layers in float8 "
+            f"({len(filtered)} kept by filter_fqns {matched}, {len(misaligned)} with dims not multiples of 16); "
+            f"routed experts are grouped GEMMs, not nn.Linear; FSDP float8 all-gather "
+            f"{'on' if f8.enable_fsdp_float8_all_gather else 'off'}")
+
+
+def _mesh_rows(layout: dict[str, DimLayout]) -> list[tuple[str, int, str]]:
+    composed = {**{v: " x ".join(d) for v, d in FLAT_VIEWS.items()},
+                "ep": "innermost ranks of the expert region", "efsdp": "expert region / ep"}
+    return [(name, layout[name].size, composed.get(name, "world dim")) for name in ALL_NAMES]
+
+
+def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = None) -> dict:
+    """Plan `cfg` on `world_size` ranks: print the report and write ``dry_run.json``.
+
+    Args:
+        cfg: a validated job config.
+        world_size: ranks to plan for.
+        console: where to print (default: stdout).
+    Returns:
+        The report written to ``<job.dump_folder>/dry_run.json``.
+    """
+    console = console or Console(highlight=False)
+    degrees = resolve_degrees(cfg.parallelism, world_size)
+    dims = ParallelDims(**degrees, world_size=world_size)
+    args = _model_args(cfg)
+    layout = dims.layout()
+    ranks = example_ranks(world_size)
+
+    counts = args.param_counts()
+    specs = param_specs(args)
+    pipe = pipeline_layout(args.n_layers, dims.pp, cfg.parallelism.pipeline_parallel_schedule)
+    per_pp_rank = [rank_param_specs(specs, pipe, r) for r in range(dims.pp)]
+    params_per_rank = max(sum(shard_numel(s, dims) for s in local) for local in per_pp_rank)
+    params_local = max(sum(math.prod(local_shape(s, dims)) for s in local) for local in per_pp_rank)
+    memory = max(memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
+                                    compiled=cfg.compile.enable), key=lambda e: e.total)
+    device_gib = device_memory_gib(cfg.job.device_memory_gib)
+    plan = describe_plan(cfg, dims, args)
+
+    report = {
+        "world_size": world_size,
+        "mesh": {name: layout[name].size for name in ALL_NAMES},
+        "params_total": counts["total"],
+        "params_active": counts["active"],
+        "params_per_rank": params_per_rank,
+        "flops_per_token": args.flops_per_token(cfg.training.seq_len),
+        "memory_per_rank_gib": memory.gib(),
+        "memory_pp_rank": memory.pp_rank,
+        "device_memory_gib": device_gib,
+        "plan": plan,
+        "coordinates": {str(r): {d: layout[d].coordinate(r) for d in MESH_DIMS} for r in ranks},
+        "groups": {str(r): {name: layout[name].group(r) for name in ALL_NAMES} for r in ranks},
+    }
+    _print_report(console, cfg, dims, layout, ranks, report, params_local, memory, device_gib,
+                  compute_dtype_bytes(dims, cfg.training))
+    out = Path(cfg.job.dump_folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dry_run.json").write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {out / 'dry_run.json'}")
+    return report
+
+
+def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: dict[str, DimLayout],
+                  ranks: list[int], report: dict, params_local: int, memory: MemoryEstimate,
+                  device_gib: float | None, compute_bytes: int) -> None:
+    console.rule(f"[bold]dry run: {cfg.model.flavor} on {dims.world_size} ranks")
+
+    mesh = Table(title="mesh (ranks row-major over pp, dp_replicate, dp_shard, cp, tp)", title_justify="left")
+    for col in ("name", "size", "made of"):
+        mesh.add_column(col)
+    for name, size, composed in _mesh_rows(layout):
+        mesh.add_row(name, str(size), composed)
+    console.print(mesh)
+
+    groups = Table(title=escape("groups of example ranks: [local rank] members"), title_justify="left")
+    groups.add_column("name")
+    for r in ranks:
+        coords = ", ".join(f"{d}={report['coordinates'][str(r)][d]}" for d in MESH_DIMS)
+        groups.add_column(f"rank {r}\n({coords})")
+    for name in ALL_NAMES:
+        groups.add_row(name, *(escape(f"[{layout[name].coordinate(r)}] {format_ranks(report['groups'][str(r)][name])}")
+                               for r in ranks))
+    console.print(groups)
+
+    plan = Table(title="parallel plan", title_justify="left")
+    plan.add_column("technique")
+    plan.add_column("")
+    for name, entry in report["plan"].items():
+        style = "" if entry["enabled"] else "dim"
+        plan.add_row(name, entry["detail"], style=style)
+    console.print(plan)
+
+    dtype = {2: "bf16", 4: "fp32"}[compute_bytes]
+    console.print(
+        f"parameters: total {report['params_total'] / 1e9:.2f} B, active {report['params_active'] / 1e9:.2f} B; "
+        f"per rank {report['params_per_rank'] / 1e9:.3f} B stored ({params_local / 1e9:.3f} B after TP/EP, "
+        f"before FSDP sharding)")
+    console.print(f"FLOPs per token (fwd+bwd, seq_len {cfg.training.seq_len}): {report['flops_per_token']:.4g}")
+
+    gib = memory.gib()
+    console.print(f"memory per rank (estimate for the fullest pp rank, {memory.pp_rank}; compute dtype {dtype}):")
+    table = Table()
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for part in ("params", "grads", "optimizer", "fsdp_buffers", "activations"):
+        table.add_row(part, f"{gib[part]:.2f}")
+    table.add_row("total", f"{gib['total']:.2f}", style="bold")
+    if memory.host:
+        table.add_row("host (CPU offload)", f"{gib['host']:.2f}", style="dim")
+    console.print(table)
+    _print_memory_verdict(console, gib["total"], device_gib)
+
+
+def _print_memory_verdict(console: Console, total_gib: float, device_gib: float | None) -> None:
+    if device_gib is None:
+        console.print("[dim]device memory unknown (no CUDA here): set job.device_memory_gib to check the fit[/]")
+    elif total_gib > device_gib:
+        console.print(f"[bold red]warning: estimated {total_gib:.1f} GiB per rank exceeds the device's "
+                      f"{device_gib:.1f} GiB: expect OOM; raise sharding (dp_shard, tp, ep, pp), enable "
+                      "activation checkpointing, or lower local_batch_size / seq_len[/]")
+    elif total_gib > _TIGHT_FRACTION * device_gib:
+        console.print(f"[yellow]warning: estimated {total_gib:.1f} GiB per rank is within "
+                      f"{100 * (1 - _TIGHT_FRACTION):.0f}% of the device's {device_gib:.1f} GiB "
+                      "(allocator fragmentation and NCCL buffers are not counted)[/]")
+    else:
+        console.print(f"[green]fits: {total_gib:.1f} of {device_gib:.1f} GiB per device[/]")

@@ -1,0 +1,220 @@
+"""Where the model's parameters live: pipeline stages, and each tensor's shard on one rank.
+
+    python -c "from torchmoe.plan.layout import param_specs; from torchmoe.models.llama4 import FLAVORS; \\
+        print(*param_specs(FLAVORS['debugmodel'])[:6], sep='\\n')"
+
+Derived from `ModelArgs` alone (no model is built), mirroring the tensors `models/llama4/model.py`
+creates. The sharding rules are the ones the parallelize pipeline applies (DESIGN §4):
+
+- TP (`distributed/tensor_parallel.py`): attention wq/wk/wv and dense SwiGLU w1/w3 column-wise
+  (dim 0), wo and w2 row-wise (dim 1), the embedding and output head over the vocab (dim 0);
+  norms replicated. The MoE block's own parameters follow the experts: under MoE TP (ep == 1,
+  tp > 1) the shared expert is column/row-wise like a dense FFN and the router gate replicated;
+  under EP the MoE block runs on each rank's sequence shard and TP leaves them whole.
+- Routed experts ``w1, w3: [E, hidden, dim]``, ``w2: [E, dim, hidden]``: EP shards dim 0; under
+  MoE TP hidden is sharded instead (dim 1 of w1/w3, dim 2 of w2).
+- FSDP2 shards dim 0 of each rank's TP/EP-local tensor over dp_shard_cp (dense) or efsdp
+  (experts), padding it to a multiple of the group size. Experts shard dim 1 instead when a rank
+  holds fewer experts than the efsdp group has ranks (`expert_fsdp_shard_dim`), since padding
+  dim 0 would leave a whole expert on every rank.
+- PP splits the blocks into contiguous stages of near-equal size (the first stages take one
+  more when it does not divide); the embedding is on the first stage, the final norm and the
+  output head on the last. Single-stage schedules run one stage per pp rank; Interleaved1F1B
+  runs two per rank looping (rank r: stages r and r + pp) and ZBVZeroBubble two in a V (rank r:
+  stages r and 2pp - 1 - r).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchmoe.distributed.parallel_dims import ParallelDims
+from torchmoe.models.llama4.args import ModelArgs
+
+# Pipeline schedules that run several stages per pp rank, and how they place them.
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "ZBVZeroBubble")
+STAGES_PER_RANK_MULTI = 2
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the model and how it is sharded.
+
+    Attributes:
+        fqn: its name in ``Transformer.state_dict()``.
+        shape: the full (unsharded) shape.
+        tp_dim: the dim TP shards, None if replicated over tp.
+        kind: "dense"; "moe" (router gate and shared expert: TP-sharded only under MoE TP);
+            "expert" (routed experts: EP shards dim 0, TP only under MoE TP, FSDP over efsdp).
+        layer: the block index, or None for the embedding, final norm and output head.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    kind: str = "dense"
+    layer: int | None = None
+
+    @property
+    def expert(self) -> bool:
+        return self.kind == "expert"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def fsdp_unit(self) -> str:
+        """The FSDP2 module this parameter is gathered with: its block, the embedding or the head."""
+        if self.layer is not None:
+            return f"layers.{self.layer}"
+        return "tok_embeddings" if self.fqn.startswith("tok_embeddings") else "head"
+
+
+def _swiglu(prefix: str, dim: int, hidden: int, layer: int, kind: str) -> list[ParamSpec]:
+    return [
+        ParamSpec(f"{prefix}.w1.weight", (hidden, dim), 0, kind, layer),
+        ParamSpec(f"{prefix}.w2.weight", (dim, hidden), 1, kind, layer),
+        ParamSpec(f"{prefix}.w3.weight", (hidden, dim), 0, kind, layer),
+    ]
+
+
+def param_specs(args: ModelArgs) -> list[ParamSpec]:
+    """Every parameter of ``Transformer(args)``, in module order."""
+    d, q_out, kv_out = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    specs = [ParamSpec("tok_embeddings.weight", (args.vocab_size, d), 0)]
+    for i in range(args.n_layers):
+        p = f"layers.{i}"
+        specs += [
+            ParamSpec(f"{p}.attention.wq.weight", (q_out, d), 0, layer=i),
+            ParamSpec(f"{p}.attention.wk.weight", (kv_out, d), 0, layer=i),
+            ParamSpec(f"{p}.attention.wv.weight", (kv_out, d), 0, layer=i),
+            ParamSpec(f"{p}.attention.wo.weight", (d, q_out), 1, layer=i),
+            ParamSpec(f"{p}.attention_norm.weight", (d,), None, layer=i),
+            ParamSpec(f"{p}.ffn_norm.weight", (d,), None, layer=i),
+        ]
+        if not args.is_moe_layer(i):
+            specs += _swiglu(f"{p}.feed_forward", d, args.ffn_hidden_dim, i, "dense")
+            continue
+        e, h = args.num_experts, args.moe_hidden_dim
+        specs += [
+            ParamSpec(f"{p}.moe.router.gate.weight", (e, d), None, "moe", i),
+            ParamSpec(f"{p}.moe.experts.w1", (e, h, d), 1, "expert", i),
+            ParamSpec(f"{p}.moe.experts.w2", (e, d, h), 2, "expert", i),
+            ParamSpec(f"{p}.moe.experts.w3", (e, h, d), 1, "expert", i),
+        ]
+        if args.num_shared_experts:
+            specs += _swiglu(f"{p}.moe.shared_experts", d, h * args.num_shared_experts, i, "moe")
+    specs.append(ParamSpec("norm.weight", (d,), None))
+    if not args.tie_word_embeddings:
+        specs.append(ParamSpec("output.weight", (args.vocab_size, d), 0))
+    return specs
+
+
+# ---- per-rank shards ---------------------------------------------------------------------------
+
+
+def local_shape(spec: ParamSpec, dims: ParallelDims) -> tuple[int, ...]:
+    """The shape one rank holds after TP and EP, before FSDP (what FSDP all-gathers back).
+
+    Uneven splits take the larger piece (ceil), the shard of the fullest rank.
+    """
+    shape = list(spec.shape)
+    tp = dims.tp if spec.kind == "dense" else dims.etp
+    if spec.expert:
+        shape[0] = math.ceil(shape[0] / dims.ep)
+    if spec.tp_dim is not None:
+        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
+    return tuple(shape)
+
+
+def fsdp_group_size(spec: ParamSpec, dims: ParallelDims) -> int:
+    """Ranks FSDP shards `spec` over (1 when FSDP is not applied)."""
+    if not dims.fsdp_enabled:
+        return 1
+    return dims.efsdp if spec.expert else dims.dp_shard_cp
+
+
+def expert_fsdp_shard_dim(local_experts: int, efsdp: int) -> int:
+    """The dim FSDP should shard routed-expert weights on: 0 (experts) when every efsdp rank gets
+    at least one local expert, else 1 (hidden of w1/w3, dim of w2)."""
+    return 0 if local_experts >= efsdp else 1
+
+
+def shard_numel(spec: ParamSpec, dims: ParallelDims) -> int:
+    """Elements of `spec` one rank stores: TP/EP-local, then FSDP-sharded with padding."""
+    shape = local_shape(spec, dims)
+    n = fsdp_group_size(spec, dims)
+    dim = expert_fsdp_shard_dim(shape[0], n) if spec.expert else 0
+    return math.ceil(shape[dim] / n) * math.prod(shape) // shape[dim]
+
+
+# ---- pipeline stages ---------------------------------------------------------------------------
+
+
+def stages_per_rank(pp: int, schedule: str) -> int:
+    """Stages each pp rank runs (1 without PP, whatever the schedule says)."""
+    return STAGES_PER_RANK_MULTI if pp > 1 and schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous blocks of near-equal size; the first ``n_layers % num_stages`` get one more."""
+    base, extra = divmod(n_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        size = base + (s < extra)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def rank_stages(pp: int, schedule: str) -> list[list[int]]:
+    """Stage ids each pp rank runs, in execution order."""
+    if pp > 1 and schedule == "ZBVZeroBubble":
+        return [[r, 2 * pp - 1 - r] for r in range(pp)]
+    return [[r + k * pp for k in range(stages_per_rank(pp, schedule))] for r in range(pp)]
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How the blocks map onto pipeline stages and pp ranks.
+
+    Attributes:
+        num_stages: stages in the whole pipeline.
+        layers: blocks of each stage (index = stage id).
+        ranks: stage ids of each pp rank (index = pp rank).
+    """
+
+    num_stages: int
+    layers: list[list[int]]
+    ranks: list[list[int]]
+
+    def rank_layers(self, pp_rank: int) -> list[int]:
+        """Blocks held by `pp_rank`, in execution order."""
+        return [i for s in self.ranks[pp_rank] for i in self.layers[s]]
+
+    def has_first_stage(self, pp_rank: int) -> bool:
+        return 0 in self.ranks[pp_rank]
+
+    def has_last_stage(self, pp_rank: int) -> bool:
+        return self.num_stages - 1 in self.ranks[pp_rank]
+
+
+def pipeline_layout(n_layers: int, pp: int, schedule: str) -> PipelineLayout:
+    """The stage layout of `n_layers` blocks on `pp` ranks under `schedule`."""
+    num_stages = pp * stages_per_rank(pp, schedule)
+    return PipelineLayout(num_stages, stage_layers(n_layers, num_stages), rank_stages(pp, schedule))
+
+
+def rank_param_specs(specs: list[ParamSpec], pipe: PipelineLayout, pp_rank: int) -> list[ParamSpec]:
+    """The parameters `pp_rank` holds: its blocks, plus the embedding / head on the end stages."""
+    layers = set(pipe.rank_layers(pp_rank))
+    keep = []
+    for spec in specs:
+        unit = spec.fsdp_unit
+        if (spec.layer is not None and spec.layer in layers) or (
+                unit == "tok_embeddings" and pipe.has_first_stage(pp_rank)) or (
+                unit == "head" and pipe.has_last_stage(pp_rank)):
+            keep.append(spec)
+    return keep

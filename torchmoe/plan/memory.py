@@ -1,0 +1,354 @@
+"""Per-rank memory estimate: parameters, gradients, optimizer state, FSDP buffers, activations.
+
+    python -c "from torchmoe.plan.memory import estimate_memory; from torchmoe.models.llama4 import FLAVORS; \\
+        from torchmoe.config.job_config import Training, ActivationCheckpoint, Parallelism; \\
+        print(estimate_memory(FLAVORS['17bx16e'], dict(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=8, ep=1), \\
+              Training(local_batch_size=1, seq_len=8192), ActivationCheckpoint(mode='full'), Parallelism()))"
+
+Everything is counted per rank, after every sharding (see `plan.layout` for the rules), from
+`ModelArgs` alone. With PP each pp rank holds different blocks and micro-batches, so every pp rank
+is estimated and the fullest one reported. The total is a sum of peaks (parameters, optimizer
+state, gradients, transient FSDP buffers and peak activations), an upper bound: sharded
+gradients of late blocks appear only as early blocks' activations are freed.
+
+Dtypes. Parameters are kept fp32 and sharded (the "master" copy). Under FSDP2 (whenever
+`ParallelDims.fsdp_enabled`) compute runs in ``training.mixed_precision_param``: each FSDP unit
+(one transformer block, the embedding, final norm + output head) is all-gathered into an
+unsharded copy in that dtype, and its unsharded gradients are produced in that dtype and cast to
+``mixed_precision_reduce`` for the reduce-scatter. Without FSDP (one rank, DDP, TP or PP alone)
+no mixed-precision policy applies and everything is fp32.
+
+    params       = 4 B x sharded elements
+    grads        = 4 B x sharded elements        (fp32, sharded after reduce-scatter)
+    optimizer    = 8 B x sharded elements        (AdamW/Adam: exp_avg and exp_avg_sq, fp32)
+    fsdp_buffers = reshard after forward:  max_i (U_i + max(U_i-1, U_i+1) + G_i)
+                   kept unsharded (PP's default, or "never"): sum_i U_i + max_i G_i
+        over the rank's FSDP units i in execution order: unit i computes while its neighbour is
+        prefetched (the next one in forward, the previous one in backward), and in backward holds
+        its unsharded gradients. U_i = c x the unit's TP/EP-local elements, G_i = (c + r if r != c
+        else c) x the same (the gradients, and their cast for the reduce-scatter); c / r = bytes
+        of the param / reduce dtype.
+
+With ``parallelism.fsdp_cpu_offload`` the sharded params, grads and optimizer state live in host
+memory instead (reported as ``host``, not in the device total).
+
+Activations: bytes saved for backward per token, per block, from the tensors `model.py` keeps
+alive (eager autograd, flash-style attention kernels that save q, k, v, out and the fp32
+log-sum-exp rather than probabilities; CPU's math attention saves more). ``a`` = compute dtype
+bytes, ``D`` dim, ``Hq = n_heads*head_dim``, ``Hkv = n_kv_heads*head_dim``, ``F`` ffn_hidden_dim,
+``M`` moe_hidden_dim, ``Ms = M * num_shared_experts``, ``E`` experts, ``k`` top_k. TP shards heads
+and hidden dims (``/tp``) and, with sequence parallelism, the residual stream and norms (``/tp``);
+the matmul inputs are the all-gathered sequence (full ``D``).
+
+    norm(n)   = (4 + a)*n + 4               fp32 upcast + normalised output (before the weight) + rstd;
+                a*n + 4 with torch.compile   (fused: the input and rstd)
+    attention = norm(D)/tp + a*D            attention_norm, gathered wq/wk/wv input
+              + a*(Hq + 2*Hkv)/tp           sdpa's q, k, v
+              + a*Hq/tp + 4*n_heads/tp      sdpa output (also wo's input: its transpose is free), lse
+              + (4*(Hq + Hkv) + 4*(n_heads + n_kv_heads))/tp   QK L2-norm (RoPE layers, use_qk_norm)
+    dense FFN = norm(D)/tp + a*D + 4*a*F/tp                 w1 out, silu out, w3 out, product
+    MoE       = norm(D)/tp + f*a*D                          ffn_norm, MoE input
+              + f*(4*E + 16*k)                              fp32 router scores, top-k indices
+              + f*k * (4*D + 2*a*D + 4*a*M/etp + 12)        per routed copy: fp32 operand of the
+                                                            gate multiply, the expert input and
+                                                            output (kept by the index_add back
+                                                            to tokens), the expert SwiGLU, index
+                                                            + gate
+              + 4*a*Ms/tp                                   shared expert SwiGLU
+        f = 1/tp under EP with TP (the MoE block runs on its sequence shard, and the shared
+        expert is not TP-sharded), else 1 (MoE TP gathers the sequence); etp = tp under MoE TP
+        (ep == 1), else 1.
+    head      = norm(D)/tp + a*D + V'*(a + u + 4)           final norm, output input, logits, their
+                                                            fp32 upcast (u = 4, or 0 when a = 4) and
+                                                            the loss's fp32 log-softmax
+        V' = vocab/tp with loss parallel (tp > 1, not disabled), else vocab.
+
+Activation checkpointing (per block, as `distributed/activation_checkpoint.py` applies it; the
+head is never checkpointed):
+    none:      the block's full bytes are saved
+    full:      only its input, a*D/tp
+    selective: "op" saves the input and what the op policy marks must-save (sdpa output + lse,
+               grouped-GEMM outputs, TP reduce-scatter and EP all-to-all outputs) plus half of the
+               plain matmul outputs (it saves every second mm); an integer n fully checkpoints
+               blocks 0, n, 2n, ... of the stage and saves the others whole.
+
+Peak activations of a pp rank = sum over micro-batches in flight of the saved bytes of its blocks
++ the backward working set of the largest block (2 x full - saved: recomputed activations and
+their gradients) + the head on the last stage, all times T = micro-batch sequences x seq_len / cp
+tokens. Micro-batches in flight: 1 without PP (the whole local batch); GPipe all of them; 1F1B
+``pp - r`` on pp rank r; the two-stage-per-rank schedules ``2*(pp - r - 1) + pp + 1`` stage
+chunks (Megatron-LM's interleaved warmup), capped at what the local batch holds. With CP > 1, ring
+attention adds K/V chunks in flight, ``2 * 2*a*Hkv/tp`` per token, to the working set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
+from torchmoe.distributed.parallel_dims import MESH_DIMS, ParallelDims
+from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.layout import (
+    MULTI_STAGE_SCHEDULES,
+    ParamSpec,
+    PipelineLayout,
+    local_shape,
+    param_specs,
+    pipeline_layout,
+    rank_param_specs,
+    shard_numel,
+)
+
+GIB = 1024**3
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_OPTIMIZER_STATES = 2  # AdamW and Adam: exp_avg, exp_avg_sq
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes on one rank of pp rank `pp_rank` (device memory unless noted)."""
+
+    pp_rank: int
+    params: int
+    grads: int
+    optimizer: int
+    fsdp_buffers: int
+    activations: int
+    host: int  # params + grads + optimizer state offloaded to CPU memory (not in `total`)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations
+
+    def gib(self) -> dict[str, float]:
+        """The breakdown in GiB: params, grads, optimizer, fsdp_buffers, activations, host, total."""
+        fields = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "host", "total")
+        return {f: getattr(self, f) / GIB for f in fields}
+
+
+def compute_dtype_bytes(dims: ParallelDims, training_cfg: Training) -> int:
+    """Bytes per element of activations and gathered params: the FSDP param dtype, else fp32."""
+    return _DTYPE_BYTES[training_cfg.mixed_precision_param] if dims.fsdp_enabled else 4
+
+
+# ---- states and FSDP buffers --------------------------------------------------------------------
+
+
+def _fsdp_buffer_bytes(specs: list[ParamSpec], dims: ParallelDims, training_cfg: Training,
+                       parallelism_cfg: Parallelism) -> int:
+    if not dims.fsdp_enabled:
+        return 0
+    c = _DTYPE_BYTES[training_cfg.mixed_precision_param]
+    r = _DTYPE_BYTES[training_cfg.mixed_precision_reduce]
+    # TP/EP-local elements of each FSDP unit, in execution order (specs are in module order).
+    units: dict[str, int] = {}
+    for spec in specs:
+        units[spec.fsdp_unit] = units.get(spec.fsdp_unit, 0) + math.prod(local_shape(spec, dims))
+    numel = list(units.values())
+    grad_bytes = c + r if r != c else c
+    policy = parallelism_cfg.fsdp_reshard_after_forward
+    if policy == "never" or (policy == "default" and dims.pp_enabled):
+        return c * sum(numel) + grad_bytes * max(numel)
+    # Unit i computing (params + its unsharded grads in backward) while a neighbour is prefetched.
+    return max(c * (n + max(numel[i - 1] if i else 0, numel[i + 1] if i + 1 < len(numel) else 0))
+               + grad_bytes * n for i, n in enumerate(numel))
+
+
+# ---- activations --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Per-token bytes saved for backward by each block and by the head (see module docstring).
+
+    Attributes:
+        args: the model's shape.
+        dims: the layout (tp, cp, ep shard the tensors).
+        a: bytes per element of the compute dtype.
+        compiled: blocks run under torch.compile (fused norms).
+        loss_parallel: the loss runs on vocab-sharded logits.
+    """
+
+    args: ModelArgs
+    dims: ParallelDims
+    a: int
+    compiled: bool
+    loss_parallel: bool
+
+    def _norm(self, n: int) -> float:
+        return (self.a * n if self.compiled else (4 + self.a) * n) + 4
+
+    def _moe_tokens(self) -> float:
+        """Fraction of the block's tokens the MoE block runs on: its sequence shard under EP with
+        TP (no all-gather), else all of them (gathered under MoE TP)."""
+        return 1 / self.dims.tp if self.dims.ep_enabled else 1.0
+
+    def _reduce_scatters(self) -> float:
+        """Bytes per token of one TP reduce-scatter output (a block's residual-stream shard)."""
+        return self.a * self.args.dim / self.dims.tp if self.dims.tp_enabled else 0.0
+
+    def block_input(self) -> float:
+        return self.a * self.args.dim / self.dims.tp
+
+    def _attention(self, layer: int) -> float:
+        m, tp, a = self.args, self.dims.tp, self.a
+        hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+        total = self._norm(m.dim) / tp + a * m.dim + a * (hq + 2 * hkv) / tp
+        total += a * hq / tp + 4 * m.n_heads / tp
+        if m.use_qk_norm and m.rope_layers[layer]:
+            total += (4 * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads)) / tp
+        return total
+
+    def _ffn(self, layer: int) -> float:
+        m, tp, a = self.args, self.dims.tp, self.a
+        if not m.is_moe_layer(layer):
+            return self._norm(m.dim) / tp + a * m.dim + 4 * a * m.ffn_hidden_dim / tp
+        f, k = self._moe_tokens(), m.top_k
+        total = self._norm(m.dim) / tp + a * m.dim * f + (4 * m.num_experts + 16 * k) * f
+        total += k * f * (4 * m.dim + 2 * a * m.dim + 4 * a * m.moe_hidden_dim / self.dims.etp + 12)
+        return total + 4 * a * m.moe_hidden_dim * m.num_shared_experts / tp
+
+    def _op_sac(self, layer: int) -> float:
+        """Saved by the per-op policy besides the block input: sdpa, grouped GEMMs, reduce-scatters,
+        all-to-alls in full, and (alternating) half of the plain matmul outputs."""
+        m, tp, a = self.args, self.dims.tp, self.a
+        hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+        always = a * hq / tp + 4 * m.n_heads / tp + self._reduce_scatters()
+        mm = a * (hq + 2 * hkv) / tp + a * m.dim  # wq, wk, wv; wo's output before the reduce-scatter
+        if not m.is_moe_layer(layer):
+            mm += 2 * a * m.ffn_hidden_dim / tp + a * m.dim
+            return always + self._reduce_scatters() + mm / 2
+        f, etp, routed = self._moe_tokens(), self.dims.etp, m.top_k * self._moe_tokens()
+        shared_hidden = m.moe_hidden_dim * m.num_shared_experts
+        mm += f * a * (m.num_experts + 2 * shared_hidden / etp + m.dim)  # router gate, shared expert
+        always += routed * a * (2 * m.moe_hidden_dim / etp + m.dim)  # grouped GEMMs
+        if self.dims.ep_enabled:
+            always += 2 * routed * a * m.dim  # dispatch and combine all-to-alls
+        else:
+            always += self._reduce_scatters()
+        return always + mm / 2
+
+    def block_full(self, layer: int) -> float:
+        """Everything block `layer` saves without activation checkpointing."""
+        return self._attention(layer) + self._ffn(layer)
+
+    def block_op_sac(self, layer: int) -> float:
+        """What per-op selective AC (`distributed/activation_checkpoint.py`) keeps of block `layer`."""
+        return self.block_input() + self._op_sac(layer)
+
+    def head(self) -> float:
+        m, tp, a = self.args, self.dims.tp, self.a
+        vocab = m.vocab_size / tp if self.loss_parallel else m.vocab_size
+        upcast = 0 if a == 4 else 4  # logits.float() is a no-op on fp32 logits
+        return self._norm(m.dim) / tp + a * m.dim + vocab * (a + upcast + 4)
+
+    def cp_ring(self) -> float:
+        m = self.args
+        return 2 * 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp if self.dims.cp_enabled else 0.0
+
+
+def _saved_per_block(act: ActivationModel, layers: list[int], ac_cfg: ActivationCheckpoint) -> list[float]:
+    """Per-token saved bytes of each block of one stage, in order, under the AC config."""
+    if ac_cfg.mode == "none":
+        return [act.block_full(i) for i in layers]
+    if ac_cfg.mode == "full":
+        return [act.block_input() for _ in layers]
+    if ac_cfg.selective_ac_option == "op":
+        return [act.block_op_sac(i) for i in layers]
+    every = int(ac_cfg.selective_ac_option)
+    return [act.block_input() if pos % every == 0 else act.block_full(i) for pos, i in enumerate(layers)]
+
+
+def _chunks_in_flight(pp_rank: int, pp: int, schedule: str, microbatches: int, stages: int) -> int:
+    """Stage x micro-batch activation sets alive at once on `pp_rank` (see module docstring)."""
+    if pp == 1:
+        return 1
+    if schedule == "GPipe":
+        return microbatches * stages
+    if schedule in MULTI_STAGE_SCHEDULES:
+        return min(microbatches * stages, 2 * (pp - pp_rank - 1) + (stages - 1) * pp + 1)
+    return min(microbatches, pp - pp_rank)
+
+
+def _activation_bytes(act: ActivationModel, pipe: PipelineLayout, pp_rank: int, tokens: int, microbatches: int,
+                      schedule: str, ac_cfg: ActivationCheckpoint) -> int:
+    stages = pipe.ranks[pp_rank]
+    saved_of: dict[int, float] = {}
+    for s in stages:
+        saved_of.update(zip(pipe.layers[s], _saved_per_block(act, pipe.layers[s], ac_cfg)))
+    chunks = _chunks_in_flight(pp_rank, act.dims.pp, schedule, microbatches, len(stages))
+    # Chunks cycle over this rank's stages; the mean stage stands for each of them.
+    saved = chunks * sum(saved_of.values()) / len(stages)
+    working = max((2 * act.block_full(i) - b for i, b in saved_of.items()), default=0.0) + act.cp_ring()
+    head = act.head() if pipe.has_last_stage(pp_rank) else 0.0
+    return int((saved + working + head) * tokens)
+
+
+# ---- the estimate -------------------------------------------------------------------------------
+
+
+def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: Training,
+                       ac_cfg: ActivationCheckpoint, parallelism_cfg: Parallelism, *,
+                       compiled: bool = False) -> list[MemoryEstimate]:
+    """The estimate for one rank of each pp rank (index = pp rank).
+
+    Args:
+        model_args: the model's shape.
+        dims: the resolved layout.
+        training_cfg: local_batch_size, seq_len, mixed_precision_param / _reduce.
+        ac_cfg: activation checkpointing mode and selective option.
+        parallelism_cfg: pipeline schedule and micro-batch size, FSDP reshard policy, CPU offload,
+            loss parallel.
+        compiled: blocks run under torch.compile (fused norms save less).
+    """
+    pipe = pipeline_layout(model_args.n_layers, dims.pp, parallelism_cfg.pipeline_parallel_schedule)
+    a = compute_dtype_bytes(dims, training_cfg)
+    act = ActivationModel(model_args, dims, a, compiled,
+                          loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel)
+    if dims.pp_enabled:
+        sequences = parallelism_cfg.pipeline_parallel_microbatch_size
+        microbatches = max(training_cfg.local_batch_size // sequences, 1)
+    else:
+        sequences, microbatches = training_cfg.local_batch_size, 1
+    tokens = sequences * training_cfg.seq_len // dims.cp
+    specs = param_specs(model_args)
+    estimates = []
+    for pp_rank in range(dims.pp):
+        local = rank_param_specs(specs, pipe, pp_rank)
+        numel = sum(shard_numel(s, dims) for s in local)
+        states = {"params": 4 * numel, "grads": 4 * numel, "optimizer": 4 * _OPTIMIZER_STATES * numel}
+        host = 0
+        if parallelism_cfg.fsdp_cpu_offload and dims.fsdp_enabled:
+            host = sum(states.values())
+            states = dict.fromkeys(states, 0)
+        estimates.append(MemoryEstimate(
+            pp_rank=pp_rank,
+            **states,
+            fsdp_buffers=_fsdp_buffer_bytes(local, dims, training_cfg, parallelism_cfg),
+            activations=_activation_bytes(act, pipe, pp_rank, tokens, microbatches,
+                                          parallelism_cfg.pipeline_parallel_schedule, ac_cfg),
+            host=host,
+        ))
+    return estimates
+
+
+def estimate_memory(model_args: ModelArgs, degrees: Mapping[str, int], training_cfg: Training,
+                    ac_cfg: ActivationCheckpoint, parallelism_cfg: Parallelism, *,
+                    compiled: bool = False) -> dict[str, float]:
+    """Peak memory of the fullest rank, in GiB.
+
+    Args:
+        model_args: the model's shape.
+        degrees: resolved ``pp, dp_replicate, dp_shard, cp, tp, ep`` (`config.validate.resolve_degrees`).
+        training_cfg, ac_cfg, parallelism_cfg: the `[training]`, `[activation_checkpoint]` and
+            `[parallelism]` sections.
+        compiled: ``[compile] enable``.
+    Returns:
+        ``params, grads, optimizer, fsdp_buffers, activations, host, total`` in GiB (``host``:
+        CPU-offloaded state, not part of ``total``).
+    """
+    dims = ParallelDims(**degrees, world_size=math.prod(degrees[d] for d in MESH_DIMS))
+    estimates = memory_per_pp_rank(model_args, dims, training_cfg, ac_cfg, parallelism_cfg, compiled=compiled)
+    return max(estimates, key=lambda e: e.total).gib()
