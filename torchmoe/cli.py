@@ -4,7 +4,8 @@
     python -m torchmoe train --config configs/llama4_16e.toml --dry-run --world-size 64
 
 Exit status (DESIGN §3): 0 success, 2 a user error, printed as one message naming the key, the
-value and the fix, without a traceback. Anything else is a bug and keeps its traceback.
+value and the fix, without a traceback; 1 when training diverged (a non-finite loss or gradient
+norm), also one message, naming the step. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -125,16 +126,31 @@ def _train(argv: list[str]) -> int:
 
             run_dry_run(cfg, world_size)
         else:
-            from torchmoe.trainer import train
+            from torchmoe.trainer import TrainingDiverged, train
 
-            train(cfg)
+            try:
+                train(cfg)
+            except TrainingDiverged as err:
+                # Not a bug but the run's outcome: one message (the loss is global, so every rank
+                # stops at the same step and rank 0 speaks for all), exit 1 rather than the 2 of
+                # a config error.
+                if os.environ.get("RANK") in (None, "0"):
+                    _report(err, rank=None)
+                return 1
     except ConfigError as err:
         raise _RankSpecificError(err) from err
     return 0
 
 
+def _convert(argv: list[str]) -> int:
+    from torchmoe.convert import convert_main  # imported here: it pulls in the model stack
+
+    return convert_main(argv)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
+    "convert": Subcommand("Convert weights: hf-to-dcp (Hugging Face -> DCP) or dcp-to-hf.", _convert),
 }
 
 
@@ -145,7 +161,7 @@ def _overview() -> str:
     return "\n".join(lines)
 
 
-def _report(err: ConfigError, rank: str | None) -> None:
+def _report(err: Exception, rank: str | None) -> None:
     prefix = f"[rank {rank}] " if rank is not None else ""
     # soft_wrap: never break the message (the arithmetic, paths) at the terminal width.
     Console(stderr=True, soft_wrap=True, highlight=False).print(f"{prefix}[bold red]error:[/] {escape(str(err))}")

@@ -43,6 +43,7 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import write_config_toml
 from torchmoe.data.dataloader import build_dataloader
 from torchmoe.data.tokenizer import build_tokenizer
+from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
 from torchmoe.models.llama4 import Transformer, build_model_args, update_expert_bias
 from torchmoe.models.llama4.args import ModelArgs
@@ -170,16 +171,27 @@ class Trainer:
         else:
             load_model_only(ckpt.initial_load_path, [self.model])
 
+    @property
+    def _token_shards(self) -> int:
+        """Ranks among which one global batch's tokens are split for the MoE router: dp and cp,
+        and tp when EP spans it (each TP rank then routes its own sequence shard)."""
+        return self.dims.dp * self.dims.cp * (self.dims.tp if self.dims.ep_enabled else 1)
+
     def _set_aux_loss_scale(self, micro_batches: int) -> None:
-        # Auxiliary losses are means per micro-batch on each dp rank; gradients are summed over
-        # dp ranks and micro-batches, so each contributes 1 / (micro-batches * dp).
+        # Auxiliary losses are means per micro-batch and token shard; gradients are summed over
+        # shards and micro-batches, so each contributes 1 / (micro-batches * shards).
         for moe in self.moe_layers:
-            moe.aux_loss_grad_scale = 1.0 / (micro_batches * self.dims.dp * self.dims.cp)
+            moe.aux_loss_grad_scale = 1.0 / (micro_batches * self._token_shards)
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """Forward/backward over this rank's micro-batches, clip, step, update the MoE biases."""
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate the gradients of this rank's micro-batches; returns this rank's share of
+        the global loss (a 0-dim tensor; summed over dp ranks it is the global mean).
+
+        Args:
+            micro_batches: (inputs, labels) pairs, each (local_batch_size, seq_len) int64.
+        """
         self._set_aux_loss_scale(len(micro_batches))
         local_loss = torch.zeros((), device=self.device)
         for inputs, labels in micro_batches:
@@ -192,8 +204,16 @@ class Trainer:
                 loss = loss / self.global_tokens
                 loss.backward()
             local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        return local_loss
 
-        global_loss, stop = self._reduce_loss_and_stop_flag(local_loss)
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """`forward_backward`, then agree on the loss, clip, step and update the MoE biases.
+
+        Raises:
+            TrainingDiverged: the global loss or gradient norm is not finite (nothing was
+                stepped, so the model still holds the previous step's weights).
+        """
+        global_loss, stop = self._reduce_loss_and_stop_flag(self.forward_backward(micro_batches))
         if not torch.isfinite(global_loss):
             raise TrainingDiverged(f"loss is {global_loss.item()} at step {self.step + 1}: stopping without "
                                    "saving; lower optimizer.lr or check the data")
@@ -232,6 +252,8 @@ class Trainer:
         counts = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # (L, E)
         if self.mesh is not None and self.dims.dp * self.dims.cp > 1:
             dist.all_reduce(counts, group=self.mesh["loss"].get_group())
+        if self.mesh is not None and self.dims.ep_enabled and self.dims.tp_enabled:
+            dist.all_reduce(counts, group=self.mesh["tp"].get_group())
         update_expert_bias(self.moe_layers, list(counts))
         return counts
 
@@ -261,12 +283,15 @@ class Trainer:
                                                             start_step=self.step))
             while self.step < steps:
                 t0 = time.perf_counter()
+                ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
                 result = self.train_step(self.dataloader.next_batch())
                 self.step += 1
                 dt = time.perf_counter() - t0
                 if metrics.should_log(self.step):
                     tokens_per_sec = self.global_tokens / dt
-                    metrics.log(self.step, {
+                    extra = {"ep_all_to_all_gib": (ep_bytes_moved(self.model) - ep_bytes) / 2**30} \
+                        if self.dims.ep_enabled else {}
+                    metrics.log(self.step, {**extra,
                         "loss": result.loss,
                         "grad_norm": result.grad_norm,
                         "lr": self.scheduler.get_last_lr()[0],

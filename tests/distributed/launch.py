@@ -53,3 +53,15 @@ def start_from(checkpoint: Path, dump_folder: Path) -> Path:
     target = dump_folder / "checkpoint" / checkpoint.name
     shutil.copytree(checkpoint, target)
     return dump_folder
+
+
+def metrics(dump_folder: Path) -> dict[int, dict]:
+    """step -> the whole metrics.jsonl record."""
+    rows = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}
+
+
+def seed_checkpoint(folder: Path, args: list[str] = ()) -> Path:
+    """Write a seed checkpoint (one process) and return its step-0 folder."""
+    run_train(folder, ["--checkpoint.create_seed_checkpoint", "true", *args])
+    return folder / "checkpoint" / "step-0"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launch import losses, run_train, start_from
+from tests.distributed.launch import losses, run_train, seed_checkpoint as make_seed, start_from
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
@@ -17,9 +17,7 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def seed_checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("seed")
-    run_train(folder, ["--checkpoint.create_seed_checkpoint", "true"])
-    return folder / "checkpoint" / "step-0"
+    return make_seed(tmp_path_factory.mktemp("seed"))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,7 +56,8 @@ def apply_fsdp(
         units.append(fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=reshard, **common))
     for block in model.layers.values():
         if expert_mesh is not None and block.moe_enabled:
-            units.append(fully_shard(block.moe.experts, mesh=expert_mesh, reshard_after_forward=reshard, **common))
+            units.append(fully_shard(block.moe.experts, mesh=expert_mesh, reshard_after_forward=reshard,
+                                     shard_placement_fn=_expert_placement(expert_mesh.size(-1)), **common))
         units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **common))
     head = [m for m in (model.norm, model.output) if m is not None]
     if head:
@@ -65,6 +67,19 @@ def apply_fsdp(
     units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **common))
     for unit in units:
         _sum_gradients(unit)
+
+
+def _expert_placement(efsdp: int):
+    """FSDP placement of expert-parallel weights: whole local experts per rank when there are
+    enough of them, else the hidden dim (dim 0 with fewer experts than ranks would pad most
+    ranks with a whole expert of zeros). The planner uses the same rule."""
+    from torchmoe.plan.layout import expert_fsdp_shard_dim
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(expert_fsdp_shard_dim(local.shape[0], efsdp))
+
+    return placement
 
 
 def _sum_gradients(unit) -> None:

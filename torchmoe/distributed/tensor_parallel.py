@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -31,10 +31,17 @@ from torch.distributed.tensor.parallel import (
 class ReplicateParallel(ParallelStyle):
     """Parameters replicated on the mesh; plain-tensor input in, plain-tensor output out.
 
-    Used for the router gate: its input is the all-gathered (identical on every rank) MoE input,
-    and the gradient reaching it is already complete because the experts' input boundary
-    all-reduces (see `ExpertTensorParallel`).
+    ``input_layout`` says what the local input is across the mesh:
+      - ``Replicate()`` (MoE TP, router gate): the all-gathered MoE input, the same everywhere;
+        the gradient reaching the gate is complete because the experts' input boundary
+        all-reduces (see `ExpertTensorParallel`).
+      - ``Shard(0)`` (EP spanning TP, router gate and shared experts): each rank's own tokens;
+        DTensor then sums the parameters' gradients over the mesh.
     """
+
+    def __init__(self, input_layout: Placement = Replicate()) -> None:
+        super().__init__()
+        self.input_layout = input_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name, mod, mesh):
@@ -42,8 +49,8 @@ class ReplicateParallel(ParallelStyle):
                 mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
 
         def input_fn(mod, inputs, mesh):
-            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor)
-                         and not isinstance(t, DTensor) else t for t in inputs)
+            return tuple(DTensor.from_local(t, mesh, [self.input_layout], run_check=False)
+                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
 
         def output_fn(mod, outputs, mesh):
             return outputs.to_local()

@@ -146,7 +146,9 @@ def shard_numel(spec: ParamSpec, dims: ParallelDims) -> int:
     """Elements of `spec` one rank stores: TP/EP-local, then FSDP-sharded with padding."""
     shape = local_shape(spec, dims)
     n = fsdp_group_size(spec, dims)
-    dim = expert_fsdp_shard_dim(shape[0], n) if spec.expert else 0
+    # Only expert-parallel experts form their own FSDP unit with that placement rule; under MoE TP
+    # they sit in their block's unit, sharded on dim 0 like every other parameter.
+    dim = expert_fsdp_shard_dim(shape[0], n) if spec.expert and dims.ep_enabled else 0
     return math.ceil(shape[dim] / n) * math.prod(shape) // shape[dim]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchmoe.models.llama4.args import ModelArgs
 
@@ -83,7 +84,7 @@ class GroupedExperts(nn.Module):
 def _local(w: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor parameter (TP/EP place experts so each rank's shard is
     self-contained), or the tensor itself."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _grouped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:
@@ -302,21 +303,26 @@ class TokenDispatcher:
         gates = top_scores.reshape(-1)[order].unsqueeze(-1)  # (T*k, 1) fp32
         if score_before_experts:
             rows = (rows.float() * gates).to(tokens.dtype)
-        rows, positions, padded_counts = self._pad_for_kernel(rows, flat_expert[order], counts)
-        out = self.run_experts(rows, padded_counts, experts)
-        out = out[positions] if positions is not None else out
+        out = self.run_experts(rows, counts, experts)
         if not score_before_experts:
             out = (out.float() * gates).to(tokens.dtype)
         result = torch.zeros(num_tokens, dim, dtype=out.dtype, device=out.device)
         return result.index_add_(0, token_of, out)
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        """rows: (R, dim) expert-major, counts: (E,) -> (R, dim). EP overrides this to exchange
-        rows with the ranks owning the experts."""
-        return experts(rows, counts)
+        """rows: (R, dim) sorted by expert, counts: (E,) -> (R, dim). Expert parallelism
+        overrides this to exchange rows with the ranks owning the experts."""
+        return self.run_local_experts(rows, counts, experts)
+
+    def run_local_experts(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        """Run this rank's experts on rows sorted by local expert, padding expert blocks to the
+        kernel's alignment on CUDA. rows: (R, dim), counts: (local experts,) -> (R, dim)."""
+        padded_rows, positions, padded_counts = self._pad_for_kernel(rows, counts)
+        out = experts(padded_rows, padded_counts)
+        return out[positions] if positions is not None else out
 
     @staticmethod
-    def _pad_for_kernel(rows, sorted_expert, counts):
+    def _pad_for_kernel(rows, counts):
         """On CUDA, place each expert's block at a row offset aligned to `_CUDA_GROUP_ALIGN`.
 
         Returns the (possibly padded) rows, the index of each original row in them (None when
@@ -329,6 +335,8 @@ class TokenDispatcher:
         padded = (counts + align - 1) // align * align  # (E,)
         padded_start = torch.cumsum(padded, 0) - padded
         start = torch.cumsum(counts, 0) - counts
+        sorted_expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
+                                                output_size=rows.shape[0])
         rank_in_expert = torch.arange(rows.shape[0], device=rows.device) - start[sorted_expert]
         positions = padded_start[sorted_expert] + rank_in_expert  # (R,)
         buffer = rows.new_zeros(rows.shape[0] + counts.numel() * (align - 1), rows.shape[1])

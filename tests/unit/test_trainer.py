@@ -1,0 +1,65 @@
+"""The training step in process (one rank, no process group): gradient accumulation and divergence.
+
+    python -m pytest -q tests/unit/test_trainer.py
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchmoe.config import load_job_config
+from torchmoe.trainer import Trainer, TrainingDiverged
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _trainer(dump_folder: Path, *flags: str) -> Trainer:
+    """A debugmodel trainer on one global batch of 8 x 64 tokens, with the auxiliary losses on
+    so that their scaling under accumulation is covered too."""
+    cfg = load_job_config([
+        "--config", str(REPO / "configs" / "debug_model.toml"), "--job.dump_folder", str(dump_folder),
+        "--training.seq_len", "64", "--training.local_batch_size", "8", "--training.steps", "2",
+        "--model.aux_loss_coeff", "0.01", "--model.z_loss_coeff", "0.001", *flags,
+    ])
+    return Trainer(cfg)
+
+
+def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+
+def test_accumulated_gradients_equal_one_big_batch(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path)
+    [(inputs, labels)] = trainer.dataloader.next_batch()  # (8, 64) each
+    split = list(zip(inputs.split(2), labels.split(2)))  # 4 micro-batches of 2 sequences
+
+    loss_split = trainer.forward_backward(split)
+    grads_split = _grads(trainer)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss_whole = trainer.forward_backward([(inputs, labels)])
+    grads_whole = _grads(trainer)
+
+    assert loss_split.item() == pytest.approx(loss_whole.item(), rel=1e-6)
+    assert grads_split.keys() == grads_whole.keys() and len(grads_whole) > 0
+    for name, whole in grads_whole.items():
+        assert whole.abs().max() > 0, name  # every parameter, routed experts included, is trained
+        # Only the summation order differs: agreement to fp32 rounding of the largest entries.
+        torch.testing.assert_close(grads_split[name], whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_non_finite_loss_raises_before_stepping(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path)
+    with torch.no_grad():
+        trainer.model.norm.weight.fill_(math.nan)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+    with pytest.raises(TrainingDiverged, match="loss is nan at step 1"):
+        trainer.train_step(trainer.dataloader.next_batch())
+
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], equal_nan=True, rtol=0, atol=0)

@@ -1,0 +1,234 @@
+"""`torchmoe convert`: model weights between Hugging Face folders and DCP checkpoints.
+
+    torchmoe convert hf-to-dcp path/to/Llama-4-Scout-17B-16E-Instruct outputs/scout-dcp --dtype bfloat16
+    torchmoe train --config configs/llama4_16e.toml --checkpoint.initial_load_path outputs/scout-dcp
+    torchmoe convert dcp-to-hf outputs/debug/checkpoint/step-200 outputs/debug-hf --flavor debugmodel
+
+`hf-to-dcp` writes the model's state dict under its own names (no `model.` prefix): the layout
+`checkpoint.initial_load_path` loads. A DCP folder records no architecture, so the command says
+which built-in flavor the weights belong to. `dcp-to-hf` reads a torchmoe `step-N/` folder (only
+its `model.*` entries) or such a bare model folder into a CPU model of the given flavor, in one
+process without a process group, and writes a Hugging Face `Llama4ForCausalLM` folder.
+
+Both directions hold one full copy of the model in CPU memory. User errors (missing folders, a
+flavor that does not fit the checkpoint, an unsupported Hugging Face config) raise `ConfigError`,
+which the CLI prints as one message with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from torchmoe.components.checkpoint import load_model_only
+from torchmoe.config.errors import ConfigError
+from torchmoe.hf import HFConversionError, load_model, save_state_dict_as_hf
+from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
+from torchmoe.models.llama4.hf import hf_config_from_args
+
+__all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _require_dir(key: str, path: Path, what: str) -> None:
+    if not path.is_dir():
+        problem = "is a file, not a folder" if path.exists() else "folder not found"
+        raise ConfigError(key, str(path), problem, f"pass {what}")
+
+
+def _require_empty_out(path: Path) -> None:
+    """Refuse to write into a non-empty folder: leftover shards of another model would mix in."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError("OUT_DIR", str(path), "exists and is not an empty folder",
+                          "pass a new folder (it is created), or delete this one first")
+
+
+def _architecture(args: ModelArgs) -> dict:
+    """A canonical description of what `args` computes: its Hugging Face config, which spells out
+    derived settings (RoPE/NoPE and MoE layers) that `ModelArgs` may leave implicit."""
+    config = hf_config_from_args(args, torch.float32)
+    del config["dtype"]
+    return config
+
+
+def matching_flavor(args: ModelArgs) -> str | None:
+    """The built-in flavor with exactly the architecture of `args`, or None."""
+    want = _architecture(args)
+    return next((name for name, flavor in FLAVORS.items() if _architecture(flavor) == want), None)
+
+
+def _state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every entry (parameters and persistent buffers) of a model of `args`."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _stored_model_tensors(ckpt_dir: Path) -> dict[str, TensorStorageMetadata]:
+    """Name -> stored metadata of the model tensors of a DCP folder; a torchmoe step folder's
+    `model.` prefix is removed (its optimizer, scheduler, data and RNG entries are left out)."""
+    entries = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
+    if any(k.startswith("model.") for k in tensors):
+        return {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    return tensors
+
+
+def _misfit(expected: dict[str, tuple[int, ...]], stored: dict[str, TensorStorageMetadata]) -> str | None:
+    """Why the stored tensors are not a model with `expected` shapes, or None when they are."""
+    missing = sorted(set(expected) - set(stored))
+    extra = sorted(set(stored) - set(expected))
+    if missing:
+        return f"it lacks {len(missing)} of the flavor's tensors, e.g. {missing[:3]}"
+    if extra:
+        return f"it holds {len(extra)} tensors the flavor does not have, e.g. {extra[:3]}"
+    for name, shape in expected.items():
+        if tuple(stored[name].size) != shape:
+            return f"{name} has shape {tuple(stored[name].size)}, the flavor's is {shape}"
+    return None
+
+
+def _empty_cpu_model(args: ModelArgs, dtype: torch.dtype) -> Transformer:
+    """A model of `args` on CPU with uninitialised parameters in `dtype` and fresh buffers."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    for p in model.parameters():  # buffers keep their own dtypes (fp32 router state)
+        p.data = p.data.to(dtype)
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    return model.eval()
+
+
+# ---- the two directions ----------------------------------------------------------------------
+
+
+def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> str | None:
+    """Write the weights of a Hugging Face Llama 4 folder as a DCP folder of the bare model state
+    dict (parameters in `dtype`, zero router state).
+
+    Returns:
+        The built-in flavor with the checkpoint's architecture (what `model.flavor` must be when
+        training from it), or None when no flavor has it.
+
+    Raises:
+        ConfigError: `hf_dir` is missing or not a supported Llama 4 checkpoint, or `out_dir` is
+            not empty.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    _require_dir("HF_DIR", hf_dir, "a Hugging Face Llama 4 folder (config.json + *.safetensors)")
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError("HF_DIR", str(hf_dir), "has no config.json",
+                          "pass a Hugging Face Llama 4 folder (config.json + *.safetensors)")
+    _require_empty_out(out_dir)
+    try:
+        model = load_model(hf_dir, dtype=dtype)
+    except (HFConversionError, FileNotFoundError) as err:
+        raise ConfigError("HF_DIR", str(hf_dir), f"cannot be converted: {err}",
+                          "pass a Hugging Face Llama 4 text or multimodal checkpoint folder") from None
+    dcp.save(model.state_dict(), checkpoint_id=str(out_dir), no_dist=True)
+    return matching_flavor(model.args)
+
+
+def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torch.dtype:
+    """Write the model weights of a DCP folder (a torchmoe `step-N/` or a bare model state dict)
+    as a Hugging Face `Llama4ForCausalLM` folder, keeping the checkpoint's parameter dtype.
+
+    Returns:
+        The dtype written.
+
+    Raises:
+        ConfigError: an unknown flavor, a missing or non-DCP `ckpt_dir`, a checkpoint whose
+            tensors do not fit `flavor` (the fix names a flavor that fits, if one does), or a
+            non-empty `out_dir`.
+    """
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    if flavor not in FLAVORS:
+        raise ConfigError("--flavor", flavor, "unknown flavor", f"use one of: {', '.join(FLAVORS)}")
+    what = "a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
+    _require_dir("CKPT_DIR", ckpt_dir, what)
+    if not (ckpt_dir / ".metadata").is_file():
+        raise ConfigError("CKPT_DIR", str(ckpt_dir), "not a DCP checkpoint (no .metadata)", f"pass {what}")
+    _require_empty_out(out_dir)
+    stored = _stored_model_tensors(ckpt_dir)
+    args = FLAVORS[flavor]
+    problem = _misfit(_state_shapes(args), stored)
+    if problem is not None:
+        fits = [name for name, other in FLAVORS.items() if _misfit(_state_shapes(other), stored) is None]
+        fix = f"pass --flavor {fits[0]}" if fits else "pass the flavor the checkpoint was trained with"
+        raise ConfigError("--flavor", flavor, f"does not fit {ckpt_dir}: {problem}", fix)
+    dtype = stored["tok_embeddings.weight"].properties.dtype
+    model = _empty_cpu_model(args, dtype)
+    load_model_only(ckpt_dir, [model])
+    save_state_dict_as_hf(model.state_dict(), args, out_dir)
+    return dtype
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+class _UsageError(Exception):
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises on usage errors (instead of printing and exiting), so that the CLI
+    reports them as `ConfigError`s like every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self.prog, message)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="torchmoe convert", description="Convert model weights between Hugging Face "
+                     "Llama 4 folders and DCP checkpoints (see `torchmoe convert DIRECTION --help`).")
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="{hf-to-dcp,dcp-to-hf}")
+    to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> DCP folder for checkpoint.initial_load_path")
+    to_dcp.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face Llama 4 folder (config.json + *.safetensors)")
+    to_dcp.add_argument("out_dir", metavar="OUT_DIR", help="DCP folder to create (must not hold files)")
+    to_dcp.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (default: float32)")
+    to_hf = sub.add_parser("dcp-to-hf", help="torchmoe step-N (or bare model DCP) folder -> Hugging Face folder")
+    to_hf.add_argument("ckpt_dir", metavar="CKPT_DIR", help="step-N checkpoint folder or bare model DCP folder")
+    to_hf.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face folder to create (must not hold files)")
+    to_hf.add_argument("--flavor", required=True, help=f"model flavor of the checkpoint: {', '.join(FLAVORS)}")
+    return parser
+
+
+def convert_main(argv: list[str]) -> int:
+    """`torchmoe convert ...`; returns the exit status (user errors raise `ConfigError`)."""
+    try:
+        opts = _parser().parse_args(argv)
+    except SystemExit as exit_:  # --help was printed
+        return int(exit_.code or 0)
+    except _UsageError as err:
+        raise ConfigError(err.prog, " ".join(argv), str(err), f"run `{err.prog} --help` for the usage") from None
+    if opts.direction == "hf-to-dcp":
+        flavor = hf_to_dcp(opts.hf_dir, opts.out_dir, dtype=DTYPES[opts.dtype])
+        print(f"wrote DCP folder {opts.out_dir} ({opts.dtype})")
+        if flavor is not None:
+            print(f"train from it with --model.flavor {flavor} --checkpoint.initial_load_path {opts.out_dir}")
+        else:
+            print("note: no built-in flavor has this architecture; add one to torchmoe/models/llama4/args.py "
+                  "FLAVORS to train from it")
+    else:
+        # The one warning here (a non-zero expert bias is dropped) is news for the user, so it is
+        # printed as one line rather than with the source line Python's format adds.
+        with warnings.catch_warnings(record=True) as caught:
+            dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=opts.flavor)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+        print(f"wrote Hugging Face folder {opts.out_dir} ({opts.flavor}, {str(dtype).removeprefix('torch.')})")
+    return 0
