@@ -55,12 +55,19 @@ def _require_empty_out(path: Path) -> None:
                           "pass a new folder (it is created), or delete this one first")
 
 
+# Hugging Face config fields that do not change what the model computes: the dtype, the length
+# limit (the released configs advertise 10M positions; torchmoe caps its RoPE table anyway), and
+# fields the explicit ones restate (interleave step -> moe_layers, NoPE interval -> no_rope_layers,
+# rope_theta / rope_scaling -> rope_parameters).
+_NOT_ARCHITECTURE = ("dtype", "max_position_embeddings", "interleave_moe_layer_step", "no_rope_layer_interval",
+                     "rope_theta", "rope_scaling")
+
+
 def _architecture(args: ModelArgs) -> dict:
     """A canonical description of what `args` computes: its Hugging Face config, which spells out
     derived settings (RoPE/NoPE and MoE layers) that `ModelArgs` may leave implicit."""
     config = hf_config_from_args(args, torch.float32)
-    del config["dtype"]
-    return config
+    return {k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}
 
 
 def matching_flavor(args: ModelArgs) -> str | None:
@@ -214,7 +221,8 @@ def convert_main(argv: list[str]) -> int:
     except SystemExit as exit_:  # --help was printed
         return int(exit_.code or 0)
     except _UsageError as err:
-        raise ConfigError(err.prog, " ".join(argv), str(err), f"run `{err.prog} --help` for the usage") from None
+        raise ConfigError("torchmoe convert", " ".join(argv), str(err),
+                          f"run `{err.prog} --help` for the usage") from None
     if opts.direction == "hf-to-dcp":
         flavor = hf_to_dcp(opts.hf_dir, opts.out_dir, dtype=DTYPES[opts.dtype])
         print(f"wrote DCP folder {opts.out_dir} ({opts.dtype})")

@@ -292,7 +292,8 @@ class MetricsLogger:
             if done > 0 and step < self.total_steps:
                 eta = (time.perf_counter() - self._t0) / done * (self.total_steps - step)
                 parts.append(f"eta {_duration(eta)}")
-        self.console.print("  ".join(parts))
+        # soft_wrap: one line per step even when the console is not a terminal (80 columns).
+        self.console.print("  ".join(parts), soft_wrap=True)
 
     def close(self) -> None:
         """Stop the progress bar and close metrics.jsonl and TensorBoard (idempotent)."""

@@ -1,0 +1,128 @@
+"""Training throughput of `torchmoe train` on CPU: tokens/s, TFLOP/s, and MFU against this
+machine's measured dense fp32 matmul rate.
+
+    python scripts/bench_train.py                                   # debugmodel + bench256, one process
+    python scripts/bench_train.py --flavors bench256 --layout fsdp2  # the same under torchrun, 2 ranks
+
+Each run is the real CLI in a subprocess (fp32, activation checkpointing off, checkpoints off),
+seq 2048 x global batch 8 by default; throughput comes from its metrics.jsonl, skipping the first
+`--warmup` steps, as tokens per median step time. Model FLOPs are `ModelArgs.flops_per_token`
+(6N + attention, PaLM convention). CPUs publish no useful peak, so the MFU denominator is
+measured in the same invocation: the median rate of 2048 x 2048 fp32 matmuls on all the threads
+the runs get. Writes JSON (default outputs/bench_train.json) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from torchmoe.models.llama4 import FLAVORS
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name: (ranks, local batch for the default global batch of 8, parallelism flags)
+LAYOUTS: dict[str, tuple[int, int, list[str]]] = {
+    "single": (1, 8, []),
+    "fsdp2": (2, 4, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "tp2": (2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
+    "hsdp2x2": (4, 2, ["--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "2"]),
+    "ep2": (2, 4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
+}
+
+
+def matmul_flops(threads: int, n: int = 2048, iters: int = 10) -> float:
+    """Median FLOP/s of an n x n fp32 matmul on `threads` threads."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(flavor: str, layout: str, *, seq: int, batch: int, steps: int, warmup: int, threads: int) -> dict:
+    """Train `steps` steps of `flavor` under `layout`; returns throughput over the steps after `warmup`."""
+    nproc, local_batch, flags = LAYOUTS[layout]
+    local_batch = local_batch * batch // 8
+    if nproc == 1:
+        launcher = [sys.executable, "-m", "torchmoe"]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    f"--master_port={_free_port()}", "-m", "torchmoe"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = str(max(1, threads // nproc))  # the ranks share the cores
+    with tempfile.TemporaryDirectory() as dump:
+        cmd = [*launcher, "train", "--config", str(REPO / "configs" / "debug_model.toml"),
+               "--model.flavor", flavor, "--training.seq_len", str(seq), "--training.global_batch_size", str(batch),
+               "--training.local_batch_size", str(local_batch), "--training.steps", str(steps),
+               "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
+               "--checkpoint.enable", "false", "--metrics.log_freq", "1", "--job.dump_folder", dump, *flags]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+    tokens_per_step = batch * seq
+    step_s = [tokens_per_step / r["tokens_per_sec"] for r in rows if r["step"] > warmup]
+    tokens_per_sec = tokens_per_step / statistics.median(step_s)
+    return {
+        "flavor": flavor, "layout": layout, "nproc": nproc, "threads_per_rank": int(env["OMP_NUM_THREADS"]),
+        "seq_len": seq, "global_batch": batch, "local_batch": local_batch, "measured_steps": len(step_s),
+        "step_s": [round(s, 3) for s in step_s], "tokens_per_sec": tokens_per_sec,
+        "tflops": FLAVORS[flavor].flops_per_token(seq) * tokens_per_sec / 1e12,  # all ranks together
+        "memory_gib_per_rank": rows[-1]["memory_gib"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavors", nargs="+", default=["debugmodel", "bench256"], choices=sorted(FLAVORS))
+    parser.add_argument("--layout", default="single", choices=sorted(LAYOUTS),
+                        help="parallel layout: ranks and flags under torchrun (default: one process)")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step); a multiple of 8")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the measurement")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads over all ranks")
+    parser.add_argument("--out", default="outputs/bench_train.json")
+    opts = parser.parse_args()
+    if opts.batch % 8 or opts.steps <= opts.warmup:
+        parser.error("--batch must be a multiple of 8 and --steps larger than --warmup")
+
+    peak = matmul_flops(opts.threads)
+    result: dict = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "threads": opts.threads,
+                    "matmul_fp32_tflops": peak / 1e12, "runs": []}
+    for flavor in opts.flavors:
+        run = run_layout(flavor, opts.layout, seq=opts.seq, batch=opts.batch, steps=opts.steps,
+                         warmup=opts.warmup, threads=opts.threads)
+        run["mfu_pct"] = 100 * run["tflops"] * 1e12 / peak
+        result["runs"].append(run)
+    out = Path(opts.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""`python -m torchmoe convert` both ways on debugmodel, and its user errors.
+
+    python -m pytest -q -m integration tests/integration/test_convert.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+
+transformers = pytest.importorskip("transformers")
+
+from torchmoe.components.checkpoint import load_model_only  # noqa: E402
+from torchmoe.config import ConfigError  # noqa: E402
+from torchmoe.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
+from torchmoe.hf import save_model  # noqa: E402
+from torchmoe.models.llama4 import FLAVORS, Transformer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+# In-process DCP calls here run without a process group, which DCP warns about on every call.
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+def _torchmoe(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "torchmoe", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _user_error(proc: subprocess.CompletedProcess[str], *expected: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
+
+
+def _empty_model() -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(FLAVORS["debugmodel"])
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A Hugging Face folder of a freshly initialised debugmodel."""
+    torch.manual_seed(0)
+    model = Transformer(FLAVORS["debugmodel"])
+    model.init_weights()
+    folder = tmp_path_factory.mktemp("hf")
+    save_model(model, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def step_dir(tmp_path_factory) -> Path:
+    """The step-2 checkpoint of a short run (expert bias kept at zero, which HF cannot hold)."""
+    folder = tmp_path_factory.mktemp("run")
+    _ok(_torchmoe("train", "--config", REPO / "configs" / "debug_model.toml", "--training.seq_len", "64",
+                  "--training.steps", "2", "--model.load_balance_coeff", "0", "--checkpoint.enable", "true",
+                  "--job.dump_folder", folder))
+    return folder / "checkpoint" / "step-2"
+
+
+def test_hf_to_dcp_to_hf_is_lossless(hf_dir: Path, tmp_path: Path) -> None:
+    proc = _ok(_torchmoe("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp"))
+    assert "--model.flavor debugmodel" in proc.stdout  # the flavor to train it with
+    _ok(_torchmoe("convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--flavor", "debugmodel"))
+    original = load_file(hf_dir / "model.safetensors")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert original.keys() == back.keys()
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_hf_to_dcp_bfloat16_trains_as_initial_load_path(hf_dir: Path, tmp_path: Path) -> None:
+    _ok(_torchmoe("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp", "--dtype", "bfloat16"))
+    stored = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    assert stored["tok_embeddings.weight"].properties.dtype == torch.bfloat16
+    model = _empty_model()
+    load_model_only(tmp_path / "dcp", [model])  # what checkpoint.initial_load_path does
+    expected = load_file(hf_dir / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(model.tok_embeddings.weight, expected.bfloat16().float())
+    proc = _ok(_torchmoe("train", "--config", REPO / "configs" / "debug_model.toml", "--training.seq_len", "64",
+                         "--training.steps", "1", "--checkpoint.initial_load_path", tmp_path / "dcp",
+                         "--job.dump_folder", tmp_path / "run"))
+    assert "loaded model weights from" in proc.stderr
+
+
+def test_step_checkpoint_to_hf_matches_in_transformers(step_dir: Path, tmp_path: Path) -> None:
+    _ok(_torchmoe("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "debugmodel"))
+    trained = _empty_model()
+    load_model_only(step_dir, [trained])
+    hf = transformers.Llama4ForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (2, 150), generator=torch.Generator().manual_seed(0))  # > chunk 64
+    with torch.no_grad():
+        want, got = trained(tokens), hf(tokens).logits
+    assert ((want - got).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+def test_wrong_flavor_names_the_one_that_fits(step_dir: Path, tmp_path: Path) -> None:
+    proc = _torchmoe("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "bench256")
+    _user_error(proc, '--flavor = "bench256"', "does not fit", "fix: pass --flavor debugmodel")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_missing_folder_is_a_user_error(tmp_path: Path) -> None:
+    _user_error(_torchmoe("convert", "hf-to-dcp", tmp_path / "nope", tmp_path / "out"), "HF_DIR", "folder not found")
+
+
+def test_in_process_errors(hf_dir: Path, step_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "old.safetensors").touch()
+    with pytest.raises(ConfigError, match="OUT_DIR .* not an empty folder"):
+        hf_to_dcp(hf_dir, tmp_path / "full")
+    with pytest.raises(ConfigError, match="HF_DIR .* has no config.json"):
+        hf_to_dcp(step_dir, tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"CKPT_DIR .*\(no \.metadata\)"):
+        dcp_to_hf(hf_dir, tmp_path / "out", flavor="debugmodel")
+    with pytest.raises(ConfigError, match='--flavor = "tiny": unknown flavor'):
+        dcp_to_hf(step_dir, tmp_path / "out", flavor="tiny")
