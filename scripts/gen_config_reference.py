@@ -1,6 +1,7 @@
 """Print the Markdown reference of every TOML section and key, from `JobConfig`'s docstrings.
 
-    python scripts/gen_config_reference.py    # paste into the README's config reference
+    python scripts/gen_config_reference.py                 # print it
+    python scripts/gen_config_reference.py --write-readme  # refresh the README's config reference
 
 The field docstrings (the string literal right below each field in job_config.py) are the single
 source of the option descriptions: `--help` shows the same text.
@@ -11,11 +12,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import sys
 import typing
+from pathlib import Path
 
 from torchmoe.config import job_config
 from torchmoe.config.errors import show_value
 from torchmoe.config.job_config import JobConfig
+
+
+_START, _END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def field_docstrings(cls: type) -> dict[str, str]:
@@ -49,5 +55,16 @@ def reference() -> str:
     return "\n".join(lines)
 
 
+def write_readme(readme: Path) -> None:
+    """Replace the text between the README's config-reference markers with `reference()`."""
+    text = readme.read_text()
+    head, rest = text.split(_START)
+    _, tail = rest.split(_END)
+    readme.write_text(f"{head}{_START}\n{reference()}\n{_END}{tail}")
+
+
 if __name__ == "__main__":
-    print(reference())
+    if sys.argv[1:] == ["--write-readme"]:
+        write_readme(Path(__file__).resolve().parents[1] / "README.md")
+    else:
+        print(reference())

@@ -96,11 +96,9 @@ def _model_args(cfg: JobConfig, vocab_needed: int) -> ModelArgs:
 
 
 def _refuse_unbuilt_layouts(dims: ParallelDims) -> None:
-    for name, degree, what in (("pipeline_parallel_degree", dims.pp, "pipeline parallelism"),
-                               ("context_parallel_degree", dims.cp, "context parallelism")):
-        if degree > 1:
-            raise ConfigError(f"parallelism.{name}", degree, f"{what} is planned (--dry-run shows it) but the "
-                              "trainer cannot run it yet", f"set parallelism.{name} = 1 for training")
+    for key, degree, what in dims.not_yet_trainable():
+        raise ConfigError(key, degree, f"{what} is planned (--dry-run shows it) but the trainer cannot run it yet",
+                          f"set {key} = 1 for training")
 
 
 class Trainer:

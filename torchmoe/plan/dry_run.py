@@ -231,11 +231,14 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
         style = "" if entry["enabled"] else "dim"
         plan.add_row(name, entry["detail"], style=style)
     console.print(plan)
+    for key, degree, what in dims.not_yet_trainable():
+        console.print(f"[yellow]warning: {what} ({key} = {degree}) is planned here, but `torchmoe train` "
+                      "cannot run it yet[/]")
 
     dtype = {2: "bf16", 4: "fp32"}[compute_bytes]
     console.print(
-        f"parameters: total {report['params_total'] / 1e9:.2f} B, active {report['params_active'] / 1e9:.2f} B; "
-        f"per rank {report['params_per_rank'] / 1e9:.3f} B stored ({params_local / 1e9:.3f} B after TP/EP, "
+        f"parameters: total {_count(report['params_total'])}, active {_count(report['params_active'])}; "
+        f"per rank {_count(report['params_per_rank'])} stored ({_count(params_local)} after TP/EP, "
         f"before FSDP sharding)")
     console.print(f"FLOPs per token (fwd+bwd, seq_len {cfg.training.seq_len}): {report['flops_per_token']:.4g}")
 
@@ -244,11 +247,13 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
     table = Table()
     table.add_column("part")
     table.add_column("GiB", justify="right")
+    # Tiny models need more digits than real ones to show anything but zeros.
+    digits = 2 if gib["total"] >= 1 else 4
     for part in ("params", "grads", "optimizer", "fsdp_buffers", "activations"):
-        table.add_row(part, f"{gib[part]:.2f}")
-    table.add_row("total", f"{gib['total']:.2f}", style="bold")
+        table.add_row(part, f"{gib[part]:.{digits}f}")
+    table.add_row("total", f"{gib['total']:.{digits}f}", style="bold")
     if memory.host:
-        table.add_row("host (CPU offload)", f"{gib['host']:.2f}", style="dim")
+        table.add_row("host (CPU offload)", f"{gib['host']:.{digits}f}", style="dim")
     console.print(table)
     _print_memory_verdict(console, gib["total"], device_gib)
 
@@ -266,3 +271,11 @@ def _print_memory_verdict(console: Console, total_gib: float, device_gib: float 
                       "(allocator fragmentation and NCCL buffers are not counted)[/]")
     else:
         console.print(f"[green]fits: {total_gib:.1f} of {device_gib:.1f} GiB per device[/]")
+
+
+def _count(n: float) -> str:
+    """A parameter count with a readable unit: 2.40 M, 107.77 B."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f}"
