@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from torchmoe.launch import read_metrics, run_train
 from torchmoe.models.llama4 import FLAVORS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,23 +31,15 @@ LAYOUTS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(layout: str, flavor: str, steps: int, seq_len: int, batch: int) -> dict:
     nproc, ep, tp, flags = LAYOUTS[layout]
     dp = nproc // tp
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-               "-m", "torchmoe", "train", "--config", str(REPO / "configs" / "debug_model.toml"),
-               "--model.flavor", flavor, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
-               "--training.global_batch_size", str(batch), "--training.local_batch_size", str(batch // dp),
-               "--metrics.log_freq", "1", "--job.dump_folder", tmp, *flags]
-        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        run_train(["--config", str(REPO / "configs" / "debug_model.toml"), "--model.flavor", flavor,
+                   "--training.steps", str(steps), "--training.seq_len", str(seq_len),
+                   "--training.global_batch_size", str(batch), "--training.local_batch_size", str(batch // dp),
+                   "--metrics.log_freq", "1", *flags], dump_folder=tmp, nproc=nproc)
+        rows = read_metrics(tmp)
     args = FLAVORS[flavor]
     warm = rows[2:] or rows
     measured = sum(r["ep_all_to_all_gib"] for r in warm) / len(warm) * 2**30

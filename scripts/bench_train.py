@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from torchmoe.launch import read_metrics, run_train
 from torchmoe.models.llama4 import FLAVORS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,38 +54,24 @@ def matmul_flops(threads: int, n: int = 2048, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_layout(flavor: str, layout: str, *, seq: int, batch: int, steps: int, warmup: int, threads: int) -> dict:
     """Train `steps` steps of `flavor` under `layout`; returns throughput over the steps after `warmup`."""
     nproc, local_batch, flags = LAYOUTS[layout]
     local_batch = local_batch * batch // 8
-    if nproc == 1:
-        launcher = [sys.executable, "-m", "torchmoe"]
-    else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    f"--master_port={_free_port()}", "-m", "torchmoe"]
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = str(max(1, threads // nproc))  # the ranks share the cores
+    threads_per_rank = max(1, threads // nproc)  # the ranks share the cores
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [*launcher, "train", "--config", str(REPO / "configs" / "debug_model.toml"),
-               "--model.flavor", flavor, "--training.seq_len", str(seq), "--training.global_batch_size", str(batch),
-               "--training.local_batch_size", str(local_batch), "--training.steps", str(steps),
-               "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
-               "--checkpoint.enable", "false", "--metrics.log_freq", "1", "--job.dump_folder", dump, *flags]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-4000:]}")
-        rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+        run_train(["--config", str(REPO / "configs" / "debug_model.toml"), "--model.flavor", flavor,
+                   "--training.seq_len", str(seq), "--training.global_batch_size", str(batch),
+                   "--training.local_batch_size", str(local_batch), "--training.steps", str(steps),
+                   "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
+                   "--checkpoint.enable", "false", "--metrics.log_freq", "1", *flags],
+                  dump_folder=dump, nproc=nproc, threads=threads_per_rank)
+        rows = read_metrics(dump)
     tokens_per_step = batch * seq
     step_s = [tokens_per_step / r["tokens_per_sec"] for r in rows if r["step"] > warmup]
     tokens_per_sec = tokens_per_step / statistics.median(step_s)
     return {
-        "flavor": flavor, "layout": layout, "nproc": nproc, "threads_per_rank": int(env["OMP_NUM_THREADS"]),
+        "flavor": flavor, "layout": layout, "nproc": nproc, "threads_per_rank": threads_per_rank,
         "seq_len": seq, "global_batch": batch, "local_batch": local_batch, "measured_steps": len(step_s),
         "step_s": [round(s, 3) for s in step_s], "tokens_per_sec": tokens_per_sec,
         "tflops": FLAVORS[flavor].flops_per_token(seq) * tokens_per_sec / 1e12,  # all ranks together

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.distributed.launch import free_port
+from torchmoe.launch import free_port
 
 pytestmark = pytest.mark.distributed
 EP, NUM_EXPERTS, TOP_K, DIM = 2, 8, 2, 16

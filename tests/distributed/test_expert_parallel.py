@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launch import metrics, run_train, seed_checkpoint, start_from
+from tests.helpers import start_from, train_tiny
+from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
@@ -17,15 +18,10 @@ BALANCE = ["--model.load_balance_coeff", "0.05"]
 
 
 @pytest.fixture(scope="module")
-def seed(tmp_path_factory):
-    return seed_checkpoint(tmp_path_factory.mktemp("seed"))
-
-
-@pytest.fixture(scope="module")
 def reference(seed, tmp_path_factory):
     folder = start_from(seed, tmp_path_factory.mktemp("single"))
-    run_train(folder, ["--training.local_batch_size", "8", *BALANCE])
-    return metrics(folder)
+    train_tiny(folder, ["--training.local_batch_size", "8", *BALANCE])
+    return metrics_by_step(folder)
 
 
 LAYOUTS = {
@@ -47,8 +43,8 @@ LAYOUTS = {
 def test_ep_layout_matches_single_process(layout, seed, reference, tmp_path):
     nproc, flags = LAYOUTS[layout]
     folder = start_from(seed, tmp_path)
-    run_train(folder, [*flags, *BALANCE], nproc=nproc)
-    got = metrics(folder)
+    train_tiny(folder, [*flags, *BALANCE], nproc=nproc)
+    got = metrics_by_step(folder)
     assert sorted(got) == sorted(reference)
     for step, ref in reference.items():
         for key in ("loss", "grad_norm", "moe_imbalance"):
@@ -60,12 +56,12 @@ def test_ep_layout_matches_single_process(layout, seed, reference, tmp_path):
 def test_checkpoint_reshards_from_ep2_to_ep4(seed, reference, tmp_path):
     """Save at step 3 with EP 2 (FSDP 2); resume with EP 4 (FSDP 4): steps 4-5 continue."""
     first = start_from(seed, tmp_path / "ep2")
-    run_train(first, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4",
-                      "--checkpoint.interval", "3", *BALANCE], nproc=2)
+    train_tiny(first, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4",
+                       "--checkpoint.interval", "3", *BALANCE], nproc=2)
     second = start_from(first / "checkpoint" / "step-3", tmp_path / "ep4")
-    run_train(second, ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2", *BALANCE],
-              nproc=4)
-    resumed = metrics(second)
+    train_tiny(second, ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2", *BALANCE],
+               nproc=4)
+    resumed = metrics_by_step(second)
     assert sorted(resumed) == [4, 5]
     for step in (4, 5):
         assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=RTOL)

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launch import losses, run_train, seed_checkpoint as make_seed, start_from
+from tests.helpers import start_from, train_tiny
+from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def seed_checkpoint(tmp_path_factory):
-    return make_seed(tmp_path_factory.mktemp("seed"))
+def _losses(folder) -> dict[int, float]:
+    return {step: r["loss"] for step, r in metrics_by_step(folder).items()}
 
 
 @pytest.fixture(scope="module")
-def reference(seed_checkpoint, tmp_path_factory):
+def reference(seed, tmp_path_factory):
     """Single process, gradient accumulation 2 x 4 sequences."""
-    folder = start_from(seed_checkpoint, tmp_path_factory.mktemp("single"))
-    run_train(folder, ["--training.local_batch_size", "4"])
-    ref = losses(folder)
+    folder = start_from(seed, tmp_path_factory.mktemp("single"))
+    train_tiny(folder, ["--training.local_batch_size", "4"])
+    ref = _losses(folder)
     assert sorted(ref) == [1, 2, 3, 4, 5] and ref[5] < ref[1]
     return ref
 
@@ -51,23 +51,23 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_single_process(layout, seed_checkpoint, reference, tmp_path):
+def test_layout_matches_single_process(layout, seed, reference, tmp_path):
     nproc, flags = LAYOUTS[layout]
-    folder = start_from(seed_checkpoint, tmp_path)
-    run_train(folder, flags, nproc=nproc)
-    got = losses(folder)
+    folder = start_from(seed, tmp_path)
+    train_tiny(folder, flags, nproc=nproc)
+    got = _losses(folder)
     assert sorted(got) == sorted(reference)
     for step, ref in reference.items():
         assert got[step] == pytest.approx(ref, rel=RTOL), (layout, step)
 
 
-def test_checkpoint_reshards_from_fsdp4_to_tp2_fsdp2(seed_checkpoint, reference, tmp_path):
+def test_checkpoint_reshards_from_fsdp4_to_tp2_fsdp2(seed, reference, tmp_path):
     """Save at step 3 under FSDP 4; resume under TP 2 x FSDP 2: steps 4-5 continue the curve."""
-    first = start_from(seed_checkpoint, tmp_path / "fsdp4")
-    run_train(first, ["--training.local_batch_size", "2", "--checkpoint.interval", "3"], nproc=4)
+    first = start_from(seed, tmp_path / "fsdp4")
+    train_tiny(first, ["--training.local_batch_size", "2", "--checkpoint.interval", "3"], nproc=4)
     second = start_from(first / "checkpoint" / "step-3", tmp_path / "tp2")
-    run_train(second, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"], nproc=4)
-    resumed = losses(second)
+    train_tiny(second, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"], nproc=4)
+    resumed = _losses(second)
     assert sorted(resumed) == [4, 5]
     for step in (4, 5):
         assert resumed[step] == pytest.approx(reference[step], rel=RTOL)

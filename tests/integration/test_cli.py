@@ -5,81 +5,79 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-DEBUG = str(REPO / "configs" / "debug_model.toml")
+from tests.helpers import DEBUG_CONFIG, assert_user_error, write_toml
+from torchmoe.launch import run_cli
 
 pytestmark = pytest.mark.integration
 
 
 def _torchmoe(*args: str) -> subprocess.CompletedProcess[str]:
-    # A clean launcher environment: these runs must not look like torchrun workers.
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "-m", "torchmoe", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
-def _toml(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return str(path)
-
-
-def _assert_user_error(result: subprocess.CompletedProcess[str], *expected: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.count("error:") == 1, result.stderr
-    for text in expected:
-        assert text in result.stderr, result.stderr
+    return run_cli(args, timeout=120, expect=None)
 
 
 def test_unknown_toml_key_suggests_closest(tmp_path: Path) -> None:
-    path = _toml(tmp_path, "[training]\nstesp = 5\n")
-    _assert_user_error(_torchmoe("train", "--config", path), "training.stesp = 5", "did you mean training.steps?")
+    path = write_toml(tmp_path, "[training]\nstesp = 5\n")
+    assert_user_error(_torchmoe("train", "--config", path), "training.stesp = 5", "did you mean training.steps?")
 
 
 def test_wrong_toml_type(tmp_path: Path) -> None:
-    path = _toml(tmp_path, '[parallelism]\ntensor_parallel_degree = "2"\n')
-    _assert_user_error(_torchmoe("train", "--config", path), 'parallelism.tensor_parallel_degree = "2"',
-                       "expected an integer", "tensor_parallel_degree = 2")
+    path = write_toml(tmp_path, '[parallelism]\ntensor_parallel_degree = "2"\n')
+    assert_user_error(_torchmoe("train", "--config", path), 'parallelism.tensor_parallel_degree = "2"',
+                      "expected an integer", "tensor_parallel_degree = 2")
 
 
 def test_bad_degrees_show_arithmetic() -> None:
-    result = _torchmoe("train", "--config", DEBUG, "--dry-run", "--world-size", "16",
+    result = _torchmoe("train", "--config", DEBUG_CONFIG, "--dry-run", "--world-size", "16",
                        "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree=4", "--parallelism.tensor_parallel_degree", "3")
-    _assert_user_error(result, "dp_replicate(2) * dp_shard(4) * cp(1) * tp(3) * pp(1) = 24 != WORLD_SIZE(16)",
-                       "fix:")
+    assert_user_error(result, "dp_replicate(2) * dp_shard(4) * cp(1) * tp(3) * pp(1) = 24 != WORLD_SIZE(16)",
+                      "fix:")
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.toml")
-    _assert_user_error(_torchmoe("train", "--config", missing), f'--config = "{missing}"', "file not found",
-                       "configs/debug_model.toml")
+    assert_user_error(_torchmoe("train", "--config", missing), f'--config = "{missing}"', "file not found",
+                      "configs/debug_model.toml")
 
 
 def test_malformed_toml_shows_line(tmp_path: Path) -> None:
-    path = _toml(tmp_path, "[training]\nsteps = 5\nseq_len = = 7\n")
-    _assert_user_error(_torchmoe("train", "--config", path), "malformed TOML", "line 3")
+    path = write_toml(tmp_path, "[training]\nsteps = 5\nseq_len = = 7\n")
+    assert_user_error(_torchmoe("train", "--config", path), "malformed TOML", "line 3")
 
 
 def test_unknown_flag_suggests_closest() -> None:
-    _assert_user_error(_torchmoe("train", "--config", DEBUG, "--parallelism.tensor_paralel_degree", "2"),
-                       "--parallelism.tensor_paralel_degree", "did you mean --parallelism.tensor_parallel_degree?")
+    assert_user_error(_torchmoe("train", "--config", DEBUG_CONFIG, "--parallelism.tensor_paralel_degree", "2"),
+                      "--parallelism.tensor_paralel_degree", "did you mean --parallelism.tensor_parallel_degree?")
+
+
+@pytest.mark.parametrize(("flags", "key", "expected"), [
+    (["--checkpoint.initial_load_path", "{missing}"], "checkpoint.initial_load_path",
+     ("no such file or folder", "fix: point it at a DCP checkpoint folder")),
+    (["--checkpoint.initial_load_path", "{missing}", "--checkpoint.initial_load_in_hf", "true"],
+     "checkpoint.initial_load_path", ("no such file or folder", "fix: point it at a Hugging Face Llama 4 folder")),
+    (["--model.tokenizer_path", "{missing}"], "model.tokenizer_path", ("no tokenizer file", "fix: give a tokenizer")),
+    (["--training.dataset", "local", "--training.dataset_path", "{missing}/*.jsonl"], "training.dataset_path",
+     ("matches no .txt/.jsonl/.parquet files", "fix: point it at")),
+], ids=["initial_load_path", "initial_load_in_hf", "tokenizer_path", "dataset_path"])
+def test_path_to_nothing_names_key_value_and_fix(tmp_path: Path, flags: list[str], key: str,
+                                                 expected: tuple[str, ...]) -> None:
+    missing = str(tmp_path / "nope")
+    result = _torchmoe("train", "--config", DEBUG_CONFIG, "--training.steps", "1",
+                       *(flag.format(missing=missing) for flag in flags), "--job.dump_folder", str(tmp_path / "run"))
+    assert_user_error(result, f'{key} = "{missing}', *expected)
 
 
 def test_unknown_subcommand() -> None:
-    _assert_user_error(_torchmoe("trian"), 'subcommand = "trian"', "did you mean `torchmoe train`?")
+    assert_user_error(_torchmoe("trian"), 'subcommand = "trian"', "did you mean `torchmoe train`?")
 
 
 @pytest.mark.parametrize(("args", "specific"), [
-    (("train", "--config", DEBUG, "--help"), "(default: ./outputs/debug)"),  # defaults come from the TOML
+    (("train", "--config", DEBUG_CONFIG, "--help"), "(default: ./outputs/debug)"),  # defaults come from the TOML
     (("--help",), "subcommands:"),
 ])
 def test_help_lists_every_option(args: tuple[str, ...], specific: str) -> None:

@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,43 +15,24 @@ from torch.distributed.checkpoint import FileSystemReader
 
 transformers = pytest.importorskip("transformers")
 
+from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_debugmodel  # noqa: E402
 from torchmoe.components.checkpoint import load_model_only  # noqa: E402
 from torchmoe.config import ConfigError  # noqa: E402
 from torchmoe.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
 from torchmoe.hf import save_model  # noqa: E402
+from torchmoe.launch import run_cli  # noqa: E402
 from torchmoe.models.llama4 import FLAVORS, Transformer  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
 
 # In-process DCP calls here run without a process group, which DCP warns about on every call.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
 def _torchmoe(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "torchmoe", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return run_cli(args, timeout=120, expect=None)
 
 
-def _ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
-def _user_error(proc: subprocess.CompletedProcess[str], *expected: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
-    for text in expected:
-        assert text in proc.stderr, proc.stderr
-
-
-def _empty_model() -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(FLAVORS["debugmodel"])
-    model.to_empty(device="cpu")
-    model.init_buffers("cpu")
-    return model.eval()
+def _ok(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return run_cli(args, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +50,15 @@ def hf_dir(tmp_path_factory) -> Path:
 def step_dir(tmp_path_factory) -> Path:
     """The step-2 checkpoint of a short run (expert bias kept at zero, which HF cannot hold)."""
     folder = tmp_path_factory.mktemp("run")
-    _ok(_torchmoe("train", "--config", REPO / "configs" / "debug_model.toml", "--training.seq_len", "64",
-                  "--training.steps", "2", "--model.load_balance_coeff", "0", "--checkpoint.enable", "true",
-                  "--job.dump_folder", folder))
+    _ok("train", "--config", DEBUG_CONFIG, "--training.seq_len", "64", "--training.steps", "2",
+        "--model.load_balance_coeff", "0", "--checkpoint.enable", "true", "--job.dump_folder", folder)
     return folder / "checkpoint" / "step-2"
 
 
 def test_hf_to_dcp_to_hf_is_lossless(hf_dir: Path, tmp_path: Path) -> None:
-    proc = _ok(_torchmoe("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp"))
+    proc = _ok("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp")
     assert "--model.flavor debugmodel" in proc.stdout  # the flavor to train it with
-    _ok(_torchmoe("convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--flavor", "debugmodel"))
+    _ok("convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--flavor", "debugmodel")
     original = load_file(hf_dir / "model.safetensors")
     back = load_file(tmp_path / "back" / "model.safetensors")
     assert original.keys() == back.keys()
@@ -89,22 +67,21 @@ def test_hf_to_dcp_to_hf_is_lossless(hf_dir: Path, tmp_path: Path) -> None:
 
 
 def test_hf_to_dcp_bfloat16_trains_as_initial_load_path(hf_dir: Path, tmp_path: Path) -> None:
-    _ok(_torchmoe("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp", "--dtype", "bfloat16"))
+    _ok("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp", "--dtype", "bfloat16")
     stored = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
     assert stored["tok_embeddings.weight"].properties.dtype == torch.bfloat16
-    model = _empty_model()
+    model = empty_debugmodel()
     load_model_only(tmp_path / "dcp", [model])  # what checkpoint.initial_load_path does
     expected = load_file(hf_dir / "model.safetensors")["model.embed_tokens.weight"]
     assert torch.equal(model.tok_embeddings.weight, expected.bfloat16().float())
-    proc = _ok(_torchmoe("train", "--config", REPO / "configs" / "debug_model.toml", "--training.seq_len", "64",
-                         "--training.steps", "1", "--checkpoint.initial_load_path", tmp_path / "dcp",
-                         "--job.dump_folder", tmp_path / "run"))
+    proc = _ok("train", "--config", DEBUG_CONFIG, "--training.seq_len", "64", "--training.steps", "1",
+               "--checkpoint.initial_load_path", tmp_path / "dcp", "--job.dump_folder", tmp_path / "run")
     assert "loaded model weights from" in proc.stderr
 
 
 def test_step_checkpoint_to_hf_matches_in_transformers(step_dir: Path, tmp_path: Path) -> None:
-    _ok(_torchmoe("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "debugmodel"))
-    trained = _empty_model()
+    _ok("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "debugmodel")
+    trained = empty_debugmodel()
     load_model_only(step_dir, [trained])
     hf = transformers.Llama4ForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 150), generator=torch.Generator().manual_seed(0))  # > chunk 64
@@ -115,12 +92,13 @@ def test_step_checkpoint_to_hf_matches_in_transformers(step_dir: Path, tmp_path:
 
 def test_wrong_flavor_names_the_one_that_fits(step_dir: Path, tmp_path: Path) -> None:
     proc = _torchmoe("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "bench256")
-    _user_error(proc, '--flavor = "bench256"', "does not fit", "fix: pass --flavor debugmodel")
+    assert_user_error(proc, '--flavor = "bench256"', "does not fit", "fix: pass --flavor debugmodel")
     assert not (tmp_path / "hf").exists()
 
 
 def test_missing_folder_is_a_user_error(tmp_path: Path) -> None:
-    _user_error(_torchmoe("convert", "hf-to-dcp", tmp_path / "nope", tmp_path / "out"), "HF_DIR", "folder not found")
+    assert_user_error(_torchmoe("convert", "hf-to-dcp", tmp_path / "nope", tmp_path / "out"), "HF_DIR",
+                      "folder not found")
 
 
 def test_in_process_errors(hf_dir: Path, step_dir: Path, tmp_path: Path) -> None:

@@ -8,10 +8,6 @@ write a folder that transformers loads with the trained model's logits.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,15 +15,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.helpers import DEBUG_CONFIG, empty_debugmodel  # noqa: E402
 from torchmoe.components.checkpoint import load_model_only  # noqa: E402
 from torchmoe.hf import load_model, save_model  # noqa: E402
-from torchmoe.models.llama4 import FLAVORS, Transformer  # noqa: E402
+from torchmoe.launch import read_metrics, run_train  # noqa: E402
+from torchmoe.models.llama4 import Transformer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 # Three logged steps of debugmodel on 8 x 64 tokens. The aux-loss-free expert bias stays zero
 # (load_balance_coeff 0): Hugging Face's Llama 4 has no such bias, and with a non-zero one the saved
 # folder would route differently from the trained model.
-TINY = ["--config", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", "64",
+TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "64",
         "--training.global_batch_size", "8", "--training.local_batch_size", "8", "--training.steps", "3",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--model.load_balance_coeff", "0",
         "--checkpoint.enable", "true"]
@@ -37,25 +34,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.
 
 
 def _train(dump_folder: Path, flags: list[str]) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"  # bit-reproducible fp32 on CPU
-    cmd = [sys.executable, "-m", "torchmoe", "train", *TINY, *flags, "--job.dump_folder", str(dump_folder)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stderr[-4000:]}"
+    run_train([*TINY, *flags], dump_folder=dump_folder, timeout=120)  # one thread: bit-reproducible fp32
 
 
 def _losses(dump_folder: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in read_metrics(dump_folder)]
 
 
 def _model_from_dcp(path: Path) -> Transformer:
     """A CPU debugmodel holding the model weights of a torchmoe step-N checkpoint."""
-    with torch.device("meta"):
-        model = Transformer(FLAVORS["debugmodel"])
-    model.to_empty(device="cpu")
-    model.init_buffers("cpu")
+    model = empty_debugmodel()
     load_model_only(path, [model])
-    return model.eval()
+    return model
 
 
 def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,24 +8,21 @@ Each run is one process with OMP_NUM_THREADS=1, so fp32 CPU results are reproduc
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import DEBUG_CONFIG, start_from
 from torchmoe.config import load_job_config
+from torchmoe.launch import cli_command, cli_env, read_metrics, run_train
 
-REPO = Path(__file__).resolve().parents[2]
-DEBUG = str(REPO / "configs" / "debug_model.toml")
 # debugmodel on one global batch of 8 x 64 tokens per step, every step logged, warmup 2 so the LR
 # changes across the compared steps, checkpoints on (every step-N folder below is complete).
-TINY = ["--config", DEBUG, "--training.seq_len", "64", "--training.global_batch_size", "8",
+TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "64", "--training.global_batch_size", "8",
         "--training.local_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
         "--checkpoint.enable", "true"]
 SIX_STEPS = [*TINY, "--training.steps", "6", "--checkpoint.interval", "3"]
@@ -33,23 +30,10 @@ SIX_STEPS = [*TINY, "--training.steps", "6", "--checkpoint.interval", "3"]
 pytestmark = pytest.mark.integration
 
 
-def _command(dump_folder: Path, flags: list[str]) -> tuple[list[str], dict[str, str]]:
-    # A clean single-process environment: not a torchrun worker, one thread for reproducibility.
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return [sys.executable, "-m", "torchmoe", "train", *flags, "--job.dump_folder", str(dump_folder)], env
-
-
 def train(dump_folder: Path, flags: list[str], *, returncode: int = 0) -> subprocess.CompletedProcess[str]:
-    """Run `torchmoe train FLAGS` into `dump_folder`; fails the test on another exit status."""
-    cmd, env = _command(dump_folder, flags)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == returncode, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
-def metrics(dump_folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+    """Run `torchmoe train FLAGS` into `dump_folder` (one process, one thread: reproducible);
+    fails the test on another exit status."""
+    return run_train(flags, dump_folder=dump_folder, timeout=120, expect=returncode)
 
 
 def checkpoints(dump_folder: Path) -> list[str]:
@@ -57,26 +41,20 @@ def checkpoints(dump_folder: Path) -> list[str]:
     return sorted(p.name for p in (dump_folder / "checkpoint").iterdir())
 
 
-def resume_from(checkpoint: Path, dump_folder: Path) -> Path:
-    """A fresh dump folder holding a copy of `checkpoint` (step-N), which a run there resumes from."""
-    shutil.copytree(checkpoint, dump_folder / "checkpoint" / checkpoint.name)
-    return dump_folder
-
-
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> Path:
     """Six steps without interruption; checkpoints at steps 3 and 6."""
     folder = tmp_path_factory.mktemp("full")
     train(folder, SIX_STEPS)
-    assert [r["step"] for r in metrics(folder)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(folder)] == [1, 2, 3, 4, 5, 6]
     assert checkpoints(folder) == ["step-3", "step-6"]
     return folder
 
 
 def test_resume_continues_bitwise(full_run: Path, tmp_path: Path) -> None:
-    folder = resume_from(full_run / "checkpoint" / "step-3", tmp_path)
+    folder = start_from(full_run / "checkpoint" / "step-3", tmp_path)
     train(folder, SIX_STEPS)
-    resumed, reference = metrics(folder), metrics(full_run)[3:]
+    resumed, reference = read_metrics(folder), read_metrics(full_run)[3:]
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for got, want in zip(resumed, reference):
         # Model, optimizer, LR schedule, data position and MoE router state all continue.
@@ -87,27 +65,27 @@ def test_resume_continues_bitwise(full_run: Path, tmp_path: Path) -> None:
 def test_torn_checkpoints_are_never_loaded(full_run: Path, tmp_path: Path) -> None:
     """A save killed before its rename (step-6.tmp-*) and a step folder without its completion
     marker are skipped: the run resumes from step-3, then replaces both with its own step-6."""
-    folder = resume_from(full_run / "checkpoint" / "step-3", tmp_path)
+    folder = start_from(full_run / "checkpoint" / "step-3", tmp_path)
     for name in ("step-6", "step-6.tmp-0badc0de"):
         torn = folder / "checkpoint" / name
         shutil.copytree(full_run / "checkpoint" / "step-6", torn)
         (torn / ".complete").unlink()
         (torn / ".metadata").write_text("torn")  # loading it would fail loudly
     proc = train(folder, SIX_STEPS)
-    assert [r["step"] for r in metrics(folder)] == [4, 5, 6], proc.stderr
+    assert [r["step"] for r in read_metrics(folder)] == [4, 5, 6], proc.stderr
     assert checkpoints(folder) == ["step-3", "step-6"]
     assert (folder / "checkpoint" / "step-6" / ".complete").is_file()
 
 
 def test_gradient_accumulation_matches_one_micro_batch(full_run: Path, tmp_path: Path) -> None:
     train(tmp_path, [*SIX_STEPS, "--training.local_batch_size", "2", "--checkpoint.enable", "false"])
-    for got, want in zip(metrics(tmp_path), metrics(full_run), strict=True):
+    for got, want in zip(read_metrics(tmp_path), read_metrics(full_run), strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), got["step"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), got["step"]
 
 
 def test_metrics_fields_and_resolved_config(full_run: Path) -> None:
-    rows = metrics(full_run)
+    rows = read_metrics(full_run)
     for prev, row in zip([None, *rows], rows):
         assert 2.0 < row["loss"] < 8.0  # ln(512) = 6.2 at init for the 512-token vocabulary
         assert 0.0 < row["grad_norm"] < 100.0
@@ -128,25 +106,26 @@ def test_metrics_fields_and_resolved_config(full_run: Path) -> None:
 
 
 def test_sigterm_saves_and_resume_finishes(tmp_path: Path) -> None:
-    cmd, env = _command(tmp_path, [*TINY, "--training.steps", "200", "--checkpoint.interval", "1000"])
+    cmd = cli_command(["train", *TINY, "--training.steps", "200", "--checkpoint.interval", "1000",
+                       "--job.dump_folder", tmp_path])
     with open(tmp_path / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
-            while not (tmp_path / "metrics.jsonl").is_file() or not metrics(tmp_path):
+            while not (tmp_path / "metrics.jsonl").is_file() or not read_metrics(tmp_path):
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
                 time.sleep(0.1)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0, (tmp_path / "log.txt").read_text()
         finally:
             proc.kill()
-    stopped = metrics(tmp_path)[-1]["step"]
+    stopped = read_metrics(tmp_path)[-1]["step"]
     assert stopped < 200
     assert checkpoints(tmp_path) == [f"step-{stopped}"]
     assert (tmp_path / "checkpoint" / f"step-{stopped}" / ".complete").is_file()
 
     train(tmp_path, [*TINY, "--training.steps", str(stopped + 2)])
-    assert [r["step"] for r in metrics(tmp_path)][-3:] == [stopped, stopped + 1, stopped + 2]
+    assert [r["step"] for r in read_metrics(tmp_path)][-3:] == [stopped, stopped + 1, stopped + 2]
     assert checkpoints(tmp_path) == [f"step-{stopped}", f"step-{stopped + 2}"]
 
 
@@ -156,14 +135,14 @@ def test_divergence_stops_with_one_message_and_no_checkpoint(tmp_path: Path) -> 
                             "--training.max_norm", "0", "--lr_scheduler.warmup_steps", "0"], returncode=1)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("error:") == 1 and "at step 2" in proc.stderr, proc.stderr
-    assert [r["step"] for r in metrics(tmp_path)] == [1]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     assert checkpoints(tmp_path) == ["step-1"]
 
 
 def test_default_job_loss_falls(tmp_path: Path) -> None:
     """configs/debug_model.toml as shipped, shortened to 40 steps (observed: 6.81 -> 2.43)."""
-    train(tmp_path, ["--config", DEBUG, "--training.steps", "40"])
-    rows = metrics(tmp_path)
+    train(tmp_path, ["--config", DEBUG_CONFIG, "--training.steps", "40"])
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 10, 20, 30, 40]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
 
@@ -175,4 +154,4 @@ def test_initial_load_path_starts_from_dcp_weights(tmp_path: Path) -> None:
     train(tmp_path / "seed1", [*TINY, "--training.steps", "1", "--training.seed", "1"])
     train(tmp_path / "loaded", [*TINY, "--training.steps", "1", "--training.seed", "0",
                                 "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0")])
-    assert metrics(tmp_path / "loaded")[0]["loss"] == metrics(tmp_path / "seed1")[0]["loss"]
+    assert read_metrics(tmp_path / "loaded")[0]["loss"] == read_metrics(tmp_path / "seed1")[0]["loss"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import write_toml
 from torchmoe import cli
 from torchmoe.config import (
     ConfigError,
@@ -29,12 +30,6 @@ from torchmoe.models.llama4.args import FLAVORS, ModelArgs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEBUG = str(CONFIGS / "debug_model.toml")
-
-
-def _toml(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return str(path)
 
 
 def _raises(fn, *args, key: str, value: str, fix: str, problem: str = "", **kwargs) -> ConfigError:
@@ -77,7 +72,7 @@ def test_debug_config_values() -> None:
 
 
 def test_flag_beats_toml_beats_default(tmp_path: Path) -> None:
-    path = _toml(tmp_path, "[training]\nsteps = 50\nseq_len = 64\n[optimizer]\nlr = 1\n")
+    path = write_toml(tmp_path, "[training]\nsteps = 50\nseq_len = 64\n[optimizer]\nlr = 1\n")
     cfg = load_job_config(["--config", path, "--training.steps", "7"])
     assert cfg.training.steps == 7  # flag
     assert cfg.training.seq_len == 64  # TOML
@@ -105,7 +100,7 @@ def test_boolean_flags(args: list[str], expected: bool) -> None:
 
 
 def test_boolean_flag_false_overrides_toml(tmp_path: Path) -> None:
-    path = _toml(tmp_path, "[checkpoint]\nenable = true\n")
+    path = write_toml(tmp_path, "[checkpoint]\nenable = true\n")
     assert load_job_config(["--config", path, "--checkpoint.enable", "false"]).checkpoint.enable is False
 
 
@@ -117,7 +112,7 @@ def test_list_flags() -> None:
 
 
 def test_help_shows_docstrings_and_toml_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = _toml(tmp_path, "[parallelism]\ntensor_parallel_degree = 4\n")
+    path = write_toml(tmp_path, "[parallelism]\ntensor_parallel_degree = 4\n")
     with pytest.raises(SystemExit) as info:
         load_job_config(["--config", path, "--help"])
     assert info.value.code == 0
@@ -168,14 +163,14 @@ def test_bad_flag_values(args: list[str], key: str, value: str, fix: str) -> Non
     ("training = 3\n", "training", "3", "[training] followed by", "expected a [section] table"),
 ])
 def test_toml_errors(tmp_path: Path, text: str, key: str, value: str, fix: str, problem: str) -> None:
-    _raises(load_job_config, ["--config", _toml(tmp_path, text)], key=key, value=value, fix=fix, problem=problem)
+    _raises(load_job_config, ["--config", write_toml(tmp_path, text)], key=key, value=value, fix=fix, problem=problem)
 
 
 def test_missing_and_malformed_files(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.toml")
     _raises(load_job_config, ["--config", missing], key="--config", value=f'"{missing}"',
             fix="configs/debug_model.toml", problem="file not found")
-    bad = _toml(tmp_path, '[training]\nsteps = 5\nseq_len = "abc\n')
+    bad = write_toml(tmp_path, '[training]\nsteps = 5\nseq_len = "abc\n')
     err = _raises(load_job_config, ["--config", bad], key="--config", value=f'"{bad}"', fix="TOML syntax",
                   problem="malformed TOML")
     assert "line 3" in err.problem
@@ -327,6 +322,67 @@ def test_cuda_features_need_cuda_unless_dry_run(debug_cfg: JobConfig) -> None:
     _raises(validate_job_config, cuda, 1, key="training.device", value='"cuda"', fix='"cpu"', problem="not available")
 
 
+# ---- files the run reads ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def load_dirs(tmp_path: Path) -> dict[str, Path]:
+    """An empty folder, a DCP folder, a Hugging Face folder, a file, and a path to nothing."""
+    dirs = {name: tmp_path / name for name in ("empty", "dcp", "hf")}
+    for folder in dirs.values():
+        folder.mkdir()
+    (dirs["dcp"] / ".metadata").touch()
+    (dirs["hf"] / "config.json").touch()
+    (dirs["hf"] / "model.safetensors").touch()
+    dirs["file"] = tmp_path / "weights.pt"
+    dirs["file"].touch()
+    dirs["missing"] = tmp_path / "nope"
+    return dirs
+
+
+def _loading(base: JobConfig, tmp_path: Path, path: Path, in_hf: bool) -> JobConfig:
+    return _with(base, {"checkpoint.initial_load_path": str(path), "checkpoint.initial_load_in_hf": in_hf,
+                        "job.dump_folder": str(tmp_path / "run")})
+
+
+@pytest.mark.parametrize(("name", "in_hf", "fix", "problem"), [
+    ("missing", False, "a DCP checkpoint folder", "no such file or folder"),
+    ("missing", True, "a Hugging Face Llama 4 folder", "no such file or folder"),
+    ("file", False, "a DCP checkpoint folder", "not a folder"),
+    ("empty", False, "a step-N folder of a run", "no .metadata"),
+    ("empty", True, "config.json + *.safetensors", "no *.safetensors"),
+    ("hf", False, "set checkpoint.initial_load_in_hf = true", "no .metadata"),
+    ("dcp", True, "set checkpoint.initial_load_in_hf = false", "no *.safetensors"),
+])
+def test_initial_load_path_must_be_the_folder_it_names(debug_cfg: JobConfig, load_dirs: dict[str, Path],
+                                                      tmp_path: Path, name: str, in_hf: bool, fix: str,
+                                                      problem: str) -> None:
+    path = load_dirs[name]
+    cfg = _loading(debug_cfg, tmp_path, path, in_hf)
+    _raises(validate_job_config, cfg, 1, key="checkpoint.initial_load_path", value=f'"{path}"', fix=fix,
+            problem=problem)
+    validate_job_config(cfg, 1, check_device=False)  # the dry-run plans for another machine's files
+
+
+@pytest.mark.parametrize(("name", "in_hf"), [("dcp", False), ("hf", True)])
+def test_initial_load_path_of_the_right_kind_passes(debug_cfg: JobConfig, load_dirs: dict[str, Path],
+                                                    tmp_path: Path, name: str, in_hf: bool) -> None:
+    validate_job_config(_loading(debug_cfg, tmp_path, load_dirs[name], in_hf), 1)
+
+
+def test_initial_load_path_is_not_checked_when_the_run_resumes(debug_cfg: JobConfig, tmp_path: Path) -> None:
+    """A run resuming from its own checkpoint never reads initial_load_path (e.g. a deleted seed)."""
+    cfg = _with(_loading(debug_cfg, tmp_path, tmp_path / "deleted_seed", False), {"checkpoint.enable": True})
+    torn = tmp_path / "run" / "checkpoint" / "step-4"
+    torn.mkdir(parents=True)  # no completion marker: not resumable
+    _raises(validate_job_config, cfg, 1, key="checkpoint.initial_load_path", value=f'"{tmp_path / "deleted_seed"}"',
+            fix="a DCP checkpoint folder", problem="no such file")
+    (torn / ".complete").touch()
+    validate_job_config(cfg, 1)
+    _raises(validate_job_config, _with(cfg, {"checkpoint.enable": False}), 1, key="checkpoint.initial_load_path",
+            value=f'"{tmp_path / "deleted_seed"}"', fix="a DCP checkpoint folder", problem="no such file")
+
+
 # ---- resolve_degrees -------------------------------------------------------------------------
 
 
@@ -411,6 +467,7 @@ def test_config_error_inside_the_run_exits_2(monkeypatch: pytest.MonkeyPatch, ca
         raise ConfigError("model.tokenizer_path", "missing/", "no tokenizer.json there", "download it")
 
     _fake_module(monkeypatch, module, attr, fail)
+    sys.modules[module].TrainingDiverged = RuntimeError  # cli imports it with `train`
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     assert cli.main(["train", "--config", DEBUG, *args]) == 2

@@ -162,3 +162,34 @@ def _recompute_aux(moe: MoE, x: torch.Tensor, coeff: str) -> torch.Tensor:
     hits = torch.zeros(bsz, moe.num_experts).scatter_add_(1, sel.view(bsz, -1), torch.ones(bsz, seq * moe.top_k))
     f = hits * moe.num_experts / (moe.top_k * seq)
     return 0.5 * (f * probs.mean(1)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_grouped_path_makes_no_host_sync(grouped):
+    """On the meta device every read of a tensor value on the host (`.item()`, `.tolist()`, a
+    data-dependent output size) raises, so a forward+backward that runs there has no host-device
+    synchronisation. bf16: the meta kernel of _grouped_mm accepts only bf16."""
+    with torch.device("meta"):
+        moe = MoE(FLAVORS["debugmodel"].replace(use_grouped_mm=grouped, aux_loss_coeff=0.1, z_loss_coeff=0.1))
+        moe = moe.to(torch.bfloat16)
+        x = torch.randn(2, 32, 128, dtype=torch.bfloat16, requires_grad=True)
+    if grouped:
+        moe(x).sum().backward()
+        assert moe.experts.w1.grad.device.type == "meta"
+    else:  # the loop reference reads the counts on the host: the check can fail
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            moe(x).sum().backward()
+
+
+def test_cuda_block_padding_gives_the_same_outputs():
+    """The 16-row alignment used on CUDA, exercised on CPU: same expert outputs, zero gaps."""
+    from torchmoe.models.llama4.moe import pad_expert_blocks
+
+    experts = _moe().experts
+    rows = torch.randn(21, 128)
+    counts = torch.tensor([5, 0, 9, 0, 0, 7, 0, 0])
+    padded, positions, padded_counts = pad_expert_blocks(rows, counts, 16)
+    assert padded_counts.tolist() == [16, 0, 16, 0, 0, 16, 0, 0]
+    assert padded.shape[0] == 21 + 8 * 15 and positions.tolist()[:6] == [0, 1, 2, 3, 4, 16]
+    assert torch.equal(padded[positions], rows) and padded.abs().sum() == rows.abs().sum()
+    torch.testing.assert_close(experts(padded, padded_counts)[positions], experts(rows, counts))

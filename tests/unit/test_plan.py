@@ -150,8 +150,6 @@ def _measured_local_elements(model: torch.nn.Module) -> int:
     ("debugmodel", dict(dp_shard=4, ep=2), 3),
 ])
 def test_states_match_parallelized_meta_model(fake_world, flavor, degrees, rank):
-    if degrees.get("ep", 1) > 1:
-        pytest.importorskip("torchmoe.distributed.expert_parallel", reason="expert parallelism not implemented yet")
     from torchmoe.models.llama4.parallelize import parallelize_llama4
 
     args = FLAVORS["debugmodel"]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchmoe.config.errors import ConfigError, show_value
@@ -186,6 +188,49 @@ def validate_metrics(metrics: Metrics) -> None:
 
 def validate_profiling(profiling: Profiling) -> None:
     _at_least("profiling.profile_freq", profiling.profile_freq, 1)
+
+
+# ---- files the run reads ---------------------------------------------------------------------
+
+
+def _resumes(cfg: JobConfig) -> bool:
+    """Whether the run will resume from a complete `step-N/` of its own (as CheckpointManager
+    finds them), and so never read `checkpoint.initial_load_path`."""
+    folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    return cfg.checkpoint.enable and folder.is_dir() and any(
+        re.fullmatch(r"step-\d+", p.name) and (p / ".complete").is_file() for p in folder.iterdir())
+
+
+def validate_initial_load_path(cfg: JobConfig) -> None:
+    """`checkpoint.initial_load_path`, when the run will load it, must be what
+    `initial_load_in_hf` says: a DCP folder (`.metadata`) or a Hugging Face folder (safetensors).
+
+    The model/data files named by `model.tokenizer_path` and `training.dataset_path` are checked
+    where they are read (`torchmoe.data`, `DataConfigError`).
+    """
+    ckpt = cfg.checkpoint
+    if not ckpt.initial_load_path or _resumes(cfg):
+        return
+    key, path = "checkpoint.initial_load_path", Path(ckpt.initial_load_path)
+    hf = "a Hugging Face Llama 4 folder (config.json + *.safetensors)"
+    dcp = "a DCP checkpoint folder: a step-N folder of a run, or the output of `torchmoe convert hf-to-dcp`"
+    want = hf if ckpt.initial_load_in_hf else dcp
+    if not path.exists():
+        raise ConfigError(key, ckpt.initial_load_path, "no such file or folder",
+                          f"point it at {want}, or leave it empty to start from random weights")
+    if not path.is_dir():
+        raise ConfigError(key, ckpt.initial_load_path, "is a file, not a folder", f"point it at {want}")
+    is_dcp = (path / ".metadata").is_file()
+    is_hf = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+    if ckpt.initial_load_in_hf and not is_hf:
+        fix = ("it is a DCP checkpoint: set checkpoint.initial_load_in_hf = false" if is_dcp
+               else f"point it at {hf}")
+        raise ConfigError(key, ckpt.initial_load_path, "initial_load_in_hf = true, but the folder holds no "
+                          "*.safetensors", fix)
+    if not ckpt.initial_load_in_hf and not is_dcp:
+        fix = ("it is a Hugging Face folder: set checkpoint.initial_load_in_hf = true" if is_hf
+               else f"point it at {dcp}")
+        raise ConfigError(key, ckpt.initial_load_path, "not a DCP checkpoint (no .metadata in the folder)", fix)
 
 
 # ---- degrees ---------------------------------------------------------------------------------
@@ -378,8 +423,8 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
         cfg: the loaded job config.
         world_size: the number of ranks the run (or the dry-run's plan) has.
         check_device: also require that this machine has what the config needs (CUDA for
-            float8 / async TP / device "cuda"). The dry-run passes False: it plans for the
-            target cluster from any machine.
+            float8 / async TP / device "cuda", the folder of checkpoint.initial_load_path).
+            The dry-run passes False: it plans for the target cluster from any machine.
 
     Raises:
         ConfigError: the first problem found, naming the key, the value and the fix.
@@ -406,3 +451,5 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     _validate_model_split(args, m.flavor, degrees, cfg.training.seq_len)
     _validate_batch(cfg.training, cfg.parallelism, degrees)
     _validate_features(cfg, args, check_device)
+    if check_device:
+        validate_initial_load_path(cfg)

@@ -317,31 +317,35 @@ class TokenDispatcher:
     def run_local_experts(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         """Run this rank's experts on rows sorted by local expert, padding expert blocks to the
         kernel's alignment on CUDA. rows: (R, dim), counts: (local experts,) -> (R, dim)."""
-        padded_rows, positions, padded_counts = self._pad_for_kernel(rows, counts)
+        align = _CUDA_GROUP_ALIGN if rows.is_cuda else 1
+        padded_rows, positions, padded_counts = pad_expert_blocks(rows, counts, align)
         out = experts(padded_rows, padded_counts)
         return out[positions] if positions is not None else out
 
-    @staticmethod
-    def _pad_for_kernel(rows, counts):
-        """On CUDA, place each expert's block at a row offset aligned to `_CUDA_GROUP_ALIGN`.
 
-        Returns the (possibly padded) rows, the index of each original row in them (None when
-        unpadded) and the per-expert row counts including padding. The padded buffer has a
-        static size (R + E * (align - 1)) so no host sync is needed.
-        """
-        if not rows.is_cuda:
-            return rows, None, counts
-        align = _CUDA_GROUP_ALIGN
-        padded = (counts + align - 1) // align * align  # (E,)
-        padded_start = torch.cumsum(padded, 0) - padded
-        start = torch.cumsum(counts, 0) - counts
-        sorted_expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
-                                                output_size=rows.shape[0])
-        rank_in_expert = torch.arange(rows.shape[0], device=rows.device) - start[sorted_expert]
-        positions = padded_start[sorted_expert] + rank_in_expert  # (R,)
-        buffer = rows.new_zeros(rows.shape[0] + counts.numel() * (align - 1), rows.shape[1])
-        buffer[positions] = rows
-        return buffer, positions, padded
+def pad_expert_blocks(rows: torch.Tensor, counts: torch.Tensor, align: int):
+    """Place each expert's block of rows at an offset that is a multiple of `align` (CUDA grouped
+    GEMM kernels want 16-row-aligned groups).
+
+    Args:
+        rows: (R, dim) sorted by expert; counts: (E,) rows per expert.
+    Returns:
+        The padded rows (R + E * (align - 1), dim) — a static size, so no host sync — with zero
+        rows in the gaps; the index (R,) of each original row in them (None when align is 1, the
+        rows are then returned as they are); and the per-expert counts including padding.
+    """
+    if align == 1:
+        return rows, None, counts
+    padded = (counts + align - 1) // align * align  # (E,)
+    padded_start = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    sorted_expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
+                                            output_size=rows.shape[0])
+    rank_in_expert = torch.arange(rows.shape[0], device=rows.device) - start[sorted_expert]
+    positions = padded_start[sorted_expert] + rank_in_expert  # (R,)
+    buffer = rows.new_zeros(rows.shape[0] + counts.numel() * (align - 1), rows.shape[1])
+    buffer[positions] = rows
+    return buffer, positions, padded
 
 
 def update_expert_bias(moe_layers: list[MoE], counts: list[torch.Tensor] | None = None) -> None:

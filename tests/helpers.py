@@ -1,0 +1,78 @@
+"""What several test files share: the repo's configs, user-error checks, checkpoint folders, the
+tiny job of the distributed parity tests, and an empty CPU debugmodel.
+
+Running the CLI itself is `torchmoe.launch`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torchmoe.launch import run_train
+
+if TYPE_CHECKING:
+    from torchmoe.models.llama4 import Transformer
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_CONFIG = str(REPO / "configs" / "debug_model.toml")
+
+# The distributed parity tests' job: debugmodel, global batch 8 x 64 tokens, log every step,
+# checkpoints on so the seed checkpoint is picked up; warmup 2 so the LR changes across the
+# compared steps.
+TINY_JOB = [
+    "--config", DEBUG_CONFIG,
+    "--training.seq_len", "64", "--training.global_batch_size", "8", "--training.steps", "5",
+    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+    "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
+]
+
+
+def write_toml(tmp_path: Path, text: str) -> str:
+    """`text` as `tmp_path/job.toml`; returns its path."""
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess[str], *expected: str) -> None:
+    """A user error as the CLI reports it: exit 2, one `error:` line, no traceback, and each of
+    `expected` in the message."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1, proc.stderr
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
+
+
+def start_from(checkpoint: Path, dump_folder: Path) -> Path:
+    """Place a copy of `checkpoint` (a step-N folder) where a run in `dump_folder` resumes from;
+    returns `dump_folder`."""
+    shutil.copytree(checkpoint, dump_folder / "checkpoint" / checkpoint.name)
+    return dump_folder
+
+
+def train_tiny(dump_folder: Path, args: list[str], *, nproc: int = 1) -> subprocess.CompletedProcess[str]:
+    """`torchmoe train TINY_JOB + args` into `dump_folder` on `nproc` ranks; raises on failure."""
+    return run_train([*TINY_JOB, *args], dump_folder=dump_folder, nproc=nproc, timeout=300)
+
+
+def seed_checkpoint(folder: Path, args: list[str] = ()) -> Path:
+    """Write a seed checkpoint of TINY_JOB (one process) and return its step-0 folder."""
+    train_tiny(folder, ["--checkpoint.create_seed_checkpoint", "true", *args])
+    return folder / "checkpoint" / "step-0"
+
+
+def empty_debugmodel() -> Transformer:
+    """A debugmodel on CPU in eval mode, its weights allocated but not initialised (to load into)."""
+    import torch
+
+    from torchmoe.models.llama4 import FLAVORS, Transformer
+
+    with torch.device("meta"):
+        model = Transformer(FLAVORS["debugmodel"])
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    return model.eval()

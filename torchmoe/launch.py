@@ -1,0 +1,99 @@
+"""Run the CLI in a subprocess: one process or a torchrun world; read its metrics.
+
+    from torchmoe.launch import read_metrics, run_train
+    run_train(["--config", "configs/debug_model.toml", "--training.steps", "5"], dump_folder="outputs/t", nproc=2)
+    read_metrics("outputs/t")[-1]["loss"]
+
+For tests and benchmarks that drive `torchmoe` end to end on one machine. With `nproc > 1` the
+command runs under `python -m torch.distributed.run --nproc_per_node=N` on a free local port
+(CPU ranks talk over gloo). The child gets a clean launcher environment: no torchrun worker
+variables inherited from the caller, and `OMP_NUM_THREADS` per rank (1 by default, which makes
+fp32 CPU runs reproducible bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["LaunchError", "cli_command", "cli_env", "free_port", "metrics_by_step", "read_metrics", "run_cli",
+           "run_train"]
+
+Arg = str | os.PathLike
+# Set by torchrun for its workers; a launcher that inherited them would look like one.
+_WORKER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+class LaunchError(RuntimeError):
+    """The command exited with another status than expected; the message holds its output's tail."""
+
+    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
+        self.proc = proc
+        super().__init__(f"{' '.join(map(str, proc.args))}\nexited {proc.returncode}:\n"
+                         f"{(proc.stdout or '')[-3000:]}\n{(proc.stderr or '')[-6000:]}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_command(args: Sequence[Arg], *, nproc: int = 1) -> list[str]:
+    """argv of `torchmoe ARGS`: `python -m torchmoe ...`, or under torchrun with `nproc` ranks."""
+    if nproc == 1:
+        launcher = [sys.executable, "-m", "torchmoe"]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    f"--master_port={free_port()}", "-m", "torchmoe"]
+    return [*launcher, *map(str, args)]
+
+
+def cli_env(*, threads: int | None = 1) -> dict[str, str]:
+    """This process's environment minus torchrun's worker variables, with `OMP_NUM_THREADS=threads`
+    per rank (None keeps the caller's setting) and unbuffered output."""
+    env = {k: v for k, v in os.environ.items() if k not in _WORKER_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_cli(args: Sequence[Arg], *, nproc: int = 1, threads: int | None = 1, timeout: float | None = None,
+            expect: int | None = 0) -> subprocess.CompletedProcess[str]:
+    """Run `torchmoe ARGS` (see `cli_command`, `cli_env`) and capture its output as text.
+
+    Args:
+        expect: the exit status to require, else `LaunchError`; None accepts any.
+        timeout: seconds before `subprocess.TimeoutExpired`; None waits for ever.
+    """
+    proc = subprocess.run(cli_command(args, nproc=nproc), env=cli_env(threads=threads), capture_output=True,
+                          text=True, timeout=timeout)
+    if expect is not None and proc.returncode != expect:
+        raise LaunchError(proc)
+    return proc
+
+
+def run_train(args: Sequence[Arg], *, dump_folder: Arg, nproc: int = 1, threads: int | None = 1,
+              timeout: float | None = None, expect: int | None = 0) -> subprocess.CompletedProcess[str]:
+    """`torchmoe train ARGS --job.dump_folder DUMP_FOLDER` through `run_cli`; its metrics are then
+    in `read_metrics(dump_folder)`."""
+    return run_cli(["train", *args, "--job.dump_folder", dump_folder], nproc=nproc, threads=threads,
+                   timeout=timeout, expect=expect)
+
+
+def read_metrics(dump_folder: Arg) -> list[dict]:
+    """The records of `<dump_folder>/metrics.jsonl` in the order written (a resumed run appends)."""
+    text = (Path(dump_folder) / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def metrics_by_step(dump_folder: Arg) -> dict[int, dict]:
+    """step -> its record of `<dump_folder>/metrics.jsonl` (the last one written for that step)."""
+    return {r["step"]: r for r in read_metrics(dump_folder)}
