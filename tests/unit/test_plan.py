@@ -323,3 +323,17 @@ def test_dry_run_debug_model_single_rank(tmp_path):
     assert report["params_per_rank"] == report["params_total"]
     assert report["memory_per_rank_gib"]["params"] == pytest.approx(4 * report["params_total"] / GIB)
     assert report["groups"] == {"0": {name: [0] for name in ALL_NAMES}}
+
+
+def test_dry_run_expert_memory_per_rank_and_untrainable_warning(tmp_path):
+    """debugmodel on 8 ranks, tp 2 with ep 4: 2 MoE layers x 8 experts x 3 x 128 x 256 expert
+    weights, a quarter per EP rank, halved again by FSDP over efsdp = 2."""
+    cfg = _config("debug_model.toml", tmp_path, "--parallelism.tensor_parallel_degree", "2",
+                  "--parallelism.expert_parallel_degree", "4", "--parallelism.context_parallel_degree", "2",
+                  "--training.seq_len", "128")
+    out = io.StringIO()
+    report = run_dry_run(cfg, 8, console=Console(file=out, width=200))
+    assert report["expert_params_per_rank"] == 2 * 8 * 3 * 128 * 256 // 4 // 2
+    assert report["expert_state_per_rank_gib"] == pytest.approx(report["expert_params_per_rank"] * 16 / GIB)
+    assert "routed experts per rank: 196.61 K stored" in out.getvalue()
+    assert "context parallelism (parallelism.context_parallel_degree = 2) is planned here" in out.getvalue()

@@ -174,6 +174,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
     per_pp_rank = [rank_param_specs(specs, pipe, r) for r in range(dims.pp)]
     params_per_rank = max(sum(shard_numel(s, dims) for s in local) for local in per_pp_rank)
     params_local = max(sum(math.prod(local_shape(s, dims)) for s in local) for local in per_pp_rank)
+    expert_params_per_rank = max(sum(shard_numel(s, dims) for s in local if s.expert) for local in per_pp_rank)
     memory = max(memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
                                     compiled=cfg.compile.enable), key=lambda e: e.total)
     device_gib = device_memory_gib(cfg.job.device_memory_gib)
@@ -185,6 +186,9 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
         "params_total": counts["total"],
         "params_active": counts["active"],
         "params_per_rank": params_per_rank,
+        "expert_params_per_rank": expert_params_per_rank,
+        # fp32 master weights + fp32 gradients + two fp32 AdamW states = 16 bytes per stored element.
+        "expert_state_per_rank_gib": expert_params_per_rank * 16 / GIB,
         "flops_per_token": args.flops_per_token(cfg.training.seq_len),
         "memory_per_rank_gib": memory.gib(),
         "memory_pp_rank": memory.pp_rank,
@@ -240,6 +244,8 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
         f"parameters: total {_count(report['params_total'])}, active {_count(report['params_active'])}; "
         f"per rank {_count(report['params_per_rank'])} stored ({_count(params_local)} after TP/EP, "
         f"before FSDP sharding)")
+    console.print(f"routed experts per rank: {_count(report['expert_params_per_rank'])} stored; with their "
+                  f"gradients and AdamW state {report['expert_state_per_rank_gib']:.2f} GiB (included below)")
     console.print(f"FLOPs per token (fwd+bwd, seq_len {cfg.training.seq_len}): {report['flops_per_token']:.4g}")
 
     gib = memory.gib()
