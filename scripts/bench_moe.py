@@ -64,8 +64,8 @@ def main() -> None:
     parser.add_argument("--flavor", default="debugmodel", choices=sorted(k for k in FLAVORS if "x" not in k))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--out", default="outputs/bench_moe.json")
     opts = parser.parse_args()
     args = FLAVORS[opts.flavor]

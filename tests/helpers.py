@@ -6,8 +6,11 @@ Running the CLI itself is `torchmoe.launch`.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,3 +79,15 @@ def empty_debugmodel() -> Transformer:
     model.to_empty(device="cpu")
     model.init_buffers("cpu")
     return model.eval()
+
+
+def run_rank_script(script: str, out_dir: Path, *, world: int, timeout: int) -> dict[int, dict]:
+    """Run a test file as a torchrun script on `world` CPU ranks (``python FILE OUT_DIR``; each
+    rank writes ``OUT_DIR/rank<r>.json``) and return rank -> that record."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           script, str(out_dir)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}

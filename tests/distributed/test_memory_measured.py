@@ -29,12 +29,12 @@ that; the padded (uneven) case is checked against a meta-device model in tests/u
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_rank_script
 
 pytestmark = pytest.mark.distributed
 
@@ -115,14 +115,7 @@ def _worker(out_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[int, dict]:
-    out_dir = tmp_path_factory.mktemp("memory")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           __file__, str(out_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)}
+    return run_rank_script(__file__, tmp_path_factory.mktemp("memory"), world=WORLD, timeout=300)
 
 
 def _estimate(label: str, pp_rank: int):

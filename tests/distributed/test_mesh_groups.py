@@ -12,12 +12,12 @@ layout function.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_rank_script
 
 WORLD = 8
 # (label, degrees): pp2 x dp_shard2 x tp2; EP spanning TP (ep4 over dp_shard4 x tp2); MoE TP
@@ -66,15 +66,7 @@ def _worker(out_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def mesh_records(tmp_path_factory) -> dict[int, dict]:
-    out_dir = tmp_path_factory.mktemp("mesh")
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           __file__, str(out_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)}
+    return run_rank_script(__file__, tmp_path_factory.mktemp("mesh"), world=WORLD, timeout=180)
 
 
 @pytest.mark.distributed
