@@ -266,6 +266,8 @@ RULES = [
     ({"activation_checkpoint.mode": "selective", "model.attn_backend": "flex"}, 1, "activation_checkpoint.mode",
      '"selective"', 'attn_backend = "sdpa"', '"flex"'),
     ({"float8.enable": True}, 1, "float8.enable", "true", "float8.enable = false", 'training.device = "cpu"'),
+    ({"parallelism.fsdp_cpu_offload": True}, 2, "parallelism.fsdp_cpu_offload", "true",
+     "fsdp_cpu_offload = false", 'training.device = "cpu"'),
     ({"parallelism.enable_async_tensor_parallel": True, "compile.enable": True}, 1,
      "parallelism.enable_async_tensor_parallel", "true", "= false", 'training.device = "cpu"'),
     ({"float8.enable": True, "float8.enable_fsdp_float8_all_gather": True, "float8.recipe_name": "rowwise"}, 1,

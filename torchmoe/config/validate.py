@@ -403,8 +403,10 @@ def _validate_features(cfg: JobConfig, args: ModelArgs, check_device: bool) -> N
     if check_device and device == "cuda" and not cuda:
         raise ConfigError("training.device", device, "CUDA is not available on this machine",
                           'use training.device = "cpu" (or "" to pick automatically)')
-    cuda_only = (("float8.enable", cfg.float8.enable), ("parallelism.enable_async_tensor_parallel",
-                                                        cfg.parallelism.enable_async_tensor_parallel))
+    # CPU offload moves FSDP state off an accelerator: FSDP2 refuses it when there is none.
+    cuda_only = (("float8.enable", cfg.float8.enable),
+                 ("parallelism.enable_async_tensor_parallel", cfg.parallelism.enable_async_tensor_parallel),
+                 ("parallelism.fsdp_cpu_offload", cfg.parallelism.fsdp_cpu_offload))
     for key, enabled in cuda_only:
         if not enabled:
             continue
