@@ -2,7 +2,9 @@
 
 The expert-bias update rate is raised to 0.05 (from 1e-3) so that routing changes visibly from
 step to step: a layout that reduced token counts or applied the bias differently would route
-differently and drift. Bound: 1e-5 relative (observed ~1e-6, summation order).
+differently and drift. The sequence-wise balance loss and the router z-loss are on too, so their
+gradients must be scaled and (with EP spanning TP, where each rank routes a slice of every
+sequence) reduced exactly. Bound: 1e-5 relative (observed ~1e-6, summation order).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
-BALANCE = ["--model.load_balance_coeff", "0.05"]
+BALANCE = ["--model.load_balance_coeff", "0.05", "--model.aux_loss_coeff", "0.01", "--model.z_loss_coeff", "0.001"]
 
 
 @pytest.fixture(scope="module")

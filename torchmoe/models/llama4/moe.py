@@ -14,6 +14,8 @@ token counts accumulated in ``tokens_per_expert`` over all micro-batches (see `u
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -218,6 +220,8 @@ class MoE(nn.Module):
         # main loss's normalisation; the last values are kept for metrics.
         self.aux_loss_grad_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
+        # Set by expert parallelism spanning TP, where each rank routes a slice of each sequence.
+        self.sequence_shard_group: dist.ProcessGroup | None = None
         # Token dispatch hooks: expert parallelism replaces these to move tokens between ranks.
         self.dispatcher: TokenDispatcher = TokenDispatcher(args.num_experts, args.top_k)
 
@@ -253,10 +257,19 @@ class MoE(nn.Module):
         aux = out.new_zeros((), dtype=torch.float32)
         if self.aux_loss_coeff:
             probs = (scores / scores.sum(-1, keepdim=True)).view(bsz, seq_len, -1)  # (B, S, E)
+            prob_sums = probs.sum(1)  # (B, E)
             hits = torch.zeros(bsz, self.num_experts, device=out.device)
             hits.scatter_add_(1, selected.view(bsz, -1), torch.ones_like(selected.view(bsz, -1), dtype=hits.dtype))
-            f = hits * self.num_experts / (self.top_k * seq_len)  # (B, E)
-            aux = aux + self.aux_loss_coeff * (f * probs.mean(1)).sum(-1).mean()
+            full_len = seq_len
+            if self.sequence_shard_group is not None:
+                # Each rank holds a slice of every sequence: sum the per-sequence statistics over
+                # the slices so the loss is the full sequences' (the differentiable all-reduce
+                # sums the identical per-rank gradients back; the trainer scales each by 1/tp).
+                prob_sums = dist_nn.all_reduce(prob_sums, group=self.sequence_shard_group)
+                dist.all_reduce(hits, group=self.sequence_shard_group)
+                full_len = seq_len * dist.get_world_size(self.sequence_shard_group)
+            f = hits * self.num_experts / (self.top_k * full_len)  # (B, E)
+            aux = aux + self.aux_loss_coeff * (f * prob_sums / full_len).sum(-1).mean()
         if self.z_loss_coeff:
             aux = aux + self.z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
         self.last_aux_loss = aux.detach()
