@@ -63,3 +63,16 @@ def test_non_finite_loss_raises_before_stepping(tmp_path: Path) -> None:
 
     for name, p in trainer.model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name], equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("degrees, key", [(dict(pp=2, cp=1), "parallelism.pipeline_parallel_degree"),
+                                          (dict(pp=1, cp=2), "parallelism.context_parallel_degree")])
+def test_trainer_refuses_layouts_it_cannot_run(degrees, key):
+    from torchmoe.config.errors import ConfigError
+    from torchmoe.distributed.parallel_dims import ParallelDims
+    from torchmoe.trainer import _refuse_unbuilt_layouts
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, ep=1, world_size=2, **degrees)
+    with pytest.raises(ConfigError, match="cannot run it yet") as err:
+        _refuse_unbuilt_layouts(dims)
+    assert err.value.key == key and err.value.fix == f"set {key} = 1 for training"
