@@ -45,7 +45,7 @@ class Subcommand:
 
 
 def _positive_int(key: str, text: str, fix: str) -> int:
-    if not (text.isdigit() and int(text) >= 1):
+    if not (text.isdecimal() and text.isascii() and int(text) >= 1):
         raise ConfigError(key, text, "expected a positive integer", fix)
     return int(text)
 
@@ -203,4 +203,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `torchmoe train --help | head`: the reader left. Point stdout at /dev/null so the
         # interpreter's final flush does not raise again, as the Python docs recommend.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return 0

@@ -5,8 +5,9 @@
     logits = model(tokens)                       # (batch, seq, vocab), equal to transformers'
     save_model(model, "out/hf")                  # transformers loads it with identical logits
 
-Both stream tensor by tensor: loading never holds more than the model plus one checkpoint
-tensor; saving never holds more than one output shard.
+Loading streams tensor by tensor: it never holds more than the model plus one checkpoint
+tensor. Saving converts and writes one shard at a time, from the model's full state (which a
+sharded model gathers first).
 """
 
 from __future__ import annotations

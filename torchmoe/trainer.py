@@ -4,14 +4,16 @@
     torchrun --nproc_per_node=4 -m torchmoe train --config configs/debug_model.toml \\
         --parallelism.data_parallel_shard_degree 4
 
-The loop is layout-agnostic: the parallelize pipeline decides how the model is split; here only
-the loss normalisation (by the global batch's token count, so any dp degree and gradient
-accumulation give the same gradients) and the reductions over the `loss` mesh know about ranks.
+The loop is layout-agnostic: the parallelize pipeline decides how the model is split. What knows
+about ranks here: the loss normalisation (by the global batch's token count, so any dp degree and
+gradient accumulation give the same gradients), one all-reduce per step of the loss and the stop
+flag, and the reduction of the MoE token counts over every rank that routes different tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -44,9 +46,10 @@ from torchmoe.config.loader import write_config_toml
 from torchmoe.data.dataloader import build_dataloader
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
+from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
-from torchmoe.models.llama4 import Transformer, build_model_args, update_expert_bias
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.models.llama4 import Transformer, update_expert_bias
+from torchmoe.models.llama4.args import ModelArgs, model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,8 @@ class TrainingDiverged(RuntimeError):
 class StepResult:
     loss: float
     grad_norm: float
+    lr: float  # the learning rate this step used
+    stop: bool  # some rank caught SIGTERM/SIGINT: every rank stops after this step
     tokens_per_expert: torch.Tensor | None  # (n_moe_layers, n_experts), summed over the batch
 
 
@@ -85,20 +90,12 @@ def _init_distributed(device: torch.device) -> int:
 
 def _model_args(cfg: JobConfig, vocab_needed: int) -> ModelArgs:
     m = cfg.model
-    args = build_model_args(m.flavor, attn_backend=m.attn_backend, use_grouped_mm=m.use_grouped_mm,
-                            load_balance_coeff=m.load_balance_coeff, aux_loss_coeff=m.aux_loss_coeff,
-                            z_loss_coeff=m.z_loss_coeff)
+    args = model_args_from_config(m)
     if vocab_needed > args.vocab_size:
         raise ConfigError("model.tokenizer_path", m.tokenizer_path,
                           f"the tokenizer has {vocab_needed} tokens but flavor {m.flavor!r} has vocab_size "
                           f"{args.vocab_size}", "use a tokenizer that fits the flavor's vocabulary")
     return args
-
-
-def _refuse_unbuilt_layouts(dims: ParallelDims) -> None:
-    for key, degree, what in dims.not_yet_trainable():
-        raise ConfigError(key, degree, f"{what} is planned (--dry-run shows it) but the trainer cannot run it yet",
-                          f"set {key} = 1 for training")
 
 
 class Trainer:
@@ -111,9 +108,10 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         setup_logging(self.rank)
         self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        _refuse_unbuilt_layouts(self.dims)
         self.mesh: ParallelMesh | None = self.dims.build_mesh(self.device.type) if world_size > 1 else None
         if cfg.training.deterministic:
+            # cuBLAS refuses deterministic mode without a fixed workspace configuration.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
         if self.rank == 0:
@@ -128,7 +126,8 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(self.model_args)
         self.model = parallelize_llama4(model, self.dims, self.mesh, cfg)
-        self.model.to_empty(device=self.device)
+        # FSDP CPU offload keeps sharded parameters on the host; buffers still go to the device.
+        self.model.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else self.device)
         torch.manual_seed(cfg.training.seed)
         with torch.no_grad():
             self.model.init_weights(buffer_device=self.device)
@@ -161,13 +160,36 @@ class Trainer:
         if not ckpt.initial_load_path:
             return
         if ckpt.initial_load_in_hf:
-            from torchmoe.hf import iter_hf_state
-
-            full = dict(iter_hf_state(ckpt.initial_load_path))
-            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
-            logger.info("loaded Hugging Face weights from %s", ckpt.initial_load_path)
+            self._load_hf_weights(Path(ckpt.initial_load_path))
         else:
             load_model_only(ckpt.initial_load_path, [self.model])
+
+    def _load_hf_weights(self, hf_dir: Path) -> None:
+        """Start from a Hugging Face Llama 4 folder: rank 0 streams the checkpoint into host
+        memory and DCP's state-dict API scatters each rank's shards from it."""
+        import json
+
+        from torchmoe.hf import iter_hf_state
+        from torchmoe.models.llama4.hf import args_from_hf_config
+
+        hf_args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+        shape_fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "num_experts",
+                        "top_k", "moe_hidden_dim", "ffn_hidden_dim", "moe_layer_ids", "rope_layers",
+                        "rope_theta", "rope_scaling", "attention_chunk_size", "use_qk_norm",
+                        "attn_temperature_tuning", "floor_scale", "attn_scale", "tie_word_embeddings")
+        differ = [f for f in shape_fields if getattr(hf_args, f) != getattr(self.model_args, f)]
+        if differ:
+            raise ConfigError("checkpoint.initial_load_path", str(hf_dir),
+                              f"its config differs from flavor {self.cfg.model.flavor!r} in {', '.join(differ)}",
+                              "pick the flavor matching the checkpoint (torchmoe convert hf-to-dcp names it)")
+        full = dict(iter_hf_state(hf_dir)) if self.rank == 0 else {}
+        expected = {k for k in get_model_state_dict(self.model) if not k.endswith(("expert_bias", "tokens_per_expert"))}
+        if self.rank == 0 and (missing := sorted(expected - set(full))):
+            raise ConfigError("checkpoint.initial_load_path", str(hf_dir), f"lacks {len(missing)} tensors, "
+                              f"e.g. {missing[:3]}", "point it at a complete Hugging Face Llama 4 checkpoint")
+        set_model_state_dict(self.model, full, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False))
+        logger.info("loaded Hugging Face weights from %s", hf_dir)
 
     @property
     def _token_shards(self) -> int:
@@ -205,42 +227,43 @@ class Trainer:
         return local_loss
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """`forward_backward`, then agree on the loss, clip, step and update the MoE biases.
+        """`forward_backward`, then agree on the loss and on stopping, clip, step, and update the
+        MoE biases. The host reads device values once per step (loss, stop flag, norm together).
 
         Raises:
             TrainingDiverged: the global loss or gradient norm is not finite (nothing was
                 stepped, so the model still holds the previous step's weights).
         """
-        global_loss, stop = self._reduce_loss_and_stop_flag(self.forward_backward(micro_batches))
-        if not torch.isfinite(global_loss):
-            raise TrainingDiverged(f"loss is {global_loss.item()} at step {self.step + 1}: stopping without "
-                                   "saving; lower optimizer.lr or check the data")
+        global_loss, stop_flag = self._reduce_loss_and_stop_flag(self.forward_backward(micro_batches))
         max_norm = self.cfg.training.max_norm
         grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"))
-        if not torch.isfinite(grad_norm):
-            raise TrainingDiverged(f"gradient norm is {grad_norm.item()} at step {self.step + 1}: stopping "
-                                   "without saving")
+        loss, stop, norm = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss)]).tolist()
+        for name, value in (("loss", loss), ("gradient norm", norm)):
+            if not math.isfinite(value):
+                raise TrainingDiverged(f"{name} is {value} at step {self.step + 1}: stopping without saving; "
+                                       "lower optimizer.lr or check the data")
+        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        precompute_float8_scales([self.model], self.cfg.float8)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         counts = self._update_moe_biases()
-        if stop:
-            self._stop_signal = self._stop_signal or signal.SIGTERM
-        return StepResult(global_loss.item(), grad_norm.item(), counts)
+        return StepResult(loss, norm, lr, stop > 0, counts)
 
-    def _reduce_loss_and_stop_flag(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def _reduce_loss_and_stop_flag(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum the loss over data-parallel ranks and agree on stopping, in one all-reduce.
 
         Only the tp-coordinate-0 rank of each TP group contributes the loss (its TP peers hold
-        the same value); any rank that caught SIGTERM/SIGINT raises the stop flag for all.
+        the same value); any rank that caught SIGTERM/SIGINT raises the stop flag for all, so
+        every rank stops (and saves, collectively) after the same step.
         """
+        flag = torch.tensor(float(self._stop_signal is not None), device=self.device)
         if self.mesh is None:
-            return local_loss, self._stop_signal is not None
+            return local_loss, flag
         weight = 1.0 if self.mesh["tp"].get_local_rank() == 0 else 0.0
-        flag = 1.0 if self._stop_signal is not None else 0.0
-        buf = torch.stack([local_loss * weight, torch.tensor(flag, device=self.device)])
+        buf = torch.stack([local_loss * weight, flag])
         dist.all_reduce(buf)
-        return buf[0], bool(buf[1].item() > 0)
+        return buf[0], buf[1]
 
     def _update_moe_biases(self) -> torch.Tensor | None:
         """Reduce this step's per-expert token counts over the batch and update every layer's
@@ -292,12 +315,12 @@ class Trainer:
                     metrics.log(self.step, {**extra,
                         "loss": result.loss,
                         "grad_norm": result.grad_norm,
-                        "lr": self.scheduler.get_last_lr()[0],
+                        "lr": result.lr,
                         "tokens_per_sec": tokens_per_sec,
                         "tflops": flops_per_token * tokens_per_sec / self.dims.world_size / 1e12,
                         "memory_gib": peak_memory_gib(self.device),
                     }, tokens_per_expert=result.tokens_per_expert)
-                if self._stop_signal is not None:
+                if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
                     if cfg.checkpoint.enable:
                         self.checkpointer.save(self.step, self.state)
                     else:

@@ -175,3 +175,12 @@ def test_hf_streams_a_local_dataset(tmp_path: Path) -> None:
     docs.text_field = "content"
     with pytest.raises(ValueError, match=r'dataset_text_field = "content": row 0 .* has no such field'):
         next(iter(docs))
+
+
+def test_bad_jsonl_line_names_file_and_line(tmp_path):
+    from torchmoe.data.dataset import DataConfigError, FileDocuments
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": broken\n')
+    with pytest.raises(DataConfigError, match=r"d\.jsonl:2 is not JSON"):
+        list(FileDocuments([path]).iter_from(0))

@@ -89,7 +89,7 @@ def test_bf16_parity(tmp_path):
     """bf16 weights and activations in both models. Tolerance 2e-2 relative to the largest logit:
     bf16 has an 8-bit mantissa (2^-8 = 3.9e-3 per rounding) and the two implementations round
     the routed-expert gate product and attention internals in a different order, which
-    accumulates over 4 layers; we measured about 8e-3 here."""
+    accumulates over 4 layers; we measured 9.9e-3 here."""
     hf = _hf_model(CASES["scout_like"]).to(torch.bfloat16)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_model(tmp_path / "hf", dtype=torch.bfloat16)
@@ -133,7 +133,9 @@ def test_config_round_trip_covers_fields():
     [("hidden_act", "gelu", "hidden_act 'gelu'"),
      ("attention_bias", True, "attention_bias"),
      ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1.0, "factor": 2.0}, "rope_type 'yarn'"),
-     ("some_new_field", 3, "unsupported Llama4TextConfig fields: some_new_field")],
+     ("some_new_field", 3, "unsupported Llama4TextConfig fields: some_new_field"),
+     ("layer_types", ["full_attention"] * 4, "layer_types .* differ"),
+     ("score_func", "softmax", "unsupported Llama4TextConfig fields: score_func")],
 )
 def test_unsupported_config_fields_are_refused(field, value, message):
     cfg = {**Llama4TextConfig(**_BASE).to_dict(), field: value}

@@ -87,3 +87,12 @@ def test_bad_config_is_an_error() -> None:
         build_lr_scheduler(opt, LRSchedulerConfig(decay_type="exp"), total_steps=10)
     with pytest.raises(ValueError, match="min_lr_factor"):
         build_lr_scheduler(opt, LRSchedulerConfig(min_lr_factor=2.0), total_steps=10)
+
+
+@pytest.mark.parametrize("warmup, ratio", [(20, -1.0), (5, 0.0), (5, 0.01)])
+def test_no_decay_phase_holds_the_peak_past_the_end(warmup, ratio):
+    """warmup == steps, or a decay ratio rounding to 0 steps: the scheduler's step after the
+    last one must not divide by zero (it used to, losing the final checkpoint)."""
+    kwargs = dict(warmup_steps=warmup, total_steps=20, decay_ratio=ratio)
+    assert lr_factor(20, **kwargs) == (20 / 21 if warmup == 20 else 1.0)
+    assert lr_factor(21, **kwargs) == 1.0

@@ -109,3 +109,13 @@ def test_hf_tokenizer_missing_file(tmp_path: Path) -> None:
         build_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="nope.json"):
         build_tokenizer(str(tmp_path / "nope.json"))
+
+
+def test_malformed_tokenizer_json_is_a_config_error(tmp_path):
+    pytest.importorskip("tokenizers", reason="HFTokenizer needs the 'tokenizers' package")
+    from torchmoe.data.dataset import DataConfigError
+    from torchmoe.data.tokenizer import build_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"version": ')
+    with pytest.raises(DataConfigError, match="not a valid tokenizer.json"):
+        build_tokenizer(str(tmp_path))

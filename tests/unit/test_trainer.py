@@ -65,14 +65,15 @@ def test_non_finite_loss_raises_before_stepping(tmp_path: Path) -> None:
         torch.testing.assert_close(p.detach(), before[name], equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("degrees, key", [(dict(pp=2, cp=1), "parallelism.pipeline_parallel_degree"),
-                                          (dict(pp=1, cp=2), "parallelism.context_parallel_degree")])
-def test_trainer_refuses_layouts_it_cannot_run(degrees, key):
+@pytest.mark.parametrize("key", ["parallelism.pipeline_parallel_degree", "parallelism.context_parallel_degree"])
+def test_real_runs_refuse_layouts_the_trainer_cannot_run(key):
+    """Planned by the dry run, refused (before any process group exists) for training."""
     from torchmoe.config.errors import ConfigError
-    from torchmoe.distributed.parallel_dims import ParallelDims
-    from torchmoe.trainer import _refuse_unbuilt_layouts
+    from torchmoe.config.loader import load_job_config
+    from torchmoe.config.validate import validate_job_config
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, ep=1, world_size=2, **degrees)
+    cfg = load_job_config(["--config", "configs/debug_model.toml", f"--{key}", "2"])
+    validate_job_config(cfg, 2, check_device=False)  # the dry run plans it
     with pytest.raises(ConfigError, match="cannot run it yet") as err:
-        _refuse_unbuilt_layouts(dims)
+        validate_job_config(cfg, 2)
     assert err.value.key == key and err.value.fix == f"set {key} = 1 for training"

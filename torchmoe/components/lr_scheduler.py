@@ -79,7 +79,8 @@ def _factor(
     if step <= warmup_steps:
         return step / (warmup_steps + 1)
     decay_start = total_steps - decay_steps
-    if step <= decay_start:
+    if step <= decay_start or decay_steps == 0:
+        # Without a decay phase only the scheduler's step past the last one lands here: hold.
         return 1.0
     progress = min((step - decay_start - 1) / decay_steps, 1.0)
     if decay_type == "linear":

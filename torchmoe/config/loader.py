@@ -218,8 +218,8 @@ def _bool_rule(type_info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
     )
 
 
-def _check_override(flag: str, values: list[str]) -> list[str]:
-    """Check one ``--section.key`` override; return its values in the form tyro should get.
+def _check_override(flag: str, values: list[str]) -> tuple[str, str, Any]:
+    """Check one ``--section.key`` override; return (section, key, typed value).
 
     Raises:
         ConfigError: unknown flag (with the closest valid one), wrong number of values, or a value
@@ -233,21 +233,20 @@ def _check_override(flag: str, values: list[str]) -> list[str]:
         fix = f"did you mean --{match}?" if match else _HELP_HINT
         raise ConfigError(flag, " ".join(values), "unknown option", fix)
     if typ == list[str]:
-        return values
+        return section, leaf, list(values)
     if typ is bool and not values:  # a bare boolean flag means true
-        return ["true"]
+        return section, leaf, True
     if len(values) != 1:
         got = "no value" if not values else f"{len(values)} values ({' '.join(values)})"
         raise ConfigError(flag, " ".join(values), f"expects exactly one value, got {got}",
                           f"pass one value: --{name} VALUE (or --{name}=VALUE)")
     try:
-        _parse_scalar(values[0], typ)
+        return section, leaf, _parse_scalar(values[0], typ)
     except ValueError:
         expected = {bool: "true or false", int: "an integer", float: "a number"}[typ]
         example = show_value(getattr(getattr(JobConfig(), section), leaf))
         raise ConfigError(flag, values[0], f"expected {expected}",
                           f"pass {expected}, e.g. --{name} {example}") from None
-    return values
 
 
 def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[str]]], bool]:
@@ -306,18 +305,13 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
     config_path, overrides, wants_help = _split_args(argv)
     base = load_toml_config(config_path) if config_path is not None else JobConfig()
     if wants_help:
-        tyro_args = ["--help"]
-    else:
-        tyro_args = []
-        for flag, values in overrides:
-            tyro_args += [f"--{flag[2:].replace('-', '_')}", *_check_override(flag, values)]
-    return tyro.cli(
-        JobConfig,
-        prog=prog,
-        description=description,
-        args=tyro_args,
-        default=base,
-        use_underscores=True,
-        config=(tyro.conf.FlagConversionOff,),
-        registry=_REGISTRY,
-    )
+        # tyro renders the help from the dataclasses, their docstrings and the TOML's values.
+        tyro.cli(JobConfig, prog=prog, description=description, args=["--help"], default=base,
+                 use_underscores=True, config=(tyro.conf.FlagConversionOff,), registry=_REGISTRY)
+    # Overrides are applied here rather than by tyro's argparse, which would take a value that
+    # starts with "-" (a path, a description) for a flag and fail outside our one-message errors.
+    updates: dict[str, dict[str, Any]] = {}
+    for flag, values in overrides:
+        section, leaf, value = _check_override(flag, values)
+        updates.setdefault(section, {})[leaf] = value
+    return dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kv) for s, kv in updates.items()})

@@ -77,14 +77,14 @@ def _one_of(key: str, value: str, choices: Sequence[str]) -> None:
 
 
 def _at_least(key: str, value: float, low: float, fix: str = "") -> None:
-    # Written as `not (value >= low)` so that NaN fails too.
-    if not value >= low:
+    # Written as `not (value >= low)` so that NaN fails too; inf is no usable setting either.
+    if not value >= low or value == math.inf:
         raise ConfigError(key, value, f"must be >= {low}", fix or f"set it to {low} or more")
 
 
 def _positive(key: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(key, value, "must be > 0", "set a positive value")
+    if not 0 < value < math.inf:
+        raise ConfigError(key, value, "must be a finite number > 0", "set a positive value")
 
 
 def _in_unit_interval(key: str, value: float, allow: tuple[float, ...] = ()) -> None:
@@ -139,6 +139,9 @@ def validate_training(training: Training) -> None:
                   "set a positive batch size, or -1 for local_batch_size * dp")
     _at_least("training.seq_len", training.seq_len, 1)
     _at_least("training.steps", training.steps, 1)
+    if not math.isfinite(training.max_norm):  # <= 0 disables clipping; NaN would poison every gradient
+        raise ConfigError("training.max_norm", training.max_norm, "must be a finite number",
+                          "set a positive clipping norm, or 0 to disable clipping")
     _one_of("training.dataset", training.dataset, DATASETS)
     if training.dataset in ("local", "hf") and not training.dataset_path:
         what = ("files (a file, folder or glob)" if training.dataset == "local"
@@ -169,7 +172,7 @@ def validate_checkpoint(checkpoint: Checkpoint) -> None:
 def validate_activation_checkpoint(ac: ActivationCheckpoint) -> None:
     _one_of("activation_checkpoint.mode", ac.mode, AC_MODES)
     option = ac.selective_ac_option
-    if option != "op" and not (option.isdigit() and int(option) >= 1):
+    if option != "op" and not (option.isdecimal() and option.isascii() and int(option) >= 1):
         raise ConfigError("activation_checkpoint.selective_ac_option", option,
                           "must be 'op' or a positive integer n", 'use "op" or e.g. "2" (every 2nd block)')
 
@@ -320,7 +323,8 @@ def _divisors_text(n: int) -> str:
 # ---- checks across sections ------------------------------------------------------------------
 
 
-def _validate_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int], seq_len: int) -> None:
+def _validate_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int], seq_len: int,
+                          schedule: str) -> None:
     """The model's shape must split evenly over tp, ep, pp and cp."""
     tp, ep, pp, cp = degrees["tp"], degrees["ep"], degrees["pp"], degrees["cp"]
     has_dense = any(not args.is_moe_layer(i) for i in range(args.n_layers))
@@ -342,11 +346,14 @@ def _validate_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int],
             f"the {flavor} flavor has {args.num_experts} experts; {args.num_experts} % {ep} = {args.num_experts % ep}",
             f"use an expert_parallel_degree that divides {args.num_experts}: {_divisors_text(args.num_experts)}",
         )
-    if pp > args.n_layers:
+    from torchmoe.plan.layout import stages_per_rank
+
+    stages = pp * stages_per_rank(pp, schedule)  # multi-stage schedules run several per rank
+    if stages > args.n_layers:
         raise ConfigError(
             "parallelism.pipeline_parallel_degree", pp,
-            f"more pipeline stages than the {flavor} flavor's {args.n_layers} layers",
-            f"use a pipeline_parallel_degree <= {args.n_layers}",
+            f"{stages} pipeline stages ({schedule}) but the {flavor} flavor has {args.n_layers} layers",
+            f"use at most {args.n_layers} stages: a smaller pipeline_parallel_degree or a single-stage schedule",
         )
     if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(
@@ -443,15 +450,23 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     validate_metrics(cfg.metrics)
     validate_profiling(cfg.profiling)
 
-    from torchmoe.models.llama4.args import build_model_args
+    from torchmoe.models.llama4.args import model_args_from_config
 
     degrees = resolve_degrees(cfg.parallelism, world_size)
-    m = cfg.model
-    args = build_model_args(m.flavor, attn_backend=m.attn_backend, use_grouped_mm=m.use_grouped_mm,
-                            load_balance_coeff=m.load_balance_coeff, aux_loss_coeff=m.aux_loss_coeff,
-                            z_loss_coeff=m.z_loss_coeff)
-    _validate_model_split(args, m.flavor, degrees, cfg.training.seq_len)
+    args = model_args_from_config(cfg.model)
+    _validate_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len,
+                          cfg.parallelism.pipeline_parallel_schedule)
     _validate_batch(cfg.training, cfg.parallelism, degrees)
     _validate_features(cfg, args, check_device)
     if check_device:
+        _refuse_untrainable_layouts(degrees, world_size)
         validate_initial_load_path(cfg)
+
+
+def _refuse_untrainable_layouts(degrees: dict[str, int], world_size: int) -> None:
+    """A real run refuses the parallelisms the dry run can plan but the trainer cannot run yet."""
+    from torchmoe.distributed.parallel_dims import ParallelDims
+
+    for key, degree, what in ParallelDims(**degrees, world_size=world_size).not_yet_trainable():
+        raise ConfigError(key, degree, f"{what} is planned (--dry-run shows it) but the trainer cannot run it yet",
+                          f"set {key} = 1 for training")

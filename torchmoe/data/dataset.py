@@ -139,7 +139,11 @@ def _read_jsonl(file: Path, text_field: str, skip: int) -> Iterator[str]:
             index += 1
             if index <= skip:
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataConfigError("training.dataset_path", str(file), f"{file}:{line_no} is not JSON ({e.msg})",
+                                      "fix or remove that line: .jsonl files hold one JSON object per line") from None
             if not isinstance(row, dict) or text_field not in row:
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
                 raise DataConfigError(

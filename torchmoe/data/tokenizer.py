@@ -116,7 +116,11 @@ class HFTokenizer(Tokenizer):
                 "give a tokenizer.json or a folder holding one, or leave it empty for the built-in "
                 "byte tokenizer",
             )  # fmt: skip
-        self._tok = _RustTokenizer.from_file(str(file))
+        try:
+            self._tok = _RustTokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            raise DataConfigError("model.tokenizer_path", str(path), f"{file} is not a valid tokenizer.json ({e})",
+                                  "point it at a Hugging Face tokenizer.json (or its folder)") from None
         self.path = file
         named = _special_tokens_from_configs(file.parent)
         self._bos = self._find_id(named.get("bos_token"), _BOS_CANDIDATES)

@@ -1,10 +1,13 @@
 """torch.compile per transformer block.
 
 Blocks are compiled one by one (after activation checkpointing, before FSDP) so compile time
-stays that of one block and FSDP's per-block communication stays outside the graphs. The MoE
-path has static shapes (routed rows are always tokens × top_k; expert boundaries are tensor
-offsets, not shapes), so no dynamic-shape recompilation occurs; the token-count bookkeeping is
-excluded from the graph on purpose (see `moe._accumulate_token_counts`).
+stays that of one block and FSDP's per-block communication stays outside the graphs.
+
+MoE blocks are not one graph. Without EP their shapes are static (routed rows are always
+tokens × top_k; expert boundaries are tensor offsets), but the token-count bookkeeping breaks the
+graph on purpose (see `moe._accumulate_token_counts`), and fp32 grouped GEMMs run eagerly (the
+compiler's `_grouped_mm` takes bf16 only). Under EP the number of received rows depends on the
+routing, so those regions see varying shapes (dynamic-shape compilation after the first change).
 """
 
 from __future__ import annotations

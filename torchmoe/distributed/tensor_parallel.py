@@ -122,6 +122,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
                 "feed_forward.w3": ColwiseParallel(),
             })
         elif moe_tp:
+            if not block.moe.score_before_experts:
+                # Gates applied to the experts' partial outputs would give each rank a partial
+                # gate gradient, which the replicated router never reduces.
+                raise ValueError("MoE tensor parallelism needs router scores applied before the experts "
+                                 "(score_before_experts=True, as in Llama 4); use expert parallelism instead")
             plan.update(_moe_tp_plan(block.moe.shared_experts is not None))
         else:
             # Experts are expert-parallel: the MoE block sees its own sequence shard as a local

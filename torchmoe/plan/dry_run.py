@@ -23,7 +23,7 @@ from rich.table import Table
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
 from torchmoe.distributed.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
-from torchmoe.models.llama4.args import ModelArgs, build_model_args
+from torchmoe.models.llama4.args import ModelArgs, model_args_from_config
 from torchmoe.plan.layout import (
     ParamSpec,
     local_shape,
@@ -60,13 +60,6 @@ def device_memory_gib(cfg_gib: float) -> float | None:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / GIB
     return None
-
-
-def _model_args(cfg: JobConfig) -> ModelArgs:
-    m = cfg.model
-    return build_model_args(m.flavor, attn_backend=m.attn_backend, use_grouped_mm=m.use_grouped_mm,
-                            load_balance_coeff=m.load_balance_coeff, aux_loss_coeff=m.aux_loss_coeff,
-                            z_loss_coeff=m.z_loss_coeff)
 
 
 def _linear_specs(specs: list[ParamSpec]) -> list[ParamSpec]:
@@ -116,7 +109,8 @@ def _data_parallel_detail(cfg: JobConfig, dims: ParallelDims) -> str:
                 f"reshard after forward: {cfg.parallelism.fsdp_reshard_after_forward}"
                 + ("; CPU offload" if cfg.parallelism.fsdp_cpu_offload else ""))
     if dims.ddp_enabled:
-        return f"DDP over dp_replicate={dims.dp_replicate} (fp32, no mixed precision without FSDP)"
+        return (f"DDP over dp_replicate={dims.dp_replicate}; compute {cfg.training.mixed_precision_param}, "
+                f"reduce {cfg.training.mixed_precision_reduce}")
     return "off (one data-parallel rank; fp32)"
 
 
@@ -164,7 +158,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
     console = console or Console(highlight=False)
     degrees = resolve_degrees(cfg.parallelism, world_size)
     dims = ParallelDims(**degrees, world_size=world_size)
-    args = _model_args(cfg)
+    args = model_args_from_config(cfg.model)
     layout = dims.layout()
     ranks = example_ranks(world_size)
 

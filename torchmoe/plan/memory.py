@@ -129,8 +129,9 @@ class MemoryEstimate:
 
 
 def compute_dtype_bytes(dims: ParallelDims, training_cfg: Training) -> int:
-    """Bytes per element of activations and gathered params: the FSDP param dtype, else fp32."""
-    return _DTYPE_BYTES[training_cfg.mixed_precision_param] if dims.fsdp_enabled else 4
+    """Bytes per element of activations and gathered params: the mixed-precision param dtype
+    under FSDP or DDP (both apply the policy), else fp32."""
+    return _DTYPE_BYTES[training_cfg.mixed_precision_param] if dims.fsdp_enabled or dims.ddp_enabled else 4
 
 
 # ---- states and FSDP buffers --------------------------------------------------------------------

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchmoe.config.job_config import Model
 
 
 @dataclass(kw_only=True)
@@ -226,11 +230,8 @@ FLAVORS: dict[str, ModelArgs] = {
 def build_model_args(flavor: str, *, attn_backend: str = "", use_grouped_mm: bool = True,
                      load_balance_coeff: float = -1.0, aux_loss_coeff: float = 0.0,
                      z_loss_coeff: float = 0.0) -> ModelArgs:
-    """The flavor's `ModelArgs` with the `[model]` section's overrides applied.
-
-    Takes the fields of `config.job_config.Model` as keywords (``build_model_args(**vars(cfg))``
-    minus the non-shape keys is what the trainer passes); sentinel values keep the flavor's own.
-    """
+    """The flavor's `ModelArgs` with overrides applied; sentinel values keep the flavor's own
+    (`model_args_from_config` passes a `[model]` section's)."""
     if flavor not in FLAVORS:
         raise KeyError(flavor)
     overrides: dict = {"use_grouped_mm": use_grouped_mm, "aux_loss_coeff": aux_loss_coeff,
@@ -240,3 +241,11 @@ def build_model_args(flavor: str, *, attn_backend: str = "", use_grouped_mm: boo
     if load_balance_coeff >= 0:
         overrides["load_balance_coeff"] = load_balance_coeff or None
     return FLAVORS[flavor].replace(**overrides)
+
+
+def model_args_from_config(model_cfg: "Model") -> ModelArgs:
+    """The `ModelArgs` a `[model]` config section describes."""
+    return build_model_args(model_cfg.flavor, attn_backend=model_cfg.attn_backend,
+                            use_grouped_mm=model_cfg.use_grouped_mm,
+                            load_balance_coeff=model_cfg.load_balance_coeff,
+                            aux_loss_coeff=model_cfg.aux_loss_coeff, z_loss_coeff=model_cfg.z_loss_coeff)

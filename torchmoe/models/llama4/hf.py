@@ -33,11 +33,18 @@ _IGNORED_FIELDS = {
     "router_jitter_noise", "initializer_range", "attention_dropout", "layer_types", "name_or_path",
     "_name_or_path", "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder",
     "is_encoder_decoder", "chunk_size_feed_forward", "id2label", "label2id", "problem_type",
-    "cache_implementation", "for_llm_compressor", "quantization_config_ignore", "rope_theta",
-    "rope_scaling", "rope_parameters", "max_position_embeddings", "hidden_act", "attention_bias",
-    "partial_rotary_factor", "add_cross_attention", "tokenizer_class", "prefix", "sep_token_id",
+    "cache_implementation", "for_llm_compressor", "quantization_config_ignore", "add_cross_attention", "tokenizer_class", "prefix", "sep_token_id",
     "decoder_start_token_id", "task_specific_params", "finetuning_task", "cross_attention_hidden_size",
     "is_decoder", "pruned_heads", "tf_legacy_loss", "use_bfloat16", "torchscript", "chunk_size",
+}
+
+
+# Fields read below (checked or mapped) under their HF names, besides `_HF_FIELD_MAP`'s.
+_CONSUMED_FIELDS = {
+    "head_dim", "vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+    "partial_rotary_factor", "no_rope_layers", "no_rope_layer_interval", "attention_chunk_size", "use_qk_norm",
+    "attn_temperature_tuning", "floor_scale", "attn_scale", "interleave_moe_layer_step", "moe_layers",
+    "tie_word_embeddings", "hidden_act", "attention_bias", "layer_types",
 }
 
 
@@ -72,7 +79,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         raise HFConversionError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
     if cfg.get("attention_bias", False):
         raise HFConversionError("attention_bias = true is not supported: Llama 4 projections have no bias")
-    known = {f for f in ModelArgs.__dataclass_fields__} | set(_HF_FIELD_MAP) | _IGNORED_FIELDS
+    known = _CONSUMED_FIELDS | set(_HF_FIELD_MAP) | _IGNORED_FIELDS
     unknown = sorted(k for k in cfg if k not in known and not k.startswith("_"))
     if unknown:
         raise HFConversionError(f"unsupported Llama4TextConfig fields: {', '.join(unknown)}")
@@ -80,7 +87,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     n_layers = cfg.get("num_hidden_layers", 48)
     hidden = cfg.get("hidden_size", 5120)
     n_heads = cfg.get("num_attention_heads", 40)
-    return ModelArgs(
+    args = ModelArgs(
         dim=hidden,
         n_layers=n_layers,
         n_heads=n_heads,
@@ -110,6 +117,14 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         score_before_experts=True,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
+    if cfg.get("layer_types") is not None:
+        # HF picks each layer's attention mask from layer_types; it must say what the RoPE layout implies.
+        implied = ["chunked_attention" if rope and args.attention_chunk_size is not None else "full_attention"
+                   for rope in args.rope_layers]
+        if list(cfg["layer_types"]) != implied:
+            raise HFConversionError(f"layer_types {cfg['layer_types']} differ from the {implied} that "
+                                    "no_rope_layers and attention_chunk_size imply")
+    return args
 
 
 # HF field -> ModelArgs field, for the fields whose names differ.

@@ -147,7 +147,8 @@ class TokenChoiceRouter(nn.Module):
             top_scores (T, k) gate values, selected (T, k) expert ids, scores (T, E) all
             expert scores (fp32, for the auxiliary loss), logits (T, E) (fp32, for the z-loss).
         """
-        logits = self.gate(x).float()  # (T, E): routing in fp32 so bf16 ties don't flip choices
+        # (T, E); scores and top-k in fp32 (the gate matmul itself runs in the compute dtype).
+        logits = self.gate(x).float()
         if self.score_func == "sigmoid":
             scores = torch.sigmoid(logits)
         else:
@@ -229,8 +230,8 @@ class MoE(nn.Module):
         """x: (B, S, dim) -> (B, S, dim)."""
         bsz, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)  # (T, dim)
-        bias = self.expert_bias if self.load_balance_coeff else None
-        top_scores, selected, scores, logits = self.router(tokens, bias)
+        # The bias is applied even when balancing is off (it is then zero, or a trained model's).
+        top_scores, selected, scores, logits = self.router(tokens, self.expert_bias)
         flat_expert = selected.reshape(-1)  # (T*k,)
         # scatter_add rather than bincount: bincount sizes its output from the data (a host sync).
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
