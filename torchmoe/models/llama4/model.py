@@ -189,7 +189,7 @@ class TransformerBlock(nn.Module):
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
-    def init_weights(self, buffer_device: torch.device | None) -> None:
+    def init_weights(self) -> None:
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.weight_init_std)
@@ -251,7 +251,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
-            layer.init_weights(buffer_device)
+            layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
