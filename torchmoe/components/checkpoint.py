@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -494,10 +495,10 @@ class CheckpointManager:
             self._last_saved = step
             return step
         if errors:
-            raise RuntimeError(
-                f"no checkpoint under {self.folder} could be loaded: " + " | ".join(errors)
-                + "; delete or move the broken step-N folders to start over"
-            )
+            # A user-fixable state of the run's folder, not a bug: one message, exit 2.
+            raise ConfigError("checkpoint.folder", str(self.folder),
+                              "no checkpoint there could be loaded: " + " | ".join(errors),
+                              "delete or move the broken step-N folders to start over")
         return None
 
 
