@@ -86,7 +86,11 @@ def _state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 def _stored_model_tensors(ckpt_dir: Path) -> dict[str, TensorStorageMetadata]:
     """Name -> stored metadata of the model tensors of a DCP folder; a torchmoe step folder's
     `model.` prefix is removed (its optimizer, scheduler, data and RNG entries are left out)."""
-    entries = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    try:
+        entries = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    except Exception as err:  # DCP's reader raises whatever unpickling a damaged file raises
+        raise ConfigError("CKPT_DIR", str(ckpt_dir), f"its .metadata cannot be read ({err!r})",
+                          "pass an intact DCP folder (a complete step-N folder of a run)") from None
     tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
     if any(k.startswith("model.") for k in tensors):
         return {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
@@ -141,7 +145,7 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
     _require_empty_out(out_dir)
     try:
         model = load_model(hf_dir, dtype=dtype)
-    except (HFConversionError, FileNotFoundError) as err:
+    except (HFConversionError, FileNotFoundError, ValueError) as err:  # ValueError: malformed JSON
         raise ConfigError("HF_DIR", str(hf_dir), f"cannot be converted: {err}",
                           "pass a Hugging Face Llama 4 text or multimodal checkpoint folder") from None
     dcp.save(model.state_dict(), checkpoint_id=str(out_dir), no_dist=True)

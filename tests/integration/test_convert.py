@@ -112,3 +112,16 @@ def test_in_process_errors(hf_dir: Path, step_dir: Path, tmp_path: Path) -> None
         dcp_to_hf(hf_dir, tmp_path / "out", flavor="debugmodel")
     with pytest.raises(ConfigError, match='--flavor = "tiny": unknown flavor'):
         dcp_to_hf(step_dir, tmp_path / "out", flavor="tiny")
+
+
+def test_damaged_inputs_are_config_errors(tmp_path):
+    from torchmoe.convert import dcp_to_hf, hf_to_dcp
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".metadata").write_text("garbage")
+    with pytest.raises(ConfigError, match=r"\.metadata cannot be read"):
+        dcp_to_hf(tmp_path / "ckpt", tmp_path / "hf_out", flavor="debugmodel")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="cannot be converted"):
+        hf_to_dcp(tmp_path / "hf", tmp_path / "dcp_out")
