@@ -43,13 +43,14 @@ from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import write_config_toml
+from torchmoe.config.validate import check_tokenizer_fits
 from torchmoe.data.dataloader import build_dataloader
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
 from torchmoe.models.llama4 import Transformer, update_expert_bias
-from torchmoe.models.llama4.args import ModelArgs, model_args_from_config
+from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
 
 logger = logging.getLogger(__name__)
@@ -88,15 +89,6 @@ def _init_distributed(device: torch.device) -> int:
     return world_size
 
 
-def _model_args(cfg: JobConfig, vocab_needed: int) -> ModelArgs:
-    m = cfg.model
-    args = model_args_from_config(m)
-    if vocab_needed > args.vocab_size:
-        raise ConfigError("model.tokenizer_path", m.tokenizer_path,
-                          f"the tokenizer has {vocab_needed} tokens but flavor {m.flavor!r} has vocab_size "
-                          f"{args.vocab_size}", "use a tokenizer that fits the flavor's vocabulary")
-    return args
-
 
 class Trainer:
     """Owns the model, optimizer, data and bookkeeping of one training job on this rank."""
@@ -118,7 +110,8 @@ class Trainer:
             write_config_toml(cfg, self.dump_folder / "config.toml")
 
         tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        self.model_args = _model_args(cfg, tokenizer.vocab_size)
+        self.model_args = model_args_from_config(cfg.model)
+        check_tokenizer_fits(tokenizer.vocab_size, self.model_args.vocab_size, cfg.model)
         dp_rank = self.mesh["batch"].get_local_rank() if self.mesh is not None else 0
         self.dataloader = build_dataloader(cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp)
         self.global_tokens = self.dataloader.global_batch_size * cfg.training.seq_len

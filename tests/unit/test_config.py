@@ -482,3 +482,12 @@ def test_config_error_inside_the_run_exits_2(monkeypatch: pytest.MonkeyPatch, ca
     assert cli.main(["train", "--config", DEBUG, *args]) == 2
     err = capsys.readouterr().err
     assert 'model.tokenizer_path = "missing/": no tokenizer.json there' in err and "fix: download it" in err
+
+
+def test_tokenizer_must_fit_the_vocabulary() -> None:
+    from torchmoe.config.job_config import Model
+    from torchmoe.config.validate import check_tokenizer_fits
+
+    check_tokenizer_fits(512, 512, Model())
+    with pytest.raises(ConfigError, match=r"the tokenizer has 600 tokens but flavor 'debugmodel' has vocab_size 512"):
+        check_tokenizer_fits(600, 512, Model(tokenizer_path="tok.json"))

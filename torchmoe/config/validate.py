@@ -461,6 +461,18 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     if check_device:
         _refuse_untrainable_layouts(degrees, world_size)
         validate_initial_load_path(cfg)
+        # Before any process group exists, so torchrun prints this once, not once per rank.
+        from torchmoe.data.tokenizer import build_tokenizer
+
+        check_tokenizer_fits(build_tokenizer(cfg.model.tokenizer_path).vocab_size, args.vocab_size, cfg.model)
+
+
+def check_tokenizer_fits(tokenizer_vocab: int, model_vocab: int, model: Model) -> None:
+    """Every token id must have an embedding row."""
+    if tokenizer_vocab > model_vocab:
+        raise ConfigError("model.tokenizer_path", model.tokenizer_path,
+                          f"the tokenizer has {tokenizer_vocab} tokens but flavor {model.flavor!r} has vocab_size "
+                          f"{model_vocab}", "use a tokenizer that fits the flavor's vocabulary")
 
 
 def _refuse_untrainable_layouts(degrees: dict[str, int], world_size: int) -> None:
