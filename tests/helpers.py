@@ -81,6 +81,16 @@ def empty_debugmodel() -> Transformer:
     return model.eval()
 
 
+def write_rank_record(out_dir: Path, record: dict) -> None:
+    """The end of a `run_rank_script` worker: write this rank's record, wait for every rank,
+    leave the process group."""
+    import torch.distributed as dist
+
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_rank_script(script: str, out_dir: Path, *, world: int, timeout: int) -> dict[int, dict]:
     """Run a test file as a torchrun script on `world` CPU ranks (``python FILE OUT_DIR``; each
     rank writes ``OUT_DIR/rank<r>.json``) and return rank -> that record."""

@@ -28,13 +28,12 @@ that; the padded (uneven) case is checked against a meta-device model in tests/u
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_rank_script
+from tests.helpers import run_rank_script, write_rank_record
 
 pytestmark = pytest.mark.distributed
 
@@ -107,10 +106,7 @@ def _worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")  # the Trainer joins it; its meshes are built on top
-    record = {label: _measure(label, out_dir) for label in LAYOUTS}
-    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_record(out_dir, {label: _measure(label, out_dir) for label in LAYOUTS})
 
 
 @pytest.fixture(scope="module")

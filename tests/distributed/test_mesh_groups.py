@@ -11,13 +11,12 @@ layout function.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_rank_script
+from tests.helpers import run_rank_script, write_rank_record
 
 WORLD = 8
 # (label, degrees): pp2 x dp_shard2 x tp2; EP spanning TP (ep4 over dp_shard4 x tp2); MoE TP
@@ -59,9 +58,7 @@ def _worker(out_dir: Path) -> None:
         per_name["hsdp_dense"] = mesh[dims.dense_fsdp_dims].mesh.tolist()
         per_name["hsdp_expert"] = mesh[dims.expert_fsdp_dims].mesh.tolist()
         record[label] = per_name
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_record(out_dir, record)
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ class _CurrentStderrHandler(logging.StreamHandler):
 
     @stream.setter
     def stream(self, _value) -> None:
-        pass
+        """StreamHandler.__init__ assigns a stream; ignored, as the stream is always sys.stderr."""
 
 
 def setup_logging(rank: int, level: int = logging.INFO) -> None:

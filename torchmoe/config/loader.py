@@ -100,7 +100,7 @@ def _toml_value(key: str, value: Any, typ: Any) -> Any:
             try:
                 fix += f", e.g. {leaf} = {show_value(_parse_scalar(value, typ))}"
             except ValueError:
-                pass
+                pass  # not a valid value unquoted either: no example to offer
         elif isinstance(value, str) and typ == list[str]:
             fix += f", e.g. {leaf} = {show_value([value])}"
         raise ConfigError(key, value, f"expected {_EXPECTED_TOML[typ]}, got {type(value).__name__}", fix)
