@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchmoe.components.checkpoint import (
@@ -49,9 +49,17 @@ from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
+from torchmoe.distributed.pipeline_parallel import (
+    PipelineRankModel,
+    build_schedule,
+    split_into_stages,
+    stage_io_metas,
+)
 from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
+from torchmoe.plan.memory import compute_dtype_bytes
+from torchmoe.plan.pipeline import microbatches, pipeline_layout
 
 logger = logging.getLogger(__name__)
 
@@ -118,14 +126,25 @@ class Trainer:
 
         with torch.device("meta"):
             model = Transformer(self.model_args)
-        self.model = parallelize_llama4(model, self.dims, self.mesh, cfg)
-        # FSDP CPU offload keeps sharded parameters on the host; buffers still go to the device.
-        self.model.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else self.device)
+        # The stages this rank runs (the whole model without PP), each parallelized on its own.
+        self.pipe = pipeline_layout(self.model_args, self.dims, cfg.parallelism, cfg.training.seq_len)
+        self.pp_rank = self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
+        parts = split_into_stages(model, self.pipe, self.pp_rank) if self.dims.pp_enabled else [model]
+        self.model_parts = [parallelize_llama4(part, self.dims, self.mesh, cfg) for part in parts]
         torch.manual_seed(cfg.training.seed)
-        with torch.no_grad():
-            self.model.init_weights(buffer_device=self.device)
-        self.model.train()
+        for part in self.model_parts:
+            # FSDP CPU offload keeps sharded parameters on the host; buffers still go to the device.
+            part.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else self.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device)
+            part.train()
+        # One model under the full model's parameter names, for optimizer, checkpoints, clipping.
+        self.model = PipelineRankModel(self.model_parts) if self.dims.pp_enabled else self.model_parts[0]
         self.moe_layers = self.model.moe_layers()
+        # Row of each local MoE layer among all MoE layers of the model (metrics report them all).
+        all_moe = sorted(i for i in range(self.model_args.n_layers) if self.model_args.is_moe_layer(i))
+        self.moe_rows = [all_moe.index(int(name)) for name, block in self.model.layers.items() if block.moe_enabled]
+        self.n_moe_layers = len(all_moe)
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -140,6 +159,21 @@ class Trainer:
         self.step = 0
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         self._stop_signal: int | None = None
+        self.pp_microbatches = microbatches(cfg.training, cfg.parallelism)[0] if self.dims.pp_enabled else 1
+        self.schedule = self._build_schedule() if self.dims.pp_enabled else None
+
+    def _build_schedule(self):
+        """torch's pipeline schedule over this rank's stages (see `distributed/pipeline_parallel.py`)."""
+        cfg, args = self.cfg, self.model_args
+        tp = self.dims.tp
+        dtype = {2: torch.bfloat16, 4: torch.float32}[compute_dtype_bytes(self.dims, cfg.training)]
+        metas = lambda stage: stage_io_metas(
+            self.pipe, stage, microbatch=cfg.training.local_batch_size // self.pp_microbatches,
+            seq_len=cfg.training.seq_len, seq_shards=tp, dim=args.dim,
+            vocab_local=args.vocab_size // tp if self.loss_parallel else args.vocab_size, dtype=dtype)
+        return build_schedule(self.model_parts, self.pipe, self.mesh["pp"], cfg.parallelism.pipeline_parallel_schedule,
+                              n_microbatches=self.pp_microbatches, loss_fn=self._loss, io_metas=metas,
+                              device=self.device)
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -191,10 +225,25 @@ class Trainer:
         return self.dims.dp * self.dims.cp * (self.dims.tp if self.dims.ep_enabled else 1)
 
     def _set_aux_loss_scale(self, micro_batches: int) -> None:
-        # Auxiliary losses are means per micro-batch and token shard; gradients are summed over
-        # shards and micro-batches, so each contributes 1 / (micro-batches * shards).
+        # Auxiliary losses are means per micro-batch (of the pipeline too) and token shard;
+        # gradients are summed over shards and micro-batches, so each contributes
+        # 1 / (micro-batches * shards).
         for moe in self.moe_layers:
-            moe.aux_loss_grad_scale = 1.0 / (micro_batches * self._token_shards)
+            moe.aux_loss_grad_scale = 1.0 / (micro_batches * self.pp_microbatches * self._token_shards)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the global mean loss: its summed token losses over the token
+        count of the whole global batch, so summing over micro-batches and dp ranks gives exactly
+        the global mean. Runs inside `loss_parallel()` when the logits are vocab-sharded.
+
+        Args:
+            logits: (B, S, V) or, with loss parallel, this rank's (B, S, V / tp) vocab shard.
+            labels: (B, S) int64.
+        """
+        if self.loss_parallel:
+            logits = DTensor.from_local(logits, self.mesh["tp"], [Shard(-1)], run_check=False)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        return loss / self.global_tokens
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -210,14 +259,24 @@ class Trainer:
         for inputs, labels in micro_batches:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with loss_parallel() if self.loss_parallel else nullcontext():
-                logits = self.model(inputs)  # (B, S, V)
-                # Sum over tokens / tokens of the whole global batch: summing these over
-                # micro-batches and dp ranks gives exactly the global mean.
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-                loss = loss / self.global_tokens
-                loss.backward()
-            local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+                if self.schedule is not None:
+                    losses = self._pipeline_step(inputs, labels)
+                else:
+                    losses = [self._loss(self.model(inputs), labels)]
+                    losses[0].backward()
+            for loss in losses:
+                local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         return local_loss
+
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """Forward and backward of one local batch through the pipeline schedule; returns the
+        pipeline micro-batches' losses on the rank holding the last stage, else nothing."""
+        losses: list[torch.Tensor] = []
+        first, last = self.pipe.has_first_stage(self.pp_rank), self.pipe.has_last_stage(self.pp_rank)
+        args = (inputs,) if first else ()
+        self.schedule.step(*args, target=labels if last else None, losses=losses if last else None,
+                           return_outputs=False)
+        return losses
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """`forward_backward`, then agree on the loss and on stopping, clip, step, and update the
@@ -229,7 +288,8 @@ class Trainer:
         """
         global_loss, stop_flag = self._reduce_loss_and_stop_flag(self.forward_backward(micro_batches))
         max_norm = self.cfg.training.max_norm
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"))
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
+                                    pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
         loss, stop, norm = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss)]).tolist()
         for name, value in (("loss", loss), ("gradient norm", norm)):
             if not math.isfinite(value):
@@ -247,7 +307,7 @@ class Trainer:
         """Sum the loss over data-parallel ranks and agree on stopping, in one all-reduce.
 
         Only the tp-coordinate-0 rank of each TP group contributes the loss (its TP peers hold
-        the same value); any rank that caught SIGTERM/SIGINT raises the stop flag for all, so
+        the same value; under PP only ranks holding the last stage have a nonzero one); any rank that caught SIGTERM/SIGINT raises the stop flag for all, so
         every rank stops (and saves, collectively) after the same step.
         """
         flag = torch.tensor(float(self._stop_signal is not None), device=self.device)
@@ -259,17 +319,26 @@ class Trainer:
         return buf[0], buf[1]
 
     def _update_moe_biases(self) -> torch.Tensor | None:
-        """Reduce this step's per-expert token counts over the batch and update every layer's
-        bias identically on all replicas. Returns the (n_moe_layers, n_experts) counts."""
-        if not self.moe_layers:
+        """Reduce this step's per-expert token counts over the batch and update every local
+        layer's bias identically on all replicas of its stage. Returns the (n_moe_layers,
+        n_experts) counts of every MoE layer of the model (under PP gathered over pp)."""
+        if not self.n_moe_layers:
             return None
-        counts = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # (L, E)
-        if self.mesh is not None and self.dims.dp * self.dims.cp > 1:
-            dist.all_reduce(counts, group=self.mesh["loss"].get_group())
-        if self.mesh is not None and self.dims.ep_enabled and self.dims.tp_enabled:
-            dist.all_reduce(counts, group=self.mesh["tp"].get_group())
-        update_expert_bias(self.moe_layers, list(counts))
-        return counts
+        if self.moe_layers:  # a pipeline stage may have none
+            counts = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # (L_local, E)
+            if self.mesh is not None and self.dims.dp * self.dims.cp > 1:
+                dist.all_reduce(counts, group=self.mesh["loss"].get_group())
+            if self.mesh is not None and self.dims.ep_enabled and self.dims.tp_enabled:
+                dist.all_reduce(counts, group=self.mesh["tp"].get_group())
+            update_expert_bias(self.moe_layers, list(counts))
+        if not self.dims.pp_enabled:
+            return counts
+        # Every MoE layer lives on exactly one pp rank: a sum over pp assembles all of them.
+        full = torch.zeros(self.n_moe_layers, self.model_args.num_experts, device=self.device)
+        if self.moe_layers:
+            full[self.moe_rows] = counts
+        dist.all_reduce(full, group=self.mesh["pp"].get_group())
+        return full
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -330,7 +399,15 @@ class Trainer:
         """Gather the full weights to rank 0 and write them as a Hugging Face folder."""
         from torchmoe.hf import save_state_dict_as_hf
 
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # cpu_offload keeps the gathered tensors on global rank 0 only, which under PP holds only
+        # its own stages: there each pp rank gathers its stages' and pp rank 0 collects them.
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                         cpu_offload=not self.dims.pp_enabled))
+        if self.dims.pp_enabled:
+            stages: list[dict | None] = [None] * self.dims.pp
+            dist.gather_object({k: v.cpu() for k, v in full.items()}, stages if self.pp_rank == 0 else None,
+                               group=self.mesh["pp"].get_group(), group_dst=0)
+            full = {k: v for part in stages if part for k, v in part.items()}
         if self.rank == 0:
             out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
             save_state_dict_as_hf(full, self.model_args, out)

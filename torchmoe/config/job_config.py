@@ -117,9 +117,15 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """Pipeline stages."""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule: 'GPipe', '1F1B', 'Interleaved1F1B' or 'ZBVZeroBubble'."""
+    """Pipeline schedule: 'GPipe', '1F1B' (one stage per rank), 'Interleaved1F1B', 'LoopedBFS', 'InterleavedZeroBubble' (stages looped over ranks), 'ZBVZeroBubble' or 'DualPipeV' (two stages per rank in a V)."""
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline micro-batch."""
+    """Sequences per pipeline micro-batch (must divide training.local_batch_size)."""
+    pipeline_parallel_microbatches: int = -1
+    """Pipeline micro-batches per local batch; -1 = local_batch_size / pipeline_parallel_microbatch_size."""
+    pipeline_parallel_layers_per_stage: int = -1
+    """Transformer blocks per pipeline stage (the last takes the rest); -1 = split by the FLOP and memory cost model."""
+    module_fqns_per_model_part: list[list[str]] = field(default_factory=list)
+    """Explicit stages, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]; on the command line one value per stage, names comma-separated. Empty = the cost model."""
     enable_async_tensor_parallel: bool = False
     """Overlap TP communication with compute (needs compile and CUDA)."""
     fsdp_reshard_after_forward: str = "default"

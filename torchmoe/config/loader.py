@@ -41,6 +41,7 @@ _EXPECTED_TOML = {
     float: "a number",
     str: "a string (in double quotes)",
     list[str]: 'a list of strings, e.g. ["output", "router"]',
+    list[list[str]]: 'a list of lists of strings, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]',
 }
 
 
@@ -92,6 +93,8 @@ def _toml_value(key: str, value: Any, typ: Any) -> Any:
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
         str: isinstance(value, str),
         list[str]: isinstance(value, list) and all(isinstance(v, str) for v in value),
+        list[list[str]]: isinstance(value, list) and all(
+            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in value),
     }[typ]
     if not ok:
         leaf = key.rpartition(".")[2]
@@ -202,7 +205,21 @@ def _parse_scalar(text: str, typ: Any) -> Any:
 
 
 # tyro's stock bool parser only takes "True"/"False"; DESIGN §3 promises true/false, any case.
+# Nested lists are shown as one comma-separated value per inner list, as `_check_override` reads them.
 _REGISTRY = ConstructorRegistry()
+
+
+@_REGISTRY.primitive_rule
+def _nested_list_rule(type_info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
+    if type_info.type != list[list[str]]:
+        return None
+    return PrimitiveConstructorSpec(
+        nargs="*",
+        metavar="A,B ...",
+        instance_from_str=lambda args: [a.split(",") for a in args],
+        is_instance=lambda x: isinstance(x, list),
+        str_from_instance=lambda x: [",".join(v) for v in x],
+    )
 
 
 @_REGISTRY.primitive_rule
@@ -234,6 +251,8 @@ def _check_override(flag: str, values: list[str]) -> tuple[str, str, Any]:
         raise ConfigError(flag, " ".join(values), "unknown option", fix)
     if typ == list[str]:
         return section, leaf, list(values)
+    if typ == list[list[str]]:  # one value per inner list, its items comma-separated
+        return section, leaf, [[item.strip() for item in v.split(",") if item.strip()] for v in values]
     if typ is bool and not values:  # a bare boolean flag means true
         return section, leaf, True
     if len(values) != 1:

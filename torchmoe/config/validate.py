@@ -46,7 +46,9 @@ PARAM_DTYPES = ("bfloat16", "float32")
 REDUCE_DTYPES = ("float32", "bfloat16")
 DEVICES = ("", "cpu", "cuda")
 ATTN_BACKENDS = ("", "sdpa", "flex")
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+# torch.distributed.pipelining's schedules (`plan.pipeline.SCHEDULE_STYLES` says how each places stages).
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV")
 RESHARD_POLICIES = ("default", "always", "never")
 CHECKPOINT_ASYNC_MODES = ("disabled", "async")
 AC_MODES = ("none", "selective", "full")
@@ -157,6 +159,9 @@ def validate_parallelism(parallelism: Parallelism) -> None:
     """The non-degree settings; the degrees are checked by `resolve_degrees`."""
     _one_of("parallelism.pipeline_parallel_schedule", parallelism.pipeline_parallel_schedule, PIPELINE_SCHEDULES)
     _at_least("parallelism.pipeline_parallel_microbatch_size", parallelism.pipeline_parallel_microbatch_size, 1)
+    for key in ("pipeline_parallel_microbatches", "pipeline_parallel_layers_per_stage"):
+        if getattr(parallelism, key) != -1:
+            _at_least(f"parallelism.{key}", getattr(parallelism, key), 1, "set a positive value, or -1 for the default")
     _one_of("parallelism.fsdp_reshard_after_forward", parallelism.fsdp_reshard_after_forward, RESHARD_POLICIES)
 
 
@@ -323,10 +328,9 @@ def _divisors_text(n: int) -> str:
 # ---- checks across sections ------------------------------------------------------------------
 
 
-def _validate_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int], seq_len: int,
-                          schedule: str) -> None:
-    """The model's shape must split evenly over tp, ep, pp and cp."""
-    tp, ep, pp, cp = degrees["tp"], degrees["ep"], degrees["pp"], degrees["cp"]
+def _validate_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int], seq_len: int) -> None:
+    """The model's shape must split evenly over tp, ep and cp (pp: `_validate_pipeline`)."""
+    tp, ep, cp = degrees["tp"], degrees["ep"], degrees["cp"]
     has_dense = any(not args.is_moe_layer(i) for i in range(args.n_layers))
     tp_split = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "moe_hidden_dim": args.moe_hidden_dim,
                 "vocab_size": args.vocab_size}
@@ -346,15 +350,6 @@ def _validate_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int],
             f"the {flavor} flavor has {args.num_experts} experts; {args.num_experts} % {ep} = {args.num_experts % ep}",
             f"use an expert_parallel_degree that divides {args.num_experts}: {_divisors_text(args.num_experts)}",
         )
-    from torchmoe.plan.layout import stages_per_rank
-
-    stages = pp * stages_per_rank(pp, schedule)  # multi-stage schedules run several per rank
-    if stages > args.n_layers:
-        raise ConfigError(
-            "parallelism.pipeline_parallel_degree", pp,
-            f"{stages} pipeline stages ({schedule}) but the {flavor} flavor has {args.n_layers} layers",
-            f"use at most {args.n_layers} stages: a smaller pipeline_parallel_degree or a single-stage schedule",
-        )
     if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(
             "training.seq_len", seq_len,
@@ -372,6 +367,34 @@ def _validate_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int],
         )
 
 
+def _validate_pipeline(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], world_size: int) -> None:
+    """The stage split and the micro-batches must suit the schedule; what PP cannot run is refused."""
+    if degrees["pp"] == 1:
+        return
+    from torchmoe.distributed.parallel_dims import ParallelDims
+    from torchmoe.plan.pipeline import SPLIT_BACKWARD_SCHEDULES, check_microbatches, pipeline_layout
+
+    par = cfg.parallelism
+    pipe = pipeline_layout(args, ParallelDims(**degrees, world_size=world_size), par, cfg.training.seq_len)
+    check_microbatches(cfg.training, par, degrees["pp"], pipe.num_stages)
+    if args.tie_word_embeddings:
+        raise ConfigError("parallelism.pipeline_parallel_degree", degrees["pp"],
+                          f"the {cfg.model.flavor} flavor ties the output head to the embedding, which live on "
+                          "the last and the first pipeline stage", "use pipeline_parallel_degree = 1 for this model")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option == "op" and par.pipeline_parallel_schedule in \
+            SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError("activation_checkpoint.selective_ac_option", "op",
+                          f"{par.pipeline_parallel_schedule} runs each block's backward twice (input, then weight "
+                          "gradients), and per-op selective AC allows one backward per checkpointed region",
+                          'use activation_checkpoint.mode = "full", a per-layer selective_ac_option (e.g. "2"), '
+                          "or a schedule without split backward (1F1B, Interleaved1F1B)")
+    if cfg.compile.enable and par.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError("parallelism.pipeline_parallel_schedule", par.pipeline_parallel_schedule,
+                          "splits backward into input and weight halves, which torch does not support for "
+                          "compiled blocks", "set compile.enable = false, or use Interleaved1F1B / 1F1B")
+
+
 def _validate_batch(training: Training, parallelism: Parallelism, degrees: dict[str, int]) -> None:
     if training.global_batch_size != -1:
         dp = degrees["dp_replicate"] * degrees["dp_shard"]
@@ -384,13 +407,6 @@ def _validate_batch(training: Training, parallelism: Parallelism, degrees: dict[
                 f"{training.global_batch_size} % {step} = {training.global_batch_size % step}",
                 f"use a multiple of {step}, or -1 for exactly {step} (no gradient accumulation)",
             )
-    microbatch = parallelism.pipeline_parallel_microbatch_size
-    if degrees["pp"] > 1 and training.local_batch_size % microbatch:
-        raise ConfigError(
-            "parallelism.pipeline_parallel_microbatch_size", microbatch,
-            f"must divide training.local_batch_size({training.local_batch_size})",
-            f"use a microbatch size that divides {training.local_batch_size}",
-        )
 
 
 def _validate_features(cfg: JobConfig, args: ModelArgs, check_device: bool) -> None:
@@ -454,9 +470,9 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
 
     degrees = resolve_degrees(cfg.parallelism, world_size)
     args = model_args_from_config(cfg.model)
-    _validate_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len,
-                          cfg.parallelism.pipeline_parallel_schedule)
+    _validate_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
     _validate_batch(cfg.training, cfg.parallelism, degrees)
+    _validate_pipeline(cfg, args, degrees, world_size)
     _validate_features(cfg, args, check_device)
     if check_device:
         _refuse_untrainable_layouts(degrees, world_size)

@@ -242,8 +242,7 @@ class ParallelDims:
     def not_yet_trainable(self) -> list[tuple[str, int, str]]:
         """(config key, degree, technique) of each enabled parallelism the trainer cannot run yet:
         the dry run plans and prints it with a warning; `torchmoe train` refuses it."""
-        unbuilt = (("parallelism.pipeline_parallel_degree", self.pp, "pipeline parallelism"),
-                   ("parallelism.context_parallel_degree", self.cp, "context parallelism"))
+        unbuilt = (("parallelism.context_parallel_degree", self.cp, "context parallelism"),)
         return [entry for entry in unbuilt if entry[1] > 1]
 
     # ---- layout and the real mesh -----------------------------------------------------------

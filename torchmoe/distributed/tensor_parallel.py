@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -84,9 +85,13 @@ class ExpertTensorParallel(ParallelStyle):
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_tp: bool) -> None:
     """Shard `model` (a `Transformer`, or a pipeline stage of one) over `tp_mesh` in place.
 
+    The model returns plain tensors: logits (B, S, vocab / tp) with loss parallel, to be viewed as
+    a ``Shard(-1)`` DTensor by the loss, else gathered (B, S, vocab); a pipeline stage without
+    the head returns its sequence shard (B, S / tp, dim) of hidden states, and a stage without
+    the embedding takes one. Plain tensors are what pipeline stages send each other.
+
     Args:
-        loss_parallel: keep the logits vocab-sharded (``Shard(-1)`` DTensor) for a vocab-parallel
-            cross entropy; otherwise gather them to every rank as a plain tensor.
+        loss_parallel: keep the logits vocab-sharded for a vocab-parallel cross entropy.
         moe_tp: tensor-parallelise MoE blocks (False when expert parallelism handles them).
     """
     top_plan: dict[str, ParallelStyle] = {}
@@ -97,12 +102,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
     if model.norm is not None:
         top_plan["norm"] = SequenceParallel()
     if model.output is not None:
-        top_plan["output"] = ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
+        top_plan["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                             output_layouts=Shard(-1) if loss_parallel else Replicate())
     parallelize_module(model, tp_mesh, top_plan)
+    if model.tok_embeddings is None:  # a later pipeline stage: hidden-state shards in, as DTensors
+        parallelize_module(model, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
+                                                              desired_input_layouts=(Shard(1),)))
+    if model.norm is None:  # an earlier pipeline stage: hidden-state shards out, as plain tensors
+        parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
+                                                               desired_output_layouts=(Shard(1),)))
 
     for block in model.layers.values():
         plan: dict[str, ParallelStyle] = {

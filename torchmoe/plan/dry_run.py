@@ -24,14 +24,15 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
 from torchmoe.distributed.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 from torchmoe.models.llama4.args import ModelArgs, model_args_from_config
-from torchmoe.plan.layout import (
-    ParamSpec,
-    local_shape,
-    param_specs,
+from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
+from torchmoe.plan.pipeline import (
+    PipelineLayout,
+    bubble_fraction,
+    layer_costs,
+    microbatches,
     pipeline_layout,
     rank_param_specs,
-    shard_numel,
-    stages_per_rank,
+    stage_costs,
 )
 from torchmoe.plan.memory import GIB, MemoryEstimate, compute_dtype_bytes, memory_per_pp_rank
 
@@ -67,7 +68,7 @@ def _linear_specs(specs: list[ParamSpec]) -> list[ParamSpec]:
     return [s for s in specs if len(s.shape) == 2 and not s.fqn.startswith("tok_embeddings")]
 
 
-def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> dict[str, dict]:
+def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict[str, dict]:
     """Each technique: ``{"enabled": bool, "detail": str}``, in the order parallelize applies them."""
     p, t = cfg.parallelism, cfg.training
     plan: dict[str, dict] = {}
@@ -95,7 +96,7 @@ def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> dict[s
                                           if cfg.activation_checkpoint.mode == "selective" else ""))
     add("compile", cfg.compile.enable, "torch.compile per transformer block" if cfg.compile.enable else "off")
     add("data_parallel", dims.dp_enabled or dims.fsdp_enabled, _data_parallel_detail(cfg, dims))
-    add("pipeline_parallel", dims.pp_enabled, _pipeline_detail(cfg, dims, args) if dims.pp_enabled else "off")
+    add("pipeline_parallel", dims.pp_enabled, _pipeline_detail(cfg, dims, pipe) if dims.pp_enabled else "off")
     add("float8", cfg.float8.enable, _float8_detail(cfg, args) if cfg.float8.enable else "off")
     return plan
 
@@ -114,14 +115,33 @@ def _data_parallel_detail(cfg: JobConfig, dims: ParallelDims) -> str:
     return "off (one data-parallel rank; fp32)"
 
 
-def _pipeline_detail(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> str:
+def _pipeline_detail(cfg: JobConfig, dims: ParallelDims, pipe: PipelineLayout) -> str:
     p = cfg.parallelism
-    pipe = pipeline_layout(args.n_layers, dims.pp, p.pipeline_parallel_schedule)
-    sizes = [len(layers) for layers in pipe.layers]
-    microbatches = max(cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size, 1)
+    n, size = microbatches(cfg.training, p)
     return (f"pp={dims.pp}, schedule {p.pipeline_parallel_schedule}: {pipe.num_stages} stages "
-            f"({stages_per_rank(dims.pp, p.pipeline_parallel_schedule)} per rank), layers per stage {sizes}; "
-            f"{microbatches} micro-batches of {p.pipeline_parallel_microbatch_size}")
+            f"({pipe.num_stages // dims.pp} per rank), layers per stage {[len(l) for l in pipe.layers]}; "
+            f"{n} micro-batches of {size}; bubble "
+            f"{bubble_fraction(p.pipeline_parallel_schedule, dims.pp, pipe.num_stages, n):.1%}")
+
+
+def pipeline_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict:
+    """Per stage: its blocks, pp rank, FLOPs per token and per-rank state bytes; their max/mean
+    imbalance; the schedule's bubble. What `dry_run.json` holds under ``pipeline``."""
+    flops, state, ends = layer_costs(args, dims, cfg.training.seq_len)
+    costs = stage_costs(pipe.layers, flops, state, ends)
+    rank_of = {s: r for r, stages in enumerate(pipe.ranks) for s in stages}
+    n, _ = microbatches(cfg.training, cfg.parallelism)
+    return {
+        "schedule": cfg.parallelism.pipeline_parallel_schedule,
+        "microbatches": n,
+        "bubble_fraction": bubble_fraction(cfg.parallelism.pipeline_parallel_schedule, dims.pp, pipe.num_stages, n),
+        "stages": [{"stage": s, "pp_rank": rank_of[s], "layers": pipe.layers[s],
+                    "moe_layers": sum(args.is_moe_layer(i) for i in pipe.layers[s]),
+                    "flops_per_token": costs.flops[s], "state_gib": costs.state_bytes[s] / GIB}
+                   for s in range(pipe.num_stages)],
+        "flops_imbalance": costs.flops_imbalance,
+        "memory_imbalance": costs.memory_imbalance,
+    }
 
 
 def _float8_detail(cfg: JobConfig, args: ModelArgs) -> str:
@@ -164,7 +184,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
 
     counts = args.param_counts()
     specs = param_specs(args)
-    pipe = pipeline_layout(args.n_layers, dims.pp, cfg.parallelism.pipeline_parallel_schedule)
+    pipe = pipeline_layout(args, dims, cfg.parallelism, cfg.training.seq_len)
     per_pp_rank = [rank_param_specs(specs, pipe, r) for r in range(dims.pp)]
     params_per_rank = max(sum(shard_numel(s, dims) for s in local) for local in per_pp_rank)
     params_local = max(sum(math.prod(local_shape(s, dims)) for s in local) for local in per_pp_rank)
@@ -172,7 +192,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
     memory = max(memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
                                     compiled=cfg.compile.enable), key=lambda e: e.total)
     device_gib = device_memory_gib(cfg.job.device_memory_gib)
-    plan = describe_plan(cfg, dims, args)
+    plan = describe_plan(cfg, dims, args, pipe)
 
     report = {
         "world_size": world_size,
@@ -188,6 +208,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
         "memory_pp_rank": memory.pp_rank,
         "device_memory_gib": device_gib,
         "plan": plan,
+        "pipeline": pipeline_report(cfg, dims, args, pipe) if dims.pp_enabled else None,
         "coordinates": {str(r): {d: layout[d].coordinate(r) for d in MESH_DIMS} for r in ranks},
         "groups": {str(r): {name: layout[name].group(r) for name in ALL_NAMES} for r in ranks},
     }
@@ -229,6 +250,8 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
         style = "" if entry["enabled"] else "dim"
         plan.add_row(name, entry["detail"], style=style)
     console.print(plan)
+    if report["pipeline"] is not None:
+        _print_pipeline(console, report["pipeline"])
     for key, degree, what in dims.not_yet_trainable():
         console.print(f"[yellow]warning: {what} ({key} = {degree}) is planned here, but `torchmoe train` "
                       "cannot run it yet[/]")
@@ -256,6 +279,21 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
         table.add_row("host (CPU offload)", f"{gib['host']:.{digits}f}", style="dim")
     console.print(table)
     _print_memory_verdict(console, gib["total"], device_gib)
+
+
+def _print_pipeline(console: Console, pipeline: dict) -> None:
+    table = Table(title=f"pipeline stages ({pipeline['schedule']}, {pipeline['microbatches']} micro-batches, "
+                        f"bubble {pipeline['bubble_fraction']:.1%})", title_justify="left")
+    for col in ("stage", "pp rank", "layers", "MoE", "GFLOP/token", "state GiB/rank"):
+        table.add_column(col, justify="left" if col == "layers" else "right")
+    for st in pipeline["stages"]:
+        layers = st["layers"]
+        span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+        table.add_row(str(st["stage"]), str(st["pp_rank"]), f"{span} ({len(layers)})", str(st["moe_layers"]),
+                      f"{st['flops_per_token'] / 1e9:.4g}", f"{st['state_gib']:.4g}")
+    console.print(table)
+    console.print(f"stage imbalance (max / mean): FLOPs {pipeline['flops_imbalance']:.3f}, "
+                  f"memory {pipeline['memory_imbalance']:.3f}")
 
 
 def _print_memory_verdict(console: Console, total_gib: float, device_gib: float | None) -> None:

@@ -17,11 +17,8 @@ creates. The sharding rules are the ones the parallelize pipeline applies (DESIG
   (experts), padding it to a multiple of the group size. Experts shard dim 1 instead when a rank
   holds fewer experts than the efsdp group has ranks (`expert_fsdp_shard_dim`), since padding
   dim 0 would leave a whole expert on every rank.
-- PP splits the blocks into contiguous stages of near-equal size (the first stages take one
-  more when it does not divide); the embedding is on the first stage, the final norm and the
-  output head on the last. Single-stage schedules run one stage per pp rank; Interleaved1F1B
-  runs two per rank looping (rank r: stages r and r + pp) and ZBVZeroBubble two in a V (rank r:
-  stages r and 2pp - 1 - r).
+- PP (`plan/pipeline.py`) splits the blocks into contiguous stages; a pp rank holds its stages'
+  blocks, the embedding with the first stage and the final norm and output head with the last.
 """
 
 from __future__ import annotations
@@ -31,11 +28,6 @@ from dataclasses import dataclass
 
 from torchmoe.distributed.parallel_dims import ParallelDims
 from torchmoe.models.llama4.args import ModelArgs
-
-# Pipeline schedules that run several stages per pp rank, and how they place them.
-MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "ZBVZeroBubble")
-STAGES_PER_RANK_MULTI = 2
-
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -150,73 +142,3 @@ def shard_numel(spec: ParamSpec, dims: ParallelDims) -> int:
     # they sit in their block's unit, sharded on dim 0 like every other parameter.
     dim = expert_fsdp_shard_dim(shape[0], n) if spec.expert and dims.ep_enabled else 0
     return math.ceil(shape[dim] / n) * math.prod(shape) // shape[dim]
-
-
-# ---- pipeline stages ---------------------------------------------------------------------------
-
-
-def stages_per_rank(pp: int, schedule: str) -> int:
-    """Stages each pp rank runs (1 without PP, whatever the schedule says)."""
-    return STAGES_PER_RANK_MULTI if pp > 1 and schedule in MULTI_STAGE_SCHEDULES else 1
-
-
-def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:
-    """Contiguous blocks of near-equal size; the first ``n_layers % num_stages`` get one more."""
-    base, extra = divmod(n_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        size = base + (s < extra)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
-
-
-def rank_stages(pp: int, schedule: str) -> list[list[int]]:
-    """Stage ids each pp rank runs, in execution order."""
-    if pp > 1 and schedule == "ZBVZeroBubble":
-        return [[r, 2 * pp - 1 - r] for r in range(pp)]
-    return [[r + k * pp for k in range(stages_per_rank(pp, schedule))] for r in range(pp)]
-
-
-@dataclass(frozen=True)
-class PipelineLayout:
-    """How the blocks map onto pipeline stages and pp ranks.
-
-    Attributes:
-        num_stages: stages in the whole pipeline.
-        layers: blocks of each stage (index = stage id).
-        ranks: stage ids of each pp rank (index = pp rank).
-    """
-
-    num_stages: int
-    layers: list[list[int]]
-    ranks: list[list[int]]
-
-    def rank_layers(self, pp_rank: int) -> list[int]:
-        """Blocks held by `pp_rank`, in execution order."""
-        return [i for s in self.ranks[pp_rank] for i in self.layers[s]]
-
-    def has_first_stage(self, pp_rank: int) -> bool:
-        return 0 in self.ranks[pp_rank]
-
-    def has_last_stage(self, pp_rank: int) -> bool:
-        return self.num_stages - 1 in self.ranks[pp_rank]
-
-
-def pipeline_layout(n_layers: int, pp: int, schedule: str) -> PipelineLayout:
-    """The stage layout of `n_layers` blocks on `pp` ranks under `schedule`."""
-    num_stages = pp * stages_per_rank(pp, schedule)
-    return PipelineLayout(num_stages, stage_layers(n_layers, num_stages), rank_stages(pp, schedule))
-
-
-def rank_param_specs(specs: list[ParamSpec], pipe: PipelineLayout, pp_rank: int) -> list[ParamSpec]:
-    """The parameters `pp_rank` holds: its blocks, plus the embedding / head on the end stages."""
-    layers = set(pipe.rank_layers(pp_rank))
-    keep = []
-    for spec in specs:
-        unit = spec.fsdp_unit
-        if (spec.layer is not None and spec.layer in layers) or (
-                unit == "tok_embeddings" and pipe.has_first_stage(pp_rank)) or (
-                unit == "head" and pipe.has_last_stage(pp_rank)):
-            keep.append(spec)
-    return keep

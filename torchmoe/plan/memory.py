@@ -72,12 +72,13 @@ head is never checkpointed):
                plain matmul outputs (it saves every second mm); an integer n fully checkpoints
                blocks 0, n, 2n, ... of the stage and saves the others whole.
 
-Peak activations of a pp rank = sum over micro-batches in flight of the saved bytes of its blocks
+Peak activations of a pp rank = the most saved bytes of (stage, micro-batch) pairs alive at once
 + the backward working set of the largest block (2 x full - saved: recomputed activations and
 their gradients) + the head on the last stage, all times T = micro-batch sequences x seq_len / cp
-tokens. Micro-batches in flight: 1 without PP (the whole local batch); GPipe all of them; 1F1B
-``pp - r`` on pp rank r; the two-stage-per-rank schedules ``2*(pp - r - 1) + pp + 1`` stage
-chunks (Megatron-LM's interleaved warmup), capped at what the local batch holds. With CP > 1, ring
+tokens. Without PP one pair (the whole local batch) is alive; with PP the pairs alive are read off
+the schedule's own action list for the rank (`plan.pipeline.peak_activations_in_flight`): GPipe
+holds every micro-batch, 1F1B ``pp - r`` on pp rank r, the interleaved and zero-bubble schedules
+what their warm-up leaves in flight. With CP > 1, ring
 attention adds K/V chunks in flight, ``2 * 2*a*Hkv/tp`` per token, to the working set.
 """
 
@@ -90,16 +91,14 @@ from dataclasses import dataclass
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.distributed.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.models.llama4.args import ModelArgs
-from torchmoe.plan.layout import (
-    MULTI_STAGE_SCHEDULES,
-    ParamSpec,
+from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
+from torchmoe.plan.pipeline import (
     PipelineLayout,
-    local_shape,
-    param_specs,
+    peak_activations_in_flight,
     pipeline_layout,
     rank_param_specs,
-    shard_numel,
 )
+from torchmoe.plan.pipeline import microbatches as pipeline_microbatches
 
 GIB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -262,26 +261,16 @@ def _saved_per_block(act: ActivationModel, layers: list[int], ac_cfg: Activation
     return [act.block_input() if pos % every == 0 else act.block_full(i) for pos, i in enumerate(layers)]
 
 
-def _chunks_in_flight(pp_rank: int, pp: int, schedule: str, microbatches: int, stages: int) -> int:
-    """Stage x micro-batch activation sets alive at once on `pp_rank` (see module docstring)."""
-    if pp == 1:
-        return 1
-    if schedule == "GPipe":
-        return microbatches * stages
-    if schedule in MULTI_STAGE_SCHEDULES:
-        return min(microbatches * stages, 2 * (pp - pp_rank - 1) + (stages - 1) * pp + 1)
-    return min(microbatches, pp - pp_rank)
-
-
 def _activation_bytes(act: ActivationModel, pipe: PipelineLayout, pp_rank: int, tokens: int, microbatches: int,
                       schedule: str, ac_cfg: ActivationCheckpoint) -> int:
     stages = pipe.ranks[pp_rank]
     saved_of: dict[int, float] = {}
+    stage_saved: dict[int, float] = {}
     for s in stages:
-        saved_of.update(zip(pipe.layers[s], _saved_per_block(act, pipe.layers[s], ac_cfg)))
-    chunks = _chunks_in_flight(pp_rank, act.dims.pp, schedule, microbatches, len(stages))
-    # Chunks cycle over this rank's stages; the mean stage stands for each of them.
-    saved = chunks * sum(saved_of.values()) / len(stages)
+        per_block = _saved_per_block(act, pipe.layers[s], ac_cfg)
+        saved_of.update(zip(pipe.layers[s], per_block))
+        stage_saved[s] = sum(per_block)
+    saved = peak_activations_in_flight(schedule, act.dims.pp, pipe.num_stages, microbatches, pp_rank, stage_saved)
     working = max((2 * act.block_full(i) - b for i, b in saved_of.items()), default=0.0) + act.cp_ring()
     head = act.head() if pipe.has_last_stage(pp_rank) else 0.0
     return int((saved + working + head) * tokens)
@@ -304,13 +293,12 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
             loss parallel.
         compiled: blocks run under torch.compile (fused norms save less).
     """
-    pipe = pipeline_layout(model_args.n_layers, dims.pp, parallelism_cfg.pipeline_parallel_schedule)
+    pipe = pipeline_layout(model_args, dims, parallelism_cfg, training_cfg.seq_len)
     a = compute_dtype_bytes(dims, training_cfg)
     act = ActivationModel(model_args, dims, a, compiled,
                           loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel)
     if dims.pp_enabled:
-        sequences = parallelism_cfg.pipeline_parallel_microbatch_size
-        microbatches = max(training_cfg.local_batch_size // sequences, 1)
+        microbatches, sequences = pipeline_microbatches(training_cfg, parallelism_cfg)
     else:
         sequences, microbatches = training_cfg.local_batch_size, 1
     tokens = sequences * training_cfg.seq_len // dims.cp

@@ -122,48 +122,50 @@ class ModelArgs:
     def _expert_params(self) -> int:
         return 3 * self.dim * self.moe_hidden_dim
 
+    def layer_params(self, layer_id: int) -> tuple[int, int]:
+        """(total, active) parameters of block `layer_id`; active counts the top_k routed experts."""
+        attn = self._attention_params() + 2 * self.dim  # attention + two RMSNorms
+        if not self.is_moe_layer(layer_id):
+            dense = attn + 3 * self.dim * self.ffn_hidden_dim
+            return dense, dense
+        common = attn + self.num_shared_experts * self._expert_params() + self.dim * self.num_experts
+        return common + self.num_experts * self._expert_params(), common + self.top_k * self._expert_params()
+
     def param_counts(self) -> dict[str, int]:
         """Parameter counts: ``total``, ``active`` (per token: top_k routed experts), ``embedding``.
 
         ``active`` counts the embedding and the output head, as the published "17B active" does.
         """
-        total = active = 0
-        for i in range(self.n_layers):
-            layer = self._attention_params() + 2 * self.dim  # attention + two RMSNorms
-            total += layer
-            active += layer
-            if self.is_moe_layer(i):
-                shared = self.num_shared_experts * self._expert_params()
-                router = self.dim * self.num_experts
-                total += self.num_experts * self._expert_params() + shared + router
-                active += self.top_k * self._expert_params() + shared + router
-            else:
-                total += 3 * self.dim * self.ffn_hidden_dim
-                active += 3 * self.dim * self.ffn_hidden_dim
+        per_layer = [self.layer_params(i) for i in range(self.n_layers)]
         embedding = self.vocab_size * self.dim
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
         extra = embedding + head + self.dim  # + final norm
-        return {"total": total + extra, "active": active + extra, "embedding": embedding}
+        return {"total": sum(t for t, _ in per_layer) + extra, "active": sum(a for _, a in per_layer) + extra,
+                "embedding": embedding}
+
+    def layer_flops_per_token(self, layer_id: int, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward) of block `layer_id`.
+
+        ``6 * N`` for the matmuls over its active parameters ``N``, plus ``12 * n_heads * head_dim *
+        L_eff`` for the attention scores and weighted sum (2 matmuls, x3 for backward, x2
+        multiply-add), where ``L_eff`` is the context a query attends over: ``seq_len`` for
+        full-attention layers and ``min(seq_len, attention_chunk_size)`` for chunked ones. Causal
+        masking is not halved, following the PaLM/MFU convention so numbers compare across trainers.
+        """
+        ctx = seq_len
+        if self.rope_layers[layer_id] and self.attention_chunk_size is not None:
+            ctx = min(seq_len, self.attention_chunk_size)
+        return 6 * self.layer_params(layer_id)[1] + 12 * self.n_heads * self.head_dim * ctx
+
+    def head_flops_per_token(self) -> int:
+        """Training FLOPs per token of the final norm and the output head (the embedding lookup is
+        no matmul; a tied head still multiplies by the embedding)."""
+        return 6 * (self.vocab_size * self.dim + self.dim)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward), counting only the active experts.
-
-        ``6 * N`` for the matmuls over the active non-embedding parameters ``N`` (the embedding
-        lookup is no matmul; the output head is), plus ``12 * n_heads * head_dim * L_eff`` per layer
-        for the attention scores and weighted sum (2 matmuls, x3 for backward, x2 multiply-add),
-        where ``L_eff`` is the context a query attends over: ``seq_len`` for full-attention layers
-        and ``min(seq_len, attention_chunk_size)`` for chunked ones. Causal masking is not halved,
-        following the PaLM/MFU convention so numbers compare across trainers.
-        """
-        counts = self.param_counts()
-        n_matmul = counts["active"] - counts["embedding"]
-        attn = 0
-        for use_rope in self.rope_layers:
-            ctx = seq_len
-            if use_rope and self.attention_chunk_size is not None:
-                ctx = min(seq_len, self.attention_chunk_size)
-            attn += 12 * self.n_heads * self.head_dim * ctx
-        return 6 * n_matmul + attn
+        """Training FLOPs per token (forward + backward) of the whole model, counting only the
+        active experts: every block's `layer_flops_per_token` plus the head's."""
+        return sum(self.layer_flops_per_token(i, seq_len) for i in range(self.n_layers)) + self.head_flops_per_token()
 
 
 # Released Llama 4 text configs (Hugging Face meta-llama/Llama-4-{Scout-17B-16E,Maverick-17B-128E}).

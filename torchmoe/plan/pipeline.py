@@ -1,0 +1,468 @@
+"""Pipeline parallelism, planned: schedules, the stage split, stage costs and the bubble.
+
+    python -c "from torchmoe.plan.pipeline import *; from torchmoe.models.llama4 import FLAVORS; \\
+        print(split_by_cost([1, 3, 1, 3], [1, 1, 1, 1], 2))"
+
+One function, `pipeline_layout`, decides which blocks each stage holds and which pp rank runs
+each stage; the dry-run printer and the trainer both call it, so the printed split is what runs.
+
+The split. With neither explicit stages (`module_fqns_per_model_part`) nor a fixed count
+(`pipeline_parallel_layers_per_stage`), blocks are split into contiguous stages by a cost model
+built from `ModelArgs` and the layout alone (no model is built):
+
+    time(stage)   = training FLOPs per token of its blocks (`ModelArgs.layer_flops_per_token`),
+                    plus the output head's on the last stage (the embedding lookup costs no FLOPs)
+    memory(stage) = bytes of parameters + gradients + AdamW state one rank holds for its blocks
+                    after TP/EP/FSDP sharding (`plan.layout.shard_numel`), plus the embedding on
+                    the first stage and the final norm + head on the last
+
+A stage's cost is its more loaded resource relative to the mean, ``max(time / mean time,
+memory / mean memory)``, and the split minimises the largest stage cost exactly (dynamic
+programming over the contiguous splits). Splitting by layer count instead (torchtitan's way)
+treats a dense block and an MoE block alike and ignores the head, whose FLOPs are several blocks'
+worth at Llama 4's 202k vocabulary.
+
+Stage placement follows torch's schedules: single-stage schedules run stage r on pp rank r;
+looped multi-stage schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) stage s on rank
+``s % pp``; V schedules (ZBVZeroBubble, DualPipeV) stages r and ``2 * pp - 1 - r`` on rank r.
+
+The bubble: the idle fraction of the schedule's own action lists (torch builds them for every
+rank), replayed with forward = 1, backward = 2 (input and weight halves 1 each) time units and
+free communication.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import Parallelism, Training
+from torchmoe.distributed.parallel_dims import ParallelDims
+from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.layout import ParamSpec, param_specs, shard_numel
+
+# torch.distributed.pipelining's schedules (torchtitan's names) and how they place stages.
+SCHEDULE_STYLES: dict[str, str] = {
+    "GPipe": "single",
+    "1F1B": "single",
+    "Interleaved1F1B": "loop",
+    "LoopedBFS": "loop",
+    "InterleavedZeroBubble": "loop",
+    "ZBVZeroBubble": "v",
+    "DualPipeV": "v",
+}
+# Schedules that split backward into input and weight halves; torch refuses them with compile.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Stages per rank when the user fixes neither the stages nor their size.
+DEFAULT_STAGES_PER_RANK = {"single": 1, "loop": 2, "v": 2}
+# Bytes per stored parameter element: fp32 weight + fp32 gradient + two fp32 AdamW moments.
+STATE_BYTES_PER_PARAM = 16
+_KEY = "parallelism"
+
+
+def is_multi_stage(schedule: str) -> bool:
+    return SCHEDULE_STYLES[schedule] != "single"
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How the blocks map onto pipeline stages and pp ranks.
+
+    Attributes:
+        num_stages: stages in the whole pipeline.
+        layers: blocks of each stage (index = stage id).
+        ranks: stage ids of each pp rank, ascending (index = pp rank).
+    """
+
+    num_stages: int
+    layers: list[list[int]]
+    ranks: list[list[int]]
+
+    def rank_layers(self, pp_rank: int) -> list[int]:
+        """Blocks held by `pp_rank`, ascending."""
+        return sorted(i for s in self.ranks[pp_rank] for i in self.layers[s])
+
+    def has_first_stage(self, pp_rank: int) -> bool:
+        return 0 in self.ranks[pp_rank]
+
+    def has_last_stage(self, pp_rank: int) -> bool:
+        return self.num_stages - 1 in self.ranks[pp_rank]
+
+    def stage_fqns(self, stage: int) -> list[str]:
+        """The stage's top-level modules as `module_fqns_per_model_part` names them."""
+        first = ["tok_embeddings"] if stage == 0 else []
+        last = ["norm", "output"] if stage == self.num_stages - 1 else []
+        return first + [f"layers.{i}" for i in self.layers[stage]] + last
+
+
+def stage_ranks(pp: int, num_stages: int, schedule: str) -> list[list[int]]:
+    """Stage ids each pp rank runs (ascending), as torch's schedule places them."""
+    style = SCHEDULE_STYLES[schedule] if pp > 1 else "single"
+    ranks: list[list[int]] = [[] for _ in range(pp)]
+    for s in range(num_stages):
+        lap, pos = divmod(s, pp)
+        ranks[pp - 1 - pos if style == "v" and lap % 2 else pos].append(s)
+    return ranks
+
+
+def rank_param_specs(specs: list[ParamSpec], pipe: PipelineLayout, pp_rank: int) -> list[ParamSpec]:
+    """The parameters `pp_rank` holds: its blocks, plus the embedding / head on the end stages."""
+    layers = set(pipe.rank_layers(pp_rank))
+    keep = []
+    for spec in specs:
+        unit = spec.fsdp_unit
+        if (spec.layer is not None and spec.layer in layers) or (
+                unit == "tok_embeddings" and pipe.has_first_stage(pp_rank)) or (
+                unit == "head" and pipe.has_last_stage(pp_rank)):
+            keep.append(spec)
+    return keep
+
+
+# ---- the cost model ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage cost of a split (index = stage id).
+
+    Attributes:
+        flops: training FLOPs per token of the stage (blocks, plus the head on the last).
+        state_bytes: parameter + gradient + optimizer bytes one rank of the stage holds.
+    """
+
+    flops: list[int]
+    state_bytes: list[int]
+
+    @staticmethod
+    def _imbalance(values: list[int]) -> float:
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean else 1.0
+
+    @property
+    def flops_imbalance(self) -> float:
+        """max / mean stage FLOPs (1.0 = perfectly balanced)."""
+        return self._imbalance(self.flops)
+
+    @property
+    def memory_imbalance(self) -> float:
+        """max / mean stage state bytes."""
+        return self._imbalance(self.state_bytes)
+
+
+def layer_costs(args: ModelArgs, dims: ParallelDims, seq_len: int) -> tuple[list[int], list[int], dict[str, int]]:
+    """FLOPs per token and per-rank state bytes of every block, and of the ends.
+
+    Returns:
+        (flops per block, state bytes per block, ``{"first_bytes", "last_bytes", "last_flops"}``):
+        the embedding's bytes (first stage), the final norm + head's bytes and FLOPs (last stage).
+    """
+    state = [0] * args.n_layers
+    ends = {"first_bytes": 0, "last_bytes": 0, "last_flops": args.head_flops_per_token()}
+    for spec in param_specs(args):
+        nbytes = STATE_BYTES_PER_PARAM * shard_numel(spec, dims)
+        if spec.layer is not None:
+            state[spec.layer] += nbytes
+        else:
+            ends["first_bytes" if spec.fsdp_unit == "tok_embeddings" else "last_bytes"] += nbytes
+    flops = [args.layer_flops_per_token(i, seq_len) for i in range(args.n_layers)]
+    return flops, state, ends
+
+
+def stage_costs(layers: list[list[int]], flops: list[int], state: list[int], ends: dict[str, int]) -> StageCosts:
+    """The costs of a split `layers` (blocks per stage) under per-block `flops` and `state`."""
+    stage_flops = [sum(flops[i] for i in stage) for stage in layers]
+    stage_bytes = [sum(state[i] for i in stage) for stage in layers]
+    stage_flops[-1] += ends["last_flops"]
+    stage_bytes[0] += ends["first_bytes"]
+    stage_bytes[-1] += ends["last_bytes"]
+    return StageCosts(stage_flops, stage_bytes)
+
+
+def split_by_cost(flops: list[int], state: list[int], num_stages: int,
+                  ends: dict[str, int] | None = None) -> list[list[int]]:
+    """Contiguous, non-empty stages minimising the largest ``max(time / mean, memory / mean)``.
+
+    Exact: a dynamic program over split points, O(num_stages * n_layers^2). Ties go to the split
+    whose earlier stages are shorter (deterministic, so every rank computes the same split).
+    """
+    ends = ends or {"first_bytes": 0, "last_bytes": 0, "last_flops": 0}
+    n = len(flops)
+    mean_f = (sum(flops) + ends["last_flops"]) / num_stages or 1.0
+    mean_m = (sum(state) + ends["first_bytes"] + ends["last_bytes"]) / num_stages or 1.0
+    pre_f, pre_m = [0], [0]
+    for f, m in zip(flops, state):
+        pre_f.append(pre_f[-1] + f)
+        pre_m.append(pre_m[-1] + m)
+
+    def cost(stage: int, lo: int, hi: int) -> float:  # blocks lo..hi-1 as stage `stage`
+        f, m = pre_f[hi] - pre_f[lo], pre_m[hi] - pre_m[lo]
+        if stage == 0:
+            m += ends["first_bytes"]
+        if stage == num_stages - 1:
+            f += ends["last_flops"]
+            m += ends["last_bytes"]
+        return max(f / mean_f, m / mean_m)
+
+    # best[s][j]: (max cost, split) of the first j blocks as stages 0..s.
+    best: list[dict[int, tuple[float, list[int]]]] = [{j: (cost(0, 0, j), [j]) for j in range(1, n - num_stages + 2)}]
+    for s in range(1, num_stages):
+        row = {}
+        for j in range(s + 1, n - num_stages + s + 2):
+            row[j] = min(((max(best[-1][i][0], cost(s, i, j)), best[-1][i][1] + [j]) for i in best[-1] if i < j),
+                         key=lambda c: c[0])
+        best.append(row)
+    bounds = [0] + best[-1][n][1]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
+
+
+def split_by_count(n_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous blocks of near-equal count (the first ``n_layers % num_stages`` get one more):
+    the layer-count split, for comparison with the cost model."""
+    base, extra = divmod(n_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        size = base + (s < extra)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+# ---- the layout -------------------------------------------------------------------------------
+
+
+def _explicit_stages(fqns: list[list[str]], n_layers: int) -> list[list[int]]:
+    """Blocks per stage from `module_fqns_per_model_part`, checked to cover the model once, in
+    order, with the embedding first and the final norm and head last."""
+    key = f"{_KEY}.module_fqns_per_model_part"
+    example = '[["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]'
+    layers, seen = [], []
+    for s, part in enumerate(fqns):
+        blocks = []
+        for name in part:
+            if name in ("tok_embeddings", "norm", "output"):
+                where = 0 if name == "tok_embeddings" else len(fqns) - 1
+                if s != where:
+                    raise ConfigError(key, fqns, f"{name!r} is in stage {s}, but it belongs to the "
+                                      f"{'first' if where == 0 else 'last'} stage", f"move it, e.g. {example}")
+                continue
+            prefix, _, index = name.partition(".")
+            if prefix != "layers" or not index.isdigit() or int(index) >= n_layers:
+                raise ConfigError(key, fqns, f"{name!r} is not a module of the model (it has layers.0 .. "
+                                  f"layers.{n_layers - 1}, tok_embeddings, norm, output)", f"write it like {example}")
+            blocks.append(int(index))
+        if not blocks:
+            raise ConfigError(key, fqns, f"stage {s} holds no transformer block",
+                              "give every stage at least one layers.N")
+        layers.append(blocks)
+        seen += blocks
+    if seen != list(range(n_layers)):
+        raise ConfigError(key, fqns, f"the stages must hold layers.0 .. layers.{n_layers - 1} once each, in "
+                          f"order; they hold {seen}", f"list each block once, in order, e.g. {example}")
+    return layers
+
+
+def _num_stages(args: ModelArgs, pp: int, par: Parallelism) -> int:
+    if par.module_fqns_per_model_part:
+        return len(par.module_fqns_per_model_part)
+    if par.pipeline_parallel_layers_per_stage > 0:
+        return math.ceil(args.n_layers / par.pipeline_parallel_layers_per_stage)
+    return pp * DEFAULT_STAGES_PER_RANK[SCHEDULE_STYLES[par.pipeline_parallel_schedule]]
+
+
+def _check_stage_count(num_stages: int, pp: int, n_layers: int, par: Parallelism) -> None:
+    schedule = par.pipeline_parallel_schedule
+    source = ("module_fqns_per_model_part" if par.module_fqns_per_model_part
+              else "pipeline_parallel_layers_per_stage" if par.pipeline_parallel_layers_per_stage > 0
+              else "pipeline_parallel_schedule")
+    key, value = f"{_KEY}.{source}", getattr(par, source)
+    what = f"{num_stages} stages on pp({pp})"
+    if num_stages > n_layers:
+        raise ConfigError(key, value, f"{what}, but the model has {n_layers} layers",
+                          f"use at most {n_layers} stages: a smaller pipeline_parallel_degree or fewer stages per rank")
+    if num_stages % pp:
+        raise ConfigError(key, value, f"{what}: every pp rank must run the same number of stages",
+                          f"use a multiple of {pp} stages")
+    per_rank = num_stages // pp
+    style = SCHEDULE_STYLES[schedule]
+    if style == "single" and per_rank != 1:
+        raise ConfigError(key, value, f"{what} = {per_rank} per rank, but {schedule} runs one stage per rank",
+                          "use a multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                          f"ZBVZeroBubble, DualPipeV) or {pp} stages")
+    if style == "loop" and per_rank < 2:
+        raise ConfigError(key, value, f"{what} = one per rank, but {schedule} interleaves several stages per rank",
+                          f"use GPipe or 1F1B for one stage per rank, or at least {2 * pp} stages")
+    if style == "v" and per_rank != 2:
+        raise ConfigError(key, value, f"{what} = {per_rank} per rank, but {schedule} runs exactly two per rank "
+                          "(a V)", f"use {2 * pp} stages")
+
+
+def pipeline_layout(args: ModelArgs, dims: ParallelDims, parallelism_cfg: Parallelism,
+                    seq_len: int) -> PipelineLayout:
+    """The stage split and placement a job runs (also without PP: one stage with every block).
+
+    Args:
+        args: the model's shape.
+        dims: the resolved layout (sharding enters the memory cost).
+        parallelism_cfg: schedule, `pipeline_parallel_layers_per_stage`, `module_fqns_per_model_part`.
+        seq_len: tokens per sequence (attention FLOPs grow with it).
+    Raises:
+        ConfigError: a stage count or explicit split the schedule cannot run.
+    """
+    pp = dims.pp
+    if pp == 1:
+        return PipelineLayout(1, [list(range(args.n_layers))], [[0]])
+    num_stages = _num_stages(args, pp, parallelism_cfg)
+    _check_stage_count(num_stages, pp, args.n_layers, parallelism_cfg)
+    if parallelism_cfg.module_fqns_per_model_part:
+        layers = _explicit_stages(parallelism_cfg.module_fqns_per_model_part, args.n_layers)
+    elif parallelism_cfg.pipeline_parallel_layers_per_stage > 0:
+        size = parallelism_cfg.pipeline_parallel_layers_per_stage
+        layers = [list(range(s * size, min((s + 1) * size, args.n_layers))) for s in range(num_stages)]
+    else:
+        flops, state, ends = layer_costs(args, dims, seq_len)
+        layers = split_by_cost(flops, state, num_stages, ends)
+    return PipelineLayout(num_stages, layers, stage_ranks(pp, num_stages, parallelism_cfg.pipeline_parallel_schedule))
+
+
+# ---- micro-batches and the bubble ------------------------------------------------------------------
+
+
+def microbatches(training_cfg: Training, parallelism_cfg: Parallelism) -> tuple[int, int]:
+    """(count, sequences each) of the pipeline micro-batches one local batch is split into."""
+    count = parallelism_cfg.pipeline_parallel_microbatches
+    if count > 0:
+        return count, training_cfg.local_batch_size // count
+    size = parallelism_cfg.pipeline_parallel_microbatch_size
+    return training_cfg.local_batch_size // size, size
+
+
+def check_microbatches(training_cfg: Training, parallelism_cfg: Parallelism, pp: int, num_stages: int) -> None:
+    """The micro-batch count must split the local batch and satisfy the schedule (exit 2 otherwise)."""
+    local, schedule = training_cfg.local_batch_size, parallelism_cfg.pipeline_parallel_schedule
+    size, count = parallelism_cfg.pipeline_parallel_microbatch_size, parallelism_cfg.pipeline_parallel_microbatches
+    if count > 0:
+        key, value = f"{_KEY}.pipeline_parallel_microbatches", count
+        if local % count:
+            raise ConfigError(key, count, f"must divide training.local_batch_size({local})",
+                              f"use a count that divides {local}")
+        if size != 1 and size * count != local:
+            raise ConfigError(key, count, f"{count} micro-batches of pipeline_parallel_microbatch_size({size}) "
+                              f"!= training.local_batch_size({local})", "set only one of the two")
+    else:
+        key, value = f"{_KEY}.pipeline_parallel_microbatch_size", size
+        if local % size:
+            raise ConfigError(key, size, f"must divide training.local_batch_size({local})",
+                              f"use a micro-batch size that divides {local}")
+    n = microbatches(training_cfg, parallelism_cfg)[0]
+    need = {"1F1B": pp, "DualPipeV": num_stages}.get(schedule, 1)
+    if n < need:
+        raise ConfigError(key, value, f"gives {n} micro-batches (local_batch_size {local}), but {schedule} needs at "
+                          f"least {need} ({'stages' if schedule == 'DualPipeV' else 'pp ranks'})",
+                          f"raise training.local_batch_size or use smaller micro-batches, so that there are >= {need}")
+    rounds = max(1, n // pp)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
+        raise ConfigError(key, value, f"gives {n} micro-batches; {schedule} runs them in rounds of pp({pp}), so "
+                          f"the count must be a multiple of {rounds} (= {n} // {pp})",
+                          f"use a multiple of {pp} micro-batches, or fewer than {pp}")
+
+
+@lru_cache(maxsize=64)
+def bubble_fraction(schedule: str, pp: int, num_stages: int, n_microbatches: int) -> float:
+    """Idle fraction of the slowest pp rank's step under `schedule` (0 without PP).
+
+    Replays torch's own per-rank action lists with forward = 1, full backward = 2, backward
+    input = backward weight = 1 and free communication.
+    """
+    if pp == 1:
+        return 0.0
+    orders = _pipeline_orders(schedule, pp, num_stages, n_microbatches)
+    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * pp
+    pos = [0] * pp
+    busy = [0.0] * pp
+    while any(pos[r] < len(orders[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                kind, stage, mb = orders[r][pos[r]]
+                deps = _dependencies(kind, stage, mb, num_stages)
+                if any(d not in done for d in deps):
+                    break
+                clock[r] = max([clock[r], *(done[d] for d in deps)]) + cost[kind]
+                busy[r] += cost[kind]
+                done[(kind, stage, mb)] = clock[r]
+                if kind in ("B", "I"):  # the gradient the previous stage waits for
+                    done[("grad", stage, mb)] = clock[r]
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"{schedule}: the replay of torch's action lists is stuck")
+    makespan = max(clock)
+    return 1.0 - min(busy) / makespan
+
+
+def _dependencies(kind: str, stage: int, mb: int, num_stages: int) -> list[tuple[str, int, int]]:
+    """What action (kind, stage, micro-batch) must have finished first."""
+    if kind == "F":
+        return [("F", stage - 1, mb)] if stage else []
+    if kind in ("B", "I"):
+        deps = [("F", stage, mb)]
+        if stage < num_stages - 1:
+            deps.append(("grad", stage + 1, mb))
+        return deps
+    return [("I", stage, mb)]  # W
+
+
+@lru_cache(maxsize=64)
+def _pipeline_orders(schedule: str, pp: int, num_stages: int, n: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Every rank's compute actions (kind F/B/I/W, stage, micro-batch), from torch's schedule.
+
+    torch builds the lists for all ranks when a schedule is constructed; stand-in stages carry the
+    few attributes it reads. Single-stage GPipe / 1F1B are the looped BFS / interleaved 1F1B
+    orders with one stage per rank.
+    """
+    from torch import nn
+    from torch.distributed.pipelining import schedules
+
+    class _PlanningStage:
+        def __init__(self, index: int, rank: int) -> None:
+            self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, pp, rank
+            self.is_first, self.is_last = index == 0, index == num_stages - 1
+            self.submod, self.has_backward, self.stage_index_to_group_rank = nn.Identity(), True, {}
+
+    name = {"GPipe": "LoopedBFS", "1F1B": "Interleaved1F1B"}.get(schedule, schedule)
+    stages = [_PlanningStage(s, 0) for s in stage_ranks(pp, num_stages, schedule)[0]]
+    order = schedules.get_schedule_class(name)(stages, n_microbatches=n, loss_fn=lambda out, target: out).pipeline_order
+    orders: dict[int, list[tuple[str, int, int]]] = {}
+    for rank, actions in order.items():
+        orders[rank] = []
+        for action in actions:
+            if action is None:
+                continue
+            for sub in action.sub_actions or (action,):
+                kind = str(sub.computation_type)
+                orders[rank].append(({"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I",
+                                      "BACKWARD_WEIGHT": "W"}.get(kind.rsplit(".", 1)[-1], kind), sub.stage_index,
+                                     sub.microbatch_index))
+    return orders
+
+
+def peak_activations_in_flight(schedule: str, pp: int, num_stages: int, n_microbatches: int, pp_rank: int,
+                               stage_bytes: dict[int, float]) -> float:
+    """The most activation bytes `pp_rank` holds at once over a step: walking its action list,
+    a forward of (stage, micro-batch) adds ``stage_bytes[stage]``; the full backward, or the
+    weight half of a split backward (the input half keeps the matmul inputs the weight
+    gradients need), frees them. Without PP: one stage, one micro-batch at a time."""
+    if pp == 1:
+        return max(stage_bytes.values())
+    live = peak = 0.0
+    for kind, stage, _ in _pipeline_orders(schedule, pp, num_stages, n_microbatches)[pp_rank]:
+        if kind == "F":
+            live += stage_bytes[stage]
+            peak = max(peak, live)
+        elif kind in ("B", "W"):
+            live -= stage_bytes[stage]
+    return peak
