@@ -65,7 +65,7 @@ def test_non_finite_loss_raises_before_stepping(tmp_path: Path) -> None:
         torch.testing.assert_close(p.detach(), before[name], equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("key", ["parallelism.pipeline_parallel_degree", "parallelism.context_parallel_degree"])
+@pytest.mark.parametrize("key", ["parallelism.context_parallel_degree"])
 def test_real_runs_refuse_layouts_the_trainer_cannot_run(key):
     """Planned by the dry run, refused (before any process group exists) for training."""
     from torchmoe.config.errors import ConfigError

@@ -275,12 +275,13 @@ def _check_stage_count(num_stages: int, pp: int, n_layers: int, par: Parallelism
     schedule = par.pipeline_parallel_schedule
     source = ("module_fqns_per_model_part" if par.module_fqns_per_model_part
               else "pipeline_parallel_layers_per_stage" if par.pipeline_parallel_layers_per_stage > 0
-              else "pipeline_parallel_schedule")
+              else "pipeline_parallel_degree")
     key, value = f"{_KEY}.{source}", getattr(par, source)
-    what = f"{num_stages} stages on pp({pp})"
+    what = f"{num_stages} pipeline stages ({schedule}) on pp({pp})"
     if num_stages > n_layers:
         raise ConfigError(key, value, f"{what}, but the model has {n_layers} layers",
-                          f"use at most {n_layers} stages: a smaller pipeline_parallel_degree or fewer stages per rank")
+                          f"use at most {n_layers} stages: a smaller pipeline_parallel_degree, a single-stage "
+                          "schedule (GPipe, 1F1B) or more layers per stage")
     if num_stages % pp:
         raise ConfigError(key, value, f"{what}: every pp rank must run the same number of stages",
                           f"use a multiple of {pp} stages")
@@ -418,14 +419,28 @@ def _dependencies(kind: str, stage: int, mb: int, num_stages: int) -> list[tuple
 
 @lru_cache(maxsize=64)
 def _pipeline_orders(schedule: str, pp: int, num_stages: int, n: int) -> dict[int, list[tuple[str, int, int]]]:
-    """Every rank's compute actions (kind F/B/I/W, stage, micro-batch), from torch's schedule.
+    """Every rank's compute actions (kind F/B/I/W, stage, micro-batch), in torch's order.
 
-    torch builds the lists for all ranks when a schedule is constructed; stand-in stages carry the
-    few attributes it reads. Single-stage GPipe / 1F1B are the looped BFS / interleaved 1F1B
-    orders with one stage per rank.
+    Multi-stage schedules: torch builds the lists for all ranks when the schedule is constructed;
+    stand-in stages carry the few attributes it reads. GPipe and 1F1B have no such lists (their
+    order is written in their step loops), so it is restated here: GPipe runs every forward, then
+    every backward; 1F1B runs ``min(n, pp - r)`` warm-up forwards on rank r, then alternates
+    backward and forward.
     """
     from torch import nn
     from torch.distributed.pipelining import schedules
+
+    if schedule in ("GPipe", "1F1B"):
+        orders = {}
+        for r in range(pp):
+            warmup = n if schedule == "GPipe" else min(n, pp - r)
+            order = [("F", r, i) for i in range(warmup)]
+            for i in range(n):
+                order.append(("B", r, i))
+                if warmup + i < n:
+                    order.append(("F", r, warmup + i))
+            orders[r] = order
+        return orders
 
     class _PlanningStage:
         def __init__(self, index: int, rank: int) -> None:
@@ -433,9 +448,8 @@ def _pipeline_orders(schedule: str, pp: int, num_stages: int, n: int) -> dict[in
             self.is_first, self.is_last = index == 0, index == num_stages - 1
             self.submod, self.has_backward, self.stage_index_to_group_rank = nn.Identity(), True, {}
 
-    name = {"GPipe": "LoopedBFS", "1F1B": "Interleaved1F1B"}.get(schedule, schedule)
     stages = [_PlanningStage(s, 0) for s in stage_ranks(pp, num_stages, schedule)[0]]
-    order = schedules.get_schedule_class(name)(stages, n_microbatches=n, loss_fn=lambda out, target: out).pipeline_order
+    order = schedules.get_schedule_class(schedule)(stages, n_microbatches=n, loss_fn=lambda out, target: out).pipeline_order
     orders: dict[int, list[tuple[str, int, int]]] = {}
     for rank, actions in order.items():
         orders[rank] = []

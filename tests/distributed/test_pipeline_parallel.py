@@ -1,0 +1,128 @@
+"""Pipeline parallelism reproduces the single-process run under every schedule and composition.
+
+    python -m pytest -q tests/distributed/test_pipeline_parallel.py
+
+Every run starts from one seed checkpoint and trains 5 steps on the same global batch (8 x 64
+tokens). Compared per step with the single process: loss and gradient norm (relative 1e-5;
+observed <= 2e-6, summation order), MoE imbalance, and the per-expert token counts exactly. The
+expert-bias rate is raised to 0.05 and the sequence-wise balance loss and router z-loss are on,
+so a stage that scaled, dropped or double-counted their gradients, or accumulated expert counts
+over the wrong micro-batches or group, would route differently and drift.
+
+The single-process reference is itself anchored outside the trainer: its logged step-1 loss and
+gradient norm equal a plain forward of the seed weights on the same batch with `F.cross_entropy`
+and `torch.nn.utils.get_total_norm`.
+
+debugmodel has 4 blocks, MoE on blocks 1 and 3: multi-stage schedules on pp 2 run one block per
+stage, so stages 0 and 2 hold no MoE layer; "pp2_stage_without_moe" gives a whole pp rank none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import TINY_JOB, start_from, train_tiny
+from torchmoe.launch import metrics_by_step
+
+pytestmark = pytest.mark.distributed
+RTOL = 1e-5
+BALANCE = ["--model.load_balance_coeff", "0.05", "--model.aux_loss_coeff", "0.01", "--model.z_loss_coeff", "0.001"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+def _schedule(name: str) -> list[str]:
+    return [*PP2, "--parallelism.pipeline_parallel_schedule", name]
+
+
+@pytest.fixture(scope="module")
+def reference(seed, tmp_path_factory):
+    folder = start_from(seed, tmp_path_factory.mktemp("single"))
+    train_tiny(folder, ["--training.local_batch_size", "8", *BALANCE])
+    return metrics_by_step(folder)
+
+
+def test_reference_step1_matches_plain_forward(seed, reference):
+    """The reference's step 1, recomputed without the trainer: the seed weights, the first global
+    batch of the data pipeline, cross entropy and the total gradient norm (balance and z-loss
+    gradients come from the model's forward itself)."""
+    from torchmoe.components.checkpoint import load_model_only
+    from torchmoe.config.loader import load_job_config
+    from torchmoe.data.dataloader import build_dataloader
+    from torchmoe.data.tokenizer import build_tokenizer
+    from torchmoe.models.llama4 import FLAVORS, Transformer
+
+    cfg = load_job_config([*TINY_JOB, "--training.local_batch_size", "8", *BALANCE])
+    ((inputs, labels),) = build_dataloader(cfg.training, build_tokenizer(""), dp_rank=0, dp_degree=1).next_batch()
+    args = FLAVORS["debugmodel"].replace(load_balance_coeff=0.05, aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    load_model_only(str(seed), [model])
+    logits = model(inputs)  # (8, 64, vocab)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert reference[1]["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert reference[1]["grad_norm"] == pytest.approx(norm.item(), rel=1e-6)
+
+
+LAYOUTS = {
+    # name: (ranks, flags); local_batch_size 8 = 8 pipeline micro-batches of 1 unless set lower.
+    "pp2_gpipe": (2, _schedule("GPipe")),
+    "pp2_1f1b_accumulate": (2, [*_schedule("1F1B"), "--training.local_batch_size", "4"]),
+    "pp2_interleaved1f1b_microbatch2": (2, [*_schedule("Interleaved1F1B"),
+                                            "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    "pp2_loopedbfs": (2, _schedule("LoopedBFS")),
+    "pp2_interleavedzerobubble": (2, _schedule("InterleavedZeroBubble")),
+    "pp2_zbv": (2, _schedule("ZBVZeroBubble")),
+    "pp2_dualpipev": (2, _schedule("DualPipeV")),
+    "pp2_fsdp2": (4, [*_schedule("1F1B"), "--training.local_batch_size", "4"]),
+    "pp2_tp2": (4, [*_schedule("Interleaved1F1B"), "--parallelism.tensor_parallel_degree", "2"]),
+    "pp2_ep2_in_stage": (4, [*_schedule("ZBVZeroBubble"), "--parallelism.expert_parallel_degree", "2",
+                             "--training.local_batch_size", "4"]),
+    "pp2_hsdp2x2": (8, [*_schedule("1F1B"), "--parallelism.data_parallel_replicate_degree", "2",
+                        "--training.local_batch_size", "2"]),
+    "pp2_full_ac": (2, [*_schedule("ZBVZeroBubble"), "--activation_checkpoint.mode", "full"]),
+    "pp2_selective_op_ac": (2, [*_schedule("Interleaved1F1B"), "--activation_checkpoint.mode", "selective"]),
+    "pp2_selective_layer_ac": (2, [*_schedule("DualPipeV"), "--activation_checkpoint.mode", "selective",
+                                   "--activation_checkpoint.selective_ac_option", "2"]),
+    "pp2_stage_without_moe": (2, [*_schedule("1F1B"), "--parallelism.module_fqns_per_model_part",
+                                  "tok_embeddings,layers.0", "layers.1,layers.2,layers.3,norm,output"]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_pp_layout_matches_single_process(layout, seed, reference, tmp_path):
+    nproc, flags = LAYOUTS[layout]
+    folder = start_from(seed, tmp_path)
+    train_tiny(folder, ["--training.local_batch_size", "8", *flags, *BALANCE], nproc=nproc)
+    got = metrics_by_step(folder)
+    assert sorted(got) == sorted(reference)
+    for step, ref in reference.items():
+        for key in ("loss", "grad_norm", "moe_imbalance"):
+            assert got[step][key] == pytest.approx(ref[key], rel=RTOL), (layout, step, key)
+        assert got[step]["tokens_per_expert"] == ref["tokens_per_expert"], (layout, step)
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (["--training.local_batch_size", "8", *_schedule("ZBVZeroBubble")], ["--training.local_batch_size", "8"]),
+    (["--training.local_batch_size", "4"], ["--training.local_batch_size", "8", *_schedule("Interleaved1F1B")]),
+], ids=["pp2_zbv_to_pp1", "pp1_to_pp2_interleaved"])
+def test_checkpoint_reshards_between_pp_degrees(first, second, seed, reference, tmp_path):
+    """Save at step 3 under one pp degree and schedule, resume under another: steps 4-5 continue
+    the single-process curve (model, optimizer, scheduler, data position and router state)."""
+    nproc = lambda flags: 2 if "--parallelism.pipeline_parallel_degree" in flags else 1
+    before = start_from(seed, tmp_path / "before")
+    train_tiny(before, [*first, "--checkpoint.interval", "3", *BALANCE], nproc=nproc(first))
+    after = start_from(before / "checkpoint" / "step-3", tmp_path / "after")
+    train_tiny(after, [*second, *BALANCE], nproc=nproc(second))
+    resumed = metrics_by_step(after)
+    assert sorted(resumed) == [4, 5]
+    for step in (4, 5):
+        for key in ("loss", "grad_norm"):
+            assert resumed[step][key] == pytest.approx(reference[step][key], rel=RTOL), (step, key)
+        assert resumed[step]["tokens_per_expert"] == reference[step]["tokens_per_expert"]
+
