@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+
 from torchmoe.launch import run_train
 
 if TYPE_CHECKING:
@@ -31,6 +33,22 @@ TINY_JOB = [
     "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
     "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
 ]
+
+
+# MoE settings of the EP and PP parity tests: an expert-bias rate high enough (0.05, from 1e-3) that
+# routing changes visibly from step to step, and the sequence-wise balance loss and router z-loss
+# on, so their gradients must be scaled and reduced exactly.
+BALANCE = ["--model.load_balance_coeff", "0.05", "--model.aux_loss_coeff", "0.01", "--model.z_loss_coeff", "0.001"]
+
+
+def assert_same_curve(got: dict[int, dict], reference: dict[int, dict], label: str, *, rtol: float = 1e-5) -> None:
+    """`got` (step -> metrics record) continues `reference` step for step: loss, gradient norm
+    and MoE imbalance within `rtol`, per-expert token counts exactly."""
+    assert sorted(got) == sorted(reference), label
+    for step, ref in reference.items():
+        for key in ("loss", "grad_norm", "moe_imbalance"):
+            assert got[step][key] == pytest.approx(ref[key], rel=rtol), (label, step, key)
+        assert got[step]["tokens_per_expert"] == ref["tokens_per_expert"], (label, step)
 
 
 def write_toml(tmp_path: Path, text: str) -> str:

@@ -307,8 +307,9 @@ class Trainer:
         """Sum the loss over data-parallel ranks and agree on stopping, in one all-reduce.
 
         Only the tp-coordinate-0 rank of each TP group contributes the loss (its TP peers hold
-        the same value; under PP only ranks holding the last stage have a nonzero one); any rank that caught SIGTERM/SIGINT raises the stop flag for all, so
-        every rank stops (and saves, collectively) after the same step.
+        the same value; under PP only ranks holding the last stage have a nonzero one); any rank
+        that caught SIGTERM/SIGINT raises the stop flag for all, so every rank stops (and saves,
+        collectively) after the same step.
         """
         flag = torch.tensor(float(self._stop_signal is not None), device=self.device)
         if self.mesh is None:

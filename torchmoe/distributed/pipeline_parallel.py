@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
+from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
 from torchmoe.models.llama4.model import Transformer
 from torchmoe.plan.pipeline import PipelineLayout, is_multi_stage
@@ -112,8 +112,7 @@ def build_schedule(stages: list[Transformer], pipe: PipelineLayout, pp_mesh: Dev
         inputs, outputs = io_metas(stage_id)
         pipeline_stages.append(PipelineStage(module, stage_id, pipe.num_stages, device, input_args=inputs,
                                              output_args=outputs, group=pp_mesh.get_group()))
-    cls = get_schedule_class(schedule)
-    if not is_multi_stage(schedule):
-        assert issubclass(cls, PipelineScheduleSingle)
-        return cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    # Single-stage schedule classes take the stage itself, multi-stage ones the list.
+    stages_arg = pipeline_stages if is_multi_stage(schedule) else pipeline_stages[0]
+    return get_schedule_class(schedule)(stages_arg, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                        scale_grads=False)
