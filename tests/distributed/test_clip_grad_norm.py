@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,9 @@ def _entry(rank: int, worker, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         worker(rank)
+        # Both ranks finish before either tears gloo down: a rank leaving while its peer still
+        # talks aborts the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -41,11 +45,17 @@ def _full_tensors() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(s, generator=g), torch.randn(s, generator=g) * 2) for s in shapes]
 
 
+@functools.cache
+def _meshes() -> tuple[DeviceMesh, DeviceMesh]:
+    """Built once per process: every DeviceMesh makes process groups, and each extra group is
+    one more gloo connection to tear down at exit (where gloo occasionally aborts)."""
+    return DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp_shard",)), DeviceMesh("cpu", [1, 0], mesh_dim_names=("ep",))
+
+
 def _dtensor_params() -> list[nn.Parameter]:
     """Like dense params on a dp_shard mesh and expert params on an ep mesh: two 1-D meshes
     over the same ranks in different orders, mixing Shard(0) and Replicate()."""
-    dense = DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp_shard",))
-    expert = DeviceMesh("cpu", [1, 0], mesh_dim_names=("ep",))
+    dense, expert = _meshes()
     layout = [(dense, Shard(0)), (dense, Replicate()), (expert, Shard(0)), (expert, Replicate())]
     params = []
     for (p, grad), (mesh, placement) in zip(_full_tensors(), layout):
