@@ -58,6 +58,7 @@ from torchmoe.distributed.pipeline_parallel import (
 from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
+from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype_bytes
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
 
@@ -160,6 +161,9 @@ class Trainer:
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         self._stop_signal: int | None = None
         self.pp_microbatches = microbatches(cfg.training, cfg.parallelism)[0] if self.dims.pp_enabled else 1
+        # Context parallelism: the columns of each sequence this rank trains on (its head-tail pieces).
+        self.cp_positions = torch.tensor(CPLayout(cfg.training.seq_len, self.dims.cp).positions(
+            self.mesh["cp"].get_local_rank())) if self.dims.cp_enabled else None
         self.schedule = self._build_schedule() if self.dims.pp_enabled else None
 
     def _build_schedule(self):
@@ -169,7 +173,7 @@ class Trainer:
         dtype = {2: torch.bfloat16, 4: torch.float32}[compute_dtype_bytes(self.dims, cfg.training)]
         metas = lambda stage: stage_io_metas(
             self.pipe, stage, microbatch=cfg.training.local_batch_size // self.pp_microbatches,
-            seq_len=cfg.training.seq_len, seq_shards=tp, dim=args.dim,
+            seq_len=cfg.training.seq_len // self.dims.cp, seq_shards=tp, dim=args.dim,
             vocab_local=args.vocab_size // tp if self.loss_parallel else args.vocab_size, dtype=dtype)
         return build_schedule(self.model_parts, self.pipe, self.mesh["pp"], cfg.parallelism.pipeline_parallel_schedule,
                               n_microbatches=self.pp_microbatches, loss_fn=self._loss, io_metas=metas,
@@ -257,6 +261,8 @@ class Trainer:
         self._set_aux_loss_scale(len(micro_batches))
         local_loss = torch.zeros((), device=self.device)
         for inputs, labels in micro_batches:
+            if self.cp_positions is not None:
+                inputs, labels = inputs[:, self.cp_positions], labels[:, self.cp_positions]
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with loss_parallel() if self.loss_parallel else nullcontext():
                 if self.schedule is not None:

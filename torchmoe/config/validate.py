@@ -409,7 +409,7 @@ def _validate_batch(training: Training, parallelism: Parallelism, degrees: dict[
             )
 
 
-def _validate_features(cfg: JobConfig, args: ModelArgs, check_device: bool) -> None:
+def _validate_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:
     """Feature combinations that cannot work: compile/AC/attention and CUDA-only features."""
     import torch
 
@@ -420,12 +420,19 @@ def _validate_features(cfg: JobConfig, args: ModelArgs, check_device: bool) -> N
         raise ConfigError("activation_checkpoint.mode", "selective",
                           "selective AC is not supported with attn_backend \"flex\"",
                           'use activation_checkpoint.mode = "full", or model.attn_backend = "sdpa"')
+    if degrees["cp"] > 1 and args.attn_backend == "flex":
+        raise ConfigError("model.attn_backend", "flex", "context parallelism runs SDPA with masks over global "
+                          "positions; FlexAttention is not wired to it", 'use model.attn_backend = "sdpa"')
 
     device = cfg.training.device
     cuda = torch.cuda.is_available()
     if check_device and device == "cuda" and not cuda:
         raise ConfigError("training.device", device, "CUDA is not available on this machine",
                           'use training.device = "cpu" (or "" to pick automatically)')
+    if args.attn_backend == "flex" and (device == "cpu" or (check_device and not cuda)):
+        # Its CPU kernel has no backward: training would fail at the first step.
+        raise ConfigError("model.attn_backend", "flex", "FlexAttention cannot train on CPU (no backward kernel there)",
+                          'use model.attn_backend = "sdpa" on CPU, or run on CUDA')
     # CPU offload moves FSDP state off an accelerator: FSDP2 refuses it when there is none.
     cuda_only = (("float8.enable", cfg.float8.enable),
                  ("parallelism.enable_async_tensor_parallel", cfg.parallelism.enable_async_tensor_parallel),
@@ -473,9 +480,8 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     _validate_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
     _validate_batch(cfg.training, cfg.parallelism, degrees)
     _validate_pipeline(cfg, args, degrees, world_size)
-    _validate_features(cfg, args, check_device)
+    _validate_features(cfg, args, degrees, check_device)
     if check_device:
-        _refuse_untrainable_layouts(degrees, world_size)
         validate_initial_load_path(cfg)
         # Before any process group exists, so torchrun prints this once, not once per rank.
         from torchmoe.data.tokenizer import build_tokenizer
@@ -489,12 +495,3 @@ def check_tokenizer_fits(tokenizer_vocab: int, model_vocab: int, model: Model) -
         raise ConfigError("model.tokenizer_path", model.tokenizer_path,
                           f"the tokenizer has {tokenizer_vocab} tokens but flavor {model.flavor!r} has vocab_size "
                           f"{model_vocab}", "use a tokenizer that fits the flavor's vocabulary")
-
-
-def _refuse_untrainable_layouts(degrees: dict[str, int], world_size: int) -> None:
-    """A real run refuses the parallelisms the dry run can plan but the trainer cannot run yet."""
-    from torchmoe.distributed.parallel_dims import ParallelDims
-
-    for key, degree, what in ParallelDims(**degrees, world_size=world_size).not_yet_trainable():
-        raise ConfigError(key, degree, f"{what} is planned (--dry-run shows it) but the trainer cannot run it yet",
-                          f"set {key} = 1 for training")

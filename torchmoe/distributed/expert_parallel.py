@@ -104,7 +104,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, tp_mesh: DeviceMesh | Non
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
         moe.dispatcher = AllToAllDispatcher(moe.num_experts, moe.top_k, ep_mesh)
         if tp_mesh is not None:
-            moe.sequence_shard_group = tp_mesh.get_group()
+            moe.sequence_shard_groups.append(tp_mesh.get_group())
             ReplicateParallel(input_layout=Shard(0))._apply(moe.router.gate, tp_mesh)
             if moe.shared_experts is not None:
                 ReplicateParallel(input_layout=Shard(0))._apply(moe.shared_experts, tp_mesh)

@@ -239,12 +239,6 @@ class ParallelDims:
         """Mesh names to pass to ``fully_shard`` for routed experts (2-D = HSDP)."""
         return ("dp_replicate", "efsdp") if self.dp_replicate_enabled else ("efsdp",)
 
-    def not_yet_trainable(self) -> list[tuple[str, int, str]]:
-        """(config key, degree, technique) of each enabled parallelism the trainer cannot run yet:
-        the dry run plans and prints it with a warning; `torchmoe train` refuses it."""
-        unbuilt = (("parallelism.context_parallel_degree", self.cp, "context parallelism"),)
-        return [entry for entry in unbuilt if entry[1] > 1]
-
     # ---- layout and the real mesh -----------------------------------------------------------
 
     def layout(self) -> dict[str, DimLayout]:

@@ -81,6 +81,7 @@ def stage_io_metas(pipe: PipelineLayout, stage: int, *, microbatch: int, seq_len
 
     Args:
         microbatch: sequences per micro-batch.
+        seq_len: tokens of each sequence on this rank (seq_len / cp under context parallelism).
         seq_shards: how many ranks share each sequence between blocks (tp, sequence parallel).
         vocab_local: logits columns one rank holds (vocab / tp under loss parallel).
         dtype: the dtype hidden states and logits are computed in.

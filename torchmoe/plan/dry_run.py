@@ -252,9 +252,6 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
     console.print(plan)
     if report["pipeline"] is not None:
         _print_pipeline(console, report["pipeline"])
-    for key, degree, what in dims.not_yet_trainable():
-        console.print(f"[yellow]warning: {what} ({key} = {degree}) is planned here, but `torchmoe train` "
-                      "cannot run it yet[/]")
 
     dtype = {2: "bf16", 4: "fp32"}[compute_bytes]
     console.print(

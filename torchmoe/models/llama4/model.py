@@ -58,11 +58,13 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch
     return torch.where(is_medium, smoothed, scaled)
 
 
-def precompute_freqs_cis(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
-    """Complex rotations (seq_len, head_dim // 2) for positions 0..seq_len-1."""
+def precompute_freqs_cis(args: ModelArgs, seq_len: int, device: torch.device | None = None, *,
+                         positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Complex rotations (S, head_dim // 2) for positions 0..seq_len-1, or for `positions` (S,)."""
     inv_freq = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
-    positions = torch.arange(seq_len, device=device).float()
-    freqs = torch.outer(positions, inv_freq)  # (S, hd/2)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    freqs = torch.outer(positions.float(), inv_freq)  # (S, hd/2)
     return torch.polar(torch.ones_like(freqs), freqs)
 
 
@@ -97,6 +99,9 @@ class Attention(nn.Module):
         self.temperature = (args.floor_scale, args.attn_scale) if (
             args.attn_temperature_tuning and not self.use_rope) else None
         self.attn_backend = args.attn_backend
+        # Set by context parallelism (`distributed/context_parallel.py`): the local tokens' global
+        # positions and the attention over the context they need.
+        self.context_parallel = None
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -115,7 +120,8 @@ class Attention(nn.Module):
             xq, xk = self.qk_norm(xq), self.qk_norm(xk)
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
-            pos = torch.arange(seq_len, device=x.device).float()
+            cp = self.context_parallel
+            pos = (cp.positions(x.device) if cp is not None else torch.arange(seq_len, device=x.device)).float()
             scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0  # (S,)
             xq = (xq * scale.view(1, seq_len, 1, 1)).to(xq.dtype)
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, S, hd)
@@ -123,18 +129,14 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.context_parallel is not None:
+            return self.context_parallel.attend(q, k, v, self.chunk_size)
         seq_len = q.shape[2]
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq_len else None
         if self.attn_backend == "flex":
             return _flex_attention(q, k, v, chunk)
         if chunk is not None and seq_len % chunk == 0:
-            # Chunked causal attention is independent causal attention per chunk: fold the chunks
-            # into the batch and use the mask-free causal kernel.
-            bsz, heads, _, hd = q.shape
-            fold = lambda t: t.reshape(bsz, t.shape[1], seq_len // chunk, chunk, hd).transpose(1, 2).reshape(
-                -1, t.shape[1], chunk, hd)
-            out = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), is_causal=True, enable_gqa=True)
-            return out.reshape(bsz, seq_len // chunk, heads, chunk, hd).transpose(1, 2).reshape(bsz, heads, seq_len, hd)
+            return chunked_causal_attention(q, k, v, chunk)
         if chunk is not None:
             pos = torch.arange(seq_len, device=q.device)
             mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] // chunk == pos[None, :] // chunk)
@@ -145,6 +147,19 @@ class Attention(nn.Module):
         for w in (self.wq.weight, self.wk.weight, self.wv.weight):
             nn.init.trunc_normal_(w, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Causal attention within consecutive chunks of `chunk` tokens (the length a multiple of it).
+
+    Independent causal attention per chunk: the chunks are folded into the batch for the
+    mask-free causal kernel. q: (B, H, S, hd), k, v: (B, Hkv, S, hd) -> (B, H, S, hd).
+    """
+    bsz, heads, seq_len, hd = q.shape
+    fold = lambda t: t.reshape(bsz, t.shape[1], seq_len // chunk, chunk, hd).transpose(1, 2).reshape(
+        -1, t.shape[1], chunk, hd)
+    out = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), is_causal=True, enable_gqa=True)
+    return out.reshape(bsz, seq_len // chunk, heads, chunk, hd).transpose(1, 2).reshape(bsz, heads, seq_len, hd)
 
 
 _BLOCK_MASKS: dict = {}
@@ -219,6 +234,8 @@ class Transformer(nn.Module):
         # Not persistent: derived from args, recomputed by init_weights on the real device. Capped
         # because released configs advertise up to 10M positions (gigabytes of table).
         self.register_buffer("freqs_cis", precompute_freqs_cis(args, self._rope_cache_len()), persistent=False)
+        # Set by context parallelism: the global positions of this rank's tokens.
+        self.context_parallel = None
 
     def _rope_cache_len(self) -> int:
         return min(self.args.max_seq_len, _MAX_ROPE_CACHE)
@@ -227,11 +244,7 @@ class Transformer(nn.Module):
         """tokens: (B, S) int64 ids (or (B, S, dim) hidden states on later pipeline stages)
         -> logits (B, S, vocab) (or hidden states when this stage has no output head)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq_len = h.shape[1]
-        if seq_len <= self.freqs_cis.shape[0]:
-            freqs_cis = self.freqs_cis[:seq_len]
-        else:  # longer than the cached table (capped, see __init__): compute on the fly
-            freqs_cis = precompute_freqs_cis(self.args, seq_len, self.freqs_cis.device)
+        freqs_cis = self._rotations(h.shape[1])
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
         if self.norm is None:  # not the last pipeline stage
@@ -240,6 +253,20 @@ class Transformer(nn.Module):
         if self.output is None:  # tied embeddings
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    def _rotations(self, seq_len: int) -> torch.Tensor:
+        """RoPE rotations (S, hd/2) of this rank's tokens: positions 0..S-1, or under context
+        parallelism the global positions of the local pieces."""
+        table = self.freqs_cis
+        if self.context_parallel is not None:
+            positions = self.context_parallel.positions(table.device)
+            if positions.max() < table.shape[0]:
+                return table[positions]
+            return precompute_freqs_cis(self.args, seq_len, table.device, positions=positions)
+        if seq_len <= table.shape[0]:
+            return table[:seq_len]
+        # Longer than the cached table (capped, see __init__): compute on the fly.
+        return precompute_freqs_cis(self.args, seq_len, table.device)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise parameters in place (call under a seeded RNG) and rebuild buffers.

@@ -221,8 +221,9 @@ class MoE(nn.Module):
         # main loss's normalisation; the last values are kept for metrics.
         self.aux_loss_grad_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
-        # Set by expert parallelism spanning TP, where each rank routes a slice of each sequence.
-        self.sequence_shard_group: dist.ProcessGroup | None = None
+        # Groups whose ranks each route a slice of every sequence: tp under expert parallelism
+        # spanning TP, cp under context parallelism.
+        self.sequence_shard_groups: list[dist.ProcessGroup] = []
         # Token dispatch hooks: expert parallelism replaces these to move tokens between ranks.
         self.dispatcher: TokenDispatcher = TokenDispatcher(args.num_experts, args.top_k)
 
@@ -262,13 +263,14 @@ class MoE(nn.Module):
             hits = torch.zeros(bsz, self.num_experts, device=out.device)
             hits.scatter_add_(1, selected.view(bsz, -1), torch.ones_like(selected.view(bsz, -1), dtype=hits.dtype))
             full_len = seq_len
-            if self.sequence_shard_group is not None:
+            for group in self.sequence_shard_groups:
                 # Each rank holds a slice of every sequence: sum the per-sequence statistics over
                 # the slices so the loss is the full sequences' (the differentiable all-reduce
-                # sums the identical per-rank gradients back; the trainer scales each by 1/tp).
-                prob_sums = dist_nn.all_reduce(prob_sums, group=self.sequence_shard_group)
-                dist.all_reduce(hits, group=self.sequence_shard_group)
-                full_len = seq_len * dist.get_world_size(self.sequence_shard_group)
+                # sums the identical per-rank gradients back; the trainer scales each by 1 /
+                # the number of slices).
+                prob_sums = dist_nn.all_reduce(prob_sums, group=group)
+                dist.all_reduce(hits, group=group)
+                full_len *= dist.get_world_size(group)
             f = hits * self.num_experts / (self.top_k * full_len)  # (B, E)
             aux = aux + self.aux_loss_coeff * (f * prob_sums / full_len).sum(-1).mean()
         if self.z_loss_coeff:

@@ -4,6 +4,7 @@ Applied in place, in this order (each step assumes the previous ones):
     0. float8 linears      (module swap; must precede TP so TP shards the float8 modules)
     1. tensor parallel     (incl. MoE TP when ep == 1, loss parallel, async TP)
     2. expert parallel     (routed experts sharded over ep, tokens all-to-all)
+    2b. context parallel   (attention over each cp rank's head-tail pieces of every sequence)
     3. activation checkpointing
     4. torch.compile per block  (after AC so recomputation is compiled too; before FSDP so
                                  FSDP's hooks stay outside the graphs)
@@ -41,6 +42,11 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
         from torchmoe.distributed.expert_parallel import apply_ep
 
         apply_ep(model, mesh["ep"], tp_mesh=mesh["tp"] if dims.tp_enabled else None)
+
+    if dims.cp_enabled:
+        from torchmoe.distributed.context_parallel import apply_cp
+
+        apply_cp(model, mesh["cp"], cfg.training.seq_len)
 
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
 

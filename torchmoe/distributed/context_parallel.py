@@ -1,0 +1,204 @@
+"""Context parallelism at run time: each cp rank attends for its own tokens of every sequence.
+
+    torchrun --nproc_per_node=2 -m torchmoe train --config configs/debug_model.toml \\
+        --parallelism.context_parallel_degree 2
+
+The layout (head-tail pieces) and each layer's mode are `plan.context.CPLayout`'s, shared with
+the dry run. `apply_cp` gives the model and every attention module a `ContextParallelAttention`:
+the model reads the global positions of its tokens from it (RoPE, NoPE temperature tuning), the
+attention modules hand it their local queries, keys and values. Everything else in a block works
+token by token and needs nothing; the MoE balance loss sums its per-sequence statistics over cp;
+the loss is each rank's token sum over the global token count, summed over ranks like dp.
+
+Communication (see the layout's modes): global layers all-gather keys and values (backward sums
+their gradients back: a reduce-scatter, or on gloo an all-reduce and a slice); halo layers send
+the tail of a piece to the owner of the next piece point to point; local layers send nothing.
+Every call is recorded in `ContextParallelAttention.sent` (bytes per mode), so tests and
+benchmarks can count them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchmoe.models.llama4.model import Attention, chunked_causal_attention
+from torchmoe.plan.context import GLOBAL, HALO, LOCAL, CPLayout
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dim (-2) over a group, ranks in order; backward sums the
+    gradients of the gathered tensor over the group and returns this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            chunks = list(grad.chunk(ctx.size, dim=-2))
+            out = torch.empty_like(chunks[ctx.rank])
+            dist.reduce_scatter(out, [c.contiguous() for c in chunks], group=ctx.group)
+            return out, None
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
+        return grad.chunk(ctx.size, dim=-2)[ctx.rank].contiguous(), None
+
+
+class _ExchangeHalos(torch.autograd.Function):
+    """Point-to-point halo exchange: send tails of this rank's key/value tensor to other ranks,
+    receive halos from others; backward sends the halos' gradients back and adds the ones
+    received to the tails' gradients.
+
+    ``sends``: (global rank, start, length) slices of `kv` along dim -2 to send;
+    ``recvs``: (global rank, length) halos to receive, returned in that order.
+    """
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, group: dist.ProcessGroup, sends: tuple, recvs: tuple):
+        ctx.group, ctx.sends, ctx.recvs, ctx.shape = group, sends, recvs, kv.shape
+        halos = [kv.new_empty(*kv.shape[:-2], length, kv.shape[-1]) for _, length in recvs]
+        ops = [dist.P2POp(dist.isend, kv.narrow(-2, start, length).contiguous(), peer, group)
+               for peer, start, length in sends]
+        ops += [dist.P2POp(dist.irecv, buf, peer, group) for (peer, _), buf in zip(recvs, halos)]
+        _run(ops)
+        return tuple(halos)
+
+    @staticmethod
+    def backward(ctx, *halo_grads: torch.Tensor):
+        tails = [torch.empty(*ctx.shape[:-2], length, ctx.shape[-1], dtype=halo_grads[0].dtype,
+                             device=halo_grads[0].device) for _, _, length in ctx.sends]
+        ops = [dist.P2POp(dist.isend, g.contiguous(), peer, ctx.group) for (peer, _), g in zip(ctx.recvs, halo_grads)]
+        ops += [dist.P2POp(dist.irecv, buf, peer, ctx.group) for (peer, _, _), buf in zip(ctx.sends, tails)]
+        _run(ops)
+        grad = halo_grads[0].new_zeros(ctx.shape)
+        for (_, start, length), g in zip(ctx.sends, tails):
+            grad.narrow(-2, start, length).add_(g)
+        return grad, None, None, None
+
+
+def _run(ops: list[dist.P2POp]) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class ContextParallelAttention:
+    """Attention for this cp rank's tokens (the head-tail pieces of `CPLayout`).
+
+    Attributes:
+        sent: bytes this rank has sent, per mode (forward and backward), for tests and benchmarks.
+    """
+
+    def __init__(self, layout: CPLayout, cp_mesh: DeviceMesh) -> None:
+        self.layout = layout
+        self.group = cp_mesh.get_group()
+        self.rank = cp_mesh.get_local_rank()
+        self.sent: Counter[str] = Counter()
+        # Position tables and masks per device: CP is applied on the meta device, before the
+        # model is materialised.
+        self._cache: dict = {}
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """(L,) int64 global positions of the local tokens, L = seq_len / cp."""
+        return self._cached(("positions", device), lambda: torch.tensor(self.layout.positions(self.rank), device=device))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int | None) -> torch.Tensor:
+        """Causal (chunked when `chunk`) attention of the local queries.
+
+        Args:
+            q: (B, H, L, hd), k, v: (B, Hkv, L, hd) for the local tokens, L = seq_len / cp.
+        Returns:
+            (B, H, L, hd).
+        """
+        mode = self.layout.chunk_mode(chunk)
+        if mode == LOCAL:
+            return chunked_causal_attention(q, k, v, chunk)
+        if mode == HALO:
+            return self._attend_with_halos(q, k, v, chunk)
+        kv = _GatherSequence.apply(torch.stack([k, v]), self.group)  # (2, B, Hkv, seq_len, hd)
+        self.sent[mode] += (self.layout.cp - 1) * 2 * _bytes(torch.stack([k, v]))
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=self._gathered_mask(chunk, q.device),
+                                              enable_gqa=True)
+
+    def _cached(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def _gathered_mask(self, chunk: int | None, device: torch.device) -> torch.Tensor:
+        """(L, seq_len) bool: causal over global positions, within the chunk if any. Keys come
+        gathered in rank order, each rank's in its own piece order."""
+        def build():
+            layout = self.layout
+            qp = torch.tensor(layout.positions(self.rank), device=device)[:, None]
+            kp = torch.tensor([p for r in range(layout.cp) for p in layout.positions(r)], device=device)[None, :]
+            mask = qp >= kp
+            return mask & (qp // chunk == kp // chunk) if chunk is not None and chunk < layout.seq_len else mask
+
+        return self._cached((GLOBAL, chunk, device), build)
+
+    def _attend_with_halos(self, q, k, v, chunk: int) -> torch.Tensor:
+        """Per local piece: its keys/values plus the previous piece's tail (the halo), masked to
+        causal-within-chunk on global positions."""
+        layout, p = self.layout, self.layout.piece
+        kv = torch.stack([k, v])  # (2, B, Hkv, L, hd)
+        sends, recvs, local_halos = [], [], {}
+        for slot, piece in enumerate(layout.pieces(self.rank)):
+            nxt = piece + 1
+            if nxt < 2 * layout.cp and layout.halo(nxt, chunk) and layout.owner(nxt) != self.rank:
+                h = layout.halo(nxt, chunk)
+                sends.append((dist.get_global_rank(self.group, layout.owner(nxt)), (slot + 1) * p - h, h))
+            h = layout.halo(piece, chunk) if piece else 0
+            if h and layout.owner(piece - 1) != self.rank:
+                recvs.append((dist.get_global_rank(self.group, layout.owner(piece - 1)), h))
+            elif h:  # the previous piece is this rank's other piece (head piece cp - 1)
+                local_halos[slot] = kv.narrow(-2, (1 - slot) * p + p - h, h)
+        received = iter(_ExchangeHalos.apply(kv, self.group, tuple(sends), tuple(recvs)))
+        self.sent[HALO] += 2 * sum(length for _, _, length in sends) * _bytes(kv) // kv.shape[-2]
+        outs = []
+        for slot, piece in enumerate(layout.pieces(self.rank)):
+            own = kv.narrow(-2, slot * p, p)
+            h = layout.halo(piece, chunk) if piece else 0
+            halo = local_halos.get(slot) if h and slot in local_halos else (next(received) if h else None)
+            keys = own if halo is None else torch.cat([halo, own], dim=-2)
+            outs.append(F.scaled_dot_product_attention(q.narrow(-2, slot * p, p), keys[0], keys[1],
+                                                       attn_mask=self._halo_mask(piece, h, chunk, q.device),
+                                                       enable_gqa=True))
+        return torch.cat(outs, dim=-2)
+
+    def _halo_mask(self, piece: int, halo: int, chunk: int, device: torch.device) -> torch.Tensor:
+        """(P, halo + P) bool for `piece`: causal within the chunk, on global positions."""
+        def build():
+            start, p = piece * self.layout.piece, self.layout.piece
+            qp = torch.arange(start, start + p, device=device)[:, None]
+            kp = torch.arange(start - halo, start + p, device=device)[None, :]
+            return (qp >= kp) & (qp // chunk == kp // chunk)
+
+        return self._cached((HALO, piece, chunk, device), build)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """Context-parallelise `model` (a `Transformer` or a pipeline stage) over `cp_mesh` in place:
+    the model and its attention modules share one `ContextParallelAttention`, and MoE blocks sum
+    their balance-loss statistics over cp."""
+    cp_attention = ContextParallelAttention(CPLayout(seq_len, cp_mesh.size()), cp_mesh)
+    model.context_parallel = cp_attention
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.context_parallel = cp_attention
+    for moe in model.moe_layers():
+        moe.sequence_shard_groups.append(cp_mesh.get_group())

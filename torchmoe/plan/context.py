@@ -1,0 +1,84 @@
+"""Context parallelism, planned: which tokens each cp rank holds, and what each attention layer
+must communicate for them.
+
+    python -c "from torchmoe.plan.context import CPLayout; l = CPLayout(seq_len=16, cp=2); \\
+        print(l.positions(0), l.chunk_mode(4), l.chunk_mode(3))"
+
+Layout: head-tail. Each sequence is cut into ``2 * cp`` pieces of ``P = seq_len / (2 cp)`` tokens;
+cp rank r holds pieces r and ``2 cp - 1 - r`` (an early and a late piece), concatenated. Causal
+attention over the whole prefix then costs every rank the same (with contiguous slices the last
+rank would do ``2 cp - 1`` times the first rank's work), and chunked attention stays local as long
+as chunks do not cross piece boundaries.
+
+What each attention layer needs beyond its own tokens (Llama 4 mixes both kinds):
+    global     NoPE layers (and chunked ones whose chunk is no shorter than the sequence): keys and
+               values of the whole prefix. All-gathered over cp (gradients summed back), the mask
+               built from global positions.
+    local      chunked layers whose chunk divides P: every piece holds whole chunks, so nothing is
+               sent at all.
+    halo       chunked layers whose chunk is shorter than P but does not divide it: a piece's first
+               chunk started in the previous piece, so the previous piece's last
+               ``start mod chunk`` keys and values come point to point from its owner (and their
+               gradients go back); at most chunk - 1 tokens per piece.
+    gather     chunked layers whose chunk is longer than P (a chunk spans several pieces, hence
+               several ranks): all-gathered like global layers, masked to the chunk.
+Contiguous slices would need whole chunks only per slice (``seq_len / cp``), half as strict, but
+leave the global layers' causal work unbalanced; head-tail is the trade torchmoe makes, and the
+dry run names each layer's mode and bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GLOBAL, LOCAL, HALO, GATHER = "global", "local", "halo", "gather"
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """The head-tail split of one sequence of `seq_len` tokens over `cp` ranks."""
+
+    seq_len: int
+    cp: int
+
+    @property
+    def piece(self) -> int:
+        """Tokens per piece, P."""
+        return self.seq_len // (2 * self.cp)
+
+    def pieces(self, rank: int) -> tuple[int, int]:
+        """The two pieces `rank` holds, in the order its tokens are laid out."""
+        return rank, 2 * self.cp - 1 - rank
+
+    def owner(self, piece: int) -> int:
+        """The cp rank holding `piece`."""
+        return piece if piece < self.cp else 2 * self.cp - 1 - piece
+
+    def positions(self, rank: int) -> list[int]:
+        """Global positions of `rank`'s tokens, in its order."""
+        p = self.piece
+        return [j * p + i for j in self.pieces(rank) for i in range(p)]
+
+    def chunk_mode(self, chunk: int | None) -> str:
+        """How an attention layer with chunk size `chunk` (None: full causal) runs under CP."""
+        if chunk is None or chunk >= self.seq_len:
+            return GLOBAL
+        if self.piece % chunk == 0:
+            return LOCAL
+        return HALO if chunk < self.piece else GATHER
+
+    def halo(self, piece: int, chunk: int) -> int:
+        """Tokens of the previous piece that `piece`'s first chunk covers (halo mode)."""
+        return piece * self.piece % chunk
+
+    def bytes_received(self, mode: str, chunk: int | None, kv_bytes_per_token: float) -> float:
+        """Key/value bytes one rank receives per sequence in forward under `mode` (its gradients
+        travel back in backward, the same amount again): the analytic minimum for the layout."""
+        if mode in (GLOBAL, GATHER):
+            return (self.cp - 1) / self.cp * self.seq_len * kv_bytes_per_token
+        if mode == HALO:
+            # Per rank, the larger of the ranks' halo totals (what the slowest rank waits for).
+            per_rank = [sum(self.halo(j, chunk) for j in self.pieces(r) if j and self.owner(j - 1) != r)
+                        for r in range(self.cp)]
+            return max(per_rank) * kv_bytes_per_token
+        return 0.0
