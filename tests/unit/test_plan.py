@@ -308,7 +308,7 @@ def test_dry_run_debug_model_single_rank(tmp_path):
     assert report["groups"] == {"0": {name: [0] for name in ALL_NAMES}}
 
 
-def test_dry_run_expert_memory_per_rank_and_untrainable_warning(tmp_path):
+def test_dry_run_expert_memory_per_rank_and_context_parallel(tmp_path):
     """debugmodel on 8 ranks, tp 2 with ep 4: 2 MoE layers x 8 experts x 3 x 128 x 256 expert
     weights, a quarter per EP rank, halved again by FSDP over efsdp = 2."""
     cfg = _config("debug_model.toml", tmp_path, "--parallelism.tensor_parallel_degree", "2",
@@ -319,4 +319,8 @@ def test_dry_run_expert_memory_per_rank_and_untrainable_warning(tmp_path):
     assert report["expert_params_per_rank"] == 2 * 8 * 3 * 128 * 256 // 4 // 2
     assert report["expert_state_per_rank_gib"] == pytest.approx(report["expert_params_per_rank"] * 16 / GIB)
     assert "routed experts per rank: 196.61 K stored" in out.getvalue()
-    assert "context parallelism (parallelism.context_parallel_degree = 2) is planned here" in out.getvalue()
+    # seq 128 on cp 2: pieces of 32 tokens, shorter than the 64-token chunks, so the chunked
+    # layers gather keys and values like the NoPE layer 3.
+    modes = report["context_parallel"]["modes"]
+    assert list(modes) == ["gather", "global"] and modes["global"]["layers"] == [3]
+    assert "layers 0,1,2: all-gather K/V (chunk longer than a piece)" in out.getvalue()

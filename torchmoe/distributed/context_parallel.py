@@ -13,8 +13,8 @@ the loss is each rank's token sum over the global token count, summed over ranks
 Communication (see the layout's modes): global layers all-gather keys and values (backward sums
 their gradients back: a reduce-scatter, or on gloo an all-reduce and a slice); halo layers send
 the tail of a piece to the owner of the next piece point to point; local layers send nothing.
-Every call is recorded in `ContextParallelAttention.sent` (bytes per mode), so tests and
-benchmarks can count them.
+Every send is recorded in `ContextParallelAttention.sent` (forward bytes per mode), so tests
+and benchmarks can count them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchmoe.models.llama4.model import Attention, chunked_causal_attention
-from torchmoe.plan.context import GLOBAL, HALO, LOCAL, CPLayout
+from torchmoe.plan.context import GATHER, GLOBAL, HALO, LOCAL, CPLayout
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -96,7 +96,8 @@ class ContextParallelAttention:
     """Attention for this cp rank's tokens (the head-tail pieces of `CPLayout`).
 
     Attributes:
-        sent: bytes this rank has sent, per mode (forward and backward), for tests and benchmarks.
+        sent: key/value bytes this rank has sent in forward, per mode (backward sends the same
+            amount of gradients back), for tests and benchmarks.
     """
 
     def __init__(self, layout: CPLayout, cp_mesh: DeviceMesh) -> None:
@@ -107,6 +108,11 @@ class ContextParallelAttention:
         # Position tables and masks per device: CP is applied on the meta device, before the
         # model is materialised.
         self._cache: dict = {}
+
+    def _cached(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """(L,) int64 global positions of the local tokens, L = seq_len / cp."""
@@ -124,34 +130,32 @@ class ContextParallelAttention:
         if mode == LOCAL:
             return chunked_causal_attention(q, k, v, chunk)
         if mode == HALO:
-            return self._attend_with_halos(q, k, v, chunk)
-        kv = _GatherSequence.apply(torch.stack([k, v]), self.group)  # (2, B, Hkv, seq_len, hd)
-        self.sent[mode] += (self.layout.cp - 1) * 2 * _bytes(torch.stack([k, v]))
-        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=self._gathered_mask(chunk, q.device),
-                                              enable_gqa=True)
+            return self._attend_with_halos(q, torch.stack([k, v]), chunk)
+        return self._attend_gathered(q, torch.stack([k, v]), chunk, mode)
 
-    def _cached(self, key, build):
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
-
-    def _gathered_mask(self, chunk: int | None, device: torch.device) -> torch.Tensor:
-        """(L, seq_len) bool: causal over global positions, within the chunk if any. Keys come
-        gathered in rank order, each rank's in its own piece order."""
-        def build():
-            layout = self.layout
-            qp = torch.tensor(layout.positions(self.rank), device=device)[:, None]
-            kp = torch.tensor([p for r in range(layout.cp) for p in layout.positions(r)], device=device)[None, :]
-            mask = qp >= kp
-            return mask & (qp // chunk == kp // chunk) if chunk is not None and chunk < layout.seq_len else mask
-
-        return self._cached((GLOBAL, chunk, device), build)
-
-    def _attend_with_halos(self, q, k, v, chunk: int) -> torch.Tensor:
-        """Per local piece: its keys/values plus the previous piece's tail (the halo), masked to
-        causal-within-chunk on global positions."""
+    def _attend_gathered(self, q: torch.Tensor, kv: torch.Tensor, chunk: int | None, mode: str) -> torch.Tensor:
+        """Keys and values of every rank, gathered and put in global order; each local piece then
+        attends over its prefix (global) or over its chunks up to itself (gather), so no rank
+        computes more than its causal share. kv: (2, B, Hkv, L, hd)."""
         layout, p = self.layout, self.layout.piece
-        kv = torch.stack([k, v])  # (2, B, Hkv, L, hd)
+        self.sent[mode] += (layout.cp - 1) * _bytes(kv)
+        gathered = _GatherSequence.apply(kv, self.group)  # (2, B, Hkv, seq_len, hd), rank order
+        order = self._cached(("order", kv.device), lambda: torch.argsort(torch.tensor(
+            [pos for r in range(layout.cp) for pos in layout.positions(r)], device=kv.device)))
+        gathered = gathered.index_select(-2, order)  # global position order
+        outs = []
+        for slot, piece in enumerate(layout.pieces(self.rank)):
+            lo = 0 if mode == GLOBAL else piece * p // chunk * chunk  # where its first chunk starts
+            keys = gathered[..., lo:(piece + 1) * p, :]
+            outs.append(F.scaled_dot_product_attention(
+                q.narrow(-2, slot * p, p), keys[0], keys[1], enable_gqa=True,
+                attn_mask=self._mask(piece, lo, chunk if mode == GATHER else None, q.device)))
+        return torch.cat(outs, dim=-2)
+
+    def _attend_with_halos(self, q: torch.Tensor, kv: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Per local piece: its keys/values plus the previous piece's tail (the halo), masked to
+        causal-within-chunk on global positions. kv: (2, B, Hkv, L, hd)."""
+        layout, p = self.layout, self.layout.piece
         sends, recvs, local_halos = [], [], {}
         for slot, piece in enumerate(layout.pieces(self.rank)):
             nxt = piece + 1
@@ -163,28 +167,29 @@ class ContextParallelAttention:
                 recvs.append((dist.get_global_rank(self.group, layout.owner(piece - 1)), h))
             elif h:  # the previous piece is this rank's other piece (head piece cp - 1)
                 local_halos[slot] = kv.narrow(-2, (1 - slot) * p + p - h, h)
+        self.sent[HALO] += sum(length for _, _, length in sends) * _bytes(kv) // kv.shape[-2]
         received = iter(_ExchangeHalos.apply(kv, self.group, tuple(sends), tuple(recvs)))
-        self.sent[HALO] += 2 * sum(length for _, _, length in sends) * _bytes(kv) // kv.shape[-2]
         outs = []
         for slot, piece in enumerate(layout.pieces(self.rank)):
             own = kv.narrow(-2, slot * p, p)
             h = layout.halo(piece, chunk) if piece else 0
-            halo = local_halos.get(slot) if h and slot in local_halos else (next(received) if h else None)
+            halo = local_halos[slot] if slot in local_halos else (next(received) if h else None)
             keys = own if halo is None else torch.cat([halo, own], dim=-2)
-            outs.append(F.scaled_dot_product_attention(q.narrow(-2, slot * p, p), keys[0], keys[1],
-                                                       attn_mask=self._halo_mask(piece, h, chunk, q.device),
-                                                       enable_gqa=True))
+            outs.append(F.scaled_dot_product_attention(q.narrow(-2, slot * p, p), keys[0], keys[1], enable_gqa=True,
+                                                       attn_mask=self._mask(piece, piece * p - h, chunk, q.device)))
         return torch.cat(outs, dim=-2)
 
-    def _halo_mask(self, piece: int, halo: int, chunk: int, device: torch.device) -> torch.Tensor:
-        """(P, halo + P) bool for `piece`: causal within the chunk, on global positions."""
+    def _mask(self, piece: int, key_start: int, chunk: int | None, device: torch.device) -> torch.Tensor:
+        """(P, keys) bool for the queries of `piece` over the keys from global position
+        `key_start` to the piece's end: causal, and within the chunk when `chunk`."""
         def build():
             start, p = piece * self.layout.piece, self.layout.piece
             qp = torch.arange(start, start + p, device=device)[:, None]
-            kp = torch.arange(start - halo, start + p, device=device)[None, :]
-            return (qp >= kp) & (qp // chunk == kp // chunk)
+            kp = torch.arange(key_start, start + p, device=device)[None, :]
+            mask = qp >= kp
+            return mask & (qp // chunk == kp // chunk) if chunk is not None else mask
 
-        return self._cached((HALO, piece, chunk, device), build)
+        return self._cached((piece, key_start, chunk, device), build)
 
 
 def _bytes(t: torch.Tensor) -> int:

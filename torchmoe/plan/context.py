@@ -71,6 +71,16 @@ class CPLayout:
         """Tokens of the previous piece that `piece`'s first chunk covers (halo mode)."""
         return piece * self.piece % chunk
 
+    def keys(self, piece: int, chunk: int | None) -> int:
+        """Keys the queries of `piece` attend over (global / gather / halo modes): its prefix, its
+        chunks up to its end, or itself plus its halo."""
+        mode, p = self.chunk_mode(chunk), self.piece
+        if mode == GLOBAL:
+            return (piece + 1) * p
+        if mode == GATHER:
+            return (piece + 1) * p - piece * p // chunk * chunk
+        return p + (self.halo(piece, chunk) if mode == HALO and piece else 0)
+
     def bytes_received(self, mode: str, chunk: int | None, kv_bytes_per_token: float) -> float:
         """Key/value bytes one rank receives per sequence in forward under `mode` (its gradients
         travel back in backward, the same amount again): the analytic minimum for the layout."""

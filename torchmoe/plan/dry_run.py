@@ -24,6 +24,7 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
 from torchmoe.distributed.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 from torchmoe.models.llama4.args import ModelArgs, model_args_from_config
+from torchmoe.plan.context import CPLayout
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
 from torchmoe.plan.pipeline import (
     PipelineLayout,
@@ -88,9 +89,8 @@ def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: Pip
         f"ep={dims.ep}: {args.num_experts // dims.ep} of {args.num_experts} experts per rank, dropless "
         f"all-to-all over groups of {dims.ep} consecutive ranks of dp_shard x cp x tp (tp first)"
         if dims.ep_enabled else "off")
-    add("context_parallel", dims.cp_enabled,
-        f"cp={dims.cp}: {t.seq_len // dims.cp} of {t.seq_len} tokens per rank (ring attention)"
-        if dims.cp_enabled else "off")
+    add("context_parallel", dims.cp_enabled, _context_detail(context_report(cfg, dims, args)) if dims.cp_enabled
+        else "off")
     add("activation_checkpoint", cfg.activation_checkpoint.mode != "none",
         cfg.activation_checkpoint.mode + (f" ({cfg.activation_checkpoint.selective_ac_option})"
                                           if cfg.activation_checkpoint.mode == "selective" else ""))
@@ -99,6 +99,38 @@ def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: Pip
     add("pipeline_parallel", dims.pp_enabled, _pipeline_detail(cfg, dims, pipe) if dims.pp_enabled else "off")
     add("float8", cfg.float8.enable, _float8_detail(cfg, args) if cfg.float8.enable else "off")
     return plan
+
+
+def context_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> dict:
+    """Which attention layers communicate under CP and how many key/value bytes one rank receives
+    per step for them (forward, plus the same amount of gradients sent back in backward; full AC
+    repeats the forward's). What `dry_run.json` holds under ``context_parallel``."""
+    layout = CPLayout(cfg.training.seq_len, dims.cp)
+    a = compute_dtype_bytes(dims, cfg.training)
+    kv_per_token = 2 * a * args.n_kv_heads * args.head_dim / dims.tp
+    sequences = max(cfg.training.global_batch_size, 0) // dims.dp or cfg.training.local_batch_size
+    modes: dict[str, dict] = {}
+    for i in range(args.n_layers):
+        chunk = args.attention_chunk_size if args.rope_layers[i] else None
+        mode = layout.chunk_mode(chunk)
+        entry = modes.setdefault(mode, {"layers": [], "bytes_per_step": 0.0})
+        entry["layers"].append(i)
+        entry["bytes_per_step"] += 2 * sequences * layout.bytes_received(mode, chunk, kv_per_token)
+    return {"layout": "head-tail", "pieces": 2 * dims.cp, "piece_tokens": layout.piece,
+            "tokens_per_rank": cfg.training.seq_len // dims.cp, "modes": modes}
+
+
+def _context_detail(report: dict) -> str:
+    what = {"global": "all-gather K/V", "gather": "all-gather K/V (chunk longer than a piece)",
+            "halo": "point-to-point halo", "local": "no communication (whole chunks)"}
+    parts = [f"layers {_ranges(m['layers'])}: {what[mode]}, {m['bytes_per_step'] / 2**20:.4g} MiB/step"
+             for mode, m in report["modes"].items()]
+    return (f"cp={report['pieces'] // 2}: {report['tokens_per_rank']} tokens per rank as 2 head-tail pieces of "
+            f"{report['piece_tokens']}; " + "; ".join(parts))
+
+
+def _ranges(ids: list[int]) -> str:
+    return ",".join(map(str, ids)) if len(ids) <= 6 else f"{ids[0]},{ids[1]},…,{ids[-1]} ({len(ids)})"
 
 
 def _data_parallel_detail(cfg: JobConfig, dims: ParallelDims) -> str:
@@ -209,6 +241,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
         "device_memory_gib": device_gib,
         "plan": plan,
         "pipeline": pipeline_report(cfg, dims, args, pipe) if dims.pp_enabled else None,
+        "context_parallel": context_report(cfg, dims, args) if dims.cp_enabled else None,
         "coordinates": {str(r): {d: layout[d].coordinate(r) for d in MESH_DIMS} for r in ranks},
         "groups": {str(r): {name: layout[name].group(r) for name in ALL_NAMES} for r in ranks},
     }

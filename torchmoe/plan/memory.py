@@ -46,6 +46,8 @@ the matmul inputs are the all-gathered sequence (full ``D``).
               + a*(Hq + 2*Hkv)/tp           sdpa's q, k, v
               + a*Hq/tp + 4*n_heads/tp      sdpa output (also wo's input: its transpose is free), lse
               + (4*(Hq + Hkv) + 4*(n_heads + n_kv_heads))/tp   QK L2-norm (RoPE layers, use_qk_norm)
+              + cp                      with cp > 1 (`ActivationModel._cp_attention`): gathered
+                                        K/V, or K/V with halos; the output again; the mask
     dense FFN = norm(D)/tp + a*D + 4*a*F/tp                 w1 out, silu out, w3 out, product
     MoE       = norm(D)/tp + f*a*D                          ffn_norm, MoE input
               + f*(4*E + 16*k)                              fp32 router scores, top-k indices
@@ -78,8 +80,7 @@ their gradients) + the head on the last stage, all times T = micro-batch sequenc
 tokens. Without PP one pair (the whole local batch) is alive; with PP the pairs alive are read off
 the schedule's own action list for the rank (`plan.pipeline.peak_activations_in_flight`): GPipe
 holds every micro-batch, 1F1B ``pp - r`` on pp rank r, the interleaved and zero-bubble schedules
-what their warm-up leaves in flight. With CP > 1, ring
-attention adds K/V chunks in flight, ``2 * 2*a*Hkv/tp`` per token, to the working set.
+what their warm-up leaves in flight.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ from dataclasses import dataclass
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.distributed.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.context import HALO, LOCAL, CPLayout
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
 from torchmoe.plan.pipeline import (
     PipelineLayout,
@@ -169,6 +171,8 @@ class ActivationModel:
         a: bytes per element of the compute dtype.
         compiled: blocks run under torch.compile (fused norms).
         loss_parallel: the loss runs on vocab-sharded logits.
+        seq_len: tokens per whole sequence (context parallelism decides what attention keeps
+            from it; unused with cp == 1).
     """
 
     args: ModelArgs
@@ -176,6 +180,7 @@ class ActivationModel:
     a: int
     compiled: bool
     loss_parallel: bool
+    seq_len: int = 0
 
     def _norm(self, n: int) -> float:
         return (self.a * n if self.compiled else (4 + self.a) * n) + 4
@@ -196,7 +201,7 @@ class ActivationModel:
         m, tp, a = self.args, self.dims.tp, self.a
         hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
         total = self._norm(m.dim) / tp + a * m.dim + a * (hq + 2 * hkv) / tp
-        total += a * hq / tp + 4 * m.n_heads / tp
+        total += a * hq / tp + 4 * m.n_heads / tp + self._cp_attention(layer)
         if m.use_qk_norm and m.rope_layers[layer]:
             total += (4 * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads)) / tp
         return total
@@ -244,9 +249,36 @@ class ActivationModel:
         upcast = 0 if a == 4 else 4  # logits.float() is a no-op on fp32 logits
         return self._norm(m.dim) / tp + a * m.dim + vocab * (a + upcast + 4)
 
-    def cp_ring(self) -> float:
-        m = self.args
-        return 2 * 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp if self.dims.cp_enabled else 0.0
+    def _cp_attention(self, layer: int) -> float:
+        """Bytes per local token context parallelism adds to what attention saves (`plan.context`
+        modes; nothing in local mode), for the fullest cp rank:
+          - global / gather: the whole sequence's keys and values (cp x a rank's own);
+          - halo: each piece with a halo keeps its keys and values concatenated with the halo;
+          - the attention output once more (pieces are attended separately and concatenated, so
+            the output projection's input is a copy);
+          - SDPA's mask, a (P, keys) bias in the compute dtype per piece. Per call, not per
+            sequence: counted once per sequence, an upper bound for several sequences per call.
+        """
+        m, cp = self.args, self.dims.cp
+        layout = CPLayout(self.seq_len, cp)
+        chunk = m.attention_chunk_size if m.rope_layers[layer] else None
+        if cp == 1 or layout.chunk_mode(chunk) == LOCAL:
+            return 0.0
+        mode, tokens, p = layout.chunk_mode(chunk), self.seq_len // cp, layout.piece
+        kv = 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp  # per token
+
+        def extra(rank: int) -> float:
+            pieces = layout.pieces(rank)
+            if mode == HALO:
+                halos = [layout.halo(j, chunk) if j else 0 for j in pieces]
+                own = kv * tokens if 0 in halos else 0.0  # a piece without halo keeps the local K/V
+                keys = own + sum(kv * (p + h) for h in halos if h) - kv * tokens
+            else:
+                keys = kv * (cp - 1) * tokens
+            mask = self.a * p * sum(layout.keys(j, chunk) for j in pieces)
+            return keys + self.a * m.n_heads * m.head_dim / self.dims.tp * tokens + mask
+
+        return max(extra(r) for r in range(cp)) / tokens
 
 
 def _saved_per_block(act: ActivationModel, layers: list[int], ac_cfg: ActivationCheckpoint) -> list[float]:
@@ -271,7 +303,7 @@ def _activation_bytes(act: ActivationModel, pipe: PipelineLayout, pp_rank: int, 
         saved_of.update(zip(pipe.layers[s], per_block))
         stage_saved[s] = sum(per_block)
     saved = peak_activations_in_flight(schedule, act.dims.pp, pipe.num_stages, microbatches, pp_rank, stage_saved)
-    working = max((2 * act.block_full(i) - b for i, b in saved_of.items()), default=0.0) + act.cp_ring()
+    working = max((2 * act.block_full(i) - b for i, b in saved_of.items()), default=0.0)
     head = act.head() if pipe.has_last_stage(pp_rank) else 0.0
     return int((saved + working + head) * tokens)
 
@@ -295,7 +327,7 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     """
     pipe = pipeline_layout(model_args, dims, parallelism_cfg, training_cfg.seq_len)
     a = compute_dtype_bytes(dims, training_cfg)
-    act = ActivationModel(model_args, dims, a, compiled,
+    act = ActivationModel(model_args, dims, a, compiled, seq_len=training_cfg.seq_len,
                           loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel)
     if dims.pp_enabled:
         microbatches, sequences = pipeline_microbatches(training_cfg, parallelism_cfg)
