@@ -6,7 +6,8 @@ what its mode says.
 debugmodel: blocks 0-2 chunked RoPE attention (64-token chunks, QK-norm), block 3 NoPE with
 temperature tuning (floor_scale 32, so it varies over these lengths). The sequence length picks
 the chunked layers' mode on cp 2 (pieces of seq_len / 4 tokens): 256 -> whole chunks ("local"),
-384 -> chunks straddling pieces ("halo"), 128 -> chunks longer than a piece ("gather").
+384 -> chunks straddling pieces ("halo"), 128 -> chunks longer than a piece ("gather"); on cp 4,
+768 -> halos exchanged among 4 ranks.
 
 Parity runs: seed checkpoint, 5 steps, global batch 8 sequences, expert-bias rate 0.05 with the
 balance loss and z-loss on; loss and gradient norm of every step within 1e-5 of the single
@@ -56,7 +57,7 @@ LAYOUTS = {
     "cp2_whole_chunks": (2, 256, [*CP2, "--training.local_batch_size", "8"]),
     "cp2_halo": (2, 384, [*CP2, "--training.local_batch_size", "8"]),
     "cp2_chunks_longer_than_pieces": (2, 128, [*CP2, "--training.local_batch_size", "8"]),
-    "cp4": (4, 256, ["--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8"]),
+    "cp4_halo": (4, 768, ["--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8"]),
     "cp2_fsdp2": (4, 384, [*CP2, "--training.local_batch_size", "4"]),
     "cp2_tp2": (4, 256, [*CP2, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "cp2_ep2": (2, 384, [*CP2, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "8"]),

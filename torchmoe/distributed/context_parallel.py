@@ -60,27 +60,31 @@ class _ExchangeHalos(torch.autograd.Function):
     received to the tails' gradients.
 
     ``sends``: (global rank, start, length) slices of `kv` along dim -2 to send;
-    ``recvs``: (global rank, length) halos to receive, returned in that order.
+    ``recvs``: (global rank, length) halos to receive.
+    Returns a copy of `kv` (for the local pieces: a rank that only sends must still run the
+    backward, where its peers send it their halos' gradients) and the halos in `recvs` order.
     """
 
     @staticmethod
     def forward(ctx, kv: torch.Tensor, group: dist.ProcessGroup, sends: tuple, recvs: tuple):
-        ctx.group, ctx.sends, ctx.recvs, ctx.shape = group, sends, recvs, kv.shape
+        ctx.group, ctx.sends, ctx.recvs = group, sends, recvs
         halos = [kv.new_empty(*kv.shape[:-2], length, kv.shape[-1]) for _, length in recvs]
         ops = [dist.P2POp(dist.isend, kv.narrow(-2, start, length).contiguous(), peer, group)
                for peer, start, length in sends]
         ops += [dist.P2POp(dist.irecv, buf, peer, group) for (peer, _), buf in zip(recvs, halos)]
         _run(ops)
-        return tuple(halos)
+        return (kv.clone(), *halos)
 
     @staticmethod
-    def backward(ctx, *halo_grads: torch.Tensor):
-        tails = [torch.empty(*ctx.shape[:-2], length, ctx.shape[-1], dtype=halo_grads[0].dtype,
-                             device=halo_grads[0].device) for _, _, length in ctx.sends]
+    def backward(ctx, kv_grad: torch.Tensor, *halo_grads: torch.Tensor | None):
+        grad = kv_grad.clone()  # the copy always feeds the local pieces
+        # Zeros stand in for an unused halo's gradient: the peer waits for it all the same.
+        halo_grads = [g if g is not None else grad.new_zeros(*grad.shape[:-2], length, grad.shape[-1])
+                      for g, (_, length) in zip(halo_grads, ctx.recvs)]
+        tails = [grad.new_empty(*grad.shape[:-2], length, grad.shape[-1]) for _, _, length in ctx.sends]
         ops = [dist.P2POp(dist.isend, g.contiguous(), peer, ctx.group) for (peer, _), g in zip(ctx.recvs, halo_grads)]
         ops += [dist.P2POp(dist.irecv, buf, peer, ctx.group) for (peer, _, _), buf in zip(ctx.sends, tails)]
         _run(ops)
-        grad = halo_grads[0].new_zeros(ctx.shape)
         for (_, start, length), g in zip(ctx.sends, tails):
             grad.narrow(-2, start, length).add_(g)
         return grad, None, None, None
@@ -168,7 +172,8 @@ class ContextParallelAttention:
             elif h:  # the previous piece is this rank's other piece (head piece cp - 1)
                 local_halos[slot] = kv.narrow(-2, (1 - slot) * p + p - h, h)
         self.sent[HALO] += sum(length for _, _, length in sends) * _bytes(kv) // kv.shape[-2]
-        received = iter(_ExchangeHalos.apply(kv, self.group, tuple(sends), tuple(recvs)))
+        kv, *halos = _ExchangeHalos.apply(kv, self.group, tuple(sends), tuple(recvs))
+        received = iter(halos)
         outs = []
         for slot, piece in enumerate(layout.pieces(self.rank)):
             own = kv.narrow(-2, slot * p, p)
