@@ -19,6 +19,7 @@ import signal
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from torchmoe.components.metrics import MetricsLogger, device_peak_flops, peak_m
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.job_config import JobConfig
+from torchmoe.config.job_config import Comm, JobConfig
 from torchmoe.config.loader import write_config_toml
 from torchmoe.config.validate import check_tokenizer_fits
 from torchmoe.data.dataloader import build_dataloader
@@ -87,15 +88,27 @@ def _device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_distributed(device: torch.device) -> int:
-    """Join the launched world (torchrun sets WORLD_SIZE); returns the world size."""
+def _init_distributed(device: torch.device, comm_cfg: Comm) -> int:
+    """Join the launched world (torchrun sets WORLD_SIZE) with the `[comm]` init timeout and the
+    NCCL flight recorder's buffer; returns the world size."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # Read by NCCL process groups when they are created; a user's own setting wins.
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(comm_cfg.trace_buf_size))
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=(
-            device if device.type == "cuda" else None))
+            device if device.type == "cuda" else None), timeout=timedelta(seconds=comm_cfg.init_timeout_seconds))
     return world_size
+
+
+def _set_train_timeout(comm_cfg: Comm) -> None:
+    """After the first step (loading, compile and warm-up are done), collectives get the shorter
+    training timeout, so a stuck rank fails the job within it. Applies to every process group."""
+    if dist.is_initialized():
+        timeout = timedelta(seconds=comm_cfg.train_timeout_seconds)
+        for group in (None, *dist.distributed_c10d._world.pg_map):
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 
@@ -105,7 +118,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.device = _device(cfg.training.device)
-        world_size = _init_distributed(self.device)
+        world_size = _init_distributed(self.device, cfg.comm)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         setup_logging(self.rank)
         self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -260,7 +273,8 @@ class Trainer:
         """
         self._set_aux_loss_scale(len(micro_batches))
         local_loss = torch.zeros((), device=self.device)
-        for inputs, labels in micro_batches:
+        for i, (inputs, labels) in enumerate(micro_batches):
+            self._sync_replicas(last=i == len(micro_batches) - 1)
             if self.cp_positions is not None:
                 inputs, labels = inputs[:, self.cp_positions], labels[:, self.cp_positions]
             inputs, labels = inputs.to(self.device), labels.to(self.device)
@@ -273,6 +287,18 @@ class Trainer:
             for loss in losses:
                 local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         return local_loss
+
+    def _sync_replicas(self, *, last: bool) -> None:
+        """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing
+        first and all-reducing once is the same gradient, with one all-reduce per step instead
+        of one per micro-batch. HSDP keeps its per-micro-batch reduce-scatter (deferring it would
+        hold unsharded gradients); under PP the pipeline stages manage their own syncs."""
+        if self.schedule is not None or not self.dims.dp_replicate_enabled:
+            return
+        if self.dims.fsdp_enabled:
+            self.model.set_requires_all_reduce(last)
+        else:  # DDP
+            self.model.set_requires_gradient_sync(last)
 
     def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """Forward and backward of one local batch through the pipeline schedule; returns the
@@ -371,11 +397,14 @@ class Trainer:
                                                      start_step=self.step))
             mem = stack.enter_context(maybe_memory_snapshot(cfg.profiling, self.dump_folder, rank=self.rank,
                                                             start_step=self.step))
+            first_step = self.step + 1
             while self.step < steps:
                 t0 = time.perf_counter()
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
                 result = self.train_step(self.dataloader.next_batch())
                 self.step += 1
+                if self.step == first_step:
+                    _set_train_timeout(cfg.comm)
                 dt = time.perf_counter() - t0
                 if metrics.should_log(self.step):
                     tokens_per_sec = self.global_tokens / dt

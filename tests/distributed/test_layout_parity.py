@@ -1,23 +1,22 @@
-"""Every parallel layout reproduces the single-process losses (fp32, CPU, gloo).
+"""Every parallel layout reproduces the single-process run (fp32, CPU, gloo): loss, gradient norm,
+MoE imbalance and per-expert token counts of every step.
 
 All runs start from one seed checkpoint and see the same global batch (8 sequences of 64
-tokens) per step; only the split over ranks and micro-batches differs. Observed differences are
-~1e-7 (summation order); the bound is 1e-5 relative.
+tokens) per step; only the split over ranks and micro-batches differs. The gradient norm is what
+catches gradients wrong by a constant factor (AdamW with clipping barely moves the loss then).
+Observed differences are ~1e-7 for the loss and up to ~3e-6 for the norm (summation order of
+sharded norms); the bound is 1e-5 relative.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import start_from, train_tiny
+from tests.helpers import assert_same_curve, start_from, train_tiny
 from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
-
-
-def _losses(folder) -> dict[int, float]:
-    return {step: r["loss"] for step, r in metrics_by_step(folder).items()}
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +24,8 @@ def reference(seed, tmp_path_factory):
     """Single process, gradient accumulation 2 x 4 sequences."""
     folder = start_from(seed, tmp_path_factory.mktemp("single"))
     train_tiny(folder, ["--training.local_batch_size", "4"])
-    ref = _losses(folder)
-    assert sorted(ref) == [1, 2, 3, 4, 5] and ref[5] < ref[1]
+    ref = metrics_by_step(folder)
+    assert sorted(ref) == [1, 2, 3, 4, 5] and ref[5]["loss"] < ref[1]["loss"]
     return ref
 
 
@@ -57,10 +56,7 @@ def test_layout_matches_single_process(layout, seed, reference, tmp_path):
     nproc, flags = LAYOUTS[layout]
     folder = start_from(seed, tmp_path)
     train_tiny(folder, flags, nproc=nproc)
-    got = _losses(folder)
-    assert sorted(got) == sorted(reference)
-    for step, ref in reference.items():
-        assert got[step] == pytest.approx(ref, rel=RTOL), (layout, step)
+    assert_same_curve(metrics_by_step(folder), reference, layout, rtol=RTOL)
 
 
 def test_bf16_mixed_precision_tracks_fp32(seed, reference, tmp_path):
@@ -70,10 +66,10 @@ def test_bf16_mixed_precision_tracks_fp32(seed, reference, tmp_path):
     folder = start_from(seed, tmp_path)
     train_tiny(folder, ["--training.local_batch_size", "4", "--training.mixed_precision_param", "bfloat16"],
                nproc=2)
-    got = _losses(folder)
-    assert got != reference  # bf16 really was used
+    got = metrics_by_step(folder)
+    assert got[1]["loss"] != reference[1]["loss"]  # bf16 really was used
     for step, ref in reference.items():
-        assert got[step] == pytest.approx(ref, rel=2e-3), step
+        assert got[step]["loss"] == pytest.approx(ref["loss"], rel=2e-3), step
 
 
 def test_checkpoint_reshards_from_fsdp4_to_tp2_fsdp2(seed, reference, tmp_path):
@@ -82,7 +78,6 @@ def test_checkpoint_reshards_from_fsdp4_to_tp2_fsdp2(seed, reference, tmp_path):
     train_tiny(first, ["--training.local_batch_size", "2", "--checkpoint.interval", "3"], nproc=4)
     second = start_from(first / "checkpoint" / "step-3", tmp_path / "tp2")
     train_tiny(second, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"], nproc=4)
-    resumed = _losses(second)
+    resumed = metrics_by_step(second)
     assert sorted(resumed) == [4, 5]
-    for step in (4, 5):
-        assert resumed[step] == pytest.approx(reference[step], rel=RTOL)
+    assert_same_curve(resumed, {s: reference[s] for s in (4, 5)}, "fsdp4 -> tp2 x fsdp2", rtol=RTOL)

@@ -187,6 +187,16 @@ class Float8:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout of collectives until the first training step ends (process-group setup, checkpoint or weight loading, the first step's compile)."""
+    train_timeout_seconds: int = 100
+    """Timeout of every collective after the first step: a rank stuck this long fails the job instead of hanging it."""
+    trace_buf_size: int = 20000
+    """Entries of the NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) dumped when a collective times out; 0 = off."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Log every this many steps."""
@@ -224,5 +234,6 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)

@@ -23,6 +23,7 @@ from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import (
     ActivationCheckpoint,
     Checkpoint,
+    Comm,
     Float8,
     Job,
     JobConfig,
@@ -163,6 +164,12 @@ def validate_parallelism(parallelism: Parallelism) -> None:
         if getattr(parallelism, key) != -1:
             _at_least(f"parallelism.{key}", getattr(parallelism, key), 1, "set a positive value, or -1 for the default")
     _one_of("parallelism.fsdp_reshard_after_forward", parallelism.fsdp_reshard_after_forward, RESHARD_POLICIES)
+
+
+def validate_comm(comm: Comm) -> None:
+    _at_least("comm.init_timeout_seconds", comm.init_timeout_seconds, 1)
+    _at_least("comm.train_timeout_seconds", comm.train_timeout_seconds, 1)
+    _at_least("comm.trace_buf_size", comm.trace_buf_size, 0, "use 0 to turn the flight recorder off")
 
 
 def validate_checkpoint(checkpoint: Checkpoint) -> None:
@@ -433,6 +440,14 @@ def _validate_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int],
         # Its CPU kernel has no backward: training would fail at the first step.
         raise ConfigError("model.attn_backend", "flex", "FlexAttention cannot train on CPU (no backward kernel there)",
                           'use model.attn_backend = "sdpa" on CPU, or run on CUDA')
+    if cfg.parallelism.fsdp_cpu_offload:
+        from torchmoe.distributed.parallel_dims import ParallelDims
+
+        if not ParallelDims(**degrees, world_size=math.prod(degrees[d] for d in ("pp", "dp_replicate", "dp_shard",
+                                                                                 "cp", "tp"))).fsdp_enabled:
+            raise ConfigError("parallelism.fsdp_cpu_offload", True, "offloads FSDP's sharded state, but this layout "
+                              "applies no FSDP (dp_shard * cp = 1 and no expert sharding)",
+                              "set fsdp_cpu_offload = false, or shard with data_parallel_shard_degree > 1")
     # CPU offload moves FSDP state off an accelerator: FSDP2 refuses it when there is none.
     cuda_only = (("float8.enable", cfg.float8.enable),
                  ("parallelism.enable_async_tensor_parallel", cfg.parallelism.enable_async_tensor_parallel),
@@ -468,6 +483,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     validate_training(cfg.training)
     validate_parallelism(cfg.parallelism)
     validate_checkpoint(cfg.checkpoint)
+    validate_comm(cfg.comm)
     validate_activation_checkpoint(cfg.activation_checkpoint)
     validate_float8(cfg.float8)
     validate_metrics(cfg.metrics)

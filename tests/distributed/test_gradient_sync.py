@@ -1,0 +1,93 @@
+"""HSDP and DDP all-reduce gradients across replicas once per step, not once per micro-batch.
+
+    python -m pytest -q tests/distributed/test_gradient_sync.py
+
+One torchrun world of 4 CPU/gloo ranks. For HSDP 2 x 2 and DDP 4, each rank builds the real
+`Trainer` (global batch 8, local batch 1: 2 micro-batches per step), runs one `forward_backward`
+and counts the `all_reduce` calls it makes; then the same with the per-micro-batch sync of
+before (`_sync_replicas` switched off). Deferring halves the all-reduces and leaves every
+gradient the same (fp32, summation order only).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_rank_script, write_rank_record
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 4
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["--config", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", "32",
+        "--training.local_batch_size", "1", "--training.global_batch_size", "8", "--training.steps", "1"]
+LAYOUTS = {
+    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"],
+    "ddp4": ["--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1"],
+}
+
+
+def _measure(label: str, out_dir: Path, *, defer: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from torchmoe.config.loader import load_job_config
+    from torchmoe.trainer import Trainer
+
+    cfg = load_job_config([*BASE, *LAYOUTS[label], "--job.dump_folder", str(out_dir / label)])
+    trainer = Trainer(cfg)
+    if not defer:
+        trainer._sync_replicas = lambda *, last: None
+    batch = trainer.dataloader.next_batch()
+    calls = 0
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        trainer.forward_backward(batch)
+    finally:
+        dist.all_reduce = original
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten().tolist()
+             for n, p in trainer.model.named_parameters()}
+    record = {"micro_batches": len(batch), "all_reduces": calls, "grads": grads}
+    del trainer
+    torch.distributed.barrier()
+    return record
+
+
+def _worker(out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    write_rank_record(out_dir, {f"{label}_{'deferred' if defer else 'each'}": _measure(label, out_dir, defer=defer)
+                                for label in LAYOUTS for defer in (True, False)})
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[int, dict]:
+    return run_rank_script(__file__, tmp_path_factory.mktemp("sync"), world=WORLD, timeout=300)
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_one_all_reduce_per_step(measured, label):
+    import torch
+
+    for rank in range(WORLD):
+        deferred, each = measured[rank][f"{label}_deferred"], measured[rank][f"{label}_each"]
+        assert deferred["micro_batches"] == each["micro_batches"] == 2
+        assert deferred["all_reduces"] > 0 and 2 * deferred["all_reduces"] == each["all_reduces"], (rank, label)
+        for name, grad in each["grads"].items():
+            torch.testing.assert_close(torch.tensor(deferred["grads"][name]), torch.tensor(grad), rtol=1e-5,
+                                       atol=1e-7, msg=lambda m, name=name: f"{label} {name}: {m}")
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
