@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 # Outputs saved by per-op selective AC: expensive to recompute, small relative to their cost.
 # Matmuls alternate (every second one saved) to balance memory against recompute.
@@ -25,6 +25,33 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
 _MM = torch.ops.aten.mm.default
 
 
+# Profiler annotations (record_function) are no computation, but SAC counts every op and requires
+# recomputation to replay forward's exactly. FSDP's pre-forward hook of a unit nested in a block
+# (EP's experts) runs as a new root during recomputation and annotates once more, so without
+# this the recompute of an FSDP x EP block fails ("invocation index ... not found in storage").
+_PROFILER_OPS = frozenset({torch.ops.profiler._record_function_enter.default,
+                           torch.ops.profiler._record_function_enter_new.default,
+                           torch.ops.profiler._record_function_exit._RecordFunction})
+
+
+class _Caching(_CachingTorchDispatchMode):
+    """SAC's forward-side mode, passing profiler annotations through uncounted."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _PROFILER_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _Cached(_CachedTorchDispatchMode):
+    """SAC's recompute-side mode, passing profiler annotations through uncounted."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _PROFILER_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _op_policy_context():
     counts: dict[str, int] = defaultdict(int)
 
@@ -38,7 +65,8 @@ def _op_policy_context():
             return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    storage: dict = defaultdict(dict)  # shared by the two modes, as in create_selective_checkpoint_contexts
+    return _Caching(policy, storage), _Cached(None, storage)
 
 
 def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
