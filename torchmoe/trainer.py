@@ -38,7 +38,14 @@ from torchmoe.components.checkpoint import (
     load_model_only,
 )
 from torchmoe.components.lr_scheduler import build_lr_scheduler
-from torchmoe.components.metrics import MetricsLogger, device_peak_flops, peak_memory_gib, setup_logging
+from torchmoe.components.metrics import (
+    MetricsLogger,
+    ThroughputWindow,
+    device_peak_flops,
+    peak_memory_gib,
+    reset_peak_memory,
+    setup_logging,
+)
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.config.errors import ConfigError
@@ -398,6 +405,7 @@ class Trainer:
             mem = stack.enter_context(maybe_memory_snapshot(cfg.profiling, self.dump_folder, rank=self.rank,
                                                             start_step=self.step))
             first_step = self.step + 1
+            window = ThroughputWindow(first_step)
             while self.step < steps:
                 t0 = time.perf_counter()
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
@@ -405,9 +413,9 @@ class Trainer:
                 self.step += 1
                 if self.step == first_step:
                     _set_train_timeout(cfg.comm)
-                dt = time.perf_counter() - t0
+                window.add(self.step, self.global_tokens, time.perf_counter() - t0)
                 if metrics.should_log(self.step):
-                    tokens_per_sec = self.global_tokens / dt
+                    tokens_per_sec = window.take()
                     extra = {"ep_all_to_all_gib": (ep_bytes_moved(self.model) - ep_bytes) / 2**30} \
                         if self.dims.ep_enabled else {}
                     metrics.log(self.step, {**extra,
@@ -418,6 +426,7 @@ class Trainer:
                         "tflops": flops_per_token * tokens_per_sec / self.dims.world_size / 1e12,
                         "memory_gib": peak_memory_gib(self.device),
                     }, tokens_per_expert=result.tokens_per_expert)
+                    reset_peak_memory(self.device)
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
                     if cfg.checkpoint.enable:
                         self.checkpointer.save(self.step, self.state)

@@ -123,6 +123,36 @@ def peak_memory_gib(device: torch.device | str) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Start a new peak-memory window (CUDA; a process's max RSS cannot be reset)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class ThroughputWindow:
+    """Tokens per second over the steps since the last log, leaving out this process's first
+    step (compilation, allocator and communicator warm-up) unless it is all the window holds."""
+
+    def __init__(self, first_step: int) -> None:
+        self.first_step = first_step
+        self.tokens = 0.0
+        self.seconds = 0.0
+        self.warmup: tuple[float, float] | None = None
+
+    def add(self, step: int, tokens: float, seconds: float) -> None:
+        if step == self.first_step:
+            self.warmup = (tokens, seconds)
+        else:
+            self.tokens += tokens
+            self.seconds += seconds
+
+    def take(self) -> float:
+        """The window's tokens per second; starts the next window."""
+        tokens, seconds = (self.tokens, self.seconds) if self.seconds else self.warmup
+        self.tokens, self.seconds, self.warmup = 0.0, 0.0, None
+        return tokens / seconds
+
+
 def moe_imbalance(tokens_per_expert: torch.Tensor) -> float:
     """max / mean tokens per expert, per MoE layer, averaged over layers.
 
