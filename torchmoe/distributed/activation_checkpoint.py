@@ -34,8 +34,8 @@ _PROFILER_OPS = frozenset({torch.ops.profiler._record_function_enter.default,
                            torch.ops.profiler._record_function_exit._RecordFunction})
 
 
-class _Caching(_CachingTorchDispatchMode):
-    """SAC's forward-side mode, passing profiler annotations through uncounted."""
+class _SkipProfilerOps:
+    """Mixed into SAC's two dispatch modes: profiler annotations pass through uncounted."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _PROFILER_OPS:
@@ -43,13 +43,12 @@ class _Caching(_CachingTorchDispatchMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class _Cached(_CachedTorchDispatchMode):
-    """SAC's recompute-side mode, passing profiler annotations through uncounted."""
+class _Caching(_SkipProfilerOps, _CachingTorchDispatchMode):
+    """SAC's forward-side mode (records what to save or recompute)."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _PROFILER_OPS:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+
+class _Cached(_SkipProfilerOps, _CachedTorchDispatchMode):
+    """SAC's recompute-side mode (replays the records)."""
 
 
 def _op_policy_context():
