@@ -71,10 +71,8 @@ def test_checkpoint_reshards_from_ep2_to_ep4(seed, reference, tmp_path):
 
 def test_bench256_fsdp2_ep2_selective_ac_on_two_ranks(tmp_path):
     """The same crash class on the bench flavor (6 blocks, MoE on every second), its own seed.
-
-    Gradient-norm bound 1e-4: the gradients agree to 2e-7, but CPU's fp32 vector norm of a
-    1 M-element tensor (bench256's experts) is off by up to 4.5e-5 against an fp64 norm, and the
-    sharded run's half-size norms are closer to it (observed 7.4e-5 between the two runs)."""
+    (Its 1 M-element expert gradients are also why norms accumulate in fp64: in fp32 the single
+    process's norm was off by 1.4e-4.)"""
     flavor = ["--model.flavor", "bench256", *BALANCE]
     seed = seed_checkpoint(tmp_path / "seed", flavor)
     single = start_from(seed, tmp_path / "single")
@@ -82,8 +80,4 @@ def test_bench256_fsdp2_ep2_selective_ac_on_two_ranks(tmp_path):
     sharded = start_from(seed, tmp_path / "fsdp2_ep2")
     train_tiny(sharded, [*flavor, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
                          "--activation_checkpoint.mode", "selective"], nproc=2)
-    got, want = metrics_by_step(sharded), metrics_by_step(single)
-    assert_same_curve({s: {**r, "grad_norm": want[s]["grad_norm"]} for s, r in got.items()}, want,
-                      "bench256 fsdp2 x ep2 sac", rtol=RTOL)
-    for step, ref in want.items():
-        assert got[step]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), step
+    assert_same_curve(metrics_by_step(sharded), metrics_by_step(single), "bench256 fsdp2 x ep2 sac", rtol=RTOL)
