@@ -11,7 +11,7 @@ over the wrong micro-batches or group, would route differently and drift.
 
 The single-process reference is itself anchored outside the trainer: its logged step-1 loss and
 gradient norm equal a plain forward of the seed weights on the same batch with `F.cross_entropy`
-and `torch.nn.utils.get_total_norm`.
+and `torch.nn.utils.get_total_norm` (in fp64, as the trainer's clipping accumulates).
 
 debugmodel has 4 blocks, MoE on blocks 1 and 3: multi-stage schedules on pp 2 run one block per
 stage, so stages 0 and 2 hold no MoE layer; "pp2_stage_without_moe" gives a whole pp rank none.
@@ -63,7 +63,7 @@ def test_reference_step1_matches_plain_forward(seed, reference):
     logits = model(inputs)  # (8, 64, vocab)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     loss.backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    norm = torch.nn.utils.get_total_norm([p.grad.double() for p in model.parameters()])  # fp64, as clipping
     assert reference[1]["loss"] == pytest.approx(loss.item(), rel=1e-6)
     assert reference[1]["grad_norm"] == pytest.approx(norm.item(), rel=1e-6)
 
