@@ -260,7 +260,8 @@ class Transformer(nn.Module):
         table = self.freqs_cis
         if self.context_parallel is not None:
             positions = self.context_parallel.positions(table.device)
-            if positions.max() < table.shape[0]:
+            # The layout's length, not positions.max(): reading a device value would sync the host.
+            if self.context_parallel.layout.seq_len <= table.shape[0]:
                 return table[positions]
             return precompute_freqs_cis(self.args, seq_len, table.device, positions=positions)
         if seq_len <= table.shape[0]:
