@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -37,6 +37,7 @@ from torchmoe.components.checkpoint import (
     RNGState,
     load_model_only,
 )
+from torchmoe.components.hf_storage import load_hf_weights, save_hf_weights
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
     MetricsLogger,
@@ -216,30 +217,32 @@ class Trainer:
             load_model_only(ckpt.initial_load_path, [self.model])
 
     def _load_hf_weights(self, hf_dir: Path) -> None:
-        """Start from a Hugging Face Llama 4 folder: rank 0 streams the checkpoint into host
-        memory and DCP's state-dict API scatters each rank's shards from it."""
+        """Start from a Hugging Face Llama 4 folder: every rank reads the safetensors slices its
+        shards cover (DCP's Hugging Face reader), straight into its parameters."""
         import json
 
-        from torchmoe.hf import iter_hf_state
-        from torchmoe.models.llama4.hf import args_from_hf_config
+        from torchmoe.models.llama4.hf import HFConversionError, args_from_hf_config
 
-        hf_args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+        key = "checkpoint.initial_load_path"
+        try:
+            hf_args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+        except (OSError, ValueError) as err:  # HFConversionError is a ValueError, as is bad JSON
+            raise ConfigError(key, str(hf_dir), f"its config.json cannot be used ({err})",
+                              "point it at a Hugging Face Llama 4 folder (config.json + *.safetensors)") from None
         shape_fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "num_experts",
                         "top_k", "moe_hidden_dim", "ffn_hidden_dim", "moe_layer_ids", "rope_layers",
                         "rope_theta", "rope_scaling", "attention_chunk_size", "use_qk_norm",
                         "attn_temperature_tuning", "floor_scale", "attn_scale", "tie_word_embeddings")
         differ = [f for f in shape_fields if getattr(hf_args, f) != getattr(self.model_args, f)]
         if differ:
-            raise ConfigError("checkpoint.initial_load_path", str(hf_dir),
+            raise ConfigError(key, str(hf_dir),
                               f"its config differs from flavor {self.cfg.model.flavor!r} in {', '.join(differ)}",
                               "pick the flavor matching the checkpoint (torchmoe convert hf-to-dcp names it)")
-        full = dict(iter_hf_state(hf_dir)) if self.rank == 0 else {}
-        expected = {k for k in get_model_state_dict(self.model) if not k.endswith(("expert_bias", "tokens_per_expert"))}
-        if self.rank == 0 and (missing := sorted(expected - set(full))):
-            raise ConfigError("checkpoint.initial_load_path", str(hf_dir), f"lacks {len(missing)} tensors, "
-                              f"e.g. {missing[:3]}", "point it at a complete Hugging Face Llama 4 checkpoint")
-        set_model_state_dict(self.model, full, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False))
+        try:
+            load_hf_weights(get_model_state_dict(self.model), hf_dir, self.model_args)
+        except (HFConversionError, FileNotFoundError) as err:
+            raise ConfigError(key, str(hf_dir), str(err),
+                              "point it at a complete Hugging Face Llama 4 checkpoint") from None
         logger.info("loaded Hugging Face weights from %s", hf_dir)
 
     @property
@@ -441,22 +444,10 @@ class Trainer:
             self._save_hf()
 
     def _save_hf(self) -> None:
-        """Gather the full weights to rank 0 and write them as a Hugging Face folder."""
-        from torchmoe.hf import save_state_dict_as_hf
-
-        # cpu_offload keeps the gathered tensors on global rank 0 only, which under PP holds only
-        # its own stages: there each pp rank gathers its stages' and pp rank 0 collects them.
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                         cpu_offload=not self.dims.pp_enabled))
-        if self.dims.pp_enabled:
-            stages: list[dict | None] = [None] * self.dims.pp
-            dist.gather_object({k: v.cpu() for k, v in full.items()}, stages if self.pp_rank == 0 else None,
-                               group=self.mesh["pp"].get_group(), group_dst=0)
-            full = {k: v for part in stages if part for k, v in part.items()}
-        if self.rank == 0:
-            out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
-            save_state_dict_as_hf(full, self.model_args, out)
-            logger.info("saved Hugging Face weights to %s", out)
+        """Write the weights as a Hugging Face folder, each rank writing its own shards."""
+        out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
+        save_hf_weights(get_model_state_dict(self.model), self.model_args, out)
+        logger.info("saved Hugging Face weights to %s", out)
 
     def create_seed_checkpoint(self) -> None:
         if self.dims.world_size != 1:

@@ -14,7 +14,8 @@ under ``language_model.``; their vision tower is skipped.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -182,7 +183,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
 
 
 # Our parameter name <-> HF name (Llama4ForCausalLM), for everything but the fused experts.
-# `{i}` is a layer index, `{p}` one of q/k/v/o; both directions are compiled from this one table.
+# `{i}` is a layer index, `{p}` one of q/k/v/o.
 _NAME_PAIRS = [
     ("tok_embeddings.weight", "model.embed_tokens.weight"),
     ("norm.weight", "model.norm.weight"),
@@ -205,62 +206,72 @@ def _template_regex(template: str) -> re.Pattern:
     return re.compile(pattern + "$")
 
 
-def _compile(pairs: list[tuple[str, str]], reverse: bool) -> list[tuple[re.Pattern, str]]:
-    return [(_template_regex(b if reverse else a), a if reverse else b) for a, b in pairs]
+_OURS_TO_HF = [(_template_regex(ours), hf) for ours, hf in _NAME_PAIRS]
 
 
-_OURS_TO_HF = _compile(_NAME_PAIRS, reverse=False)
-_HF_TO_OURS = _compile(_NAME_PAIRS, reverse=True)
-
-
-def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
-    for pattern, target in table:
+def _hf_name(name: str) -> str | None:
+    """The HF name of one of our non-expert parameters, or None."""
+    for pattern, target in _OURS_TO_HF:
         if m := pattern.match(name):
             return target.format(**m.groupdict())
     return None
 
 
-_EXPERTS_HF = re.compile(r"^model\.layers\.(\d+)\.feed_forward\.experts\.(gate_up_proj|down_proj)$")
 _EXPERTS_OURS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
-_SKIPPED_HF_PREFIXES = ("vision_model.", "multi_modal_projector.")
+# Our persistent buffers without a Hugging Face counterpart (router state).
+_NO_HF_COUNTERPART = ("expert_bias", "tokens_per_expert")
+SKIPPED_HF_PREFIXES = ("vision_model.", "multi_modal_projector.")
+MULTIMODAL_TEXT_PREFIX = "language_model."
 
 
-def hf_to_torchmoe(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One HF tensor -> our (name, tensor) pairs: [] for skipped vision weights, two for the fused
-    ``gate_up_proj``. Raises `HFConversionError` for names we do not know."""
-    if name.startswith(_SKIPPED_HF_PREFIXES):
-        return []
-    name = name.removeprefix("language_model.")
-    if m := _EXPERTS_HF.match(name):
-        layer, kind = m.groups()
-        prefix = f"layers.{layer}.moe.experts."
-        if kind == "down_proj":  # [E, hidden, dim] -> [E, dim, hidden]
-            return [(prefix + "w2", tensor.transpose(1, 2).contiguous())]
-        gate, up = tensor.chunk(2, dim=-1)  # each [E, dim, hidden]
-        return [(prefix + "w1", gate.transpose(1, 2).contiguous()), (prefix + "w3", up.transpose(1, 2).contiguous())]
-    if (ours := _rename(name, _HF_TO_OURS)) is not None:
-        return [(ours, tensor)]
-    raise HFConversionError(f"unexpected tensor {name!r} in the Hugging Face checkpoint")
+@dataclass(frozen=True)
+class HFSlice:
+    """Where one of our tensors lives in a Hugging Face checkpoint.
 
-
-def torchmoe_to_hf(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our (full, unsharded) state dict -> HF (name, tensor) pairs, one tensor at a time.
-
-    Buffers (expert_bias, tokens_per_expert) have no HF counterpart and are skipped; the caller
-    decides what to do about a non-zero expert bias.
+    Our tensor, in Hugging Face orientation (`view`: dims 1 and 2 swapped for the routed experts,
+    which HF stores input-major), is the block of `hf_name` (full size `size`) that starts at
+    `offset` along the last dim: the fused ``gate_up_proj`` holds w1 at 0 and w3 at `hidden`.
     """
-    for name, tensor in state.items():
-        if name.endswith(("expert_bias", "tokens_per_expert", "freqs_cis")):
-            continue
-        if m := _EXPERTS_OURS.match(name):
-            layer, kind = m.groups()
-            prefix = f"model.layers.{layer}.feed_forward.experts."
-            if kind == "w2":
-                yield prefix + "down_proj", tensor.transpose(1, 2).contiguous()
-            elif kind == "w1":
-                w3 = state[f"layers.{layer}.moe.experts.w3"]
-                yield prefix + "gate_up_proj", torch.cat([tensor.transpose(1, 2), w3.transpose(1, 2)], dim=-1)
-            continue
-        if (hf := _rename(name, _OURS_TO_HF)) is None:
-            raise HFConversionError(f"no Hugging Face name for parameter {name!r}")
-        yield hf, tensor
+
+    hf_name: str
+    size: tuple[int, ...]
+    transposed: bool = False
+    offset: int = 0
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (ours, possibly a DTensor) as a view in HF orientation; shares its storage."""
+        return tensor.transpose(1, 2) if self.transposed else tensor
+
+
+def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
+    """The `HFSlice` of our state-dict entry `name` of shape `shape`; None for the router
+    buffers, which Hugging Face has no place for. Raises `HFConversionError` for other names."""
+    if name.endswith(_NO_HF_COUNTERPART):
+        return None
+    if m := _EXPERTS_OURS.match(name):
+        layer, kind = m.groups()
+        prefix = f"model.layers.{layer}.feed_forward.experts."
+        experts, rows, cols = shape
+        if kind == "w2":  # ours [E, dim, hidden] -> HF down_proj [E, hidden, dim]
+            return HFSlice(prefix + "down_proj", (experts, cols, rows), transposed=True)
+        # ours [E, hidden, dim] -> HF gate_up_proj [E, dim, 2 * hidden], w1 first
+        return HFSlice(prefix + "gate_up_proj", (experts, cols, 2 * rows), transposed=True,
+                       offset=0 if kind == "w1" else rows)
+    if (hf := _hf_name(name)) is None:
+        raise HFConversionError(f"no Hugging Face name for {name!r}")
+    return HFSlice(hf, tuple(shape))
+
+
+def hf_slices(state: Mapping[str, torch.Tensor]) -> dict[str, HFSlice]:
+    """`hf_slice` of every entry of `state` that Hugging Face stores (ours -> slice)."""
+    slices = {name: hf_slice(name, t.shape) for name, t in state.items()}
+    return {name: s for name, s in slices.items() if s is not None}
+
+
+def text_tensor_name(stored: str) -> str | None:
+    """The Llama4ForCausalLM name of a tensor stored in a text or multimodal checkpoint, or None
+    for the vision tower's tensors."""
+    if stored.startswith(SKIPPED_HF_PREFIXES):
+        return None
+    return stored.removeprefix(MULTIMODAL_TEXT_PREFIX)
+

@@ -1,0 +1,168 @@
+"""Hugging Face weights in and out under sharded layouts: each rank reads and writes only its shards.
+
+    python -m pytest -q tests/distributed/test_hf_sharded_io.py
+
+One torchrun world of 4 CPU/gloo ranks. For each layout every rank builds the real `Trainer`
+with `checkpoint.initial_load_in_hf` pointing at a Hugging Face folder the test wrote in one
+process, loads it, and then writes it back with the trainer's `last_save_in_hf` path:
+
+- every loaded local shard equals the matching slice of the folder's tensors (exactly: the
+  weights are copied, not computed), as the single-process `load_model` (today's path) gives;
+- the folder written back holds exactly the input folder's tensors, names and shapes
+  (w1 and w3 written by different ranks, or as two column slices by one rank under MoE TP,
+  must land in the right halves of the fused `gate_up_proj`);
+- the load's peak host memory per rank (VmHWM reset before the load, minus the resident size
+  before it) stays near the rank's shard and well under the full model: measured on bench256
+  under FSDP 4, whose full model is 4x a rank's shard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_rank_script, write_rank_record
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 4
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["--config", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", "32",
+        "--training.local_batch_size", "1", "--training.steps", "1", "--checkpoint.enable", "true",
+        "--checkpoint.initial_load_in_hf", "true", "--model.load_balance_coeff", "0"]
+LAYOUTS = {
+    "fsdp4": [],
+    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"],
+    "ddp4": ["--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1"],
+    "fsdp2_tp2_moe_tp": ["--parallelism.tensor_parallel_degree", "2"],
+    "fsdp2_tp2_ep4": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"],
+    "fsdp4_ep2": ["--parallelism.expert_parallel_degree", "2"],
+    "pp2_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
+}
+MEMORY_LAYOUT = ["--model.flavor", "bench256"]
+
+
+def _vm_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> dict:
+    """Build the layout's trainer, load `hf_in` into it (measuring host memory), compare its
+    shards with the full tensors, and save it back as a Hugging Face folder."""
+    import torch
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    from torchmoe.config.loader import load_job_config
+    from torchmoe.models.llama4.hf import hf_slice
+    from torchmoe.trainer import Trainer
+
+    cfg = load_job_config([*BASE, *flags, "--checkpoint.initial_load_path", str(hf_in),
+                           "--job.dump_folder", str(out_dir / label)])
+    trainer = Trainer(cfg)
+    params = dict(trainer.model.named_parameters())
+    shard_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in params.values())
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    rss_before = _vm_kib("VmRSS")
+    trainer.load_initial_state()
+    peak_kib = _vm_kib("VmHWM") - rss_before
+
+    # Each parameter, gathered, against the folder's tensor in our layout.
+    mismatched = []
+    with safe_open(str(next(hf_in.glob("*.safetensors"))), framework="pt") as f:
+        for name, p in params.items():
+            s = hf_slice(name, p.shape)
+            stored = f.get_tensor(s.hf_name)
+            want = stored[..., s.offset:s.offset + (p.shape[1] if s.transposed else stored.shape[-1])]
+            want = want.transpose(1, 2) if s.transposed else want
+            got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            if not torch.equal(got, want):
+                mismatched.append(name)
+    trainer.step = 1
+    trainer._save_hf()
+    record = {"peak_load_bytes": peak_kib * 1024, "shard_bytes": shard_bytes,
+              "full_bytes": sum(p.numel() * p.element_size() for p in params.values()) if not trainer.dims.pp_enabled
+              else None, "mismatched": mismatched}
+    del trainer
+    dist.barrier()
+    return record
+
+
+def _worker(out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # the Trainer joins it; its meshes are built on top
+    hf = json.loads((out_dir / "inputs.json").read_text())
+    records = {label: _load_and_save(label, flags, Path(hf["debugmodel"]), out_dir) for label, flags in LAYOUTS.items()}
+    records["memory"] = _load_and_save("memory", MEMORY_LAYOUT, Path(hf["bench256"]), out_dir)
+    write_rank_record(out_dir, records)
+
+
+def _hf_folder(flavor: str, folder: Path, seed: int) -> Path:
+    """A Hugging Face folder of a randomly initialised model of `flavor` (one process)."""
+    import torch
+
+    from torchmoe.hf import save_model
+    from torchmoe.models.llama4 import FLAVORS, Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(FLAVORS[flavor])
+    model.init_weights()
+    save_model(model, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> tuple[dict[int, dict], Path]:
+    out = tmp_path_factory.mktemp("hf_sharded")
+    inputs = {flavor: str(_hf_folder(flavor, out / f"hf_{flavor}", seed)) for seed, flavor in
+              enumerate(("debugmodel", "bench256"))}
+    (out / "inputs.json").write_text(json.dumps(inputs))
+    return run_rank_script(__file__, out, world=WORLD, timeout=600), out
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_load_gives_the_folders_tensors_and_save_writes_them_back(measured, label):
+    import torch
+
+    records, out = measured
+    for rank in range(WORLD):
+        assert records[rank][label]["mismatched"] == [], (label, rank)
+    want = _tensors(out / "hf_debugmodel")
+    saved = out / label / "checkpoint" / "step-1-hf"
+    got = _tensors(saved)
+    assert sorted(got) == sorted(want), label
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), (label, name)
+    assert json.loads((saved / "config.json").read_text()) == json.loads((out / "hf_debugmodel" / "config.json").read_text())
+    assert not (saved / ".rank-shards").exists()  # each rank's own files are gone once consolidated
+
+
+def test_load_memory_per_rank_stays_near_its_shard(measured):
+    records, _ = measured
+    for rank in range(WORLD):
+        rec = records[rank]["memory"]
+        assert rec["shard_bytes"] * WORLD >= rec["full_bytes"] * 0.99, rec  # FSDP 4: a quarter each
+        # Observed 1.8-2.7x the shard (0.42-0.64 of the full model): the file pages a rank's slices
+        # touch (w1's and w3's columns interleave within every row of the fused gate_up_proj, so
+        # both halves' pages are mapped), one slice read before its copy into the shard, and a few
+        # MB of runtime. The rank-0 load this replaced held the whole model on rank 0 (>= 1.0).
+        assert rec["peak_load_bytes"] < 0.75 * rec["full_bytes"], (rank, rec)
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

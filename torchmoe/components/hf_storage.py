@@ -1,0 +1,301 @@
+"""Hugging Face safetensors in and out through DCP: every rank reads and writes only its shards.
+
+    state = get_model_state_dict(model)               # sharded DTensors (or plain tensors)
+    load_hf_weights(state, "path/to/Llama-4-Scout-17B-16E", args)  # in place, collective
+    save_hf_weights(state, args, "outputs/hf")         # config.json + HF shards, collective
+
+torch's `HuggingFaceStorageReader` reads the slices of each safetensors tensor that a rank's
+local shards cover, and `HuggingFaceStorageWriter` writes each rank's shards to files of its
+own, which every rank then helps consolidate into Hugging Face's layout
+(`consolidate_safetensors_files_on_every_rank`). No rank ever holds more than its shards.
+
+What torch does not know is our name and layout mapping (`models/llama4/hf.py`): the routed
+experts are stored transposed, and w1 / w3 are the two halves of one fused ``gate_up_proj``.
+The planners below present each of our tensors to DCP in Hugging Face orientation (a view of
+the tensor, so loading writes straight into the parameters) and move its chunks to their place
+in the stored tensor (w3's half starts at column `hidden`). A rank whose w1 and w3 shards are
+both column slices of one ``gate_up_proj`` (MoE tensor parallelism) writes them to two files,
+since one safetensors file holds one entry per name.
+
+Without a process group everything runs in this process (`no_dist`), with the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import queue
+import shutil
+import warnings
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files,
+    consolidate_safetensors_files_on_every_rank,
+)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.futures import Future
+
+# checkpoint's import also silences DCP's warning on every single-process call.
+from torchmoe.components.checkpoint import _dist_on
+from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.models.llama4.hf import HFConversionError, HFSlice, hf_config_from_args, hf_slices, text_tensor_name
+from torchmoe.models.llama4.model import Transformer
+
+__all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "save_hf_weights"]
+
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+# Each rank's own files while a save is in progress; removed once consolidated.
+_SHARDS_DIR = ".rank-shards"
+
+
+def _hf_views(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, HFSlice]]:
+    """Our entries that Hugging Face stores, as views in its orientation, and their slices."""
+    slices = hf_slices(state)
+    return {name: s.view(state[name]) for name, s in slices.items()}, slices
+
+
+def _full_model_hf_names(args: ModelArgs) -> set[str]:
+    """Every Hugging Face tensor name of a model of `args` (all stages, whatever this rank holds)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {s.hf_name for s in hf_slices(model.state_dict()).values()}
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+class _HFLoadPlanner(DefaultLoadPlanner):
+    """Reads each of our tensors (a view in HF orientation) from its slice of the stored tensor.
+
+    DCP plans against a virtual metadata in which every one of our tensors is stored whole
+    under its own name; each read item is then pointed at the stored tensor, its offsets
+    moved by the slice's offset.
+
+    Args:
+        slices: ours -> where it is stored.
+        stored: HF name -> the name it has in the files (multimodal checkpoints prefix it).
+    """
+
+    def __init__(self, slices: dict[str, HFSlice], stored: dict[str, str]) -> None:
+        super().__init__(allow_partial_load=False)
+        self.slices = slices
+        self.stored = stored
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        virtual = {}
+        for name, s in self.slices.items():
+            stored_md = metadata.state_dict_metadata[self.stored[s.hf_name]]
+            size = torch.Size(state_dict[name].shape)
+            virtual[name] = TensorStorageMetadata(stored_md.properties, size,
+                                                  [ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
+        super().set_up_planner(state_dict, Metadata(virtual), is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, items=[self._to_stored(item) for item in plan.items])
+
+    def _to_stored(self, item: ReadItem) -> ReadItem:
+        s = self.slices[item.dest_index.fqn]
+        offsets = list(item.storage_offsets)
+        offsets[-1] += s.offset
+        # A Hugging Face file stores each tensor whole: its one chunk starts at 0 (checked on load).
+        return dataclasses.replace(item, storage_index=MetadataIndex(self.stored[s.hf_name], [0] * len(offsets)),
+                                   storage_offsets=torch.Size(offsets))
+
+
+def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArgs) -> dict[str, str]:
+    """HF name -> stored name for every tensor `slices` needs, after checking the checkpoint holds
+    exactly a model of `args` (vision tensors and a tied model's head aside).
+
+    Raises:
+        HFConversionError: a tensor is missing, unexpected, split over files, or of another shape.
+    """
+    entries = metadata.state_dict_metadata
+    stored = {text: key for key in entries if (text := text_tensor_name(key)) is not None}
+    expected = _full_model_hf_names(args)
+    missing = sorted(expected - set(stored))
+    if missing:
+        raise HFConversionError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    extra = sorted(set(stored) - expected - ({"lm_head.weight"} if args.tie_word_embeddings else set()))
+    if extra:
+        raise HFConversionError(f"the checkpoint holds {len(extra)} tensors this model has no place for, "
+                                f"e.g. {extra[:3]}")
+    for s in slices.values():
+        md = entries[stored[s.hf_name]]
+        if tuple(md.size) != s.size:
+            raise HFConversionError(f"{s.hf_name} has shape {tuple(md.size)}, expected {s.size}")
+        if len(md.chunks) != 1:
+            raise HFConversionError(f"{s.hf_name} is split over {len(md.chunks)} files: not a Hugging Face "
+                                    "checkpoint (a sharded DCP export must be consolidated first)")
+    return stored
+
+
+def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike, args: ModelArgs) -> None:
+    """Copy the weights of a Hugging Face Llama 4 folder into the tensors of `state` in place, each
+    rank reading only the slices its (DTensor) shards cover, cast to their dtype. Collective
+    under a process group. Router buffers are left as they are.
+
+    Args:
+        state: our model state dict on this rank (e.g. `get_model_state_dict(model)`: sharded
+            DTensors sharing the parameters' storage; under PP only this rank's stages).
+        hf_dir: a text or multimodal Llama 4 checkpoint (``*.safetensors``).
+        args: the whole model's architecture (to check the checkpoint holds all of it).
+
+    Raises:
+        HFConversionError: the checkpoint is not a model of `args`.
+        FileNotFoundError: no safetensors files in `hf_dir`.
+    """
+    hf_dir = Path(hf_dir)
+    if not any(hf_dir.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors files in {hf_dir}")
+    reader = HuggingFaceStorageReader(str(hf_dir))
+    views, slices = _hf_views(state)
+    stored = _stored_names(reader.read_metadata(), slices, args)
+    dcp.load(views, storage_reader=reader, planner=_HFLoadPlanner(slices, stored), no_dist=not _dist_on())
+
+
+# ---- saving ----------------------------------------------------------------------------------
+
+
+class _HFSavePlanner(DefaultSavePlanner):
+    """Writes each of our tensors (a view in HF orientation) as chunks of its stored tensor:
+    every write item is renamed to the HF name with its offsets moved by the slice's offset."""
+
+    def __init__(self, slices: dict[str, HFSlice]) -> None:
+        super().__init__()
+        self.slices = slices
+        self._ours: dict[tuple[str, tuple[int, ...]], MetadataIndex] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self.plan = dataclasses.replace(plan, items=[self._to_stored(item) for item in plan.items])
+        return self.plan
+
+    def _to_stored(self, item: WriteItem) -> WriteItem:
+        s = self.slices[item.index.fqn]
+        chunk = item.tensor_data.chunk
+        offsets = list(chunk.offsets)
+        offsets[-1] += s.offset
+        self._ours[(s.hf_name, tuple(offsets))] = item.index
+        data = TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), chunk.sizes),
+                               properties=item.tensor_data.properties, size=torch.Size(s.size))
+        # SHARD: a stored tensor may receive several chunks (w1's and w3's) from one rank.
+        return WriteItem(index=MetadataIndex(s.hf_name, offsets), type=WriteItemType.SHARD, tensor_data=data)
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        ours = self._ours[(write_item.index.fqn, tuple(write_item.index.offset))]
+        # The views of transposed experts are strided; safetensors writes contiguous memory.
+        return super().resolve_data(dataclasses.replace(write_item, index=ours)).contiguous()
+
+
+class _RankShardWriter(HuggingFaceStorageWriter):
+    """torch's distributed HF writer, except that a rank's second chunk of one tensor goes to a
+    file of its own (one safetensors file holds one entry per name; DCP's file naming would
+    put both in one file and keep only the last)."""
+
+    def write_data(self, plan: SavePlan, planner: _HFSavePlanner) -> Future:
+        if not plan.items:
+            return super().write_data(plan, planner)
+        file_index = plan.storage_data["fqn_to_index_mapping"]
+        shard = plan.storage_data["shard_index"]
+        n_files = max(file_index.values())
+        files: dict[tuple[int, int], list[WriteItem]] = {}
+        copies: Counter[str] = Counter()
+        for item in plan.items:
+            files.setdefault((file_index[item.index.fqn], copies[item.index.fqn]), []).append(item)
+            copies[item.index.fqn] += 1
+        file_queue: queue.Queue = queue.Queue()
+        for (index, copy), items in files.items():
+            name = f"shard-{shard:05d}-{copy}-model-{index:05d}-of-{n_files:05d}.safetensors"
+            file_queue.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, file_queue)
+
+
+def _file_index(slices: dict[str, HFSlice], dtype: torch.dtype, max_shard_bytes: int, args: ModelArgs) -> dict[str, int]:
+    """HF name -> output file (1-based): the whole model's tensors in order, a new file whenever
+    the current one would exceed `max_shard_bytes`. The same on every rank, whatever it holds."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    index: dict[str, int] = {}
+    file, used = 1, 0
+    for s in hf_slices(model.state_dict()).values():
+        if s.hf_name in index:
+            continue
+        size = math.prod(s.size) * dtype.itemsize
+        if used and used + size > max_shard_bytes:
+            file, used = file + 1, 0
+        index[s.hf_name] = file
+        used += size
+    return index
+
+
+def _max_abs_expert_bias(state: Mapping[str, torch.Tensor]) -> float:
+    """The largest |expert_bias| over the whole model (the biases of all ranks' stages)."""
+    biases = [t for name, t in state.items() if name.endswith("expert_bias")]
+    local = torch.stack([b.abs().max() for b in biases]).max().float().cpu() if biases else torch.zeros(())
+    if _dist_on():
+        local = local.to(_collective_device())
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return float(local)
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, *,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write `state` as a Hugging Face ``Llama4ForCausalLM`` folder: config.json,
+    ``model-0000i-of-0000n.safetensors`` files of at most `max_shard_bytes` and
+    model.safetensors.index.json. Each rank writes only its shards, then consolidates some of
+    the output files. Collective under a process group; parameters keep their dtype.
+
+    The aux-loss-free expert bias has no Hugging Face counterpart: a non-zero bias is dropped
+    with a warning, since HF routing then selects experts without it.
+
+    Args:
+        state: our model state dict on this rank (sharded DTensors or plain tensors).
+        args: the model's architecture (config.json, and the file split of the whole model).
+    """
+    out_dir = Path(out_dir)
+    shards = out_dir / _SHARDS_DIR
+    rank = dist.get_rank() if _dist_on() else 0
+    bias_max = _max_abs_expert_bias(state)
+    if bias_max > 0 and rank == 0:
+        warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face Llama 4 "
+                      "and is dropped: expert selection there ignores it", stacklevel=2)
+    views, slices = _hf_views(state)
+    dtype = next(iter(views.values())).dtype  # every parameter has the same (every pp stage has some)
+    index = _file_index(slices, dtype, max_shard_bytes, args)
+    writer = _RankShardWriter(str(shards), fqn_to_index_mapping=index, save_distributed=True)
+    dcp.save(views, storage_writer=writer, planner=_HFSavePlanner(slices), no_dist=not _dist_on())
+    if _dist_on():  # each rank writes some of the output files
+        consolidate_safetensors_files_on_every_rank(str(shards), str(out_dir), index)
+    else:
+        consolidate_safetensors_files(str(shards), str(out_dir), index)
+    if rank == 0:
+        shutil.rmtree(shards)
+        if max(index.values()) == 1:  # Hugging Face's name for a single file, which needs no index
+            os.replace(out_dir / "model-00001-of-00001.safetensors", out_dir / "model.safetensors")
+            (out_dir / "model.safetensors.index.json").unlink()
+        config = hf_config_from_args(args, dtype)
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if _dist_on():
+        dist.barrier()
+
