@@ -4,35 +4,45 @@
     torchmoe train --config configs/llama4_16e.toml --checkpoint.initial_load_path outputs/scout-dcp
     torchmoe convert dcp-to-hf outputs/debug/checkpoint/step-200 outputs/debug-hf --flavor debugmodel
 
+    torchrun --nproc_per_node=8 -m torchmoe convert hf-to-dcp path/to/Llama-4-Maverick out/maverick-dcp
+
 `hf-to-dcp` writes the model's state dict under its own names (no `model.` prefix): the layout
 `checkpoint.initial_load_path` loads. A DCP folder records no architecture, so the command says
 which built-in flavor the weights belong to. `dcp-to-hf` reads a torchmoe `step-N/` folder (only
-its `model.*` entries) or such a bare model folder into a CPU model of the given flavor, in one
-process without a process group, and writes a Hugging Face `Llama4ForCausalLM` folder.
+its `model.*` entries) or such a bare model folder and writes a Hugging Face `Llama4ForCausalLM`
+folder.
 
-Both directions hold one full copy of the model in CPU memory. User errors (missing folders, a
-flavor that does not fit the checkpoint, an unsupported Hugging Face config) raise `ConfigError`,
-which the CLI prints as one message with exit status 2.
+Both directions run in one process, or as a sharded job under torchrun (gloo: this is host
+work): every tensor with at least one row per rank is split by rows over the ranks, and each
+rank reads and writes only its rows (DCP on both sides, `components/hf_storage.py` for Hugging
+Face), so the host memory of a rank is about the model over the world size. User errors
+(missing folders, a flavor that does not fit the checkpoint, an unsupported Hugging Face
+config) raise `ConfigError`, which the CLI prints as one message with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import warnings
 from pathlib import Path
 from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed import tensor as dtensor
+from torch.distributed.tensor import Shard
 
-from torchmoe.components.checkpoint import load_model_only
+from torchmoe.components.hf_storage import load_hf_weights, save_hf_weights
 from torchmoe.config.errors import ConfigError
-from torchmoe.hf import HFConversionError, load_model, save_state_dict_as_hf
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
-from torchmoe.models.llama4.hf import hf_config_from_args
+from torchmoe.models.llama4.hf import HFConversionError, args_from_hf_config, hf_config_from_args
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
 
@@ -83,6 +93,10 @@ def _state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def _all_keys(ckpt_dir: Path) -> set[str]:
+    return set(FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata)
+
+
 def _stored_model_tensors(ckpt_dir: Path) -> dict[str, TensorStorageMetadata]:
     """Name -> stored metadata of the model tensors of a DCP folder; a torchmoe step folder's
     `model.` prefix is removed (its optimizer, scheduler, data and RNG entries are left out)."""
@@ -111,15 +125,39 @@ def _misfit(expected: dict[str, tuple[int, ...]], stored: dict[str, TensorStorag
     return None
 
 
-def _empty_cpu_model(args: ModelArgs, dtype: torch.dtype) -> Transformer:
-    """A model of `args` on CPU with uninitialised parameters in `dtype` and fresh buffers."""
+def _world() -> DeviceMesh | None:
+    """Join torchrun's world (gloo: conversion is host work) as a 1-D mesh; None in one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _say(*args, **kwargs) -> None:
+    """print on rank 0 only: under torchrun it reports for the whole job."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs)
+
+
+def _empty_state(args: ModelArgs, dtype: torch.dtype, mesh: DeviceMesh | None) -> dict[str, torch.Tensor]:
+    """The state dict of a model of `args` on CPU, uninitialised: parameters in `dtype`, router
+    buffers fp32 zeros. Under a mesh every tensor with at least one row per rank is a DTensor
+    split by rows (`Shard(0)`), so a rank holds about 1/world of the model; smaller ones are
+    whole on every rank."""
     with torch.device("meta"):
         model = Transformer(args)
-    for p in model.parameters():  # buffers keep their own dtypes (fp32 router state)
-        p.data = p.data.to(dtype)
-    model.to_empty(device="cpu")
-    model.init_buffers("cpu")
-    return model.eval()
+    buffers = {name for name, _ in model.named_buffers()}
+    state = {}
+    for name, t in model.state_dict().items():
+        dt = t.dtype if name in buffers else dtype
+        if mesh is not None and t.shape[0] >= mesh.size():
+            state[name] = dtensor.empty(t.shape, dtype=dt, device_mesh=mesh, placements=[Shard(0)])
+        else:
+            state[name] = torch.empty(t.shape, dtype=dt)
+        if name in buffers:  # fresh router state, as a model's init_buffers gives
+            state[name].zero_()
+    return state
 
 
 # ---- the two directions ----------------------------------------------------------------------
@@ -143,13 +181,16 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
         raise ConfigError("HF_DIR", str(hf_dir), "has no config.json",
                           "pass a Hugging Face Llama 4 folder (config.json + *.safetensors)")
     _require_empty_out(out_dir)
+    mesh = _world()
     try:
-        model = load_model(hf_dir, dtype=dtype)
+        args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+        state = _empty_state(args, dtype, mesh)
+        load_hf_weights(state, hf_dir, args)
     except (HFConversionError, FileNotFoundError, ValueError) as err:  # ValueError: malformed JSON
         raise ConfigError("HF_DIR", str(hf_dir), f"cannot be converted: {err}",
                           "pass a Hugging Face Llama 4 text or multimodal checkpoint folder") from None
-    dcp.save(model.state_dict(), checkpoint_id=str(out_dir), no_dist=True)
-    return matching_flavor(model.args)
+    dcp.save(state, checkpoint_id=str(out_dir), no_dist=mesh is None)
+    return matching_flavor(args)
 
 
 def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torch.dtype:
@@ -180,9 +221,12 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
         fix = f"pass --flavor {fits[0]}" if fits else "pass the flavor the checkpoint was trained with"
         raise ConfigError("--flavor", flavor, f"does not fit {ckpt_dir}: {problem}", fix)
     dtype = stored["tok_embeddings.weight"].properties.dtype
-    model = _empty_cpu_model(args, dtype)
-    load_model_only(ckpt_dir, [model])
-    save_state_dict_as_hf(model.state_dict(), args, out_dir)
+    mesh = _world()
+    state = _empty_state(args, dtype, mesh)
+    # A step-N folder keeps the model under "model." next to optimizer and data state.
+    prefix = "model." if "model.tok_embeddings.weight" in _all_keys(ckpt_dir) else ""
+    dcp.load({prefix + k: v for k, v in state.items()}, checkpoint_id=str(ckpt_dir), no_dist=mesh is None)
+    save_hf_weights(state, args, out_dir)
     return dtype
 
 
@@ -227,13 +271,22 @@ def convert_main(argv: list[str]) -> int:
     except _UsageError as err:
         raise ConfigError("torchmoe convert", " ".join(argv), str(err),
                           f"run `{err.prog} --help` for the usage") from None
+    try:
+        return _run(opts)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(opts: argparse.Namespace) -> int:
+    """One direction; rank 0 reports (under torchrun every rank does its share of the work)."""
     if opts.direction == "hf-to-dcp":
         flavor = hf_to_dcp(opts.hf_dir, opts.out_dir, dtype=DTYPES[opts.dtype])
-        print(f"wrote DCP folder {opts.out_dir} ({opts.dtype})")
+        _say(f"wrote DCP folder {opts.out_dir} ({opts.dtype})")
         if flavor is not None:
-            print(f"train from it with --model.flavor {flavor} --checkpoint.initial_load_path {opts.out_dir}")
+            _say(f"train from it with --model.flavor {flavor} --checkpoint.initial_load_path {opts.out_dir}")
         else:
-            print("note: no built-in flavor has this architecture; add one to torchmoe/models/llama4/args.py "
+            _say("note: no built-in flavor has this architecture; add one to torchmoe/models/llama4/args.py "
                   "FLAVORS to train from it")
     else:
         # The one warning here (a non-zero expert bias is dropped) is news for the user, so it is
@@ -241,6 +294,6 @@ def convert_main(argv: list[str]) -> int:
         with warnings.catch_warnings(record=True) as caught:
             dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=opts.flavor)
         for w in caught:
-            print(f"warning: {w.message}", file=sys.stderr)
-        print(f"wrote Hugging Face folder {opts.out_dir} ({opts.flavor}, {str(dtype).removeprefix('torch.')})")
+            _say(f"warning: {w.message}", file=sys.stderr)
+        _say(f"wrote Hugging Face folder {opts.out_dir} ({opts.flavor}, {str(dtype).removeprefix('torch.')})")
     return 0

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 # checkpoint's import also silences DCP's warning on every single-process call.
@@ -247,8 +248,10 @@ def _file_index(slices: dict[str, HFSlice], dtype: torch.dtype, max_shard_bytes:
 
 def _max_abs_expert_bias(state: Mapping[str, torch.Tensor]) -> float:
     """The largest |expert_bias| over the whole model (the biases of all ranks' stages)."""
-    biases = [t for name, t in state.items() if name.endswith("expert_bias")]
-    local = torch.stack([b.abs().max() for b in biases]).max().float().cpu() if biases else torch.zeros(())
+    # Local shards: the all-reduce over every rank covers what each holds (DTensor shards or stages).
+    maxima = [local.abs().max().float().cpu() for name, t in state.items() if name.endswith("expert_bias")
+              if (local := t.to_local() if isinstance(t, DTensor) else t).numel()]
+    local = torch.stack(maxima).max() if maxima else torch.zeros(())
     if _dist_on():
         local = local.to(_collective_device())
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
