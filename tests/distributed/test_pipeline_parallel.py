@@ -124,9 +124,9 @@ def test_checkpoint_reshards_between_pp_degrees(first, second, seed, reference, 
 
 
 def test_hugging_face_load_and_save_under_pp(seed, tmp_path):
-    """`initial_load_in_hf` scatters a Hugging Face folder to the stages, and `last_save_in_hf`
-    gathers every stage's weights (rank 0 holds the first and the last stage under ZBV): the same
-    losses and the same saved tensors as one process."""
+    """`initial_load_in_hf` reads each stage's tensors from a Hugging Face folder, and
+    `last_save_in_hf` writes every stage's weights (rank 0 holds the first and the last stage
+    under ZBV): the same losses and the same saved tensors as one process."""
     from safetensors.torch import load_file
 
     from torchmoe.launch import run_cli
