@@ -108,6 +108,7 @@ def test_coordinates_match_row_major_rank_numbering():
         assert rebuilt == rank
         for name in ALL_NAMES:
             assert layout[name].group(rank)[layout[name].coordinate(rank)] == rank
+            assert list(layout[name].members(rank)) == layout[name].group(rank)  # the lazy form agrees
 
 
 def test_views_are_row_major_over_their_dims():

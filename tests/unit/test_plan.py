@@ -288,6 +288,24 @@ def test_dry_run_maverick_1024_json_and_timing(tmp_path):
     assert "0, 8, 16, …, 1016 (128 ranks)" in text and "wrote" in text
 
 
+def test_dry_run_cost_does_not_grow_with_the_world(tmp_path):
+    """10^9 ranks: groups are described, not materialised (a group of 1.25e8 ranks was a list of
+    that many ints, killed for memory after minutes); what is printed and written stays small."""
+    import resource
+
+    cfg = _config("llama4_128e.toml", tmp_path, "--training.global_batch_size", "-1")
+    world = 10**9
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    report = run_dry_run(cfg, world, console=Console(file=io.StringIO(), width=200))
+    assert time.perf_counter() - start < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024  # KiB: < 100 MB
+    shard = report["groups"][str(world - 1)]["dp_shard"]
+    assert shard == {"size": world // 8, "first": list(range(7, 64, 8)), "last": world - 1}
+    assert report["groups"][str(world - 1)]["ep"] == list(range(world - 8, world))  # small groups: whole
+    assert (tmp_path / "dry_run.json").stat().st_size < 100_000
+
+
 def test_dry_run_warns_when_memory_exceeds_device(tmp_path):
     cfg = _config("llama4_16e.toml", tmp_path, "--job.device_memory_gib", "8",
                   "--activation_checkpoint.mode", "none")

@@ -25,7 +25,7 @@ innermost ranks, so an EP group stays inside a node as long as it can) and ``dp_
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -75,6 +75,19 @@ class DimLayout:
             index = index * size + (rank // stride) % size
         return index
 
+    def members(self, rank: int) -> GroupMembers:
+        """`rank`'s group as a lazy sequence (each member computed on access): a group of a
+        billion ranks costs nothing until it is listed."""
+        return GroupMembers(self, rank)
+
+    def member(self, rank: int, index: int) -> int:
+        """The member of local rank `index` in `rank`'s group, in O(axes)."""
+        member = rank - sum((rank // stride) % size * stride for size, stride in zip(self.sizes, self.strides))
+        for size, stride in reversed(list(zip(self.sizes, self.strides))):  # the last axis varies fastest
+            index, i = divmod(index, size)
+            member += i * stride
+        return member
+
     def group(self, rank: int) -> list[int]:
         """The ranks of `rank`'s group, in local-rank order."""
         base = rank - sum((rank // stride) % size * stride for size, stride in zip(self.sizes, self.strides))
@@ -86,6 +99,23 @@ class DimLayout:
     def groups(self, world_size: int) -> list[list[int]]:
         """Every group of the world, ordered by lowest rank (O(world_size))."""
         return [self.group(r) for r in range(world_size) if self.coordinate(r) == 0]
+
+
+class GroupMembers(Sequence):
+    """The ranks of one group in local-rank order, computed on access (`DimLayout.members`)."""
+
+    def __init__(self, dim: DimLayout, rank: int) -> None:
+        self.dim, self.rank = dim, rank
+
+    def __len__(self) -> int:
+        return self.dim.size
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return self.dim.member(self.rank, index % len(self))
 
 
 def mesh_layout(degrees: Mapping[str, int]) -> dict[str, DimLayout]:

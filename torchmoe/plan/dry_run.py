@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,17 +38,27 @@ from torchmoe.plan.pipeline import (
 )
 from torchmoe.plan.memory import GIB, MemoryEstimate, compute_dtype_bytes, memory_per_pp_rank
 
-# Longer member lists are abbreviated when printed (the JSON keeps them whole).
+# Longer member lists are abbreviated when printed, and in the JSON beyond _JSON_MEMBERS.
 _MAX_LISTED = 8
+_JSON_MEMBERS = 1024
 # Above this fraction of device memory the estimate is flagged even though it fits.
 _TIGHT_FRACTION = 0.9
 
 
-def format_ranks(members: list[int]) -> str:
-    """``0, 1, 2, 3`` or, for long groups, ``0, 8, 16, …, 1016 (128 ranks)``."""
+def format_ranks(members: Sequence[int]) -> str:
+    """``0, 1, 2, 3`` or, for long groups, ``0, 8, 16, …, 1016 (128 ranks)`` (a lazy
+    `GroupMembers` is read only where printed)."""
     if len(members) <= _MAX_LISTED:
         return ", ".join(map(str, members))
     return f"{', '.join(map(str, members[:3]))}, …, {members[-1]} ({len(members)} ranks)"
+
+
+def group_json(members: Sequence[int]) -> list[int] | dict:
+    """A group for dry_run.json: its members, or for a group of more than `_JSON_MEMBERS` ranks
+    its size, first members and last one (a whole list would grow with the world)."""
+    if len(members) <= _JSON_MEMBERS:
+        return list(members)
+    return {"size": len(members), "first": members[:_MAX_LISTED], "last": members[-1]}
 
 
 def example_ranks(world_size: int) -> list[int]:
@@ -243,7 +254,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
         "pipeline": pipeline_report(cfg, dims, args, pipe) if dims.pp_enabled else None,
         "context_parallel": context_report(cfg, dims, args) if dims.cp_enabled else None,
         "coordinates": {str(r): {d: layout[d].coordinate(r) for d in MESH_DIMS} for r in ranks},
-        "groups": {str(r): {name: layout[name].group(r) for name in ALL_NAMES} for r in ranks},
+        "groups": {str(r): {name: group_json(layout[name].members(r)) for name in ALL_NAMES} for r in ranks},
     }
     _print_report(console, cfg, dims, layout, ranks, report, params_local, memory, device_gib,
                   compute_dtype_bytes(dims, cfg.training))
@@ -272,7 +283,7 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
         coords = ", ".join(f"{d}={report['coordinates'][str(r)][d]}" for d in MESH_DIMS)
         groups.add_column(f"rank {r}\n({coords})")
     for name in ALL_NAMES:
-        groups.add_row(name, *(escape(f"[{layout[name].coordinate(r)}] {format_ranks(report['groups'][str(r)][name])}")
+        groups.add_row(name, *(escape(f"[{layout[name].coordinate(r)}] {format_ranks(layout[name].members(r))}")
                                for r in ranks))
     console.print(groups)
 
