@@ -211,6 +211,16 @@ def test_seed_checkpoint_loads_model_only(tmp_path: Path) -> None:
     fresh.step()  # the optimizer is fresh and usable
 
 
+def test_seed_checkpoint_never_prunes(tmp_path: Path) -> None:
+    """keep_latest_k = 1 must not delete the seed just written, nor the checkpoints already there."""
+    run = _Run()
+    for step in (3, 4):
+        _manager(tmp_path, keep_latest_k=1).save(step, run.state)
+    assert _steps(tmp_path) == [4]  # an ordinary save prunes
+    _manager(tmp_path, keep_latest_k=1).save_seed_checkpoint(run.state)
+    assert _steps(tmp_path) == [0, 4]
+
+
 def test_rank_local_state_of_another_world_size_is_kept(tmp_path: Path, caplog) -> None:
     run = _Run()
     run.state["dataloader"] = RankLocal(run.loader, rank=1)  # as if written by rank 1 only

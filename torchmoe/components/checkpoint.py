@@ -414,7 +414,8 @@ class CheckpointManager:
         os.rename(tmp, final)
         _fsync_dir(self.folder)
         logger.info("checkpoint step-%d is complete: %s", step, final)
-        self._prune()
+        if not meta["model_only"]:  # a seed checkpoint never prunes: not itself, not the others
+            self._prune()
 
     def _prune(self) -> None:
         """Rank 0: delete complete checkpoints beyond keep_latest_k and stale temp folders."""
