@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from torchmoe.models.init import init_parameters
 from torchmoe.models.llama4 import FLAVORS, MoE, Transformer
 
 
@@ -33,9 +34,9 @@ def _time(fn, warmup: int, iters: int) -> float:
 
 
 def bench_moe_layer(args, batch: int, seq: int, grouped: bool, warmup: int, iters: int) -> float:
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # for the inputs below
     moe = MoE(args.replace(use_grouped_mm=grouped))
-    moe.init_weights(0.02)
+    init_parameters(moe, moe.param_inits(0.02), seed=0)
     moe.reset_router_state("cpu")
     x = torch.randn(batch, seq, args.dim, requires_grad=True)
 
@@ -77,9 +78,9 @@ def main() -> None:
         key = "moe_layer_grouped_tok_s" if grouped else "moe_layer_loop_tok_s"
         result[key] = bench_moe_layer(args, opts.batch, opts.seq, grouped, opts.warmup, opts.iters)
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # for the tokens below
     model = Transformer(args)
-    model.init_weights()
+    model.init_weights(seed=0)
     tokens = torch.randint(0, args.vocab_size, (opts.batch, opts.seq))
     fwd_bwd = lambda: model(tokens).float().logsumexp(-1).mean().backward()  # noqa: E731
     result["model_fwd_bwd_tok_s"] = tokens_per_step / _time(fwd_bwd, opts.warmup, opts.iters)

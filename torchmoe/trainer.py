@@ -153,12 +153,13 @@ class Trainer:
         self.pp_rank = self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
         parts = split_into_stages(model, self.pipe, self.pp_rank) if self.dims.pp_enabled else [model]
         self.model_parts = [parallelize_llama4(part, self.dims, self.mesh, cfg) for part in parts]
+        # For whatever draws from the global RNG while training; the weights do not: their values
+        # come from the seed and each parameter's name, the same under every layout.
         torch.manual_seed(cfg.training.seed)
         for part in self.model_parts:
             # FSDP CPU offload keeps sharded parameters on the host; buffers still go to the device.
             part.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else self.device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=self.device)
+            part.init_weights(seed=cfg.training.seed, buffer_device=self.device)
             part.train()
         # One model under the full model's parameter names, for optimizer, checkpoints, clipping.
         self.model = PipelineRankModel(self.model_parts) if self.dims.pp_enabled else self.model_parts[0]

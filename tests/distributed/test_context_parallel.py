@@ -111,7 +111,7 @@ def _check_model(seq_len: int) -> dict:
     torch.manual_seed(0)
     args = FLAVORS["debugmodel"]
     model = Transformer(args)
-    model.init_weights()
+    model.init_weights(seed=0)
     tokens = torch.randint(0, args.vocab_size, (2, seq_len))
     full = model(tokens)  # (2, S, V), the same on both ranks
 

@@ -115,7 +115,7 @@ def _hf_folder(flavor: str, folder: Path, seed: int) -> Path:
 
     torch.manual_seed(seed)
     model = Transformer(FLAVORS[flavor])
-    model.init_weights()
+    model.init_weights(seed=seed)
     save_model(model, folder)
     return folder
 

@@ -11,6 +11,7 @@ import torch
 
 from tests.helpers import DEBUG_CONFIG
 from torchmoe.launch import metrics_by_step, run_train
+from torchmoe.models.init import init_parameters
 from torchmoe.models.llama4 import FLAVORS, MoE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -19,9 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_grouped_bf16_with_block_padding_matches_loop():
     """On CUDA expert blocks are padded to 16 rows for the grouped GEMM; outputs and gradients
     must still equal the per-expert loop (bf16: 1e-2 relative, a few ulps)."""
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # for the inputs below
     grouped = MoE(FLAVORS["debugmodel"]).cuda().bfloat16()
-    grouped.init_weights(0.02)
+    init_parameters(grouped, grouped.param_inits(0.02), seed=0)
     grouped.reset_router_state("cuda")
     looped = MoE(FLAVORS["debugmodel"].replace(use_grouped_mm=False)).cuda().bfloat16()
     looped.load_state_dict(grouped.state_dict())
@@ -33,6 +34,20 @@ def test_grouped_bf16_with_block_padding_matches_loop():
     out_l.backward(grad)
     for a, b in ((out_g, out_l), (xg.grad, xl.grad), (grouped.experts.w1.grad, looped.experts.w1.grad)):
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() <= 1e-2
+
+
+def test_init_on_cuda_equals_cpu():
+    """Weights are drawn on the host and copied: a CUDA model holds the CPU model's values exactly."""
+    from torchmoe.models.llama4 import Transformer
+
+    models = {}
+    for device in ("cpu", "cuda"):
+        with torch.device("meta"):
+            models[device] = Transformer(FLAVORS["debugmodel"])
+        models[device].to_empty(device=device)
+        models[device].init_weights(seed=3)
+    for (name, want), got in zip(models["cpu"].named_parameters(), models["cuda"].parameters()):
+        assert got.is_cuda and torch.equal(got.cpu(), want), name
 
 
 def test_training_on_one_gpu_logs_mfu(tmp_path):

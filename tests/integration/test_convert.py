@@ -38,9 +38,8 @@ def _ok(*args: str | Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     """A Hugging Face folder of a freshly initialised debugmodel."""
-    torch.manual_seed(0)
     model = Transformer(FLAVORS["debugmodel"])
-    model.init_weights()
+    model.init_weights(seed=0)
     folder = tmp_path_factory.mktemp("hf")
     save_model(model, folder)
     return folder

@@ -69,10 +69,10 @@ def test_hf_to_torchmoe_and_back_fp32(case, tmp_path):
 
 def test_torchmoe_to_hf_from_our_init(tmp_path):
     """The other direction from our own initialisation of the debug flavor (every feature on)."""
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # for the inputs below
     args = FLAVORS["debugmodel"]
     model = Transformer(args)
-    model.init_weights()
+    model.init_weights(seed=0)
     save_model(model, tmp_path / "hf", max_shard_bytes=2**20)  # several shards + index
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     hf = Llama4ForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -151,7 +151,7 @@ def test_export_refuses_what_hf_cannot_express():
 
 def test_nonzero_expert_bias_warns_on_export(tmp_path):
     model = Transformer(FLAVORS["debugmodel"])
-    model.init_weights()
+    model.init_weights(seed=0)
     model.moe_layers()[0].expert_bias[0] = 0.5
     with pytest.warns(UserWarning, match="expert_bias"):
         save_model(model, tmp_path)

@@ -12,8 +12,7 @@ def _meta_then_init(flavor: str, seed: int) -> Transformer:
     with torch.device("meta"):
         model = Transformer(FLAVORS[flavor])
     model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights(buffer_device=torch.device("cpu"))
+    model.init_weights(seed=seed, buffer_device=torch.device("cpu"))
     return model
 
 
@@ -97,7 +96,7 @@ def test_flex_attention_matches_sdpa():
 def test_longer_than_rope_cache_computes_on_the_fly():
     args = FLAVORS["debugmodel"].replace(max_seq_len=64)
     model = Transformer(args)
-    model.init_weights()
+    model.init_weights(seed=0)
     big = Transformer(args.replace(max_seq_len=256))
     big.load_state_dict(model.state_dict())
     big.init_buffers("cpu")

@@ -6,14 +6,15 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from torchmoe.models.init import init_parameters
 from torchmoe.models.llama4 import FLAVORS, MoE, update_expert_bias
 from torchmoe.models.llama4.moe import GroupedExperts, TokenChoiceRouter
 
 
 def _moe(**overrides) -> MoE:
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # for the inputs the tests draw after building the layer
     moe = MoE(FLAVORS["debugmodel"].replace(**overrides))
-    moe.init_weights(0.02)
+    init_parameters(moe, moe.param_inits(0.02), seed=0)
     moe.reset_router_state("cpu")
     return moe
 

@@ -1,7 +1,7 @@
 """The Llama 4 text transformer (iRoPE attention, interleaved dense and MoE feed-forward).
 
     python -c "import torch; from torchmoe.models.llama4 import Transformer, FLAVORS; \\
-        m = Transformer(FLAVORS['debugmodel']); m.init_weights(); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
+        m = Transformer(FLAVORS['debugmodel']); m.init_weights(seed=0); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
 
 Numerics follow Hugging Face ``Llama4ForCausalLM`` operation for operation (norms and rotary
 embeddings in fp32, interleaved-pair complex RoPE, QK L2-norm after RoPE, temperature tuning of
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchmoe.models.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.moe import FeedForward, MoE
 
@@ -33,9 +34,8 @@ class RMSNorm(nn.Module):
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
         return out * self.weight if self.weight is not None else out
 
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
+    def param_inits(self) -> dict[str, ParamInit]:
+        return {"weight": ONES} if self.weight is not None else {}
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -143,10 +143,10 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    def init_weights(self, init_std: float) -> None:
-        for w in (self.wq.weight, self.wk.weight, self.wv.weight):
-            nn.init.trunc_normal_(w, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        """Projections into heads at std 0.02; the output projection at the block's depth-scaled std."""
+        return {"wq.weight": TruncNormal(0.02), "wk.weight": TruncNormal(0.02), "wv.weight": TruncNormal(0.02),
+                "wo.weight": TruncNormal(init_std)}
 
 
 def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -204,14 +204,12 @@ class TransformerBlock(nn.Module):
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        if self.moe_enabled:
-            self.moe.init_weights(self.weight_init_std)
-        else:
-            self.feed_forward.init_weights(self.weight_init_std)
+    def param_inits(self) -> dict[str, ParamInit]:
+        ffn_name = "moe" if self.moe_enabled else "feed_forward"
+        return {**prefixed("attention_norm", self.attention_norm.param_inits()),
+                **prefixed("ffn_norm", self.ffn_norm.param_inits()),
+                **prefixed("attention", self.attention.param_inits(self.weight_init_std)),
+                **prefixed(ffn_name, getattr(self, ffn_name).param_inits(self.weight_init_std))}
 
 
 class Transformer(nn.Module):
@@ -269,22 +267,31 @@ class Transformer(nn.Module):
         # Longer than the cached table (capped, see __init__): compute on the fly.
         return precompute_freqs_cis(self.args, seq_len, table.device)
 
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Initialise parameters in place (call under a seeded RNG) and rebuild buffers.
+    def init_weights(self, *, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Initialise parameters in place from `seed` and rebuild buffers.
 
+        A parameter's values depend on the seed and its name only (`models/init.py`), so every
+        layout (sharded, a pipeline stage of this model, CPU or CUDA) holds the same full weights.
         Works after ``to_empty(device=...)`` from the meta device; ``buffer_device`` places
         buffers elsewhere than parameters (e.g. CUDA buffers with CPU-offloaded parameters).
         """
         self.init_buffers(buffer_device or self.freqs_cis.device)
+        init_parameters(self, self.param_inits(), seed=seed)
+
+    def param_inits(self) -> dict[str, ParamInit]:
+        """Each parameter's distribution, by its name in the full model (a pipeline stage
+        declares the parameters it holds, under the same names)."""
+        inits: dict[str, ParamInit] = {}
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights()
+            inits["tok_embeddings.weight"] = Normal(1.0)
+        for name, layer in self.layers.items():
+            inits.update(prefixed(f"layers.{name}", layer.param_inits()))
         if self.norm is not None:
-            self.norm.reset_parameters()
+            inits.update(prefixed("norm", self.norm.param_inits()))
         if self.output is not None:
-            cutoff = 3 * self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
+            std = self.args.dim**-0.5
+            inits["output.weight"] = TruncNormal(std, a=-3 * std, b=3 * std)
+        return inits
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Rebuild every buffer on `device`: the RoPE table and fresh (zero) MoE router state.

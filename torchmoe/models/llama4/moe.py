@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchmoe.models.init import ParamInit, TruncNormal, prefixed
 from torchmoe.models.llama4.args import ModelArgs
 
 # On CUDA, grouped GEMM kernels want every expert's row block to start at a multiple of 16 rows
@@ -40,10 +41,8 @@ class FeedForward(nn.Module):
         """x: (..., dim) -> (..., dim)."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for w in (self.w2.weight, self.w3.weight):
-            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        return {"w1.weight": TruncNormal(0.02), "w2.weight": TruncNormal(init_std), "w3.weight": TruncNormal(init_std)}
 
 
 class GroupedExperts(nn.Module):
@@ -77,10 +76,8 @@ class GroupedExperts(nn.Module):
             return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
         return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
 
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        for w in (self.w2, self.w3):
-            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        return {"w1": TruncNormal(0.02), "w2": TruncNormal(init_std), "w3": TruncNormal(init_std)}
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -158,8 +155,8 @@ class TokenChoiceRouter(nn.Module):
         top_scores = scores.gather(-1, selected)  # (T, k)
         return top_scores, selected, scores, logits
 
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        return {"gate.weight": TruncNormal(init_std)}
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -278,11 +275,13 @@ class MoE(nn.Module):
         self.last_aux_loss = aux.detach()
         return _AttachAuxLoss.apply(out, aux, self.aux_loss_grad_scale)
 
-    def init_weights(self, init_std: float) -> None:
-        self.router.init_weights(init_std)
-        self.experts.init_weights(init_std)
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        """Router and routed/shared experts; `init_std` is the block's depth-scaled std."""
+        inits = {**prefixed("router", self.router.param_inits(init_std)),
+                 **prefixed("experts", self.experts.param_inits(init_std))}
         if self.shared_experts is not None:
-            self.shared_experts.init_weights(init_std)
+            inits.update(prefixed("shared_experts", self.shared_experts.param_inits(init_std)))
+        return inits
 
     def reset_router_state(self, device: torch.device | str) -> None:
         """Zero expert bias and token counts (fp32) on `device`."""
