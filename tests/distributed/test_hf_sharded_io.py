@@ -108,12 +108,9 @@ def _worker(out_dir: Path) -> None:
 
 def _hf_folder(flavor: str, folder: Path, seed: int) -> Path:
     """A Hugging Face folder of a randomly initialised model of `flavor` (one process)."""
-    import torch
-
     from torchmoe.hf import save_model
     from torchmoe.models.llama4 import FLAVORS, Transformer
 
-    torch.manual_seed(seed)
     model = Transformer(FLAVORS[flavor])
     model.init_weights(seed=seed)
     save_model(model, folder)

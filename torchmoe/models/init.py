@@ -136,7 +136,7 @@ def check_box_layout(placements, mesh_shape: tuple[int, ...]) -> None:
                   if j != i and isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim]
         if any(j < i or isinstance(placements[j], _StridedShard) for j in others) or (
                 math.prod(mesh_shape[j] for j in others) != p.split_factor):
-            raise NotImplementedError(f"layout-independent init needs a contiguous shard per dim, not {placements}")
+            raise ValueError(f"layout-independent init needs a contiguous shard per dim, not {placements}")
 
 
 def rows_per_chunk(shape: tuple[int, ...]) -> int:
