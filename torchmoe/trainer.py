@@ -49,6 +49,7 @@ from torchmoe.components.metrics import (
 )
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
+from torchmoe.components.run_lock import lock_dump_folder
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig
 from torchmoe.config.loader import write_config_toml
@@ -136,6 +137,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
+        self.folder_lock = lock_dump_folder(self.dump_folder)  # before anything is written there
         if self.rank == 0:
             write_config_toml(cfg, self.dump_folder / "config.toml")
 
@@ -459,6 +461,7 @@ class Trainer:
         logger.info("seed checkpoint written to %s", path)
 
     def close(self) -> None:
+        self.folder_lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
