@@ -8,6 +8,7 @@ Each run is one process with OMP_NUM_THREADS=1, so fp32 CPU results are reproduc
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -60,6 +61,20 @@ def test_resume_continues_bitwise(full_run: Path, tmp_path: Path) -> None:
         # Model, optimizer, LR schedule, data position and MoE router state all continue.
         for key in ("loss", "grad_norm", "lr", "tokens_per_expert"):
             assert got[key] == want[key], (got["step"], key)
+
+
+def test_resume_logs_each_step_once(full_run: Path, tmp_path: Path) -> None:
+    """A run killed after logging steps 4-6 but saving only step-3 logs 4-6 again on resume:
+    metrics.jsonl keeps the new records, once each (a torn last line is dropped too)."""
+    folder = start_from(full_run / "checkpoint" / "step-3", tmp_path)
+    # The killed run's records of steps 4-6 are marked, so the kept ones can be told apart.
+    before = [{**r, "loss": -1.0} if r["step"] > 3 else r for r in read_metrics(full_run)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before) + '{"step": 7, "lo')
+    train(folder, SIX_STEPS)
+    rows = read_metrics(folder)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[:3] == before[:3]
+    assert [r["loss"] for r in rows[3:]] == [r["loss"] for r in read_metrics(full_run)[3:]]
 
 
 def test_torn_checkpoints_are_never_loaded(full_run: Path, tmp_path: Path) -> None:

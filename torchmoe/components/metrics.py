@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -193,6 +194,28 @@ def _number(v: Any) -> Any:
     return v
 
 
+def _drop_records_after(path: Path, step: int) -> None:
+    """Remove from `path` the records of steps after `step` (and a line torn by a kill): a run
+    resuming at `step` logs them again, and metrics.jsonl holds each step once. Rewritten to a
+    temporary file and renamed, so a crash here loses nothing."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Writes metrics on rank 0 (other ranks: every method is a no-op).
 
@@ -231,6 +254,7 @@ class MetricsLogger:
         if rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_records_after(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if cfg.enable_tensorboard:
             self._tb = _summary_writer_cls()(log_dir=str(Path(dump_folder) / cfg.save_tb_folder))
