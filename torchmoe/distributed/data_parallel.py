@@ -1,5 +1,13 @@
 """Data parallelism: FSDP2 (``fully_shard``) over ``dp_shard × cp``, HSDP with ``dp_replicate``,
-or DDP (``replicate``) when only ``dp_replicate > 1``.
+or DDP (``replicate``) when only ``dp_replicate > 1``; and the mixed precision of the layouts
+without any (`apply_autocast`).
+
+Mixed precision: FSDP2 and DDP's ``replicate`` (built on FSDP2) take a ``MixedPrecisionPolicy``
+that casts the fp32 parameters to ``training.mixed_precision_param`` when they are gathered, so
+the whole forward and backward run in it (the residual stream included) and the gradients come
+back fp32. Layouts with neither (one process, TP, EP or PP alone) run the model's forward under
+``torch.autocast`` in that dtype instead: matmul-like ops compute in it, elementwise ops and the
+residual stream stay fp32, parameters and gradients are fp32.
 
 Gradients are *summed* across data-parallel ranks (divide factor 1): the trainer normalises each
 micro-batch's loss by the token count of the whole global batch, so the sum is the exact
@@ -95,3 +103,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     replicate(model, mesh=dp_mesh, mp_policy=mp)
     _sum_gradients(model)
+
+
+def apply_autocast(model: nn.Module, param_dtype: str) -> None:
+    """Run `model`'s forward (and so its backward) under ``torch.autocast`` in `param_dtype`, for
+    layouts where no FSDP/DDP policy casts the parameters. Never together with FSDP/DDP: their
+    policy already casts, and autocast would only add casts of the cast. fp32 leaves the model
+    as it is."""
+    model.autocast_dtype = None if param_dtype == "float32" else _DTYPES[param_dtype]
