@@ -42,9 +42,10 @@ Activations: bytes saved for backward per token, per block, from the tensors `mo
 alive (eager autograd, flash-style attention kernels that save q, k, v, out and the fp32
 log-sum-exp rather than probabilities; CPU's math attention saves more). ``a`` = compute dtype
 bytes, ``r`` residual-stream bytes (``a``, or 4 under autocast), ``D`` dim,
-``Hq = n_heads*head_dim``, ``Hkv = n_kv_heads*head_dim``, ``F`` ffn_hidden_dim, ``M`` moe_hidden_dim, ``Ms = M * num_shared_experts``, ``E`` experts, ``k`` top_k. TP shards heads
-and hidden dims (``/tp``) and, with sequence parallelism, the residual stream and norms (``/tp``);
-the matmul inputs are the all-gathered sequence (full ``D``).
+``Hq = n_heads*head_dim``, ``Hkv = n_kv_heads*head_dim``, ``F`` ffn_hidden_dim, ``M`` moe_hidden_dim,
+``Ms = M * num_shared_experts``, ``E`` experts, ``k`` top_k. TP shards heads and hidden dims
+(``/tp``) and, with sequence parallelism, the residual stream and norms (``/tp``); the matmul
+inputs are the all-gathered sequence (full ``D``).
 
     norm(n)   = (4 + r)*n + 4               fp32 upcast (the input itself when r = 4) + normalised
                                             output (before the weight) + rstd;
