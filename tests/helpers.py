@@ -119,3 +119,29 @@ def run_rank_script(script: str, out_dir: Path, *, world: int, timeout: int) -> 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+def compute_dtypes(trainer) -> dict[str, list[str]]:
+    """Run one `forward_backward` of `trainer` on its next batch and report the dtypes that ran:
+    ``q_proj`` / ``experts`` (the outputs of every local block's attention q projection and
+    routed experts), ``params`` and ``grads`` (every local parameter and its gradient), each as
+    a sorted list of dtype names (a DTensor's local dtype)."""
+    seen: dict[str, set[str]] = {"q_proj": set(), "experts": set()}
+
+    def record(key: str):
+        def hook(module, args, output) -> None:
+            seen[key].add(str(output.dtype))
+        return hook
+
+    handles = []
+    for block in trainer.model.layers.values():
+        handles.append(block.attention.wq.register_forward_hook(record("q_proj")))
+        if block.moe_enabled:
+            handles.append(block.moe.experts.register_forward_hook(record("experts")))
+    trainer.forward_backward(trainer.dataloader.next_batch())
+    for handle in handles:
+        handle.remove()
+    params = list(trainer.model.parameters())
+    seen["params"] = {str(p.dtype) for p in params}
+    seen["grads"] = {str(p.grad.dtype) for p in params if p.grad is not None}
+    return {key: sorted(values) for key, values in seen.items()}

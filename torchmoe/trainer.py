@@ -69,10 +69,13 @@ from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
 from torchmoe.plan.context import CPLayout
-from torchmoe.plan.memory import compute_dtype_bytes
+from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
 
 logger = logging.getLogger(__name__)
+
+# The planner counts bytes per element; the dtype that runs with that many.
+_DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
 
 
 class TrainingDiverged(RuntimeError):
@@ -147,6 +150,9 @@ class Trainer:
         dp_rank = self.mesh["batch"].get_local_rank() if self.mesh is not None else 0
         self.dataloader = build_dataloader(cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp)
         self.global_tokens = self.dataloader.global_batch_size * cfg.training.seq_len
+        # What the matmuls compute in, in every layout (FSDP/DDP cast the parameters to it, other
+        # layouts autocast): the planner's dtype, and the peak MFU is measured against.
+        self.compute_dtype = _DTYPE_OF_BYTES[compute_dtype_bytes(cfg.training)]
 
         with torch.device("meta"):
             model = Transformer(self.model_args)
@@ -194,11 +200,12 @@ class Trainer:
         """torch's pipeline schedule over this rank's stages (see `distributed/pipeline_parallel.py`)."""
         cfg, args = self.cfg, self.model_args
         tp = self.dims.tp
-        dtype = {2: torch.bfloat16, 4: torch.float32}[compute_dtype_bytes(self.dims, cfg.training)]
+        hidden_dtype = _DTYPE_OF_BYTES[residual_dtype_bytes(self.dims, cfg.training)]
         metas = lambda stage: stage_io_metas(
             self.pipe, stage, microbatch=cfg.training.local_batch_size // self.pp_microbatches,
             seq_len=cfg.training.seq_len // self.dims.cp, seq_shards=tp, dim=args.dim,
-            vocab_local=args.vocab_size // tp if self.loss_parallel else args.vocab_size, dtype=dtype)
+            vocab_local=args.vocab_size // tp if self.loss_parallel else args.vocab_size,
+            hidden_dtype=hidden_dtype, logits_dtype=self.compute_dtype)
         return build_schedule(self.model_parts, self.pipe, self.mesh["pp"], cfg.parallelism.pipeline_parallel_schedule,
                               n_microbatches=self.pp_microbatches, loss_fn=self._loss, io_metas=metas,
                               device=self.device)
@@ -398,7 +405,7 @@ class Trainer:
         steps = cfg.training.steps
         flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
         metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
-                                peak_flops=device_peak_flops(self.device), start_step=self.step)
+                                peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         if self.step > 0:

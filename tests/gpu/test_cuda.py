@@ -50,15 +50,21 @@ def test_init_on_cuda_equals_cpu():
         assert got.is_cuda and torch.equal(got.cpu(), want), name
 
 
-def test_training_on_one_gpu_logs_mfu(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_on_one_gpu_logs_mfu(tmp_path, dtype):
+    """One GPU, no FSDP: bf16 runs under autocast. MFU is against the peak of the dtype that ran."""
+    from torchmoe.components.metrics import device_peak_flops
+
     run_train(["--config", DEBUG_CONFIG, "--training.device", "cuda", "--training.steps", "20",
-               "--metrics.log_freq", "10"], dump_folder=tmp_path, threads=None)
+               "--metrics.log_freq", "10", "--training.mixed_precision_param", str(dtype).removeprefix("torch.")],
+              dump_folder=tmp_path, threads=None)
     rows = metrics_by_step(tmp_path)
     assert rows[20]["loss"] < rows[1]["loss"] - 1.0
     assert rows[20]["memory_gib"] > 0
     if rows[20]["mfu"] is None:  # only GPUs with a known peak report MFU
         pytest.skip(f"no peak FLOP/s known for {torch.cuda.get_device_name()}")
     assert 0 < rows[20]["mfu"] < 100
+    assert rows[20]["mfu"] == pytest.approx(100 * rows[20]["tflops"] * 1e12 / device_peak_flops("cuda", dtype))
 
 
 def test_float8_converts_eligible_linears():

@@ -75,6 +75,28 @@ def test_mfu_is_null_without_a_known_peak(tmp_path: Path) -> None:
     assert record["mfu"] is None
 
 
+@pytest.mark.parametrize("name, bf16, fp32", [("NVIDIA H100 80GB HBM3", 989e12, 67e12),
+                                               ("NVIDIA A100-SXM4-80GB", 312e12, 19.5e12)])
+def test_mfu_is_against_the_peak_of_the_compute_dtype(tmp_path: Path, monkeypatch, name, bf16, fp32) -> None:
+    """bf16 runs against the bf16 tensor-core peak, fp32 runs against the fp32 one (TF32's, half
+    the bf16 rate, when torch lets fp32 matmuls use TF32)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_peak_flops("cuda", torch.bfloat16) == bf16
+    assert device_peak_flops("cuda", torch.float32) == fp32
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert device_peak_flops("cuda", torch.float32) == bf16 / 2
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    # The same 98.9 TFLOP/s per rank: a small fraction of the bf16 peak, more of the fp32 one.
+    for dtype, peak in ((torch.bfloat16, bf16), (torch.float32, fp32)):
+        with MetricsLogger(tmp_path / str(dtype), MetricsConfig(), rank=0, total_steps=3, console=_console()[0],
+                           peak_flops=device_peak_flops("cuda", dtype)) as m:
+            assert m.log(1, _values(1.0))["mfu"] == pytest.approx(100 * 98.9e12 / peak)
+
+
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:
     console, out = _console()
     with MetricsLogger(tmp_path, MetricsConfig(), rank=1, total_steps=3, console=console) as m:
@@ -97,7 +119,7 @@ def test_moe_imbalance_math() -> None:
 
 
 def test_device_helpers_on_cpu() -> None:
-    assert device_peak_flops("cpu") is None
+    assert device_peak_flops("cpu", torch.bfloat16) is None
     assert 0 < peak_memory_gib("cpu") < 1024
 
 

@@ -90,10 +90,16 @@ def test_states_by_hand_fsdp_tp_ep():
     assert est.fsdp_buffers == 2 * (units[2] + units[1]) + 6 * units[2] == 6592
 
 
-def test_no_fsdp_means_full_fp32_states_and_no_buffers():
-    est = memory_per_pp_rank(TINY, _dims(), Training(), ActivationCheckpoint(), Parallelism())[0]
+def test_no_fsdp_means_full_fp32_states_and_autocast_weight_copies():
+    fp32 = memory_per_pp_rank(TINY, _dims(), Training(mixed_precision_param="float32"), ActivationCheckpoint(),
+                              Parallelism())[0]
     total = sum(s.numel for s in param_specs(TINY))
-    assert (est.params, est.grads, est.optimizer, est.fsdp_buffers) == (4 * total, 4 * total, 8 * total, 0)
+    assert (fp32.params, fp32.grads, fp32.optimizer, fp32.fsdp_buffers) == (4 * total, 4 * total, 8 * total, 0)
+    # bf16 without FSDP runs under autocast, which keeps a bf16 copy of every matmul weight through
+    # the forward: layer 0 attention 4 * 64, FFN 3 * 96; layer 1 attention 256, router 32, shared
+    # expert 3 * 64, experts 3 * 256; output head 128 (not the embedding 128, norms 5 * 8).
+    bf16 = memory_per_pp_rank(TINY, _dims(), Training(), ActivationCheckpoint(), Parallelism())[0]
+    assert bf16.params == fp32.params and bf16.fsdp_buffers == 2 * (544 + 1248 + 128) == 2 * (total - 128 - 40)
 
 
 def test_cpu_offload_moves_states_to_host():
@@ -184,21 +190,30 @@ def _saved_bytes(model: torch.nn.Module, fn) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in own)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_activations_match_saved_tensors(dtype):
+@pytest.mark.parametrize("precision", ["fp32", "bf16_params", "bf16_autocast"])
+def test_block_activations_match_saved_tensors(precision):
+    """fp32; bf16 parameters and inputs (what FSDP/DDP's mixed precision computes with); fp32
+    parameters and residual stream under bf16 autocast (the layouts without FSDP/DDP)."""
     args = FLAVORS["debugmodel"]
     torch.manual_seed(0)  # for the inputs below
     model = Transformer(args)
     model.init_weights(seed=0)
+    dtype = torch.bfloat16 if precision == "bf16_params" else torch.float32
     for p in model.parameters():
-        p.data = p.data.to(dtype)  # what FSDP's mixed precision computes with
+        p.data = p.data.to(dtype)
     batch, seq = 2, 64
     x = torch.randn(batch, seq, args.dim, dtype=dtype, requires_grad=True)
     freqs = model.freqs_cis[:seq]
-    act = ActivationModel(args, _dims(), a=torch.finfo(dtype).bits // 8, compiled=False, loss_parallel=False)
+    autocast = precision == "bf16_autocast"
+    act = ActivationModel(args, _dims(), a=4 if precision == "fp32" else 2, compiled=False, loss_parallel=False,
+                          autocast=autocast)
     for i, block in model.layers.items():
-        measured = _saved_bytes(model, lambda: block(x, freqs))
-        estimated = act.block_full(int(i)) * batch * seq
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            measured = _saved_bytes(model, lambda: block(x, freqs))
+        # autocast's bf16 weight copies are saved too: the planner counts them once per forward,
+        # as parameter copies (`fsdp_buffers`), not per token.
+        copies = 2 * sum(s.numel for s in param_specs(args) if s.layer == int(i) and len(s.shape) >= 2)
+        estimated = act.block_full(int(i)) * batch * seq + (copies if autocast else 0)
         # Left out as negligible: NoPE layers' (seq,) temperature scale, MoE's (E,) int32 offsets.
         assert abs(estimated - measured) <= 4 * seq + 4 * args.num_experts, (i, estimated, measured)
 

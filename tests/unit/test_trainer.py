@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import compute_dtypes
 from torchmoe.config import load_job_config
 from torchmoe.trainer import Trainer, TrainingDiverged
 
@@ -63,3 +64,17 @@ def test_non_finite_loss_raises_before_stepping(tmp_path: Path) -> None:
 
     for name, p in trainer.model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name], equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_process_computes_in_the_requested_dtype(tmp_path: Path, dtype: str) -> None:
+    """No FSDP/DDP policy here: bf16 is honoured by autocast (before it, one process computed in
+    fp32 whatever was asked), while weights, gradients and optimizer state stay fp32."""
+    trainer = _trainer(tmp_path, "--training.mixed_precision_param", dtype)
+    got = compute_dtypes(trainer)
+    assert got["q_proj"] == got["experts"] == [f"torch.{dtype}"]
+    assert got["params"] == got["grads"] == ["torch.float32"]
+    assert trainer.compute_dtype == getattr(torch, dtype)  # what MFU's peak is looked up for
+    trainer.optimizer.step()
+    states = {v.dtype for state in trainer.optimizer.state.values() for k, v in state.items() if k != "step"}
+    assert states == {torch.float32}

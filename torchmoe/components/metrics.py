@@ -2,7 +2,7 @@
 
     setup_logging(rank)
     metrics = MetricsLogger(job.dump_folder, job_config.metrics, rank=rank, total_steps=steps,
-                            peak_flops=device_peak_flops(device))
+                            peak_flops=device_peak_flops(device, compute_dtype))
     if metrics.should_log(step):
         metrics.log(step, {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                            "tokens_per_sec": global_tps, "tflops": tflops_per_rank,
@@ -12,8 +12,8 @@
 
 metrics.jsonl (DESIGN §3, a contract): rank 0 appends one JSON object per logged step with
 `step, loss, grad_norm, lr, tokens_per_sec` (global), `tflops` (achieved per rank), `mfu`
-(percent of the device's peak bf16 dense FLOP/s; null when the peak is unknown, e.g. on CPU),
-`memory_gib` (peak per rank), `elapsed_s` (since the logger started, unless given),
+(percent of the device's peak dense FLOP/s in the run's compute dtype; null when the peak is
+unknown, e.g. on CPU), `memory_gib` (peak per rank), `elapsed_s` (since the logger started, unless given),
 `moe_imbalance` (max/mean tokens per expert averaged over MoE layers) and, when counts are
 given, `tokens_per_expert` (a list per MoE layer). Non-finite numbers are written as null so the
 file stays strict JSON. A resumed run appends again from its checkpoint step, so a step can
@@ -50,23 +50,26 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
-# Peak dense bf16 tensor-core FLOP/s per device, matched against torch.cuda.get_device_name()
-# in order (more specific names first).
-_PEAK_BF16_FLOPS: list[tuple[str, float]] = [
-    ("GB200", 2.5e15),
-    ("B200", 2.25e15),
-    ("H200", 989e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM
-    ("H800", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("MI325X", 1307e12),
-    ("MI300X", 1307e12),
+# Peak dense FLOP/s per device (bf16 tensor cores, plain fp32), matched against
+# torch.cuda.get_device_name() in order (more specific names first). TF32 tensor cores, used for
+# fp32 matmuls when torch.get_float32_matmul_precision() is not "highest", run at half the bf16
+# rate on every device listed.
+_PEAK_FLOPS: list[tuple[str, float, float]] = [
+    # name, bf16, fp32
+    ("GB200", 2.5e15, 80e12),
+    ("B200", 2.25e15, 75e12),
+    ("H200", 989e12, 67e12),
+    ("H100 NVL", 835e12, 60e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100", 989e12, 67e12),  # SXM
+    ("H800", 989e12, 67e12),
+    ("A100", 312e12, 19.5e12),
+    ("A800", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("L40", 181e12, 90.5e12),
+    ("L4", 121e12, 30.3e12),
+    ("MI325X", 1307e12, 163.4e12),
+    ("MI300X", 1307e12, 163.4e12),
 ]
 
 
@@ -101,15 +104,19 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
     root.propagate = False
 
 
-def device_peak_flops(device: torch.device | str) -> float | None:
-    """Peak dense bf16 FLOP/s of one device, or None when unknown (CPU, unlisted GPUs)."""
+def device_peak_flops(device: torch.device | str, dtype: torch.dtype) -> float | None:
+    """Peak dense FLOP/s of one device for matmuls computing in `dtype` (the run's compute
+    dtype): the bf16 tensor-core peak for bf16; for fp32 the plain fp32 peak, or the TF32 one
+    when torch lets fp32 matmuls use TF32. None when unknown (CPU, unlisted GPUs)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
-    for key, flops in _PEAK_BF16_FLOPS:
+    for key, bf16, fp32 in _PEAK_FLOPS:
         if key in name:
-            return flops
+            if dtype == torch.bfloat16:
+                return bf16
+            return fp32 if torch.get_float32_matmul_precision() == "highest" else bf16 / 2
     logger.warning("unknown peak FLOP/s for %r; MFU will not be reported", name)
     return None
 

@@ -95,9 +95,9 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms (slower; for debugging)."""
     mixed_precision_param: str = "bfloat16"
-    """Dtype of parameters in compute under FSDP: 'bfloat16' or 'float32'."""
+    """Compute dtype, 'bfloat16' or 'float32': FSDP/HSDP/DDP cast parameters to it; other layouts run the forward under torch.autocast in it. Master weights and gradients stay fp32."""
     mixed_precision_reduce: str = "float32"
-    """Dtype of gradient reduction under FSDP: 'float32' or 'bfloat16'."""
+    """Dtype of gradient reduction under FSDP/HSDP/DDP: 'float32' or 'bfloat16'; no effect without them (no gradient is reduced)."""
     device: str = ""
     """'cpu' or 'cuda'; empty = cuda when available, else cpu."""
 

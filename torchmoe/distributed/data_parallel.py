@@ -1,5 +1,13 @@
 """Data parallelism: FSDP2 (``fully_shard``) over ``dp_shard × cp``, HSDP with ``dp_replicate``,
-or DDP (``replicate``) when only ``dp_replicate > 1``.
+or DDP (``replicate``) when only ``dp_replicate > 1``; and the mixed precision of the layouts
+without any (`apply_autocast`).
+
+Mixed precision: FSDP2 and DDP's ``replicate`` (built on FSDP2) take a ``MixedPrecisionPolicy``
+that casts the fp32 parameters to ``training.mixed_precision_param`` when they are gathered, so
+the whole forward and backward run in it (the residual stream included) and the gradients come
+back fp32. Layouts with neither (one process, TP, EP or PP alone) run the model's forward under
+``torch.autocast`` in that dtype instead: matmul-like ops compute in it, elementwise ops and the
+residual stream stay fp32, parameters and gradients are fp32.
 
 Gradients are *summed* across data-parallel ranks (divide factor 1): the trainer normalises each
 micro-batch's loss by the token count of the whole global batch, so the sum is the exact
@@ -67,6 +75,59 @@ def apply_fsdp(
     units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **common))
     for unit in units:
         _sum_gradients(unit)
+    if expert_mesh is not None:
+        _prefetch_explicitly(model, head)
+
+
+def _prefetch_explicitly(model: nn.Module, head: list[nn.Module]) -> None:
+    """Under expert parallelism, tell every FSDP unit which units to all-gather ahead of time.
+
+    FSDP2's implicit forward prefetching relies on the host running ahead of the device: a unit's
+    all-gather is issued when the host reaches its pre-forward, while the device still computes
+    the previous unit. EP's all-to-all needs its split sizes on the host, a sync in every MoE
+    block that drains the device queue, so the host reaches the next block only once this one
+    has finished and its all-gather would run exposed. Explicit prefetching issues it from the
+    current unit's pre-forward instead, before any of the unit's compute (and its sync) is queued.
+
+    Forward, in execution order (embedding, blocks, final norm + head): each unit prefetches the
+    next block and that block's experts unit. A block's experts are all-gathered only at the
+    experts' pre-forward, after attention, the router and the count exchange (with its sync):
+    prefetched one block earlier, their all-gather overlaps the previous block instead. A block
+    with no unit before it (the first block of a later pipeline stage) prefetches its own experts,
+    which then overlap its attention. Backward mirrors this in reverse order (head, blocks from
+    the last, embedding): each unit prefetches the previous block's experts, then that block (a
+    block's experts run backward before its attention). Only targets change: each all-gather
+    still happens once per pass, so parameter memory grows by at most the next block in flight.
+
+    Args:
+        model: the FSDP-wrapped model (or pipeline stage) whose units `apply_fsdp` made.
+        head: the final norm and output head this stage holds (one FSDP unit), may be empty.
+    """
+    blocks = list(model.layers.values())
+    experts = {block: [block.moe.experts] if block.moe_enabled else [] for block in blocks}
+    first = [model.tok_embeddings] if model.tok_embeddings is not None else []
+    last = head[:1]  # fully_shard([norm, output]) is one unit: either module names it
+    _chain(first + blocks + last, experts, lambda unit, targets: unit.set_modules_to_forward_prefetch(targets),
+           experts_first=False)
+    _chain(last + blocks[::-1] + first, experts, lambda unit, targets: unit.set_modules_to_backward_prefetch(targets),
+           experts_first=True)
+
+
+def _chain(order: list[nn.Module], experts: dict[nn.Module, list[nn.Module]], set_prefetch, *,
+           experts_first: bool) -> None:
+    """Make each unit of `order` (one pass's execution order) prefetch the next unit and, when
+    that is a block, its experts unit (`experts[block]`); a block opening the chain also
+    prefetches its own experts. `experts_first`: list a block's experts before the block (in
+    backward they are needed first)."""
+    def targets(unit: nn.Module) -> list[nn.Module]:
+        own = experts.get(unit, [])
+        return own + [unit] if experts_first else [unit] + own
+
+    for i, unit in enumerate(order):
+        opening = experts.get(unit, []) if i == 0 else []
+        following = targets(order[i + 1]) if i + 1 < len(order) else []
+        if opening or following:
+            set_prefetch(unit, opening + following)
 
 
 def _expert_placement(efsdp: int):
@@ -95,3 +156,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     replicate(model, mesh=dp_mesh, mp_policy=mp)
     _sum_gradients(model)
+
+
+def apply_autocast(model: nn.Module, param_dtype: str) -> None:
+    """Run `model`'s forward (and so its backward) under ``torch.autocast`` in `param_dtype`, for
+    layouts where no FSDP/DDP policy casts the parameters. Never together with FSDP/DDP: their
+    policy already casts, and autocast would only add casts of the cast. fp32 leaves the model
+    as it is."""
+    model.autocast_dtype = None if param_dtype == "float32" else _DTYPES[param_dtype]

@@ -260,6 +260,13 @@ class ParallelDims:
         return self.dp_replicate_enabled and not self.fsdp_enabled
 
     @property
+    def mp_policy_enabled(self) -> bool:
+        """FSDP2/HSDP or DDP is applied, and with it a ``MixedPrecisionPolicy`` that casts the
+        parameters to ``training.mixed_precision_param`` for compute (DDP's ``replicate`` is
+        FSDP-based and casts too). Without one, the forward runs under ``torch.autocast``."""
+        return self.fsdp_enabled or self.ddp_enabled
+
+    @property
     def dense_fsdp_dims(self) -> tuple[str, ...]:
         """Mesh names to pass to ``fully_shard`` for dense parameters (2-D = HSDP)."""
         return ("dp_replicate", "dp_shard_cp") if self.dp_replicate_enabled else ("dp_shard_cp",)

@@ -76,7 +76,8 @@ class PipelineRankModel(nn.Module):
 
 
 def stage_io_metas(pipe: PipelineLayout, stage: int, *, microbatch: int, seq_len: int, seq_shards: int, dim: int,
-                   vocab_local: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                   vocab_local: int, hidden_dtype: torch.dtype,
+                   logits_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Meta tensors shaped like `stage`'s input and output for one micro-batch.
 
     Args:
@@ -84,15 +85,16 @@ def stage_io_metas(pipe: PipelineLayout, stage: int, *, microbatch: int, seq_len
         seq_len: tokens of each sequence on this rank (seq_len / cp under context parallelism).
         seq_shards: how many ranks share each sequence between blocks (tp, sequence parallel).
         vocab_local: logits columns one rank holds (vocab / tp under loss parallel).
-        dtype: the dtype hidden states and logits are computed in.
+        hidden_dtype: the dtype of hidden states between stages (the residual stream's).
+        logits_dtype: the dtype of the logits (the compute dtype: the head is a matmul).
     Returns:
         (input, output): token ids (B, S) int64 or hidden states (B, S / seq_shards, dim); hidden
         states, or logits (B, S, vocab_local) on the last stage.
     """
-    hidden = torch.empty(microbatch, seq_len // seq_shards, dim, dtype=dtype, device="meta")
+    hidden = torch.empty(microbatch, seq_len // seq_shards, dim, dtype=hidden_dtype, device="meta")
     first, last = stage == 0, stage == pipe.num_stages - 1
     inputs = torch.empty(microbatch, seq_len, dtype=torch.long, device="meta") if first else hidden.requires_grad_()
-    outputs = torch.empty(microbatch, seq_len, vocab_local, dtype=dtype, device="meta") if last else hidden
+    outputs = torch.empty(microbatch, seq_len, vocab_local, dtype=logits_dtype, device="meta") if last else hidden
     return inputs, outputs.requires_grad_()
 
 

@@ -117,7 +117,7 @@ def context_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> dict:
     per step for them (forward, plus the same amount of gradients sent back in backward; full AC
     repeats the forward's). What `dry_run.json` holds under ``context_parallel``."""
     layout = CPLayout(cfg.training.seq_len, dims.cp)
-    a = compute_dtype_bytes(dims, cfg.training)
+    a = compute_dtype_bytes(cfg.training)
     kv_per_token = 2 * a * args.n_kv_heads * args.head_dim / dims.tp
     sequences = max(cfg.training.global_batch_size, 0) // dims.dp or cfg.training.local_batch_size
     modes: dict[str, dict] = {}
@@ -155,7 +155,10 @@ def _data_parallel_detail(cfg: JobConfig, dims: ParallelDims) -> str:
     if dims.ddp_enabled:
         return (f"DDP over dp_replicate={dims.dp_replicate}; compute {cfg.training.mixed_precision_param}, "
                 f"reduce {cfg.training.mixed_precision_reduce}")
-    return "off (one data-parallel rank; fp32)"
+    if t.mixed_precision_param == "float32":
+        return "off (one data-parallel rank); compute float32"
+    return (f"off (one data-parallel rank); compute {t.mixed_precision_param} under torch.autocast, fp32 "
+            "weights and gradients (nothing to reduce: mixed_precision_reduce has no effect)")
 
 
 def _pipeline_detail(cfg: JobConfig, dims: ParallelDims, pipe: PipelineLayout) -> str:
@@ -257,7 +260,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
         "groups": {str(r): {name: group_json(layout[name].members(r)) for name in ALL_NAMES} for r in ranks},
     }
     _print_report(console, cfg, dims, layout, ranks, report, params_local, memory, device_gib,
-                  compute_dtype_bytes(dims, cfg.training))
+                  compute_dtype_bytes(cfg.training))
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dry_run.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -11,23 +11,29 @@ is estimated and the fullest one reported. The total is a sum of peaks (paramete
 state, gradients, transient FSDP buffers and peak activations), an upper bound: sharded
 gradients of late blocks appear only as early blocks' activations are freed.
 
-Dtypes. Parameters are kept fp32 and sharded (the "master" copy). Under FSDP2 (whenever
-`ParallelDims.fsdp_enabled`) compute runs in ``training.mixed_precision_param``: each FSDP unit
-(one transformer block, the embedding, final norm + output head) is all-gathered into an
-unsharded copy in that dtype, and its unsharded gradients are produced in that dtype and cast to
-``mixed_precision_reduce`` for the reduce-scatter. Without FSDP (one rank, DDP, TP or PP alone)
-no mixed-precision policy applies and everything is fp32.
+Dtypes. Parameters are kept fp32 and sharded (the "master" copy); matmuls compute in
+``training.mixed_precision_param`` in every layout. Under FSDP2 (whenever
+`ParallelDims.fsdp_enabled`) each FSDP unit (one transformer block, the embedding, final norm +
+output head) is all-gathered into an unsharded copy in that dtype, and its unsharded gradients
+are produced in that dtype and cast to ``mixed_precision_reduce`` for the reduce-scatter; DDP
+casts its parameters the same way, so the whole forward (the residual stream too) runs in it.
+Other layouts (one rank, TP, EP or PP alone) run under ``torch.autocast`` (bf16 requested): it
+casts each matmul weight once per forward (a compute-dtype copy of every matmul weight is alive
+through the forward, counted in ``fsdp_buffers``) and each matmul input at every use, while the
+residual stream and norms stay fp32.
 
     params       = 4 B x sharded elements
     grads        = 4 B x sharded elements        (fp32, sharded after reduce-scatter)
     optimizer    = 8 B x sharded elements        (AdamW/Adam: exp_avg and exp_avg_sq, fp32)
-    fsdp_buffers = reshard after forward:  max_i (U_i + max(U_i-1, U_i+1) + G_i)
+    fsdp_buffers = compute-dtype copies of parameters: under FSDP
+                   reshard after forward:  max_i (U_i + max(U_i-1, U_i+1) + G_i)
                    kept unsharded (PP's default, or "never"): sum_i U_i + max_i G_i
         over the rank's FSDP units i in execution order: unit i computes while its neighbour is
         prefetched (the next one in forward, the previous one in backward), and in backward holds
         its unsharded gradients. U_i = c x the unit's TP/EP-local elements, G_i = (c + r if r != c
         else c) x the same (the gradients, and their cast for the reduce-scatter); c / r = bytes
-        of the param / reduce dtype.
+        of the param / reduce dtype. Under autocast: c x the rank's matmul weights (all but
+        norms and an untied embedding); 0 in fp32.
 
 With ``parallelism.fsdp_cpu_offload`` the sharded params, grads and optimizer state live in host
 memory instead (reported as ``host``, not in the device total).
@@ -35,21 +41,27 @@ memory instead (reported as ``host``, not in the device total).
 Activations: bytes saved for backward per token, per block, from the tensors `model.py` keeps
 alive (eager autograd, flash-style attention kernels that save q, k, v, out and the fp32
 log-sum-exp rather than probabilities; CPU's math attention saves more). ``a`` = compute dtype
-bytes, ``D`` dim, ``Hq = n_heads*head_dim``, ``Hkv = n_kv_heads*head_dim``, ``F`` ffn_hidden_dim,
-``M`` moe_hidden_dim, ``Ms = M * num_shared_experts``, ``E`` experts, ``k`` top_k. TP shards heads
-and hidden dims (``/tp``) and, with sequence parallelism, the residual stream and norms (``/tp``);
-the matmul inputs are the all-gathered sequence (full ``D``).
+bytes, ``r`` residual-stream bytes (``a``, or 4 under autocast), ``D`` dim,
+``Hq = n_heads*head_dim``, ``Hkv = n_kv_heads*head_dim``, ``F`` ffn_hidden_dim, ``M`` moe_hidden_dim,
+``Ms = M * num_shared_experts``, ``E`` experts, ``k`` top_k. TP shards heads and hidden dims
+(``/tp``) and, with sequence parallelism, the residual stream and norms (``/tp``); the matmul
+inputs are the all-gathered sequence (full ``D``).
 
-    norm(n)   = (4 + a)*n + 4               fp32 upcast + normalised output (before the weight) + rstd;
-                a*n + 4 with torch.compile   (fused: the input and rstd)
-    attention = norm(D)/tp + a*D            attention_norm, gathered wq/wk/wv input
+    norm(n)   = (4 + r)*n + 4               fp32 upcast (the input itself when r = 4) + normalised
+                                            output (before the weight) + rstd;
+                r*n + 4 with torch.compile   (fused: the input and rstd)
+    x(n)      = a, or n*a under autocast    a matmul input read by n matmuls: autocast casts it
+                                            for each (eager; compile may merge the casts)
+    attention = norm(D)/tp + x(3)*D         attention_norm, gathered wq/wk/wv input
               + a*(Hq + 2*Hkv)/tp           sdpa's q, k, v
               + a*Hq/tp + 4*n_heads/tp      sdpa output (also wo's input: its transpose is free), lse
               + (4*(Hq + Hkv) + 4*(n_heads + n_kv_heads))/tp   QK L2-norm (RoPE layers, use_qk_norm)
               + cp                      with cp > 1 (`ActivationModel._cp_attention`): gathered
                                         K/V, or K/V with halos; the output again; the mask
-    dense FFN = norm(D)/tp + a*D + 4*a*F/tp                 w1 out, silu out, w3 out, product
-    MoE       = norm(D)/tp + f*a*D                          ffn_norm, MoE input
+    dense FFN = norm(D)/tp + x(2)*D + 4*a*F/tp              w1/w3 input; w1 out, silu out, w3
+                                                            out, product
+    MoE       = norm(D)/tp + f*x(1 + 2s)*D                  ffn_norm, MoE input (router gate and,
+                                                            s = 1 with a shared expert, its w1/w3)
               + f*(4*E + 16*k)                              fp32 router scores, top-k indices
               + f*k * (4*D + 2*a*D + 4*a*M/etp + 12)        per routed copy: fp32 operand of the
                                                             gate multiply, the expert input and
@@ -68,7 +80,7 @@ the matmul inputs are the all-gathered sequence (full ``D``).
 Activation checkpointing (per block, as `distributed/activation_checkpoint.py` applies it; the
 head is never checkpointed):
     none:      the block's full bytes are saved
-    full:      only its input, a*D/tp
+    full:      only its input, r*D/tp
     selective: "op" saves the input and what the op policy marks must-save (sdpa output + lse,
                grouped-GEMM outputs, TP reduce-scatter and EP all-to-all outputs) plus half of the
                plain matmul outputs (it saves every second mm); an integer n fully checkpoints
@@ -129,17 +141,37 @@ class MemoryEstimate:
         return {f: getattr(self, f) / GIB for f in fields}
 
 
-def compute_dtype_bytes(dims: ParallelDims, training_cfg: Training) -> int:
-    """Bytes per element of activations and gathered params: the mixed-precision param dtype
-    under FSDP or DDP (both apply the policy), else fp32."""
-    return _DTYPE_BYTES[training_cfg.mixed_precision_param] if dims.fsdp_enabled or dims.ddp_enabled else 4
+def compute_dtype_bytes(training_cfg: Training) -> int:
+    """Bytes per element of what matmuls compute in and produce: ``mixed_precision_param`` in
+    every layout (FSDP/DDP cast the parameters to it, the other layouts autocast to it)."""
+    return _DTYPE_BYTES[training_cfg.mixed_precision_param]
+
+
+def autocast_enabled(dims: ParallelDims, training_cfg: Training) -> bool:
+    """The forward runs under torch.autocast: a lower compute dtype, and no FSDP/DDP policy to
+    cast the parameters (`distributed.data_parallel.apply_autocast`)."""
+    return not dims.mp_policy_enabled and compute_dtype_bytes(training_cfg) != 4
+
+
+def residual_dtype_bytes(dims: ParallelDims, training_cfg: Training) -> int:
+    """Bytes per element of the residual stream (block inputs and outputs, norm inputs, pipeline
+    hidden states): the compute dtype when FSDP/DDP cast the parameters (the embedding's output
+    is already in it), fp32 under autocast (additions and norms are not autocast ops)."""
+    return 4 if autocast_enabled(dims, training_cfg) else compute_dtype_bytes(training_cfg)
 
 
 # ---- states and FSDP buffers --------------------------------------------------------------------
 
 
-def _fsdp_buffer_bytes(specs: list[ParamSpec], dims: ParallelDims, training_cfg: Training,
-                       parallelism_cfg: Parallelism) -> int:
+def _param_copy_bytes(specs: list[ParamSpec], model_args: ModelArgs, dims: ParallelDims, training_cfg: Training,
+                      parallelism_cfg: Parallelism) -> int:
+    """Peak bytes of compute-dtype parameter copies: FSDP's unsharded units, or autocast's."""
+    if autocast_enabled(dims, training_cfg):
+        # autocast casts each matmul weight once per forward and keeps the copy until the forward
+        # ends (and backward needs it): norms and an untied embedding are not matmul weights.
+        matmul = [s for s in specs if len(s.shape) >= 2 and (
+            model_args.tie_word_embeddings or s.fqn != "tok_embeddings.weight")]
+        return compute_dtype_bytes(training_cfg) * sum(math.prod(local_shape(s, dims)) for s in matmul)
     if not dims.fsdp_enabled:
         return 0
     c = _DTYPE_BYTES[training_cfg.mixed_precision_param]
@@ -169,6 +201,8 @@ class ActivationModel:
         args: the model's shape.
         dims: the layout (tp, cp, ep shard the tensors).
         a: bytes per element of the compute dtype.
+        autocast: the forward runs under torch.autocast (no FSDP/DDP policy casts the
+            parameters): the residual stream stays fp32 and matmul inputs are cast per use.
         compiled: blocks run under torch.compile (fused norms).
         loss_parallel: the loss runs on vocab-sharded logits.
         seq_len: tokens per whole sequence (context parallelism decides what attention keeps
@@ -181,9 +215,20 @@ class ActivationModel:
     compiled: bool
     loss_parallel: bool
     seq_len: int = 0
+    autocast: bool = False
+
+    @property
+    def r(self) -> int:
+        """Bytes per element of the residual stream: fp32 under autocast, else the compute dtype."""
+        return 4 if self.autocast else self.a
+
+    def _matmul_input(self, readers: int) -> float:
+        """Bytes per element saved for a tensor that `readers` matmuls take as input: one copy in
+        the compute dtype, or under autocast one cast copy per matmul."""
+        return self.a * (readers if self.autocast else 1)
 
     def _norm(self, n: int) -> float:
-        return (self.a * n if self.compiled else (4 + self.a) * n) + 4
+        return (self.r * n if self.compiled else (4 + self.r) * n) + 4
 
     def _moe_tokens(self) -> float:
         """Fraction of the block's tokens the MoE block runs on: its sequence shard under EP with
@@ -195,12 +240,12 @@ class ActivationModel:
         return self.a * self.args.dim / self.dims.tp if self.dims.tp_enabled else 0.0
 
     def block_input(self) -> float:
-        return self.a * self.args.dim / self.dims.tp
+        return self.r * self.args.dim / self.dims.tp
 
     def _attention(self, layer: int) -> float:
         m, tp, a = self.args, self.dims.tp, self.a
         hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-        total = self._norm(m.dim) / tp + a * m.dim + a * (hq + 2 * hkv) / tp
+        total = self._norm(m.dim) / tp + self._matmul_input(3) * m.dim + a * (hq + 2 * hkv) / tp
         total += a * hq / tp + 4 * m.n_heads / tp + self._cp_attention(layer)
         if m.use_qk_norm and m.rope_layers[layer]:
             total += (4 * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads)) / tp
@@ -209,9 +254,10 @@ class ActivationModel:
     def _ffn(self, layer: int) -> float:
         m, tp, a = self.args, self.dims.tp, self.a
         if not m.is_moe_layer(layer):
-            return self._norm(m.dim) / tp + a * m.dim + 4 * a * m.ffn_hidden_dim / tp
+            return self._norm(m.dim) / tp + self._matmul_input(2) * m.dim + 4 * a * m.ffn_hidden_dim / tp
         f, k = self._moe_tokens(), m.top_k
-        total = self._norm(m.dim) / tp + a * m.dim * f + (4 * m.num_experts + 16 * k) * f
+        readers = 1 + 2 * (m.num_shared_experts > 0)  # router gate, shared expert w1 and w3
+        total = self._norm(m.dim) / tp + self._matmul_input(readers) * m.dim * f + (4 * m.num_experts + 16 * k) * f
         total += k * f * (4 * m.dim + 2 * a * m.dim + 4 * a * m.moe_hidden_dim / self.dims.etp + 12)
         return total + 4 * a * m.moe_hidden_dim * m.num_shared_experts / tp
 
@@ -326,9 +372,10 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
         compiled: blocks run under torch.compile (fused norms save less).
     """
     pipe = pipeline_layout(model_args, dims, parallelism_cfg, training_cfg.seq_len)
-    a = compute_dtype_bytes(dims, training_cfg)
+    a = compute_dtype_bytes(training_cfg)
     act = ActivationModel(model_args, dims, a, compiled, seq_len=training_cfg.seq_len,
-                          loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel)
+                          loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel,
+                          autocast=autocast_enabled(dims, training_cfg))
     if dims.pp_enabled:
         microbatches, sequences = pipeline_microbatches(training_cfg, parallelism_cfg)
     else:
@@ -347,7 +394,7 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
         estimates.append(MemoryEstimate(
             pp_rank=pp_rank,
             **states,
-            fsdp_buffers=_fsdp_buffer_bytes(local, dims, training_cfg, parallelism_cfg),
+            fsdp_buffers=_param_copy_bytes(local, model_args, dims, training_cfg, parallelism_cfg),
             activations=_activation_bytes(act, pipe, pp_rank, tokens, microbatches,
                                           parallelism_cfg.pipeline_parallel_schedule, ac_cfg),
             host=host,

@@ -234,13 +234,25 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cis", precompute_freqs_cis(args, self._rope_cache_len()), persistent=False)
         # Set by context parallelism: the global positions of this rank's tokens.
         self.context_parallel = None
+        # Set by the parallelize pipeline when no FSDP/DDP policy casts the parameters: forward
+        # runs under torch.autocast in this dtype (None: in the parameters' dtype).
+        self.autocast_dtype: torch.dtype | None = None
 
     def _rope_cache_len(self) -> int:
         return min(self.args.max_seq_len, _MAX_ROPE_CACHE)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (B, S) int64 ids (or (B, S, dim) hidden states on later pipeline stages)
-        -> logits (B, S, vocab) (or hidden states when this stage has no output head)."""
+        -> logits (B, S, vocab) (or hidden states when this stage has no output head).
+
+        Under ``autocast_dtype`` the logits come out in it and the hidden states in fp32 (the
+        residual stream is a sum autocast leaves in fp32); the loss upcasts the logits."""
+        if self.autocast_dtype is None:
+            return self._forward(tokens)
+        with torch.autocast(tokens.device.type, dtype=self.autocast_dtype):
+            return self._forward(tokens)
+
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         freqs_cis = self._rotations(h.shape[1])
         for layer in self.layers.values():

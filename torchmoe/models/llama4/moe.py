@@ -72,12 +72,28 @@ class GroupedExperts(nn.Module):
             (rows, dim); rows past the last block are unspecified.
         """
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if _autocast_on(x):
+            # autocast has no rule for _grouped_mm (it would run in fp32, or fail on mixed
+            # dtypes): cast the operands as autocast casts a matmul's.
+            dtype = compute_dtype(x)
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         if self.use_grouped_mm:
             return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
         return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"w1": TruncNormal(0.02), "w2": TruncNormal(init_std), "w3": TruncNormal(init_std)}
+
+
+def _autocast_on(x: torch.Tensor) -> bool:
+    """autocast is enabled for x's device (devices without autocast, such as meta, never are)."""
+    device = x.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on `x` computes in: autocast's when it is on for x's device, else x's."""
+    return torch.get_autocast_dtype(x.device.type) if _autocast_on(x) else x.dtype
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -316,11 +332,13 @@ class TokenDispatcher:
         token_of = order // self.top_k  # (T*k,) source token of each sorted row
         rows = tokens[token_of]  # (T*k, dim)
         gates = top_scores.reshape(-1)[order].unsqueeze(-1)  # (T*k, 1) fp32
-        if score_before_experts:
-            rows = (rows.float() * gates).to(tokens.dtype)
+        # The experts compute in `dtype`; under autocast the tokens are the fp32 residual stream,
+        # so rows are cast before they travel (EP's all-to-all moves half the bytes in bf16).
+        dtype = compute_dtype(tokens)
+        rows = (rows.float() * gates).to(dtype) if score_before_experts else rows.to(dtype)
         out = self.run_experts(rows, counts, experts)
         if not score_before_experts:
-            out = (out.float() * gates).to(tokens.dtype)
+            out = (out.float() * gates).to(dtype)
         result = torch.zeros(num_tokens, dim, dtype=out.dtype, device=out.device)
         return result.index_add_(0, token_of, out)
 

@@ -8,7 +8,7 @@ Applied in place, in this order (each step assumes the previous ones):
     3. activation checkpointing
     4. torch.compile per block  (after AC so recomputation is compiled too; before FSDP so
                                  FSDP's hooks stay outside the graphs)
-    5. FSDP2 / HSDP, or DDP
+    5. FSDP2 / HSDP, or DDP (their mixed-precision policy casts the parameters), else autocast
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.distributed.compile import apply_compile
-from torchmoe.distributed.data_parallel import apply_ddp, apply_fsdp
+from torchmoe.distributed.data_parallel import apply_autocast, apply_ddp, apply_fsdp
 from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
 from torchmoe.distributed.tensor_parallel import apply_tp
 
@@ -67,6 +67,8 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
     elif dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"], param_dtype=cfg.training.mixed_precision_param,
                   reduce_dtype=cfg.training.mixed_precision_reduce)
+    else:
+        apply_autocast(model, cfg.training.mixed_precision_param)
     return model
 
 

@@ -1,0 +1,81 @@
+"""`training.mixed_precision_param` is the dtype blocks compute in, in every layout.
+
+    python -m pytest -q tests/distributed/test_mixed_precision.py
+
+One torchrun world of 2 CPU/gloo ranks builds the real `Trainer` for each layout below, in bf16
+and in fp32, runs one `forward_backward` and records the dtype of every block's attention q
+projection and routed experts output, of the parameters and of their gradients
+(`tests.helpers.compute_dtypes`). FSDP and DDP cast parameters with their mixed-precision policy;
+TP, PP and TP x EP alone have none and run under autocast (`data_parallel.apply_autocast`); the
+pipeline's hidden states are then fp32 and its logits bf16, which its static stage metadata must
+match. Before autocast, the TP, PP and TP x EP runs computed in fp32 whatever was asked.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import compute_dtypes, run_rank_script, write_rank_record
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["--config", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--training.steps", "1"]
+ONE_SHARD = ["--parallelism.data_parallel_shard_degree", "1"]
+LAYOUTS = {
+    "fsdp2": [],
+    "ddp2": ["--parallelism.data_parallel_replicate_degree", "2", *ONE_SHARD],
+    "tp2": ["--parallelism.tensor_parallel_degree", "2", *ONE_SHARD],
+    "tp2_ep2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2", *ONE_SHARD],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2", *ONE_SHARD],
+}
+DTYPES = {"bfloat16": "torch.bfloat16", "float32": "torch.float32"}
+
+
+def _measure(label: str, dtype: str, out_dir: Path) -> dict:
+    import torch.distributed as dist
+
+    from torchmoe.config.loader import load_job_config
+    from torchmoe.trainer import Trainer
+
+    cfg = load_job_config([*BASE, *LAYOUTS[label], "--training.mixed_precision_param", dtype,
+                           "--job.dump_folder", str(out_dir / f"{label}_{dtype}")])
+    trainer = Trainer(cfg)
+    record = {**compute_dtypes(trainer), "compute_dtype": str(trainer.compute_dtype)}
+    del trainer
+    dist.barrier()
+    return record
+
+
+def _worker(out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    write_rank_record(out_dir, {f"{label}_{dtype}": _measure(label, dtype, out_dir)
+                                for label in LAYOUTS for dtype in DTYPES})
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[int, dict]:
+    return run_rank_script(__file__, tmp_path_factory.mktemp("precision"), world=2, timeout=600)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_blocks_compute_in_the_requested_dtype(measured, label, dtype):
+    for rank, records in measured.items():
+        got = records[f"{label}_{dtype}"]
+        assert got["q_proj"] == [DTYPES[dtype]], (label, rank)
+        # Under PP one rank's stage may hold no MoE block.
+        assert got["experts"] in ([DTYPES[dtype]], []), (label, rank)
+        assert got["params"] == got["grads"] == ["torch.float32"], (label, rank)  # fp32 master weights
+        assert got["compute_dtype"] == DTYPES[dtype], (label, rank)
+    assert any(records[f"{label}_{dtype}"]["experts"] for records in measured.values())
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
