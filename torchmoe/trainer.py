@@ -147,8 +147,12 @@ class Trainer:
         tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args_from_config(cfg.model)
         check_tokenizer_fits(tokenizer.vocab_size, self.model_args.vocab_size, cfg.model)
-        dp_rank = self.mesh["batch"].get_local_rank() if self.mesh is not None else 0
-        self.dataloader = build_dataloader(cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp)
+        batch_mesh = self.mesh["batch"] if self.mesh is not None else None
+        dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+        # With the batch mesh the loader's checkpointed rows are a DTensor: each rank saves its own.
+        self.dataloader = build_dataloader(
+            cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp, batch_mesh=batch_mesh
+        )
         self.global_tokens = self.dataloader.global_batch_size * cfg.training.seq_len
         # What the matmuls compute in, in every layout (FSDP/DDP cast the parameters to it, other
         # layouts autocast): the planner's dtype, and the peak MFU is measured against.

@@ -1,4 +1,5 @@
-"""CheckpointManager on 2 gloo ranks with FSDP2-sharded state, resumed on 2 ranks and in 1.
+"""CheckpointManager on 2 gloo ranks with FSDP2-sharded state and dataloader rows sharded over
+the batch mesh, resumed on 2 ranks and in 1.
 
     pytest -m distributed tests/distributed/test_checkpoint_dcp.py
 """
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -30,6 +32,7 @@ from torchmoe.components.checkpoint import (
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+from torchmoe.data import ByteTokenizer, DataLoader, InMemoryDocuments
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 WORLD = 2
@@ -47,10 +50,18 @@ class _Net(nn.Module):
         return self.w2(torch.relu(self.w1(x))) + self.expert_bias.sum()
 
 
+def _data(rank: int, dp_degree: int, mesh=None) -> DataLoader:
+    """Global batch 4 rows of 8 tokens; 2 per rank on 2 ranks, 4 in one process."""
+    docs = InMemoryDocuments([f"doc {i}: " + "q" * (i * 3 % 17) for i in range(20)])
+    return DataLoader(docs, ByteTokenizer(), seq_len=7, global_batch_size=4, local_batch_size=4 // dp_degree,
+                      dp_rank=rank, dp_degree=dp_degree, batch_mesh=mesh)
+
+
 class _Run:
     def __init__(self, *, shard: bool, rank: int = 0) -> None:
         torch.manual_seed(1234)
         self.model = _Net()
+        mesh = None
         if shard:
             mesh = init_device_mesh("cpu", (WORLD,))
             fully_shard(self.model.w1, mesh=mesh)
@@ -59,11 +70,13 @@ class _Run:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.sched = build_lr_scheduler(self.opt, LRSchedulerConfig(warmup_steps=1), total_steps=10)
         self.loader = {"offset": 0}
+        self.data = _data(rank, WORLD if shard else 1, mesh)
         self.state = {
             "model": ModelWrapper(self.model),
             "optimizer": OptimizerWrapper(self.model, self.opt),
             "lr_scheduler": self.sched,
             "dataloader": RankLocal(self.loader, rank=rank),
+            "data": self.data,
             "rng": RankLocal(RNGState(), rank=rank),
         }
         self.rank = rank
@@ -77,6 +90,7 @@ class _Run:
         with torch.no_grad():
             self.model.expert_bias += 1.0
         self.loader["offset"] += 4 + self.rank
+        self.data.next_batch()
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """A copy of the unsharded model and optimizer state (collective; complete on rank 0)."""
@@ -119,6 +133,8 @@ def _worker(rank: int, dump: str) -> None:
     assert CheckpointManager(dump, _cfg(), total_steps=10).load_latest(resumed.state) == 3
     got3 = resumed.full_state()
     assert resumed.loader == {"offset": 3 * (4 + rank)}
+    assert torch.equal(resumed.data.state_dict()["rows"].full_tensor(), run.data.state_dict()["rows"].full_tensor())
+    assert torch.equal(resumed.data.next_batch()[0][0], run.data.next_batch()[0][0])
     assert resumed.sched.last_epoch == 3
     if rank == 0:
         _assert_state_equal(got3, ref3)
@@ -154,5 +170,14 @@ def test_sharded_save_resume_fallback_and_reshard_to_one_process(tmp_path: Path)
     single = _Run(shard=False, rank=0)
     assert CheckpointManager(tmp_path, _cfg(), total_steps=10).load_latest(single.state) == 2
     assert single.loader == {"offset": 8}
+    # Each rank wrote its 2 rows of the (4, 3) positions; one process reads all 4 and continues.
+    meta = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-2")).read_metadata()
+    rows = meta.state_dict_metadata["data.rows"]
+    assert rows.size == (4, 3) and [c.offsets for c in rows.chunks] == [torch.Size([0, 0]), torch.Size([2, 0])]
+    reference = _data(0, 1)
+    reference.next_batch()
+    reference.next_batch()
+    assert torch.equal(single.data.state_dict()["rows"], reference.state_dict()["rows"])
+    assert torch.equal(single.data.next_batch()[0][0], reference.next_batch()[0][0])
     ref2 = torch.load(tmp_path / "ref.pt")["ref2"]
     _assert_state_equal(single.full_state(), ref2)

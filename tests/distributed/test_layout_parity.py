@@ -96,3 +96,18 @@ def test_checkpoint_reshards_from_fsdp4_to_tp2_fsdp2(seed, reference, tmp_path):
     resumed = metrics_by_step(second)
     assert sorted(resumed) == [4, 5]
     assert_same_curve(resumed, {s: reference[s] for s in (4, 5)}, "fsdp4 -> tp2 x fsdp2", rtol=RTOL)
+
+
+def test_resume_across_dp_degrees_2_to_1_to_2(seed, reference, tmp_path):
+    """FSDP 2 saves at step 3 (each rank its 4 data rows, a DTensor over the batch mesh); one
+    process resumes it (all 8 rows) and saves at step 4; FSDP 2 resumes that: every step
+    continues the single-process curve (loss, gradient norm, MoE counts)."""
+    two = start_from(seed, tmp_path / "dp2")
+    train_tiny(two, ["--training.local_batch_size", "4", "--checkpoint.interval", "3"], nproc=2)
+    one = start_from(two / "checkpoint" / "step-3", tmp_path / "dp1")
+    train_tiny(one, ["--training.local_batch_size", "4", "--checkpoint.interval", "4"])
+    again = start_from(one / "checkpoint" / "step-4", tmp_path / "dp2_again")
+    train_tiny(again, ["--training.local_batch_size", "2"], nproc=2)  # and 2 micro-batches
+    assert_same_curve(metrics_by_step(two), reference, "dp2", rtol=RTOL)
+    assert_same_curve(metrics_by_step(one), {s: reference[s] for s in (4, 5)}, "dp2 -> dp1", rtol=RTOL)
+    assert_same_curve(metrics_by_step(again), {5: reference[5]}, "dp1 -> dp2", rtol=RTOL)

@@ -24,6 +24,7 @@ from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+from torchmoe.data import ByteTokenizer, DataLoader, InMemoryDocuments
 
 # pytest resets warning filters per test; the module's filter for DCP's no-process-group notice
 # (which async saves emit from their thread) is restated here.
@@ -219,6 +220,32 @@ def test_seed_checkpoint_never_prunes(tmp_path: Path) -> None:
     assert _steps(tmp_path) == [4]  # an ordinary save prunes
     _manager(tmp_path, keep_latest_k=1).save_seed_checkpoint(run.state)
     assert _steps(tmp_path) == [0, 4]
+
+
+def _data_loader(global_batch_size: int) -> DataLoader:
+    docs = InMemoryDocuments([f"document {i} " + "z" * (i * 5 % 23) for i in range(30)])
+    return DataLoader(docs, ByteTokenizer(), seq_len=7, global_batch_size=global_batch_size, local_batch_size=2)
+
+
+def test_dataloader_rows_resume_exactly_and_another_global_batch_is_refused(tmp_path: Path, caplog) -> None:
+    run = _data_loader(8)
+    for _ in range(3):
+        run.next_batch()
+    _manager(tmp_path).save(2, {"dataloader": run})
+    _manager(tmp_path).save(3, {"dataloader": run})
+    meta = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-3")).read_metadata()
+    assert meta.state_dict_metadata["dataloader.rows"].size == (8, 3)  # (G, 3) int64 rows
+    resumed = _data_loader(8)
+    assert _manager(tmp_path).load_latest({"dataloader": resumed}) == 3
+    for (x0, _), (x1, _) in zip(run.next_batch(), resumed.next_batch(), strict=True):
+        assert torch.equal(x0, x1)
+    # Another G is refused with one message naming the key, at the newest checkpoint (the older
+    # one shares the problem, so no fallback).
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as err:
+        _manager(tmp_path).load_latest({"dataloader": _data_loader(4)})
+    assert err.value.key == "training.global_batch_size" and err.value.value == 4
+    assert "saved with global_batch_size 8" in str(err.value)
+    assert "trying the previous one" not in caplog.text
 
 
 def test_rank_local_state_of_another_world_size_is_kept(tmp_path: Path, caplog) -> None:

@@ -1,20 +1,23 @@
-"""Packing and the dp-sharded loader: EOS placement, dp-independence, exact resume.
+"""Packing and the row-sharded loader: EOS placement, one sub-stream per batch row, each rank
+tokenizing only its rows, dp-independence, exact resume across layouts.
 
     pytest tests/unit/test_dataloader.py
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
 
+from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Training
 from torchmoe.data import ByteTokenizer, DataLoader, InMemoryDocuments, PackedStream, build_dataloader
 
 EOS = ByteTokenizer().eos_id
+G = 8  # rows of the global batch in the layout tests
+LAYOUTS = [(1, 8), (2, 4), (4, 1), (2, 1)]  # (dp_degree, local_batch_size): accumulation 1, 1, 2, 4
 
 
 class RecordingTokenizer(ByteTokenizer):
@@ -38,8 +41,35 @@ def _loader(docs=None, tokenizer=None, **kw) -> DataLoader:
     return DataLoader(docs or _corpus(), tokenizer or ByteTokenizer(), **args)
 
 
+def _ranks(dp_degree: int, local_batch_size: int, docs=None, tokenizers=None, **kw) -> list[DataLoader]:
+    """The loaders of every dp rank of one layout with G rows, simulated in this process."""
+    tokenizers = tokenizers or [None] * dp_degree
+    return [
+        _loader(docs, tokenizers[r], global_batch_size=G, local_batch_size=local_batch_size,
+                dp_rank=r, dp_degree=dp_degree, **kw)
+        for r in range(dp_degree)
+    ]  # fmt: skip
+
+
 def _global(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+
+
+def _global_step(ranks: list[DataLoader]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of every rank, micro-batches concatenated in (rank, micro-batch) order."""
+    return _global([mb for rank in ranks for mb in rank.next_batch()])
+
+
+def _state(ranks: list[DataLoader]) -> dict:
+    """What DCP makes of the ranks' states: the step and all rows, (G, 3)."""
+    states = [rank.state_dict() for rank in ranks]
+    assert len({s["step"] for s in states}) == 1
+    return {"step": states[0]["step"], "rows": torch.cat([s["rows"] for s in states])}
+
+
+def _stream(texts: list[str]) -> list[int]:
+    """The packed token stream of one pass over `texts`."""
+    return [t for text in texts for t in ByteTokenizer().encode(text) + [EOS]]
 
 
 def test_packing_puts_eos_between_documents_and_shifts_labels() -> None:
@@ -47,24 +77,26 @@ def test_packing_puts_eos_between_documents_and_shifts_labels() -> None:
     loader = _loader(docs, seq_len=3, global_batch_size=2, local_batch_size=2)
     [(inputs, labels)] = loader.next_batch()
     a, b, c, d, e, f = (ord(ch) for ch in "abcdef")
-    # Stream: a b EOS c d e EOS f EOS | a b EOS ... cut into windows of seq_len + 1 = 4.
-    assert inputs.tolist() == [[a, b, EOS], [d, e, EOS]]
-    assert labels.tolist() == [[b, EOS, c], [e, EOS, f]]
+    # Row 0 packs documents 0 and 2: a b EOS f EOS | a b ...; row 1 document 1: c d e EOS | c ...
+    # Each is cut into windows of seq_len + 1 = 4.
+    assert inputs.tolist() == [[a, b, EOS], [c, d, e]]
+    assert labels.tolist() == [[b, EOS, f], [d, e, EOS]]
     assert inputs.dtype == labels.dtype == torch.long
     assert inputs.shape == labels.shape == (2, 3)
 
 
-def test_windows_tile_the_token_stream() -> None:
+def test_each_row_tiles_the_stream_of_its_sub_corpus() -> None:
     docs = _corpus()
-    tok = ByteTokenizer()
-    stream = [t for text in docs for t in tok.encode(text) + [EOS]]
-    loader = _loader(docs)
-    got = []
-    for _ in range(4):
-        [(x, y)] = loader.next_batch()
+    loader = _loader(docs, global_batch_size=4, local_batch_size=2)
+    got: list[list[int]] = [[] for _ in range(4)]
+    for _ in range(6):
+        x, y = _global(loader.next_batch())
         assert torch.equal(x[:, 1:], y[:, :-1])
-        got += torch.cat([x, y[:, -1:]], dim=1).flatten().tolist()
-    assert got == stream[: len(got)]
+        for row, window in enumerate(torch.cat([x, y[:, -1:]], dim=1).tolist()):
+            got[row] += window
+    for row in range(4):
+        want = _stream(docs.texts[row::4])  # documents row, row + 4, ...
+        assert got[row] == want[: len(got[row])], row
 
 
 def test_read_ahead_does_not_change_the_stream() -> None:
@@ -75,67 +107,83 @@ def test_read_ahead_does_not_change_the_stream() -> None:
         assert len({stream.position() for stream in streams}) == 1
 
 
-@pytest.mark.parametrize("dp_degree", [1, 2, 4])
-@pytest.mark.parametrize("accum", [1, 2])
-def test_global_batch_is_independent_of_dp_and_accumulation(dp_degree: int, accum: int) -> None:
-    G, seq_len = 8, 8  # _loader's seq_len
-    reference = _loader(global_batch_size=G, local_batch_size=G)
-    local_bs = G // (dp_degree * accum)
-    ranks = [
-        _loader(global_batch_size=G, local_batch_size=local_bs, dp_rank=r, dp_degree=dp_degree)
-        for r in range(dp_degree)
-    ]
+@pytest.mark.parametrize("dp_degree, local_batch_size", LAYOUTS)
+def test_global_batch_is_independent_of_dp_and_accumulation(dp_degree: int, local_batch_size: int) -> None:
+    reference = _ranks(1, G)
+    ranks = _ranks(dp_degree, local_batch_size)
+    accum = G // (dp_degree * local_batch_size)
     assert all(rank.grad_accum_steps == accum for rank in ranks)
-    for _ in range(12):  # enough to wrap the corpus once
-        want_x, want_y = _global(reference.next_batch())
+    for _ in range(12):  # enough to wrap every sub-corpus (5 documents each)
+        want_x, want_y = _global_step(reference)
         per_rank = [rank.next_batch() for rank in ranks]
         for micro_batches in per_rank:
             assert len(micro_batches) == accum
-            assert all(x.shape == y.shape == (local_bs, seq_len) for x, y in micro_batches)
+            assert all(x.shape == y.shape == (local_batch_size, 8) for x, y in micro_batches)
         got_x, got_y = _global([mb for micro_batches in per_rank for mb in micro_batches])
         assert torch.equal(got_x, want_x) and torch.equal(got_y, want_y)
 
 
+@pytest.mark.parametrize("dp_degree", [1, 2, 4])
+def test_each_rank_tokenizes_only_its_own_rows(dp_degree: int) -> None:
+    # 64 documents of 31 bytes + EOS: every row consumes the same documents, so each rank must
+    # tokenize exactly 1/D of what one rank tokenizes (read_ahead 1: one document per row at a time).
+    docs = InMemoryDocuments([f"{i:03d}" + "x" * 28 for i in range(64)])
+    tokenizers = [RecordingTokenizer() for _ in range(dp_degree)]
+    ranks = _ranks(dp_degree, G // dp_degree, docs, tokenizers, seq_len=15, read_ahead=1)
+    for _ in range(5):  # 5 windows of 16 tokens per row: documents 0..2 of each sub-corpus
+        _global_step(ranks)
+    per_rank = G // dp_degree
+    for r, tok in enumerate(tokenizers):
+        # Rank r's rows r*G/D .. read sub-corpora r*G/D .. : documents row, row + 8, row + 16.
+        want = sorted(row + 8 * k for row in range(r * per_rank, (r + 1) * per_rank) for k in range(3))
+        assert sorted(int(text[:3]) for text in tok.texts) == want
+        assert len(tok.texts) == 24 // dp_degree and sum(map(len, tok.texts)) == 24 * 31 // dp_degree
+
+
+@pytest.mark.parametrize("saved, resumed", [(LAYOUTS[0], LAYOUTS[2]), (LAYOUTS[2], LAYOUTS[3]),
+                                            (LAYOUTS[3], LAYOUTS[1]), (LAYOUTS[1], LAYOUTS[0])])
 @pytest.mark.parametrize("resume_at", [1, 3, 7])
-def test_resume_from_state_dict_is_exact(resume_at: int) -> None:
-    uninterrupted = _loader(global_batch_size=4, local_batch_size=2)
+def test_resume_is_exact_across_layouts(saved: tuple[int, int], resumed: tuple[int, int], resume_at: int) -> None:
+    uninterrupted = _ranks(*saved)
     for _ in range(resume_at):
-        uninterrupted.next_batch()
-    state = uninterrupted.state_dict()
-    assert json.loads(json.dumps(state)) == state  # plain ints, checkpoint friendly
-    assert state["step"] == resume_at
-    restored = _loader(global_batch_size=4, local_batch_size=2)
-    restored.load_state_dict(state)
-    for _ in range(10):
-        for (x0, y0), (x1, y1) in zip(uninterrupted.next_batch(), restored.next_batch(), strict=True):
-            assert torch.equal(x0, x1) and torch.equal(y0, y1)
-    assert restored.state_dict() == uninterrupted.state_dict()
+        _global_step(uninterrupted)
+    state = _state(uninterrupted)
+    assert state["step"] == resume_at and state["rows"].shape == (G, 3) and state["rows"].dtype == torch.long
+    assert (state["rows"][:, 2] > 0).any()  # some row resumes inside a document
+    restored = _ranks(*resumed)
+    for rank in restored:
+        rank.load_state_dict(state)
+    for _ in range(10):  # into the second pass
+        want, got = _global_step(uninterrupted), _global_step(restored)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(_state(restored)["rows"], _state(uninterrupted)["rows"])
+    assert _state(restored)["step"] == resume_at + 10
+
+
+def test_a_rank_loads_its_own_rows_back() -> None:
+    ranks = _ranks(2, 2)
+    _global_step(ranks)
+    states = [rank.state_dict() for rank in ranks]
+    assert all(s["rows"].shape == (G // 2, 3) for s in states)
+    restored = _ranks(2, 2)
+    for rank, state in zip(restored, states):
+        rank.load_state_dict(state)
+    assert torch.equal(_global_step(restored)[0], _global_step(ranks)[0])
 
 
 def test_resume_does_not_retokenize_earlier_documents() -> None:
-    docs = InMemoryDocuments([f"{i:04d}" + "x" * 996 for i in range(100)])
+    docs = InMemoryDocuments([f"{i:04d}" + "x" * 996 for i in range(100)])  # 1001 tokens with EOS
     uninterrupted = _loader(docs, seq_len=63, global_batch_size=4, local_batch_size=4)
-    for _ in range(100):  # 100 * 4 * 64 tokens: deep into the corpus, inside document 25
+    for _ in range(100):  # 100 windows of 64 tokens per row: inside document 6 of each sub-corpus
         uninterrupted.next_batch()
     state = uninterrupted.state_dict()
-    assert state["epoch"] == 0 and state["doc_index"] == 25 and 0 < state["token_offset"] < 1001
+    assert state["rows"].tolist() == [[0, 6, 100 * 64 - 6 * 1001]] * 4
     tok = RecordingTokenizer()
     restored = _loader(docs, tok, seq_len=63, global_batch_size=4, local_batch_size=4)
     restored.load_state_dict(state)
     assert torch.equal(_global(restored.next_batch())[0], _global(uninterrupted.next_batch())[0])
-    assert min(int(text[:4]) for text in tok.texts) == 25
-
-
-def test_resume_into_another_dp_degree() -> None:
-    single = _loader(global_batch_size=4, local_batch_size=4)
-    single.next_batch()
-    state = single.state_dict()
-    ranks = [_loader(global_batch_size=4, local_batch_size=1, dp_rank=r, dp_degree=2) for r in range(2)]
-    for rank in ranks:
-        rank.load_state_dict(state)
-    want = _global(single.next_batch())[0]
-    got = _global([mb for rank in ranks for mb in rank.next_batch()])[0]
-    assert torch.equal(got, want)
+    # Row j's document 6 is document j + 24; nothing before it was tokenized.
+    assert min(int(text[:4]) for text in tok.texts) == 24
 
 
 def test_two_constructions_are_identical() -> None:
@@ -153,7 +201,8 @@ def test_wraps_around_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     assert batches == [[[a, b, c]], [[d, e, EOS]], [[b, c, EOS]]]
     assert "dataset exhausted after 2 documents" in caplog.text
     # The next window starts at "e": second pass, document 1, token 1.
-    assert loader.state_dict() == {"step": 3, "epoch": 1, "doc_index": 1, "token_offset": 1}
+    state = loader.state_dict()
+    assert state["step"] == 3 and state["rows"].tolist() == [[1, 1, 1]]
 
 
 def test_invalid_layouts_and_data() -> None:
@@ -162,17 +211,32 @@ def test_invalid_layouts_and_data() -> None:
         _loader(global_batch_size=6, local_batch_size=2, dp_degree=2)
     with pytest.raises(ValueError, match=r"dp_rank 2 is not in \[0, dp_degree=2\)"):
         _loader(global_batch_size=4, local_batch_size=2, dp_rank=2, dp_degree=2)
-    with pytest.raises(ValueError, match="no documents"):
+    with pytest.raises(ValueError, match=r"InMemoryDocuments\(0 texts\)\"?: this holds no documents"):
         _loader(InMemoryDocuments([])).next_batch()
-    loader = _loader(InMemoryDocuments(["short"]))
+    # 3 documents for 4 rows: row 3 has none (its sub-corpus is documents 3, 7, ...).
+    with pytest.raises(ValueError, match=r"(?s)documents 3, 7, \.\.\. of InMemoryDocuments.*at least "
+                                         r"training.global_batch_size documents"):  # fmt: skip
+        _loader(InMemoryDocuments(["a", "b", "c"]), global_batch_size=4, local_batch_size=4).next_batch()
+    loader = _loader(InMemoryDocuments(["short"]), global_batch_size=1, local_batch_size=1)
     with pytest.raises(ValueError, match="past the end"):
-        loader.load_state_dict({"step": 1, "epoch": 0, "doc_index": 3, "token_offset": 2})
+        loader.load_state_dict({"step": 1, "rows": torch.tensor([[0, 3, 2]])})
+
+
+def test_state_of_another_global_batch_size_is_a_config_error() -> None:
+    saved = _loader(global_batch_size=4, local_batch_size=4)
+    saved.next_batch()
+    with pytest.raises(ConfigError) as err:
+        _loader().load_state_dict(saved.state_dict())  # G = 8
+    assert err.value.key == "training.global_batch_size" and err.value.value == 8
+    assert "saved with global_batch_size 4" in str(err.value)
+    assert "resume with training.global_batch_size = 4" in str(err.value)
 
 
 def test_build_dataloader_on_python_docs() -> None:
     training = Training(seq_len=64, local_batch_size=2, global_batch_size=-1)
     loader = build_dataloader(training, ByteTokenizer(), dp_rank=1, dp_degree=2)
     assert loader.global_batch_size == 4 and loader.grad_accum_steps == 1
+    assert list(loader.rows) == [2, 3]
     [(x, y)] = loader.next_batch()
     assert x.shape == y.shape == (2, 64)
     assert int(x.max()) < ByteTokenizer().vocab_size

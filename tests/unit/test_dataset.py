@@ -16,10 +16,12 @@ from torchmoe.config.job_config import Training
 from torchmoe.data import (
     FileDocuments,
     HFDocuments,
+    InMemoryDocuments,
     build_documents,
     local_files,
     python_docs_files,
 )
+from torchmoe.data import dataset as dataset_module
 
 
 def _write_jsonl(path: Path, texts: list[str | None], field: str = "text") -> None:
@@ -119,6 +121,49 @@ def test_local_mixed_folder_iter_from_matches_full_pass(tmp_path: Path) -> None:
         assert list(docs.iter_from(k)) == full[k:]
 
 
+def _mixed_folder(tmp_path: Path) -> list[str]:
+    """txt, jsonl (with a blank line) and parquet files (row groups of 2); returns all documents."""
+    (tmp_path / "a.txt").write_text("alpha")
+    _write_jsonl(tmp_path / "b.jsonl", [f"b{i}" for i in range(7)])
+    _write_parquet(tmp_path / "c.parquet", [f"c{i}" for i in range(7)])
+    for i in range(3):
+        (tmp_path / f"d{i}.txt").write_text(f"delta{i}")
+    return ["alpha", *(f"b{i}" for i in range(7)), *(f"c{i}" for i in range(7)), "delta0", "delta1", "delta2"]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 20])
+def test_split_is_the_strided_view_and_iter_from_seeks_in_it(tmp_path: Path, count: int) -> None:
+    full = _mixed_folder(tmp_path)
+    for docs in (FileDocuments(local_files(str(tmp_path))), InMemoryDocuments(full)):
+        parts = [docs.split(j, count) for j in range(count)]
+        for j, part in enumerate(parts):
+            want = full[j::count]
+            for k in range(len(want) + 2):
+                assert list(part.iter_from(k)) == want[k:], (type(docs).__name__, j, k)
+        assert sorted(t for part in parts for t in part) == sorted(full)  # disjoint, complete
+    with pytest.raises(ValueError, match=r"sub-corpus 3 is not in \[0, count=3\)"):
+        InMemoryDocuments(full).split(3, 3)
+
+
+def test_strided_view_parses_and_opens_only_its_documents(tmp_path: Path, monkeypatch) -> None:
+    pq = pytest.importorskip("pyarrow.parquet", reason="parquet needs pyarrow")
+    full = _mixed_folder(tmp_path)
+    parsed: list[bytes] = []
+    opened: list[str] = []
+    groups: list[int] = []
+    real_loads, real_read_bytes, real_group = json.loads, Path.read_bytes, pq.ParquetFile.read_row_group
+    monkeypatch.setattr(dataset_module.json, "loads", lambda line: parsed.append(line) or real_loads(line))
+    monkeypatch.setattr(Path, "read_bytes", lambda self: opened.append(self.name) or real_read_bytes(self))
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, i, **kw: groups.append(i) or real_group(self, i, **kw))  # fmt: skip
+    # Sub-corpus 2 of 5 from its document 1: documents 7, 12, 17 = b6, c4, delta2.
+    part = FileDocuments(local_files(str(tmp_path))).split(2, 5)
+    assert list(part.iter_from(1)) == full[7::5] == ["b6", "c4", "delta2"]
+    assert [real_loads(line)["text"] for line in parsed] == ["b6"]  # other lines: scanned, not parsed
+    assert opened == ["d2.txt"]  # a.txt, d0.txt, d1.txt never opened
+    assert groups == [2]  # rows 4-5; groups 0, 1 (rows 0-3) and 3 (row 6) never read
+
+
 def test_local_glob(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "x" / "1.jsonl", ["one"])
     _write_jsonl(tmp_path / "y" / "2.jsonl", ["two"])
@@ -155,7 +200,7 @@ def test_unknown_dataset_kind() -> None:
 def test_hf_spec_parsing(tmp_path: Path) -> None:
     pytest.importorskip("datasets", reason="dataset='hf' needs the 'datasets' package")
     docs = HFDocuments.from_spec("allenai/c4:en", split="validation", text_field="body")
-    assert (docs.name, docs.config, docs.split, docs.text_field) == ("allenai/c4", "en", "validation", "body")
+    assert (docs.name, docs.config, docs.split_name, docs.text_field) == ("allenai/c4", "en", "validation", "body")
     assert HFDocuments.from_spec("roneneldan/TinyStories").config is None
     odd = tmp_path / "a:b"
     odd.mkdir()
@@ -175,6 +220,28 @@ def test_hf_streams_a_local_dataset(tmp_path: Path) -> None:
     docs.text_field = "content"
     with pytest.raises(ValueError, match=r'dataset_text_field = "content": row 0 .* has no such field'):
         next(iter(docs))
+
+
+@pytest.mark.parametrize("n_files", [4, 3])
+def test_hf_split_is_split_dataset_by_node(tmp_path: Path, n_files: int) -> None:
+    """4 files for 2 sub-corpora: each reads whole files (shards j, j + 2); 3 files: datasets keeps
+    one row in 2 of the whole stream, like the strided view."""
+    pytest.importorskip("datasets", reason="dataset='hf' needs the 'datasets' package")
+    files = [[f"f{f}d{i}" for i in range(5)] for f in range(n_files)]
+    for f, texts in enumerate(files):
+        path = tmp_path / "data" / f"part{f}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    docs = build_documents(Training(dataset="hf", dataset_path=str(tmp_path / "data")))
+    full = [t for texts in files for t in texts]
+    assert list(docs) == full
+    parts = [docs.split(j, 2) for j in range(2)]
+    for j, part in enumerate(parts):
+        want = files[j] + files[j + 2] if n_files == 4 else full[j::2]
+        assert "split_dataset_by_node(rank=" in repr(part)
+        for k in (0, 1, 3, 6, 12):
+            assert list(part.iter_from(k)) == want[k:], (j, k)
+    assert docs.split(0, 1) is docs
 
 
 def test_bad_jsonl_line_names_file_and_line(tmp_path):

@@ -5,7 +5,7 @@
         "model": ModelWrapper(model_parts),
         "optimizer": OptimizerWrapper(model_parts, optimizers),
         "lr_scheduler": scheduler,
-        "dataloader": dataloader,                 # its state is the same on every rank
+        "dataloader": dataloader,                 # its rows: a DTensor over the batch mesh
         "rng": RankLocal(RNGState(), rank=rank),
     }
     step = ckpt.load_latest(state) or 0           # resume; None when there is no checkpoint
@@ -25,10 +25,21 @@ return (sharded) DTensors keyed by the model's FQNs, so a checkpoint saved under
 degree, TP, EP, PP split) loads under another. Persistent buffers, such as the MoE expert biases
 of aux-loss-free balancing, are part of the model state dict.
 
-Per-rank state (RNG; a dataloader position that differs between ranks) must be wrapped in
-`RankLocal`: DCP deduplicates same-named values across ranks, so without a rank in the key only
-one rank's value would survive. When resuming with a different world size a rank finds no value
-of its own; it then keeps its current state and logs a warning.
+State that is split over ranks in a way that must survive a change of layout is a DTensor, like
+the model's: the dataloader's positions are a (global_batch_size, 3) tensor sharded over the
+batch mesh (each dp rank holds its rows; its CP/TP/PP peers hold the same rows, which DCP saves
+once), so DCP reshards them into any dp degree.
+
+Per-rank state that has no such global view (RNG) must be wrapped in `RankLocal`: DCP
+deduplicates same-named values across ranks, so without a rank in the key only one rank's value
+would survive. When resuming with a different world size a rank finds no value of its own; it
+then keeps its current state and logs a warning.
+
+A Stateful may define `check_saved_shapes(shapes)`: before loading, it gets the saved shapes of
+its tensors (keys relative to its own state dict) and raises `ConfigError` for a checkpoint that
+the job's configuration cannot continue (the dataloader, for another global_batch_size). That
+error stops the resume on every rank instead of falling back to older checkpoints, which share
+the problem.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -211,11 +223,31 @@ class _LoadPlanner(DefaultLoadPlanner):
         return super().create_local_plan()
 
 
+def _check_saved_shapes(state: dict[str, Any], metadata: Metadata) -> None:
+    """Call `check_saved_shapes` of every object in `state` that has one (module docstring)."""
+    for name, obj in state.items():
+        check = getattr(obj, "check_saved_shapes", None)
+        if check is None:
+            continue
+        prefix = f"{name}."
+        check({
+            fqn[len(prefix):]: md.size
+            for fqn, md in metadata.state_dict_metadata.items()
+            if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+        })  # fmt: skip
+
+
 def _dcp_load(state: dict[str, Any], path: Path) -> None:
-    """dcp.load of `state` from `path`, tolerating missing rank-local keys (with a warning)."""
+    """dcp.load of `state` from `path`, tolerating missing rank-local keys (with a warning).
+
+    Raises:
+        ConfigError: an object's `check_saved_shapes` refuses the checkpoint.
+    """
+    reader = FileSystemReader(str(path))
+    _check_saved_shapes(state, reader.read_metadata())
     optional = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
     planner = _LoadPlanner(optional)
-    dcp.load(state, checkpoint_id=str(path), planner=planner, no_dist=not _dist_on())
+    dcp.load(state, storage_reader=reader, planner=planner, no_dist=not _dist_on())
     if planner.skipped:
         logger.warning(
             "%s has no rank-local state for this rank (%s); keeping the current state",
@@ -463,8 +495,10 @@ class CheckpointManager:
 
         A checkpoint that fails to load on any rank (truncated or corrupt file, missing keys) is
         reported with a warning and every rank tries the previous one. If every one fails this
-        raises, rather than silently training from scratch. A seed checkpoint (model only) loads
-        only `state["model"]` and returns 0. Returns None when checkpointing is disabled.
+        raises, rather than silently training from scratch. A `ConfigError` (the configuration
+        cannot continue the checkpoint, e.g. another global batch size) is raised at once. A seed
+        checkpoint (model only) loads only `state["model"]` and returns 0. Returns None when
+        checkpointing is disabled.
         """
         if not self.cfg.enable:
             return None
@@ -480,6 +514,11 @@ class CheckpointManager:
             error = None
             try:
                 _dcp_load(to_load, path)
+            except ConfigError:
+                # The job's configuration cannot continue this run (another global batch size,
+                # a changed dataset): older checkpoints of the run share the problem, so falling
+                # back would only hide it.
+                raise
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
                 error = _describe(e)
             # DCP raises its read errors on every rank, but a Stateful's load_state_dict may fail

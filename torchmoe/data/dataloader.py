@@ -1,20 +1,23 @@
-"""Packing documents into fixed-length sequences, and sharding each global batch over dp ranks.
+"""Packing documents into fixed-length sequences: one packed sub-stream per batch row.
 
     from torchmoe.data import build_dataloader, build_tokenizer
-    loader = build_dataloader(job_config.training, build_tokenizer(""), dp_rank=r, dp_degree=D)
+    loader = build_dataloader(job_config.training, build_tokenizer(""), dp_rank=r, dp_degree=D,
+                              batch_mesh=mesh["batch"])   # the mesh only under a process group
     for inputs, labels in loader.next_batch():   # one optimizer step: the micro-batches
         ...                                      # each (local_batch_size, seq_len) int64
 
-The corpus becomes one endless token stream: each document's tokens, then EOS, document after
-document, pass after pass. The stream is cut into windows of `seq_len + 1` tokens; window i is
-packed sequence i, with `inputs = window[:-1]` and `labels = window[1:]`. Nothing is padded,
-so every label counts in the loss.
+The global batch has G = global_batch_size rows. Row j of every global batch is the next window
+of `seq_len + 1` tokens of its own endless token stream, sub-stream j: the documents of
+sub-corpus j (`Documents.split(j, G)`: documents j, j+G, j+2G, ... by default) each followed
+by EOS, document after document, pass after pass. `inputs = window[:-1]`, `labels =
+window[1:]`; nothing is padded, so every label counts in the loss.
 
-The key property: global batch s is sequences [s*G, (s+1)*G) whatever the data-parallel degree
-D and gradient accumulation. Rank r takes the contiguous slice [r*G/D, (r+1)*G/D) of it and
-splits that into consecutive micro-batches of `local_batch_size`. Concatenating every rank's
-micro-batches in (rank, micro-batch) order gives back the global batch, so every layout trains
-on the same data in the same order.
+Rank r of D data-parallel ranks owns the contiguous rows [r*G/D, (r+1)*G/D): it reads and
+tokenizes only their sub-corpora, and splits its rows into consecutive micro-batches of
+`local_batch_size`. Concatenating every rank's micro-batches in (rank, micro-batch) order gives
+the global batch, and since the split into sub-corpora depends only on G, every layout with the
+same G trains on the same data in the same order. The price: another G is another data order,
+so a run cannot resume with a different G.
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from torchmoe.data.dataset import DataConfigError, Documents, build_documents
 from torchmoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from torchmoe.config.job_config import Training
 
 __all__ = ["PackedStream", "DataLoader", "build_dataloader"]
@@ -40,7 +46,9 @@ logger = logging.getLogger(__name__)
 
 
 class PackedStream:
-    """The corpus as an endless token stream cut into windows, with a resumable position.
+    """A corpus as an endless token stream cut into windows, with a resumable position.
+
+    `DataLoader` runs one per batch row, over that row's sub-corpus.
 
     The position is where the next window starts: `(epoch, doc_index, token_offset)`, i.e.
     token `token_offset` of document `doc_index` (its tokens followed by EOS) in pass `epoch`.
@@ -122,8 +130,9 @@ class PackedStream:
             if self._next_doc == 0:
                 raise self._empty()
             logger.warning(
-                "dataset exhausted after %d documents; starting pass %d over it (data repeats)",
+                "dataset exhausted after %d documents (%r); starting pass %d over it (data repeats)",
                 self._next_doc,
+                self.documents,
                 self._epoch + 1,
             )
             self._epoch += 1
@@ -145,33 +154,36 @@ class PackedStream:
 
     def _empty(self) -> DataConfigError:
         return DataConfigError(
-            "training.dataset", repr(self.documents), "the dataset has no documents",
-            "point training.dataset_path at files or a hub dataset that hold text",
+            "training.dataset", repr(self.documents), "this holds no documents",
+            "point training.dataset_path at files or a hub dataset that hold text: at least "
+            "training.global_batch_size documents, one for each batch row",
         )  # fmt: skip
 
 
 class DataLoader:
-    """Per-rank batches of packed sequences for each optimizer step.
+    """This rank's batch rows, packed from their own sub-corpora, for each optimizer step.
 
-    Every rank builds the whole global batch and keeps its slice: each rank tokenizes the
-    entire stream. That costs D times the tokenization of one rank but needs no communication
-    and makes the batches independent of D by construction. Fine at our scale: the byte
-    tokenizer packs tens of millions of tokens/s; a Hugging Face BPE packs about a million per
-    process per second, still small next to a step's compute for our batch sizes.
+    Rank r builds one `PackedStream` per row it owns (rows [r*G/D, (r+1)*G/D), see the module
+    docstring) and never reads another row's documents: tokenization is split D ways.
 
     Args:
-        documents: the corpus (`build_documents`).
+        documents: the corpus (`build_documents`); row j reads `documents.split(j, G)`.
         tokenizer: the model's tokenizer.
         seq_len: tokens per sequence.
-        global_batch_size: sequences per optimizer step over all dp ranks (G).
+        global_batch_size: sequences per optimizer step over all dp ranks (G): the rows.
         local_batch_size: sequences per micro-batch on one rank.
         dp_rank: this rank's index on the batch mesh (dp_replicate x dp_shard); CP/TP/PP peers
             of one dp rank pass the same dp_rank and get the same data.
         dp_degree: size of the batch mesh (D).
+        batch_mesh: the 1-D batch DeviceMesh when running under a process group; the checkpoint
+            state is then a DTensor sharded over it (see `state_dict`). Must agree with
+            dp_rank and dp_degree.
+        read_ahead: documents tokenized together on this rank, split over its rows (at least
+            one per row); it changes no batch.
 
     Raises:
         DataConfigError: a non-positive size, or G is not a multiple of local_batch_size * D.
-        ValueError: dp_rank or dp_degree is out of range (a caller bug).
+        ValueError: dp_rank, dp_degree or batch_mesh are out of range or disagree (a caller bug).
     """
 
     def __init__(
@@ -184,12 +196,21 @@ class DataLoader:
         local_batch_size: int,
         dp_rank: int = 0,
         dp_degree: int = 1,
+        batch_mesh: DeviceMesh | None = None,
+        read_ahead: int = 64,
     ) -> None:
         for key, value in (("training.seq_len", seq_len), ("training.local_batch_size", local_batch_size)):
             if value < 1:
                 raise DataConfigError(key, value, "must be at least 1", "set a positive value")
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})")
+        if batch_mesh is not None and (batch_mesh.ndim, batch_mesh.size(), batch_mesh.get_local_rank()) != (
+            1, dp_degree, dp_rank
+        ):
+            raise ValueError(
+                f"batch_mesh {batch_mesh} is not a 1-D mesh of size dp_degree={dp_degree} with "
+                f"this rank at dp_rank={dp_rank}"
+            )
         per_step = local_batch_size * dp_degree
         if global_batch_size < per_step or global_batch_size % per_step:
             raise DataConfigError(
@@ -203,7 +224,16 @@ class DataLoader:
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
-        self._stream = PackedStream(documents, tokenizer, window=seq_len + 1)
+        self.batch_mesh = batch_mesh
+        per_rank = global_batch_size // dp_degree
+        self.rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)  # global row indices owned here
+        self._streams = [
+            PackedStream(
+                documents.split(row, global_batch_size), tokenizer,
+                window=seq_len + 1, read_ahead=max(1, read_ahead // per_rank),
+            )  # fmt: skip
+            for row in self.rows
+        ]
         self._step = 0
 
     @property
@@ -218,39 +248,83 @@ class DataLoader:
             `grad_accum_steps` pairs `(inputs, labels)`, each (local_batch_size, seq_len) int64,
             with `labels[:, t] == inputs[:, t + 1]` inside a sequence.
         """
-        windows = self._stream.take(self.global_batch_size)  # (G, seq_len + 1), same on all ranks
-        per_rank = self.global_batch_size // self.dp_degree
-        mine = windows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]  # (G/D, seq_len + 1)
+        windows = torch.cat([stream.take(1) for stream in self._streams])  # (G/D, seq_len + 1)
         self._step += 1
-        # clone: contiguous tensors that do not keep the whole global batch alive.
-        return [(mb[:, :-1].clone(), mb[:, 1:].clone()) for mb in mine.split(self.local_batch_size)]
+        # clone: contiguous inputs and labels (each a strided view of the windows).
+        return [(mb[:, :-1].clone(), mb[:, 1:].clone()) for mb in windows.split(self.local_batch_size)]
 
-    def state_dict(self) -> dict[str, int]:
-        """The position after the last `next_batch`, as plain ints.
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last `next_batch`.
 
-        - `step`: optimizer steps (global batches) served so far.
-        - `epoch`, `doc_index`, `token_offset`: where the next sequence starts in the token
-          stream: token `token_offset` of document `doc_index` (its tokens + EOS) in pass `epoch`.
+        - `step`: optimizer steps (global batches) served so far (the same on every rank).
+        - `rows`: int64 (G, 3); row j is `(epoch, doc_index, token_offset)` of sub-stream j:
+          its next window starts at token `token_offset` of document `doc_index` of sub-corpus
+          j (its tokens + EOS) in pass `epoch`.
 
-        The dict is identical on every rank and does not depend on the batch layout, so it can
-        be saved once under one key and restored into any dp degree (or batch size).
+        With a `batch_mesh`, `rows` is a DTensor sharded `Shard(0)` over it, each rank holding
+        its own G/D rows, so DCP saves every rank's rows and reshards them on load into any dp
+        degree and local batch size with the same G. Without one it is a plain tensor of this
+        rank's rows: (G, 3) in a single process.
         """
-        epoch, doc_index, token_offset = self._stream.position()
-        return {"step": self._step, "epoch": epoch, "doc_index": doc_index, "token_offset": token_offset}
+        rows = torch.tensor([stream.position() for stream in self._streams], dtype=torch.long)  # (G/D, 3)
+        if self.batch_mesh is not None:
+            rows = DTensor.from_local(
+                rows, self.batch_mesh, [Shard(0)], shape=torch.Size((self.global_batch_size, 3)), stride=(3, 1)
+            )
+        return {"step": self._step, "rows": rows}
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Resume at `state` (from `state_dict`).
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at `state` (from `state_dict`, of any layout with the same G).
 
-        Cost: the documents before `doc_index` are skipped by `Documents.iter_from` (file and
-        row counts for local files, nothing for python_docs, re-streaming for hub datasets);
-        tokenization restarts at document `doc_index`, independent of the step count.
+        `rows` may be a DTensor (this rank's shard is used), the full (G, 3) tensor (this rank
+        takes its rows) or this rank's own (G/D, 3) rows.
+
+        Cost: per row, the documents of its sub-corpus before `doc_index` are skipped by
+        `Documents.iter_from` (see dataset.py for what each source re-reads); tokenization
+        restarts at document `doc_index`, independent of the step count.
+
+        Raises:
+            DataConfigError: the state has another number of rows (another global_batch_size),
+                or a position is past the end of its sub-corpus (the dataset changed).
         """
-        self._stream.seek(int(state["epoch"]), int(state["doc_index"]), int(state["token_offset"]))
+        rows = state["rows"]
+        if isinstance(rows, DTensor):  # ours (DCP loads into `state_dict()`'s), so G matches
+            rows = rows.to_local()
+        elif len(rows) == self.global_batch_size:
+            rows = rows[self.rows.start : self.rows.stop]
+        if tuple(rows.shape) != (len(self.rows), 3):
+            raise self._other_global_batch(len(rows))
+        for stream, (epoch, doc_index, token_offset) in zip(self._streams, rows.tolist(), strict=True):
+            stream.seek(epoch, doc_index, token_offset)
         self._step = int(state["step"])
+
+    def check_saved_shapes(self, shapes: Mapping[str, torch.Size]) -> None:
+        """Refuse a checkpoint whose `rows` (shape in `shapes`) were saved with another G.
+
+        `CheckpointManager` calls it before loading (DCP would fail on the shape with a
+        traceback-worthy error): another G is another data order, so it is a user error.
+        """
+        saved = shapes.get("rows")
+        if saved is not None and tuple(saved) != (self.global_batch_size, 3):
+            raise self._other_global_batch(saved[0])
+
+    def _other_global_batch(self, saved_rows: int) -> DataConfigError:
+        return DataConfigError(
+            "training.global_batch_size", self.global_batch_size,
+            f"the checkpoint was saved with global_batch_size {saved_rows}; each batch row reads "
+            "its own sub-corpus, so the data position of one cannot continue in the other",
+            f"resume with training.global_batch_size = {saved_rows}, or start a new run in another "
+            "job.dump_folder (checkpoint.initial_load_path can start it from the weights)",
+        )  # fmt: skip
 
 
 def build_dataloader(
-    training: Training, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_degree: int = 1
+    training: Training,
+    tokenizer: Tokenizer,
+    *,
+    dp_rank: int = 0,
+    dp_degree: int = 1,
+    batch_mesh: DeviceMesh | None = None,
 ) -> DataLoader:
     """The loader the `[training]` section describes; `global_batch_size = -1` means
     `local_batch_size * dp_degree` (no gradient accumulation)."""
@@ -265,4 +339,5 @@ def build_dataloader(
         local_batch_size=training.local_batch_size,
         dp_rank=dp_rank,
         dp_degree=dp_degree,
+        batch_mesh=batch_mesh,
     )

@@ -9,18 +9,28 @@ Three sources, chosen by `training.dataset`:
 - `local`: `.txt` / `.jsonl` / `.parquet` files named by `training.dataset_path`.
 - `hf`: a Hugging Face hub dataset, streamed.
 Every source yields the same documents in the same order on every pass and every rank; the
-packer (`dataloader.py`) relies on that to shard by data-parallel rank and to resume.
+packer (`dataloader.py`) relies on that to resume, and reads one sub-corpus per batch row:
+
+    row = docs.split(j, G)                        # sub-corpus j of G: documents j, j+G, j+2G, ...
+    for text in row.iter_from(k): ...             # document j + k*G of docs, then j + (k+1)*G, ...
+
+Each source reads as little as it can for its sub-corpora: `.txt` files that are not in it are
+never opened, `.parquet` row groups without one of its rows never read, `.jsonl` lines of other
+sub-corpora scanned but not parsed; hub datasets are split by `datasets` itself (by shard when
+it can). Nothing outside a sub-corpus is ever tokenized.
 """
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import itertools
 import json
 import os
 import sysconfig
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +43,10 @@ __all__ = [
     "DataConfigError",
     "Documents",
     "InMemoryDocuments",
+    "StridedDocuments",
     "FileDocuments",
     "HFDocuments",
+    "HFSubCorpus",
     "python_docs_files",
     "local_files",
     "build_documents",
@@ -62,8 +74,49 @@ class Documents(ABC):
         them to a tokenizer: that is what keeps resuming cheap.
         """
 
+    def iter_strided(self, start: int, step: int) -> Iterator[str]:
+        """Documents `start`, `start + step`, `start + 2*step`, ... to the end of one pass.
+
+        The default reads every document from `start` on and drops the others; sources that
+        can skip more cheaply (without parsing, or without reading at all) override it.
+        """
+        return itertools.islice(self.iter_from(start), 0, None, step)
+
+    def split(self, index: int, count: int) -> Documents:
+        """Sub-corpus `index` of `count` disjoint ones that together hold every document.
+
+        The default is the strided view: documents `index, index + count, index + 2*count, ...`
+        (`iter_from(k)` of the view starts at document `index + k*count`). It depends only on
+        `count`, so it is the same whichever process reads it.
+
+        Raises:
+            ValueError: not `0 <= index < count` (a caller bug).
+        """
+        _check_split(index, count)
+        return self if count == 1 else StridedDocuments(self, index, count)
+
     def __iter__(self) -> Iterator[str]:
         return self.iter_from(0)
+
+
+def _check_split(index: int, count: int) -> None:
+    if not 0 <= index < count:
+        raise ValueError(f"sub-corpus {index} is not in [0, count={count})")
+
+
+class StridedDocuments(Documents):
+    """Documents `index, index + count, ...` of `parent` (`Documents.split`)."""
+
+    def __init__(self, parent: Documents, index: int, count: int) -> None:
+        self.parent = parent
+        self.index = index
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"documents {self.index}, {self.index + self.count}, ... of {self.parent!r}"
+
+    def iter_from(self, start: int = 0) -> Iterator[str]:
+        return self.parent.iter_strided(self.index + start * self.count, self.count)
 
 
 class InMemoryDocuments(Documents):
@@ -77,6 +130,9 @@ class InMemoryDocuments(Documents):
 
     def iter_from(self, start: int = 0) -> Iterator[str]:
         return iter(self.texts[start:])
+
+    def iter_strided(self, start: int, step: int) -> Iterator[str]:
+        return iter(self.texts[start::step])
 
 
 class FileDocuments(Documents):
@@ -101,43 +157,43 @@ class FileDocuments(Documents):
         return f"FileDocuments({len(self.files)} files{where})"
 
     def iter_from(self, start: int = 0) -> Iterator[str]:
-        skip = start
+        return self.iter_strided(start, 1)
+
+    def iter_strided(self, start: int, step: int) -> Iterator[str]:
+        """Documents `start`, `start + step`, ... parsing only those (see the module docstring)."""
+        first = 0  # index of the current file's first document
         for file in self.files:
-            if skip:
-                count = _count_documents(file)
-                if skip >= count:
-                    skip -= count
-                    continue
-            yield from self._read(file, skip)
-            skip = 0
+            # `start - first` >= 0 is the wanted document's index inside this file.
+            count = yield from self._read(file, start - first, step)
+            end = first + count
+            if start < end:  # move on to the first wanted document after this file
+                start += (end - start + step - 1) // step * step
+            first = end
 
-    def _read(self, file: Path, skip: int) -> Iterator[str]:
+    def _read(self, file: Path, first: int, step: int) -> Generator[str, None, int]:
+        """Yields the documents `first, first + step, ...` of `file`; returns how many it holds."""
         if file.suffix == ".jsonl":
-            yield from _read_jsonl(file, self.text_field, skip)
-        elif file.suffix == ".parquet":
-            yield from _read_parquet(file, self.text_field, skip)
-        else:
+            return (yield from _read_jsonl(file, self.text_field, first, step))
+        if file.suffix == ".parquet":
+            return (yield from _read_parquet(file, self.text_field, first, step))
+        if first == 0:  # one document per file: other sub-corpora never open it
             yield file.read_bytes().decode("utf-8", errors="replace")
+        return 1
 
 
-def _count_documents(file: Path) -> int:
-    """Documents in `file`, found without parsing them (line count, parquet metadata)."""
-    if file.suffix == ".jsonl":
-        with file.open("rb") as f:
-            return sum(1 for line in f if line.strip())
-    if file.suffix == ".parquet":
-        return _parquet_file(file).metadata.num_rows
-    return 1
+def _read_jsonl(file: Path, text_field: str, first: int, step: int) -> Generator[str, None, int]:
+    """Documents `first, first + step, ...` of a .jsonl file; returns its document count.
 
-
-def _read_jsonl(file: Path, text_field: str, skip: int) -> Iterator[str]:
+    Every line is scanned (document boundaries are newlines, so there is no index to seek by),
+    but only the wanted ones are parsed as JSON.
+    """
+    index = -1  # of the current document (non-blank line)
     with file.open("rb") as f:
-        index = 0
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             index += 1
-            if index <= skip:
+            if index < first or (index - first) % step:
                 continue
             try:
                 row = json.loads(line)
@@ -152,6 +208,7 @@ def _read_jsonl(file: Path, text_field: str, skip: int) -> Iterator[str]:
                     "set it to the key that holds the text",
                 )  # fmt: skip
             yield _as_text(row[text_field], f"{file}:{line_no}", text_field)
+    return index + 1
 
 
 def _parquet_file(file: Path) -> Any:
@@ -165,25 +222,33 @@ def _parquet_file(file: Path) -> Any:
     return pq.ParquetFile(file)
 
 
-def _read_parquet(file: Path, text_field: str, skip: int) -> Iterator[str]:
+def _read_parquet(file: Path, text_field: str, first: int, step: int) -> Generator[str, None, int]:
+    """Rows `first, first + step, ...` of a .parquet file; returns its row count.
+
+    Reads only the row groups that hold a wanted row, one at a time (bounded memory); the
+    count comes from the file's metadata.
+    """
     pf = _parquet_file(file)
+    rows = pf.metadata.num_rows
+    if first >= rows:
+        return rows
     columns = pf.schema_arrow.names
     if text_field not in columns:
         raise DataConfigError(
             "training.dataset_text_field", text_field, f"{file} has no such column (found {columns})",
             "set it to the column that holds the text",
         )  # fmt: skip
-    row = 0
-    # One row group at a time bounds memory; whole groups before `skip` are never read.
+    wanted = first  # the next wanted row
+    group_start = 0
     for group in range(pf.metadata.num_row_groups):
-        rows = pf.metadata.row_group(group).num_rows
-        if row + rows <= skip:
-            row += rows
-            continue
-        texts = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
-        for i in range(max(skip - row, 0), rows):
-            yield _as_text(texts[i], f"{file} row {row + i}", text_field)
-        row += rows
+        group_end = group_start + pf.metadata.row_group(group).num_rows
+        if wanted < group_end:
+            texts = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+            for row in range(wanted, group_end, step):
+                yield _as_text(texts[row - group_start], f"{file} row {row}", text_field)
+            wanted += (group_end - wanted + step - 1) // step * step
+        group_start = group_end
+    return rows
 
 
 def _as_text(value: Any, where: str, field: str) -> str:
@@ -204,6 +269,10 @@ class HFDocuments(Documents):
     (`allenai/c4`) or a local folder of data files. The stream is never shuffled, so its order
     is the dataset's own. Resuming at document k streams past the first k rows (no
     tokenization, but they are downloaded/read again).
+
+    `split(j, G)` is `datasets.distributed.split_dataset_by_node(stream, rank=j, world_size=G)`:
+    when the dataset has a multiple of G shards (files), sub-corpus j is shards j, j+G, ... and
+    reads nothing else; otherwise it keeps rows j, j+G, ... of the whole stream.
     """
 
     def __init__(
@@ -217,11 +286,11 @@ class HFDocuments(Documents):
             )  # fmt: skip
         self.name = name
         self.config = config
-        self.split = split
+        self.split_name = split
         self.text_field = text_field
 
     def __repr__(self) -> str:
-        return f"HFDocuments({self.name!r}, {self.config!r}, split={self.split!r})"
+        return f"HFDocuments({self.name!r}, {self.config!r}, split={self.split_name!r})"
 
     @classmethod
     def from_spec(cls, spec: str, *, split: str = "train", text_field: str = "text") -> HFDocuments:
@@ -237,20 +306,52 @@ class HFDocuments(Documents):
         name, _, config = spec.partition(":")
         return cls(name, config or None, split=split, text_field=text_field)
 
-    def iter_from(self, start: int = 0) -> Iterator[str]:
+    @cached_property
+    def stream(self) -> Any:
+        """The `datasets.IterableDataset`, resolved once (its data files) and shared by every
+        sub-corpus of this process."""
         import datasets
 
-        stream = datasets.load_dataset(self.name, self.config, split=self.split, streaming=True)
-        if start:
-            stream = stream.skip(start)
+        return datasets.load_dataset(self.name, self.config, split=self.split_name, streaming=True)
+
+    def iter_from(self, start: int = 0) -> Iterator[str]:
+        return self._rows(self.stream.skip(start) if start else self.stream, start, "")
+
+    def split(self, index: int, count: int) -> Documents:
+        _check_split(index, count)
+        return self if count == 1 else HFSubCorpus(self, index, count)
+
+    def _rows(self, stream: Any, start: int, where: str) -> Iterator[str]:
+        """The text of each row of `stream`, whose first row is row `start` of `where`."""
         for i, row in enumerate(stream, start=start):
             if self.text_field not in row:
                 raise DataConfigError(
                     "training.dataset_text_field", self.text_field,
-                    f"row {i} of hub dataset {self.name!r} has no such field (found {sorted(row)})",
+                    f"row {i}{where} of hub dataset {self.name!r} has no such field (found {sorted(row)})",
                     "set it to the field that holds the text",
                 )  # fmt: skip
-            yield _as_text(row[self.text_field], f"row {i} of hub dataset {self.name!r}", self.text_field)
+            yield _as_text(row[self.text_field], f"row {i}{where} of hub dataset {self.name!r}", self.text_field)
+
+
+class HFSubCorpus(Documents):
+    """Sub-corpus `index` of `count` of a hub dataset (`HFDocuments.split`)."""
+
+    def __init__(self, parent: HFDocuments, index: int, count: int) -> None:
+        self.parent = parent
+        self.index = index
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"split_dataset_by_node(rank={self.index}, world_size={self.count}) of {self.parent!r}"
+
+    def iter_from(self, start: int = 0) -> Iterator[str]:
+        from datasets.distributed import split_dataset_by_node
+
+        part = split_dataset_by_node(self.parent.stream, rank=self.index, world_size=self.count)
+        # islice, not part.skip(): on a split by examples, datasets applies skip() to the whole
+        # stream before keeping 1 row in `count`, which would start at the wrong row.
+        rows = itertools.islice(part, start, None)
+        return self.parent._rows(rows, start, f" of sub-corpus {self.index}/{self.count}")
 
 
 # Directories that differ between machines with the same Python (installed packages, build
