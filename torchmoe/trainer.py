@@ -185,7 +185,7 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.checkpointer = CheckpointManager(self.dump_folder, cfg.checkpoint, total_steps=cfg.training.steps)
         self.state = {
-            "model": ModelWrapper([self.model]),
+            "model": ModelWrapper([self.model], flavor=cfg.model.flavor),
             "optimizer": OptimizerWrapper([self.model], [self.optimizer]),
             "lr_scheduler": self.scheduler,
             "dataloader": self.dataloader,

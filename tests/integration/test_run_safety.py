@@ -59,3 +59,14 @@ def test_a_killed_holder_leaves_no_stuck_lock(holder, tmp_path):
     holder.wait()
     run_train(TINY, dump_folder=tmp_path / "run", timeout=120)  # the kernel dropped the lock
     assert (tmp_path / "run" / "checkpoint" / "step-1" / ".complete").is_file()
+
+
+def test_another_flavor_on_a_runs_checkpoints_names_the_flavor(tmp_path):
+    """The run's checkpoints are valid: the message points at the flavor, never at deleting them."""
+    run_train(TINY, dump_folder=tmp_path, timeout=120)
+    proc = run_train([*TINY, "--model.flavor", "bench256", "--training.steps", "2"], dump_folder=tmp_path,
+                     timeout=120, expect=None)
+    assert_user_error(proc, 'model.flavor = "bench256"', "does not match the run's checkpoints",
+                      "fix: use the flavor the run was trained with")
+    assert "delete" not in proc.stderr
+    assert (tmp_path / "checkpoint" / "step-1" / ".complete").is_file()

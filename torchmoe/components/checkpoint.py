@@ -116,14 +116,26 @@ class ModelWrapper(Stateful):
     state dicts merge into one dict keyed like the unsplit model's.
     """
 
-    def __init__(self, model_parts: nn.Module | list[nn.Module]) -> None:
+    def __init__(self, model_parts: nn.Module | list[nn.Module], *, flavor: str = "") -> None:
         self.model_parts = _as_list(model_parts)
+        self.flavor = flavor  # named in the error for a checkpoint of another model
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         for part in self.model_parts:
             sd.update(get_model_state_dict(part))
         return sd
+
+    def check_saved_shapes(self, shapes: dict[str, torch.Size]) -> None:
+        """Refuse a checkpoint of another model (another flavor): its checkpoints are valid, so
+        the fix is the flavor, not deleting them (see `_check_saved_shapes`)."""
+        for name, tensor in self.state_dict().items():
+            saved = shapes.get(name)
+            if saved is None or tuple(saved) != tuple(tensor.shape):
+                found = "has no such tensor" if saved is None else f"holds it as {tuple(saved)}"
+                raise ConfigError("model.flavor", self.flavor, f"does not match the run's checkpoints: this model's "
+                                  f"{name} is {tuple(tensor.shape)}, the checkpoint {found}",
+                                  "use the flavor the run was trained with, or give this run its own job.dump_folder")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False: each part takes only its own keys from the merged dict. Missing keys are
