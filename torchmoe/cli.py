@@ -5,7 +5,9 @@
 
 Exit status (DESIGN §3): 0 success, 2 a user error, printed as one message naming the key, the
 value and the fix, without a traceback; 1 when training diverged (a non-finite loss or gradient
-norm), also one message, naming the step. Anything else is a bug and keeps its traceback.
+norm), also one message, naming the step. Anything else is a bug and keeps its traceback. When
+one rank of several fails, it reports its error as above and every other rank prints one line
+("stopped because rank N failed") and exits with the same status.
 """
 
 from __future__ import annotations
@@ -126,10 +128,15 @@ def _train(argv: list[str]) -> int:
 
             run_dry_run(cfg, world_size)
         else:
+            from torchmoe.distributed.failure import PeerFailed
             from torchmoe.trainer import TrainingDiverged, train
 
             try:
                 train(cfg)
+            except PeerFailed as err:
+                # Another rank failed and reports its error itself: one line here, its status.
+                print(err, file=sys.stderr)
+                return err.exit_status
             except TrainingDiverged as err:
                 # Not a bug but the run's outcome: one message (the loss is global, so every rank
                 # stops at the same step and rank 0 speaks for all), exit 1 rather than the 2 of
@@ -162,7 +169,7 @@ def _overview() -> str:
 
 
 def _report(err: Exception, rank: str | None) -> None:
-    prefix = f"[rank {rank}] " if rank is not None else ""
+    prefix = escape(f"[rank {rank}] ") if rank is not None else ""  # "[rank 1]" is not markup
     # soft_wrap: never break the message (the arithmetic, paths) at the terminal width.
     Console(stderr=True, soft_wrap=True, highlight=False).print(f"{prefix}[bold red]error:[/] {escape(str(err))}")
 

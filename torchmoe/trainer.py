@@ -57,6 +57,7 @@ from torchmoe.config.validate import check_tokenizer_fits
 from torchmoe.data.dataloader import build_dataloader
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
+from torchmoe.distributed.failure import FailureWatch
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
 from torchmoe.distributed.pipeline_parallel import (
@@ -125,10 +126,17 @@ def _set_train_timeout(comm_cfg: Comm) -> None:
 
 
 class Trainer:
-    """Owns the model, optimizer, data and bookkeeping of one training job on this rank."""
+    """Owns the model, optimizer, data and bookkeeping of one training job on this rank.
 
-    def __init__(self, cfg: JobConfig) -> None:
+    Args:
+        cfg: the job.
+        failure_watch: the multi-rank failure protocol's watch (see `train`), if any: signals
+            that arrive once this rank is leaving for a failure are ignored.
+    """
+
+    def __init__(self, cfg: JobConfig, *, failure_watch: FailureWatch | None = None) -> None:
         self.cfg = cfg
+        self.failure_watch = failure_watch
         self.device = _device(cfg.training.device)
         world_size = _init_distributed(self.device, cfg.comm)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -400,6 +408,10 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------
 
     def _on_signal(self, signum, frame) -> None:
+        if self.failure_watch is not None and self.failure_watch.failure is not None:
+            # torchrun's agent terminates the survivors of a failed worker; this rank is leaving
+            # for that failure already (and exits within the watch's grace whatever happens).
+            return
         logger.warning("received %s: saving a checkpoint after this step and stopping",
                        signal.Signals(signum).name)
         self._stop_signal = signum
@@ -415,7 +427,7 @@ class Trainer:
         if self.step > 0:
             logger.info("resuming at step %d", self.step + 1)
         with ExitStack() as stack:
-            stack.callback(self.checkpointer.close)
+            stack.push(self._close_checkpointer)
             stack.callback(metrics.close)
             prof = stack.enter_context(maybe_profile(cfg.profiling, self.dump_folder, rank=self.rank,
                                                      start_step=self.step))
@@ -457,6 +469,15 @@ class Trainer:
         if cfg.checkpoint.last_save_in_hf:
             self._save_hf()
 
+    def _close_checkpointer(self, exc_type, exc, tb) -> bool:
+        """Leaving the loop: finish the async save in flight when every rank leaves together
+        (done, stopped by a signal, or diverged: the loss is global, so all ranks stop at the
+        same step). After any other error this rank leaves alone, and waiting for the save is a
+        collective its peers never join."""
+        if exc is None or isinstance(exc, TrainingDiverged):
+            self.checkpointer.close()
+        return False  # never swallows the exception
+
     def _save_hf(self) -> None:
         """Write the weights as a Hugging Face folder, each rank writing its own shards."""
         out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
@@ -472,22 +493,39 @@ class Trainer:
         logger.info("seed checkpoint written to %s", path)
 
     def close(self) -> None:
+        """Leave together with every rank (the run ended the same way on all of them)."""
         self.folder_lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.failure_watch is not None:
+            self.failure_watch.stop()
 
 
 def train(cfg: JobConfig) -> None:
-    """Run the job `cfg` describes (the `torchmoe train` command)."""
+    """Run the job `cfg` describes (the `torchmoe train` command).
+
+    With several ranks, a rank that fails leaves alone: it enters no further collective, and the
+    failure watch (`torchmoe.distributed.failure`) ends every other rank within seconds.
+
+    Raises:
+        PeerFailed: on the ranks that stopped because another rank failed.
+    """
     if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
         raise ConfigError("checkpoint.create_seed_checkpoint", True, "needs checkpoint.enable = true",
                           "add --checkpoint.enable true")
-    trainer = Trainer(cfg)
+    watch = FailureWatch.start() if _init_distributed(_device(cfg.training.device), cfg.comm) > 1 else None
     try:
+        trainer = Trainer(cfg, failure_watch=watch)
         if cfg.checkpoint.create_seed_checkpoint:
             trainer.create_seed_checkpoint()
-            return
-        trainer.load_initial_state()
-        trainer.fit()
-    finally:
-        trainer.close()
+        else:
+            trainer.load_initial_state()
+            trainer.fit()
+    except TrainingDiverged:
+        trainer.close()  # every rank diverged at the same step (the loss is global)
+        raise
+    except BaseException as err:
+        if watch is not None:
+            watch.fail(err)  # raises PeerFailed when another rank failed first
+        raise
+    trainer.close()

@@ -432,7 +432,9 @@ class CheckpointManager:
         self._barrier()
 
     def close(self) -> None:
-        """Finish any async save; call once at the end of training (also on error paths)."""
+        """Finish any async save; call once at the end of training, when every rank gets there.
+        Not after an error on this rank alone: like every method here it is collective (a rank
+        that fails just drops the save in flight; the next run deletes its temporary folder)."""
         self.wait()
 
     def _poll(self) -> None:

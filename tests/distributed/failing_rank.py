@@ -1,0 +1,95 @@
+"""A torchmoe rank that fails on purpose, for `test_failures.py`.
+
+    python tests/distributed/failing_rank.py CASE OUT_DIR -- train ARGS...
+
+Run under torchrun, or as one of several processes given RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT (as SLURM's srun starts them). On rank `FAIL_RANK` (default 1) it replaces one
+function before running the CLI, so that production code needs no test hooks; the other ranks
+run unchanged:
+
+- `load`: `Trainer.load_initial_state` raises a `ConfigError` (a Hugging Face shard that only
+  this rank misses) while the others load, and wait for it in a collective.
+- `async_save`: this rank's background checkpoint write fails (OSError ENOSPC), so its
+  `CheckpointManager.wait()` raises at the next save, while the others wait for their own.
+- `data`: the data loader raises `DataConfigError` for step 3 (a corrupt shard only this rank
+  reads) while the others train step 3.
+- `none`: nothing (for a rank killed from outside).
+
+Before raising it writes `OUT_DIR/failed_at` (its `time.time()`). With `FAIL_ON_GO=1` it first
+writes `OUT_DIR/blocked` and waits for `OUT_DIR/go`, so that the test can act meanwhile.
+`WATCH_POLL_S` sets every rank's failure-watch poll interval (a slow store on a big cluster).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+def _about_to_fail(out: Path) -> None:
+    if os.environ.get("FAIL_ON_GO") == "1":
+        (out / "blocked").touch()
+        while not (out / "go").exists():
+            time.sleep(0.05)
+    (out / "failed_at").write_text(repr(time.time()))
+
+
+def _break_load(out: Path) -> None:
+    from torchmoe.config.errors import ConfigError
+    from torchmoe.trainer import Trainer
+
+    def load_initial_state(self) -> None:
+        _about_to_fail(out)
+        raise ConfigError("checkpoint.initial_load_path", self.cfg.checkpoint.initial_load_path,
+                          "model-00002-of-00002.safetensors is missing", "copy the whole Hugging Face folder")
+
+    Trainer.load_initial_state = load_initial_state
+
+
+def _break_async_save(out: Path) -> None:
+    import torchmoe.components.checkpoint as checkpoint
+
+    class FailedWrite(Future):
+        """The background write of this rank failed; `result()` (in `wait()`) raises it."""
+
+        def result(self, timeout: float | None = None) -> None:
+            _about_to_fail(out)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    checkpoint.dcp.async_save = lambda *args, **kwargs: FailedWrite()
+
+
+def _break_data(out: Path) -> None:
+    from torchmoe.data.dataloader import DataLoader
+    from torchmoe.data.dataset import DataConfigError
+
+    next_batch = DataLoader.next_batch
+
+    def failing_next_batch(self):
+        if self.state_dict()["step"] == 2:  # the batch of step 3
+            _about_to_fail(out)
+            raise DataConfigError("training.dataset_path", "shard-00007.jsonl", "shard-00007.jsonl:12 is not JSON",
+                                  "repair or remove that file")
+        return next_batch(self)
+
+    DataLoader.next_batch = failing_next_batch
+
+
+BREAK = {"load": _break_load, "async_save": _break_async_save, "data": _break_data, "none": lambda out: None}
+
+if __name__ == "__main__":
+    case, out_dir, sep, *cli_args = sys.argv[1:]
+    assert sep == "--", sys.argv
+    if "WATCH_POLL_S" in os.environ:
+        import torchmoe.distributed.failure as failure
+
+        failure.POLL_S = float(os.environ["WATCH_POLL_S"])
+    if os.environ["RANK"] == os.environ.get("FAIL_RANK", "1"):
+        BREAK[case](Path(out_dir))
+
+    from torchmoe.cli import main
+
+    sys.exit(main(cli_args))

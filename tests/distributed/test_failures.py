@@ -1,0 +1,186 @@
+"""One rank of two fails: every process must end within seconds, with the failing rank's
+message once and one line from the other, under torchrun and without its agent (as srun starts
+ranks, where nobody kills the survivors).
+
+    python -m pytest -q tests/distributed/test_failures.py
+
+The failures are injected on rank 1 by `failing_rank.py`. The collective timeouts are 600 s,
+so a timeout cannot be what ends a run: each process must be gone within `BOUND_S` of the
+failure.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, TINY_JOB
+from torchmoe.launch import cli_env, free_port
+
+pytestmark = pytest.mark.distributed
+
+WORKER = str(Path(__file__).with_name("failing_rank.py"))
+BOUND_S = 30.0  # observed 2-4 s on 2 busy cores; the collectives would wait 600 s
+JOB = [*TINY_JOB, "--training.local_batch_size", "4",
+       "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
+PEER_LINE = "[rank 0] stopped because rank 1 failed (its error is reported by rank 1)"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**cli_env(), "PYTHONPATH": str(REPO), **extra}
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[str], list[float]]:
+    """Outputs (stdout and stderr together) and exit times (`time.time()`) of `procs`; kills
+    them all if any runs past `timeout`."""
+    outs, ends = [""] * len(procs), [float("inf")] * len(procs)
+
+    def reap(i: int) -> None:
+        outs[i] = procs[i].stdout.read()
+        procs[i].wait()
+        ends[i] = time.time()
+
+    readers = [threading.Thread(target=reap, args=(i,)) for i in range(len(procs))]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in readers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        p.kill()
+    for t in readers:
+        t.join()
+    return outs, ends
+
+
+def _start_ranks(case: str, out: Path, args: list[str], world: int = 2, **env: str) -> list[subprocess.Popen]:
+    """`world` ranks started by hand, as srun does: no torchrun agent watches them."""
+    port = str(free_port())
+    return [subprocess.Popen(
+        [sys.executable, WORKER, case, str(out), "--", "train", *JOB, *args, "--job.dump_folder", str(out)],
+        env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+
+
+def _torchrun(case: str, out: Path, args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           WORKER, case, str(out), "--", "train", *JOB, *args, "--job.dump_folder", str(out)]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _since_failure(out: Path, end: float) -> float:
+    return end - float((out / "failed_at").read_text())
+
+
+def _no_worker_traceback(text: str, rank: int) -> bool:
+    # torch prefixes a rank's uncaught traceback with "[rankN]:"; torchrun's own
+    # ChildFailedError traceback (the agent's) has no such prefix.
+    return f"[rank{rank}]: Traceback" not in text
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    """A Hugging Face folder of debugmodel weights (rank 0 really loads it)."""
+    import torch
+
+    from tests.helpers import empty_debugmodel
+    from torchmoe.hf import save_model
+
+    model = empty_debugmodel()
+    with torch.no_grad():
+        model.init_weights()
+    folder = tmp_path_factory.mktemp("hf")
+    save_model(model, folder)
+    return folder
+
+
+def test_hf_load_failing_on_one_rank_ends_both_under_torchrun(tmp_path: Path, hf_folder: Path) -> None:
+    """Rank 1's initial load raises a user error while rank 0 loads and waits in a collective."""
+    proc = _torchrun("load", tmp_path, ["--checkpoint.initial_load_path", str(hf_folder),
+                                        "--checkpoint.initial_load_in_hf", "true"])
+    (out,), (end,) = _wait_all([proc], timeout=300)
+    assert proc.returncode == 1, out  # torchrun's status for a failed worker
+    assert _since_failure(tmp_path, end) < BOUND_S, out
+    assert out.count("error:") == 1 and "[rank 1] error: checkpoint.initial_load_path" in out, out
+    assert "model-00002-of-00002.safetensors is missing" in out, out
+    assert _no_worker_traceback(out, 0) and _no_worker_traceback(out, 1), out
+
+
+def test_async_save_failing_on_one_rank_ends_both_under_torchrun(tmp_path: Path) -> None:
+    """Rank 1's background write of step-2 fails; it raises when saving step 4, while rank 0
+    waits for its own save of step 2, whose collectives rank 1 never joined."""
+    proc = _torchrun("async_save", tmp_path, ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2",
+                                              "--training.steps", "4"])
+    (out,), (end,) = _wait_all([proc], timeout=300)
+    assert proc.returncode == 1, out
+    assert _since_failure(tmp_path, end) < BOUND_S, out
+    assert out.count("[rank1]: Traceback") == 1 and "OSError: [Errno 28] No space left on device" in out, out
+    assert _no_worker_traceback(out, 0) and out.count(PEER_LINE) == 1, out
+    assert not (tmp_path / "checkpoint" / "step-2").exists()  # never made visible: rank 1's part is missing
+
+
+def test_data_error_while_blocked_and_signalled_ends_both_without_torchrun(tmp_path: Path) -> None:
+    """Ranks started by hand (no agent to kill the survivor). Rank 1's data loader fails at step
+    3 with the async save of step 2 in flight; rank 0, blocked in step 3's collectives, also gets
+    SIGTERM before rank 1 fails. Both must exit 2 (a user error), and rank 0 must neither save
+    after the signal nor print more than its one line."""
+    procs = _start_ranks("data", tmp_path, ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2"],
+                         FAIL_ON_GO="1")
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "blocked").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.1)
+    time.sleep(1.0)  # rank 0 enters step 3's first collective
+    procs[0].send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    (tmp_path / "go").touch()
+    outs, ends = _wait_all(procs, timeout=120)
+    for rank, (proc, out, end) in enumerate(zip(procs, outs, ends)):
+        assert proc.returncode == 2, (rank, out)
+        assert _since_failure(tmp_path, end) < BOUND_S, (rank, out)
+        assert "Traceback" not in out, (rank, out)
+    assert outs[1].count("error:") == 1 and "[rank 1] error: training.dataset_path" in outs[1], outs[1]
+    assert outs[0].count(PEER_LINE) == 1 and "error:" not in outs[0], outs[0]
+    assert "received SIGTERM" not in outs[0], outs[0]
+    assert not any(p.name.startswith("step-3") for p in (tmp_path / "checkpoint").iterdir())  # no save on SIGTERM
+
+
+def test_store_host_failing_tells_the_other_rank_before_leaving(tmp_path: Path, hf_folder: Path) -> None:
+    """Without torchrun rank 0 hosts the rendezvous store, so when rank 0 fails its exit takes
+    the store away: it must wait until rank 1 has read the failure record, so that rank 1 says
+    which rank failed and takes its exit status. Rank 1 polls every 3 s, longer than rank 0
+    takes to exit."""
+    procs = _start_ranks("load", tmp_path, ["--checkpoint.initial_load_path", str(hf_folder),
+                                            "--checkpoint.initial_load_in_hf", "true"], FAIL_RANK="0",
+                         WATCH_POLL_S="3")
+    outs, ends = _wait_all(procs, timeout=300)
+    for rank, (proc, out, end) in enumerate(zip(procs, outs, ends)):
+        assert proc.returncode == 2, (rank, out)
+        assert _since_failure(tmp_path, end) < BOUND_S, (rank, out)
+        assert "Traceback" not in out, (rank, out)
+    assert outs[0].count("error:") == 1 and "[rank 0] error: checkpoint.initial_load_path" in outs[0], outs[0]
+    assert outs[1].strip().splitlines()[-1] == \
+        "[rank 1] stopped because rank 0 failed (its error is reported by rank 0)", outs[1]
+
+
+def test_store_host_killed_ends_the_other_rank(tmp_path: Path) -> None:
+    """Without torchrun rank 0 hosts the rendezvous store. SIGKILL it during training (it
+    publishes nothing): rank 1 must exit 1 on its own, with one line and no traceback."""
+    procs = _start_ranks("none", tmp_path, ["--training.steps", "200"])
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "metrics.jsonl").is_file() or not (tmp_path / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.1)
+    killed_at = time.time()
+    procs[0].send_signal(signal.SIGKILL)
+    outs, ends = _wait_all(procs, timeout=120)
+    assert procs[1].returncode == 1, outs[1]
+    assert ends[1] - killed_at < BOUND_S, outs[1]
+    assert "Traceback" not in outs[1] and "[rank 1] stopped: lost the rendezvous store at 127.0.0.1:" in outs[1], outs[1]

@@ -1,0 +1,256 @@
+"""One failing rank ends every rank within seconds, with one message.
+
+    watch = FailureWatch.start()      # every rank, right after init_process_group
+    try:
+        ...                           # build, load, train
+    except BaseException as err:
+        watch.fail(err)               # raises PeerFailed when another rank failed first
+        raise                         # this rank's own error: the CLI reports it
+    watch.stop()                      # finished normally (then destroy_process_group)
+
+Why this is needed: a rank that raises leaves its peers blocked in a collective with it. NCCL
+peers notice only at the collective timeout; gloo peers notice when the failed process exits,
+but it may not exit: on its way out it can enter a collective of its own (a checkpoint barrier)
+that the others, blocked elsewhere, never join. torchrun's agent kills the survivors once a
+worker has exited; started by SLURM's srun (no agent), nobody does.
+
+The protocol runs over the rendezvous store every rank already holds (torchrun's agent store,
+or the TCPStore that rank 0 hosts under env:// rendezvous), on connections of its own (a
+`clone()` per thread, so it never waits behind torch's own store traffic):
+
+1. The failing rank claims the failure record (`compare_set`: the first failure wins) with its
+   rank, exit status and message. It enters no further collective (no checkpoint wait or
+   barrier, not even `destroy_process_group`); in an NCCL job it aborts its communicators.
+2. Every other rank's watch thread polls the record (`check`, once per `POLL_S`), acks it and,
+   under NCCL, aborts its process groups, so that its main thread's blocked collective fails at
+   once. Under gloo that collective fails when the failing process exits and its sockets close
+   (measured: gloo's abort does neither, and an aborted gloo group hangs the interpreter's exit).
+   The main thread then raises `PeerFailed`: one line, "rank N failed", with the failing rank's
+   exit status.
+3. The failing rank waits (up to `ACK_WAIT_S`) until every peer has acked before it exits: the
+   peers then know why their collectives fail when its exit closes its sockets, and have read
+   the record before its exit takes the store with it (rank 0 under srun).
+4. Backstop: once a rank knows of a failure it exits within `EXIT_GRACE_S`, whatever its main
+   thread is blocked in (a gloo collective with another survivor, an async checkpoint's
+   future, interpreter exit joining a thread stuck in a collective): `os._exit` with the
+   failure's status, after printing the one line if the main thread never got to it.
+
+At the normal end rank 0 leaves last (`stop` waits, bounded, until every rank has stopped its
+watch): under env:// rendezvous rank 0's exit ends the store, and a rank still polling it would
+take that for a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from torchmoe.config.errors import ConfigError
+
+POLL_S = 1.0  # how often the watch thread looks for a failure record
+ACK_WAIT_S = 5.0  # how long the failing rank waits for every peer to have read its record
+EXIT_GRACE_S = 5.0  # how long a rank that knows of a failure may take to exit before os._exit
+
+_PREFIX = "torchmoe/failure/"
+_RECORD, _ACKS, _STOPPED = "record", "acks", "stopped"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the first failing rank published: `rank` None means the store itself was lost."""
+
+    rank: int | None
+    status: int  # the exit status every rank takes: 2 for a user error, else 1
+    message: str
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, data: bytes) -> Failure:
+        return cls(**json.loads(data))
+
+
+class PeerFailed(RuntimeError):
+    """This rank stopped because another rank failed (or the rendezvous store was lost); the
+    cause is reported by that rank, this one prints one line and exits with `exit_status`."""
+
+    def __init__(self, failure: Failure, rank: int) -> None:
+        self.failure = failure
+        self.exit_status = failure.status
+        if failure.rank is None:
+            text = f"[rank {rank}] stopped: {failure.message}"
+        else:
+            text = f"[rank {rank}] stopped because rank {failure.rank} failed (its error is reported by rank {failure.rank})"
+        super().__init__(text)
+
+
+def exit_status(err: BaseException) -> int:
+    """The CLI's exit status for `err`: 2 for a user error (`ConfigError`), 1 for anything else."""
+    return 2 if isinstance(err, ConfigError) else 1
+
+
+def abort_process_groups() -> None:
+    """Abort the process groups of an NCCL job, without entering a collective: collectives
+    blocked on them (this rank's own, when the watch thread calls it) fail at once instead of
+    at the timeout. Every group is aborted at once, as torch orders it (`_abort_process_group`).
+
+    Gloo jobs are left alone: gloo's abort fails no pending operation (here or on the peers,
+    which fail when this process exits and its sockets close), and an aborted gloo group hangs
+    the interpreter's exit. (An NCCL job's gloo group for async checkpoints is aborted with the
+    rest; should that hold up the exit, the watch's backstop ends the process.)
+    """
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+
+
+class FailureWatch:
+    """This rank's side of the failure protocol (module docstring); one per process.
+
+    Args:
+        store: the rendezvous store (the default process group's). It is kept referenced: under
+            env:// rendezvous rank 0's store object runs the server every rank talks to, which
+            must outlive `destroy_process_group` until every rank has stopped its watch.
+        rank, world_size: this process's rank in, and the size of, the default group.
+    """
+
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int) -> None:
+        self._rendezvous = store
+        self._store = dist.PrefixStore(_PREFIX, store.clone())  # the main thread's connection
+        self._watch_store = dist.PrefixStore(_PREFIX, store.clone())  # the watch thread's
+        self.rank = rank
+        self.world_size = world_size
+        self._lock = threading.Lock()
+        self._failure: Failure | None = None  # the failure this rank is leaving for
+        self._backstop: threading.Timer | None = None
+        self._reported = threading.Event()  # the main thread has taken over the reporting
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="torchmoe-failure-watch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls) -> FailureWatch:
+        """Watch for failures of the default process group's ranks (call after init_process_group)."""
+        return cls(dist.distributed_c10d._get_default_store(), rank=dist.get_rank(),
+                   world_size=dist.get_world_size())
+
+    @property
+    def failure(self) -> Failure | None:
+        """The failure this rank is leaving for, once known (its own or a peer's)."""
+        with self._lock:
+            return self._failure
+
+    # ---- the main thread -------------------------------------------------------------------------
+
+    def fail(self, err: BaseException) -> None:
+        """End this rank's run on `err`, without any collective: publish it unless another rank
+        failed first, abort the process groups and arm the exit backstop.
+
+        Returns when `err` is the first failure (the caller re-raises it, and the CLI reports it
+        with its exit status).
+
+        Raises:
+            PeerFailed: another rank failed first (`err` is then a consequence, e.g. this
+                rank's collective failing, and is chained as its cause), or the store was lost.
+        """
+        self._reported.set()
+        mine = Failure(self.rank, exit_status(err), f"{type(err).__name__}: {err}")
+        first = self.failure or self._claim(mine)
+        self._learn(first, self._store)
+        if first.rank == self.rank:
+            self._wait_for_acks()
+        self._arm_backstop(first)  # after the acks: the CLI must still get to print the error
+        if first.rank != self.rank:
+            raise PeerFailed(first, self.rank) from err
+
+    def stop(self) -> None:
+        """This rank finished normally: stop watching, then let rank 0 leave last (bounded), so
+        that no rank still polls a store whose host has exited."""
+        self._stopped.set()
+        self._thread.join()
+        try:
+            left = self._store.add(_STOPPED, 1)
+            deadline = time.monotonic() + EXIT_GRACE_S
+            while self.rank == 0 and left < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.02)
+                left = self._store.add(_STOPPED, 0)
+        except dist.DistError:
+            pass  # the store is gone: nobody is left to wait for
+
+    def _claim(self, mine: Failure) -> Failure:
+        """Publish `mine` unless a record exists; returns the record now in the store."""
+        try:
+            return Failure.decode(self._store.compare_set(_RECORD, "", mine.encode()))
+        except dist.DistError as err:
+            return _store_lost(err)  # its host died, which is why this rank's collective failed
+
+    def _wait_for_acks(self) -> None:
+        deadline = time.monotonic() + ACK_WAIT_S
+        try:
+            while self._store.add(_ACKS, 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except dist.DistError:
+            pass  # the store's host left: whoever has not read the record fails on its own
+
+    # ---- both threads ----------------------------------------------------------------------------
+
+    def _learn(self, failure: Failure, store: dist.Store) -> None:
+        """First sight of `failure` on this rank: ack a peer's record (through `store`, the
+        calling thread's connection) and abort the process groups. Later calls do nothing."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = failure
+            if failure.rank not in (None, self.rank):
+                try:
+                    store.add(_ACKS, 1)
+                except dist.DistError:
+                    pass  # the failing rank exited already (it waited for us as long as it could)
+            abort_process_groups()
+
+    def _arm_backstop(self, failure: Failure) -> None:
+        """Exit with `failure`'s status EXIT_GRACE_S from now unless the process is gone by then
+        (only the first call arms it)."""
+        with self._lock:
+            if self._backstop is not None:
+                return
+            self._backstop = threading.Timer(EXIT_GRACE_S, self._exit_now, args=(failure,))
+        self._backstop.daemon = True
+        self._backstop.start()
+
+    def _exit_now(self, failure: Failure) -> None:
+        """The backstop: the process is still alive EXIT_GRACE_S after learning of `failure`."""
+        if not self._reported.is_set():  # the main thread is stuck: say why this rank stops
+            print(PeerFailed(failure, self.rank), file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(failure.status)
+
+    # ---- the watch thread ------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(POLL_S):
+            try:
+                if not self._watch_store.check([_RECORD]):
+                    continue
+                failure = Failure.decode(self._watch_store.get(_RECORD))
+            except dist.DistError as err:
+                if self._stopped.is_set():
+                    return
+                failure = _store_lost(err)
+            if failure.rank != self.rank:  # this rank's own failure is handled by fail()
+                self._learn(failure, self._watch_store)
+                self._arm_backstop(failure)  # the main thread may be stuck in a collective
+            return
+
+
+def _store_lost(err: dist.DistError) -> Failure:
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return Failure(None, 1, f"lost the rendezvous store at {where} ({type(err).__name__}): the process hosting it "
+                            "(rank 0 without torchrun, else torchrun's agent) is gone")
