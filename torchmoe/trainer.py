@@ -412,8 +412,9 @@ class Trainer:
             # torchrun's agent terminates the survivors of a failed worker; this rank is leaving
             # for that failure already (and exits within the watch's grace whatever happens).
             return
-        logger.warning("received %s: saving a checkpoint after this step and stopping",
-                       signal.Signals(signum).name)
+        then = "saving a checkpoint after this step and stopping" if self.cfg.checkpoint.enable else \
+            "stopping after this step (checkpoint.enable is false: nothing is saved)"
+        logger.warning("received %s: %s", signal.Signals(signum).name, then)
         self._stop_signal = signum
 
     def fit(self) -> None:
@@ -426,6 +427,10 @@ class Trainer:
             signal.signal(sig, self._on_signal)
         if self.step > 0:
             logger.info("resuming at step %d", self.step + 1)
+        warmup = cfg.lr_scheduler.warmup_steps
+        if warmup >= steps and self.rank == 0:
+            logger.warning("lr_scheduler.warmup_steps (%d) >= training.steps (%d): the learning rate never reaches "
+                           "optimizer.lr in this run", warmup, steps)
         with ExitStack() as stack:
             stack.push(self._close_checkpointer)
             stack.callback(metrics.close)

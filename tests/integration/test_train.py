@@ -120,9 +120,9 @@ def test_metrics_fields_and_resolved_config(full_run: Path) -> None:
     assert reloaded == load_job_config([*SIX_STEPS, "--job.dump_folder", str(full_run)])
 
 
-def test_sigterm_saves_and_resume_finishes(tmp_path: Path) -> None:
-    cmd = cli_command(["train", *TINY, "--training.steps", "200", "--checkpoint.interval", "1000",
-                       "--job.dump_folder", tmp_path])
+def _sigterm_after_first_log(tmp_path: Path, flags: list[str]) -> str:
+    """Start a 200-step run, SIGTERM it once a step is logged; returns its output (exit 0)."""
+    cmd = cli_command(["train", *TINY, "--training.steps", "200", *flags, "--job.dump_folder", tmp_path])
     with open(tmp_path / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -134,6 +134,13 @@ def test_sigterm_saves_and_resume_finishes(tmp_path: Path) -> None:
             assert proc.wait(timeout=60) == 0, (tmp_path / "log.txt").read_text()
         finally:
             proc.kill()
+    return (tmp_path / "log.txt").read_text()
+
+
+def test_sigterm_saves_and_resume_finishes(tmp_path: Path) -> None:
+    log = _sigterm_after_first_log(tmp_path, ["--checkpoint.interval", "1000"])
+    assert "received SIGTERM: saving a checkpoint after this step and stopping" in log
+    assert "(disabled)" not in log  # the async mode is no part of the message
     stopped = read_metrics(tmp_path)[-1]["step"]
     assert stopped < 200
     assert checkpoints(tmp_path) == [f"step-{stopped}"]
@@ -142,6 +149,14 @@ def test_sigterm_saves_and_resume_finishes(tmp_path: Path) -> None:
     train(tmp_path, [*TINY, "--training.steps", str(stopped + 2)])
     assert [r["step"] for r in read_metrics(tmp_path)][-3:] == [stopped, stopped + 1, stopped + 2]
     assert checkpoints(tmp_path) == [f"step-{stopped}", f"step-{stopped + 2}"]
+
+
+def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path: Path) -> None:
+    log = _sigterm_after_first_log(tmp_path, ["--checkpoint.enable", "false", "--lr_scheduler.warmup_steps", "500"])
+    assert "stopping after this step (checkpoint.enable is false: nothing is saved)" in log
+    assert "saving a checkpoint" not in log and not (tmp_path / "checkpoint").exists()
+    # A warmup longer than the run is allowed, with a warning.
+    assert log.count("lr_scheduler.warmup_steps (500) >= training.steps (200)") == 1
 
 
 def test_divergence_stops_with_one_message_and_no_checkpoint(tmp_path: Path) -> None:

@@ -396,7 +396,8 @@ class CheckpointManager:
             "keys": sorted(state),
             "saved_at": time.time(),
         }
-        logger.info("saving checkpoint step-%d (%s)", step, self.cfg.async_mode)
+        logger.info("saving checkpoint step-%d%s", step,
+                    " in the background" if self.cfg.async_mode == "async" and not model_only else "")
         self._last_saved = step
         if self.cfg.async_mode == "async" and not model_only:
             future = dcp.async_save(
