@@ -312,3 +312,24 @@ def test_model_parts_with_one_optimizer_each(tmp_path: Path) -> None:
     for old, new in zip(opts, new_opts):
         for p_old, p_new in zip(old.param_groups[0]["params"], new.param_groups[0]["params"]):
             torch.testing.assert_close(old.state[p_old]["exp_avg"], new.state[p_new]["exp_avg"])
+
+
+def test_failed_save_and_stale_temporaries_leave_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A save that fails (a full disk) deletes its temporary folder at once, so retries do not
+    pile them up; a new run deletes temporaries that no live run owns (it owns its folder)."""
+    run = _Run()
+    stale = tmp_path / "checkpoint" / "step-7.tmp-0dead0"
+    stale.mkdir(parents=True)
+    manager = _manager(tmp_path)
+    assert not stale.exists()
+
+    def full_disk(state, checkpoint_id, **kw):
+        Path(checkpoint_id).mkdir(parents=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    for _ in range(2):
+        with pytest.raises(OSError, match="No space left"):
+            manager.save(1, run.state)
+    assert list((tmp_path / "checkpoint").iterdir()) == []

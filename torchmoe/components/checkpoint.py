@@ -357,6 +357,9 @@ class CheckpointManager:
         self._async_pg = (
             dist.new_group(backend="gloo") if cfg.async_mode == "async" and _dist_on() else None
         )
+        if self.rank == 0 and self.folder.is_dir():
+            # The run owns its dump folder (`run_lock`): no live run is writing these.
+            self._remove_stale_temporaries()
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -407,7 +410,11 @@ class CheckpointManager:
             future = getattr(future, "upload_completion", future)
             self._pending = _PendingSave(step, tmp, meta, future)
             return
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist_on())
+        try:
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist_on())
+        except BaseException:
+            self._discard(tmp)  # a failed save (full disk) leaves nothing behind to fail again
+            raise
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
         # .metadata, so every shard is on disk: rank 0 may make the folder visible now.
         if self.rank == 0:
@@ -427,7 +434,11 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        pending.future.result()
+        try:
+            pending.future.result()
+        except BaseException:
+            self._discard(pending.tmp)
+            raise
         if self.rank == 0 and not pending.finalized:
             self._finalize(pending.step, pending.tmp, pending.meta)
         self._barrier()
@@ -470,11 +481,22 @@ class CheckpointManager:
             for _, path in self.complete_checkpoints()[: -self.cfg.keep_latest_k]:
                 logger.info("deleting old checkpoint %s (keep_latest_k=%d)", path, self.cfg.keep_latest_k)
                 _remove_checkpoint(path)
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> None:
+        """Rank 0: delete the temporary folders of other runs' saves (killed or failed)."""
         for path in self.folder.iterdir():
             m = _TMP_DIR.match(path.name)
             if m and m.group(1) != self.id and path.is_dir():
                 logger.info("deleting incomplete checkpoint %s left by an earlier run", path)
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0: delete the temporary folder of this run's save that failed (DCP raised its
+        error on every rank, so no rank is still writing into it)."""
+        if self.rank == 0:
+            logger.warning("checkpoint %s failed; deleted its temporary folder", tmp.name.split(".tmp-")[0])
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _barrier(self) -> None:
         if _dist_on():
