@@ -87,15 +87,12 @@ def _no_worker_traceback(text: str, rank: int) -> bool:
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> Path:
-    """A Hugging Face folder of debugmodel weights (rank 0 really loads it)."""
-    import torch
-
+    """A Hugging Face folder of debugmodel weights (every rank really loads it)."""
     from tests.helpers import empty_debugmodel
     from torchmoe.hf import save_model
 
     model = empty_debugmodel()
-    with torch.no_grad():
-        model.init_weights()
+    model.init_weights(seed=0)
     folder = tmp_path_factory.mktemp("hf")
     save_model(model, folder)
     return folder

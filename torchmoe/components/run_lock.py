@@ -30,16 +30,39 @@ __all__ = ["LOCK_NAME", "DumpFolderLock", "lock_dump_folder"]
 LOCK_NAME = ".torchmoe.lock"
 
 
-class DumpFolderLock:
-    """This process's hold on a dump folder (rank 0), or nothing (other ranks)."""
+# This process's locks: folder -> [descriptor, holders]. A flock belongs to one open file, so a
+# second Trainer of the same process (tests, notebooks) shares the first one's instead of being
+# refused by its own process.
+_HELD: dict[Path, list[int]] = {}
 
-    def __init__(self, fd: int | None) -> None:
-        self._fd = fd
+
+class DumpFolderLock:
+    """One holder's share of this process's lock on a dump folder (rank 0), or nothing."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self._folder = folder
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+        if self._folder is None:
+            return
+        held = _HELD[self._folder]
+        held[1] -= 1
+        if held[1] == 0:
+            os.close(held[0])  # closing the descriptor drops the flock
+            del _HELD[self._folder]
+        self._folder = None
+
+
+def _acquire(folder: Path) -> tuple[Path | None, str | None]:
+    """(the folder now held by this process, None), or (None, the other holder's description)."""
+    folder = folder.resolve()
+    if folder not in _HELD:
+        fd, holder = _try_lock(folder)
+        if fd is None:
+            return None, holder
+        _HELD[folder] = [fd, 0]
+    _HELD[folder][1] += 1
+    return folder, None
 
 
 def _try_lock(folder: Path) -> tuple[int | None, str | None]:
@@ -75,7 +98,7 @@ def lock_dump_folder(folder: Path) -> DumpFolderLock:
         ConfigError: another live run holds the folder (on every rank).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    fd, holder = _try_lock(folder) if rank == 0 else (None, None)
+    held, holder = _acquire(folder) if rank == 0 else (None, None)
     if dist.is_initialized():
         box = [holder]
         dist.broadcast_object_list(box, src=0)
@@ -83,4 +106,4 @@ def lock_dump_folder(folder: Path) -> DumpFolderLock:
     if holder is not None:
         raise ConfigError("job.dump_folder", str(folder), f"is in use by another run: {holder}",
                           "wait for it to end or stop it, or give this run its own job.dump_folder")
-    return DumpFolderLock(fd)
+    return DumpFolderLock(held)
