@@ -134,7 +134,9 @@ def test_data_error_while_blocked_and_signalled_ends_both_without_torchrun(tmp_p
     while not (tmp_path / "blocked").exists():
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
         time.sleep(0.1)
-    time.sleep(1.0)  # rank 0 enters step 3's first collective
+    # Rank 0 must be blocked in step 3's first collective (inside gloo, where Python defers the
+    # handler) when the signal comes: 1 s was not always enough on two busy cores.
+    time.sleep(5.0)
     procs[0].send_signal(signal.SIGTERM)
     time.sleep(1.0)
     (tmp_path / "go").touch()
