@@ -211,3 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's final flush does not raise again, as the Python docs recommend.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def run() -> None:
+    """The `torchmoe` program (console script and ``python -m torchmoe``): `main`, then exit with
+    its status; after a multi-rank failure without running process-group destructors (see
+    `torchmoe.distributed.failure.leave`). Only such a run imports that module: the CLI stays
+    quick to answer without torch."""
+    status = main()
+    failure = sys.modules.get("torchmoe.distributed.failure")
+    if failure is not None:
+        failure.leave(status)
+    sys.exit(status)

@@ -57,6 +57,22 @@ POLL_S = 1.0  # how often the watch thread looks for a failure record
 ACK_WAIT_S = 5.0  # how long the failing rank waits for every peer to have read its record
 EXIT_GRACE_S = 5.0  # how long a rank that knows of a failure may take to exit before os._exit
 
+# Set once this process has left a run for a failure (its own or a peer's): see `leave`.
+_FAILED = False
+
+
+def leave(status: int) -> None:
+    """End the process with `status`. After a failure its process groups may still have work in
+    flight (a dropped async save), and their C++ destructors at interpreter exit can abort the
+    process ("terminate called without an active exception"): such a process leaves at once,
+    with its output flushed, and without running them."""
+    if _FAILED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 _PREFIX = "torchmoe/failure/"
 _RECORD, _ACKS, _STOPPED = "record", "acks", "stopped"
 
@@ -160,6 +176,8 @@ class FailureWatch:
                 rank's collective failing, and is chained as its cause), or the store was lost.
         """
         self._reported.set()
+        global _FAILED
+        _FAILED = True
         mine = Failure(self.rank, exit_status(err), f"{type(err).__name__}: {err}")
         first = self.failure or self._claim(mine)
         self._learn(first, self._store)
