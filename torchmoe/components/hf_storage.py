@@ -71,11 +71,11 @@ def _hf_views(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return {name: s.view(state[name]) for name, s in slices.items()}, slices
 
 
-def _full_model_hf_names(args: ModelArgs) -> set[str]:
-    """Every Hugging Face tensor name of a model of `args` (all stages, whatever this rank holds)."""
+def _full_model_slices(args: ModelArgs) -> list[HFSlice]:
+    """The slices of a whole model of `args` (all stages, whatever this rank holds), in order."""
     with torch.device("meta"):
         model = Transformer(args)
-    return {s.hf_name for s in hf_slices(model.state_dict()).values()}
+    return list(hf_slices(model.state_dict()).values())
 
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArg
     """
     entries = metadata.state_dict_metadata
     stored = {text: key for key in entries if (text := text_tensor_name(key)) is not None}
-    expected = _full_model_hf_names(args)
+    expected = {s.hf_name for s in _full_model_slices(args)}
     missing = sorted(expected - set(stored))
     if missing:
         raise HFConversionError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -228,14 +228,12 @@ class _RankShardWriter(HuggingFaceStorageWriter):
         return self._write_data(planner, file_queue)
 
 
-def _file_index(slices: dict[str, HFSlice], dtype: torch.dtype, max_shard_bytes: int, args: ModelArgs) -> dict[str, int]:
+def _file_index(dtype: torch.dtype, max_shard_bytes: int, args: ModelArgs) -> dict[str, int]:
     """HF name -> output file (1-based): the whole model's tensors in order, a new file whenever
     the current one would exceed `max_shard_bytes`. The same on every rank, whatever it holds."""
-    with torch.device("meta"):
-        model = Transformer(args)
     index: dict[str, int] = {}
     file, used = 1, 0
-    for s in hf_slices(model.state_dict()).values():
+    for s in _full_model_slices(args):
         if s.hf_name in index:
             continue
         size = math.prod(s.size) * dtype.itemsize
@@ -285,7 +283,7 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
                       "and is dropped: expert selection there ignores it", stacklevel=2)
     views, slices = _hf_views(state)
     dtype = next(iter(views.values())).dtype  # every parameter has the same (every pp stage has some)
-    index = _file_index(slices, dtype, max_shard_bytes, args)
+    index = _file_index(dtype, max_shard_bytes, args)
     writer = _RankShardWriter(str(shards), fqn_to_index_mapping=index, save_distributed=True)
     dcp.save(views, storage_writer=writer, planner=_HFSavePlanner(slices), no_dist=not _dist_on())
     if _dist_on():  # each rank writes some of the output files
