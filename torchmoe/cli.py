@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.markup import escape
 
-from torchmoe.config import ConfigError, load_job_config, validate_job_config
+from torchmoe.config import ConfigError, load_job_config, validate_sections
 from torchmoe.config.job_config import Parallelism
 
 TRAIN_DESCRIPTION = """\
@@ -119,6 +119,9 @@ def _train(argv: list[str]) -> int:
     except SystemExit as exit_:  # --help was printed
         return int(exit_.code or 0)
     world_size = resolve_world_size(world_size_flag, dry_run, cfg.parallelism)
+    validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
+    from torchmoe.preflight import validate_job_config
+
     validate_job_config(cfg, world_size, check_device=not dry_run)
     try:
         # Imported here: both pull in the whole training stack, which config errors and

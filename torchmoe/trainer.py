@@ -35,8 +35,10 @@ from torchmoe.components.checkpoint import (
     OptimizerWrapper,
     RankLocal,
     RNGState,
+    SaveFailed,
     load_model_only,
 )
+from torchmoe.components.divergence import TrainingDiverged, nonfinite_state
 from torchmoe.components.hf_storage import load_hf_weights, save_hf_weights
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
@@ -53,7 +55,6 @@ from torchmoe.components.run_lock import lock_dump_folder
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig
 from torchmoe.config.loader import write_config_toml
-from torchmoe.config.validate import check_tokenizer_fits
 from torchmoe.data.dataloader import build_dataloader
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
@@ -72,15 +73,12 @@ from torchmoe.models.llama4.parallelize import parallelize_llama4
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
+from torchmoe.preflight import train_device
 
 logger = logging.getLogger(__name__)
 
 # The planner counts bytes per element; the dtype that runs with that many.
 _DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the run stops without saving that state."""
 
 
 @dataclass
@@ -90,15 +88,6 @@ class StepResult:
     lr: float  # the learning rate this step used
     stop: bool  # some rank caught SIGTERM/SIGINT: every rank stops after this step
     tokens_per_expert: torch.Tensor | None  # (n_moe_layers, n_experts), summed over the batch
-
-
-def _device(requested: str) -> torch.device:
-    if requested == "cuda" or (not requested and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("training.device", requested, "CUDA is not available on this machine",
-                              'use training.device = "cpu" (or leave it empty)')
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def _init_distributed(device: torch.device, comm_cfg: Comm) -> int:
@@ -137,7 +126,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, *, failure_watch: FailureWatch | None = None) -> None:
         self.cfg = cfg
         self.failure_watch = failure_watch
-        self.device = _device(cfg.training.device)
+        self.device = train_device(cfg.training.device)
         world_size = _init_distributed(self.device, cfg.comm)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         setup_logging(self.rank)
@@ -154,7 +143,6 @@ class Trainer:
 
         tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args_from_config(cfg.model)
-        check_tokenizer_fits(tokenizer.vocab_size, self.model_args.vocab_size, cfg.model)
         batch_mesh = self.mesh["batch"] if self.mesh is not None else None
         dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
         # With the batch mesh the loader's checkpointed rows are a DTensor: each rank saves its own.
@@ -350,38 +338,53 @@ class Trainer:
             TrainingDiverged: the global loss or gradient norm is not finite (nothing was
                 stepped, so the model still holds the previous step's weights).
         """
-        global_loss, stop_flag = self._reduce_loss_and_stop_flag(self.forward_backward(micro_batches))
+        global_loss, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
         max_norm = self.cfg.training.max_norm
         grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
                                     pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
-        loss, stop, norm = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss)]).tolist()
+        loss, stop, norm, bad_bias = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
+                                                  bad_bias]).tolist()
+        if bad_bias:  # set by the previous step's update, which no save has seen yet
+            raise TrainingDiverged(f"an MoE expert bias is not finite after step {self.step}: stopping without "
+                                   "saving; lower model.load_balance_coeff")
         for name, value in (("loss", loss), ("gradient norm", norm)):
             if not math.isfinite(value):
                 raise TrainingDiverged(f"{name} is {value} at step {self.step + 1}: stopping without saving; "
                                        "lower optimizer.lr or check the data")
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except RuntimeError as err:
+            # An update too large for the parameters' dtype (an absurd LR): torch refuses the
+            # scalar before writing it, on every rank alike.
+            if "overflow" not in str(err):
+                raise
+            raise TrainingDiverged(f"the optimizer update overflows at step {self.step + 1} ({err}): stopping "
+                                   "without saving; lower optimizer.lr") from None
         precompute_float8_scales([self.model], self.cfg.float8)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         counts = self._update_moe_biases()
         return StepResult(loss, norm, lr, stop > 0, counts)
 
-    def _reduce_loss_and_stop_flag(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the loss over data-parallel ranks and agree on stopping, in one all-reduce.
+    def _reduce_loss_and_flags(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sum the loss over data-parallel ranks and agree on stopping and on the expert biases
+        being finite, in one all-reduce. Returns (loss, stop flag, non-finite bias flag).
 
         Only the tp-coordinate-0 rank of each TP group contributes the loss (its TP peers hold
         the same value; under PP only ranks holding the last stage have a nonzero one); any rank
         that caught SIGTERM/SIGINT raises the stop flag for all, so every rank stops (and saves,
-        collectively) after the same step.
+        collectively) after the same step. Under PP each stage checks its own layers' biases.
         """
         flag = torch.tensor(float(self._stop_signal is not None), device=self.device)
+        biases = [m.expert_bias for m in self.moe_layers]
+        bad_bias = (~torch.isfinite(torch.cat(biases))).any().float() if biases else torch.zeros_like(flag)
         if self.mesh is None:
-            return local_loss, flag
+            return local_loss, flag, bad_bias
         weight = 1.0 if self.mesh["tp"].get_local_rank() == 0 else 0.0
-        buf = torch.stack([local_loss * weight, flag])
+        buf = torch.stack([local_loss * weight, flag, bad_bias])
         dist.all_reduce(buf)
-        return buf[0], buf[1]
+        return buf[0], buf[1], buf[2]
 
     def _update_moe_biases(self) -> torch.Tensor | None:
         """Reduce this step's per-expert token counts over the batch and update every local
@@ -463,16 +466,56 @@ class Trainer:
                     reset_peak_memory(self.device)
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
                     if cfg.checkpoint.enable:
-                        self.checkpointer.save(self.step, self.state)
+                        self._checkpoint(stopping=True)
                     else:
                         logger.warning("checkpoint.enable is false: stopping at step %d without a checkpoint",
                                        self.step)
                     return
-                self.checkpointer.maybe_save(self.step, self.state)
+                self._checkpoint(stopping=False)
                 prof.step()
                 mem.step()
         if cfg.checkpoint.last_save_in_hf:
             self._save_hf()
+
+    def _checkpoint(self, *, stopping: bool) -> None:
+        """After each step: save when due (or `stopping` for a signal), if the state is finite
+        (else `TrainingDiverged`); else make a finished async save visible.
+
+        A save that fails mid-run (disk full, permissions changed) is reported and training
+        goes on: the state in memory is intact and the next interval tries again. When it was
+        the run's last save, the run ends with that error (`ConfigError`: exit 2), naming the
+        checkpoint it can resume from.
+        """
+        last = stopping or self.step == self.cfg.training.steps
+        due = stopping or self.checkpointer.should_save(self.step)
+        if due:
+            self._check_state_finite()
+        try:
+            if stopping:
+                self.checkpointer.save(self.step, self.state)
+            else:
+                self.checkpointer.maybe_save(self.step, self.state)
+            if due and last:
+                self.checkpointer.wait()  # an async last save must be on disk before the run ends
+        except SaveFailed as err:
+            newest = self.checkpointer.complete_checkpoints()
+            resume = f"the newest checkpoint on disk is {newest[-1][1]}" if newest else "no checkpoint is on disk"
+            if last:
+                raise ConfigError("checkpoint.folder", str(self.checkpointer.folder), f"{err}; {resume}",
+                                  "free space or fix permissions there, then run again to resume") from None
+            logger.error("%s; training goes on (the state in memory is intact, the next save is attempted at its "
+                         "interval); %s", err, resume)
+
+    def _check_state_finite(self) -> None:
+        """Every parameter, buffer and optimizer state of every rank must be finite to be saved."""
+        bad = nonfinite_state(self.model, self.optimizer)
+        flag = torch.tensor(float(bool(bad)), device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag)
+        if flag.item():
+            where = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "") if bad else "on another rank"
+            raise TrainingDiverged(f"the model or optimizer state is not finite after step {self.step} ({where}): "
+                                   "stopping without saving; lower optimizer.lr")
 
     def _close_checkpointer(self, exc_type, exc, tb) -> bool:
         """Leaving the loop: finish the async save in flight when every rank leaves together
@@ -490,10 +533,7 @@ class Trainer:
         logger.info("saved Hugging Face weights to %s", out)
 
     def create_seed_checkpoint(self) -> None:
-        if self.dims.world_size != 1:
-            raise ConfigError("checkpoint.create_seed_checkpoint", True,
-                              f"a seed checkpoint is written by one process, but the world has "
-                              f"{self.dims.world_size} ranks", "run it without torchrun (one process)")
+        """Write step-0 with the freshly initialised weights (one process: `preflight.check_launch`)."""
         path = self.checkpointer.save_seed_checkpoint(self.state)
         logger.info("seed checkpoint written to %s", path)
 
@@ -515,10 +555,7 @@ def train(cfg: JobConfig) -> None:
     Raises:
         PeerFailed: on the ranks that stopped because another rank failed.
     """
-    if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
-        raise ConfigError("checkpoint.create_seed_checkpoint", True, "needs checkpoint.enable = true",
-                          "add --checkpoint.enable true")
-    watch = FailureWatch.start() if _init_distributed(_device(cfg.training.device), cfg.comm) > 1 else None
+    watch = FailureWatch.start() if _init_distributed(train_device(cfg.training.device), cfg.comm) > 1 else None
     try:
         trainer = Trainer(cfg, failure_watch=watch)
         if cfg.checkpoint.create_seed_checkpoint:

@@ -22,11 +22,11 @@ from torchmoe.config import (
     JobConfig,
     load_job_config,
     resolve_degrees,
-    validate_job_config,
     write_config_toml,
 )
 from torchmoe.config.job_config import Parallelism
 from torchmoe.models.llama4.args import FLAVORS, ModelArgs
+from torchmoe.preflight import validate_job_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEBUG = str(CONFIGS / "debug_model.toml")
@@ -216,6 +216,18 @@ RULES = [
      '"float32"', "allowed"),
     ({"model.flavor": "17bx16"}, 1, "model.flavor", '"17bx16"', 'did you mean "17bx16e"', "allowed"),
     ({"optimizer.name": "adamw"}, 1, "optimizer.name", '"adamw"', 'did you mean "AdamW"', "allowed"),
+    ({"optimizer.implementation": "triton"}, 1, "optimizer.implementation", '"triton"', '"foreach"', "allowed"),
+    ({"checkpoint.async_mode": "async_with_pinned_mem"}, 1, "checkpoint.async_mode", '"async_with_pinned_mem"',
+     '"async"', "allowed"),
+    ({"profiling.profile_freq": 0}, 1, "profiling.profile_freq", "0", "1 or more", ">= 1"),
+    # numbers that would overflow later: 64-bit integers, timeouts, positions
+    ({"training.seed": 2**64}, 1, "training.seed", str(2**64), "smaller number", "does not fit in 64 bits"),
+    ({"training.steps": 2**63}, 1, "training.steps", str(2**63), "smaller number", "9223372036854775807"),
+    ({"comm.init_timeout_seconds": 10**14}, 1, "comm.init_timeout_seconds", str(10**14), "seconds",
+     "<= 2147483647"),
+    ({"training.seq_len": 4096}, 1, "training.seq_len", "4096", "at most 2048", "has 2048 positions"),
+    ({"checkpoint.create_seed_checkpoint": True}, 1, "checkpoint.create_seed_checkpoint", "true",
+     "--checkpoint.enable true", "needs checkpoint.enable"),
     ({"training.dataset": "c4"}, 1, "training.dataset", '"c4"', '"python_docs"', "allowed"),
     ({"parallelism.pipeline_parallel_schedule": "1f1b"}, 1, "parallelism.pipeline_parallel_schedule", '"1f1b"',
      'did you mean "1F1B"', "allowed"),
@@ -375,7 +387,7 @@ def test_tp_must_divide_every_sharded_dim(monkeypatch: pytest.MonkeyPatch, debug
 def test_tp_ignores_ffn_dim_without_dense_layers(monkeypatch: pytest.MonkeyPatch, debug_cfg: JobConfig) -> None:
     all_moe: ModelArgs = FLAVORS["debugmodel"].replace(ffn_hidden_dim=385, interleave_moe_layer_step=1)
     monkeypatch.setitem(FLAVORS, "all_moe", all_moe)
-    validate_job_config(_with(debug_cfg, {"model.flavor": "all_moe", "parallelism.tensor_parallel_degree": 2}), 2)
+    validate_job_config(_with(debug_cfg, {"model.flavor": "all_moe", "parallelism.tensor_parallel_degree": 2}), 2, check_device=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
@@ -542,7 +554,7 @@ def test_config_error_inside_the_run_exits_2(monkeypatch: pytest.MonkeyPatch, ca
 
 def test_tokenizer_must_fit_the_vocabulary() -> None:
     from torchmoe.config.job_config import Model
-    from torchmoe.config.validate import check_tokenizer_fits
+    from torchmoe.preflight.files import check_tokenizer_fits
 
     check_tokenizer_fits(512, 512, Model())
     with pytest.raises(ConfigError, match=r"the tokenizer has 600 tokens but flavor 'debugmodel' has vocab_size 512"):

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.loader import load_job_config
-from torchmoe.config.validate import validate_job_config
+from torchmoe.preflight import validate_job_config
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.dry_run import run_dry_run
 

@@ -83,9 +83,13 @@ def test_local_txt_folder_one_document_per_file(tmp_path: Path) -> None:
     for name, text in {"b.txt": "second", "a.txt": "first", "sub/c.txt": "third", "skip.md": "no"}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    (tmp_path / "bad.txt").write_bytes(b"caf\xe9")  # latin-1: decoded with replacement, not an error
     docs = build_documents(Training(dataset="local", dataset_path=str(tmp_path)))
-    assert list(docs) == ["first", "second", "caf\ufffd", "third"]  # a, b, bad, sub/c
+    assert list(docs) == ["first", "second", "third"]  # a, b, sub/c
+    # Text that is not UTF-8 (latin-1 here) is refused with its file and byte, not trained on
+    # as replacement characters.
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=r"bad\.txt is not UTF-8 text \(byte 3: unexpected end of data\)"):
+        list(build_documents(Training(dataset="local", dataset_path=str(tmp_path))))
 
 
 def test_local_jsonl_with_custom_field(tmp_path: Path) -> None:

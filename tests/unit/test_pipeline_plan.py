@@ -20,7 +20,8 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism
 from torchmoe.config.loader import load_job_config
-from torchmoe.config.validate import PIPELINE_SCHEDULES, validate_job_config
+from torchmoe.config.validate import PIPELINE_SCHEDULES
+from torchmoe.preflight import validate_job_config
 from torchmoe.distributed.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.models.llama4 import FLAVORS
 from torchmoe.plan.dry_run import run_dry_run

@@ -35,6 +35,10 @@ deduplicates same-named values across ranks, so without a rank in the key only o
 would survive. When resuming with a different world size a rank finds no value of its own; it
 then keeps its current state and logs a warning.
 
+A save that fails (full disk, permissions changed mid-run) deletes its temporary folder and
+raises `SaveFailed` on every rank alike, so the ranks agree whether to go on; the checkpoints
+already on disk and the training state in memory are untouched.
+
 A Stateful may define `check_saved_shapes(shapes)`: before loading, it gets the saved shapes of
 its tensors (keys relative to its own state dict) and raises `ConfigError` for a checkpoint that
 the job's configuration cannot continue (the dataloader, for another global_batch_size). That
@@ -310,6 +314,16 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
 # ---------------------------------------------------------------------------------------------
 
 
+class SaveFailed(Exception):
+    """A checkpoint could not be written; raised on every rank. Its temporary folder is gone and
+    the checkpoints saved before it are intact."""
+
+    def __init__(self, step: int, error: str) -> None:
+        self.step = step
+        self.error = error
+        super().__init__(f"checkpoint step-{step} could not be saved ({error})")
+
+
 @dataclass
 class _PendingSave:
     """An async save in flight: rank 0 finalizes it (marker + rename) once `future` is done."""
@@ -335,10 +349,6 @@ class CheckpointManager:
     """
 
     def __init__(self, dump_folder: str | os.PathLike, cfg: CheckpointConfig, *, total_steps: int) -> None:
-        if cfg.async_mode not in ("disabled", "async"):
-            raise ValueError(f"checkpoint.async_mode={cfg.async_mode!r}: expected 'disabled' or 'async'")
-        if cfg.enable and cfg.interval < 1:
-            raise ValueError(f"checkpoint.interval={cfg.interval}: must be >= 1")
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.total_steps = total_steps
@@ -410,16 +420,14 @@ class CheckpointManager:
             future = getattr(future, "upload_completion", future)
             self._pending = _PendingSave(step, tmp, meta, future)
             return
+        error = None
         try:
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist_on())
-        except BaseException:
-            self._discard(tmp)  # a failed save (full disk) leaves nothing behind to fail again
-            raise
+        except (Exception, CheckpointException) as e:  # DCP raises a write error on every rank
+            error = _describe(e)
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
         # .metadata, so every shard is on disk: rank 0 may make the folder visible now.
-        if self.rank == 0:
-            self._finalize(step, tmp, meta)
-        self._barrier()
+        self._finish(step, tmp, meta, error)
 
     def save_seed_checkpoint(self, state: dict[str, Any]) -> Path:
         """Write `step-0/` holding only `state["model"]` (freshly initialized weights).
@@ -434,20 +442,37 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        error = None
         try:
             pending.future.result()
-        except BaseException:
-            self._discard(pending.tmp)
-            raise
-        if self.rank == 0 and not pending.finalized:
-            self._finalize(pending.step, pending.tmp, pending.meta)
-        self._barrier()
+        except (Exception, CheckpointException) as e:
+            error = _describe(e)
+        self._finish(pending.step, pending.tmp, pending.meta, error, finalized=pending.finalized)
 
     def close(self) -> None:
         """Finish any async save; call once at the end of training, when every rank gets there.
         Not after an error on this rank alone: like every method here it is collective (a rank
         that fails just drops the save in flight; the next run deletes its temporary folder)."""
         self.wait()
+
+    def _finish(self, step: int, tmp: Path, meta: dict[str, Any], error: str | None, *,
+                finalized: bool = False) -> None:
+        """After the shards of `step` are written (or not): rank 0 makes it visible, and every
+        rank learns whether that worked (in place of a barrier: rank 0's marker or rename can
+        fail alone). A failure deletes the temporary folder and raises `SaveFailed` on all ranks.
+
+        Raises:
+            SaveFailed: writing or finalizing failed on some rank.
+        """
+        if error is None and self.rank == 0 and not finalized:
+            try:
+                self._finalize(step, tmp, meta)
+            except OSError as e:
+                error = _describe(e)
+        if _all_ranks_ok(error is None):
+            return
+        self._discard(tmp)  # a failed save (full disk) leaves nothing behind to fail again
+        raise SaveFailed(step, error or "failed on another rank")
 
     def _poll(self) -> None:
         p = self._pending
@@ -497,10 +522,6 @@ class CheckpointManager:
         if self.rank == 0:
             logger.warning("checkpoint %s failed; deleted its temporary folder", tmp.name.split(".tmp-")[0])
             shutil.rmtree(tmp, ignore_errors=True)
-
-    def _barrier(self) -> None:
-        if _dist_on():
-            dist.barrier()
 
     # ---- loading -----------------------------------------------------------------------------
 

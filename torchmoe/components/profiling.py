@@ -68,8 +68,6 @@ def maybe_profile(
     if not cfg.enable_profiling:
         yield _NoOp()
         return
-    if cfg.profile_freq < 1:
-        raise ValueError(f"profiling.profile_freq={cfg.profile_freq}: must be >= 1")
     folder = Path(dump_folder) / cfg.save_traces_folder
     active = 1
     warmup = min(3, cfg.profile_freq - active)

@@ -3,7 +3,7 @@
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import job_config_from_dict, load_job_config, load_toml_config, write_config_toml
-from torchmoe.config.validate import resolve_degrees, validate_job_config
+from torchmoe.config.validate import resolve_degrees, validate_sections
 
 __all__ = [
     "ConfigError",
@@ -12,6 +12,6 @@ __all__ = [
     "load_job_config",
     "load_toml_config",
     "resolve_degrees",
-    "validate_job_config",
+    "validate_sections",
     "write_config_toml",
 ]

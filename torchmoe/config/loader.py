@@ -308,7 +308,7 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
 
     Values come from the flag, else the TOML file, else the dataclass default. List fields take
     any number of values (``--float8.filter_fqns output router``); booleans take true/false (a
-    bare boolean flag means true). The result is not validated: call `validate_job_config`.
+    bare boolean flag means true). The result is not validated: call `torchmoe.preflight.validate_job_config`.
 
     With ``-h``/``--help`` in argv, prints the help (every option, its docstring and the
     effective default under this TOML file) and raises ``SystemExit(0)`` like argparse.

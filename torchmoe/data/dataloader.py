@@ -96,6 +96,9 @@ class PackedStream:
         self._ready: deque[torch.Tensor] = deque()  # tokenized, not yet handed out
         self._doc: torch.Tensor | None = None  # (n_tokens + 1,) the current document + EOS
         self._offset = 0
+        # Documents with text (not empty, not only whitespace) read in this pass, when it started at
+        # document 0: a whole pass without one means the corpus holds no text to train on.
+        self._pass_text: int | None = 0 if doc_index == 0 else None
         if token_offset:
             self._read()
             if not self._ready or token_offset >= len(self._ready[0]):
@@ -129,6 +132,13 @@ class PackedStream:
         if not self._ready:
             if self._next_doc == 0:
                 raise self._empty()
+            if self._pass_text == 0:
+                raise DataConfigError(
+                    "training.dataset", repr(self.documents),
+                    f"holds no text: its {self._next_doc} document(s) are empty or only whitespace",
+                    "check training.dataset_text_field (it may name an empty column), or point "
+                    "training.dataset_path at files that hold text",
+                )  # fmt: skip
             logger.warning(
                 "dataset exhausted after %d documents (%r); starting pass %d over it (data repeats)",
                 self._next_doc,
@@ -137,6 +147,7 @@ class PackedStream:
             )
             self._epoch += 1
             self._next_doc = 0
+            self._pass_text = 0
             self._docs = self.documents.iter_from(0)
             self._read()
             if not self._ready:
@@ -147,6 +158,8 @@ class PackedStream:
     def _read(self) -> None:
         """Tokenize up to `read_ahead` more documents into `_ready`."""
         texts = list(itertools.islice(self._docs, self.read_ahead))
+        if self._pass_text is not None:
+            self._pass_text += sum(1 for text in texts if not text.isspace() and text)
         for ids in self.tokenizer.encode_batch(texts):
             tokens = array.array("q", ids)  # int64; ~3x faster than torch.tensor(list)
             tokens.append(self.tokenizer.eos_id)
@@ -182,7 +195,6 @@ class DataLoader:
             one per row); it changes no batch.
 
     Raises:
-        DataConfigError: a non-positive size, or G is not a multiple of local_batch_size * D.
         ValueError: dp_rank, dp_degree or batch_mesh are out of range or disagree (a caller bug).
     """
 
@@ -199,9 +211,6 @@ class DataLoader:
         batch_mesh: DeviceMesh | None = None,
         read_ahead: int = 64,
     ) -> None:
-        for key, value in (("training.seq_len", seq_len), ("training.local_batch_size", local_batch_size)):
-            if value < 1:
-                raise DataConfigError(key, value, "must be at least 1", "set a positive value")
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})")
         if batch_mesh is not None and (batch_mesh.ndim, batch_mesh.size(), batch_mesh.get_local_rank()) != (
@@ -211,14 +220,6 @@ class DataLoader:
                 f"batch_mesh {batch_mesh} is not a 1-D mesh of size dp_degree={dp_degree} with "
                 f"this rank at dp_rank={dp_rank}"
             )
-        per_step = local_batch_size * dp_degree
-        if global_batch_size < per_step or global_batch_size % per_step:
-            raise DataConfigError(
-                "training.global_batch_size", global_batch_size,
-                f"must be a positive multiple of local_batch_size({local_batch_size}) * "
-                f"dp({dp_degree}) = {per_step}",
-                f"use a multiple of {per_step}, or -1 for {per_step} (no gradient accumulation)",
-            )  # fmt: skip
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size

@@ -140,8 +140,9 @@ class FileDocuments(Documents):
 
     `.jsonl` files hold one document per non-blank line (the string at `text_field`), `.parquet`
     files one per row (column `text_field`, via pyarrow), and any other file is one document
-    (its UTF-8 text; undecodable bytes become U+FFFD so every machine reads the same string).
-    A null text is an empty document, so document indices always count rows.
+    (its text). Text must be UTF-8: a file that is not (binary, or another encoding) is a
+    `DataConfigError` naming it, as is one that cannot be read or parsed. A null text is an
+    empty document, so document indices always count rows.
 
     Args:
         files: the files, already in their deterministic order.
@@ -172,13 +173,17 @@ class FileDocuments(Documents):
 
     def _read(self, file: Path, first: int, step: int) -> Generator[str, None, int]:
         """Yields the documents `first, first + step, ...` of `file`; returns how many it holds."""
-        if file.suffix == ".jsonl":
-            return (yield from _read_jsonl(file, self.text_field, first, step))
-        if file.suffix == ".parquet":
-            return (yield from _read_parquet(file, self.text_field, first, step))
-        if first == 0:  # one document per file: other sub-corpora never open it
-            yield file.read_bytes().decode("utf-8", errors="replace")
-        return 1
+        try:
+            if file.suffix == ".jsonl":
+                return (yield from _read_jsonl(file, self.text_field, first, step))
+            if file.suffix == ".parquet":
+                return (yield from _read_parquet(file, self.text_field, first, step))
+            if first == 0:  # one document per file: other sub-corpora never open it
+                yield _utf8(file.read_bytes(), file, str(file))
+            return 1
+        except OSError as err:  # deleted since it was listed, a folder, no permission, I/O error
+            raise DataConfigError("training.dataset_path", str(file), f"cannot be read ({err.strerror or err})",
+                                  "fix its permissions, or remove it from the dataset") from None
 
 
 def _read_jsonl(file: Path, text_field: str, first: int, step: int) -> Generator[str, None, int]:
@@ -196,7 +201,7 @@ def _read_jsonl(file: Path, text_field: str, first: int, step: int) -> Generator
             if index < first or (index - first) % step:
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(_utf8(line, file, f"{file}:{line_no}"))
             except json.JSONDecodeError as e:
                 raise DataConfigError("training.dataset_path", str(file), f"{file}:{line_no} is not JSON ({e.msg})",
                                       "fix or remove that line: .jsonl files hold one JSON object per line") from None
@@ -219,7 +224,22 @@ def _parquet_file(file: Path) -> Any:
             "training.dataset_path", str(file), "reading .parquet files needs pyarrow",
             "pip install 'torchmoe[data]'",
         ) from e  # fmt: skip
-    return pq.ParquetFile(file)
+    try:
+        return pq.ParquetFile(file)
+    except ValueError as e:  # pyarrow's ArrowInvalid: not a parquet file, or a truncated one
+        raise DataConfigError("training.dataset_path", str(file), f"is not a readable .parquet file ({e})",
+                              "replace it with a valid parquet file, or remove it from the dataset") from None
+
+
+def _utf8(data: bytes, file: Path, where: str) -> str:
+    """`data` (read from `file`, at `where`: the file or file:line) as text."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataConfigError(
+            "training.dataset_path", str(file), f"{where} is not UTF-8 text (byte {e.start}: {e.reason})",
+            "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or remove it from the dataset",
+        ) from None
 
 
 def _read_parquet(file: Path, text_field: str, first: int, step: int) -> Generator[str, None, int]:

@@ -1,0 +1,82 @@
+"""Every check a job passes before it starts: the config's sections (`torchmoe.config.validate`),
+then the checks that need the model, the layout, the data, this machine and the files.
+
+    from torchmoe.preflight import validate_job_config
+    validate_job_config(cfg, world_size=8)                      # a real run, on this machine
+    validate_job_config(cfg, world_size=1024, check_device=False)  # the dry-run's plan
+
+It sits above everything it checks (models, data, plan, distributed), so that `torchmoe.config`
+stays a leaf that everything imports. Runs before any process group exists: under torchrun each
+rank finds the same problem and rank 0 alone prints it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from torchmoe.config.job_config import JobConfig
+from torchmoe.config.validate import resolve_degrees, validate_sections
+from torchmoe.data.tokenizer import build_tokenizer
+from torchmoe.models.llama4.args import model_args_from_config
+from torchmoe.preflight.features import check_features, check_launch
+from torchmoe.preflight.files import (
+    check_initial_load_path,
+    check_local_dataset,
+    check_outputs,
+    check_tokenizer_fits,
+)
+from torchmoe.preflight.layout import (
+    check_batch,
+    check_flavor,
+    check_memory_fits,
+    check_model_split,
+    check_pipeline,
+    check_seq_len,
+)
+
+__all__ = ["train_device", "validate_job_config"]
+
+
+def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool = True) -> None:
+    """Check every setting of `cfg` for a run on `world_size` ranks.
+
+    Args:
+        cfg: the loaded job config.
+        world_size: the number of ranks the run (or the dry-run's plan) has.
+        check_device: also check this machine and launch: CUDA and packages the config needs,
+            memory, the launcher's environment, and the files the run reads and writes. The
+            dry-run passes False: it plans for the target cluster from any machine.
+
+    Raises:
+        ConfigError: the first problem found, naming the key, the value and the fix.
+    """
+    validate_sections(cfg)
+    check_flavor(cfg.model.flavor)
+    degrees = resolve_degrees(cfg.parallelism, world_size)
+    args = model_args_from_config(cfg.model)
+    check_seq_len(args, cfg.model.flavor, cfg.training.seq_len)
+    check_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
+    check_batch(cfg.training, cfg.parallelism, degrees)
+    check_pipeline(cfg, args, degrees, world_size)
+    check_features(cfg, args, degrees, check_device)
+    if not check_device:
+        return
+    check_launch(cfg.checkpoint, world_size)
+    check_memory_fits(cfg, args, degrees, train_device(cfg.training.device))
+    check_outputs(cfg)
+    check_initial_load_path(cfg)
+    check_tokenizer_fits(build_tokenizer(cfg.model.tokenizer_path).vocab_size, args.vocab_size, cfg.model)
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    global_batch = cfg.training.global_batch_size if cfg.training.global_batch_size != -1 else \
+        cfg.training.local_batch_size * dp
+    check_local_dataset(cfg.training, global_batch)
+
+
+def train_device(requested: str) -> torch.device:
+    """The device this rank trains on for `training.device = requested` ("" picks CUDA when
+    there is one): cuda:LOCAL_RANK or the CPU. `check_features` refused "cuda" without CUDA."""
+    if requested == "cuda" or (not requested and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

@@ -1,0 +1,81 @@
+"""Checks of features against each other and against this machine and launch: what cannot
+run on the chosen device or install is refused before training, not at its first step."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import torch
+
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import Checkpoint, JobConfig
+from torchmoe.distributed.parallel_dims import ParallelDims
+from torchmoe.models.llama4.args import ModelArgs
+
+
+def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:
+    """Feature combinations that cannot work: compile/AC/attention, CUDA-only features, and
+    (`check_device`) what this machine lacks: CUDA, the tensorboard package."""
+    if cfg.parallelism.enable_async_tensor_parallel and not cfg.compile.enable:
+        raise ConfigError("parallelism.enable_async_tensor_parallel", True, "async TP is implemented by torch.compile",
+                          "set compile.enable = true, or enable_async_tensor_parallel = false")
+    if cfg.activation_checkpoint.mode == "selective" and args.attn_backend == "flex":
+        raise ConfigError("activation_checkpoint.mode", "selective",
+                          "selective AC is not supported with attn_backend \"flex\"",
+                          'use activation_checkpoint.mode = "full", or model.attn_backend = "sdpa"')
+    if degrees["cp"] > 1 and args.attn_backend == "flex":
+        raise ConfigError("model.attn_backend", "flex", "context parallelism runs SDPA with masks over global "
+                          "positions; FlexAttention is not wired to it", 'use model.attn_backend = "sdpa"')
+
+    device = cfg.training.device
+    cuda = torch.cuda.is_available()
+    if check_device and device == "cuda" and not cuda:
+        raise ConfigError("training.device", device, "CUDA is not available on this machine",
+                          'use training.device = "cpu" (or "" to pick automatically)')
+    if args.attn_backend == "flex" and (device == "cpu" or (check_device and not cuda)):
+        # Its CPU kernel has no backward: training would fail at the first step.
+        raise ConfigError("model.attn_backend", "flex", "FlexAttention cannot train on CPU (no backward kernel there)",
+                          'use model.attn_backend = "sdpa" on CPU, or run on CUDA')
+    if cfg.parallelism.fsdp_cpu_offload:
+        if not ParallelDims(**degrees, world_size=math.prod(degrees[d] for d in ("pp", "dp_replicate", "dp_shard",
+                                                                                 "cp", "tp"))).fsdp_enabled:
+            raise ConfigError("parallelism.fsdp_cpu_offload", True, "offloads FSDP's sharded state, but this layout "
+                              "applies no FSDP (dp_shard * cp = 1 and no expert sharding)",
+                              "set fsdp_cpu_offload = false, or shard with data_parallel_shard_degree > 1")
+    # CPU offload moves FSDP state off an accelerator: FSDP2 refuses it when there is none.
+    cuda_only = (("float8.enable", cfg.float8.enable),
+                 ("parallelism.enable_async_tensor_parallel", cfg.parallelism.enable_async_tensor_parallel),
+                 ("parallelism.fsdp_cpu_offload", cfg.parallelism.fsdp_cpu_offload))
+    for key, enabled in cuda_only:
+        if not enabled:
+            continue
+        if device == "cpu":
+            raise ConfigError(key, True, 'needs CUDA, but training.device = "cpu"',
+                              f"set {key} = false, or run on CUDA")
+        if check_device and not cuda:
+            raise ConfigError(key, True, "needs CUDA, which is not available on this machine",
+                              f"set {key} = false, or run on a CUDA machine")
+    if check_device and cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("metrics.enable_tensorboard", True, "the tensorboard package is not installed",
+                          "pip install 'torchmoe[tensorboard]', or set metrics.enable_tensorboard = false")
+
+
+# Set by torchrun (and other launchers) for every worker; init_process_group's env:// reads them.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch(checkpoint: Checkpoint, world_size: int) -> None:
+    """A multi-rank run must have been started by a launcher: WORLD_SIZE > 1 alone (exported in
+    a shell, say) would wait for peers that never come. A seed checkpoint is one process's job."""
+    missing = [v for v in LAUNCH_VARS if v not in os.environ]
+    if world_size > 1 and missing:
+        raise ConfigError("WORLD_SIZE", world_size, f"is set, but not by torchrun: {', '.join(missing)} "
+                          "missing from the environment",
+                          f"launch with torchrun --nproc-per-node {world_size} -m torchmoe train ..., "
+                          "or unset WORLD_SIZE to run in one process")
+    if checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint", True,
+                          f"a seed checkpoint is written by one process, but the world has {world_size} ranks",
+                          "run it without torchrun (one process)")

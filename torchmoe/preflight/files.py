@@ -1,0 +1,162 @@
+"""Checks of the files a run reads and writes, before it trains: a file that can only fail
+later (a checkpoint folder that is a file, a dump folder nobody may write, a dataset with fewer
+documents than batch rows) is refused at start, not after the steps it would lose."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from pathlib import Path
+
+from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.job_config import Checkpoint, JobConfig, Model, Training
+from torchmoe.data.dataset import DataConfigError, build_documents
+
+_STEP_NAME = re.compile(r"step-(\d+)(-hf)?")
+
+
+# ---- what the run reads ----------------------------------------------------------------------
+
+
+def resumes(cfg: JobConfig) -> bool:
+    """Whether the run will resume from a complete `step-N/` of its own (as CheckpointManager
+    finds them), and so never read `checkpoint.initial_load_path`."""
+    folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    return cfg.checkpoint.enable and folder.is_dir() and any(
+        _STEP_NAME.fullmatch(p.name) and (p / ".complete").is_file() for p in folder.iterdir())
+
+
+def check_initial_load_path(cfg: JobConfig) -> None:
+    """`checkpoint.initial_load_path`, when the run will load it, must be what
+    `initial_load_in_hf` says: a DCP folder (`.metadata`) or a Hugging Face folder (safetensors).
+    What is inside is checked where it is loaded, before the first step."""
+    ckpt = cfg.checkpoint
+    if not ckpt.initial_load_path or resumes(cfg):
+        return
+    key, path = "checkpoint.initial_load_path", Path(ckpt.initial_load_path)
+    hf = "a Hugging Face Llama 4 folder (config.json + *.safetensors)"
+    dcp = "a DCP checkpoint folder: a step-N folder of a run, or the output of `torchmoe convert hf-to-dcp`"
+    want = hf if ckpt.initial_load_in_hf else dcp
+    if not path.exists():
+        raise ConfigError(key, ckpt.initial_load_path, "no such file or folder",
+                          f"point it at {want}, or leave it empty to start from random weights")
+    if not path.is_dir():
+        raise ConfigError(key, ckpt.initial_load_path, "is a file, not a folder", f"point it at {want}")
+    is_dcp = (path / ".metadata").is_file()
+    is_hf = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+    if ckpt.initial_load_in_hf and not is_hf:
+        fix = ("it is a DCP checkpoint: set checkpoint.initial_load_in_hf = false" if is_dcp
+               else f"point it at {hf}")
+        raise ConfigError(key, ckpt.initial_load_path, "initial_load_in_hf = true, but the folder holds no "
+                          "*.safetensors", fix)
+    if not ckpt.initial_load_in_hf and not is_dcp:
+        fix = ("it is a Hugging Face folder: set checkpoint.initial_load_in_hf = true" if is_hf
+               else f"point it at {dcp}")
+        raise ConfigError(key, ckpt.initial_load_path, "not a DCP checkpoint (no .metadata in the folder)", fix)
+
+
+def check_tokenizer_fits(tokenizer_vocab: int, model_vocab: int, model: Model) -> None:
+    """Every token id must have an embedding row."""
+    if tokenizer_vocab > model_vocab:
+        raise ConfigError("model.tokenizer_path", model.tokenizer_path,
+                          f"the tokenizer has {tokenizer_vocab} tokens but flavor {model.flavor!r} has vocab_size "
+                          f"{model_vocab}", "use a tokenizer that fits the flavor's vocabulary")
+
+
+def check_local_dataset(training: Training, global_batch_size: int) -> None:
+    """A local dataset must hold a document for each row of the global batch: row j reads
+    documents j, j + G, ... (`data.dataloader`). Reads the first document of each row only
+    (the first G documents), so undecodable or malformed ones among them fail here too."""
+    if training.dataset != "local":
+        return
+    docs = build_documents(training)
+    count = sum(1 for _ in itertools.islice(docs.iter_from(0), global_batch_size))
+    if count == 0:
+        raise DataConfigError("training.dataset_path", training.dataset_path, "holds no documents",
+                              "point it at .txt/.jsonl/.parquet files that hold text")
+    if count < global_batch_size:
+        raise DataConfigError(
+            "training.dataset_path", training.dataset_path,
+            f"holds {count} document(s), fewer than the {global_batch_size} rows of a global batch (row j "
+            f"packs documents j, j + {global_batch_size}, ...; a .txt file is one document, a .jsonl line or a "
+            ".parquet row one)",
+            f"add documents, or use training.global_batch_size <= {count}",
+        )  # fmt: skip
+
+
+# ---- what the run writes ---------------------------------------------------------------------
+
+
+def check_outputs(cfg: JobConfig) -> None:
+    """Everything the run will write must be writable now: the dump folder, the files and
+    folders in it, and the `step-N` names the run will save under."""
+    dump = Path(cfg.job.dump_folder)
+    _check_folder("job.dump_folder", cfg.job.dump_folder, dump)
+    for name in ("config.toml", "metrics.jsonl"):
+        _check_file("job.dump_folder", cfg.job.dump_folder, dump / name)
+    folders = [("checkpoint.folder", cfg.checkpoint.folder, cfg.checkpoint.enable),
+               ("metrics.save_tb_folder", cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard),
+               ("profiling.save_traces_folder", cfg.profiling.save_traces_folder, cfg.profiling.enable_profiling),
+               ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder,
+                cfg.profiling.enable_memory_snapshot)]
+    for key, value, used in folders:
+        if used:
+            _check_folder(key, value, dump / value)
+    if cfg.checkpoint.enable:
+        _check_step_names(cfg.checkpoint, dump / cfg.checkpoint.folder, cfg.training.steps)
+
+
+def _check_folder(key: str, value: str, folder: Path) -> None:
+    """`folder`, or the nearest ancestor that exists (the run creates the rest), must be a
+    folder this process can create files in. Writes and deletes one empty file to find out:
+    permission bits do not tell (root, read-only mounts, ACLs)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = f"{folder} is a file" if existing == folder else f"cannot be created: {existing} is a file"
+        raise ConfigError(key, value, where, "use a path where a folder can be created, or move that file away")
+    probe = existing / f".torchmoe-write-check-{os.getpid()}"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        where = "" if existing == folder else f" ({existing}, where it would be created)"
+        raise ConfigError(key, value, f"cannot be written{where}: {err.strerror}",
+                          "use a folder this user can write, or fix its permissions") from None
+
+
+def _check_file(key: str, value: str, file: Path) -> None:
+    """A file the run appends to or replaces must be a file it may open for writing (opening
+    for append creates nothing that is not there and changes nothing that is)."""
+    if not file.exists():
+        return
+    if file.is_dir():
+        raise ConfigError(key, value, f"{file} is a folder, but the run writes a file there",
+                          "move or delete that folder, or use another dump folder")
+    try:
+        with open(file, "a", encoding="utf-8"):
+            pass
+    except OSError as err:
+        raise ConfigError(key, value, f"{file} cannot be written: {err.strerror}",
+                          "fix its permissions, or use another dump folder") from None
+
+
+def _check_step_names(checkpoint: Checkpoint, folder: Path, steps: int) -> None:
+    """No file may sit where a checkpoint will be saved: step-N at every interval-th step and
+    the last (step-0 for a seed checkpoint; step-N-hf for the final Hugging Face weights)."""
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        m = _STEP_NAME.fullmatch(entry.name)
+        if not m or entry.is_dir():
+            continue
+        step, hf = int(m.group(1)), m.group(2) is not None
+        saved = (step == steps and checkpoint.last_save_in_hf) if hf else (
+            step == 0 if checkpoint.create_seed_checkpoint else
+            0 < step <= steps and (step % checkpoint.interval == 0 or step == steps))
+        if saved:
+            raise ConfigError("checkpoint.folder", checkpoint.folder,
+                              f"{entry} is a file, where the run will save {show_value(entry.name)}",
+                              "move or delete that file")

@@ -1,0 +1,155 @@
+"""Checks of the model's shape against the layout: splits over tp/ep/cp, batch and pipeline
+arithmetic, sequence length against the model's positions, and the memory of the fullest rank
+against the device's."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import JobConfig, Parallelism, Training
+from torchmoe.config.validate import divisors_text, one_of
+from torchmoe.distributed.parallel_dims import ParallelDims
+from torchmoe.models.llama4.args import FLAVORS, ModelArgs
+from torchmoe.plan.memory import estimate_memory
+from torchmoe.plan.pipeline import SPLIT_BACKWARD_SCHEDULES, check_microbatches, pipeline_layout
+
+GIB = 2**30
+
+
+def check_flavor(flavor: str) -> None:
+    one_of("model.flavor", flavor, tuple(FLAVORS))
+
+
+def check_seq_len(args: ModelArgs, flavor: str, seq_len: int) -> None:
+    """A sequence may not be longer than the model's positions (`ModelArgs.max_seq_len`)."""
+    if seq_len > args.max_seq_len:
+        raise ConfigError("training.seq_len", seq_len,
+                          f"the {flavor} flavor has {args.max_seq_len} positions (allowed: 1 .. {args.max_seq_len})",
+                          f"use a seq_len of at most {args.max_seq_len}")
+
+
+def check_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int], seq_len: int) -> None:
+    """The model's shape must split evenly over tp, ep and cp (pp: `_validate_pipeline`)."""
+    tp, ep, cp = degrees["tp"], degrees["ep"], degrees["cp"]
+    has_dense = any(not args.is_moe_layer(i) for i in range(args.n_layers))
+    tp_split = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "moe_hidden_dim": args.moe_hidden_dim,
+                "vocab_size": args.vocab_size}
+    if has_dense:
+        tp_split["ffn_hidden_dim"] = args.ffn_hidden_dim
+    for dim_name, size in tp_split.items():
+        if size % tp:
+            valid = divisors_text(math.gcd(*tp_split.values()))
+            raise ConfigError(
+                "parallelism.tensor_parallel_degree", tp,
+                f"must divide the {flavor} flavor's {dim_name} ({size}); {size} % {tp} = {size % tp}",
+                f"use a tensor_parallel_degree that divides every sharded dim of {flavor}: {valid}",
+            )
+    if args.num_experts % ep:
+        raise ConfigError(
+            "parallelism.expert_parallel_degree", ep,
+            f"the {flavor} flavor has {args.num_experts} experts; {args.num_experts} % {ep} = {args.num_experts % ep}",
+            f"use an expert_parallel_degree that divides {args.num_experts}: {divisors_text(args.num_experts)}",
+        )
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(
+            "training.seq_len", seq_len,
+            f"context parallelism splits each sequence into 2 * cp = {2 * cp} chunks; "
+            f"{seq_len} % {2 * cp} = {seq_len % (2 * cp)}",
+            f"use a seq_len that is a multiple of {2 * cp}",
+        )
+    # Sequence parallelism shards each CP rank's slice of the sequence over tp.
+    if tp > 1 and seq_len % (cp * tp):
+        raise ConfigError(
+            "training.seq_len", seq_len,
+            f"sequence parallelism shards it over cp({cp}) * tp({tp}) = {cp * tp}; "
+            f"{seq_len} % {cp * tp} = {seq_len % (cp * tp)}",
+            f"use a seq_len that is a multiple of {cp * tp}",
+        )
+
+
+def check_pipeline(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], world_size: int) -> None:
+    """The stage split and the micro-batches must suit the schedule; what PP cannot run is refused."""
+    if degrees["pp"] == 1:
+        return
+    par = cfg.parallelism
+    pipe = pipeline_layout(args, ParallelDims(**degrees, world_size=world_size), par, cfg.training.seq_len)
+    check_microbatches(cfg.training, par, degrees["pp"], pipe.num_stages)
+    if args.tie_word_embeddings:
+        raise ConfigError("parallelism.pipeline_parallel_degree", degrees["pp"],
+                          f"the {cfg.model.flavor} flavor ties the output head to the embedding, which live on "
+                          "the last and the first pipeline stage", "use pipeline_parallel_degree = 1 for this model")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option == "op" and par.pipeline_parallel_schedule in \
+            SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError("activation_checkpoint.selective_ac_option", "op",
+                          f"{par.pipeline_parallel_schedule} runs each block's backward twice (input, then weight "
+                          "gradients), and per-op selective AC allows one backward per checkpointed region",
+                          'use activation_checkpoint.mode = "full", a per-layer selective_ac_option (e.g. "2"), '
+                          "or a schedule without split backward (1F1B, Interleaved1F1B)")
+    if cfg.compile.enable and par.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError("parallelism.pipeline_parallel_schedule", par.pipeline_parallel_schedule,
+                          "splits backward into input and weight halves, which torch does not support for "
+                          "compiled blocks", "set compile.enable = false, or use Interleaved1F1B / 1F1B")
+
+
+def check_batch(training: Training, parallelism: Parallelism, degrees: dict[str, int]) -> None:
+    if training.global_batch_size != -1:
+        dp = degrees["dp_replicate"] * degrees["dp_shard"]
+        step = training.local_batch_size * dp
+        if training.global_batch_size % step:
+            raise ConfigError(
+                "training.global_batch_size", training.global_batch_size,
+                f"must be a multiple of local_batch_size({training.local_batch_size}) * dp_replicate"
+                f"({degrees['dp_replicate']}) * dp_shard({degrees['dp_shard']}) = {step}; "
+                f"{training.global_batch_size} % {step} = {training.global_batch_size % step}",
+                f"use a multiple of {step}, or -1 for exactly {step} (no gradient accumulation)",
+            )
+
+
+def memory_limit_gib(configured_gib: float, device: torch.device) -> tuple[float, str]:
+    """Memory one rank may use, in GiB, and where the number comes from: `job.device_memory_gib`
+    when set, else the CUDA device's, else this host's RAM shared by its ranks (torchrun's
+    LOCAL_WORLD_SIZE)."""
+    if configured_gib > 0:
+        return configured_gib, "job.device_memory_gib"
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GIB, "the GPU"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return ram / ranks, f"this host's {ram:.1f} GiB RAM over {ranks} rank(s)"
+
+
+def check_memory_fits(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], device: torch.device) -> None:
+    """Refuse a run whose fullest rank needs more memory than it has (the planner's estimate),
+    naming the largest local_batch_size that fits: it would die in its first step otherwise, or
+    take the whole machine down first."""
+    def total(local_batch_size: int) -> float:
+        training = cfg.training if local_batch_size == cfg.training.local_batch_size else \
+            _with_local_batch(cfg.training, local_batch_size)
+        return estimate_memory(args, degrees, training, cfg.activation_checkpoint, cfg.parallelism,
+                               compiled=cfg.compile.enable)["total"]
+
+    limit, source = memory_limit_gib(cfg.job.device_memory_gib, device)
+    need = total(cfg.training.local_batch_size)
+    if need <= limit:
+        return
+    # Memory grows linearly in the batch (activations); the rest is the model's state.
+    fixed, per_sample = total(1) - (total(2) - total(1)), total(2) - total(1)
+    fits = math.floor((limit - fixed) / per_sample) if per_sample > 0 else 0
+    fix = (f"use local_batch_size <= {fits}" if fits >= 1 else
+           "shard the model over more ranks (data_parallel_shard_degree, tp, ep, pp), or use a smaller flavor")
+    raise ConfigError("training.local_batch_size", cfg.training.local_batch_size,
+                      f"the fullest rank needs an estimated {need:,.1f} GiB (seq_len {cfg.training.seq_len}), "
+                      f"more than the {limit:,.1f} GiB it has ({source})",
+                      f"{fix}; shorten seq_len or enable activation checkpointing; set job.device_memory_gib "
+                      "to override the detected size")
+
+
+def _with_local_batch(training: Training, local_batch_size: int) -> Training:
+    import dataclasses
+
+    return dataclasses.replace(training, local_batch_size=local_batch_size, global_batch_size=-1)
