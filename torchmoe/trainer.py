@@ -514,8 +514,10 @@ class Trainer:
             dist.all_reduce(flag)
         if flag.item():
             where = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "") if bad else "on another rank"
+            fix = "lower model.load_balance_coeff" if any(n.endswith("expert_bias") for n in bad) else \
+                "lower optimizer.lr"
             raise TrainingDiverged(f"the model or optimizer state is not finite after step {self.step} ({where}): "
-                                   "stopping without saving; lower optimizer.lr")
+                                   f"stopping without saving; {fix}")
 
     def _close_checkpointer(self, exc_type, exc, tb) -> bool:
         """Leaving the loop: finish the async save in flight when every rank leaves together

@@ -122,7 +122,13 @@ class HFTokenizer(Tokenizer):
             raise DataConfigError("model.tokenizer_path", str(path), f"{file} is not a valid tokenizer.json ({e})",
                                   "point it at a Hugging Face tokenizer.json (or its folder)") from None
         self.path = file
-        named = _special_tokens_from_configs(file.parent)
+        named = _special_tokens_from_configs(file.parent, str(path))
+        for role, token in named.items():
+            if self._tok.token_to_id(token) is None:
+                raise DataConfigError("model.tokenizer_path", str(path),
+                                      f"its config names {role} {token!r}, which {file} does not hold",
+                                      f"fix {role} in tokenizer_config.json / special_tokens_map.json, or use the "
+                                      "tokenizer.json they belong to")
         self._bos = self._find_id(named.get("bos_token"), _BOS_CANDIDATES)
         eos = self._find_id(named.get("eos_token"), _EOS_CANDIDATES)
         if eos is None:
@@ -163,25 +169,52 @@ class HFTokenizer(Tokenizer):
         return self._eos
 
 
-def _special_tokens_from_configs(folder: Path) -> dict[str, str]:
+def _special_tokens_from_configs(folder: Path, tokenizer_path: str) -> dict[str, str]:
     """`bos_token`/`eos_token` from the HF config files in `folder`.
 
-    `tokenizer_config.json` takes precedence over `special_tokens_map.json`.
+    `tokenizer_config.json` takes precedence over `special_tokens_map.json`. A value is a string
+    or a serialized AddedToken ``{"content": ...}``; null (or absent) names none.
+
+    Raises:
+        DataConfigError: a config file that cannot be read, is not a JSON object, or names a
+            token in another form.
     """
     found: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         file = folder / name
-        if not file.is_file():
+        if not file.exists():
             continue
-        config: dict[str, Any] = json.loads(file.read_text(encoding="utf-8"))
+        config = _json_object(file, tokenizer_path)
         for key in ("bos_token", "eos_token"):
             value = config.get(key)
-            # Saved either as a plain string or as a serialized AddedToken {"content": ...}.
             if isinstance(value, dict):
                 value = value.get("content")
-            if isinstance(value, str) and value:
-                found[key] = value
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise DataConfigError("model.tokenizer_path", tokenizer_path,
+                                      f"{file}: {key} is {value!r}, not a token string",
+                                      f'write it as "{key}": "<token>", or remove it')
+            found[key] = value
     return found
+
+
+def _json_object(file: Path, tokenizer_path: str) -> dict[str, Any]:
+    """The JSON object in `file`, or a `DataConfigError` saying why there is none."""
+    try:
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        problem = f"{file} cannot be read ({e.strerror or e})"
+    except UnicodeDecodeError as e:
+        problem = f"{file} is not UTF-8 text (byte {e.start}: {e.reason})"
+    except json.JSONDecodeError as e:
+        problem = f"{file} is not JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    else:
+        if isinstance(config, dict):
+            return config
+        problem = f"{file} holds a JSON {type(config).__name__}, not an object"
+    raise DataConfigError("model.tokenizer_path", tokenizer_path, problem,
+                          f"fix or delete {file.name} (it only names the special tokens)")
 
 
 def build_tokenizer(tokenizer_path: str) -> Tokenizer:

@@ -1,0 +1,349 @@
+"""Every bad input is one message and exit 2 (1 for a diverged run), and loses nothing: files the
+job reads (config, datasets, tokenizer), files it writes (dump folder, checkpoints), numbers that
+would overflow later, features this machine lacks, a launch without torchrun, state that turns
+non-finite, and saves that fail mid-run.
+
+    python -m pytest -q -m integration tests/integration/test_bad_inputs.py
+
+Most cases run `torchmoe.cli.main` in this process (what `torchmoe train` runs) and read what it
+printed; one runs the real command to see the same from outside. Weight files
+(`initial_load_path`, `convert`) are `test_bad_weights.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.helpers import DEBUG_CONFIG, assert_user_error
+from torchmoe import cli
+from torchmoe.config import ConfigError, load_job_config, resolve_degrees
+from torchmoe.launch import read_metrics, run_train
+from torchmoe.models.llama4.args import model_args_from_config
+from torchmoe.preflight.layout import check_memory_fits
+
+pytestmark = pytest.mark.integration
+
+TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.steps", "2", "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "1"]
+
+
+def _main(capsys, tmp_path: Path, *flags: str, dump: Path | None = None) -> tuple[int, str]:
+    """`torchmoe train TINY FLAGS` in this process; returns (exit status, stderr)."""
+    argv = ["train", *TINY, "--job.dump_folder", str(dump or tmp_path / "run"), *flags]
+    status = cli.main(argv)
+    return status, capsys.readouterr().err
+
+
+def _assert_one_error(status: int, err: str, *expected: str, code: int = 2) -> None:
+    assert status == code, err
+    assert "Traceback" not in err, err
+    assert err.count("error:") == 1, err
+    for text in expected:
+        assert text in err, err
+
+
+# ---- files the job reads -----------------------------------------------------------------------
+
+
+def _jsonl(path: Path, texts: list) -> str:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def _dataset(tmp_path: Path, kind: str) -> str:
+    """A dataset_path of each fault class (global batch: 2 rows)."""
+    if kind == "missing":
+        return str(tmp_path / "nope.txt")
+    if kind == "empty_txt":
+        (tmp_path / "a.txt").write_text("")
+        (tmp_path / "b.txt").write_text("")
+        return str(tmp_path / "*.txt")
+    if kind == "whitespace_txt":
+        for name in "ab":
+            (tmp_path / f"{name}.txt").write_text("\n \n\t")
+        return str(tmp_path / "*.txt")
+    if kind == "not_utf8_txt":
+        (tmp_path / "a.txt").write_bytes(b"caf\xe9 au lait")
+        (tmp_path / "b.txt").write_text("fine")
+        return str(tmp_path / "*.txt")
+    if kind == "empty_strings_jsonl":
+        return _jsonl(tmp_path / "d.jsonl", ["", "", None, ""])
+    if kind == "truncated_jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text('{"text": "one"}\n{"text": "tw')
+        return str(path)
+    if kind == "not_utf8_jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_bytes(b'{"text": "\xff\xfe"}\n{"text": "ok"}\n')
+        return str(path)
+    if kind == "garbage_parquet":
+        (tmp_path / "d.parquet").write_bytes(b"PAR1 but not really" * 3)
+        return str(tmp_path / "d.parquet")
+    if kind == "too_few_documents":
+        (tmp_path / "only.txt").write_text("one document, two rows")
+        return str(tmp_path / "only.txt")
+    if kind == "folder_without_text":
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "notes.md").write_text("not a dataset suffix")
+        return str(tmp_path / "docs")
+    raise ValueError(kind)
+
+
+DATASETS = {
+    "missing": ("training.dataset_path", "no .txt/.jsonl/.parquet files"),
+    "empty_txt": ("training.dataset", "holds no text"),
+    "whitespace_txt": ("training.dataset", "holds no text"),
+    "not_utf8_txt": ("training.dataset_path", "a.txt is not UTF-8 text (byte 3"),
+    "empty_strings_jsonl": ("training.dataset", "holds no text"),
+    "truncated_jsonl": ("training.dataset_path", "d.jsonl:2 is not JSON"),
+    "not_utf8_jsonl": ("training.dataset_path", "d.jsonl:1 is not UTF-8 text"),
+    "garbage_parquet": ("training.dataset_path", "is not a readable .parquet file"),
+    "too_few_documents": ("training.dataset_path", "holds 1 document(s), fewer than the 2 rows"),
+    "folder_without_text": ("training.dataset_path", "holds no .txt/.jsonl/.parquet files"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DATASETS))
+def test_bad_dataset_is_one_message(capsys, tmp_path: Path, kind: str) -> None:
+    key, problem = DATASETS[kind]
+    status, err = _main(capsys, tmp_path, "--training.dataset", "local",
+                        "--training.dataset_path", _dataset(tmp_path, kind))
+    _assert_one_error(status, err, f"{key} = ", problem)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> Path:
+    """A small BPE tokenizer.json with Llama 4's special tokens (vocab 300 < debugmodel's)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=[
+        "<|begin_of_text|>", "<|end_of_text|>", "<unk>"])
+    tok.train_from_iterator(["def train(model): return model"] * 20, trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+TOKENIZERS = {
+    "missing": (None, None, "no tokenizer file at"),
+    "truncated": ("truncate", None, "is not a valid tokenizer.json"),
+    "not_utf8": (b"\xff\xfe\x00binary", None, "is not a valid tokenizer.json"),
+    "config_not_json": ("good", b'{"bos_token": ', "tokenizer_config.json is not JSON"),
+    "config_not_utf8": ("good", b"\xff\xfe{}", "tokenizer_config.json is not UTF-8 text"),
+    "config_a_list": ("good", b"[1, 2]", "tokenizer_config.json holds a JSON list, not an object"),
+    "config_wrong_type": ("good", b'{"bos_token": 5}', "bos_token is 5, not a token string"),
+    "config_names_missing_token": ("good", b'{"eos_token": "</s>"}', "names eos_token '</s>'"),
+    "config_a_folder": ("good", "folder", "tokenizer_config.json cannot be read"),
+}
+
+
+@pytest.mark.parametrize("kind", list(TOKENIZERS))
+def test_bad_tokenizer_files_are_one_message(capsys, tmp_path: Path, tokenizer_json: Path, kind: str) -> None:
+    tokenizer, config, problem = TOKENIZERS[kind]
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    good = tokenizer_json.read_bytes()
+    if tokenizer is not None:
+        data = {"good": good, "truncate": good[: len(good) // 2]}.get(tokenizer, tokenizer)
+        (folder / "tokenizer.json").write_bytes(data)
+    if config == "folder":
+        (folder / "tokenizer_config.json").mkdir()
+    elif config is not None:
+        (folder / "tokenizer_config.json").write_bytes(config)
+    status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(folder))
+    _assert_one_error(status, err, 'model.tokenizer_path = "', problem)
+
+
+def test_good_tokenizer_with_its_config_trains(capsys, tmp_path: Path, tokenizer_json: Path) -> None:
+    """The control: the same tokenizer with a valid config naming its tokens runs."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<|begin_of_text|>"}, "eos_token": "<|end_of_text|>", "pad_token": None}))
+    status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(tmp_path / "tok"))
+    assert status == 0, err
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+CONFIG_FILES = {
+    "missing": (None, "file not found"),
+    "a_folder": ("folder", "is a directory, not a TOML file"),
+    "not_utf8": (b"[training]\nsteps = 2\n\xff\xfe", "not UTF-8 text"),
+    "truncated": (b"[training]\nsteps = 2\n[optim", "TOML"),
+    "json": (b'{"training": {"steps": 2}}', "TOML"),
+    "another_model": (b'[model]\nname = "llama3"\nflavor = "8B"\n', 'model.name = "llama3"'),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONFIG_FILES))
+def test_bad_config_file_is_one_message(capsys, tmp_path: Path, kind: str) -> None:
+    content, problem = CONFIG_FILES[kind]
+    path = tmp_path / "job.toml"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    status = cli.main(["train", "--config", str(path), "--job.dump_folder", str(tmp_path / "run")])
+    _assert_one_error(status, capsys.readouterr().err, problem)
+
+
+# ---- files the job writes ----------------------------------------------------------------------
+
+
+def _dump_folder(tmp_path: Path, kind: str) -> Path:
+    run = tmp_path / "run"
+    if kind == "dump_folder_is_a_file":
+        run.write_text("x")
+    elif kind == "cannot_be_created":
+        return Path("/proc/1/torchmoe-run")  # /proc refuses new entries, even to root
+    elif kind == "config_toml_is_a_folder":
+        (run / "config.toml").mkdir(parents=True)
+    elif kind == "metrics_jsonl_is_a_folder":
+        (run / "metrics.jsonl").mkdir(parents=True)
+    elif kind == "checkpoint_folder_is_a_file":
+        run.mkdir()
+        (run / "checkpoint").write_text("x")
+    elif kind == "step_n_is_a_file":
+        (run / "checkpoint").mkdir(parents=True)
+        (run / "checkpoint" / "step-2").write_text("x")
+    return run
+
+
+OUTPUTS = {
+    "dump_folder_is_a_file": ("job.dump_folder", "is a file"),
+    "cannot_be_created": ("job.dump_folder", "cannot be written"),
+    "config_toml_is_a_folder": ("job.dump_folder", "config.toml is a folder"),
+    "metrics_jsonl_is_a_folder": ("job.dump_folder", "metrics.jsonl is a folder"),
+    "checkpoint_folder_is_a_file": ("checkpoint.folder", "checkpoint is a file"),
+    "step_n_is_a_file": ("checkpoint.folder", 'step-2 is a file, where the run will save "step-2"'),
+}
+
+
+@pytest.mark.parametrize("kind", list(OUTPUTS))
+def test_unwritable_outputs_are_refused_before_training(capsys, tmp_path: Path, kind: str) -> None:
+    key, problem = OUTPUTS[kind]
+    dump = _dump_folder(tmp_path, kind)
+    status, err = _main(capsys, tmp_path, "--checkpoint.enable", "true", dump=dump)
+    _assert_one_error(status, err, f"{key} = ", problem)
+    assert "step 1/" not in err  # refused at start: no step was trained (and lost)
+
+
+# ---- numbers, devices, launch ------------------------------------------------------------------
+
+
+SETTINGS = {
+    "seed_beyond_64_bits": (["--training.seed", str(2**64)], "training.seed", "does not fit in 64 bits"),
+    "seq_len_beyond_positions": (["--training.seq_len", "100000000000"], "training.seq_len",
+                                 "has 2048 positions"),
+    "batch_beyond_memory": (["--training.local_batch_size", "100000000000"], "training.local_batch_size",
+                            "needs an estimated"),
+    "timeout_beyond_timedelta": (["--comm.init_timeout_seconds", str(10**14)], "comm.init_timeout_seconds",
+                                 "<= 2147483647"),
+    "flex_attention_on_cpu": (["--model.attn_backend", "flex"], "model.attn_backend",
+                              "FlexAttention cannot train on CPU"),
+    "float8_on_cpu": (["--float8.enable", "true"], "float8.enable", "needs CUDA"),
+    "seed_checkpoint_without_checkpointing": (["--checkpoint.create_seed_checkpoint", "true"],
+                                              "checkpoint.create_seed_checkpoint", "needs checkpoint.enable"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SETTINGS))
+def test_settings_that_would_fail_later_are_refused(capsys, tmp_path: Path, kind: str) -> None:
+    flags, key, problem = SETTINGS[kind]
+    status, err = _main(capsys, tmp_path, *flags)
+    _assert_one_error(status, err, f"{key} = ", problem)
+
+
+def test_batch_beyond_memory_names_the_largest_that_fits(capsys, tmp_path: Path) -> None:
+    status, err = _main(capsys, tmp_path, "--training.local_batch_size", "1000000", "--job.device_memory_gib", "4")
+    _assert_one_error(status, err, "more than the 4.0 GiB it has (job.device_memory_gib)")
+    fits = int(err.split("use local_batch_size <= ")[1].split(";")[0])
+    assert fits > 2
+    # The bound is the planner's: it fits, one more sample does not.
+    cfg = load_job_config([*TINY, "--job.device_memory_gib", "4"])
+    args = model_args_from_config(cfg.model)
+    degrees = resolve_degrees(cfg.parallelism, 1)
+    check_memory_fits(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, local_batch_size=fits)),
+                      args, degrees, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="needs an estimated"):
+        check_memory_fits(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                                local_batch_size=fits + 1)),
+                          args, degrees, torch.device("cpu"))
+
+
+def test_tensorboard_missing_is_refused(capsys, tmp_path: Path, monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    status, err = _main(capsys, tmp_path, "--metrics.enable_tensorboard", "true")
+    _assert_one_error(status, err, "metrics.enable_tensorboard = true", "tensorboard package is not installed")
+
+
+def test_world_size_without_torchrun_is_refused(capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    status, err = _main(capsys, tmp_path, "--parallelism.data_parallel_shard_degree", "2")
+    _assert_one_error(status, err, "WORLD_SIZE = 2", "not by torchrun", "torchrun --nproc-per-node 2")
+
+
+# ---- divergence and failed saves ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interval, flags, problem", [
+    # Due to save after step 1: the check of the whole state before the save finds it.
+    ("1", ["--model.load_balance_coeff", "1e300"], "state is not finite after step 1 (layers.1.moe.expert_bias"),
+    # Not due to save: the next step's check of the biases finds it, before anything could save it.
+    ("2", ["--model.load_balance_coeff", "1e300"], "an MoE expert bias is not finite after step 1"),
+    ("1", ["--optimizer.lr", "1e300"], "the optimizer update overflows at step 1"),
+], ids=["expert_bias_at_save", "expert_bias_next_step", "optimizer_overflow"])
+def test_non_finite_state_stops_with_exit_1_and_saves_nothing(capsys, tmp_path: Path, interval, flags,
+                                                              problem) -> None:
+    status, err = _main(capsys, tmp_path, "--checkpoint.enable", "true", "--checkpoint.interval", interval, *flags)
+    _assert_one_error(status, err, problem, "stopping without saving", code=1)
+    assert not list((tmp_path / "run" / "checkpoint").glob("step-*")), "a poisoned checkpoint was saved"
+
+
+def test_a_save_failing_mid_run_keeps_training(capsys, tmp_path: Path, monkeypatch) -> None:
+    """Step 2's save fails (disk full): the run reports it, trains on, and saves step 4; a last
+    save that fails ends the run with exit 2, naming the checkpoint to resume from."""
+    real_save = dcp.save
+    failing = {2, 6}
+
+    def save(state, checkpoint_id, **kwargs):
+        if any(f"step-{s}.tmp-" in str(checkpoint_id) for s in failing):
+            raise OSError(28, "No space left on device")
+        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", save)
+    args = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "4"]
+    status, err = _main(capsys, tmp_path, *args)
+    assert status == 0, err
+    assert "checkpoint step-2 could not be saved" in err and "No space left on device" in err
+    assert "training goes on" in err and "no checkpoint is on disk" in err
+    folder = tmp_path / "run" / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]  # the failed save left nothing behind
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+
+    status, err = _main(capsys, tmp_path, *args[:-1], "6")  # resumes at 5; its last save (6) fails
+    _assert_one_error(status, err, 'checkpoint.folder = "', "checkpoint step-6 could not be saved",
+                      f"the newest checkpoint on disk is {folder / 'step-4'}", "run again to resume")
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
+
+
+def test_errors_from_outside_are_the_same(tmp_path: Path) -> None:
+    """The real command: exit 2, one message, no traceback (here: a dataset with no text)."""
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.txt").write_text(" ")
+    proc = run_train([*TINY, "--training.dataset", "local", "--training.dataset_path", str(tmp_path / "*.txt")],
+                     dump_folder=tmp_path / "run", timeout=120, expect=None)
+    assert_user_error(proc, "holds no text")
