@@ -17,7 +17,7 @@ class Job:
     description: str = ""
     """Free-text description of the job, printed at start."""
     device_memory_gib: float = 0.0
-    """Memory per device in GiB for the dry-run's OOM warning; 0 = detect (CUDA) or skip."""
+    """Memory per rank in GiB, checked against the planner's estimate (a real run is refused, the dry run warns); 0 = detect (the GPU's, else host RAM over its ranks; the dry run skips)."""
 
 
 @dataclass
