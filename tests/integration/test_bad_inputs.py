@@ -208,6 +208,8 @@ def _dump_folder(tmp_path: Path, kind: str) -> Path:
         (run / "config.toml").mkdir(parents=True)
     elif kind == "metrics_jsonl_is_a_folder":
         (run / "metrics.jsonl").mkdir(parents=True)
+    elif kind == "lock_file_is_a_folder":
+        (run / ".torchmoe.lock").mkdir(parents=True)
     elif kind == "checkpoint_folder_is_a_file":
         run.mkdir()
         (run / "checkpoint").write_text("x")
@@ -222,6 +224,7 @@ OUTPUTS = {
     "cannot_be_created": ("job.dump_folder", "cannot be written"),
     "config_toml_is_a_folder": ("job.dump_folder", "config.toml is a folder"),
     "metrics_jsonl_is_a_folder": ("job.dump_folder", "metrics.jsonl is a folder"),
+    "lock_file_is_a_folder": ("job.dump_folder", ".torchmoe.lock is a folder"),
     "checkpoint_folder_is_a_file": ("checkpoint.folder", "checkpoint is a file"),
     "step_n_is_a_file": ("checkpoint.folder", 'step-2 is a file, where the run will save "step-2"'),
 }
@@ -234,6 +237,12 @@ def test_unwritable_outputs_are_refused_before_training(capsys, tmp_path: Path, 
     status, err = _main(capsys, tmp_path, "--checkpoint.enable", "true", dump=dump)
     _assert_one_error(status, err, f"{key} = ", problem)
     assert "step 1/" not in err  # refused at start: no step was trained (and lost)
+
+
+def test_dry_run_into_a_file_is_refused(capsys, tmp_path: Path) -> None:
+    (tmp_path / "run").write_text("x")
+    status, err = _main(capsys, tmp_path, "--dry-run", "--world-size", "64")
+    _assert_one_error(status, err, "job.dump_folder = ", "run is a file")
 
 
 # ---- numbers, devices, launch ------------------------------------------------------------------

@@ -22,6 +22,7 @@ from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.preflight.features import check_features, check_launch
 from torchmoe.preflight.files import (
+    check_dry_run_outputs,
     check_initial_load_path,
     check_local_dataset,
     check_outputs,
@@ -47,7 +48,8 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
         world_size: the number of ranks the run (or the dry-run's plan) has.
         check_device: also check this machine and launch: CUDA and packages the config needs,
             memory, the launcher's environment, and the files the run reads and writes. The
-            dry-run passes False: it plans for the target cluster from any machine.
+            dry-run passes False: it plans for the target cluster from any machine (and only
+            its own output, dry_run.json, is checked).
 
     Raises:
         ConfigError: the first problem found, naming the key, the value and the fix.
@@ -62,6 +64,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     check_pipeline(cfg, args, degrees, world_size)
     check_features(cfg, args, degrees, check_device)
     if not check_device:
+        check_dry_run_outputs(cfg.job)
         return
     check_launch(cfg.checkpoint, world_size)
     check_memory_fits(cfg, args, degrees, train_device(cfg.training.device))

@@ -10,7 +10,8 @@ import re
 from pathlib import Path
 
 from torchmoe.config.errors import ConfigError, show_value
-from torchmoe.config.job_config import Checkpoint, JobConfig, Model, Training
+from torchmoe.components.run_lock import LOCK_NAME
+from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
 from torchmoe.data.dataset import DataConfigError, build_documents
 
 _STEP_NAME = re.compile(r"step-(\d+)(-hf)?")
@@ -93,7 +94,7 @@ def check_outputs(cfg: JobConfig) -> None:
     folders in it, and the `step-N` names the run will save under."""
     dump = Path(cfg.job.dump_folder)
     _check_folder("job.dump_folder", cfg.job.dump_folder, dump)
-    for name in ("config.toml", "metrics.jsonl"):
+    for name in ("config.toml", "metrics.jsonl", LOCK_NAME):
         _check_file("job.dump_folder", cfg.job.dump_folder, dump / name)
     folders = [("checkpoint.folder", cfg.checkpoint.folder, cfg.checkpoint.enable),
                ("metrics.save_tb_folder", cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard),
@@ -105,6 +106,12 @@ def check_outputs(cfg: JobConfig) -> None:
             _check_folder(key, value, dump / value)
     if cfg.checkpoint.enable:
         _check_step_names(cfg.checkpoint, dump / cfg.checkpoint.folder, cfg.training.steps)
+
+
+def check_dry_run_outputs(job: Job) -> None:
+    """The dry run writes `dry_run.json` into the dump folder (on this machine)."""
+    _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder))
+    _check_file("job.dump_folder", job.dump_folder, Path(job.dump_folder) / "dry_run.json")
 
 
 def _check_folder(key: str, value: str, folder: Path) -> None:
