@@ -118,6 +118,31 @@ def test_bad_dataset_is_one_message(capsys, tmp_path: Path, kind: str) -> None:
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
 
 
+HUB_DATASETS = {
+    # `datasets.load_dataset` on a local folder: the same resolution and reading as the hub's.
+    "no_such_dataset": (None, "FileNotFoundError"),
+    "no_data_files": ({}, "EmptyDatasetError"),
+    "garbage_parquet": ({"train.parquet": b"PAR1 not really"}, "ArrowInvalid"),
+    "no_such_config": ({"train.jsonl": b'{"text": "a"}\n{"text": "b"}\n'}, "BuilderConfig 'nocfg' not found"),
+    "too_few_documents": ({"train.jsonl": b'{"text": "only one"}\n'}, "holds 1 document(s), fewer than the 2 rows"),
+}
+
+
+@pytest.mark.parametrize("kind", list(HUB_DATASETS))
+def test_bad_hub_dataset_is_one_message(capsys, tmp_path: Path, kind: str) -> None:
+    pytest.importorskip("datasets")
+    files, problem = HUB_DATASETS[kind]
+    folder = tmp_path / "hub"
+    if files is not None:
+        folder.mkdir()
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+    spec = f"{folder}:nocfg" if kind == "no_such_config" else str(folder)
+    status, err = _main(capsys, tmp_path, "--training.dataset", "hf", "--training.dataset_path", spec)
+    _assert_one_error(status, err, "training.dataset_path = ", problem)
+    assert "Failed to read" not in err  # datasets' own logging of the same error is not shown
+
+
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory) -> Path:
     """A small BPE tokenizer.json with Llama 4's special tokens (vocab 300 < debugmodel's)."""

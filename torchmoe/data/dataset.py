@@ -26,10 +26,12 @@ import glob
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import sysconfig
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -332,7 +334,30 @@ class HFDocuments(Documents):
         sub-corpus of this process."""
         import datasets
 
-        return datasets.load_dataset(self.name, self.config, split=self.split_name, streaming=True)
+        with self._loading():
+            return datasets.load_dataset(self.name, self.config, split=self.split_name, streaming=True)
+
+    @contextmanager
+    def _loading(self) -> Iterator[None]:
+        """`datasets` raises a dozen exception types for a dataset it cannot resolve or read (no
+        such dataset, config or split, no data files, a corrupt file, no network): each is the
+        user's to fix, so each becomes one message naming the dataset."""
+        hub_logger = logging.getLogger("datasets")  # it also logs such errors itself, as ERROR
+        level = hub_logger.level
+        hub_logger.setLevel(logging.CRITICAL)
+        try:
+            yield
+        except DataConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - see above
+            spec = self.name + (f":{self.config}" if self.config else "")
+            raise DataConfigError(
+                "training.dataset_path", spec, f"the hub dataset cannot be read ({type(e).__name__}: {e})",
+                "check the dataset name and config ('name' or 'name:config'), the split "
+                "(training.dataset_split), its files, and the network or the datasets cache",
+            ) from None
+        finally:
+            hub_logger.setLevel(level)
 
     def iter_from(self, start: int = 0) -> Iterator[str]:
         return self._rows(self.stream.skip(start) if start else self.stream, start, "")
@@ -343,7 +368,12 @@ class HFDocuments(Documents):
 
     def _rows(self, stream: Any, start: int, where: str) -> Iterator[str]:
         """The text of each row of `stream`, whose first row is row `start` of `where`."""
-        for i, row in enumerate(stream, start=start):
+        rows = iter(stream)
+        for i in itertools.count(start):
+            with self._loading():  # reading a row reads (and may fail on) the dataset's files
+                row = next(rows, None)
+            if row is None:
+                return
             if self.text_field not in row:
                 raise DataConfigError(
                     "training.dataset_text_field", self.text_field,

@@ -24,7 +24,7 @@ from torchmoe.preflight.features import check_features, check_launch
 from torchmoe.preflight.files import (
     check_dry_run_outputs,
     check_initial_load_path,
-    check_local_dataset,
+    check_dataset_rows,
     check_outputs,
     check_tokenizer_fits,
 )
@@ -74,7 +74,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     global_batch = cfg.training.global_batch_size if cfg.training.global_batch_size != -1 else \
         cfg.training.local_batch_size * dp
-    check_local_dataset(cfg.training, global_batch)
+    check_dataset_rows(cfg.training, global_batch)
 
 
 def train_device(requested: str) -> torch.device:

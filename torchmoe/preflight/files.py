@@ -65,11 +65,12 @@ def check_tokenizer_fits(tokenizer_vocab: int, model_vocab: int, model: Model) -
                           f"{model_vocab}", "use a tokenizer that fits the flavor's vocabulary")
 
 
-def check_local_dataset(training: Training, global_batch_size: int) -> None:
-    """A local dataset must hold a document for each row of the global batch: row j reads
-    documents j, j + G, ... (`data.dataloader`). Reads the first document of each row only
-    (the first G documents), so undecodable or malformed ones among them fail here too."""
-    if training.dataset != "local":
+def check_dataset_rows(training: Training, global_batch_size: int) -> None:
+    """A local or hub dataset must hold a document for each row of the global batch: row j
+    reads documents j, j + G, ... (`data.dataloader`). Reads the first G documents only, so a
+    dataset that cannot be resolved, or undecodable or malformed documents among them, fail
+    here too (the python_docs corpus is always there)."""
+    if training.dataset == "python_docs":
         return
     docs = build_documents(training)
     count = sum(1 for _ in itertools.islice(docs.iter_from(0), global_batch_size))
