@@ -16,14 +16,14 @@ Both directions run in one process, or as a sharded job under torchrun (gloo: th
 work): every tensor with at least one row per rank is split by rows over the ranks, and each
 rank reads and writes only its rows (DCP on both sides, `components/hf_storage.py` for Hugging
 Face), so the host memory of a rank is about the model over the world size. User errors
-(missing folders, a flavor that does not fit the checkpoint, an unsupported Hugging Face
-config) raise `ConfigError`, which the CLI prints as one message with exit status 2.
+(missing folders, a file that is missing, unreadable or damaged, a flavor that does not fit the
+checkpoint, an unsupported Hugging Face config, an output folder that cannot be written) raise
+`ConfigError`, which the CLI prints as one message with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -33,16 +33,15 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed import tensor as dtensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-from torchmoe.components.hf_storage import load_hf_weights, save_hf_weights
+from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
+from torchmoe.components.weight_files import model_prefix, model_tensors, non_float, read_dcp_metadata, reading
 from torchmoe.config.errors import ConfigError
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
-from torchmoe.models.llama4.hf import HFConversionError, args_from_hf_config, hf_config_from_args
+from torchmoe.models.llama4.fit import matching_flavor, meta_state, require_fit
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
 
@@ -52,77 +51,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _require_dir(key: str, path: Path, what: str) -> None:
+def _require_dir(key: str, path: Path, fix: str) -> None:
     if not path.is_dir():
         problem = "is a file, not a folder" if path.exists() else "folder not found"
-        raise ConfigError(key, str(path), problem, f"pass {what}")
+        raise ConfigError(key, str(path), problem, fix)
 
 
-def _require_empty_out(path: Path) -> None:
-    """Refuse to write into a non-empty folder: leftover shards of another model would mix in."""
+def _require_writable_out(path: Path) -> None:
+    """Refuse a non-empty output folder (leftover shards of another model would mix in) and one
+    that cannot be created or written; creates nothing (the writers do)."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConfigError("OUT_DIR", str(path), "exists and is not an empty folder",
                           "pass a new folder (it is created), or delete this one first")
-
-
-# Hugging Face config fields that do not change what the model computes: the dtype, the length
-# limit (the released configs advertise 10M positions; torchmoe caps its RoPE table anyway), and
-# fields the explicit ones restate (interleave step -> moe_layers, NoPE interval -> no_rope_layers,
-# rope_theta / rope_scaling -> rope_parameters).
-_NOT_ARCHITECTURE = ("dtype", "max_position_embeddings", "interleave_moe_layer_step", "no_rope_layer_interval",
-                     "rope_theta", "rope_scaling")
-
-
-def _architecture(args: ModelArgs) -> dict:
-    """A canonical description of what `args` computes: its Hugging Face config, which spells out
-    derived settings (RoPE/NoPE and MoE layers) that `ModelArgs` may leave implicit."""
-    config = hf_config_from_args(args, torch.float32)
-    return {k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}
-
-
-def matching_flavor(args: ModelArgs) -> str | None:
-    """The built-in flavor with exactly the architecture of `args`, or None."""
-    want = _architecture(args)
-    return next((name for name, flavor in FLAVORS.items() if _architecture(flavor) == want), None)
-
-
-def _state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every entry (parameters and persistent buffers) of a model of `args`."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def _all_keys(ckpt_dir: Path) -> set[str]:
-    return set(FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata)
-
-
-def _stored_model_tensors(ckpt_dir: Path) -> dict[str, TensorStorageMetadata]:
-    """Name -> stored metadata of the model tensors of a DCP folder; a torchmoe step folder's
-    `model.` prefix is removed (its optimizer, scheduler, data and RNG entries are left out)."""
-    try:
-        entries = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
-    except Exception as err:  # DCP's reader raises whatever unpickling a damaged file raises
-        raise ConfigError("CKPT_DIR", str(ckpt_dir), f"its .metadata cannot be read ({err!r})",
-                          "pass an intact DCP folder (a complete step-N folder of a run)") from None
-    tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
-    if any(k.startswith("model.") for k in tensors):
-        return {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-    return tensors
-
-
-def _misfit(expected: dict[str, tuple[int, ...]], stored: dict[str, TensorStorageMetadata]) -> str | None:
-    """Why the stored tensors are not a model with `expected` shapes, or None when they are."""
-    missing = sorted(set(expected) - set(stored))
-    extra = sorted(set(stored) - set(expected))
-    if missing:
-        return f"it lacks {len(missing)} of the flavor's tensors, e.g. {missing[:3]}"
-    if extra:
-        return f"it holds {len(extra)} tensors the flavor does not have, e.g. {extra[:3]}"
-    for name, shape in expected.items():
-        if tuple(stored[name].size) != shape:
-            return f"{name} has shape {tuple(stored[name].size)}, the flavor's is {shape}"
-    return None
+    existing = next(p for p in [path, *path.parents] if p.exists())  # it, or where it would be created
+    if not existing.is_dir():
+        problem = f"cannot be created: {existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"cannot be written: {existing} is not writable"
+    else:
+        return
+    raise ConfigError("OUT_DIR", str(path), problem, "pass a folder in a place you can write to")
 
 
 def _world() -> DeviceMesh | None:
@@ -172,23 +120,17 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
         training from it), or None when no flavor has it.
 
     Raises:
-        ConfigError: `hf_dir` is missing or not a supported Llama 4 checkpoint, or `out_dir` is
-            not empty.
+        ConfigError: `hf_dir` is missing, has a file that is missing, unreadable or damaged, or is
+            not a supported Llama 4 checkpoint; `out_dir` is not empty or cannot be written.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    _require_dir("HF_DIR", hf_dir, "a Hugging Face Llama 4 folder (config.json + *.safetensors)")
-    if not (hf_dir / "config.json").is_file():
-        raise ConfigError("HF_DIR", str(hf_dir), "has no config.json",
-                          "pass a Hugging Face Llama 4 folder (config.json + *.safetensors)")
-    _require_empty_out(out_dir)
+    fix = "pass a Hugging Face Llama 4 text or multimodal checkpoint folder (config.json + *.safetensors)"
+    _require_dir("HF_DIR", hf_dir, fix)
+    args = read_hf_args(hf_dir, key="HF_DIR", fix=fix)
+    _require_writable_out(out_dir)
     mesh = _world()
-    try:
-        args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-        state = _empty_state(args, dtype, mesh)
-        load_hf_weights(state, hf_dir, args)
-    except (HFConversionError, FileNotFoundError, ValueError) as err:  # ValueError: malformed JSON
-        raise ConfigError("HF_DIR", str(hf_dir), f"cannot be converted: {err}",
-                          "pass a Hugging Face Llama 4 text or multimodal checkpoint folder") from None
+    state = _empty_state(args, dtype, mesh)
+    load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)
     dcp.save(state, checkpoint_id=str(out_dir), no_dist=mesh is None)
     return matching_flavor(args)
 
@@ -201,31 +143,29 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
         The dtype written.
 
     Raises:
-        ConfigError: an unknown flavor, a missing or non-DCP `ckpt_dir`, a checkpoint whose
-            tensors do not fit `flavor` (the fix names a flavor that fits, if one does), or a
-            non-empty `out_dir`.
+        ConfigError: an unknown flavor, a missing, non-DCP or damaged `ckpt_dir`, a checkpoint
+            whose tensors do not fit `flavor` (the fix names a flavor that fits, if one does) or
+            are not floating point, or an `out_dir` that is not empty or cannot be written.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if flavor not in FLAVORS:
         raise ConfigError("--flavor", flavor, "unknown flavor", f"use one of: {', '.join(FLAVORS)}")
-    what = "a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
-    _require_dir("CKPT_DIR", ckpt_dir, what)
-    if not (ckpt_dir / ".metadata").is_file():
-        raise ConfigError("CKPT_DIR", str(ckpt_dir), "not a DCP checkpoint (no .metadata)", f"pass {what}")
-    _require_empty_out(out_dir)
-    stored = _stored_model_tensors(ckpt_dir)
+    fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
+    _require_dir("CKPT_DIR", ckpt_dir, fix)
+    metadata = read_dcp_metadata("CKPT_DIR", ckpt_dir, fix)
+    stored = model_tensors(metadata)
     args = FLAVORS[flavor]
-    problem = _misfit(_state_shapes(args), stored)
+    require_fit("--flavor", flavor, args, stored, str(ckpt_dir))
+    problem = non_float(meta_state(args), stored)
     if problem is not None:
-        fits = [name for name, other in FLAVORS.items() if _misfit(_state_shapes(other), stored) is None]
-        fix = f"pass --flavor {fits[0]}" if fits else "pass the flavor the checkpoint was trained with"
-        raise ConfigError("--flavor", flavor, f"does not fit {ckpt_dir}: {problem}", fix)
+        raise ConfigError("CKPT_DIR", str(ckpt_dir), problem, fix)
+    _require_writable_out(out_dir)
     dtype = stored["tok_embeddings.weight"].properties.dtype
     mesh = _world()
     state = _empty_state(args, dtype, mesh)
-    # A step-N folder keeps the model under "model." next to optimizer and data state.
-    prefix = "model." if "model.tok_embeddings.weight" in _all_keys(ckpt_dir) else ""
-    dcp.load({prefix + k: v for k, v in state.items()}, checkpoint_id=str(ckpt_dir), no_dist=mesh is None)
+    prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
+    with reading("CKPT_DIR", ckpt_dir, fix, what="a *.distcp file"):
+        dcp.load({prefix + k: v for k, v in state.items()}, checkpoint_id=str(ckpt_dir), no_dist=mesh is None)
     save_hf_weights(state, args, out_dir)
     return dtype
 

@@ -12,31 +12,37 @@ parameters as they are. A sharded model saves collectively, each rank writing it
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from torchmoe.components.hf_storage import DEFAULT_SHARD_BYTES, load_hf_weights, save_hf_weights
-from torchmoe.models.llama4.hf import HFConversionError, args_from_hf_config
+from torchmoe.components.hf_storage import DEFAULT_SHARD_BYTES, load_hf_weights, read_hf_args, save_hf_weights
+from torchmoe.models.llama4.hf import HFConversionError
 from torchmoe.models.llama4.model import Transformer
 
 __all__ = ["HFConversionError", "load_model", "save_model"]
 
+_FIX = "pass a complete Hugging Face Llama 4 text or multimodal checkpoint folder (config.json + *.safetensors)"
+
 
 def load_model(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Transformer:
     """A torchmoe `Transformer` (CPU, eval mode, parameters in `dtype`) from a Hugging Face Llama 4
-    text or multimodal checkpoint folder (config.json + *.safetensors)."""
+    text or multimodal checkpoint folder (config.json + *.safetensors).
+
+    Raises:
+        ConfigError: (naming ``hf_dir``) a file of the folder is missing, unreadable or damaged,
+            or it is not a Llama 4 checkpoint this model can represent.
+    """
     hf_dir = Path(hf_dir)
-    args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    args = read_hf_args(hf_dir, key="hf_dir", fix=_FIX)
     with torch.device("meta"):
         model = Transformer(args)
     for p in model.parameters():  # parameters in `dtype`; buffers keep their own (fp32, complex)
         p.data = p.data.to(dtype)
     model.to_empty(device="cpu")
     model.init_buffers("cpu")
-    load_hf_weights(model.state_dict(), hf_dir, args)
+    load_hf_weights(model.state_dict(), hf_dir, args, key="hf_dir", fix=_FIX)
     return model.eval()
 
 

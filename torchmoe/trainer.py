@@ -36,10 +36,10 @@ from torchmoe.components.checkpoint import (
     RankLocal,
     RNGState,
     SaveFailed,
-    load_model_only,
 )
 from torchmoe.components.divergence import TrainingDiverged, nonfinite_state
-from torchmoe.components.hf_storage import load_hf_weights, save_hf_weights
+from torchmoe.components.hf_storage import save_hf_weights
+from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
     MetricsLogger,
@@ -218,42 +218,8 @@ class Trainer:
         if resumed is not None:
             self.step = resumed
             return
-        ckpt = self.cfg.checkpoint
-        if not ckpt.initial_load_path:
-            return
-        if ckpt.initial_load_in_hf:
-            self._load_hf_weights(Path(ckpt.initial_load_path))
-        else:
-            load_model_only(ckpt.initial_load_path, [self.model])
-
-    def _load_hf_weights(self, hf_dir: Path) -> None:
-        """Start from a Hugging Face Llama 4 folder: every rank reads the safetensors slices its
-        shards cover (DCP's Hugging Face reader), straight into its parameters."""
-        import json
-
-        from torchmoe.models.llama4.hf import HFConversionError, args_from_hf_config
-
-        key = "checkpoint.initial_load_path"
-        try:
-            hf_args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-        except (OSError, ValueError) as err:  # HFConversionError is a ValueError, as is bad JSON
-            raise ConfigError(key, str(hf_dir), f"its config.json cannot be used ({err})",
-                              "point it at a Hugging Face Llama 4 folder (config.json + *.safetensors)") from None
-        shape_fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "num_experts",
-                        "top_k", "moe_hidden_dim", "ffn_hidden_dim", "moe_layer_ids", "rope_layers",
-                        "rope_theta", "rope_scaling", "attention_chunk_size", "use_qk_norm",
-                        "attn_temperature_tuning", "floor_scale", "attn_scale", "tie_word_embeddings")
-        differ = [f for f in shape_fields if getattr(hf_args, f) != getattr(self.model_args, f)]
-        if differ:
-            raise ConfigError(key, str(hf_dir),
-                              f"its config differs from flavor {self.cfg.model.flavor!r} in {', '.join(differ)}",
-                              "pick the flavor matching the checkpoint (torchmoe convert hf-to-dcp names it)")
-        try:
-            load_hf_weights(get_model_state_dict(self.model), hf_dir, self.model_args)
-        except (HFConversionError, FileNotFoundError) as err:
-            raise ConfigError(key, str(hf_dir), str(err),
-                              "point it at a complete Hugging Face Llama 4 checkpoint") from None
-        logger.info("loaded Hugging Face weights from %s", hf_dir)
+        if self.cfg.checkpoint.initial_load_path:
+            load_initial_weights(self.cfg.checkpoint, self.cfg.model.flavor, self.model_args, self.model)
 
     @property
     def _token_shards(self) -> int:

@@ -118,9 +118,9 @@ def test_damaged_inputs_are_config_errors(tmp_path):
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / ".metadata").write_text("garbage")
-    with pytest.raises(ConfigError, match=r"\.metadata cannot be read"):
+    with pytest.raises(ConfigError, match=r"\.metadata is damaged or truncated"):
         dcp_to_hf(tmp_path / "ckpt", tmp_path / "hf_out", flavor="debugmodel")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{")
-    with pytest.raises(ConfigError, match="cannot be converted"):
+    with pytest.raises(ConfigError, match="config.json is not JSON"):
         hf_to_dcp(tmp_path / "hf", tmp_path / "dcp_out")

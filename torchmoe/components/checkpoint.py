@@ -80,6 +80,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchmoe.components.weight_files import (
+    UnreadableWeights,
+    describe,
+    misfit,
+    model_prefix,
+    model_tensors,
+    non_float,
+    read_dcp_metadata,
+    reading,
+)
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 
@@ -257,13 +267,15 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
     """dcp.load of `state` from `path`, tolerating missing rank-local keys (with a warning).
 
     Raises:
+        UnreadableWeights: a file of the checkpoint is missing or damaged.
         ConfigError: an object's `check_saved_shapes` refuses the checkpoint.
     """
-    reader = FileSystemReader(str(path))
-    _check_saved_shapes(state, reader.read_metadata())
+    key, fix = "checkpoint.folder", "delete or move the broken step-N folder"  # the manager reports its own
+    _check_saved_shapes(state, read_dcp_metadata(key, path, fix))
     optional = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
     planner = _LoadPlanner(optional)
-    dcp.load(state, storage_reader=reader, planner=planner, no_dist=not _dist_on())
+    with reading(key, path, fix, what="a *.distcp file"):
+        dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=not _dist_on())
     if planner.skipped:
         logger.warning(
             "%s has no rank-local state for this rank (%s); keeping the current state",
@@ -271,41 +283,36 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
         )
 
 
-def _describe(e: BaseException) -> str:
-    """One line for a (possibly multi-rank) DCP failure."""
-    if isinstance(e, CheckpointException):
-        # failures: rank -> (exception, traceback)
-        return "; ".join(f"rank {r}: {exc!r}" for r, (exc, _) in sorted(e.failures.items()))
-    return repr(e)
+_DCP_FOLDER = "a DCP checkpoint folder: a step-N folder of a run, or the output of `torchmoe convert hf-to-dcp`"
 
 
-def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Module]) -> None:
+def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Module], *,
+                    key: str = "checkpoint.initial_load_path") -> None:
     """Load only model weights (no optimizer, no step) from a DCP folder.
 
     Accepts a torchmoe `step-N/` folder (keys `model.<fqn>`) or a DCP folder of a bare model
     state dict (keys `<fqn>`), e.g. `checkpoint.initial_load_path`. Every parameter and
-    persistent buffer of the model must be in it; extra keys are ignored.
+    persistent buffer of the model must be in it, of its shape and (for floating-point ones) in
+    floating point; extra keys are ignored (a pipeline stage loads only its own).
+
+    Raises:
+        ConfigError: (naming `key`, the option that named `path`) a file of the folder is
+            missing, unreadable or damaged, or its tensors are not the model's.
     """
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"checkpoint.initial_load_path={str(path)!r}: not a DCP folder (no .metadata); "
-            "pass a step-N folder"
-        )
+    fix = f"point it at {_DCP_FOLDER}"
+    metadata = read_dcp_metadata(key, path, fix)
     wrapper = ModelWrapper(model_parts)
     sd = wrapper.state_dict()
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    if all(k in keys for k in sd):
-        dcp.load(sd, checkpoint_id=str(path), no_dist=not _dist_on())
+    stored = model_tensors(metadata)
+    problem = misfit(sd, stored, extra_ok=True) or non_float(sd, stored)
+    if problem is not None:
+        raise ConfigError(key, str(path), problem, f"point it at a checkpoint of this model flavor ({_DCP_FOLDER})")
+    prefixed = bool(model_prefix(metadata))
+    with reading(key, path, fix, what="a *.distcp file"):
+        dcp.load({"model": wrapper} if prefixed else sd, checkpoint_id=str(path), no_dist=not _dist_on())
+    if not prefixed:  # DCP filled the tensors of `sd`; the wrapper puts them into the model
         wrapper.load_state_dict(sd)
-    elif all(f"model.{k}" in keys for k in sd):
-        dcp.load({"model": wrapper}, checkpoint_id=str(path), no_dist=not _dist_on())
-    else:
-        missing = [k for k in sd if k not in keys and f"model.{k}" not in keys]
-        raise ValueError(
-            f"checkpoint.initial_load_path={str(path)!r} lacks {len(missing)} model keys, "
-            f"e.g. {missing[:5]}; is it a checkpoint of this model flavor?"
-        )
     logger.info("loaded model weights from %s", path)
 
 
@@ -572,19 +579,22 @@ class CheckpointManager:
             error = None
             try:
                 _dcp_load(to_load, path)
+            except UnreadableWeights as e:
+                error = e.problem
             except ConfigError:
                 # The job's configuration cannot continue this run (another global batch size,
                 # a changed dataset): older checkpoints of the run share the problem, so falling
                 # back would only hide it.
                 raise
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-                error = _describe(e)
+                error = describe(e)
             # DCP raises its read errors on every rank, but a Stateful's load_state_dict may fail
             # on one rank only: all ranks must move on to the same previous checkpoint.
-            if not _all_ranks_ok(error is None):
-                error = error or "failed on another rank"
+            error = _job_error(_gather(error))
+            if error is not None:
                 errors.append(f"{path.name}: {error}")
-                logger.warning("could not load checkpoint %s (%s); trying the previous one", path, error)
+                if self.rank == 0:  # every rank knows every rank's error: one line for the job
+                    logger.warning("could not load checkpoint %s (%s); trying the previous one", path, error)
                 continue
             logger.info(
                 "resumed from %s%s in %.1fs", path, " (model only)" if model_only else "",
@@ -595,17 +605,32 @@ class CheckpointManager:
         if errors:
             # A user-fixable state of the run's folder, not a bug: one message, exit 2.
             raise ConfigError("checkpoint.folder", str(self.folder),
-                              "no checkpoint there could be loaded: " + " | ".join(errors),
+                              "no checkpoint there could be loaded:" + "".join(f"\n  {e}" for e in errors),
                               "delete or move the broken step-N folders to start over")
         return None
 
 
-def _all_ranks_ok(ok: bool) -> bool:
+def _gather(error: str | None) -> list[str | None]:
+    """Every rank's `error` (None where it loaded), in rank order."""
     if not _dist_on():
-        return ok
-    flags: list[bool | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, ok)
-    return all(flags)
+        return [error]
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
+
+
+def _job_error(errors: list[str | None]) -> str | None:
+    """One line for the ranks' errors (None when every rank loaded): the error itself when every
+    rank has it, else each error with the ranks that have it."""
+    ranks: dict[str, list[int]] = {}
+    for rank, error in enumerate(errors):
+        if error is not None:
+            ranks.setdefault(error, []).append(rank)
+    if not ranks:
+        return None
+    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(errors):
+        return next(iter(ranks))
+    return "; ".join(f"rank {', '.join(map(str, rs))}: {error}" for error, rs in ranks.items())
 
 
 def _remove_checkpoint(path: Path) -> None:

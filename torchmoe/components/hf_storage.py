@@ -1,7 +1,9 @@
 """Hugging Face safetensors in and out through DCP: every rank reads and writes only its shards.
 
     state = get_model_state_dict(model)               # sharded DTensors (or plain tensors)
-    load_hf_weights(state, "path/to/Llama-4-Scout-17B-16E", args)  # in place, collective
+    fix = "pass a Hugging Face Llama 4 folder"         # key and fix: for the ConfigError of a bad folder
+    args = read_hf_args(hf_dir, key="HF_DIR", fix=fix)             # from its config.json
+    load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)    # in place, collective
     save_hf_weights(state, args, "outputs/hf")         # config.json + HF shards, collective
 
 torch's `HuggingFaceStorageReader` reads the slices of each safetensors tensor that a rank's
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint._consolidate_hf_safetensors import (
     consolidate_safetensors_files,
@@ -54,11 +57,20 @@ from torch.futures import Future
 
 # checkpoint's import also silences DCP's warning on every single-process call.
 from torchmoe.components.checkpoint import _dist_on
+from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading
+from torchmoe.config.errors import ConfigError
 from torchmoe.models.llama4.args import ModelArgs
-from torchmoe.models.llama4.hf import HFConversionError, HFSlice, hf_config_from_args, hf_slices, text_tensor_name
+from torchmoe.models.llama4.hf import (
+    HFConversionError,
+    HFSlice,
+    args_from_hf_config,
+    hf_config_from_args,
+    hf_slices,
+    text_tensor_name,
+)
 from torchmoe.models.llama4.model import Transformer
 
-__all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "save_hf_weights"]
+__all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "read_hf_args", "save_hf_weights"]
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 # Each rank's own files while a save is in progress; removed once consolidated.
@@ -122,10 +134,11 @@ class _HFLoadPlanner(DefaultLoadPlanner):
 
 def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArgs) -> dict[str, str]:
     """HF name -> stored name for every tensor `slices` needs, after checking the checkpoint holds
-    exactly a model of `args` (vision tensors and a tied model's head aside).
+    exactly a model of `args` (vision tensors and a tied model's head aside), in floating point.
 
     Raises:
-        HFConversionError: a tensor is missing, unexpected, split over files, or of another shape.
+        HFConversionError: a tensor is missing, unexpected, split over files, of another shape, or
+            stored as integers.
     """
     entries = metadata.state_dict_metadata
     stored = {text: key for key in entries if (text := text_tensor_name(key)) is not None}
@@ -144,10 +157,58 @@ def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArg
         if len(md.chunks) != 1:
             raise HFConversionError(f"{s.hf_name} is split over {len(md.chunks)} files: not a Hugging Face "
                                     "checkpoint (a sharded DCP export must be consolidated first)")
+        if not md.properties.dtype.is_floating_point:  # a cast would load nonsense (quantized weights?)
+            raise HFConversionError(f"{s.hf_name} is stored as {str(md.properties.dtype).removeprefix('torch.')}, "
+                                    "not as floating-point weights")
     return stored
 
 
-def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike, args: ModelArgs) -> None:
+_INDEX = "model.safetensors.index.json"
+
+
+def _check_files(hf_dir: Path, key: str, fix: str) -> None:
+    """Every safetensors file of `hf_dir` is a file with a readable header, and every file that
+    model.safetensors.index.json lists is there: each fault named with its file.
+
+    Raises:
+        UnreadableWeights: a file is missing, a folder, unreadable or damaged.
+    """
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise UnreadableWeights(key, str(hf_dir), "holds no *.safetensors files", fix)
+    for file in files:
+        with reading(key, hf_dir, fix, what=file.name):
+            if file.is_dir():  # safetensors would report only "No such device"
+                raise IsADirectoryError(21, "Is a directory", str(file))
+            with safe_open(file, framework="pt"):  # parses (and checks) the header, reads no data
+                pass
+    if (hf_dir / _INDEX).exists():
+        weight_map = read_json_object(key, hf_dir, _INDEX, fix).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} has no \"weight_map\" object", fix)
+        absent = sorted({f for f in weight_map.values() if not (hf_dir / str(f)).is_file()})
+        if absent:
+            raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} lists {len(absent)} files that are not there, "
+                                    f"e.g. {absent[:3]}: an incomplete download?", fix)
+
+
+def read_hf_args(hf_dir: str | os.PathLike, *, key: str, fix: str) -> ModelArgs:
+    """The `ModelArgs` of the config.json of the Hugging Face folder `hf_dir` (the value of `key`).
+
+    Raises:
+        ConfigError: config.json is missing, unreadable, not a JSON object, or not a Llama 4
+            config this model can represent.
+    """
+    hf_dir = Path(hf_dir)
+    config = read_json_object(key, hf_dir, "config.json", fix)
+    try:
+        return args_from_hf_config(config)
+    except HFConversionError as err:
+        raise ConfigError(key, str(hf_dir), f"its config.json cannot be used: {err}", fix) from None
+
+
+def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike, args: ModelArgs, *,
+                    key: str, fix: str) -> None:
     """Copy the weights of a Hugging Face Llama 4 folder into the tensors of `state` in place, each
     rank reading only the slices its (DTensor) shards cover, cast to their dtype. Collective
     under a process group. Router buffers are left as they are.
@@ -157,18 +218,20 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
             DTensors sharing the parameters' storage; under PP only this rank's stages).
         hf_dir: a text or multimodal Llama 4 checkpoint (``*.safetensors``).
         args: the whole model's architecture (to check the checkpoint holds all of it).
+        key, fix: how the user named `hf_dir` (``HF_DIR``, ``checkpoint.initial_load_path``) and
+            what to do about a folder that does not load, for the `ConfigError`.
 
     Raises:
-        HFConversionError: the checkpoint is not a model of `args`.
-        FileNotFoundError: no safetensors files in `hf_dir`.
+        ConfigError: a file is missing, unreadable or damaged, or the checkpoint is not a model of
+            `args` in floating point.
     """
     hf_dir = Path(hf_dir)
-    if not any(hf_dir.glob("*.safetensors")):
-        raise FileNotFoundError(f"no *.safetensors files in {hf_dir}")
-    reader = HuggingFaceStorageReader(str(hf_dir))
-    views, slices = _hf_views(state)
-    stored = _stored_names(reader.read_metadata(), slices, args)
-    dcp.load(views, storage_reader=reader, planner=_HFLoadPlanner(slices, stored), no_dist=not _dist_on())
+    _check_files(hf_dir, key, fix)
+    with reading(key, hf_dir, fix, what="a *.safetensors file"):  # HFConversionError is a fault too
+        reader = HuggingFaceStorageReader(str(hf_dir))
+        views, slices = _hf_views(state)
+        stored = _stored_names(reader.read_metadata(), slices, args)
+        dcp.load(views, storage_reader=reader, planner=_HFLoadPlanner(slices, stored), no_dist=not _dist_on())
 
 
 # ---- saving ----------------------------------------------------------------------------------

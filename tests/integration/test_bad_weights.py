@@ -1,0 +1,382 @@
+"""Every weights file torchmoe reads, broken in every way: one `ConfigError` naming the option, the
+path and the fix (the CLI: exit 2, one message, no traceback); and resuming past a broken checkpoint
+says one line about it.
+
+    python -m pytest -q -m integration tests/integration/test_bad_weights.py
+
+The fault classes (missing, a folder where a file should be, unreadable, truncated, garbage, not
+UTF-8, wrong format, another model) meet the four readers: `checkpoint.initial_load_path` of a DCP
+and of a Hugging Face folder (`load_initial_weights`, what `torchmoe train` runs on every rank
+before step 1) and both directions of `torchmoe convert` (in-process `cli.main`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_debugmodel
+from torchmoe import cli
+from torchmoe.components.checkpoint import MARKER, CheckpointManager, ModelWrapper
+from torchmoe.components.initial_load import load_initial_weights
+from torchmoe.components.weight_files import quiet_dcp_logs
+from torchmoe.config import ConfigError
+from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+from torchmoe.hf import save_model
+from torchmoe.launch import run_cli
+from torchmoe.models.llama4 import FLAVORS, Transformer
+from torchmoe.models.llama4.hf import hf_config_from_args
+
+# In-process DCP calls here run without a process group, which DCP warns about on every call.
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+# Deterministic bytes that are no file format: not a pickle, a zip, JSON or a safetensors header.
+GARBAGE = bytes(range(256)) * 8
+TRAIN = ["train", "--config", DEBUG_CONFIG, "--training.seq_len", "64", "--training.steps", "2"]
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+
+
+def _state(flavor: str) -> dict[str, torch.Tensor]:
+    """The state dict of a model of `flavor`, uninitialised: these tests read files, not values."""
+    with torch.device("meta"):
+        model = Transformer(FLAVORS[flavor])
+    return model.to_empty(device="cpu").state_dict()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A Hugging Face folder of a debugmodel (one model.safetensors)."""
+    model = Transformer(FLAVORS["debugmodel"])
+    model.init_weights(seed=0)
+    folder = tmp_path_factory.mktemp("hf")
+    save_model(model, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory) -> Path:
+    """A DCP folder of a bare debugmodel state dict (what `convert hf-to-dcp` writes)."""
+    folder = tmp_path_factory.mktemp("dcp")
+    dcp.save(_state("debugmodel"), checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bench_dcp_dir(tmp_path_factory) -> Path:
+    """A DCP folder of a bench256 model: weights of another flavor."""
+    folder = tmp_path_factory.mktemp("bench_dcp")
+    dcp.save(_state("bench256"), checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """The dump folder of a 2-step run with its step-2 checkpoint."""
+    folder = tmp_path_factory.mktemp("run")
+    run_cli([*TRAIN, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", folder],
+            timeout=180)
+    return folder
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _scramble(path: Path) -> None:
+    """Garbage of the file's own length (a shorter file is reported as truncated)."""
+    size = path.stat().st_size
+    path.write_bytes((GARBAGE * (size // len(GARBAGE) + 1))[:size])
+
+
+def _replace_by_folder(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _deny(name: str) -> Callable[[pytest.MonkeyPatch], None]:
+    """Make opening any file called `name` fail as an unreadable file does (the tests run as
+    root, for whom no permission bit denies a read)."""
+    def patch(monkeypatch: pytest.MonkeyPatch) -> None:
+        real_open = io.open
+
+        def open_(file, *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and Path(file).name == name:
+                raise PermissionError(13, "Permission denied", os.fspath(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(io, "open", open_)  # pathlib opens through io.open
+    return patch
+
+
+def _int32_dcp(folder: Path) -> None:
+    shutil.rmtree(folder)
+    dcp.save({k: v.to(torch.int32) for k, v in _state("debugmodel").items()}, checkpoint_id=str(folder), no_dist=True)
+
+
+def _int32_safetensors(folder: Path) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    save_file({k: v.to(torch.int32) for k, v in tensors.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def _index(text: str | bytes) -> Callable[[Path], None]:
+    def write(folder: Path) -> None:
+        path = folder / "model.safetensors.index.json"
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return write
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One way a weights folder can be broken, and what the message must say about it."""
+
+    kind: str  # "dcp" or "hf": the folder it breaks
+    damage: Callable[[Path], None]
+    expected: tuple[str, ...]
+    patch: Callable[[pytest.MonkeyPatch], None] | None = None
+
+
+_MISSING_SHARD = json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})
+FAULTS = {
+    # missing
+    "dcp-missing-metadata": Fault("dcp", lambda d: (d / ".metadata").unlink(),
+                                  ("not a DCP checkpoint (no .metadata)",)),
+    "dcp-missing-data": Fault("dcp", lambda d: (d / "__0_0.distcp").unlink(), ("__0_0.distcp is missing",)),
+    "hf-missing-config": Fault("hf", lambda d: (d / "config.json").unlink(), ("has no config.json",)),
+    "hf-missing-weights": Fault("hf", lambda d: (d / "model.safetensors").unlink(), ("holds no *.safetensors files",)),
+    "hf-missing-indexed-file": Fault("hf", _index(_MISSING_SHARD), (
+        "model.safetensors.index.json lists 1 files that are not there", "model-00002-of-00002.safetensors")),
+    # a folder where a file should be
+    "dcp-folder-metadata": Fault("dcp", lambda d: _replace_by_folder(d / ".metadata"),
+                                 (".metadata is a folder, not a file",)),
+    "dcp-folder-data": Fault("dcp", lambda d: _replace_by_folder(d / "__0_0.distcp"),
+                             ("__0_0.distcp is a folder, not a file",)),
+    "hf-folder-config": Fault("hf", lambda d: _replace_by_folder(d / "config.json"),
+                              ("config.json is a folder, not a file",)),
+    "hf-folder-weights": Fault("hf", lambda d: _replace_by_folder(d / "model.safetensors"),
+                               ("model.safetensors is a folder, not a file",)),
+    # unreadable
+    "dcp-unreadable-metadata": Fault("dcp", lambda d: None, (".metadata cannot be read: permission denied",),
+                                     patch=_deny(".metadata")),
+    "hf-unreadable-config": Fault("hf", lambda d: None, ("config.json cannot be read: permission denied",),
+                                  patch=_deny("config.json")),
+    # truncated
+    "dcp-truncated-metadata": Fault("dcp", lambda d: _truncate(d / ".metadata"),
+                                    (".metadata is damaged or truncated",)),
+    "dcp-truncated-data": Fault("dcp", lambda d: _truncate(d / "__0_0.distcp"), ("__0_0.distcp is truncated (",)),
+    "hf-truncated-config": Fault("hf", lambda d: _truncate(d / "config.json"), ("config.json is not JSON",)),
+    "hf-truncated-weights": Fault("hf", lambda d: _truncate(d / "model.safetensors"),
+                                  ("model.safetensors is damaged or truncated",)),
+    "hf-empty-weights": Fault("hf", lambda d: (d / "model.safetensors").write_bytes(b""),
+                              ("model.safetensors is damaged or truncated",)),
+    # garbage
+    "dcp-garbage-metadata": Fault("dcp", lambda d: (d / ".metadata").write_bytes(GARBAGE),
+                                  (".metadata is damaged or truncated",)),
+    "dcp-garbage-data": Fault("dcp", lambda d: _scramble(d / "__0_0.distcp"),
+                              ("a *.distcp file is damaged or truncated",)),
+    "hf-garbage-weights": Fault("hf", lambda d: (d / "model.safetensors").write_bytes(GARBAGE),
+                                ("model.safetensors is damaged or truncated",)),
+    # not UTF-8
+    "hf-binary-config": Fault("hf", lambda d: (d / "config.json").write_bytes(b"\xff\xfe{}"),
+                              ("config.json is not UTF-8 text",)),
+    "hf-binary-index": Fault("hf", _index(b"\xff\xfe{}"), ("model.safetensors.index.json is not UTF-8 text",)),
+    # wrong format
+    "dcp-list-metadata": Fault("dcp", lambda d: (d / ".metadata").write_bytes(pickle.dumps([1])),
+                               (".metadata is not DCP metadata",)),
+    "dcp-int32-weights": Fault("dcp", _int32_dcp, ("is stored as int32, not as floating-point weights",)),
+    "hf-list-config": Fault("hf", lambda d: (d / "config.json").write_text("[1]"),
+                            ("config.json holds an array, not a JSON object",)),
+    "hf-list-index": Fault("hf", _index("[1]"), ("model.safetensors.index.json holds an array, not a JSON object",)),
+    "hf-int32-weights": Fault("hf", _int32_safetensors,
+                              ("model.embed_tokens.weight is stored as int32, not as floating-point weights",)),
+    # another model (the other flavor's DCP case needs its own folder: `test_dcp_of_another_flavor`)
+    "hf-llama3-config": Fault("hf", lambda d: (d / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64})),
+        ("its config.json cannot be used: model_type 'llama' is not a Llama 4 text model",)),
+}
+
+# Each reader of each kind of folder: the option that names the folder.
+READERS = {"dcp": ("train-dcp", "dcp-to-hf"), "hf": ("train-hf", "hf-to-dcp")}
+KEYS = {"train-dcp": "checkpoint.initial_load_path", "train-hf": "checkpoint.initial_load_path",
+        "dcp-to-hf": "CKPT_DIR", "hf-to-dcp": "HF_DIR"}
+CASES = [(reader, name) for name, fault in FAULTS.items() for reader in READERS[fault.kind]]
+
+
+def _read(reader: str, folder: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """Run `reader` on `folder`, which must fail with a user error; returns its message.
+
+    The train readers call what `torchmoe train` calls before step 1 and get the `ConfigError`;
+    the convert readers run the CLI in this process and get its exit status and stderr.
+    """
+    if reader.startswith("train"):
+        ckpt = CheckpointConfig(initial_load_path=str(folder), initial_load_in_hf=reader == "train-hf")
+        with pytest.raises(ConfigError) as err:
+            load_initial_weights(ckpt, "debugmodel", FLAVORS["debugmodel"], empty_debugmodel())
+        assert "Traceback" not in capsys.readouterr().err  # nothing DCP logged along the way
+        return str(err.value)
+    argv = ["convert", reader, str(folder), str(out)] + (["--flavor", "debugmodel"] if reader == "dcp-to-hf" else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    assert not out.exists()  # refused before anything was written
+    return err
+
+
+def _assert_message(message: str, key: str, value: str, *expected: str) -> None:
+    assert f'{key} = "{value}": ' in message, message
+    assert "\n  fix: " in message, message
+    for text in expected:
+        assert text in message, message
+
+
+# ---- every fault, every reader ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("reader", "fault"), CASES, ids=[f"{r}:{f}" for r, f in CASES])
+def test_broken_folder_is_one_user_error(reader: str, fault: str, hf_dir: Path, dcp_dir: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = FAULTS[fault]
+    folder = tmp_path / "in"
+    shutil.copytree(dcp_dir if spec.kind == "dcp" else hf_dir, folder)
+    spec.damage(folder)
+    if spec.patch is not None:
+        spec.patch(monkeypatch)
+    message = _read(reader, folder, tmp_path / "out", capsys)
+    _assert_message(message, KEYS[reader], str(folder), *spec.expected)
+
+
+@pytest.mark.parametrize("reader", ["train-dcp", "dcp-to-hf"])
+def test_dcp_of_another_flavor_names_the_flavor_that_fits(reader: str, bench_dcp_dir: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    message = _read(reader, bench_dcp_dir, tmp_path / "out", capsys)
+    key, fix = ("model.flavor", "fix: pass --model.flavor bench256") if reader == "train-dcp" else \
+        ("--flavor", "fix: pass --flavor bench256")
+    _assert_message(message, key, "debugmodel", "does not fit", str(bench_dcp_dir),
+                    "tok_embeddings.weight has shape (2048, 256), the model's is (512, 128)", fix)
+
+
+def test_hf_folder_of_another_flavor_names_the_flavor_that_fits(hf_dir: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "in"
+    shutil.copytree(hf_dir, folder)
+    (folder / "config.json").write_text(json.dumps(hf_config_from_args(FLAVORS["bench256"], torch.float32)))
+    message = _read("train-hf", folder, tmp_path / "out", capsys)
+    _assert_message(message, "checkpoint.initial_load_path", str(folder),
+                    "its config differs from flavor 'debugmodel' in dim", "fix: pass --model.flavor bench256")
+
+
+@pytest.mark.parametrize("direction", ["hf-to-dcp", "dcp-to-hf"])
+@pytest.mark.parametrize("out", ["file", "under-a-file", "read-only"])
+def test_output_folder_that_cannot_be_written(direction: str, out: str, hf_dir: Path, dcp_dir: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("x")
+    target = {"file": tmp_path / "afile", "under-a-file": tmp_path / "afile" / "out",
+              "read-only": tmp_path / "ro" / "out"}[out]
+    if out == "read-only":
+        (tmp_path / "ro").mkdir()
+        real_access = os.access  # root may write anywhere: the check is what matters
+        monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != tmp_path / "ro" and real_access(p, mode))
+    source = hf_dir if direction == "hf-to-dcp" else dcp_dir
+    argv = ["convert", direction, str(source), str(target)] + (["--flavor", "debugmodel"]
+                                                               if direction == "dcp-to-hf" else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    expected = {"file": "exists and is not an empty folder", "under-a-file": f"cannot be created: {tmp_path / 'afile'} "
+                "is a file", "read-only": f"cannot be written: {tmp_path / 'ro'} is not writable"}[out]
+    assert "Traceback" not in err
+    _assert_message(err, "OUT_DIR", str(target), expected)
+
+
+def test_truncated_step_checkpoint_is_named_though_the_model_part_is_intact(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # DCP reads only the byte ranges of what it loads: the model's may well lie in the half that
+    # is left, and then only the file's size shows the damage.
+    folder = tmp_path / "step-2"
+    shutil.copytree(run_dir / "checkpoint" / "step-2", folder)
+    _truncate(folder / "__0_0.distcp")
+    message = _read("train-dcp", folder, tmp_path / "out", capsys)
+    _assert_message(message, "checkpoint.initial_load_path", str(folder), "__0_0.distcp is truncated (")
+
+
+# ---- the CLI end to end ---------------------------------------------------------------------------
+
+
+def test_train_from_int32_hf_weights_exits_2_instead_of_training(hf_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_dir, folder)
+    _int32_safetensors(folder)
+    proc = run_cli([*TRAIN, "--checkpoint.initial_load_path", folder, "--checkpoint.initial_load_in_hf", "true",
+                    "--job.dump_folder", tmp_path / "run"], timeout=120, expect=None)
+    assert_user_error(proc, "model.embed_tokens.weight is stored as int32")
+    assert "step 1" not in proc.stdout + proc.stderr
+
+
+# ---- resuming: probing broken checkpoints quietly -----------------------------------------------------
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint_with_one_warning(run_dir: Path, tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    shutil.copytree(run_dir, dump)
+    broken = dump / "checkpoint" / "step-4"
+    shutil.copytree(dump / "checkpoint" / "step-2", broken)
+    (broken / MARKER).write_text(json.dumps({**json.loads((broken / MARKER).read_text()), "step": 4}))
+    _truncate(broken / "__0_0.distcp")
+    # training.steps 2: resuming at step 2 leaves nothing to train.
+    proc = run_cli([*TRAIN, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", dump],
+                   timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line and "checkpoint" in line]
+    assert len(warnings) == 1 and "step-4" in warnings[0] and "truncated" in warnings[0], proc.stderr
+    assert f"resumed from {dump / 'checkpoint' / 'step-2'}" in proc.stderr
+
+
+def test_no_loadable_checkpoint_is_one_short_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Linear(4, 4)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(enable=True), total_steps=10)
+    for step in (1, 2):
+        manager.save(step, {"model": ModelWrapper(model)})
+    (tmp_path / "checkpoint" / "step-1" / ".metadata").write_bytes(GARBAGE)
+    _truncate(tmp_path / "checkpoint" / "step-2" / "__0_0.distcp")
+    with pytest.raises(ConfigError) as err:
+        CheckpointManager(tmp_path, CheckpointConfig(enable=True), total_steps=10).load_latest(
+            {"model": ModelWrapper(nn.Linear(4, 4))})
+    lines = str(err.value).splitlines()
+    assert lines[0] == f'checkpoint.folder = "{tmp_path / "checkpoint"}": no checkpoint there could be loaded:'
+    assert lines[1].startswith("  step-2: __0_0.distcp is truncated ("), lines
+    assert lines[2].startswith("  step-1: .metadata is damaged or truncated"), lines
+    assert lines[3].startswith("  fix: ") and len(lines) == 4, lines
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_dcp_tracebacks_are_dropped_while_reading(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """DCP logs a metadata file it cannot read with its traceback (on the root logger), then raises."""
+    (tmp_path / ".metadata").write_bytes(GARBAGE)
+
+    def load() -> list[logging.LogRecord]:
+        caplog.clear()
+        with pytest.raises(BaseException):
+            dcp.load({"x": torch.zeros(1)}, checkpoint_id=str(tmp_path), no_dist=True)
+        return [r for r in caplog.records if r.exc_info]
+
+    with caplog.at_level(logging.WARNING):
+        assert load()  # what would be printed
+        with quiet_dcp_logs():
+            assert not load()
+        assert load()  # only while reading

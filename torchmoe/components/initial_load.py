@@ -1,0 +1,75 @@
+"""`checkpoint.initial_load_path`: the weights a new run starts from, a DCP or a Hugging Face folder.
+
+    load_initial_weights(cfg.checkpoint, cfg.model.flavor, model_args, model)   # every rank, before step 1
+
+Every rank checks and reads the folder before the first step, so whatever is wrong with it (a
+file missing, unreadable or damaged, weights of another flavor or not in floating point) is a
+`ConfigError` on every rank, which rank 0 reports: ``checkpoint.initial_load_path`` for the
+folder, ``model.flavor`` for weights of another flavor (naming the flavor they fit).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from torchmoe.components.checkpoint import load_model_only
+from torchmoe.components.hf_storage import load_hf_weights, read_hf_args
+from torchmoe.components.weight_files import model_tensors, read_dcp_metadata
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.models.llama4.fit import matching_flavor, require_fit
+
+__all__ = ["load_initial_weights"]
+
+logger = logging.getLogger(__name__)
+
+_KEY = "checkpoint.initial_load_path"
+_DCP_FIX = ("point it at a DCP checkpoint folder: a step-N folder of a run, or the output of "
+            "`torchmoe convert hf-to-dcp`")
+_HF_FIX = "point it at a complete Hugging Face Llama 4 folder (config.json + *.safetensors)"
+
+# The ModelArgs fields that decide the tensors' shapes and what the model computes with them: a
+# Hugging Face config must agree with the run's flavor in each (the router's training settings
+# and the attention backend are the run's own).
+_ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "num_experts",
+                        "top_k", "moe_hidden_dim", "ffn_hidden_dim", "moe_layer_ids", "rope_layers", "rope_theta",
+                        "rope_scaling", "attention_chunk_size", "use_qk_norm", "attn_temperature_tuning",
+                        "floor_scale", "attn_scale", "tie_word_embeddings")
+
+
+def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, model: nn.Module) -> None:
+    """Load the model weights of `ckpt.initial_load_path` into `model` (this rank's part: shards
+    or pipeline stages, under the full model's names). Collective under a process group.
+
+    Args:
+        ckpt: the `[checkpoint]` section; `initial_load_in_hf` says which kind of folder it is.
+        flavor: model.flavor, which `args` (the whole model's architecture) was built from.
+
+    Raises:
+        ConfigError: the folder cannot be read, or holds weights of another model.
+    """
+    path = Path(ckpt.initial_load_path)
+    if ckpt.initial_load_in_hf:
+        _load_hf(path, flavor, args, model)
+    else:
+        stored = model_tensors(read_dcp_metadata(_KEY, path, _DCP_FIX))
+        require_fit("model.flavor", flavor, args, stored, f"{_KEY} {path}")
+        load_model_only(path, [model], key=_KEY)
+
+
+def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module) -> None:
+    """Every rank reads the safetensors slices its shards cover, straight into its parameters."""
+    hf_args = read_hf_args(hf_dir, key=_KEY, fix=_HF_FIX)
+    differ = [f for f in _ARCHITECTURE_FIELDS if getattr(hf_args, f) != getattr(args, f)]
+    if differ:
+        fits = matching_flavor(hf_args)
+        raise ConfigError(_KEY, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}",
+                          f"pass --model.flavor {fits}" if fits else
+                          "add a flavor with its architecture to torchmoe/models/llama4/args.py FLAVORS")
+    load_hf_weights(get_model_state_dict(model), hf_dir, args, key=_KEY, fix=_HF_FIX)
+    logger.info("loaded Hugging Face weights from %s", hf_dir)

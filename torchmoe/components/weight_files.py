@@ -1,0 +1,240 @@
+"""Reading model weights from folders a user names: whatever is wrong with a file is one `ConfigError`.
+
+    metadata = read_dcp_metadata(key, folder, fix)               # .metadata, checked
+    problem = misfit(model.state_dict(), model_tensors(metadata), extra_ok=True)
+    with reading(key, folder, fix, what="a *.distcp file"):      # a damaged file -> ConfigError
+        dcp.load(state, checkpoint_id=str(folder))
+    config = read_json_object(key, folder, "config.json", fix)
+
+Weights come from copies cut short, downloads that stopped, files of another kind. Reading such
+a file, torch, pickle and safetensors raise what they raise (EOFError, UnpicklingError,
+SafetensorError, an OSError...), under a process group wrapped in DCP's `CheckpointException`,
+whose text is a traceback per rank. `read_fault` says in one line what is wrong with the file;
+an exception of any other kind is a bug, and keeps its traceback.
+
+While DCP loads it also logs, on the root logger and with the traceback, a metadata file it
+cannot read ("Global metadata is not found ..."), before raising the error; with no handler
+configured Python prints that record to stderr. `quiet_dcp_logs` drops DCP's records for the
+duration of a read, so that a fault is reported once: as the `ConfigError`, or (resuming a run)
+one warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import traceback
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from torchmoe.config.errors import ConfigError
+
+__all__ = ["UnreadableWeights", "describe", "misfit", "model_prefix", "model_tensors", "non_float", "quiet_dcp_logs",
+           "read_dcp_metadata", "read_fault", "read_json_object", "reading"]
+
+_DCP_SOURCE = os.path.dirname(dcp.__file__)
+
+
+class UnreadableWeights(ConfigError):
+    """Weights that cannot be read (`problem` says why, in one line): what every reader here
+    raises, so that a caller probing several checkpoints can tell it from other `ConfigError`s."""
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    lines = str(err).strip().splitlines()
+    text = lines[0] if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# Where torch.load deserializes a file: whatever it raises there (garbage makes its unpickler raise
+# IndexError, KeyError, ...) is a fault of the bytes it was given.
+_DESERIALIZERS = (os.path.join("torch", "serialization.py"), os.path.join("torch", "_weights_only_unpickler.py"))
+
+
+def read_fault(err: BaseException, what: str = "a file") -> str | None:
+    """One line saying what is wrong with the file(s) `what` that raised `err` while being read,
+    or None when `err` is no fault of a file (a bug). An OSError names its file itself."""
+    if isinstance(err, CheckpointException):  # failures: rank -> (exception, its traceback)
+        faults = [_fault(exc, trace, what) for exc, trace in err.failures.values()]
+        # Every rank usually fails on the same file in the same way: said once.
+        return None if None in faults else "; ".join(dict.fromkeys(faults))
+    return _fault(err, traceback.extract_tb(err.__traceback__), what)
+
+
+def _fault(err: BaseException, trace: traceback.StackSummary, what: str) -> str | None:
+    if isinstance(err, OSError):
+        name = Path(os.fsdecode(err.filename)).name if err.filename else what
+        if isinstance(err, FileNotFoundError):
+            return f"{name} is missing"
+        if isinstance(err, IsADirectoryError):
+            return f"{name} is a folder, not a file"
+        if isinstance(err, PermissionError):
+            return f"{name} cannot be read: permission denied"
+        return f"{name} cannot be read: {err.strerror or _first_line(err)}"
+    if isinstance(err, EOFError):
+        return f"{what} ends early: it is truncated"
+    if isinstance(err, UnicodeDecodeError):
+        return f"{what} is not UTF-8 text (byte {err.start} is {err.object[err.start:err.start + 1]!r})"
+    if isinstance(err, (pickle.UnpicklingError, SafetensorError)) or (
+            isinstance(err, RuntimeError) and str(err).startswith("PytorchStreamReader")):  # torch.load's zip reader
+        return f"{what} is damaged or truncated ({_first_line(err).split('. ')[0]})"
+    if any(frame.filename.endswith(_DESERIALIZERS) for frame in trace):
+        return f"{what} is damaged or truncated (torch.load failed: {type(err).__name__})"
+    if isinstance(err, ValueError):  # a reader's own check (HFConversionError is one): a sentence already
+        return _first_line(err)
+    return None
+
+
+def describe(err: BaseException) -> str:
+    """One line for any failure while loading a checkpoint: its `read_fault`, else the exception's
+    type and first line (without the tracebacks a `CheckpointException` holds)."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(dict.fromkeys(describe(exc) for exc, _ in err.failures.values()))
+    return read_fault(err) or f"{type(err).__name__}: {_first_line(err)}"
+
+
+class _DropDCPRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.pathname.startswith(_DCP_SOURCE)
+
+
+@contextmanager
+def quiet_dcp_logs() -> Iterator[None]:
+    """Drop what DCP logs on the root logger (tracebacks of the errors it then raises) meanwhile."""
+    root, drop = logging.getLogger(), _DropDCPRecords()
+    root.addFilter(drop)
+    try:
+        yield
+    finally:
+        root.removeFilter(drop)
+
+
+@contextmanager
+def reading(key: str, path: str | os.PathLike, fix: str, *, what: str = "a file") -> Iterator[None]:
+    """Read weights from `path` (the value of `key`): a fault of the file(s) `what` becomes one
+    `UnreadableWeights` naming `key`, `path` and `fix`; DCP's logs are quiet meanwhile."""
+    with quiet_dcp_logs():
+        try:
+            yield
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            fault = read_fault(err, what)
+            if fault is None:
+                raise
+            raise UnreadableWeights(key, str(path), fault, fix) from None
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def read_json_object(key: str, folder: Path, name: str, fix: str) -> dict:
+    """The JSON object in `folder/name` (a config.json, an index), as a dict.
+
+    Raises:
+        UnreadableWeights: the file is missing, unreadable, not UTF-8, not JSON or not an object.
+    """
+    path = folder / name
+    if not path.exists():
+        raise UnreadableWeights(key, str(folder), f"has no {name}", fix)
+    with reading(key, folder, fix, what=name):
+        text = path.read_bytes().decode("utf-8")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UnreadableWeights(key, str(folder), f"{name} is not JSON ({err.msg} at line {err.lineno} "
+                                f"column {err.colno})", fix) from None
+    if not isinstance(value, dict):
+        raise UnreadableWeights(key, str(folder), f"{name} holds {_JSON_TYPES[type(value)]}, not a JSON object", fix)
+    return value
+
+
+def read_dcp_metadata(key: str, folder: Path, fix: str) -> Metadata:
+    """The `.metadata` of the DCP checkpoint `folder`.
+
+    Raises:
+        UnreadableWeights: it is missing, unreadable, damaged or holds something else.
+    """
+    if not (folder / ".metadata").exists():
+        raise UnreadableWeights(key, str(folder), "not a DCP checkpoint (no .metadata)", fix)
+    with reading(key, folder, fix, what=".metadata"):
+        try:
+            metadata = FileSystemReader(str(folder)).read_metadata()
+        except AttributeError:  # DCP sets an attribute on what it unpickled, which is something else
+            metadata = None
+    if not isinstance(metadata, Metadata):
+        raise UnreadableWeights(key, str(folder), ".metadata is not DCP metadata (a pickle of something else)", fix)
+    problem = _data_files_fault(folder, metadata)
+    if problem is not None:
+        raise UnreadableWeights(key, str(folder), problem, fix)
+    return metadata
+
+
+def _data_files_fault(folder: Path, metadata: Metadata) -> str | None:
+    """Why a data file that `metadata` points into cannot hold the bytes it points at (it is
+    missing, a folder, or shorter), or None. DCP reads only the byte ranges it loads: a file cut
+    short may load some tensors and fail on others, or, when only the model of a step-N folder is
+    loaded, not fail at all. Its size names it before any load."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        if hasattr(info, "relative_path"):  # FileSystemWriter's entries: (file, offset, length)
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = folder / name
+        if not path.exists():
+            return f"{name} is missing"
+        if not path.is_file():
+            return f"{name} is a folder, not a file"
+        if path.stat().st_size < end:
+            return f"{name} is truncated ({path.stat().st_size} bytes; the checkpoint's data needs {end})"
+    return None
+
+
+def model_prefix(metadata: Metadata) -> str:
+    """"model." for a torchmoe step-N folder (the model next to optimizer, data and RNG state),
+    "" for a bare model state dict (`torchmoe convert hf-to-dcp`)."""
+    return "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
+
+
+def model_tensors(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """Name (without `model_prefix`) -> stored metadata of the model tensors of a DCP checkpoint."""
+    prefix = model_prefix(metadata)
+    return {k.removeprefix(prefix): v for k, v in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+
+
+def misfit(expected: Mapping[str, torch.Tensor], stored: Mapping[str, TensorStorageMetadata], *,
+           extra_ok: bool) -> str | None:
+    """Why the `stored` tensors are not those of a model with tensors like `expected` (meta
+    tensors will do), or None: one is missing or of another shape, or (unless `extra_ok`: a
+    pipeline stage loads only its own) one has no place in the model."""
+    for name, tensor in expected.items():  # first: another model's tensors mostly differ in shape
+        if name in stored and tuple(stored[name].size) != tuple(tensor.shape):
+            return f"{name} has shape {tuple(stored[name].size)}, the model's is {tuple(tensor.shape)}"
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        return f"it lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}"
+    extra = sorted(set(stored) - set(expected))
+    if extra and not extra_ok:
+        return f"it holds {len(extra)} tensors the model does not have, e.g. {extra[:3]}"
+    return None
+
+
+def non_float(expected: Mapping[str, torch.Tensor], stored: Mapping[str, TensorStorageMetadata]) -> str | None:
+    """Why a stored tensor cannot become one of `expected`'s floating-point tensors (it is stored
+    as integers: not weights, or quantized ones, which a cast would turn into nonsense), or None.
+    `stored` holds every tensor of `expected` (`misfit` found none missing)."""
+    for name, tensor in expected.items():
+        dtype = stored[name].properties.dtype
+        if tensor.dtype.is_floating_point and not dtype.is_floating_point:
+            return f"{name} is stored as {str(dtype).removeprefix('torch.')}, not as floating-point weights"
+    return None

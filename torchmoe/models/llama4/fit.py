@@ -1,0 +1,63 @@
+"""Which built-in flavor a checkpoint's weights belong to.
+
+    matching_flavor(args_from_hf_config(config))      # the flavor of a Hugging Face config, or None
+    require_fit("model.flavor", "debugmodel", args, model_tensors(metadata), "checkpoint.initial_load_path /x")
+
+A DCP checkpoint records no architecture, only its tensors' names and shapes, so a checkpoint of
+another flavor shows as tensors that do not fit; the error then names the flavor that fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from torchmoe.components.weight_files import misfit
+from torchmoe.config.errors import ConfigError
+from torchmoe.models.llama4.args import FLAVORS, ModelArgs
+from torchmoe.models.llama4.hf import hf_config_from_args
+from torchmoe.models.llama4.model import Transformer
+
+__all__ = ["matching_flavor", "meta_state", "require_fit"]
+
+# Hugging Face config fields that do not change what the model computes: the dtype, the length
+# limit (the released configs advertise 10M positions; torchmoe caps its RoPE table anyway), and
+# fields the explicit ones restate (interleave step -> moe_layers, NoPE interval -> no_rope_layers,
+# rope_theta / rope_scaling -> rope_parameters).
+_NOT_ARCHITECTURE = ("dtype", "max_position_embeddings", "interleave_moe_layer_step", "no_rope_layer_interval",
+                     "rope_theta", "rope_scaling")
+
+
+def _architecture(args: ModelArgs) -> dict:
+    """A canonical description of what `args` computes: its Hugging Face config, which spells out
+    derived settings (RoPE/NoPE and MoE layers) that `ModelArgs` may leave implicit."""
+    config = hf_config_from_args(args, torch.float32)
+    return {k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}
+
+
+def matching_flavor(args: ModelArgs) -> str | None:
+    """The built-in flavor with exactly the architecture of `args`, or None."""
+    want = _architecture(args)
+    return next((name for name, flavor in FLAVORS.items() if _architecture(flavor) == want), None)
+
+
+def meta_state(args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The state dict (parameters and persistent buffers) of a model of `args`, on the meta device."""
+    with torch.device("meta"):
+        return Transformer(args).state_dict()
+
+
+def require_fit(key: str, flavor: str, args: ModelArgs, stored: Mapping[str, TensorStorageMetadata],
+                source: str) -> None:
+    """Raise a `ConfigError` naming `key` (a flavor option: ``model.flavor``, ``--flavor``) when the
+    `stored` model tensors of `source` are not those of a model of `args` (built from `flavor`);
+    the fix names the built-in flavor they fit, if one does."""
+    problem = misfit(meta_state(args), stored, extra_ok=False)
+    if problem is None:
+        return
+    fits = [name for name, other in FLAVORS.items() if misfit(meta_state(other), stored, extra_ok=False) is None]
+    flag = key if key.startswith("-") else f"--{key}"
+    fix = f"pass {flag} {fits[0]}" if fits else "pass the flavor the checkpoint was trained with"
+    raise ConfigError(key, flavor, f"does not fit {source}: {problem}", fix)
