@@ -431,7 +431,7 @@ class CheckpointManager:
         try:
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist_on())
         except (Exception, CheckpointException) as e:  # DCP raises a write error on every rank
-            error = _describe(e)
+            error = describe(e)
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
         # .metadata, so every shard is on disk: rank 0 may make the folder visible now.
         self._finish(step, tmp, meta, error)
@@ -453,7 +453,7 @@ class CheckpointManager:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as e:
-            error = _describe(e)
+            error = describe(e)
         self._finish(pending.step, pending.tmp, pending.meta, error, finalized=pending.finalized)
 
     def close(self) -> None:
@@ -475,11 +475,12 @@ class CheckpointManager:
             try:
                 self._finalize(step, tmp, meta)
             except OSError as e:
-                error = _describe(e)
-        if _all_ranks_ok(error is None):
+                error = describe(e)
+        error = _job_error(_gather(error))
+        if error is None:
             return
         self._discard(tmp)  # a failed save (full disk) leaves nothing behind to fail again
-        raise SaveFailed(step, error or "failed on another rank")
+        raise SaveFailed(step, error)
 
     def _poll(self) -> None:
         p = self._pending
