@@ -456,6 +456,10 @@ class Trainer:
         due = stopping or self.checkpointer.should_save(self.step)
         if due:
             self._check_state_finite()
+            try:  # an earlier async save still in flight: its failure is not this step's
+                self.checkpointer.wait()
+            except SaveFailed as err:
+                self._save_failed(err, last=False)
         try:
             if stopping:
                 self.checkpointer.save(self.step, self.state)
@@ -464,11 +468,16 @@ class Trainer:
             if due and last:
                 self.checkpointer.wait()  # an async last save must be on disk before the run ends
         except SaveFailed as err:
-            newest = self.checkpointer.complete_checkpoints()
-            resume = f"the newest checkpoint on disk is {newest[-1][1]}" if newest else "no checkpoint is on disk"
-            if last:
-                raise ConfigError("checkpoint.folder", str(self.checkpointer.folder), f"{err}; {resume}",
-                                  "free space or fix permissions there, then run again to resume") from None
+            self._save_failed(err, last=last)
+
+    def _save_failed(self, err: SaveFailed, *, last: bool) -> None:
+        """Report a failed save: fatal (`ConfigError`) when it was the run's last, else one line."""
+        newest = self.checkpointer.complete_checkpoints()
+        resume = f"the newest checkpoint on disk is {newest[-1][1]}" if newest else "no checkpoint is on disk"
+        if last:
+            raise ConfigError("checkpoint.folder", str(self.checkpointer.folder), f"{err}; {resume}",
+                              "free space or fix permissions there, then run again to resume") from None
+        if self.rank == 0:  # every rank has the same error (the save agreed on it): one line
             logger.error("%s; training goes on (the state in memory is intact, the next save is attempted at its "
                          "interval); %s", err, resume)
 

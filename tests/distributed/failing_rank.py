@@ -9,8 +9,9 @@ run unchanged:
 
 - `load`: `Trainer.load_initial_state` raises a `ConfigError` (a Hugging Face shard that only
   this rank misses) while the others load, and wait for it in a collective.
-- `async_save`: this rank's background checkpoint write fails (OSError ENOSPC), so its
-  `CheckpointManager.wait()` raises at the next save, while the others wait for their own.
+- `async_save`: this rank's first background checkpoint write fails (OSError ENOSPC) in DCP's
+  file writer, as a full disk would; DCP reports it to every rank's save (not a failure that
+  ends the run: the ranks agree to skip that checkpoint).
 - `data`: the data loader raises `DataConfigError` for step 3 (a corrupt shard only this rank
   reads) while the others train step 3.
 - `none`: nothing (for a rank killed from outside).
@@ -26,7 +27,6 @@ import errno
 import os
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 def _about_to_fail(out: Path) -> None:
@@ -50,16 +50,19 @@ def _break_load(out: Path) -> None:
 
 
 def _break_async_save(out: Path) -> None:
-    import torchmoe.components.checkpoint as checkpoint
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    class FailedWrite(Future):
-        """The background write of this rank failed; `result()` (in `wait()`) raises it."""
+    write_data = FileSystemWriter.write_data
+    calls = []
 
-        def result(self, timeout: float | None = None) -> None:
+    def failing_write_data(self, plan, planner):
+        calls.append(1)
+        if len(calls) == 1:
             _about_to_fail(out)
             raise OSError(errno.ENOSPC, "No space left on device")
+        return write_data(self, plan, planner)
 
-    checkpoint.dcp.async_save = lambda *args, **kwargs: FailedWrite()
+    FileSystemWriter.write_data = failing_write_data
 
 
 def _break_data(out: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, TINY_JOB
-from torchmoe.launch import cli_env, free_port
+from torchmoe.launch import cli_env, free_port, read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -110,17 +110,18 @@ def test_hf_load_failing_on_one_rank_ends_both_under_torchrun(tmp_path: Path, hf
     assert _no_worker_traceback(out, 0) and _no_worker_traceback(out, 1), out
 
 
-def test_async_save_failing_on_one_rank_ends_both_under_torchrun(tmp_path: Path) -> None:
-    """Rank 1's background write of step-2 fails; it raises when saving step 4, while rank 0
-    waits for its own save of step 2, whose collectives rank 1 never joined."""
+def test_async_save_failing_on_one_rank_is_skipped_by_both(tmp_path: Path) -> None:
+    """Rank 1's background write of step-2 fails (a full disk): both ranks learn it from DCP,
+    delete the temporary folder, say so once, train on and save step 4 (not a run failure)."""
     proc = _torchrun("async_save", tmp_path, ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2",
                                               "--training.steps", "4"])
-    (out,), (end,) = _wait_all([proc], timeout=300)
-    assert proc.returncode == 1, out
-    assert _since_failure(tmp_path, end) < BOUND_S, out
-    assert out.count("[rank1]: Traceback") == 1 and "OSError: [Errno 28] No space left on device" in out, out
-    assert _no_worker_traceback(out, 0) and out.count(PEER_LINE) == 1, out
-    assert not (tmp_path / "checkpoint" / "step-2").exists()  # never made visible: rank 1's part is missing
+    (out,), _ = _wait_all([proc], timeout=300)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out, out
+    assert out.count("checkpoint step-2 could not be saved") == 1, out  # rank 0 speaks for both
+    assert "No space left on device" in out and "training goes on" in out, out
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-4"], out
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
 def test_data_error_while_blocked_and_signalled_ends_both_without_torchrun(tmp_path: Path) -> None:

@@ -611,6 +611,16 @@ class CheckpointManager:
         return None
 
 
+def _write_fault(err: BaseException) -> str:
+    """One line for a failed save: the OS's reason for each rank's failed write (a full disk,
+    permissions), else the exception's type and first line, without DCP's tracebacks."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(dict.fromkeys(_write_fault(exc) for exc, _ in err.failures.values()))
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror + (f": {err.filename}" if err.filename else "")
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
 def _gather(error: str | None) -> list[str | None]:
     """Every rank's `error` (None where it loaded), in rank order."""
     if not _dist_on():
