@@ -35,7 +35,6 @@ from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.weight_files import quiet_dcp_logs
 from torchmoe.config import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
-from torchmoe.hf import save_model
 from torchmoe.launch import run_cli
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.models.llama4.hf import hf_config_from_args
@@ -56,16 +55,6 @@ def _state(flavor: str) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         model = Transformer(FLAVORS[flavor])
     return model.to_empty(device="cpu").state_dict()
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    """A Hugging Face folder of a debugmodel (one model.safetensors)."""
-    model = Transformer(FLAVORS["debugmodel"])
-    model.init_weights(seed=0)
-    folder = tmp_path_factory.mktemp("hf")
-    save_model(model, folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,7 @@ from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_debugmodel  # n
 from torchmoe.components.checkpoint import load_model_only  # noqa: E402
 from torchmoe.config import ConfigError  # noqa: E402
 from torchmoe.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
-from torchmoe.hf import save_model  # noqa: E402
 from torchmoe.launch import run_cli  # noqa: E402
-from torchmoe.models.llama4 import FLAVORS, Transformer  # noqa: E402
 
 # In-process DCP calls here run without a process group, which DCP warns about on every call.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -33,16 +31,6 @@ def _torchmoe(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 def _ok(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return run_cli(args, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    """A Hugging Face folder of a freshly initialised debugmodel."""
-    model = Transformer(FLAVORS["debugmodel"])
-    model.init_weights(seed=0)
-    folder = tmp_path_factory.mktemp("hf")
-    save_model(model, folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,7 @@ def _linear_specs(specs: list[ParamSpec]) -> list[ParamSpec]:
 
 def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict[str, dict]:
     """Each technique: ``{"enabled": bool, "detail": str}``, in the order parallelize applies them."""
-    p, t = cfg.parallelism, cfg.training
+    p = cfg.parallelism
     plan: dict[str, dict] = {}
 
     def add(name: str, enabled: bool, detail: str) -> None:
