@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 from collections.abc import Sequence
+
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import (
     ActivationCheckpoint,
