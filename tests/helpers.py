@@ -1,5 +1,6 @@
 """What several test files share: the repo's configs, user-error checks, checkpoint folders, the
-tiny job of the distributed parity tests, and an empty CPU debugmodel.
+tiny job of the distributed parity tests (and running many of them in one torchrun world), and an
+empty CPU debugmodel.
 
 Running the CLI itself is `torchmoe.launch`.
 """
@@ -11,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,6 +86,73 @@ def seed_checkpoint(folder: Path, args: list[str] = ()) -> Path:
     """Write a seed checkpoint of TINY_JOB (one process) and return its step-0 folder."""
     train_tiny(folder, ["--checkpoint.create_seed_checkpoint", "true", *args])
     return folder / "checkpoint" / "step-0"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A `train_tiny` run of `TinyRuns`: TINY_JOB + `args` on `nproc` ranks, starting from the seed
+    checkpoint, or resuming from the step-`resume[1]` checkpoint of the job labelled `resume[0]`."""
+
+    nproc: int
+    args: list[str]
+    resume: tuple[str, int] | None = None
+
+
+class TinyRuns:
+    """`train_tiny` jobs, run on first use. All jobs on the same number of ranks run, in the order
+    given, in one torchrun world (`tests/distributed/train_jobs.py`): starting a world costs more
+    than a tiny job. One-process jobs run through the CLI, one by one.
+
+    Args:
+        seed: the step-0 folder of the seed checkpoint every job starts from (unless it resumes).
+        root: where each job gets its dump folder, `root / label`.
+        jobs: label -> job. A job may resume from a job on another number of ranks, or from an
+            earlier one on the same.
+    """
+
+    def __init__(self, seed: Path, root: Path, jobs: dict[str, Job]) -> None:
+        self.seed, self.root, self.jobs = seed, root, jobs
+        self._outcome: dict[int, BaseException | None] = {}  # nproc -> the error its runs ended with
+
+    def folder(self, label: str) -> Path:
+        """The dump folder of `label`, once it (and every job on its number of ranks) has run."""
+        self._run_world(self.jobs[label].nproc)
+        return self.root / label
+
+    def _start(self, label: str) -> Path:
+        job = self.jobs[label]
+        if job.resume is None:
+            return self.seed
+        source, step = job.resume
+        if self.jobs[source].nproc != job.nproc:
+            self._run_world(self.jobs[source].nproc)
+        else:
+            assert list(self.jobs).index(source) < list(self.jobs).index(label), (label, "resumes a later job")
+        return self.root / source / "checkpoint" / f"step-{step}"
+
+    def _run_world(self, nproc: int) -> None:
+        if nproc not in self._outcome:
+            try:
+                self._train(nproc)
+                self._outcome[nproc] = None
+            except BaseException as err:  # the tests of the other jobs on these ranks fail with it too
+                self._outcome[nproc] = err
+        if self._outcome[nproc] is not None:
+            raise self._outcome[nproc]
+
+    def _train(self, nproc: int) -> None:
+        labels = [label for label, job in self.jobs.items() if job.nproc == nproc]
+        if nproc == 1:
+            for label in labels:
+                train_tiny(start_from(self._start(label), self.root / label), self.jobs[label].args)
+            return
+        out = self.root / f"world{nproc}"
+        out.mkdir()
+        jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args], "dump_folder": str(self.root / label),
+                 "start_from": str(self._start(label))} for label in labels]
+        (out / "jobs.json").write_text(json.dumps(jobs))
+        run_rank_script(str(REPO / "tests" / "distributed" / "train_jobs.py"), out, world=nproc,
+                        timeout=120 + 120 * len(jobs))
 
 
 def empty_debugmodel() -> Transformer:
