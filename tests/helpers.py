@@ -90,12 +90,13 @@ def seed_checkpoint(folder: Path, args: list[str] = ()) -> Path:
 
 @dataclass(frozen=True)
 class Job:
-    """A `train_tiny` run of `TinyRuns`: TINY_JOB + `args` on `nproc` ranks, starting from the seed
-    checkpoint, or resuming from the step-`resume[1]` checkpoint of the job labelled `resume[0]`."""
+    """A `train_tiny` run of `TinyRuns`: TINY_JOB + `args` on `nproc` ranks, starting from `start`:
+    the runs' seed checkpoint (None), a step-N checkpoint folder, or (label, N): the step-N
+    checkpoint of another job."""
 
     nproc: int
     args: list[str]
-    resume: tuple[str, int] | None = None
+    start: Path | tuple[str, int] | None = None
 
 
 class TinyRuns:
@@ -104,7 +105,7 @@ class TinyRuns:
     than a tiny job. One-process jobs run through the CLI, one by one.
 
     Args:
-        seed: the step-0 folder of the seed checkpoint every job starts from (unless it resumes).
+        seed: the step-0 folder of the seed checkpoint a job starts from unless it says otherwise.
         root: where each job gets its dump folder, `root / label`.
         jobs: label -> job. A job may resume from a job on another number of ranks, or from an
             earlier one on the same.
@@ -121,9 +122,9 @@ class TinyRuns:
 
     def _start(self, label: str) -> Path:
         job = self.jobs[label]
-        if job.resume is None:
-            return self.seed
-        source, step = job.resume
+        if not isinstance(job.start, tuple):
+            return job.start or self.seed
+        source, step = job.start
         if self.jobs[source].nproc != job.nproc:
             self._run_world(self.jobs[source].nproc)
         else:
