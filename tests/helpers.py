@@ -91,68 +91,79 @@ def seed_checkpoint(folder: Path, args: list[str] = ()) -> Path:
 @dataclass(frozen=True)
 class Job:
     """A `train_tiny` run of `TinyRuns`: TINY_JOB + `args` on `nproc` ranks, starting from `start`:
-    the runs' seed checkpoint (None), a step-N checkpoint folder, or (label, N): the step-N
-    checkpoint of another job."""
+    "seed" (the runs' seed checkpoint), a step-N checkpoint folder, (label, N) (the step-N
+    checkpoint of another job), or None (no checkpoint: a fresh run, or one that loads
+    `checkpoint.initial_load_path`)."""
 
     nproc: int
     args: list[str]
-    start: Path | tuple[str, int] | None = None
+    start: str | Path | tuple[str, int] | None = "seed"
 
 
 class TinyRuns:
-    """`train_tiny` jobs, run on first use. All jobs on the same number of ranks run, in the order
-    given, in one torchrun world (`tests/distributed/train_jobs.py`): starting a world costs more
-    than a tiny job. One-process jobs run through the CLI, one by one.
+    """`train_tiny` jobs, run on first use. All jobs on the same number of ranks (> 1) run, in the
+    order given, in one torchrun world (`tests/distributed/train_jobs.py`): starting a world costs
+    more than a tiny job. A one-process job runs alone, through the CLI.
 
     Args:
-        seed: the step-0 folder of the seed checkpoint a job starts from unless it says otherwise.
+        seed: the step-0 folder of the runs' seed checkpoint.
         root: where each job gets its dump folder, `root / label`.
-        jobs: label -> job. A job may resume from a job on another number of ranks, or from an
-            earlier one on the same.
+        jobs: label -> job. A job may start from a checkpoint of a job in another world (or of a
+            one-process job), or of an earlier job in its own.
     """
 
     def __init__(self, seed: Path, root: Path, jobs: dict[str, Job]) -> None:
         self.seed, self.root, self.jobs = seed, root, jobs
-        self._outcome: dict[int, BaseException | None] = {}  # nproc -> the error its runs ended with
+        self._outcome: dict[int | str, BaseException | None] = {}  # group -> the error its run ended with
 
     def folder(self, label: str) -> Path:
-        """The dump folder of `label`, once it (and every job on its number of ranks) has run."""
-        self._run_world(self.jobs[label].nproc)
+        """The dump folder of `label`, once it (and every job of its world) has run."""
+        self._run(self._group(label))
         return self.root / label
 
-    def _start(self, label: str) -> Path:
-        job = self.jobs[label]
-        if not isinstance(job.start, tuple):
-            return job.start or self.seed
-        source, step = job.start
-        if self.jobs[source].nproc != job.nproc:
-            self._run_world(self.jobs[source].nproc)
+    def _group(self, label: str) -> int | str:
+        """What runs together: a world per rank count, or a one-process job alone."""
+        nproc = self.jobs[label].nproc
+        return nproc if nproc > 1 else label
+
+    def _start(self, label: str) -> Path | None:
+        start = self.jobs[label].start
+        if start == "seed":
+            return self.seed
+        if not isinstance(start, tuple):
+            return start
+        source, step = start
+        if self._group(source) != self._group(label):
+            self._run(self._group(source))
         else:
-            assert list(self.jobs).index(source) < list(self.jobs).index(label), (label, "resumes a later job")
+            assert list(self.jobs).index(source) < list(self.jobs).index(label), (label, "starts from a later job")
         return self.root / source / "checkpoint" / f"step-{step}"
 
-    def _run_world(self, nproc: int) -> None:
-        if nproc not in self._outcome:
+    def _run(self, group: int | str) -> None:
+        if group not in self._outcome:
+            # What a job of `group` meets if it (through others) starts from a checkpoint of `group` itself.
+            self._outcome[group] = RuntimeError(f"the jobs of {group!r} start from their own checkpoints")
             try:
-                self._train(nproc)
-                self._outcome[nproc] = None
-            except BaseException as err:  # the tests of the other jobs on these ranks fail with it too
-                self._outcome[nproc] = err
-        if self._outcome[nproc] is not None:
-            raise self._outcome[nproc]
+                self._train(group)
+                self._outcome[group] = None
+            except BaseException as err:  # the tests of the group's other jobs fail with it too
+                self._outcome[group] = err
+        if self._outcome[group] is not None:
+            raise self._outcome[group]
 
-    def _train(self, nproc: int) -> None:
-        labels = [label for label, job in self.jobs.items() if job.nproc == nproc]
-        if nproc == 1:
-            for label in labels:
-                train_tiny(start_from(self._start(label), self.root / label), self.jobs[label].args)
+    def _train(self, group: int | str) -> None:
+        if isinstance(group, str):
+            start = self._start(group)
+            folder = self.root / group
+            train_tiny(start_from(start, folder) if start else folder, self.jobs[group].args)
             return
-        out = self.root / f"world{nproc}"
+        out = self.root / f"world{group}"
         out.mkdir()
+        labels = [label for label, job in self.jobs.items() if job.nproc == group]
         jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args], "dump_folder": str(self.root / label),
-                 "start_from": str(self._start(label))} for label in labels]
+                 "start_from": str(start) if (start := self._start(label)) else None} for label in labels]
         (out / "jobs.json").write_text(json.dumps(jobs))
-        run_rank_script(str(REPO / "tests" / "distributed" / "train_jobs.py"), out, world=nproc,
+        run_rank_script(str(REPO / "tests" / "distributed" / "train_jobs.py"), out, world=group,
                         timeout=120 + 120 * len(jobs))
 
 

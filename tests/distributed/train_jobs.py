@@ -7,9 +7,9 @@
 config validated for this world, the real `Trainer` (its own meshes, built on the one process
 group), its initial state loaded, `fit`; then it leaves the dump folder for the next job. Starting
 a world (torch imported and gloo joined on every rank) costs more than training a tiny job, which
-is why the jobs share one. `start_from` is a step-N checkpoint folder that rank 0 copies into the
-dump folder first, so that the job resumes from it: a seed checkpoint's step-0, or a checkpoint an
-earlier job wrote.
+is why the jobs share one. `start_from`, unless null, is a step-N checkpoint folder that rank 0
+copies into the dump folder first, so that the job resumes from it: a seed checkpoint's step-0, or
+a checkpoint an earlier job wrote.
 
 A job that raises ends the world (torchrun reports the rank's traceback); rank 0 names each job on
 stderr as it starts, so the output says which one.
@@ -33,8 +33,9 @@ def _run(job: dict) -> None:
     dump_folder = Path(job["dump_folder"])
     if dist.get_rank() == 0:
         print(f"=== job {job['label']}", file=sys.stderr, flush=True)
-        start = Path(job["start_from"])
-        shutil.copytree(start, dump_folder / "checkpoint" / start.name)
+        if job["start_from"] is not None:
+            start = Path(job["start_from"])
+            shutil.copytree(start, dump_folder / "checkpoint" / start.name)
     dist.barrier()
     cfg = load_job_config([*job["args"], "--job.dump_folder", str(dump_folder)])
     validate_job_config(cfg, dist.get_world_size())
