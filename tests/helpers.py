@@ -103,7 +103,9 @@ class Job:
 class TinyRuns:
     """`train_tiny` jobs, run on first use. All jobs on the same number of ranks (> 1) run, in the
     order given, in one torchrun world (`tests/distributed/train_jobs.py`): starting a world costs
-    more than a tiny job. A one-process job runs alone, through the CLI.
+    more than a tiny job. One-process jobs run in one process too (without a process group, as
+    `torchmoe train` runs on one rank), except those starting from another job's checkpoint: each
+    of these runs alone, once that job has run.
 
     Args:
         seed: the step-0 folder of the runs' seed checkpoint.
@@ -122,9 +124,10 @@ class TinyRuns:
         return self.root / label
 
     def _group(self, label: str) -> int | str:
-        """What runs together: a world per rank count, or a one-process job alone."""
-        nproc = self.jobs[label].nproc
-        return nproc if nproc > 1 else label
+        """What runs together: a world (or one process) per rank count; a one-process job that
+        starts from another job's checkpoint alone."""
+        job = self.jobs[label]
+        return label if job.nproc == 1 and isinstance(job.start, tuple) else job.nproc
 
     def _start(self, label: str) -> Path | None:
         start = self.jobs[label].start
@@ -152,18 +155,13 @@ class TinyRuns:
             raise self._outcome[group]
 
     def _train(self, group: int | str) -> None:
-        if isinstance(group, str):
-            start = self._start(group)
-            folder = self.root / group
-            train_tiny(start_from(start, folder) if start else folder, self.jobs[group].args)
-            return
-        out = self.root / f"world{group}"
-        out.mkdir()
-        labels = [label for label, job in self.jobs.items() if job.nproc == group]
+        labels = [label for label in self.jobs if self._group(label) == group]
         jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args], "dump_folder": str(self.root / label),
                  "start_from": str(start) if (start := self._start(label)) else None} for label in labels]
+        out = self.root / f"jobs_{group}"
+        out.mkdir()
         (out / "jobs.json").write_text(json.dumps(jobs))
-        run_rank_script(str(REPO / "tests" / "distributed" / "train_jobs.py"), out, world=group,
+        run_rank_script(str(REPO / "tests" / "distributed" / "train_jobs.py"), out, world=self.jobs[labels[0]].nproc,
                         timeout=120 + 120 * len(jobs))
 
 
@@ -182,9 +180,12 @@ def empty_debugmodel() -> Transformer:
 
 def write_rank_record(out_dir: Path, record: dict) -> None:
     """The end of a `run_rank_script` worker: write this rank's record, wait for every rank,
-    leave the process group."""
+    leave the process group (in one process without a process group: write rank 0's)."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        (out_dir / "rank0.json").write_text(json.dumps(record))
+        return
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
@@ -192,11 +193,13 @@ def write_rank_record(out_dir: Path, record: dict) -> None:
 
 def run_rank_script(script: str, out_dir: Path, *, world: int, timeout: int) -> dict[int, dict]:
     """Run a test file as a torchrun script on `world` CPU ranks (``python FILE OUT_DIR``; each
-    rank writes ``OUT_DIR/rank<r>.json``) and return rank -> that record."""
+    rank writes ``OUT_DIR/rank<r>.json``) and return rank -> that record. `world` 1: one plain
+    process, without torchrun (no WORLD_SIZE: the script must then do without a process group)."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           script, str(out_dir)]
+    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={world}"]
+    cmd = [*launcher, script, str(out_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BALANCE, Job, TinyRuns, assert_same_curve, run_rank_script, start_from, train_tiny, \
-    write_rank_record
+from tests.helpers import BALANCE, Job, TinyRuns, assert_same_curve, run_rank_script, write_rank_record
 from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
@@ -40,18 +39,9 @@ MODES = {256: "local", 384: "halo", 128: "gather"}
 
 
 @pytest.fixture(scope="module")
-def references(seed, tmp_path_factory):
-    """Single-process runs per sequence length, made on first use."""
-    runs: dict[int, dict] = {}
-
-    def get(seq_len: int) -> dict:
-        if seq_len not in runs:
-            folder = start_from(seed, tmp_path_factory.mktemp(f"single{seq_len}"))
-            train_tiny(folder, ["--training.seq_len", str(seq_len), "--training.local_batch_size", "8", *BALANCE])
-            runs[seq_len] = metrics_by_step(folder)
-        return runs[seq_len]
-
-    return get
+def references(runs):
+    """seq_len -> the single-process run at that sequence length (step -> metrics)."""
+    return lambda seq_len: metrics_by_step(runs.folder(f"single{seq_len}"))
 
 
 LAYOUTS = {
@@ -82,6 +72,8 @@ def _seq(seq_len: int) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(seed, tmp_path_factory) -> TinyRuns:
     return TinyRuns(seed, tmp_path_factory.mktemp("runs"), {
+        **{f"single{seq_len}": Job(1, [*_seq(seq_len), "--training.local_batch_size", "8"])
+           for seq_len in sorted({seq_len for _, seq_len, _ in LAYOUTS.values()})},
         **{name: Job(nproc, [*_seq(seq_len), *flags]) for name, (nproc, seq_len, flags) in LAYOUTS.items()},
         "cp2_to_cp1": Job(1, [*_seq(384), "--training.local_batch_size", "8"], start=("cp2_halo", 3)),
     })

@@ -23,11 +23,9 @@ RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def reference(seed, tmp_path_factory):
+def reference(runs):
     """Single process, gradient accumulation 2 x 4 sequences."""
-    folder = start_from(seed, tmp_path_factory.mktemp("single"))
-    train_tiny(folder, ["--training.local_batch_size", "4"])
-    ref = metrics_by_step(folder)
+    ref = metrics_by_step(runs.folder("single"))
     assert sorted(ref) == [1, 2, 3, 4, 5] and ref[5]["loss"] < ref[1]["loss"]
     return ref
 
@@ -72,9 +70,11 @@ BF16_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(seed, tmp_path_factory) -> TinyRuns:
-    """Every run of this module but the single-process fp32 ones, each from the seed checkpoint."""
+    """Every run of this module but the resumed single-process and dp2 ones, each from the seed
+    checkpoint."""
     bf16 = ["--training.mixed_precision_param", "bfloat16"]
     return TinyRuns(seed, tmp_path_factory.mktemp("runs"), {
+        "single": Job(1, ["--training.local_batch_size", "4"]),
         **{name: Job(nproc, flags) for name, (nproc, flags) in LAYOUTS.items()},
         **{f"bf16_{name}": Job(nproc, [*flags, *bf16]) for name, (nproc, flags) in BF16_LAYOUTS.items()},
         "fsdp4_to_tp2_fsdp2": Job(4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
