@@ -1,5 +1,6 @@
 """What several test files share: the repo's configs, user-error checks, checkpoint folders, the
-tiny job of the distributed parity tests, and an empty CPU debugmodel.
+tiny job of the distributed parity tests (and running many of them in one torchrun world), and an
+empty CPU debugmodel.
 
 Running the CLI itself is `torchmoe.launch`.
 """
@@ -11,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,6 +88,83 @@ def seed_checkpoint(folder: Path, args: list[str] = ()) -> Path:
     return folder / "checkpoint" / "step-0"
 
 
+@dataclass(frozen=True)
+class Job:
+    """A `train_tiny` run of `TinyRuns`: TINY_JOB + `args` on `nproc` ranks, starting from `start`:
+    "seed" (the runs' seed checkpoint), a step-N checkpoint folder, (label, N) (the step-N
+    checkpoint of another job), or None (no checkpoint: a fresh run, or one that loads
+    `checkpoint.initial_load_path`)."""
+
+    nproc: int
+    args: list[str]
+    start: str | Path | tuple[str, int] | None = "seed"
+
+
+class TinyRuns:
+    """`train_tiny` jobs, run on first use. All jobs on the same number of ranks (> 1) run, in the
+    order given, in one torchrun world (`tests/distributed/train_jobs.py`): starting a world costs
+    more than a tiny job. One-process jobs run in one process too (without a process group, as
+    `torchmoe train` runs on one rank), except those starting from another job's checkpoint: each
+    of these runs alone, once that job has run.
+
+    Args:
+        seed: the step-0 folder of the runs' seed checkpoint.
+        root: where each job gets its dump folder, `root / label`.
+        jobs: label -> job. A job may start from a checkpoint of a job in another world (or of a
+            one-process job), or of an earlier job in its own.
+    """
+
+    def __init__(self, seed: Path, root: Path, jobs: dict[str, Job]) -> None:
+        self.seed, self.root, self.jobs = seed, root, jobs
+        self._outcome: dict[int | str, BaseException | None] = {}  # group -> the error its run ended with
+
+    def folder(self, label: str) -> Path:
+        """The dump folder of `label`, once it (and every job of its world) has run."""
+        self._run(self._group(label))
+        return self.root / label
+
+    def _group(self, label: str) -> int | str:
+        """What runs together: a world (or one process) per rank count; a one-process job that
+        starts from another job's checkpoint alone."""
+        job = self.jobs[label]
+        return label if job.nproc == 1 and isinstance(job.start, tuple) else job.nproc
+
+    def _start(self, label: str) -> Path | None:
+        start = self.jobs[label].start
+        if start == "seed":
+            return self.seed
+        if not isinstance(start, tuple):
+            return start
+        source, step = start
+        if self._group(source) != self._group(label):
+            self._run(self._group(source))
+        else:
+            assert list(self.jobs).index(source) < list(self.jobs).index(label), (label, "starts from a later job")
+        return self.root / source / "checkpoint" / f"step-{step}"
+
+    def _run(self, group: int | str) -> None:
+        if group not in self._outcome:
+            # What a job of `group` meets if it (through others) starts from a checkpoint of `group` itself.
+            self._outcome[group] = RuntimeError(f"the jobs of {group!r} start from their own checkpoints")
+            try:
+                self._train(group)
+                self._outcome[group] = None
+            except BaseException as err:  # the tests of the group's other jobs fail with it too
+                self._outcome[group] = err
+        if self._outcome[group] is not None:
+            raise self._outcome[group]
+
+    def _train(self, group: int | str) -> None:
+        labels = [label for label in self.jobs if self._group(label) == group]
+        jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args], "dump_folder": str(self.root / label),
+                 "start_from": str(start) if (start := self._start(label)) else None} for label in labels]
+        out = self.root / f"jobs_{group}"
+        out.mkdir()
+        (out / "jobs.json").write_text(json.dumps(jobs))
+        run_rank_script(str(REPO / "tests" / "distributed" / "train_jobs.py"), out, world=self.jobs[labels[0]].nproc,
+                        timeout=120 + 120 * len(jobs))
+
+
 def empty_debugmodel() -> Transformer:
     """A debugmodel on CPU in eval mode, its weights allocated but not initialised (to load into)."""
     import torch
@@ -101,9 +180,12 @@ def empty_debugmodel() -> Transformer:
 
 def write_rank_record(out_dir: Path, record: dict) -> None:
     """The end of a `run_rank_script` worker: write this rank's record, wait for every rank,
-    leave the process group."""
+    leave the process group (in one process without a process group: write rank 0's)."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        (out_dir / "rank0.json").write_text(json.dumps(record))
+        return
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
@@ -111,11 +193,13 @@ def write_rank_record(out_dir: Path, record: dict) -> None:
 
 def run_rank_script(script: str, out_dir: Path, *, world: int, timeout: int) -> dict[int, dict]:
     """Run a test file as a torchrun script on `world` CPU ranks (``python FILE OUT_DIR``; each
-    rank writes ``OUT_DIR/rank<r>.json``) and return rank -> that record."""
+    rank writes ``OUT_DIR/rank<r>.json``) and return rank -> that record. `world` 1: one plain
+    process, without torchrun (no WORLD_SIZE: the script must then do without a process group)."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           script, str(out_dir)]
+    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={world}"]
+    cmd = [*launcher, script, str(out_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}

@@ -12,7 +12,8 @@ the chunked layers' mode on cp 2 (pieces of seq_len / 4 tokens): 256 -> whole ch
 Parity runs: seed checkpoint, 5 steps, global batch 8 sequences, expert-bias rate 0.05 with the
 balance loss and z-loss on; loss and gradient norm of every step within 1e-5 of the single
 process at the same sequence length (observed <= 4.5e-6 for the norm, summation order), expert
-counts exactly.
+counts exactly. The multi-rank runs are trained in one torchrun world per rank count
+(`tests.helpers.TinyRuns`).
 
 The torchrun worker (2 ranks) checks the model itself, without the trainer: logits of a
 cp-sharded forward equal the unsharded forward at the same positions (1e-5) in every mode; the
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BALANCE, assert_same_curve, run_rank_script, start_from, train_tiny, write_rank_record
+from tests.helpers import BALANCE, Job, TinyRuns, assert_same_curve, run_rank_script, write_rank_record
 from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
@@ -38,24 +39,15 @@ MODES = {256: "local", 384: "halo", 128: "gather"}
 
 
 @pytest.fixture(scope="module")
-def references(seed, tmp_path_factory):
-    """Single-process runs per sequence length, made on first use."""
-    runs: dict[int, dict] = {}
-
-    def get(seq_len: int) -> dict:
-        if seq_len not in runs:
-            folder = start_from(seed, tmp_path_factory.mktemp(f"single{seq_len}"))
-            train_tiny(folder, ["--training.seq_len", str(seq_len), "--training.local_batch_size", "8", *BALANCE])
-            runs[seq_len] = metrics_by_step(folder)
-        return runs[seq_len]
-
-    return get
+def references(runs):
+    """seq_len -> the single-process run at that sequence length (step -> metrics)."""
+    return lambda seq_len: metrics_by_step(runs.folder(f"single{seq_len}"))
 
 
 LAYOUTS = {
-    # name: (ranks, seq_len, flags)
+    # name: (ranks, seq_len, flags). cp2_halo saves at step 3 too, for the resume under cp 1.
     "cp2_whole_chunks": (2, 256, [*CP2, "--training.local_batch_size", "8"]),
-    "cp2_halo": (2, 384, [*CP2, "--training.local_batch_size", "8"]),
+    "cp2_halo": (2, 384, [*CP2, "--training.local_batch_size", "8", "--checkpoint.interval", "3"]),
     "cp2_chunks_longer_than_pieces": (2, 128, [*CP2, "--training.local_batch_size", "8"]),
     "cp4_halo": (4, 768, ["--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8"]),
     "cp2_fsdp2": (4, 384, [*CP2, "--training.local_batch_size", "4"]),
@@ -73,21 +65,29 @@ LAYOUTS = {
 }
 
 
+def _seq(seq_len: int) -> list[str]:
+    return ["--training.seq_len", str(seq_len), *BALANCE]
+
+
+@pytest.fixture(scope="module")
+def runs(seed, tmp_path_factory) -> TinyRuns:
+    return TinyRuns(seed, tmp_path_factory.mktemp("runs"), {
+        **{f"single{seq_len}": Job(1, [*_seq(seq_len), "--training.local_batch_size", "8"])
+           for seq_len in sorted({seq_len for _, seq_len, _ in LAYOUTS.values()})},
+        **{name: Job(nproc, [*_seq(seq_len), *flags]) for name, (nproc, seq_len, flags) in LAYOUTS.items()},
+        "cp2_to_cp1": Job(1, [*_seq(384), "--training.local_batch_size", "8"], start=("cp2_halo", 3)),
+    })
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_cp_layout_matches_single_process(layout, seed, references, tmp_path):
-    nproc, seq_len, flags = LAYOUTS[layout]
-    folder = start_from(seed, tmp_path)
-    train_tiny(folder, ["--training.seq_len", str(seq_len), *flags, *BALANCE], nproc=nproc)
-    assert_same_curve(metrics_by_step(folder), references(seq_len), layout, rtol=RTOL)
+def test_cp_layout_matches_single_process(layout, runs, references):
+    _, seq_len, _ = LAYOUTS[layout]
+    assert_same_curve(metrics_by_step(runs.folder(layout)), references(seq_len), layout, rtol=RTOL)
 
 
-def test_checkpoint_saved_under_cp2_resumes_under_cp1(seed, references, tmp_path):
-    seq = ["--training.seq_len", "384", "--training.local_batch_size", "8", *BALANCE]
-    before = start_from(seed, tmp_path / "cp2")
-    train_tiny(before, [*seq, *CP2, "--checkpoint.interval", "3"], nproc=2)
-    after = start_from(before / "checkpoint" / "step-3", tmp_path / "cp1")
-    train_tiny(after, seq)
-    resumed, reference = metrics_by_step(after), references(384)
+def test_checkpoint_saved_under_cp2_resumes_under_cp1(runs, references):
+    """cp2_halo's parity run saves at step 3 (seq 384); one process resumes: steps 4-5 continue."""
+    resumed, reference = metrics_by_step(runs.folder("cp2_to_cp1")), references(384)
     assert sorted(resumed) == [4, 5]
     assert_same_curve(resumed, {s: reference[s] for s in (4, 5)}, "cp2 -> cp1", rtol=RTOL)
 

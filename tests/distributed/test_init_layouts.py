@@ -8,7 +8,8 @@ the other (each with its own meshes and parallelize), gathers its full weights
 same seed on that rank: every parameter must be equal bit for bit. Besides the debugmodel, an
 "uneven" variant (vocab 510, hidden sizes 382 / 254, two experts) makes FSDP shards uneven (510
 rows over 4 ranks; 255 and 191 TP rows over 2) and puts FSDP on the experts' hidden dim (one local
-expert per EP rank). Then a 2-rank FSDP run's first step equals the 1-process run's.
+expert per EP rank). The FSDP 4 trainer then trains its first step, which must equal a 1-process
+`torchmoe train` run's.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_rank_script, train_tiny, write_rank_record
-from torchmoe.launch import metrics_by_step
+from tests.helpers import run_rank_script, write_rank_record
+from torchmoe.launch import metrics_by_step, run_train
 
 pytestmark = pytest.mark.distributed
 
@@ -48,6 +49,7 @@ LAYOUTS = {
     "pp2_fsdp2": (PP2, "(Shard(dim=0),)"),
     "pp2_tp2_uneven": ([*UNEVEN, *PP2, *TP2], "(Shard(dim=1),)"),
 }
+FIRST_STEP = "fsdp4"  # the layout whose first training step is compared too
 
 
 def _register_uneven_flavor() -> None:
@@ -84,6 +86,9 @@ def _compare(label: str, out_dir: Path) -> dict:
               "extra": sorted(name for name in full if name not in ref and not name.endswith(
                   ("expert_bias", "tokens_per_expert"))),
               "all": sorted(ref)}
+    if label == FIRST_STEP:
+        result = trainer.train_step(trainer.dataloader.next_batch())
+        record["first_step"] = {"loss": result.loss, "grad_norm": result.grad_norm}
     del trainer
     dist.barrier()
     return record
@@ -114,13 +119,15 @@ def test_full_weights_equal_single_process_init(measured, label):
     assert placement in {p for rec in records for p in rec["placements"]}, (label, records[0]["placements"])
 
 
-def test_fsdp2_first_step_equals_single_process_without_seed_checkpoint(tmp_path):
-    """Same initial weights, hence the same first step: loss and gradient norm within 1e-5."""
-    train_tiny(tmp_path / "single", ["--training.steps", "1"])
-    train_tiny(tmp_path / "fsdp2", ["--training.steps", "1", "--training.local_batch_size", "4"], nproc=2)
-    single, fsdp = metrics_by_step(tmp_path / "single")[1], metrics_by_step(tmp_path / "fsdp2")[1]
-    for key in ("loss", "grad_norm"):
-        assert fsdp[key] == pytest.approx(single[key], rel=1e-5), key
+def test_fsdp4_first_step_equals_single_process_without_seed_checkpoint(measured, tmp_path):
+    """Same initial weights, hence the same first step: loss and gradient norm within 1e-5 of one
+    process training the same global batch (8 x 32 tokens) in one micro-batch."""
+    run_train([*BASE, "--training.local_batch_size", "8"], dump_folder=tmp_path, timeout=300)
+    single = metrics_by_step(tmp_path)[1]
+    for rank in range(WORLD):
+        fsdp = measured[rank][FIRST_STEP]["first_step"]
+        for key in ("loss", "grad_norm"):
+            assert fsdp[key] == pytest.approx(single[key], rel=1e-5), (rank, key)
 
 
 if __name__ == "__main__":

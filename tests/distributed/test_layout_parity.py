@@ -6,13 +6,16 @@ tokens) per step; only the split over ranks and micro-batches differs. The gradi
 catches gradients wrong by a constant factor (AdamW with clipping barely moves the loss then).
 Observed differences are ~1e-7 for the loss and up to ~3e-6 for the norm (summation order of
 sharded norms); the bound is 1e-5 relative.
+
+The multi-rank runs are trained in one torchrun world per rank count (`tests.helpers.TinyRuns`),
+each job with its own `Trainer` and meshes, as `torchmoe train` would build them.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import assert_same_curve, start_from, train_tiny
+from tests.helpers import Job, TinyRuns, assert_same_curve, start_from, train_tiny
 from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
@@ -20,18 +23,16 @@ RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def reference(seed, tmp_path_factory):
+def reference(runs):
     """Single process, gradient accumulation 2 x 4 sequences."""
-    folder = start_from(seed, tmp_path_factory.mktemp("single"))
-    train_tiny(folder, ["--training.local_batch_size", "4"])
-    ref = metrics_by_step(folder)
+    ref = metrics_by_step(runs.folder("single"))
     assert sorted(ref) == [1, 2, 3, 4, 5] and ref[5]["loss"] < ref[1]["loss"]
     return ref
 
 
 LAYOUTS = {
-    # name: (ranks, extra flags)
-    "fsdp4": (4, ["--training.local_batch_size", "2"]),
+    # name: (ranks, extra flags). fsdp4 saves at step 3 too, for the resharding test.
+    "fsdp4": (4, ["--training.local_batch_size", "2", "--checkpoint.interval", "3"]),
     "hsdp2x2_selective_op_ac": (4, ["--parallelism.data_parallel_replicate_degree", "2",
                                     "--training.local_batch_size", "2",
                                     "--activation_checkpoint.mode", "selective"]),
@@ -52,11 +53,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_single_process(layout, seed, reference, tmp_path):
-    nproc, flags = LAYOUTS[layout]
-    folder = start_from(seed, tmp_path)
-    train_tiny(folder, flags, nproc=nproc)
-    assert_same_curve(metrics_by_step(folder), reference, layout, rtol=RTOL)
+def test_layout_matches_single_process(layout, runs, reference):
+    assert_same_curve(metrics_by_step(runs.folder(layout)), reference, layout, rtol=RTOL)
 
 
 BF16_LAYOUTS = {
@@ -70,40 +68,48 @@ BF16_LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def runs(seed, tmp_path_factory) -> TinyRuns:
+    """Every run of this module but the resumed single-process and dp2 ones, each from the seed
+    checkpoint."""
+    bf16 = ["--training.mixed_precision_param", "bfloat16"]
+    return TinyRuns(seed, tmp_path_factory.mktemp("runs"), {
+        "single": Job(1, ["--training.local_batch_size", "4"]),
+        **{name: Job(nproc, flags) for name, (nproc, flags) in LAYOUTS.items()},
+        **{f"bf16_{name}": Job(nproc, [*flags, *bf16]) for name, (nproc, flags) in BF16_LAYOUTS.items()},
+        "fsdp4_to_tp2_fsdp2": Job(4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+                                  start=("fsdp4", 3)),
+        "dp2": Job(2, ["--training.local_batch_size", "4", "--checkpoint.interval", "3"]),
+    })
+
+
 @pytest.mark.parametrize("layout", sorted(BF16_LAYOUTS))
-def test_bf16_mixed_precision_tracks_fp32(layout, seed, reference, tmp_path):
+def test_bf16_mixed_precision_tracks_fp32(layout, runs, reference):
     """bf16 compute with fp32 master weights, gradients and reduction. bf16 keeps an 8-bit
     mantissa (relative rounding 2^-9 = 2e-3 per op) but the loss is a mean over 512 tokens of an
     fp32 cross entropy, so rounding largely averages out: observed 5.2e-4 (FSDP, DDP) and 7e-5
     (autocast, whose residual stream stays fp32); bound 2e-3. The gradient norm moves more:
     observed 2.5e-3 (FSDP, DDP) and 8.5e-4 (autocast); bound 1e-2."""
-    nproc, flags = BF16_LAYOUTS[layout]
-    folder = start_from(seed, tmp_path)
-    train_tiny(folder, [*flags, "--training.mixed_precision_param", "bfloat16"], nproc=nproc)
-    got = metrics_by_step(folder)
+    got = metrics_by_step(runs.folder(f"bf16_{layout}"))
     assert got[1]["loss"] != reference[1]["loss"]  # bf16 really was used
     for step, ref in reference.items():
         assert got[step]["loss"] == pytest.approx(ref["loss"], rel=2e-3), (layout, step)
         assert got[step]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), (layout, step)
 
 
-def test_checkpoint_reshards_from_fsdp4_to_tp2_fsdp2(seed, reference, tmp_path):
-    """Save at step 3 under FSDP 4; resume under TP 2 x FSDP 2: steps 4-5 continue the curve."""
-    first = start_from(seed, tmp_path / "fsdp4")
-    train_tiny(first, ["--training.local_batch_size", "2", "--checkpoint.interval", "3"], nproc=4)
-    second = start_from(first / "checkpoint" / "step-3", tmp_path / "tp2")
-    train_tiny(second, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"], nproc=4)
-    resumed = metrics_by_step(second)
+def test_checkpoint_reshards_from_fsdp4_to_tp2_fsdp2(runs, reference):
+    """Save at step 3 under FSDP 4 (its parity run); resume under TP 2 x FSDP 2: steps 4-5
+    continue the curve."""
+    resumed = metrics_by_step(runs.folder("fsdp4_to_tp2_fsdp2"))
     assert sorted(resumed) == [4, 5]
     assert_same_curve(resumed, {s: reference[s] for s in (4, 5)}, "fsdp4 -> tp2 x fsdp2", rtol=RTOL)
 
 
-def test_resume_across_dp_degrees_2_to_1_to_2(seed, reference, tmp_path):
+def test_resume_across_dp_degrees_2_to_1_to_2(runs, reference, tmp_path):
     """FSDP 2 saves at step 3 (each rank its 4 data rows, a DTensor over the batch mesh); one
     process resumes it (all 8 rows) and saves at step 4; FSDP 2 resumes that: every step
     continues the single-process curve (loss, gradient norm, MoE counts)."""
-    two = start_from(seed, tmp_path / "dp2")
-    train_tiny(two, ["--training.local_batch_size", "4", "--checkpoint.interval", "3"], nproc=2)
+    two = runs.folder("dp2")
     one = start_from(two / "checkpoint" / "step-3", tmp_path / "dp1")
     train_tiny(one, ["--training.local_batch_size", "4", "--checkpoint.interval", "4"])
     again = start_from(one / "checkpoint" / "step-4", tmp_path / "dp2_again")

@@ -15,15 +15,19 @@ and `torch.nn.utils.get_total_norm` (in fp64, as the trainer's clipping accumula
 
 debugmodel has 4 blocks, MoE on blocks 1 and 3: multi-stage schedules on pp 2 run one block per
 stage, so stages 0 and 2 hold no MoE layer; "pp2_stage_without_moe" gives a whole pp rank none.
+
+The multi-rank runs are trained in one torchrun world per rank count (`tests.helpers.TinyRuns`).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import BALANCE, TINY_JOB, assert_same_curve, start_from, train_tiny
+from tests.helpers import BALANCE, TINY_JOB, Job, TinyRuns, assert_same_curve
 from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
@@ -35,14 +39,7 @@ def _schedule(name: str) -> list[str]:
     return [*PP2, "--parallelism.pipeline_parallel_schedule", name]
 
 
-@pytest.fixture(scope="module")
-def reference(seed, tmp_path_factory):
-    folder = start_from(seed, tmp_path_factory.mktemp("single"))
-    train_tiny(folder, ["--training.local_batch_size", "8", *BALANCE])
-    return metrics_by_step(folder)
-
-
-def test_reference_step1_matches_plain_forward(seed, reference):
+def test_reference_step1_matches_plain_forward(seed, balance_reference):
     """The reference's step 1, recomputed without the trainer: the seed weights, the first global
     batch of the data pipeline, cross entropy and the total gradient norm (balance and z-loss
     gradients come from the model's forward itself)."""
@@ -64,12 +61,13 @@ def test_reference_step1_matches_plain_forward(seed, reference):
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     loss.backward()
     norm = torch.nn.utils.get_total_norm([p.grad.double() for p in model.parameters()])  # fp64, as clipping
-    assert reference[1]["loss"] == pytest.approx(loss.item(), rel=1e-6)
-    assert reference[1]["grad_norm"] == pytest.approx(norm.item(), rel=1e-6)
+    assert balance_reference[1]["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert balance_reference[1]["grad_norm"] == pytest.approx(norm.item(), rel=1e-6)
 
 
 LAYOUTS = {
     # name: (ranks, flags); local_batch_size 8 = 8 pipeline micro-batches of 1 unless set lower.
+    # pp2_zbv saves at step 3 too, for the resharding test.
     "pp2_gpipe": (2, _schedule("GPipe")),
     "pp2_1f1b_accumulate": (2, [*_schedule("1F1B"), "--training.local_batch_size", "4"]),
     "pp2_interleaved1f1b_microbatch2": (2, [*_schedule("Interleaved1F1B"),
@@ -77,7 +75,7 @@ LAYOUTS = {
     "pp2_loopedbfs_4_microbatches": (2, [*_schedule("LoopedBFS"), "--parallelism.pipeline_parallel_microbatches",
                                          "4"]),
     "pp2_interleavedzerobubble": (2, _schedule("InterleavedZeroBubble")),
-    "pp2_zbv": (2, _schedule("ZBVZeroBubble")),
+    "pp2_zbv": (2, [*_schedule("ZBVZeroBubble"), "--checkpoint.interval", "3"]),
     "pp2_dualpipev": (2, _schedule("DualPipeV")),
     "pp2_fsdp2": (4, [*_schedule("1F1B"), "--training.local_batch_size", "4"]),
     "pp2_tp2": (4, [*_schedule("Interleaved1F1B"), "--parallelism.tensor_parallel_degree", "2"]),
@@ -94,55 +92,69 @@ LAYOUTS = {
 }
 
 
+HF_RUN = ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true", "--training.steps", "2",
+          "--training.local_batch_size", "8"]
+
+
+@pytest.fixture(scope="module")
+def hf_seed(seed, tmp_path_factory) -> Path:
+    """The seed checkpoint's weights as a Hugging Face folder."""
+    from torchmoe.launch import run_cli
+
+    folder = tmp_path_factory.mktemp("hf_seed")
+    run_cli(["convert", "dcp-to-hf", seed, folder / "hf", "--flavor", "debugmodel"], timeout=120)
+    return folder / "hf"
+
+
+@pytest.fixture(scope="module")
+def runs(seed, hf_seed, tmp_path_factory) -> TinyRuns:
+    hf = [*HF_RUN, "--checkpoint.initial_load_path", str(hf_seed)]
+    return TinyRuns(seed, tmp_path_factory.mktemp("runs"), {
+        **{name: Job(nproc, ["--training.local_batch_size", "8", *flags, *BALANCE])
+           for name, (nproc, flags) in LAYOUTS.items()},
+        # The resharding tests' saves at step 3 and their resumed runs.
+        "pp2_zbv_to_pp1": Job(1, ["--training.local_batch_size", "8", *BALANCE], start=("pp2_zbv", 3)),
+        "pp1_save": Job(1, ["--training.local_batch_size", "4", "--checkpoint.interval", "3", *BALANCE]),
+        "pp1_to_pp2_interleaved": Job(2, ["--training.local_batch_size", "8", *_schedule("Interleaved1F1B"), *BALANCE],
+                                      start=("pp1_save", 3)),
+        # Hugging Face weights in and out, without the seed checkpoint.
+        "hf_one": Job(1, hf, start=None),
+        "hf_pp2_zbv": Job(2, [*hf, *_schedule("ZBVZeroBubble")], start=None),
+    })
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_pp_layout_matches_single_process(layout, seed, reference, tmp_path):
-    nproc, flags = LAYOUTS[layout]
-    folder = start_from(seed, tmp_path)
-    train_tiny(folder, ["--training.local_batch_size", "8", *flags, *BALANCE], nproc=nproc)
-    assert_same_curve(metrics_by_step(folder), reference, layout, rtol=RTOL)
+def test_pp_layout_matches_single_process(layout, runs, balance_reference):
+    assert_same_curve(metrics_by_step(runs.folder(layout)), balance_reference, layout, rtol=RTOL)
 
 
-@pytest.mark.parametrize(("first", "second"), [
-    (["--training.local_batch_size", "8", *_schedule("ZBVZeroBubble")], ["--training.local_batch_size", "8"]),
-    (["--training.local_batch_size", "4"], ["--training.local_batch_size", "8", *_schedule("Interleaved1F1B")]),
-], ids=["pp2_zbv_to_pp1", "pp1_to_pp2_interleaved"])
-def test_checkpoint_reshards_between_pp_degrees(first, second, seed, reference, tmp_path):
+@pytest.mark.parametrize("label", ["pp2_zbv_to_pp1", "pp1_to_pp2_interleaved"])
+def test_checkpoint_reshards_between_pp_degrees(label, runs, balance_reference):
     """Save at step 3 under one pp degree and schedule, resume under another: steps 4-5 continue
-    the single-process curve (model, optimizer, scheduler, data position and router state)."""
-    nproc = lambda flags: 2 if "--parallelism.pipeline_parallel_degree" in flags else 1
-    before = start_from(seed, tmp_path / "before")
-    train_tiny(before, [*first, "--checkpoint.interval", "3", *BALANCE], nproc=nproc(first))
-    after = start_from(before / "checkpoint" / "step-3", tmp_path / "after")
-    train_tiny(after, [*second, *BALANCE], nproc=nproc(second))
-    resumed = metrics_by_step(after)
+    the single-process curve (model, optimizer, scheduler, data position and router state).
+    pp2_zbv_to_pp1: the pp2_zbv parity run's save, resumed by one process; pp1_to_pp2_interleaved:
+    one process (2 micro-batches of 4) saves, Interleaved1F1B on pp 2 resumes."""
+    resumed = metrics_by_step(runs.folder(label))
     assert sorted(resumed) == [4, 5]
     for step in (4, 5):
         for key in ("loss", "grad_norm"):
-            assert resumed[step][key] == pytest.approx(reference[step][key], rel=RTOL), (step, key)
-        assert resumed[step]["tokens_per_expert"] == reference[step]["tokens_per_expert"]
+            assert resumed[step][key] == pytest.approx(balance_reference[step][key], rel=RTOL), (step, key)
+        assert resumed[step]["tokens_per_expert"] == balance_reference[step]["tokens_per_expert"]
 
 
-
-def test_hugging_face_load_and_save_under_pp(seed, tmp_path):
+def test_hugging_face_load_and_save_under_pp(runs):
     """`initial_load_in_hf` reads each stage's tensors from a Hugging Face folder, and
     `last_save_in_hf` writes every stage's weights (rank 0 holds the first and the last stage
     under ZBV): the same losses and the same saved tensors as one process."""
     from safetensors.torch import load_file
 
-    from torchmoe.launch import run_cli
-
-    run_cli(["convert", "dcp-to-hf", seed, tmp_path / "hf", "--flavor", "debugmodel"], timeout=120)
-    hf = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf", "true",
-          "--checkpoint.last_save_in_hf", "true", "--training.steps", "2", "--training.local_batch_size", "8"]
-    train_tiny(tmp_path / "one", hf)
-    train_tiny(tmp_path / "pp", [*hf, *_schedule("ZBVZeroBubble")], nproc=2)
-    one, pp = metrics_by_step(tmp_path / "one"), metrics_by_step(tmp_path / "pp")
+    one, pp = metrics_by_step(runs.folder("hf_one")), metrics_by_step(runs.folder("hf_pp2_zbv"))
     for step in (1, 2):
         assert pp[step]["loss"] == pytest.approx(one[step]["loss"], rel=RTOL)
         assert pp[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=RTOL)
-    tensors = lambda run: {k: v for f in sorted((tmp_path / run / "checkpoint" / "step-2-hf").glob("*.safetensors"))
+    tensors = lambda run: {k: v for f in sorted((runs.folder(run) / "checkpoint" / "step-2-hf").glob("*.safetensors"))
                            for k, v in load_file(f).items()}
-    want, got = tensors("one"), tensors("pp")
+    want, got = tensors("hf_one"), tensors("hf_pp2_zbv")
     assert sorted(got) == sorted(want)
     # AdamW turns each gradient into a step of about +-lr: an element whose gradient is at the
     # level of rounding (1e-7 relative differences between layouts) can move differently by a

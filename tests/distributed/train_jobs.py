@@ -1,0 +1,74 @@
+"""Several `torchmoe train` jobs, one after the other, in one torchrun world (for the parity tests).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/distributed/train_jobs.py OUT_DIR
+    python tests/distributed/train_jobs.py OUT_DIR  # one process without a process group
+
+`OUT_DIR/jobs.json` lists the jobs in order: ``{"label", "args", "dump_folder", "start_from"}``,
+`args` being `torchmoe train` arguments. Every rank runs each job as `torchmoe train` does: the
+config validated for this world, the real `Trainer` (its own meshes, built on the one process
+group), its initial state loaded, `fit`; then it leaves the dump folder for the next job. Starting
+a world (torch imported and gloo joined on every rank) costs more than training a tiny job, which
+is why the jobs share one. Without torchrun the jobs run in one process as `torchmoe train` runs
+without it: no process group at all. `start_from`, unless null, is a step-N checkpoint folder that
+rank 0 copies into the dump folder first, so that the job resumes from it: a seed checkpoint's
+step-0, or a checkpoint an earlier job wrote.
+
+A job that raises ends the world (torchrun reports the rank's traceback); rank 0 names each job on
+stderr as it starts, so the output says which one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def _run(job: dict, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from torchmoe.config.loader import load_job_config
+    from torchmoe.config.validate import validate_job_config
+    from torchmoe.trainer import Trainer
+
+    dump_folder = Path(job["dump_folder"])
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"=== job {job['label']}", file=sys.stderr, flush=True)
+        if job["start_from"] is not None:
+            start = Path(job["start_from"])
+            shutil.copytree(start, dump_folder / "checkpoint" / start.name)
+    if dist.is_initialized():
+        dist.barrier()
+    cfg = load_job_config([*job["args"], "--job.dump_folder", str(dump_folder)])
+    validate_job_config(cfg, world_size)
+    if cfg.compile.enable:
+        import torch._dynamo
+
+        torch._dynamo.reset()  # compiles afresh, as in a process of its own (no recompile limit reached)
+    trainer = Trainer(cfg)
+    trainer.load_initial_state()
+    trainer.fit()
+    trainer.folder_lock.release()  # Trainer.close would also leave the process group
+    del trainer
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _worker(out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    from tests.helpers import write_rank_record
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if world_size > 1:
+        dist.init_process_group("gloo")  # every job's Trainer joins it
+    jobs = json.loads((out_dir / "jobs.json").read_text())
+    for job in jobs:
+        _run(job, world_size)
+    write_rank_record(out_dir, {"trained": [job["label"] for job in jobs]})
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
