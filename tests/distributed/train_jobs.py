@@ -30,7 +30,7 @@ def _run(job: dict, world_size: int) -> None:
     import torch.distributed as dist
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.config.validate import validate_job_config
+    from torchmoe.preflight import validate_job_config
     from torchmoe.trainer import Trainer
 
     dump_folder = Path(job["dump_folder"])
