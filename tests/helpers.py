@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torchmoe.launch import run_train
+from torchmoe.launch import cli_env, run_train
 
 if TYPE_CHECKING:
     from torchmoe.models.llama4 import Transformer
@@ -183,20 +183,18 @@ def write_rank_record(out_dir: Path, record: dict) -> None:
     leave the process group (in one process without a process group: write rank 0's)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        (out_dir / "rank0.json").write_text(json.dumps(record))
-        return
-    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_rank_script(script: str, out_dir: Path, *, world: int, timeout: int) -> dict[int, dict]:
     """Run a test file as a torchrun script on `world` CPU ranks (``python FILE OUT_DIR``; each
     rank writes ``OUT_DIR/rank<r>.json``) and return rank -> that record. `world` 1: one plain
     process, without torchrun (no WORLD_SIZE: the script must then do without a process group)."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
+    env = {**cli_env(), "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # 1 thread a rank
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc_per_node={world}"]
     cmd = [*launcher, script, str(out_dir)]

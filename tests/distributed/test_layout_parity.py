@@ -70,8 +70,7 @@ BF16_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(seed, tmp_path_factory) -> TinyRuns:
-    """Every run of this module but the resumed single-process and dp2 ones, each from the seed
-    checkpoint."""
+    """Every run of this module but the last two of the dp 2 -> 1 -> 2 chain."""
     bf16 = ["--training.mixed_precision_param", "bfloat16"]
     return TinyRuns(seed, tmp_path_factory.mktemp("runs"), {
         "single": Job(1, ["--training.local_batch_size", "4"]),
