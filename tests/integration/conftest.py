@@ -18,3 +18,16 @@ def hf_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("hf")
     save_model(model, folder)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _restore_torchmoe_logging():
+    """Tests that run `torchmoe.cli.main` in this process get the CLI's logging setup (its own
+    stderr handler, no propagation to the root logger); undo it, or pytest's log capture would
+    miss the `torchmoe` records of every later test."""
+    import logging
+
+    log = logging.getLogger("torchmoe")
+    saved = (list(log.handlers), log.level, log.propagate)
+    yield
+    log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
