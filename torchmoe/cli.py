@@ -114,10 +114,14 @@ class _RankSpecificError(Exception):
 
 def _train(argv: list[str]) -> int:
     dry_run, world_size_flag, config_argv = _split_train_flags(argv)
+    notes: list[str] = []
     try:
-        cfg = load_job_config(config_argv, prog="torchmoe train", description=TRAIN_DESCRIPTION)
+        cfg = load_job_config(config_argv, prog="torchmoe train", description=TRAIN_DESCRIPTION, notes=notes)
     except SystemExit as exit_:  # --help was printed
         return int(exit_.code or 0)
+    if os.environ.get("RANK") in (None, "0"):  # the same on every rank: rank 0 says it once
+        for note in notes:
+            Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]warning:[/] {escape(note)}")
     world_size = resolve_world_size(world_size_flag, dry_run, cfg.parallelism)
     validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
     from torchmoe.preflight import validate_job_config

@@ -217,8 +217,29 @@ RULES = [
     ({"model.flavor": "17bx16"}, 1, "model.flavor", '"17bx16"', 'did you mean "17bx16e"', "allowed"),
     ({"optimizer.name": "adamw"}, 1, "optimizer.name", '"adamw"', 'did you mean "AdamW"', "allowed"),
     ({"optimizer.implementation": "triton"}, 1, "optimizer.implementation", '"triton"', '"foreach"', "allowed"),
-    ({"checkpoint.async_mode": "async_with_pinned_mem"}, 1, "checkpoint.async_mode", '"async_with_pinned_mem"',
-     '"async"', "allowed"),
+    ({"checkpoint.async_mode": "asynch"}, 1, "checkpoint.async_mode", '"asynch"', 'did you mean "async"', "allowed"),
+    # keys torchmoe shares with torchtitan v0.2.2
+    ({"model.name": "llama3"}, 1, "model.name", '"llama3"', 'model.name = "llama4"', "Llama 4 (text, mixture-of"),
+    ({"lr_scheduler.total_steps": 0}, 1, "lr_scheduler.total_steps", "0", "-1 for training.steps", ">= 1"),
+    ({"training.gc_freq": -1}, 1, "training.gc_freq", "-1", "0 for Python's automatic", ">= 0"),
+    ({"training.dataset": "C4"}, 1, "training.dataset", '"C4"', 'did you mean "c4"', "allowed"),
+    ({"parallelism.expert_tensor_parallel_degree": 4}, 1, "parallelism.expert_tensor_parallel_degree", "4",
+     "set it to 1", "must be 1 or tensor_parallel_degree (1)"),
+    ({"parallelism.expert_tensor_parallel_degree": 2, "parallelism.tensor_parallel_degree": 2,
+      "parallelism.expert_parallel_degree": 2}, 4, "parallelism.expert_tensor_parallel_degree", "2",
+     "EP then borrows the tp ranks", "ep(2) and tp(2) at once (2-D) are not supported"),
+    ({"checkpoint.export_dtype": "fp16"}, 1, "checkpoint.export_dtype", '"fp16"', '"float16"', "allowed"),
+    ({"checkpoint.load_step": -2}, 1, "checkpoint.load_step", "-2", "-1 for the newest", ">= 0"),
+    ({"checkpoint.exclude_from_loading": ["optimiser"]}, 1, "checkpoint.exclude_from_loading", '"optimiser"',
+     'did you mean "optimizer"', "allowed"),
+    ({"checkpoint.enable": True, "checkpoint.create_seed_checkpoint": True, "checkpoint.load_only": True}, 1,
+     "checkpoint.load_only", "true", "load_only = false", "which load_only forbids"),
+    ({"compile.components": ["model", "los"]}, 1, "compile.components", '"los"', 'did you mean "loss"', "allowed"),
+    ({"compile.backend": ""}, 1, "compile.backend", '""', '"inductor"', "must name a torch.compile backend"),
+    ({"profiling.profiler_active": 0}, 1, "profiling.profiler_active", "0", "1 or more", ">= 1"),
+    ({"profiling.profiler_active": 11}, 1, "profiling.profiler_active", "11", "raise profile_freq",
+     "profile_freq = 10"),
+    ({"profiling.profiler_warmup": -1}, 1, "profiling.profiler_warmup", "-1", "0 or more", ">= 0"),
     ({"profiling.profile_freq": 0}, 1, "profiling.profile_freq", "0", "1 or more", ">= 1"),
     # numbers that would overflow later: 64-bit integers, timeouts, positions
     ({"training.seed": 2**64}, 1, "training.seed", str(2**64), "smaller number", "does not fit in 64 bits"),
@@ -228,7 +249,7 @@ RULES = [
     ({"training.seq_len": 4096}, 1, "training.seq_len", "4096", "at most 2048", "has 2048 positions"),
     ({"checkpoint.create_seed_checkpoint": True}, 1, "checkpoint.create_seed_checkpoint", "true",
      "--checkpoint.enable true", "needs checkpoint.enable"),
-    ({"training.dataset": "c4"}, 1, "training.dataset", '"c4"', '"python_docs"', "allowed"),
+    ({"training.dataset": "c5"}, 1, "training.dataset", '"c5"', '"python_docs"', "allowed"),
     ({"parallelism.pipeline_parallel_schedule": "1f1b"}, 1, "parallelism.pipeline_parallel_schedule", '"1f1b"',
      'did you mean "1F1B"', "allowed"),
     ({"model.attn_backend": "flash"}, 1, "model.attn_backend", '"flash"', '"sdpa"', "allowed"),
@@ -552,10 +573,15 @@ def test_config_error_inside_the_run_exits_2(monkeypatch: pytest.MonkeyPatch, ca
     assert 'model.tokenizer_path = "missing/": no tokenizer.json there' in err and "fix: download it" in err
 
 
-def test_tokenizer_must_fit_the_vocabulary() -> None:
-    from torchmoe.config.job_config import Model
-    from torchmoe.preflight.files import check_tokenizer_fits
+def test_tokenizer_must_fit_the_vocabulary_and_have_the_bos_asked_for() -> None:
+    from types import SimpleNamespace
 
-    check_tokenizer_fits(512, 512, Model())
+    from torchmoe.config.job_config import Model, Training
+    from torchmoe.preflight.files import check_tokenizer
+
+    no_bos = SimpleNamespace(vocab_size=512, bos_id=None)
+    check_tokenizer(no_bos, 512, Model(), Training())
     with pytest.raises(ConfigError, match=r"the tokenizer has 600 tokens but flavor 'debugmodel' has vocab_size 512"):
-        check_tokenizer_fits(600, 512, Model(tokenizer_path="tok.json"))
+        check_tokenizer(SimpleNamespace(vocab_size=600, bos_id=1), 512, Model(tokenizer_path="tok.json"), Training())
+    with pytest.raises(ConfigError, match=r"training.add_bos = true: the tokenizer \(tok.json\) has no BOS token"):
+        check_tokenizer(no_bos, 512, Model(tokenizer_path="tok.json"), Training(add_bos=True))

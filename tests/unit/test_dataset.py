@@ -182,10 +182,10 @@ def test_local_no_match_error_names_path_and_fix(tmp_path: Path) -> None:
         build_documents(Training(dataset="local", dataset_path=pattern))
     # A ConfigError too: the CLI prints it as one message and exits with status 2.
     assert isinstance(err.value, ConfigError)
-    assert pattern in str(err.value) and "matches no .txt/.jsonl/.parquet files" in str(err.value)
+    assert pattern in str(err.value) and "matches no .txt/.jsonl/.json/.parquet files" in str(err.value)
     assert "fix: point it at" in str(err.value) and "glob" in str(err.value)
     (tmp_path / "notes.md").write_text("x")
-    with pytest.raises(ValueError, match=r"folder holds no \.txt/\.jsonl/\.parquet files"):
+    with pytest.raises(ValueError, match=r"folder holds no \.txt/\.jsonl/\.json/\.parquet files"):
         local_files(str(tmp_path))
     with pytest.raises(ValueError, match=r"unsupported file type '\.md'"):
         local_files(str(tmp_path / "notes.md"))
@@ -194,8 +194,8 @@ def test_local_no_match_error_names_path_and_fix(tmp_path: Path) -> None:
 
 
 def test_unknown_dataset_kind() -> None:
-    with pytest.raises(ValueError, match=r'training.dataset = "c4": unknown dataset\n.*python_docs'):
-        build_documents(Training(dataset="c4"))
+    with pytest.raises(ValueError, match=r'training.dataset = "c5": unknown dataset\n.*python_docs'):
+        build_documents(Training(dataset="c5"))
 
 
 # hf ----------------------------------------------------------------------------------------
@@ -255,3 +255,35 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path):
     path.write_text('{"text": "ok"}\n{"text": broken\n')
     with pytest.raises(DataConfigError, match=r"d\.jsonl:2 is not JSON"):
         list(FileDocuments([path]).iter_from(0))
+
+
+def test_json_files_hold_an_array_or_one_object_per_line(tmp_path: Path) -> None:
+    """torchtitan's c4_test corpus is a .json file; `datasets` reads both layouts, so do we."""
+    (tmp_path / "a.json").write_text(json.dumps([{"text": f"array {i}"} for i in range(5)]))
+    (tmp_path / "b.json").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(3)))
+    docs = FileDocuments(local_files(str(tmp_path)))
+    assert list(docs.iter_from(0)) == [*(f"array {i}" for i in range(5)), "line 0", "line 1", "line 2"]
+    assert list(docs.split(1, 3).iter_from(0)) == ["array 1", "array 4", "line 2"]
+    (tmp_path / "a.json").write_text('[{"text": "x"}, {"txt": "y"}]')
+    with pytest.raises(ConfigError, match=r"a.json\[1\] has no such field \(found \['txt'\]\)"):
+        list(docs.iter_from(0))
+    (tmp_path / "a.json").write_text('[{"text": "x"},')
+    with pytest.raises(ConfigError, match=r"a.json\": is not JSON"):
+        list(docs.iter_from(0))
+
+
+def test_torchtitan_dataset_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """c4 / c4_validation stream allenai/c4 "en" (dataset_path replaces the hub id), c4_test reads
+    ./tests/assets/c4_test of a torchtitan checkout."""
+    monkeypatch.chdir(tmp_path)
+    for name, split in (("c4", "train"), ("c4_validation", "validation")):
+        docs = build_documents(Training(dataset=name))
+        assert (docs.name, docs.config, docs.split_name) == ("allenai/c4", "en", split)
+        assert build_documents(Training(dataset=name, dataset_path="/mirror/c4")).name == "/mirror/c4"
+    with pytest.raises(ConfigError, match=r'training.dataset = "c4_test": reads torchtitan\'s test corpus from '
+                                          r"tests/assets/c4_test .*\n  fix: run from a torchtitan checkout"):
+        build_documents(Training(dataset="c4_test"))
+    corpus = tmp_path / "tests" / "assets" / "c4_test"
+    corpus.mkdir(parents=True)
+    (corpus / "data.json").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(4)))
+    assert list(build_documents(Training(dataset="c4_test")).iter_from(2)) == ["doc 2", "doc 3"]

@@ -20,7 +20,9 @@ Neither end reaches its limit inside training: step 1 trains at lr / (warmup + 1
 step at lr 0 is wasted compute), and the last step at p = (decay - 1) / decay, just above
 lr * min_lr_factor, which the curve reaches one step after the end. The first decay step trains
 at the peak, so even with decay over all post-warmup steps (decay_ratio = -1) the peak is used.
-This follows torchtitan's warmup-stable-decay convention, so ported configs keep their curve.
+The decay is torchtitan v0.2.2's; its warmup is s / warmup (the last warmup step at the peak),
+which `warmup_reaches_peak = true` selects. `total_steps` (default: training.steps) is where
+the decay ends; steps past it hold lr * min_lr_factor.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def lr_factor(
     decay_ratio: float = -1.0,
     decay_type: str = "linear",
     min_lr_factor: float = 0.0,
+    warmup_reaches_peak: bool = False,
 ) -> float:
     """The multiplier of the peak LR used by training step `step` (1-based); see module docstring."""
     return _factor(
@@ -69,6 +72,7 @@ def lr_factor(
         total_steps=total_steps,
         decay_type=decay_type,
         min_lr_factor=min_lr_factor,
+        warmup_reaches_peak=warmup_reaches_peak,
     )
 
 
@@ -80,9 +84,10 @@ def _factor(
     total_steps: int,
     decay_type: str,
     min_lr_factor: float,
+    warmup_reaches_peak: bool,
 ) -> float:
     if step <= warmup_steps:
-        return step / (warmup_steps + 1)
+        return step / (warmup_steps if warmup_reaches_peak else warmup_steps + 1)
     decay_start = total_steps - decay_steps
     if step <= decay_start or decay_steps == 0:
         # Without a decay phase only the scheduler's step past the last one lands here: hold.
@@ -99,8 +104,10 @@ def build_lr_scheduler(
     Args:
         optimizer: the optimizer whose param groups' lr is the peak LR.
         cfg: the `[lr_scheduler]` section.
-        total_steps: training.steps.
+        total_steps: training.steps (the schedule's length unless `cfg.total_steps` sets another).
     """
+    if cfg.total_steps > 0:
+        total_steps = cfg.total_steps
     decay_steps = decay_steps_for(total_steps, cfg.warmup_steps, cfg.decay_ratio)
     if cfg.decay_ratio >= 0 and decay_steps < round(cfg.decay_ratio * total_steps):
         logger.warning(
@@ -117,5 +124,6 @@ def build_lr_scheduler(
             total_steps=total_steps,
             decay_type=cfg.decay_type,
             min_lr_factor=cfg.min_lr_factor,
+            warmup_reaches_peak=cfg.warmup_reaches_peak,
         ),
     )

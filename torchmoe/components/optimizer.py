@@ -51,7 +51,8 @@ def _no_decay(name: str, param: nn.Parameter) -> bool:
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """Build Adam/AdamW over the trainable parameters of `model`.
 
-    Param groups: one per (decay or not, mesh). foreach and fused kernels batch all tensors of a
+    Param groups: one per (decay or not, mesh); norm scales and the token embedding get no weight
+    decay unless `cfg.decay_all_params` (torchtitan's behaviour). foreach and fused kernels batch all tensors of a
     param group into one op, and DTensor refuses one op over tensors on different meshes (or a
     mix of DTensors and plain tensors), so parameters are grouped by mesh; each group's kernel
     then only sees tensors of one mesh. With plain tensors this is just the usual two groups.
@@ -69,7 +70,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     groups: dict[tuple[bool, Hashable], list[nn.Parameter]] = {}
     for pname, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault((_no_decay(pname, p), _mesh_key(p)), []).append(p)
+            no_decay = not cfg.decay_all_params and _no_decay(pname, p)
+            groups.setdefault((no_decay, _mesh_key(p)), []).append(p)
     if not groups:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     param_groups = [

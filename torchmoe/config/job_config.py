@@ -18,6 +18,8 @@ class Job:
     """Free-text description of the job, printed at start."""
     device_memory_gib: float = 0.0
     """Memory per rank in GiB, checked against the planner's estimate (a real run is refused, the dry run warns); 0 = detect (the GPU's, else host RAM over its ranks; the dry run skips)."""
+    print_config: bool = False
+    """Print the resolved config (as TOML) when the run starts."""
 
 
 @dataclass
@@ -28,6 +30,10 @@ class Model:
     """Model size: debugmodel, bench256, 17bx16e (Scout) or 17bx128e (Maverick)."""
     tokenizer_path: str = ""
     """Hugging Face tokenizer.json (or a folder holding one); empty = built-in byte tokenizer."""
+    hf_assets_path: str = ""
+    """A Hugging Face model folder (torchtitan's key): the tokenizer when tokenizer_path is empty, and the weights loaded when checkpoint.initial_load_in_hf is set without initial_load_path."""
+    print_after_conversion: bool = False
+    """Print the model (rank 0's part) once it is parallelized and converted (float8)."""
     attn_backend: str = ""
     """Attention kernel: 'sdpa' or 'flex'; empty = the flavor's default."""
     use_grouped_mm: bool = True
@@ -56,12 +62,18 @@ class Optimizer:
     """Adam beta2."""
     implementation: str = "foreach"
     """'for-loop', 'foreach' or 'fused' (fused needs all parameters on one device type)."""
+    decay_all_params: bool = False
+    """Apply weight_decay to every parameter, as torchtitan does; false exempts norm scales and the token embedding."""
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = 200
     """Steps of linear warmup from near zero to optimizer.lr."""
+    warmup_reaches_peak: bool = False
+    """Warmup step s trains at lr * s / warmup_steps, so the last warmup step is at the peak (torchtitan v0.2.2); false: lr * s / (warmup_steps + 1), never 0 nor the peak inside warmup."""
+    total_steps: int = -1
+    """Steps the schedule spans (its decay ends there); -1 = training.steps."""
     decay_ratio: float = -1.0
     """Fraction of the steps spent decaying at the end (WSD); -1 = decay over all post-warmup steps."""
     decay_type: str = "linear"
@@ -83,9 +95,9 @@ class Training:
     max_norm: float = 1.0
     """Gradient clipping by total norm (<= 0 disables clipping)."""
     dataset: str = "python_docs"
-    """'python_docs' (offline text shipped with Python), 'local' (files at dataset_path) or 'hf' (hub dataset named by dataset_path, streamed)."""
+    """'python_docs' (offline text shipped with Python), 'local' (files at dataset_path), 'hf' (hub dataset named by dataset_path, streamed), or torchtitan's 'c4' / 'c4_validation' (allenai/c4 'en', streamed) and 'c4_test' (its test corpus, ./tests/assets/c4_test)."""
     dataset_path: str = ""
-    """For 'local': a file, folder or glob of .txt/.jsonl/.parquet; for 'hf': 'name' or 'name:config'."""
+    """For 'local': a file, folder or glob of .txt/.jsonl/.json/.parquet; for 'hf': 'name' or 'name:config'; for the c4 names: another location of the same data."""
     dataset_split: str = "train"
     """Split of a Hugging Face hub dataset."""
     dataset_text_field: str = "text"
@@ -94,6 +106,10 @@ class Training:
     """Seed for initialization and anything random in training."""
     deterministic: bool = False
     """Use deterministic algorithms (slower; for debugging)."""
+    add_bos: bool = False
+    """Start every document with the tokenizer's BOS token, as torchtitan does; false: only the EOS after each document separates them."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps and never inside a step (0 = Python's automatic collection)."""
     mixed_precision_param: str = "bfloat16"
     """Compute dtype, 'bfloat16' or 'float32': FSDP/HSDP/DDP cast parameters to it; other layouts run the forward under torch.autocast in it. Master weights and gradients stay fp32."""
     mixed_precision_reduce: str = "float32"
@@ -112,6 +128,8 @@ class Parallelism:
     """Tensor-parallel degree (attention heads, FFN hidden, MoE TP, loss parallel)."""
     expert_parallel_degree: int = 1
     """Expert-parallel degree; borrows ranks from dp_shard * cp * tp and must divide it."""
+    expert_tensor_parallel_degree: int = 1
+    """Tensor-parallel degree of routed experts (torchtitan's key): 1 or tensor_parallel_degree. Without EP, experts are tensor-parallel over tp either way; with EP only 1 works (EP borrows the tp ranks)."""
     context_parallel_degree: int = 1
     """Context-parallel degree (sequence sharded across ranks in attention)."""
     pipeline_parallel_degree: int = 1
@@ -155,7 +173,19 @@ class Checkpoint:
     last_save_in_hf: bool = False
     """Also write the final weights as a Hugging Face folder (step-N-hf/)."""
     async_mode: str = "disabled"
-    """'disabled' or 'async' (write in a background thread after staging to CPU)."""
+    """'disabled', 'async' (write in a background thread after staging to CPU) or 'async_with_pinned_mem' (the same, staging into pinned memory on CUDA)."""
+    last_save_model_only: bool = False
+    """The last step's checkpoint holds only the weights (in export_dtype), for export: a later run does not resume from it but from the newest full checkpoint."""
+    export_dtype: str = "float32"
+    """Dtype of the weights of a model-only last save: 'float32', 'bfloat16' or 'float16'."""
+    load_step: int = -1
+    """Resume from step-N with this N instead of the newest checkpoint; -1 = the newest."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not loaded on resume: any of 'model', 'optimizer', 'lr_scheduler', 'dataloader', 'train_state'."""
+    enable_first_step_checkpoint: bool = False
+    """Also save right after step 1 (catches a broken save path before hours of training)."""
+    load_only: bool = False
+    """Resume from checkpoints but never write any."""
 
 
 @dataclass
@@ -170,6 +200,10 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     """torch.compile each transformer block."""
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What compile.enable compiles: 'model' (each transformer block); 'loss' is accepted (torchtitan's) and runs eagerly: the cross entropy is one fused kernel already."""
+    backend: str = "inductor"
+    """torch.compile backend, e.g. 'inductor', 'aot_eager' (debugging), 'eager'."""
 
 
 @dataclass
@@ -194,6 +228,10 @@ class Comm:
     """Timeout of every collective after the first step: a rank stuck this long fails the job instead of hanging it."""
     trace_buf_size: int = 20000
     """Entries of the NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) dumped when a collective times out; 0 = off."""
+    save_traces_folder: str = "comm_traces"
+    """Folder under job.dump_folder that the flight recorder dumps into (TORCH_NCCL_DEBUG_INFO_TEMP_FILE)."""
+    save_traces_file_prefix: str = "rank_"
+    """File-name prefix of the flight recorder's dumps; the rank is appended."""
 
 
 @dataclass
@@ -204,6 +242,8 @@ class Metrics:
     """Also write TensorBoard scalars (needs the tensorboard extra)."""
     save_tb_folder: str = "tb"
     """TensorBoard folder under job.dump_folder."""
+    disable_color_printing: bool = False
+    """Plain console output: no colours and no live progress bar."""
 
 
 @dataclass
@@ -214,6 +254,10 @@ class Profiling:
     """Trace folder under job.dump_folder."""
     profile_freq: int = 10
     """Trace one step every this many steps."""
+    profiler_active: int = 1
+    """Steps traced in each profile_freq cycle."""
+    profiler_warmup: int = 3
+    """Steps the profiler warms up for before the traced ones (fewer if the cycle is shorter)."""
     enable_memory_snapshot: bool = False
     """Dump CUDA memory snapshots (GPU only)."""
     save_memory_snapshot_folder: str = "memory_snapshot"

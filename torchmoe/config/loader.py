@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,19 @@ from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, Pri
 
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
+from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
+from torchmoe.config.torchtitan import TORCHTITAN_KEYS, translate
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+logger = logging.getLogger(__name__)
+
 _HELP_FLAGS = ("-h", "--help")
+# torchtitan names its job file with a flag of its [job] section; both spellings mean --config.
+_CONFIG_FLAGS = ("--config", "--job.config_file", "--job.config-file")
 _HELP_HINT = "run `torchmoe train --help` to list every option"
 
 # What each supported field type looks like, for "expected ..." messages.
@@ -60,7 +67,8 @@ def _config_fields() -> dict[str, dict[str, Any]]:
 
 
 def _all_keys() -> list[str]:
-    return [f"{s}.{k}" for s, keys in _config_fields().items() for k in keys]
+    """Every key a job file may hold: torchmoe's, then torchtitan's that torchmoe lacks."""
+    return [*(f"{s}.{k}" for s, keys in _config_fields().items() for k in keys), *TORCHTITAN_KEYS]
 
 
 def _closest_key(name: str) -> str | None:
@@ -69,16 +77,16 @@ def _closest_key(name: str) -> str | None:
     Tries, in order: a close spelling within the same section; the same key under another section
     (``optimizer.steps`` -> ``training.steps``, or a bare ``steps``); a close spelling anywhere.
     """
-    fields = _config_fields()
+    keys = _all_keys()
     section, _, leaf = name.rpartition(".")
-    if section in fields:
-        match = difflib.get_close_matches(leaf, list(fields[section]), n=1, cutoff=0.6)
-        if match:
-            return f"{section}.{match[0]}"
-    for other, keys in fields.items():
-        if leaf in keys:
-            return f"{other}.{leaf}"
-    match = difflib.get_close_matches(name, _all_keys(), n=1, cutoff=0.6)
+    in_section = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
+    match = difflib.get_close_matches(leaf, in_section, n=1, cutoff=0.6)
+    if match:
+        return f"{section}.{match[0]}"
+    for key in keys:
+        if key.rpartition(".")[2] == leaf:
+            return key
+    match = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
     return match[0] if match else None
 
 
@@ -110,16 +118,50 @@ def _toml_value(key: str, value: Any, typ: Any) -> Any:
     return float(value) if typ is float else value
 
 
-def job_config_from_dict(data: Mapping[str, Any]) -> JobConfig:
+def _flatten(prefix: str, table: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every value in `table`, nested tables included
+    (torchtitan's ``[quantize.linear.float8]`` and ``[training.dataloader]``)."""
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(f"{prefix}.{key}", value)
+        else:
+            yield f"{prefix}.{key}", value
+
+
+def _warn(notes: list[str] | None, note: str | None) -> None:
+    if note is None:
+        return
+    if notes is None:
+        logger.warning(note)
+    else:
+        notes.append(note)
+
+
+def _build(values: dict[str, Any]) -> JobConfig:
+    """A `JobConfig` from ``{"section.key": checked value}``; keys left out keep their defaults."""
+    hints = typing.get_type_hints(JobConfig)
+    sections: dict[str, dict[str, Any]] = {}
+    for dotted, value in values.items():
+        section, _, key = dotted.partition(".")
+        sections.setdefault(section, {})[key] = value
+    return JobConfig(**{section: hints[section](**kv) for section, kv in sections.items()})
+
+
+def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = None) -> JobConfig:
     """Build a `JobConfig` from parsed TOML; fields left out keep their defaults.
+
+    torchtitan v0.2.2's keys are read through `torchmoe.config.torchtitan`: a key mapped there
+    sets its torchmoe keys (a torchmoe key given as well wins); a key without effect adds a
+    warning line to `notes` (logged when `notes` is None) if its value asks for something.
 
     Raises:
         ConfigError: an unknown section or key (with the closest valid name) or a wrong type.
     """
     fields = _config_fields()
-    sections: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+    mapped: dict[str, Any] = {}
     for section, table in data.items():
-        if section not in fields:
+        if section not in fields and section not in TORCHTITAN_SECTIONS:
             if not isinstance(table, Mapping):
                 match = _closest_key(section)
                 if match:
@@ -134,21 +176,26 @@ def job_config_from_dict(data: Mapping[str, Any]) -> JobConfig:
         if not isinstance(table, Mapping):
             raise ConfigError(section, table, "expected a [section] table",
                               f"write it as a table: [{section}] followed by key = value lines")
-        values = {}
-        for key, value in table.items():
-            dotted = f"{section}.{key}"
-            if key not in fields[section]:
+        for dotted, value in _flatten(section, table):
+            leaf = dotted.partition(".")[2]
+            if leaf in fields.get(section, {}):
+                own[dotted] = _toml_value(dotted, value, fields[section][leaf])
+            elif dotted in TORCHTITAN_KEYS:
+                values, note = translate(dotted, _toml_value(dotted, value, TORCHTITAN_KEYS[dotted].typ))
+                mapped.update(values)
+                _warn(notes, note)
+            else:
                 match = _closest_key(dotted)
-                fix = f"did you mean {match}?" if match else f"valid keys in [{section}]: {', '.join(fields[section])}"
+                valid = fields[section] if section in fields else [
+                    k.partition(".")[2] for k in TORCHTITAN_KEYS if k.startswith(f"{section}.")]
+                fix = f"did you mean {match}?" if match else f"valid keys in [{section}]: {', '.join(valid)}"
                 raise ConfigError(dotted, value, f"unknown key in [{section}]", fix)
-            values[key] = _toml_value(dotted, value, fields[section][key])
-        section_cls = typing.get_type_hints(JobConfig)[section]
-        sections[section] = section_cls(**values)
-    return JobConfig(**sections)
+    return _build({**mapped, **own})
 
 
-def load_toml_config(path: str | Path) -> JobConfig:
-    """Read a TOML job file into a `JobConfig` (no overrides, no validation).
+def load_toml_config(path: str | Path, *, notes: list[str] | None = None) -> JobConfig:
+    """Read a TOML job file into a `JobConfig` (no overrides, no validation); `notes` as in
+    `job_config_from_dict`.
 
     Raises:
         ConfigError: the file is missing or unreadable, is not valid TOML (the message carries
@@ -169,7 +216,7 @@ def load_toml_config(path: str | Path) -> JobConfig:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError("--config", str(path), f"malformed TOML: {err}",
                           "fix the TOML syntax at that line (strings need double quotes, tables [section])") from None
-    return job_config_from_dict(data)
+    return job_config_from_dict(data, notes=notes)
 
 
 def write_config_toml(cfg: JobConfig, path: str | Path) -> Path:
@@ -235,8 +282,9 @@ def _bool_rule(type_info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
     )
 
 
-def _check_override(flag: str, values: list[str]) -> tuple[str, str, Any]:
-    """Check one ``--section.key`` override; return (section, key, typed value).
+def _check_override(flag: str, values: list[str]) -> tuple[dict[str, Any], str | None]:
+    """Check one ``--section.key`` override: the ``{"section.key": typed value}`` it sets (several
+    for a torchtitan key mapped onto torchmoe's, none for one without effect) and a warning line.
 
     Raises:
         ConfigError: unknown flag (with the closest valid one), wrong number of values, or a value
@@ -245,25 +293,36 @@ def _check_override(flag: str, values: list[str]) -> tuple[str, str, Any]:
     name = flag[2:].replace("-", "_")
     section, _, leaf = name.partition(".")
     typ = _config_fields().get(section, {}).get(leaf)
+    torchtitan = typ is None and name in TORCHTITAN_KEYS
+    if torchtitan:
+        typ = TORCHTITAN_KEYS[name].typ
     if typ is None:
         match = _closest_key(name)
         fix = f"did you mean --{match}?" if match else _HELP_HINT
         raise ConfigError(flag, " ".join(values), "unknown option", fix)
-    if typ == list[str]:
-        return section, leaf, list(values)
+    value = _parse_override(flag, name, typ, values)
+    return translate(name, value) if torchtitan else ({name: value}, None)
+
+
+def _parse_override(flag: str, name: str, typ: Any, values: list[str]) -> Any:
+    """The command-line `values` of `flag` as a `typ` value."""
+    if typ == list[str]:  # several values, or one comma-separated (torchtitan's form)
+        return [item.strip() for v in values for item in v.split(",") if item.strip()]
     if typ == list[list[str]]:  # one value per inner list, its items comma-separated
-        return section, leaf, [[item.strip() for item in v.split(",") if item.strip()] for v in values]
+        return [[item.strip() for item in v.split(",") if item.strip()] for v in values]
     if typ is bool and not values:  # a bare boolean flag means true
-        return section, leaf, True
+        return True
     if len(values) != 1:
         got = "no value" if not values else f"{len(values)} values ({' '.join(values)})"
         raise ConfigError(flag, " ".join(values), f"expects exactly one value, got {got}",
                           f"pass one value: --{name} VALUE (or --{name}=VALUE)")
     try:
-        return section, leaf, _parse_scalar(values[0], typ)
+        return _parse_scalar(values[0], typ)
     except ValueError:
         expected = {bool: "true or false", int: "an integer", float: "a number"}[typ]
-        example = show_value(getattr(getattr(JobConfig(), section), leaf))
+        section, _, leaf = name.partition(".")
+        default = getattr(getattr(JobConfig(), section), leaf) if name not in TORCHTITAN_KEYS else None
+        example = show_value(default if default is not None else typ(1))
         raise ConfigError(flag, values[0], f"expected {expected}",
                           f"pass {expected}, e.g. --{name} {example}") from None
 
@@ -291,7 +350,7 @@ def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[s
             raise ConfigError("argument", token, "unexpected positional argument", fix)
     remaining = []
     for flag, values in overrides:
-        if flag != "--config":
+        if flag not in _CONFIG_FLAGS:
             remaining.append((flag, values))
         elif config_path is not None:
             raise ConfigError("--config", " ".join(values), "given more than once", "pass a single --config FILE")
@@ -303,7 +362,8 @@ def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[s
     return config_path, remaining, wants_help
 
 
-def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", description: str | None = None) -> JobConfig:
+def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", description: str | None = None,
+                    notes: list[str] | None = None) -> JobConfig:
     """Parse ``[--config FILE] [--section.key VALUE | --section.key=VALUE ...]`` into a `JobConfig`.
 
     Values come from the flag, else the TOML file, else the dataclass default. List fields take
@@ -313,16 +373,22 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
     With ``-h``/``--help`` in argv, prints the help (every option, its docstring and the
     effective default under this TOML file) and raises ``SystemExit(0)`` like argparse.
 
+    torchtitan's keys and its ``--job.config_file`` are accepted too (`torchmoe.config.torchtitan`);
+    their warning lines go to `notes` (logged when None). `model.hf_assets_path` then fills
+    `model.tokenizer_path` and, with `checkpoint.initial_load_in_hf`, `checkpoint.initial_load_path`
+    where those are empty, so the resolved config says what is read.
+
     Args:
         argv: the arguments after the subcommand.
         prog: program name shown in the help.
         description: text shown at the top of the help.
+        notes: collects the warnings about torchtitan keys without effect here.
 
     Raises:
         ConfigError: any user error in the file or the flags.
     """
     config_path, overrides, wants_help = _split_args(argv)
-    base = load_toml_config(config_path) if config_path is not None else JobConfig()
+    base = load_toml_config(config_path, notes=notes) if config_path is not None else JobConfig()
     if wants_help:
         # tyro renders the help from the dataclasses, their docstrings and the TOML's values.
         tyro.cli(JobConfig, prog=prog, description=description, args=["--help"], default=base,
@@ -331,6 +397,23 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
     # starts with "-" (a path, a description) for a flag and fail outside our one-message errors.
     updates: dict[str, dict[str, Any]] = {}
     for flag, values in overrides:
-        section, leaf, value = _check_override(flag, values)
-        updates.setdefault(section, {})[leaf] = value
-    return dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kv) for s, kv in updates.items()})
+        values_set, note = _check_override(flag, values)
+        _warn(notes, note)
+        for dotted, value in values_set.items():
+            section, _, leaf = dotted.partition(".")
+            updates.setdefault(section, {})[leaf] = value
+    cfg = dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kv) for s, kv in updates.items()})
+    return _with_hf_assets(cfg)
+
+
+def _with_hf_assets(cfg: JobConfig) -> JobConfig:
+    """`model.hf_assets_path` (torchtitan's one folder of tokenizer, config and weights) filling
+    the tokenizer and the Hugging Face weights to load where they are not given."""
+    assets = cfg.model.hf_assets_path
+    if not assets:
+        return cfg
+    model = cfg.model if cfg.model.tokenizer_path else dataclasses.replace(cfg.model, tokenizer_path=assets)
+    ckpt = cfg.checkpoint
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
+        ckpt = dataclasses.replace(ckpt, initial_load_path=assets)
+    return dataclasses.replace(cfg, model=model, checkpoint=ckpt)

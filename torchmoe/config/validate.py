@@ -19,6 +19,7 @@ from torchmoe.config.job_config import (
     ActivationCheckpoint,
     Checkpoint,
     Comm,
+    Compile,
     Float8,
     Job,
     JobConfig,
@@ -34,7 +35,7 @@ from torchmoe.config.job_config import (
 OPTIMIZERS = ("AdamW", "Adam")
 OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 DECAY_TYPES = ("linear", "sqrt", "cosine")
-DATASETS = ("python_docs", "local", "hf")
+DATASETS = ("python_docs", "local", "hf", "c4", "c4_test", "c4_validation")
 PARAM_DTYPES = ("bfloat16", "float32")
 REDUCE_DTYPES = ("float32", "bfloat16")
 DEVICES = ("", "cpu", "cuda")
@@ -43,7 +44,11 @@ ATTN_BACKENDS = ("", "sdpa", "flex")
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                       "DualPipeV")
 RESHARD_POLICIES = ("default", "always", "never")
-CHECKPOINT_ASYNC_MODES = ("disabled", "async")
+CHECKPOINT_ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+# The parts of a checkpoint, by torchtitan's names (checkpoint.exclude_from_loading).
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+COMPILE_COMPONENTS = ("model", "loss")
 AC_MODES = ("none", "selective", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -113,7 +118,9 @@ def validate_job(job: Job) -> None:
 
 def validate_model(model: Model) -> None:
     """The flavor name is checked with the model's shape (`torchmoe.preflight`)."""
-    one_of("model.name", model.name, ("llama4",))
+    if model.name != "llama4":  # e.g. a torchtitan file of another family: llama3, deepseek_v3, qwen3
+        raise ConfigError("model.name", model.name, "torchmoe trains Llama 4 (text, mixture-of-experts) models only",
+                          'set model.name = "llama4" with a Llama 4 flavor, or train this model family with torchtitan')
     one_of("model.attn_backend", model.attn_backend, ATTN_BACKENDS)
     if model.load_balance_coeff != -1.0:
         _at_least("model.load_balance_coeff", model.load_balance_coeff, 0,
@@ -138,6 +145,8 @@ def validate_lr_scheduler(sched: LRScheduler) -> None:
     _in_unit_interval("lr_scheduler.decay_ratio", sched.decay_ratio, allow=(-1,))
     one_of("lr_scheduler.decay_type", sched.decay_type, DECAY_TYPES)
     _in_unit_interval("lr_scheduler.min_lr_factor", sched.min_lr_factor)
+    if sched.total_steps != -1:
+        _at_least("lr_scheduler.total_steps", sched.total_steps, 1, "set the schedule's length, or -1 for training.steps")
 
 
 def validate_training(training: Training) -> None:
@@ -159,6 +168,7 @@ def validate_training(training: Training) -> None:
     one_of("training.mixed_precision_param", training.mixed_precision_param, PARAM_DTYPES)
     one_of("training.mixed_precision_reduce", training.mixed_precision_reduce, REDUCE_DTYPES)
     one_of("training.device", training.device, DEVICES)
+    _at_least("training.gc_freq", training.gc_freq, 0, "collect every N steps, or 0 for Python's automatic collection")
 
 
 def validate_parallelism(parallelism: Parallelism) -> None:
@@ -169,6 +179,15 @@ def validate_parallelism(parallelism: Parallelism) -> None:
         if getattr(parallelism, key) != -1:
             _at_least(f"parallelism.{key}", getattr(parallelism, key), 1, "set a positive value, or -1 for the default")
     one_of("parallelism.fsdp_reshard_after_forward", parallelism.fsdp_reshard_after_forward, RESHARD_POLICIES)
+    etp, tp, ep = (parallelism.expert_tensor_parallel_degree, parallelism.tensor_parallel_degree,
+                   parallelism.expert_parallel_degree)
+    if etp not in (1, tp):
+        raise ConfigError("parallelism.expert_tensor_parallel_degree", etp,
+                          f"must be 1 or tensor_parallel_degree ({tp})", "set it to 1 (or leave it out)")
+    if etp > 1 and ep > 1:
+        raise ConfigError("parallelism.expert_tensor_parallel_degree", etp,
+                          f"experts sharded over ep({ep}) and tp({tp}) at once (2-D) are not supported",
+                          "set expert_tensor_parallel_degree = 1: EP then borrows the tp ranks")
 
 
 def validate_comm(comm: Comm) -> None:
@@ -186,6 +205,14 @@ def validate_checkpoint(checkpoint: Checkpoint) -> None:
     _at_least("checkpoint.interval", checkpoint.interval, 1)
     _at_least("checkpoint.keep_latest_k", checkpoint.keep_latest_k, 0, "use 0 to keep every checkpoint")
     one_of("checkpoint.async_mode", checkpoint.async_mode, CHECKPOINT_ASYNC_MODES)
+    one_of("checkpoint.export_dtype", checkpoint.export_dtype, EXPORT_DTYPES)
+    if checkpoint.load_step != -1:
+        _at_least("checkpoint.load_step", checkpoint.load_step, 0, "name a saved step, or -1 for the newest")
+    for part in checkpoint.exclude_from_loading:
+        one_of("checkpoint.exclude_from_loading", part, CHECKPOINT_PARTS)
+    if checkpoint.load_only and checkpoint.create_seed_checkpoint:
+        raise ConfigError("checkpoint.load_only", True, "a seed checkpoint is a save, which load_only forbids",
+                          "set load_only = false to write the seed checkpoint")
     if checkpoint.create_seed_checkpoint and not checkpoint.enable:
         raise ConfigError("checkpoint.create_seed_checkpoint", True, "needs checkpoint.enable = true",
                           "add --checkpoint.enable true")
@@ -202,6 +229,13 @@ def validate_activation_checkpoint(ac: ActivationCheckpoint) -> None:
                           "must be 'op' or a positive integer n", 'use "op" or e.g. "2" (every 2nd block)')
 
 
+def validate_compile(compile_cfg: Compile) -> None:
+    for component in compile_cfg.components:
+        one_of("compile.components", component, COMPILE_COMPONENTS)
+    if not compile_cfg.backend:
+        raise ConfigError("compile.backend", "", "must name a torch.compile backend", 'use "inductor"')
+
+
 def validate_float8(float8: Float8) -> None:
     one_of("float8.recipe_name", float8.recipe_name, FLOAT8_RECIPES)
     if float8.enable and float8.enable_fsdp_float8_all_gather and float8.recipe_name != "tensorwise":
@@ -216,6 +250,12 @@ def validate_metrics(metrics: Metrics) -> None:
 
 def validate_profiling(profiling: Profiling) -> None:
     _at_least("profiling.profile_freq", profiling.profile_freq, 1)
+    _at_least("profiling.profiler_active", profiling.profiler_active, 1)
+    _at_least("profiling.profiler_warmup", profiling.profiler_warmup, 0)
+    if profiling.profiler_active > profiling.profile_freq:
+        raise ConfigError("profiling.profiler_active", profiling.profiler_active,
+                          f"more traced steps than the cycle has (profile_freq = {profiling.profile_freq})",
+                          "trace fewer steps per cycle, or raise profile_freq")
 
 
 def validate_sections(cfg: JobConfig) -> None:
@@ -234,6 +274,7 @@ def validate_sections(cfg: JobConfig) -> None:
     validate_checkpoint(cfg.checkpoint)
     validate_comm(cfg.comm)
     validate_activation_checkpoint(cfg.activation_checkpoint)
+    validate_compile(cfg.compile)
     validate_float8(cfg.float8)
     validate_metrics(cfg.metrics)
     validate_profiling(cfg.profiling)

@@ -4,10 +4,12 @@
     docs = build_documents(job_config.training)   # training.dataset picks the source
     for text in docs.iter_from(1000): ...         # documents 1000, 1001, ...; 0..999 not tokenized
 
-Three sources, chosen by `training.dataset`:
+The sources, chosen by `training.dataset`:
 - `python_docs` (default): the Python standard library's own sources, offline everywhere.
-- `local`: `.txt` / `.jsonl` / `.parquet` files named by `training.dataset_path`.
+- `local`: `.txt` / `.jsonl` / `.json` / `.parquet` files named by `training.dataset_path`.
 - `hf`: a Hugging Face hub dataset, streamed.
+- torchtitan's names: `c4` / `c4_validation` (allenai/c4 "en", streamed) and `c4_test` (its test
+  corpus, `tests/assets/c4_test` of a torchtitan checkout); `dataset_path` moves either.
 Every source yields the same documents in the same order on every pass and every rank; the
 packer (`dataloader.py`) relies on that to resume, and reads one sub-corpus per batch row:
 
@@ -54,7 +56,12 @@ __all__ = [
     "build_documents",
 ]
 
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+# torchtitan v0.2.2's dataset names: c4 and c4_validation stream allenai/c4 ("en") from the hub,
+# c4_test reads its test corpus (a .json file of 2K documents) from a torchtitan checkout.
+C4_SPLITS = {"c4": "train", "c4_validation": "validation"}
+C4_HUB = "allenai/c4"
+C4_TEST_PATH = "tests/assets/c4_test"
 
 
 class DataConfigError(ConfigError, ValueError):
@@ -178,6 +185,8 @@ class FileDocuments(Documents):
         try:
             if file.suffix == ".jsonl":
                 return (yield from _read_jsonl(file, self.text_field, first, step))
+            if file.suffix == ".json":
+                return (yield from _read_json(file, self.text_field, first, step))
             if file.suffix == ".parquet":
                 return (yield from _read_parquet(file, self.text_field, first, step))
             if first == 0:  # one document per file: other sub-corpora never open it
@@ -207,15 +216,34 @@ def _read_jsonl(file: Path, text_field: str, first: int, step: int) -> Generator
             except json.JSONDecodeError as e:
                 raise DataConfigError("training.dataset_path", str(file), f"{file}:{line_no} is not JSON ({e.msg})",
                                       "fix or remove that line: .jsonl files hold one JSON object per line") from None
-            if not isinstance(row, dict) or text_field not in row:
-                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise DataConfigError(
-                    "training.dataset_text_field", text_field,
-                    f"{file}:{line_no} has no such field (found {keys})",
-                    "set it to the key that holds the text",
-                )  # fmt: skip
-            yield _as_text(row[text_field], f"{file}:{line_no}", text_field)
+            yield _row_text(row, text_field, f"{file}:{line_no}")
     return index + 1
+
+
+def _read_json(file: Path, text_field: str, first: int, step: int) -> Generator[str, None, int]:
+    """Documents `first, first + step, ...` of a .json file: an array of objects (read whole), or
+    one object per line like .jsonl (both are what `datasets`' json loader reads)."""
+    with file.open("rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"["):
+        return (yield from _read_jsonl(file, text_field, first, step))
+    try:
+        rows = json.loads(_utf8(file.read_bytes(), file, str(file)))
+    except json.JSONDecodeError as e:
+        raise DataConfigError("training.dataset_path", str(file), f"is not JSON ({e.msg} at line {e.lineno})",
+                              "fix the file: a JSON array of objects, or one object per line") from None
+    for index in range(first, len(rows), step):
+        yield _row_text(rows[index], text_field, f"{file}[{index}]")
+    return len(rows)
+
+
+def _row_text(row: Any, text_field: str, where: str) -> str:
+    """The text of one JSON row (an object holding `text_field`)."""
+    if not isinstance(row, dict) or text_field not in row:
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise DataConfigError("training.dataset_text_field", text_field, f"{where} has no such field (found {keys})",
+                              "set it to the key that holds the text")
+    return _as_text(row[text_field], where, text_field)
 
 
 def _parquet_file(file: Path) -> Any:
@@ -477,6 +505,18 @@ def build_documents(training: Training) -> Documents:
         return HFDocuments.from_spec(
             training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field
         )
+    if kind in C4_SPLITS:  # torchtitan's loader: dataset_path replaces the hub id, config "en" stays
+        return HFDocuments.from_spec(f"{training.dataset_path or C4_HUB}:en", split=C4_SPLITS[kind],
+                                     text_field=training.dataset_text_field)
+    if kind == "c4_test":
+        path = training.dataset_path or C4_TEST_PATH
+        if not Path(path).exists():
+            raise DataConfigError(
+                "training.dataset", kind, f"reads torchtitan's test corpus from {path} (relative to the working "
+                "folder), which does not exist",
+                "run from a torchtitan checkout, or set training.dataset_path to a copy of its tests/assets/c4_test",
+            )  # fmt: skip
+        return FileDocuments(local_files(path), text_field=training.dataset_text_field)
     raise DataConfigError(
         "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local' or 'hf'"
     )

@@ -26,7 +26,7 @@ from torchmoe.preflight.files import (
     check_initial_load_path,
     check_dataset_rows,
     check_outputs,
-    check_tokenizer_fits,
+    check_tokenizer,
 )
 from torchmoe.preflight.layout import (
     check_batch,
@@ -70,7 +70,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     check_memory_fits(cfg, args, degrees, train_device(cfg.training.device))
     check_outputs(cfg)
     check_initial_load_path(cfg)
-    check_tokenizer_fits(build_tokenizer(cfg.model.tokenizer_path).vocab_size, args.vocab_size, cfg.model)
+    check_tokenizer(build_tokenizer(cfg.model.tokenizer_path), args.vocab_size, cfg.model, cfg.training)
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     global_batch = cfg.training.global_batch_size if cfg.training.global_batch_size != -1 else \
         cfg.training.local_batch_size * dp

@@ -13,6 +13,7 @@ from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.components.run_lock import LOCK_NAME
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
 from torchmoe.data.dataset import DataConfigError, build_documents
+from torchmoe.data.tokenizer import Tokenizer
 
 _STEP_NAME = re.compile(r"step-(\d+)(-hf)?")
 
@@ -57,12 +58,15 @@ def check_initial_load_path(cfg: JobConfig) -> None:
         raise ConfigError(key, ckpt.initial_load_path, "not a DCP checkpoint (no .metadata in the folder)", fix)
 
 
-def check_tokenizer_fits(tokenizer_vocab: int, model_vocab: int, model: Model) -> None:
-    """Every token id must have an embedding row."""
-    if tokenizer_vocab > model_vocab:
+def check_tokenizer(tokenizer: Tokenizer, model_vocab: int, model: Model, training: Training) -> None:
+    """Every token id must have an embedding row, and `training.add_bos` needs a BOS token."""
+    if tokenizer.vocab_size > model_vocab:
         raise ConfigError("model.tokenizer_path", model.tokenizer_path,
-                          f"the tokenizer has {tokenizer_vocab} tokens but flavor {model.flavor!r} has vocab_size "
+                          f"the tokenizer has {tokenizer.vocab_size} tokens but flavor {model.flavor!r} has vocab_size "
                           f"{model_vocab}", "use a tokenizer that fits the flavor's vocabulary")
+    if training.add_bos and tokenizer.bos_id is None:
+        raise ConfigError("training.add_bos", True, f"the tokenizer ({model.tokenizer_path}) has no BOS token",
+                          "name one as bos_token in its tokenizer_config.json, or set add_bos = false")
 
 
 def check_dataset_rows(training: Training, global_batch_size: int) -> None:
@@ -76,7 +80,7 @@ def check_dataset_rows(training: Training, global_batch_size: int) -> None:
     count = sum(1 for _ in itertools.islice(docs.iter_from(0), global_batch_size))
     if count == 0:
         raise DataConfigError("training.dataset_path", training.dataset_path, "holds no documents",
-                              "point it at .txt/.jsonl/.parquet files that hold text")
+                              "point it at .txt/.jsonl/.json/.parquet files that hold text")
     if count < global_batch_size:
         raise DataConfigError(
             "training.dataset_path", training.dataset_path,

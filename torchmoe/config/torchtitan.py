@@ -1,0 +1,195 @@
+"""torchtitan v0.2.2 job files, as they are: every key of its `JobConfig` has a meaning here.
+
+    python -c "from torchmoe.config.torchtitan import translate; print(translate('debug.seed', 7))"
+
+Most of torchtitan's keys are torchmoe's own under the same name (`training.steps`,
+`parallelism.tensor_parallel_degree`, `checkpoint.load_step`, ...) and `loader.py` reads them
+as such. This module holds the other 80 or so, each either
+
+- **mapped** onto the torchmoe keys that do the same (`debug.seed` is `training.seed`,
+  `[quantize.linear.float8]` is `[float8]`, `model.converters = ["quantize.linear.float8"]` is
+  `float8.enable`), or
+- **without effect** here, with the reason. Such a key is accepted; set to anything but
+  torchtitan's default it gets one warning line saying why it does nothing (a default value
+  asks for nothing, so it stays quiet: torchtitan's own files list many keys at their defaults).
+
+A value that asks for something torchmoe cannot do and that would change what is trained (MX
+formats, float8 routed experts; and, checked with torchmoe's own keys, 2-D expert sharding or
+another model family) is a `ConfigError`, never a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torchmoe.config.errors import ConfigError, show_value
+
+__all__ = ["TORCHTITAN_KEYS", "Mapped", "NoEffect", "translate"]
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A torchtitan key that torchmoe spells differently: `to(value)` gives the torchmoe
+    ``{"section.key": value}`` that mean the same."""
+
+    typ: Any
+    to: Callable[[Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class NoEffect:
+    """A torchtitan key without a torchmoe meaning; `default` is torchtitan's, `why` the reason."""
+
+    typ: Any
+    default: Any
+    why: str
+
+
+def _same(key: str) -> Callable[[Any], dict[str, Any]]:
+    return lambda value: {key: value}
+
+
+# model.converters: torchtitan v0.2.2's names, plus the "float8" of its older files and comments.
+_FLOAT8_LINEAR = ("quantize.linear.float8", "float8")
+_CONVERTERS_REFUSED = {
+    "quantize.grouped_mm.float8": "float8 routed experts (grouped GEMMs) are not supported yet; "
+                                  "remove it (float8 linears: quantize.linear.float8)",
+    "quantize.linear.mx": "MX (microscaling) formats are not supported; use quantize.linear.float8",
+    "quantize.grouped_mm.mx": "MX (microscaling) formats are not supported",
+    "mx": "MX (microscaling) formats are not supported; use quantize.linear.float8",
+}
+
+
+def _converters(names: list[str]) -> dict[str, Any]:
+    for name in names:
+        if name in _CONVERTERS_REFUSED:
+            raise ConfigError("model.converters", names, f"{show_value(name)}: {_CONVERTERS_REFUSED[name]}",
+                              'use model.converters = ["quantize.linear.float8"] or []')
+        if name not in _FLOAT8_LINEAR:
+            raise ConfigError("model.converters", names, f"unknown converter {show_value(name)}",
+                              'the converter torchmoe has is "quantize.linear.float8" (float8 linears)')
+    return {"float8.enable": True} if names else {}
+
+
+_TRACKING = "rank 0 writes the metrics of the whole job (losses and norms are global)"
+_LOADER = "torchmoe packs batches in the training process, a few documents ahead, without worker processes"
+_CP = "torchmoe's context parallelism has its own load balance (head and tail chunks per rank) and exchange"
+_FT = "torchft is not integrated; a failed rank ends the job, and torchrun restarts resume from the newest checkpoint"
+_PLUGINS = "torchmoe has no plugin modules: its configs and models are its own"
+_SAC = "torchmoe's selective AC has its own policy (saves matmul outputs, recomputes the rest)"
+_MX = "MX formats are not supported (a model.converters entry for them is refused)"
+_GROUPED_FLOAT8 = "float8 routed experts are not supported yet (model.converters refuses them)"
+_VALIDATION = "torchmoe has no validation loop yet: it reports the training loss only"
+
+TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
+    # [job]
+    "job.config_file": NoEffect(str, "", "the file is the one passed with --config (or --job.config_file)"),
+    "job.save_config_file": NoEffect(str, "", "every run writes its resolved config to <dump_folder>/config.toml"),
+    "job.custom_config_module": NoEffect(str, "", _PLUGINS),
+    # [profiling] and [metrics]
+    "metrics.save_for_all_ranks": NoEffect(bool, False, _TRACKING),
+    # [model]
+    "model.converters": Mapped(list[str], _converters),
+    # [optimizer]
+    "optimizer.early_step_in_backward": NoEffect(bool, False, "torchmoe steps the optimizer after the backward, "
+                                                 "which gradient clipping needs"),
+    # [training]
+    "training.enable_cpu_offload": Mapped(bool, _same("parallelism.fsdp_cpu_offload")),
+    "training.dtype": NoEffect(str, "float32", "torchmoe keeps parameters and optimizer state in float32 "
+                               "and computes in training.mixed_precision_param"),
+    "training.gc_debug": NoEffect(bool, False, "no debug mode for the garbage collector (training.gc_freq sets "
+                                  "how often it runs)"),
+    "training.dataloader.num_workers": NoEffect(int, 0, _LOADER),
+    "training.dataloader.persistent_workers": NoEffect(bool, False, _LOADER),
+    "training.dataloader.pin_memory": NoEffect(bool, False, _LOADER),
+    "training.dataloader.prefetch_factor": NoEffect(int, None, _LOADER),
+    # [parallelism]
+    "parallelism.pipeline_parallel_first_stage_less_layers": NoEffect(
+        int, 1, "stages are split by torchmoe's cost model, or by pipeline_parallel_layers_per_stage / "
+        "module_fqns_per_model_part"),
+    "parallelism.pipeline_parallel_last_stage_less_layers": NoEffect(
+        int, 1, "stages are split by torchmoe's cost model, or by pipeline_parallel_layers_per_stage / "
+        "module_fqns_per_model_part"),
+    "parallelism.pipeline_parallel_schedule_csv": NoEffect(str, "", "schedules come from "
+                                                           "parallelism.pipeline_parallel_schedule only"),
+    "parallelism.pipeline_parallel_expert_parallel_overlap": NoEffect(
+        bool, True, "torchmoe does not overlap the EP all-to-all with DualPipeV's other micro-batch"),
+    "parallelism.context_parallel_load_balancer": NoEffect(str, "headtail", _CP),
+    "parallelism.context_parallel_rotate_method": NoEffect(str, "allgather", _CP),
+    "parallelism.expert_parallel_comm_backend": NoEffect(str, "standard", "tokens always travel by "
+                                                         "all-to-all over the ep group (no DeepEP)"),
+    # [checkpoint]
+    "checkpoint.enable_ft_dataloader_checkpoints": NoEffect(bool, True, _FT),
+    "checkpoint.initial_load_model_only": NoEffect(bool, True, "initial_load_path always gives the weights "
+                                                   "only; optimizer state comes from the run's own checkpoints"),
+    "checkpoint.initial_load_in_hf_quantized": NoEffect(bool, False, "Hugging Face weights load in floating "
+                                                        "point only (quantized safetensors are refused when read)"),
+    # [activation_checkpoint]
+    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": NoEffect(
+        list[str], ["moe.router.gate"], _SAC),
+    "activation_checkpoint.early_stop": NoEffect(bool, False, _SAC),
+    "activation_checkpoint.memory_budget": NoEffect(float, 0.5, "the memory_budget mode is not supported "
+                                                    "(use selective or full)"),
+    "activation_checkpoint.visualize_memory_budget_pareto": NoEffect(bool, False, "the memory_budget mode is "
+                                                                     "not supported"),
+    "activation_checkpoint.preserve_rng_state": NoEffect(bool, True, "nothing in the model draws random "
+                                                         "numbers in the forward (no dropout)"),
+    "activation_checkpoint.determinism_check": NoEffect(str, "default", "torch's default check is used"),
+    "activation_checkpoint.debug": NoEffect(bool, False, "torch's checkpoint debug mode is not exposed"),
+    # [quantize.*] (float8 linears are torchmoe's [float8])
+    **{f"quantize.linear.float8.{key}": Mapped(typ, _same(f"float8.{key}")) for key, typ in (
+        ("enable_fsdp_float8_all_gather", bool), ("precompute_float8_dynamic_scale_for_fsdp", bool),
+        ("recipe_name", str), ("filter_fqns", list[str]))},
+    "quantize.linear.float8.emulate": NoEffect(bool, False, "float8 runs real float8 matmuls on GPUs of compute "
+                                               "capability 8.9 and above only"),
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": NoEffect(str, "triton", _MX),
+    "quantize.linear.mx.recipe_name": NoEffect(str, "mxfp8_cublas", _MX),
+    "quantize.linear.mx.filter_fqns": NoEffect(list[str], ["output"], _MX),
+    "quantize.grouped_mm.float8.fqns": NoEffect(list[str], [], _GROUPED_FLOAT8),
+    "quantize.grouped_mm.mx.recipe_name": NoEffect(str, "mxfp8", _MX),
+    "quantize.grouped_mm.mx.fqns": NoEffect(list[str], [], _MX),
+    # [comm]
+    "comm.mode": NoEffect(str, "default", "to plan a job without GPUs, run torchmoe train --dry-run "
+                          "[--world-size N]"),
+    # [memory_estimation]
+    "memory_estimation.enable": NoEffect(bool, False, "the per-rank memory estimate is torchmoe train --dry-run's "
+                                         "(and every real run is checked against it before it starts)"),
+    "memory_estimation.disable_fake_mode": NoEffect(bool, False, "see memory_estimation.enable"),
+    # [fault_tolerance]
+    **{f"fault_tolerance.{key}": NoEffect(typ, default, _FT) for key, typ, default in (
+        ("enable", bool, False), ("process_group", str, "gloo"), ("process_group_timeout_ms", int, 10000),
+        ("replica_id", int, 0), ("group_size", int, 0), ("min_replica_size", int, 1),
+        ("semi_sync_method", str, None))},
+    # [experimental]
+    "experimental.custom_import": NoEffect(str, "", _PLUGINS),
+    "experimental.custom_args_module": NoEffect(str, "", _PLUGINS),
+    # [validation]
+    **{f"validation.{key}": NoEffect(typ, default, _VALIDATION) for key, typ, default in (
+        ("enable", bool, False), ("dataset", str, "c4_validation"), ("dataset_path", str, None),
+        ("local_batch_size", int, 8), ("seq_len", int, 2048), ("freq", int, 10), ("steps", int, -1),
+        ("dataloader.num_workers", int, 0), ("dataloader.persistent_workers", bool, False),
+        ("dataloader.pin_memory", bool, False), ("dataloader.prefetch_factor", int, None))},
+    # [debug]
+    "debug.seed": Mapped(int, _same("training.seed")),
+    "debug.deterministic": Mapped(bool, _same("training.deterministic")),
+    "debug.deterministic_warn_only": NoEffect(bool, False, "training.deterministic makes a nondeterministic "
+                                              "op an error, never a warning"),
+    "debug.moe_force_load_balance": NoEffect(bool, False, "routing is always the router's (no forced "
+                                             "round-robin balance)"),
+}
+
+# torchtitan's sections that torchmoe lacks; a key under them is looked up in TORCHTITAN_KEYS.
+SECTIONS = ("quantize", "memory_estimation", "fault_tolerance", "experimental", "validation", "debug")
+
+
+def translate(key: str, value: Any) -> tuple[dict[str, Any], str | None]:
+    """What torchtitan's `key` = `value` (already type-checked) means here: the torchmoe
+    ``{"section.key": value}`` to apply, and a warning line (None when there is nothing to say)."""
+    entry = TORCHTITAN_KEYS[key]
+    if isinstance(entry, Mapped):
+        return entry.to(value), None
+    if value == entry.default:
+        return {}, None
+    return {}, f"{key} = {show_value(value)} (a torchtitan key) has no effect in torchmoe: {entry.why}"
