@@ -162,9 +162,17 @@ def _convert(argv: list[str]) -> int:
     return convert_main(argv)
 
 
+def _report_figure(argv: list[str]) -> int:
+    from torchmoe.report import report_main  # imported here: it pulls in torch and the planner
+
+    return report_main(argv)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
     "convert": Subcommand("Convert weights: hf-to-dcp (Hugging Face -> DCP) or dcp-to-hf.", _convert),
+    "report": Subcommand("Draw a run's curves, expert load and planner facts: report.png or an HTML page.",
+                         _report_figure),
 }
 
 

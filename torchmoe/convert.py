@@ -28,7 +28,6 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,6 +36,7 @@ from torch.distributed import tensor as dtensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
+from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
 from torchmoe.components.weight_files import model_prefix, model_tensors, non_float, read_dcp_metadata, reading
 from torchmoe.config.errors import ConfigError
@@ -173,23 +173,9 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
 # ---- command line ------------------------------------------------------------------------------
 
 
-class _UsageError(Exception):
-    def __init__(self, prog: str, message: str) -> None:
-        super().__init__(message)
-        self.prog = prog
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises on usage errors (instead of printing and exiting), so that the CLI
-    reports them as `ConfigError`s like every other user error."""
-
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(self.prog, message)
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog="torchmoe convert", description="Convert model weights between Hugging Face "
-                     "Llama 4 folders and DCP checkpoints (see `torchmoe convert DIRECTION --help`).")
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="torchmoe convert", description="Convert model weights between Hugging Face "
+                            "Llama 4 folders and DCP checkpoints (see `torchmoe convert DIRECTION --help`).")
     sub = parser.add_subparsers(dest="direction", required=True, metavar="{hf-to-dcp,dcp-to-hf}")
     to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> DCP folder for checkpoint.initial_load_path")
     to_dcp.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face Llama 4 folder (config.json + *.safetensors)")
@@ -204,13 +190,9 @@ def _parser() -> _Parser:
 
 def convert_main(argv: list[str]) -> int:
     """`torchmoe convert ...`; returns the exit status (user errors raise `ConfigError`)."""
-    try:
-        opts = _parser().parse_args(argv)
-    except SystemExit as exit_:  # --help was printed
-        return int(exit_.code or 0)
-    except _UsageError as err:
-        raise ConfigError("torchmoe convert", " ".join(argv), str(err),
-                          f"run `{err.prog} --help` for the usage") from None
+    opts = parse_args(_parser(), argv)
+    if opts is None:  # --help was printed
+        return 0
     try:
         return _run(opts)
     finally:

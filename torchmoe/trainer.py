@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -51,6 +51,7 @@ from torchmoe.components.metrics import (
 )
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
+from torchmoe.components.run_info import write_run_info
 from torchmoe.components.run_lock import lock_dump_folder
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig
@@ -140,6 +141,7 @@ class Trainer:
         self.folder_lock = lock_dump_folder(self.dump_folder)  # before anything is written there
         if self.rank == 0:
             write_config_toml(cfg, self.dump_folder / "config.toml")
+            write_run_info(self.dump_folder, world_size=world_size)
 
         tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args_from_config(cfg.model)
@@ -391,7 +393,8 @@ class Trainer:
         steps = cfg.training.steps
         flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
         metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
-                                peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step)
+                                peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step,
+                                run_config=asdict(cfg))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         if self.step > 0:

@@ -235,6 +235,13 @@ def _dump_folder(tmp_path: Path, kind: str) -> Path:
         (run / "metrics.jsonl").mkdir(parents=True)
     elif kind == "lock_file_is_a_folder":
         (run / ".torchmoe.lock").mkdir(parents=True)
+    elif kind == "run_info_is_a_folder":
+        (run / "run_info.json").mkdir(parents=True)
+    elif kind == "wandb_folder_is_a_file":
+        run.mkdir()
+        (run / "wandb").write_text("x")
+    elif kind == "wandb_run_id_is_a_folder":
+        (run / "wandb_run_id").mkdir(parents=True)
     elif kind == "checkpoint_folder_is_a_file":
         run.mkdir()
         (run / "checkpoint").write_text("x")
@@ -250,16 +257,22 @@ OUTPUTS = {
     "config_toml_is_a_folder": ("job.dump_folder", "config.toml is a folder"),
     "metrics_jsonl_is_a_folder": ("job.dump_folder", "metrics.jsonl is a folder"),
     "lock_file_is_a_folder": ("job.dump_folder", ".torchmoe.lock is a folder"),
+    "run_info_is_a_folder": ("job.dump_folder", "run_info.json is a folder"),
+    "wandb_folder_is_a_file": ("job.dump_folder", "wandb is a file"),
+    "wandb_run_id_is_a_folder": ("job.dump_folder", "wandb_run_id is a folder"),
     "checkpoint_folder_is_a_file": ("checkpoint.folder", "checkpoint is a file"),
     "step_n_is_a_file": ("checkpoint.folder", 'step-2 is a file, where the run will save "step-2"'),
 }
 
 
 @pytest.mark.parametrize("kind", list(OUTPUTS))
-def test_unwritable_outputs_are_refused_before_training(capsys, tmp_path: Path, kind: str) -> None:
+def test_unwritable_outputs_are_refused_before_training(capsys, tmp_path: Path, monkeypatch, kind: str) -> None:
     key, problem = OUTPUTS[kind]
     dump = _dump_folder(tmp_path, kind)
-    status, err = _main(capsys, tmp_path, "--checkpoint.enable", "true", dump=dump)
+    # W&B on, as its folder and run id are checked only then; disabled, so that a run this fails
+    # to refuse would not reach for the network.
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    status, err = _main(capsys, tmp_path, "--checkpoint.enable", "true", "--metrics.enable_wandb", "true", dump=dump)
     _assert_one_error(status, err, f"{key} = ", problem)
     assert "step 1/" not in err  # refused at start: no step was trained (and lost)
 
@@ -313,13 +326,15 @@ def test_batch_beyond_memory_names_the_largest_that_fits(capsys, tmp_path: Path)
                           args, degrees, torch.device("cpu"))
 
 
-def test_tensorboard_missing_is_refused(capsys, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("package", ["tensorboard", "wandb"])
+def test_missing_metrics_package_is_refused(capsys, tmp_path: Path, monkeypatch, package: str) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    status, err = _main(capsys, tmp_path, "--metrics.enable_tensorboard", "true")
-    _assert_one_error(status, err, "metrics.enable_tensorboard = true", "tensorboard package is not installed")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    status, err = _main(capsys, tmp_path, f"--metrics.enable_{package}", "true")
+    _assert_one_error(status, err, f"metrics.enable_{package} = true", f"{package} package is not installed",
+                      f"pip install 'torchmoe[{package}]'")
 
 
 def test_world_size_without_torchrun_is_refused(capsys, tmp_path: Path, monkeypatch) -> None:

@@ -112,3 +112,13 @@ def test_damaged_inputs_are_config_errors(tmp_path):
     (tmp_path / "hf" / "config.json").write_text("{")
     with pytest.raises(ConfigError, match="config.json is not JSON"):
         hf_to_dcp(tmp_path / "hf", tmp_path / "dcp_out")
+
+
+def test_usage_errors_are_one_message(capsys) -> None:
+    from torchmoe import cli
+
+    assert cli.main(["convert", "dcp-to-hf", "a", "b"]) == 2
+    err = capsys.readouterr().err
+    assert 'torchmoe convert = "dcp-to-hf a b"' in err and "the following arguments are required: --flavor" in err
+    assert "fix: run `torchmoe convert dcp-to-hf --help` for the usage" in err and "Traceback" not in err
+    assert cli.main(["convert", "--help"]) == 0 and "hf-to-dcp" in capsys.readouterr().out

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,13 @@ from torchmoe.components import metrics as metrics_mod
 from torchmoe.components.metrics import (
     MetricsLogger,
     device_peak_flops,
+    layer_imbalance,
     moe_imbalance,
     peak_memory_gib,
     setup_logging,
 )
+from torchmoe.components.wandb_logger import run_id
+from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Metrics as MetricsConfig
 
 CONTRACT_FIELDS = {
@@ -116,6 +120,8 @@ def test_moe_imbalance_math() -> None:
     counts = torch.tensor([[1, 3, 2, 2], [6, 3, 0, 3], [0, 0, 0, 0]])
     assert moe_imbalance(counts) == pytest.approx(1.75)
     assert moe_imbalance(torch.zeros(2, 4)) == 1.0
+    per_layer = layer_imbalance(counts)  # what TensorBoard, W&B and `torchmoe report` show per layer
+    assert per_layer[:2].tolist() == [1.5, 2.0] and per_layer[2].isnan()
 
 
 def test_device_helpers_on_cpu() -> None:
@@ -154,6 +160,79 @@ def test_tensorboard_scalars_and_expert_loads(tmp_path: Path, monkeypatch: pytes
     assert ("scalar", "train/loss", 3.0, 2) in writer.calls
     assert ("histogram", "moe/tokens_per_expert/layer1", [3.0, 1.0], 2) in writer.calls
     assert ("scalar", "moe/imbalance/layer1", 1.5, 2) in writer.calls
+
+
+class _FakeWandb:
+    """The `wandb` module as MetricsLogger uses it: init() records its arguments; the run records
+    what is logged to it."""
+
+    def __init__(self) -> None:
+        self.init_kwargs: dict = {}
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, data: dict, step: int) -> None:
+        self.logged.append((data, step))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_run_config_names_and_scalars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_NAME", raising=False)
+    dump = tmp_path / "my-run"
+    cfg = MetricsConfig(enable_wandb=True, wandb_project="", wandb_tags=["a"])
+    with MetricsLogger(dump, cfg, rank=0, total_steps=3, console=_console()[0],
+                       run_config={"training": {"steps": 3}}) as m:
+        m.log(2, {**_values(3.0), "grad_norm": float("inf")}, tokens_per_expert=torch.tensor([[2, 2], [3, 1]]))
+    kwargs = fake.init_kwargs
+    assert kwargs["config"] == {"training": {"steps": 3}} and kwargs["dir"] == str(dump)
+    assert kwargs["project"] is None  # empty: W&B reads WANDB_PROJECT itself
+    assert kwargs["name"] == "my-run" and kwargs["tags"] == ["a"]
+    assert kwargs["id"] == (dump / "wandb_run_id").read_text().strip() and kwargs["resume"] == "allow"
+    ((data, step),) = fake.logged
+    assert step == 2 and data["train/loss"] == 3.0 and data["train/moe_imbalance"] == pytest.approx(1.25)
+    assert "train/grad_norm" not in data and "train/mfu" not in data  # nulls are left out
+    assert data["moe/imbalance/layer0"] == 1.0 and data["moe/imbalance/layer1"] == 1.5
+    assert fake.finished
+
+    monkeypatch.setenv("WANDB_NAME", "from-env")  # fills an empty wandb_run_name; the key wins
+    MetricsLogger(dump, cfg, rank=0, total_steps=3, console=_console()[0]).close()
+    assert fake.init_kwargs["name"] == "from-env"
+    MetricsLogger(dump, MetricsConfig(enable_wandb=True, wandb_run_name="key"), rank=0, total_steps=3,
+                  console=_console()[0]).close()
+    assert fake.init_kwargs["name"] == "key" and fake.init_kwargs["project"] == "torchmoe"
+
+
+def test_wandb_not_logged_in_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online without an API key: W&B refuses at once (no network), and the message says how to
+    log in or log offline."""
+    pytest.importorskip("wandb")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    with pytest.raises(ConfigError) as caught:
+        MetricsLogger(tmp_path / "run", MetricsConfig(enable_wandb=True), rank=0, total_steps=3,
+                      console=_console()[0])
+    message = str(caught.value)
+    assert message.startswith("metrics.enable_wandb = true: W&B did not start: ") and "API key" in message
+    assert "wandb login" in message and "WANDB_MODE=offline" in message
+
+
+def test_wandb_run_id_is_kept_only_when_resuming(tmp_path: Path) -> None:
+    first = run_id(tmp_path, resuming=True)  # no id kept yet: a new one, written
+    assert (tmp_path / "wandb_run_id").read_text() == first + "\n"
+    assert run_id(tmp_path, resuming=True) == first  # a resumed run continues the W&B run
+    fresh = run_id(tmp_path, resuming=False)  # starting at step 0: a new run, as metrics.jsonl starts over
+    assert fresh != first and run_id(tmp_path, resuming=True) == fresh
+    assert [p.name for p in tmp_path.iterdir()] == ["wandb_run_id"]  # no temporary file left
 
 
 def test_tensorboard_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

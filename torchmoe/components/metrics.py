@@ -1,8 +1,9 @@
-"""Training metrics: metrics.jsonl, a console line with a progress bar, TensorBoard.
+"""Training metrics: metrics.jsonl, a console line with a progress bar, TensorBoard, W&B.
 
     setup_logging(rank)
     metrics = MetricsLogger(job.dump_folder, job_config.metrics, rank=rank, total_steps=steps,
-                            peak_flops=device_peak_flops(device, compute_dtype))
+                            peak_flops=device_peak_flops(device, compute_dtype),
+                            run_config=dataclasses.asdict(job_config))
     if metrics.should_log(step):
         metrics.log(step, {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                            "tokens_per_sec": global_tps, "tflops": tflops_per_rank,
@@ -18,6 +19,10 @@ unknown, e.g. on CPU), `memory_gib` (peak per rank), `elapsed_s` (since the logg
 given, `tokens_per_expert` (a list per MoE layer). Non-finite numbers are written as null so the
 file stays strict JSON. A resumed run appends again from its checkpoint step, so a step can
 appear twice: the later line is the one that continues.
+
+TensorBoard and W&B (`metrics.enable_tensorboard`, `metrics.enable_wandb`; see `wandb_logger`) get
+each record's numbers and every MoE layer's `layer_imbalance`; TensorBoard also the per-expert
+counts, as histograms.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from torchmoe.components.wandb_logger import WandbRun
 from torchmoe.config.job_config import Metrics as MetricsConfig
 
 logger = logging.getLogger(__name__)
@@ -161,24 +167,30 @@ class ThroughputWindow:
         return tokens / seconds
 
 
-def moe_imbalance(tokens_per_expert: torch.Tensor) -> float:
-    """max / mean tokens per expert, per MoE layer, averaged over layers.
+def layer_imbalance(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """max / mean tokens per expert of each MoE layer.
 
     Args:
         tokens_per_expert: (n_layers, n_experts) counts, or (n_experts,) for one layer.
 
     Returns:
-        1.0 for perfect balance, n_experts when one expert takes every token. Layers that
-        routed no tokens are skipped; with none left the result is 1.0.
+        (n_layers,) float32 on the CPU: 1.0 for perfect balance, n_experts when one expert takes
+        every token, NaN for a layer that routed no tokens.
     """
     counts = tokens_per_expert.detach().float().cpu()
     if counts.ndim == 1:
         counts = counts[None]  # (1, n_experts)
-    mean = counts.mean(dim=1)  # (n_layers,)
-    used = mean > 0
+    return counts.max(dim=1).values / counts.mean(dim=1)  # 0 / 0 = NaN where nothing was routed
+
+
+def moe_imbalance(tokens_per_expert: torch.Tensor) -> float:
+    """`layer_imbalance` averaged over layers: layers that routed no tokens are skipped; with
+    none left the result is 1.0."""
+    per_layer = layer_imbalance(tokens_per_expert)
+    used = ~per_layer.isnan()
     if not used.any():
         return 1.0
-    return (counts.max(dim=1).values[used] / mean[used]).mean().item()
+    return per_layer[used].mean().item()
 
 
 def _summary_writer_cls():
@@ -192,6 +204,13 @@ def _summary_writer_cls():
     return SummaryWriter
 
 
+def _scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of a record other than its step (what TensorBoard and W&B plot): no nulls,
+    no per-expert lists."""
+    return {k: v for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def _number(v: Any) -> Any:
     """A JSON-safe scalar: tensors become Python numbers, non-finite floats null."""
     if isinstance(v, torch.Tensor):
@@ -199,6 +218,15 @@ def _number(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def parse_record(line: str) -> dict[str, Any] | None:
+    """One metrics.jsonl line as its record; None for a line that is not one (torn by a kill)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def _drop_records_after(path: Path, step: int) -> None:
@@ -209,11 +237,8 @@ def _drop_records_after(path: Path, step: int) -> None:
         return
     kept, dropped = [], 0
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+        record = parse_record(line)
+        if record is not None and record["step"] <= step:
             kept.append(line)
         else:
             dropped += 1
@@ -227,7 +252,7 @@ class MetricsLogger:
     """Writes metrics on rank 0 (other ranks: every method is a no-op).
 
     Args:
-        dump_folder: job.dump_folder; metrics.jsonl and the TensorBoard folder go there.
+        dump_folder: job.dump_folder; metrics.jsonl and the TensorBoard and W&B folders go there.
         cfg: the `[metrics]` section.
         rank: global rank of this process.
         total_steps: training.steps, for the progress bar and ETA.
@@ -235,6 +260,8 @@ class MetricsLogger:
         start_step: the step training resumes from (the bar and ETA start there).
         console: where to print; default stdout. The live bar only runs on a terminal;
             otherwise plain lines (with an ETA) are printed.
+        run_config: the resolved job config (`dataclasses.asdict(JobConfig)`), the W&B run's
+            config (`cfg.enable_wandb`).
     """
 
     def __init__(
@@ -247,6 +274,7 @@ class MetricsLogger:
         peak_flops: float | None = None,
         start_step: int = 0,
         console: Console | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.rank = rank
@@ -257,11 +285,14 @@ class MetricsLogger:
         self.path = Path(dump_folder) / METRICS_FILE
         self._file = None
         self._tb = None
+        self._wandb: WandbRun | None = None
         self._progress: Progress | None = None
         if rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _drop_records_after(self.path, start_step)
+        if cfg.enable_wandb:  # first: when W&B refuses to start, nothing is open yet
+            self._wandb = WandbRun(Path(dump_folder), cfg, run_config=run_config, resuming=start_step > 0)
         self._file = open(self.path, "a", encoding="utf-8")
         if cfg.enable_tensorboard:
             self._tb = _summary_writer_cls()(log_dir=str(Path(dump_folder) / cfg.save_tb_folder))
@@ -309,25 +340,30 @@ class MetricsLogger:
             record["mfu"] = (
                 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops and tflops is not None else None
             )
+        per_layer = None
         if tokens_per_expert is not None:
+            per_layer = layer_imbalance(tokens_per_expert).tolist()
             record.setdefault("moe_imbalance", moe_imbalance(tokens_per_expert))
             record["tokens_per_expert"] = tokens_per_expert.detach().cpu().tolist()
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+        scalars = _scalars(record)
         if self._tb is not None:
-            self._write_tensorboard(step, record, tokens_per_expert)
+            self._write_tensorboard(step, scalars, tokens_per_expert, per_layer)
+        if self._wandb is not None:
+            self._wandb.log(step, scalars, per_layer)
         self._print(step, record)
         return record
 
-    def _write_tensorboard(self, step: int, record: dict[str, Any], counts: torch.Tensor | None) -> None:
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(f"train/{k}", v, step)
+    def _write_tensorboard(self, step: int, scalars: dict[str, float], counts: torch.Tensor | None,
+                           per_layer: list[float] | None) -> None:
+        for k, v in scalars.items():
+            self._tb.add_scalar(f"train/{k}", v, step)
         if counts is not None:
             counts = counts.detach().float().cpu()
             for layer, row in enumerate(counts.reshape(-1, counts.shape[-1])):  # row: (n_experts,)
                 self._tb.add_histogram(f"moe/tokens_per_expert/layer{layer}", row, step)
-                self._tb.add_scalar(f"moe/imbalance/layer{layer}", moe_imbalance(row), step)
+                self._tb.add_scalar(f"moe/imbalance/layer{layer}", per_layer[layer], step)
         self._tb.flush()
 
     def _print(self, step: int, r: dict[str, Any]) -> None:
@@ -357,13 +393,16 @@ class MetricsLogger:
         self.console.print("  ".join(parts), soft_wrap=True)
 
     def close(self) -> None:
-        """Stop the progress bar and close metrics.jsonl and TensorBoard (idempotent)."""
+        """Stop the progress bar and close metrics.jsonl, TensorBoard and the W&B run (idempotent)."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -244,6 +244,14 @@ class Metrics:
     """TensorBoard folder under job.dump_folder."""
     disable_color_printing: bool = False
     """Plain console output: no colours and no live progress bar."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (rank 0): the resolved config and every metrics.jsonl record, files under job.dump_folder/wandb; a resumed run continues its W&B run. Needs the wandb extra; WANDB_MODE=offline logs without an account."""
+    wandb_project: str = "torchmoe"
+    """W&B project; empty = the WANDB_PROJECT environment variable, else W&B's default."""
+    wandb_run_name: str = ""
+    """W&B run name; empty = the WANDB_NAME environment variable, else the dump folder's name."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B run tags; empty = the WANDB_TAGS environment variable (comma-separated), else none."""
 
 
 @dataclass

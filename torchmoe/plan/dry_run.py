@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -211,17 +212,22 @@ def _mesh_rows(layout: dict[str, DimLayout]) -> list[tuple[str, int, str]]:
     return [(name, layout[name].size, composed.get(name, "world dim")) for name in ALL_NAMES]
 
 
-def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = None) -> dict:
-    """Plan `cfg` on `world_size` ranks: print the report and write ``dry_run.json``.
+@dataclass(frozen=True)
+class JobPlan:
+    """What the planner works out for a job: `report` is what ``dry_run.json`` holds; the rest
+    is what the printed report needs besides it."""
 
-    Args:
-        cfg: a validated job config.
-        world_size: ranks to plan for.
-        console: where to print (default: stdout).
-    Returns:
-        The report written to ``<job.dump_folder>/dry_run.json``.
-    """
-    console = console or Console(highlight=False)
+    report: dict
+    dims: ParallelDims
+    layout: dict[str, DimLayout]
+    ranks: list[int]  # the example ranks whose coordinates and groups are shown
+    params_local: int  # parameters of the fullest pp rank after TP/EP, before FSDP sharding
+    memory: MemoryEstimate  # of the fullest pp rank
+    device_gib: float | None
+
+
+def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
+    """Plan `cfg` on `world_size` ranks (a validated config; nothing is printed or written)."""
     degrees = resolve_degrees(cfg.parallelism, world_size)
     dims = ParallelDims(**degrees, world_size=world_size)
     args = model_args_from_config(cfg.model)
@@ -259,18 +265,31 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
         "coordinates": {str(r): {d: layout[d].coordinate(r) for d in MESH_DIMS} for r in ranks},
         "groups": {str(r): {name: group_json(layout[name].members(r)) for name in ALL_NAMES} for r in ranks},
     }
-    _print_report(console, cfg, dims, layout, ranks, report, params_local, memory, device_gib,
-                  compute_dtype_bytes(cfg.training))
+    return JobPlan(report, dims, layout, ranks, params_local, memory, device_gib)
+
+
+def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = None) -> dict:
+    """Plan `cfg` on `world_size` ranks: print the report and write ``dry_run.json``.
+
+    Args:
+        cfg: a validated job config.
+        world_size: ranks to plan for.
+        console: where to print (default: stdout).
+    Returns:
+        The report written to ``<job.dump_folder>/dry_run.json``.
+    """
+    console = console or Console(highlight=False)
+    job = plan_job(cfg, world_size)
+    _print_report(console, cfg, job, compute_dtype_bytes(cfg.training))
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dry_run.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "dry_run.json").write_text(json.dumps(job.report, indent=2) + "\n")
     console.print(f"wrote {out / 'dry_run.json'}")
-    return report
+    return job.report
 
 
-def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: dict[str, DimLayout],
-                  ranks: list[int], report: dict, params_local: int, memory: MemoryEstimate,
-                  device_gib: float | None, compute_bytes: int) -> None:
+def _print_report(console: Console, cfg: JobConfig, job: JobPlan, compute_bytes: int) -> None:
+    dims, layout, ranks, report, memory = job.dims, job.layout, job.ranks, job.report, job.memory
     console.rule(f"[bold]dry run: {cfg.model.flavor} on {dims.world_size} ranks")
 
     mesh = Table(title="mesh (ranks row-major over pp, dp_replicate, dp_shard, cp, tp)", title_justify="left")
@@ -302,10 +321,10 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
 
     dtype = {2: "bf16", 4: "fp32"}[compute_bytes]
     console.print(
-        f"parameters: total {_count(report['params_total'])}, active {_count(report['params_active'])}; "
-        f"per rank {_count(report['params_per_rank'])} stored ({_count(params_local)} after TP/EP, "
-        f"before FSDP sharding)")
-    console.print(f"routed experts per rank: {_count(report['expert_params_per_rank'])} stored; with their "
+        f"parameters: total {format_count(report['params_total'])}, "
+        f"active {format_count(report['params_active'])}; per rank {format_count(report['params_per_rank'])} "
+        f"stored ({format_count(job.params_local)} after TP/EP, before FSDP sharding)")
+    console.print(f"routed experts per rank: {format_count(report['expert_params_per_rank'])} stored; with their "
                   f"gradients and AdamW state {report['expert_state_per_rank_gib']:.2f} GiB (included below)")
     console.print(f"FLOPs per token (fwd+bwd, seq_len {cfg.training.seq_len}): {report['flops_per_token']:.4g}")
 
@@ -322,7 +341,7 @@ def _print_report(console: Console, cfg: JobConfig, dims: ParallelDims, layout: 
     if memory.host:
         table.add_row("host (CPU offload)", f"{gib['host']:.{digits}f}", style="dim")
     console.print(table)
-    _print_memory_verdict(console, gib["total"], device_gib)
+    _print_memory_verdict(console, gib["total"], job.device_gib)
 
 
 def _print_pipeline(console: Console, pipeline: dict) -> None:
@@ -355,7 +374,7 @@ def _print_memory_verdict(console: Console, total_gib: float, device_gib: float 
         console.print(f"[green]fits: {total_gib:.1f} of {device_gib:.1f} GiB per device[/]")
 
 
-def _count(n: float) -> str:
+def format_count(n: float) -> str:
     """A parameter count with a readable unit: 2.40 M, 107.77 B."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:

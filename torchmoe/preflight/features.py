@@ -10,14 +10,14 @@ import os
 import torch
 
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.job_config import Checkpoint, JobConfig
+from torchmoe.config.job_config import Checkpoint, JobConfig, Metrics
 from torchmoe.distributed.parallel_dims import ParallelDims
 from torchmoe.models.llama4.args import ModelArgs
 
 
 def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:
     """Feature combinations that cannot work: compile/AC/attention, CUDA-only features, and
-    (`check_device`) what this machine lacks: CUDA, the tensorboard package."""
+    (`check_device`) what this machine lacks: CUDA, the tensorboard and wandb packages."""
     if cfg.parallelism.enable_async_tensor_parallel and not cfg.compile.enable:
         raise ConfigError("parallelism.enable_async_tensor_parallel", True, "async TP is implemented by torch.compile",
                           "set compile.enable = true, or enable_async_tensor_parallel = false")
@@ -57,9 +57,18 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
         if check_device and not cuda:
             raise ConfigError(key, True, "needs CUDA, which is not available on this machine",
                               f"set {key} = false, or run on a CUDA machine")
-    if check_device and cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("metrics.enable_tensorboard", True, "the tensorboard package is not installed",
-                          "pip install 'torchmoe[tensorboard]', or set metrics.enable_tensorboard = false")
+    if check_device:
+        _check_packages(cfg.metrics)
+
+
+def _check_packages(metrics: Metrics) -> None:
+    """Each optional extra a `[metrics]` switch turns on must be installed (its package and
+    extra share the name)."""
+    for key, package, enabled in (("metrics.enable_tensorboard", "tensorboard", metrics.enable_tensorboard),
+                                  ("metrics.enable_wandb", "wandb", metrics.enable_wandb)):
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(key, True, f"the {package} package is not installed",
+                              f"pip install 'torchmoe[{package}]', or set {key} = false")
 
 
 # Set by torchrun (and other launchers) for every worker; init_process_group's env:// reads them.

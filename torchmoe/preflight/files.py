@@ -10,7 +10,9 @@ import re
 from pathlib import Path
 
 from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.components.run_info import RUN_INFO_FILE
 from torchmoe.components.run_lock import LOCK_NAME
+from torchmoe.components.wandb_logger import RUN_ID_FILE, WANDB_FOLDER
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
 from torchmoe.data.dataset import DataConfigError, build_documents
 from torchmoe.data.tokenizer import Tokenizer
@@ -99,8 +101,11 @@ def check_outputs(cfg: JobConfig) -> None:
     folders in it, and the `step-N` names the run will save under."""
     dump = Path(cfg.job.dump_folder)
     _check_folder("job.dump_folder", cfg.job.dump_folder, dump)
-    for name in ("config.toml", "metrics.jsonl", LOCK_NAME):
+    for name in ("config.toml", "metrics.jsonl", RUN_INFO_FILE, LOCK_NAME):
         _check_file("job.dump_folder", cfg.job.dump_folder, dump / name)
+    if cfg.metrics.enable_wandb:  # W&B's run id and folder have fixed names in the dump folder
+        _check_file("job.dump_folder", cfg.job.dump_folder, dump / RUN_ID_FILE)
+        _check_folder("job.dump_folder", cfg.job.dump_folder, dump / WANDB_FOLDER)
     folders = [("checkpoint.folder", cfg.checkpoint.folder, cfg.checkpoint.enable),
                ("metrics.save_tb_folder", cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard),
                ("profiling.save_traces_folder", cfg.profiling.save_traces_folder, cfg.profiling.enable_profiling),

@@ -1,0 +1,36 @@
+"""`<job.dump_folder>/run_info.json`: the facts of a run that its config does not hold.
+
+    write_run_info(dump_folder, world_size=8)   # rank 0, at start
+    read_run_info(dump_folder)                  # {"world_size": 8}, or None
+
+config.toml cannot tell the world size (`data_parallel_shard_degree = -1` fills whatever world
+the run was launched into); `torchmoe report` needs it to show the mesh and the planner's
+per-rank memory of the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RUN_INFO_FILE", "read_run_info", "write_run_info"]
+
+RUN_INFO_FILE = "run_info.json"
+
+
+def write_run_info(dump_folder: Path, *, world_size: int) -> Path:
+    """Write `run_info.json` (a resumed run rewrites it: a restart may change the world size)."""
+    path = dump_folder / RUN_INFO_FILE
+    path.write_text(json.dumps({"world_size": world_size}) + "\n", encoding="utf-8")
+    return path
+
+
+def read_run_info(dump_folder: Path) -> dict[str, Any] | None:
+    """The facts written by `write_run_info`; None without the file (a run from before it, or
+    a dry run's folder) or when it does not hold a JSON object."""
+    try:
+        info = json.loads((dump_folder / RUN_INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
