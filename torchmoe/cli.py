@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from torchmoe.config import ConfigError, load_job_config, validate_sections
+from torchmoe.config.loader import config_toml
 from torchmoe.config.job_config import Parallelism
 
 TRAIN_DESCRIPTION = """\
@@ -127,6 +128,8 @@ def _train(argv: list[str]) -> int:
     from torchmoe.preflight import validate_job_config
 
     validate_job_config(cfg, world_size, check_device=not dry_run)
+    if cfg.job.print_config and os.environ.get("RANK") in (None, "0"):
+        print(f"# the resolved job config\n{config_toml(cfg)}", flush=True)
     try:
         # Imported here: both pull in the whole training stack, which config errors and
         # --help should not wait for.

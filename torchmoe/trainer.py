@@ -40,6 +40,7 @@ from torchmoe.components.checkpoint import (
 from torchmoe.components.divergence import TrainingDiverged, nonfinite_state
 from torchmoe.components.hf_storage import save_hf_weights
 from torchmoe.components.initial_load import load_initial_weights
+from torchmoe.components.garbage_collection import GarbageCollection
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
     MetricsLogger,
@@ -91,15 +92,21 @@ class StepResult:
     tokens_per_expert: torch.Tensor | None  # (n_moe_layers, n_experts), summed over the batch
 
 
-def _init_distributed(device: torch.device, comm_cfg: Comm) -> int:
+def _init_distributed(device: torch.device, comm_cfg: Comm, dump_folder: Path) -> int:
     """Join the launched world (torchrun sets WORLD_SIZE) with the `[comm]` init timeout and the
-    NCCL flight recorder's buffer; returns the world size."""
+    NCCL flight recorder (its buffer, and where it dumps on a timeout); returns the world size."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
             # Read by NCCL process groups when they are created; a user's own setting wins.
             os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(comm_cfg.trace_buf_size))
+            if comm_cfg.trace_buf_size > 0:
+                traces = dump_folder / comm_cfg.save_traces_folder
+                traces.mkdir(parents=True, exist_ok=True)
+                os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+                # NCCL appends the rank to this prefix.
+                os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(traces / comm_cfg.save_traces_file_prefix))
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=(
             device if device.type == "cuda" else None), timeout=timedelta(seconds=comm_cfg.init_timeout_seconds))
     return world_size
@@ -128,7 +135,7 @@ class Trainer:
         self.cfg = cfg
         self.failure_watch = failure_watch
         self.device = train_device(cfg.training.device)
-        world_size = _init_distributed(self.device, cfg.comm)
+        world_size = _init_distributed(self.device, cfg.comm, Path(cfg.job.dump_folder))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         setup_logging(self.rank)
         self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -173,6 +180,8 @@ class Trainer:
             part.train()
         # One model under the full model's parameter names, for optimizer, checkpoints, clipping.
         self.model = PipelineRankModel(self.model_parts) if self.dims.pp_enabled else self.model_parts[0]
+        if cfg.model.print_after_conversion and self.rank == 0:
+            logger.info("the model (rank 0's part) after parallelize and conversion:\n%s", self.model)
         self.moe_layers = self.model.moe_layers()
         # Row of each local MoE layer among all MoE layers of the model (metrics report them all).
         all_moe = sorted(i for i in range(self.model_args.n_layers) if self.model_args.is_moe_layer(i))
@@ -410,6 +419,8 @@ class Trainer:
                                                      start_step=self.step))
             mem = stack.enter_context(maybe_memory_snapshot(cfg.profiling, self.dump_folder, rank=self.rank,
                                                             start_step=self.step))
+            collector = GarbageCollection(cfg.training.gc_freq)
+            stack.callback(collector.close)
             first_step = self.step + 1
             window = ThroughputWindow(first_step)
             while self.step < steps:
@@ -434,13 +445,14 @@ class Trainer:
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
-                    if cfg.checkpoint.enable:
+                    if self.checkpointer.writes:
                         self._checkpoint(stopping=True)
                     else:
-                        logger.warning("checkpoint.enable is false: stopping at step %d without a checkpoint",
-                                       self.step)
+                        why = "checkpoint.load_only is true" if cfg.checkpoint.enable else "checkpoint.enable is false"
+                        logger.warning("%s: stopping at step %d without a checkpoint", why, self.step)
                     return
                 self._checkpoint(stopping=False)
+                collector.step(self.step)
                 prof.step()
                 mem.step()
         if cfg.checkpoint.last_save_in_hf:
@@ -535,7 +547,7 @@ def train(cfg: JobConfig) -> None:
     Raises:
         PeerFailed: on the ranks that stopped because another rank failed.
     """
-    watch = FailureWatch.start() if _init_distributed(train_device(cfg.training.device), cfg.comm) > 1 else None
+    watch = FailureWatch.start() if _init_distributed(train_device(cfg.training.device), cfg.comm, Path(cfg.job.dump_folder)) > 1 else None
     try:
         trainer = Trainer(cfg, failure_watch=watch)
         if cfg.checkpoint.create_seed_checkpoint:

@@ -17,12 +17,12 @@ from torchmoe.config.job_config import Comm
 from torchmoe.trainer import _init_distributed, _set_train_timeout
 
 
-def test_init_process_group_gets_the_init_timeout(monkeypatch):
+def test_init_process_group_gets_the_init_timeout(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
-    assert _init_distributed(torch.device("cpu"), Comm(init_timeout_seconds=42)) == 2
+    assert _init_distributed(torch.device("cpu"), Comm(init_timeout_seconds=42), tmp_path) == 2
     assert seen["timeout"] == timedelta(seconds=42) and seen["backend"] == "gloo"
 
 

@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchmoe.components.weight_files import (
@@ -157,6 +158,10 @@ class ModelWrapper(Stateful):
         options = StateDictOptions(strict=False)
         for part in self.model_parts:
             set_model_state_dict(part, state_dict, options=options)
+
+
+# checkpoint.export_dtype: the dtype of a model-only last save.
+_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class OptimizerWrapper(Stateful):
@@ -371,9 +376,10 @@ class CheckpointManager:
         self.id: str = ids[0]
         # DCP's background thread runs collectives; on the default group they could interleave
         # with the training loop's, so async saves get their own gloo group.
-        self._async_pg = (
-            dist.new_group(backend="gloo") if cfg.async_mode == "async" and _dist_on() else None
-        )
+        self._async = cfg.async_mode != "disabled"
+        self._async_pg = dist.new_group(backend="gloo") if self._async and _dist_on() else None
+        # Whether this run writes checkpoints at all (load_only: resume, never save).
+        self.writes = cfg.enable and not cfg.load_only
         if self.rank == 0 and self.folder.is_dir():
             # The run owns its dump folder (`run_lock`): no live run is writing these.
             self._remove_stale_temporaries()
@@ -381,12 +387,11 @@ class CheckpointManager:
     # ---- saving ------------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """True at every `interval`-th step and at the last step."""
-        return (
-            self.cfg.enable
-            and step != self._last_saved
-            and (step % self.cfg.interval == 0 or step == self.total_steps)
-        )
+        """True at every `interval`-th step, at the last step, and at step 1 with
+        `enable_first_step_checkpoint` (never with `load_only`)."""
+        due = step % self.cfg.interval == 0 or step == self.total_steps or (
+            step == 1 and self.cfg.enable_first_step_checkpoint)
+        return self.writes and step != self._last_saved and due
 
     def maybe_save(self, step: int, state: dict[str, Any]) -> bool:
         """Call after every training step: saves when `should_save(step)`; returns whether it did.
@@ -400,13 +405,20 @@ class CheckpointManager:
         return True
 
     def save(self, step: int, state: dict[str, Any], *, model_only: bool = False) -> None:
-        """Save `state` as `step-<step>/` (in the background when async_mode='async').
+        """Save `state` as `step-<step>/` (in the background with an async `async_mode`).
+
+        The last step's save holds only the model, cast to `export_dtype`, with
+        `last_save_model_only` (an export: `load_latest` never resumes from it).
 
         Args:
             step: the number of completed training steps.
             state: name -> Stateful or (nested) dict of tensors and picklable values.
             model_only: record in the marker that only "model" was saved (seed checkpoints).
         """
+        if self.cfg.last_save_model_only and step == self.total_steps and not model_only:
+            dtype = _EXPORT_DTYPES[self.cfg.export_dtype]
+            weights = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state["model"].state_dict().items()}
+            state, model_only = {"model": weights}, True
         self.wait()
         tmp = self.folder / f"step-{step}.tmp-{self.id}"
         meta = {
@@ -416,12 +428,12 @@ class CheckpointManager:
             "keys": sorted(state),
             "saved_at": time.time(),
         }
-        logger.info("saving checkpoint step-%d%s", step,
-                    " in the background" if self.cfg.async_mode == "async" and not model_only else "")
+        logger.info("saving checkpoint step-%d%s", step, " in the background" if self._async and not model_only else "")
         self._last_saved = step
-        if self.cfg.async_mode == "async" and not model_only:
+        if self._async and not model_only:
             future = dcp.async_save(
-                state, checkpoint_id=str(tmp), process_group=self._async_pg, no_dist=not _dist_on()
+                state, checkpoint_id=str(tmp), process_group=self._async_pg, no_dist=not _dist_on(),
+                async_stager=self._stager(),
             )
             # Older return type: a Future; newer with async staging: an AsyncSaveResponse.
             future = getattr(future, "upload_completion", future)
@@ -435,6 +447,15 @@ class CheckpointManager:
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
         # .metadata, so every shard is on disk: rank 0 may make the folder visible now.
         self._finish(step, tmp, meta, error)
+
+    def _stager(self) -> DefaultStager | None:
+        """DCP's copy to host memory before the background write: into pinned memory (a faster
+        device-to-host copy) for 'async_with_pinned_mem' on CUDA; torch's default otherwise
+        (pinned memory needs CUDA)."""
+        if self.cfg.async_mode != "async_with_pinned_mem" or not torch.cuda.is_available():
+            return None
+        return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                                            use_non_blocking_copy=True))
 
     def save_seed_checkpoint(self, state: dict[str, Any]) -> Path:
         """Write `step-0/` holding only `state["model"]` (freshly initialized weights).
@@ -545,7 +566,13 @@ class CheckpointManager:
         return sorted(found)
 
     def _candidates(self) -> list[tuple[int, Path, bool]]:
-        """(step, path, model_only) to try, newest first, as rank 0 sees them."""
+        """(step, path, model_only) to try, newest first, as rank 0 sees them: every complete
+        checkpoint but model-only exports (a seed's step-0 is model-only too, and is kept), or
+        just step-`load_step`.
+
+        Raises:
+            ConfigError: `load_step` names no complete, resumable checkpoint.
+        """
         found = []
         for step, path in reversed(self.complete_checkpoints()):
             try:
@@ -553,8 +580,24 @@ class CheckpointManager:
             except (OSError, ValueError) as e:
                 logger.warning("ignoring checkpoint %s: unreadable %s (%r)", path, MARKER, e)
                 continue
-            found.append((step, path, bool(meta.get("model_only"))))
-        return found
+            model_only = bool(meta.get("model_only"))
+            if model_only and step > 0:  # last_save_model_only's export: no optimizer state to continue
+                if self.cfg.load_step == step:
+                    raise ConfigError("checkpoint.load_step", step, f"{path} holds only the weights (an export of "
+                                      "last_save_model_only), no training state to resume",
+                                      "name a full checkpoint, or load these weights with checkpoint.initial_load_path")
+                logger.info("not resuming from %s: it holds only the weights (last_save_model_only)", path)
+                continue
+            found.append((step, path, model_only))
+        if self.cfg.load_step < 0:
+            return found
+        chosen = [c for c in found if c[0] == self.cfg.load_step]
+        if not chosen:
+            saved = ", ".join(f"step-{step}" for step, _, _ in reversed(found)) or "none"
+            raise ConfigError("checkpoint.load_step", self.cfg.load_step,
+                              f"no complete checkpoint step-{self.cfg.load_step} in {self.folder} (found: {saved})",
+                              "name one of those steps, or -1 for the newest")
+        return chosen
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the newest complete checkpoint into `state`; returns its step, None if none.
@@ -570,12 +613,21 @@ class CheckpointManager:
             return None
         # Rank 0 decides, so that every rank tries the same folders even on a filesystem whose
         # directory listings lag between nodes.
-        candidates = [self._candidates() if self.rank == 0 else None]
+        candidates: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                candidates = [self._candidates()]
+            except ConfigError as err:  # every rank raises it
+                candidates = [err]
         if _dist_on():
             dist.broadcast_object_list(candidates, src=0)
+        if isinstance(candidates[0], ConfigError):
+            raise candidates[0]
         errors = []
+        excluded = set(self.cfg.exclude_from_loading)
         for step, path, model_only in candidates[0]:
             to_load = {"model": state["model"]} if model_only else state
+            to_load = {name: part for name, part in to_load.items() if name not in excluded}
             t0 = time.perf_counter()
             error = None
             try:

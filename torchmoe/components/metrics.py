@@ -296,8 +296,8 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         if cfg.enable_tensorboard:
             self._tb = _summary_writer_cls()(log_dir=str(Path(dump_folder) / cfg.save_tb_folder))
-        self.console = console or Console(highlight=False)
-        if self.console.is_terminal:
+        self.console = console or Console(highlight=False, no_color=cfg.disable_color_printing)
+        if self.console.is_terminal and not cfg.disable_color_printing:
             self._progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),

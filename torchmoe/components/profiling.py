@@ -55,9 +55,10 @@ def maybe_profile(
 ) -> Iterator[_Profiler | _NoOp]:
     """Yield an object whose `step()` the loop calls after each training step.
 
-    When `cfg.enable_profiling`, training step N is traced whenever N is a multiple of
-    `cfg.profile_freq`, after up to 3 warmup steps (the profiler's own start-up cost would
-    otherwise show in the trace).
+    When `cfg.enable_profiling`, each cycle of `cfg.profile_freq` steps traces its last
+    `cfg.profiler_active` steps (with the default 1: every step N that is a multiple of
+    profile_freq), after up to `cfg.profiler_warmup` warmup steps (the profiler's own start-up
+    cost would otherwise show in the trace). The trace folder is named by the cycle's last step.
 
     Args:
         cfg: the `[profiling]` section.
@@ -69,8 +70,8 @@ def maybe_profile(
         yield _NoOp()
         return
     folder = Path(dump_folder) / cfg.save_traces_folder
-    active = 1
-    warmup = min(3, cfg.profile_freq - active)
+    active = cfg.profiler_active
+    warmup = min(cfg.profiler_warmup, cfg.profile_freq - active)
     wait = cfg.profile_freq - warmup - active
     base = schedule(wait=wait, warmup=warmup, active=active)
 

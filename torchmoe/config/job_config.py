@@ -181,7 +181,7 @@ class Checkpoint:
     load_step: int = -1
     """Resume from step-N with this N instead of the newest checkpoint; -1 = the newest."""
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts of a checkpoint not loaded on resume: any of 'model', 'optimizer', 'lr_scheduler', 'dataloader', 'train_state'."""
+    """Parts of a checkpoint not loaded on resume (they keep their fresh state): any of 'model', 'optimizer', 'lr_scheduler', 'dataloader', 'rng'."""
     enable_first_step_checkpoint: bool = False
     """Also save right after step 1 (catches a broken save path before hours of training)."""
     load_only: bool = False
@@ -201,7 +201,7 @@ class Compile:
     enable: bool = False
     """torch.compile each transformer block."""
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    """What compile.enable compiles: 'model' (each transformer block); 'loss' is accepted (torchtitan's) and runs eagerly: the cross entropy is one fused kernel already."""
+    """What compile.enable compiles: 'model' (each transformer block); 'loss', torchtitan's other component, is accepted and has no effect (the loss runs eagerly)."""
     backend: str = "inductor"
     """torch.compile backend, e.g. 'inductor', 'aot_eager' (debugging), 'eager'."""
 

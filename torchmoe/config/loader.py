@@ -228,8 +228,13 @@ def write_config_toml(cfg: JobConfig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = f"# Resolved torchmoe job config. Rerun it: python -m torchmoe train --config {path}\n\n"
-    path.write_text(header + tomli_w.dumps(dataclasses.asdict(cfg)), encoding="utf-8")
+    path.write_text(header + config_toml(cfg), encoding="utf-8")
     return path
+
+
+def config_toml(cfg: JobConfig) -> str:
+    """`cfg` as TOML text, every key written out."""
+    return tomli_w.dumps(dataclasses.asdict(cfg))
 
 
 # ---- command-line overrides ------------------------------------------------------------------

@@ -46,8 +46,8 @@ PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "Interlea
 RESHARD_POLICIES = ("default", "always", "never")
 CHECKPOINT_ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-# The parts of a checkpoint, by torchtitan's names (checkpoint.exclude_from_loading).
-CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+# The parts of a checkpoint that checkpoint.exclude_from_loading can leave out.
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
 COMPILE_COMPONENTS = ("model", "loss")
 AC_MODES = ("none", "selective", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -209,6 +209,11 @@ def validate_checkpoint(checkpoint: Checkpoint) -> None:
     if checkpoint.load_step != -1:
         _at_least("checkpoint.load_step", checkpoint.load_step, 0, "name a saved step, or -1 for the newest")
     for part in checkpoint.exclude_from_loading:
+        if part == "train_state":  # torchtitan's step counter: here the step is the checkpoint's name
+            raise ConfigError("checkpoint.exclude_from_loading", part, "the step count always continues from the "
+                              "checkpoint (a run's step-N folders must keep growing)",
+                              "leave train_state out; to start counting again, start a run in a new job.dump_folder "
+                              "with checkpoint.initial_load_path")
         one_of("checkpoint.exclude_from_loading", part, CHECKPOINT_PARTS)
     if checkpoint.load_only and checkpoint.create_seed_checkpoint:
         raise ConfigError("checkpoint.load_only", True, "a seed checkpoint is a save, which load_only forbids",

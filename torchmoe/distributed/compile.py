@@ -15,8 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchmoe.config.job_config import Compile
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile every block of `model` in place."""
+
+def apply_compile(model: nn.Module, cfg: Compile) -> None:
+    """Compile every block of `model` in place with `cfg.backend`, when `cfg.components` holds
+    'model' (torchtitan's 'loss' component is not compiled here: the loss runs eagerly)."""
+    if "model" not in cfg.components:
+        return
     for name, block in list(model.layers.items()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=False))
+        model.layers.register_module(name, torch.compile(block, fullgraph=False, backend=cfg.backend))
