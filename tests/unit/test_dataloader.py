@@ -85,6 +85,17 @@ def test_packing_puts_eos_between_documents_and_shifts_labels() -> None:
     assert inputs.shape == labels.shape == (2, 3)
 
 
+def test_add_bos_starts_every_document_with_bos_as_torchtitan_packs() -> None:
+    bos = ByteTokenizer().bos_id
+    loader = _loader(InMemoryDocuments(["ab", "cde", "f"]), seq_len=5, global_batch_size=2, local_batch_size=2,
+                     add_bos=True)
+    [(inputs, labels)] = loader.next_batch()
+    a, b, c, d, e, f = (ord(ch) for ch in "abcdef")
+    # Row 0: BOS a b EOS BOS f EOS ...; row 1: BOS c d e EOS BOS c ...
+    assert inputs.tolist() == [[bos, a, b, EOS, bos], [bos, c, d, e, EOS]]
+    assert labels.tolist() == [[a, b, EOS, bos, f], [c, d, e, EOS, bos]]
+
+
 def test_each_row_tiles_the_stream_of_its_sub_corpus() -> None:
     docs = _corpus()
     loader = _loader(docs, global_batch_size=4, local_batch_size=2)

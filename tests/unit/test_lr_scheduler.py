@@ -88,3 +88,33 @@ def test_no_decay_phase_holds_the_peak_past_the_end(warmup, ratio):
     kwargs = dict(warmup_steps=warmup, total_steps=20, decay_ratio=ratio)
     assert lr_factor(20, **kwargs) == (20 / 21 if warmup == 20 else 1.0)
     assert lr_factor(21, **kwargs) == 1.0
+
+
+@pytest.mark.parametrize(("settings", "factors"), [
+    # torchtitan v0.2.2's factors for steps 1..10, computed with its own LambdaLR (written out here):
+    # its debug_model.toml (warmup 2, decay_ratio 0.8, linear, min 0.1), then decay right after warmup.
+    (dict(decay_ratio=0.8, min_lr_factor=0.1), [0.5, 1.0, 1.0, 0.8875, 0.775, 0.6625, 0.55, 0.4375, 0.325, 0.2125]),
+    (dict(), [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]),
+])
+def test_warmup_reaches_peak_reproduces_torchtitan(settings: dict, factors: list[float]) -> None:
+    cfg = LRSchedulerConfig(warmup_steps=2, warmup_reaches_peak=True, **settings)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = build_lr_scheduler(opt, cfg, 10)
+    seen = []
+    for _ in range(10):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([2.0 * f for f in factors], rel=1e-12)
+
+
+def test_total_steps_sets_the_schedules_length() -> None:
+    """A schedule of 20 steps in a 10-step run: the decay is half done at the end; past its
+    end the LR holds at the minimum."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=0, total_steps=20), 10)
+    for _ in range(9):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1 - 9 / 20)  # step 10 of 20
+    assert lr_factor(25, warmup_steps=0, total_steps=20) == 0.0

@@ -50,6 +50,13 @@ def test_weight_decay_exclusions_and_hyperparameters() -> None:
     assert all(p is not model.expert_bias for g in opt.param_groups for p in g["params"])
 
 
+def test_decay_all_params_decays_norms_and_embeddings_as_torchtitan() -> None:
+    model = _TinyMoE()
+    opt = build_optimizer(model, OptimizerConfig(weight_decay=0.05, decay_all_params=True))
+    assert _groups(opt, model) == {0.05: {"proj.weight", "output.weight", "tok_embeddings.weight", "norm.weight",
+                                          "proj.bias"}}
+
+
 @pytest.mark.parametrize(
     "implementation, foreach, fused",
     [("for-loop", False, False), ("foreach", True, False), ("fused", False, True)],

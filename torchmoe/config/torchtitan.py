@@ -12,6 +12,8 @@ as such. This module holds the other 80 or so, each either
 - **without effect** here, with the reason. Such a key is accepted; set to anything but
   torchtitan's default it gets one warning line saying why it does nothing (a default value
   asks for nothing, so it stays quiet: torchtitan's own files list many keys at their defaults).
+  Keys that only tune a feature switched on elsewhere (`[validation]` but `enable`, the MX and
+  grouped-GEMM tables, which only a refused converter reads) never warn: the switch does.
 
 A value that asks for something torchmoe cannot do and that would change what is trained (MX
 formats, float8 routed experts; and, checked with torchmoe's own keys, 2-D expert sharding or
@@ -40,11 +42,15 @@ class Mapped:
 
 @dataclass(frozen=True)
 class NoEffect:
-    """A torchtitan key without a torchmoe meaning; `default` is torchtitan's, `why` the reason."""
+    """A torchtitan key without a torchmoe meaning; `default` is torchtitan's (`TUNES`: a key
+    that tunes a feature another key switches on, which warns instead), `why` the reason."""
 
     typ: Any
     default: Any
     why: str
+
+
+TUNES = object()  # NoEffect.default of a key that never warns (see the module docstring)
 
 
 def _same(key: str) -> Callable[[Any], dict[str, Any]]:
@@ -81,7 +87,7 @@ _PLUGINS = "torchmoe has no plugin modules: its configs and models are its own"
 _SAC = "torchmoe's selective AC has its own policy (saves matmul outputs, recomputes the rest)"
 _MX = "MX formats are not supported (a model.converters entry for them is refused)"
 _GROUPED_FLOAT8 = "float8 routed experts are not supported yet (model.converters refuses them)"
-_VALIDATION = "torchmoe has no validation loop yet: it reports the training loss only"
+_VALIDATION = "torchmoe has no validation loop: it reports the training loss only"
 
 TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     # [job]
@@ -102,9 +108,9 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     "training.gc_debug": NoEffect(bool, False, "no debug mode for the garbage collector (training.gc_freq sets "
                                   "how often it runs)"),
     "training.dataloader.num_workers": NoEffect(int, 0, _LOADER),
-    "training.dataloader.persistent_workers": NoEffect(bool, False, _LOADER),
+    "training.dataloader.persistent_workers": NoEffect(bool, TUNES, _LOADER),  # only with num_workers > 0
     "training.dataloader.pin_memory": NoEffect(bool, False, _LOADER),
-    "training.dataloader.prefetch_factor": NoEffect(int, None, _LOADER),
+    "training.dataloader.prefetch_factor": NoEffect(int, TUNES, _LOADER),
     # [parallelism]
     "parallelism.pipeline_parallel_first_stage_less_layers": NoEffect(
         int, 1, "stages are split by torchmoe's cost model, or by pipeline_parallel_layers_per_stage / "
@@ -144,12 +150,12 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
         ("recipe_name", str), ("filter_fqns", list[str]))},
     "quantize.linear.float8.emulate": NoEffect(bool, False, "float8 runs real float8 matmuls on GPUs of compute "
                                                "capability 8.9 and above only"),
-    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": NoEffect(str, "triton", _MX),
-    "quantize.linear.mx.recipe_name": NoEffect(str, "mxfp8_cublas", _MX),
-    "quantize.linear.mx.filter_fqns": NoEffect(list[str], ["output"], _MX),
-    "quantize.grouped_mm.float8.fqns": NoEffect(list[str], [], _GROUPED_FLOAT8),
-    "quantize.grouped_mm.mx.recipe_name": NoEffect(str, "mxfp8", _MX),
-    "quantize.grouped_mm.mx.fqns": NoEffect(list[str], [], _MX),
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": NoEffect(str, TUNES, _MX),
+    "quantize.linear.mx.recipe_name": NoEffect(str, TUNES, _MX),
+    "quantize.linear.mx.filter_fqns": NoEffect(list[str], TUNES, _MX),
+    "quantize.grouped_mm.float8.fqns": NoEffect(list[str], TUNES, _GROUPED_FLOAT8),
+    "quantize.grouped_mm.mx.recipe_name": NoEffect(str, TUNES, _MX),
+    "quantize.grouped_mm.mx.fqns": NoEffect(list[str], TUNES, _MX),
     # [comm]
     "comm.mode": NoEffect(str, "default", "to plan a job without GPUs, run torchmoe train --dry-run "
                           "[--world-size N]"),
@@ -158,19 +164,19 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
                                          "(and every real run is checked against it before it starts)"),
     "memory_estimation.disable_fake_mode": NoEffect(bool, False, "see memory_estimation.enable"),
     # [fault_tolerance]
-    **{f"fault_tolerance.{key}": NoEffect(typ, default, _FT) for key, typ, default in (
-        ("enable", bool, False), ("process_group", str, "gloo"), ("process_group_timeout_ms", int, 10000),
-        ("replica_id", int, 0), ("group_size", int, 0), ("min_replica_size", int, 1),
-        ("semi_sync_method", str, None))},
+    "fault_tolerance.enable": NoEffect(bool, False, _FT),
+    **{f"fault_tolerance.{key}": NoEffect(typ, TUNES, _FT) for key, typ in (
+        ("process_group", str), ("process_group_timeout_ms", int), ("replica_id", int), ("group_size", int),
+        ("min_replica_size", int), ("semi_sync_method", str))},
     # [experimental]
     "experimental.custom_import": NoEffect(str, "", _PLUGINS),
     "experimental.custom_args_module": NoEffect(str, "", _PLUGINS),
     # [validation]
-    **{f"validation.{key}": NoEffect(typ, default, _VALIDATION) for key, typ, default in (
-        ("enable", bool, False), ("dataset", str, "c4_validation"), ("dataset_path", str, None),
-        ("local_batch_size", int, 8), ("seq_len", int, 2048), ("freq", int, 10), ("steps", int, -1),
-        ("dataloader.num_workers", int, 0), ("dataloader.persistent_workers", bool, False),
-        ("dataloader.pin_memory", bool, False), ("dataloader.prefetch_factor", int, None))},
+    "validation.enable": NoEffect(bool, False, _VALIDATION),
+    **{f"validation.{key}": NoEffect(typ, TUNES, _VALIDATION) for key, typ in (
+        ("dataset", str), ("dataset_path", str), ("local_batch_size", int), ("seq_len", int), ("freq", int),
+        ("steps", int), ("dataloader.num_workers", int), ("dataloader.persistent_workers", bool),
+        ("dataloader.pin_memory", bool), ("dataloader.prefetch_factor", int))},
     # [debug]
     "debug.seed": Mapped(int, _same("training.seed")),
     "debug.deterministic": Mapped(bool, _same("training.deterministic")),
@@ -190,6 +196,6 @@ def translate(key: str, value: Any) -> tuple[dict[str, Any], str | None]:
     entry = TORCHTITAN_KEYS[key]
     if isinstance(entry, Mapped):
         return entry.to(value), None
-    if value == entry.default:
+    if entry.default is TUNES or value == entry.default:
         return {}, None
     return {}, f"{key} = {show_value(value)} (a torchtitan key) has no effect in torchmoe: {entry.why}"

@@ -1,0 +1,211 @@
+"""torchtitan v0.2.2 job files as they are: every key of its JobConfig accepted, mapped onto
+torchmoe's where one means the same, else accepted with one warning line naming why it does
+nothing here; values torchmoe cannot honour are one error.
+
+    python -m pytest -q tests/unit/test_torchtitan_config.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import write_toml
+from torchmoe import cli
+from torchmoe.config import ConfigError, JobConfig, load_job_config
+from torchmoe.config.loader import tomllib
+from torchmoe.config.torchtitan import TORCHTITAN_KEYS
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "torchtitan"
+FILES = ("debug_model.toml", "llama4_17bx16e.toml", "llama4_17bx128e.toml")
+
+# Every leaf key of torchtitan v0.2.2's JobConfig (`torchtitan/config/job_config.py` of the
+# released wheel), written out here rather than read from torchmoe's table.
+TORCHTITAN_V022_KEYS = """
+job.config_file job.dump_folder job.description job.print_config job.save_config_file job.custom_config_module
+profiling.enable_profiling profiling.save_traces_folder profiling.profile_freq profiling.profiler_active
+profiling.profiler_warmup profiling.enable_memory_snapshot profiling.save_memory_snapshot_folder
+metrics.log_freq metrics.enable_tensorboard metrics.disable_color_printing metrics.save_tb_folder
+metrics.save_for_all_ranks metrics.enable_wandb
+model.name model.flavor model.hf_assets_path model.tokenizer_path model.converters model.print_after_conversion
+optimizer.name optimizer.lr optimizer.beta1 optimizer.beta2 optimizer.eps optimizer.weight_decay
+optimizer.implementation optimizer.early_step_in_backward
+lr_scheduler.warmup_steps lr_scheduler.total_steps lr_scheduler.decay_ratio lr_scheduler.decay_type
+lr_scheduler.min_lr_factor
+training.dataset training.dataset_path training.local_batch_size training.global_batch_size training.seq_len
+training.max_norm training.steps training.enable_cpu_offload training.dtype training.mixed_precision_param
+training.mixed_precision_reduce training.gc_freq training.gc_debug training.dataloader.num_workers
+training.dataloader.persistent_workers training.dataloader.pin_memory training.dataloader.prefetch_factor
+parallelism.data_parallel_replicate_degree parallelism.data_parallel_shard_degree
+parallelism.fsdp_reshard_after_forward parallelism.tensor_parallel_degree parallelism.disable_loss_parallel
+parallelism.enable_async_tensor_parallel parallelism.pipeline_parallel_degree
+parallelism.module_fqns_per_model_part parallelism.pipeline_parallel_first_stage_less_layers
+parallelism.pipeline_parallel_last_stage_less_layers parallelism.pipeline_parallel_layers_per_stage
+parallelism.pipeline_parallel_schedule parallelism.pipeline_parallel_schedule_csv
+parallelism.pipeline_parallel_microbatch_size parallelism.pipeline_parallel_expert_parallel_overlap
+parallelism.context_parallel_degree parallelism.context_parallel_load_balancer
+parallelism.context_parallel_rotate_method parallelism.expert_parallel_degree
+parallelism.expert_tensor_parallel_degree parallelism.expert_parallel_comm_backend
+checkpoint.enable checkpoint.enable_ft_dataloader_checkpoints checkpoint.folder checkpoint.interval
+checkpoint.initial_load_path checkpoint.initial_load_model_only checkpoint.initial_load_in_hf
+checkpoint.initial_load_in_hf_quantized checkpoint.last_save_model_only checkpoint.last_save_in_hf
+checkpoint.export_dtype checkpoint.async_mode checkpoint.keep_latest_k checkpoint.load_step
+checkpoint.exclude_from_loading checkpoint.enable_first_step_checkpoint checkpoint.create_seed_checkpoint
+checkpoint.load_only
+activation_checkpoint.mode activation_checkpoint.selective_ac_option
+activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns activation_checkpoint.early_stop
+activation_checkpoint.memory_budget activation_checkpoint.visualize_memory_budget_pareto
+activation_checkpoint.preserve_rng_state activation_checkpoint.determinism_check activation_checkpoint.debug
+compile.enable compile.components compile.backend
+quantize.linear.float8.enable_fsdp_float8_all_gather quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+quantize.linear.float8.recipe_name quantize.linear.float8.filter_fqns quantize.linear.float8.emulate
+quantize.linear.mx.mxfp8_dim1_cast_kernel_choice quantize.linear.mx.recipe_name quantize.linear.mx.filter_fqns
+quantize.grouped_mm.float8.fqns quantize.grouped_mm.mx.recipe_name quantize.grouped_mm.mx.fqns
+comm.init_timeout_seconds comm.train_timeout_seconds comm.trace_buf_size comm.save_traces_folder
+comm.save_traces_file_prefix comm.mode
+memory_estimation.enable memory_estimation.disable_fake_mode
+fault_tolerance.enable fault_tolerance.process_group fault_tolerance.process_group_timeout_ms
+fault_tolerance.replica_id fault_tolerance.group_size fault_tolerance.min_replica_size
+fault_tolerance.semi_sync_method
+experimental.custom_import experimental.custom_args_module
+validation.enable validation.dataset validation.dataset_path validation.local_batch_size validation.seq_len
+validation.freq validation.steps validation.dataloader.num_workers validation.dataloader.persistent_workers
+validation.dataloader.pin_memory validation.dataloader.prefetch_factor
+debug.seed debug.deterministic debug.deterministic_warn_only debug.moe_force_load_balance
+""".split()
+
+
+def _leaves(table: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        keys |= _leaves(value, f"{dotted}.") if isinstance(value, dict) else {dotted}
+    return keys
+
+
+def _torchmoe_keys() -> set[str]:
+    return _leaves({s: dict.fromkeys(vars(getattr(JobConfig(), s))) for s in vars(JobConfig())})
+
+
+def test_the_key_list_is_torchtitans_and_every_key_has_a_meaning_here() -> None:
+    assert len(TORCHTITAN_V022_KEYS) == len(set(TORCHTITAN_V022_KEYS)) == 149
+    shared = _torchmoe_keys()
+    unknown = [k for k in TORCHTITAN_V022_KEYS if k not in shared and k not in TORCHTITAN_KEYS]
+    assert unknown == []
+    # The table holds torchtitan keys only, none that torchmoe already has under the same name.
+    assert set(TORCHTITAN_KEYS) <= set(TORCHTITAN_V022_KEYS) and not set(TORCHTITAN_KEYS) & shared
+
+
+def test_the_three_files_hold_every_key_and_load_without_a_warning() -> None:
+    held = set()
+    for name in FILES:
+        held |= _leaves(tomllib.loads((ASSETS / name).read_text()))
+        notes: list[str] = []
+        load_job_config(["--config", str(ASSETS / name)], notes=notes)
+        assert notes == [], name  # torchtitan's defaults, or values torchmoe honours
+    assert held == set(TORCHTITAN_V022_KEYS)
+
+
+def test_mapped_keys_set_torchmoes() -> None:
+    cfg = load_job_config(["--config", str(ASSETS / "llama4_17bx16e.toml")])
+    assert cfg.float8.enable and cfg.float8.recipe_name == "tensorwise"  # model.converters, [quantize.linear.float8]
+    assert cfg.float8.filter_fqns == ["output", "router.gate"] and cfg.float8.enable_fsdp_float8_all_gather
+    assert cfg.parallelism.expert_tensor_parallel_degree == cfg.parallelism.tensor_parallel_degree == 8
+    assert (cfg.checkpoint.last_save_model_only, cfg.checkpoint.export_dtype) == (True, "bfloat16")
+    # hf_assets_path: the tokenizer, and with initial_load_in_hf the weights (set explicitly here too)
+    assert cfg.model.tokenizer_path == cfg.checkpoint.initial_load_path == "./assets/hf/Llama-4-Scout-17B-16E"
+    debug = load_job_config(["--config", str(ASSETS / "debug_model.toml")])
+    assert (debug.training.seed, debug.training.deterministic) == (42, False)  # [debug]
+    assert (debug.training.dataset, debug.lr_scheduler.total_steps, debug.training.gc_freq) == ("c4_test", 10, 50)
+    assert not debug.float8.enable  # converters = []
+
+
+def test_hf_assets_path_fills_what_is_not_given(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, '[model]\nhf_assets_path = "hf/scout"\n[checkpoint]\ninitial_load_in_hf = true\n')
+    cfg = load_job_config(["--config", path])
+    assert (cfg.model.tokenizer_path, cfg.checkpoint.initial_load_path) == ("hf/scout", "hf/scout")
+    cfg = load_job_config(["--config", path, "--model.tokenizer_path", "tok.json",
+                           "--checkpoint.initial_load_path", "ckpt"])
+    assert (cfg.model.tokenizer_path, cfg.checkpoint.initial_load_path) == ("tok.json", "ckpt")
+    cfg = load_job_config(["--model.hf_assets_path", "hf/scout"])  # no initial_load_in_hf: weights are not read
+    assert (cfg.model.tokenizer_path, cfg.checkpoint.initial_load_path) == ("hf/scout", "")
+
+
+def test_a_torchmoe_key_wins_over_a_mapped_one(tmp_path: Path) -> None:
+    cfg = load_job_config(["--config", write_toml(tmp_path, "[training]\nseed = 1\n[debug]\nseed = 2\n")])
+    assert cfg.training.seed == 1
+    cfg = load_job_config(["--config", write_toml(tmp_path, "[debug]\nseed = 2\n"), "--training.seed", "3"])
+    assert cfg.training.seed == 3
+
+
+@pytest.mark.parametrize(("text", "warning"), [
+    ("[fault_tolerance]\nenable = true\n", "fault_tolerance.enable = true (a torchtitan key) has no effect in "
+     "torchmoe: torchft is not integrated"),
+    ("[training]\ndtype = \"bfloat16\"\n", 'training.dtype = "bfloat16" (a torchtitan key) has no effect in torchmoe: '
+     "torchmoe keeps parameters and optimizer state in float32"),
+    ("[training.dataloader]\nnum_workers = 4\nprefetch_factor = 8\n", "training.dataloader.num_workers = 4"),
+    ("[validation]\nenable = true\nfreq = 5\n", "validation.enable = true (a torchtitan key) has no effect"),
+    ("[job]\ncustom_config_module = \"my.ext\"\n", "has no plugin modules"),
+])
+def test_a_key_without_effect_warns_once(tmp_path: Path, text: str, warning: str) -> None:
+    notes: list[str] = []
+    load_job_config(["--config", write_toml(tmp_path, text)], notes=notes)
+    assert len(notes) == 1 and warning in notes[0], notes  # keys that only tune a switched-off feature are quiet
+
+
+def test_warnings_reach_the_console_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_toml(tmp_path, "[model]\nflavor = \"bench256\"\n[memory_estimation]\nenable = true\n")
+    assert cli.main(["train", "--config", path, "--dry-run", "--world-size", "1", "--job.dump_folder",
+                     str(tmp_path / "out"), "--comm.mode", "local_tensor"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 2, err
+    assert "memory_estimation.enable = true (a torchtitan key) has no effect in torchmoe" in err
+    assert 'comm.mode = "local_tensor" (a torchtitan key) has no effect in torchmoe: to plan a job without GPUs, ' \
+           "run torchmoe train --dry-run" in err
+
+
+def test_torchtitan_flags_on_the_command_line(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[training]\nsteps = 7\n")
+    cfg = load_job_config(["--job.config_file", path, "--debug.seed", "5", "--quantize.linear.float8.filter_fqns",
+                           "output,router.gate", "--training.enable_cpu_offload", "--model.converters", "float8"])
+    assert cfg.training.steps == 7 and cfg.training.seed == 5  # --job.config_file is --config
+    assert cfg.float8.filter_fqns == ["output", "router.gate"] and cfg.float8.enable
+    assert cfg.parallelism.fsdp_cpu_offload
+    assert load_job_config(["--compile.components", "model", "loss"]).compile.components == ["model", "loss"]
+
+
+@pytest.mark.parametrize(("text", "key", "problem", "fix"), [
+    ('[model]\nconverters = ["quantize.linear.mx"]\n', "model.converters", "MX (microscaling) formats are not "
+     "supported", '"quantize.linear.float8"'),
+    ('[model]\nconverters = ["quantize.grouped_mm.float8"]\n', "model.converters", "float8 routed experts",
+     '"quantize.linear.float8"'),
+    ('[model]\nconverters = ["int4"]\n', "model.converters", 'unknown converter "int4"', "quantize.linear.float8"),
+    ("[debug]\nsed = 1\n", "debug.sed", "unknown key in [debug]", "did you mean debug.seed?"),
+    ("[quantize.linear.float8]\nrecipe = \"rowwise\"\n", "quantize.linear.float8.recipe", "unknown key",
+     "did you mean quantize.linear.float8.recipe_name?"),
+    ("[validation]\nfreq = \"10\"\n", "validation.freq", "expected an integer", "freq = 10"),
+    ("[parallelism]\nexpert_tensor_parallel_degree = 2\ntensor_parallel_degree = 2\nexpert_parallel_degree = 2\n",
+     "parallelism.expert_tensor_parallel_degree", "(2-D) are not supported", "expert_tensor_parallel_degree = 1"),
+    ('[checkpoint]\nexclude_from_loading = ["train_state"]\n', "checkpoint.exclude_from_loading",
+     "the step count always continues", "initial_load_path"),
+])
+def test_what_torchmoe_cannot_honour_is_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                                  key: str, problem: str, fix: str) -> None:
+    path = write_toml(tmp_path, text)
+    assert cli.main(["train", "--config", path, "--dry-run", "--world-size", "4", "--job.dump_folder",
+                     str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f"{key} = " in err and problem in err and fix in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "qwen3"])
+def test_another_model_family_is_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
+    # torchtitan files of those families hold the same sections; only the family is not trained here.
+    text = f'[model]\nname = "{family}"\nflavor = "debugmodel"\nhf_assets_path = "./tests/assets/tokenizer"\n' \
+           '[training]\ndataset = "c4_test"\n[debug]\nseed = 1\n'
+    assert cli.main(["train", "--config", write_toml(tmp_path, text)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f'model.name = "{family}"' in err, err
+    assert "torchmoe trains Llama 4 (text, mixture-of-experts) models only" in err
