@@ -19,6 +19,7 @@ from pathlib import Path
 from torchmoe.config import job_config
 from torchmoe.config.errors import show_value
 from torchmoe.config.job_config import JobConfig
+from torchmoe.config.torchtitan import TORCHTITAN_KEYS, TUNES, Mapped
 
 
 _START, _END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
@@ -52,7 +53,24 @@ def reference() -> str:
             default = show_value(getattr(getattr(defaults, section.name), f.name))
             text = docs.get(f.name, "").replace("|", "\\|").replace("\n", " ")
             lines.append(f"| `{f.name}` | {_type_name(hints[f.name])} | `{default}` | {text} |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *torchtitan_reference()])
+
+
+def torchtitan_reference() -> list[str]:
+    """The torchtitan v0.2.2 keys torchmoe does not share by name: what each does here."""
+    lines = ["### torchtitan keys", "",
+             "torchtitan v0.2.2's keys that torchmoe does not have under the same name (those it has are in the "
+             "tables above). A key without effect warns once when set to anything but torchtitan's default; "
+             "one that only tunes a feature switched on elsewhere never warns.", "",
+             "| key | type | in torchmoe |", "|---|---|---|"]
+    for key, entry in TORCHTITAN_KEYS.items():
+        if isinstance(entry, Mapped):
+            meaning = entry.means
+        else:
+            quiet = " (never warns)" if entry.default is TUNES else ""
+            meaning = f"no effect{quiet}: {entry.why}"
+        lines.append(f"| `{key}` | {_type_name(entry.typ)} | {meaning.replace('|', '/')} |")
+    return lines
 
 
 def write_readme(readme: Path) -> None:

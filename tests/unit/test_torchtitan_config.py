@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import write_toml
 from torchmoe import cli
-from torchmoe.config import ConfigError, JobConfig, load_job_config
+from torchmoe.config import JobConfig, load_job_config
 from torchmoe.config.loader import tomllib
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS
 

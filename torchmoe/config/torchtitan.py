@@ -34,10 +34,11 @@ __all__ = ["TORCHTITAN_KEYS", "Mapped", "NoEffect", "translate"]
 @dataclass(frozen=True)
 class Mapped:
     """A torchtitan key that torchmoe spells differently: `to(value)` gives the torchmoe
-    ``{"section.key": value}`` that mean the same."""
+    ``{"section.key": value}`` that mean the same, `means` says which (for the README)."""
 
     typ: Any
     to: Callable[[Any], dict[str, Any]]
+    means: str
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,9 @@ class NoEffect:
 TUNES = object()  # NoEffect.default of a key that never warns (see the module docstring)
 
 
-def _same(key: str) -> Callable[[Any], dict[str, Any]]:
-    return lambda value: {key: value}
+def _alias(typ: Any, key: str) -> Mapped:
+    """torchtitan's name for torchmoe's `key`."""
+    return Mapped(typ, lambda value: {key: value}, f"`{key}`")
 
 
 # model.converters: torchtitan v0.2.2's names, plus the "float8" of its older files and comments.
@@ -97,12 +99,13 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     # [profiling] and [metrics]
     "metrics.save_for_all_ranks": NoEffect(bool, False, _TRACKING),
     # [model]
-    "model.converters": Mapped(list[str], _converters),
+    "model.converters": Mapped(list[str], _converters, '`float8.enable` for "quantize.linear.float8" (or its old '
+                               'name "float8"); the MX and grouped-GEMM converters are refused'),
     # [optimizer]
     "optimizer.early_step_in_backward": NoEffect(bool, False, "torchmoe steps the optimizer after the backward, "
                                                  "which gradient clipping needs"),
     # [training]
-    "training.enable_cpu_offload": Mapped(bool, _same("parallelism.fsdp_cpu_offload")),
+    "training.enable_cpu_offload": _alias(bool, "parallelism.fsdp_cpu_offload"),
     "training.dtype": NoEffect(str, "float32", "torchmoe keeps parameters and optimizer state in float32 "
                                "and computes in training.mixed_precision_param"),
     "training.gc_debug": NoEffect(bool, False, "no debug mode for the garbage collector (training.gc_freq sets "
@@ -145,7 +148,7 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     "activation_checkpoint.determinism_check": NoEffect(str, "default", "torch's default check is used"),
     "activation_checkpoint.debug": NoEffect(bool, False, "torch's checkpoint debug mode is not exposed"),
     # [quantize.*] (float8 linears are torchmoe's [float8])
-    **{f"quantize.linear.float8.{key}": Mapped(typ, _same(f"float8.{key}")) for key, typ in (
+    **{f"quantize.linear.float8.{key}": _alias(typ, f"float8.{key}") for key, typ in (
         ("enable_fsdp_float8_all_gather", bool), ("precompute_float8_dynamic_scale_for_fsdp", bool),
         ("recipe_name", str), ("filter_fqns", list[str]))},
     "quantize.linear.float8.emulate": NoEffect(bool, False, "float8 runs real float8 matmuls on GPUs of compute "
@@ -178,8 +181,8 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
         ("steps", int), ("dataloader.num_workers", int), ("dataloader.persistent_workers", bool),
         ("dataloader.pin_memory", bool), ("dataloader.prefetch_factor", int))},
     # [debug]
-    "debug.seed": Mapped(int, _same("training.seed")),
-    "debug.deterministic": Mapped(bool, _same("training.deterministic")),
+    "debug.seed": _alias(int, "training.seed"),
+    "debug.deterministic": _alias(bool, "training.deterministic"),
     "debug.deterministic_warn_only": NoEffect(bool, False, "training.deterministic makes a nondeterministic "
                                               "op an error, never a warning"),
     "debug.moe_force_load_balance": NoEffect(bool, False, "routing is always the router's (no forced "
