@@ -62,7 +62,7 @@ def test_shipped_configs_have_run_command_header() -> None:
 
 def test_debug_config_values() -> None:
     cfg = load_job_config(["--config", DEBUG])
-    assert (cfg.model.flavor, cfg.training.device) == ("debugmodel", "cpu")
+    assert (cfg.model.flavor, cfg.training.device) == ("tiny", "cpu")
     assert cfg.training.mixed_precision_param == "float32"
     assert (cfg.training.seq_len, cfg.training.local_batch_size, cfg.checkpoint.enable) == (128, 8, False)
     assert cfg.job.dump_folder == "./outputs/debug"
@@ -378,14 +378,14 @@ def test_valid_layouts_pass(debug_cfg: JobConfig, settings: dict, world_size: in
 ])
 def test_tp_must_divide_every_sharded_dim(monkeypatch: pytest.MonkeyPatch, debug_cfg: JobConfig, dim: str,
                                           shape: dict) -> None:
-    monkeypatch.setitem(FLAVORS, "odd", FLAVORS["debugmodel"].replace(**shape))
+    monkeypatch.setitem(FLAVORS, "odd", FLAVORS["tiny"].replace(**shape))
     cfg = _with(debug_cfg, {"model.flavor": "odd", "parallelism.tensor_parallel_degree": 2})
     _raises(validate_job_config, cfg, 2, key="parallelism.tensor_parallel_degree", value="2",
             fix="divides every sharded dim", problem=f"odd flavor's {dim}")
 
 
 def test_tp_ignores_ffn_dim_without_dense_layers(monkeypatch: pytest.MonkeyPatch, debug_cfg: JobConfig) -> None:
-    all_moe: ModelArgs = FLAVORS["debugmodel"].replace(ffn_hidden_dim=385, interleave_moe_layer_step=1)
+    all_moe: ModelArgs = FLAVORS["tiny"].replace(ffn_hidden_dim=385, interleave_moe_layer_step=1)
     monkeypatch.setitem(FLAVORS, "all_moe", all_moe)
     validate_job_config(_with(debug_cfg, {"model.flavor": "all_moe", "parallelism.tensor_parallel_degree": 2}), 2, check_device=False)
 
@@ -523,7 +523,7 @@ def test_dry_run_world_size(monkeypatch: pytest.MonkeyPatch, args: list[str], en
         monkeypatch.setenv("WORLD_SIZE", env)
     assert cli.main(["train", "--config", DEBUG, "--dry-run", *args]) == 0
     assert seen["world_size"] == expected
-    assert seen["cfg"].model.flavor == "debugmodel"
+    assert seen["cfg"].model.flavor == "tiny"
 
 
 def test_real_run_refuses_mismatched_world_size(monkeypatch: pytest.MonkeyPatch,
@@ -556,6 +556,6 @@ def test_tokenizer_must_fit_the_vocabulary() -> None:
     from torchmoe.config.job_config import Model
     from torchmoe.preflight.files import check_tokenizer_fits
 
-    check_tokenizer_fits(512, 512, Model())
-    with pytest.raises(ConfigError, match=r"the tokenizer has 600 tokens but flavor 'debugmodel' has vocab_size 512"):
-        check_tokenizer_fits(600, 512, Model(tokenizer_path="tok.json"))
+    check_tokenizer_fits(512, 512, Model(flavor="tiny"))
+    with pytest.raises(ConfigError, match=r"the tokenizer has 600 tokens but flavor 'tiny' has vocab_size 512"):
+        check_tokenizer_fits(600, 512, Model(flavor="tiny", tokenizer_path="tok.json"))
