@@ -1,7 +1,7 @@
 """Context parallelism on CPU: tokens/s and peak memory of cp 2 vs one process at long sequences,
 and the key/value bytes each attention layer kind sends against the analytic minimum.
 
-    python scripts/bench_cp.py                           # debugmodel, seq 4096, 8192, 16384
+    python scripts/bench_cp.py                           # tiny flavor, seq 4096, 8192, 16384
     python scripts/bench_cp.py --seqs 8192 --steps 3
 
 Throughput and memory: the real CLI in a subprocess (fp32, one thread per rank, checkpoints off),
@@ -10,10 +10,10 @@ after the first step, and the peak RSS of rank 0 (`memory_gib` of metrics.jsonl:
 process's max RSS, which includes the Python runtime, about 0.4 GiB).
 
 Bytes: a 2-rank torchrun worker (this script with --bytes-worker) runs one forward and backward of
-a context-parallel debugmodel per sequence length and reads the bytes each rank sent per mode
+a context-parallel tiny model per sequence length and reads the bytes each rank sent per mode
 (`ContextParallelAttention.sent`, forward; backward sends the gradients back, the same again),
 against `CPLayout.bytes_received` of the other rank (the minimum for the layout).
-debugmodel's chunked layers (64-token chunks) are "local" at the benchmark lengths (pieces of
+The tiny flavor's chunked layers (64-token chunks) are "local" at the benchmark lengths (pieces of
 >= 1024 tokens hold whole chunks), "gather" at 128 and "halo" at 384; its NoPE layer "global". Writes JSON (default outputs/bench_cp.json).
 """
 
@@ -54,7 +54,7 @@ def _bytes_worker(seqs: list[int], out: str) -> None:
     from torchmoe.models.llama4 import FLAVORS, Transformer
 
     dist.init_process_group("gloo")
-    args = FLAVORS["debugmodel"]
+    args = FLAVORS["tiny"]
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     result = {}
     for seq in seqs:
@@ -105,7 +105,7 @@ def main() -> None:
         _bytes_worker(a.seqs, a.bytes_worker)
         return
     # 128 and 384 add the modes long sequences do not reach: chunks longer than pieces, halos.
-    result = {"flavor": "debugmodel", "bytes_per_mode": bench_bytes([128, 384, *a.seqs]), "runs": {}}
+    result = {"flavor": "tiny", "bytes_per_mode": bench_bytes([128, 384, *a.seqs]), "runs": {}}
     for seq in a.seqs:
         one, two = _run(seq, 1, a.steps), _run(seq, 2, a.steps)
         result["runs"][seq] = {"cp1": one, "cp2": two, "speedup": two["tokens_per_sec"] / one["tokens_per_sec"]}

@@ -1,7 +1,7 @@
 """Expert-parallel traffic and throughput: bytes the EP all-to-alls move per step against the
 analytical minimum, and tokens/s, for a few EP layouts on CPU/gloo.
 
-    python scripts/bench_ep.py --flavor debugmodel --steps 8 --out outputs/bench_ep.json
+    python scripts/bench_ep.py --flavor tiny --steps 8 --out outputs/bench_ep.json
 
 Minimum per rank and step, per MoE layer: routed rows × dim × dtype bytes × (ep − 1)/ep, for the
 dispatch and again for the combine, in forward and again in backward (uniform routing sends a
@@ -53,7 +53,7 @@ def run(layout: str, flavor: str, steps: int, seq_len: int, batch: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--flavor", default="tiny")
     parser.add_argument("--layouts", nargs="+", default=sorted(LAYOUTS), choices=sorted(LAYOUTS))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)

@@ -12,7 +12,7 @@ Measured bubble: the share of the two ranks' time not spent on the single proces
 ``1 - T_single / (pp * T_pp)`` (it also holds stage imbalance and communication, which the
 theoretical number, `plan.pipeline.bubble_fraction`, leaves out).
 
-Balance: for 17bx128e on 512 ranks (TP 8, EP 8, FSDP over the rest) at pp 4 and 8, the max/mean
+Balance: for Maverick on 512 ranks (TP 8, EP 8, FSDP over the rest) at pp 4 and 8, the max/mean
 stage FLOPs and per-rank state bytes of `pipeline_layout` (the cost model) and of equal layer
 counts. Writes JSON (default outputs/bench_pp.json) and prints it.
 """
@@ -77,8 +77,8 @@ def bench_schedules(flavor: str, schedules: list[str], *, seq: int, steps: int, 
 
 
 def maverick_balance() -> dict:
-    """Cost-model vs layer-count split of 17bx128e at pp 4 and 8 (512 ranks, TP 8, EP 8)."""
-    args, out = FLAVORS["17bx128e"], {}
+    """Cost-model vs layer-count split of Maverick at pp 4 and 8 (512 ranks, TP 8, EP 8)."""
+    args, out = FLAVORS["maverick"], {}
     for pp in (4, 8):
         dims = ParallelDims(pp=pp, dp_replicate=1, dp_shard=512 // (8 * pp), cp=1, tp=8, ep=8, world_size=512)
         flops, state, ends = layer_costs(args, dims, 8192)

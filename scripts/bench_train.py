@@ -1,7 +1,7 @@
 """Training throughput of `torchmoe train` on CPU: tokens/s, TFLOP/s, and MFU against this
 machine's measured dense fp32 matmul rate.
 
-    python scripts/bench_train.py                                   # debugmodel + bench256, one process
+    python scripts/bench_train.py                                   # tiny + bench256, one process
     python scripts/bench_train.py --flavors bench256 --layout fsdp2  # the same under torchrun, 2 ranks
 
 Each run is the real CLI in a subprocess (fp32, activation checkpointing off, checkpoints off),
@@ -81,7 +81,7 @@ def run_layout(flavor: str, layout: str, *, seq: int, batch: int, steps: int, wa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavors", nargs="+", default=["debugmodel", "bench256"], choices=sorted(FLAVORS))
+    parser.add_argument("--flavors", nargs="+", default=["tiny", "bench256"], choices=sorted(FLAVORS))
     parser.add_argument("--layout", default="single", choices=sorted(LAYOUTS),
                         help="parallel layout: ranks and flags under torchrun (default: one process)")
     parser.add_argument("--seq", type=int, default=2048)

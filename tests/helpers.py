@@ -1,6 +1,6 @@
 """What several test files share: the repo's configs, user-error checks, checkpoint folders, the
 tiny job of the distributed parity tests (and running many of them in one torchrun world), and an
-empty CPU debugmodel.
+empty CPU tiny model.
 
 Running the CLI itself is `torchmoe.launch`.
 """
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(REPO / "configs" / "debug_model.toml")
 
-# The distributed parity tests' job: debugmodel, global batch 8 x 64 tokens, log every step,
+# The distributed parity tests' job: the tiny flavor, global batch 8 x 64 tokens, log every step,
 # checkpoints on so the seed checkpoint is picked up; warmup 2 so the LR changes across the
 # compared steps.
 TINY_JOB = [
@@ -165,14 +165,14 @@ class TinyRuns:
                         timeout=120 + 120 * len(jobs))
 
 
-def empty_debugmodel() -> Transformer:
-    """A debugmodel on CPU in eval mode, its weights allocated but not initialised (to load into)."""
+def empty_tiny_model() -> Transformer:
+    """A tiny model on CPU in eval mode, its weights allocated but not initialised (to load into)."""
     import torch
 
     from torchmoe.models.llama4 import FLAVORS, Transformer
 
     with torch.device("meta"):
-        model = Transformer(FLAVORS["debugmodel"])
+        model = Transformer(FLAVORS["tiny"])
     model.to_empty(device="cpu")
     model.init_buffers("cpu")
     return model.eval()

@@ -2,7 +2,7 @@
 
     torchmoe convert hf-to-dcp path/to/Llama-4-Scout-17B-16E-Instruct outputs/scout-dcp --dtype bfloat16
     torchmoe train --config configs/llama4_16e.toml --checkpoint.initial_load_path outputs/scout-dcp
-    torchmoe convert dcp-to-hf outputs/debug/checkpoint/step-200 outputs/debug-hf --flavor debugmodel
+    torchmoe convert dcp-to-hf outputs/debug/checkpoint/step-200 outputs/debug-hf --flavor tiny
 
     torchrun --nproc_per_node=8 -m torchmoe convert hf-to-dcp path/to/Llama-4-Maverick out/maverick-dcp
 

@@ -3,7 +3,7 @@ what its mode says.
 
     python -m pytest -q tests/distributed/test_context_parallel.py
 
-debugmodel: blocks 0-2 chunked RoPE attention (64-token chunks, QK-norm), block 3 NoPE with
+The tiny flavor: blocks 0-2 chunked RoPE attention (64-token chunks, QK-norm), block 3 NoPE with
 temperature tuning (floor_scale 32, so it varies over these lengths). The sequence length picks
 the chunked layers' mode on cp 2 (pieces of seq_len / 4 tokens): 256 -> whole chunks ("local"),
 384 -> chunks straddling pieces ("halo"), 128 -> chunks longer than a piece ("gather"); on cp 4,
@@ -109,7 +109,7 @@ def _check_model(seq_len: int) -> dict:
     from torchmoe.plan.memory import ActivationModel
 
     torch.manual_seed(0)
-    args = FLAVORS["debugmodel"]
+    args = FLAVORS["tiny"]
     model = Transformer(args)
     model.init_weights(seed=0)
     tokens = torch.randint(0, args.vocab_size, (2, seq_len))

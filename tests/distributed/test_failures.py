@@ -87,11 +87,11 @@ def _no_worker_traceback(text: str, rank: int) -> bool:
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> Path:
-    """A Hugging Face folder of debugmodel weights (every rank really loads it)."""
-    from tests.helpers import empty_debugmodel
+    """A Hugging Face folder of tiny-flavor weights (every rank really loads it)."""
+    from tests.helpers import empty_tiny_model
     from torchmoe.hf import save_model
 
-    model = empty_debugmodel()
+    model = empty_tiny_model()
     model.init_weights(seed=0)
     folder = tmp_path_factory.mktemp("hf")
     save_model(model, folder)

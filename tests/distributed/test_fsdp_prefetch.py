@@ -3,8 +3,8 @@ forward; after it, in backward) finishes: explicit prefetching (`data_parallel._
 
     python -m pytest -q tests/distributed/test_fsdp_prefetch.py
 
-One torchrun world of 2 CPU/gloo ranks builds the real `Trainer` for FSDP 2 x EP 2 (debugmodel:
-blocks 1 and 3 are MoE, their routed experts are FSDP units of their own) and runs one
+One torchrun world of 2 CPU/gloo ranks builds the real `Trainer` for FSDP 2 x EP 2 (the tiny
+flavor: blocks 1 and 3 are MoE, their routed experts are FSDP units of their own) and runs one
 `forward_backward`, logging in order every all-gather FSDP issues (`FSDPParamGroup.unshard`
 that starts one) and the end of every unit's forward and backward (`post_forward`,
 `post_backward`), by unit name. Without explicit prefetching a unit is all-gathered only in its

@@ -101,7 +101,7 @@ def _worker(out_dir: Path) -> None:
 
     dist.init_process_group("gloo")  # the Trainer joins it; its meshes are built on top
     hf = json.loads((out_dir / "inputs.json").read_text())
-    records = {label: _load_and_save(label, flags, Path(hf["debugmodel"]), out_dir) for label, flags in LAYOUTS.items()}
+    records = {label: _load_and_save(label, flags, Path(hf["tiny"]), out_dir) for label, flags in LAYOUTS.items()}
     records["memory"] = _load_and_save("memory", MEMORY_LAYOUT, Path(hf["bench256"]), out_dir)
     write_rank_record(out_dir, records)
 
@@ -121,7 +121,7 @@ def _hf_folder(flavor: str, folder: Path, seed: int) -> Path:
 def measured(tmp_path_factory) -> tuple[dict[int, dict], Path]:
     out = tmp_path_factory.mktemp("hf_sharded")
     inputs = {flavor: str(_hf_folder(flavor, out / f"hf_{flavor}", seed)) for seed, flavor in
-              enumerate(("debugmodel", "bench256"))}
+              enumerate(("tiny", "bench256"))}
     (out / "inputs.json").write_text(json.dumps(inputs))
     return run_rank_script(__file__, out, world=WORLD, timeout=600), out
 
@@ -139,13 +139,13 @@ def test_load_gives_the_folders_tensors_and_save_writes_them_back(measured, labe
     records, out = measured
     for rank in range(WORLD):
         assert records[rank][label]["mismatched"] == [], (label, rank)
-    want = _tensors(out / "hf_debugmodel")
+    want = _tensors(out / "hf_tiny")
     saved = out / label / "checkpoint" / "step-1-hf"
     got = _tensors(saved)
     assert sorted(got) == sorted(want), label
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), (label, name)
-    assert json.loads((saved / "config.json").read_text()) == json.loads((out / "hf_debugmodel" / "config.json").read_text())
+    assert json.loads((saved / "config.json").read_text()) == json.loads((out / "hf_tiny" / "config.json").read_text())
     assert not (saved / ".rank-shards").exists()  # each rank's own files are gone once consolidated
 
 
@@ -174,7 +174,7 @@ def test_convert_runs_as_a_sharded_torchrun_job(measured, tmp_path):
     from torchmoe.launch import run_cli
 
     _, out = measured
-    hf_in = out / "hf_debugmodel"
+    hf_in = out / "hf_tiny"
     proc = run_cli(["convert", "hf-to-dcp", hf_in, tmp_path / "dcp"], nproc=4, timeout=300)
     assert proc.stdout.count("wrote DCP folder") == 1  # rank 0 reports for the job
     from torch.distributed.checkpoint import FileSystemReader
@@ -182,7 +182,7 @@ def test_convert_runs_as_a_sharded_torchrun_job(measured, tmp_path):
     entries = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
     experts = entries["layers.1.moe.experts.w1"]
     assert len(experts.chunks) == 4 and all(c.sizes[0] == experts.size[0] // 4 for c in experts.chunks)
-    run_cli(["convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--flavor", "debugmodel"], nproc=2,
+    run_cli(["convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--flavor", "tiny"], nproc=2,
             timeout=300)
     want, got = _tensors(hf_in), _tensors(tmp_path / "back")
     assert sorted(got) == sorted(want)

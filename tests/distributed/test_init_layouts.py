@@ -5,7 +5,7 @@
 One torchrun world of 4 CPU/gloo ranks builds the real `Trainer` under several layouts, one after
 the other (each with its own meshes and parallelize), gathers its full weights
 (`get_model_state_dict(full_state_dict=True)`) and compares them with a single-process init of the
-same seed on that rank: every parameter must be equal bit for bit. Besides the debugmodel, an
+same seed on that rank: every parameter must be equal bit for bit. Besides the tiny model, an
 "uneven" variant (vocab 510, hidden sizes 382 / 254, two experts) makes FSDP shards uneven (510
 rows over 4 ranks; 255 and 191 TP rows over 2) and puts FSDP on the experts' hidden dim (one local
 expert per EP rank). The FSDP 4 trainer then trains its first step, which must equal a 1-process
@@ -55,7 +55,7 @@ FIRST_STEP = "fsdp4"  # the layout whose first training step is compared too
 def _register_uneven_flavor() -> None:
     from torchmoe.models.llama4 import FLAVORS
 
-    FLAVORS["uneven"] = FLAVORS["debugmodel"].replace(vocab_size=510, ffn_hidden_dim=382, moe_hidden_dim=254,
+    FLAVORS["uneven"] = FLAVORS["tiny"].replace(vocab_size=510, ffn_hidden_dim=382, moe_hidden_dim=254,
                                                       num_experts=2)
 
 

@@ -22,7 +22,7 @@ exactly those bytes. What neither side counts, by design:
   - transient FSDP all-gather / reduce-scatter buffers and activations: the estimate bounds those
     as peaks (`fsdp_buffers`, `activations`), which a byte count of live tensors cannot check.
 The estimate is of the fullest rank of its pp rank: shards are ceil-sized (FSDP padding
-included). debugmodel's dims divide evenly by every degree here, so every rank holds exactly
+included). The tiny flavor's dims divide evenly by every degree here, so every rank holds exactly
 that; the padded (uneven) case is checked against a meta-device model in tests/unit/test_plan.py.
 """
 

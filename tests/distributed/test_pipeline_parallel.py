@@ -13,7 +13,7 @@ The single-process reference is itself anchored outside the trainer: its logged 
 gradient norm equal a plain forward of the seed weights on the same batch with `F.cross_entropy`
 and `torch.nn.utils.get_total_norm` (in fp64, as the trainer's clipping accumulates).
 
-debugmodel has 4 blocks, MoE on blocks 1 and 3: multi-stage schedules on pp 2 run one block per
+The tiny flavor has 4 blocks, MoE on blocks 1 and 3: multi-stage schedules on pp 2 run one block per
 stage, so stages 0 and 2 hold no MoE layer; "pp2_stage_without_moe" gives a whole pp rank none.
 
 The multi-rank runs are trained in one torchrun world per rank count (`tests.helpers.TinyRuns`).
@@ -51,7 +51,7 @@ def test_reference_step1_matches_plain_forward(seed, balance_reference):
 
     cfg = load_job_config([*TINY_JOB, "--training.local_batch_size", "8", *BALANCE])
     ((inputs, labels),) = build_dataloader(cfg.training, build_tokenizer(""), dp_rank=0, dp_degree=1).next_batch()
-    args = FLAVORS["debugmodel"].replace(load_balance_coeff=0.05, aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    args = FLAVORS["tiny"].replace(load_balance_coeff=0.05, aux_loss_coeff=0.01, z_loss_coeff=0.001)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -102,7 +102,7 @@ def hf_seed(seed, tmp_path_factory) -> Path:
     from torchmoe.launch import run_cli
 
     folder = tmp_path_factory.mktemp("hf_seed")
-    run_cli(["convert", "dcp-to-hf", seed, folder / "hf", "--flavor", "debugmodel"], timeout=120)
+    run_cli(["convert", "dcp-to-hf", seed, folder / "hf", "--flavor", "tiny"], timeout=120)
     return folder / "hf"
 
 

@@ -21,10 +21,10 @@ def test_grouped_bf16_with_block_padding_matches_loop():
     """On CUDA expert blocks are padded to 16 rows for the grouped GEMM; outputs and gradients
     must still equal the per-expert loop (bf16: 1e-2 relative, a few ulps)."""
     torch.manual_seed(0)  # for the inputs below
-    grouped = MoE(FLAVORS["debugmodel"]).cuda().bfloat16()
+    grouped = MoE(FLAVORS["tiny"]).cuda().bfloat16()
     init_parameters(grouped, grouped.param_inits(0.02), seed=0)
     grouped.reset_router_state("cuda")
-    looped = MoE(FLAVORS["debugmodel"].replace(use_grouped_mm=False)).cuda().bfloat16()
+    looped = MoE(FLAVORS["tiny"].replace(use_grouped_mm=False)).cuda().bfloat16()
     looped.load_state_dict(grouped.state_dict())
     x = torch.randn(4, 100, 128, device="cuda", dtype=torch.bfloat16)  # 400 tokens: ragged blocks
     xg, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -43,7 +43,7 @@ def test_init_on_cuda_equals_cpu():
     models = {}
     for device in ("cpu", "cuda"):
         with torch.device("meta"):
-            models[device] = Transformer(FLAVORS["debugmodel"])
+            models[device] = Transformer(FLAVORS["tiny"])
         models[device].to_empty(device=device)
         models[device].init_weights(seed=3)
     for (name, want), got in zip(models["cpu"].named_parameters(), models["cuda"].parameters()):
@@ -75,7 +75,7 @@ def test_float8_converts_eligible_linears():
     from torchmoe.distributed.float8 import apply_float8
     from torchmoe.models.llama4 import Transformer
 
-    model = Transformer(FLAVORS["debugmodel"]).cuda()
+    model = Transformer(FLAVORS["tiny"]).cuda()
     apply_float8(model, Float8(enable=True))
     converted = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
     assert "layers.0.attention.wq" in converted and "output" not in converted

@@ -145,7 +145,7 @@ def test_bad_hub_dataset_is_one_message(capsys, tmp_path: Path, kind: str) -> No
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory) -> Path:
-    """A small BPE tokenizer.json with Llama 4's special tokens (vocab 300 < debugmodel's)."""
+    """A small BPE tokenizer.json with Llama 4's special tokens (vocab 300 < tiny's)."""
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()

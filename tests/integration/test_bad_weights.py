@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_debugmodel
+from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model
 from torchmoe import cli
 from torchmoe.components.checkpoint import MARKER, CheckpointManager, ModelWrapper
 from torchmoe.components.initial_load import load_initial_weights
@@ -59,9 +59,9 @@ def _state(flavor: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def dcp_dir(tmp_path_factory) -> Path:
-    """A DCP folder of a bare debugmodel state dict (what `convert hf-to-dcp` writes)."""
+    """A DCP folder of a bare tiny-flavor state dict (what `convert hf-to-dcp` writes)."""
     folder = tmp_path_factory.mktemp("dcp")
-    dcp.save(_state("debugmodel"), checkpoint_id=str(folder), no_dist=True)
+    dcp.save(_state("tiny"), checkpoint_id=str(folder), no_dist=True)
     return folder
 
 
@@ -115,7 +115,7 @@ def _deny(name: str) -> Callable[[pytest.MonkeyPatch], None]:
 
 def _int32_dcp(folder: Path) -> None:
     shutil.rmtree(folder)
-    dcp.save({k: v.to(torch.int32) for k, v in _state("debugmodel").items()}, checkpoint_id=str(folder), no_dist=True)
+    dcp.save({k: v.to(torch.int32) for k, v in _state("tiny").items()}, checkpoint_id=str(folder), no_dist=True)
 
 
 def _int32_safetensors(folder: Path) -> None:
@@ -216,10 +216,10 @@ def _read(reader: str, folder: Path, out: Path, capsys: pytest.CaptureFixture[st
     if reader.startswith("train"):
         ckpt = CheckpointConfig(initial_load_path=str(folder), initial_load_in_hf=reader == "train-hf")
         with pytest.raises(ConfigError) as err:
-            load_initial_weights(ckpt, "debugmodel", FLAVORS["debugmodel"], empty_debugmodel())
+            load_initial_weights(ckpt, "tiny", FLAVORS["tiny"], empty_tiny_model())
         assert "Traceback" not in capsys.readouterr().err  # nothing DCP logged along the way
         return str(err.value)
-    argv = ["convert", reader, str(folder), str(out)] + (["--flavor", "debugmodel"] if reader == "dcp-to-hf" else [])
+    argv = ["convert", reader, str(folder), str(out)] + (["--flavor", "tiny"] if reader == "dcp-to-hf" else [])
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("error:") == 1, err
@@ -256,8 +256,10 @@ def test_dcp_of_another_flavor_names_the_flavor_that_fits(reader: str, bench_dcp
     message = _read(reader, bench_dcp_dir, tmp_path / "out", capsys)
     key, fix = ("model.flavor", "fix: pass --model.flavor bench256") if reader == "train-dcp" else \
         ("--flavor", "fix: pass --flavor bench256")
-    _assert_message(message, key, "debugmodel", "does not fit", str(bench_dcp_dir),
-                    "tok_embeddings.weight has shape (2048, 256), the model's is (512, 128)", fix)
+    # torchtitan's debug flavors have bench256's shapes: a DCP checkpoint cannot tell them apart.
+    _assert_message(message, key, "tiny", "does not fit", str(bench_dcp_dir),
+                    "tok_embeddings.weight has shape (2048, 256), the model's is (512, 128)", fix,
+                    "(its tensors also fit debugmodel, debugmodel_irope, which differ only in attention or RoPE")
 
 
 def test_hf_folder_of_another_flavor_names_the_flavor_that_fits(hf_dir: Path, tmp_path: Path,
@@ -267,7 +269,7 @@ def test_hf_folder_of_another_flavor_names_the_flavor_that_fits(hf_dir: Path, tm
     (folder / "config.json").write_text(json.dumps(hf_config_from_args(FLAVORS["bench256"], torch.float32)))
     message = _read("train-hf", folder, tmp_path / "out", capsys)
     _assert_message(message, "checkpoint.initial_load_path", str(folder),
-                    "its config differs from flavor 'debugmodel' in dim", "fix: pass --model.flavor bench256")
+                    "its config differs from flavor 'tiny' in dim", "fix: pass --model.flavor bench256")
 
 
 @pytest.mark.parametrize("direction", ["hf-to-dcp", "dcp-to-hf"])
@@ -283,7 +285,7 @@ def test_output_folder_that_cannot_be_written(direction: str, out: str, hf_dir: 
         real_access = os.access  # root may write anywhere: the check is what matters
         monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != tmp_path / "ro" and real_access(p, mode))
     source = hf_dir if direction == "hf-to-dcp" else dcp_dir
-    argv = ["convert", direction, str(source), str(target)] + (["--flavor", "debugmodel"]
+    argv = ["convert", direction, str(source), str(target)] + (["--flavor", "tiny"]
                                                                if direction == "dcp-to-hf" else [])
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`python -m torchmoe convert` both ways on debugmodel, and its user errors.
+"""`python -m torchmoe convert` both ways on the tiny flavor, and its user errors.
 
     python -m pytest -q -m integration tests/integration/test_convert.py
 """
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 transformers = pytest.importorskip("transformers")
 
-from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_debugmodel  # noqa: E402
+from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model  # noqa: E402
 from torchmoe.components.checkpoint import load_model_only  # noqa: E402
 from torchmoe.config import ConfigError  # noqa: E402
 from torchmoe.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
@@ -44,8 +44,8 @@ def step_dir(tmp_path_factory) -> Path:
 
 def test_hf_to_dcp_to_hf_is_lossless(hf_dir: Path, tmp_path: Path) -> None:
     proc = _ok("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp")
-    assert "--model.flavor debugmodel" in proc.stdout  # the flavor to train it with
-    _ok("convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--flavor", "debugmodel")
+    assert "--model.flavor tiny" in proc.stdout  # the flavor to train it with
+    _ok("convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--flavor", "tiny")
     original = load_file(hf_dir / "model.safetensors")
     back = load_file(tmp_path / "back" / "model.safetensors")
     assert original.keys() == back.keys()
@@ -57,7 +57,7 @@ def test_hf_to_dcp_bfloat16_trains_as_initial_load_path(hf_dir: Path, tmp_path: 
     _ok("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp", "--dtype", "bfloat16")
     stored = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
     assert stored["tok_embeddings.weight"].properties.dtype == torch.bfloat16
-    model = empty_debugmodel()
+    model = empty_tiny_model()
     load_model_only(tmp_path / "dcp", [model])  # what checkpoint.initial_load_path does
     expected = load_file(hf_dir / "model.safetensors")["model.embed_tokens.weight"]
     assert torch.equal(model.tok_embeddings.weight, expected.bfloat16().float())
@@ -67,8 +67,8 @@ def test_hf_to_dcp_bfloat16_trains_as_initial_load_path(hf_dir: Path, tmp_path: 
 
 
 def test_step_checkpoint_to_hf_matches_in_transformers(step_dir: Path, tmp_path: Path) -> None:
-    _ok("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "debugmodel")
-    trained = empty_debugmodel()
+    _ok("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "tiny")
+    trained = empty_tiny_model()
     load_model_only(step_dir, [trained])
     hf = transformers.Llama4ForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 150), generator=torch.Generator().manual_seed(0))  # > chunk 64
@@ -79,7 +79,7 @@ def test_step_checkpoint_to_hf_matches_in_transformers(step_dir: Path, tmp_path:
 
 def test_wrong_flavor_names_the_one_that_fits(step_dir: Path, tmp_path: Path) -> None:
     proc = _torchmoe("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "bench256")
-    assert_user_error(proc, '--flavor = "bench256"', "does not fit", "fix: pass --flavor debugmodel")
+    assert_user_error(proc, '--flavor = "bench256"', "does not fit", "fix: pass --flavor tiny")
     assert not (tmp_path / "hf").exists()
 
 
@@ -96,9 +96,9 @@ def test_in_process_errors(hf_dir: Path, step_dir: Path, tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="HF_DIR .* has no config.json"):
         hf_to_dcp(step_dir, tmp_path / "out")
     with pytest.raises(ConfigError, match=r"CKPT_DIR .*\(no \.metadata\)"):
-        dcp_to_hf(hf_dir, tmp_path / "out", flavor="debugmodel")
-    with pytest.raises(ConfigError, match='--flavor = "tiny": unknown flavor'):
-        dcp_to_hf(step_dir, tmp_path / "out", flavor="tiny")
+        dcp_to_hf(hf_dir, tmp_path / "out", flavor="tiny")
+    with pytest.raises(ConfigError, match='--flavor = "huge": unknown flavor'):
+        dcp_to_hf(step_dir, tmp_path / "out", flavor="huge")
 
 
 def test_damaged_inputs_are_config_errors(tmp_path):
@@ -107,7 +107,7 @@ def test_damaged_inputs_are_config_errors(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / ".metadata").write_text("garbage")
     with pytest.raises(ConfigError, match=r"\.metadata is damaged or truncated"):
-        dcp_to_hf(tmp_path / "ckpt", tmp_path / "hf_out", flavor="debugmodel")
+        dcp_to_hf(tmp_path / "ckpt", tmp_path / "hf_out", flavor="tiny")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{")
     with pytest.raises(ConfigError, match="config.json is not JSON"):

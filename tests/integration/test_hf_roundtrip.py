@@ -15,13 +15,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.helpers import DEBUG_CONFIG, empty_debugmodel  # noqa: E402
+from tests.helpers import DEBUG_CONFIG, empty_tiny_model  # noqa: E402
 from torchmoe.components.checkpoint import load_model_only  # noqa: E402
 from torchmoe.hf import load_model, save_model  # noqa: E402
 from torchmoe.launch import read_metrics, run_train  # noqa: E402
 from torchmoe.models.llama4 import Transformer  # noqa: E402
 
-# Three logged steps of debugmodel on 8 x 64 tokens. The aux-loss-free expert bias stays zero
+# Three logged steps of the tiny flavor on 8 x 64 tokens. The aux-loss-free expert bias stays zero
 # (load_balance_coeff 0): Hugging Face's Llama 4 has no such bias, and with a non-zero one the saved
 # folder would route differently from the trained model.
 TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "64",
@@ -42,8 +42,8 @@ def _losses(dump_folder: Path) -> list[float]:
 
 
 def _model_from_dcp(path: Path) -> Transformer:
-    """A CPU debugmodel holding the model weights of a torchmoe step-N checkpoint."""
-    model = empty_debugmodel()
+    """A CPU tiny model holding the model weights of a torchmoe step-N checkpoint."""
+    model = empty_tiny_model()
     load_model_only(path, [model])
     return model
 

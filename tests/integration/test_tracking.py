@@ -25,7 +25,7 @@ from torchmoe.launch import read_metrics, run_train
 
 pytestmark = pytest.mark.integration
 
-# debugmodel, 2 x 32 tokens a step, every step logged, checkpoints on (the last step saves one).
+# tiny, 2 x 32 tokens a step, every step logged, checkpoints on (the last step saves one).
 TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.global_batch_size", "2", "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "1",
         "--checkpoint.enable", "true", "--metrics.enable_wandb", "true", "--metrics.wandb_tags", "ci", "tiny"]
@@ -116,7 +116,7 @@ def test_wandb_records_the_config_and_every_logged_step(run: Path) -> None:
     assert recorded["project"] == "torchmoe" and recorded["tags"] == ["ci", "tiny"]
     config = recorded["config"]
     assert config["training"]["steps"] == 2 and config["training"]["seq_len"] == 32
-    assert config["metrics"]["enable_wandb"] is True and config["model"]["flavor"] == "debugmodel"
+    assert config["metrics"]["enable_wandb"] is True and config["model"]["flavor"] == "tiny"
     assert sorted(recorded["history"]) == [1, 2]
     for row in read_metrics(run):
         logged = recorded["history"][row["step"]]
@@ -174,7 +174,7 @@ def test_report_html_embeds_the_figure_and_the_final_metrics(run: Path, tmp_path
     assert image and base64.b64decode(image.group(1))[:8] == PNG_MAGIC
     final = read_metrics(run)[-1]
     assert f"<th>loss</th><td>{final['loss']:.6g}</td>" in page
-    assert "Final metrics (step 2)" in page and "debugmodel: 2.40 M parameters" in page
+    assert "Final metrics (step 2)" in page and "tiny: 2.40 M parameters" in page
 
 
 def test_report_of_a_resumed_run_counts_each_step_once(run: Path, tmp_path: Path, capsys) -> None:

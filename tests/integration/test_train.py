@@ -21,7 +21,7 @@ from tests.helpers import DEBUG_CONFIG, start_from
 from torchmoe.config import load_job_config
 from torchmoe.launch import cli_command, cli_env, read_metrics, run_train
 
-# debugmodel on one global batch of 8 x 64 tokens per step, every step logged, warmup 2 so the LR
+# The tiny flavor on one global batch of 8 x 64 tokens per step, every step logged, warmup 2 so the LR
 # changes across the compared steps, checkpoints on (every step-N folder below is complete).
 TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "64", "--training.global_batch_size", "8",
         "--training.local_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",

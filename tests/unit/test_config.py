@@ -62,7 +62,7 @@ def test_shipped_configs_have_run_command_header() -> None:
 
 def test_debug_config_values() -> None:
     cfg = load_job_config(["--config", DEBUG])
-    assert (cfg.model.flavor, cfg.training.device) == ("debugmodel", "cpu")
+    assert (cfg.model.flavor, cfg.training.device) == ("tiny", "cpu")
     assert cfg.training.mixed_precision_param == "float32"
     assert (cfg.training.seq_len, cfg.training.local_batch_size, cfg.checkpoint.enable) == (128, 8, False)
     assert cfg.job.dump_folder == "./outputs/debug"
@@ -399,14 +399,14 @@ def test_valid_layouts_pass(debug_cfg: JobConfig, settings: dict, world_size: in
 ])
 def test_tp_must_divide_every_sharded_dim(monkeypatch: pytest.MonkeyPatch, debug_cfg: JobConfig, dim: str,
                                           shape: dict) -> None:
-    monkeypatch.setitem(FLAVORS, "odd", FLAVORS["debugmodel"].replace(**shape))
+    monkeypatch.setitem(FLAVORS, "odd", FLAVORS["tiny"].replace(**shape))
     cfg = _with(debug_cfg, {"model.flavor": "odd", "parallelism.tensor_parallel_degree": 2})
     _raises(validate_job_config, cfg, 2, key="parallelism.tensor_parallel_degree", value="2",
             fix="divides every sharded dim", problem=f"odd flavor's {dim}")
 
 
 def test_tp_ignores_ffn_dim_without_dense_layers(monkeypatch: pytest.MonkeyPatch, debug_cfg: JobConfig) -> None:
-    all_moe: ModelArgs = FLAVORS["debugmodel"].replace(ffn_hidden_dim=385, interleave_moe_layer_step=1)
+    all_moe: ModelArgs = FLAVORS["tiny"].replace(ffn_hidden_dim=385, interleave_moe_layer_step=1)
     monkeypatch.setitem(FLAVORS, "all_moe", all_moe)
     validate_job_config(_with(debug_cfg, {"model.flavor": "all_moe", "parallelism.tensor_parallel_degree": 2}), 2, check_device=False)
 
@@ -544,7 +544,7 @@ def test_dry_run_world_size(monkeypatch: pytest.MonkeyPatch, args: list[str], en
         monkeypatch.setenv("WORLD_SIZE", env)
     assert cli.main(["train", "--config", DEBUG, "--dry-run", *args]) == 0
     assert seen["world_size"] == expected
-    assert seen["cfg"].model.flavor == "debugmodel"
+    assert seen["cfg"].model.flavor == "tiny"
 
 
 def test_real_run_refuses_mismatched_world_size(monkeypatch: pytest.MonkeyPatch,
@@ -581,7 +581,7 @@ def test_tokenizer_must_fit_the_vocabulary_and_have_the_bos_asked_for() -> None:
 
     no_bos = SimpleNamespace(vocab_size=512, bos_id=None)
     check_tokenizer(no_bos, 512, Model(), Training())
-    with pytest.raises(ConfigError, match=r"the tokenizer has 600 tokens but flavor 'debugmodel' has vocab_size 512"):
+    with pytest.raises(ConfigError, match=r"the tokenizer has 600 tokens but flavor 'tiny' has vocab_size 512"):
         check_tokenizer(SimpleNamespace(vocab_size=600, bos_id=1), 512, Model(tokenizer_path="tok.json"), Training())
     with pytest.raises(ConfigError, match=r"training.add_bos = true: the tokenizer \(tok.json\) has no BOS token"):
         check_tokenizer(no_bos, 512, Model(tokenizer_path="tok.json"), Training(add_bos=True))

@@ -12,6 +12,7 @@ from transformers import Llama4ForCausalLM, Llama4TextConfig  # noqa: E402
 
 from torchmoe.hf import HFConversionError, load_model, save_model  # noqa: E402
 from torchmoe.models.llama4 import FLAVORS, Transformer  # noqa: E402
+from torchmoe.models.llama4.fit import matching_flavor  # noqa: E402
 from torchmoe.models.llama4.hf import args_from_hf_config, hf_config_from_args  # noqa: E402
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -67,22 +68,57 @@ def test_hf_to_torchmoe_and_back_fp32(case, tmp_path):
         assert _max_rel_err(got, hf_back(tokens).logits) <= 1e-5
 
 
-def test_torchmoe_to_hf_from_our_init(tmp_path):
-    """The other direction from our own initialisation of the debug flavor (every feature on)."""
+# (flavor, tokens per sequence): tiny has every feature on (150 > its chunk 64 and floor scale 32);
+# torchtitan's debugmodel has RoPE on every layer and full causal attention, its _irope variant
+# NoPE on layers 0 and 4 and 256-token blocks on the others (512 tokens: two blocks).
+OUR_INIT_CASES = [("tiny", 150), ("debugmodel", 300), ("debugmodel_irope", 512)]
+
+
+@pytest.mark.parametrize(("flavor", "seq_len"), OUR_INIT_CASES, ids=[f for f, _ in OUR_INIT_CASES])
+def test_torchmoe_to_hf_from_our_init(flavor, seq_len, tmp_path):
+    """The other direction, from our own initialisation of a flavor: transformers' independent
+    Llama 4 built from the config.json we write computes the same logits."""
     torch.manual_seed(0)  # for the inputs below
-    args = FLAVORS["debugmodel"]
+    args = FLAVORS[flavor]
     model = Transformer(args)
     model.init_weights(seed=0)
     save_model(model, tmp_path / "hf", max_shard_bytes=2**20)  # several shards + index
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     hf = Llama4ForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tokens = torch.randint(0, args.vocab_size, (2, 150))  # > chunk 64, > floor scale 32
+    tokens = torch.randint(0, args.vocab_size, (2, seq_len))
     with torch.no_grad():
         assert _max_rel_err(model(tokens), hf(tokens).logits) <= 1e-5
     # And back again: identical parameters.
     again = load_model(tmp_path / "hf")
     for (n, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
         assert torch.equal(a, b), n
+
+
+# What config.json says of torchtitan's debug flavors: no QK norm, no temperature tuning, NoPE
+# layers listed (1 = RoPE) since torchtitan's i % 4 == 0 is not Hugging Face's default, torchtitan's
+# llama3 RoPE scaling, and blocks of 256 on the RoPE layers of the _irope variant only.
+_TORCHTITAN_HF_CONFIG = {
+    "debugmodel": dict(no_rope_layers=[1, 1, 1, 1, 1, 1], attention_chunk_size=None),
+    "debugmodel_irope": dict(no_rope_layers=[0, 1, 1, 1, 0, 1], attention_chunk_size=256),
+}
+
+
+@pytest.mark.parametrize("flavor", sorted(_TORCHTITAN_HF_CONFIG))
+def test_hf_config_of_torchtitan_debug_flavors(flavor):
+    config = hf_config_from_args(FLAVORS[flavor], torch.float32)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+    assert {k: config[k] for k in ("use_qk_norm", "attn_temperature_tuning", "rope_scaling", "tie_word_embeddings",
+                                   "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                   "intermediate_size", "intermediate_size_mlp", "moe_layers")} == {
+        "use_qk_norm": False, "attn_temperature_tuning": False, "rope_scaling": rope, "tie_word_embeddings": False,
+        "hidden_size": 256, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 16,
+        "intermediate_size": 512, "intermediate_size_mlp": 768, "moe_layers": [1, 3, 5]}
+    assert {k: config[k] for k in _TORCHTITAN_HF_CONFIG[flavor]} == _TORCHTITAN_HF_CONFIG[flavor]
+    # transformers derives the same per-layer attention from it.
+    hf_config = Llama4TextConfig(**config)
+    chunked = "chunked_attention" if flavor.endswith("irope") else "full_attention"
+    assert hf_config.layer_types == [chunked if rope else "full_attention" for rope in config["no_rope_layers"]]
 
 
 def test_bf16_parity(tmp_path):
@@ -128,6 +164,25 @@ def test_config_round_trip_covers_fields():
     assert args_from_hf_config(hf_config_from_args(args, torch.float32)) == args
 
 
+# The released text configs' settings on top of transformers' defaults (which are Scout's shapes).
+_RELEASED = {
+    "scout": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                   "original_max_position_embeddings": 8192},
+                  max_position_embeddings=10485760),
+    "maverick": dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, num_local_experts=128,
+                     interleave_moe_layer_step=2, use_qk_norm=False, max_position_embeddings=1048576),
+}
+
+
+@pytest.mark.parametrize("flavor", sorted(_RELEASED))
+def test_released_configs_match_the_release_flavors(flavor):
+    """A Hugging Face folder of Scout (Maverick) is `scout` (`maverick`), not torchtitan's flavor of
+    the same shapes (`17bx16e`, `17bx128e`), whose attention differs."""
+    args = args_from_hf_config(Llama4TextConfig(**_RELEASED[flavor]).to_dict())
+    assert matching_flavor(args) == flavor
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [("hidden_act", "gelu", "hidden_act 'gelu'"),
@@ -144,13 +199,13 @@ def test_unsupported_config_fields_are_refused(field, value, message):
 
 
 def test_export_refuses_what_hf_cannot_express():
-    args = FLAVORS["debugmodel"].replace(score_func="softmax")
+    args = FLAVORS["tiny"].replace(score_func="softmax")
     with pytest.raises(HFConversionError, match="sigmoid"):
         hf_config_from_args(args, torch.float32)
 
 
 def test_nonzero_expert_bias_warns_on_export(tmp_path):
-    model = Transformer(FLAVORS["debugmodel"])
+    model = Transformer(FLAVORS["tiny"])
     model.init_weights(seed=0)
     model.moe_layers()[0].expert_bias[0] = 0.5
     with pytest.warns(UserWarning, match="expert_bias"):

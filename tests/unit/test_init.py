@@ -65,18 +65,18 @@ def _truncated_std(init: TruncNormal) -> float:
     return init.std * math.sqrt(var)
 
 
-def _debugmodel(seed: int) -> Transformer:
+def _tiny_model(seed: int) -> Transformer:
     with torch.device("meta"):
-        model = Transformer(FLAVORS["debugmodel"])
+        model = Transformer(FLAVORS["tiny"])
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return model
 
 
-def test_debugmodel_draws_its_declared_distributions():
+def test_tiny_draws_its_declared_distributions():
     """Every parameter of ≥ 16k values: sample std within 2% of the declared one (the output head
     is cut at ±3 std, so its std is 0.987 of it), values within the bounds; norms are ones."""
-    model = _debugmodel(0)
+    model = _tiny_model(0)
     inits = model.param_inits()
     checked = 0
     for name, p in model.named_parameters():
@@ -97,14 +97,14 @@ def test_debugmodel_draws_its_declared_distributions():
 
 
 def test_same_seed_same_weights_other_seed_other_weights():
-    a, b, c = _debugmodel(5), _debugmodel(5), _debugmodel(6)
+    a, b, c = _tiny_model(5), _tiny_model(5), _tiny_model(6)
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         assert torch.equal(pa, pc) == ("norm" in name), name
 
 
 def test_every_parameter_needs_a_declaration():
-    model = _debugmodel(0)
+    model = _tiny_model(0)
     inits = model.param_inits()
     del inits["layers.1.attention.wq.weight"]
     with pytest.raises(ValueError, match=r"layers\.1\.attention\.wq\.weight"):

@@ -17,7 +17,7 @@ def _meta_then_init(flavor: str, seed: int) -> Transformer:
 
 
 def test_meta_init_is_finite_and_seed_reproducible():
-    a, b, c = (_meta_then_init("debugmodel", s) for s in (0, 0, 1))
+    a, b, c = (_meta_then_init("tiny", s) for s in (0, 0, 1))
     for (name, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
         assert torch.isfinite(pa).all(), name
         assert torch.equal(pa, pb), name
@@ -31,7 +31,7 @@ def test_meta_init_is_finite_and_seed_reproducible():
 
 
 def test_debug_flavor_exercises_every_feature():
-    args = FLAVORS["debugmodel"]
+    args = FLAVORS["tiny"]
     assert 0 < len(args.moe_layer_ids) < args.n_layers  # dense and MoE layers interleaved
     assert False in args.rope_layers and True in args.rope_layers  # NoPE and RoPE layers
     assert args.attention_chunk_size and args.rope_scaling and args.use_qk_norm and args.attn_temperature_tuning
@@ -41,8 +41,8 @@ def test_debug_flavor_exercises_every_feature():
 
 
 def test_param_count_matches_modules():
-    model = _meta_then_init("debugmodel", 0)
-    counts = FLAVORS["debugmodel"].param_counts()
+    model = _meta_then_init("tiny", 0)
+    counts = FLAVORS["tiny"].param_counts()
     assert sum(p.numel() for p in model.parameters()) == counts["total"]
     assert counts["embedding"] == model.tok_embeddings.weight.numel()
 
@@ -51,7 +51,7 @@ def test_param_count_matches_modules():
     "flavor, total, active",
     # Published: Scout 109B total / 17B active, Maverick 400B / 17B. The Scout figure includes the
     # ~1.2B vision tower and projector, which a text model lacks: text-only is 107.8B.
-    [("17bx16e", 107.77e9, 17.17e9), ("17bx128e", 400.71e9, 17.18e9)],
+    [("scout", 107.77e9, 17.17e9), ("maverick", 400.71e9, 17.18e9)],
 )
 def test_released_flavor_sizes(flavor, total, active):
     counts = FLAVORS[flavor].param_counts()
@@ -63,7 +63,7 @@ def test_released_flavor_sizes(flavor, total, active):
 
 
 def test_flops_per_token_formula():
-    args = FLAVORS["17bx16e"]
+    args = FLAVORS["scout"]
     counts = args.param_counts()
     seq = 8192
     # 36 chunked RoPE layers see min(seq, chunk) = 8192 tokens, 12 NoPE layers the full 8192.
@@ -76,16 +76,16 @@ def test_flops_per_token_formula():
 
 
 def test_build_model_args_overrides():
-    args = build_model_args("debugmodel", attn_backend="flex", use_grouped_mm=False, load_balance_coeff=0.0,
+    args = build_model_args("tiny", attn_backend="flex", use_grouped_mm=False, load_balance_coeff=0.0,
                             aux_loss_coeff=0.1)
     assert (args.attn_backend, args.use_grouped_mm, args.load_balance_coeff, args.aux_loss_coeff) == (
         "flex", False, None, 0.1)
-    assert build_model_args("debugmodel").load_balance_coeff == FLAVORS["debugmodel"].load_balance_coeff
+    assert build_model_args("tiny").load_balance_coeff == FLAVORS["tiny"].load_balance_coeff
 
 
 def test_flex_attention_matches_sdpa():
-    model = _meta_then_init("debugmodel", 0)
-    flex = Transformer(FLAVORS["debugmodel"].replace(attn_backend="flex"))
+    model = _meta_then_init("tiny", 0)
+    flex = Transformer(FLAVORS["tiny"].replace(attn_backend="flex"))
     flex.load_state_dict(model.state_dict())
     flex.init_buffers("cpu")
     tokens = torch.randint(0, 512, (1, 128))
@@ -94,7 +94,7 @@ def test_flex_attention_matches_sdpa():
 
 
 def test_longer_than_rope_cache_computes_on_the_fly():
-    args = FLAVORS["debugmodel"].replace(max_seq_len=64)
+    args = FLAVORS["tiny"].replace(max_seq_len=64)
     model = Transformer(args)
     model.init_weights(seed=0)
     big = Transformer(args.replace(max_seq_len=256))

@@ -13,7 +13,7 @@ from torchmoe.models.llama4.moe import GroupedExperts, TokenChoiceRouter
 
 def _moe(**overrides) -> MoE:
     torch.manual_seed(0)  # for the inputs the tests draw after building the layer
-    moe = MoE(FLAVORS["debugmodel"].replace(**overrides))
+    moe = MoE(FLAVORS["tiny"].replace(**overrides))
     init_parameters(moe, moe.param_inits(0.02), seed=0)
     moe.reset_router_state("cpu")
     return moe
@@ -171,7 +171,7 @@ def test_grouped_path_makes_no_host_sync(grouped):
     data-dependent output size) raises, so a forward+backward that runs there has no host-device
     synchronisation. bf16: the meta kernel of _grouped_mm accepts only bf16."""
     with torch.device("meta"):
-        moe = MoE(FLAVORS["debugmodel"].replace(use_grouped_mm=grouped, aux_loss_coeff=0.1, z_loss_coeff=0.1))
+        moe = MoE(FLAVORS["tiny"].replace(use_grouped_mm=grouped, aux_loss_coeff=0.1, z_loss_coeff=0.1))
         moe = moe.to(torch.bfloat16)
         x = torch.randn(2, 32, 128, dtype=torch.bfloat16, requires_grad=True)
     if grouped:

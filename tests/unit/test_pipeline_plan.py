@@ -85,9 +85,9 @@ def test_cost_split_is_the_exact_minimax():
 
 @pytest.mark.parametrize(("pp", "expected"), [(4, (1.075, 1.154)), (8, (1.201, 1.359))])
 def test_cost_split_beats_layer_count_on_maverick(pp, expected):
-    """17bx128e (48 blocks, MoE every other one), 512 ranks of TP 8 x EP 8: the head's FLOPs
+    """Maverick (48 blocks, MoE every other one), 512 ranks of TP 8 x EP 8: the head's FLOPs
     (a 202k vocabulary) weigh several blocks, which a layer-count split leaves on the last stage."""
-    args = FLAVORS["17bx128e"]
+    args = FLAVORS["maverick"]
     dims = _dims(pp=pp, dp_shard=512 // (8 * pp), tp=8, ep=8)
     flops, state, ends = layer_costs(args, dims, 8192)
     par = Parallelism(pipeline_parallel_schedule="1F1B")
@@ -130,7 +130,7 @@ def test_activations_in_flight_by_hand():
 
 
 def test_explicit_and_fixed_size_stages():
-    args, dims = FLAVORS["debugmodel"], _dims(pp=2)
+    args, dims = FLAVORS["tiny"], _dims(pp=2)
     fixed = pipeline_layout(args, dims, Parallelism(pipeline_parallel_layers_per_stage=1,
                                                     pipeline_parallel_schedule="Interleaved1F1B"), 64)
     assert fixed.layers == [[0], [1], [2], [3]] and fixed.ranks == [[0, 2], [1, 3]]
@@ -143,7 +143,7 @@ def test_explicit_and_fixed_size_stages():
 
 
 def test_tied_embeddings_are_refused_under_pp(monkeypatch):
-    monkeypatch.setitem(FLAVORS, "debugmodel", FLAVORS["debugmodel"].replace(tie_word_embeddings=True))
+    monkeypatch.setitem(FLAVORS, "tiny", FLAVORS["tiny"].replace(tie_word_embeddings=True))
     cfg = load_job_config(["--config", "configs/debug_model.toml", "--parallelism.pipeline_parallel_degree", "2"])
     with pytest.raises(ConfigError) as err:
         validate_job_config(cfg, 2, check_device=False)

@@ -59,7 +59,7 @@ def test_param_specs_are_the_models_parameters(flavor):
 
 
 def test_scout_param_totals():
-    args = FLAVORS["17bx16e"]
+    args = FLAVORS["scout"]
     counts = args.param_counts()
     assert counts["total"] == sum(s.numel for s in param_specs(args)) == 107_769_861_120
     assert counts["active"] == 17_172_894_720
@@ -130,19 +130,19 @@ def _measured_local_elements(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("flavor, degrees, rank", [
-    ("debugmodel", dict(dp_shard=4), 0),
-    ("debugmodel", dict(dp_shard=2, tp=2), 0),  # MoE TP
-    ("debugmodel", dict(dp_shard=2, tp=2), 3),
-    ("debugmodel", dict(dp_replicate=2, dp_shard=2, tp=2), 5),  # HSDP
-    ("debugmodel", dict(dp_shard=2, cp=2), 1),
+    ("tiny", dict(dp_shard=4), 0),
+    ("tiny", dict(dp_shard=2, tp=2), 0),  # MoE TP
+    ("tiny", dict(dp_shard=2, tp=2), 3),
+    ("tiny", dict(dp_replicate=2, dp_shard=2, tp=2), 5),  # HSDP
+    ("tiny", dict(dp_shard=2, cp=2), 1),
     ("uneven", dict(dp_shard=4), 0),  # FSDP padding: rank 0 holds the padded (largest) shard
-    ("debugmodel", dict(dp_shard=2, tp=2, ep=4), 0),
-    ("debugmodel", dict(dp_shard=4, ep=2), 3),
+    ("tiny", dict(dp_shard=2, tp=2, ep=4), 0),
+    ("tiny", dict(dp_shard=4, ep=2), 3),
 ])
 def test_states_match_parallelized_meta_model(fake_world, flavor, degrees, rank):
     from torchmoe.models.llama4.parallelize import parallelize_llama4
 
-    args = FLAVORS["debugmodel"]
+    args = FLAVORS["tiny"]
     if flavor == "uneven":
         args = args.replace(vocab_size=510, ffn_hidden_dim=382)
     dims = _dims(**degrees)
@@ -161,7 +161,7 @@ def test_expert_fsdp_on_dim1_matches_fully_shard(fake_world):
     dims = _dims(dp_shard=16, ep=4)
     fake_world(0, dims.world_size)
     mesh = dims.build_mesh("cpu")
-    args = FLAVORS["debugmodel"]
+    args = FLAVORS["tiny"]
     with torch.device("meta"):
         experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, use_grouped_mm=True)
     for name in ("w1", "w2", "w3"):
@@ -194,7 +194,7 @@ def _saved_bytes(model: torch.nn.Module, fn) -> int:
 def test_block_activations_match_saved_tensors(precision):
     """fp32; bf16 parameters and inputs (what FSDP/DDP's mixed precision computes with); fp32
     parameters and residual stream under bf16 autocast (the layouts without FSDP/DDP)."""
-    args = FLAVORS["debugmodel"]
+    args = FLAVORS["tiny"]
     torch.manual_seed(0)  # for the inputs below
     model = Transformer(args)
     model.init_weights(seed=0)
@@ -219,7 +219,7 @@ def test_block_activations_match_saved_tensors(precision):
 
 
 def test_head_activations_match_saved_tensors_plus_logits():
-    args = FLAVORS["debugmodel"]
+    args = FLAVORS["tiny"]
     model = Transformer(args)
     model.init_weights(seed=0)
     batch, seq = 2, 64
@@ -238,7 +238,7 @@ def test_head_activations_match_saved_tensors_plus_logits():
 
 def _activations(ac: ActivationCheckpoint, training: Training = Training(local_batch_size=2, seq_len=2048),
                  **degrees: int) -> float:
-    return estimate_memory(FLAVORS["17bx16e"], dict(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=1, ep=1) | degrees,
+    return estimate_memory(FLAVORS["scout"], dict(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=1, ep=1) | degrees,
                            training, ac, Parallelism())["activations"]
 
 
@@ -257,7 +257,7 @@ def test_activations_monotonic_in_ac_mode_batch_and_sharding():
 
 
 def test_pipeline_first_rank_holds_more_microbatches():
-    per_rank = memory_per_pp_rank(FLAVORS["17bx16e"], _dims(pp=4, dp_shard=2),
+    per_rank = memory_per_pp_rank(FLAVORS["scout"], _dims(pp=4, dp_shard=2),
                                   Training(local_batch_size=8, seq_len=2048),
                                   ActivationCheckpoint(mode="full"), Parallelism(pipeline_parallel_schedule="1F1B"))
     # 1F1B keeps pp - r micro-batches in flight on pp rank r (the last adds the head's logits).
@@ -291,8 +291,8 @@ def test_dry_run_maverick_1024_json_and_timing(tmp_path):
     assert written["world_size"] == 1024
     assert written["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 128, "cp": 1, "tp": 8,
                                "dp_shard_cp": 128, "ep": 8, "efsdp": 128, "batch": 128, "loss": 128}
-    assert written["params_total"] == FLAVORS["17bx128e"].param_counts()["total"]
-    assert written["flops_per_token"] == FLAVORS["17bx128e"].flops_per_token(8192)
+    assert written["params_total"] == FLAVORS["maverick"].param_counts()["total"]
+    assert written["flops_per_token"] == FLAVORS["maverick"].flops_per_token(8192)
     assert set(written["memory_per_rank_gib"]) >= {"params", "grads", "optimizer", "activations", "total"}
     assert set(written["groups"]) == {"0", "512", "1023"}
     assert written["groups"]["1023"]["ep"] == list(range(1016, 1024))
@@ -342,7 +342,7 @@ def test_dry_run_debug_model_single_rank(tmp_path):
 
 
 def test_dry_run_expert_memory_per_rank_and_context_parallel(tmp_path):
-    """debugmodel on 8 ranks, tp 2 with ep 4: 2 MoE layers x 8 experts x 3 x 128 x 256 expert
+    """The tiny flavor on 8 ranks, tp 2 with ep 4: 2 MoE layers x 8 experts x 3 x 128 x 256 expert
     weights, a quarter per EP rank, halved again by FSDP over efsdp = 2."""
     cfg = _config("debug_model.toml", tmp_path, "--parallelism.tensor_parallel_degree", "2",
                   "--parallelism.expert_parallel_degree", "4", "--parallelism.context_parallel_degree", "2",

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _trainer(dump_folder: Path, *flags: str) -> Trainer:
-    """A debugmodel trainer on one global batch of 8 x 64 tokens, with the auxiliary losses on
+    """A trainer of the tiny flavor on one global batch of 8 x 64 tokens, with the auxiliary losses on
     so that their scaling under accumulation is covered too."""
     cfg = load_job_config([
         "--config", str(REPO / "configs" / "debug_model.toml"), "--job.dump_folder", str(dump_folder),

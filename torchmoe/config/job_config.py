@@ -26,8 +26,8 @@ class Job:
 class Model:
     name: str = "llama4"
     """Model family. Only 'llama4' exists."""
-    flavor: str = "debugmodel"
-    """Model size: debugmodel, bench256, 17bx16e (Scout) or 17bx128e (Maverick)."""
+    flavor: str = "tiny"
+    """Model flavor (README "Flavors"): torchmoe's tiny (2.4 M parameters, the default), bench256, scout and maverick (those two: the Hugging Face releases), or torchtitan v0.2.2's debugmodel, debugmodel_irope, 17bx16e, 17bx16e_irope, 17bx128e, 17bx128e_irope."""
     tokenizer_path: str = ""
     """Hugging Face tokenizer.json (or a folder holding one); empty = built-in byte tokenizer."""
     hf_assets_path: str = ""

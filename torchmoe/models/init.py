@@ -2,7 +2,7 @@
 full weights, bit for bit in fp32, on CPU or CUDA.
 
     python -c "import torch; from torchmoe.models.llama4 import FLAVORS, Transformer; \\
-        m = Transformer(FLAVORS['debugmodel']); m.init_weights(seed=0); print(m.output.weight.std())"
+        m = Transformer(FLAVORS['tiny']); m.init_weights(seed=0); print(m.output.weight.std())"
 
 A model declares per parameter how its values are drawn (`TruncNormal`, `Normal`, `Constant`),
 keyed by the parameter's name; `init_parameters` applies the declarations. The full values of a

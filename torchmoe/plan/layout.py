@@ -1,7 +1,7 @@
 """Where the model's parameters live: pipeline stages, and each tensor's shard on one rank.
 
     python -c "from torchmoe.plan.layout import param_specs; from torchmoe.models.llama4 import FLAVORS; \\
-        print(*param_specs(FLAVORS['debugmodel'])[:6], sep='\\n')"
+        print(*param_specs(FLAVORS['tiny'])[:6], sep='\\n')"
 
 Derived from `ModelArgs` alone (no model is built), mirroring the tensors `models/llama4/model.py`
 creates. The sharding rules are the ones the parallelize pipeline applies (DESIGN §4):

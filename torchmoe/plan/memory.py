@@ -2,7 +2,7 @@
 
     python -c "from torchmoe.plan.memory import estimate_memory; from torchmoe.models.llama4 import FLAVORS; \\
         from torchmoe.config.job_config import Training, ActivationCheckpoint, Parallelism; \\
-        print(estimate_memory(FLAVORS['17bx16e'], dict(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=8, ep=1), \\
+        print(estimate_memory(FLAVORS['scout'], dict(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=8, ep=1), \\
               Training(local_batch_size=1, seq_len=8192), ActivationCheckpoint(mode='full'), Parallelism()))"
 
 Everything is counted per rank, after every sharding (see `plan.layout` for the rules), from

@@ -1,10 +1,14 @@
 """Which built-in flavor a checkpoint's weights belong to.
 
     matching_flavor(args_from_hf_config(config))      # the flavor of a Hugging Face config, or None
-    require_fit("model.flavor", "debugmodel", args, model_tensors(metadata), "checkpoint.initial_load_path /x")
+    require_fit("model.flavor", "tiny", args, model_tensors(metadata), "checkpoint.initial_load_path /x")
 
-A DCP checkpoint records no architecture, only its tensors' names and shapes, so a checkpoint of
-another flavor shows as tensors that do not fit; the error then names the flavor that fits.
+A Hugging Face config spells out the whole architecture, so at most one flavor matches it (Scout's
+is `scout`, not torchtitan's `17bx16e`, which has its shapes but computes differently). A DCP
+checkpoint records only its tensors' names and shapes, so a checkpoint of another flavor shows as
+tensors that do not fit; the error then names the flavors that fit, several where flavors share
+shapes (`scout`, `17bx16e`, `17bx16e_irope`), and suggests the first in `FLAVORS` order. torchmoe's
+flavors come first there, so for a release's shapes that is the release's architecture (`scout`).
 """
 
 from __future__ import annotations
@@ -53,11 +57,18 @@ def require_fit(key: str, flavor: str, args: ModelArgs, stored: Mapping[str, Ten
                 source: str) -> None:
     """Raise a `ConfigError` naming `key` (a flavor option: ``model.flavor``, ``--flavor``) when the
     `stored` model tensors of `source` are not those of a model of `args` (built from `flavor`);
-    the fix names the built-in flavor they fit, if one does."""
+    the fix names the built-in flavors they fit, if any: the first in `FLAVORS` order, and the
+    others of the same shapes, which a checkpoint cannot tell apart."""
     problem = misfit(meta_state(args), stored, extra_ok=False)
     if problem is None:
         return
     fits = [name for name, other in FLAVORS.items() if misfit(meta_state(other), stored, extra_ok=False) is None]
     flag = key if key.startswith("-") else f"--{key}"
-    fix = f"pass {flag} {fits[0]}" if fits else "pass the flavor the checkpoint was trained with"
+    if not fits:
+        fix = "pass the flavor the checkpoint was trained with"
+    else:
+        fix = f"pass {flag} {fits[0]}"
+        if len(fits) > 1:
+            fix += (f" (its tensors also fit {', '.join(fits[1:])}, which differ only in attention or RoPE: "
+                    "if it was trained with one of those, pass that one)")
     raise ConfigError(key, flavor, f"does not fit {source}: {problem}", fix)

@@ -1,7 +1,7 @@
 """The Llama 4 text transformer (iRoPE attention, interleaved dense and MoE feed-forward).
 
     python -c "import torch; from torchmoe.models.llama4 import Transformer, FLAVORS; \\
-        m = Transformer(FLAVORS['debugmodel']); m.init_weights(seed=0); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
+        m = Transformer(FLAVORS['tiny']); m.init_weights(seed=0); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
 
 Numerics follow Hugging Face ``Llama4ForCausalLM`` operation for operation (norms and rotary
 embeddings in fp32, interleaved-pair complex RoPE, QK L2-norm after RoPE, temperature tuning of
