@@ -47,7 +47,7 @@ DEFAULT_OUT = "report.png"
 _CURVES = (("loss", "loss"), ("grad_norm", "gradient norm"), ("lr", "learning rate"),
            ("tokens_per_sec", "tokens / s (global)"))
 # The final-metrics table of the HTML page, in this order (keys a record lacks are left out).
-_TABLE_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu", "memory_gib", "elapsed_s",
+_TABLE_KEYS = ("step", "loss", "validation_loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu", "memory_gib", "elapsed_s",
                "moe_imbalance", "ep_all_to_all_gib")
 # Cells of the expert-load heatmap get their percentage written in up to this many cells.
 _MAX_ANNOTATED = 256
@@ -200,6 +200,11 @@ def render(run: RunData) -> Figure:
     axes = fig.subplots(3, 2)
     for ax, (key, title) in zip(axes[:2].flatten(), _CURVES):
         _curve(ax, run.records, key, title)
+    if any("validation_loss" in r for r in run.records):  # [validation]: on the loss panel
+        steps, values = _series(run.records, "validation_loss")
+        axes[0, 0].plot(steps, values, marker="o", color="tab:orange", label="validation")
+        axes[0, 0].lines[0].set_label("training")
+        axes[0, 0].legend()
     moe = [r for r in run.records if r.get("tokens_per_expert")]
     if moe:
         labels = [f"layer {i}" for i in run.moe_layers]

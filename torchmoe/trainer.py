@@ -57,7 +57,7 @@ from torchmoe.components.run_lock import lock_dump_folder
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig
 from torchmoe.config.loader import write_config_toml
-from torchmoe.data.dataloader import build_dataloader
+from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch
@@ -150,7 +150,7 @@ class Trainer:
             write_config_toml(cfg, self.dump_folder / "config.toml")
             write_run_info(self.dump_folder, world_size=world_size)
 
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        self.tokenizer = tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args_from_config(cfg.model)
         batch_mesh = self.mesh["batch"] if self.mesh is not None else None
         dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
@@ -284,6 +284,59 @@ class Trainer:
             for loss in losses:
                 local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         return local_loss
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """The mean token loss of the model as it is over the validation batches (`[validation]`):
+        `steps` batches, or with -1 every complete batch of one pass over the data, the same
+        batches each time. Runs the training layout's forward without gradients; the routed-token
+        counts the next bias update reads are left as they were.
+
+        Every rank draws its rows of each batch; they agree before each forward whether one ran
+        out of data (one flag in an all-reduce), so all stop at the same batch.
+        """
+        val = self.cfg.validation
+        batch_mesh = self.mesh["batch"] if self.mesh is not None else None
+        loader = build_dataloader(validation_data(self.cfg.training, val), self.tokenizer,
+                                  dp_rank=batch_mesh.get_local_rank() if batch_mesh is not None else 0,
+                                  dp_degree=self.dims.dp, batch_mesh=batch_mesh, repeat=False)
+        cp_positions = torch.tensor(CPLayout(val.seq_len, self.dims.cp).positions(
+            self.mesh["cp"].get_local_rank())) if self.dims.cp_enabled else None
+        counts = [moe.tokens_per_expert.clone() for moe in self.moe_layers]
+        # Only tp-coordinate 0 counts its loss: its TP peers hold the same value.
+        weight = 1.0 if self.mesh is None or self.mesh["tp"].get_local_rank() == 0 else 0.0
+        total = torch.zeros((), device=self.device)
+        batches = 0
+        while val.steps == -1 or batches < val.steps:
+            try:
+                micro_batches, ended = loader.next_batch(), 0.0
+            except CorpusEnd:
+                micro_batches, ended = [], 1.0
+            flag = torch.tensor(ended, device=self.device)
+            if self.mesh is not None:
+                dist.all_reduce(flag)
+            if flag.item():
+                break
+            for inputs, labels in micro_batches:
+                if cp_positions is not None:
+                    inputs, labels = inputs[:, cp_positions], labels[:, cp_positions]
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                with loss_parallel() if self.loss_parallel else nullcontext():
+                    logits = self.model(inputs)
+                    if self.loss_parallel:
+                        logits = DTensor.from_local(logits, self.mesh["tp"], [Shard(-1)], run_check=False)
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                total += weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
+            batches += 1
+        for moe, saved in zip(self.moe_layers, counts):
+            moe.tokens_per_expert.copy_(saved)
+        if self.mesh is not None:
+            dist.all_reduce(total)
+        if not batches:
+            raise ConfigError("validation.dataset", val.dataset, "holds less than one batch "
+                              f"({loader.global_batch_size} rows of {val.seq_len + 1} tokens)",
+                              "use more validation data, or a smaller validation.local_batch_size / seq_len")
+        return total.item() / (batches * loader.global_batch_size * val.seq_len)
 
     def _sync_replicas(self, *, last: bool) -> None:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing
@@ -431,10 +484,13 @@ class Trainer:
                 if self.step == first_step:
                     _set_train_timeout(cfg.comm)
                 window.add(self.step, self.global_tokens, time.perf_counter() - t0)
-                if metrics.should_log(self.step):
+                extra = {"ep_all_to_all_gib": (ep_bytes_moved(self.model) - ep_bytes) / 2**30} \
+                    if self.dims.ep_enabled else {}
+                validating = cfg.validation.enable and self.step % cfg.validation.freq == 0
+                if validating:  # after the step's timing and traffic: its numbers are the training's
+                    extra["validation_loss"] = self.validate()
+                if validating or metrics.should_log(self.step):
                     tokens_per_sec = window.take()
-                    extra = {"ep_all_to_all_gib": (ep_bytes_moved(self.model) - ep_bytes) / 2**30} \
-                        if self.dims.ep_enabled else {}
                     metrics.log(self.step, {**extra,
                         "loss": result.loss,
                         "grad_norm": result.grad_norm,

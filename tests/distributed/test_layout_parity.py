@@ -79,7 +79,38 @@ def runs(seed, tmp_path_factory) -> TinyRuns:
         "fsdp4_to_tp2_fsdp2": Job(4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
                                   start=("fsdp4", 3)),
         "dp2": Job(2, ["--training.local_batch_size", "4", "--checkpoint.interval", "3"]),
+        **{name: Job(nproc, [*flags, *VALIDATION]) for name, (nproc, flags) in VALIDATION_LAYOUTS.items()},
     })
+
+
+# [validation] every 2nd step, 2 batches of 8 sequences of 64 tokens (python_docs, from its start).
+VALIDATION = ["--validation.enable", "true", "--validation.dataset", "python_docs", "--validation.freq", "2",
+              "--validation.steps", "2", "--validation.seq_len", "64"]
+VALIDATION_LAYOUTS = {
+    # name: (ranks, flags); validation.local_batch_size * dp = 8 rows everywhere.
+    "val_single": (1, ["--training.local_batch_size", "4", "--validation.local_batch_size", "8"]),
+    "val_fsdp2": (2, ["--training.local_batch_size", "4", "--validation.local_batch_size", "4"]),
+    "val_tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                    "--training.local_batch_size", "8", "--validation.local_batch_size", "8"]),
+    "val_ep2": (2, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4",
+                    "--validation.local_batch_size", "4"]),
+    "val_cp2": (2, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                    "--training.local_batch_size", "8", "--validation.local_batch_size", "8"]),
+}
+
+
+def test_validation_leaves_the_training_curve_alone(runs, reference):
+    """Validation forwards route tokens too: their counts must not reach the bias update."""
+    assert_same_curve(metrics_by_step(runs.folder("val_single")), reference, "val_single", rtol=0)
+
+
+@pytest.mark.parametrize("layout", sorted(set(VALIDATION_LAYOUTS) - {"val_single"}))
+def test_validation_loss_matches_single_process(layout, runs):
+    got, ref = metrics_by_step(runs.folder(layout)), metrics_by_step(runs.folder("val_single"))
+    assert [s for s in sorted(ref) if "validation_loss" in ref[s]] == [2, 4]
+    for step in (2, 4):
+        assert got[step]["validation_loss"] == pytest.approx(ref[step]["validation_loss"], rel=RTOL), (layout, step)
+    assert "validation_loss" not in got[3]
 
 
 @pytest.mark.parametrize("layout", sorted(BF16_LAYOUTS))

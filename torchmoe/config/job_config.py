@@ -273,6 +273,26 @@ class Profiling:
 
 
 @dataclass
+class Validation:
+    enable: bool = False
+    """Every validation.freq steps, report the mean loss over held-out data (no gradients) as validation_loss in metrics.jsonl."""
+    dataset: str = "c4_validation"
+    """Like training.dataset; torchtitan's default, c4_validation, streams allenai/c4's validation split."""
+    dataset_path: str = ""
+    """Like training.dataset_path, for the validation dataset."""
+    dataset_split: str = "validation"
+    """Split of a Hugging Face hub dataset (dataset = 'hf'); the c4 names have their own."""
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per validation batch."""
+    seq_len: int = 2048
+    """Tokens per validation sequence (with context parallelism: training.seq_len)."""
+    freq: int = 10
+    """Validate after every this many training steps."""
+    steps: int = -1
+    """Validation batches each time; -1 = one whole pass over the dataset (every complete batch of it)."""
+
+
+@dataclass
 class JobConfig:
     """A whole training job. TOML sections map one-to-one onto these fields."""
 
@@ -289,3 +309,4 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)

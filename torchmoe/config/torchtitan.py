@@ -12,8 +12,8 @@ as such. This module holds the other 80 or so, each either
 - **without effect** here, with the reason. Such a key is accepted; set to anything but
   torchtitan's default it gets one warning line saying why it does nothing (a default value
   asks for nothing, so it stays quiet: torchtitan's own files list many keys at their defaults).
-  Keys that only tune a feature switched on elsewhere (`[validation]` but `enable`, the MX and
-  grouped-GEMM tables, which only a refused converter reads) never warn: the switch does.
+  Keys that only tune a feature switched on elsewhere (`[fault_tolerance]` but `enable`, the MX
+  and grouped-GEMM tables, which only a refused converter reads) never warn: the switch does.
 
 A value that asks for something torchmoe cannot do and that would change what is trained (MX
 formats, float8 routed experts; and, checked with torchmoe's own keys, 2-D expert sharding or
@@ -89,7 +89,6 @@ _PLUGINS = "torchmoe has no plugin modules: its configs and models are its own"
 _SAC = "torchmoe's selective AC has its own policy (saves matmul outputs, recomputes the rest)"
 _MX = "MX formats are not supported (a model.converters entry for them is refused)"
 _GROUPED_FLOAT8 = "float8 routed experts are not supported yet (model.converters refuses them)"
-_VALIDATION = "torchmoe has no validation loop: it reports the training loss only"
 
 TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     # [job]
@@ -175,11 +174,10 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     "experimental.custom_import": NoEffect(str, "", _PLUGINS),
     "experimental.custom_args_module": NoEffect(str, "", _PLUGINS),
     # [validation]
-    "validation.enable": NoEffect(bool, False, _VALIDATION),
-    **{f"validation.{key}": NoEffect(typ, TUNES, _VALIDATION) for key, typ in (
-        ("dataset", str), ("dataset_path", str), ("local_batch_size", int), ("seq_len", int), ("freq", int),
-        ("steps", int), ("dataloader.num_workers", int), ("dataloader.persistent_workers", bool),
-        ("dataloader.pin_memory", bool), ("dataloader.prefetch_factor", int))},
+    "validation.dataloader.num_workers": NoEffect(int, 0, _LOADER),
+    "validation.dataloader.persistent_workers": NoEffect(bool, TUNES, _LOADER),
+    "validation.dataloader.pin_memory": NoEffect(bool, False, _LOADER),
+    "validation.dataloader.prefetch_factor": NoEffect(int, TUNES, _LOADER),
     # [debug]
     "debug.seed": _alias(int, "training.seed"),
     "debug.deterministic": _alias(bool, "training.deterministic"),
@@ -190,7 +188,7 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
 }
 
 # torchtitan's sections that torchmoe lacks; a key under them is looked up in TORCHTITAN_KEYS.
-SECTIONS = ("quantize", "memory_estimation", "fault_tolerance", "experimental", "validation", "debug")
+SECTIONS = ("quantize", "memory_estimation", "fault_tolerance", "experimental", "debug")
 
 
 def translate(key: str, value: Any) -> tuple[dict[str, Any], str | None]:

@@ -30,6 +30,7 @@ from torchmoe.config.job_config import (
     Parallelism,
     Profiling,
     Training,
+    Validation,
 )
 
 OPTIMIZERS = ("AdamW", "Adam")
@@ -159,16 +160,27 @@ def validate_training(training: Training) -> None:
     if not math.isfinite(training.max_norm):  # <= 0 disables clipping; NaN would poison every gradient
         raise ConfigError("training.max_norm", training.max_norm, "must be a finite number",
                           "set a positive clipping norm, or 0 to disable clipping")
-    one_of("training.dataset", training.dataset, DATASETS)
-    if training.dataset in ("local", "hf") and not training.dataset_path:
-        what = ("files (a file, folder or glob)" if training.dataset == "local"
-                else "the hub dataset ('name' or 'name:config')")
-        raise ConfigError("training.dataset_path", training.dataset_path,
-                          f"dataset = {show_value(training.dataset)} needs a path", f"set dataset_path to {what}")
+    _check_dataset("training", training.dataset, training.dataset_path)
     one_of("training.mixed_precision_param", training.mixed_precision_param, PARAM_DTYPES)
     one_of("training.mixed_precision_reduce", training.mixed_precision_reduce, REDUCE_DTYPES)
     one_of("training.device", training.device, DEVICES)
     _at_least("training.gc_freq", training.gc_freq, 0, "collect every N steps, or 0 for Python's automatic collection")
+
+
+def _check_dataset(section: str, dataset: str, dataset_path: str) -> None:
+    one_of(f"{section}.dataset", dataset, DATASETS)
+    if dataset in ("local", "hf") and not dataset_path:
+        what = "files (a file, folder or glob)" if dataset == "local" else "the hub dataset ('name' or 'name:config')"
+        raise ConfigError(f"{section}.dataset_path", dataset_path, f"dataset = {show_value(dataset)} needs a path",
+                          f"set dataset_path to {what}")
+
+
+def validate_validation(validation: Validation) -> None:
+    _check_dataset("validation", validation.dataset, validation.dataset_path)
+    for key in ("local_batch_size", "seq_len", "freq"):
+        _at_least(f"validation.{key}", getattr(validation, key), 1)
+    if validation.steps != -1:
+        _at_least("validation.steps", validation.steps, 1, "set a number of batches, or -1 for one pass over the data")
 
 
 def validate_parallelism(parallelism: Parallelism) -> None:
@@ -283,6 +295,7 @@ def validate_sections(cfg: JobConfig) -> None:
     validate_float8(cfg.float8)
     validate_metrics(cfg.metrics)
     validate_profiling(cfg.profiling)
+    validate_validation(cfg.validation)
 
 
 # ---- degrees ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ so a run cannot resume with a different G.
 from __future__ import annotations
 
 import array
+import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -39,11 +40,15 @@ from torchmoe.data.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchmoe.config.job_config import Training
+    from torchmoe.config.job_config import Training, Validation
 
-__all__ = ["PackedStream", "DataLoader", "build_dataloader"]
+__all__ = ["CorpusEnd", "PackedStream", "DataLoader", "build_dataloader", "validation_data"]
 
 logger = logging.getLogger(__name__)
+
+
+class CorpusEnd(Exception):
+    """A stream built with ``repeat=False`` reached the end of its corpus (validation's one pass)."""
 
 
 class PackedStream:
@@ -65,15 +70,17 @@ class PackedStream:
         window: tokens per window (`seq_len + 1`).
         read_ahead: documents tokenized together.
         bos: a token id to put before each document (the tokenizer's BOS), or None.
+        repeat: start another pass at the end of the corpus; False raises `CorpusEnd` there.
     """
 
     def __init__(
         self, documents: Documents, tokenizer: Tokenizer, *, window: int, read_ahead: int = 64,
-        bos: int | None = None,
+        bos: int | None = None, repeat: bool = True,
     ) -> None:
         self.documents = documents
         self.tokenizer = tokenizer
         self.bos = bos
+        self.repeat = repeat
         self.window = window
         self.read_ahead = read_ahead
         self.seek(0, 0, 0)
@@ -143,6 +150,8 @@ class PackedStream:
                     "check training.dataset_text_field (it may name an empty column), or point "
                     "training.dataset_path at files that hold text",
                 )  # fmt: skip
+            if not self.repeat:
+                raise CorpusEnd(f"{self._next_doc} documents of {self.documents!r}")
             logger.warning(
                 "dataset exhausted after %d documents (%r); starting pass %d over it (data repeats)",
                 self._next_doc,
@@ -199,6 +208,8 @@ class DataLoader:
         read_ahead: documents tokenized together on this rank, split over its rows (at least
             one per row); it changes no batch.
         add_bos: start every document with the tokenizer's BOS token.
+        repeat: rows start another pass at the end of their sub-corpus; False makes `next_batch`
+            raise `CorpusEnd` when a row of this rank runs out (one pass, for validation).
 
     Raises:
         ValueError: dp_rank, dp_degree or batch_mesh are out of range or disagree (a caller bug).
@@ -217,6 +228,7 @@ class DataLoader:
         batch_mesh: DeviceMesh | None = None,
         read_ahead: int = 64,
         add_bos: bool = False,
+        repeat: bool = True,
     ) -> None:
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})")
@@ -244,7 +256,7 @@ class DataLoader:
         self._streams = [
             PackedStream(
                 documents.split(row, global_batch_size), tokenizer,
-                window=seq_len + 1, read_ahead=max(1, read_ahead // per_rank), bos=bos,
+                window=seq_len + 1, read_ahead=max(1, read_ahead // per_rank), bos=bos, repeat=repeat,
             )  # fmt: skip
             for row in self.rows
         ]
@@ -332,6 +344,15 @@ class DataLoader:
         )  # fmt: skip
 
 
+def validation_data(training: Training, validation: Validation) -> Training:
+    """The `[training]` data settings of the validation batches: `validation`'s dataset, split,
+    rows and length, one batch per step (no accumulation); BOS and the text field stay the
+    training's."""
+    return dataclasses.replace(training, dataset=validation.dataset, dataset_path=validation.dataset_path,
+                               dataset_split=validation.dataset_split, local_batch_size=validation.local_batch_size,
+                               global_batch_size=-1, seq_len=validation.seq_len)
+
+
 def build_dataloader(
     training: Training,
     tokenizer: Tokenizer,
@@ -339,9 +360,10 @@ def build_dataloader(
     dp_rank: int = 0,
     dp_degree: int = 1,
     batch_mesh: DeviceMesh | None = None,
+    repeat: bool = True,
 ) -> DataLoader:
     """The loader the `[training]` section describes; `global_batch_size = -1` means
-    `local_batch_size * dp_degree` (no gradient accumulation)."""
+    `local_batch_size * dp_degree` (no gradient accumulation). `repeat` as in `DataLoader`."""
     global_batch_size = training.global_batch_size
     if global_batch_size == -1:
         global_batch_size = training.local_batch_size * dp_degree
@@ -355,4 +377,5 @@ def build_dataloader(
         dp_degree=dp_degree,
         batch_mesh=batch_mesh,
         add_bos=training.add_bos,
+        repeat=repeat,
     )

@@ -18,6 +18,7 @@ import torch
 
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees, validate_sections
+from torchmoe.data.dataloader import validation_data
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.preflight.features import check_features, check_launch
@@ -35,6 +36,7 @@ from torchmoe.preflight.layout import (
     check_model_split,
     check_pipeline,
     check_seq_len,
+    check_validation,
 )
 
 __all__ = ["train_device", "validate_job_config"]
@@ -62,6 +64,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     check_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
     check_batch(cfg.training, cfg.parallelism, degrees)
     check_pipeline(cfg, args, degrees, world_size)
+    check_validation(cfg, args, degrees)
     check_features(cfg, args, degrees, check_device)
     if not check_device:
         check_dry_run_outputs(cfg.job)
@@ -75,6 +78,8 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     global_batch = cfg.training.global_batch_size if cfg.training.global_batch_size != -1 else \
         cfg.training.local_batch_size * dp
     check_dataset_rows(cfg.training, global_batch)
+    if cfg.validation.enable:
+        check_dataset_rows(validation_data(cfg.training, cfg.validation), cfg.validation.local_batch_size * dp)
 
 
 def train_device(requested: str) -> torch.device:

@@ -32,6 +32,28 @@ def check_seq_len(args: ModelArgs, flavor: str, seq_len: int) -> None:
                           f"use a seq_len of at most {args.max_seq_len}")
 
 
+def check_validation(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int]) -> None:
+    """Validation batches run the training layout's forward: what that layout needs of them."""
+    val, seq_len = cfg.validation, cfg.validation.seq_len
+    if not val.enable:
+        return
+    if degrees["pp"] > 1:
+        raise ConfigError("validation.enable", True, f"validation does not run under pipeline parallelism "
+                          f"(pp = {degrees['pp']}): the schedule is built for training's micro-batches",
+                          "set validation.enable = false, or validate in a run without pipeline parallelism")
+    if degrees["cp"] > 1 and seq_len != cfg.training.seq_len:
+        raise ConfigError("validation.seq_len", seq_len, f"under context parallelism (cp = {degrees['cp']}) it must "
+                          f"be training.seq_len ({cfg.training.seq_len}): the split over ranks is built for it",
+                          f"set validation.seq_len = {cfg.training.seq_len}")
+    if seq_len > args.max_seq_len:
+        raise ConfigError("validation.seq_len", seq_len, f"the {cfg.model.flavor} flavor has {args.max_seq_len} "
+                          "positions", f"use a seq_len of at most {args.max_seq_len}")
+    if degrees["tp"] > 1 and seq_len % degrees["tp"]:
+        raise ConfigError("validation.seq_len", seq_len, f"sequence parallelism shards it over tp({degrees['tp']}); "
+                          f"{seq_len} % {degrees['tp']} = {seq_len % degrees['tp']}",
+                          f"use a seq_len that is a multiple of {degrees['tp']}")
+
+
 def check_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int], seq_len: int) -> None:
     """The model's shape must split evenly over tp, ep and cp (pp: `_validate_pipeline`)."""
     tp, ep, cp = degrees["tp"], degrees["ep"], degrees["cp"]
