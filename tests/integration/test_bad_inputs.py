@@ -96,7 +96,7 @@ def _dataset(tmp_path: Path, kind: str) -> str:
 
 
 DATASETS = {
-    "missing": ("training.dataset_path", "no .txt/.jsonl/.parquet files"),
+    "missing": ("training.dataset_path", "no .txt/.jsonl/.json/.parquet files"),
     "empty_txt": ("training.dataset", "holds no text"),
     "whitespace_txt": ("training.dataset", "holds no text"),
     "not_utf8_txt": ("training.dataset_path", "a.txt is not UTF-8 text (byte 3"),
@@ -105,7 +105,7 @@ DATASETS = {
     "not_utf8_jsonl": ("training.dataset_path", "d.jsonl:1 is not UTF-8 text"),
     "garbage_parquet": ("training.dataset_path", "is not a readable .parquet file"),
     "too_few_documents": ("training.dataset_path", "holds 1 document(s), fewer than the 2 rows"),
-    "folder_without_text": ("training.dataset_path", "holds no .txt/.jsonl/.parquet files"),
+    "folder_without_text": ("training.dataset_path", "holds no .txt/.jsonl/.json/.parquet files"),
 }
 
 

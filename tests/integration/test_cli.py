@@ -62,7 +62,7 @@ def test_unknown_flag_suggests_closest() -> None:
      "checkpoint.initial_load_path", ("no such file or folder", "fix: point it at a Hugging Face Llama 4 folder")),
     (["--model.tokenizer_path", "{missing}"], "model.tokenizer_path", ("no tokenizer file", "fix: give a tokenizer")),
     (["--training.dataset", "local", "--training.dataset_path", "{missing}/*.jsonl"], "training.dataset_path",
-     ("matches no .txt/.jsonl/.parquet files", "fix: point it at")),
+     ("matches no .txt/.jsonl/.json/.parquet files", "fix: point it at")),
 ], ids=["initial_load_path", "initial_load_in_hf", "tokenizer_path", "dataset_path"])
 def test_path_to_nothing_names_key_value_and_fix(tmp_path: Path, flags: list[str], key: str,
                                                  expected: tuple[str, ...]) -> None:

@@ -101,7 +101,7 @@ class Training:
     dataset_split: str = "train"
     """Split of a Hugging Face hub dataset."""
     dataset_text_field: str = "text"
-    """Field holding the text in .jsonl/.parquet rows and hub datasets."""
+    """Field holding the text in .jsonl/.json/.parquet rows and hub datasets."""
     seed: int = 0
     """Seed for initialization and anything random in training."""
     deterministic: bool = False
