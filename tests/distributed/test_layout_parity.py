@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import Job, TinyRuns, assert_same_curve, start_from, train_tiny
-from torchmoe.launch import metrics_by_step
+from tests.distributed import fake_slurm
+from tests.helpers import DEBUG_CONFIG, TINY_JOB, Job, TinyRuns, assert_same_curve, start_from, train_tiny
+from torchmoe.launch import metrics_by_step, read_metrics
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
@@ -147,3 +148,24 @@ def test_resume_across_dp_degrees_2_to_1_to_2(runs, reference, tmp_path):
     assert_same_curve(metrics_by_step(two), reference, "dp2", rtol=RTOL)
     assert_same_curve(metrics_by_step(one), {s: reference[s] for s in (4, 5)}, "dp2 -> dp1", rtol=RTOL)
     assert_same_curve(metrics_by_step(again), {5: reference[5]}, "dp1 -> dp2", rtol=RTOL)
+
+
+def test_two_torchrun_nodes_train_what_one_world_of_four_trains(runs, seed, tmp_path_factory):
+    """Multi-node for real on one machine: `scripts/multinode.slurm` (`tests/distributed/fake_slurm.py`)
+    starts two torchrun "nodes" (`--nnodes 2`, c10d rendezvous on localhost, 2 ranks each) with
+    hsdp2x2's flags (HSDP: FSDP inside a node, replicas across, the usual multi-node shape). The
+    two worlds hold the same global ranks doing the same work: equal bit for bit. Submitting the
+    job again (a requeue keeps its id, hence its dump folder) resumes from its checkpoint."""
+    root = tmp_path_factory.mktemp("multinode")
+    folder = start_from(seed, fake_slurm.dump_folder(root, 4242))
+    args = [DEBUG_CONFIG, *TINY_JOB[2:], *LAYOUTS["hsdp2x2_selective_op_ac"][1]]
+    proc = fake_slurm.sbatch(root, args, job_id=4242)
+    assert "2 nodes x 2 ranks, rendezvous localhost:" in proc.stdout
+    got, ref = metrics_by_step(folder), metrics_by_step(runs.folder("hsdp2x2_selective_op_ac"))
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5]
+    for step in ref:
+        for key in ("loss", "grad_norm", "moe_imbalance", "tokens_per_expert"):
+            assert got[step][key] == ref[step][key], (step, key)
+    fake_slurm.sbatch(root, [*args, "--training.steps", "6"], job_id=4242)
+    assert [r["step"] for r in read_metrics(folder)] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-0", "step-5", "step-6"]

@@ -1,5 +1,5 @@
 """torchtitan's checkpoint keys, end to end: load_step, exclude_from_loading, last_save_model_only
-with export_dtype, enable_first_step_checkpoint, load_only.
+with export_dtype, enable_first_step_checkpoint, load_only (their refusals: tests/unit/test_checkpoint.py).
 
     python -m pytest -q tests/integration/test_checkpoint_keys.py
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.helpers import TINY_JOB, assert_user_error, start_from, train_tiny
-from torchmoe.launch import metrics_by_step, run_train
+from tests.helpers import start_from, train_tiny
+from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.integration
 
@@ -67,30 +67,12 @@ def test_load_step_resumes_from_the_step_named(full_run: Path, tmp_path: Path) -
         assert got[step]["loss"] == ref[step]["loss"] and got[step]["grad_norm"] == ref[step]["grad_norm"]
 
 
-@pytest.mark.parametrize(("step", "problem"), [
-    (3, "no complete checkpoint step-3 in"),
-    (5, "holds only the weights (an export of last_save_model_only)"),
-])
-def test_load_step_of_no_resumable_checkpoint_is_one_error(full_run: Path, tmp_path: Path, step: int,
-                                                           problem: str) -> None:
-    folder = tmp_path / "bad"
-    shutil.copytree(full_run / "checkpoint", folder / "checkpoint")
-    proc = run_train([*TINY_JOB, *JOB, "--checkpoint.load_step", str(step)], dump_folder=folder, timeout=120,
-                     expect=None)
-    assert_user_error(proc, f"checkpoint.load_step = {step}", problem)
-    if step == 3:
-        assert "(found: step-1, step-2, step-4)" in proc.stderr
-
-
 def test_exclude_from_loading_keeps_those_parts_fresh(full_run: Path, tmp_path: Path) -> None:
-    """Without the dataloader's position, step 3 trains on the run's first batch again: the loss
-    is not the one of the run that went on, but the weights and optimizer are its own."""
+    """Without the dataloader's position, step 3 trains on the run's first batch again: not the
+    loss of the run that went on (which a plain resume reproduces, `test_load_step_...`)."""
     folder = start_from(full_run / "checkpoint" / "step-2", tmp_path / "fresh_data")
     train_tiny(folder, [*JOB, "--checkpoint.exclude_from_loading", "dataloader", "--training.steps", "3"])
-    again = start_from(full_run / "checkpoint" / "step-2", tmp_path / "same")
-    train_tiny(again, [*JOB, "--training.steps", "3"])
-    fresh, same = metrics_by_step(folder)[3]["loss"], metrics_by_step(again)[3]["loss"]
-    assert same == metrics_by_step(full_run)[3]["loss"] and fresh != same
+    assert metrics_by_step(folder)[3]["loss"] != metrics_by_step(full_run)[3]["loss"]
 
 
 def test_load_only_resumes_and_never_saves(full_run: Path, tmp_path: Path) -> None:

@@ -118,6 +118,32 @@ def test_interval_and_final_step(tmp_path: Path) -> None:
     assert off.load_latest(_Run().state) is None
 
 
+def test_first_step_and_load_only(tmp_path: Path) -> None:
+    first = CheckpointManager(tmp_path, CheckpointConfig(enable=True, interval=5, enable_first_step_checkpoint=True),
+                              total_steps=12)
+    assert [s for s in range(1, 13) if first.should_save(s)] == [1, 5, 10, 12]
+    load_only = CheckpointManager(tmp_path, CheckpointConfig(enable=True, load_only=True), total_steps=12)
+    assert not load_only.writes and not any(load_only.should_save(s) for s in range(1, 13))
+
+
+def test_load_step_picks_a_resumable_checkpoint(tmp_path: Path) -> None:
+    """load_step names a full checkpoint; one that is missing or a model-only export (the last
+    save of last_save_model_only) is refused before anything loads."""
+    run = _Run()
+    ckpt = _manager(tmp_path, interval=2, last_save_model_only=True)
+    ckpt.total_steps = 5
+    for step in range(1, 6):
+        ckpt.maybe_save(step, run.state)
+    assert _steps(tmp_path) == [2, 4, 5]
+    assert _manager(tmp_path).load_latest(_Run().state) == 4  # the step-5 export is not resumed from
+    assert _manager(tmp_path, load_step=2).load_latest(_Run().state) == 2
+    with pytest.raises(ConfigError, match=r"checkpoint.load_step = 3: no complete checkpoint step-3 in .*"
+                                          r"\(found: step-2, step-4\)\n  fix: name one of those steps"):
+        _manager(tmp_path, load_step=3).load_latest(_Run().state)
+    with pytest.raises(ConfigError, match=r"checkpoint.load_step = 5: .*step-5 holds only the weights"):
+        _manager(tmp_path, load_step=5).load_latest(_Run().state)
+
+
 def test_keep_latest_k(tmp_path: Path) -> None:
     run = _Run()
     ckpt = _manager(tmp_path, keep_latest_k=2)

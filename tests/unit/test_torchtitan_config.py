@@ -145,7 +145,8 @@ def test_a_torchmoe_key_wins_over_a_mapped_one(tmp_path: Path) -> None:
     ("[training]\ndtype = \"bfloat16\"\n", 'training.dtype = "bfloat16" (a torchtitan key) has no effect in torchmoe: '
      "torchmoe keeps parameters and optimizer state in float32"),
     ("[training.dataloader]\nnum_workers = 4\nprefetch_factor = 8\n", "training.dataloader.num_workers = 4"),
-    ("[validation]\nenable = true\nfreq = 5\n", "validation.enable = true (a torchtitan key) has no effect"),
+    ("[validation.dataloader]\nnum_workers = 2\npin_memory = false\n", "validation.dataloader.num_workers = 2 (a "
+     "torchtitan key) has no effect in torchmoe: torchmoe packs batches in the training process"),
     ("[job]\ncustom_config_module = \"my.ext\"\n", "has no plugin modules"),
 ])
 def test_a_key_without_effect_warns_once(tmp_path: Path, text: str, warning: str) -> None:

@@ -4,7 +4,7 @@
 
 Most of torchtitan's keys are torchmoe's own under the same name (`training.steps`,
 `parallelism.tensor_parallel_degree`, `checkpoint.load_step`, ...) and `loader.py` reads them
-as such. This module holds the other 80 or so, each either
+as such. This module holds the other 61, each either
 
 - **mapped** onto the torchmoe keys that do the same (`debug.seed` is `training.seed`,
   `[quantize.linear.float8]` is `[float8]`, `model.converters = ["quantize.linear.float8"]` is
