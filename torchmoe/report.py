@@ -47,8 +47,8 @@ DEFAULT_OUT = "report.png"
 _CURVES = (("loss", "loss"), ("grad_norm", "gradient norm"), ("lr", "learning rate"),
            ("tokens_per_sec", "tokens / s (global)"))
 # The final-metrics table of the HTML page, in this order (keys a record lacks are left out).
-_TABLE_KEYS = ("step", "loss", "validation_loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu", "memory_gib", "elapsed_s",
-               "moe_imbalance", "ep_all_to_all_gib")
+_TABLE_KEYS = ("step", "loss", "validation_loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu",
+               "memory_gib", "elapsed_s", "moe_imbalance", "ep_all_to_all_gib")
 # Cells of the expert-load heatmap get their percentage written in up to this many cells.
 _MAX_ANNOTATED = 256
 

@@ -38,9 +38,9 @@ from torchmoe.components.checkpoint import (
     SaveFailed,
 )
 from torchmoe.components.divergence import TrainingDiverged, nonfinite_state
+from torchmoe.components.garbage_collection import GarbageCollection
 from torchmoe.components.hf_storage import save_hf_weights
 from torchmoe.components.initial_load import load_initial_weights
-from torchmoe.components.garbage_collection import GarbageCollection
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
     MetricsLogger,
@@ -254,10 +254,13 @@ class Trainer:
             logits: (B, S, V) or, with loss parallel, this rank's (B, S, V / tp) vocab shard.
             labels: (B, S) int64.
         """
+        return self._summed_loss(logits, labels) / self.global_tokens
+
+    def _summed_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's token losses summed (fp32 cross entropy); shapes as in `_loss`."""
         if self.loss_parallel:
             logits = DTensor.from_local(logits, self.mesh["tp"], [Shard(-1)], run_check=False)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        return loss / self.global_tokens
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -322,10 +325,7 @@ class Trainer:
                     inputs, labels = inputs[:, cp_positions], labels[:, cp_positions]
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 with loss_parallel() if self.loss_parallel else nullcontext():
-                    logits = self.model(inputs)
-                    if self.loss_parallel:
-                        logits = DTensor.from_local(logits, self.mesh["tp"], [Shard(-1)], run_check=False)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                    loss = self._summed_loss(self.model(inputs), labels)
                 total += weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
             batches += 1
         for moe, saved in zip(self.moe_layers, counts):
@@ -603,7 +603,8 @@ def train(cfg: JobConfig) -> None:
     Raises:
         PeerFailed: on the ranks that stopped because another rank failed.
     """
-    watch = FailureWatch.start() if _init_distributed(train_device(cfg.training.device), cfg.comm, Path(cfg.job.dump_folder)) > 1 else None
+    world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, Path(cfg.job.dump_folder))
+    watch = FailureWatch.start() if world_size > 1 else None
     try:
         trainer = Trainer(cfg, failure_watch=watch)
         if cfg.checkpoint.create_seed_checkpoint:

@@ -79,8 +79,8 @@ def _reference_step1(checkout: Path, seed: int) -> tuple[float, float]:
 
     tok = Tokenizer.from_file(str(checkout / "tests" / "assets" / "tokenizer" / "tokenizer.json"))
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    docs = [json.loads(line)["text"] for line in (checkout / "tests/assets/c4_test/c4_test.json").read_text().split("\n")
-            if line]
+    corpus = (checkout / "tests" / "assets" / "c4_test" / "c4_test.json").read_text()
+    docs = [json.loads(line)["text"] for line in corpus.split("\n") if line]
     rows = []
     for j in range(ROWS):
         stream = [t for doc in docs[j::ROWS] for t in [bos, *tok.encode(doc, add_special_tokens=False).ids, eos]]

@@ -190,7 +190,8 @@ def test_wandb_run_config_names_and_scalars(tmp_path: Path, monkeypatch: pytest.
     cfg = MetricsConfig(enable_wandb=True, wandb_project="", wandb_tags=["a"])
     with MetricsLogger(dump, cfg, rank=0, total_steps=3, console=_console()[0],
                        run_config={"training": {"steps": 3}}) as m:
-        m.log(2, {**_values(3.0), "grad_norm": float("inf")}, tokens_per_expert=torch.tensor([[2, 2], [3, 1]]))
+        m.log(2, {**_values(3.0), "grad_norm": float("inf"), "validation_loss": 3.5},
+              tokens_per_expert=torch.tensor([[2, 2], [3, 1]]))
     kwargs = fake.init_kwargs
     assert kwargs["config"] == {"training": {"steps": 3}} and kwargs["dir"] == str(dump)
     assert kwargs["project"] is None  # empty: W&B reads WANDB_PROJECT itself
@@ -199,6 +200,7 @@ def test_wandb_run_config_names_and_scalars(tmp_path: Path, monkeypatch: pytest.
     ((data, step),) = fake.logged
     assert step == 2 and data["train/loss"] == 3.0 and data["train/moe_imbalance"] == pytest.approx(1.25)
     assert "train/grad_norm" not in data and "train/mfu" not in data  # nulls are left out
+    assert data["validation/loss"] == 3.5 and "train/validation_loss" not in data
     assert data["moe/imbalance/layer0"] == 1.0 and data["moe/imbalance/layer1"] == 1.5
     assert fake.finished
 

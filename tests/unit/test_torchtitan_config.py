@@ -210,3 +210,27 @@ def test_another_model_family_is_one_error(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and f'model.name = "{family}"' in err, err
     assert "torchmoe trains Llama 4 (text, mixture-of-experts) models only" in err
+
+
+def test_print_config_prints_the_resolved_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--job.print_config", "--dry-run", "--world-size", "1", "--debug.seed", "9",
+                     "--job.dump_folder", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    text = out.split("# the resolved job config\n")[1].split("\n\n[validation]")[0]
+    assert "[training]" in text and "seed = 9" in text and "print_config = true" in text
+
+
+def test_compile_components_and_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from tests.helpers import empty_tiny_model
+    from torchmoe.config.job_config import Compile
+    from torchmoe.distributed.compile import apply_compile
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda block, **kwargs: seen.append(kwargs) or block)
+    apply_compile(empty_tiny_model(), Compile(enable=True, components=["loss"]))
+    assert seen == []  # no "model": the blocks stay eager
+    model = empty_tiny_model()
+    apply_compile(model, Compile(enable=True, backend="aot_eager"))
+    assert [k["backend"] for k in seen] == ["aot_eager"] * len(model.layers)

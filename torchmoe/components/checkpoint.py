@@ -417,7 +417,8 @@ class CheckpointManager:
         """
         if self.cfg.last_save_model_only and step == self.total_steps and not model_only:
             dtype = _EXPORT_DTYPES[self.cfg.export_dtype]
-            weights = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state["model"].state_dict().items()}
+            weights = {name: t.to(dtype) if t.is_floating_point() else t
+                       for name, t in state["model"].state_dict().items()}
             state, model_only = {"model": weights}, True
         self.wait()
         tmp = self.folder / f"step-{step}.tmp-{self.id}"

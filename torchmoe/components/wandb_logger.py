@@ -6,7 +6,8 @@
     run.close()
 
 What W&B gets: the resolved job config as the run's config; at each logged step every number of
-the metrics.jsonl record as `train/<key>` (nulls left out) and, with routed-token counts, each MoE
+the metrics.jsonl record as `train/<key>` (nulls left out; `validation_loss` as
+`validation/loss`) and, with routed-token counts, each MoE
 layer's max/mean tokens per expert as `moe/imbalance/layer<i>` (the raw counts stay in
 metrics.jsonl: a histogram per layer per step would outweigh everything else in the run).
 
@@ -88,7 +89,8 @@ class WandbRun:
             layer_imbalance: max/mean tokens per expert of each MoE layer (n_layers values,
                 NaN for a layer that routed nothing), or None.
         """
-        data = {f"train/{k}": v for k, v in scalars.items()}
+        # validation_loss is W&B's validation/loss, beside the training curves under train/.
+        data = {"validation/loss" if k == "validation_loss" else f"train/{k}": v for k, v in scalars.items()}
         for layer, value in enumerate(layer_imbalance or ()):
             data[f"moe/imbalance/layer{layer}"] = value
         self.run.log(data, step=step)

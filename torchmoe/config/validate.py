@@ -147,7 +147,8 @@ def validate_lr_scheduler(sched: LRScheduler) -> None:
     one_of("lr_scheduler.decay_type", sched.decay_type, DECAY_TYPES)
     _in_unit_interval("lr_scheduler.min_lr_factor", sched.min_lr_factor)
     if sched.total_steps != -1:
-        _at_least("lr_scheduler.total_steps", sched.total_steps, 1, "set the schedule's length, or -1 for training.steps")
+        _at_least("lr_scheduler.total_steps", sched.total_steps, 1,
+                  "set the schedule's length, or -1 for training.steps")
 
 
 def validate_training(training: Training) -> None:
