@@ -82,6 +82,15 @@ def train_tiny(dump_folder: Path, args: list[str], *, nproc: int = 1) -> subproc
     return run_train([*TINY_JOB, *args], dump_folder=dump_folder, nproc=nproc, timeout=300)
 
 
+def train_tiny_here(dump_folder: Path, args: list[str]) -> None:
+    """`train_tiny` on one rank in this process: the same job without starting an interpreter
+    (seconds a run). Its numbers match other runs of this process, not `train_tiny`'s (another
+    thread count); its log lines reach this process's stderr."""
+    from torchmoe import cli
+
+    assert cli.main(["train", *TINY_JOB, *args, "--job.dump_folder", str(dump_folder)]) == 0
+
+
 def seed_checkpoint(folder: Path, args: list[str] = ()) -> Path:
     """Write a seed checkpoint of TINY_JOB (one process) and return its step-0 folder."""
     train_tiny(folder, ["--checkpoint.create_seed_checkpoint", "true", *args])

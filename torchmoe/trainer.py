@@ -457,8 +457,6 @@ class Trainer:
         metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
                                 peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step,
                                 run_config=asdict(cfg))
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
         if self.step > 0:
             logger.info("resuming at step %d", self.step + 1)
         warmup = cfg.lr_scheduler.warmup_steps
@@ -466,6 +464,8 @@ class Trainer:
             logger.warning("lr_scheduler.warmup_steps (%d) >= training.steps (%d): the learning rate never reaches "
                            "optimizer.lr in this run", warmup, steps)
         with ExitStack() as stack:
+            for sig in (signal.SIGTERM, signal.SIGINT):  # the caller's handlers come back at the end
+                stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
             stack.push(self._close_checkpointer)
             stack.callback(metrics.close)
             prof = stack.enter_context(maybe_profile(cfg.profiling, self.dump_folder, rank=self.rank,

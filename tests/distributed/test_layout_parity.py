@@ -17,7 +17,7 @@ import pytest
 
 from tests.distributed import fake_slurm
 from tests.helpers import DEBUG_CONFIG, TINY_JOB, Job, TinyRuns, assert_same_curve, start_from, train_tiny
-from torchmoe.launch import metrics_by_step, read_metrics
+from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
@@ -88,9 +88,9 @@ def runs(seed, tmp_path_factory) -> TinyRuns:
 VALIDATION = ["--validation.enable", "true", "--validation.dataset", "python_docs", "--validation.freq", "2",
               "--validation.steps", "2", "--validation.seq_len", "64"]
 VALIDATION_LAYOUTS = {
-    # name: (ranks, flags); validation.local_batch_size * dp = 8 rows everywhere.
+    # name: (ranks, flags); validation.local_batch_size * dp = 8 rows everywhere. val_ep2 is FSDP 2
+    # too (EP borrows the dp_shard ranks): its losses are reduced over dp as well.
     "val_single": (1, ["--training.local_batch_size", "4", "--validation.local_batch_size", "8"]),
-    "val_fsdp2": (2, ["--training.local_batch_size", "4", "--validation.local_batch_size", "4"]),
     "val_tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                     "--training.local_batch_size", "8", "--validation.local_batch_size", "8"]),
     "val_ep2": (2, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4",
@@ -154,8 +154,8 @@ def test_two_torchrun_nodes_train_what_one_world_of_four_trains(runs, seed, tmp_
     """Multi-node for real on one machine: `scripts/multinode.slurm` (`tests/distributed/fake_slurm.py`)
     starts two torchrun "nodes" (`--nnodes 2`, c10d rendezvous on localhost, 2 ranks each) with
     hsdp2x2's flags (HSDP: FSDP inside a node, replicas across, the usual multi-node shape). The
-    two worlds hold the same global ranks doing the same work: equal bit for bit. Submitting the
-    job again (a requeue keeps its id, hence its dump folder) resumes from its checkpoint."""
+    two worlds hold the same global ranks doing the same work: equal bit for bit. The dump folder
+    is the job id's (what a requeued job finds again: resuming from it is `test_train`'s)."""
     root = tmp_path_factory.mktemp("multinode")
     folder = start_from(seed, fake_slurm.dump_folder(root, 4242))
     args = [DEBUG_CONFIG, *TINY_JOB[2:], *LAYOUTS["hsdp2x2_selective_op_ac"][1]]
@@ -166,6 +166,4 @@ def test_two_torchrun_nodes_train_what_one_world_of_four_trains(runs, seed, tmp_
     for step in ref:
         for key in ("loss", "grad_norm", "moe_imbalance", "tokens_per_expert"):
             assert got[step][key] == ref[step][key], (step, key)
-    fake_slurm.sbatch(root, [*args, "--training.steps", "6"], job_id=4242)
-    assert [r["step"] for r in read_metrics(folder)] == [1, 2, 3, 4, 5, 6]
-    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-0", "step-5", "step-6"]
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-0", "step-5"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -20,14 +21,15 @@ def hf_dir(tmp_path_factory) -> Path:
     return folder
 
 
+# The `torchmoe` logger as the tests found it, before any test or fixture of this tier ran.
+_TORCHMOE_LOG = logging.getLogger("torchmoe")
+_PRISTINE_LOG = (list(_TORCHMOE_LOG.handlers), _TORCHMOE_LOG.level, _TORCHMOE_LOG.propagate)
+
+
 @pytest.fixture(autouse=True)
 def _restore_torchmoe_logging():
-    """Tests that run `torchmoe.cli.main` in this process get the CLI's logging setup (its own
-    stderr handler, no propagation to the root logger); undo it, or pytest's log capture would
-    miss the `torchmoe` records of every later test."""
-    import logging
-
-    log = logging.getLogger("torchmoe")
-    saved = (list(log.handlers), log.level, log.propagate)
+    """Tests and fixtures (module-scoped ones too) that run `torchmoe.cli.main` in this process get
+    the CLI's logging setup (its own stderr handler, no propagation to the root logger); undo it
+    after every test, or pytest's log capture would miss the `torchmoe` records of later tests."""
     yield
-    log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+    _TORCHMOE_LOG.handlers[:], _TORCHMOE_LOG.level, _TORCHMOE_LOG.propagate = _PRISTINE_LOG
