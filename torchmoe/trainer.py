@@ -152,8 +152,8 @@ class Trainer:
 
         self.tokenizer = tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args_from_config(cfg.model)
-        batch_mesh = self.mesh["batch"] if self.mesh is not None else None
-        dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+        self.batch_mesh = batch_mesh = self.mesh["batch"] if self.mesh is not None else None
+        self.dp_rank = dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
         # With the batch mesh the loader's checkpointed rows are a DTensor: each rank saves its own.
         self.dataloader = build_dataloader(
             cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp, batch_mesh=batch_mesh
@@ -275,9 +275,7 @@ class Trainer:
         local_loss = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(micro_batches):
             self._sync_replicas(last=i == len(micro_batches) - 1)
-            if self.cp_positions is not None:
-                inputs, labels = inputs[:, self.cp_positions], labels[:, self.cp_positions]
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            inputs, labels = self._local_columns(inputs, labels)
             with loss_parallel() if self.loss_parallel else nullcontext():
                 if self.schedule is not None:
                     losses = self._pipeline_step(inputs, labels)
@@ -299,12 +297,8 @@ class Trainer:
         out of data (one flag in an all-reduce), so all stop at the same batch.
         """
         val = self.cfg.validation
-        batch_mesh = self.mesh["batch"] if self.mesh is not None else None
-        loader = build_dataloader(validation_data(self.cfg.training, val), self.tokenizer,
-                                  dp_rank=batch_mesh.get_local_rank() if batch_mesh is not None else 0,
-                                  dp_degree=self.dims.dp, batch_mesh=batch_mesh, repeat=False)
-        cp_positions = torch.tensor(CPLayout(val.seq_len, self.dims.cp).positions(
-            self.mesh["cp"].get_local_rank())) if self.dims.cp_enabled else None
+        loader = build_dataloader(validation_data(self.cfg.training, val), self.tokenizer, dp_rank=self.dp_rank,
+                                  dp_degree=self.dims.dp, batch_mesh=self.batch_mesh, repeat=False)
         counts = [moe.tokens_per_expert.clone() for moe in self.moe_layers]
         # Only tp-coordinate 0 counts its loss: its TP peers hold the same value.
         weight = 1.0 if self.mesh is None or self.mesh["tp"].get_local_rank() == 0 else 0.0
@@ -321,9 +315,7 @@ class Trainer:
             if flag.item():
                 break
             for inputs, labels in micro_batches:
-                if cp_positions is not None:
-                    inputs, labels = inputs[:, cp_positions], labels[:, cp_positions]
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                inputs, labels = self._local_columns(inputs, labels)
                 with loss_parallel() if self.loss_parallel else nullcontext():
                     loss = self._summed_loss(self.model(inputs), labels)
                 total += weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
@@ -337,6 +329,13 @@ class Trainer:
                               f"({loader.global_batch_size} rows of {val.seq_len + 1} tokens)",
                               "use more validation data, or a smaller validation.local_batch_size / seq_len")
         return total.item() / (batches * loader.global_batch_size * val.seq_len)
+
+    def _local_columns(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's columns of a (B, seq_len) micro-batch (its CP pieces; all without CP), on
+        its device. Validation batches have training's seq_len under CP (`preflight`)."""
+        if self.cp_positions is not None:
+            inputs, labels = inputs[:, self.cp_positions], labels[:, self.cp_positions]
+        return inputs.to(self.device), labels.to(self.device)
 
     def _sync_replicas(self, *, last: bool) -> None:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing
