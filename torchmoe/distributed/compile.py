@@ -3,11 +3,11 @@
 Blocks are compiled one by one (after activation checkpointing, before FSDP) so compile time
 stays that of one block and FSDP's per-block communication stays outside the graphs.
 
-MoE blocks are not one graph. Without EP their shapes are static (routed rows are always
-tokens × top_k; expert boundaries are tensor offsets), but the token-count bookkeeping breaks the
-graph on purpose (see `moe._accumulate_token_counts`), and fp32 grouped GEMMs run eagerly (the
-compiler's `_grouped_mm` takes bf16 only). Under EP the number of received rows depends on the
-routing, so those regions see varying shapes (dynamic-shape compilation after the first change).
+Every block, dense and MoE, is one graph: the two MoE operators the compiler cannot trace as
+they are (fp32 grouped GEMMs, the recomputation-aware token counting) are custom ops
+(`models/llama4/moe_ops.py`), single nodes in the graph. Without EP every shape is static
+(routed rows are always tokens x top_k; expert boundaries are tensor offsets). Under EP the
+all-to-all needs its split sizes on the host: that read is the one graph break of an MoE block.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from torchmoe.models.init import ParamInit, TruncNormal, prefixed
 from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.models.llama4.moe_ops import accumulate_token_counts, grouped_mm
 
 # On CUDA, grouped GEMM kernels want every expert's row block to start at a multiple of 16 rows
 # (bf16 tensor-core tiles); on CPU no padding is needed.
@@ -103,22 +104,17 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:
-    """One grouped GEMM per projection; no host-device synchronisation."""
-    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
-        # torch 2.13's fake-tensor kernel of _grouped_mm accepts only bf16, so under
-        # torch.compile other dtypes run eagerly between the compiled regions.
-        return _grouped_swiglu_eager(x, w1, w2, w3, counts)
-    return _grouped_swiglu_impl(x, w1, w2, w3, counts)
-
-
-def _grouped_swiglu_impl(x, w1, w2, w3, counts) -> torch.Tensor:
+    """One grouped GEMM per projection; no host-device synchronisation. bf16 runs torch's
+    ``_grouped_mm`` (which the compiler lowers to its kernels); other dtypes run it through the
+    ``torchmoe::grouped_mm`` custom op, which the compiler can trace (see `moe_ops`)."""
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))  # (rows, hidden)
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (rows, dim)
+    native = x.dtype == torch.bfloat16
 
+    def mm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(rows, w.transpose(-2, -1), offs=offsets) if native else grouped_mm(rows, w, offsets)
 
-_grouped_swiglu_eager = torch.compiler.disable(_grouped_swiglu_impl)
+    h = F.silu(mm(x, w1)) * mm(x, w3)  # (rows, hidden)
+    return mm(h, w2)  # (rows, dim)
 
 
 def _looped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:
@@ -193,18 +189,6 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_out, aux_grad, None
 
 
-@torch.compiler.disable
-def _accumulate_token_counts(buffer: torch.Tensor, counts: torch.Tensor) -> None:
-    """Add this forward's counts unless the forward is an activation-checkpoint recomputation.
-
-    Recomputation runs inside the autograd engine (a graph task is current); counting it again
-    would skew the counts by the recomputed fraction. Kept out of torch.compile so the check runs
-    at every call rather than once at trace time.
-    """
-    if torch._C._current_graph_task_id() == -1:
-        buffer.add_(counts)
-
-
 class MoE(nn.Module):
     """Router + routed experts + shared expert, with load-balancing state.
 
@@ -251,7 +235,7 @@ class MoE(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
         with torch.no_grad():
-            _accumulate_token_counts(self.tokens_per_expert, counts.float())
+            accumulate_token_counts(self.tokens_per_expert, counts.float())
 
         routed = self.dispatcher.route(tokens, top_scores, selected, counts, self.score_before_experts, self.experts)
 

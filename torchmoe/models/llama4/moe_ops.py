@@ -1,0 +1,94 @@
+"""The MoE layer's two operators that torch.compile cannot trace as they are, as custom ops.
+
+    python -m pytest -q tests/unit/test_moe_compile.py
+
+A custom op is one node in a compiled graph: the graph stays whole around it (no graph break) and
+the compiler fuses what comes before and after, while the op itself runs its eager kernel.
+
+- ``torchmoe::grouped_mm``: the grouped GEMM in dtypes other than bf16. torch's ``_grouped_mm``
+  has eager kernels for fp32, but its meta function (what the compiler traces with) accepts bf16
+  only, so a compiled fp32 MoE would otherwise break the graph around every expert projection.
+  Its backward is two more grouped GEMMs, themselves custom ops, so the backward graph stays
+  whole as well. bf16 keeps torch's own op, which the compiler lowers to its grouped-GEMM kernels.
+- ``torchmoe::accumulate_token_counts``: adds a forward's routed-token counts to the layer's
+  buffer unless the forward is an activation-checkpoint recomputation. The check must run at
+  every call; traced, it would be evaluated once at compile time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["accumulate_token_counts", "grouped_mm"]
+
+
+@torch.library.custom_op("torchmoe::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-group ``x_g @ w_g.T``: rows ``offsets[g-1]:offsets[g]`` of x times expert g's weight.
+
+    Args:
+        x: (R, K) rows sorted by group; rows past ``offsets[-1]`` are ignored.
+        w: (G, N, K) per-group weights in ``nn.Linear`` layout (out, in).
+        offsets: (G,) int32 end row of each group (cumulative counts).
+    Returns:
+        (R, N); rows past ``offsets[-1]`` are unspecified.
+    """
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+
+@grouped_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("torchmoe::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The weight gradient of `grouped_mm`: per group ``grad_g.T @ x_g``.
+
+    Args:
+        grad: (R, N) gradient of the output; x: (R, K) the forward's input; offsets: (G,) int32.
+    Returns:
+        (G, N, K).
+    """
+    return torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
+
+
+@grouped_mm_weight_grad.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty(offsets.shape[0], grad.shape[1], x.shape[1])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx, grad: torch.Tensor):
+    x, w, offsets = ctx.saved_tensors
+    # d x_g = grad_g @ w_g: grouped_mm with w_g.T as the "weight" (a view, no copy).
+    grad_x = grouped_mm(grad, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+    grad_w = grouped_mm_weight_grad(grad, x, offsets) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("torchmoe::accumulate_token_counts", mutates_args=("buffer",))
+def accumulate_token_counts(buffer: torch.Tensor, counts: torch.Tensor) -> None:
+    """``buffer += counts`` unless this forward is an activation-checkpoint recomputation.
+
+    Recomputation runs inside the autograd engine (a graph task is current); counting it again
+    would skew the counts by the recomputed fraction.
+
+    Args:
+        buffer: (E,) fp32 running counts (the layer's ``tokens_per_expert``).
+        counts: (E,) fp32 routed copies per expert in this forward.
+    """
+    if torch._C._current_graph_task_id() == -1:
+        buffer.add_(counts)
+
+
+@accumulate_token_counts.register_fake
+def _(buffer: torch.Tensor, counts: torch.Tensor) -> None:
+    return None
