@@ -59,6 +59,7 @@ from torchmoe.config.job_config import Comm, JobConfig
 from torchmoe.config.loader import write_config_toml
 from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
 from torchmoe.data.tokenizer import build_tokenizer
+from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch
 from torchmoe.distributed.float8 import precompute_float8_scales
@@ -475,20 +476,24 @@ class Trainer:
             stack.callback(collector.close)
             first_step = self.step + 1
             window = ThroughputWindow(first_step)
+            compiled_before = DynamoCounts.now()
             while self.step < steps:
                 t0 = time.perf_counter()
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
                 result = self.train_step(self.dataloader.next_batch())
                 self.step += 1
-                if self.step == first_step:
-                    _set_train_timeout(cfg.comm)
-                window.add(self.step, self.global_tokens, time.perf_counter() - t0)
+                step_s = time.perf_counter() - t0
+                window.add(self.step, self.global_tokens, step_s)
                 extra = {"ep_all_to_all_gib": (ep_bytes_moved(self.model) - ep_bytes) / 2**30} \
                     if self.dims.ep_enabled else {}
+                if self.step == first_step:
+                    _set_train_timeout(cfg.comm)
+                    if cfg.compile.enable:
+                        extra.update(self._compile_report(DynamoCounts.now().since(compiled_before), step_s))
                 validating = cfg.validation.enable and self.step % cfg.validation.freq == 0
                 if validating:  # after the step's timing and traffic: its numbers are the training's
                     extra["validation_loss"] = self.validate()
-                if validating or metrics.should_log(self.step):
+                if validating or metrics.should_log(self.step) or "first_step_s" in extra:
                     tokens_per_sec = window.take()
                     metrics.log(self.step, {**extra,
                         "loss": result.loss,
@@ -512,6 +517,15 @@ class Trainer:
                 mem.step()
         if cfg.checkpoint.last_save_in_hf:
             self._save_hf()
+
+    def _compile_report(self, compiled: DynamoCounts, step_s: float) -> dict[str, float]:
+        """Log what the first step compiled; the metrics record's keys for it. Under EP each MoE
+        block breaks once, at the split sizes' host read (`distributed/compile.py`)."""
+        if self.rank == 0:
+            logger.info("torch.compile: %d graphs, %d graph breaks; the first step took %.1f s, compilation "
+                        "included", compiled.graphs, compiled.graph_breaks, step_s)
+        return {"compile_graphs": compiled.graphs, "compile_graph_breaks": compiled.graph_breaks,
+                "first_step_s": step_s}
 
     def _checkpoint(self, *, stopping: bool) -> None:
         """After each step: save when due (or `stopping` for a signal), if the state is finite

@@ -229,8 +229,8 @@ def test_compile_components_and_backend(monkeypatch: pytest.MonkeyPatch) -> None
 
     seen = []
     monkeypatch.setattr(torch, "compile", lambda block, **kwargs: seen.append(kwargs) or block)
-    apply_compile(empty_tiny_model(), Compile(enable=True, components=["loss"]))
+    apply_compile(empty_tiny_model(), Compile(enable=True, components=["loss"]), fullgraph=True)
     assert seen == []  # no "model": the blocks stay eager
     model = empty_tiny_model()
-    apply_compile(model, Compile(enable=True, backend="aot_eager"))
+    apply_compile(model, Compile(enable=True, backend="aot_eager"), fullgraph=True)
     assert [k["backend"] for k in seen] == ["aot_eager"] * len(model.layers)

@@ -31,9 +31,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
         w: (G, N, K) per-group weights in ``nn.Linear`` layout (out, in).
         offsets: (G,) int32 end row of each group (cumulative counts).
     Returns:
-        (R, N); rows past ``offsets[-1]`` are unspecified.
+        (R, N) contiguous; rows past ``offsets[-1]`` are unspecified.
     """
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    # The kernel pads rows to 16 bytes (N = 6 fp32 gets stride 8); the fake kernel promises a
+    # contiguous result, and for the usual N (a multiple of 4) this is no copy.
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).contiguous()
 
 
 @grouped_mm.register_fake
@@ -48,9 +50,9 @@ def grouped_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.T
     Args:
         grad: (R, N) gradient of the output; x: (R, K) the forward's input; offsets: (G,) int32.
     Returns:
-        (G, N, K).
+        (G, N, K) contiguous.
     """
-    return torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
+    return torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets).contiguous()  # as in grouped_mm
 
 
 @grouped_mm_weight_grad.register_fake
@@ -65,6 +67,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: torch.Tensor):
     x, w, offsets = ctx.saved_tensors
+    grad = grad.contiguous()  # e.g. a sum's expanded gradient (strides 0): the kernel wants rows
     # d x_g = grad_g @ w_g: grouped_mm with w_g.T as the "weight" (a view, no copy).
     grad_x = grouped_mm(grad, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
     grad_w = grouped_mm_weight_grad(grad, x, offsets) if ctx.needs_input_grad[1] else None
