@@ -2,14 +2,17 @@
 machine's measured dense fp32 matmul rate.
 
     python scripts/bench_train.py                                   # tiny + bench256, one process
-    python scripts/bench_train.py --flavors bench256 --layout fsdp2  # the same under torchrun, 2 ranks
+    python scripts/bench_train.py --flavors bench256 --layouts fsdp2 ep2 --compile both
 
 Each run is the real CLI in a subprocess (fp32, activation checkpointing off, checkpoints off),
 seq 2048 x global batch 8 by default; throughput comes from its metrics.jsonl, skipping the first
-`--warmup` steps, as tokens per median step time. Model FLOPs are `ModelArgs.flops_per_token`
-(6N + attention, PaLM convention). CPUs publish no useful peak, so the MFU denominator is
-measured in the same invocation: the median rate of 2048 x 2048 fp32 matmuls on all the threads
-the runs get. Writes JSON (default outputs/bench_train.json) and prints it.
+`--warmup` steps, as tokens per median step time. `--compile both` runs every layout eager and
+compiled and reports the speed-up, the compiled run's first step (compilation included) and the
+graphs and graph breaks dynamo reported. Model FLOPs are `ModelArgs.flops_per_token`: `mfu_pct`
+in the PaLM convention (6N + the full attention square), `mfu_causal_pct` counting attention as
+causal (half the square: the work a causal kernel does). CPUs publish no useful peak, so the MFU
+denominator is measured in the same invocation: the median rate of 2048 x 2048 fp32 matmuls on
+all the threads the runs get. Writes JSON (default outputs/bench_train.json) and prints it.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def matmul_flops(threads: int, n: int = 2048, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
-def run_layout(flavor: str, layout: str, *, seq: int, batch: int, steps: int, warmup: int, threads: int) -> dict:
+def run_layout(flavor: str, layout: str, *, compiled: bool, seq: int, batch: int, steps: int, warmup: int,
+               threads: int) -> dict:
     """Train `steps` steps of `flavor` under `layout`; returns throughput over the steps after `warmup`."""
     nproc, local_batch, flags = LAYOUTS[layout]
     local_batch = local_batch * batch // 8
@@ -64,26 +68,35 @@ def run_layout(flavor: str, layout: str, *, seq: int, batch: int, steps: int, wa
                    "--training.seq_len", str(seq), "--training.global_batch_size", str(batch),
                    "--training.local_batch_size", str(local_batch), "--training.steps", str(steps),
                    "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
-                   "--checkpoint.enable", "false", "--metrics.log_freq", "1", *flags],
-                  dump_folder=dump, nproc=nproc, threads=threads_per_rank)
+                   "--checkpoint.enable", "false", "--metrics.log_freq", "1",
+                   "--compile.enable", str(compiled).lower(), *flags],
+                  dump_folder=dump, nproc=nproc, threads=threads_per_rank, timeout=3600)
         rows = read_metrics(dump)
     tokens_per_step = batch * seq
     step_s = [tokens_per_step / r["tokens_per_sec"] for r in rows if r["step"] > warmup]
     tokens_per_sec = tokens_per_step / statistics.median(step_s)
-    return {
-        "flavor": flavor, "layout": layout, "nproc": nproc, "threads_per_rank": threads_per_rank,
+    args = FLAVORS[flavor]
+    run = {
+        "flavor": flavor, "layout": layout, "compile": compiled, "nproc": nproc, "threads_per_rank": threads_per_rank,
         "seq_len": seq, "global_batch": batch, "local_batch": local_batch, "measured_steps": len(step_s),
+        "first_step_s": round(tokens_per_step / rows[0]["tokens_per_sec"], 2),
         "step_s": [round(s, 3) for s in step_s], "tokens_per_sec": tokens_per_sec,
-        "tflops": FLAVORS[flavor].flops_per_token(seq) * tokens_per_sec / 1e12,  # all ranks together
+        "tflops": args.flops_per_token(seq) * tokens_per_sec / 1e12,  # all ranks together
+        "tflops_causal": args.flops_per_token(seq, causal=True) * tokens_per_sec / 1e12,
         "memory_gib_per_rank": rows[-1]["memory_gib"],
     }
+    if compiled:
+        run.update(graphs=rows[0]["compile_graphs"], graph_breaks=rows[0]["compile_graph_breaks"])
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavors", nargs="+", default=["tiny", "bench256"], choices=sorted(FLAVORS))
-    parser.add_argument("--layout", default="single", choices=sorted(LAYOUTS),
-                        help="parallel layout: ranks and flags under torchrun (default: one process)")
+    parser.add_argument("--layouts", nargs="+", default=["single"], choices=sorted(LAYOUTS),
+                        help="parallel layouts: ranks and flags under torchrun (default: one process)")
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                        help="torch.compile the blocks; 'both' runs each layout eager and compiled")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step); a multiple of 8")
     parser.add_argument("--steps", type=int, default=7)
@@ -97,11 +110,20 @@ def main() -> None:
     peak = matmul_flops(opts.threads)
     result: dict = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "threads": opts.threads,
                     "matmul_fp32_tflops": peak / 1e12, "runs": []}
+    modes = {"off": [False], "on": [True], "both": [False, True]}[opts.compile]
     for flavor in opts.flavors:
-        run = run_layout(flavor, opts.layout, seq=opts.seq, batch=opts.batch, steps=opts.steps,
-                         warmup=opts.warmup, threads=opts.threads)
-        run["mfu_pct"] = 100 * run["tflops"] * 1e12 / peak
-        result["runs"].append(run)
+        for layout in opts.layouts:
+            runs = {}
+            for compiled in modes:
+                run = run_layout(flavor, layout, compiled=compiled, seq=opts.seq, batch=opts.batch, steps=opts.steps,
+                                 warmup=opts.warmup, threads=opts.threads)
+                run["mfu_pct"] = 100 * run["tflops"] * 1e12 / peak
+                run["mfu_causal_pct"] = 100 * run["tflops_causal"] * 1e12 / peak
+                result["runs"].append(run)
+                runs[compiled] = run
+            if len(runs) == 2:
+                result.setdefault("compiled_vs_eager", {})[f"{flavor}/{layout}"] = \
+                    runs[True]["tokens_per_sec"] / runs[False]["tokens_per_sec"]
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -274,9 +274,10 @@ class Trainer:
         """
         self._set_aux_loss_scale(len(micro_batches))
         local_loss = torch.zeros((), device=self.device)
+        # Every micro-batch's copy to the device starts now: later ones arrive during earlier ones' compute.
+        micro_batches = [self._local_columns(inputs, labels) for inputs, labels in micro_batches]
         for i, (inputs, labels) in enumerate(micro_batches):
             self._sync_replicas(last=i == len(micro_batches) - 1)
-            inputs, labels = self._local_columns(inputs, labels)
             with loss_parallel() if self.loss_parallel else nullcontext():
                 if self.schedule is not None:
                     losses = self._pipeline_step(inputs, labels)
@@ -333,10 +334,16 @@ class Trainer:
 
     def _local_columns(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's columns of a (B, seq_len) micro-batch (its CP pieces; all without CP), on
-        its device. Validation batches have training's seq_len under CP (`preflight`)."""
+        its device. Validation batches have training's seq_len under CP (`preflight`).
+
+        To a GPU the copy is asynchronous: from pinned host memory, with ``non_blocking``, so the
+        host goes on queueing work while the batch travels (the stream orders its use)."""
         if self.cp_positions is not None:
             inputs, labels = inputs[:, self.cp_positions], labels[:, self.cp_positions]
-        return inputs.to(self.device), labels.to(self.device)
+        if self.device.type != "cuda":
+            return inputs.to(self.device), labels.to(self.device)
+        return (inputs.pin_memory().to(self.device, non_blocking=True),
+                labels.pin_memory().to(self.device, non_blocking=True))
 
     def _sync_replicas(self, *, last: bool) -> None:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing

@@ -73,6 +73,8 @@ def test_flops_per_token_formula():
     n_rope = sum(args.rope_layers)
     expected_attn = 12 * args.n_heads * args.head_dim * (n_rope * 8192 + (args.n_layers - n_rope) * 32768)
     assert long == 6 * (counts["active"] - counts["embedding"]) + expected_attn
+    # Counted causally, a query attends half its context on average: half the attention FLOPs.
+    assert args.flops_per_token(32768, causal=True) == 6 * (counts["active"] - counts["embedding"]) + expected_attn // 2
 
 
 def test_build_model_args_overrides():

@@ -148,29 +148,33 @@ class ModelArgs:
         return {"total": sum(t for t, _ in per_layer) + extra, "active": sum(a for _, a in per_layer) + extra,
                 "embedding": embedding}
 
-    def layer_flops_per_token(self, layer_id: int, seq_len: int) -> int:
+    def layer_flops_per_token(self, layer_id: int, seq_len: int, *, causal: bool = False) -> int:
         """Training FLOPs per token (forward + backward) of block `layer_id`.
 
         ``6 * N`` for the matmuls over its active parameters ``N``, plus ``12 * n_heads * head_dim *
         L_eff`` for the attention scores and weighted sum (2 matmuls, x3 for backward, x2
         multiply-add), where ``L_eff`` is the context a query attends over: ``seq_len`` for
-        full-attention layers and ``min(seq_len, attention_chunk_size)`` for chunked ones. Causal
-        masking is not halved, following the PaLM/MFU convention so numbers compare across trainers.
+        full-attention layers and ``min(seq_len, attention_chunk_size)`` for chunked ones. By
+        default causal masking is not halved, following the PaLM/MFU convention so numbers compare
+        across trainers; `causal` counts only the keys a query sees (half the square: ``L_eff / 2``),
+        the work a causal kernel actually does.
         """
         ctx = seq_len
         if self.rope_layers[layer_id] and self.attention_chunk_size is not None:
             ctx = min(seq_len, self.attention_chunk_size)
-        return 6 * self.layer_params(layer_id)[1] + 12 * self.n_heads * self.head_dim * ctx
+        attention = 12 * self.n_heads * self.head_dim * ctx
+        return 6 * self.layer_params(layer_id)[1] + (attention // 2 if causal else attention)
 
     def head_flops_per_token(self) -> int:
         """Training FLOPs per token of the final norm and the output head (the embedding lookup is
         no matmul; a tied head still multiplies by the embedding)."""
         return 6 * (self.vocab_size * self.dim + self.dim)
 
-    def flops_per_token(self, seq_len: int) -> int:
+    def flops_per_token(self, seq_len: int, *, causal: bool = False) -> int:
         """Training FLOPs per token (forward + backward) of the whole model, counting only the
         active experts: every block's `layer_flops_per_token` plus the head's."""
-        return sum(self.layer_flops_per_token(i, seq_len) for i in range(self.n_layers)) + self.head_flops_per_token()
+        return sum(self.layer_flops_per_token(i, seq_len, causal=causal)
+                   for i in range(self.n_layers)) + self.head_flops_per_token()
 
 
 # ---- torchmoe's flavors ------------------------------------------------------------------------
