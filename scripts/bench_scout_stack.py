@@ -1,0 +1,131 @@
+"""Training throughput and MFU of a Scout-shaped layer stack on one GPU: bf16, torch.compile,
+fused AdamW; the ready-made script for a GPU machine (target: MFU >= 45% on one H200).
+
+    python scripts/bench_scout_stack.py                      # 2 Scout layers, seq 8192, on cuda
+    python scripts/bench_scout_stack.py --layers 3 --seq 16384 --batch 1
+    python scripts/bench_scout_stack.py --device cpu --flavor tiny --seq 64 --steps 3 --warmup 1 --no-compile
+
+The stack is `--layers` blocks of `--flavor` (Scout: dim 5120, 40 query / 8 KV heads of 128, 16
+routed experts top-1 plus a shared expert, every block MoE, QK norm, 8192-token chunked attention),
+the last of them a NoPE layer with full causal attention (Scout has one in four), between
+Scout's embedding and head with a `--vocab`-token vocabulary (Scout's 202,048 rows would hold
+a fifth of the memory). Two layers are 4.74 B parameters, ~76 GB with fp32 master weights,
+gradients and AdamW state; three (7.0 B, ~112 GB) should still fit an H200's 141 GB.
+
+Each step is what `torchmoe train` runs on one GPU: forward under bf16 autocast with fp32 master
+weights, fp32 cross entropy, backward, gradient clipping, fused AdamW, the expert-bias update. The
+blocks are compiled as `compile.enable` compiles them (`fullgraph=True`). Tokens are random (the
+router still sees varying loads). Steps are timed with the device synchronised; the first
+`--warmup` steps (compilation) are left out. MFU is against the device's dense bf16 peak
+(`torchmoe.components.metrics.device_peak_flops`), with `ModelArgs.flops_per_token`: the PaLM
+convention (`mfu_pct`) and attention counted causally (`mfu_causal_pct`). Writes JSON (default
+outputs/bench_scout_stack.json) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from torchmoe.components.metrics import device_peak_flops, peak_memory_gib
+from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
+from torchmoe.config.job_config import Compile
+from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.distributed.compile import apply_compile
+from torchmoe.distributed.data_parallel import apply_autocast
+from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer, update_expert_bias
+
+
+def stack_args(flavor: str, layers: int, vocab: int) -> ModelArgs:
+    """`layers` blocks of `flavor`, the last one NoPE (full attention), with a `vocab`-row
+    embedding and head."""
+    return FLAVORS[flavor].replace(n_layers=layers, vocab_size=vocab,
+                                   no_rope_layers=[int(i < layers - 1) for i in range(layers)])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench(args: ModelArgs, *, device: torch.device, dtype: str, compiled: bool, batch: int, seq: int,
+          steps: int, warmup: int) -> dict:
+    """Train `steps` steps on random tokens; throughput over the steps after `warmup`."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_weights(seed=0)
+    model.train()
+    apply_autocast(model, dtype)
+    if compiled:
+        apply_compile(model, Compile(enable=True), fullgraph=True)
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-4))
+    params = list(model.parameters())
+    generator = torch.Generator(device).manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), device=device, generator=generator)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        update_expert_bias(model.moe_layers())
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    tokens_per_sec = batch * seq / statistics.median(times[warmup:])
+    peak = device_peak_flops(device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    result = {
+        "params": sum(p.numel() for p in params), "first_step_s": round(times[0], 2),
+        "step_s": [round(t, 4) for t in times[warmup:]], "tokens_per_sec": tokens_per_sec,
+        "final_loss": loss.item(), "memory_gib": peak_memory_gib(device),
+    }
+    for key, causal in (("", False), ("_causal", True)):
+        flops = args.flops_per_token(seq, causal=causal) * tokens_per_sec
+        result[f"tflops{key}"] = flops / 1e12
+        result[f"mfu{key}_pct"] = 100 * flops / peak if peak else None
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", default="scout", choices=sorted(FLAVORS))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4, help="first steps left out (compilation, allocator)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="outputs/bench_scout_stack.json")
+    opts = parser.parse_args()
+    if opts.steps <= opts.warmup or opts.layers < 1:
+        parser.error("--steps must be larger than --warmup, and --layers at least 1")
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run on a GPU machine, or pass --device cpu for a smoke run")
+    args = stack_args(opts.flavor, opts.layers, opts.vocab)
+    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else "cpu", **{k: v for k, v in vars(opts).items() if k != "out"}}
+    result.update(bench(args, device=device, dtype=opts.dtype, compiled=opts.compile, batch=opts.batch,
+                        seq=opts.seq, steps=opts.steps, warmup=opts.warmup))
+    out = Path(opts.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The GPU benchmark script, smoke-run on CPU: the stack it builds and the numbers it reports."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scout_stack_is_scouts_layers_with_one_nope_layer_last() -> None:
+    args = _script("bench_scout_stack").stack_args("scout", 2, 32768)
+    assert args.rope_layers == [True, False] and all(args.is_moe_layer(i) for i in range(2))
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.num_experts) == (5120, 40, 8, 128, 16)
+    assert args.param_counts()["total"] == 4_739_752_960
+
+
+def test_scout_stack_bench_reports_its_flops() -> None:
+    bench = _script("bench_scout_stack")
+    args = bench.stack_args("tiny", 2, 512)
+    result = bench.bench(args, device=torch.device("cpu"), dtype="bfloat16", compiled=False, batch=1, seq=64,
+                         steps=2, warmup=1)
+    assert result["params"] == args.param_counts()["total"]
+    assert result["tflops"] == pytest.approx(args.flops_per_token(64) * result["tokens_per_sec"] / 1e12)
+    assert result["tflops_causal"] < result["tflops"] and result["mfu_pct"] is None  # no known CPU peak
