@@ -48,6 +48,9 @@ LAYOUTS = {
     "tp2_no_loss_parallel": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
                                  "--parallelism.disable_loss_parallel", "true"]),
     "fsdp2_compile": (2, ["--training.local_batch_size", "4", "--compile.enable", "true"]),
+    "tp2_compile_selective_op_ac": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
+                                        "--parallelism.data_parallel_shard_degree", "1", "--compile.enable", "true",
+                                        "--activation_checkpoint.mode", "selective"]),
     "fsdp2_never_reshard": (2, ["--training.local_batch_size", "4", "--parallelism.fsdp_reshard_after_forward",
                                 "never"]),
 }
@@ -55,7 +58,10 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_single_process(layout, runs, reference):
-    assert_same_curve(metrics_by_step(runs.folder(layout)), reference, layout, rtol=RTOL)
+    got = metrics_by_step(runs.folder(layout))
+    assert_same_curve(got, reference, layout, rtol=RTOL)
+    if "compile" in layout:  # every block one graph (fullgraph=True would have refused a break)
+        assert got[1]["compile_graph_breaks"] == 0 and got[1]["compile_graphs"] >= 2
 
 
 BF16_LAYOUTS = {
