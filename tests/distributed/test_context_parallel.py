@@ -53,10 +53,8 @@ LAYOUTS = {
     "cp2_fsdp2": (4, 384, [*CP2, "--training.local_batch_size", "4"]),
     "cp2_tp2": (4, 256, [*CP2, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "cp2_ep2": (2, 384, [*CP2, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "8"]),
-    # HSDP whose shards are the cp ranks (FSDP shards over dp_shard x cp): 4 ranks, not 8.
-    "hsdp_replicate2_cp2": (4, 384, [*CP2, "--parallelism.data_parallel_replicate_degree", "2",
-                                     "--parallelism.data_parallel_shard_degree", "1",
-                                     "--training.local_batch_size", "4"]),
+    "hsdp2x2_cp2": (8, 384, [*CP2, "--parallelism.data_parallel_replicate_degree", "2",
+                             "--training.local_batch_size", "2"]),
     "cp2_full_ac": (2, 128, [*CP2, "--activation_checkpoint.mode", "full", "--training.local_batch_size", "8"]),
     "cp2_selective_ac": (2, 384, [*CP2, "--activation_checkpoint.mode", "selective",
                                   "--training.local_batch_size", "8"]),
