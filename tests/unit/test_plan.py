@@ -203,7 +203,7 @@ def test_block_activations_match_saved_tensors(precision):
         p.data = p.data.to(dtype)
     batch, seq = 2, 64
     x = torch.randn(batch, seq, args.dim, dtype=dtype, requires_grad=True)
-    freqs = model.freqs_cis[:seq]
+    freqs = model._rotations(seq)
     autocast = precision == "bf16_autocast"
     act = ActivationModel(args, _dims(), a=4 if precision == "fp32" else 2, compiled=False, loss_parallel=False,
                           autocast=autocast)
