@@ -76,6 +76,7 @@ from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
 from torchmoe.preflight import train_device
+from torchmoe.regions import region
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,8 @@ class Trainer:
         local_loss = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(micro_batches):
             self._sync_replicas(last=i == len(micro_batches) - 1)
-            inputs, labels = self._local_columns(inputs, labels)
+            with region("data"):
+                inputs, labels = self._local_columns(inputs, labels)
             with loss_parallel() if self.loss_parallel else nullcontext():
                 if self.schedule is not None:
                     losses = self._pipeline_step(inputs, labels)
@@ -369,8 +371,9 @@ class Trainer:
         """
         global_loss, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
         max_norm = self.cfg.training.max_norm
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
-                                    pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
+        with region("optimizer"):
+            grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
+                                        pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
         loss, stop, norm, bad_bias = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
                                                   bad_bias]).tolist()
         if bad_bias:  # set by the previous step's update, which no save has seen yet
@@ -478,7 +481,9 @@ class Trainer:
             while self.step < steps:
                 t0 = time.perf_counter()
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
-                result = self.train_step(self.dataloader.next_batch())
+                with region("data"):
+                    batch = self.dataloader.next_batch()
+                result = self.train_step(batch)
                 self.step += 1
                 if self.step == first_step:
                     _set_train_timeout(cfg.comm)

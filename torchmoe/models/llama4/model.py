@@ -19,6 +19,7 @@ from torch import nn
 from torchmoe.models.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.moe import FeedForward, MoE
+from torchmoe.regions import region
 
 
 class RMSNorm(nn.Module):
@@ -109,24 +110,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """x: (B, S, dim), freqs_cis: (S, hd/2) -> (B, S, dim)."""
-        bsz, seq_len, _ = x.shape
-        # -1 head counts: under tensor parallel each rank holds a slice of the heads.
-        xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, H, hd)
-        xk = self.wk(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, Hkv, hd)
-        xv = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
-        if self.use_rope:
-            xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-        if self.qk_norm is not None:
-            xq, xk = self.qk_norm(xq), self.qk_norm(xk)
-        if self.temperature is not None:
-            floor_scale, attn_scale = self.temperature
-            cp = self.context_parallel
-            pos = (cp.positions(x.device) if cp is not None else torch.arange(seq_len, device=x.device)).float()
-            scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0  # (S,)
-            xq = (xq * scale.view(1, seq_len, 1, 1)).to(xq.dtype)
-        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, S, hd)
-        out = self._attend(q, k, v)  # (B, H, S, hd)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+        with region("attention"):
+            bsz, seq_len, _ = x.shape
+            # -1 head counts: under tensor parallel each rank holds a slice of the heads.
+            xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, H, hd)
+            xk = self.wk(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, Hkv, hd)
+            xv = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
+            if self.use_rope:
+                xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+            if self.qk_norm is not None:
+                xq, xk = self.qk_norm(xq), self.qk_norm(xk)
+            if self.temperature is not None:
+                floor_scale, attn_scale = self.temperature
+                cp = self.context_parallel
+                pos = (cp.positions(x.device) if cp is not None else torch.arange(seq_len, device=x.device)).float()
+                scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0  # (S,)
+                xq = (xq * scale.view(1, seq_len, 1, 1)).to(xq.dtype)
+            q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, S, hd)
+            out = self._attend(q, k, v)  # (B, H, S, hd)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.context_parallel is not None:
@@ -201,8 +203,14 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """x: (B, S, dim) -> (B, S, dim)."""
         h = x + self.attention(self.attention_norm(x), freqs_cis)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        if not self.moe_enabled:
+            return h + self.feed_forward(self.ffn_norm(h))
+        normed = self.ffn_norm(h)
+        # What the MoE layer runs outside its experts' own regions (routed and shared) is routing,
+        # dispatch and combine.
+        with region("router"):
+            out = self.moe(normed)
+        return h + out
 
     def param_inits(self) -> dict[str, ParamInit]:
         ffn_name = "moe" if self.moe_enabled else "feed_forward"
