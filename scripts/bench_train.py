@@ -13,6 +13,11 @@ in the PaLM convention (6N + the full attention square), `mfu_causal_pct` counti
 causal (half the square: the work a causal kernel does). CPUs publish no useful peak, so the MFU
 denominator is measured in the same invocation: the median rate of 2048 x 2048 fp32 matmuls on
 all the threads the runs get. Writes JSON (default outputs/bench_train.json) and prints it.
+
+`--breakdown` profiles the measured steps (`[profiling] enable_step_breakdown`) and adds, per
+rank, where their time went (attention, routed experts, FFN, router, communication, optimizer,
+data, other: seconds per step and share; `components/step_breakdown.py`), printed as tables too.
+The profiler's overhead is then in the measured steps' time.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from torchmoe.components.step_breakdown import format_breakdown
 from torchmoe.launch import read_metrics, run_train
 from torchmoe.models.llama4 import FLAVORS
 
@@ -57,9 +63,16 @@ def matmul_flops(threads: int, n: int = 2048, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
+def breakdown_flags(steps: int, warmup: int) -> list[str]:
+    """Profile steps `warmup + 1 .. steps` as one cycle (traced folder `iteration_<steps>`)."""
+    return ["--profiling.enable_step_breakdown", "true", "--profiling.profile_freq", str(steps),
+            "--profiling.profiler_active", str(steps - warmup), "--profiling.profiler_warmup", str(min(warmup, 1))]
+
+
 def run_layout(flavor: str, layout: str, *, compiled: bool, seq: int, batch: int, steps: int, warmup: int,
-               threads: int) -> dict:
-    """Train `steps` steps of `flavor` under `layout`; returns throughput over the steps after `warmup`."""
+               threads: int, breakdown: bool = False) -> dict:
+    """Train `steps` steps of `flavor` under `layout`; returns throughput over the steps after
+    `warmup` and, with `breakdown`, each rank's step-time breakdown of them."""
     nproc, local_batch, flags = LAYOUTS[layout]
     local_batch = local_batch * batch // 8
     threads_per_rank = max(1, threads // nproc)  # the ranks share the cores
@@ -69,9 +82,13 @@ def run_layout(flavor: str, layout: str, *, compiled: bool, seq: int, batch: int
                    "--training.local_batch_size", str(local_batch), "--training.steps", str(steps),
                    "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
                    "--checkpoint.enable", "false", "--metrics.log_freq", "1",
-                   "--compile.enable", str(compiled).lower(), *flags],
+                   "--compile.enable", str(compiled).lower(), *flags,
+                   *(breakdown_flags(steps, warmup) if breakdown else [])],
                   dump_folder=dump, nproc=nproc, threads=threads_per_rank, timeout=3600)
         rows = read_metrics(dump)
+        traced = Path(dump) / "profile_traces" / f"iteration_{steps}"
+        tables = {f"rank{r}": json.loads((traced / f"rank{r}_breakdown.json").read_text())
+                  for r in range(nproc)} if breakdown else None
     tokens_per_step = batch * seq
     step_s = [tokens_per_step / r["tokens_per_sec"] for r in rows if r["step"] > warmup]
     tokens_per_sec = tokens_per_step / statistics.median(step_s)
@@ -84,6 +101,7 @@ def run_layout(flavor: str, layout: str, *, compiled: bool, seq: int, batch: int
         "tflops": args.flops_per_token(seq) * tokens_per_sec / 1e12,  # all ranks together
         "tflops_causal": args.flops_per_token(seq, causal=True) * tokens_per_sec / 1e12,
         "memory_gib_per_rank": rows[-1]["memory_gib"],
+        **({"breakdown": tables} if tables else {}),
     }
     if compiled:
         run.update(graphs=rows[0]["compile_graphs"], graph_breaks=rows[0]["compile_graph_breaks"])
@@ -103,6 +121,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the measurement")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads over all ranks")
     parser.add_argument("--out", default="outputs/bench_train.json")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="profile the measured steps and report where their time went, per rank")
     opts = parser.parse_args()
     if opts.batch % 8 or opts.steps <= opts.warmup:
         parser.error("--batch must be a multiple of 8 and --steps larger than --warmup")
@@ -116,11 +136,13 @@ def main() -> None:
             runs = {}
             for compiled in modes:
                 run = run_layout(flavor, layout, compiled=compiled, seq=opts.seq, batch=opts.batch, steps=opts.steps,
-                                 warmup=opts.warmup, threads=opts.threads)
+                                 warmup=opts.warmup, threads=opts.threads, breakdown=opts.breakdown)
                 run["mfu_pct"] = 100 * run["tflops"] * 1e12 / peak
                 run["mfu_causal_pct"] = 100 * run["tflops_causal"] * 1e12 / peak
                 result["runs"].append(run)
                 runs[compiled] = run
+                for rank, table in run.get("breakdown", {}).items():
+                    print(f"{flavor}, {layout}, compile {compiled}, {rank}: {format_breakdown(table)}")
             if len(runs) == 2:
                 result.setdefault("compiled_vs_eager", {})[f"{flavor}/{layout}"] = \
                     runs[True]["tokens_per_sec"] / runs[False]["tokens_per_sec"]

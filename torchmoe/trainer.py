@@ -77,6 +77,7 @@ from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
 from torchmoe.preflight import train_device
+from torchmoe.regions import region
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,8 @@ class Trainer:
         self._set_aux_loss_scale(len(micro_batches))
         local_loss = torch.zeros((), device=self.device)
         # Every micro-batch's copy to the device starts now: later ones arrive during earlier ones' compute.
-        micro_batches = [self._local_columns(inputs, labels) for inputs, labels in micro_batches]
+        with region("data"):
+            micro_batches = [self._local_columns(inputs, labels) for inputs, labels in micro_batches]
         for i, (inputs, labels) in enumerate(micro_batches):
             self._sync_replicas(last=i == len(micro_batches) - 1)
             with loss_parallel() if self.loss_parallel else nullcontext():
@@ -377,8 +379,9 @@ class Trainer:
         """
         global_loss, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
         max_norm = self.cfg.training.max_norm
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
-                                    pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
+        with region("optimizer"):
+            grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
+                                        pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
         loss, stop, norm, bad_bias = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
                                                   bad_bias]).tolist()
         if bad_bias:  # set by the previous step's update, which no save has seen yet
@@ -487,7 +490,9 @@ class Trainer:
             while self.step < steps:
                 t0 = time.perf_counter()
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
-                result = self.train_step(self.dataloader.next_batch())
+                with region("data"):
+                    batch = self.dataloader.next_batch()
+                result = self.train_step(batch)
                 self.step += 1
                 step_s = time.perf_counter() - t0
                 window.add(self.step, self.global_tokens, step_s)

@@ -240,6 +240,8 @@ RULES = [
     ({"profiling.profiler_active": 11}, 1, "profiling.profiler_active", "11", "raise profile_freq",
      "profile_freq = 10"),
     ({"profiling.profiler_warmup": -1}, 1, "profiling.profiler_warmup", "-1", "0 or more", ">= 0"),
+    ({"profiling.enable_step_breakdown": True, "profiling.profile_freq": 6, "training.steps": 5}, 1,
+     "profiling.profile_freq", "6", "at most 5", "traces no step of a 5-step run (training.steps)"),
     ({"validation.freq": 0}, 1, "validation.freq", "0", "1 or more", ">= 1"),
     ({"validation.steps": 0}, 1, "validation.steps", "0", "-1 for one pass", ">= 1"),
     ({"validation.dataset": "local"}, 1, "validation.dataset_path", '""', "set dataset_path", "needs a path"),
@@ -397,6 +399,7 @@ def test_validation_rules(debug_cfg: JobConfig, settings: dict, world_size: int,
     ({"parallelism.pipeline_parallel_degree": 4, "parallelism.pipeline_parallel_microbatch_size": 2}, 4),
     ({"training.global_batch_size": 32, "parallelism.data_parallel_shard_degree": 2}, 2),
     ({"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "2"}, 1),
+    ({"profiling.enable_step_breakdown": True, "profiling.profile_freq": 5, "training.steps": 5}, 1),
 ])
 def test_valid_layouts_pass(debug_cfg: JobConfig, settings: dict, world_size: int) -> None:
     # As the dry run validates: PP and CP are plannable, though training refuses them yet.

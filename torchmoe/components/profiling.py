@@ -9,6 +9,8 @@
 
 Traces: `<dump_folder>/<save_traces_folder>/iteration_<N>/rank<r>_trace.json` (open in
 chrome://tracing or https://ui.perfetto.dev), one per traced step N = profile_freq, 2*profile_freq...
+Step breakdowns (`enable_step_breakdown`, `step_breakdown.py`): `rank<r>_breakdown.json` in the
+same folder, and the table in rank 0's log.
 Memory snapshots: `<dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/rank<r>_memory_snapshot.pickle`
 (drag into https://pytorch.org/memory_viz); an exception inside the block (e.g. CUDA OOM) dumps
 `iteration_<N>_exit/` before propagating.
@@ -17,6 +19,7 @@ Memory snapshots: `<dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/ran
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from torchmoe.components.step_breakdown import format_breakdown, step_breakdown
 from torchmoe.config.job_config import Profiling as ProfilingConfig
 
 logger = logging.getLogger(__name__)
@@ -55,10 +59,12 @@ def maybe_profile(
 ) -> Iterator[_Profiler | _NoOp]:
     """Yield an object whose `step()` the loop calls after each training step.
 
-    When `cfg.enable_profiling`, each cycle of `cfg.profile_freq` steps traces its last
-    `cfg.profiler_active` steps (with the default 1: every step N that is a multiple of
-    profile_freq), after up to `cfg.profiler_warmup` warmup steps (the profiler's own start-up
-    cost would otherwise show in the trace). The trace folder is named by the cycle's last step.
+    When `cfg.enable_profiling` or `cfg.enable_step_breakdown`, each cycle of `cfg.profile_freq`
+    steps traces its last `cfg.profiler_active` steps (with the default 1: every step N that is a
+    multiple of profile_freq), after up to `cfg.profiler_warmup` warmup steps (the profiler's own
+    start-up cost would otherwise show in the trace). The trace folder is named by the cycle's
+    last step; it gets the trace (enable_profiling) and the traced steps' breakdown
+    (enable_step_breakdown).
 
     Args:
         cfg: the `[profiling]` section.
@@ -66,7 +72,7 @@ def maybe_profile(
         rank: global rank, part of the trace file name.
         start_step: the step training resumes from, so trace folders are named by true step.
     """
-    if not cfg.enable_profiling:
+    if not (cfg.enable_profiling or cfg.enable_step_breakdown):
         yield _NoOp()
         return
     folder = Path(dump_folder) / cfg.save_traces_folder
@@ -80,9 +86,17 @@ def maybe_profile(
         step = prof.step_num + start_step
         out = folder / f"iteration_{step}"
         out.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        prof.export_chrome_trace(str(out / f"rank{rank}_trace.json"))
-        logger.info("profiler trace of step %d written to %s in %.1fs", step, out, time.perf_counter() - t0)
+        if cfg.enable_profiling:
+            t0 = time.perf_counter()
+            prof.export_chrome_trace(str(out / f"rank{rank}_trace.json"))
+            logger.info("profiler trace of step %d written to %s in %.1fs", step, out, time.perf_counter() - t0)
+        if cfg.enable_step_breakdown:
+            table = step_breakdown(prof.events()).to_dict()
+            (out / f"rank{rank}_breakdown.json").write_text(json.dumps({"rank": rank, "step": step, **table},
+                                                                       indent=2) + "\n")
+            if rank == 0:
+                logger.info("rank 0, traced steps to step %d (every rank's in %s):\n%s", step, out,
+                            format_breakdown(table))
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -93,7 +107,7 @@ def maybe_profile(
         activities=activities,
         schedule=lambda i: base(i + start_step),
         on_trace_ready=on_trace_ready,
-        record_shapes=True,
+        record_shapes=cfg.enable_profiling,  # shapes are for the trace; the breakdown needs none
     ) as prof:
         yield _Profiler(prof)
 

@@ -266,6 +266,8 @@ class Profiling:
     """Steps traced in each profile_freq cycle."""
     profiler_warmup: int = 3
     """Steps the profiler warms up for before the traced ones (fewer if the cycle is shorter)."""
+    enable_step_breakdown: bool = False
+    """At the steps the profiler traces (profile_freq, profiler_active), log on rank 0 where the step's time went (attention, routed experts, FFN, router, communication, optimizer, data, other) and write it per rank as rank<r>_breakdown.json in the trace folder; runs the profiler even without enable_profiling (no traces then)."""
     enable_memory_snapshot: bool = False
     """Dump CUDA memory snapshots (GPU only)."""
     save_memory_snapshot_folder: str = "memory_snapshot"

@@ -266,7 +266,8 @@ def validate_metrics(metrics: Metrics) -> None:
     _at_least("metrics.log_freq", metrics.log_freq, 1)
 
 
-def validate_profiling(profiling: Profiling) -> None:
+def validate_profiling(profiling: Profiling, training_steps: int) -> None:
+    """Ranges of the profiler's schedule; a step breakdown needs a traced step within the run."""
     _at_least("profiling.profile_freq", profiling.profile_freq, 1)
     _at_least("profiling.profiler_active", profiling.profiler_active, 1)
     _at_least("profiling.profiler_warmup", profiling.profiler_warmup, 0)
@@ -274,6 +275,11 @@ def validate_profiling(profiling: Profiling) -> None:
         raise ConfigError("profiling.profiler_active", profiling.profiler_active,
                           f"more traced steps than the cycle has (profile_freq = {profiling.profile_freq})",
                           "trace fewer steps per cycle, or raise profile_freq")
+    if profiling.enable_step_breakdown and profiling.profile_freq > training_steps:
+        raise ConfigError("profiling.profile_freq", profiling.profile_freq,
+                          f"traces no step of a {training_steps}-step run (training.steps), so "
+                          "profiling.enable_step_breakdown would report nothing",
+                          f"set profile_freq to at most {training_steps}")
 
 
 def validate_sections(cfg: JobConfig) -> None:
@@ -295,7 +301,7 @@ def validate_sections(cfg: JobConfig) -> None:
     validate_compile(cfg.compile)
     validate_float8(cfg.float8)
     validate_metrics(cfg.metrics)
-    validate_profiling(cfg.profiling)
+    validate_profiling(cfg.profiling, cfg.training.steps)
     validate_validation(cfg.validation)
 
 

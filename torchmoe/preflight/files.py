@@ -108,7 +108,8 @@ def check_outputs(cfg: JobConfig) -> None:
         _check_folder("job.dump_folder", cfg.job.dump_folder, dump / WANDB_FOLDER)
     folders = [("checkpoint.folder", cfg.checkpoint.folder, cfg.checkpoint.enable),
                ("metrics.save_tb_folder", cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard),
-               ("profiling.save_traces_folder", cfg.profiling.save_traces_folder, cfg.profiling.enable_profiling),
+               ("profiling.save_traces_folder", cfg.profiling.save_traces_folder,
+                cfg.profiling.enable_profiling or cfg.profiling.enable_step_breakdown),
                ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder,
                 cfg.profiling.enable_memory_snapshot)]
     for key, value, used in folders:

@@ -19,6 +19,7 @@ from torch import nn
 from torchmoe.models.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.moe import FeedForward, MoE
+from torchmoe.regions import region
 
 
 class RMSNorm(nn.Module):
@@ -214,9 +215,16 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
         """x: (B, S, dim), rotations: (S, hd/2, 2) -> (B, S, dim)."""
-        h = x + self.attention(self.attention_norm(x), rotations)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        normed = self.attention_norm(x)
+        with region("attention"):
+            h = x + self.attention(normed, rotations)
+        normed = self.ffn_norm(h)
+        if not self.moe_enabled:
+            return h + self.feed_forward(normed)
+        # What the MoE layer runs outside its experts' own regions (routed and shared) is routing,
+        # dispatch and combine.
+        with region("router"):
+            return h + self.moe(normed)
 
     def param_inits(self) -> dict[str, ParamInit]:
         ffn_name = "moe" if self.moe_enabled else "feed_forward"

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torchmoe.models.init import ParamInit, TruncNormal, prefixed
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.moe_ops import accumulate_token_counts, grouped_mm
+from torchmoe.regions import region
 
 # On CUDA, grouped GEMM kernels want every expert's row block to start at a multiple of 16 rows
 # (bf16 tensor-core tiles); on CPU no padding is needed.
@@ -40,7 +41,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) -> (..., dim)."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        with region("ffn"):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"w1.weight": TruncNormal(0.02), "w2.weight": TruncNormal(init_std), "w3.weight": TruncNormal(init_std)}
@@ -72,15 +74,16 @@ class GroupedExperts(nn.Module):
         Returns:
             (rows, dim); rows past the last block are unspecified.
         """
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
-        if _autocast_on(x):
-            # autocast has no rule for _grouped_mm (it would run in fp32, or fail on mixed
-            # dtypes): cast the operands as autocast casts a matmul's.
-            dtype = compute_dtype(x)
-            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
-        if self.use_grouped_mm:
-            return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
-        return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
+        with region("routed_experts"):
+            w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+            if _autocast_on(x):
+                # autocast has no rule for _grouped_mm (it would run in fp32, or fail on mixed
+                # dtypes): cast the operands as autocast casts a matmul's.
+                dtype = compute_dtype(x)
+                x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+            if self.use_grouped_mm:
+                return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
+            return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"w1": TruncNormal(0.02), "w2": TruncNormal(init_std), "w3": TruncNormal(init_std)}
