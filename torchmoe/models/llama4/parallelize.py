@@ -51,7 +51,7 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
 
     if cfg.compile.enable:
-        apply_compile(model, cfg.compile)
+        apply_compile(model, cfg.compile, expert_parallel=dims.ep_enabled)
 
     if dims.fsdp_enabled:
         apply_fsdp(
