@@ -1,5 +1,6 @@
 """The EP all-to-all dispatcher delivers every routed row to the right expert and back, exactly,
-including experts that receive no tokens at all; gradients flow back through both exchanges."""
+including experts that receive no tokens at all; gradients flow back through both exchanges,
+with other work on the tokens run between the phases (as the MoE layer runs its shared expert)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ class ScaleByExpert(torch.nn.Module):
         return rows * (ids + 1).unsqueeze(-1).to(rows.dtype)
 
 
+def _route(dispatcher, tokens, gates, selected, counts, experts):
+    """The dispatcher's phases with work on the tokens in both exchange windows, as `MoE.forward`."""
+    routed = dispatcher.dispatch(tokens, gates, selected, counts, True)
+    side = torch.tanh(tokens)
+    dispatcher.run_experts(routed, experts)
+    return dispatcher.combine(routed) + side * 3
+
+
 def _worker(rank: int, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -45,11 +54,11 @@ def _worker(rank: int, port: int, queue) -> None:
         0, selected.flatten(), torch.ones(selected.numel(), dtype=torch.int64))
 
     ep = AllToAllDispatcher(NUM_EXPERTS, TOP_K, mesh)
-    out = ep.route(tokens, gates, selected, counts, True, ScaleByExpert(rank * NUM_EXPERTS // EP))
+    out = _route(ep, tokens, gates, selected, counts, ScaleByExpert(rank * NUM_EXPERTS // EP))
     out.sum().backward()
     ep_grad = tokens.grad.clone()
     tokens.grad = None
-    ref = TokenDispatcher(NUM_EXPERTS, TOP_K).route(tokens, gates, selected, counts, True, ScaleByExpert(0))
+    ref = _route(TokenDispatcher(NUM_EXPERTS, TOP_K), tokens, gates, selected, counts, ScaleByExpert(0))
     ref.sum().backward()
     queue.put((rank, torch.equal(out, ref), torch.equal(ep_grad, tokens.grad), ep.bytes_sent,
                int(counts[NUM_EXPERTS // EP * (1 - rank):][: NUM_EXPERTS // EP].sum())))

@@ -3,12 +3,29 @@
 Blocks are compiled one by one (after activation checkpointing, before FSDP) so compile time
 stays that of one block and FSDP's per-block communication stays outside the graphs.
 
-Every block, dense and MoE, is one graph: the two MoE operators the compiler cannot trace as
-they are (fp32 grouped GEMMs, the recomputation-aware token counting) are custom ops
-(`models/llama4/moe_ops.py`), single nodes in the graph. Without EP every shape is static
-(routed rows are always tokens x top_k; expert boundaries are tensor offsets), so blocks are
-compiled with ``fullgraph=True``: a graph break there is a bug and fails loudly. Under EP the
-all-to-all needs its split sizes on the host: that read is the one graph break of an MoE block.
+Every block, dense and MoE, is one graph: the MoE operators the compiler cannot trace as they are
+(fp32 grouped GEMMs, the recomputation-aware counters) are custom ops (`models/llama4/moe_ops.py`),
+single nodes in the graph. Without EP every shape is static (routed rows are always
+tokens x top_k; expert boundaries are tensor offsets), so those blocks are compiled with
+``fullgraph=True``: a graph break there is a bug and fails loudly. Under CP the attention's K/V
+exchanges (point-to-point sends, which dynamo does not trace) break its graph.
+
+Under EP the all-to-all needs its split sizes on the host: that read is the one graph break EP
+makes in an MoE block (with FSDP the routed experts are an FSDP unit of their own, and FSDP keeps
+its hooks out of compiled graphs: two more breaks, around the experts). The rows each rank
+receives change every step, so `apply_compile` sets, once, under EP:
+
+- size-oblivious shapes (``backed_size_oblivious``): the first change of the split sizes
+  recompiles the graphs after the break with the sizes symbolic, as dynamo does by default; but
+  by default it also specialises sizes 0 and 1, and a rank that receives no row at all (every
+  token routed to the other ranks' experts, which a strong load-balancing bias produces early in
+  training) would compile those graphs again. Size-oblivious, one symbolic graph serves every
+  size.
+- for inductor, no peak-memory reordering in MoE blocks: it would move the shared expert's
+  matmuls after the all-to-all waits they are placed before (`expert_parallel`), undoing the
+  overlap; the program's order is the schedule. (Inductor still fuses the shared expert's last
+  projection into the residual add after the combine's wait, on CPU: only the dispatch window
+  keeps its overlap there.)
 
 The trainer reports, with the first step's metrics, how many graphs dynamo compiled and how many
 graph breaks it met (`DynamoCounts`).
@@ -19,22 +36,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from torchmoe.config.job_config import Compile
 
 
-def apply_compile(model: nn.Module, cfg: Compile, *, fullgraph: bool) -> None:
+def apply_compile(model: nn.Module, cfg: Compile, *, fullgraph: bool, expert_parallel: bool = False) -> None:
     """Compile every block of `model` in place with `cfg.backend`, when `cfg.components` holds
     'model' (torchtitan's 'loss' component is not compiled here: the loss runs eagerly).
 
     Args:
-        fullgraph: refuse graph breaks (every layout without expert parallelism).
+        fullgraph: refuse graph breaks (every layout without expert or context parallelism).
+        expert_parallel: the MoE blocks exchange tokens by all-to-all (see module doc).
     """
     if "model" not in cfg.components:
         return
+    if expert_parallel:
+        fx_config.backed_size_oblivious = True
     for name, block in list(model.layers.items()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph, backend=cfg.backend))
+        keep_order = expert_parallel and block.moe_enabled and cfg.backend == "inductor"
+        options = {"reorder_for_peak_memory": False} if keep_order else None
+        model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph, backend=cfg.backend,
+                                                         options=options))
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,25 @@
 """Expert parallelism: routed experts sharded over ``ep``, tokens exchanged with all-to-all.
 
-Each EP rank holds ``num_experts / ep`` consecutive experts. Per MoE layer and micro-batch:
+Each EP rank holds ``num_experts / ep`` consecutive experts. Per MoE layer and micro-batch, in
+the phases of `TokenDispatcher` (what `MoE.forward` runs between them in brackets):
 
-    1. route locally, sort routed copies by global expert id          (no communication)
-    2. all-to-all the per-expert counts (E,) -> who sends how much     (one small exchange)
-    3. read the split sizes on the host                                (the one host sync: the
-                                                                        all-to-all needs them)
-    4. all-to-all the rows; reorder them expert-major for the grouped GEMM
-    5. run the local experts; undo the reorder; all-to-all back        (autograd reverses 4-5)
+    dispatch     launch the all-to-all of the per-expert counts (E,); sort the routed copies by
+                 global expert meanwhile; read the split sizes on the host (the one host sync:
+                 the all-to-all needs them); launch the all-to-all of the rows
+                 [the shared expert's first half, ``silu(w1 x) * w3 x``, while the rows travel]
+    run_experts  wait for the rows; reorder them expert-major; run the local experts; undo the
+                 reorder; launch the all-to-all of the outputs back
+                 [the shared expert's second half, ``w2 h``, while the outputs travel]
+    combine      wait for the outputs; gate and sum each token's copies
+
+Each all-to-all is a launch and a wait autograd node (`async_all_to_all`), so backward mirrors
+this: the outputs' gradients travel back to the experts' ranks during the backward of ``w2 h``,
+the rows' gradients back to their tokens' ranks during the backward of the first half. The
+shared expert is split where that changes no bit of the result, between its matmuls: two of its
+three (w1, w3) in the dispatch window, one (w2) in the combine window. Splitting it by tokens
+instead would balance the two windows (both exchanges move the same bytes) but change the GEMM
+shapes, hence the rounding. With all three in the dispatch window, 2 gloo ranks hid about half
+as much shared-expert compute behind the exchanges (README, "Expert parallel").
 
 Dropless: every routed copy is sent, however unbalanced the routing. With TP, EP borrows the TP
 ranks: each rank dispatches the tokens of its own sequence shard (no all-gather in the MoE
@@ -17,17 +29,38 @@ so their gradients are summed over ``tp``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchmoe.models.llama4.moe import GroupedExperts, TokenDispatcher
+from torchmoe.distributed.async_all_to_all import PendingAllToAll, launch_all_to_all, wait_all_to_all
+from torchmoe.models.llama4.moe import GroupedExperts, Routed, TokenDispatcher
+from torchmoe.models.llama4.moe_ops import count_exchanged_bytes
+
+
+@dataclass
+class Exchange:
+    """`Routed.exchange` under expert parallelism.
+
+    Attributes:
+        send, recv: rows sent to / received from each EP rank.
+        recv_counts: (ep, local_experts) rows received from each rank for each local expert.
+        pending: the all-to-all under way: the rows to the experts' ranks after `dispatch`,
+            the experts' outputs back after `run_experts`.
+    """
+
+    send: list[int]
+    recv: list[int]
+    recv_counts: torch.Tensor
+    pending: PendingAllToAll
 
 
 class AllToAllDispatcher(TokenDispatcher):
-    """`TokenDispatcher` whose expert step exchanges rows with the EP ranks owning the experts.
+    """`TokenDispatcher` that exchanges rows with the EP ranks owning the experts (module doc).
 
     Counts the row bytes this rank sends to other ranks: `bytes_sent` in forward passes (the
     backward all-to-alls mirror them, moving the same bytes), `bytes_recomputed` when activation
@@ -39,35 +72,51 @@ class AllToAllDispatcher(TokenDispatcher):
         self.ep_mesh = ep_mesh
         self.ep = ep_mesh.size()
         self.local_experts = num_experts // self.ep
-        self.bytes_sent = 0
-        self.bytes_recomputed = 0
+        # [forward, recomputed] bytes; a CPU tensor so that compiled code can count into it.
+        self.exchanged_bytes = torch.zeros(2, dtype=torch.int64)
 
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        """rows: (R, dim) sorted by global expert, counts: (E,) -> (R, dim) expert outputs."""
+    @property
+    def bytes_sent(self) -> int:
+        return int(self.exchanged_bytes[0])
+
+    @property
+    def bytes_recomputed(self) -> int:
+        return int(self.exchanged_bytes[1])
+
+    def dispatch(self, tokens: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor,
+                 counts: torch.Tensor, score_before_experts: bool) -> Routed:
+        """Sort the routed copies and launch their all-to-all to the experts' ranks."""
         group = self.ep_mesh.get_group()
-        # recv_counts[src, e]: rows source rank src sends for our local expert e.
-        recv_counts = funcol.all_to_all_single(counts, None, None, group).view(self.ep, self.local_experts)
+        # recv_counts[src, e]: rows source rank src sends for our local expert e; in flight
+        # during the sort.
+        recv_counts = funcol.all_to_all_single(counts, None, None, group)
+        routed = super().dispatch(tokens, top_scores, selected, counts, score_before_experts)
+        recv_counts = recv_counts.view(self.ep, self.local_experts)
         send_splits = counts.view(self.ep, self.local_experts).sum(1)
         splits = torch.cat([send_splits, recv_counts.sum(1)]).tolist()  # the host sync (see module doc)
         send, recv = splits[: self.ep], splits[self.ep :]
-        received = funcol.all_to_all_single_autograd(rows, recv, send, group)  # (sum(recv), dim)
+        self._count_bytes(routed.rows, send)
+        routed.exchange = Exchange(send, recv, recv_counts, launch_all_to_all(routed.rows, recv, send, group))
+        return routed
 
-        order = _source_major_to_expert_major(recv_counts, sum(recv))
-        out = self.run_local_experts(received[order], recv_counts.sum(0), experts)  # (sum(recv), dim)
+    def run_experts(self, routed: Routed, experts: GroupedExperts) -> None:
+        """Wait for the rows, run the local experts and launch the outputs' all-to-all back."""
+        exchange = routed.exchange
+        received = wait_all_to_all(exchange.pending)  # (sum(recv), dim), grouped by source rank
+        order = _source_major_to_expert_major(exchange.recv_counts, sum(exchange.recv))
+        out = self.run_local_experts(received[order], exchange.recv_counts.sum(0), experts)  # (sum(recv), dim)
         back = torch.empty_like(out)
         back[order] = out  # undo the reorder: rows grouped by source rank again
-        self._count_bytes(rows, send)
-        return funcol.all_to_all_single_autograd(back, send, recv, group)
+        exchange.pending = launch_all_to_all(back, exchange.send, exchange.recv, self.ep_mesh.get_group())
+
+    def combine(self, routed: Routed) -> torch.Tensor:
+        """Wait for the experts' outputs; each token's gated sum of them: (T, dim)."""
+        return self._weighted_sum(routed, wait_all_to_all(routed.exchange.pending))
 
     def _count_bytes(self, rows: torch.Tensor, send: list[int]) -> None:
-        me = self.ep_mesh.get_local_rank()
-        remote = sum(n for r, n in enumerate(send) if r != me)
+        remote = sum(send) - send[self.ep_mesh.get_local_rank()]
         # Dispatch sends `remote` rows away and combine returns as many: count both.
-        moved = 2 * remote * rows.shape[1] * rows.element_size()
-        if torch._C._current_graph_task_id() == -1:
-            self.bytes_sent += moved
-        else:  # inside backward: an activation-checkpoint recomputation
-            self.bytes_recomputed += moved
+        count_exchanged_bytes(self.exchanged_bytes, 2 * remote * rows.shape[1] * rows.element_size())
 
 
 def _source_major_to_expert_major(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -107,7 +156,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, tp_mesh: DeviceMesh | Non
             moe.sequence_shard_groups.append(tp_mesh.get_group())
             ReplicateParallel(input_layout=Shard(0))._apply(moe.router.gate, tp_mesh)
             if moe.shared_experts is not None:
-                ReplicateParallel(input_layout=Shard(0))._apply(moe.shared_experts, tp_mesh)
+                # Per projection: the MoE layer calls the shared expert's halves, not its forward.
+                for proj in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+                    ReplicateParallel(input_layout=Shard(0))._apply(proj, tp_mesh)
 
 
 def ep_bytes_moved(model: nn.Module) -> int:

@@ -6,12 +6,19 @@ Dropless: every token reaches its top-k experts. Routed experts are one module h
 ``[num_experts, ...]`` weights, run with ``torch._grouped_mm`` over tokens sorted expert-major;
 the per-expert loop is kept as the reference the grouped path is tested against.
 
+Routed tokens go through a `TokenDispatcher` in three phases (`dispatch`, `run_experts`,
+`combine`); the layer runs the shared expert's two halves between them, where expert parallelism
+has its all-to-alls in flight (`torchmoe/distributed/expert_parallel.py`). On one rank the phases
+run the same operations as one call would: the outputs and gradients are the same bit for bit.
+
 Load balancing is DeepSeek-V3's auxiliary-loss-free expert bias: the bias only changes which
 experts are *selected*, never the gate values, and is updated once per optimizer step from the
 token counts accumulated in ``tokens_per_expert`` over all micro-batches (see `update_expert_bias`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,8 +48,18 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) -> (..., dim)."""
+        return self.project(self.hidden(x))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated hidden activation ``silu(w1 x) * w3 x``: (..., dim) -> (..., hidden_dim).
+        The MoE layer runs it and `project` as separate steps (see `MoE.forward`)."""
         with region("ffn"):
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return F.silu(self.w1(x)) * self.w3(x)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """``w2 h``: (..., hidden_dim) -> (..., dim)."""
+        with region("ffn"):
+            return self.w2(h)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"w1.weight": TruncNormal(0.02), "w2.weight": TruncNormal(init_std), "w3.weight": TruncNormal(init_std)}
@@ -240,10 +257,15 @@ class MoE(nn.Module):
         with torch.no_grad():
             accumulate_token_counts(self.tokens_per_expert, counts.float())
 
-        routed = self.dispatcher.route(tokens, top_scores, selected, counts, self.score_before_experts, self.experts)
-
-        out = self.shared_experts(tokens) if self.shared_experts is not None else torch.zeros_like(tokens)
-        out = out + routed
+        # The shared expert needs no routed token: its two halves run between the dispatcher's
+        # phases, while under expert parallelism the routed rows travel to their experts' ranks
+        # (after `dispatch`) and the experts' outputs travel back (after `run_experts`).
+        shared = self.shared_experts
+        routed = self.dispatcher.dispatch(tokens, top_scores, selected, counts, self.score_before_experts)
+        hidden = shared.hidden(tokens) if shared is not None else None
+        self.dispatcher.run_experts(routed, self.experts)
+        out = shared.project(hidden) if shared is not None else torch.zeros_like(tokens)
+        out = out + self.dispatcher.combine(routed)
         out = self._attach_aux_losses(out, scores, selected, logits, bsz, seq_len)
         return out.reshape(bsz, seq_len, dim)
 
@@ -293,27 +315,55 @@ class MoE(nn.Module):
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
 
 
-class TokenDispatcher:
-    """Single-rank dispatch: sort routed copies expert-major, run the experts, scatter back.
+@dataclass
+class Routed:
+    """A micro-batch's routed copies between the phases of a `TokenDispatcher`.
 
-    Expert parallelism subclasses this to add the all-to-all exchange between the local sort and
-    the expert computation. Everything here is index arithmetic on device: no host sync.
+    Attributes:
+        token_of: (T*k,) source token of each copy; the copies are sorted expert-major.
+        gates: (T*k, 1) fp32 gate value of each copy.
+        gate_outputs: the gates scale the experts' outputs (``score_before_experts`` off); else
+            they scaled the rows before the experts.
+        num_tokens: T.
+        rows: (T*k, dim) in the compute dtype: the copies after `dispatch`, their experts'
+            outputs after `run_experts` (expert parallelism leaves the copies there: the
+            outputs arrive through `exchange`).
+        counts: (E,) int64 copies per expert.
+        exchange: the dispatcher's state between phases (expert parallelism: the all-to-all
+            under way), or None.
+    """
+
+    token_of: torch.Tensor
+    gates: torch.Tensor
+    gate_outputs: bool
+    num_tokens: int
+    rows: torch.Tensor
+    counts: torch.Tensor
+    exchange: object | None = None
+
+
+class TokenDispatcher:
+    """Single-rank dispatch in three phases: `dispatch` sorts the routed copies expert-major,
+    `run_experts` runs the experts on them, `combine` sums each token's gated outputs.
+
+    Expert parallelism subclasses this to exchange rows with the ranks owning the experts: it
+    launches the exchange at the end of one phase and waits for it at the start of the next, so
+    what the caller runs between phases overlaps the exchange. Everything here is index
+    arithmetic on device: no host sync.
     """
 
     def __init__(self, num_experts: int, top_k: int) -> None:
         self.num_experts = num_experts
         self.top_k = top_k
 
-    def route(self, tokens, top_scores, selected, counts, score_before_experts, experts) -> torch.Tensor:
-        """Compute the weighted sum of each token's top-k expert outputs.
+    def dispatch(self, tokens: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor,
+                 counts: torch.Tensor, score_before_experts: bool) -> Routed:
+        """Sort each token's top-k copies expert-major and cast them to the compute dtype.
 
         Args:
             tokens: (T, dim); top_scores, selected: (T, k); counts: (E,) int64 routed copies per
                 expert.
-        Returns:
-            (T, dim).
         """
-        num_tokens, dim = tokens.shape
         flat_expert = selected.reshape(-1)  # (T*k,) expert of each routed copy
         order = torch.argsort(flat_expert, stable=True)  # routed copies sorted expert-major
         token_of = order // self.top_k  # (T*k,) source token of each sorted row
@@ -323,16 +373,23 @@ class TokenDispatcher:
         # so rows are cast before they travel (EP's all-to-all moves half the bytes in bf16).
         dtype = compute_dtype(tokens)
         rows = (rows.float() * gates).to(dtype) if score_before_experts else rows.to(dtype)
-        out = self.run_experts(rows, counts, experts)
-        if not score_before_experts:
-            out = (out.float() * gates).to(dtype)
-        result = torch.zeros(num_tokens, dim, dtype=out.dtype, device=out.device)
-        return result.index_add_(0, token_of, out)
+        return Routed(token_of, gates, not score_before_experts, tokens.shape[0], rows, counts)
 
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        """rows: (R, dim) sorted by expert, counts: (E,) -> (R, dim). Expert parallelism
-        overrides this to exchange rows with the ranks owning the experts."""
-        return self.run_local_experts(rows, counts, experts)
+    def run_experts(self, routed: Routed, experts: GroupedExperts) -> None:
+        """Replace ``routed.rows`` by their experts' outputs."""
+        routed.rows = self.run_local_experts(routed.rows, routed.counts, experts)
+
+    def combine(self, routed: Routed) -> torch.Tensor:
+        """Each token's gate-weighted sum of its top-k expert outputs: (T, dim)."""
+        return self._weighted_sum(routed, routed.rows)
+
+    @staticmethod
+    def _weighted_sum(routed: Routed, out: torch.Tensor) -> torch.Tensor:
+        """out: (T*k, dim) expert outputs in the copies' order -> (T, dim)."""
+        if routed.gate_outputs:
+            out = (out.float() * routed.gates).to(out.dtype)
+        result = torch.zeros(routed.num_tokens, out.shape[1], dtype=out.dtype, device=out.device)
+        return result.index_add_(0, routed.token_of, out)
 
     def run_local_experts(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         """Run this rank's experts on rows sorted by local expert, padding expert blocks to the

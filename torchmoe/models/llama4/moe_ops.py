@@ -13,13 +13,15 @@ the compiler fuses what comes before and after, while the op itself runs its eag
 - ``torchmoe::accumulate_token_counts``: adds a forward's routed-token counts to the layer's
   buffer unless the forward is an activation-checkpoint recomputation. The check must run at
   every call; traced, it would be evaluated once at compile time.
+- ``torchmoe::count_exchanged_bytes``: expert parallelism's all-to-all byte counter, split the
+  same way into forward and recomputation bytes (traced, the check was a graph break).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["accumulate_token_counts", "grouped_mm"]
+__all__ = ["accumulate_token_counts", "count_exchanged_bytes", "grouped_mm"]
 
 
 @torch.library.custom_op("torchmoe::grouped_mm", mutates_args=())
@@ -94,4 +96,21 @@ def accumulate_token_counts(buffer: torch.Tensor, counts: torch.Tensor) -> None:
 
 @accumulate_token_counts.register_fake
 def _(buffer: torch.Tensor, counts: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("torchmoe::count_exchanged_bytes", mutates_args=("counter",))
+def count_exchanged_bytes(counter: torch.Tensor, nbytes: int) -> None:
+    """Add `nbytes` to ``counter[0]`` in a forward, to ``counter[1]`` in an activation-checkpoint
+    recomputation (as `accumulate_token_counts` tells them apart).
+
+    Args:
+        counter: (2,) int64 CPU tensor (the EP dispatcher's; read on the host without a sync).
+        nbytes: bytes this forward's all-to-alls send to other ranks.
+    """
+    counter[int(torch._C._current_graph_task_id() != -1)] += nbytes
+
+
+@count_exchanged_bytes.register_fake
+def _(counter: torch.Tensor, nbytes: int) -> None:
     return None

@@ -51,7 +51,8 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
 
     if cfg.compile.enable:
-        apply_compile(model, cfg.compile, fullgraph=not (dims.ep_enabled or dims.cp_enabled))
+        apply_compile(model, cfg.compile, fullgraph=not (dims.ep_enabled or dims.cp_enabled),
+                      expert_parallel=dims.ep_enabled)
 
     if dims.fsdp_enabled:
         apply_fsdp(

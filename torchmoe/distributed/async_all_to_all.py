@@ -1,0 +1,90 @@
+"""An all-to-all in two autograd nodes, launch and wait, so compute placed between them overlaps
+the exchange in forward, and the same compute's backward overlaps the reverse exchange.
+
+    pending = launch_all_to_all(x, out_splits, in_splits, group)   # returns at once
+    ...work that does not need the exchanged rows...
+    y = wait_all_to_all(pending)                                     # (sum(out_splits), ...)
+
+Backward runs the pair in reverse: the wait's backward launches the gradient's all-to-all and
+the launch's backward waits for it. The autograd engine runs, of the nodes ready, the most
+recently created first; the nodes of the work between launch and wait were created between the
+two, so (their gradients being ready: they come from the same output) their backward runs while
+the gradient is in flight.
+
+Both nodes are functional collectives (``_c10d_functional.all_to_all_single`` and
+``wait_tensor``): in eager the collective runs on the process group's own thread (gloo) or stream
+(NCCL) until waited on; torch.compile traces the pair into its graph, launch and wait as separate
+nodes, and keeps the work between them where the compiler preserves the program's order (see
+`torchmoe.distributed.compile`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass
+class PendingAllToAll:
+    """An all-to-all under way: `rows` must not be read before `wait_all_to_all`.
+
+    rows: (sum(out_splits), ...) the receive buffer, filled by the collective.
+    origin: a view of the sent tensor; in backward it carries the gradient's exchange, launched
+        by the wait node, back to the launch node that waits for it.
+    out_splits, in_splits: rows received from / sent to each rank.
+    group_name: the process group's registered name.
+    """
+
+    rows: torch.Tensor
+    origin: torch.Tensor
+    out_splits: list[int]
+    in_splits: list[int]
+    group_name: str
+
+
+def launch_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                      group: dist.ProcessGroup) -> PendingAllToAll:
+    """Start exchanging the rows of `x` (sum(in_splits), ...): rank r gets the next
+    ``in_splits[r]`` rows; ``out_splits[r]`` rows arrive from rank r."""
+    rows, origin = _Launch.apply(x, out_splits, in_splits, group.group_name)
+    return PendingAllToAll(rows, origin, out_splits, in_splits, group.group_name)
+
+
+def wait_all_to_all(pending: PendingAllToAll) -> torch.Tensor:
+    """The received rows (sum(out_splits), ...) of `pending`, once they have arrived."""
+    return _Wait.apply(pending.rows, pending.origin, pending.out_splits, pending.in_splits, pending.group_name)
+
+
+class _Launch(torch.autograd.Function):
+    """Forward: launch the exchange. Backward: wait for the gradient's exchange (launched by
+    `_Wait`'s backward) and return it as the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group_name):
+        # The receive buffer gets no gradient from `_Wait` (its gradient travels via `origin`):
+        # leave it None rather than materialising zeros.
+        ctx.set_materialize_grads(False)
+        return _c10d.all_to_all_single(x.contiguous(), out_splits, in_splits, group_name), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_origin):
+        return _c10d.wait_tensor(grad_origin), None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Forward: wait for the exchange. Backward: launch the gradient's exchange (reverse splits)
+    and pass it, still in flight, to `_Launch`'s backward through `origin`."""
+
+    @staticmethod
+    def forward(ctx, rows, origin, out_splits, in_splits, group_name):
+        ctx.reverse = (in_splits, out_splits, group_name)
+        return _c10d.wait_tensor(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits, group_name = ctx.reverse
+        return None, _c10d.all_to_all_single(grad.contiguous(), in_splits, out_splits, group_name), None, None, None
