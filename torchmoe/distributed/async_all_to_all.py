@@ -33,8 +33,9 @@ class PendingAllToAll:
     """An all-to-all under way: `rows` must not be read before `wait_all_to_all`.
 
     rows: (sum(out_splits), ...) the receive buffer, filled by the collective.
-    origin: a view of the sent tensor; in backward it carries the gradient's exchange, launched
-        by the wait node, back to the launch node that waits for it.
+    origin: a view of the sent tensor (kept alive and unchanged until the wait, see `_Wait`); in
+        backward it carries the gradient's exchange, launched by the wait node, back to the
+        launch node that waits for it.
     out_splits, in_splits: rows received from / sent to each rank.
     group_name: the process group's registered name.
     """
@@ -65,19 +66,25 @@ class _Launch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group_name):
-        # The receive buffer gets no gradient from `_Wait` (its gradient travels via `origin`):
-        # leave it None rather than materialising zeros.
-        ctx.set_materialize_grads(False)
-        return _c10d.all_to_all_single(x.contiguous(), out_splits, in_splits, group_name), x.view_as(x)
+        x = x.contiguous()
+        return _c10d.all_to_all_single(x, out_splits, in_splits, group_name), x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_origin):
-        return _c10d.wait_tensor(grad_origin), None, None, None
+    def backward(ctx, sent_grad, grad_in_flight):
+        return _c10d.wait_tensor(grad_in_flight), None, None, None
 
 
 class _Wait(torch.autograd.Function):
     """Forward: wait for the exchange. Backward: launch the gradient's exchange (reverse splits)
-    and pass it, still in flight, to `_Launch`'s backward through `origin`."""
+    and pass it, still in flight, to `_Launch`'s backward as `origin`'s gradient.
+
+    A sent buffer must not be overwritten before its exchange completes, and compiled code reuses
+    a buffer once its last reader has run: inductor counts a collective's wait as a reader of the
+    collective's input only when the wait is in the same graph. So each sent buffer travels with
+    the exchange to the node that waits: in forward `origin` is a view of the sent rows, in
+    backward the sent gradient is returned as the receive buffer's gradient (which `_Launch`'s
+    backward drops).
+    """
 
     @staticmethod
     def forward(ctx, rows, origin, out_splits, in_splits, group_name):
@@ -87,4 +94,5 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         in_splits, out_splits, group_name = ctx.reverse
-        return None, _c10d.all_to_all_single(grad.contiguous(), in_splits, out_splits, group_name), None, None, None
+        grad = grad.contiguous()
+        return grad, _c10d.all_to_all_single(grad, in_splits, out_splits, group_name), None, None, None
