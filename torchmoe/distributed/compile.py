@@ -23,9 +23,9 @@ receives change every step, so `apply_compile` sets, once, under EP:
   size.
 - for inductor, no peak-memory reordering in MoE blocks: it would move the shared expert's
   matmuls after the all-to-all waits they are placed before (`expert_parallel`), undoing the
-  overlap; the program's order is the schedule. (Inductor still fuses the shared expert's last
-  projection into the residual add after the combine's wait, on CPU: only the dispatch window
-  keeps its overlap there.)
+  overlap; the program's order is the schedule. The forward's combine window still loses its
+  matmul: inductor fuses ``w2 h`` with the add of the routed output into one ``addmm`` after the
+  wait. The dispatch window and both backward windows keep theirs.
 
 The trainer reports, with the first step's metrics, how many graphs dynamo compiled and how many
 graph breaks it met (`DynamoCounts`).
