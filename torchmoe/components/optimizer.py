@@ -10,6 +10,7 @@ clipping here are written for that case; with plain tensors they behave like the
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable
@@ -37,9 +38,15 @@ def _mesh_key(t: torch.Tensor, *, placements: bool = False) -> Hashable:
     the mesh (device type, ranks, dim names) for DTensors, plus their placements if asked."""
     if not isinstance(t, DTensor):
         return None
-    mesh = t.device_mesh
-    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+    key = _mesh_identity(t.device_mesh)
     return key + (t.placements,) if placements else key
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_identity(mesh: DeviceMesh) -> tuple:
+    """(device type, ranks, dim names) of `mesh`, read once per mesh: clipping groups every
+    gradient by it at every step, and reading the ranks is a tensor op."""
+    return mesh.device_type, tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names
 
 
 def _no_decay(name: str, param: nn.Parameter) -> bool:
