@@ -69,29 +69,17 @@ def precompute_freqs_cis(args: ModelArgs, seq_len: int, device: torch.device | N
     return torch.polar(torch.ones_like(freqs), freqs)
 
 
-def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, rotations: torch.Tensor):
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
     """Rotate interleaved pairs (x0, x1), (x2, x3), ... of q/k.
 
-    xq: (B, S, H, hd), xk: (B, S, Hkv, hd), rotations: (S, hd/2, 2) fp32 (cos, sin) pairs, the
-    complex rotations viewed as real (`torch.view_as_real`) so compiled blocks see no complex tensor.
+    xq: (B, S, H, hd), xk: (B, S, Hkv, hd), freqs_cis: (S, hd/2) complex. (Complex, not real
+    (cos, sin) pairs: FSDP's and DDP's mixed precision cast every floating-point argument of a
+    block to the compute dtype, and complex tensors are left alone.)
     """
-    if torch.compiler.is_compiling():
-        # Inductor generates no code for complex tensors: the same products in real arithmetic
-        # fuse into one kernel (bitwise equal to the complex product; eagerly, several kernels
-        # would cost 4x the complex one).
-        return _rotate_real(xq, rotations), _rotate_real(xk, rotations)
-    fc = torch.view_as_complex(rotations)[None, :, None, :]  # (1, S, 1, hd/2)
+    fc = freqs_cis[None, :, None, :]  # (1, S, 1, hd/2)
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     return torch.view_as_real(xq_ * fc).flatten(3).type_as(xq), torch.view_as_real(xk_ * fc).flatten(3).type_as(xk)
-
-
-def _rotate_real(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """x: (B, S, H, hd) rotated by (S, hd/2, 2) (cos, sin) pairs: (a + ib)(c + id) written out."""
-    cos, sin = rotations[None, :, None, :, 0], rotations[None, :, None, :, 1]  # (1, S, 1, hd/2)
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(3).type_as(x)
 
 
 class Attention(nn.Module):
@@ -122,15 +110,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-        """x: (B, S, dim), rotations: (S, hd/2, 2) (see `apply_rotary_emb`) -> (B, S, dim)."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """x: (B, S, dim), freqs_cis: (S, hd/2) complex -> (B, S, dim)."""
         bsz, seq_len, _ = x.shape
         # -1 head counts: under tensor parallel each rank holds a slice of the heads.
         xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, H, hd)
         xk = self.wk(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, Hkv, hd)
         xv = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         if self.use_rope:
-            xq, xk = apply_rotary_emb(xq, xk, rotations)
+            xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         if self.qk_norm is not None:
             xq, xk = self.qk_norm(xq), self.qk_norm(xk)
         if self.temperature is not None:
@@ -213,11 +201,11 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init of output projections keeps the residual stream's variance bounded.
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-        """x: (B, S, dim), rotations: (S, hd/2, 2) -> (B, S, dim)."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """x: (B, S, dim), freqs_cis: (S, hd/2) complex -> (B, S, dim)."""
         normed = self.attention_norm(x)
         with region("attention"):
-            h = x + self.attention(normed, rotations)
+            h = x + self.attention(normed, freqs_cis)
         normed = self.ffn_norm(h)
         if not self.moe_enabled:
             return h + self.feed_forward(normed)
@@ -276,9 +264,9 @@ class Transformer(nn.Module):
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rotations = self._rotations(h.shape[1])
+        freqs_cis = self._rotations(h.shape[1])
         for layer in self.layers.values():
-            h = layer(h, rotations)
+            h = layer(h, freqs_cis)
         if self.norm is None:  # not the last pipeline stage
             return h
         h = self.norm(h)
@@ -287,12 +275,8 @@ class Transformer(nn.Module):
         return self.output(h)
 
     def _rotations(self, seq_len: int) -> torch.Tensor:
-        """RoPE rotations (S, hd/2, 2) of this rank's tokens (the complex table's entries viewed as
-        real, see `apply_rotary_emb`): positions 0..S-1, or under context parallelism the global
-        positions of the local pieces."""
-        return torch.view_as_real(self._complex_rotations(seq_len))
-
-    def _complex_rotations(self, seq_len: int) -> torch.Tensor:
+        """RoPE rotations (S, hd/2) complex of this rank's tokens: positions 0..S-1, or under
+        context parallelism the global positions of the local pieces."""
         table = self.freqs_cis
         if self.context_parallel is not None:
             positions = self.context_parallel.positions(table.device)
