@@ -1,7 +1,9 @@
 """Training throughput and MFU of a Scout-shaped layer stack on one GPU: bf16, torch.compile,
-fused AdamW; the ready-made script for a GPU machine (target: MFU >= 45% on one H200).
+fused AdamW; the ready-made script for a GPU machine (target: MFU >= 45% on one H200), and the
+bf16 vs float8 comparison.
 
     python scripts/bench_scout_stack.py                      # 2 Scout layers, seq 8192, on cuda
+    python scripts/bench_scout_stack.py --precisions bf16 float8-linears float8-experts float8
     python scripts/bench_scout_stack.py --layers 3 --seq 16384 --batch 1
     python scripts/bench_scout_stack.py --device cpu --flavor tiny --seq 64 --steps 3 --warmup 1 --no-compile
 
@@ -18,13 +20,21 @@ blocks are compiled as `compile.enable` compiles them (`fullgraph=True`). Tokens
 router still sees varying loads). Steps are timed with the device synchronised; the first
 `--warmup` steps (compilation) are left out. MFU is against the device's dense bf16 peak
 (`torchmoe.components.metrics.device_peak_flops`), with `ModelArgs.flops_per_token`: the PaLM
-convention (`mfu_pct`) and attention counted causally (`mfu_causal_pct`). Writes JSON (default
-outputs/bench_scout_stack.json) and prints it.
+convention (`mfu_pct`) and attention counted causally (`mfu_causal_pct`).
+
+`--precisions` runs the stack once per entry, each from the same weights: ``bf16``; ``float8-linears``
+(attention and shared-expert projections as torchao Float8Linear, tensorwise, what
+`float8.enable` converts); ``float8-experts`` (the routed experts' grouped GEMMs in float8,
+`float8.routed_experts`; compute capability 9.0 / 10.x); ``float8`` (both). MFU stays against
+the bf16 peak, so float8's gain shows as a higher figure. ``--emulate`` emulates the float8
+linears (a CPU smoke run). Writes JSON (default outputs/bench_scout_stack.json): each run's
+numbers under ``runs`` and tokens/s relative to bf16; and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -33,12 +43,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torchmoe.components.metrics import device_peak_flops, peak_memory_gib
+from torchmoe.components.metrics import device_peak_flops, peak_memory_gib, reset_peak_memory
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
-from torchmoe.config.job_config import Compile
+from torchmoe.config.job_config import Compile, Float8
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.distributed.compile import apply_compile
 from torchmoe.distributed.data_parallel import apply_autocast
+from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer, update_expert_bias
 
 
@@ -54,14 +65,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PRECISIONS = {"bf16": (False, False), "float8-linears": (True, False), "float8-experts": (False, True),
+              "float8": (True, True)}  # name: (float8 linears, float8 routed experts)
+
+
 def bench(args: ModelArgs, *, device: torch.device, dtype: str, compiled: bool, batch: int, seq: int,
-          steps: int, warmup: int) -> dict:
+          steps: int, warmup: int, precision: str = "bf16", emulate: bool = False) -> dict:
     """Train `steps` steps on random tokens; throughput over the steps after `warmup`."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
     model.init_weights(seed=0)
     model.train()
+    float8_linears, float8_experts = PRECISIONS[precision]
+    if float8_linears:  # as parallelize does: before autocast and compile
+        convert_float8_linears(model, Float8(enable=True, emulate=emulate))
+    if float8_experts:
+        convert_float8_experts(model, ["experts"])
     apply_autocast(model, dtype)
     if compiled:
         apply_compile(model, Compile(enable=True), fullgraph=True)
@@ -109,6 +129,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=["bf16"],
+                        help="run the stack once per entry (bf16 first when listed, the reference)")
+    parser.add_argument("--emulate", action="store_true", help="emulate float8 linears (CPU smoke runs)")
     parser.add_argument("--out", default="outputs/bench_scout_stack.json")
     opts = parser.parse_args()
     if opts.steps <= opts.warmup or opts.layers < 1:
@@ -119,8 +142,20 @@ def main() -> None:
     args = stack_args(opts.flavor, opts.layers, opts.vocab)
     result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
               else "cpu", **{k: v for k, v in vars(opts).items() if k != "out"}}
-    result.update(bench(args, device=device, dtype=opts.dtype, compiled=opts.compile, batch=opts.batch,
-                        seq=opts.seq, steps=opts.steps, warmup=opts.warmup))
+    result["runs"] = {}
+    for precision in opts.precisions:
+        result["runs"][precision] = bench(args, device=device, dtype=opts.dtype, compiled=opts.compile,
+                                          batch=opts.batch, seq=opts.seq, steps=opts.steps, warmup=opts.warmup,
+                                          precision=precision, emulate=opts.emulate)
+        # The next run starts from an empty device: no graphs, cached blocks or peak of this one.
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        reset_peak_memory(device)
+    if "bf16" in result["runs"]:
+        base = result["runs"]["bf16"]["tokens_per_sec"]
+        result["tokens_per_sec_vs_bf16"] = {name: run["tokens_per_sec"] / base for name, run in result["runs"].items()}
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

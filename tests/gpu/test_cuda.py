@@ -76,7 +76,7 @@ def test_float8_converts_eligible_linears():
     from torchmoe.models.llama4 import Transformer
 
     model = Transformer(FLAVORS["tiny"]).cuda()
-    apply_float8(model, Float8(enable=True))
+    apply_float8(model, Float8(enable=True), "cuda")
     converted = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
     assert "layers.0.attention.wq" in converted and "output" not in converted
     assert not any("router" in n for n in converted)

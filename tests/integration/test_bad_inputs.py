@@ -296,7 +296,10 @@ SETTINGS = {
                                  "<= 2147483647"),
     "flex_attention_on_cpu": (["--model.attn_backend", "flex"], "model.attn_backend",
                               "FlexAttention cannot train on CPU"),
-    "float8_on_cpu": (["--float8.enable", "true"], "float8.enable", "needs CUDA"),
+    "float8_on_cpu": (["--float8.enable", "true"], "float8.enable", "compute capability 8.9"),
+    "float8_experts_on_cpu": (["--float8.routed_experts", "true", "--float8.moe_fqns", "experts",
+                               "--training.mixed_precision_param", "bfloat16"], "float8.routed_experts",
+                              "compute capability 9.0"),
     "seed_checkpoint_without_checkpointing": (["--checkpoint.create_seed_checkpoint", "true"],
                                               "checkpoint.create_seed_checkpoint", "needs checkpoint.enable"),
 }

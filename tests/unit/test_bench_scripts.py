@@ -32,3 +32,25 @@ def test_scout_stack_bench_reports_its_flops() -> None:
     assert result["params"] == args.param_counts()["total"]
     assert result["tflops"] == pytest.approx(args.flops_per_token(64) * result["tokens_per_sec"] / 1e12)
     assert result["tflops_causal"] < result["tflops"] and result["mfu_pct"] is None  # no known CPU peak
+
+
+def test_scout_stack_compares_bf16_with_emulated_float8_linears(tmp_path, monkeypatch) -> None:
+    """--precisions runs the stack once per entry from the same weights and reports tokens/s
+    against bf16; float8 linears (emulated here) start from bf16's loss at step 1."""
+    pytest.importorskip("torchao.float8")
+    import json
+    import sys
+
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench_scout_stack.py", "--device", "cpu", "--flavor", "tiny", "--layers", "2",
+                                      "--vocab", "512", "--seq", "64", "--steps", "2", "--warmup", "1",
+                                      "--no-compile", "--precisions", "bf16", "float8-linears", "--emulate",
+                                      "--out", str(out)])
+    _script("bench_scout_stack").main()
+    result = json.loads(out.read_text())
+    assert list(result["runs"]) == ["bf16", "float8-linears"]
+    assert result["tokens_per_sec_vs_bf16"]["bf16"] == 1.0
+    assert result["tokens_per_sec_vs_bf16"]["float8-linears"] == pytest.approx(
+        result["runs"]["float8-linears"]["tokens_per_sec"] / result["runs"]["bf16"]["tokens_per_sec"])
+    losses = [run["final_loss"] for run in result["runs"].values()]
+    assert losses[0] != losses[1] and losses[1] == pytest.approx(losses[0], rel=2e-2)

@@ -373,7 +373,7 @@ RULES = [
      "compile.enable = true", "torch.compile"),
     ({"activation_checkpoint.mode": "selective", "model.attn_backend": "flex"}, 1, "activation_checkpoint.mode",
      '"selective"', 'attn_backend = "sdpa"', '"flex"'),
-    ({"float8.enable": True}, 1, "float8.enable", "true", "float8.enable = false", 'training.device = "cpu"'),
+    ({"float8.enable": True}, 1, "float8.enable", "true", "float8.emulate = true", "compute capability 8.9"),
     ({"parallelism.fsdp_cpu_offload": True}, 2, "parallelism.fsdp_cpu_offload", "true",
      "fsdp_cpu_offload = false", 'training.device = "cpu"'),
     ({"parallelism.enable_async_tensor_parallel": True, "compile.enable": True}, 1,
@@ -428,7 +428,8 @@ def test_tp_ignores_ffn_dim_without_dense_layers(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_cuda_features_need_cuda_unless_dry_run(debug_cfg: JobConfig) -> None:
     cfg = _with(debug_cfg, {"training.device": "", "float8.enable": True})
-    _raises(validate_job_config, cfg, 1, key="float8.enable", value="true", fix="CUDA machine", problem="not available")
+    _raises(validate_job_config, cfg, 1, key="float8.enable", value="true", fix="float8.emulate = true",
+            problem="not cpu")
     validate_job_config(cfg, 1, check_device=False)  # the dry-run plans for the target machine
     cuda = _with(debug_cfg, {"training.device": "cuda"})
     _raises(validate_job_config, cuda, 1, key="training.device", value='"cuda"', fix='"cpu"', problem="not available")

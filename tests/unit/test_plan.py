@@ -18,12 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from rich.console import Console
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchmoe.config.job_config import ActivationCheckpoint, JobConfig, Parallelism, Training
 from torchmoe.config.loader import load_job_config
@@ -111,18 +109,6 @@ def test_cpu_offload_moves_states_to_host():
 
 
 # ---- parameters: measured on the real parallelize pipeline --------------------------------------
-
-
-@pytest.fixture
-def fake_world():
-    """A fake process group (no communication) of any size, this process being `rank`."""
-
-    def init(rank: int, world_size: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _measured_local_elements(model: torch.nn.Module) -> int:

@@ -176,11 +176,23 @@ def test_torchtitan_flags_on_the_command_line(tmp_path: Path) -> None:
     assert load_job_config(["--compile.components", "model", "loss"]).compile.components == ["model", "loss"]
 
 
+def test_float8_routed_experts_and_emulation_map_to_float8() -> None:
+    """torchtitan's grouped-GEMM converter converts the MoE modules its fqns name: float8.routed_experts
+    and float8.moe_fqns. fqns without the converter converts nothing (torchtitan's own debug
+    model file lists fqns with converters = []). quantize.linear.float8.emulate is float8.emulate."""
+    both = load_job_config(["--model.converters", "quantize.linear.float8", "quantize.grouped_mm.float8",
+                            "--quantize.grouped_mm.float8.fqns", "experts", "--quantize.linear.float8.emulate"])
+    assert both.float8.enable and both.float8.routed_experts and both.float8.emulate
+    assert both.float8.moe_fqns == ["experts"]
+    experts_only = load_job_config(["--model.converters", "quantize.grouped_mm.float8"])
+    assert not experts_only.float8.enable and experts_only.float8.routed_experts
+    debug = load_job_config(["--config", str(ASSETS / "debug_model.toml")])
+    assert debug.float8.moe_fqns == ["experts"] and not debug.float8.routed_experts
+
+
 @pytest.mark.parametrize(("text", "key", "problem", "fix"), [
     ('[model]\nconverters = ["quantize.linear.mx"]\n', "model.converters", "MX (microscaling) formats are not "
      "supported", '"quantize.linear.float8"'),
-    ('[model]\nconverters = ["quantize.grouped_mm.float8"]\n', "model.converters", "float8 routed experts",
-     '"quantize.linear.float8"'),
     ('[model]\nconverters = ["int4"]\n', "model.converters", 'unknown converter "int4"', "quantize.linear.float8"),
     ("[debug]\nsed = 1\n", "debug.sed", "unknown key in [debug]", "did you mean debug.seed?"),
     ("[quantize.linear.float8]\nrecipe = \"rowwise\"\n", "quantize.linear.float8.recipe", "unknown key",

@@ -209,7 +209,7 @@ class Compile:
 @dataclass
 class Float8:
     enable: bool = False
-    """Float8 linears via torchao (CUDA, SM89+ only)."""
+    """Float8 linears via torchao (CUDA compute capability 8.9+, or emulated: see emulate)."""
     recipe_name: str = "tensorwise"
     """'tensorwise', 'rowwise' or 'rowwise_with_gw_hp'."""
     enable_fsdp_float8_all_gather: bool = False
@@ -218,6 +218,12 @@ class Float8:
     """Compute float8 scales for all FSDP parameters in one kernel after each step."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output", "router"])
     """Modules whose names contain any of these stay in high precision."""
+    emulate: bool = False
+    """Emulate the float8 matmuls in high precision (testing only): float8 linears then run on CPU and on any GPU; the casts and scales are float8's, the speed is not."""
+    routed_experts: bool = False
+    """Run the grouped GEMMs of the routed experts moe_fqns names in float8 (torchao, rowwise scales; CUDA compute capability 9.0 or 10.x, bf16 compute). Independent of enable."""
+    moe_fqns: list[str] = field(default_factory=list)
+    """With routed_experts: the routed-expert modules whose names contain any of these run in float8 (["experts"]: every MoE layer)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ as such. This module holds the other 61, each either
   and grouped-GEMM tables, which only a refused converter reads) never warn: the switch does.
 
 A value that asks for something torchmoe cannot do and that would change what is trained (MX
-formats, float8 routed experts; and, checked with torchmoe's own keys, 2-D expert sharding or
+formats; and, checked with torchmoe's own keys, 2-D expert sharding or
 another model family) is a `ConfigError`, never a warning.
 """
 
@@ -61,9 +61,9 @@ def _alias(typ: Any, key: str) -> Mapped:
 
 # model.converters: torchtitan v0.2.2's names, plus the "float8" of its older files and comments.
 _FLOAT8_LINEAR = ("quantize.linear.float8", "float8")
+# Converts the MoE modules quantize.grouped_mm.float8.fqns (torchmoe's float8.moe_fqns) names.
+_FLOAT8_GROUPED = "quantize.grouped_mm.float8"
 _CONVERTERS_REFUSED = {
-    "quantize.grouped_mm.float8": "float8 routed experts (grouped GEMMs) are not supported yet; "
-                                  "remove it (float8 linears: quantize.linear.float8)",
     "quantize.linear.mx": "MX (microscaling) formats are not supported; use quantize.linear.float8",
     "quantize.grouped_mm.mx": "MX (microscaling) formats are not supported",
     "mx": "MX (microscaling) formats are not supported; use quantize.linear.float8",
@@ -75,10 +75,12 @@ def _converters(names: list[str]) -> dict[str, Any]:
         if name in _CONVERTERS_REFUSED:
             raise ConfigError("model.converters", names, f"{show_value(name)}: {_CONVERTERS_REFUSED[name]}",
                               'use model.converters = ["quantize.linear.float8"] or []')
-        if name not in _FLOAT8_LINEAR:
+        if name not in (*_FLOAT8_LINEAR, _FLOAT8_GROUPED):
             raise ConfigError("model.converters", names, f"unknown converter {show_value(name)}",
-                              'the converter torchmoe has is "quantize.linear.float8" (float8 linears)')
-    return {"float8.enable": True} if names else {}
+                              'the converters torchmoe has are "quantize.linear.float8" (float8 linears) and '
+                              '"quantize.grouped_mm.float8" (float8 routed experts)')
+    return {**({"float8.enable": True} if any(name in _FLOAT8_LINEAR for name in names) else {}),
+            **({"float8.routed_experts": True} if _FLOAT8_GROUPED in names else {})}
 
 
 _TRACKING = "rank 0 writes the metrics of the whole job (losses and norms are global)"
@@ -88,7 +90,6 @@ _FT = "torchft is not integrated; a failed rank ends the job, and torchrun resta
 _PLUGINS = "torchmoe has no plugin modules: its configs and models are its own"
 _SAC = "torchmoe's selective AC has its own policy (saves matmul outputs, recomputes the rest)"
 _MX = "MX formats are not supported (a model.converters entry for them is refused)"
-_GROUPED_FLOAT8 = "float8 routed experts are not supported yet (model.converters refuses them)"
 
 TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     # [job]
@@ -99,7 +100,9 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     "metrics.save_for_all_ranks": NoEffect(bool, False, _TRACKING),
     # [model]
     "model.converters": Mapped(list[str], _converters, '`float8.enable` for "quantize.linear.float8" (or its old '
-                               'name "float8"); the MX and grouped-GEMM converters are refused'),
+                               'name "float8"); `float8.routed_experts` for "quantize.grouped_mm.float8" '
+                               '(of the modules `quantize.grouped_mm.float8.fqns` names); the MX converters are '
+                               'refused'),
     # [optimizer]
     "optimizer.early_step_in_backward": NoEffect(bool, False, "torchmoe steps the optimizer after the backward, "
                                                  "which gradient clipping needs"),
@@ -150,12 +153,11 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     **{f"quantize.linear.float8.{key}": _alias(typ, f"float8.{key}") for key, typ in (
         ("enable_fsdp_float8_all_gather", bool), ("precompute_float8_dynamic_scale_for_fsdp", bool),
         ("recipe_name", str), ("filter_fqns", list[str]))},
-    "quantize.linear.float8.emulate": NoEffect(bool, False, "float8 runs real float8 matmuls on GPUs of compute "
-                                               "capability 8.9 and above only"),
+    "quantize.linear.float8.emulate": _alias(bool, "float8.emulate"),
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": NoEffect(str, TUNES, _MX),
     "quantize.linear.mx.recipe_name": NoEffect(str, TUNES, _MX),
     "quantize.linear.mx.filter_fqns": NoEffect(list[str], TUNES, _MX),
-    "quantize.grouped_mm.float8.fqns": NoEffect(list[str], TUNES, _GROUPED_FLOAT8),
+    "quantize.grouped_mm.float8.fqns": _alias(list[str], "float8.moe_fqns"),
     "quantize.grouped_mm.mx.recipe_name": NoEffect(str, TUNES, _MX),
     "quantize.grouped_mm.mx.fqns": NoEffect(list[str], TUNES, _MX),
     # [comm]

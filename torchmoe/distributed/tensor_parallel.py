@@ -9,6 +9,13 @@ MoE TP (``tp > 1`` and ``ep == 1``): the MoE block's input is all-gathered (``Sh
 reduce-scattered (``Partial()`` -> ``Shard(1)``). Routed and shared experts are column-wise on
 w1/w3 and row-wise on w2; the router gate is replicated on the same mesh so every parameter is a
 DTensor on ``tp`` (uniform clipping, optimizer and FSDP handling).
+
+Float8 TP (``float8=True``: float8 linears with the tensorwise recipe): every ``Float8Linear``
+is sharded with torchao's float8 styles, and a block input whose consumers are all float8
+(attention: wq/wk/wv; dense FFN: w1/w3) is cast to float8 before its all-gather, so the forward
+all-gathers and the backward all-gathers of wo/w2's output gradients move 1-byte elements. The
+MoE input stays high precision (the router and routed experts read it); shared experts cast
+their replicated copy locally.
 """
 
 from __future__ import annotations
@@ -82,8 +89,10 @@ class ExpertTensorParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, input_fn)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_tp: bool) -> None:
-    """Shard `model` (a `Transformer`, or a pipeline stage of one) over `tp_mesh` in place.
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_tp: bool,
+             float8: bool = False) -> dict[str, ParallelStyle]:
+    """Shard `model` (a `Transformer`, or a pipeline stage of one) over `tp_mesh` in place and
+    return the plan applied: module name -> style.
 
     The model returns plain tensors: logits (B, S, vocab / tp) with loss parallel, to be viewed as
     a ``Shard(-1)`` DTensor by the loss, else gathered (B, S, vocab); a pipeline stage without
@@ -93,7 +102,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
     Args:
         loss_parallel: keep the logits vocab-sharded for a vocab-parallel cross entropy.
         moe_tp: tensor-parallelise MoE blocks (False when expert parallelism handles them).
+        float8: float8 TP (`float8.float8_tp_enabled`): torchao's float8 styles for the
+            ``Float8Linear`` modules, plain styles for the rest.
     """
+    applied: dict[str, ParallelStyle] = {}
     top_plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         # DTensor out (not local): the sequence length read downstream must be the global one.
@@ -105,6 +117,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
         top_plan["output"] = ColwiseParallel(input_layouts=Shard(1),
                                              output_layouts=Shard(-1) if loss_parallel else Replicate())
     parallelize_module(model, tp_mesh, top_plan)
+    applied.update(top_plan)
     if model.tok_embeddings is None:  # a later pipeline stage: hidden-state shards in, as DTensors
         parallelize_module(model, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
                                                               desired_input_layouts=(Shard(1),)))
@@ -112,22 +125,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
         parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
                                                                desired_output_layouts=(Shard(1),)))
 
-    for block in model.layers.values():
+    for name, block in model.layers.items():
+        styles = _LinearStyles(block, float8)
         plan: dict[str, ParallelStyle] = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "attention": styles.gather_input("attention", ("wq", "wk", "wv"), (Shard(1), None),
+                                             (Replicate(), None)),
+            "attention.wq": styles.colwise("attention.wq"),
+            "attention.wk": styles.colwise("attention.wk"),
+            "attention.wv": styles.colwise("attention.wv"),
+            "attention.wo": styles.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
         }
         if not block.moe_enabled:
             plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward": styles.gather_input("feed_forward", ("w1", "w3"), (Shard(1),), (Replicate(),)),
+                "feed_forward.w1": styles.colwise("feed_forward.w1"),
+                "feed_forward.w2": styles.rowwise("feed_forward.w2", output_layouts=Shard(1), use_local_output=False),
+                "feed_forward.w3": styles.colwise("feed_forward.w3"),
             })
         elif moe_tp:
             if not block.moe.score_before_experts:
@@ -135,7 +150,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
                 # gate gradient, which the replicated router never reduces.
                 raise ValueError("MoE tensor parallelism needs router scores applied before the experts "
                                  "(score_before_experts=True, as in Llama 4); use expert parallelism instead")
-            plan.update(_moe_tp_plan(block.moe.shared_experts is not None))
+            plan.update(_moe_tp_plan(block.moe.shared_experts is not None, styles))
         else:
             # Experts are expert-parallel: the MoE block sees its own sequence shard as a local
             # tensor and returns one (EP dispatches tokens itself).
@@ -143,10 +158,49 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
                 output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
         parallelize_module(block, tp_mesh, plan)
+        applied.update({f"layers.{name}.{fqn}": style for fqn, style in plan.items()})
+    return applied
 
 
-def _moe_tp_plan(has_shared: bool) -> dict[str, ParallelStyle]:
+class _LinearStyles:
+    """The TP styles of one block's linears: torchao's float8 styles for its ``Float8Linear``
+    modules when float8 TP is on, the plain ones otherwise."""
+
+    def __init__(self, block: nn.Module, float8: bool) -> None:
+        self.block = block
+        self.float8 = float8
+        if float8:
+            from torchao.float8.float8_tensor_parallel import (
+                Float8ColwiseParallel,
+                Float8RowwiseParallel,
+                PrepareFloat8ModuleInput,
+            )
+
+            self._float8_styles = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+    def _is_float8(self, fqn: str) -> bool:
+        from torchmoe.distributed.float8 import is_float8_linear
+
+        return self.float8 and is_float8_linear(self.block.get_submodule(fqn))
+
+    def colwise(self, fqn: str, **kwargs) -> ParallelStyle:
+        return self._float8_styles[0](**kwargs) if self._is_float8(fqn) else ColwiseParallel(**kwargs)
+
+    def rowwise(self, fqn: str, **kwargs) -> ParallelStyle:
+        return self._float8_styles[1](**kwargs) if self._is_float8(fqn) else RowwiseParallel(**kwargs)
+
+    def gather_input(self, fqn: str, consumers: tuple[str, ...], input_layouts: tuple, desired: tuple) -> ParallelStyle:
+        """The all-gather of `fqn`'s sequence-sharded input: in float8 when every linear reading
+        it is float8 (a high-precision reader could not take a float8 tensor)."""
+        if all(self._is_float8(f"{fqn}.{c}") for c in consumers):
+            return self._float8_styles[2](input_layouts=input_layouts, desired_input_layouts=desired,
+                                          fwd_config_submodule_fqn=consumers[0])
+        return PrepareModuleInput(input_layouts=input_layouts, desired_input_layouts=desired)
+
+
+def _moe_tp_plan(has_shared: bool, styles: _LinearStyles) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {
+        # The input is gathered in high precision: the router and the routed experts read it.
         "moe": PrepareModuleInputOutput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
             output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=False),
@@ -155,9 +209,9 @@ def _moe_tp_plan(has_shared: bool) -> dict[str, ParallelStyle]:
     }
     if has_shared:
         plan.update({
-            "moe.shared_experts.w1": ColwiseParallel(),
-            "moe.shared_experts.w3": ColwiseParallel(),
+            "moe.shared_experts.w1": styles.colwise("moe.shared_experts.w1"),
+            "moe.shared_experts.w3": styles.colwise("moe.shared_experts.w3"),
             # Partial out: added to the routed experts' partial sum, reduced once by the block.
-            "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+            "moe.shared_experts.w2": styles.rowwise("moe.shared_experts.w2", output_layouts=Partial()),
         })
     return plan

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
+from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled
 from torchmoe.distributed.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 from torchmoe.models.llama4.args import ModelArgs, model_args_from_config
 from torchmoe.plan.context import CPLayout
@@ -38,6 +39,8 @@ from torchmoe.plan.pipeline import (
     stage_costs,
 )
 from torchmoe.plan.memory import GIB, MemoryEstimate, compute_dtype_bytes, memory_per_pp_rank
+from torchmoe.plan.tp_comm import tp_gather_bytes
+from torchmoe.preflight.float8 import float8_expert_names, routed_expert_names
 
 # Longer member lists are abbreviated when printed, and in the JSON beyond _JSON_MEMBERS.
 _MAX_LISTED = 8
@@ -93,7 +96,8 @@ def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: Pip
     add("tensor_parallel", dims.tp_enabled,
         f"tp={dims.tp}: attention heads, dense FFN and shared-expert hidden dims, embedding/output vocab; "
         f"sequence-parallel norms; loss parallel {'on' if loss_parallel else 'off'}; "
-        f"async TP {'on' if p.enable_async_tensor_parallel else 'off'}" if dims.tp_enabled else "off")
+        f"async TP {'on' if p.enable_async_tensor_parallel else 'off'}; {_tp_comm_detail(cfg, dims, args, pipe)}"
+        if dims.tp_enabled else "off")
     add("moe_tensor_parallel", dims.moe_tp_enabled,
         f"routed experts' hidden dim over tp={dims.tp} (w1/w3 column-wise, w2 row-wise), router gate "
         "replicated; MoE input all-gathered, output reduce-scattered" if dims.moe_tp_enabled else "off")
@@ -109,8 +113,33 @@ def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: Pip
     add("compile", cfg.compile.enable, "torch.compile per transformer block" if cfg.compile.enable else "off")
     add("data_parallel", dims.dp_enabled or dims.fsdp_enabled, _data_parallel_detail(cfg, dims))
     add("pipeline_parallel", dims.pp_enabled, _pipeline_detail(cfg, dims, pipe) if dims.pp_enabled else "off")
-    add("float8", cfg.float8.enable, _float8_detail(cfg, args) if cfg.float8.enable else "off")
+    on = cfg.float8.enable or cfg.float8.routed_experts
+    add("float8", on, _float8_detail(cfg, args) if on else "off")
     return plan
+
+
+def _tp_comm_detail(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> str:
+    """Which TP styles run (float8 or plain) and what their all-gathers move per step."""
+    gathers = tp_gather_bytes(cfg, dims, args, pipe)
+    if float8_tp_enabled(cfg.float8):
+        styles = ("float8 TP styles (tensorwise): attention and dense-FFN inputs gathered in float8, "
+                  "wo/w2 output gradients gathered in float8, MoE inputs in high precision")
+    elif cfg.float8.enable:
+        styles = f"plain TP styles in high precision (float8 recipe {cfg.float8.recipe_name} is not tensorwise)"
+    else:
+        styles = "plain TP styles"
+    saved = (f" (plain styles: {gathers.high_precision / 2**20:.4g} MiB)"
+             if gathers.high_precision != gathers.total else "")
+    return f"{styles}; all-gathers {gathers.total / 2**20:.4g} MiB/step per rank{saved}"
+
+
+def tp_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict:
+    """The TP all-gather bytes of one step on one rank (`plan.tp_comm`). What `dry_run.json`
+    holds under ``tensor_parallel``."""
+    gathers = tp_gather_bytes(cfg, dims, args, pipe)
+    return {"float8_styles": float8_tp_enabled(cfg.float8), "all_gather_bytes_per_step": gathers.total,
+            "forward": gathers.forward, "backward": gathers.backward, "recompute": gathers.recompute,
+            "plain_styles_bytes_per_step": gathers.high_precision}
 
 
 def context_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> dict:
@@ -193,17 +222,23 @@ def pipeline_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: P
 
 def _float8_detail(cfg: JobConfig, args: ModelArgs) -> str:
     """What `distributed/float8.py` converts: nn.Linear layers outside filter_fqns whose in and
-    out features are multiples of 16 (float8 GEMM tiles)."""
+    out features are multiples of 16 (float8 GEMM tiles), and the routed experts moe_fqns names."""
     f8 = cfg.float8
-    linears = _linear_specs(param_specs(args))
-    filtered = [s for s in linears if any(name in s.fqn for name in f8.filter_fqns)]
-    misaligned = [s for s in linears if s not in filtered and any(n % 16 for n in s.shape)]
-    converted = len(linears) - len(filtered) - len(misaligned)
-    matched = [name for name in f8.filter_fqns if any(name in s.fqn for s in filtered)]
-    return (f"recipe {f8.recipe_name}: {converted} of {len(linears)} nn.Linear layers in float8 "
-            f"({len(filtered)} kept by filter_fqns {matched}, {len(misaligned)} with dims not multiples of 16); "
-            f"routed experts are grouped GEMMs, not nn.Linear; FSDP float8 all-gather "
-            f"{'on' if f8.enable_fsdp_float8_all_gather else 'off'}")
+    parts = []
+    if f8.enable:
+        linears = _linear_specs(param_specs(args))
+        filtered = [s for s in linears if any(name in s.fqn for name in f8.filter_fqns)]
+        misaligned = [s for s in linears if s not in filtered and any(n % FLOAT8_TILE for n in s.shape)]
+        converted = len(linears) - len(filtered) - len(misaligned)
+        matched = [name for name in f8.filter_fqns if any(name in s.fqn for s in filtered)]
+        parts.append(f"recipe {f8.recipe_name}{' (emulated)' if f8.emulate else ''}: {converted} of {len(linears)} "
+                     f"nn.Linear layers in float8 ({len(filtered)} kept by filter_fqns {matched}, {len(misaligned)} "
+                     f"with dims not multiples of {FLOAT8_TILE}); FSDP float8 all-gather "
+                     f"{'on' if f8.enable_fsdp_float8_all_gather else 'off'}")
+    experts = float8_expert_names(args, f8.moe_fqns) if f8.routed_experts else []
+    parts.append(f"routed experts: {len(experts)} of {len(routed_expert_names(args))} MoE layers' grouped GEMMs in "
+                 "float8 (rowwise scales, 16-row expert blocks)" if experts else "routed experts in high precision")
+    return "; ".join(parts)
 
 
 def _mesh_rows(layout: dict[str, DimLayout]) -> list[tuple[str, int, str]]:
@@ -262,6 +297,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         "plan": plan,
         "pipeline": pipeline_report(cfg, dims, args, pipe) if dims.pp_enabled else None,
         "context_parallel": context_report(cfg, dims, args) if dims.cp_enabled else None,
+        "tensor_parallel": tp_report(cfg, dims, args, pipe) if dims.tp_enabled else None,
         "coordinates": {str(r): {d: layout[d].coordinate(r) for d in MESH_DIMS} for r in ranks},
         "groups": {str(r): {name: group_json(layout[name].members(r)) for name in ALL_NAMES} for r in ranks},
     }

@@ -29,6 +29,7 @@ from torchmoe.preflight.files import (
     check_outputs,
     check_tokenizer,
 )
+from torchmoe.preflight.float8 import check_float8
 from torchmoe.preflight.layout import (
     check_batch,
     check_flavor,
@@ -66,6 +67,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     check_pipeline(cfg, args, degrees, world_size)
     check_validation(cfg, args, degrees)
     check_features(cfg, args, degrees, check_device)
+    check_float8(cfg, args, degrees, check_device)
     if not check_device:
         check_dry_run_outputs(cfg.job)
         return

@@ -45,8 +45,7 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                               "applies no FSDP (dp_shard * cp = 1 and no expert sharding)",
                               "set fsdp_cpu_offload = false, or shard with data_parallel_shard_degree > 1")
     # CPU offload moves FSDP state off an accelerator: FSDP2 refuses it when there is none.
-    cuda_only = (("float8.enable", cfg.float8.enable),
-                 ("parallelism.enable_async_tensor_parallel", cfg.parallelism.enable_async_tensor_parallel),
+    cuda_only = (("parallelism.enable_async_tensor_parallel", cfg.parallelism.enable_async_tensor_parallel),
                  ("parallelism.fsdp_cpu_offload", cfg.parallelism.fsdp_cpu_offload))
     for key, enabled in cuda_only:
         if not enabled:

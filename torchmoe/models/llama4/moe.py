@@ -18,6 +18,7 @@ token counts accumulated in ``tokens_per_expert`` over all micro-batches (see `u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,8 @@ from torchmoe.models.llama4.moe_ops import accumulate_token_counts, grouped_mm
 from torchmoe.regions import region
 
 # On CUDA, grouped GEMM kernels want every expert's row block to start at a multiple of 16 rows
-# (bf16 tensor-core tiles); on CPU no padding is needed.
-_CUDA_GROUP_ALIGN = 16
+# (bf16 tensor-core tiles), and float8 grouped GEMMs need it on any device; else no padding.
+_GROUP_ALIGN = 16
 
 
 class FeedForward(nn.Module):
@@ -80,6 +81,9 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # Set by `distributed.float8.convert_float8_experts`: (rows, w, offsets) -> rows @ w[e].T
+        # per expert block, in float8.
+        self.float8_grouped_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Run each expert on its contiguous block of rows.
@@ -99,7 +103,7 @@ class GroupedExperts(nn.Module):
                 dtype = compute_dtype(x)
                 x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
             if self.use_grouped_mm:
-                return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
+                return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert, self.float8_grouped_mm)
             return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
@@ -123,14 +127,17 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-def _grouped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:
-    """One grouped GEMM per projection; no host-device synchronisation. bf16 runs torch's
-    ``_grouped_mm`` (which the compiler lowers to its kernels); other dtypes run it through the
-    ``torchmoe::grouped_mm`` custom op, which the compiler can trace (see `moe_ops`)."""
+def _grouped_swiglu(x, w1, w2, w3, counts, float8_mm=None) -> torch.Tensor:
+    """One grouped GEMM per projection; no host-device synchronisation. `float8_mm`, when set,
+    runs them in float8; else bf16 runs torch's ``_grouped_mm`` (which the compiler lowers to its
+    kernels) and other dtypes run it through the ``torchmoe::grouped_mm`` custom op, which the
+    compiler can trace (see `moe_ops`)."""
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert
     native = x.dtype == torch.bfloat16
 
     def mm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if float8_mm is not None:
+            return float8_mm(rows, w, offsets)
         return torch._grouped_mm(rows, w.transpose(-2, -1), offs=offsets) if native else grouped_mm(rows, w, offsets)
 
     h = F.silu(mm(x, w1)) * mm(x, w3)  # (rows, hidden)
@@ -393,8 +400,8 @@ class TokenDispatcher:
 
     def run_local_experts(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         """Run this rank's experts on rows sorted by local expert, padding expert blocks to the
-        kernel's alignment on CUDA. rows: (R, dim), counts: (local experts,) -> (R, dim)."""
-        align = _CUDA_GROUP_ALIGN if rows.is_cuda else 1
+        kernel's alignment on CUDA and for float8. rows: (R, dim), counts: (local experts,) -> (R, dim)."""
+        align = _GROUP_ALIGN if rows.is_cuda or experts.float8_grouped_mm is not None else 1
         padded_rows, positions, padded_counts = pad_expert_blocks(rows, counts, align)
         out = experts(padded_rows, padded_counts)
         return out[positions] if positions is not None else out

@@ -1,8 +1,10 @@
 """The parallelize pipeline: turn a single-device Llama 4 into the layout the job asks for.
 
 Applied in place, in this order (each step assumes the previous ones):
-    0. float8 linears      (module swap; must precede TP so TP shards the float8 modules)
-    1. tensor parallel     (incl. MoE TP when ep == 1, loss parallel, async TP)
+    0. float8              (linears swapped, routed experts' grouped GEMMs switched; must precede
+                            TP so TP shards the float8 modules)
+    1. tensor parallel     (incl. MoE TP when ep == 1, loss parallel, async TP; float8 styles
+                            for the tensorwise recipe)
     2. expert parallel     (routed experts sharded over ep, tokens all-to-all)
     2b. context parallel   (attention over each cp rank's head-tail pieces of every sequence)
     3. activation checkpointing
@@ -20,6 +22,7 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.distributed.compile import apply_compile
 from torchmoe.distributed.data_parallel import apply_autocast, apply_ddp, apply_fsdp
+from torchmoe.distributed.float8 import apply_float8, float8_tp_enabled
 from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
 from torchmoe.distributed.tensor_parallel import apply_tp
 
@@ -28,15 +31,16 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
     """Apply every enabled parallelism and optimisation to `model` (on the meta device or
     materialised) and return it. `mesh` may be None only when the world is a single rank."""
     par = cfg.parallelism
-    if cfg.float8.enable:
-        from torchmoe.distributed.float8 import apply_float8
+    if cfg.float8.enable or cfg.float8.routed_experts:
+        from torchmoe.preflight import train_device
 
-        apply_float8(model, cfg.float8)
+        apply_float8(model, cfg.float8, train_device(cfg.training.device))
 
     if dims.tp_enabled:
         if par.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
-        apply_tp(model, mesh["tp"], loss_parallel=not par.disable_loss_parallel, moe_tp=dims.moe_tp_enabled)
+        apply_tp(model, mesh["tp"], loss_parallel=not par.disable_loss_parallel, moe_tp=dims.moe_tp_enabled,
+                 float8=float8_tp_enabled(cfg.float8))
 
     if dims.ep_enabled:
         from torchmoe.distributed.expert_parallel import apply_ep
