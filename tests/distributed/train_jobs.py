@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 
@@ -34,6 +35,7 @@ def _run(job: dict, world_size: int) -> None:
     from torchmoe.trainer import Trainer
 
     dump_folder = Path(job["dump_folder"])
+    started = time.perf_counter()
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"=== job {job['label']}", file=sys.stderr, flush=True)
         if job["start_from"] is not None:
@@ -54,6 +56,8 @@ def _run(job: dict, world_size: int) -> None:
     del trainer
     if dist.is_initialized():
         dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"=== job {job['label']}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
 
 def _worker(out_dir: Path) -> None:

@@ -4,8 +4,8 @@ rowwise recipes, one process, from one seed checkpoint, against the fp32 run.
 Emulation casts to float8 (e4m3 forward: 3 mantissa bits, relative rounding up to 2^-4 = 6 %
 per element; e5m2 gradients) and scales exactly as on a GPU, then multiplies in fp32. The loss
 is a mean over 512 tokens, so the rounding largely averages out: observed (tiny, 5 steps) up to
-RELATIVE_LOSS_SEEN of the fp32 loss and GRAD_SEEN of its gradient norm; the bounds are 1e-2 and
-5e-2.
+3.5e-4 of the fp32 loss and 3.1e-3 of its gradient norm (both recipes); the bounds are 2e-3 and
+1.5e-2.
 
     python -m pytest -q tests/integration/test_float8_train.py
 """
@@ -41,6 +41,5 @@ def test_emulated_float8_tracks_the_fp32_curve(fp32, tmp_path, recipe):
     assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5]
     assert got[1]["loss"] != reference[1]["loss"]  # float8 really ran
     for step, ref in reference.items():
-        print(recipe, step, got[step]["loss"] / ref["loss"] - 1, got[step]["grad_norm"] / ref["grad_norm"] - 1)
-        assert got[step]["loss"] == pytest.approx(ref["loss"], rel=1e-2), (recipe, step)
-        assert got[step]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-2), (recipe, step)
+        assert got[step]["loss"] == pytest.approx(ref["loss"], rel=2e-3), (recipe, step)
+        assert got[step]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1.5e-2), (recipe, step)
