@@ -312,3 +312,31 @@ def test_dry_run_names_the_tp_styles_and_their_all_gather_bytes(recipe, styles):
     assert tp["plain_styles_bytes_per_step"] == plain
     assert tp["all_gather_bytes_per_step"] == (float8 if recipe == "tensorwise" else plain)
     assert tp["float8_styles"] == (recipe == "tensorwise")
+
+
+@pytest.mark.parametrize("world, flags", [
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--float8.enable_fsdp_float8_all_gather", "true",
+         "--activation_checkpoint.mode", "selective"]),
+    (4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+         "--training.local_batch_size", "4"]),
+])
+def test_float8_tp_composes_with_the_parallelize_pipeline(fake_world, world, flags):
+    """The whole pipeline on the meta device, as `Trainer` runs it (EP alongside TP, FSDP with
+    float8 all-gathers and selective AC, a pipeline stage): the float8 linears survive as
+    Float8Linear and every parameter ends up a DTensor."""
+    from torchmoe.models.llama4.parallelize import parallelize_llama4
+    from torchmoe.distributed.pipeline_parallel import split_into_stages
+
+    cfg = _cfg("--float8.enable", "true", *flags)
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    fake_world(0, world)
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(FLAVORS["tiny"])
+    if dims.pp_enabled:
+        pipe = pipeline_layout(FLAVORS["tiny"], dims, cfg.parallelism, SEQ)
+        model = split_into_stages(model, pipe, 0)[0]
+    parallelize_llama4(model, dims, mesh, cfg)
+    float8 = [fqn for fqn, module in model.named_modules() if isinstance(module, Float8Linear)]
+    assert float8 and all(isinstance(p, DTensor) for p in model.parameters())

@@ -20,9 +20,12 @@ _SAVE_ALWAYS = {
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops.aten.max.default,  # float8 amax: tiny, and recomputing it under TP needs comms
 }
-if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
-    _SAVE_ALWAYS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
-_MM = torch.ops.aten.mm.default
+# The cuDNN attention kernel, and float8 routed experts' grouped GEMM (`float8.routed_experts`).
+_SAVE_ALWAYS |= {getattr(torch.ops.aten, name).default for name in ("_scaled_dot_product_cudnn_attention",
+                                                                    "_scaled_grouped_mm")
+                 if hasattr(torch.ops.aten, name)}
+# Matmuls, float8 linears' included (torchao runs them as _scaled_mm).
+_MM = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
 
 
 # Profiler annotations (record_function) are no computation, but SAC counts every op and requires
@@ -57,7 +60,7 @@ def _op_policy_context():
     def policy(ctx, func, *args, **kwargs):
         if func in _SAVE_ALWAYS:
             return CheckpointPolicy.MUST_SAVE
-        if func == _MM:
+        if func in _MM:
             # Forward and recompute count separately so both make the same decisions.
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1

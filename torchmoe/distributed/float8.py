@@ -7,9 +7,8 @@
   gradients (backward) move float8 bytes (`float8_tp_enabled`, used by `tensor_parallel`).
   Rowwise recipes keep TP communication in high precision (plain styles).
 - **Routed experts** (`float8.routed_experts`): the grouped GEMMs of the ``GroupedExperts``
-  modules `float8.moe_fqns` names
-  run as torchao's float8 rowwise grouped GEMM, on expert row blocks padded to 16 rows
-  (`moe.pad_expert_blocks`).
+  modules `float8.moe_fqns` names run as torchao's float8 rowwise grouped GEMM, on expert row
+  blocks padded to 16 rows (`moe.pad_expert_blocks`).
 
 What the installed torchao and the device can run is checked by `float8_unavailable`, which the
 preflight turns into a config error before anything is built.

@@ -35,6 +35,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchmoe.distributed.float8 import is_float8_linear
+
 
 class ReplicateParallel(ParallelStyle):
     """Parameters replicated on the mesh; plain-tensor input in, plain-tensor output out.
@@ -179,8 +181,6 @@ class _LinearStyles:
             self._float8_styles = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
     def _is_float8(self, fqn: str) -> bool:
-        from torchmoe.distributed.float8 import is_float8_linear
-
         return self.float8 and is_float8_linear(self.block.get_submodule(fqn))
 
     def colwise(self, fqn: str, **kwargs) -> ParallelStyle:
