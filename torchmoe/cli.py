@@ -146,6 +146,7 @@ def _train(argv: list[str]) -> int:
             except PeerFailed as err:
                 # Another rank failed and reports its error itself: one line here, its status.
                 print(err, file=sys.stderr)
+                _leave_if_failed(err.exit_status)
                 return err.exit_status
             except TrainingDiverged as err:
                 # Not a bug but the run's outcome: one message (the loss is global, so every rank
@@ -220,15 +221,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Config errors are the same on every rank: one message from rank 0 is enough.
         if rank in (None, "0"):
             _report(err, rank=None)
+        _leave_if_failed(2)
         return 2
     except _RankSpecificError as wrapped:
         _report(wrapped.err, rank=rank)
+        _leave_if_failed(2)
         return 2
     except BrokenPipeError:
         # `torchmoe train --help | head`: the reader left. Point stdout at /dev/null so the
         # interpreter's final flush does not raise again, as the Python docs recommend.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _leave_if_failed(status: int) -> None:
+    """A rank that left a multi-rank run for a failure exits here, from the handler that reported
+    it, before its frames are freed (`torchmoe.distributed.failure.leave_if_failed`). Only such
+    a run imports that module: the CLI stays quick to answer without torch."""
+    failure = sys.modules.get("torchmoe.distributed.failure")
+    if failure is not None:
+        failure.leave_if_failed(status)
 
 
 def run() -> None:

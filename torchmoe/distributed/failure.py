@@ -62,15 +62,22 @@ _FAILED = False
 
 
 def leave(status: int) -> None:
-    """End the process with `status`. After a failure its process groups may still have work in
-    flight (a dropped async save), and their C++ destructors at interpreter exit can abort the
-    process ("terminate called without an active exception"): such a process leaves at once,
-    with its output flushed, and without running them."""
+    """End the process with `status` (see `leave_if_failed`)."""
+    leave_if_failed(status)
+    sys.exit(status)
+
+
+def leave_if_failed(status: int) -> None:
+    """After a failure, end the process with `status` at once. Its process groups may still have
+    work in flight (a dropped async save), and their C++ destructors can abort the process
+    ("terminate called without an active exception"): such a process leaves with its output
+    flushed and without running them. Call it while the failing frames (the trainer, its meshes
+    and process groups) are still referenced: in the handler that reported the error, before
+    unwinding frees them."""
     if _FAILED:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
-    sys.exit(status)
 
 
 _PREFIX = "torchmoe/failure/"
