@@ -111,10 +111,10 @@ class Job:
 
 class TinyRuns:
     """`train_tiny` jobs, run on first use. All jobs on the same number of ranks (> 1) run, in the
-    order given, in one torchrun world (`tests/distributed/train_jobs.py`): starting a world costs
-    more than a tiny job. One-process jobs run in one process too (without a process group, as
-    `torchmoe train` runs on one rank), except those starting from another job's checkpoint: each
-    of these runs alone, once that job has run.
+    order given, in one world (`tests/distributed/train_jobs.py`): starting a world costs more
+    than a tiny job. One-process jobs run in the test's own process (without a process group, as
+    `torchmoe train` runs on one rank, on one thread as each rank), except those starting from
+    another job's checkpoint: each of these runs alone, once that job has run.
 
     Args:
         seed: the step-0 folder of the runs' seed checkpoint.
@@ -167,6 +167,11 @@ class TinyRuns:
         labels = [label for label in self.jobs if self._group(label) == group]
         jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args], "dump_folder": str(self.root / label),
                  "start_from": str(start) if (start := self._start(label)) else None} for label in labels]
+        if self.jobs[labels[0]].nproc == 1:
+            from tests.distributed.train_jobs import run_here
+
+            run_here(jobs)
+            return
         out = self.root / f"jobs_{group}"
         out.mkdir()
         (out / "jobs.json").write_text(json.dumps(jobs))
@@ -200,13 +205,14 @@ def write_rank_record(out_dir: Path, record: dict) -> None:
 
 
 def run_rank_script(script: str, out_dir: Path, *, world: int, timeout: int) -> dict[int, dict]:
-    """Run a test file as a torchrun script on `world` CPU ranks (``python FILE OUT_DIR``; each
-    rank writes ``OUT_DIR/rank<r>.json``) and return rank -> that record. `world` 1: one plain
-    process, without torchrun (no WORLD_SIZE: the script must then do without a process group)."""
+    """Run a test file's ``_worker(OUT_DIR)`` on `world` CPU ranks (each rank writes
+    ``OUT_DIR/rank<r>.json``) and return rank -> that record. The ranks are forked from one
+    process that imported the stack once (`tests/fork_ranks.py`: torchrun's worker environment,
+    a fraction of its start-up). `world` 1: ``python FILE OUT_DIR``, one plain process without a
+    process group (no WORLD_SIZE)."""
     env = {**cli_env(), "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # 1 thread a rank
-    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={world}"]
-    cmd = [*launcher, script, str(out_dir)]
+    cmd = [sys.executable, script, str(out_dir)] if world == 1 else \
+        [sys.executable, str(REPO / "tests" / "fork_ranks.py"), script, str(out_dir), str(world)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}

@@ -1,7 +1,8 @@
-"""Several `torchmoe train` jobs, one after the other, in one torchrun world (for the parity tests).
+"""Several `torchmoe train` jobs, one after the other, in one world of ranks (for the parity tests).
 
-    python -m torch.distributed.run --standalone --nproc_per_node=N tests/distributed/train_jobs.py OUT_DIR
+    python tests/fork_ranks.py tests/distributed/train_jobs.py OUT_DIR N  # N ranks (run_rank_script)
     python tests/distributed/train_jobs.py OUT_DIR  # one process without a process group
+    run_here(jobs)                                  # the same, in the calling process
 
 `OUT_DIR/jobs.json` lists the jobs in order: ``{"label", "args", "dump_folder", "start_from"}``,
 `args` being `torchmoe train` arguments. Every rank runs each job as `torchmoe train` does: the
@@ -13,8 +14,8 @@ without it: no process group at all. `start_from`, unless null, is a step-N chec
 rank 0 copies into the dump folder first, so that the job resumes from it: a seed checkpoint's
 step-0, or a checkpoint an earlier job wrote.
 
-A job that raises ends the world (torchrun reports the rank's traceback); rank 0 names each job on
-stderr as it starts, so the output says which one.
+A job that raises ends the world (the launcher reports the rank's traceback); rank 0 names each job
+on stderr as it starts and as it ends, with its seconds, so the output says which one.
 """
 
 from __future__ import annotations
@@ -58,6 +59,26 @@ def _run(job: dict, world_size: int) -> None:
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"=== job {job['label']}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
+
+def run_here(jobs: list[dict]) -> None:
+    """The one-process `jobs` in this (a test's) process: one intra-op thread, as each rank and
+    a ``python train_jobs.py`` process has (so their numbers match), and the process as it was
+    after (thread count, the `torchmoe` logger the trainer sets up). Saves starting an
+    interpreter that imports the stack again."""
+    import logging
+
+    import torch
+
+    log = logging.getLogger("torchmoe")
+    threads, handlers, level, propagate = torch.get_num_threads(), list(log.handlers), log.level, log.propagate
+    torch.set_num_threads(1)
+    try:
+        for job in jobs:
+            _run(job, world_size=1)
+    finally:
+        torch.set_num_threads(threads)
+        log.handlers[:], log.level, log.propagate = handlers, level, propagate
 
 
 def _worker(out_dir: Path) -> None:
