@@ -171,7 +171,7 @@ class Trainer:
         self.pipe = pipeline_layout(self.model_args, self.dims, cfg.parallelism, cfg.training.seq_len)
         self.pp_rank = self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
         parts = split_into_stages(model, self.pipe, self.pp_rank) if self.dims.pp_enabled else [model]
-        self.model_parts = [parallelize_llama4(part, self.dims, self.mesh, cfg) for part in parts]
+        self.model_parts = [parallelize_llama4(part, self.dims, self.mesh, cfg, self.device) for part in parts]
         # For whatever draws from the global RNG while training; the weights do not: their values
         # come from the seed and each parameter's name, the same under every layout.
         torch.manual_seed(cfg.training.seed)

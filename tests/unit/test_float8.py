@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,7 +25,8 @@ from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_l
 from torchmoe.distributed.parallel_dims import ParallelDims
 from torchmoe.distributed.tensor_parallel import apply_tp
 from torchmoe.models.llama4 import FLAVORS, Transformer
-from torchmoe.models.llama4.moe import GroupedExperts, _grouped_swiglu
+from torchmoe.models.llama4.moe import GroupedExperts, _grouped_swiglu, _looped_swiglu
+from torchmoe.models.llama4.moe_ops import grouped_mm
 from torchmoe.plan.pipeline import pipeline_layout
 from torchmoe.plan.tp_comm import tp_gather_bytes
 from torchmoe.preflight import validate_job_config
@@ -186,13 +188,26 @@ def test_float8_experts_run_the_grouped_gemm_on_aligned_blocks(monkeypatch):
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_grouped_swiglu_without_float8_never_calls_it():
+def test_unconverted_experts_keep_the_high_precision_grouped_gemm():
+    """Without conversion the hook is unset and the grouped path equals the per-expert loop; set,
+    it carries every projection (w1, w3, w2) and its result is what the experts return."""
     experts = GroupedExperts(16, 16, 2, use_grouped_mm=True)
     assert experts.float8_grouped_mm is None
-    x, w1, w3 = torch.randn(4, 16), torch.randn(2, 16, 16), torch.randn(2, 16, 16)
-    w2 = torch.randn(2, 16, 16)
-    out = _grouped_swiglu(x, w1, w2, w3, torch.tensor([1, 3]))
-    assert out.shape == (4, 16)
+    generator = torch.Generator().manual_seed(0)
+    x, w1, w2, w3 = (torch.randn(*shape, generator=generator) for shape in ((4, 16), (2, 16, 16), (2, 16, 16),
+                                                                           (2, 16, 16)))
+    counts = torch.tensor([1, 3])
+    torch.testing.assert_close(_grouped_swiglu(x, w1, w2, w3, counts), _looped_swiglu(x, w1, w2, w3, counts))
+    seen = []
+
+    def doubled(rows, w, offsets):
+        seen.append(w.shape)
+        return 2 * grouped_mm(rows, w, offsets)
+
+    hooked = _grouped_swiglu(x, w1, w2, w3, counts, doubled)
+    assert len(seen) == 3
+    h = F.silu(2 * grouped_mm(x, w1, counts.cumsum(0).int())) * (2 * grouped_mm(x, w3, counts.cumsum(0).int()))
+    torch.testing.assert_close(hooked, 2 * grouped_mm(h, w2, counts.cumsum(0).int()))
 
 
 # ---- refusals: each names the key, the value and the fix --------------------------------------
@@ -337,6 +352,6 @@ def test_float8_tp_composes_with_the_parallelize_pipeline(fake_world, world, fla
     if dims.pp_enabled:
         pipe = pipeline_layout(FLAVORS["tiny"], dims, cfg.parallelism, SEQ)
         model = split_into_stages(model, pipe, 0)[0]
-    parallelize_llama4(model, dims, mesh, cfg)
+    parallelize_llama4(model, dims, mesh, cfg, "cpu")
     float8 = [fqn for fqn, module in model.named_modules() if isinstance(module, Float8Linear)]
     assert float8 and all(isinstance(p, DTensor) for p in model.parameters())

@@ -137,7 +137,7 @@ def test_states_match_parallelized_meta_model(fake_world, flavor, degrees, rank)
     with torch.device("meta"):
         model = Transformer(args)
     cfg = JobConfig()
-    parallelize_llama4(model, dims, mesh, cfg)
+    parallelize_llama4(model, dims, mesh, cfg, "cpu")
     est = memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism)[0]
     assert est.params == 4 * _measured_local_elements(model)
 

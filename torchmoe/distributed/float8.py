@@ -70,6 +70,18 @@ def float8_unavailable(cfg: Float8, device: torch.device | str, *,
     return None
 
 
+def float8_linear_eligible(fqn: str, out_features: int, in_features: int, filter_fqns: list[str]) -> bool:
+    """The nn.Linear `fqn` (out x in) becomes a ``Float8Linear``: not named by `filter_fqns`, both
+    dims float8 tiles. The one rule the conversion, the TP plan's count and the dry run share."""
+    return (not any(f in fqn for f in filter_fqns)
+            and out_features % FLOAT8_TILE == 0 and in_features % FLOAT8_TILE == 0)
+
+
+def selected_by(fqn: str, moe_fqns: list[str]) -> bool:
+    """`float8.moe_fqns` selects module `fqn` when one of its entries is part of the name."""
+    return any(f in fqn for f in moe_fqns)
+
+
 def _grouped_capability_ok(cap: tuple[int, int]) -> bool:
     return any(cap[0] == major and minor in (None, cap[1]) for major, minor in _GROUPED_CAPABILITIES)
 
@@ -120,8 +132,8 @@ def convert_float8_linears(model: nn.Module, cfg: Float8) -> list[str]:
     converted: list[str] = []
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        if (isinstance(module, nn.Linear) and not any(f in fqn for f in cfg.filter_fqns)
-                and module.in_features % FLOAT8_TILE == 0 and module.out_features % FLOAT8_TILE == 0):
+        if isinstance(module, nn.Linear) and float8_linear_eligible(fqn, module.out_features, module.in_features,
+                                                                    cfg.filter_fqns):
             converted.append(fqn)
             return True
         return False
@@ -146,7 +158,7 @@ def convert_float8_experts(model: nn.Module, moe_fqns: list[str]) -> list[str]:
     from torchmoe.models.llama4.moe import GroupedExperts
 
     names = [fqn for fqn, module in model.named_modules()
-             if isinstance(module, GroupedExperts) and any(f in fqn for f in moe_fqns)]
+             if isinstance(module, GroupedExperts) and selected_by(fqn, moe_fqns)]
     for fqn in names:
         model.get_submodule(fqn).float8_grouped_mm = _float8_grouped_mm
     return names

@@ -178,23 +178,24 @@ class _LinearStyles:
                 PrepareFloat8ModuleInput,
             )
 
-            self._float8_styles = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+            self._colwise, self._rowwise, self._prepare = (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                           PrepareFloat8ModuleInput)
 
     def _is_float8(self, fqn: str) -> bool:
         return self.float8 and is_float8_linear(self.block.get_submodule(fqn))
 
     def colwise(self, fqn: str, **kwargs) -> ParallelStyle:
-        return self._float8_styles[0](**kwargs) if self._is_float8(fqn) else ColwiseParallel(**kwargs)
+        return self._colwise(**kwargs) if self._is_float8(fqn) else ColwiseParallel(**kwargs)
 
     def rowwise(self, fqn: str, **kwargs) -> ParallelStyle:
-        return self._float8_styles[1](**kwargs) if self._is_float8(fqn) else RowwiseParallel(**kwargs)
+        return self._rowwise(**kwargs) if self._is_float8(fqn) else RowwiseParallel(**kwargs)
 
     def gather_input(self, fqn: str, consumers: tuple[str, ...], input_layouts: tuple, desired: tuple) -> ParallelStyle:
         """The all-gather of `fqn`'s sequence-sharded input: in float8 when every linear reading
         it is float8 (a high-precision reader could not take a float8 tensor)."""
         if all(self._is_float8(f"{fqn}.{c}") for c in consumers):
-            return self._float8_styles[2](input_layouts=input_layouts, desired_input_layouts=desired,
-                                          fwd_config_submodule_fqn=consumers[0])
+            return self._prepare(input_layouts=input_layouts, desired_input_layouts=desired,
+                                 fwd_config_submodule_fqn=consumers[0])
         return PrepareModuleInput(input_layouts=input_layouts, desired_input_layouts=desired)
 
 

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
-from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled
+from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
 from torchmoe.distributed.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 from torchmoe.models.llama4.args import ModelArgs, model_args_from_config
 from torchmoe.plan.context import CPLayout
@@ -39,8 +39,7 @@ from torchmoe.plan.pipeline import (
     stage_costs,
 )
 from torchmoe.plan.memory import GIB, MemoryEstimate, compute_dtype_bytes, memory_per_pp_rank
-from torchmoe.plan.tp_comm import tp_gather_bytes
-from torchmoe.preflight.float8 import float8_expert_names, routed_expert_names
+from torchmoe.plan.tp_comm import TPGatherBytes, float8_linear_names, tp_gather_bytes
 
 # Longer member lists are abbreviated when printed, and in the JSON beyond _JSON_MEMBERS.
 _MAX_LISTED = 8
@@ -84,8 +83,10 @@ def _linear_specs(specs: list[ParamSpec]) -> list[ParamSpec]:
     return [s for s in specs if len(s.shape) == 2 and not s.fqn.startswith("tok_embeddings")]
 
 
-def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict[str, dict]:
-    """Each technique: ``{"enabled": bool, "detail": str}``, in the order parallelize applies them."""
+def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout,
+                  tp_gathers: TPGatherBytes) -> dict[str, dict]:
+    """Each technique: ``{"enabled": bool, "detail": str}``, in the order parallelize applies them;
+    `tp_gathers` is what TP's all-gathers move (`plan.tp_comm`)."""
     p = cfg.parallelism
     plan: dict[str, dict] = {}
 
@@ -96,8 +97,8 @@ def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: Pip
     add("tensor_parallel", dims.tp_enabled,
         f"tp={dims.tp}: attention heads, dense FFN and shared-expert hidden dims, embedding/output vocab; "
         f"sequence-parallel norms; loss parallel {'on' if loss_parallel else 'off'}; "
-        f"async TP {'on' if p.enable_async_tensor_parallel else 'off'}; {_tp_comm_detail(cfg, dims, args, pipe)}"
-        if dims.tp_enabled else "off")
+        f"async TP {'on' if p.enable_async_tensor_parallel else 'off'}; "
+        f"{_tp_comm_detail(cfg, tp_gathers)}" if dims.tp_enabled else "off")
     add("moe_tensor_parallel", dims.moe_tp_enabled,
         f"routed experts' hidden dim over tp={dims.tp} (w1/w3 column-wise, w2 row-wise), router gate "
         "replicated; MoE input all-gathered, output reduce-scattered" if dims.moe_tp_enabled else "off")
@@ -118,9 +119,8 @@ def describe_plan(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: Pip
     return plan
 
 
-def _tp_comm_detail(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> str:
+def _tp_comm_detail(cfg: JobConfig, gathers: TPGatherBytes) -> str:
     """Which TP styles run (float8 or plain) and what their all-gathers move per step."""
-    gathers = tp_gather_bytes(cfg, dims, args, pipe)
     if float8_tp_enabled(cfg.float8):
         styles = ("float8 TP styles (tensorwise): attention and dense-FFN inputs gathered in float8, "
                   "wo/w2 output gradients gathered in float8, MoE inputs in high precision")
@@ -133,10 +133,9 @@ def _tp_comm_detail(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: P
     return f"{styles}; all-gathers {gathers.total / 2**20:.4g} MiB/step per rank{saved}"
 
 
-def tp_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict:
+def tp_report(cfg: JobConfig, gathers: TPGatherBytes) -> dict:
     """The TP all-gather bytes of one step on one rank (`plan.tp_comm`). What `dry_run.json`
     holds under ``tensor_parallel``."""
-    gathers = tp_gather_bytes(cfg, dims, args, pipe)
     return {"float8_styles": float8_tp_enabled(cfg.float8), "all_gather_bytes_per_step": gathers.total,
             "forward": gathers.forward, "backward": gathers.backward, "recompute": gathers.recompute,
             "plain_styles_bytes_per_step": gathers.high_precision}
@@ -228,15 +227,16 @@ def _float8_detail(cfg: JobConfig, args: ModelArgs) -> str:
     if f8.enable:
         linears = _linear_specs(param_specs(args))
         filtered = [s for s in linears if any(name in s.fqn for name in f8.filter_fqns)]
-        misaligned = [s for s in linears if s not in filtered and any(n % FLOAT8_TILE for n in s.shape)]
-        converted = len(linears) - len(filtered) - len(misaligned)
+        converted = len(float8_linear_names(args, f8.filter_fqns))
         matched = [name for name in f8.filter_fqns if any(name in s.fqn for s in filtered)]
         parts.append(f"recipe {f8.recipe_name}{' (emulated)' if f8.emulate else ''}: {converted} of {len(linears)} "
-                     f"nn.Linear layers in float8 ({len(filtered)} kept by filter_fqns {matched}, {len(misaligned)} "
-                     f"with dims not multiples of {FLOAT8_TILE}); FSDP float8 all-gather "
+                     f"nn.Linear layers in float8 ({len(filtered)} kept by filter_fqns {matched}, "
+                     f"{len(linears) - len(filtered) - converted} with dims not multiples of {FLOAT8_TILE}); "
+                     "FSDP float8 all-gather "
                      f"{'on' if f8.enable_fsdp_float8_all_gather else 'off'}")
-    experts = float8_expert_names(args, f8.moe_fqns) if f8.routed_experts else []
-    parts.append(f"routed experts: {len(experts)} of {len(routed_expert_names(args))} MoE layers' grouped GEMMs in "
+    names = args.routed_expert_names()
+    experts = [name for name in names if selected_by(name, f8.moe_fqns)] if f8.routed_experts else []
+    parts.append(f"routed experts: {len(experts)} of {len(names)} MoE layers' grouped GEMMs in "
                  "float8 (rowwise scales, 16-row expert blocks)" if experts else "routed experts in high precision")
     return "; ".join(parts)
 
@@ -279,7 +279,8 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     memory = max(memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
                                     compiled=cfg.compile.enable), key=lambda e: e.total)
     device_gib = device_memory_gib(cfg.job.device_memory_gib)
-    plan = describe_plan(cfg, dims, args, pipe)
+    tp_gathers = tp_gather_bytes(cfg, dims, args, pipe)
+    plan = describe_plan(cfg, dims, args, pipe, tp_gathers)
 
     report = {
         "world_size": world_size,
@@ -297,7 +298,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         "plan": plan,
         "pipeline": pipeline_report(cfg, dims, args, pipe) if dims.pp_enabled else None,
         "context_parallel": context_report(cfg, dims, args) if dims.cp_enabled else None,
-        "tensor_parallel": tp_report(cfg, dims, args, pipe) if dims.tp_enabled else None,
+        "tensor_parallel": tp_report(cfg, tp_gathers) if dims.tp_enabled else None,
         "coordinates": {str(r): {d: layout[d].coordinate(r) for d in MESH_DIMS} for r in ranks},
         "groups": {str(r): {name: group_json(layout[name].members(r)) for name in ALL_NAMES} for r in ranks},
     }

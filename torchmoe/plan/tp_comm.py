@@ -26,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchmoe.config.job_config import JobConfig
-from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled
+from torchmoe.distributed.float8 import float8_linear_eligible, float8_tp_enabled
 from torchmoe.distributed.parallel_dims import ParallelDims
 from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.layout import param_specs
 from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.pipeline import PipelineLayout
 
@@ -51,14 +52,11 @@ class TPGatherBytes:
 
 
 def float8_linear_names(args: ModelArgs, filter_fqns: list[str]) -> set[str]:
-    """Module names of the nn.Linear layers float8 conversion swaps (`float8.convert_float8_linears`):
-    not filtered, both dims multiples of 16. Shapes are (out, in) before any sharding."""
-    from torchmoe.plan.layout import param_specs
-
+    """Module names of the nn.Linear layers float8 conversion swaps (`float8.float8_linear_eligible`,
+    on their (out, in) shapes before any sharding)."""
     return {s.fqn.removesuffix(".weight") for s in param_specs(args)
             if len(s.shape) == 2 and not s.fqn.startswith("tok_embeddings") and s.fqn.endswith(".weight")
-            and not any(f in s.fqn.removesuffix(".weight") for f in filter_fqns)
-            and all(n % FLOAT8_TILE == 0 for n in s.shape)}
+            and float8_linear_eligible(s.fqn.removesuffix(".weight"), *s.shape, filter_fqns)}
 
 
 def tp_gather_bytes(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> TPGatherBytes:

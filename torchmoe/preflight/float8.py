@@ -7,18 +7,8 @@ import torch
 
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
-from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled, float8_unavailable
+from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled, float8_unavailable, selected_by
 from torchmoe.models.llama4.args import ModelArgs
-
-
-def routed_expert_names(args: ModelArgs) -> list[str]:
-    """The module names of the model's routed experts, one per MoE layer."""
-    return [f"layers.{i}.moe.experts" for i in range(args.n_layers) if args.is_moe_layer(i)]
-
-
-def float8_expert_names(args: ModelArgs, moe_fqns: list[str]) -> list[str]:
-    """The routed-expert modules `moe_fqns` selects (names containing one of its entries)."""
-    return [name for name in routed_expert_names(args) if any(f in name for f in moe_fqns)]
 
 
 def check_float8(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:
@@ -55,7 +45,7 @@ def _check_experts(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int]) -> 
     """float8.routed_experts: moe_fqns names routed experts, which run grouped GEMMs from bf16 on
     float8 tiles."""
     f8, flavor = cfg.float8, cfg.model.flavor
-    names = routed_expert_names(args)
+    names = args.routed_expert_names()
     if not names:
         raise ConfigError("float8.routed_experts", True, f"flavor {show_value(flavor)} has no MoE layers",
                           "set float8.routed_experts = false")
@@ -64,7 +54,7 @@ def _check_experts(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int]) -> 
                           "float8.moe_fqns names, and it names none",
                           'set float8.moe_fqns = ["experts"] (every MoE layer), or float8.routed_experts = false')
     for entry in f8.moe_fqns:
-        if not any(entry in name for name in names):
+        if not any(selected_by(name, [entry]) for name in names):
             raise ConfigError("float8.moe_fqns", f8.moe_fqns,
                               f"{show_value(entry)} names no routed-expert module (flavor {show_value(flavor)} has "
                               f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''})",

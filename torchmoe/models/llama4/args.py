@@ -115,6 +115,10 @@ class ModelArgs:
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.num_experts > 0 and layer_id in self.moe_layer_ids
 
+
+    def routed_expert_names(self) -> list[str]:
+        """Module names of the routed experts (``GroupedExperts``), one per MoE layer."""
+        return [f"layers.{i}.moe.experts" for i in range(self.n_layers) if self.is_moe_layer(i)]
     def replace(self, **overrides) -> "ModelArgs":
         return dataclasses.replace(self, **overrides)
 

@@ -27,14 +27,14 @@ from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
 from torchmoe.distributed.tensor_parallel import apply_tp
 
 
-def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, cfg: JobConfig) -> nn.Module:
+def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, cfg: JobConfig,
+                       device: torch.device | str) -> nn.Module:
     """Apply every enabled parallelism and optimisation to `model` (on the meta device or
-    materialised) and return it. `mesh` may be None only when the world is a single rank."""
+    materialised) and return it. `mesh` may be None only when the world is a single rank;
+    `device` is what the job trains on (what float8 is checked against)."""
     par = cfg.parallelism
     if cfg.float8.enable or cfg.float8.routed_experts:
-        from torchmoe.preflight import train_device
-
-        apply_float8(model, cfg.float8, train_device(cfg.training.device))
+        apply_float8(model, cfg.float8, device)
 
     if dims.tp_enabled:
         if par.enable_async_tensor_parallel:
