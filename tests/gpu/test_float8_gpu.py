@@ -8,7 +8,8 @@ Tolerances (not yet measured on a GPU; CPU emulation of the linears moves the ti
 by <= 3.5e-4 and its gradient norm by <= 3.1e-3 relative, `tests/integration/test_float8_train.py`):
 a float8 e4m3 operand rounds each element by up to 2^-4 relative, so a grouped GEMM's output
 differs from bf16's by a few percent in norm: bound 0.1 relative (Frobenius); training losses
-average over many tokens: bound 2e-2 relative over 20 steps.
+average over many tokens: bound 2e-2 relative over 20 steps, and 1e-1 for the gradient norm
+(observed on CPU: about ten times the loss's difference).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def _tracks(got: dict[int, dict], ref: dict[int, dict]) -> None:
     assert sorted(got) == sorted(ref)
     for step in ref:
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-2), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-1), step
 
 
 @needs_float8
