@@ -18,7 +18,8 @@ Each step is what `torchmoe train` runs on one GPU: forward under bf16 autocast 
 weights, fp32 cross entropy, backward, gradient clipping, fused AdamW, the expert-bias update. The
 blocks are compiled as `compile.enable` compiles them (`fullgraph=True`). Tokens are random (the
 router still sees varying loads). Steps are timed with the device synchronised; the first
-`--warmup` steps (compilation) are left out. MFU is against the device's dense bf16 peak
+`--warmup` steps (compilation) are left out; weights are drawn on the device (`fast_init`). The
+peak memory is reported against the planner's estimate (``memory_vs_planner``). MFU is against the device's dense bf16 peak
 (`torchmoe.components.metrics.device_peak_flops`), with `ModelArgs.flops_per_token`: the PaLM
 convention (`mfu_pct`) and attention counted causally (`mfu_causal_pct`).
 
@@ -45,12 +46,13 @@ import torch.nn.functional as F
 
 from torchmoe.components.metrics import device_peak_flops, peak_memory_gib, reset_peak_memory
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
-from torchmoe.config.job_config import Compile, Float8
+from torchmoe.config.job_config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.distributed.compile import apply_compile
 from torchmoe.distributed.data_parallel import apply_autocast
 from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer, update_expert_bias
+from torchmoe.plan.memory import estimate_memory
 
 
 def stack_args(flavor: str, layers: int, vocab: int) -> ModelArgs:
@@ -69,14 +71,37 @@ PRECISIONS = {"bf16": (False, False), "float8-linears": (True, False), "float8-e
               "float8": (True, True)}  # name: (float8 linears, float8 routed experts)
 
 
-def bench(args: ModelArgs, *, device: torch.device, dtype: str, compiled: bool, batch: int, seq: int,
-          steps: int, warmup: int, precision: str = "bf16", emulate: bool = False) -> dict:
-    """Train `steps` steps on random tokens; throughput over the steps after `warmup`."""
+def fast_init(args: ModelArgs, device: torch.device, seed: int = 0) -> Transformer:
+    """The model on `device`, its weights drawn there from `seed` (matrices normal(0, 0.02), norm
+    scales 1): seconds for billions of parameters, where `Transformer.init_weights`' layout-
+    independent draws on the host take minutes. The same weights for every run of one seed."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
-    model.init_weights(seed=0)
-    model.train()
+    model.init_buffers(device)
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, 0.02, generator=generator)
+            else:
+                param.fill_(1.0)
+    return model.train()
+
+
+def planned_memory_gib(args: ModelArgs, *, dtype: str, compiled: bool, batch: int, seq: int) -> float:
+    """The planner's peak for this run (one rank, no parallelism, no activation checkpointing)."""
+    training = Training(local_batch_size=batch, seq_len=seq, mixed_precision_param=dtype)
+    degrees = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1)
+    return estimate_memory(args, degrees, training, ActivationCheckpoint(mode="none"), Parallelism(),
+                           compiled=compiled)["total"]
+
+
+def bench(args: ModelArgs, *, device: torch.device, dtype: str, compiled: bool, batch: int, seq: int,
+          steps: int, warmup: int, precision: str = "bf16", emulate: bool = False) -> dict:
+    """Train `steps` steps on random tokens; throughput over the steps after `warmup`, and the
+    peak memory against the planner's."""
+    model = fast_init(args, device)
     float8_linears, float8_experts = PRECISIONS[precision]
     if float8_linears:  # as parallelize does: before autocast and compile
         convert_float8_linears(model, Float8(enable=True, emulate=emulate))
@@ -109,7 +134,9 @@ def bench(args: ModelArgs, *, device: torch.device, dtype: str, compiled: bool, 
         "params": sum(p.numel() for p in params), "first_step_s": round(times[0], 2),
         "step_s": [round(t, 4) for t in times[warmup:]], "tokens_per_sec": tokens_per_sec,
         "final_loss": loss.item(), "memory_gib": peak_memory_gib(device),
+        "memory_planned_gib": planned_memory_gib(args, dtype=dtype, compiled=compiled, batch=batch, seq=seq),
     }
+    result["memory_vs_planner"] = result["memory_gib"] / result["memory_planned_gib"]
     for key, causal in (("", False), ("_causal", True)):
         flops = args.flops_per_token(seq, causal=causal) * tokens_per_sec
         result[f"tflops{key}"] = flops / 1e12

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,11 +103,14 @@ class Job:
     """A `train_tiny` run of `TinyRuns`: TINY_JOB + `args` on `nproc` ranks, starting from `start`:
     "seed" (the runs' seed checkpoint), a step-N checkpoint folder, (label, N) (the step-N
     checkpoint of another job), or None (no checkpoint: a fresh run, or one that loads
-    `checkpoint.initial_load_path`)."""
+    `checkpoint.initial_load_path`). `preflight` False skips the checks before training that
+    refuse what this machine cannot run usefully (FSDP CPU offload without an accelerator), to
+    run that code path anyway."""
 
     nproc: int
     args: list[str]
     start: str | Path | tuple[str, int] | None = "seed"
+    preflight: bool = True  # False: force a code path the preflight refuses on this machine
 
 
 class TinyRuns:
@@ -166,7 +170,8 @@ class TinyRuns:
     def _train(self, group: int | str) -> None:
         labels = [label for label in self.jobs if self._group(label) == group]
         jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args], "dump_folder": str(self.root / label),
-                 "start_from": str(start) if (start := self._start(label)) else None} for label in labels]
+                 "start_from": str(start) if (start := self._start(label)) else None,
+                 "preflight": self.jobs[label].preflight} for label in labels]
         if self.jobs[labels[0]].nproc == 1:
             from tests.distributed.train_jobs import run_here
 
@@ -177,6 +182,27 @@ class TinyRuns:
         (out / "jobs.json").write_text(json.dumps(jobs))
         run_rank_script(str(REPO / "tests" / "distributed" / "train_jobs.py"), out, world=self.jobs[labels[0]].nproc,
                         timeout=120 + 120 * len(jobs))
+
+
+@contextmanager
+def refusing_attention_masks():
+    """While inside, any `torch.nn.functional.scaled_dot_product_attention` call given a mask
+    tensor raises: what fused GPU kernels do (flash attention takes no mask; with one, SDPA falls
+    back to the math kernel and its score matrix). Every training path must run under it."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def refusing(query, key, value, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None:
+            raise AssertionError(f"scaled_dot_product_attention got a {tuple(attn_mask.shape)} mask tensor")
+        return sdpa(query, key, value, None, *args, **kwargs)
+
+    F.scaled_dot_product_attention = refusing
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
 
 
 def empty_tiny_model() -> Transformer:

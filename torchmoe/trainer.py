@@ -36,6 +36,7 @@ from torchmoe.components.checkpoint import (
     RankLocal,
     RNGState,
     SaveFailed,
+    checkpoint_timeout,
 )
 from torchmoe.components.divergence import TrainingDiverged, nonfinite_state
 from torchmoe.components.garbage_collection import GarbageCollection
@@ -55,7 +56,7 @@ from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.components.run_info import write_run_info
 from torchmoe.components.run_lock import lock_dump_folder
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.job_config import Comm, JobConfig
+from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.loader import write_config_toml
 from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
 from torchmoe.data.tokenizer import build_tokenizer
@@ -70,6 +71,7 @@ from torchmoe.distributed.pipeline_parallel import (
     split_into_stages,
     stage_io_metas,
 )
+from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
@@ -94,8 +96,9 @@ class StepResult:
     tokens_per_expert: torch.Tensor | None  # (n_moe_layers, n_experts), summed over the batch
 
 
-def _init_distributed(device: torch.device, comm_cfg: Comm, dump_folder: Path) -> int:
-    """Join the launched world (torchrun sets WORLD_SIZE) with the `[comm]` init timeout and the
+def _init_distributed(device: torch.device, comm_cfg: Comm, parallelism_cfg: Parallelism, dump_folder: Path) -> int:
+    """Join the launched world (torchrun sets WORLD_SIZE) with the `[comm]` init timeout, a gloo
+    backend beside NCCL when host tensors are reduced (`process_groups.backend_spec`), and the
     NCCL flight recorder (its buffer, and where it dumps on a timeout); returns the world size."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
@@ -109,19 +112,11 @@ def _init_distributed(device: torch.device, comm_cfg: Comm, dump_folder: Path) -
                 os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
                 # NCCL appends the rank to this prefix.
                 os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(traces / comm_cfg.save_traces_file_prefix))
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=(
-            device if device.type == "cuda" else None), timeout=timedelta(seconds=comm_cfg.init_timeout_seconds))
+        # FSDP CPU offload keeps sharded gradients on the host: clipping reduces them there.
+        backend = backend_spec(device.type, host_collectives=parallelism_cfg.fsdp_cpu_offload)
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None,
+                                timeout=timedelta(seconds=comm_cfg.init_timeout_seconds))
     return world_size
-
-
-def _set_train_timeout(comm_cfg: Comm) -> None:
-    """After the first step (loading, compile and warm-up are done), collectives get the shorter
-    training timeout, so a stuck rank fails the job within it. Applies to every process group."""
-    if dist.is_initialized():
-        timeout = timedelta(seconds=comm_cfg.train_timeout_seconds)
-        for group in (None, *dist.distributed_c10d._world.pg_map):
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
-
 
 
 class Trainer:
@@ -137,7 +132,7 @@ class Trainer:
         self.cfg = cfg
         self.failure_watch = failure_watch
         self.device = train_device(cfg.training.device)
-        world_size = _init_distributed(self.device, cfg.comm, Path(cfg.job.dump_folder))
+        world_size = _init_distributed(self.device, cfg.comm, cfg.parallelism, Path(cfg.job.dump_folder))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         setup_logging(self.rank)
         self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -192,7 +187,8 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.checkpointer = CheckpointManager(self.dump_folder, cfg.checkpoint, total_steps=cfg.training.steps)
+        self.checkpointer = CheckpointManager(self.dump_folder, cfg.checkpoint, total_steps=cfg.training.steps,
+                                              timeout=checkpoint_timeout(cfg.checkpoint, cfg.comm))
         self.state = {
             "model": ModelWrapper([self.model], flavor=cfg.model.flavor),
             "optimizer": OptimizerWrapper([self.model], [self.optimizer]),
@@ -499,7 +495,8 @@ class Trainer:
                 extra = {"ep_all_to_all_gib": (ep_bytes_moved(self.model) - ep_bytes) / 2**30} \
                     if self.dims.ep_enabled else {}
                 if self.step == first_step:
-                    _set_train_timeout(cfg.comm)
+                    if self.mesh is not None:  # loading, compile and warm-up are done
+                        set_timeout(cfg.comm.train_timeout_seconds, [None, *self.mesh.groups()], self.device)
                     if cfg.compile.enable:
                         extra.update(self._compile_report(DynamoCounts.now().since(compiled_before), step_s))
                 validating = cfg.validation.enable and self.step % cfg.validation.freq == 0
@@ -602,7 +599,7 @@ class Trainer:
     def _save_hf(self) -> None:
         """Write the weights as a Hugging Face folder, each rank writing its own shards."""
         out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
-        save_hf_weights(get_model_state_dict(self.model), self.model_args, out)
+        save_hf_weights(get_model_state_dict(self.model), self.model_args, out, process_group=self.checkpointer.group)
         logger.info("saved Hugging Face weights to %s", out)
 
     def create_seed_checkpoint(self) -> None:
@@ -611,12 +608,15 @@ class Trainer:
         logger.info("seed checkpoint written to %s", path)
 
     def close(self) -> None:
-        """Leave together with every rank (the run ended the same way on all of them)."""
+        """Leave together with every rank (the run ended the same way on all of them). The
+        failure watch stops first, while every rank still holds the rendezvous store: tearing
+        the process groups down may take any rank a while (NCCL at scale), and a watch still
+        polling then would take the store host's exit (rank 0 under srun) for a failure."""
         self.folder_lock.release()
-        if dist.is_initialized():
-            dist.destroy_process_group()
         if self.failure_watch is not None:
             self.failure_watch.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def train(cfg: JobConfig) -> None:
@@ -628,7 +628,8 @@ def train(cfg: JobConfig) -> None:
     Raises:
         PeerFailed: on the ranks that stopped because another rank failed.
     """
-    world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, Path(cfg.job.dump_folder))
+    world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, cfg.parallelism,
+                                   Path(cfg.job.dump_folder))
     watch = FailureWatch.start() if world_size > 1 else None
     try:
         trainer = Trainer(cfg, failure_watch=watch)

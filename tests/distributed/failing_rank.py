@@ -1,4 +1,4 @@
-"""A torchmoe rank that fails on purpose, for `test_failures.py`.
+"""A torchmoe rank that fails (or is slow) on purpose, for `test_failures.py`.
 
     python tests/distributed/failing_rank.py CASE OUT_DIR -- train ARGS...
 
@@ -15,6 +15,9 @@ run unchanged:
 - `data`: the data loader raises `DataConfigError` for step 3 (a corrupt shard only this rank
   reads) while the others train step 3.
 - `none`: nothing (for a rank killed from outside).
+- `slow`: not a failure but a slow peer: each of this rank's checkpoint writes (DCP's file writer)
+  first sleeps `SLOW_WRITE_S` seconds, and its `destroy_process_group` (the teardown after a
+  good run) `SLOW_TEARDOWN_S` seconds.
 
 Before raising it writes `OUT_DIR/failed_at` (its `time.time()`). With `FAIL_ON_GO=1` it first
 writes `OUT_DIR/blocked` and waits for `OUT_DIR/go`, so that the test can act meanwhile.
@@ -81,7 +84,26 @@ def _break_data(out: Path) -> None:
     DataLoader.next_batch = failing_next_batch
 
 
-BREAK = {"load": _break_load, "async_save": _break_async_save, "data": _break_data, "none": lambda out: None}
+def _slow_down(out: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data, destroy = FileSystemWriter.write_data, dist.destroy_process_group
+
+    def slow_write_data(self, plan, planner):
+        time.sleep(float(os.environ["SLOW_WRITE_S"]))
+        return write_data(self, plan, planner)
+
+    def slow_destroy(*args, **kwargs):
+        time.sleep(float(os.environ["SLOW_TEARDOWN_S"]))
+        return destroy(*args, **kwargs)
+
+    FileSystemWriter.write_data = slow_write_data
+    dist.destroy_process_group = slow_destroy
+
+
+BREAK = {"load": _break_load, "async_save": _break_async_save, "data": _break_data, "slow": _slow_down,
+         "none": lambda out: None}
 
 if __name__ == "__main__":
     case, out_dir, sep, *cli_args = sys.argv[1:]

@@ -184,3 +184,43 @@ def test_store_host_killed_ends_the_other_rank(tmp_path: Path) -> None:
     assert procs[1].returncode == 1, outs[1]
     assert ends[1] - killed_at < BOUND_S, outs[1]
     assert "Traceback" not in outs[1] and "[rank 1] stopped: lost the rendezvous store at 127.0.0.1:" in outs[1], outs[1]
+
+
+# ---- slow peers: a good run ends well ---------------------------------------------------------
+
+SLOW_WRITE_S, SLOW_TEARDOWN_S, SLOW_TRAIN_TIMEOUT_S = 6, 12, 2
+
+
+@pytest.fixture(scope="module")
+def slow_peer_run(tmp_path_factory) -> tuple[Path, list[subprocess.Popen], list[str], list[float]]:
+    """Two ranks started by hand (rank 0 hosts the store, as under srun), 3 steps with async
+    checkpoints of step 2 and step 3 and a 2 s training timeout. Rank 1 writes each checkpoint
+    6 s late and takes 12 s to tear its process groups down."""
+    out = tmp_path_factory.mktemp("slow_peer")
+    procs = _start_ranks("slow", out, ["--training.steps", "3", "--checkpoint.interval", "2",
+                                       "--checkpoint.async_mode", "async",
+                                       "--comm.train_timeout_seconds", str(SLOW_TRAIN_TIMEOUT_S)],
+                         SLOW_WRITE_S=str(SLOW_WRITE_S), SLOW_TEARDOWN_S=str(SLOW_TEARDOWN_S))
+    outs, ends = _wait_all(procs, timeout=300)
+    return out, procs, outs, ends
+
+
+def test_a_checkpoint_write_slower_than_the_training_timeout_saves(slow_peer_run) -> None:
+    """Checkpoint collectives keep their own timeout (`checkpoint.timeout_seconds`, here the init
+    timeout): rank 0 waits for rank 1's late write in the save's gather, past the 2 s training
+    timeout the step's groups have by then, and both checkpoints complete."""
+    out, procs, outs, _ = slow_peer_run
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert not any("could not be saved" in text for text in outs), outs
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-2", "step-3"], outs
+    assert all((out / "checkpoint" / name / ".complete").is_file() for name in ("step-2", "step-3"))
+
+
+def test_a_slow_teardown_after_a_good_run_exits_0(slow_peer_run) -> None:
+    """Rank 1 leaves 12 s after rank 0, whose exit takes the rendezvous store along: rank 1 has
+    stopped its failure watch before tearing down, so it neither takes the lost store for a
+    failure nor says anything."""
+    _, procs, outs, ends = slow_peer_run
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert ends[1] - ends[0] >= SLOW_TEARDOWN_S - 2, (ends, outs)  # the teardown delay happened
+    assert all("Traceback" not in text and "stopped" not in text for text in outs), outs

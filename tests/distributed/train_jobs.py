@@ -4,8 +4,9 @@
     python tests/distributed/train_jobs.py OUT_DIR  # one process without a process group
     run_here(jobs)                                  # the same, in the calling process
 
-`OUT_DIR/jobs.json` lists the jobs in order: ``{"label", "args", "dump_folder", "start_from"}``,
-`args` being `torchmoe train` arguments. Every rank runs each job as `torchmoe train` does: the
+`OUT_DIR/jobs.json` lists the jobs in order: ``{"label", "args", "dump_folder", "start_from",
+"preflight"}``, `args` being `torchmoe train` arguments; `preflight` false skips the checks that
+refuse what this machine cannot run usefully (`tests.helpers.Job`). Every rank runs each job as `torchmoe train` does: the
 config validated for this world, the real `Trainer` (its own meshes, built on the one process
 group), its initial state loaded, `fit`; then it leaves the dump folder for the next job. Starting
 a world (torch imported and gloo joined on every rank) costs more than training a tiny job, which
@@ -13,6 +14,9 @@ is why the jobs share one. Without torchrun the jobs run in one process as `torc
 without it: no process group at all. `start_from`, unless null, is a step-N checkpoint folder that
 rank 0 copies into the dump folder first, so that the job resumes from it: a seed checkpoint's
 step-0, or a checkpoint an earlier job wrote.
+
+Every job trains with attention masks refused (`tests.helpers.refusing_attention_masks`): the
+parity runs prove that no layout hands SDPA a mask tensor, which fused GPU kernels refuse.
 
 A job that raises ends the world (the launcher reports the rank's traceback); rank 0 names each job
 on stderr as it starts and as it ends, with its seconds, so the output says which one.
@@ -45,7 +49,8 @@ def _run(job: dict, world_size: int) -> None:
     if dist.is_initialized():
         dist.barrier()
     cfg = load_job_config([*job["args"], "--job.dump_folder", str(dump_folder)])
-    validate_job_config(cfg, world_size)
+    if job["preflight"]:
+        validate_job_config(cfg, world_size)
     if cfg.compile.enable:
         import torch._dynamo
 
@@ -70,28 +75,46 @@ def run_here(jobs: list[dict]) -> None:
 
     import torch
 
+    from tests.helpers import refusing_attention_masks
+
     log = logging.getLogger("torchmoe")
     threads, handlers, level, propagate = torch.get_num_threads(), list(log.handlers), log.level, log.propagate
     torch.set_num_threads(1)
     try:
-        for job in jobs:
-            _run(job, world_size=1)
+        with refusing_attention_masks():
+            for job in jobs:
+                _run(job, world_size=1)
     finally:
         torch.set_num_threads(threads)
         log.handlers[:], log.level, log.propagate = handlers, level, propagate
 
 
+def _backend(jobs: list[dict]) -> str:
+    """gloo for CPU jobs; for CUDA jobs (`scripts/gpu_check.py`'s NCCL parity) NCCL with gloo
+    beside it, as `torchmoe train` picks for a job that reduces host tensors (CPU offload), and
+    this rank's GPU made current."""
+    import torch
+
+    from torchmoe.distributed.process_groups import backend_spec
+
+    cuda = any(arg == "cuda" for job in jobs for arg in job["args"])  # --training.device cuda
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return backend_spec("cuda" if cuda else "cpu", host_collectives=True)
+
+
 def _worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
-    from tests.helpers import write_rank_record
+    from tests.helpers import refusing_attention_masks, write_rank_record
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
-    if world_size > 1:
-        dist.init_process_group("gloo")  # every job's Trainer joins it
     jobs = json.loads((out_dir / "jobs.json").read_text())
-    for job in jobs:
-        _run(job, world_size)
+    if world_size > 1:
+        dist.init_process_group(_backend(jobs))  # every job's Trainer joins it
+    with refusing_attention_masks():
+        for job in jobs:
+            _run(job, world_size)
     write_rank_record(out_dir, {"trained": [job["label"] for job in jobs]})
 
 

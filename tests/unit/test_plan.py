@@ -177,9 +177,13 @@ def _saved_bytes(model: torch.nn.Module, fn) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16_params", "bf16_autocast"])
-def test_block_activations_match_saved_tensors(precision):
+@pytest.mark.parametrize("seq", [64, 96, 160, 192])
+def test_block_activations_match_saved_tensors(precision, seq):
     """fp32; bf16 parameters and inputs (what FSDP/DDP's mixed precision computes with); fp32
-    parameters and residual stream under bf16 autocast (the layouts without FSDP/DDP)."""
+    parameters and residual stream under bf16 autocast (the layouts without FSDP/DDP). The tiny
+    flavor's RoPE layers attend within 64-token chunks: 64 is one chunk (plain causal), 192
+    three (folded into the batch), 96 and 160 end in a partial chunk (the whole chunks and the
+    rest attended separately, the output concatenated: one more copy of it)."""
     args = FLAVORS["tiny"]
     torch.manual_seed(0)  # for the inputs below
     model = Transformer(args)
@@ -187,12 +191,12 @@ def test_block_activations_match_saved_tensors(precision):
     dtype = torch.bfloat16 if precision == "bf16_params" else torch.float32
     for p in model.parameters():
         p.data = p.data.to(dtype)
-    batch, seq = 2, 64
+    batch = 2
     x = torch.randn(batch, seq, args.dim, dtype=dtype, requires_grad=True)
     freqs = model._rotations(seq)
     autocast = precision == "bf16_autocast"
     act = ActivationModel(args, _dims(), a=4 if precision == "fp32" else 2, compiled=False, loss_parallel=False,
-                          autocast=autocast)
+                          autocast=autocast, seq_len=seq)
     for i, block in model.layers.items():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             measured = _saved_bytes(model, lambda: block(x, freqs))

@@ -59,6 +59,7 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,7 @@ from torchmoe.components.weight_files import (
 )
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+from torchmoe.config.job_config import Comm as CommConfig
 
 logger = logging.getLogger(__name__)
 
@@ -268,8 +270,9 @@ def _check_saved_shapes(state: dict[str, Any], metadata: Metadata) -> None:
         })  # fmt: skip
 
 
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
-    """dcp.load of `state` from `path`, tolerating missing rank-local keys (with a warning).
+def _dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
+    """dcp.load of `state` from `path` over `group`, tolerating missing rank-local keys (with a
+    warning).
 
     Raises:
         UnreadableWeights: a file of the checkpoint is missing or damaged.
@@ -280,7 +283,8 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
     optional = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
     planner = _LoadPlanner(optional)
     with reading(key, path, fix, what="a *.distcp file"):
-        dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=not _dist_on())
+        dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=planner, process_group=group,
+                 no_dist=not _dist_on())
     if planner.skipped:
         logger.warning(
             "%s has no rank-local state for this rank (%s); keeping the current state",
@@ -326,6 +330,13 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
 # ---------------------------------------------------------------------------------------------
 
 
+def checkpoint_timeout(checkpoint_cfg: CheckpointConfig, comm_cfg: CommConfig) -> timedelta:
+    """The checkpoint group's collective timeout: `checkpoint.timeout_seconds`, -1 meaning the
+    init timeout (loading, compile and the first step's)."""
+    seconds = checkpoint_cfg.timeout_seconds
+    return timedelta(seconds=comm_cfg.init_timeout_seconds if seconds == -1 else seconds)
+
+
 class SaveFailed(Exception):
     """A checkpoint could not be written; raised on every rank. Its temporary folder is gone and
     the checkpoints saved before it are intact."""
@@ -350,17 +361,19 @@ class _PendingSave:
 class CheckpointManager:
     """Saves `step-N/` checkpoints, keeps the newest k, and resumes from the newest complete one.
 
-    Construct on every rank, after `torch.cuda.set_device` (it broadcasts an id, and creates a
-    gloo group for async saves); all methods except `should_save` and `complete_checkpoints`
-    are collective and must be called by every rank.
+    Construct on every rank, after `torch.cuda.set_device` (it broadcasts an id, and creates the
+    checkpoint's gloo group); all methods except `should_save` and `complete_checkpoints` are
+    collective and must be called by every rank.
 
     Args:
         dump_folder: job.dump_folder; checkpoints go to `<dump_folder>/<cfg.folder>/`.
         cfg: the `[checkpoint]` section.
         total_steps: training.steps; the last step is always saved.
+        timeout: of the checkpoint group's collectives (`checkpoint_timeout`); None: gloo's default.
     """
 
-    def __init__(self, dump_folder: str | os.PathLike, cfg: CheckpointConfig, *, total_steps: int) -> None:
+    def __init__(self, dump_folder: str | os.PathLike, cfg: CheckpointConfig, *, total_steps: int,
+                 timeout: timedelta | None = None) -> None:
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.total_steps = total_steps
@@ -374,10 +387,12 @@ class CheckpointManager:
         if _dist_on():
             dist.broadcast_object_list(ids, src=0)
         self.id: str = ids[0]
-        # DCP's background thread runs collectives; on the default group they could interleave
-        # with the training loop's, so async saves get their own gloo group.
+        # Every collective of saving and loading runs in a gloo group of its own: DCP's background
+        # thread (async saves) must not interleave with the training loop's collectives, and a
+        # save's gather waits for the slowest rank's write, which at scale routinely takes longer
+        # than the training step's timeout allows (`process_groups`): this group keeps `timeout`.
         self._async = cfg.async_mode != "disabled"
-        self._async_pg = dist.new_group(backend="gloo") if self._async and _dist_on() else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if _dist_on() else None
         # Whether this run writes checkpoints at all (load_only: resume, never save).
         self.writes = cfg.enable and not cfg.load_only
         if self.rank == 0 and self.folder.is_dir():
@@ -433,7 +448,7 @@ class CheckpointManager:
         self._last_saved = step
         if self._async and not model_only:
             future = dcp.async_save(
-                state, checkpoint_id=str(tmp), process_group=self._async_pg, no_dist=not _dist_on(),
+                state, checkpoint_id=str(tmp), process_group=self.group, no_dist=not _dist_on(),
                 async_stager=self._stager(),
             )
             # Older return type: a Future; newer with async staging: an AsyncSaveResponse.
@@ -442,7 +457,7 @@ class CheckpointManager:
             return
         error = None
         try:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist_on())
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=not _dist_on())
         except (Exception, CheckpointException) as e:  # DCP raises a write error on every rank
             error = describe(e)
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
@@ -498,7 +513,7 @@ class CheckpointManager:
                 self._finalize(step, tmp, meta)
             except OSError as e:
                 error = describe(e)
-        error = _job_error(_gather(error))
+        error = _job_error(_gather(error, self.group))
         if error is None:
             return
         self._discard(tmp)  # a failed save (full disk) leaves nothing behind to fail again
@@ -621,7 +636,7 @@ class CheckpointManager:
             except ConfigError as err:  # every rank raises it
                 candidates = [err]
         if _dist_on():
-            dist.broadcast_object_list(candidates, src=0)
+            dist.broadcast_object_list(candidates, src=0, group=self.group)
         if isinstance(candidates[0], ConfigError):
             raise candidates[0]
         errors = []
@@ -632,7 +647,7 @@ class CheckpointManager:
             t0 = time.perf_counter()
             error = None
             try:
-                _dcp_load(to_load, path)
+                _dcp_load(to_load, path, self.group)
             except UnreadableWeights as e:
                 error = e.problem
             except ConfigError:
@@ -644,7 +659,7 @@ class CheckpointManager:
                 error = describe(e)
             # DCP raises its read errors on every rank, but a Stateful's load_state_dict may fail
             # on one rank only: all ranks must move on to the same previous checkpoint.
-            error = _job_error(_gather(error))
+            error = _job_error(_gather(error, self.group))
             if error is not None:
                 errors.append(f"{path.name}: {error}")
                 if self.rank == 0:  # every rank knows every rank's error: one line for the job
@@ -674,12 +689,12 @@ def _write_fault(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-def _gather(error: str | None) -> list[str | None]:
-    """Every rank's `error` (None where it loaded), in rank order."""
+def _gather(error: str | None, group: dist.ProcessGroup | None) -> list[str | None]:
+    """Every rank's `error` (None where it loaded), in rank order, gathered over `group`."""
     if not _dist_on():
         return [error]
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
     return errors
 
 

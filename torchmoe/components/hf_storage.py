@@ -59,6 +59,7 @@ from torch.futures import Future
 from torchmoe.components.checkpoint import _dist_on
 from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading
 from torchmoe.config.errors import ConfigError
+from torchmoe.distributed.process_groups import device_backend
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.hf import (
     HFConversionError,
@@ -307,24 +308,22 @@ def _file_index(dtype: torch.dtype, max_shard_bytes: int, args: ModelArgs) -> di
     return index
 
 
-def _max_abs_expert_bias(state: Mapping[str, torch.Tensor]) -> float:
+def _max_abs_expert_bias(state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None) -> float:
     """The largest |expert_bias| over the whole model (the biases of all ranks' stages)."""
     # Local shards: the all-reduce over every rank covers what each holds (DTensor shards or stages).
     maxima = [local.abs().max().float().cpu() for name, t in state.items() if name.endswith("expert_bias")
               if (local := t.to_local() if isinstance(t, DTensor) else t).numel()]
     local = torch.stack(maxima).max() if maxima else torch.zeros(())
     if _dist_on():
-        local = local.to(_collective_device())
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        # A host tensor where the group's backend carries them (gloo), else on the current GPU (NCCL).
+        if not device_backend("cpu", group):
+            local = local.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     return float(local)
 
 
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, *,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, process_group: dist.ProcessGroup | None = None) -> None:
     """Write `state` as a Hugging Face ``Llama4ForCausalLM`` folder: config.json,
     ``model-0000i-of-0000n.safetensors`` files of at most `max_shard_bytes` and
     model.safetensors.index.json. Each rank writes only its shards, then consolidates some of
@@ -336,11 +335,13 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
     Args:
         state: our model state dict on this rank (sharded DTensors or plain tensors).
         args: the model's architecture (config.json, and the file split of the whole model).
+        process_group: for the collectives (the default group when None); a training run passes
+            its checkpoint group, whose timeout waits for the slowest rank's write.
     """
     out_dir = Path(out_dir)
     shards = out_dir / _SHARDS_DIR
     rank = dist.get_rank() if _dist_on() else 0
-    bias_max = _max_abs_expert_bias(state)
+    bias_max = _max_abs_expert_bias(state, process_group)
     if bias_max > 0 and rank == 0:
         warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face Llama 4 "
                       "and is dropped: expert selection there ignores it", stacklevel=2)
@@ -348,9 +349,10 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
     dtype = next(iter(views.values())).dtype  # every parameter has the same (every pp stage has some)
     index = _file_index(dtype, max_shard_bytes, args)
     writer = _RankShardWriter(str(shards), fqn_to_index_mapping=index, save_distributed=True)
-    dcp.save(views, storage_writer=writer, planner=_HFSavePlanner(slices), no_dist=not _dist_on())
+    dcp.save(views, storage_writer=writer, planner=_HFSavePlanner(slices), process_group=process_group,
+             no_dist=not _dist_on())
     if _dist_on():  # each rank writes some of the output files
-        consolidate_safetensors_files_on_every_rank(str(shards), str(out_dir), index)
+        consolidate_safetensors_files_on_every_rank(str(shards), str(out_dir), index, process_group=process_group)
     else:
         consolidate_safetensors_files(str(shards), str(out_dir), index)
     if rank == 0:
@@ -361,5 +363,5 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
         config = hf_config_from_args(args, dtype)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if _dist_on():
-        dist.barrier()
+        dist.barrier(group=process_group)
 

@@ -186,6 +186,8 @@ class Checkpoint:
     """Also save right after step 1 (catches a broken save path before hours of training)."""
     load_only: bool = False
     """Resume from checkpoints but never write any."""
+    timeout_seconds: int = -1
+    """Timeout of the collectives of saving and loading (their own gloo group; a save waits there for the slowest rank's write, which the short comm.train_timeout_seconds would cut off); -1 = comm.init_timeout_seconds."""
 
 
 @dataclass

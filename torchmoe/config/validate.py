@@ -205,17 +205,22 @@ def validate_parallelism(parallelism: Parallelism) -> None:
 
 def validate_comm(comm: Comm) -> None:
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
-        value = getattr(comm, key)
-        _at_least(f"comm.{key}", value, 1)
-        # timedelta and c10d's millisecond counts overflow beyond this (2**31 s is 68 years).
-        if value > MAX_TIMEOUT_SECONDS:
-            raise ConfigError(f"comm.{key}", value, f"must be <= {MAX_TIMEOUT_SECONDS} seconds",
-                              "set a timeout in seconds, e.g. 600")
+        _timeout(f"comm.{key}", getattr(comm, key))
     _at_least("comm.trace_buf_size", comm.trace_buf_size, 0, "use 0 to turn the flight recorder off")
+
+
+def _timeout(key: str, value: int, alternative: str = "") -> None:
+    """A collective timeout in seconds: at least 1, and within what c10d can hold."""
+    _at_least(key, value, 1, "set it to 1 or more" + (f", or {alternative}" if alternative else ""))
+    # timedelta and c10d's millisecond counts overflow beyond this (2**31 s is 68 years).
+    if value > MAX_TIMEOUT_SECONDS:
+        raise ConfigError(key, value, f"must be <= {MAX_TIMEOUT_SECONDS} seconds", "set a timeout in seconds, e.g. 600")
 
 
 def validate_checkpoint(checkpoint: Checkpoint) -> None:
     _at_least("checkpoint.interval", checkpoint.interval, 1)
+    if checkpoint.timeout_seconds != -1:
+        _timeout("checkpoint.timeout_seconds", checkpoint.timeout_seconds, "-1 for comm.init_timeout_seconds")
     _at_least("checkpoint.keep_latest_k", checkpoint.keep_latest_k, 0, "use 0 to keep every checkpoint")
     one_of("checkpoint.async_mode", checkpoint.async_mode, CHECKPOINT_ASYNC_MODES)
     one_of("checkpoint.export_dtype", checkpoint.export_dtype, EXPORT_DTYPES)

@@ -9,6 +9,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from torchmoe.ops.attention import PREFIXED_ATTENTION
+
 # Outputs saved by per-op selective AC: expensive to recompute, small relative to their cost.
 # Matmuls alternate (every second one saved) to balance memory against recompute.
 _SAVE_ALWAYS = {
@@ -19,6 +21,9 @@ _SAVE_ALWAYS = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops.aten.max.default,  # float8 amax: tiny, and recomputing it under TP needs comms
+    # Attention over a prefix block and a causal block (context parallelism, chunks that do not
+    # divide the sequence): its merged output and log-sum-exp, as for one fused kernel.
+    PREFIXED_ATTENTION,
 }
 # The cuDNN attention kernel, and float8 routed experts' grouped GEMM (`float8.routed_experts`).
 _SAVE_ALWAYS |= {getattr(torch.ops.aten, name).default for name in ("_scaled_dot_product_cudnn_attention",

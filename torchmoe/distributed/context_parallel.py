@@ -23,11 +23,12 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchmoe.models.llama4.model import Attention, chunked_causal_attention
+from torchmoe.models.llama4.model import Attention
+from torchmoe.distributed.process_groups import device_backend
+from torchmoe.ops.attention import causal_attention, chunked_causal_attention
 from torchmoe.plan.context import GATHER, GLOBAL, HALO, LOCAL, CPLayout
 
 
@@ -45,7 +46,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+        if device_backend(grad.device.type, ctx.group) == "nccl":
             chunks = list(grad.chunk(ctx.size, dim=-2))
             out = torch.empty_like(chunks[ctx.rank])
             dist.reduce_scatter(out, [c.contiguous() for c in chunks], group=ctx.group)
@@ -109,8 +110,8 @@ class ContextParallelAttention:
         self.group = cp_mesh.get_group()
         self.rank = cp_mesh.get_local_rank()
         self.sent: Counter[str] = Counter()
-        # Position tables and masks per device: CP is applied on the meta device, before the
-        # model is materialised.
+        # Position tables per device: CP is applied on the meta device, before the model is
+        # materialised.
         self._cache: dict = {}
 
     def _cached(self, key, build):
@@ -149,18 +150,19 @@ class ContextParallelAttention:
         gathered = gathered.index_select(-2, order)  # global position order
         outs = []
         for slot, piece in enumerate(layout.pieces(self.rank)):
-            lo = 0 if mode == GLOBAL else piece * p // chunk * chunk  # where its first chunk starts
-            keys = gathered[..., lo:(piece + 1) * p, :]
-            outs.append(F.scaled_dot_product_attention(
-                q.narrow(-2, slot * p, p), keys[0], keys[1], enable_gqa=True,
-                attn_mask=self._mask(piece, lo, chunk if mode == GATHER else None, q.device)))
+            start = piece * p
+            lo = 0 if mode == GLOBAL else start // chunk * chunk  # where its first chunk starts
+            outs.append(causal_attention(
+                q.narrow(-2, slot * p, p), gathered[0, ..., start:start + p, :], gathered[1, ..., start:start + p, :],
+                chunk=chunk if mode == GATHER else None, start=start,
+                prefix=(gathered[0, ..., lo:start, :], gathered[1, ..., lo:start, :]) if start > lo else None))
         return torch.cat(outs, dim=-2)
 
     def _attend_with_halos(self, q: torch.Tensor, kv: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Per local piece: its keys/values plus the previous piece's tail (the halo), masked to
-        causal-within-chunk on global positions. kv: (2, B, Hkv, L, hd)."""
+        """Per local piece: its keys/values, with the previous piece's tail (the halo) as the
+        prefix its first chunk sees. kv: (2, B, Hkv, L, hd)."""
         layout, p = self.layout, self.layout.piece
-        sends, recvs, local_halos = [], [], {}
+        sends, recvs = [], []
         for slot, piece in enumerate(layout.pieces(self.rank)):
             nxt = piece + 1
             if nxt < 2 * layout.cp and layout.halo(nxt, chunk) and layout.owner(nxt) != self.rank:
@@ -169,8 +171,6 @@ class ContextParallelAttention:
             h = layout.halo(piece, chunk) if piece else 0
             if h and layout.owner(piece - 1) != self.rank:
                 recvs.append((dist.get_global_rank(self.group, layout.owner(piece - 1)), h))
-            elif h:  # the previous piece is this rank's other piece (head piece cp - 1)
-                local_halos[slot] = kv.narrow(-2, (1 - slot) * p + p - h, h)
         self.sent[HALO] += sum(length for _, _, length in sends) * _bytes(kv) // kv.shape[-2]
         kv, *halos = _ExchangeHalos.apply(kv, self.group, tuple(sends), tuple(recvs))
         received = iter(halos)
@@ -178,23 +178,15 @@ class ContextParallelAttention:
         for slot, piece in enumerate(layout.pieces(self.rank)):
             own = kv.narrow(-2, slot * p, p)
             h = layout.halo(piece, chunk) if piece else 0
-            halo = local_halos[slot] if slot in local_halos else (next(received) if h else None)
-            keys = own if halo is None else torch.cat([halo, own], dim=-2)
-            outs.append(F.scaled_dot_product_attention(q.narrow(-2, slot * p, p), keys[0], keys[1], enable_gqa=True,
-                                                       attn_mask=self._mask(piece, piece * p - h, chunk, q.device)))
+            if h and layout.owner(piece - 1) == self.rank:
+                # The previous piece is this rank's other piece (head piece cp - 1): a view of the
+                # exchange's output, so backward keeps no second copy of the keys and values.
+                halo = kv.narrow(-2, (1 - slot) * p + p - h, h)
+            else:
+                halo = next(received) if h else None
+            outs.append(causal_attention(q.narrow(-2, slot * p, p), own[0], own[1], chunk=chunk, start=piece * p,
+                                         prefix=(halo[0], halo[1]) if halo is not None else None))
         return torch.cat(outs, dim=-2)
-
-    def _mask(self, piece: int, key_start: int, chunk: int | None, device: torch.device) -> torch.Tensor:
-        """(P, keys) bool for the queries of `piece` over the keys from global position
-        `key_start` to the piece's end: causal, and within the chunk when `chunk`."""
-        def build():
-            start, p = piece * self.layout.piece, self.layout.piece
-            qp = torch.arange(start, start + p, device=device)[:, None]
-            kp = torch.arange(key_start, start + p, device=device)[None, :]
-            mask = qp >= kp
-            return mask & (qp // chunk == kp // chunk) if chunk is not None else mask
-
-        return self._cached((piece, key_start, chunk, device), build)
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -55,7 +55,9 @@ def apply_fsdp(
             FSDP units on it, inside each block's unit.
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory (faster copies to the device) needs an accelerator; on a CPU mesh the
+    # offload runs unpinned (the code path of offload, for tests: there is nothing to offload from).
+    offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     reshard = _reshard_after_forward(reshard_after_forward, pp_enabled)
     common = dict(mp_policy=mp, offload_policy=offload)
 

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from torchmoe.config.errors import ConfigError
+from torchmoe.distributed.process_groups import device_backend
 
 POLL_S = 1.0  # how often the watch thread looks for a failure record
 ACK_WAIT_S = 5.0  # how long the failing rank waits for every peer to have read its record
@@ -129,7 +130,7 @@ def abort_process_groups() -> None:
     the interpreter's exit. (An NCCL job's gloo group for async checkpoints is aborted with the
     rest; should that hold up the exit, the watch's backstop ends the process.)
     """
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and device_backend("cuda") == "nccl":  # "nccl" or "cuda:nccl,cpu:gloo"
         dist.distributed_c10d._abort_process_group()
 
 

@@ -345,6 +345,11 @@ class ParallelMesh:
         # their process groups instead of creating new ones.
         return DeviceMesh._concatenate([self[n] for n in names])
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The process group of every named dim and view, each once (views of one size share a
+        world dim's group)."""
+        return list(dict.fromkeys(self[name].get_group() for name in ALL_NAMES))
+
     def check_against(self, layout: Mapping[str, DimLayout]) -> None:
         """Raise if this rank's group along any name differs from `layout` (no communication)."""
         rank = self.world.get_rank()

@@ -40,7 +40,8 @@ memory instead (reported as ``host``, not in the device total).
 
 Activations: bytes saved for backward per token, per block, from the tensors `model.py` keeps
 alive (eager autograd, flash-style attention kernels that save q, k, v, out and the fp32
-log-sum-exp rather than probabilities; CPU's math attention saves more). ``a`` = compute dtype
+log-sum-exp rather than probabilities: no path hands attention a mask, which would send it to the
+math kernel and its score matrix, see `ops.attention`). ``a`` = compute dtype
 bytes, ``r`` residual-stream bytes (``a``, or 4 under autocast), ``D`` dim,
 ``Hq = n_heads*head_dim``, ``Hkv = n_kv_heads*head_dim``, ``F`` ffn_hidden_dim, ``M`` moe_hidden_dim,
 ``Ms = M * num_shared_experts``, ``E`` experts, ``k`` top_k. TP shards heads and hidden dims
@@ -56,8 +57,9 @@ inputs are the all-gathered sequence (full ``D``).
               + a*(Hq + 2*Hkv)/tp           sdpa's q, k, v
               + a*Hq/tp + 4*n_heads/tp      sdpa output (also wo's input: its transpose is free), lse
               + (4*(Hq + Hkv) + 4*(n_heads + n_kv_heads))/tp   QK L2-norm (RoPE layers, use_qk_norm)
-              + cp                      with cp > 1 (`ActivationModel._cp_attention`): gathered
-                                        K/V, or K/V with halos; the output again; the mask
+              + cp                      with cp > 1, or a chunk that does not divide the sequence
+                                        (`ActivationModel._cp_attention`): gathered K/V, or the
+                                        received halos; the output again (no mask: `ops.attention`)
     dense FFN = norm(D)/tp + x(2)*D + 4*a*F/tp              w1/w3 input; w1 out, silu out, w3
                                                             out, product
     MoE       = norm(D)/tp + f*x(1 + 2s)*D                  ffn_norm, MoE input (router gate and,
@@ -296,35 +298,31 @@ class ActivationModel:
         return self._norm(m.dim) / tp + a * m.dim + vocab * (a + upcast + 4)
 
     def _cp_attention(self, layer: int) -> float:
-        """Bytes per local token context parallelism adds to what attention saves (`plan.context`
-        modes; nothing in local mode), for the fullest cp rank:
+        """Bytes per local token that context parallelism, or chunks that do not divide the
+        sequence, add to what attention saves (`plan.context` modes; nothing in local mode), for
+        the fullest cp rank. No mask or score matrix in any mode (`ops.attention`):
           - global / gather: the whole sequence's keys and values (cp x a rank's own);
-          - halo: each piece with a halo keeps its keys and values concatenated with the halo;
-          - the attention output once more (pieces are attended separately and concatenated, so
-            the output projection's input is a copy);
-          - SDPA's mask, a (P, keys) bias in the compute dtype per piece. Per call, not per
-            sequence: counted once per sequence, an upper bound for several sequences per call.
+          - halo: the previous pieces' tails received from other ranks (a halo from the rank's
+            own other piece is a view of its keys and values);
+          - the attention output once more: pieces (and chunks cut at a piece or sequence end)
+            are attended separately and concatenated, so the output projection's input is a copy.
         """
         m, cp = self.args, self.dims.cp
-        layout = CPLayout(self.seq_len, cp)
         chunk = m.attention_chunk_size if m.rope_layers[layer] else None
-        if cp == 1 or layout.chunk_mode(chunk) == LOCAL:
+        output = self.a * m.n_heads * m.head_dim / self.dims.tp
+        if cp == 1:
+            cut = chunk is not None and chunk < self.seq_len and self.seq_len % chunk
+            return output if cut else 0.0
+        layout = CPLayout(self.seq_len, cp)
+        mode, tokens = layout.chunk_mode(chunk), self.seq_len // cp
+        if mode == LOCAL:
             return 0.0
-        mode, tokens, p = layout.chunk_mode(chunk), self.seq_len // cp, layout.piece
         kv = 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp  # per token
-
-        def extra(rank: int) -> float:
-            pieces = layout.pieces(rank)
-            if mode == HALO:
-                halos = [layout.halo(j, chunk) if j else 0 for j in pieces]
-                own = kv * tokens if 0 in halos else 0.0  # a piece without halo keeps the local K/V
-                keys = own + sum(kv * (p + h) for h in halos if h) - kv * tokens
-            else:
-                keys = kv * (cp - 1) * tokens
-            mask = self.a * p * sum(layout.keys(j, chunk) for j in pieces)
-            return keys + self.a * m.n_heads * m.head_dim / self.dims.tp * tokens + mask
-
-        return max(extra(r) for r in range(cp)) / tokens
+        if mode == HALO:
+            received = max(sum(layout.halo(j, chunk) for j in layout.pieces(r) if j and layout.owner(j - 1) != r)
+                           for r in range(cp))
+            return (kv * received + output * tokens) / tokens
+        return kv * (cp - 1) + output
 
 
 def _saved_per_block(act: ActivationModel, layers: list[int], ac_cfg: ActivationCheckpoint) -> list[float]:

@@ -19,6 +19,7 @@ from torch import nn
 from torchmoe.models.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.moe import FeedForward, MoE
+from torchmoe.ops.attention import causal_attention
 from torchmoe.regions import region
 
 
@@ -138,31 +139,12 @@ class Attention(nn.Module):
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq_len else None
         if self.attn_backend == "flex":
             return _flex_attention(q, k, v, chunk)
-        if chunk is not None and seq_len % chunk == 0:
-            return chunked_causal_attention(q, k, v, chunk)
-        if chunk is not None:
-            pos = torch.arange(seq_len, device=q.device)
-            mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] // chunk == pos[None, :] // chunk)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return causal_attention(q, k, v, chunk=chunk)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """Projections into heads at std 0.02; the output projection at the block's depth-scaled std."""
         return {"wq.weight": TruncNormal(0.02), "wk.weight": TruncNormal(0.02), "wv.weight": TruncNormal(0.02),
                 "wo.weight": TruncNormal(init_std)}
-
-
-def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Causal attention within consecutive chunks of `chunk` tokens (the length a multiple of it).
-
-    Independent causal attention per chunk: the chunks are folded into the batch for the
-    mask-free causal kernel. q: (B, H, S, hd), k, v: (B, Hkv, S, hd) -> (B, H, S, hd).
-    """
-    bsz, heads, seq_len, hd = q.shape
-    fold = lambda t: t.reshape(bsz, t.shape[1], seq_len // chunk, chunk, hd).transpose(1, 2).reshape(
-        -1, t.shape[1], chunk, hd)
-    out = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), is_causal=True, enable_gqa=True)
-    return out.reshape(bsz, seq_len // chunk, heads, chunk, hd).transpose(1, 2).reshape(bsz, heads, seq_len, hd)
 
 
 _BLOCK_MASKS: dict = {}
