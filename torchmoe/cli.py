@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.markup import escape
 
-from torchmoe.config import ConfigError, load_job_config, validate_sections
+from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.loader import config_toml
 from torchmoe.config.job_config import Parallelism
+from torchmoe.config.paths import job_paths, user_path_faults
 
 TRAIN_DESCRIPTION = """\
 Train a Llama 4 MoE model from a TOML job file plus --section.key overrides
@@ -125,6 +126,13 @@ def _train(argv: list[str]) -> int:
             Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]warning:[/] {escape(note)}")
     world_size = resolve_world_size(world_size_flag, dry_run, cfg.parallelism)
     validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
+    # Whatever the OS refuses about a path from here on is a user error naming the key that set it.
+    with user_path_faults(job_paths(cfg)):
+        return _run_train(cfg, world_size, dry_run)
+
+
+def _run_train(cfg: JobConfig, world_size: int, dry_run: bool) -> int:
+    """Check `cfg` for `world_size` ranks, then plan it (`dry_run`) or train it."""
     from torchmoe.preflight import validate_job_config
 
     validate_job_config(cfg, world_size, check_device=not dry_run)

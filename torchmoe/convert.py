@@ -40,6 +40,7 @@ from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
 from torchmoe.components.weight_files import model_prefix, model_tensors, non_float, read_dcp_metadata, reading
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.paths import UserPath, path_faults, user_path_faults, writable_folder
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
 from torchmoe.models.llama4.fit import matching_flavor, meta_state, require_fit
 
@@ -51,26 +52,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ---- helpers -----------------------------------------------------------------------------------
 
 
+_OUT_FIX = "pass a new folder (it is created) or an empty one, where this user can write"
+
+
 def _require_dir(key: str, path: Path, fix: str) -> None:
-    if not path.is_dir():
-        problem = "is a file, not a folder" if path.exists() else "folder not found"
-        raise ConfigError(key, str(path), problem, fix)
+    """`path` must be a folder this user can list: what the OS says otherwise is the message."""
+    with path_faults(key, str(path), fix):
+        os.listdir(path)
 
 
 def _require_writable_out(path: Path) -> None:
-    """Refuse a non-empty output folder (leftover shards of another model would mix in) and one
-    that cannot be created or written; creates nothing (the writers do)."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise ConfigError("OUT_DIR", str(path), "exists and is not an empty folder",
-                          "pass a new folder (it is created), or delete this one first")
-    existing = next(p for p in [path, *path.parents] if p.exists())  # it, or where it would be created
-    if not existing.is_dir():
-        problem = f"cannot be created: {existing} is a file"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = f"cannot be written: {existing} is not writable"
-    else:
-        return
-    raise ConfigError("OUT_DIR", str(path), problem, "pass a folder in a place you can write to")
+    """Refuse an output folder that cannot be created or written (what the OS says:
+    `config.paths.writable_folder`) and a non-empty one (leftover shards of another model would
+    mix in); creates nothing (the writers do)."""
+    with path_faults("OUT_DIR", str(path), _OUT_FIX):
+        if writable_folder(path) == path and os.listdir(path):
+            raise ConfigError("OUT_DIR", str(path), "is not empty", _OUT_FIX)
 
 
 def _world() -> DeviceMesh | None:
@@ -193,8 +190,12 @@ def convert_main(argv: list[str]) -> int:
     opts = parse_args(_parser(), argv)
     if opts is None:  # --help was printed
         return 0
+    key, source = ("HF_DIR", opts.hf_dir) if opts.direction == "hf-to-dcp" else ("CKPT_DIR", opts.ckpt_dir)
+    paths = [UserPath(key, source, source, "pass a folder this user can read"),
+             UserPath("OUT_DIR", opts.out_dir, opts.out_dir, _OUT_FIX)]
     try:
-        return _run(opts)
+        with user_path_faults(paths):  # what the checks before writing could not foresee
+            return _run(opts)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

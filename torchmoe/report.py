@@ -15,12 +15,15 @@ missing matplotlib is a `ConfigError` (one message, exit 2).
 
 from __future__ import annotations
 
+import argparse
 import base64
 import html
 import importlib.util
 import io
 import math
+import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +36,7 @@ from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
+from torchmoe.config.paths import path_faults, writable_file, writable_folder
 from torchmoe.distributed.parallel_dims import MESH_DIMS
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.plan.dry_run import format_count, plan_job
@@ -102,26 +106,26 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
     """Read a dump folder for the report; `world_size` (if given) overrides run_info.json's.
 
     Raises:
-        ConfigError: the folder, its metrics.jsonl or config.toml is missing, metrics.jsonl holds
-            no record, or the world size is unknown.
+        ConfigError: the OS refuses the folder or a file in it (its reason), it holds no
+            metrics.jsonl or config.toml, metrics.jsonl holds no record, or the world size is
+            unknown.
     """
-    fix = "pass the job.dump_folder of a `torchmoe train` run"
-    if not folder.is_dir():
-        raise ConfigError("DUMP_FOLDER", str(folder), "is a file, not a folder" if folder.exists() else
-                          "folder not found", fix)
-    for name in (METRICS_FILE, "config.toml"):
-        if not (folder / name).is_file():
-            raise ConfigError("DUMP_FOLDER", str(folder), f"holds no {name}", fix)
-    records = read_records(folder / METRICS_FILE)
+    fix = "pass the job.dump_folder of a `torchmoe train` run (this user must be able to read it)"
+    with path_faults("DUMP_FOLDER", str(folder), fix):
+        names = os.listdir(folder)  # the OS says what is wrong with the folder, if anything
+        for name in (METRICS_FILE, "config.toml"):
+            if name not in names:
+                raise ConfigError("DUMP_FOLDER", str(folder), f"holds no {name}", fix)
+        records = read_records(folder / METRICS_FILE)
+        if world_size is None:
+            world_size = (read_run_info(folder) or {}).get("world_size")
     if not records:
         raise ConfigError("DUMP_FOLDER", str(folder), f"{METRICS_FILE} holds no records (no step logged yet)",
                           "report once the run has logged a step (the first step is always logged)")
-    if world_size is None:
-        world_size = (read_run_info(folder) or {}).get("world_size")
     if not isinstance(world_size, int):
         raise ConfigError("DUMP_FOLDER", str(folder), f"holds no {RUN_INFO_FILE}, which tells the run's world size",
                           "pass --world-size N, the number of ranks the run was launched with")
-    cfg = load_toml_config(folder / "config.toml")
+    cfg = load_toml_config(folder / "config.toml", key="DUMP_FOLDER")
     args = model_args_from_config(cfg.model)
     return RunData(folder.resolve().name, records, _run_facts(cfg, world_size, records),
                    [i for i in range(args.n_layers) if args.is_moe_layer(i)])
@@ -249,12 +253,12 @@ th {{ text-align: left; }} td {{ text-align: right; font-family: monospace; }}</
 """
 
 
-def _write(out: Path, data: bytes) -> None:
-    try:
-        out.write_bytes(data)
-    except OSError as err:
-        raise ConfigError("--out", str(out), f"cannot be written: {err.strerror}",
-                          "use a path in an existing folder you can write") from None
+def _out_faults(opts: argparse.Namespace) -> AbstractContextManager[None]:
+    """What the OS refuses about the output file is a fault of `--out`, or of `DUMP_FOLDER` when
+    the output goes there by default."""
+    key, value = ("--out", str(opts.out)) if opts.out else ("DUMP_FOLDER", str(opts.dump_folder))
+    return path_faults(key, value, "use a path where this user can create and write a file, or move what is "
+                       "in the way")
 
 
 def _parser() -> ArgumentParser:
@@ -281,7 +285,14 @@ def report_main(argv: Sequence[str]) -> int:
         raise ConfigError("torchmoe report", " ".join(argv), "needs the matplotlib package, which is not installed",
                           "pip install 'torchmoe[report]'")
     run = load_run(opts.dump_folder, opts.world_size)
+    # Before drawing, which takes seconds: the file, where it is, opens for writing, and its folder
+    # (or the nearest that exists: it is created) takes a new file.
+    with _out_faults(opts):
+        writable_file(out)
+        writable_folder(out.parent)
     png = _png(render(run))
-    _write(out, png if out.suffix.lower() == ".png" else _html(run, png).encode("utf-8"))
+    with _out_faults(opts):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(png if out.suffix.lower() == ".png" else _html(run, png).encode("utf-8"))
     print(f"wrote {out}")
     return 0

@@ -58,6 +58,7 @@ from torchmoe.components.run_lock import lock_dump_folder
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.loader import write_config_toml
+from torchmoe.config.paths import job_paths, source_key, user_path_faults
 from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
@@ -147,7 +148,8 @@ class Trainer:
             write_config_toml(cfg, self.dump_folder / "config.toml")
             write_run_info(self.dump_folder, world_size=world_size)
 
-        self.tokenizer = tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        self.tokenizer = tokenizer = build_tokenizer(cfg.model.tokenizer_path,
+                                                     key=source_key(cfg, "model.tokenizer_path"))
         self.model_args = model_args_from_config(cfg.model)
         self.batch_mesh = batch_mesh = self.mesh["batch"] if self.mesh is not None else None
         self.dp_rank = dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
@@ -228,7 +230,8 @@ class Trainer:
             self.step = resumed
             return
         if self.cfg.checkpoint.initial_load_path:
-            load_initial_weights(self.cfg.checkpoint, self.cfg.model.flavor, self.model_args, self.model)
+            load_initial_weights(self.cfg.checkpoint, self.cfg.model.flavor, self.model_args, self.model,
+                                 key=source_key(self.cfg, "checkpoint.initial_load_path"))
 
     @property
     def _token_shards(self) -> int:
@@ -298,7 +301,8 @@ class Trainer:
         """
         val = self.cfg.validation
         loader = build_dataloader(validation_data(self.cfg.training, val), self.tokenizer, dp_rank=self.dp_rank,
-                                  dp_degree=self.dims.dp, batch_mesh=self.batch_mesh, repeat=False)
+                                  dp_degree=self.dims.dp, batch_mesh=self.batch_mesh, repeat=False,
+                                  key="validation.dataset_path")
         counts = [moe.tokens_per_expert.clone() for moe in self.moe_layers]
         # Only tp-coordinate 0 counts its loss: its TP peers hold the same value.
         weight = 1.0 if self.mesh is None or self.mesh["tp"].get_local_rank() == 0 else 0.0
@@ -626,18 +630,24 @@ def train(cfg: JobConfig) -> None:
     failure watch (`torchmoe.distributed.failure`) ends every other rank within seconds.
 
     Raises:
+        ConfigError: a user error; also whatever the OS refuses about a file or folder the job
+            reads or writes (`config.paths.user_path_faults`: turned into one before the failure
+            watch takes this rank's exit status from it).
         PeerFailed: on the ranks that stopped because another rank failed.
     """
-    world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, cfg.parallelism,
-                                   Path(cfg.job.dump_folder))
+    paths = job_paths(cfg)
+    with user_path_faults(paths):  # the comm traces folder is created here
+        world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, cfg.parallelism,
+                                       Path(cfg.job.dump_folder))
     watch = FailureWatch.start() if world_size > 1 else None
     try:
-        trainer = Trainer(cfg, failure_watch=watch)
-        if cfg.checkpoint.create_seed_checkpoint:
-            trainer.create_seed_checkpoint()
-        else:
-            trainer.load_initial_state()
-            trainer.fit()
+        with user_path_faults(paths):
+            trainer = Trainer(cfg, failure_watch=watch)
+            if cfg.checkpoint.create_seed_checkpoint:
+                trainer.create_seed_checkpoint()
+            else:
+                trainer.load_initial_state()
+                trainer.fit()
     except TrainingDiverged:
         trainer.close()  # every rank diverged at the same step (the loss is global)
         raise

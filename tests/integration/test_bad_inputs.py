@@ -96,7 +96,7 @@ def _dataset(tmp_path: Path, kind: str) -> str:
 
 
 DATASETS = {
-    "missing": ("training.dataset_path", "no .txt/.jsonl/.json/.parquet files"),
+    "missing": ("training.dataset_path", "No such file or directory"),
     "empty_txt": ("training.dataset", "holds no text"),
     "whitespace_txt": ("training.dataset", "holds no text"),
     "not_utf8_txt": ("training.dataset_path", "a.txt is not UTF-8 text (byte 3"),
@@ -158,7 +158,7 @@ def tokenizer_json(tmp_path_factory) -> Path:
 
 
 TOKENIZERS = {
-    "missing": (None, None, "no tokenizer file at"),
+    "missing": (None, None, "tokenizer.json: No such file or directory"),
     "truncated": ("truncate", None, "is not a valid tokenizer.json"),
     "not_utf8": (b"\xff\xfe\x00binary", None, "is not a valid tokenizer.json"),
     "config_not_json": ("good", b'{"bos_token": ', "tokenizer_config.json is not JSON"),
@@ -166,7 +166,7 @@ TOKENIZERS = {
     "config_a_list": ("good", b"[1, 2]", "tokenizer_config.json holds a JSON list, not an object"),
     "config_wrong_type": ("good", b'{"bos_token": 5}', "bos_token is 5, not a token string"),
     "config_names_missing_token": ("good", b'{"eos_token": "</s>"}', "names eos_token '</s>'"),
-    "config_a_folder": ("good", "folder", "tokenizer_config.json cannot be read"),
+    "config_a_folder": ("good", "folder", "tokenizer_config.json: Is a directory"),
 }
 
 
@@ -199,8 +199,8 @@ def test_good_tokenizer_with_its_config_trains(capsys, tmp_path: Path, tokenizer
 
 
 CONFIG_FILES = {
-    "missing": (None, "file not found"),
-    "a_folder": ("folder", "is a directory, not a TOML file"),
+    "missing": (None, "No such file or directory"),
+    "a_folder": ("folder", "Is a directory"),
     "not_utf8": (b"[training]\nsteps = 2\n\xff\xfe", "not UTF-8 text"),
     "truncated": (b"[training]\nsteps = 2\n[optim", "TOML"),
     "json": (b'{"training": {"steps": 2}}', "TOML"),
@@ -253,13 +253,13 @@ def _dump_folder(tmp_path: Path, kind: str) -> Path:
 
 OUTPUTS = {
     "dump_folder_is_a_file": ("job.dump_folder", "is a file"),
-    "cannot_be_created": ("job.dump_folder", "cannot be written"),
-    "config_toml_is_a_folder": ("job.dump_folder", "config.toml is a folder"),
-    "metrics_jsonl_is_a_folder": ("job.dump_folder", "metrics.jsonl is a folder"),
-    "lock_file_is_a_folder": ("job.dump_folder", ".torchmoe.lock is a folder"),
-    "run_info_is_a_folder": ("job.dump_folder", "run_info.json is a folder"),
+    "cannot_be_created": ("job.dump_folder", "/proc/1: cannot create files in it"),
+    "config_toml_is_a_folder": ("job.dump_folder", "config.toml: Is a directory"),
+    "metrics_jsonl_is_a_folder": ("job.dump_folder", "metrics.jsonl: Is a directory"),
+    "lock_file_is_a_folder": ("job.dump_folder", ".torchmoe.lock: Is a directory"),
+    "run_info_is_a_folder": ("job.dump_folder", "run_info.json: Is a directory"),
     "wandb_folder_is_a_file": ("job.dump_folder", "wandb is a file"),
-    "wandb_run_id_is_a_folder": ("job.dump_folder", "wandb_run_id is a folder"),
+    "wandb_run_id_is_a_folder": ("job.dump_folder", "wandb_run_id: Is a directory"),
     "checkpoint_folder_is_a_file": ("checkpoint.folder", "checkpoint is a file"),
     "step_n_is_a_file": ("checkpoint.folder", 'step-2 is a file, where the run will save "step-2"'),
 }

@@ -146,24 +146,25 @@ FAULTS = {
     # missing
     "dcp-missing-metadata": Fault("dcp", lambda d: (d / ".metadata").unlink(),
                                   ("not a DCP checkpoint (no .metadata)",)),
-    "dcp-missing-data": Fault("dcp", lambda d: (d / "__0_0.distcp").unlink(), ("__0_0.distcp is missing",)),
+    "dcp-missing-data": Fault("dcp", lambda d: (d / "__0_0.distcp").unlink(),
+                              ("__0_0.distcp: No such file or directory",)),
     "hf-missing-config": Fault("hf", lambda d: (d / "config.json").unlink(), ("has no config.json",)),
     "hf-missing-weights": Fault("hf", lambda d: (d / "model.safetensors").unlink(), ("holds no *.safetensors files",)),
     "hf-missing-indexed-file": Fault("hf", _index(_MISSING_SHARD), (
         "model.safetensors.index.json lists 1 files that are not there", "model-00002-of-00002.safetensors")),
     # a folder where a file should be
     "dcp-folder-metadata": Fault("dcp", lambda d: _replace_by_folder(d / ".metadata"),
-                                 (".metadata is a folder, not a file",)),
+                                 (".metadata: Is a directory",)),
     "dcp-folder-data": Fault("dcp", lambda d: _replace_by_folder(d / "__0_0.distcp"),
-                             ("__0_0.distcp is a folder, not a file",)),
+                             ("__0_0.distcp: Is a directory",)),
     "hf-folder-config": Fault("hf", lambda d: _replace_by_folder(d / "config.json"),
-                              ("config.json is a folder, not a file",)),
+                              ("config.json: Is a directory",)),
     "hf-folder-weights": Fault("hf", lambda d: _replace_by_folder(d / "model.safetensors"),
-                               ("model.safetensors is a folder, not a file",)),
+                               ("model.safetensors: Is a directory",)),
     # unreadable
-    "dcp-unreadable-metadata": Fault("dcp", lambda d: None, (".metadata cannot be read: permission denied",),
+    "dcp-unreadable-metadata": Fault("dcp", lambda d: None, (".metadata: Permission denied",),
                                      patch=_deny(".metadata")),
-    "hf-unreadable-config": Fault("hf", lambda d: None, ("config.json cannot be read: permission denied",),
+    "hf-unreadable-config": Fault("hf", lambda d: None, ("config.json: Permission denied",),
                                   patch=_deny("config.json")),
     # truncated
     "dcp-truncated-metadata": Fault("dcp", lambda d: _truncate(d / ".metadata"),
@@ -282,15 +283,21 @@ def test_output_folder_that_cannot_be_written(direction: str, out: str, hf_dir: 
               "read-only": tmp_path / "ro" / "out"}[out]
     if out == "read-only":
         (tmp_path / "ro").mkdir()
-        real_access = os.access  # root may write anywhere: the check is what matters
-        monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != tmp_path / "ro" and real_access(p, mode))
+        real_open = os.open  # root may write anywhere: creating a file there is refused as it would be
+
+        def open_(path, flags, *args):
+            if Path(path).parent == tmp_path / "ro" and flags & os.O_CREAT:
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", open_)
     source = hf_dir if direction == "hf-to-dcp" else dcp_dir
     argv = ["convert", direction, str(source), str(target)] + (["--flavor", "tiny"]
                                                                if direction == "dcp-to-hf" else [])
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    expected = {"file": "exists and is not an empty folder", "under-a-file": f"cannot be created: {tmp_path / 'afile'} "
-                "is a file", "read-only": f"cannot be written: {tmp_path / 'ro'} is not writable"}[out]
+    expected = {"file": "Not a directory", "under-a-file": f"Not a directory ({tmp_path / 'afile'} is a file)",
+                "read-only": f"{tmp_path / 'ro'}: cannot create files in it: Permission denied"}[out]
     assert "Traceback" not in err
     _assert_message(err, "OUT_DIR", str(target), expected)
 

@@ -41,7 +41,7 @@ def test_bad_degrees_show_arithmetic() -> None:
 
 def test_missing_config_file(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.toml")
-    assert_user_error(_torchmoe("train", "--config", missing), f'--config = "{missing}"', "file not found",
+    assert_user_error(_torchmoe("train", "--config", missing), f'--config = "{missing}"', "No such file or directory",
                       "configs/debug_model.toml")
 
 
@@ -57,10 +57,11 @@ def test_unknown_flag_suggests_closest() -> None:
 
 @pytest.mark.parametrize(("flags", "key", "expected"), [
     (["--checkpoint.initial_load_path", "{missing}"], "checkpoint.initial_load_path",
-     ("no such file or folder", "fix: point it at a DCP checkpoint folder")),
+     ("No such file or directory", "fix: point it at a DCP checkpoint folder")),
     (["--checkpoint.initial_load_path", "{missing}", "--checkpoint.initial_load_in_hf", "true"],
-     "checkpoint.initial_load_path", ("no such file or folder", "fix: point it at a Hugging Face Llama 4 folder")),
-    (["--model.tokenizer_path", "{missing}"], "model.tokenizer_path", ("no tokenizer file", "fix: give a tokenizer")),
+     "checkpoint.initial_load_path", ("No such file or directory", "fix: point it at a Hugging Face Llama 4 folder")),
+    (["--model.tokenizer_path", "{missing}"], "model.tokenizer_path",
+     ("No such file or directory", "fix: give a tokenizer")),
     (["--training.dataset", "local", "--training.dataset_path", "{missing}/*.jsonl"], "training.dataset_path",
      ("matches no .txt/.jsonl/.json/.parquet files", "fix: point it at")),
 ], ids=["initial_load_path", "initial_load_in_hf", "tokenizer_path", "dataset_path"])

@@ -85,13 +85,13 @@ def test_wrong_flavor_names_the_one_that_fits(step_dir: Path, tmp_path: Path) ->
 
 def test_missing_folder_is_a_user_error(tmp_path: Path) -> None:
     assert_user_error(_torchmoe("convert", "hf-to-dcp", tmp_path / "nope", tmp_path / "out"), "HF_DIR",
-                      "folder not found")
+                      "No such file or directory")
 
 
 def test_in_process_errors(hf_dir: Path, step_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "old.safetensors").touch()
-    with pytest.raises(ConfigError, match="OUT_DIR .* not an empty folder"):
+    with pytest.raises(ConfigError, match="OUT_DIR .* is not empty"):
         hf_to_dcp(hf_dir, tmp_path / "full")
     with pytest.raises(ConfigError, match="HF_DIR .* has no config.json"):
         hf_to_dcp(step_dir, tmp_path / "out")

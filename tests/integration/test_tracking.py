@@ -212,7 +212,7 @@ def test_report_without_run_info_needs_the_world_size(run: Path, tmp_path: Path,
 
 
 REPORT_ERRORS = {
-    "folder_missing": ((), "folder not found"),
+    "folder_missing": ((), "No such file or directory"),
     "no_metrics": (("config.toml",), "holds no metrics.jsonl"),
     "no_config": (("metrics.jsonl",), "holds no config.toml"),
     "empty_metrics": (("config.toml", "metrics.jsonl"), "metrics.jsonl holds no records"),

@@ -169,7 +169,7 @@ def test_toml_errors(tmp_path: Path, text: str, key: str, value: str, fix: str, 
 def test_missing_and_malformed_files(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.toml")
     _raises(load_job_config, ["--config", missing], key="--config", value=f'"{missing}"',
-            fix="configs/debug_model.toml", problem="file not found")
+            fix="configs/debug_model.toml", problem="No such file or directory")
     bad = write_toml(tmp_path, '[training]\nsteps = 5\nseq_len = "abc\n')
     err = _raises(load_job_config, ["--config", bad], key="--config", value=f'"{bad}"', fix="TOML syntax",
                   problem="malformed TOML")
@@ -462,9 +462,9 @@ def _loading(base: JobConfig, tmp_path: Path, path: Path, in_hf: bool) -> JobCon
 
 
 @pytest.mark.parametrize(("name", "in_hf", "fix", "problem"), [
-    ("missing", False, "a DCP checkpoint folder", "no such file or folder"),
-    ("missing", True, "a Hugging Face Llama 4 folder", "no such file or folder"),
-    ("file", False, "a DCP checkpoint folder", "not a folder"),
+    ("missing", False, "a DCP checkpoint folder", "No such file or directory"),
+    ("missing", True, "a Hugging Face Llama 4 folder", "No such file or directory"),
+    ("file", False, "a DCP checkpoint folder", "Not a directory"),
     ("empty", False, "a step-N folder of a run", "no .metadata"),
     ("empty", True, "config.json + *.safetensors", "no *.safetensors"),
     ("hf", False, "set checkpoint.initial_load_in_hf = true", "no .metadata"),
@@ -492,11 +492,11 @@ def test_initial_load_path_is_not_checked_when_the_run_resumes(debug_cfg: JobCon
     torn = tmp_path / "run" / "checkpoint" / "step-4"
     torn.mkdir(parents=True)  # no completion marker: not resumable
     _raises(validate_job_config, cfg, 1, key="checkpoint.initial_load_path", value=f'"{tmp_path / "deleted_seed"}"',
-            fix="a DCP checkpoint folder", problem="no such file")
+            fix="a DCP checkpoint folder", problem="No such file or directory")
     (torn / ".complete").touch()
     validate_job_config(cfg, 1)
     _raises(validate_job_config, _with(cfg, {"checkpoint.enable": False}), 1, key="checkpoint.initial_load_path",
-            value=f'"{tmp_path / "deleted_seed"}"', fix="a DCP checkpoint folder", problem="no such file")
+            value=f'"{tmp_path / "deleted_seed"}"', fix="a DCP checkpoint folder", problem="No such file or directory")
 
 
 # ---- resolve_degrees -------------------------------------------------------------------------

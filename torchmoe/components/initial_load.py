@@ -28,7 +28,6 @@ __all__ = ["load_initial_weights"]
 
 logger = logging.getLogger(__name__)
 
-_KEY = "checkpoint.initial_load_path"
 _DCP_FIX = ("point it at a DCP checkpoint folder: a step-N folder of a run, or the output of "
             "`torchmoe convert hf-to-dcp`")
 _HF_FIX = "point it at a complete Hugging Face Llama 4 folder (config.json + *.safetensors)"
@@ -42,34 +41,37 @@ _ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", 
                         "floor_scale", "attn_scale", "tie_word_embeddings")
 
 
-def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, model: nn.Module) -> None:
+def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, model: nn.Module, *,
+                         key: str = "checkpoint.initial_load_path") -> None:
     """Load the model weights of `ckpt.initial_load_path` into `model` (this rank's part: shards
     or pipeline stages, under the full model's names). Collective under a process group.
 
     Args:
         ckpt: the `[checkpoint]` section; `initial_load_in_hf` says which kind of folder it is.
         flavor: model.flavor, which `args` (the whole model's architecture) was built from.
+        key: the setting that named the folder, for messages (``model.hf_assets_path`` where
+            that filled it: `config.paths.source_key`).
 
     Raises:
         ConfigError: the folder cannot be read, or holds weights of another model.
     """
     path = Path(ckpt.initial_load_path)
     if ckpt.initial_load_in_hf:
-        _load_hf(path, flavor, args, model)
+        _load_hf(path, flavor, args, model, key)
     else:
-        stored = model_tensors(read_dcp_metadata(_KEY, path, _DCP_FIX))
-        require_fit("model.flavor", flavor, args, stored, f"{_KEY} {path}")
-        load_model_only(path, [model], key=_KEY)
+        stored = model_tensors(read_dcp_metadata(key, path, _DCP_FIX))
+        require_fit("model.flavor", flavor, args, stored, f"{key} {path}")
+        load_model_only(path, [model], key=key)
 
 
-def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module) -> None:
+def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: str) -> None:
     """Every rank reads the safetensors slices its shards cover, straight into its parameters."""
-    hf_args = read_hf_args(hf_dir, key=_KEY, fix=_HF_FIX)
+    hf_args = read_hf_args(hf_dir, key=key, fix=_HF_FIX)
     differ = [f for f in _ARCHITECTURE_FIELDS if getattr(hf_args, f) != getattr(args, f)]
     if differ:
         fits = matching_flavor(hf_args)
-        raise ConfigError(_KEY, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}",
+        raise ConfigError(key, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}",
                           f"pass --model.flavor {fits}" if fits else
                           "add a flavor with its architecture to torchmoe/models/llama4/args.py FLAVORS")
-    load_hf_weights(get_model_state_dict(model), hf_dir, args, key=_KEY, fix=_HF_FIX)
+    load_hf_weights(get_model_state_dict(model), hf_dir, args, key=key, fix=_HF_FIX)
     logger.info("loaded Hugging Face weights from %s", hf_dir)

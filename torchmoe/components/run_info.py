@@ -28,9 +28,13 @@ def write_run_info(dump_folder: Path, *, world_size: int) -> Path:
 
 def read_run_info(dump_folder: Path) -> dict[str, Any] | None:
     """The facts written by `write_run_info`; None without the file (a run from before it, or
-    a dry run's folder) or when it does not hold a JSON object."""
+    a dry run's folder) or when it does not hold a JSON object.
+
+    Raises:
+        OSError: the file is there but cannot be read (a folder, no permission).
+    """
     try:
         info = json.loads((dump_folder / RUN_INFO_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return None
     return info if isinstance(info, dict) else None

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.paths import describe_os_error
 
 __all__ = ["UnreadableWeights", "describe", "misfit", "model_prefix", "model_tensors", "non_float", "quiet_dcp_logs",
            "read_dcp_metadata", "read_fault", "read_json_object", "reading"]
@@ -72,15 +73,8 @@ def read_fault(err: BaseException, what: str = "a file") -> str | None:
 
 
 def _fault(err: BaseException, trace: traceback.StackSummary, what: str) -> str | None:
-    if isinstance(err, OSError):
-        name = Path(os.fsdecode(err.filename)).name if err.filename else what
-        if isinstance(err, FileNotFoundError):
-            return f"{name} is missing"
-        if isinstance(err, IsADirectoryError):
-            return f"{name} is a folder, not a file"
-        if isinstance(err, PermissionError):
-            return f"{name} cannot be read: permission denied"
-        return f"{name} cannot be read: {err.strerror or _first_line(err)}"
+    if isinstance(err, OSError):  # the OS's reason, with the file it names
+        return describe_os_error(err) if err.strerror else f"{what} cannot be read: {_first_line(err)}"
     if isinstance(err, EOFError):
         return f"{what} ends early: it is truncated"
     if isinstance(err, UnicodeDecodeError):
@@ -189,13 +183,13 @@ def _data_files_fault(folder: Path, metadata: Metadata) -> str | None:
         if hasattr(info, "relative_path"):  # FileSystemWriter's entries: (file, offset, length)
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
-        path = folder / name
-        if not path.exists():
-            return f"{name} is missing"
-        if not path.is_file():
-            return f"{name} is a folder, not a file"
-        if path.stat().st_size < end:
-            return f"{name} is truncated ({path.stat().st_size} bytes; the checkpoint's data needs {end})"
+        try:
+            with open(folder / name, "rb") as f:  # the OS says what else is wrong with it
+                size = os.fstat(f.fileno()).st_size
+        except OSError as err:
+            return read_fault(err)
+        if size < end:
+            return f"{name} is truncated ({size} bytes; the checkpoint's data needs {end})"
     return None
 
 

@@ -26,6 +26,7 @@ from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, Pri
 
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
+from torchmoe.config.paths import path_faults
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, translate
 
@@ -193,28 +194,26 @@ def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = N
     return _build({**mapped, **own})
 
 
-def load_toml_config(path: str | Path, *, notes: list[str] | None = None) -> JobConfig:
+def load_toml_config(path: str | Path, *, notes: list[str] | None = None, key: str = "--config") -> JobConfig:
     """Read a TOML job file into a `JobConfig` (no overrides, no validation); `notes` as in
-    `job_config_from_dict`.
+    `job_config_from_dict`; `key` names the file in messages (`torchmoe report` reads a run's).
 
     Raises:
-        ConfigError: the file is missing or unreadable, is not valid TOML (the message carries
-            the parser's line and column), or holds an unknown key or a wrong type.
+        ConfigError: the file cannot be read (the OS's reason: missing, a folder, no
+            permission...), is not valid TOML (the message carries the parser's line and
+            column), or holds an unknown key or a wrong type.
     """
     path = Path(path)
     shipped = "the shipped configs are configs/debug_model.toml, configs/llama4_16e.toml, configs/llama4_128e.toml"
+    with path_faults(key, str(path), f"pass a TOML job file this user can read; {shipped}"):
+        raw = path.read_bytes()
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError("--config", str(path), "file not found", f"check the path; {shipped}") from None
-    except IsADirectoryError:
-        raise ConfigError("--config", str(path), "is a directory, not a TOML file",
-                          f"pass the .toml file itself; {shipped}") from None
+        data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
-        raise ConfigError("--config", str(path), f"not UTF-8 text ({err.reason} at byte {err.start})",
+        raise ConfigError(key, str(path), f"not UTF-8 text ({err.reason} at byte {err.start})",
                           "save the file as UTF-8 TOML") from None
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError("--config", str(path), f"malformed TOML: {err}",
+        raise ConfigError(key, str(path), f"malformed TOML: {err}",
                           "fix the TOML syntax at that line (strings need double quotes, tables [section])") from None
     return job_config_from_dict(data, notes=notes)
 

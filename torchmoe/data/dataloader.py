@@ -361,14 +361,16 @@ def build_dataloader(
     dp_degree: int = 1,
     batch_mesh: DeviceMesh | None = None,
     repeat: bool = True,
+    key: str = "training.dataset_path",
 ) -> DataLoader:
     """The loader the `[training]` section describes; `global_batch_size = -1` means
-    `local_batch_size * dp_degree` (no gradient accumulation). `repeat` as in `DataLoader`."""
+    `local_batch_size * dp_degree` (no gradient accumulation). `repeat` as in `DataLoader`; `key`
+    names the dataset's path in messages (``validation.dataset_path`` for the validation data)."""
     global_batch_size = training.global_batch_size
     if global_batch_size == -1:
         global_batch_size = training.local_batch_size * dp_degree
     return DataLoader(
-        build_documents(training),
+        build_documents(training, key=key),
         tokenizer,
         seq_len=training.seq_len,
         global_batch_size=global_batch_size,

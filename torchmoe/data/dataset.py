@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import os
+import stat
 import sysconfig
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Sequence
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.paths import path_faults
 
 if TYPE_CHECKING:
     from torchmoe.config.job_config import Training
@@ -156,11 +158,13 @@ class FileDocuments(Documents):
     Args:
         files: the files, already in their deterministic order.
         text_field: the JSON key / parquet column holding the text.
+        key: the setting that named the files, for messages.
     """
 
-    def __init__(self, files: Sequence[Path], *, text_field: str = "text") -> None:
+    def __init__(self, files: Sequence[Path], *, text_field: str = "text", key: str = "training.dataset_path") -> None:
         self.files = [Path(f) for f in files]
         self.text_field = text_field
+        self.key = key
 
     def __repr__(self) -> str:
         where = f", first {self.files[0]}" if self.files else ""
@@ -182,22 +186,21 @@ class FileDocuments(Documents):
 
     def _read(self, file: Path, first: int, step: int) -> Generator[str, None, int]:
         """Yields the documents `first, first + step, ...` of `file`; returns how many it holds."""
-        try:
+        # Deleted since it was listed, a folder, no permission, an I/O error: what the OS says.
+        with path_faults(self.key, str(file), "fix its permissions, or remove it from the dataset",
+                         error=DataConfigError):
             if file.suffix == ".jsonl":
-                return (yield from _read_jsonl(file, self.text_field, first, step))
+                return (yield from _read_jsonl(file, self.text_field, first, step, self.key))
             if file.suffix == ".json":
-                return (yield from _read_json(file, self.text_field, first, step))
+                return (yield from _read_json(file, self.text_field, first, step, self.key))
             if file.suffix == ".parquet":
-                return (yield from _read_parquet(file, self.text_field, first, step))
+                return (yield from _read_parquet(file, self.text_field, first, step, self.key))
             if first == 0:  # one document per file: other sub-corpora never open it
-                yield _utf8(file.read_bytes(), file, str(file))
+                yield _utf8(file.read_bytes(), file, str(file), self.key)
             return 1
-        except OSError as err:  # deleted since it was listed, a folder, no permission, I/O error
-            raise DataConfigError("training.dataset_path", str(file), f"cannot be read ({err.strerror or err})",
-                                  "fix its permissions, or remove it from the dataset") from None
 
 
-def _read_jsonl(file: Path, text_field: str, first: int, step: int) -> Generator[str, None, int]:
+def _read_jsonl(file: Path, text_field: str, first: int, step: int, key: str) -> Generator[str, None, int]:
     """Documents `first, first + step, ...` of a .jsonl file; returns its document count.
 
     Every line is scanned (document boundaries are newlines, so there is no index to seek by),
@@ -212,25 +215,25 @@ def _read_jsonl(file: Path, text_field: str, first: int, step: int) -> Generator
             if index < first or (index - first) % step:
                 continue
             try:
-                row = json.loads(_utf8(line, file, f"{file}:{line_no}"))
+                row = json.loads(_utf8(line, file, f"{file}:{line_no}", key))
             except json.JSONDecodeError as e:
-                raise DataConfigError("training.dataset_path", str(file), f"{file}:{line_no} is not JSON ({e.msg})",
+                raise DataConfigError(key, str(file), f"{file}:{line_no} is not JSON ({e.msg})",
                                       "fix or remove that line: .jsonl files hold one JSON object per line") from None
             yield _row_text(row, text_field, f"{file}:{line_no}")
     return index + 1
 
 
-def _read_json(file: Path, text_field: str, first: int, step: int) -> Generator[str, None, int]:
+def _read_json(file: Path, text_field: str, first: int, step: int, key: str) -> Generator[str, None, int]:
     """Documents `first, first + step, ...` of a .json file: an array of objects (read whole), or
     one object per line like .jsonl (both are what `datasets`' json loader reads)."""
     with file.open("rb") as f:
         head = f.read(4096).lstrip()
     if not head.startswith(b"["):
-        return (yield from _read_jsonl(file, text_field, first, step))
+        return (yield from _read_jsonl(file, text_field, first, step, key))
     try:
-        rows = json.loads(_utf8(file.read_bytes(), file, str(file)))
+        rows = json.loads(_utf8(file.read_bytes(), file, str(file), key))
     except json.JSONDecodeError as e:
-        raise DataConfigError("training.dataset_path", str(file), f"is not JSON ({e.msg} at line {e.lineno})",
+        raise DataConfigError(key, str(file), f"is not JSON ({e.msg} at line {e.lineno})",
                               "fix the file: a JSON array of objects, or one object per line") from None
     for index in range(first, len(rows), step):
         yield _row_text(rows[index], text_field, f"{file}[{index}]")
@@ -246,39 +249,39 @@ def _row_text(row: Any, text_field: str, where: str) -> str:
     return _as_text(row[text_field], where, text_field)
 
 
-def _parquet_file(file: Path) -> Any:
+def _parquet_file(file: Path, key: str) -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise DataConfigError(
-            "training.dataset_path", str(file), "reading .parquet files needs pyarrow",
+            key, str(file), "reading .parquet files needs pyarrow",
             "pip install 'torchmoe[data]'",
         ) from e  # fmt: skip
     try:
         return pq.ParquetFile(file)
     except ValueError as e:  # pyarrow's ArrowInvalid: not a parquet file, or a truncated one
-        raise DataConfigError("training.dataset_path", str(file), f"is not a readable .parquet file ({e})",
+        raise DataConfigError(key, str(file), f"is not a readable .parquet file ({e})",
                               "replace it with a valid parquet file, or remove it from the dataset") from None
 
 
-def _utf8(data: bytes, file: Path, where: str) -> str:
-    """`data` (read from `file`, at `where`: the file or file:line) as text."""
+def _utf8(data: bytes, file: Path, where: str, key: str) -> str:
+    """`data` (read from `file`, at `where`: the file or file:line; `key` named it) as text."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataConfigError(
-            "training.dataset_path", str(file), f"{where} is not UTF-8 text (byte {e.start}: {e.reason})",
+            key, str(file), f"{where} is not UTF-8 text (byte {e.start}: {e.reason})",
             "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or remove it from the dataset",
         ) from None
 
 
-def _read_parquet(file: Path, text_field: str, first: int, step: int) -> Generator[str, None, int]:
+def _read_parquet(file: Path, text_field: str, first: int, step: int, key: str) -> Generator[str, None, int]:
     """Rows `first, first + step, ...` of a .parquet file; returns its row count.
 
     Reads only the row groups that hold a wanted row, one at a time (bounded memory); the
     count comes from the file's metadata.
     """
-    pf = _parquet_file(file)
+    pf = _parquet_file(file, key)
     rows = pf.metadata.num_rows
     if first >= rows:
         return rows
@@ -322,11 +325,13 @@ class HFDocuments(Documents):
 
     `split(j, G)` is `datasets.distributed.split_dataset_by_node(stream, rank=j, world_size=G)`:
     when the dataset has a multiple of G shards (files), sub-corpus j is shards j, j+G, ... and
-    reads nothing else; otherwise it keeps rows j, j+G, ... of the whole stream.
+    reads nothing else; otherwise it keeps rows j, j+G, ... of the whole stream. `key` is the
+    setting that named the dataset, for messages.
     """
 
     def __init__(
-        self, name: str, config: str | None = None, *, split: str = "train", text_field: str = "text"
+        self, name: str, config: str | None = None, *, split: str = "train", text_field: str = "text",
+        key: str = "training.dataset_path",
     ) -> None:
         # Fail when the job is built, not at the first batch.
         if importlib.util.find_spec("datasets") is None:
@@ -338,23 +343,25 @@ class HFDocuments(Documents):
         self.config = config
         self.split_name = split
         self.text_field = text_field
+        self.key = key
 
     def __repr__(self) -> str:
         return f"HFDocuments({self.name!r}, {self.config!r}, split={self.split_name!r})"
 
     @classmethod
-    def from_spec(cls, spec: str, *, split: str = "train", text_field: str = "text") -> HFDocuments:
-        """From `training.dataset_path`: `"name"` or `"name:config"` (an existing local path is
-        taken whole, even if it holds a colon)."""
+    def from_spec(cls, spec: str, *, split: str = "train", text_field: str = "text",
+                  key: str = "training.dataset_path") -> HFDocuments:
+        """From `training.dataset_path` (the setting `key`): `"name"` or `"name:config"` (an
+        existing local path is taken whole, even if it holds a colon)."""
         if not spec:
             raise DataConfigError(
-                "training.dataset_path", spec, 'dataset = "hf" needs a hub dataset',
+                key, spec, 'dataset = "hf" needs a hub dataset',
                 "set it to 'name' or 'name:config', e.g. 'allenai/c4:en'",
             )  # fmt: skip
         if os.path.exists(spec) or ":" not in spec:
-            return cls(spec, None, split=split, text_field=text_field)
+            return cls(spec, None, split=split, text_field=text_field, key=key)
         name, _, config = spec.partition(":")
-        return cls(name, config or None, split=split, text_field=text_field)
+        return cls(name, config or None, split=split, text_field=text_field, key=key)
 
     @cached_property
     def stream(self) -> Any:
@@ -380,7 +387,7 @@ class HFDocuments(Documents):
         except Exception as e:  # noqa: BLE001 - see above
             spec = self.name + (f":{self.config}" if self.config else "")
             raise DataConfigError(
-                "training.dataset_path", spec, f"the hub dataset cannot be read ({type(e).__name__}: {e})",
+                self.key, spec, f"the hub dataset cannot be read ({type(e).__name__}: {e})",
                 "check the dataset name and config ('name' or 'name:config'), the split "
                 "(training.dataset_split), its files, and the network or the datasets cache",
             ) from None
@@ -464,50 +471,63 @@ def python_docs_files(stdlib: str | Path | None = None) -> list[Path]:
     return [path for _, path in sorted(modules)] + [path for _, path in sorted(tests)]
 
 
-def local_files(dataset_path: str) -> list[Path]:
-    """The `.txt`/`.jsonl`/`.parquet` files named by `training.dataset_path`, sorted.
+def local_files(dataset_path: str, *, key: str = "training.dataset_path") -> list[Path]:
+    """The `.txt`/`.jsonl`/`.json`/`.parquet` files named by `dataset_path` (the setting `key`), sorted.
 
     `dataset_path` is a file, a folder (searched recursively) or a glob (`**` allowed).
 
     Raises:
-        DataConfigError: nothing usable matches; the message names the path and what to give.
+        DataConfigError: nothing usable matches, or the OS refuses the path or a file or folder
+            under it (missing, a path through a file, a name too long, a symbolic link to
+            nothing, no permission: its reason); the message names the path and what to give.
     """
     wanted = "/".join(LOCAL_SUFFIXES)
     fix = f"point it at a {wanted} file, a folder holding such files, or a glob like 'data/*.jsonl'"
     if not dataset_path:
-        raise DataConfigError("training.dataset_path", dataset_path, 'dataset = "local" needs files', fix)
+        raise DataConfigError(key, dataset_path, 'dataset = "local" needs files', fix)
     path = Path(dataset_path)
-    if path.is_file():
-        if path.suffix not in LOCAL_SUFFIXES:
-            raise DataConfigError(
-                "training.dataset_path", dataset_path, f"unsupported file type {path.suffix!r}", fix
-            )
-        return [path]
-    if path.is_dir():
-        candidates = [p for p in path.rglob("*") if p.is_file()]
-    else:
-        candidates = [Path(p) for p in glob.glob(dataset_path, recursive=True) if os.path.isfile(p)]
-    files = sorted((p for p in candidates if p.suffix in LOCAL_SUFFIXES), key=lambda p: p.as_posix())
+    with path_faults(key, dataset_path, fix, error=DataConfigError):
+        if glob.has_magic(dataset_path):  # glob.glob passes over what it cannot read: its matches are stat'ed below
+            candidates, what = [Path(p) for p in glob.glob(dataset_path, recursive=True)], "this glob matches"
+        elif stat.S_ISDIR(os.stat(path).st_mode):
+            candidates, what = _files_under(path), "this folder holds"
+        elif path.suffix not in LOCAL_SUFFIXES:
+            raise DataConfigError(key, dataset_path, f"unsupported file type {path.suffix!r}", fix)
+        else:
+            return [path]
+        files = sorted((p for p in candidates if p.suffix in LOCAL_SUFFIXES and not stat.S_ISDIR(os.stat(p).st_mode)),
+                       key=lambda p: p.as_posix())
     if not files:
-        what = "this folder holds" if path.is_dir() else "this path or glob matches"
-        raise DataConfigError("training.dataset_path", dataset_path, f"{what} no {wanted} files", fix)
+        raise DataConfigError(key, dataset_path, f"{what} no {wanted} files", fix)
     return files
 
 
-def build_documents(training: Training) -> Documents:
-    """The document source that `training.dataset` names (see `Training` in job_config)."""
+def _files_under(folder: Path) -> list[Path]:
+    """Every entry under `folder` that is not a folder, recursively, without following links to
+    folders; a folder that cannot be listed raises (os.walk and Path.rglob would pass over it)."""
+
+    def fail(err: OSError) -> None:
+        raise err
+
+    return [Path(parent) / name for parent, _, names in os.walk(folder, onerror=fail) for name in names]
+
+
+def build_documents(training: Training, *, key: str = "training.dataset_path") -> Documents:
+    """The document source that `training.dataset` names (see `Training` in job_config); `key`
+    names its path in messages (``validation.dataset_path`` for the validation data)."""
     kind = training.dataset
     if kind == "python_docs":
         return FileDocuments(python_docs_files())
     if kind == "local":
-        return FileDocuments(local_files(training.dataset_path), text_field=training.dataset_text_field)
+        return FileDocuments(local_files(training.dataset_path, key=key), text_field=training.dataset_text_field,
+                             key=key)
     if kind == "hf":
         return HFDocuments.from_spec(
-            training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field
+            training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field, key=key
         )
     if kind in C4_SPLITS:  # torchtitan's loader: dataset_path replaces the hub id, config "en" stays
         return HFDocuments.from_spec(f"{training.dataset_path or C4_HUB}:en", split=C4_SPLITS[kind],
-                                     text_field=training.dataset_text_field)
+                                     text_field=training.dataset_text_field, key=key)
     if kind == "c4_test":
         path = training.dataset_path or C4_TEST_PATH
         if not Path(path).exists():
@@ -516,7 +536,7 @@ def build_documents(training: Training) -> Documents:
                 "folder), which does not exist",
                 "run from a torchtitan checkout, or set training.dataset_path to a copy of its tests/assets/c4_test",
             )  # fmt: skip
-        return FileDocuments(local_files(path), text_field=training.dataset_text_field)
+        return FileDocuments(local_files(path, key=key), text_field=training.dataset_text_field, key=key)
     raise DataConfigError(
         "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local' or 'hf'"
     )

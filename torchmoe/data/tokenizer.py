@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from torchmoe.config.paths import path_faults
 from torchmoe.data.dataset import DataConfigError
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
@@ -94,38 +95,40 @@ class HFTokenizer(Tokenizer):
             `bos_token`/`eos_token` of `tokenizer_config.json` (then `special_tokens_map.json`)
             next to it when present, else found by their usual names (Llama 4:
             `<|begin_of_text|>`, `<|end_of_text|>`).
+        key: the setting that named `path`, for messages (``model.hf_assets_path`` where that
+            filled the tokenizer's).
 
     Raises:
-        DataConfigError: the file or the `tokenizers` package is missing, or the tokenizer has
+        DataConfigError: the `tokenizers` package is missing, the OS refuses the file (missing,
+            a folder, no permission...: its reason), it is not a tokenizer, or the tokenizer has
             no end-of-text token.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, key: str = "model.tokenizer_path") -> None:
         try:
             from tokenizers import Tokenizer as _RustTokenizer
         except ImportError as e:
             raise DataConfigError(
-                "model.tokenizer_path", str(path), "loading tokenizer.json needs the 'tokenizers' package",
+                key, str(path), "loading tokenizer.json needs the 'tokenizers' package",
                 "pip install 'torchmoe[data]', or leave it empty for the built-in byte tokenizer",
             ) from e  # fmt: skip
         path = Path(path)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise DataConfigError(
-                "model.tokenizer_path", str(path), f"no tokenizer file at {file}",
-                "give a tokenizer.json or a folder holding one, or leave it empty for the built-in "
-                "byte tokenizer",
-            )  # fmt: skip
+        # Read here rather than by the library, whose errors carry no errno: the OS's reason is
+        # the message.
+        with path_faults(key, str(path), "give a tokenizer.json this user can read, or a folder holding one; or "
+                         "leave it empty for the built-in byte tokenizer", error=DataConfigError):
+            file = path / "tokenizer.json" if path.is_dir() else path
+            data = file.read_bytes()
         try:
-            self._tok = _RustTokenizer.from_file(str(file))
+            self._tok = _RustTokenizer.from_str(data.decode("utf-8"))
         except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
-            raise DataConfigError("model.tokenizer_path", str(path), f"{file} is not a valid tokenizer.json ({e})",
+            raise DataConfigError(key, str(path), f"{file} is not a valid tokenizer.json ({e})",
                                   "point it at a Hugging Face tokenizer.json (or its folder)") from None
         self.path = file
-        named = _special_tokens_from_configs(file.parent, str(path))
+        named = _special_tokens_from_configs(file.parent, str(path), key)
         for role, token in named.items():
             if self._tok.token_to_id(token) is None:
-                raise DataConfigError("model.tokenizer_path", str(path),
+                raise DataConfigError(key, str(path),
                                       f"its config names {role} {token!r}, which {file} does not hold",
                                       f"fix {role} in tokenizer_config.json / special_tokens_map.json, or use the "
                                       "tokenizer.json they belong to")
@@ -133,7 +136,7 @@ class HFTokenizer(Tokenizer):
         eos = self._find_id(named.get("eos_token"), _EOS_CANDIDATES)
         if eos is None:
             raise DataConfigError(
-                "model.tokenizer_path", str(path),
+                key, str(path),
                 f"the tokenizer has no end-of-text token (looked for {', '.join(_EOS_CANDIDATES)})",
                 "name it as eos_token in a tokenizer_config.json next to tokenizer.json",
             )  # fmt: skip
@@ -169,7 +172,7 @@ class HFTokenizer(Tokenizer):
         return self._eos
 
 
-def _special_tokens_from_configs(folder: Path, tokenizer_path: str) -> dict[str, str]:
+def _special_tokens_from_configs(folder: Path, tokenizer_path: str, key: str) -> dict[str, str]:
     """`bos_token`/`eos_token` from the HF config files in `folder`.
 
     `tokenizer_config.json` takes precedence over `special_tokens_map.json`. A value is a string
@@ -184,27 +187,27 @@ def _special_tokens_from_configs(folder: Path, tokenizer_path: str) -> dict[str,
         file = folder / name
         if not file.exists():
             continue
-        config = _json_object(file, tokenizer_path)
-        for key in ("bos_token", "eos_token"):
-            value = config.get(key)
+        config = _json_object(file, tokenizer_path, key)
+        for field in ("bos_token", "eos_token"):
+            value = config.get(field)
             if isinstance(value, dict):
                 value = value.get("content")
             if value is None:
                 continue
             if not isinstance(value, str) or not value:
-                raise DataConfigError("model.tokenizer_path", tokenizer_path,
-                                      f"{file}: {key} is {value!r}, not a token string",
-                                      f'write it as "{key}": "<token>", or remove it')
-            found[key] = value
+                raise DataConfigError(key, tokenizer_path, f"{file}: {field} is {value!r}, not a token string",
+                                      f'write it as "{field}": "<token>", or remove it')
+            found[field] = value
     return found
 
 
-def _json_object(file: Path, tokenizer_path: str) -> dict[str, Any]:
+def _json_object(file: Path, tokenizer_path: str, key: str) -> dict[str, Any]:
     """The JSON object in `file`, or a `DataConfigError` saying why there is none."""
+    fix = f"fix or delete {file.name} (it only names the special tokens)"
+    with path_faults(key, tokenizer_path, fix, error=DataConfigError):
+        data = file.read_bytes()
     try:
-        config = json.loads(file.read_bytes().decode("utf-8"))
-    except OSError as e:
-        problem = f"{file} cannot be read ({e.strerror or e})"
+        config = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         problem = f"{file} is not UTF-8 text (byte {e.start}: {e.reason})"
     except json.JSONDecodeError as e:
@@ -213,12 +216,12 @@ def _json_object(file: Path, tokenizer_path: str) -> dict[str, Any]:
         if isinstance(config, dict):
             return config
         problem = f"{file} holds a JSON {type(config).__name__}, not an object"
-    raise DataConfigError("model.tokenizer_path", tokenizer_path, problem,
-                          f"fix or delete {file.name} (it only names the special tokens)")
+    raise DataConfigError(key, tokenizer_path, problem, fix)
 
 
-def build_tokenizer(tokenizer_path: str) -> Tokenizer:
-    """The tokenizer for `model.tokenizer_path`: bytes when empty, else a Hugging Face file."""
+def build_tokenizer(tokenizer_path: str, *, key: str = "model.tokenizer_path") -> Tokenizer:
+    """The tokenizer for `model.tokenizer_path`: bytes when empty, else a Hugging Face file;
+    `key` names the path in messages (`HFTokenizer`)."""
     if not tokenizer_path:
         return ByteTokenizer()
-    return HFTokenizer(tokenizer_path)
+    return HFTokenizer(tokenizer_path, key=key)

@@ -17,6 +17,7 @@ import os
 import torch
 
 from torchmoe.config.job_config import JobConfig
+from torchmoe.config.paths import source_key
 from torchmoe.config.validate import resolve_degrees, validate_sections
 from torchmoe.data.dataloader import validation_data
 from torchmoe.data.tokenizer import build_tokenizer
@@ -72,16 +73,20 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
         check_dry_run_outputs(cfg.job)
         return
     check_launch(cfg.checkpoint, world_size)
-    check_memory_fits(cfg, args, degrees, train_device(cfg.training.device))
-    check_outputs(cfg)
+    device = train_device(cfg.training.device)
+    check_memory_fits(cfg, args, degrees, device)
+    check_outputs(cfg, world_size, device)
     check_initial_load_path(cfg)
-    check_tokenizer(build_tokenizer(cfg.model.tokenizer_path), args.vocab_size, cfg.model, cfg.training)
+    tokenizer_key = source_key(cfg, "model.tokenizer_path")
+    check_tokenizer(build_tokenizer(cfg.model.tokenizer_path, key=tokenizer_key), args.vocab_size, cfg.model,
+                    cfg.training, key=tokenizer_key)
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     global_batch = cfg.training.global_batch_size if cfg.training.global_batch_size != -1 else \
         cfg.training.local_batch_size * dp
     check_dataset_rows(cfg.training, global_batch)
     if cfg.validation.enable:
-        check_dataset_rows(validation_data(cfg.training, cfg.validation), cfg.validation.local_batch_size * dp)
+        check_dataset_rows(validation_data(cfg.training, cfg.validation), cfg.validation.local_batch_size * dp,
+                           key="validation.dataset_path")
 
 
 def train_device(requested: str) -> torch.device:

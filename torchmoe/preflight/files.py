@@ -9,11 +9,14 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.components.run_info import RUN_INFO_FILE
 from torchmoe.components.run_lock import LOCK_NAME
 from torchmoe.components.wandb_logger import RUN_ID_FILE, WANDB_FOLDER
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
+from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_file, writable_folder
 from torchmoe.data.dataset import DataConfigError, build_documents
 from torchmoe.data.tokenizer import Tokenizer
 
@@ -38,17 +41,15 @@ def check_initial_load_path(cfg: JobConfig) -> None:
     ckpt = cfg.checkpoint
     if not ckpt.initial_load_path or resumes(cfg):
         return
-    key, path = "checkpoint.initial_load_path", Path(ckpt.initial_load_path)
+    key = source_key(cfg, "checkpoint.initial_load_path")
     hf = "a Hugging Face Llama 4 folder (config.json + *.safetensors)"
     dcp = "a DCP checkpoint folder: a step-N folder of a run, or the output of `torchmoe convert hf-to-dcp`"
     want = hf if ckpt.initial_load_in_hf else dcp
-    if not path.exists():
-        raise ConfigError(key, ckpt.initial_load_path, "no such file or folder",
-                          f"point it at {want}, or leave it empty to start from random weights")
-    if not path.is_dir():
-        raise ConfigError(key, ckpt.initial_load_path, "is a file, not a folder", f"point it at {want}")
-    is_dcp = (path / ".metadata").is_file()
-    is_hf = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+    with path_faults(key, ckpt.initial_load_path, f"point it at {want}, or leave it empty to start from random "
+                     "weights"):
+        names = os.listdir(ckpt.initial_load_path)  # the OS says what is wrong with the path, if anything
+    is_dcp = ".metadata" in names
+    is_hf = "model.safetensors.index.json" in names or any(name.endswith(".safetensors") for name in names)
     if ckpt.initial_load_in_hf and not is_hf:
         fix = ("it is a DCP checkpoint: set checkpoint.initial_load_in_hf = false" if is_dcp
                else f"point it at {hf}")
@@ -60,10 +61,12 @@ def check_initial_load_path(cfg: JobConfig) -> None:
         raise ConfigError(key, ckpt.initial_load_path, "not a DCP checkpoint (no .metadata in the folder)", fix)
 
 
-def check_tokenizer(tokenizer: Tokenizer, model_vocab: int, model: Model, training: Training) -> None:
-    """Every token id must have an embedding row, and `training.add_bos` needs a BOS token."""
+def check_tokenizer(tokenizer: Tokenizer, model_vocab: int, model: Model, training: Training, *,
+                    key: str = "model.tokenizer_path") -> None:
+    """Every token id must have an embedding row, and `training.add_bos` needs a BOS token; `key`
+    named the tokenizer (`source_key`)."""
     if tokenizer.vocab_size > model_vocab:
-        raise ConfigError("model.tokenizer_path", model.tokenizer_path,
+        raise ConfigError(key, model.tokenizer_path,
                           f"the tokenizer has {tokenizer.vocab_size} tokens but flavor {model.flavor!r} has vocab_size "
                           f"{model_vocab}", "use a tokenizer that fits the flavor's vocabulary")
     if training.add_bos and tokenizer.bos_id is None:
@@ -71,21 +74,22 @@ def check_tokenizer(tokenizer: Tokenizer, model_vocab: int, model: Model, traini
                           "name one as bos_token in its tokenizer_config.json, or set add_bos = false")
 
 
-def check_dataset_rows(training: Training, global_batch_size: int) -> None:
+def check_dataset_rows(training: Training, global_batch_size: int, *, key: str = "training.dataset_path") -> None:
     """A local or hub dataset must hold a document for each row of the global batch: row j
     reads documents j, j + G, ... (`data.dataloader`). Reads the first G documents only, so a
     dataset that cannot be resolved, or undecodable or malformed documents among them, fail
-    here too (the python_docs corpus is always there)."""
+    here too (the python_docs corpus is always there). `key` names the dataset's path
+    (``validation.dataset_path`` for the validation data)."""
     if training.dataset == "python_docs":
         return
-    docs = build_documents(training)
+    docs = build_documents(training, key=key)
     count = sum(1 for _ in itertools.islice(docs.iter_from(0), global_batch_size))
     if count == 0:
-        raise DataConfigError("training.dataset_path", training.dataset_path, "holds no documents",
+        raise DataConfigError(key, training.dataset_path, "holds no documents",
                               "point it at .txt/.jsonl/.json/.parquet files that hold text")
     if count < global_batch_size:
         raise DataConfigError(
-            "training.dataset_path", training.dataset_path,
+            key, training.dataset_path,
             f"holds {count} document(s), fewer than the {global_batch_size} rows of a global batch (row j "
             f"packs documents j, j + {global_batch_size}, ...; a .txt file is one document, a .jsonl line or a "
             ".parquet row one)",
@@ -96,7 +100,7 @@ def check_dataset_rows(training: Training, global_batch_size: int) -> None:
 # ---- what the run writes ---------------------------------------------------------------------
 
 
-def check_outputs(cfg: JobConfig) -> None:
+def check_outputs(cfg: JobConfig, world_size: int, device: torch.device) -> None:
     """Everything the run will write must be writable now: the dump folder, the files and
     folders in it, and the `step-N` names the run will save under."""
     dump = Path(cfg.job.dump_folder)
@@ -111,7 +115,10 @@ def check_outputs(cfg: JobConfig) -> None:
                ("profiling.save_traces_folder", cfg.profiling.save_traces_folder,
                 cfg.profiling.enable_profiling or cfg.profiling.enable_step_breakdown),
                ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder,
-                cfg.profiling.enable_memory_snapshot)]
+                cfg.profiling.enable_memory_snapshot),
+               # Where the NCCL flight recorder dumps (`trainer._init_distributed`).
+               ("comm.save_traces_folder", cfg.comm.save_traces_folder,
+                device.type == "cuda" and world_size > 1 and cfg.comm.trace_buf_size > 0)]
     for key, value, used in folders:
         if used:
             _check_folder(key, value, dump / value)
@@ -127,38 +134,17 @@ def check_dry_run_outputs(job: Job) -> None:
 
 def _check_folder(key: str, value: str, folder: Path) -> None:
     """`folder`, or the nearest ancestor that exists (the run creates the rest), must be a
-    folder this process can create files in. Writes and deletes one empty file to find out:
-    permission bits do not tell (root, read-only mounts, ACLs)."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        where = f"{folder} is a file" if existing == folder else f"cannot be created: {existing} is a file"
-        raise ConfigError(key, value, where, "use a path where a folder can be created, or move that file away")
-    probe = existing / f".torchmoe-write-check-{os.getpid()}"
-    try:
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        where = "" if existing == folder else f" ({existing}, where it would be created)"
-        raise ConfigError(key, value, f"cannot be written{where}: {err.strerror}",
-                          "use a folder this user can write, or fix its permissions") from None
+    folder this process can create files in (`writable_folder`)."""
+    with path_faults(key, value, WRITE_FIX):
+        writable_folder(folder)
 
 
 def _check_file(key: str, value: str, file: Path) -> None:
-    """A file the run appends to or replaces must be a file it may open for writing (opening
-    for append creates nothing that is not there and changes nothing that is)."""
-    if not file.exists():
-        return
-    if file.is_dir():
-        raise ConfigError(key, value, f"{file} is a folder, but the run writes a file there",
-                          "move or delete that folder, or use another dump folder")
-    try:
-        with open(file, "a", encoding="utf-8"):
-            pass
-    except OSError as err:
-        raise ConfigError(key, value, f"{file} cannot be written: {err.strerror}",
-                          "fix its permissions, or use another dump folder") from None
+    """A file the run appends to or replaces must be a file it may open for writing
+    (`writable_file`)."""
+    with path_faults(key, value, "move or delete what is in the way, fix its permissions, or use another dump "
+                     "folder"):
+        writable_file(file)
 
 
 def _check_step_names(checkpoint: Checkpoint, folder: Path, steps: int) -> None:
