@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from torchmoe.components.metrics import device_peak_flops, peak_memory_gib, reset_peak_memory
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
-from torchmoe.config.job_config import Compile, Float8
+from torchmoe.config.job_config import Compile, Float8, Training
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.distributed.compile import apply_compile
 from torchmoe.distributed.data_parallel import apply_autocast
@@ -82,7 +82,7 @@ def bench(args: ModelArgs, *, device: torch.device, dtype: str, compiled: bool, 
         convert_float8_linears(model, Float8(enable=True, emulate=emulate))
     if float8_experts:
         convert_float8_experts(model, ["experts"])
-    apply_autocast(model, dtype)
+    apply_autocast(model, Training(mixed_precision_param=dtype))  # fp32 weights, `dtype` compute
     if compiled:
         apply_compile(model, Compile(enable=True), fullgraph=True)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-4))

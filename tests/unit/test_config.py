@@ -214,6 +214,10 @@ RULES = [
      "allowed"),
     ({"training.mixed_precision_reduce": "float16"}, 1, "training.mixed_precision_reduce", '"float16"',
      '"float32"', "allowed"),
+    ({"training.dtype": "bf16"}, 1, "training.dtype", '"bf16"', 'did you mean "bfloat16"', "allowed"),
+    # debug_model.toml computes in float32: over pure bf16 parameters that would only upcast them.
+    ({"training.dtype": "bfloat16"}, 1, "training.mixed_precision_param", '"float32"',
+     'mixed_precision_param = "bfloat16" for pure bf16', 'would compute in float32 from bf16 parameters'),
     ({"model.flavor": "17bx16"}, 1, "model.flavor", '"17bx16"', 'did you mean "17bx16e"', "allowed"),
     ({"optimizer.name": "adamw"}, 1, "optimizer.name", '"adamw"', 'did you mean "AdamW"', "allowed"),
     ({"optimizer.implementation": "triton"}, 1, "optimizer.implementation", '"triton"', '"foreach"', "allowed"),

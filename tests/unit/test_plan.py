@@ -100,6 +100,22 @@ def test_no_fsdp_means_full_fp32_states_and_autocast_weight_copies():
     assert bf16.params == fp32.params and bf16.fsdp_buffers == 2 * (544 + 1248 + 128) == 2 * (total - 128 - 40)
 
 
+def test_pure_bf16_halves_the_states_and_needs_no_weight_copies():
+    """training.dtype = "bfloat16": weights, gradients and both AdamW moments at 2 bytes. Without
+    FSDP no autocast runs (the weights already are the compute dtype), so no copies and a bf16
+    residual stream; under FSDP the all-gathered units are copies as before."""
+    pure = Training(dtype="bfloat16")
+    total = sum(s.numel for s in param_specs(TINY))
+    one = memory_per_pp_rank(TINY, _dims(), pure, ActivationCheckpoint(), Parallelism())[0]
+    mixed = memory_per_pp_rank(TINY, _dims(), Training(), ActivationCheckpoint(), Parallelism())[0]
+    assert (one.params, one.grads, one.optimizer, one.fsdp_buffers) == (2 * total, 2 * total, 4 * total, 0)
+    assert one.activations < mixed.activations  # bf16 residual stream, no per-matmul input casts
+    sharded = memory_per_pp_rank(TINY, _dims(dp_shard=2, tp=2, ep=2), pure, ActivationCheckpoint(),
+                                 Parallelism())[0]
+    assert (sharded.params, sharded.grads, sharded.optimizer, sharded.fsdp_buffers) == (2 * 588, 2 * 588, 4 * 588,
+                                                                                         6592)
+
+
 def test_cpu_offload_moves_states_to_host():
     cfg = Parallelism(fsdp_cpu_offload=True)
     est = memory_per_pp_rank(TINY, _dims(dp_shard=2), Training(), ActivationCheckpoint(), cfg)[0]
@@ -325,6 +341,25 @@ def test_dry_run_debug_model_single_rank(tmp_path):
     assert report["params_per_rank"] == report["params_total"]
     assert report["memory_per_rank_gib"]["params"] == pytest.approx(4 * report["params_total"] / GIB)
     assert report["groups"] == {"0": {name: [0] for name in ALL_NAMES}}
+
+
+def test_dry_run_shows_pure_bf16(tmp_path):
+    """The dry run counts 2 bytes per state element under training.dtype = "bfloat16" and says so."""
+    bf16 = ["--training.mixed_precision_param", "bfloat16", "--parallelism.pipeline_parallel_degree", "2",
+            "--training.local_batch_size", "2"]
+    reports, outs = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = _config("debug_model.toml", tmp_path / dtype, *bf16, "--training.dtype", dtype)
+        outs[dtype] = io.StringIO()
+        reports[dtype] = run_dry_run(cfg, 4, console=Console(file=outs[dtype], width=200))
+    pure, mixed = reports["bfloat16"], reports["float32"]
+    for part in ("params", "grads", "optimizer"):
+        assert pure["memory_per_rank_gib"][part] == pytest.approx(mixed["memory_per_rank_gib"][part] / 2)
+    assert pure["expert_state_per_rank_gib"] == pytest.approx(pure["expert_params_per_rank"] * 8 / GIB)
+    assert [s["state_gib"] * 2 for s in pure["pipeline"]["stages"]] == pytest.approx(
+        [s["state_gib"] for s in mixed["pipeline"]["stages"]])
+    assert "bfloat16 weights, gradients and AdamW state" in pure["plan"]["data_parallel"]["detail"]
+    assert "parameters, gradients and optimizer state bfloat16" in outs["bfloat16"].getvalue()
 
 
 def test_dry_run_expert_memory_per_rank_and_context_parallel(tmp_path):

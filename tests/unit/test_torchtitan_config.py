@@ -121,6 +121,13 @@ def test_mapped_keys_set_torchmoes() -> None:
     assert not debug.float8.enable  # converters = []
 
 
+def test_training_dtype_is_torchmoes_own(tmp_path: Path) -> None:
+    """torchtitan's pure bf16 key is torchmoe's (same name, same meaning): no mapping, no warning."""
+    notes: list[str] = []
+    cfg = load_job_config(["--config", write_toml(tmp_path, '[training]\ndtype = "bfloat16"\n')], notes=notes)
+    assert cfg.training.dtype == "bfloat16" and cfg.training.mixed_precision_param == "bfloat16" and notes == []
+
+
 def test_hf_assets_path_fills_what_is_not_given(tmp_path: Path) -> None:
     path = write_toml(tmp_path, '[model]\nhf_assets_path = "hf/scout"\n[checkpoint]\ninitial_load_in_hf = true\n')
     cfg = load_job_config(["--config", path])
@@ -142,8 +149,8 @@ def test_a_torchmoe_key_wins_over_a_mapped_one(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "warning"), [
     ("[fault_tolerance]\nenable = true\n", "fault_tolerance.enable = true (a torchtitan key) has no effect in "
      "torchmoe: torchft is not integrated"),
-    ("[training]\ndtype = \"bfloat16\"\n", 'training.dtype = "bfloat16" (a torchtitan key) has no effect in torchmoe: '
-     "torchmoe keeps parameters and optimizer state in float32"),
+    ("[training]\ngc_debug = true\n", "training.gc_debug = true (a torchtitan key) has no effect in torchmoe: no debug "
+     "mode for the garbage collector"),
     ("[training.dataloader]\nnum_workers = 4\nprefetch_factor = 8\n", "training.dataloader.num_workers = 4"),
     ("[validation.dataloader]\nnum_workers = 2\npin_memory = false\n", "validation.dataloader.num_workers = 2 (a "
      "torchtitan key) has no effect in torchmoe: torchmoe packs batches in the training process"),

@@ -110,8 +110,10 @@ class Training:
     """Start every document with the tokenizer's BOS token, as torchtitan does; false: only the EOS after each document separates them."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps and never inside a step (0 = Python's automatic collection)."""
+    dtype: str = "float32"
+    """Dtype of the parameters, their gradients and the optimizer state (torchtitan's key): 'float32' (fp32 master weights; compute in mixed_precision_param) or 'bfloat16' (pure bf16: half their bytes, no fp32 copy, so mixed_precision_param must be 'bfloat16' too). Norms, RoPE, router scores and the loss compute in fp32 either way."""
     mixed_precision_param: str = "bfloat16"
-    """Compute dtype, 'bfloat16' or 'float32': FSDP/HSDP/DDP cast parameters to it; other layouts run the forward under torch.autocast in it. Master weights and gradients stay fp32."""
+    """Compute dtype, 'bfloat16' or 'float32': FSDP/HSDP/DDP cast parameters to it; other layouts run the forward under torch.autocast in it (none when it is training.dtype). Parameters, gradients and optimizer state are in training.dtype."""
     mixed_precision_reduce: str = "float32"
     """Dtype of gradient reduction under FSDP/HSDP/DDP: 'float32' or 'bfloat16'; no effect without them (no gradient is reduced)."""
     device: str = ""

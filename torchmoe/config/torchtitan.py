@@ -108,8 +108,6 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
                                                  "which gradient clipping needs"),
     # [training]
     "training.enable_cpu_offload": _alias(bool, "parallelism.fsdp_cpu_offload"),
-    "training.dtype": NoEffect(str, "float32", "torchmoe keeps parameters and optimizer state in float32 "
-                               "and computes in training.mixed_precision_param"),
     "training.gc_debug": NoEffect(bool, False, "no debug mode for the garbage collector (training.gc_freq sets "
                                   "how often it runs)"),
     "training.dataloader.num_workers": NoEffect(int, 0, _LOADER),

@@ -11,20 +11,23 @@ is estimated and the fullest one reported. The total is a sum of peaks (paramete
 state, gradients, transient FSDP buffers and peak activations), an upper bound: sharded
 gradients of late blocks appear only as early blocks' activations are freed.
 
-Dtypes. Parameters are kept fp32 and sharded (the "master" copy); matmuls compute in
-``training.mixed_precision_param`` in every layout. Under FSDP2 (whenever
-`ParallelDims.fsdp_enabled`) each FSDP unit (one transformer block, the embedding, final norm +
-output head) is all-gathered into an unsharded copy in that dtype, and its unsharded gradients
-are produced in that dtype and cast to ``mixed_precision_reduce`` for the reduce-scatter; DDP
-casts its parameters the same way, so the whole forward (the residual stream too) runs in it.
-Other layouts (one rank, TP, EP or PP alone) run under ``torch.autocast`` (bf16 requested): it
-casts each matmul weight once per forward (a compute-dtype copy of every matmul weight is alive
-through the forward, counted in ``fsdp_buffers``) and each matmul input at every use, while the
-residual stream and norms stay fp32.
+Dtypes. Parameters, their gradients and AdamW's two moments are kept sharded in
+``training.dtype``: p = 4 bytes each for fp32 (the "master" copy of mixed precision), 2 for pure
+bf16. Matmuls compute in ``training.mixed_precision_param`` in every layout (bf16 whenever the
+parameters are). Under FSDP2 (whenever `ParallelDims.fsdp_enabled`) each FSDP unit (one
+transformer block, the embedding, final norm + output head) is all-gathered into an unsharded
+copy in that dtype, and its unsharded gradients are produced in that dtype and cast to
+``mixed_precision_reduce`` for the reduce-scatter; DDP casts its parameters the same way, so the
+whole forward (the residual stream too) runs in it.
+Other layouts (one rank, TP, EP or PP alone) with fp32 parameters run under ``torch.autocast``
+(bf16 requested): it casts each matmul weight once per forward (a compute-dtype copy of every
+matmul weight is alive through the forward, counted in ``fsdp_buffers``) and each matmul input at
+every use, while the residual stream and norms stay fp32. Pure bf16 parameters need no autocast:
+those layouts then compute like FSDP's, with a bf16 residual stream and no parameter copies.
 
-    params       = 4 B x sharded elements
-    grads        = 4 B x sharded elements        (fp32, sharded after reduce-scatter)
-    optimizer    = 8 B x sharded elements        (AdamW/Adam: exp_avg and exp_avg_sq, fp32)
+    params       = p x sharded elements
+    grads        = p x sharded elements          (sharded after reduce-scatter, cast back to p)
+    optimizer    = 2p x sharded elements         (AdamW/Adam: exp_avg and exp_avg_sq)
     fsdp_buffers = compute-dtype copies of parameters: under FSDP
                    reshard after forward:  max_i (U_i + max(U_i-1, U_i+1) + G_i)
                    kept unsharded (PP's default, or "never"): sum_i U_i + max_i G_i
@@ -32,8 +35,9 @@ residual stream and norms stay fp32.
         prefetched (the next one in forward, the previous one in backward), and in backward holds
         its unsharded gradients. U_i = c x the unit's TP/EP-local elements, G_i = (c + r if r != c
         else c) x the same (the gradients, and their cast for the reduce-scatter); c / r = bytes
-        of the param / reduce dtype. Under autocast: c x the rank's matmul weights (all but
-        norms and an untied embedding); 0 in fp32.
+        of the compute / reduce dtype (c = p: the all-gather needs no cast, its output is still
+        a copy). Under autocast: c x the rank's matmul weights (all but norms and an untied
+        embedding); 0 without autocast (compute in the parameters' dtype).
 
 With ``parallelism.fsdp_cpu_offload`` the sharded params, grads and optimizer state live in host
 memory instead (reported as ``host``, not in the device total).
@@ -147,10 +151,20 @@ def compute_dtype_bytes(training_cfg: Training) -> int:
     return _DTYPE_BYTES[training_cfg.mixed_precision_param]
 
 
+def param_dtype_bytes(training_cfg: Training) -> int:
+    """Bytes per element of the parameters, their gradients and the optimizer state: ``dtype``."""
+    return _DTYPE_BYTES[training_cfg.dtype]
+
+
+def state_bytes_per_param(training_cfg: Training) -> int:
+    """Bytes one stored parameter element costs with its gradient and the two AdamW moments."""
+    return (2 + _OPTIMIZER_STATES) * param_dtype_bytes(training_cfg)
+
+
 def autocast_enabled(dims: ParallelDims, training_cfg: Training) -> bool:
-    """The forward runs under torch.autocast: a lower compute dtype, and no FSDP/DDP policy to
-    cast the parameters (`distributed.data_parallel.apply_autocast`)."""
-    return not dims.mp_policy_enabled and compute_dtype_bytes(training_cfg) != 4
+    """The forward runs under torch.autocast: a compute dtype below the parameters', and no
+    FSDP/DDP policy to cast them (`distributed.data_parallel.apply_autocast`)."""
+    return not dims.mp_policy_enabled and compute_dtype_bytes(training_cfg) != param_dtype_bytes(training_cfg)
 
 
 def residual_dtype_bytes(dims: ParallelDims, training_cfg: Training) -> int:
@@ -365,7 +379,7 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     Args:
         model_args: the model's shape.
         dims: the resolved layout.
-        training_cfg: local_batch_size, seq_len, mixed_precision_param / _reduce.
+        training_cfg: local_batch_size, seq_len, dtype, mixed_precision_param / _reduce.
         ac_cfg: activation checkpointing mode and selective option.
         parallelism_cfg: pipeline schedule and micro-batch size, FSDP reshard policy, CPU offload,
             loss parallel.
@@ -382,11 +396,12 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
         sequences, microbatches = training_cfg.local_batch_size, 1
     tokens = sequences * training_cfg.seq_len // dims.cp
     specs = param_specs(model_args)
+    p = param_dtype_bytes(training_cfg)
     estimates = []
     for pp_rank in range(dims.pp):
         local = rank_param_specs(specs, pipe, pp_rank)
         numel = sum(shard_numel(s, dims) for s in local)
-        states = {"params": 4 * numel, "grads": 4 * numel, "optimizer": 4 * _OPTIMIZER_STATES * numel}
+        states = {"params": p * numel, "grads": p * numel, "optimizer": p * _OPTIMIZER_STATES * numel}
         host = 0
         if parallelism_cfg.fsdp_cpu_offload and dims.fsdp_enabled:
             host = sum(states.values())
