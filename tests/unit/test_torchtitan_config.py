@@ -117,6 +117,9 @@ def test_mapped_keys_set_torchmoes() -> None:
     assert cfg.model.tokenizer_path == cfg.checkpoint.initial_load_path == "./assets/hf/Llama-4-Scout-17B-16E"
     debug = load_job_config(["--config", str(ASSETS / "debug_model.toml")])
     assert (debug.training.seed, debug.training.deterministic) == (42, False)  # [debug]
+    assert not debug.model.moe_force_load_balance
+    forced = load_job_config(["--config", str(ASSETS / "debug_model.toml"), "--debug.moe_force_load_balance"])
+    assert forced.model.moe_force_load_balance
     assert (debug.training.dataset, debug.lr_scheduler.total_steps, debug.training.gc_freq) == ("c4_test", 10, 50)
     assert not debug.float8.enable  # converters = []
 

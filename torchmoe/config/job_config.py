@@ -44,6 +44,8 @@ class Model:
     """Coefficient of the sequence-wise load-balancing auxiliary loss (0 = off)."""
     z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (0 = off)."""
+    moe_force_load_balance: bool = False
+    """For performance work (torchtitan's debug.moe_force_load_balance): route round-robin instead of by the router's top-k, each rank's t-th token of an MoE call to experts (t * top_k + j) mod num_experts, j < top_k, gated by the router's scores there. Every expert gets exactly as many tokens in every layout (a sequence length that does not allow it is refused); the model trained is not the router's."""
 
 
 @dataclass

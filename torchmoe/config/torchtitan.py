@@ -183,8 +183,7 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     "debug.deterministic": _alias(bool, "training.deterministic"),
     "debug.deterministic_warn_only": NoEffect(bool, False, "training.deterministic makes a nondeterministic "
                                               "op an error, never a warning"),
-    "debug.moe_force_load_balance": NoEffect(bool, False, "routing is always the router's (no forced "
-                                             "round-robin balance)"),
+    "debug.moe_force_load_balance": _alias(bool, "model.moe_force_load_balance"),
 }
 
 # torchtitan's sections that torchmoe lacks; a key under them is looked up in TORCHTITAN_KEYS.
