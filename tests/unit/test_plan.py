@@ -258,6 +258,24 @@ def test_activations_monotonic_in_ac_mode_batch_and_sharding():
     assert _activations(ActivationCheckpoint(mode="none"), tp=2, dp_shard=4) < none
 
 
+def test_op_sac_leaves_out_the_forced_recompute_shapes():
+    """Per-op SAC saves half of the plain matmul outputs but those per_op_sac_force_recompute_...
+    names, matched by weight shape as the policy matches them (tiny, bf16: 2-byte outputs)."""
+    args = FLAVORS["tiny"]
+
+    def op_sac(*fqns: str) -> list[float]:
+        act = ActivationModel(args, _dims(), a=2, compiled=False, loss_parallel=False, recompute_mm_fqns=fqns)
+        return [act.block_op_sac(i) for i in range(2)]  # dense block 0, MoE block 1
+
+    plain = op_sac()
+    gate = op_sac("moe.router.gate")
+    assert gate[0] == plain[0] and plain[1] - gate[1] == 2 * args.num_experts / 2
+    kv = args.n_kv_heads * args.head_dim  # wk and wv share the weight shape (dim, kv): both go
+    assert [p - k for p, k in zip(plain, op_sac("attention.wk"))] == [2 * 2 * kv / 2] * 2
+    ac = ActivationCheckpoint(mode="selective", per_op_sac_force_recompute_mm_shapes_by_fqns=["moe.router.gate"])
+    assert _activations(ac) < _activations(ActivationCheckpoint(mode="selective"))  # the config reaches it
+
+
 def test_pipeline_first_rank_holds_more_microbatches():
     per_rank = memory_per_pp_rank(FLAVORS["scout"], _dims(pp=4, dp_shard=2),
                                   Training(local_batch_size=8, seq_len=2048),

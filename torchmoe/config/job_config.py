@@ -198,6 +198,10 @@ class ActivationCheckpoint:
     """'none', 'selective' or 'full'."""
     selective_ac_option: str = "op"
     """For selective: 'op' (save matmul outputs per policy) or an integer n (checkpoint every n-th block)."""
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=list)
+    """For selective 'op': matmuls whose weight has the shape of a block's nn.Linear whose name (e.g. layers.1.moe.router.gate) contains one of these are always recomputed, and left out of the every-second-matmul count (torchtitan's key; its default is ["moe.router.gate"])."""
+    early_stop: bool = True
+    """End each block's recomputation as soon as the tensors its backward needs are recomputed (torch.utils.checkpoint's early_stop; torchtitan's key, whose default is false: the whole block is rerun)."""
 
 
 @dataclass

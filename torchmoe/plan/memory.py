@@ -87,8 +87,10 @@ head is never checkpointed):
     full:      only its input, r*D/tp
     selective: "op" saves the input and what the op policy marks must-save (sdpa output + lse,
                grouped-GEMM outputs, TP reduce-scatter and EP all-to-all outputs) plus half of the
-               plain matmul outputs (it saves every second mm); an integer n fully checkpoints
-               blocks 0, n, 2n, ... of the stage and saves the others whole.
+               plain matmul outputs (it saves every second mm) but those of the shapes
+               per_op_sac_force_recompute_mm_shapes_by_fqns names (always recomputed); an
+               integer n fully checkpoints blocks 0, n, 2n, ... of the stage and saves the
+               others whole. early_stop changes neither what is saved nor the working set below.
 
 Peak activations of a pp rank = the most saved bytes of (stage, micro-batch) pairs alive at once
 + the backward working set of the largest block (2 x full - saved: recomputed activations and
@@ -221,6 +223,8 @@ class ActivationModel:
         loss_parallel: the loss runs on vocab-sharded logits.
         seq_len: tokens per whole sequence (context parallelism decides what attention keeps
             from it; unused with cp == 1).
+        recompute_mm_fqns: ``per_op_sac_force_recompute_mm_shapes_by_fqns``: the per-op policy
+            recomputes every matmul with the weight shape of a linear these name.
     """
 
     args: ModelArgs
@@ -230,6 +234,7 @@ class ActivationModel:
     loss_parallel: bool
     seq_len: int = 0
     autocast: bool = False
+    recompute_mm_fqns: tuple[str, ...] = ()
 
     @property
     def r(self) -> int:
@@ -275,19 +280,40 @@ class ActivationModel:
         total += k * f * (4 * m.dim + 2 * a * m.dim + 4 * a * m.moe_hidden_dim / self.dims.etp + 12)
         return total + 4 * a * m.moe_hidden_dim * m.num_shared_experts / tp
 
+    def _plain_matmuls(self, layer: int) -> dict[str, tuple[tuple[int, int], float]]:
+        """Block `layer`'s plain matmuls by their linear's name in the block: its weight's full
+        (in, out) shape (what the per-op policy matches) and the output's bytes per token."""
+        m, tp, a = self.args, self.dims.tp, self.a
+        hq, hkv, dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.dim
+        # wo's output is counted before the TP reduce-scatter.
+        mms = {"attention.wq": ((dim, hq), a * hq / tp), "attention.wk": ((dim, hkv), a * hkv / tp),
+               "attention.wv": ((dim, hkv), a * hkv / tp), "attention.wo": ((hq, dim), a * dim)}
+        if not m.is_moe_layer(layer):
+            ffn = m.ffn_hidden_dim
+            return {**mms, "feed_forward.w1": ((dim, ffn), a * ffn / tp), "feed_forward.w3": ((dim, ffn), a * ffn / tp),
+                    "feed_forward.w2": ((ffn, dim), a * dim)}
+        f, etp = self._moe_tokens(), self.dims.etp
+        mms["moe.router.gate"] = ((dim, m.num_experts), f * a * m.num_experts)
+        if m.num_shared_experts:
+            shared = m.moe_hidden_dim * m.num_shared_experts
+            mms.update({"moe.shared_experts.w1": ((dim, shared), f * a * shared / etp),
+                        "moe.shared_experts.w3": ((dim, shared), f * a * shared / etp),
+                        "moe.shared_experts.w2": ((shared, dim), f * a * dim)})
+        return mms
+
     def _op_sac(self, layer: int) -> float:
         """Saved by the per-op policy besides the block input: sdpa, grouped GEMMs, reduce-scatters,
-        all-to-alls in full, and (alternating) half of the plain matmul outputs."""
+        all-to-alls in full, and (alternating) half of the plain matmul outputs not forced to be
+        recomputed (`recompute_mm_fqns`, matched by weight shape as the policy does)."""
         m, tp, a = self.args, self.dims.tp, self.a
-        hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-        always = a * hq / tp + 4 * m.n_heads / tp + self._reduce_scatters()
-        mm = a * (hq + 2 * hkv) / tp + a * m.dim  # wq, wk, wv; wo's output before the reduce-scatter
+        always = a * m.n_heads * m.head_dim / tp + 4 * m.n_heads / tp + self._reduce_scatters()
+        mms = self._plain_matmuls(layer)
+        forced = {shape for name, (shape, _) in mms.items()
+                  if any(f in f"layers.{layer}.{name}" for f in self.recompute_mm_fqns)}
+        mm = sum(nbytes for shape, nbytes in mms.values() if shape not in forced)
         if not m.is_moe_layer(layer):
-            mm += 2 * a * m.ffn_hidden_dim / tp + a * m.dim
             return always + self._reduce_scatters() + mm / 2
-        f, etp, routed = self._moe_tokens(), self.dims.etp, m.top_k * self._moe_tokens()
-        shared_hidden = m.moe_hidden_dim * m.num_shared_experts
-        mm += f * a * (m.num_experts + 2 * shared_hidden / etp + m.dim)  # router gate, shared expert
+        routed, etp = m.top_k * self._moe_tokens(), self.dims.etp
         always += routed * a * (2 * m.moe_hidden_dim / etp + m.dim)  # grouped GEMMs
         if self.dims.ep_enabled:
             always += 2 * routed * a * m.dim  # dispatch and combine all-to-alls
@@ -389,7 +415,8 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     a = compute_dtype_bytes(training_cfg)
     act = ActivationModel(model_args, dims, a, compiled, seq_len=training_cfg.seq_len,
                           loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel,
-                          autocast=autocast_enabled(dims, training_cfg))
+                          autocast=autocast_enabled(dims, training_cfg),
+                          recompute_mm_fqns=tuple(ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns))
     if dims.pp_enabled:
         microbatches, sequences = pipeline_microbatches(training_cfg, parallelism_cfg)
     else:

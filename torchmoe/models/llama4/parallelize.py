@@ -53,7 +53,7 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
 
         apply_cp(model, mesh["cp"], cfg.training.seq_len)
 
-    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    apply_ac(model, cfg.activation_checkpoint)
 
     if cfg.compile.enable:
         apply_compile(model, cfg.compile, fullgraph=not (dims.ep_enabled or dims.cp_enabled),
