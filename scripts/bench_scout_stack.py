@@ -107,7 +107,7 @@ def bench(args: ModelArgs, *, device: torch.device, dtype: str, compiled: bool, 
         convert_float8_linears(model, Float8(enable=True, emulate=emulate))
     if float8_experts:
         convert_float8_experts(model, ["experts"])
-    apply_autocast(model, dtype)
+    apply_autocast(model, Training(mixed_precision_param=dtype))  # fp32 weights, `dtype` compute
     if compiled:
         apply_compile(model, Compile(enable=True), fullgraph=True)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-4))

@@ -19,7 +19,7 @@ from pathlib import Path
 from torchmoe.config import job_config
 from torchmoe.config.errors import show_value
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.torchtitan import TORCHTITAN_KEYS, TUNES, Mapped
+from torchmoe.config.torchtitan import TORCHTITAN_KEYS, TUNES, Mapped, Refused
 
 
 _START, _END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
@@ -60,12 +60,15 @@ def torchtitan_reference() -> list[str]:
     """The torchtitan v0.2.2 keys torchmoe does not share by name: what each does here."""
     lines = ["### torchtitan keys", "",
              "torchtitan v0.2.2's keys that torchmoe does not have under the same name (those it has are in the "
-             "tables above). A key without effect warns once when set to anything but torchtitan's default; "
-             "one that only tunes a feature switched on elsewhere never warns.", "",
+             "tables above). A refused key is an error (exit 2) at any value but torchtitan's default. A key "
+             "without effect warns once when set to anything but torchtitan's default; one that only tunes a "
+             "feature switched on elsewhere never warns.", "",
              "| key | type | in torchmoe |", "|---|---|---|"]
     for key, entry in TORCHTITAN_KEYS.items():
         if isinstance(entry, Mapped):
             meaning = entry.means
+        elif isinstance(entry, Refused):
+            meaning = f"refused unless `{show_value(entry.default)}`: {entry.why}"
         else:
             quiet = " (never warns)" if entry.default is TUNES else ""
             meaning = f"no effect{quiet}: {entry.why}"

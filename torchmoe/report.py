@@ -98,7 +98,7 @@ def _run_facts(cfg: JobConfig, world_size: int, records: list[dict[str, Any]]) -
         f"{world_size} rank{'s' * (world_size != 1)}: {mesh}, ep {plan['mesh']['ep']}; "
         f"estimated memory per rank {memory:.3g} GiB (planner)",
         f"steps {records[0]['step']}-{records[-1]['step']} of {t.steps} logged; "
-        f"seq_len {t.seq_len}, {t.mixed_precision_param} compute",
+        f"seq_len {t.seq_len}, {t.mixed_precision_param} compute, {t.dtype} weights",
     ]
 
 

@@ -17,7 +17,8 @@ import math
 import os
 import signal
 import time
-from contextlib import ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -77,7 +78,7 @@ from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
 from torchmoe.plan.context import CPLayout
-from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
+from torchmoe.plan.memory import compute_dtype_bytes, param_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
 from torchmoe.preflight import train_device
 from torchmoe.regions import region
@@ -118,6 +119,17 @@ def _init_distributed(device: torch.device, comm_cfg: Comm, parallelism_cfg: Par
         dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None,
                                 timeout=timedelta(seconds=comm_cfg.init_timeout_seconds))
     return world_size
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors created without a dtype inside get `dtype` (torch's default is restored after)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class Trainer:
@@ -162,7 +174,10 @@ class Trainer:
         # layouts autocast): the planner's dtype, and the peak MFU is measured against.
         self.compute_dtype = _DTYPE_OF_BYTES[compute_dtype_bytes(cfg.training)]
 
-        with torch.device("meta"):
+        # The parameters' dtype (`training.dtype`): every parameter is created in the default
+        # dtype, while the buffers that must stay fp32 (RoPE table, router state) say so.
+        param_dtype = _DTYPE_OF_BYTES[param_dtype_bytes(cfg.training)]
+        with torch.device("meta"), _default_dtype(param_dtype):
             model = Transformer(self.model_args)
         # The stages this rank runs (the whole model without PP), each parallelized on its own.
         self.pipe = pipeline_layout(self.model_args, self.dims, cfg.parallelism, cfg.training.seq_len)

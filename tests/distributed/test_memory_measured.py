@@ -1,4 +1,4 @@
-"""The memory estimate's states match what real sharded ranks hold (fp32, CPU, gloo).
+"""The memory estimate's states match what real sharded ranks hold (fp32 and pure bf16, CPU, gloo).
 
     python -m pytest -q tests/distributed/test_memory_measured.py
 
@@ -41,12 +41,17 @@ WORLD = 4
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--config", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", "32",
         "--training.local_batch_size", "1", "--training.steps", "1"]
+PURE_BF16 = ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
 LAYOUTS = {
     "fsdp4": [],
     "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"],
     "fsdp2_tp2_moe_tp": ["--parallelism.tensor_parallel_degree", "2"],
     "fsdp2_tp2_ep4": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"],
     "fsdp4_ep2": ["--parallelism.expert_parallel_degree", "2"],
+    # Pure bf16 (training.dtype): 2 bytes per parameter, gradient and AdamW moment element.
+    "hsdp2x2_pure_bf16": ["--parallelism.data_parallel_replicate_degree", "2", *PURE_BF16],
+    "fsdp2_tp2_ep4_pure_bf16": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree",
+                                "4", *PURE_BF16],
 }
 
 
@@ -133,7 +138,7 @@ def test_states_per_rank_match_estimate(measured, label):
         got = measured[rank][label]
         dims, est = _estimate(label, got["pp_rank"])
         assert got["degrees"] == dims.degrees, (label, rank)
-        assert got["dtypes"] == ["torch.float32"], (label, rank)
+        assert got["dtypes"] == ["torch.bfloat16" if "pure_bf16" in label else "torch.float32"], (label, rank)
         for field in ("params", "grads", "optimizer"):
             want = getattr(est, field)
             assert got[field] == want, (label, rank, field, got[field], want)

@@ -96,7 +96,7 @@ def test_peak_memory_follows_the_planner_on_a_scout_stack():
     if planned > 0.9 * torch.cuda.get_device_properties(0).total_memory / 2**30:
         pytest.skip(f"the stack needs {planned:.0f} GiB; this GPU is smaller")
     model = bench.fast_init(args, torch.device("cuda"))
-    apply_autocast(model, "bfloat16")
+    apply_autocast(model, training)  # fp32 weights, bf16 compute
     optimizer = build_optimizer(model, Optimizer())
     tokens = torch.randint(0, args.vocab_size, (1, seq + 1), device="cuda")
     with sdpa_kernel(FUSED):

@@ -214,6 +214,10 @@ RULES = [
      "allowed"),
     ({"training.mixed_precision_reduce": "float16"}, 1, "training.mixed_precision_reduce", '"float16"',
      '"float32"', "allowed"),
+    ({"training.dtype": "bf16"}, 1, "training.dtype", '"bf16"', 'did you mean "bfloat16"', "allowed"),
+    # debug_model.toml computes in float32: over pure bf16 parameters that would only upcast them.
+    ({"training.dtype": "bfloat16"}, 1, "training.mixed_precision_param", '"float32"',
+     'mixed_precision_param = "bfloat16" for pure bf16', 'would compute in float32 from bf16 parameters'),
     ({"model.flavor": "17bx16"}, 1, "model.flavor", '"17bx16"', 'did you mean "17bx16e"', "allowed"),
     ({"optimizer.name": "adamw"}, 1, "optimizer.name", '"adamw"', 'did you mean "AdamW"', "allowed"),
     ({"optimizer.implementation": "triton"}, 1, "optimizer.implementation", '"triton"', '"foreach"', "allowed"),
@@ -299,6 +303,16 @@ RULES = [
      "5 pipeline stages (1F1B) on pp(5), but the model has 4 layers"),
     ({"parallelism.pipeline_parallel_degree": 4, "parallelism.pipeline_parallel_schedule": "Interleaved1F1B"}, 4,
      "parallelism.pipeline_parallel_degree", "4", "single-stage schedule", "8 pipeline stages (Interleaved1F1B)"),
+    # forced MoE balance (8 experts, top 1): whole runs of 8 tokens per rank, in every layout
+    ({"model.moe_force_load_balance": True, "training.seq_len": 60}, 1, "model.moe_force_load_balance", "true",
+     "a training.seq_len that makes it a multiple of 8", "only if a sequence holds a multiple of num_experts / "
+     "gcd(num_experts, top_k) = 8 tokens, not 60"),
+    ({"model.moe_force_load_balance": True, "training.seq_len": 72, "parallelism.context_parallel_degree": 2}, 2,
+     "model.moe_force_load_balance", "true", "multiple of 8", "a context-parallel piece (seq_len / 2cp = 72 / 4) "
+     "holds a multiple of num_experts / gcd(num_experts, top_k) = 8 tokens, not 18"),
+    ({"model.moe_force_load_balance": True, "training.seq_len": 24, "parallelism.tensor_parallel_degree": 2,
+      "parallelism.expert_parallel_degree": 2}, 2, "model.moe_force_load_balance", "true", "multiple of 8",
+     "a rank's sequence shard under EP with TP (seq_len / cp / tp = 24 / 1 / 2) holds a multiple"),
     # pipeline schedules, stages and micro-batches
     ({"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_microbatch_size": 8}, 2,
      "parallelism.pipeline_parallel_microbatch_size", "8", ">= 2", "gives 1 micro-batches (local_batch_size 8), "

@@ -136,7 +136,7 @@ def test_tp_all_gathers_move_what_the_dry_run_counts(fake_world, tp, flags):
     4-byte gathers run, and the plain-style figure is what rowwise / no float8 move."""
     cfg = _cfg("--parallelism.tensor_parallel_degree", str(tp), *flags)
     model, _, dims = _tp_model(fake_world, cfg, tp)
-    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    apply_ac(model, cfg.activation_checkpoint)
     model.to_empty(device="cpu")
     model.init_buffers("cpu")
     with torch.no_grad():

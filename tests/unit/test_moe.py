@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torchmoe.models.init import init_parameters
 from torchmoe.models.llama4 import FLAVORS, MoE, update_expert_bias
-from torchmoe.models.llama4.moe import GroupedExperts, TokenChoiceRouter
+from torchmoe.models.llama4.moe import GroupedExperts, TokenChoiceRouter, round_robin_experts
 
 
 def _moe(**overrides) -> MoE:
@@ -73,6 +73,38 @@ def test_router_top_k_and_bias_changes_selection_not_gates():
     top_s, sel_s, _, _ = softmax(x, None)
     assert sel_s.tolist() == [[0]]
     torch.testing.assert_close(top_s, torch.softmax(x, -1)[:, :1])
+
+
+def test_round_robin_is_torchtitans_formula():
+    """Copy j of token t goes to expert (t * k + j) mod E (torchtitan's own test: 5 tokens, top 3
+    of 4 experts)."""
+    assert round_robin_experts(5, 3, 4, torch.device("cpu")).tolist() == \
+        [[0, 1, 2], [3, 0, 1], [2, 3, 0], [1, 2, 3], [0, 1, 2]]
+
+
+def test_forced_balance_ignores_scores_and_bias_but_gates_with_scores():
+    router = TokenChoiceRouter(dim=4, num_experts=4, top_k=2, score_func="sigmoid", force_load_balance=True)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(4))
+    x = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 3)  # the router would pick experts 0 and 1 for all three
+    top, sel, scores, _ = router(x, torch.tensor([9.0, 0.0, 0.0, 0.0]))
+    assert sel.tolist() == [[0, 1], [2, 3], [0, 1]]
+    torch.testing.assert_close(top, scores.gather(-1, sel))  # the selected experts' unbiased scores
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_forced_balance_counts_are_equal_and_leave_the_bias_alone(top_k):
+    """2 x 64 tokens, 8 experts: every expert gets 16 * top_k copies, the bias update sees equal
+    loads (sign(0) = 0), and the balance loss sees the forced routing (uniform fractions: the
+    loss is coeff * mean of the sequences' normalised score sums, here coeff / E * E = coeff)."""
+    moe = _moe(top_k=top_k, moe_force_load_balance=True, load_balance_coeff=0.1, aux_loss_coeff=1.0)
+    x = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(1))
+    moe(x).sum().backward()
+    assert moe.tokens_per_expert.tolist() == [16.0 * top_k] * 8
+    assert moe.last_aux_loss.item() == pytest.approx(1.0)
+    assert moe.router.gate.weight.grad.abs().max() > 0  # the gates (selected scores) still train the router
+    update_expert_bias([moe])
+    assert moe.expert_bias.abs().max().item() == 0
 
 
 def test_scores_after_experts_option():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from torchmoe.config.job_config import Compile
+from torchmoe.config.job_config import ActivationCheckpoint, Compile
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.distributed.compile import DynamoCounts, apply_compile
 from torchmoe.models.llama4 import FLAVORS, Transformer
@@ -58,7 +58,7 @@ def _model(ac_mode: str) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(ARGS)
     model.init_weights(seed=0)
-    apply_ac(model, ac_mode, "op")
+    apply_ac(model, ActivationCheckpoint(mode=ac_mode))
     return model
 
 

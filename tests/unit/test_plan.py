@@ -100,6 +100,22 @@ def test_no_fsdp_means_full_fp32_states_and_autocast_weight_copies():
     assert bf16.params == fp32.params and bf16.fsdp_buffers == 2 * (544 + 1248 + 128) == 2 * (total - 128 - 40)
 
 
+def test_pure_bf16_halves_the_states_and_needs_no_weight_copies():
+    """training.dtype = "bfloat16": weights, gradients and both AdamW moments at 2 bytes. Without
+    FSDP no autocast runs (the weights already are the compute dtype), so no copies and a bf16
+    residual stream; under FSDP the all-gathered units are copies as before."""
+    pure = Training(dtype="bfloat16")
+    total = sum(s.numel for s in param_specs(TINY))
+    one = memory_per_pp_rank(TINY, _dims(), pure, ActivationCheckpoint(), Parallelism())[0]
+    mixed = memory_per_pp_rank(TINY, _dims(), Training(), ActivationCheckpoint(), Parallelism())[0]
+    assert (one.params, one.grads, one.optimizer, one.fsdp_buffers) == (2 * total, 2 * total, 4 * total, 0)
+    assert one.activations < mixed.activations  # bf16 residual stream, no per-matmul input casts
+    sharded = memory_per_pp_rank(TINY, _dims(dp_shard=2, tp=2, ep=2), pure, ActivationCheckpoint(),
+                                 Parallelism())[0]
+    assert (sharded.params, sharded.grads, sharded.optimizer, sharded.fsdp_buffers) == (2 * 588, 2 * 588, 4 * 588,
+                                                                                         6592)
+
+
 def test_cpu_offload_moves_states_to_host():
     cfg = Parallelism(fsdp_cpu_offload=True)
     est = memory_per_pp_rank(TINY, _dims(dp_shard=2), Training(), ActivationCheckpoint(), cfg)[0]
@@ -246,6 +262,24 @@ def test_activations_monotonic_in_ac_mode_batch_and_sharding():
     assert _activations(ActivationCheckpoint(mode="none"), tp=2, dp_shard=4) < none
 
 
+def test_op_sac_leaves_out_the_forced_recompute_shapes():
+    """Per-op SAC saves half of the plain matmul outputs but those per_op_sac_force_recompute_...
+    names, matched by weight shape as the policy matches them (tiny, bf16: 2-byte outputs)."""
+    args = FLAVORS["tiny"]
+
+    def op_sac(*fqns: str) -> list[float]:
+        act = ActivationModel(args, _dims(), a=2, compiled=False, loss_parallel=False, recompute_mm_fqns=fqns)
+        return [act.block_op_sac(i) for i in range(2)]  # dense block 0, MoE block 1
+
+    plain = op_sac()
+    gate = op_sac("moe.router.gate")
+    assert gate[0] == plain[0] and plain[1] - gate[1] == 2 * args.num_experts / 2
+    kv = args.n_kv_heads * args.head_dim  # wk and wv share the weight shape (dim, kv): both go
+    assert [p - k for p, k in zip(plain, op_sac("attention.wk"))] == [2 * 2 * kv / 2] * 2
+    ac = ActivationCheckpoint(mode="selective", per_op_sac_force_recompute_mm_shapes_by_fqns=["moe.router.gate"])
+    assert _activations(ac) < _activations(ActivationCheckpoint(mode="selective"))  # the config reaches it
+
+
 def test_pipeline_first_rank_holds_more_microbatches():
     per_rank = memory_per_pp_rank(FLAVORS["scout"], _dims(pp=4, dp_shard=2),
                                   Training(local_batch_size=8, seq_len=2048),
@@ -329,6 +363,25 @@ def test_dry_run_debug_model_single_rank(tmp_path):
     assert report["params_per_rank"] == report["params_total"]
     assert report["memory_per_rank_gib"]["params"] == pytest.approx(4 * report["params_total"] / GIB)
     assert report["groups"] == {"0": {name: [0] for name in ALL_NAMES}}
+
+
+def test_dry_run_shows_pure_bf16(tmp_path):
+    """The dry run counts 2 bytes per state element under training.dtype = "bfloat16" and says so."""
+    bf16 = ["--training.mixed_precision_param", "bfloat16", "--parallelism.pipeline_parallel_degree", "2",
+            "--training.local_batch_size", "2"]
+    reports, outs = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = _config("debug_model.toml", tmp_path / dtype, *bf16, "--training.dtype", dtype)
+        outs[dtype] = io.StringIO()
+        reports[dtype] = run_dry_run(cfg, 4, console=Console(file=outs[dtype], width=200))
+    pure, mixed = reports["bfloat16"], reports["float32"]
+    for part in ("params", "grads", "optimizer"):
+        assert pure["memory_per_rank_gib"][part] == pytest.approx(mixed["memory_per_rank_gib"][part] / 2)
+    assert pure["expert_state_per_rank_gib"] == pytest.approx(pure["expert_params_per_rank"] * 8 / GIB)
+    assert [s["state_gib"] * 2 for s in pure["pipeline"]["stages"]] == pytest.approx(
+        [s["state_gib"] for s in mixed["pipeline"]["stages"]])
+    assert "bfloat16 weights, gradients and AdamW state" in pure["plan"]["data_parallel"]["detail"]
+    assert "parameters, gradients and optimizer state bfloat16" in outs["bfloat16"].getvalue()
 
 
 def test_dry_run_expert_memory_per_rank_and_context_parallel(tmp_path):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from torchmoe.components.step_breakdown import CATEGORIES, attribute, format_breakdown, step_breakdown
+from torchmoe.config.job_config import ActivationCheckpoint
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.regions import region
@@ -41,7 +42,7 @@ def _tiny_training(compiled: tuple[str, ...] = (), selective_ac: bool = False):
     model = Transformer(FLAVORS["tiny"])
     model.init_weights(seed=0)
     if selective_ac:
-        apply_ac(model, "selective", "op")
+        apply_ac(model, ActivationCheckpoint(mode="selective"))
     for name in compiled:
         model.layers.register_module(name, torch.compile(model.layers[name], backend="aot_eager"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -117,8 +117,21 @@ def test_mapped_keys_set_torchmoes() -> None:
     assert cfg.model.tokenizer_path == cfg.checkpoint.initial_load_path == "./assets/hf/Llama-4-Scout-17B-16E"
     debug = load_job_config(["--config", str(ASSETS / "debug_model.toml")])
     assert (debug.training.seed, debug.training.deterministic) == (42, False)  # [debug]
+    assert not debug.model.moe_force_load_balance
+    # torchmoe's own keys, at the values torchtitan's file lists (its defaults)
+    ac = debug.activation_checkpoint
+    assert (ac.per_op_sac_force_recompute_mm_shapes_by_fqns, ac.early_stop) == (["moe.router.gate"], False)
+    forced = load_job_config(["--config", str(ASSETS / "debug_model.toml"), "--debug.moe_force_load_balance"])
+    assert forced.model.moe_force_load_balance
     assert (debug.training.dataset, debug.lr_scheduler.total_steps, debug.training.gc_freq) == ("c4_test", 10, 50)
     assert not debug.float8.enable  # converters = []
+
+
+def test_training_dtype_is_torchmoes_own(tmp_path: Path) -> None:
+    """torchtitan's pure bf16 key is torchmoe's (same name, same meaning): no mapping, no warning."""
+    notes: list[str] = []
+    cfg = load_job_config(["--config", write_toml(tmp_path, '[training]\ndtype = "bfloat16"\n')], notes=notes)
+    assert cfg.training.dtype == "bfloat16" and cfg.training.mixed_precision_param == "bfloat16" and notes == []
 
 
 def test_hf_assets_path_fills_what_is_not_given(tmp_path: Path) -> None:
@@ -140,10 +153,10 @@ def test_a_torchmoe_key_wins_over_a_mapped_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "warning"), [
-    ("[fault_tolerance]\nenable = true\n", "fault_tolerance.enable = true (a torchtitan key) has no effect in "
-     "torchmoe: torchft is not integrated"),
-    ("[training]\ndtype = \"bfloat16\"\n", 'training.dtype = "bfloat16" (a torchtitan key) has no effect in torchmoe: '
-     "torchmoe keeps parameters and optimizer state in float32"),
+    ("[parallelism]\ncontext_parallel_rotate_method = \"alltoall\"\n", 'context_parallel_rotate_method = "alltoall" '
+     "(a torchtitan key) has no effect in torchmoe: torchmoe's context parallelism has its own"),
+    ("[training]\ngc_debug = true\n", "training.gc_debug = true (a torchtitan key) has no effect in torchmoe: no debug "
+     "mode for the garbage collector"),
     ("[training.dataloader]\nnum_workers = 4\nprefetch_factor = 8\n", "training.dataloader.num_workers = 4"),
     ("[validation.dataloader]\nnum_workers = 2\npin_memory = false\n", "validation.dataloader.num_workers = 2 (a "
      "torchtitan key) has no effect in torchmoe: torchmoe packs batches in the training process"),
@@ -211,6 +224,47 @@ def test_what_torchmoe_cannot_honour_is_one_error(tmp_path: Path, capsys: pytest
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and f"{key} = " in err and problem in err and fix in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("text", "key", "problem", "fix"), [
+    ("[optimizer]\nearly_step_in_backward = true\n", "optimizer.early_step_in_backward",
+     "without clipping by the global gradient norm", "set it to false"),
+    ("[checkpoint]\ninitial_load_model_only = false\n", "checkpoint.initial_load_model_only",
+     "restores the whole training state", "copy its step-N folder into <job.dump_folder>/<checkpoint.folder>/"),
+    ("[checkpoint]\ninitial_load_in_hf_quantized = true\n", "checkpoint.initial_load_in_hf_quantized",
+     "dequantizes quantized Hugging Face weights", "initial_load_in_hf_quantized = false"),
+    ("[parallelism]\npipeline_parallel_first_stage_less_layers = 2\n",
+     "parallelism.pipeline_parallel_first_stage_less_layers", "gives the first pipeline stage blocks for that many "
+     "layers fewer", "module_fqns_per_model_part"),
+    ("[parallelism]\npipeline_parallel_last_stage_less_layers = 0\n",
+     "parallelism.pipeline_parallel_last_stage_less_layers", "gives the last pipeline stage", "leave this key at 1"),
+    ('[parallelism]\npipeline_parallel_schedule_csv = "zb.csv"\n', "parallelism.pipeline_parallel_schedule_csv",
+     "runs the schedule that file lists", "parallelism.pipeline_parallel_schedule"),
+    ("[fault_tolerance]\nenable = true\n", "fault_tolerance.enable", "each group would train alone",
+     "data_parallel_replicate_degree = the number of groups"),
+])
+def test_what_changes_the_numbers_or_memory_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       text: str, key: str, problem: str, fix: str) -> None:
+    """torchtitan keys whose other values change what is trained and that torchmoe does not
+    implement: one error, in the file or on the command line."""
+    assert cli.main(["train", "--config", write_toml(tmp_path, text), "--dry-run", "--job.dump_folder",
+                     str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f"{key} = " in err and problem in err and fix in err, err
+    assert "(a torchtitan key torchmoe does not implement)" in err and "Traceback" not in err
+    leaf, _, value = text.splitlines()[1].partition(" = ")
+    assert cli.main(["train", f"--{key}", value.strip('"'), "--dry-run", "--job.dump_folder",
+                     str(tmp_path / "out")]) == 2
+    assert f"{key} = " in capsys.readouterr().err
+
+
+def test_per_op_sac_names_must_name_a_block_linear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--activation_checkpoint.mode", "selective", "--dry-run", "--job.dump_folder",
+                     str(tmp_path), "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns",
+                     "router.gates"]) == 2
+    err = capsys.readouterr().err
+    assert '"router.gates" is in the name of no nn.Linear of a transformer block' in err
+    assert "moe.router.gate" in err  # the fix lists the block's linears
 
 
 @pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "qwen3"])

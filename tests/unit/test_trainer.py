@@ -78,3 +78,20 @@ def test_one_process_computes_in_the_requested_dtype(tmp_path: Path, dtype: str)
     trainer.optimizer.step()
     states = {v.dtype for state in trainer.optimizer.state.values() for k, v in state.items() if k != "step"}
     assert states == {torch.float32}
+
+
+def test_pure_bf16_keeps_weights_gradients_and_optimizer_state_in_bf16(tmp_path: Path) -> None:
+    """training.dtype = "bfloat16" on one process: every parameter, gradient and AdamW moment is
+    bf16 and the blocks compute in bf16 without autocast; the buffers that must stay exact keep
+    their dtype (router bias and token counts fp32, RoPE table complex64)."""
+    trainer = _trainer(tmp_path, "--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16")
+    assert trainer.model.autocast_dtype is None
+    got = compute_dtypes(trainer)
+    assert got["q_proj"] == got["experts"] == got["params"] == got["grads"] == ["torch.bfloat16"]
+    trainer.optimizer.step()
+    states = {k: {v.dtype for state in trainer.optimizer.state.values() for key, v in state.items() if key == k}
+              for k in ("exp_avg", "exp_avg_sq")}
+    assert states == {"exp_avg": {torch.bfloat16}, "exp_avg_sq": {torch.bfloat16}}
+    buffers = {name.rpartition(".")[2]: b.dtype for name, b in trainer.model.named_buffers()}
+    assert buffers == {"freqs_cis": torch.complex64, "expert_bias": torch.float32, "tokens_per_expert": torch.float32}
+    assert torch.get_default_dtype() == torch.float32  # the model was built in bf16, the process left as it was

@@ -44,6 +44,8 @@ class Model:
     """Coefficient of the sequence-wise load-balancing auxiliary loss (0 = off)."""
     z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (0 = off)."""
+    moe_force_load_balance: bool = False
+    """For performance work (torchtitan's debug.moe_force_load_balance): route round-robin instead of by the router's top-k, each rank's t-th token of an MoE call to experts (t * top_k + j) mod num_experts, j < top_k, gated by the router's scores there. Every expert gets exactly as many tokens in every layout (a sequence length that does not allow it is refused); the model trained is not the router's."""
 
 
 @dataclass
@@ -110,8 +112,10 @@ class Training:
     """Start every document with the tokenizer's BOS token, as torchtitan does; false: only the EOS after each document separates them."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps and never inside a step (0 = Python's automatic collection)."""
+    dtype: str = "float32"
+    """Dtype of the parameters, their gradients and the optimizer state (torchtitan's key): 'float32' (fp32 master weights; compute in mixed_precision_param) or 'bfloat16' (pure bf16: half their bytes, no fp32 copy, so mixed_precision_param must be 'bfloat16' too). Norms, RoPE, router scores and the loss compute in fp32 either way."""
     mixed_precision_param: str = "bfloat16"
-    """Compute dtype, 'bfloat16' or 'float32': FSDP/HSDP/DDP cast parameters to it; other layouts run the forward under torch.autocast in it. Master weights and gradients stay fp32."""
+    """Compute dtype, 'bfloat16' or 'float32': FSDP/HSDP/DDP cast parameters to it; other layouts run the forward under torch.autocast in it (none when it is training.dtype). Parameters, gradients and optimizer state are in training.dtype."""
     mixed_precision_reduce: str = "float32"
     """Dtype of gradient reduction under FSDP/HSDP/DDP: 'float32' or 'bfloat16'; no effect without them (no gradient is reduced)."""
     device: str = ""
@@ -196,6 +200,10 @@ class ActivationCheckpoint:
     """'none', 'selective' or 'full'."""
     selective_ac_option: str = "op"
     """For selective: 'op' (save matmul outputs per policy) or an integer n (checkpoint every n-th block)."""
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=list)
+    """For selective 'op': matmuls whose weight has the shape of a block's nn.Linear whose name (e.g. layers.1.moe.router.gate) contains one of these are always recomputed, and left out of the every-second-matmul count (torchtitan's key; its default is ["moe.router.gate"])."""
+    early_stop: bool = True
+    """End each block's recomputation as soon as the tensors its backward needs are recomputed (torch.utils.checkpoint's early_stop; torchtitan's key, whose default is false: the whole block is rerun)."""
 
 
 @dataclass

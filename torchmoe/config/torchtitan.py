@@ -3,21 +3,27 @@
     python -c "from torchmoe.config.torchtitan import translate; print(translate('debug.seed', 7))"
 
 Most of torchtitan's keys are torchmoe's own under the same name (`training.steps`,
-`parallelism.tensor_parallel_degree`, `checkpoint.load_step`, ...) and `loader.py` reads them
-as such. This module holds the other 61, each either
+`training.dtype`, `activation_checkpoint.early_stop`, `checkpoint.load_step`, ...) and
+`loader.py` reads them as such. This module holds the other 58, each either
 
 - **mapped** onto the torchmoe keys that do the same (`debug.seed` is `training.seed`,
   `[quantize.linear.float8]` is `[float8]`, `model.converters = ["quantize.linear.float8"]` is
-  `float8.enable`), or
-- **without effect** here, with the reason. Such a key is accepted; set to anything but
-  torchtitan's default it gets one warning line saying why it does nothing (a default value
-  asks for nothing, so it stays quiet: torchtitan's own files list many keys at their defaults).
-  Keys that only tune a feature switched on elsewhere (`[fault_tolerance]` but `enable`, the MX
-  and grouped-GEMM tables, which only a refused converter reads) never warn: the switch does.
+  `float8.enable`, `debug.moe_force_load_balance` is `model.moe_force_load_balance`), or
+- **refused** unless at torchtitan's default: what its other values do changes the numbers
+  trained or the memory of a rank, and torchmoe does not do it (`optimizer.early_step_in_backward`,
+  a full-state `checkpoint.initial_load_model_only = false`, `[fault_tolerance] enable`, the
+  pipeline split and schedule-file keys, ...). One `ConfigError` (exit 2) names the key, its value,
+  what torchtitan would do and the fix; or
+- **without effect** here, with the reason: keys of speed, logging and tooling. Such a key is
+  accepted; set to anything but torchtitan's default it gets one warning line saying why it does
+  nothing (a default value asks for nothing, so it stays quiet: torchtitan's own files list many
+  keys at their defaults). Keys that only tune a feature switched on elsewhere (`[fault_tolerance]`
+  but `enable`, the MX and grouped-GEMM tables, which only a refused converter reads) never warn:
+  the switch does.
 
-A value that asks for something torchmoe cannot do and that would change what is trained (MX
-formats; and, checked with torchmoe's own keys, 2-D expert sharding or
-another model family) is a `ConfigError`, never a warning.
+Other values that ask for something torchmoe cannot do and that would change what is trained (MX
+formats; and, checked with torchmoe's own keys, 2-D expert sharding or another model family) are
+`ConfigError`s too, never warnings.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 from torchmoe.config.errors import ConfigError, show_value
 
-__all__ = ["TORCHTITAN_KEYS", "Mapped", "NoEffect", "translate"]
+__all__ = ["TORCHTITAN_KEYS", "Mapped", "NoEffect", "Refused", "translate"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,18 @@ class Mapped:
     typ: Any
     to: Callable[[Any], dict[str, Any]]
     means: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A torchtitan key whose other values change what is trained (the numbers, or the memory of
+    a rank) in a way torchmoe does not do: any value but torchtitan's `default` is a
+    `ConfigError` saying `why` (what torchtitan would do) and the `fix`."""
+
+    typ: Any
+    default: Any
+    why: str
+    fix: str
 
 
 @dataclass(frozen=True)
@@ -88,10 +106,9 @@ _LOADER = "torchmoe packs batches in the training process, a few documents ahead
 _CP = "torchmoe's context parallelism has its own load balance (head and tail chunks per rank) and exchange"
 _FT = "torchft is not integrated; a failed rank ends the job, and torchrun restarts resume from the newest checkpoint"
 _PLUGINS = "torchmoe has no plugin modules: its configs and models are its own"
-_SAC = "torchmoe's selective AC has its own policy (saves matmul outputs, recomputes the rest)"
 _MX = "MX formats are not supported (a model.converters entry for them is refused)"
 
-TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
+TORCHTITAN_KEYS: dict[str, Mapped | Refused | NoEffect] = {
     # [job]
     "job.config_file": NoEffect(str, "", "the file is the one passed with --config (or --job.config_file)"),
     "job.save_config_file": NoEffect(str, "", "every run writes its resolved config to <dump_folder>/config.toml"),
@@ -104,12 +121,12 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
                                '(of the modules `quantize.grouped_mm.float8.fqns` names); the MX converters are '
                                'refused'),
     # [optimizer]
-    "optimizer.early_step_in_backward": NoEffect(bool, False, "torchmoe steps the optimizer after the backward, "
-                                                 "which gradient clipping needs"),
+    "optimizer.early_step_in_backward": Refused(
+        bool, False, "torchtitan then steps each parameter in its gradient hook during the backward, without "
+        "clipping by the global gradient norm: other numbers than torchmoe's clip-then-step",
+        "set it to false (torchmoe steps after the backward, clipping at training.max_norm)"),
     # [training]
     "training.enable_cpu_offload": _alias(bool, "parallelism.fsdp_cpu_offload"),
-    "training.dtype": NoEffect(str, "float32", "torchmoe keeps parameters and optimizer state in float32 "
-                               "and computes in training.mixed_precision_param"),
     "training.gc_debug": NoEffect(bool, False, "no debug mode for the garbage collector (training.gc_freq sets "
                                   "how often it runs)"),
     "training.dataloader.num_workers": NoEffect(int, 0, _LOADER),
@@ -117,14 +134,15 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     "training.dataloader.pin_memory": NoEffect(bool, False, _LOADER),
     "training.dataloader.prefetch_factor": NoEffect(int, TUNES, _LOADER),
     # [parallelism]
-    "parallelism.pipeline_parallel_first_stage_less_layers": NoEffect(
-        int, 1, "stages are split by torchmoe's cost model, or by pipeline_parallel_layers_per_stage / "
-        "module_fqns_per_model_part"),
-    "parallelism.pipeline_parallel_last_stage_less_layers": NoEffect(
-        int, 1, "stages are split by torchmoe's cost model, or by pipeline_parallel_layers_per_stage / "
-        "module_fqns_per_model_part"),
-    "parallelism.pipeline_parallel_schedule_csv": NoEffect(str, "", "schedules come from "
-                                                           "parallelism.pipeline_parallel_schedule only"),
+    **{f"parallelism.pipeline_parallel_{end}_stage_less_layers": Refused(
+        int, 1, f"torchtitan's layer-count split then gives the {end} pipeline stage blocks for that many layers "
+        "fewer: another split, and other memory per rank, than torchmoe's cost model",
+        "set the stages yourself with parallelism.module_fqns_per_model_part (or pipeline_parallel_layers_per_stage) "
+        "and leave this key at 1") for end in ("first", "last")},
+    "parallelism.pipeline_parallel_schedule_csv": Refused(
+        str, "", "torchtitan then runs the schedule that file lists: another order of micro-batches, and other "
+        "activations in flight per rank, than a named schedule", "choose a schedule by name with "
+        "parallelism.pipeline_parallel_schedule and leave pipeline_parallel_schedule_csv empty"),
     "parallelism.pipeline_parallel_expert_parallel_overlap": NoEffect(
         bool, True, "torchmoe does not overlap the EP all-to-all with DualPipeV's other micro-batch"),
     "parallelism.context_parallel_load_balancer": NoEffect(str, "headtail", _CP),
@@ -133,14 +151,16 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
                                                          "all-to-all over the ep group (no DeepEP)"),
     # [checkpoint]
     "checkpoint.enable_ft_dataloader_checkpoints": NoEffect(bool, True, _FT),
-    "checkpoint.initial_load_model_only": NoEffect(bool, True, "initial_load_path always gives the weights "
-                                                   "only; optimizer state comes from the run's own checkpoints"),
-    "checkpoint.initial_load_in_hf_quantized": NoEffect(bool, False, "Hugging Face weights load in floating "
-                                                        "point only (quantized safetensors are refused when read)"),
+    "checkpoint.initial_load_model_only": Refused(
+        bool, True, "torchtitan then restores the whole training state (optimizer, schedule, data position, "
+        "step) from checkpoint.initial_load_path; torchmoe loads only the weights from there",
+        "to continue a run's full state, copy its step-N folder into <job.dump_folder>/<checkpoint.folder>/ (a run "
+        "resumes from the newest there); for the weights alone, set initial_load_model_only = true"),
+    "checkpoint.initial_load_in_hf_quantized": Refused(
+        bool, False, "torchtitan then dequantizes quantized Hugging Face weights (FP8 blocks) as it loads them; "
+        "torchmoe reads floating-point safetensors only",
+        "load a bf16 or fp32 Hugging Face checkpoint, with initial_load_in_hf_quantized = false"),
     # [activation_checkpoint]
-    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": NoEffect(
-        list[str], ["moe.router.gate"], _SAC),
-    "activation_checkpoint.early_stop": NoEffect(bool, False, _SAC),
     "activation_checkpoint.memory_budget": NoEffect(float, 0.5, "the memory_budget mode is not supported "
                                                     "(use selective or full)"),
     "activation_checkpoint.visualize_memory_budget_pareto": NoEffect(bool, False, "the memory_budget mode is "
@@ -168,7 +188,11 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
                                          "(and every real run is checked against it before it starts)"),
     "memory_estimation.disable_fake_mode": NoEffect(bool, False, "see memory_estimation.enable"),
     # [fault_tolerance]
-    "fault_tolerance.enable": NoEffect(bool, False, _FT),
+    "fault_tolerance.enable": Refused(
+        bool, False, "torchtitan then trains each replica group as a job of its own and averages the groups "
+        "through torchft (every step, or by semi_sync_method); torchmoe trains one world, so each group would "
+        "train alone on its own batches", "run one torchmoe job over every group's ranks (HSDP: "
+        "parallelism.data_parallel_replicate_degree = the number of groups) with fault_tolerance.enable = false"),
     **{f"fault_tolerance.{key}": NoEffect(typ, TUNES, _FT) for key, typ in (
         ("process_group", str), ("process_group_timeout_ms", int), ("replica_id", int), ("group_size", int),
         ("min_replica_size", int), ("semi_sync_method", str))},
@@ -185,8 +209,7 @@ TORCHTITAN_KEYS: dict[str, Mapped | NoEffect] = {
     "debug.deterministic": _alias(bool, "training.deterministic"),
     "debug.deterministic_warn_only": NoEffect(bool, False, "training.deterministic makes a nondeterministic "
                                               "op an error, never a warning"),
-    "debug.moe_force_load_balance": NoEffect(bool, False, "routing is always the router's (no forced "
-                                             "round-robin balance)"),
+    "debug.moe_force_load_balance": _alias(bool, "model.moe_force_load_balance"),
 }
 
 # torchtitan's sections that torchmoe lacks; a key under them is looked up in TORCHTITAN_KEYS.
@@ -199,6 +222,10 @@ def translate(key: str, value: Any) -> tuple[dict[str, Any], str | None]:
     entry = TORCHTITAN_KEYS[key]
     if isinstance(entry, Mapped):
         return entry.to(value), None
+    if isinstance(entry, Refused):
+        if value != entry.default:
+            raise ConfigError(key, value, f"{entry.why} (a torchtitan key torchmoe does not implement)", entry.fix)
+        return {}, None
     if entry.default is TUNES or value == entry.default:
         return {}, None
     return {}, f"{key} = {show_value(value)} (a torchtitan key) has no effect in torchmoe: {entry.why}"

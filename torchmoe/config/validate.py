@@ -162,7 +162,15 @@ def validate_training(training: Training) -> None:
         raise ConfigError("training.max_norm", training.max_norm, "must be a finite number",
                           "set a positive clipping norm, or 0 to disable clipping")
     _check_dataset("training", training.dataset, training.dataset_path)
+    one_of("training.dtype", training.dtype, PARAM_DTYPES)
     one_of("training.mixed_precision_param", training.mixed_precision_param, PARAM_DTYPES)
+    if training.dtype == "bfloat16" and training.mixed_precision_param != "bfloat16":
+        # FSDP/DDP would all-gather fp32 copies of bf16 weights: memory spent, no precision gained.
+        raise ConfigError("training.mixed_precision_param", training.mixed_precision_param,
+                          'would compute in float32 from bf16 parameters (training.dtype = "bfloat16"): '
+                          "the upcast copies cost memory and give back no precision the weights lost",
+                          'set mixed_precision_param = "bfloat16" for pure bf16, or training.dtype = "float32" '
+                          "for fp32 weights")
     one_of("training.mixed_precision_reduce", training.mixed_precision_reduce, REDUCE_DTYPES)
     one_of("training.device", training.device, DEVICES)
     _at_least("training.gc_freq", training.gc_freq, 0, "collect every N steps, or 0 for Python's automatic collection")

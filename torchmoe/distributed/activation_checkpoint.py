@@ -1,7 +1,14 @@
-"""Activation checkpointing per transformer block: full, selective per layer, selective per op."""
+"""Activation checkpointing per transformer block: full, selective per layer, selective per op.
+
+The per-op policy saves what is expensive to recompute (attention, grouped GEMMs, collectives) and
+every second plain matmul. Matmuls whose weight has the shape of a linear named by
+``per_op_sac_force_recompute_mm_shapes_by_fqns`` are always recomputed and left out of that count
+(torchtitan's rule, by shape: a matmul's operands carry no module name).
+"""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -9,6 +16,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from torchmoe.config.job_config import ActivationCheckpoint
 from torchmoe.ops.attention import PREFIXED_ATTENTION
 
 # Outputs saved by per-op selective AC: expensive to recompute, small relative to their cost.
@@ -59,40 +67,64 @@ class _Cached(_SkipProfilerOps, _CachedTorchDispatchMode):
     """SAC's recompute-side mode (replays the records)."""
 
 
-def _op_policy_context():
+def op_sac_policy(recompute_shapes: frozenset[tuple[int, int]]):
+    """The per-op selective AC policy of one block's forward (and its recompute).
+
+    Args:
+        recompute_shapes: (in, out) shapes of matmul weight operands (``x @ weight.T``: a
+            DTensor's full shape) whose matmuls are always recomputed and not counted.
+    """
     counts: dict[str, int] = defaultdict(int)
 
     def policy(ctx, func, *args, **kwargs):
         if func in _SAVE_ALWAYS:
             return CheckpointPolicy.MUST_SAVE
         if func in _MM:
+            if tuple(args[1].shape) in recompute_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
             # Forward and recompute count separately so both make the same decisions.
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
             return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
+    return policy
+
+
+def _op_policy_context(recompute_shapes: frozenset[tuple[int, int]]):
+    """SAC's two dispatch modes for one checkpointed call of a block, sharing one storage."""
     storage: dict = defaultdict(dict)  # shared by the two modes, as in create_selective_checkpoint_contexts
-    return _Caching(policy, storage), _Cached(None, storage)
+    return _Caching(op_sac_policy(recompute_shapes), storage), _Cached(None, storage)
 
 
-def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
-    """Wrap the blocks of `model` (a `Transformer` or pipeline stage) in place.
+def forced_recompute_shapes(block: nn.Module, prefix: str, fqns: list[str]) -> frozenset[tuple[int, int]]:
+    """(in, out) features of `block`'s nn.Linear layers whose full name (`prefix` + their name in
+    the block) contains one of `fqns`: the weight operand shape of their matmuls."""
+    shapes = set()
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear) and any(f in f"{prefix}.{name}" for f in fqns):
+            out_features, in_features = module.weight.shape  # a DTensor's full shape, as the policy sees it
+            shapes.add((in_features, out_features))
+    return frozenset(shapes)
 
-    Args:
-        mode: 'none', 'full' (recompute whole blocks) or 'selective'.
-        selective_option: for 'selective', 'op' (per-op policy: save attention, grouped GEMM,
-            every second matmul) or an integer n (fully checkpoint every n-th block).
-    """
-    if mode == "none":
+
+def apply_ac(model: nn.Module, ac_cfg: ActivationCheckpoint) -> None:
+    """Wrap the blocks of `model` (a `Transformer` or pipeline stage) in place, as `ac_cfg` says:
+    'full' recomputes whole blocks; 'selective' either runs the per-op policy ('op': save
+    attention, grouped GEMMs, collectives and every second matmul) or fully checkpoints every
+    n-th block. ``early_stop`` ends each recomputation once what backward needs is recomputed."""
+    if ac_cfg.mode == "none":
         return
+    option, forced = ac_cfg.selective_ac_option, ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns
+    wrap = functools.partial(checkpoint_wrapper, preserve_rng_state=False, early_stop=ac_cfg.early_stop)
     for i, (name, block) in enumerate(list(model.layers.items())):
-        if mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif selective_option == "op":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_op_policy_context)
-        elif i % int(selective_option) == 0:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        if ac_cfg.mode == "full":
+            wrapped = wrap(block)
+        elif option == "op":
+            shapes = forced_recompute_shapes(block, f"layers.{name}", forced)
+            wrapped = wrap(block, context_fn=functools.partial(_op_policy_context, shapes))
+        elif i % int(option) == 0:
+            wrapped = wrap(block)
         else:
             continue
         model.layers.register_module(name, wrapped)

@@ -3,11 +3,13 @@ or DDP (``replicate``) when only ``dp_replicate > 1``; and the mixed precision o
 without any (`apply_autocast`).
 
 Mixed precision: FSDP2 and DDP's ``replicate`` (built on FSDP2) take a ``MixedPrecisionPolicy``
-that casts the fp32 parameters to ``training.mixed_precision_param`` when they are gathered, so
-the whole forward and backward run in it (the residual stream included) and the gradients come
-back fp32. Layouts with neither (one process, TP, EP or PP alone) run the model's forward under
-``torch.autocast`` in that dtype instead: matmul-like ops compute in it, elementwise ops and the
-residual stream stay fp32, parameters and gradients are fp32.
+that casts the parameters (``training.dtype``) to ``training.mixed_precision_param`` when they are
+gathered, so the whole forward and backward run in it (the residual stream included) and the
+gradients come back in the parameters' dtype. Layouts with neither (one process, TP, EP or PP
+alone) run the model's forward under ``torch.autocast`` in that dtype instead when it is below
+the parameters' (fp32 parameters, bf16 compute): matmul-like ops compute in it, elementwise ops
+and the residual stream stay fp32. Pure bf16 parameters (``training.dtype = "bfloat16"``) need
+neither cast: the policy's dtype is theirs, and no autocast is entered.
 
 Gradients are *summed* across data-parallel ranks (divide factor 1): the trainer normalises each
 micro-batch's loss by the token count of the whole global batch, so the sum is the exact
@@ -22,6 +24,8 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+
+from torchmoe.config.job_config import Training
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,9 +164,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce
     _sum_gradients(model)
 
 
-def apply_autocast(model: nn.Module, param_dtype: str) -> None:
-    """Run `model`'s forward (and so its backward) under ``torch.autocast`` in `param_dtype`, for
-    layouts where no FSDP/DDP policy casts the parameters. Never together with FSDP/DDP: their
-    policy already casts, and autocast would only add casts of the cast. fp32 leaves the model
-    as it is."""
-    model.autocast_dtype = None if param_dtype == "float32" else _DTYPES[param_dtype]
+def apply_autocast(model: nn.Module, training_cfg: Training) -> None:
+    """Run `model`'s forward (and so its backward) under ``torch.autocast`` in
+    ``mixed_precision_param``, for layouts where no FSDP/DDP policy casts the parameters. Never
+    together with FSDP/DDP: their policy already casts, and autocast would only add casts of the
+    cast. A compute dtype equal to the parameters' (``dtype``: fp32, or pure bf16) leaves the
+    model as it is."""
+    compute = training_cfg.mixed_precision_param
+    model.autocast_dtype = None if compute == training_cfg.dtype else _DTYPES[compute]

@@ -38,7 +38,14 @@ from torchmoe.plan.pipeline import (
     rank_param_specs,
     stage_costs,
 )
-from torchmoe.plan.memory import GIB, MemoryEstimate, compute_dtype_bytes, memory_per_pp_rank
+from torchmoe.plan.memory import (
+    GIB,
+    MemoryEstimate,
+    autocast_enabled,
+    compute_dtype_bytes,
+    memory_per_pp_rank,
+    state_bytes_per_param,
+)
 from torchmoe.plan.tp_comm import TPGatherBytes, float8_linear_names, tp_gather_bytes
 
 # Longer member lists are abbreviated when printed, and in the JSON beyond _JSON_MEMBERS.
@@ -175,19 +182,19 @@ def _ranges(ids: list[int]) -> str:
 
 def _data_parallel_detail(cfg: JobConfig, dims: ParallelDims) -> str:
     t = cfg.training
+    states = f"{t.dtype} weights, gradients and AdamW state"
     if dims.fsdp_enabled:
         kind = f"HSDP (replicate over dp_replicate={dims.dp_replicate}, shard within)" if dims.hsdp_enabled else "FSDP"
         return (f"{kind}: dense params over dp_shard_cp={dims.dp_shard_cp}, routed experts over "
-                f"efsdp={dims.efsdp}; compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}; "
-                f"reshard after forward: {cfg.parallelism.fsdp_reshard_after_forward}"
+                f"efsdp={dims.efsdp}; {states}; compute {t.mixed_precision_param}, reduce "
+                f"{t.mixed_precision_reduce}; reshard after forward: {cfg.parallelism.fsdp_reshard_after_forward}"
                 + ("; CPU offload" if cfg.parallelism.fsdp_cpu_offload else ""))
     if dims.ddp_enabled:
-        return (f"DDP over dp_replicate={dims.dp_replicate}; compute {cfg.training.mixed_precision_param}, "
-                f"reduce {cfg.training.mixed_precision_reduce}")
-    if t.mixed_precision_param == "float32":
-        return "off (one data-parallel rank); compute float32"
-    return (f"off (one data-parallel rank); compute {t.mixed_precision_param} under torch.autocast, fp32 "
-            "weights and gradients (nothing to reduce: mixed_precision_reduce has no effect)")
+        return (f"DDP over dp_replicate={dims.dp_replicate}; {states}; compute {t.mixed_precision_param}, "
+                f"reduce {t.mixed_precision_reduce}")
+    autocast = " under torch.autocast" if autocast_enabled(dims, t) else ""
+    return (f"off (one data-parallel rank); {states}; compute {t.mixed_precision_param}{autocast} (nothing to "
+            "reduce: mixed_precision_reduce has no effect)")
 
 
 def _pipeline_detail(cfg: JobConfig, dims: ParallelDims, pipe: PipelineLayout) -> str:
@@ -202,7 +209,8 @@ def _pipeline_detail(cfg: JobConfig, dims: ParallelDims, pipe: PipelineLayout) -
 def pipeline_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict:
     """Per stage: its blocks, pp rank, FLOPs per token and per-rank state bytes; their max/mean
     imbalance; the schedule's bubble. What `dry_run.json` holds under ``pipeline``."""
-    flops, state, ends = layer_costs(args, dims, cfg.training.seq_len)
+    flops, state, ends = layer_costs(args, dims, cfg.training.seq_len,
+                                     state_bytes_per_param=state_bytes_per_param(cfg.training))
     costs = stage_costs(pipe.layers, flops, state, ends)
     rank_of = {s: r for r, stages in enumerate(pipe.ranks) for s in stages}
     n, _ = microbatches(cfg.training, cfg.parallelism)
@@ -289,8 +297,8 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         "params_active": counts["active"],
         "params_per_rank": params_per_rank,
         "expert_params_per_rank": expert_params_per_rank,
-        # fp32 master weights + fp32 gradients + two fp32 AdamW states = 16 bytes per stored element.
-        "expert_state_per_rank_gib": expert_params_per_rank * 16 / GIB,
+        # Weights, gradients and two AdamW states in training.dtype: 16 bytes per stored element in fp32.
+        "expert_state_per_rank_gib": expert_params_per_rank * state_bytes_per_param(cfg.training) / GIB,
         "flops_per_token": args.flops_per_token(cfg.training.seq_len),
         "memory_per_rank_gib": memory.gib(),
         "memory_pp_rank": memory.pp_rank,
@@ -366,7 +374,8 @@ def _print_report(console: Console, cfg: JobConfig, job: JobPlan, compute_bytes:
     console.print(f"FLOPs per token (fwd+bwd, seq_len {cfg.training.seq_len}): {report['flops_per_token']:.4g}")
 
     gib = memory.gib()
-    console.print(f"memory per rank (estimate for the fullest pp rank, {memory.pp_rank}; compute dtype {dtype}):")
+    console.print(f"memory per rank (estimate for the fullest pp rank, {memory.pp_rank}; compute dtype {dtype}, "
+                  f"parameters, gradients and optimizer state {cfg.training.dtype}):")
     table = Table()
     table.add_column("part")
     table.add_column("GiB", justify="right")

@@ -11,20 +11,23 @@ is estimated and the fullest one reported. The total is a sum of peaks (paramete
 state, gradients, transient FSDP buffers and peak activations), an upper bound: sharded
 gradients of late blocks appear only as early blocks' activations are freed.
 
-Dtypes. Parameters are kept fp32 and sharded (the "master" copy); matmuls compute in
-``training.mixed_precision_param`` in every layout. Under FSDP2 (whenever
-`ParallelDims.fsdp_enabled`) each FSDP unit (one transformer block, the embedding, final norm +
-output head) is all-gathered into an unsharded copy in that dtype, and its unsharded gradients
-are produced in that dtype and cast to ``mixed_precision_reduce`` for the reduce-scatter; DDP
-casts its parameters the same way, so the whole forward (the residual stream too) runs in it.
-Other layouts (one rank, TP, EP or PP alone) run under ``torch.autocast`` (bf16 requested): it
-casts each matmul weight once per forward (a compute-dtype copy of every matmul weight is alive
-through the forward, counted in ``fsdp_buffers``) and each matmul input at every use, while the
-residual stream and norms stay fp32.
+Dtypes. Parameters, their gradients and AdamW's two moments are kept sharded in
+``training.dtype``: p = 4 bytes each for fp32 (the "master" copy of mixed precision), 2 for pure
+bf16. Matmuls compute in ``training.mixed_precision_param`` in every layout (bf16 whenever the
+parameters are). Under FSDP2 (whenever `ParallelDims.fsdp_enabled`) each FSDP unit (one
+transformer block, the embedding, final norm + output head) is all-gathered into an unsharded
+copy in that dtype, and its unsharded gradients are produced in that dtype and cast to
+``mixed_precision_reduce`` for the reduce-scatter; DDP casts its parameters the same way, so the
+whole forward (the residual stream too) runs in it.
+Other layouts (one rank, TP, EP or PP alone) with fp32 parameters run under ``torch.autocast``
+(bf16 requested): it casts each matmul weight once per forward (a compute-dtype copy of every
+matmul weight is alive through the forward, counted in ``fsdp_buffers``) and each matmul input at
+every use, while the residual stream and norms stay fp32. Pure bf16 parameters need no autocast:
+those layouts then compute like FSDP's, with a bf16 residual stream and no parameter copies.
 
-    params       = 4 B x sharded elements
-    grads        = 4 B x sharded elements        (fp32, sharded after reduce-scatter)
-    optimizer    = 8 B x sharded elements        (AdamW/Adam: exp_avg and exp_avg_sq, fp32)
+    params       = p x sharded elements
+    grads        = p x sharded elements          (sharded after reduce-scatter, cast back to p)
+    optimizer    = 2p x sharded elements         (AdamW/Adam: exp_avg and exp_avg_sq)
     fsdp_buffers = compute-dtype copies of parameters: under FSDP
                    reshard after forward:  max_i (U_i + max(U_i-1, U_i+1) + G_i)
                    kept unsharded (PP's default, or "never"): sum_i U_i + max_i G_i
@@ -32,8 +35,9 @@ residual stream and norms stay fp32.
         prefetched (the next one in forward, the previous one in backward), and in backward holds
         its unsharded gradients. U_i = c x the unit's TP/EP-local elements, G_i = (c + r if r != c
         else c) x the same (the gradients, and their cast for the reduce-scatter); c / r = bytes
-        of the param / reduce dtype. Under autocast: c x the rank's matmul weights (all but
-        norms and an untied embedding); 0 in fp32.
+        of the compute / reduce dtype (c = p: the all-gather needs no cast, its output is still
+        a copy). Under autocast: c x the rank's matmul weights (all but norms and an untied
+        embedding); 0 without autocast (compute in the parameters' dtype).
 
 With ``parallelism.fsdp_cpu_offload`` the sharded params, grads and optimizer state live in host
 memory instead (reported as ``host``, not in the device total).
@@ -85,8 +89,10 @@ head is never checkpointed):
     full:      only its input, r*D/tp
     selective: "op" saves the input and what the op policy marks must-save (sdpa output + lse,
                grouped-GEMM outputs, TP reduce-scatter and EP all-to-all outputs) plus half of the
-               plain matmul outputs (it saves every second mm); an integer n fully checkpoints
-               blocks 0, n, 2n, ... of the stage and saves the others whole.
+               plain matmul outputs (it saves every second mm) but those of the shapes
+               per_op_sac_force_recompute_mm_shapes_by_fqns names (always recomputed); an
+               integer n fully checkpoints blocks 0, n, 2n, ... of the stage and saves the
+               others whole. early_stop changes neither what is saved nor the working set below.
 
 Peak activations of a pp rank = the most saved bytes of (stage, micro-batch) pairs alive at once
 + the backward working set of the largest block (2 x full - saved: recomputed activations and
@@ -149,10 +155,20 @@ def compute_dtype_bytes(training_cfg: Training) -> int:
     return _DTYPE_BYTES[training_cfg.mixed_precision_param]
 
 
+def param_dtype_bytes(training_cfg: Training) -> int:
+    """Bytes per element of the parameters, their gradients and the optimizer state: ``dtype``."""
+    return _DTYPE_BYTES[training_cfg.dtype]
+
+
+def state_bytes_per_param(training_cfg: Training) -> int:
+    """Bytes one stored parameter element costs with its gradient and the two AdamW moments."""
+    return (2 + _OPTIMIZER_STATES) * param_dtype_bytes(training_cfg)
+
+
 def autocast_enabled(dims: ParallelDims, training_cfg: Training) -> bool:
-    """The forward runs under torch.autocast: a lower compute dtype, and no FSDP/DDP policy to
-    cast the parameters (`distributed.data_parallel.apply_autocast`)."""
-    return not dims.mp_policy_enabled and compute_dtype_bytes(training_cfg) != 4
+    """The forward runs under torch.autocast: a compute dtype below the parameters', and no
+    FSDP/DDP policy to cast them (`distributed.data_parallel.apply_autocast`)."""
+    return not dims.mp_policy_enabled and compute_dtype_bytes(training_cfg) != param_dtype_bytes(training_cfg)
 
 
 def residual_dtype_bytes(dims: ParallelDims, training_cfg: Training) -> int:
@@ -209,6 +225,8 @@ class ActivationModel:
         loss_parallel: the loss runs on vocab-sharded logits.
         seq_len: tokens per whole sequence (context parallelism decides what attention keeps
             from it; unused with cp == 1).
+        recompute_mm_fqns: ``per_op_sac_force_recompute_mm_shapes_by_fqns``: the per-op policy
+            recomputes every matmul with the weight shape of a linear these name.
     """
 
     args: ModelArgs
@@ -218,6 +236,7 @@ class ActivationModel:
     loss_parallel: bool
     seq_len: int = 0
     autocast: bool = False
+    recompute_mm_fqns: tuple[str, ...] = ()
 
     @property
     def r(self) -> int:
@@ -263,19 +282,40 @@ class ActivationModel:
         total += k * f * (4 * m.dim + 2 * a * m.dim + 4 * a * m.moe_hidden_dim / self.dims.etp + 12)
         return total + 4 * a * m.moe_hidden_dim * m.num_shared_experts / tp
 
+    def _plain_matmuls(self, layer: int) -> dict[str, tuple[tuple[int, int], float]]:
+        """Block `layer`'s plain matmuls by their linear's name in the block: its weight's full
+        (in, out) shape (what the per-op policy matches) and the output's bytes per token."""
+        m, tp, a = self.args, self.dims.tp, self.a
+        hq, hkv, dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.dim
+        # wo's output is counted before the TP reduce-scatter.
+        mms = {"attention.wq": ((dim, hq), a * hq / tp), "attention.wk": ((dim, hkv), a * hkv / tp),
+               "attention.wv": ((dim, hkv), a * hkv / tp), "attention.wo": ((hq, dim), a * dim)}
+        if not m.is_moe_layer(layer):
+            ffn = m.ffn_hidden_dim
+            return {**mms, "feed_forward.w1": ((dim, ffn), a * ffn / tp), "feed_forward.w3": ((dim, ffn), a * ffn / tp),
+                    "feed_forward.w2": ((ffn, dim), a * dim)}
+        f, etp = self._moe_tokens(), self.dims.etp
+        mms["moe.router.gate"] = ((dim, m.num_experts), f * a * m.num_experts)
+        if m.num_shared_experts:
+            shared = m.moe_hidden_dim * m.num_shared_experts
+            mms.update({"moe.shared_experts.w1": ((dim, shared), f * a * shared / etp),
+                        "moe.shared_experts.w3": ((dim, shared), f * a * shared / etp),
+                        "moe.shared_experts.w2": ((shared, dim), f * a * dim)})
+        return mms
+
     def _op_sac(self, layer: int) -> float:
         """Saved by the per-op policy besides the block input: sdpa, grouped GEMMs, reduce-scatters,
-        all-to-alls in full, and (alternating) half of the plain matmul outputs."""
+        all-to-alls in full, and (alternating) half of the plain matmul outputs not forced to be
+        recomputed (`recompute_mm_fqns`, matched by weight shape as the policy does)."""
         m, tp, a = self.args, self.dims.tp, self.a
-        hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-        always = a * hq / tp + 4 * m.n_heads / tp + self._reduce_scatters()
-        mm = a * (hq + 2 * hkv) / tp + a * m.dim  # wq, wk, wv; wo's output before the reduce-scatter
+        always = a * m.n_heads * m.head_dim / tp + 4 * m.n_heads / tp + self._reduce_scatters()
+        mms = self._plain_matmuls(layer)
+        forced = {shape for name, (shape, _) in mms.items()
+                  if any(f in f"layers.{layer}.{name}" for f in self.recompute_mm_fqns)}
+        mm = sum(nbytes for shape, nbytes in mms.values() if shape not in forced)
         if not m.is_moe_layer(layer):
-            mm += 2 * a * m.ffn_hidden_dim / tp + a * m.dim
             return always + self._reduce_scatters() + mm / 2
-        f, etp, routed = self._moe_tokens(), self.dims.etp, m.top_k * self._moe_tokens()
-        shared_hidden = m.moe_hidden_dim * m.num_shared_experts
-        mm += f * a * (m.num_experts + 2 * shared_hidden / etp + m.dim)  # router gate, shared expert
+        routed, etp = m.top_k * self._moe_tokens(), self.dims.etp
         always += routed * a * (2 * m.moe_hidden_dim / etp + m.dim)  # grouped GEMMs
         if self.dims.ep_enabled:
             always += 2 * routed * a * m.dim  # dispatch and combine all-to-alls
@@ -363,7 +403,7 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     Args:
         model_args: the model's shape.
         dims: the resolved layout.
-        training_cfg: local_batch_size, seq_len, mixed_precision_param / _reduce.
+        training_cfg: local_batch_size, seq_len, dtype, mixed_precision_param / _reduce.
         ac_cfg: activation checkpointing mode and selective option.
         parallelism_cfg: pipeline schedule and micro-batch size, FSDP reshard policy, CPU offload,
             loss parallel.
@@ -373,18 +413,20 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     a = compute_dtype_bytes(training_cfg)
     act = ActivationModel(model_args, dims, a, compiled, seq_len=training_cfg.seq_len,
                           loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel,
-                          autocast=autocast_enabled(dims, training_cfg))
+                          autocast=autocast_enabled(dims, training_cfg),
+                          recompute_mm_fqns=tuple(ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns))
     if dims.pp_enabled:
         microbatches, sequences = pipeline_microbatches(training_cfg, parallelism_cfg)
     else:
         sequences, microbatches = training_cfg.local_batch_size, 1
     tokens = sequences * training_cfg.seq_len // dims.cp
     specs = param_specs(model_args)
+    p = param_dtype_bytes(training_cfg)
     estimates = []
     for pp_rank in range(dims.pp):
         local = rank_param_specs(specs, pipe, pp_rank)
         numel = sum(shard_numel(s, dims) for s in local)
-        states = {"params": 4 * numel, "grads": 4 * numel, "optimizer": 4 * _OPTIMIZER_STATES * numel}
+        states = {"params": p * numel, "grads": p * numel, "optimizer": p * _OPTIMIZER_STATES * numel}
         host = 0
         if parallelism_cfg.fsdp_cpu_offload and dims.fsdp_enabled:
             host = sum(states.values())

@@ -57,7 +57,8 @@ SCHEDULE_STYLES: dict[str, str] = {
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Stages per rank when the user fixes neither the stages nor their size.
 DEFAULT_STAGES_PER_RANK = {"single": 1, "loop": 2, "v": 2}
-# Bytes per stored parameter element: fp32 weight + fp32 gradient + two fp32 AdamW moments.
+# Bytes per stored parameter element: fp32 weight + fp32 gradient + two fp32 AdamW moments (pure
+# bf16 halves every stage's alike, which leaves the split unchanged: it compares stages).
 STATE_BYTES_PER_PARAM = 16
 _KEY = "parallelism"
 
@@ -151,8 +152,10 @@ class StageCosts:
         return self._imbalance(self.state_bytes)
 
 
-def layer_costs(args: ModelArgs, dims: ParallelDims, seq_len: int) -> tuple[list[int], list[int], dict[str, int]]:
-    """FLOPs per token and per-rank state bytes of every block, and of the ends.
+def layer_costs(args: ModelArgs, dims: ParallelDims, seq_len: int, *,
+                state_bytes_per_param: int = STATE_BYTES_PER_PARAM) -> tuple[list[int], list[int], dict[str, int]]:
+    """FLOPs per token and per-rank state bytes of every block, and of the ends, at
+    `state_bytes_per_param` bytes per stored parameter element.
 
     Returns:
         (flops per block, state bytes per block, ``{"first_bytes", "last_bytes", "last_flops"}``):
@@ -161,7 +164,7 @@ def layer_costs(args: ModelArgs, dims: ParallelDims, seq_len: int) -> tuple[list
     state = [0] * args.n_layers
     ends = {"first_bytes": 0, "last_bytes": 0, "last_flops": args.head_flops_per_token()}
     for spec in param_specs(args):
-        nbytes = STATE_BYTES_PER_PARAM * shard_numel(spec, dims)
+        nbytes = state_bytes_per_param * shard_numel(spec, dims)
         if spec.layer is not None:
             state[spec.layer] += nbytes
         else:

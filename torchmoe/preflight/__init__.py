@@ -34,6 +34,7 @@ from torchmoe.preflight.float8 import check_float8
 from torchmoe.preflight.layout import (
     check_batch,
     check_flavor,
+    check_force_load_balance,
     check_memory_fits,
     check_model_split,
     check_pipeline,
@@ -64,6 +65,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     args = model_args_from_config(cfg.model)
     check_seq_len(args, cfg.model.flavor, cfg.training.seq_len)
     check_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
+    check_force_load_balance(args, degrees, cfg.training.seq_len)
     check_batch(cfg.training, cfg.parallelism, degrees)
     check_pipeline(cfg, args, degrees, world_size)
     check_validation(cfg, args, degrees)

@@ -9,10 +9,11 @@ import os
 
 import torch
 
-from torchmoe.config.errors import ConfigError
-from torchmoe.config.job_config import Checkpoint, JobConfig, Metrics
+from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.distributed.parallel_dims import ParallelDims
 from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.layout import param_specs
 
 
 def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:
@@ -25,6 +26,7 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
         raise ConfigError("activation_checkpoint.mode", "selective",
                           "selective AC is not supported with attn_backend \"flex\"",
                           'use activation_checkpoint.mode = "full", or model.attn_backend = "sdpa"')
+    _check_forced_recompute(cfg.activation_checkpoint, args)
     if degrees["cp"] > 1 and args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", "context parallelism runs SDPA with masks over global "
                           "positions; FlexAttention is not wired to it", 'use model.attn_backend = "sdpa"')
@@ -58,6 +60,22 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                               f"set {key} = false, or run on a CUDA machine")
     if check_device:
         _check_packages(cfg.metrics)
+
+
+def _check_forced_recompute(ac_cfg: ActivationCheckpoint, args: ModelArgs) -> None:
+    """Under per-op selective AC every `per_op_sac_force_recompute_mm_shapes_by_fqns` entry must
+    name an nn.Linear of a block (else it would force nothing, silently)."""
+    if (ac_cfg.mode, ac_cfg.selective_ac_option) != ("selective", "op"):
+        return
+    # layers.<i>.<name in the block>
+    linears = [s.fqn.removesuffix(".weight") for s in param_specs(args) if s.layer is not None and len(s.shape) == 2]
+    for entry in ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns:
+        if not any(entry in name for name in linears):
+            in_block = ", ".join(sorted({name.split(".", 2)[2] for name in linears}))
+            raise ConfigError("activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns",
+                              ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns,
+                              f"{show_value(entry)} is in the name of no nn.Linear of a transformer block",
+                              f"name part of a block's linear: {in_block}")
 
 
 def _check_packages(metrics: Metrics) -> None:

@@ -93,6 +93,33 @@ def check_model_split(args: ModelArgs, flavor: str, degrees: dict[str, int], seq
         )
 
 
+def check_force_load_balance(args: ModelArgs, degrees: dict[str, int], seq_len: int) -> None:
+    """`model.moe_force_load_balance` is exact and layout-independent only where it can be.
+
+    Each rank numbers the tokens of its MoE call from 0 and sends copy t*k + j to expert
+    (t*k + j) mod E. Every expert gets as many copies, and every token the expert it gets in one
+    process, only if each contiguous run of a sequence that a rank holds starts and ends at a
+    multiple of u = E / gcd(E, k) tokens: the sequence, a context-parallel piece (seq_len / 2cp),
+    and under EP with TP a rank's shard of its cp slice (seq_len / cp / tp)."""
+    if not args.moe_force_load_balance:
+        return
+    unit = args.num_experts // math.gcd(args.num_experts, args.top_k)
+    cp, tp = degrees["cp"], degrees["tp"]
+    runs = {"a sequence": seq_len}
+    if cp > 1:
+        runs[f"a context-parallel piece (seq_len / 2cp = {seq_len} / {2 * cp})"] = seq_len // (2 * cp)
+    if degrees["ep"] > 1 and tp > 1:
+        runs[f"a rank's sequence shard under EP with TP (seq_len / cp / tp = {seq_len} / {cp} / {tp})"] = \
+            seq_len // cp // tp
+    for run, tokens in runs.items():
+        if tokens % unit:
+            raise ConfigError("model.moe_force_load_balance", True,
+                              f"round-robin routing fills every expert equally, and alike in every layout, only if "
+                              f"{run} holds a multiple of num_experts / gcd(num_experts, top_k) = {unit} tokens, "
+                              f"not {tokens}", f"use a training.seq_len that makes it a multiple of {unit}, or set "
+                              "moe_force_load_balance = false")
+
+
 def check_pipeline(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], world_size: int) -> None:
     """The stage split and the micro-batches must suit the schedule; what PP cannot run is refused."""
     if degrees["pp"] == 1:

@@ -75,6 +75,7 @@ class ModelArgs:
     aux_loss_coeff: float = 0.0  # sequence-wise load-balancing loss coefficient
     z_loss_coeff: float = 0.0  # router z-loss coefficient
     use_grouped_mm: bool = True  # torch._grouped_mm for routed experts (else a per-expert loop)
+    moe_force_load_balance: bool = False  # round-robin routing instead of top-k (performance work)
     tie_word_embeddings: bool = False
     init_std: float = 0.02
 
@@ -305,13 +306,13 @@ FLAVORS: dict[str, ModelArgs] = {**_TORCHMOE_FLAVORS, **_TORCHTITAN_FLAVORS}
 
 def build_model_args(flavor: str, *, attn_backend: str = "", use_grouped_mm: bool = True,
                      load_balance_coeff: float = -1.0, aux_loss_coeff: float = 0.0,
-                     z_loss_coeff: float = 0.0) -> ModelArgs:
+                     z_loss_coeff: float = 0.0, moe_force_load_balance: bool = False) -> ModelArgs:
     """The flavor's `ModelArgs` with overrides applied; sentinel values keep the flavor's own
     (`model_args_from_config` passes a `[model]` section's)."""
     if flavor not in FLAVORS:
         raise KeyError(flavor)
     overrides: dict = {"use_grouped_mm": use_grouped_mm, "aux_loss_coeff": aux_loss_coeff,
-                       "z_loss_coeff": z_loss_coeff}
+                       "z_loss_coeff": z_loss_coeff, "moe_force_load_balance": moe_force_load_balance}
     if attn_backend:
         overrides["attn_backend"] = attn_backend
     if load_balance_coeff >= 0:
@@ -324,4 +325,5 @@ def model_args_from_config(model_cfg: "Model") -> ModelArgs:
     return build_model_args(model_cfg.flavor, attn_backend=model_cfg.attn_backend,
                             use_grouped_mm=model_cfg.use_grouped_mm,
                             load_balance_coeff=model_cfg.load_balance_coeff,
-                            aux_loss_coeff=model_cfg.aux_loss_coeff, z_loss_coeff=model_cfg.z_loss_coeff)
+                            aux_loss_coeff=model_cfg.aux_loss_coeff, z_loss_coeff=model_cfg.z_loss_coeff,
+                            moe_force_load_balance=model_cfg.moe_force_load_balance)

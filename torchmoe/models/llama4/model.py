@@ -226,8 +226,9 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cis", precompute_freqs_cis(args, self._rope_cache_len()), persistent=False)
         # Set by context parallelism: the global positions of this rank's tokens.
         self.context_parallel = None
-        # Set by the parallelize pipeline when no FSDP/DDP policy casts the parameters: forward
-        # runs under torch.autocast in this dtype (None: in the parameters' dtype).
+        # Set by the parallelize pipeline when no FSDP/DDP policy casts the parameters and the
+        # compute dtype is below theirs: forward runs under torch.autocast in this dtype (None:
+        # in the parameters' dtype).
         self.autocast_dtype: torch.dtype | None = None
 
     def _rope_cache_len(self) -> int:

@@ -14,6 +14,11 @@ run the same operations as one call would: the outputs and gradients are the sam
 Load balancing is DeepSeek-V3's auxiliary-loss-free expert bias: the bias only changes which
 experts are *selected*, never the gate values, and is updated once per optimizer step from the
 token counts accumulated in ``tokens_per_expert`` over all micro-batches (see `update_expert_bias`).
+
+``moe_force_load_balance`` replaces the selection by a round-robin over each call's tokens
+(`round_robin_experts`). Everything downstream sees that selection: the token counts (so the
+bias update sees equal loads and leaves the bias as it is), the dispatch, and the sequence-wise
+balance loss (its per-expert fractions are then uniform; its gradient still reaches the scores).
 """
 
 from __future__ import annotations
@@ -162,14 +167,18 @@ class TokenChoiceRouter(nn.Module):
     Selection uses ``scores + expert_bias`` (bias from aux-loss-free balancing); gate values are
     the unbiased scores. With sigmoid scoring and a zero bias this is exactly Hugging Face's
     Llama 4 router (top-k on logits, sigmoid of the chosen logits), as sigmoid is monotonic.
+    With `force_load_balance` the selection is `round_robin_experts` instead (torchtitan's
+    debug routing, for performance work); the gate values are still the scores it selects.
     """
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str) -> None:
+    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, *,
+                 force_load_balance: bool = False) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func
+        self.force_load_balance = force_load_balance
 
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None
@@ -189,13 +198,23 @@ class TokenChoiceRouter(nn.Module):
             scores = torch.sigmoid(logits)
         else:
             scores = F.softmax(logits, dim=-1)
-        choice = scores if expert_bias is None else scores + expert_bias
-        _, selected = torch.topk(choice, self.top_k, dim=-1)  # (T, k)
+        if self.force_load_balance:
+            selected = round_robin_experts(scores.shape[0], self.top_k, self.num_experts, scores.device)
+        else:
+            choice = scores if expert_bias is None else scores + expert_bias
+            _, selected = torch.topk(choice, self.top_k, dim=-1)  # (T, k)
         top_scores = scores.gather(-1, selected)  # (T, k)
         return top_scores, selected, scores, logits
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"gate.weight": TruncNormal(init_std)}
+
+
+def round_robin_experts(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """(T, k) experts of torchtitan's forced balance: token t's j-th copy goes to expert
+    ``(t * k + j) mod E``, so any T * k copies that are a multiple of E fill every expert equally."""
+    slots = torch.arange(num_tokens * top_k, device=device, dtype=torch.int64)
+    return (slots % num_experts).view(num_tokens, top_k)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -232,7 +251,8 @@ class MoE(nn.Module):
         self.aux_loss_coeff = args.aux_loss_coeff
         self.z_loss_coeff = args.z_loss_coeff
         self.load_balance_coeff = args.load_balance_coeff
-        self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func)
+        self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func,
+                                        force_load_balance=args.moe_force_load_balance)
         self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (
             FeedForward(args.dim, args.moe_hidden_dim * args.num_shared_experts)

@@ -11,6 +11,7 @@ Applied in place, in this order (each step assumes the previous ones):
     4. torch.compile per block  (after AC so recomputation is compiled too; before FSDP so
                                  FSDP's hooks stay outside the graphs)
     5. FSDP2 / HSDP, or DDP (their mixed-precision policy casts the parameters), else autocast
+       (when the compute dtype is below the parameters')
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
 
         apply_cp(model, mesh["cp"], cfg.training.seq_len)
 
-    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    apply_ac(model, cfg.activation_checkpoint)
 
     if cfg.compile.enable:
         apply_compile(model, cfg.compile, fullgraph=not (dims.ep_enabled or dims.cp_enabled),
@@ -73,7 +74,7 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
         apply_ddp(model, mesh["dp_replicate"], param_dtype=cfg.training.mixed_precision_param,
                   reduce_dtype=cfg.training.mixed_precision_reduce)
     else:
-        apply_autocast(model, cfg.training.mixed_precision_param)
+        apply_autocast(model, cfg.training)
     return model
 
 
