@@ -127,8 +127,9 @@ def abort_process_groups() -> None:
 
     Gloo jobs are left alone: gloo's abort fails no pending operation (here or on the peers,
     which fail when this process exits and its sockets close), and an aborted gloo group hangs
-    the interpreter's exit. (An NCCL job's gloo group for async checkpoints is aborted with the
-    rest; should that hold up the exit, the watch's backstop ends the process.)
+    the interpreter's exit. (An NCCL job's gloo groups, the checkpoint's and those beside NCCL
+    under CPU offload, are aborted with the rest; should that hold up the exit, the watch's
+    backstop ends the process.)
     """
     if dist.is_initialized() and device_backend("cuda") == "nccl":  # "nccl" or "cuda:nccl,cpu:gloo"
         dist.distributed_c10d._abort_process_group()
