@@ -26,6 +26,8 @@ from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_se
 from torchmoe.config.loader import config_toml
 from torchmoe.config.job_config import Parallelism
 from torchmoe.config.paths import job_paths, user_path_faults
+from torchmoe.interruption import Interrupted, interrupt_on_signals
+from torchmoe.interruption import report as report_interruption
 
 TRAIN_DESCRIPTION = """\
 Train a Llama 4 MoE model from a TOML job file plus --section.key overrides
@@ -224,7 +226,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     rank = os.environ.get("RANK")
     try:
-        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+        # First: a SIGTERM or Ctrl-C during the imports is one line too, not a death by signal.
+        with interrupt_on_signals():
+            return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except Interrupted as stop:
+        report_interruption(stop)
+        _leave_if_failed(stop.exit_status)
+        return stop.exit_status
     except ConfigError as err:
         # Config errors are the same on every rank: one message from rank 0 is enough.
         if rank in (None, "0"):

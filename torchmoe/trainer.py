@@ -66,6 +66,7 @@ from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch
 from torchmoe.distributed.float8 import precompute_float8_scales
+from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
 from torchmoe.distributed.pipeline_parallel import (
     PipelineRankModel,
@@ -466,14 +467,20 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------
 
     def _on_signal(self, signum, frame) -> None:
+        """Note SIGTERM/SIGINT; the stop is agreed in the step's all-reduce and announced then
+        (`_announce_stop`). Not at once: torchrun's agent terminates the survivors of a worker
+        that died, and their next collective, failing on the dead peer, tells them so."""
         if self.failure_watch is not None and self.failure_watch.failure is not None:
-            # torchrun's agent terminates the survivors of a failed worker; this rank is leaving
-            # for that failure already (and exits within the watch's grace whatever happens).
+            # This rank is leaving for a failure already (and exits within the watch's grace
+            # whatever happens).
             return
-        then = "saving a checkpoint after this step and stopping" if self.cfg.checkpoint.enable else \
-            "stopping after this step (checkpoint.enable is false: nothing is saved)"
-        logger.warning("received %s: %s", signal.Signals(signum).name, then)
         self._stop_signal = signum
+
+    def _announce_stop(self) -> None:
+        """Every rank agreed to stop after this step: the rank that caught the signal says so
+        (whether a checkpoint follows is said by the save, or by why there is none)."""
+        if self._stop_signal is not None:
+            logger.warning("received %s: stopping after step %d", signal.Signals(self._stop_signal).name, self.step)
 
     def fit(self) -> None:
         cfg = self.cfg
@@ -533,6 +540,7 @@ class Trainer:
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
+                    self._announce_stop()
                     if self.checkpointer.writes:
                         self._checkpoint(stopping=True)
                     else:
@@ -655,6 +663,7 @@ def train(cfg: JobConfig) -> None:
         world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, cfg.parallelism,
                                        Path(cfg.job.dump_folder))
     watch = FailureWatch.start() if world_size > 1 else None
+    watch_launcher()  # a torchrun worker whose launcher is killed stops within a second
     try:
         with user_path_faults(paths):
             trainer = Trainer(cfg, failure_watch=watch)

@@ -15,6 +15,8 @@ run unchanged:
 - `data`: the data loader raises `DataConfigError` for step 3 (a corrupt shard only this rank
   reads) while the others train step 3.
 - `none`: nothing (for a rank killed from outside).
+- `hang_save`: this rank's first checkpoint write writes `OUT_DIR/blocked` and hangs (for a test
+  that kills the rank in the middle of a save).
 - `slow`: not a failure but a slow peer: each of this rank's checkpoint writes (DCP's file writer)
   first sleeps `SLOW_WRITE_S` seconds, and its `destroy_process_group` (the teardown after a
   good run) `SLOW_TEARDOWN_S` seconds.
@@ -84,6 +86,17 @@ def _break_data(out: Path) -> None:
     DataLoader.next_batch = failing_next_batch
 
 
+def _hang_in_save(out: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def hanging_write_data(self, plan, planner):
+        (out / "blocked").touch()
+        while True:
+            time.sleep(1)
+
+    FileSystemWriter.write_data = hanging_write_data
+
+
 def _slow_down(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
@@ -102,8 +115,8 @@ def _slow_down(out: Path) -> None:
     dist.destroy_process_group = slow_destroy
 
 
-BREAK = {"load": _break_load, "async_save": _break_async_save, "data": _break_data, "slow": _slow_down,
-         "none": lambda out: None}
+BREAK = {"load": _break_load, "async_save": _break_async_save, "data": _break_data, "hang_save": _hang_in_save,
+         "slow": _slow_down, "none": lambda out: None}
 
 if __name__ == "__main__":
     case, out_dir, sep, *cli_args = sys.argv[1:]

@@ -20,59 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TINY_JOB
-from torchmoe.launch import cli_env, free_port, read_metrics
+from tests.distributed.rank_processes import start_ranks, torchrun, wait_all
+from tests.helpers import TINY_JOB
+from torchmoe.launch import read_metrics
 
 pytestmark = pytest.mark.distributed
 
-WORKER = str(Path(__file__).with_name("failing_rank.py"))
 BOUND_S = 30.0  # observed 2-4 s on 2 busy cores; the collectives would wait 600 s
 JOB = [*TINY_JOB, "--training.local_batch_size", "4",
        "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
 PEER_LINE = "[rank 0] stopped because rank 1 failed (its error is reported by rank 1)"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**cli_env(), "PYTHONPATH": str(REPO), **extra}
-
-
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[str], list[float]]:
-    """Outputs (stdout and stderr together) and exit times (`time.time()`) of `procs`; kills
-    them all if any runs past `timeout`."""
-    outs, ends = [""] * len(procs), [float("inf")] * len(procs)
-
-    def reap(i: int) -> None:
-        outs[i] = procs[i].stdout.read()
-        procs[i].wait()
-        ends[i] = time.time()
-
-    readers = [threading.Thread(target=reap, args=(i,)) for i in range(len(procs))]
-    for t in readers:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in readers:
-        t.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        p.kill()
-    for t in readers:
-        t.join()
-    return outs, ends
-
-
-def _start_ranks(case: str, out: Path, args: list[str], world: int = 2, **env: str) -> list[subprocess.Popen]:
-    """`world` ranks started by hand, as srun does: no torchrun agent watches them."""
-    port = str(free_port())
-    return [subprocess.Popen(
-        [sys.executable, WORKER, case, str(out), "--", "train", *JOB, *args, "--job.dump_folder", str(out)],
-        env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-
-
-def _torchrun(case: str, out: Path, args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           WORKER, case, str(out), "--", "train", *JOB, *args, "--job.dump_folder", str(out)]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _since_failure(out: Path, end: float) -> float:
@@ -100,9 +57,9 @@ def hf_folder(tmp_path_factory) -> Path:
 
 def test_hf_load_failing_on_one_rank_ends_both_under_torchrun(tmp_path: Path, hf_folder: Path) -> None:
     """Rank 1's initial load raises a user error while rank 0 loads and waits in a collective."""
-    proc = _torchrun("load", tmp_path, ["--checkpoint.initial_load_path", str(hf_folder),
+    proc = torchrun(JOB, "load", tmp_path, ["--checkpoint.initial_load_path", str(hf_folder),
                                         "--checkpoint.initial_load_in_hf", "true"])
-    (out,), (end,) = _wait_all([proc], timeout=300)
+    (out,), (end,) = wait_all([proc], timeout=300)
     assert proc.returncode == 1, out  # torchrun's status for a failed worker
     assert _since_failure(tmp_path, end) < BOUND_S, out
     assert out.count("error:") == 1 and "[rank 1] error: checkpoint.initial_load_path" in out, out
@@ -113,9 +70,9 @@ def test_hf_load_failing_on_one_rank_ends_both_under_torchrun(tmp_path: Path, hf
 def test_async_save_failing_on_one_rank_is_skipped_by_both(tmp_path: Path) -> None:
     """Rank 1's background write of step-2 fails (a full disk): both ranks learn it from DCP,
     delete the temporary folder, say so once, train on and save step 4 (not a run failure)."""
-    proc = _torchrun("async_save", tmp_path, ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2",
+    proc = torchrun(JOB, "async_save", tmp_path, ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2",
                                               "--training.steps", "4"])
-    (out,), _ = _wait_all([proc], timeout=300)
+    (out,), _ = wait_all([proc], timeout=300)
     assert proc.returncode == 0, out
     assert "Traceback" not in out, out
     assert out.count("checkpoint step-2 could not be saved") == 1, out  # rank 0 speaks for both
@@ -129,7 +86,7 @@ def test_data_error_while_blocked_and_signalled_ends_both_without_torchrun(tmp_p
     3 with the async save of step 2 in flight; rank 0, blocked in step 3's collectives, also gets
     SIGTERM before rank 1 fails. Both must exit 2 (a user error), and rank 0 must neither save
     after the signal nor print more than its one line."""
-    procs = _start_ranks("data", tmp_path, ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2"],
+    procs = start_ranks(JOB, "data", tmp_path, ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2"],
                          FAIL_ON_GO="1")
     deadline = time.monotonic() + 240
     while not (tmp_path / "blocked").exists():
@@ -141,7 +98,7 @@ def test_data_error_while_blocked_and_signalled_ends_both_without_torchrun(tmp_p
     procs[0].send_signal(signal.SIGTERM)
     time.sleep(1.0)
     (tmp_path / "go").touch()
-    outs, ends = _wait_all(procs, timeout=120)
+    outs, ends = wait_all(procs, timeout=120)
     for rank, (proc, out, end) in enumerate(zip(procs, outs, ends)):
         assert proc.returncode == 2, (rank, out)
         assert _since_failure(tmp_path, end) < BOUND_S, (rank, out)
@@ -157,10 +114,10 @@ def test_store_host_failing_tells_the_other_rank_before_leaving(tmp_path: Path, 
     the store away: it must wait until rank 1 has read the failure record, so that rank 1 says
     which rank failed and takes its exit status. Rank 1 polls every 3 s, longer than rank 0
     takes to exit."""
-    procs = _start_ranks("load", tmp_path, ["--checkpoint.initial_load_path", str(hf_folder),
+    procs = start_ranks(JOB, "load", tmp_path, ["--checkpoint.initial_load_path", str(hf_folder),
                                             "--checkpoint.initial_load_in_hf", "true"], FAIL_RANK="0",
                          WATCH_POLL_S="3")
-    outs, ends = _wait_all(procs, timeout=300)
+    outs, ends = wait_all(procs, timeout=300)
     for rank, (proc, out, end) in enumerate(zip(procs, outs, ends)):
         assert proc.returncode == 2, (rank, out)
         assert _since_failure(tmp_path, end) < BOUND_S, (rank, out)
@@ -172,18 +129,21 @@ def test_store_host_failing_tells_the_other_rank_before_leaving(tmp_path: Path, 
 
 def test_store_host_killed_ends_the_other_rank(tmp_path: Path) -> None:
     """Without torchrun rank 0 hosts the rendezvous store. SIGKILL it during training (it
-    publishes nothing): rank 1 must exit 1 on its own, with one line and no traceback."""
-    procs = _start_ranks("none", tmp_path, ["--training.steps", "200"])
+    publishes nothing): rank 1 must exit 1 on its own within 3 s, with one line, no traceback and
+    no C++ stack dump."""
+    procs = start_ranks(JOB, "none", tmp_path, ["--training.steps", "200"])
     deadline = time.monotonic() + 240
     while not (tmp_path / "metrics.jsonl").is_file() or not (tmp_path / "metrics.jsonl").read_text():
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
         time.sleep(0.1)
     killed_at = time.time()
     procs[0].send_signal(signal.SIGKILL)
-    outs, ends = _wait_all(procs, timeout=120)
+    outs, ends = wait_all(procs, timeout=120)
     assert procs[1].returncode == 1, outs[1]
-    assert ends[1] - killed_at < BOUND_S, outs[1]
+    assert ends[1] - killed_at < 3.0, outs[1]  # the watch leaves at once: no store, no agreement
     assert "Traceback" not in outs[1] and "[rank 1] stopped: lost the rendezvous store at 127.0.0.1:" in outs[1], outs[1]
+    # c10d's own warning with its C++ stack trace is silenced (TORCH_CPP_LOG_LEVEL, `interruption`).
+    assert "Exception raised from" not in outs[1] and "frame #" not in outs[1], outs[1]
 
 
 # ---- slow peers: a good run ends well ---------------------------------------------------------
@@ -197,11 +157,11 @@ def slow_peer_run(tmp_path_factory) -> tuple[Path, list[subprocess.Popen], list[
     checkpoints of step 2 and step 3 and a 2 s training timeout. Rank 1 writes each checkpoint
     6 s late and takes 12 s to tear its process groups down."""
     out = tmp_path_factory.mktemp("slow_peer")
-    procs = _start_ranks("slow", out, ["--training.steps", "3", "--checkpoint.interval", "2",
+    procs = start_ranks(JOB, "slow", out, ["--training.steps", "3", "--checkpoint.interval", "2",
                                        "--checkpoint.async_mode", "async",
                                        "--comm.train_timeout_seconds", str(SLOW_TRAIN_TIMEOUT_S)],
                          SLOW_WRITE_S=str(SLOW_WRITE_S), SLOW_TEARDOWN_S=str(SLOW_TEARDOWN_S))
-    outs, ends = _wait_all(procs, timeout=300)
+    outs, ends = wait_all(procs, timeout=300)
     return out, procs, outs, ends
 
 

@@ -139,9 +139,9 @@ def _sigterm_after_first_log(tmp_path: Path, flags: list[str]) -> str:
 
 def test_sigterm_saves_and_resume_finishes(tmp_path: Path) -> None:
     log = _sigterm_after_first_log(tmp_path, ["--checkpoint.interval", "1000"])
-    assert "received SIGTERM: saving a checkpoint after this step and stopping" in log
-    assert "(disabled)" not in log  # the async mode is no part of the message
     stopped = read_metrics(tmp_path)[-1]["step"]
+    assert f"received SIGTERM: stopping after step {stopped}" in log and f"saving checkpoint step-{stopped}" in log
+    assert "(disabled)" not in log  # the async mode is no part of the message
     assert stopped < 200
     assert checkpoints(tmp_path) == [f"step-{stopped}"]
     assert (tmp_path / "checkpoint" / f"step-{stopped}" / ".complete").is_file()
@@ -153,7 +153,9 @@ def test_sigterm_saves_and_resume_finishes(tmp_path: Path) -> None:
 
 def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path: Path) -> None:
     log = _sigterm_after_first_log(tmp_path, ["--checkpoint.enable", "false", "--lr_scheduler.warmup_steps", "500"])
-    assert "stopping after this step (checkpoint.enable is false: nothing is saved)" in log
+    stopped = read_metrics(tmp_path)[-1]["step"]
+    assert f"received SIGTERM: stopping after step {stopped}" in log
+    assert f"checkpoint.enable is false: stopping at step {stopped} without a checkpoint" in log
     assert "saving a checkpoint" not in log and not (tmp_path / "checkpoint").exists()
     # A warmup longer than the run is allowed, with a warning.
     assert log.count("lr_scheduler.warmup_steps (500) >= training.steps (200)") == 1

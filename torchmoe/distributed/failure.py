@@ -35,6 +35,14 @@ or the TCPStore that rank 0 hosts under env:// rendezvous), on connections of it
    future, interpreter exit joining a thread stuck in a collective): `os._exit` with the
    failure's status, after printing the one line if the main thread never got to it.
 
+A rank that dies without a word (`kill -9`, the OOM killer, a node gone) publishes nothing. Its
+peers' collectives with it fail on the lost connection ("Connection reset by peer": `lost_peer`
+reads it in the error or what the error wraps); the first such rank publishes a LOST_PEER record
+in its place, naming the connection, and every rank stops with one line, status 1, without a
+traceback (the publishing rank waits only for the live peers' acks). A lost store (its host
+killed) cannot carry a record: each rank's watch leaves at once with one line (STORE), since the
+live ranks could otherwise go on training among themselves until the backstop.
+
 At the normal end rank 0 leaves last (`stop` waits, bounded, until every rank has stopped its
 watch): under env:// rendezvous rank 0's exit ends the store, and a rank still polling it would
 take that for a failure.
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -52,6 +61,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from torchmoe.config.errors import ConfigError
+from torchmoe.interruption import Interrupted
 from torchmoe.distributed.process_groups import device_backend
 
 POLL_S = 1.0  # how often the watch thread looks for a failure record
@@ -85,13 +95,20 @@ _PREFIX = "torchmoe/failure/"
 _RECORD, _ACKS, _STOPPED = "record", "acks", "stopped"
 
 
+# Failure kinds: a rank's own error; a rank that lost its connection to a peer which died without
+# a word (killed, out of memory, its node gone); the rendezvous store lost.
+ERROR, LOST_PEER, STORE = "error", "lost_peer", "store"
+
+
 @dataclass(frozen=True)
 class Failure:
-    """What the first failing rank published: `rank` None means the store itself was lost."""
+    """The first failure, as published: `rank` is the rank that failed (ERROR) or found a peer
+    gone (LOST_PEER), None when the store itself was lost (STORE)."""
 
     rank: int | None
-    status: int  # the exit status every rank takes: 2 for a user error, else 1
+    status: int  # the exit status every rank takes: 2 for a user error, 128 + n for signal n, else 1
     message: str
+    kind: str = ERROR
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -108,16 +125,46 @@ class PeerFailed(RuntimeError):
     def __init__(self, failure: Failure, rank: int) -> None:
         self.failure = failure
         self.exit_status = failure.status
-        if failure.rank is None:
+        if failure.kind == STORE:
             text = f"[rank {rank}] stopped: {failure.message}"
+        elif failure.kind == LOST_PEER:
+            text = (f"[rank {rank}] stopped: a rank died without reporting an error (killed, out of memory, or its "
+                    f"node failed; the launcher's log names it): {failure.message}")
         else:
             text = f"[rank {rank}] stopped because rank {failure.rank} failed (its error is reported by rank {failure.rank})"
         super().__init__(text)
 
 
 def exit_status(err: BaseException) -> int:
-    """The CLI's exit status for `err`: 2 for a user error (`ConfigError`), 1 for anything else."""
-    return 2 if isinstance(err, ConfigError) else 1
+    """The CLI's exit status for `err`: 2 for a user error (`ConfigError`), 128 + n for a run
+    interrupted by signal n before training (`Interrupted`), 1 for anything else."""
+    if isinstance(err, ConfigError):
+        return 2
+    return getattr(err, "exit_status", 1) if isinstance(err, Interrupted) else 1
+
+
+# What gloo (and NCCL) say when the other end of a connection is gone: its process died.
+_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused|"
+                        r"remote process exited")
+_ADDRESS = re.compile(r"\[([^\]]+)\]:(\d+)")
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """"ADDRESS (reason)" when `err`, or an error it wraps (its cause or context, a DCP
+    `CheckpointException`'s per-rank failures), is a collective's connection to a peer process
+    that is gone; else None."""
+    pending, seen = [err], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found = _PEER_GONE.search(str(e))
+        if found:
+            address = _ADDRESS.search(str(e))
+            return f"{address.group(1)}:{address.group(2)} ({found.group(0)})" if address else found.group(0)
+        pending += [e.__cause__, e.__context__, *(exc for exc, _ in getattr(e, "failures", {}).values())]
+    return None
 
 
 def abort_process_groups() -> None:
@@ -187,13 +234,17 @@ class FailureWatch:
         self._reported.set()
         global _FAILED
         _FAILED = True
-        mine = Failure(self.rank, exit_status(err), f"{type(err).__name__}: {err}")
+        peer = lost_peer(err)
+        # A collective whose peer process is gone is no error of this rank's: the peer died
+        # without a word (it would have published its own error first), and every rank is told so.
+        mine = Failure(self.rank, 1, f"rank {self.rank} lost its connection to {peer}", LOST_PEER) if peer else \
+            Failure(self.rank, exit_status(err), f"{type(err).__name__}: {err}")
         first = self.failure or self._claim(mine)
         self._learn(first, self._store)
-        if first.rank == self.rank:
-            self._wait_for_acks()
+        if first.rank == self.rank:  # every live peer (not the one that died) reads it before this rank leaves
+            self._wait_for_acks(self.world_size - 1 - (first.kind == LOST_PEER))
         self._arm_backstop(first)  # after the acks: the CLI must still get to print the error
-        if first.rank != self.rank:
+        if first.rank != self.rank or first.kind != ERROR:
             raise PeerFailed(first, self.rank) from err
 
     def stop(self) -> None:
@@ -217,10 +268,11 @@ class FailureWatch:
         except dist.DistError as err:
             return _store_lost(err)  # its host died, which is why this rank's collective failed
 
-    def _wait_for_acks(self) -> None:
+    def _wait_for_acks(self, peers: int) -> None:
+        """Until `peers` ranks have acked this rank's record, or ACK_WAIT_S."""
         deadline = time.monotonic() + ACK_WAIT_S
         try:
-            while self._store.add(_ACKS, 0) < self.world_size - 1 and time.monotonic() < deadline:
+            while self._store.add(_ACKS, 0) < peers and time.monotonic() < deadline:
                 time.sleep(0.02)
         except dist.DistError:
             pass  # the store's host left: whoever has not read the record fails on its own
@@ -271,13 +323,18 @@ class FailureWatch:
                 if self._stopped.is_set():
                     return
                 failure = _store_lost(err)
-            if failure.rank != self.rank:  # this rank's own failure is handled by fail()
-                self._learn(failure, self._watch_store)
-                self._arm_backstop(failure)  # the main thread may be stuck in a collective
+            if failure.rank == self.rank:  # this rank's own failure is handled by fail()
+                return
+            self._learn(failure, self._watch_store)
+            if failure.kind == STORE and not self._reported.is_set():
+                # Without a store no failure can be agreed on, and training may well go on (gloo
+                # collectives among the live ranks still work): leave now, not after the grace.
+                self._exit_now(failure)
+            self._arm_backstop(failure)  # the main thread may be stuck in a collective
             return
 
 
 def _store_lost(err: dist.DistError) -> Failure:
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     return Failure(None, 1, f"lost the rendezvous store at {where} ({type(err).__name__}): the process hosting it "
-                            "(rank 0 without torchrun, else torchrun's agent) is gone")
+                            "(rank 0 without torchrun, else torchrun's agent) is gone", STORE)

@@ -1,0 +1,67 @@
+"""What a rank says when a run ends for a failure, by kind, and how a collective's error is read
+as a peer gone (`torchmoe.distributed.failure`); signals before training (`torchmoe.interruption`).
+
+    python -m pytest -q tests/unit/test_failure_messages.py
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchmoe.config.errors import ConfigError
+from torchmoe.distributed.failure import LOST_PEER, STORE, Failure, PeerFailed, exit_status, lost_peer
+from torchmoe.interruption import Interrupted
+
+GLOO_RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.7]:41234: Connection "
+              "reset by peer. This is typically caused by a remote worker hanging or bugs in the application.")
+
+
+@pytest.mark.parametrize(("error", "expected"), [
+    (RuntimeError(GLOO_RESET), "10.0.0.7:41234 (Connection reset by peer)"),
+    (RuntimeError("[pair.cc:598] Connection closed by peer [127.0.0.1]:5000"), "127.0.0.1:5000 (Connection closed by peer)"),
+    (RuntimeError("Write error [::1]:99: Broken pipe"), "::1:99 (Broken pipe)"),
+    (RuntimeError("NCCL error: remote process exited or there was a network error"), "remote process exited"),
+    (RuntimeError("CUDA out of memory"), None),  # this rank's own error
+    (ValueError("expected 3 dims"), None),
+    (RuntimeError("[pair.cc:530] Timed out waiting 600000ms for recv operation to complete"), None),  # a timeout
+])
+def test_a_collective_error_is_read_as_a_peer_gone(error, expected):
+    assert lost_peer(error) == expected
+
+
+def test_a_peer_gone_is_found_where_dcp_and_chaining_wrap_it():
+    """DCP raises a CheckpointException holding each rank's failure; the trainer re-raises with
+    the collective error as cause or context."""
+    wrapped = CheckpointException("save failed", {1: (RuntimeError(GLOO_RESET), None)})
+    assert lost_peer(wrapped) == "10.0.0.7:41234 (Connection reset by peer)"
+    try:
+        try:
+            raise RuntimeError(GLOO_RESET)
+        except RuntimeError as cause:
+            raise KeyError("during the save") from cause
+    except KeyError as err:
+        assert lost_peer(err) == "10.0.0.7:41234 (Connection reset by peer)"
+
+
+@pytest.mark.parametrize(("failure", "line"), [
+    (Failure(1, 2, "ConfigError: ..."), "[rank 0] stopped because rank 1 failed (its error is reported by rank 1)"),
+    (Failure(1, 1, "rank 1 lost its connection to 10.0.0.7:41234 (Connection reset by peer)", LOST_PEER),
+     "[rank 0] stopped: a rank died without reporting an error (killed, out of memory, or its node failed; the "
+     "launcher's log names it): rank 1 lost its connection to 10.0.0.7:41234 (Connection reset by peer)"),
+    (Failure(None, 1, "lost the rendezvous store at h:1 (DistNetworkError): ...", STORE),
+     "[rank 0] stopped: lost the rendezvous store at h:1 (DistNetworkError): ..."),
+])
+def test_each_kind_of_failure_is_one_line(failure, line):
+    assert str(PeerFailed(failure, rank=0)) == line
+    assert Failure.decode(failure.encode().encode()) == failure  # as the store carries it
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (ConfigError("k", 1, "bad", "fix"), 2), (RuntimeError("bug"), 1),
+    (Interrupted(signal.SIGTERM), 143), (Interrupted(signal.SIGINT), 130),
+])
+def test_exit_status_by_kind_of_error(error, status):
+    assert exit_status(error) == status

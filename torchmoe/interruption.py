@@ -1,0 +1,85 @@
+"""Signals before training: an interrupted start is one line and an exit status, never a traceback
+or a death by signal.
+
+    try:
+        with interrupt_on_signals():  # first thing in `torchmoe.cli.main`, before torch is imported
+            ...                       # config, imports, dry run, building and loading the job
+    except Interrupted as stop:       # the CLI: "[rank 1] interrupted by SIGTERM: stopped", exit 143
+        ...
+
+Until the training loop installs its own handlers (`Trainer.fit`: a signal then stops training
+after the step, with a checkpoint), SIGTERM and SIGINT raise `Interrupted` in the main thread:
+a scheduler's SIGTERM during the seconds of imports or the minutes of loading a checkpoint ends
+the process at once and cleanly (locks released, nothing half-written: every save is atomic),
+with exit status 128 + the signal's number, as a shell reports a signal. Python's default would
+be a death by SIGTERM (no cleanup) or a `KeyboardInterrupt` traceback for Ctrl-C. The loop's
+handlers hand back to these when it ends (an export after the last step is interrupted alike).
+
+Multi-rank runs also default torch's C++ log level to errors (`TORCH_CPP_LOG_LEVEL`, read when
+torch loads, so set here first; a user's own setting wins): when a peer or the rendezvous store
+host dies, c10d logs a warning with a 20-line C++ stack trace before torchmoe's one-line message
+(`torchmoe.distributed.failure`) says what happened.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["Interrupted", "interrupt_on_signals", "report"]
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived before training (a BaseException: no `except Exception` on the
+    way up takes it for an error of its own)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.exit_status = 128 + signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+def _raise(signum: int, frame) -> None:
+    raise Interrupted(signum)
+
+
+def report(stop: Interrupted) -> None:
+    """The one line: ``[rank r] interrupted by SIGTERM: stopped`` (no rank in a one-process run)."""
+    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    print(f"[rank {rank}] {stop}: stopped" if rank is not None else f"{stop}: stopped", file=sys.stderr, flush=True)
+
+
+def _leave_if_interrupted(unraisable) -> None:
+    """`sys.unraisablehook` while handlers are installed. A signal that lands inside a callback
+    Python runs on its own (a weakref callback of the import machinery, a finalizer) raises
+    `Interrupted` where nothing can catch it: Python reports it as "Exception ignored" and goes
+    on. Such an interruption ends the process here, with its one line."""
+    if isinstance(unraisable.exc_value, Interrupted):
+        report(unraisable.exc_value)
+        sys.stdout.flush()
+        os._exit(unraisable.exc_value.exit_status)
+    sys.__unraisablehook__(unraisable)
+
+
+@contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Inside, SIGTERM and SIGINT raise `Interrupted`; the previous handlers come back after (a
+    test calling the CLI in its own process keeps its Ctrl-C). Main thread only: handlers can only
+    be installed there, and `main()` called from another thread keeps what it has."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _leave_if_interrupted
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous_hook
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
