@@ -38,7 +38,8 @@ from torch.distributed.tensor import Shard
 
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
-from torchmoe.components.weight_files import model_prefix, model_tensors, non_float, read_dcp_metadata, reading
+from torchmoe.components.checksums import ChecksummingWriter
+from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.paths import UserPath, path_faults, user_path_faults, writable_folder
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
@@ -128,7 +129,7 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
     mesh = _world()
     state = _empty_state(args, dtype, mesh)
     load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)
-    dcp.save(state, checkpoint_id=str(out_dir), no_dist=mesh is None)
+    dcp.save(state, storage_writer=ChecksummingWriter(out_dir), no_dist=mesh is None)
     return matching_flavor(args)
 
 
@@ -161,8 +162,7 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
     mesh = _world()
     state = _empty_state(args, dtype, mesh)
     prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
-    with reading("CKPT_DIR", ckpt_dir, fix, what="a *.distcp file"):
-        dcp.load({prefix + k: v for k, v in state.items()}, checkpoint_id=str(ckpt_dir), no_dist=mesh is None)
+    load_dcp({prefix + k: v for k, v in state.items()}, ckpt_dir, metadata, key="CKPT_DIR", fix=fix)
     save_hf_weights(state, args, out_dir)
     return dtype
 

@@ -1,11 +1,13 @@
 """CheckpointManager on 2 gloo ranks with FSDP2-sharded state and dataloader rows sharded over
-the batch mesh, resumed on 2 ranks and in 1.
+the batch mesh, resumed on 2 ranks and in 1; each rank's files checksummed and checked in shares.
 
     pytest -m distributed tests/distributed/test_checkpoint_dcp.py
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from torchmoe.components.checkpoint import (
     RankLocal,
     RNGState,
 )
+from torchmoe.components.checksums import SIDECAR, digest_file, verify
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
@@ -152,6 +155,22 @@ def _worker(rank: int, dump: str) -> None:
     if rank == 0:
         _assert_state_equal(got2, ref2)
 
+    # Bytes flipped in a file that only rank 1 hashes (rank r checks every world_size-th file):
+    # every rank learns of it and skips the checkpoint.
+    step4 = Path(dump) / "checkpoint" / "step-4"
+    if rank == 0:
+        shutil.rmtree(Path(dump) / "checkpoint" / "step-3")
+    sync.save(4, run.state)
+    if rank == 0:
+        data = bytearray((step4 / "__1_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (step4 / "__1_0.distcp").write_bytes(bytes(data))
+    dist.barrier()
+    problem = verify(step4, ["__0_0.distcp", "__1_0.distcp"], sync.group)
+    assert problem.startswith("__1_0.distcp does not match the checksum recorded when it was saved"), problem
+    again = _Run(shard=True, rank=rank)
+    assert CheckpointManager(dump, _cfg(), total_steps=10).load_latest(again.state) == 2
+
 
 def _entry(rank: int, dump: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{dump}/store", rank=rank, world_size=WORLD)
@@ -164,7 +183,11 @@ def _entry(rank: int, dump: str) -> None:
 def test_sharded_save_resume_fallback_and_reshard_to_one_process(tmp_path: Path) -> None:
     mp.spawn(_entry, args=(str(tmp_path),), nprocs=WORLD, join=True)
     names = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
-    assert names == ["step-2", "step-3"]
+    assert names == ["step-2", "step-4"]
+    # Rank 0 recorded the digests of both ranks' files, as they are on disk.
+    step2 = tmp_path / "checkpoint" / "step-2"
+    recorded = json.loads((step2 / SIDECAR).read_text())["files"]
+    assert recorded == {name: digest_file(step2 / name) for name in (".metadata", "__0_0.distcp", "__1_0.distcp")}
 
     # The FSDP-sharded checkpoint loads into an unsharded model in a process without a group.
     single = _Run(shard=False, rank=0)

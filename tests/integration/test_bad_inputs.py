@@ -375,10 +375,10 @@ def test_a_save_failing_mid_run_keeps_training(capsys, tmp_path: Path, monkeypat
     real_save = dcp.save
     failing = {2, 6}
 
-    def save(state, checkpoint_id, **kwargs):
-        if any(f"step-{s}.tmp-" in str(checkpoint_id) for s in failing):
+    def save(state, storage_writer, **kwargs):
+        if any(f"step-{s}.tmp-" in str(storage_writer.path) for s in failing):
             raise OSError(28, "No space left on device")
-        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+        return real_save(state, storage_writer=storage_writer, **kwargs)
 
     monkeypatch.setattr(dcp, "save", save)
     args = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "4"]

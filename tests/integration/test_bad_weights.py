@@ -35,7 +35,7 @@ from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.weight_files import quiet_dcp_logs
 from torchmoe.config import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
-from torchmoe.launch import run_cli
+from torchmoe.launch import read_metrics, run_cli
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.models.llama4.hf import hf_config_from_args
 
@@ -313,6 +313,30 @@ def test_truncated_step_checkpoint_is_named_though_the_model_part_is_intact(
     _assert_message(message, "checkpoint.initial_load_path", str(folder), "__0_0.distcp is truncated (")
 
 
+def _flip_model_bytes(folder: Path) -> None:
+    """Invert 64 bytes of the stored token embeddings (its raw values: torch checks the zip records
+    around them, not the values), as a disk or a copy can: the file keeps its size."""
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # this test's own file
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "model.tok_embeddings.weight")
+    with open(folder / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        data = f.read(64)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize("reader", ["train-dcp", "dcp-to-hf"])
+def test_changed_bytes_of_a_step_checkpoint_are_named(reader: str, run_dir: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "step-2"
+    shutil.copytree(run_dir / "checkpoint" / "step-2", folder)
+    _flip_model_bytes(folder)
+    message = _read(reader, folder, tmp_path / "out", capsys)
+    _assert_message(message, KEYS[reader], str(folder),
+                    "__0_0.distcp does not match the checksum recorded when it was saved (xxh3_64 ",
+                    "): it changed on disk")
+
+
 # ---- the CLI end to end ---------------------------------------------------------------------------
 
 
@@ -345,6 +369,31 @@ def test_resume_skips_a_corrupt_newest_checkpoint_with_one_warning(run_dir: Path
     assert f"resumed from {dump / 'checkpoint' / 'step-2'}" in proc.stderr
 
 
+def test_resume_skips_a_checkpoint_whose_bytes_changed_and_trains_on_exactly(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Step-4, a copy of step-2 with 64 bytes changed (they would load and train): one warning,
+    and step 3 trains from step-2 exactly as from an intact folder."""
+    train = [*TRAIN[:-1], "3", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    reference, dump = tmp_path / "reference", tmp_path / "run"
+    shutil.copytree(run_dir, reference)
+    assert cli.main([*train, "--job.dump_folder", str(reference)]) == 0
+    shutil.copytree(run_dir, dump)
+    broken = dump / "checkpoint" / "step-4"
+    shutil.copytree(dump / "checkpoint" / "step-2", broken)
+    (broken / MARKER).write_text(json.dumps({**json.loads((broken / MARKER).read_text()), "step": 4}))
+    _flip_model_bytes(broken)
+    capsys.readouterr()
+    assert cli.main([*train, "--job.dump_folder", str(dump)]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "WARNING" in line and "checkpoint" in line]
+    assert len(warnings) == 1 and f"could not load checkpoint {broken} (__0_0.distcp does not match the checksum " \
+        "recorded when it was saved (xxh3_64 " in warnings[0], err
+    assert f"resumed from {dump / 'checkpoint' / 'step-2'}" in err
+    got, want = read_metrics(dump)[-1], read_metrics(reference)[-1]
+    assert got["step"] == want["step"] == 3
+    assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
+
+
 def test_no_loadable_checkpoint_is_one_short_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = nn.Linear(4, 4)
     manager = CheckpointManager(tmp_path, CheckpointConfig(enable=True), total_steps=10)
@@ -358,7 +407,8 @@ def test_no_loadable_checkpoint_is_one_short_message(tmp_path: Path, capsys: pyt
     lines = str(err.value).splitlines()
     assert lines[0] == f'checkpoint.folder = "{tmp_path / "checkpoint"}": no checkpoint there could be loaded:'
     assert lines[1].startswith("  step-2: __0_0.distcp is truncated ("), lines
-    assert lines[2].startswith("  step-1: .metadata is damaged or truncated"), lines
+    # Garbage in place of a checksummed .metadata is a checksum mismatch, found before unpickling it.
+    assert lines[2].startswith("  step-1: .metadata does not match the checksum recorded when it was saved ("), lines
     assert lines[3].startswith("  fix: ") and len(lines) == 4, lines
     assert "Traceback" not in capsys.readouterr().err
 

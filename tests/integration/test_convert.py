@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model  # noqa: E402
 from torchmoe.components.checkpoint import load_model_only  # noqa: E402
+from torchmoe.components.checksums import SIDECAR, digest_file  # noqa: E402
 from torchmoe.config import ConfigError  # noqa: E402
 from torchmoe.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
 from torchmoe.launch import run_cli  # noqa: E402
@@ -45,6 +47,8 @@ def step_dir(tmp_path_factory) -> Path:
 def test_hf_to_dcp_to_hf_is_lossless(hf_dir: Path, tmp_path: Path) -> None:
     proc = _ok("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp")
     assert "--model.flavor tiny" in proc.stdout  # the flavor to train it with
+    recorded = json.loads((tmp_path / "dcp" / SIDECAR).read_text())["files"]  # checksummed like a checkpoint
+    assert recorded == {name: digest_file(tmp_path / "dcp" / name) for name in (".metadata", "__0_0.distcp")}
     _ok("convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--flavor", "tiny")
     original = load_file(hf_dir / "model.safetensors")
     back = load_file(tmp_path / "back" / "model.safetensors")

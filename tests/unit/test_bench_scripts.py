@@ -54,3 +54,11 @@ def test_scout_stack_compares_bf16_with_emulated_float8_linears(tmp_path, monkey
         result["runs"]["float8-linears"]["tokens_per_sec"] / result["runs"]["bf16"]["tokens_per_sec"])
     losses = [run["final_loss"] for run in result["runs"].values()]
     assert losses[0] != losses[1] and losses[1] == pytest.approx(losses[0], rel=2e-2)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_bench_times_both_paths_on_the_same_state(tmp_path) -> None:
+    result = _script("bench_checkpoint").bench("tiny", 1, tmp_path)
+    assert result["checkpoint_mb"] == 29.9  # 2.4 M parameters x (weights + 2 AdamW moments) in fp32
+    assert all(result[f"{k}_s"] > 0 for k in ("save_torch", "save_checksums", "load_torch", "load_checked"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checked-1", "checked0", "plain-1", "plain0"]

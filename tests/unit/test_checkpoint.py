@@ -350,9 +350,9 @@ def test_failed_save_and_stale_temporaries_leave_nothing(tmp_path: Path, monkeyp
     manager = _manager(tmp_path)
     assert not stale.exists()
 
-    def full_disk(state, checkpoint_id, **kw):
-        Path(checkpoint_id).mkdir(parents=True)
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+    def full_disk(state, storage_writer, **kw):
+        Path(storage_writer.path).mkdir(parents=True)
+        (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"partial")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(dcp, "save", full_disk)

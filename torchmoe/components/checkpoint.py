@@ -18,7 +18,9 @@ Layout (DESIGN §3, a contract): `<dump_folder>/<checkpoint.folder>/step-N/`, DC
 `.complete` marker holding JSON metadata. Every rank writes its shards into
 `step-N.tmp-<id>/`; once DCP reports the save finished on all ranks, rank 0 writes the marker
 and renames the folder to `step-N/`. A `step-N/` without the marker is never loaded, so a job
-killed at any moment leaves either the previous checkpoints or a complete new one.
+killed at any moment leaves either the previous checkpoints or a complete new one. The writer
+records a checksum of every file in `.checksums.json` (`checksums.ChecksummingWriter`); a load
+checks them first and unpickles nothing but DCP's metadata and plain values (`weight_files.load_dcp`).
 
 Model and optimizer state go through `get_model_state_dict` / `get_optimizer_state_dict`, which
 return (sharded) DTensors keyed by the model's FQNs, so a checkpoint saved under one layout (FSDP
@@ -67,9 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import (
@@ -82,15 +82,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchmoe.components.checksums import ChecksummingWriter
+from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.weight_files import (
     UnreadableWeights,
     describe,
+    load_dcp,
     misfit,
     model_prefix,
     model_tensors,
     non_float,
     read_dcp_metadata,
-    reading,
 )
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
@@ -237,10 +239,10 @@ class RankLocal(Stateful):
             self.obj.load_state_dict(inner)
 
 
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner (strict), except that keys under `optional` prefixes which
-    the checkpoint lacks are skipped and recorded in `skipped` (rank-local state of a rank that
-    did not exist when the checkpoint was written)."""
+class _LoadPlanner(SafeLoadPlanner):
+    """DCP's default load planner (strict; `SafeLoadPlanner`: plain values only), except that keys
+    under `optional` prefixes which the checkpoint lacks are skipped and recorded in `skipped`
+    (rank-local state of a rank that did not exist when the checkpoint was written)."""
 
     def __init__(self, optional: tuple[str, ...]) -> None:
         super().__init__()
@@ -271,20 +273,20 @@ def _check_saved_shapes(state: dict[str, Any], metadata: Metadata) -> None:
 
 
 def _dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
-    """dcp.load of `state` from `path` over `group`, tolerating missing rank-local keys (with a
-    warning).
+    """dcp.load of `state` from `path` over `group` (`load_dcp`: checksums first, nothing unpickled
+    but plain values), tolerating missing rank-local keys (with a warning).
 
     Raises:
         UnreadableWeights: a file of the checkpoint is missing or damaged.
+        UnsafeWeights: a file would run code.
         ConfigError: an object's `check_saved_shapes` refuses the checkpoint.
     """
     key, fix = "checkpoint.folder", "delete or move the broken step-N folder"  # the manager reports its own
-    _check_saved_shapes(state, read_dcp_metadata(key, path, fix))
+    metadata = read_dcp_metadata(key, path, fix)
+    _check_saved_shapes(state, metadata)
     optional = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
     planner = _LoadPlanner(optional)
-    with reading(key, path, fix, what="a *.distcp file"):
-        dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=planner, process_group=group,
-                 no_dist=not _dist_on())
+    load_dcp(state, path, metadata, key=key, fix=fix, planner=planner, group=group)
     if planner.skipped:
         logger.warning(
             "%s has no rank-local state for this rank (%s); keeping the current state",
@@ -318,8 +320,7 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
     if problem is not None:
         raise ConfigError(key, str(path), problem, f"point it at a checkpoint of this model flavor ({_DCP_FOLDER})")
     prefixed = bool(model_prefix(metadata))
-    with reading(key, path, fix, what="a *.distcp file"):
-        dcp.load({"model": wrapper} if prefixed else sd, checkpoint_id=str(path), no_dist=not _dist_on())
+    load_dcp({"model": wrapper} if prefixed else sd, path, metadata, key=key, fix=fix)
     if not prefixed:  # DCP filled the tensors of `sd`; the wrapper puts them into the model
         wrapper.load_state_dict(sd)
     logger.info("loaded model weights from %s", path)
@@ -448,7 +449,7 @@ class CheckpointManager:
         self._last_saved = step
         if self._async and not model_only:
             future = dcp.async_save(
-                state, checkpoint_id=str(tmp), process_group=self.group, no_dist=not _dist_on(),
+                state, storage_writer=ChecksummingWriter(tmp), process_group=self.group, no_dist=not _dist_on(),
                 async_stager=self._stager(),
             )
             # Older return type: a Future; newer with async staging: an AsyncSaveResponse.
@@ -457,7 +458,8 @@ class CheckpointManager:
             return
         error = None
         try:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=not _dist_on())
+            dcp.save(state, storage_writer=ChecksummingWriter(tmp), process_group=self.group,
+                     no_dist=not _dist_on())
         except (Exception, CheckpointException) as e:  # DCP raises a write error on every rank
             error = describe(e)
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
@@ -618,10 +620,11 @@ class CheckpointManager:
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the newest complete checkpoint into `state`; returns its step, None if none.
 
-        A checkpoint that fails to load on any rank (truncated or corrupt file, missing keys) is
-        reported with a warning and every rank tries the previous one. If every one fails this
-        raises, rather than silently training from scratch. A `ConfigError` (the configuration
-        cannot continue the checkpoint, e.g. another global batch size) is raised at once. A seed
+        A checkpoint that fails to load on any rank (truncated or corrupt file, one that does not
+        match its checksum, missing keys) is reported with a warning and every rank tries the
+        previous one. If every one fails this raises, rather than silently training from scratch.
+        A `ConfigError` (the configuration cannot continue the checkpoint, e.g. another global
+        batch size; a file that would run code, `UnsafeWeights`) is raised at once. A seed
         checkpoint (model only) loads only `state["model"]` and returns 0. Returns None when
         checkpointing is disabled.
         """

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (
     consolidate_safetensors_files,
     consolidate_safetensors_files_on_every_rank,
 )
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -57,6 +57,7 @@ from torch.futures import Future
 
 # checkpoint's import also silences DCP's warning on every single-process call.
 from torchmoe.components.checkpoint import _dist_on
+from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading
 from torchmoe.config.errors import ConfigError
 from torchmoe.distributed.process_groups import device_backend
@@ -94,7 +95,7 @@ def _full_model_slices(args: ModelArgs) -> list[HFSlice]:
 # ---- loading ---------------------------------------------------------------------------------
 
 
-class _HFLoadPlanner(DefaultLoadPlanner):
+class _HFLoadPlanner(SafeLoadPlanner):
     """Reads each of our tensors (a view in HF orientation) from its slice of the stored tensor.
 
     DCP plans against a virtual metadata in which every one of our tensors is stored whole

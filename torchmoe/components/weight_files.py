@@ -2,9 +2,10 @@
 
     metadata = read_dcp_metadata(key, folder, fix)               # .metadata, checked
     problem = misfit(model.state_dict(), model_tensors(metadata), extra_ok=True)
-    with reading(key, folder, fix, what="a *.distcp file"):      # a damaged file -> ConfigError
-        dcp.load(state, checkpoint_id=str(folder))
+    load_dcp(state, folder, metadata, key=key, fix=fix)          # checksums first; runs no code
     config = read_json_object(key, folder, "config.json", fix)
+    with reading(key, folder, fix, what=name):                   # any other read: a fault -> ConfigError
+        ...
 
 Weights come from copies cut short, downloads that stopped, files of another kind. Reading such
 a file, torch, pickle and safetensors raise what they raise (EOFError, UnpicklingError,
@@ -17,6 +18,12 @@ cannot read ("Global metadata is not found ..."), before raising the error; with
 configured Python prints that record to stderr. `quiet_dcp_logs` drops DCP's records for the
 duration of a read, so that a fault is reported once: as the `ConfigError`, or (resuming a run)
 one warning.
+
+Loading never runs code from a file (`dcp_unpickling`): a pickle in a DCP folder that names
+anything but DCP's metadata classes or plain values is `UnsafeWeights`, a `ConfigError` that a
+resume does not skip (a crafted file is not damage to step past). Every file of a DCP folder is
+checked against the checksums recorded when it was saved (`checksums`): a mismatch is damage,
+`UnreadableWeights`.
 """
 
 from __future__ import annotations
@@ -31,17 +38,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from torchmoe.components import checksums
+from torchmoe.components.dcp_unpickling import RefusedPickle, SafeLoadPlanner, SafeReader, unpickle_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.paths import describe_os_error
 
-__all__ = ["UnreadableWeights", "describe", "misfit", "model_prefix", "model_tensors", "non_float", "quiet_dcp_logs",
-           "read_dcp_metadata", "read_fault", "read_json_object", "reading"]
+__all__ = ["UnreadableWeights", "UnsafeWeights", "describe", "load_dcp", "misfit", "model_prefix",
+           "model_tensors", "non_float", "quiet_dcp_logs", "read_dcp_metadata", "read_fault", "read_json_object",
+           "reading"]
 
 _DCP_SOURCE = os.path.dirname(dcp.__file__)
 
@@ -49,6 +59,22 @@ _DCP_SOURCE = os.path.dirname(dcp.__file__)
 class UnreadableWeights(ConfigError):
     """Weights that cannot be read (`problem` says why, in one line): what every reader here
     raises, so that a caller probing several checkpoints can tell it from other `ConfigError`s."""
+
+
+class UnsafeWeights(ConfigError):
+    """A file that would run code if loaded (`RefusedPickle`): refused, never skipped for an older
+    checkpoint, so that a crafted file is reported rather than stepped past."""
+
+
+_UNSAFE_FIX = ("do not load it: DCP and torchmoe never write code into a checkpoint, so the file was crafted or "
+               "altered; delete it, and load only checkpoints from a source you trust")
+
+
+def _refused(err: BaseException) -> RefusedPickle | None:
+    """The `RefusedPickle` that `err` is or holds (DCP wraps each rank's error), or None."""
+    if isinstance(err, CheckpointException):
+        return next((exc for exc, _ in err.failures.values() if isinstance(exc, RefusedPickle)), None)
+    return err if isinstance(err, RefusedPickle) else None
 
 
 def _first_line(err: BaseException, limit: int = 160) -> str:
@@ -116,11 +142,15 @@ def quiet_dcp_logs() -> Iterator[None]:
 @contextmanager
 def reading(key: str, path: str | os.PathLike, fix: str, *, what: str = "a file") -> Iterator[None]:
     """Read weights from `path` (the value of `key`): a fault of the file(s) `what` becomes one
-    `UnreadableWeights` naming `key`, `path` and `fix`; DCP's logs are quiet meanwhile."""
+    `UnreadableWeights` naming `key`, `path` and `fix`, a refused pickle one `UnsafeWeights`; DCP's
+    logs are quiet meanwhile."""
     with quiet_dcp_logs():
         try:
             yield
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            refused = _refused(err)
+            if refused is not None:
+                raise UnsafeWeights(key, str(path), str(refused), _UNSAFE_FIX) from None
             fault = read_fault(err, what)
             if fault is None:
                 raise
@@ -153,18 +183,22 @@ def read_json_object(key: str, folder: Path, name: str, fix: str) -> dict:
 
 
 def read_dcp_metadata(key: str, folder: Path, fix: str) -> Metadata:
-    """The `.metadata` of the DCP checkpoint `folder`.
+    """The `.metadata` of the DCP checkpoint `folder`, unpickled safely (`unpickle_metadata`).
 
     Raises:
-        UnreadableWeights: it is missing, unreadable, damaged or holds something else.
+        UnreadableWeights: it is missing, unreadable, damaged (by its recorded checksum too), or
+            holds something else; a data file it points into is missing or too short.
+        UnsafeWeights: it would run code.
     """
     if not (folder / ".metadata").exists():
         raise UnreadableWeights(key, str(folder), "not a DCP checkpoint (no .metadata)", fix)
     with reading(key, folder, fix, what=".metadata"):
-        try:
-            metadata = FileSystemReader(str(folder)).read_metadata()
-        except AttributeError:  # DCP sets an attribute on what it unpickled, which is something else
-            metadata = None
+        data = (folder / ".metadata").read_bytes()
+    problem = checksums.metadata_fault(folder, data)  # before unpickling it: damage is not a refusal
+    if problem is not None:
+        raise UnreadableWeights(key, str(folder), problem, fix)
+    with reading(key, folder, fix, what=".metadata"):
+        metadata = unpickle_metadata(data)
     if not isinstance(metadata, Metadata):
         raise UnreadableWeights(key, str(folder), ".metadata is not DCP metadata (a pickle of something else)", fix)
     problem = _data_files_fault(folder, metadata)
@@ -178,10 +212,7 @@ def _data_files_fault(folder: Path, metadata: Metadata) -> str | None:
     missing, a folder, or shorter), or None. DCP reads only the byte ranges it loads: a file cut
     short may load some tensors and fail on others, or, when only the model of a step-N folder is
     loaded, not fail at all. Its size names it before any load."""
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        if hasattr(info, "relative_path"):  # FileSystemWriter's entries: (file, offset, length)
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    ends = _data_ends(metadata)
     for name, end in sorted(ends.items()):
         try:
             with open(folder / name, "rb") as f:  # the OS says what else is wrong with it
@@ -191,6 +222,34 @@ def _data_files_fault(folder: Path, metadata: Metadata) -> str | None:
         if size < end:
             return f"{name} is truncated ({size} bytes; the checkpoint's data needs {end})"
     return None
+
+
+def _data_ends(metadata: Metadata) -> dict[str, int]:
+    """Data file -> the end of the last byte range `metadata` points at in it."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        if hasattr(info, "relative_path"):  # FileSystemWriter's entries: (file, offset, length)
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
+
+
+def load_dcp(state: dict, folder: Path, metadata: Metadata, *, key: str, fix: str,
+             planner: SafeLoadPlanner | None = None, group: dist.ProcessGroup | None = None) -> None:
+    """`dcp.load` of `state` from the DCP folder `folder`, whose `metadata` `read_dcp_metadata`
+    returned: every data file first checked against its recorded checksum (each rank a share), then
+    loaded without unpickling anything but plain values (`SafeLoadPlanner`, or `planner`, one of
+    its kind). Collective under a process group (`group`, default the world).
+
+    Raises:
+        UnreadableWeights: a data file does not match its checksum, or is missing or damaged.
+        UnsafeWeights: a stored value would run code.
+    """
+    problem = checksums.verify(folder, sorted(_data_ends(metadata)), group)
+    if problem is not None:
+        raise UnreadableWeights(key, str(folder), problem, fix)
+    with reading(key, folder, fix, what="a *.distcp file"):
+        dcp.load(state, storage_reader=SafeReader(folder, metadata), planner=planner or SafeLoadPlanner(),
+                 process_group=group, no_dist=not dist.is_initialized())
 
 
 def model_prefix(metadata: Metadata) -> str:

@@ -1,0 +1,230 @@
+"""Loading a file never runs code from it: pickles crafted into a checkpoint, a tokenizer's
+`auto_map`, a dataset's loading script. Each payload would create a marker file if anything ran
+it; each is refused with exit 2 and one message naming the file (or, for the tokenizer, ignored),
+and the marker never appears.
+
+    python -m pytest -q -m integration tests/integration/test_code_in_files.py
+
+The checkpoint payloads go through the three readers of DCP folders: resuming (a crafted step-N
+in the run's checkpoint folder), `checkpoint.initial_load_path` and `torchmoe convert dcp-to-hf`,
+all in-process (`cli.main`, what the commands run). Each crafted folder also gets checksums that
+match it (an attacker writes them too), so what stops it is the loading, not the checksums.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from tests.helpers import DEBUG_CONFIG
+from torchmoe import cli
+from torchmoe.components.checksums import ALGORITHM, SIDECAR, digest_file
+from torchmoe.components.dcp_unpickling import unpickle_metadata
+from torchmoe.launch import read_metrics, run_cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+TRAIN = ["train", "--config", DEBUG_CONFIG, "--training.seq_len", "64", "--training.steps", "2"]
+
+
+class _Payload:
+    """Unpickles as `os.system("touch MARKER")` (pickled as posix.system), which returns 0."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """The dump folder of a 2-step run with its step-2 checkpoint."""
+    folder = tmp_path_factory.mktemp("run")
+    run_cli([*TRAIN, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", folder],
+            timeout=180)
+    return folder
+
+
+# ---- crafting a checkpoint --------------------------------------------------------------------------
+
+
+def _metadata(folder: Path) -> Metadata:
+    return unpickle_metadata((folder / ".metadata").read_bytes())
+
+
+def _forge_checksums(folder: Path) -> None:
+    """Record checksums that match the folder's files as they are now."""
+    names = [".metadata"] + sorted(p.name for p in folder.glob("*.distcp"))
+    (folder / SIDECAR).write_text(json.dumps({"algorithm": ALGORITHM,
+                                              "files": {n: digest_file(folder / n) for n in names}}))
+
+
+def _metadata_fails(folder: Path, marker: Path) -> None:
+    """.metadata is the payload alone: unpickled plainly it runs, and is no metadata (0)."""
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+
+
+def _metadata_works(folder: Path, marker: Path) -> None:
+    """.metadata is the real one with the payload inside (its storage_meta.modules): unpickled
+    plainly it runs, and the metadata is valid; the run would train on as if nothing happened."""
+    metadata = _metadata(folder)
+    metadata.storage_meta.modules = [_Payload(marker)]
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _store(folder: Path, fqn: str, obj: object) -> None:
+    """Point the entry `fqn` of the checkpoint at `torch.save(obj)` bytes appended to its file."""
+    metadata = _metadata(folder)
+    index = next(i for i in metadata.storage_data if i.fqn == fqn)
+    info = metadata.storage_data[index]
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with open(folder / info.relative_path, "ab") as f:
+        info.offset = f.tell()
+        info.length = f.write(buffer.getvalue())
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _stored_value(folder: Path, marker: Path) -> None:
+    """A value stored as bytes (the data loader's step, an int) is the payload: torch.load of it
+    without weights_only runs it and gets 0, a valid step."""
+    _store(folder, "dataloader.step", _Payload(marker))
+
+
+def _stored_tensor(folder: Path, marker: Path) -> None:
+    """A model tensor's bytes are the payload (what initial loads and conversions read)."""
+    _store(folder, "model.norm.weight", _Payload(marker))
+
+
+CRAFTS = {
+    "metadata-fails": (_metadata_fails, ".metadata asks to load posix.system"),
+    "metadata-works": (_metadata_works, ".metadata asks to load posix.system"),
+    "stored-value": (_stored_value, "__0_0.distcp (its value dataloader.step) asks to load posix.system"),
+    "stored-tensor": (_stored_tensor, "__0_0.distcp asks to load posix.system"),
+}
+READERS = ("resume", "initial_load", "convert")
+# The stored value is read only by a resume: the other two read the model's tensors alone.
+CASES = [(craft, reader) for craft in CRAFTS for reader in READERS
+         if craft != "stored-value" or reader == "resume"]
+
+
+def _crafted(run_dir: Path, tmp_path: Path, craft: str) -> tuple[Path, Path]:
+    """A copy of `run_dir` whose step-2 is crafted as `craft`; returns (dump folder, marker)."""
+    dump, marker = tmp_path / "run", tmp_path / "MARKER"
+    shutil.copytree(run_dir, dump)
+    step = dump / "checkpoint" / "step-2"
+    CRAFTS[craft][0](step, marker)
+    _forge_checksums(step)
+    return dump, marker
+
+
+# ---- the crafted checkpoints run code when loaded plainly ---------------------------------------------
+
+
+@pytest.mark.parametrize("craft", list(CRAFTS))
+def test_each_craft_runs_its_code_when_loaded_the_unsafe_way(craft: str, run_dir: Path, tmp_path: Path) -> None:
+    """The control: what DCP's own reader and planner would do (pickle.load, torch.load without
+    weights_only) creates the marker, and the "works" forms still give valid values."""
+    dump, marker = _crafted(run_dir, tmp_path, craft)
+    step = dump / "checkpoint" / "step-2"
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    if craft.startswith("stored"):
+        fqn = "dataloader.step" if craft == "stored-value" else "model.norm.weight"
+        info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+        with open(step / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            value = torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
+        assert value == 0
+    else:
+        assert isinstance(metadata, Metadata) == (craft == "metadata-works")
+    assert marker.exists()
+
+
+# ---- every craft, every reader: refused, nothing ran ---------------------------------------------------
+
+
+def _read(reader: str, dump: Path, out: Path) -> int:
+    step = dump / "checkpoint" / "step-2"
+    if reader == "resume":
+        return cli.main([*TRAIN, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+                         "--job.dump_folder", str(dump)])
+    if reader == "initial_load":
+        return cli.main([*TRAIN, "--checkpoint.initial_load_path", str(step), "--job.dump_folder", str(out)])
+    return cli.main(["convert", "dcp-to-hf", str(step), str(out), "--flavor", "tiny"])
+
+
+@pytest.mark.parametrize(("craft", "reader"), CASES, ids=[f"{c}:{r}" for c, r in CASES])
+def test_crafted_checkpoint_is_refused_and_runs_nothing(craft: str, reader: str, run_dir: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    dump, marker = _crafted(run_dir, tmp_path, craft)
+    status = _read(reader, dump, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    key = {"resume": "checkpoint.folder", "initial_load": "checkpoint.initial_load_path", "convert": "CKPT_DIR"}[reader]
+    assert f'{key} = "{dump / "checkpoint" / "step-2"}": {CRAFTS[craft][1]}, which a checkpoint never holds: ' \
+           "refused, nothing of it was run" in err, err
+    assert "fix: do not load it: DCP and torchmoe never write code into a checkpoint" in err, err
+    assert not marker.exists()
+    # Nothing trained or written: a resume is refused outright (no fallback to training from scratch).
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / "config.json").exists()
+
+
+# ---- tokenizers and datasets: files that name code ------------------------------------------------------
+
+
+def _tokenizer(folder: Path, marker: Path) -> None:
+    """A tokenizer.json with a tokenizer_config.json whose auto_map names a module of the folder
+    that creates the marker on import (what transformers would import with trust_remote_code)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=[
+        "<|begin_of_text|>", "<|end_of_text|>", "<unk>"])
+    tok.train_from_iterator(["def train(model): return model"] * 20, trainer)
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "evil_tokenizer.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                              "class EvilTokenizer: pass\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["evil_tokenizer.EvilTokenizer", None]},
+        "eos_token": "<|end_of_text|>"}))
+
+
+def test_tokenizer_auto_map_is_ignored_and_runs_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder, marker = tmp_path / "tok", tmp_path / "MARKER"
+    _tokenizer(folder, marker)
+    status = cli.main([*TRAIN, "--model.tokenizer_path", str(folder), "--job.dump_folder", str(tmp_path / "run")])
+    assert status == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    assert not marker.exists()
+
+
+def test_dataset_loading_script_is_refused_and_runs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A local `datasets` folder with a loading script (and data beside it): datasets >= 4 never
+    runs scripts, local or on the hub, whatever HF_DATASETS_TRUST_REMOTE_CODE says."""
+    pytest.importorskip("datasets")
+    folder, marker = tmp_path / "evil", tmp_path / "MARKER"
+    folder.mkdir()
+    (folder / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(8)))
+    monkeypatch.setenv("HF_DATASETS_TRUST_REMOTE_CODE", "1")  # what would have run it under datasets 3
+    status = cli.main([*TRAIN, "--training.dataset", "hf", "--training.dataset_path", str(folder),
+                       "--job.dump_folder", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    assert (f'training.dataset_path = "{folder}": the hub dataset cannot be read (RuntimeError: Dataset scripts '
+            "are no longer supported, but found evil.py)") in err, err
+    assert not marker.exists()
