@@ -9,8 +9,9 @@ that tracks the bytes autograd holds for backward: per stage and micro-batch (al
 forwards pack the same shapes) and the peak held at once.
 
 Checked against the planner:
-  - the dry run's stage split (`dry_run.json`'s ``pipeline.stages``) equals the blocks of the
-    stage modules the trainer built, stage by stage, with the same pp rank;
+  - the dry run's stage split (`dry_run.json`'s ``pipeline.stages``) equals the blocks each of
+    torch's PipelineStage objects ran in the step (recorded by the stage index the schedule gave
+    it, not read from the trainer's layout), stage by stage, with the same pp rank;
   - the peak bytes held equal `plan.pipeline.peak_activations_in_flight` — the schedule's action
     list replayed with the measured per-stage bytes. This is the factor the memory estimate
     multiplies its per-block activation model (checked against saved tensors in
@@ -83,7 +84,11 @@ class _Held:
 
 
 def _measure(schedule: str, out_dir: Path) -> dict:
+    from collections import defaultdict
+    from unittest import mock
+
     import torch
+    from torch.distributed.pipelining import PipelineStage
 
     from torchmoe.config.loader import load_job_config
     from torchmoe.trainer import Trainer
@@ -92,12 +97,26 @@ def _measure(schedule: str, out_dir: Path) -> dict:
     trainer = Trainer(cfg)
     stages = dict(zip(trainer.pipe.ranks[trainer.pp_rank], trainer.model_parts))
     tracker = _SavedBytes(stages)
+    # Which blocks each of torch's PipelineStage objects really ran, by the stage index the
+    # schedule gave it (not the trainer's layout, which the dry run shares).
+    ran: dict[int, set[int]] = defaultdict(set)
+    running = {}
+    forward_one_chunk = PipelineStage.forward_one_chunk
+
+    def recording_forward(stage, *args, **kwargs):
+        running["stage"] = stage.stage_index
+        return forward_one_chunk(stage, *args, **kwargs)
+
+    for part in trainer.model_parts:
+        for name, block in part.layers.items():
+            block.register_forward_pre_hook(lambda mod, args, i=int(name): ran[running["stage"]].add(i))
     batch = trainer.dataloader.next_batch()
-    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
+            mock.patch.object(PipelineStage, "forward_one_chunk", recording_forward):
         trainer.forward_backward(batch)
     record = {
         "pp_rank": trainer.pp_rank,
-        "stage_layers": {str(sid): sorted(int(i) for i in m.layers) for sid, m in stages.items()},
+        "stage_layers": {str(sid): sorted(layers) for sid, layers in ran.items()},
         "per_microbatch": {str(sid): b / trainer.pp_microbatches for sid, b in tracker.per_stage.items()},
         "peak": tracker.peak, "microbatches": trainer.pp_microbatches, "num_stages": trainer.pipe.num_stages,
     }

@@ -337,9 +337,11 @@ def test_dry_run_names_the_tp_styles_and_their_all_gather_bytes(recipe, styles):
          "--training.local_batch_size", "4"]),
 ])
 def test_float8_tp_composes_with_the_parallelize_pipeline(fake_world, world, flags):
-    """The whole pipeline on the meta device, as `Trainer` runs it (EP alongside TP, FSDP with
-    float8 all-gathers and selective AC, a pipeline stage): the float8 linears survive as
-    Float8Linear and every parameter ends up a DTensor."""
+    """The whole pipeline as `Trainer` runs it (EP alongside TP, FSDP with float8 all-gathers and
+    selective AC, a pipeline stage), then a forward and backward of rank 0 on CPU (the fake world
+    moves no data: shapes, placements and the float8 paths run, not the numbers): every float8
+    linear runs, every parameter is a DTensor with a gradient, and the output has rank 0's shape
+    (vocab-sharded logits, or a first stage's sequence-sharded hidden states)."""
     from torchmoe.models.llama4.parallelize import parallelize_llama4
     from torchmoe.distributed.pipeline_parallel import split_into_stages
 
@@ -353,5 +355,20 @@ def test_float8_tp_composes_with_the_parallelize_pipeline(fake_world, world, fla
         pipe = pipeline_layout(FLAVORS["tiny"], dims, cfg.parallelism, SEQ)
         model = split_into_stages(model, pipe, 0)[0]
     parallelize_llama4(model, dims, mesh, cfg, "cpu")
-    float8 = [fqn for fqn, module in model.named_modules() if isinstance(module, Float8Linear)]
+    float8 = [module for module in model.modules() if isinstance(module, Float8Linear)]
     assert float8 and all(isinstance(p, DTensor) for p in model.parameters())
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().normal_(0, 0.02)
+    ran = set()
+    for module in float8:
+        module.register_forward_hook(lambda mod, args, out: ran.add(id(mod)))
+    tokens = torch.randint(0, FLAVORS["tiny"].vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    out = model(tokens)
+    out.float().sum().backward()
+    tp, args = dims.tp, FLAVORS["tiny"]
+    assert out.shape == ((ROWS, SEQ // tp, args.dim) if dims.pp_enabled else (ROWS, SEQ, args.vocab_size // tp))
+    assert ran == {id(module) for module in float8}
+    assert all(p.grad is not None for p in model.parameters())

@@ -173,14 +173,22 @@ def layer_costs(args: ModelArgs, dims: ParallelDims, seq_len: int, *,
     return flops, state, ends
 
 
+def _with_ends(stage: int, num_stages: int, flops: int, nbytes: int, ends: dict[str, int]) -> tuple[int, int]:
+    """A stage's FLOPs and state bytes with what it holds besides blocks: the embedding on the
+    first stage, the final norm and head on the last (both on a single stage)."""
+    if stage == 0:
+        nbytes += ends["first_bytes"]
+    if stage == num_stages - 1:
+        flops += ends["last_flops"]
+        nbytes += ends["last_bytes"]
+    return flops, nbytes
+
+
 def stage_costs(layers: list[list[int]], flops: list[int], state: list[int], ends: dict[str, int]) -> StageCosts:
     """The costs of a split `layers` (blocks per stage) under per-block `flops` and `state`."""
-    stage_flops = [sum(flops[i] for i in stage) for stage in layers]
-    stage_bytes = [sum(state[i] for i in stage) for stage in layers]
-    stage_flops[-1] += ends["last_flops"]
-    stage_bytes[0] += ends["first_bytes"]
-    stage_bytes[-1] += ends["last_bytes"]
-    return StageCosts(stage_flops, stage_bytes)
+    totals = [_with_ends(s, len(layers), sum(flops[i] for i in stage), sum(state[i] for i in stage), ends)
+              for s, stage in enumerate(layers)]
+    return StageCosts([f for f, _ in totals], [m for _, m in totals])
 
 
 def split_by_cost(flops: list[int], state: list[int], num_stages: int,
@@ -200,12 +208,7 @@ def split_by_cost(flops: list[int], state: list[int], num_stages: int,
         pre_m.append(pre_m[-1] + m)
 
     def cost(stage: int, lo: int, hi: int) -> float:  # blocks lo..hi-1 as stage `stage`
-        f, m = pre_f[hi] - pre_f[lo], pre_m[hi] - pre_m[lo]
-        if stage == 0:
-            m += ends["first_bytes"]
-        if stage == num_stages - 1:
-            f += ends["last_flops"]
-            m += ends["last_bytes"]
+        f, m = _with_ends(stage, num_stages, pre_f[hi] - pre_f[lo], pre_m[hi] - pre_m[lo], ends)
         return max(f / mean_f, m / mean_m)
 
     # best[s][j]: (max cost, split) of the first j blocks as stages 0..s.
