@@ -9,8 +9,10 @@ draws: a header of the planner's facts (flavor, total / active parameters, world
 estimated memory per rank: `plan_job`, what `train --dry-run` prints); loss, gradient norm, LR and
 tokens/s over the steps; each MoE layer's share of tokens per expert at the last logged step; and
 each MoE layer's imbalance (max / mean tokens per expert) over the logged steps. Needs the
-`report` extra (matplotlib). A missing folder or file, a metrics file without records or a
-missing matplotlib is a `ConfigError` (one message, exit 2).
+`report` extra (matplotlib). A missing folder or file, a metrics file without records, a record
+or config.toml that is not what `train` writes (`_record_fault`; per-expert counts of another
+flavor than config.toml's), a malformed run_info.json or a world size that does not fit the
+config, or a missing matplotlib is a `ConfigError` (one message, exit 2).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import importlib.util
 import io
 import math
 import os
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,13 +35,15 @@ import torch
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.metrics import METRICS_FILE, layer_imbalance, parse_record
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
-from torchmoe.config.errors import ConfigError
+from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
 from torchmoe.config.paths import path_faults, writable_file, writable_folder
 from torchmoe.distributed.parallel_dims import MESH_DIMS
-from torchmoe.models.llama4.args import model_args_from_config
+from torchmoe.config.validate import resolve_degrees, validate_sections
+from torchmoe.models.llama4.args import FLAVORS, ModelArgs, model_args_from_config
 from torchmoe.plan.dry_run import format_count, plan_job
+from torchmoe.preflight.layout import check_flavor
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -53,6 +57,8 @@ _CURVES = (("loss", "loss"), ("grad_norm", "gradient norm"), ("lr", "learning ra
 # The final-metrics table of the HTML page, in this order (keys a record lacks are left out).
 _TABLE_KEYS = ("step", "loss", "validation_loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu",
                "memory_gib", "elapsed_s", "moe_imbalance", "ep_all_to_all_gib")
+# What the report reads of each record besides tokens_per_expert: numbers, or null (non-finite, unknown).
+_NUMBERS = tuple(dict.fromkeys([key for key, _ in _CURVES] + [key for key in _TABLE_KEYS if key != "step"]))
 # Cells of the expert-load heatmap get their percentage written in up to this many cells.
 _MAX_ANNOTATED = 256
 
@@ -74,16 +80,52 @@ class RunData:
     moe_layers: list[int]
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl, one per step in step order; of a step logged twice (a
-    resumed run logs again from its checkpoint) the later line. A line that is not a record (torn
-    by a kill) is skipped."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The records of a metrics.jsonl with their line numbers, one per step in step order; of a
+    step logged twice (a resumed run logs again from its checkpoint) the later line. A line that
+    is not a record (torn by a kill) is skipped."""
+    by_step: dict[int, tuple[int, dict[str, Any]]] = {}
+    for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         record = parse_record(line)
         if record is not None:
-            by_step[record["step"]] = record
+            by_step[record["step"]] = (line_no, record)
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _short(value: Any) -> str:
+    text = show_value(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)  # type(): a bool is no number here
+
+
+def _record_fault(record: dict[str, Any]) -> str | None:
+    """Why the report cannot draw `record`, or None: a field it reads is not what torchmoe
+    writes: `step` a positive integer, the curves' and the table's fields numbers or null, and
+    `tokens_per_expert` one row of counts per MoE layer, each with a count per expert."""
+    if type(record["step"]) is not int or record["step"] < 1:
+        return f"step is {_short(record['step'])}, not a positive integer"
+    for key in _NUMBERS:
+        if record.get(key) is not None and not _is_number(record[key]):
+            return f"{key} is {_short(record[key])}, not a number (or null)"
+    counts = record.get("tokens_per_expert")
+    if counts is None:
+        return None
+    if not isinstance(counts, list) or not all(isinstance(row, list) for row in counts):
+        return f"tokens_per_expert is {_short(counts)}, not a list of per-expert token counts per MoE layer"
+    widths = sorted({len(row) for row in counts})
+    if len(widths) > 1:
+        return f"tokens_per_expert is ragged: its rows hold {' and '.join(map(str, widths))} experts"
+    bad = next((v for row in counts for v in row if not (_is_number(v) and v >= 0)), None)
+    return None if bad is None else f"tokens_per_expert holds {_short(bad)}, not a token count"
+
+
+def _counts_shape(args: ModelArgs) -> tuple[int, int]:
+    """(MoE layers, experts) of a model of `args`: the shape of the tokens_per_expert it logs."""
+    layers = len(args.routed_expert_names())
+    return layers, args.num_experts if layers else 0
 
 
 def _run_facts(cfg: JobConfig, world_size: int, records: list[dict[str, Any]]) -> list[str]:
@@ -103,14 +145,20 @@ def _run_facts(cfg: JobConfig, world_size: int, records: list[dict[str, Any]]) -
 
 
 def load_run(folder: Path, world_size: int | None) -> RunData:
-    """Read a dump folder for the report; `world_size` (if given) overrides run_info.json's.
+    """Read a dump folder for the report; `world_size` (if given: ``--world-size``) overrides
+    run_info.json's.
 
     Raises:
         ConfigError: the OS refuses the folder or a file in it (its reason), it holds no
-            metrics.jsonl or config.toml, metrics.jsonl holds no record, or the world size is
-            unknown.
+            metrics.jsonl or config.toml, metrics.jsonl holds no record or one the report cannot
+            draw (`_record_fault`, or counts of another flavor than config.toml's), config.toml
+            is not a valid job config, or the world size is unknown, malformed or does not fit
+            config.toml's degrees.
     """
     fix = "pass the job.dump_folder of a `torchmoe train` run (this user must be able to read it)"
+    size_key, size_fix = "--world-size", "pass --world-size N, the number of ranks the run was launched with"
+    if world_size is not None and world_size < 1:
+        raise ConfigError(size_key, world_size, "must be at least 1", size_fix)
     with path_faults("DUMP_FOLDER", str(folder), fix):
         names = os.listdir(folder)  # the OS says what is wrong with the folder, if anything
         for name in (METRICS_FILE, "config.toml"):
@@ -118,17 +166,67 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
                 raise ConfigError("DUMP_FOLDER", str(folder), f"holds no {name}", fix)
         records = read_records(folder / METRICS_FILE)
         if world_size is None:
-            world_size = (read_run_info(folder) or {}).get("world_size")
+            size_key = "DUMP_FOLDER"
+            try:
+                world_size = (read_run_info(folder) or {}).get("world_size")
+            except ValueError as err:  # edited, or cut short
+                raise ConfigError("DUMP_FOLDER", str(folder), f"{RUN_INFO_FILE} {err}", size_fix) from None
     if not records:
         raise ConfigError("DUMP_FOLDER", str(folder), f"{METRICS_FILE} holds no records (no step logged yet)",
                           "report once the run has logged a step (the first step is always logged)")
-    if not isinstance(world_size, int):
+    if world_size is None:
         raise ConfigError("DUMP_FOLDER", str(folder), f"holds no {RUN_INFO_FILE}, which tells the run's world size",
-                          "pass --world-size N, the number of ranks the run was launched with")
+                          size_fix)
     cfg = load_toml_config(folder / "config.toml", key="DUMP_FOLDER")
+    with _config_faults(folder):  # checked as `train` checks its sections
+        validate_sections(cfg)
+        check_flavor(cfg.model.flavor)
+    try:
+        resolve_degrees(cfg.parallelism, world_size)
+    except ConfigError as err:
+        raise ConfigError(size_key, world_size if size_key == "--world-size" else str(folder),
+                          f"world size {world_size} does not fit the run's config.toml: {err.problem}",
+                          size_fix) from None
     args = model_args_from_config(cfg.model)
-    return RunData(folder.resolve().name, records, _run_facts(cfg, world_size, records),
-                   [i for i in range(args.n_layers) if args.is_moe_layer(i)])
+    _check_records(folder, records, cfg.model.flavor, _counts_shape(args))
+    kept = [record for _, record in records]
+    with _config_faults(folder):  # the planner's own checks (a pipeline split)
+        facts = _run_facts(cfg, world_size, kept)
+    return RunData(folder.resolve().name, kept, facts, [i for i in range(args.n_layers) if args.is_moe_layer(i)])
+
+
+@contextmanager
+def _config_faults(folder: Path) -> Iterator[None]:
+    """A `ConfigError` about a setting meanwhile is a fault of the run's config.toml (edited, or
+    written by another version)."""
+    try:
+        yield
+    except ConfigError as err:
+        raise ConfigError("DUMP_FOLDER", str(folder), f"its config.toml sets {err.key} = {show_value(err.value)}: "
+                          f"{err.problem}", f"{err.fix} (in {folder / 'config.toml'})") from None
+
+
+def _check_records(folder: Path, records: list[tuple[int, dict[str, Any]]], flavor: str,
+                   shape: tuple[int, int]) -> None:
+    """Every record drawn must be one torchmoe writes (`_record_fault`), with the tokens_per_expert
+    of a model of config.toml's `flavor` (`shape`: its MoE layers and experts)."""
+    for line_no, record in records:
+        where = f"{METRICS_FILE} line {line_no}"
+        problem = _record_fault(record)
+        if problem is not None:
+            raise ConfigError("DUMP_FOLDER", str(folder), f"{where}: {problem}",
+                              f"fix or delete line {line_no} of {folder / METRICS_FILE} (torchmoe writes numbers, "
+                              "null for a non-finite one, and tokens_per_expert as one list of per-expert token "
+                              "counts per MoE layer)")
+        counts = record.get("tokens_per_expert")
+        got = (len(counts), len(counts[0])) if counts else (0, 0)
+        if counts is not None and got != shape:
+            fits = [name for name, args in FLAVORS.items() if _counts_shape(args) == got]
+            raise ConfigError(
+                "DUMP_FOLDER", str(folder), f"{where}: tokens_per_expert holds {got[0]} MoE layers of {got[1]} experts, "
+                f"but config.toml's flavor {flavor!r} has {shape[0]} of {shape[1]}: the metrics are another run's",
+                "report a dump folder whose metrics.jsonl and config.toml are one run's"
+                + (f" (these counts fit flavor {', '.join(fits)})" if fits else ""))
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

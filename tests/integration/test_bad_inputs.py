@@ -92,17 +92,50 @@ def _dataset(tmp_path: Path, kind: str) -> str:
         (tmp_path / "docs").mkdir()
         (tmp_path / "docs" / "notes.md").write_text("not a dataset suffix")
         return str(tmp_path / "docs")
+    if kind == "zero_byte_files":  # row 1 reads b.txt and d.txt, which hold nothing
+        for name, text in zip("abcd", ("one", "", "three", "")):
+            (tmp_path / f"{name}.txt").write_text(text)
+        return str(tmp_path / "*.txt")
+    if kind == "empty_parquet_rows":  # row 0 reads rows 0 and 2
+        pq = pytest.importorskip("pyarrow.parquet")
+        pq.write_table(pytest.importorskip("pyarrow").table({"text": ["", "b", None, "d"]}), tmp_path / "d.parquet")
+        return str(tmp_path / "d.parquet")
+    if kind == "bom_jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "a"}\n{"text": "b"}\n')
+        return str(path)
+    if kind == "utf16_txt":
+        (tmp_path / "a.txt").write_text("two rows", encoding="utf-16")
+        (tmp_path / "b.txt").write_text("fine")
+        return str(tmp_path / "*.txt")
     raise ValueError(kind)
 
 
+# key, and the message ({} is the test's folder); each names the file it is about.
 DATASETS = {
     "missing": ("training.dataset_path", "No such file or directory"),
-    "empty_txt": ("training.dataset", "holds no text"),
-    "whitespace_txt": ("training.dataset", "holds no text"),
-    "not_utf8_txt": ("training.dataset_path", "a.txt is not UTF-8 text (byte 3"),
-    "empty_strings_jsonl": ("training.dataset", "holds no text"),
+    "empty_txt": ("training.dataset_path", "the 1 document(s) of a batch row hold no text: {}/a.txt (empty or only "
+                  "whitespace)\n  fix: give them text or remove them from the dataset: each of the "
+                  "training.global_batch_size rows packs its own documents (row j: documents j, j + G, ...); or "
+                  "check training.dataset_text_field (it may name an empty column)"),
+    "whitespace_txt": ("training.dataset_path", "hold no text: {}/a.txt (empty or only whitespace)"),
+    "zero_byte_files": ("training.dataset_path", "the 2 document(s) of a batch row hold no text: {0}/b.txt, "
+                        "{0}/d.txt (empty or only whitespace)"),
+    "not_utf8_txt": ("training.dataset_path", "a.txt is not UTF-8 text (byte 3 is 0xE9: invalid continuation "
+                     "byte)\n  fix: convert a.txt to UTF-8, e.g. iconv -f latin1 -t UTF-8 a.txt > a.txt.utf8, then "
+                     "replace it; or remove it from the dataset"),
+    "utf16_txt": ("training.dataset_path", "a.txt is UTF-16LE text, not UTF-8: it starts with the UTF-16LE byte "
+                  "order mark (BOM, bytes FF FE)\n  fix: convert a.txt to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 a.txt "
+                  "> a.txt.utf8, then replace it; or remove it from the dataset"),
+    "empty_strings_jsonl": ("training.dataset_path", "the 2 document(s) of a batch row hold no text: {0}/d.jsonl:1, "
+                            "{0}/d.jsonl:3 (empty or only whitespace)"),
+    "empty_parquet_rows": ("training.dataset_path", "the 2 document(s) of a batch row hold no text: {0}/d.parquet "
+                           "row 0, {0}/d.parquet row 2 (empty or only whitespace)"),
     "truncated_jsonl": ("training.dataset_path", "d.jsonl:2 is not JSON"),
-    "not_utf8_jsonl": ("training.dataset_path", "d.jsonl:1 is not UTF-8 text"),
+    "not_utf8_jsonl": ("training.dataset_path", "d.jsonl:1 is not UTF-8 text (byte 10 is 0xFF: invalid start byte)"),
+    "bom_jsonl": ("training.dataset_path", "{}/d.jsonl:1 starts with the UTF-8 byte order mark (BOM, bytes EF BB "
+                  "BF)\n  fix: save d.jsonl as UTF-8 without a BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' d.jsonl; or "
+                  "remove it from the dataset"),
     "garbage_parquet": ("training.dataset_path", "is not a readable .parquet file"),
     "too_few_documents": ("training.dataset_path", "holds 1 document(s), fewer than the 2 rows"),
     "folder_without_text": ("training.dataset_path", "holds no .txt/.jsonl/.json/.parquet files"),
@@ -114,7 +147,7 @@ def test_bad_dataset_is_one_message(capsys, tmp_path: Path, kind: str) -> None:
     key, problem = DATASETS[kind]
     status, err = _main(capsys, tmp_path, "--training.dataset", "local",
                         "--training.dataset_path", _dataset(tmp_path, kind))
-    _assert_one_error(status, err, f"{key} = ", problem)
+    _assert_one_error(status, err, f"{key} = ", problem.format(tmp_path))
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
 
 
@@ -160,9 +193,16 @@ def tokenizer_json(tmp_path_factory) -> Path:
 TOKENIZERS = {
     "missing": (None, None, "tokenizer.json: No such file or directory"),
     "truncated": ("truncate", None, "is not a valid tokenizer.json"),
-    "not_utf8": (b"\xff\xfe\x00binary", None, "is not a valid tokenizer.json"),
+    "not_utf8": (b"\x80binary", None, "tokenizer.json is not UTF-8 text (byte 0 is 0x80: invalid start byte)"),
+    "utf16": (b"\xff\xfe{\x00}\x00", None, "tokenizer.json is UTF-16LE text, not UTF-8: it starts with the "
+              "UTF-16LE byte order mark (BOM, bytes FF FE)\n  fix: convert tokenizer.json to UTF-8, e.g. iconv -f "
+              "UTF-16 -t UTF-8 tokenizer.json > tokenizer.json.utf8, then replace it"),
     "config_not_json": ("good", b'{"bos_token": ', "tokenizer_config.json is not JSON"),
-    "config_not_utf8": ("good", b"\xff\xfe{}", "tokenizer_config.json is not UTF-8 text"),
+    "config_not_utf8": ("good", b'{"bos_token": "\xe9"}', "tokenizer_config.json is not UTF-8 text (byte 15 is 0xE9: "
+                        "invalid continuation byte)"),
+    "config_bom": ("good", b'\xef\xbb\xbf{"eos_token": "<|end_of_text|>"}', "tokenizer_config.json starts with the "
+                   "UTF-8 byte order mark (BOM, bytes EF BB BF)\n  fix: save tokenizer_config.json as UTF-8 without a "
+                   "BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' tokenizer_config.json"),
     "config_a_list": ("good", b"[1, 2]", "tokenizer_config.json holds a JSON list, not an object"),
     "config_wrong_type": ("good", b'{"bos_token": 5}', "bos_token is 5, not a token string"),
     "config_names_missing_token": ("good", b'{"eos_token": "</s>"}', "names eos_token '</s>'"),
@@ -198,10 +238,24 @@ def test_good_tokenizer_with_its_config_trains(capsys, tmp_path: Path, tokenizer
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
 
 
+_TOML = "[training]\nsteps = 2\n"
+_TO_UTF8 = "\n  fix: convert job.toml to UTF-8, e.g. iconv -f {} -t UTF-8 job.toml > job.toml.utf8, then replace it"
 CONFIG_FILES = {
     "missing": (None, "No such file or directory"),
     "a_folder": ("folder", "Is a directory"),
-    "not_utf8": (b"[training]\nsteps = 2\n\xff\xfe", "not UTF-8 text"),
+    "not_utf8": (b"[training]\nsteps = 2\n\xff\xfe", "is not UTF-8 text (byte 21 is 0xFF: invalid start byte)"
+                 + _TO_UTF8.format("latin1")),
+    # Editors on Windows: UTF-8 with a byte order mark, UTF-16 / UTF-32 with or without one.
+    "utf8_bom": (b"\xef\xbb\xbf" + _TOML.encode(), "starts with the UTF-8 byte order mark (BOM, bytes EF BB BF)\n"
+                 "  fix: save job.toml as UTF-8 without a BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' job.toml"),
+    "utf16_bom": (_TOML.encode("utf-16"), "is UTF-16LE text, not UTF-8: it starts with the UTF-16LE byte order mark "
+                  "(BOM, bytes FF FE)" + _TO_UTF8.format("UTF-16")),
+    "utf16be_bom": (_TOML.encode("utf-16-be").join([b"\xfe\xff", b""]), "is UTF-16BE text, not UTF-8: it starts "
+                    "with the UTF-16BE byte order mark (BOM, bytes FE FF)" + _TO_UTF8.format("UTF-16")),
+    "utf32_bom": (_TOML.encode("utf-32"), "is UTF-32LE text, not UTF-8: it starts with the UTF-32LE byte order mark "
+                  "(BOM, bytes FF FE 00 00)" + _TO_UTF8.format("UTF-32")),
+    "utf16_no_bom": (_TOML.encode("utf-16-le"), "is not UTF-8 text: byte 1 is NUL (UTF-16LE text without a byte "
+                     "order mark?)" + _TO_UTF8.format("UTF-16LE")),
     "truncated": (b"[training]\nsteps = 2\n[optim", "TOML"),
     "json": (b'{"training": {"steps": 2}}', "TOML"),
     "another_model": (b'[model]\nname = "llama3"\nflavor = "8B"\n', 'model.name = "llama3"'),
@@ -217,7 +271,63 @@ def test_bad_config_file_is_one_message(capsys, tmp_path: Path, kind: str) -> No
     elif content is not None:
         path.write_bytes(content)
     status = cli.main(["train", "--config", str(path), "--job.dump_folder", str(tmp_path / "run")])
-    _assert_one_error(status, capsys.readouterr().err, problem)
+    key = "" if kind == "another_model" else f'--config = "{path}": '  # a key in the file, not the file
+    _assert_one_error(status, capsys.readouterr().err, key, problem)
+
+
+# ---- inputs changed before a resume -----------------------------------------------------------------
+
+_RESUME_FIX = (
+    "  fix: resume with the dataset and tokenizer it was saved with; or, to go on training from it with these, set "
+    'checkpoint.exclude_from_loading = ["dataloader"] (every batch row starts again at its first document); or start a '
+    "new run in another job.dump_folder\n")
+_TOKENIZED = ["def train(model): return model " * 4] * 4  # 125 bytes; far fewer BPE tokens
+# Saved documents, the documents resumed with, flags of the resumed run, where the position lies.
+CHANGES = {
+    # Row 0 is 66 tokens (2 steps x 33) into document 0, which now holds 11.
+    "shorter_documents": (["x" * 300] * 4, ["short text"] * 4, [], "(pass 0, document 0, token 66) is past the end "
+                          "of that document"),
+    # A document is one window (32 bytes + EOS): row 0 is at its sub-corpus' document 2, which now holds one.
+    "fewer_documents": (["y" * 32] * 6, ["y" * 32] * 2, [], "(pass 0, document 2, token 0) is past the end of the "
+                        "dataset"),
+    "another_tokenizer": (_TOKENIZED, _TOKENIZED, ["--model.tokenizer_path", "{tokenizer}"],
+                          "(pass 0, document 0, token 66) is past the end of that document"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHANGES))
+def test_inputs_changed_before_a_resume_are_one_whole_message(capsys, tmp_path: Path, tokenizer_json: Path,
+                                                              kind: str) -> None:
+    """The saved data position does not fit the dataset or the tokenizer any more: one message,
+    whole, whose fix keeps the run's checkpoints (they are fine)."""
+    saved, changed, flags, where = CHANGES[kind]
+    data = tmp_path / "d.jsonl"
+    _jsonl(data, saved)
+    run = ["--training.dataset", "local", "--training.dataset_path", str(data), "--checkpoint.enable", "true"]
+    status, err = _main(capsys, tmp_path, *run)
+    assert status == 0, err
+    _jsonl(data, changed)
+    flags = [f.format(tokenizer=tokenizer_json) for f in flags]
+    status, err = _main(capsys, tmp_path, *run, "--training.steps", "4", *flags)
+    _assert_one_error(status, err, f'error: training.dataset_path = "{data}": the checkpoint\'s data position {where}: '
+                      "the dataset or the tokenizer has changed since the checkpoint was saved\n" + _RESUME_FIX)
+    assert "delete" not in err
+    assert (tmp_path / "run" / "checkpoint" / "step-2" / ".complete").is_file()
+    # The fix works: the weights and optimizer go on, the data starts again.
+    status, err = _main(capsys, tmp_path, *run, "--training.steps", "3", *flags,
+                        "--checkpoint.exclude_from_loading", "dataloader")
+    assert status == 0, err
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_hf_assets_path_must_be_a_folder(capsys, tmp_path: Path, tokenizer_json: Path) -> None:
+    """torchtitan's folder of tokenizer, config and weights: a tokenizer.json file there is refused
+    under its own key (it was read as the tokenizer), also when the tokenizer is given."""
+    for flags in ([], ["--model.tokenizer_path", str(tokenizer_json)]):
+        status, err = _main(capsys, tmp_path, "--model.hf_assets_path", str(tokenizer_json), *flags)
+        _assert_one_error(status, err, f'error: model.hf_assets_path = "{tokenizer_json}": Not a directory '
+                          f"({tokenizer_json} is a file)\n  fix: point it at a Hugging Face model folder (tokenizer.json; "
+                          "config.json and *.safetensors for checkpoint.initial_load_in_hf)\n")
 
 
 # ---- files the job writes ----------------------------------------------------------------------
@@ -402,4 +512,4 @@ def test_errors_from_outside_are_the_same(tmp_path: Path) -> None:
     (tmp_path / "b.txt").write_text(" ")
     proc = run_train([*TINY, "--training.dataset", "local", "--training.dataset_path", str(tmp_path / "*.txt")],
                      dump_folder=tmp_path / "run", timeout=120, expect=None)
-    assert_user_error(proc, "holds no text")
+    assert_user_error(proc, f"hold no text: {tmp_path / 'a.txt'} (empty or only whitespace)")

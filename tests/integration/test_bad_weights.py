@@ -182,10 +182,23 @@ FAULTS = {
                               ("a *.distcp file is damaged or truncated",)),
     "hf-garbage-weights": Fault("hf", lambda d: (d / "model.safetensors").write_bytes(GARBAGE),
                                 ("model.safetensors is damaged or truncated",)),
-    # not UTF-8
-    "hf-binary-config": Fault("hf", lambda d: (d / "config.json").write_bytes(b"\xff\xfe{}"),
-                              ("config.json is not UTF-8 text",)),
-    "hf-binary-index": Fault("hf", _index(b"\xff\xfe{}"), ("model.safetensors.index.json is not UTF-8 text",)),
+    # not UTF-8: another encoding, or a byte order mark, which JSON does not allow
+    "hf-latin1-config": Fault("hf", lambda d: (d / "config.json").write_bytes(b'{"a": "caf\xe9"}'), (
+        "config.json is not UTF-8 text (byte 10 is 0xE9: invalid continuation byte)",
+        "fix: convert config.json to UTF-8, e.g. iconv -f latin1 -t UTF-8 config.json > config.json.utf8, then "
+        "replace it")),
+    "hf-bom-config": Fault("hf", lambda d: (d / "config.json").write_bytes(b"\xef\xbb\xbf" + (d / "config.json")
+                                                                           .read_bytes()), (
+        "config.json starts with the UTF-8 byte order mark (BOM, bytes EF BB BF)",
+        "fix: save config.json as UTF-8 without a BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' config.json")),
+    "hf-utf16-config": Fault("hf", lambda d: (d / "config.json").write_text((d / "config.json").read_text(),
+                                                                            encoding="utf-16"), (
+        "config.json is UTF-16LE text, not UTF-8: it starts with the UTF-16LE byte order mark (BOM, bytes FF FE)",
+        "fix: convert config.json to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 config.json > config.json.utf8, then "
+        "replace it")),
+    "hf-utf16-index": Fault("hf", _index("{}".encode("utf-16-be")), (
+        "model.safetensors.index.json is not UTF-8 text: byte 0 is NUL (UTF-16BE text without a byte order mark?)",
+        "iconv -f UTF-16BE -t UTF-8 model.safetensors.index.json")),
     # wrong format
     "dcp-list-metadata": Fault("dcp", lambda d: (d / ".metadata").write_bytes(pickle.dumps([1])),
                                (".metadata is not DCP metadata",)),
@@ -271,6 +284,98 @@ def test_hf_folder_of_another_flavor_names_the_flavor_that_fits(hf_dir: Path, tm
     message = _read("train-hf", folder, tmp_path / "out", capsys)
     _assert_message(message, "checkpoint.initial_load_path", str(folder),
                     "its config differs from flavor 'tiny' in dim", "fix: pass --model.flavor bench256")
+
+
+# A config.json value of the wrong type or range: (field, value, what is wrong, what the fix sets it to). The
+# hf_dir fixture is the tiny flavor: 4 layers, 8 heads (4 key/value heads), 8 experts.
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+HF_VALUES = {
+    "string-for-int": ("vocab_size", "512", "a string, not an integer from 1 to 16777216",
+                       "an integer from 1 to 16777216, e.g. 512 (without quotes)"),
+    "negative": ("num_hidden_layers", -4, "out of range: expected an integer from 1 to 1024",
+                 "an integer from 1 to 1024"),
+    "absurdly-large": ("num_hidden_layers", 10**12, "out of range: expected an integer from 1 to 1024",
+                       "an integer from 1 to 1024"),
+    "zero": ("num_attention_heads", 0, "out of range: expected an integer from 1 to 4096", "an integer from 1 to 4096"),
+    "float-for-int": ("hidden_size", 128.0, "a number, not an integer from 1 to 1048576",
+                      "an integer from 1 to 1048576"),
+    "bool-for-int": ("intermediate_size", True, "a boolean, not an integer from 1 to 1048576",
+                     "an integer from 1 to 1048576"),
+    "null": ("vocab_size", None, "null is not allowed here", "an integer from 1 to 16777216"),
+    "list-for-int": ("num_local_experts", [8], "a list, not an integer from 1 to 65536", "an integer from 1 to 65536"),
+    "string-for-bool": ("use_qk_norm", "yes", "a string, not true or false", "true or false"),
+    "not-finite": ("rms_norm_eps", float("inf"), "not a finite number", "a number > 0"),
+    "zero-eps": ("rms_norm_eps", 0, "out of range: expected a number > 0", "a number > 0"),
+    "object-for-number": ("attn_scale", {"x": 1}, "an object, not a finite number", "a finite number"),
+    "heads-not-divisible": ("num_key_value_heads", 3, "the 8 query heads (num_attention_heads) are not a multiple of "
+                            "it", "a divisor of 8: 1, 2, 4, 8"),
+    "odd-head-dim": ("head_dim", 15, "gives heads of 15 dimensions: RoPE needs an even number", "an even integer"),
+    "top-k-above-experts": ("num_experts_per_tok", 9, "more than the 8 experts (num_local_experts)",
+                            "an integer from 1 to 8"),
+    "moe-layer-outside": ("moe_layers", [1, 4], "holds 4, not a layer index from 0 to 3",
+                          "a list of layer indices from 0 to 3"),
+    "moe-layer-twice": ("moe_layers", [1, 1], "names a layer twice", "a list of distinct layer indices"),
+    "list-of-strings": ("moe_layers", [1, "3"], "a list holding a string, not a list of integers, or null",
+                        "a list of integers, or null"),
+    "no-rope-not-0-1": ("no_rope_layers", [1, 1, 2, 0], "holds 2, not 0 (NoPE) or 1 (RoPE)",
+                        "a list of 4 entries, 0 or 1"),
+    "no-rope-short": ("no_rope_layers", [1, 0], "has 2 entries for 4 layers (num_hidden_layers)",
+                      "a list of 4 entries, 0 or 1"),
+    "chunk-negative": ("attention_chunk_size", -1, "out of range: expected an integer from 1 to 2147483647, or null",
+                       "an integer from 1 to 2147483647, or null"),
+    "rope-not-object": ("rope_parameters", 5, "an integer, not an object {...}, or null", "an object {...}, or null"),
+    "rope-field-string": ("rope_parameters", {**_LLAMA3, "factor": "8"}, "a string, not a number > 0",
+                          "a number > 0, e.g. 8.0 (without quotes)"),
+    "llama3-incomplete": ("rope_parameters", {"rope_type": "llama3", "rope_theta": 10000.0},
+                          "llama3 RoPE scaling needs factor, low_freq_factor, high_freq_factor, "
+                          "original_max_position_embeddings",
+                          "an object with factor, low_freq_factor, high_freq_factor, original_max_position_embeddings "
+                          'for rope_type "llama3"'),
+    "layer-types-ints": ("layer_types", [0, 1, 0, 1], "a list holding an integer, not a list of strings, or null",
+                         "a list of strings, or null"),
+}
+
+
+@pytest.mark.parametrize("reader", ["train-hf", "hf-to-dcp"])
+@pytest.mark.parametrize("case", list(HF_VALUES))
+def test_config_json_value_of_the_wrong_type_or_range(reader: str, case: str, hf_dir: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    field, value, problem, expected = HF_VALUES[case]
+    folder = tmp_path / "in"
+    shutil.copytree(hf_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    nested = field if field != "rope_parameters" or not isinstance(value, dict) or case == "llama3-incomplete" else \
+        "rope_parameters.factor"
+    shown = json.dumps(value if nested == field else value["factor"])
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    message = _read(reader, folder, tmp_path / "out", capsys)
+    assert f'{KEYS[reader]} = "{folder}": its config.json sets "{nested}": {shown}, {problem}\n' \
+           f'  fix: set "{nested}" in {folder / "config.json"} to {expected}' in message, message
+
+
+def test_multimodal_config_names_the_text_config_field(hf_dir: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "in"
+    shutil.copytree(hf_dir, folder)
+    text = {**json.loads((folder / "config.json").read_text()), "vocab_size": 512.5}
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": text}))
+    message = _read("hf-to-dcp", folder, tmp_path / "out", capsys)
+    assert f'its config.json sets "text_config.vocab_size": 512.5, a number, not an integer from 1 to 16777216\n' \
+           f'  fix: set "text_config.vocab_size" in {folder / "config.json"} to an integer from 1 to 16777216' \
+           in message, message
+
+
+def test_released_configs_pass_the_value_checks() -> None:
+    """What transformers' first Llama 4 release wrote (attn_temperature_tuning: 4) and what ours
+    writes for every flavor are accepted."""
+    from torchmoe.models.llama4.hf import args_from_hf_config
+
+    for flavor, args in FLAVORS.items():
+        config = hf_config_from_args(args, torch.bfloat16)
+        assert args_from_hf_config(config).n_layers == args.n_layers, flavor
+    legacy = {**hf_config_from_args(FLAVORS["scout"], torch.bfloat16), "attn_temperature_tuning": 4}
+    assert args_from_hf_config(legacy).attn_temperature_tuning is True
 
 
 @pytest.mark.parametrize("direction", ["hf-to-dcp", "dcp-to-hf"])

@@ -138,8 +138,9 @@ KEYS = [
             "out-folder"),
     PathKey("model.tokenizer_path", _train("--model.tokenizer_path", "{}"), "folder", member="tokenizer.json",
             skip=("file_for_folder",)),
+    # A folder, unlike tokenizer_path: a file there is refused, not read as the tokenizer.
     PathKey("model.hf_assets_path", _train("--model.hf_assets_path", "{}"), "folder", member="tokenizer.json",
-            skip=("file_for_folder",), label="(tokenizer)"),
+            label="(tokenizer)"),
     # The weights from hf_assets_path: its tokenizer is read first, so only faults of the folder.
     PathKey("model.hf_assets_path", _train("--checkpoint.initial_load_in_hf", "true", "--model.hf_assets_path", "{}"),
             "folder", label="(weights)"),
@@ -373,3 +374,36 @@ def test_every_path_key_is_walked() -> None:
     cfg = load_job_config([arg for key in keys for arg in (f"--{key}", "x")])
     assert sorted(p.key for p in job_paths(cfg)) == sorted(keys)
     assert set(keys) <= {spec.key for spec in KEYS} | {COMM.key}
+
+
+def _proc_is_mounted() -> bool:
+    try:
+        return any(line.split()[1:3] == ["/proc", "proc"] for line in open("/proc/self/mounts"))
+    except OSError:
+        return False
+
+
+# Outputs on the kernel's file systems, where the OS's reason misleads: "No such file or directory"
+# in /proc (which exists), "Permission denied" to root in /sys.
+KERNEL_PATHS = {
+    "convert-into-proc": (lambda fx: ["convert", "hf-to-dcp", str(fx.hf), "/proc/x"], "OUT_DIR", "/proc/x",
+                          "/proc: cannot create files in it: No such file or directory (it is on a proc file system, "
+                          "which the kernel provides: no files can be created there)"),
+    "convert-into-sys": (lambda fx: ["convert", "hf-to-dcp", str(fx.hf), "/sys/x/y"], "OUT_DIR", "/sys/x/y",
+                         "/sys: cannot create files in it: Permission denied (it is on a sysfs file system, which the "
+                         "kernel provides: no files can be created there)"),
+    "dump-folder-in-proc": (lambda fx: ["train", *TINY, "--job.dump_folder", "/proc/self/run"], "job.dump_folder",
+                            "/proc/self/run", "/proc/self: cannot create files in it: No such file or directory (it "
+                            "is on a proc file system"),
+    "report-into-sys": (lambda fx: ["report", str(fx.run), "--out", "/sys/report.png"], "--out", "/sys/report.png",
+                        "/sys: cannot create files in it: Permission denied (it is on a sysfs file system"),
+}
+
+
+@pytest.mark.skipif(not _proc_is_mounted() or os.path.exists("/proc/x"), reason="no Linux /proc here")
+@pytest.mark.parametrize("case", list(KERNEL_PATHS))
+def test_output_on_a_kernel_file_system_says_so(fixtures: Fixtures, case: str) -> None:
+    argv, key, value, reason = KERNEL_PATHS[case]
+    status, err = run_cli(argv(fixtures))
+    assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert f'error: {key} = "{value}": {reason}' in err, err

@@ -246,3 +246,105 @@ def test_report_usage(capsys) -> None:
     _assert_one_error(*_report(capsys), 'torchmoe report = ""', "the following arguments are required: DUMP_FOLDER",
                       "fix: run `torchmoe report --help` for the usage")
     assert cli.main(["report", "--help"]) == 0 and "--world-size" in capsys.readouterr().out
+
+
+def _edit_records(edit) -> callable:
+    """A damage that applies `edit` to the list of metrics.jsonl records and writes them back."""
+    def damage(folder: Path) -> None:
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        edit(rows)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return damage
+
+
+def _edit_config(old: str, new: str) -> callable:
+    def damage(folder: Path) -> None:
+        text = (folder / "config.toml").read_text()
+        assert old in text
+        (folder / "config.toml").write_text(text.replace(old, new))
+    return damage
+
+
+_MEND = ("fix: fix or delete line {line} of {folder}/metrics.jsonl (torchmoe writes numbers, null for a non-finite "
+         "one, and tokens_per_expert as one list of per-expert token counts per MoE layer)")
+_SIZE_FIX = "fix: pass --world-size N, the number of ranks the run was launched with"
+_IN = 'DUMP_FOLDER = "{folder}": '
+# Each field the report reads, malformed: (damage, the message; {folder} is the dump folder).
+REPORT_INPUTS = {
+    "ragged_counts": (_edit_records(lambda r: r[1]["tokens_per_expert"][0].pop()),
+                      _IN + "metrics.jsonl line 2: tokens_per_expert is ragged: its rows hold 7 and 8 experts\n  "
+                      + _MEND.replace("{line}", "2")),
+    "counts_not_a_list": (_edit_records(lambda r: r[0].update(tokens_per_expert={"layer": 1})),
+                          _IN + "metrics.jsonl line 1: tokens_per_expert is {{layer = 1}}, not a list of per-expert "
+                          "token counts per MoE layer\n  " + _MEND.replace("{line}", "1")),
+    "negative_count": (_edit_records(lambda r: r[1]["tokens_per_expert"][1].__setitem__(3, -5)),
+                       _IN + "metrics.jsonl line 2: tokens_per_expert holds -5, not a token count\n  "
+                       + _MEND.replace("{line}", "2")),
+    "loss_a_string": (_edit_records(lambda r: r[0].update(loss="nan")),
+                      _IN + 'metrics.jsonl line 1: loss is "nan", not a number (or null)\n  '
+                      + _MEND.replace("{line}", "1")),
+    "lr_a_boolean": (_edit_records(lambda r: r[1].update(lr=True)),
+                     _IN + "metrics.jsonl line 2: lr is true, not a number (or null)\n  " + _MEND.replace("{line}", "2")),
+    "table_field_a_list": (_edit_records(lambda r: r[1].update(memory_gib=[1])),
+                           _IN + "metrics.jsonl line 2: memory_gib is [1], not a number (or null)\n  "
+                           + _MEND.replace("{line}", "2")),
+    "step_zero": (_edit_records(lambda r: r[0].update(step=0)),
+                  _IN + "metrics.jsonl line 1: step is 0, not a positive integer\n  " + _MEND.replace("{line}", "1")),
+    "counts_of_another_flavor": (
+        _edit_records(lambda r: r[1]["tokens_per_expert"].append([1.0] * 8)),
+        _IN + "metrics.jsonl line 2: tokens_per_expert holds 3 MoE layers of 8 experts, but config.toml's flavor "
+        "'tiny' has 2 of 8: the metrics are another run's\n  fix: report a dump folder whose metrics.jsonl and "
+        "config.toml are one run's (these counts fit flavor bench256, debugmodel, debugmodel_irope)"),
+    "config_of_another_flavor": (
+        _edit_config('flavor = "tiny"', 'flavor = "bench256"'),
+        _IN + "metrics.jsonl line 1: tokens_per_expert holds 2 MoE layers of 8 experts, but config.toml's flavor "
+        "'bench256' has 3 of 8: the metrics are another run's\n  fix: report a dump folder whose metrics.jsonl and "
+        "config.toml are one run's (these counts fit flavor tiny)"),
+    "config_unknown_flavor": (
+        _edit_config('flavor = "tiny"', 'flavor = "llama3_8b"'),
+        _IN + 'its config.toml sets model.flavor = "llama3_8b": not an allowed value\n  fix: use one of "tiny", '
+        '"bench256", "scout", "maverick", "debugmodel", "debugmodel_irope", "17bx16e", "17bx16e_irope", "17bx128e", '
+        '"17bx128e_irope" (in {folder}/config.toml)'),
+    "config_bad_value": (_edit_config("seq_len = 32", "seq_len = 0"),
+                         _IN + "its config.toml sets training.seq_len = 0: must be >= 1\n  fix: set it to 1 or more "
+                         "(in {folder}/config.toml)"),
+    "config_with_bom": (lambda f: (f / "config.toml").write_bytes(b"\xef\xbb\xbf" + (f / "config.toml").read_bytes()),
+                        'DUMP_FOLDER = "{folder}/config.toml": starts with the UTF-8 byte order mark (BOM, bytes EF BB '
+                        "BF)\n  fix: save config.toml as UTF-8 without a BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' "
+                        "config.toml"),
+    "run_info_not_json": (lambda f: (f / "run_info.json").write_text('{"world_size": '),
+                          _IN + "run_info.json is not JSON (Expecting value at line 1 column 16)\n  " + _SIZE_FIX),
+    "run_info_string_size": (lambda f: (f / "run_info.json").write_text('{"world_size": "2"}'),
+                             _IN + 'run_info.json holds {{"world_size": "2"}}, not an object with a positive integer '
+                             "world_size\n  " + _SIZE_FIX),
+    "run_info_zero_size": (lambda f: (f / "run_info.json").write_text('{"world_size": 0}'),
+                           _IN + 'run_info.json holds {{"world_size": 0}}, not an object with a positive integer '
+                           "world_size\n  " + _SIZE_FIX),
+    "run_info_a_list": (lambda f: (f / "run_info.json").write_text("[1]"),
+                        _IN + "run_info.json holds [1], not an object with a positive integer world_size\n  "
+                        + _SIZE_FIX),
+    "run_info_utf16": (lambda f: (f / "run_info.json").write_text('{"world_size": 1}', encoding="utf-16"),
+                       _IN + "run_info.json is UTF-16LE text, not UTF-8: it starts with the UTF-16LE byte order mark "
+                       "(BOM, bytes FF FE)\n  " + _SIZE_FIX),
+    "world_size_that_does_not_fit": (
+        lambda f: (_edit_config("tensor_parallel_degree = 1", "tensor_parallel_degree = 2")(f),
+                   (f / "run_info.json").write_text('{"world_size": 3}')),
+        _IN + "world size 3 does not fit the run's config.toml: -1 fills the rest, but WORLD_SIZE(3) / "
+        "(dp_replicate(1) * cp(1) * tp(2) * pp(1)) = 3/2 is not an integer\n  " + _SIZE_FIX),
+}
+
+
+@pytest.mark.parametrize("kind", list(REPORT_INPUTS))
+def test_report_of_a_malformed_run_file_is_one_message(run: Path, tmp_path: Path, capsys, kind: str) -> None:
+    """Whatever the report reads of metrics.jsonl, config.toml and run_info.json, malformed or of
+    another run: exit 2 and one message naming the file, the line or key, and the fix."""
+    damage, message = REPORT_INPUTS[kind]
+    folder = _copy(run, tmp_path)
+    damage(folder)
+    _assert_one_error(*_report(capsys, str(folder)), "error: " + message.format(folder=folder) + "\n")
+    assert not (folder / "report.png").exists()
+
+
+def test_report_world_size_flag_out_of_range(run: Path, capsys) -> None:
+    _assert_one_error(*_report(capsys, str(run), "--world-size", "0"), "--world-size = 0: must be at least 1\n  "
+                      + _SIZE_FIX)

@@ -275,6 +275,40 @@ def test_dataloader_rows_resume_exactly_and_another_global_batch_is_refused(tmp_
     assert "trying the previous one" not in caplog.text
 
 
+def test_changed_dataset_stops_at_the_newest_checkpoint_with_its_whole_message(tmp_path: Path, caplog) -> None:
+    """A position past the end of the (changed) data is the loader's own message, whole (it was cut
+    at 160 characters as a damaged file's), raised at the newest checkpoint, never advising to
+    delete the run's checkpoints."""
+    run = _data_loader(8)
+    for _ in range(3):
+        run.next_batch()
+    _manager(tmp_path).save(2, {"dataloader": run})
+    _manager(tmp_path).save(3, {"dataloader": run})
+    shorter = DataLoader(InMemoryDocuments(["x"] * 30), ByteTokenizer(), seq_len=7, global_batch_size=8,
+                         local_batch_size=2)
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as err:
+        _manager(tmp_path).load_latest({"dataloader": shorter})
+    row0 = run.state_dict()["rows"][0].tolist()
+    assert str(err.value) == (
+        f'training.dataset = "documents 0, 8, ... of InMemoryDocuments(30 texts)": the checkpoint\'s data position '
+        f"(pass 0, document {row0[1]}, token {row0[2]}) is past the end of that document: the dataset or the "
+        "tokenizer has changed since the checkpoint was saved\n"
+        "  fix: resume with the dataset and tokenizer it was saved with; or, to go on training from it with these, "
+        'set checkpoint.exclude_from_loading = ["dataloader"] (every batch row starts again at its first document); '
+        "or start a new run in another job.dump_folder")
+    assert "trying the previous one" not in caplog.text
+    assert [step for step, _ in _manager(tmp_path).complete_checkpoints()] == [2, 3]
+
+
+def test_model_of_no_flavor_is_refused_without_naming_one(tmp_path: Path) -> None:
+    _manager(tmp_path).save(1, {"model": ModelWrapper(_Net())})
+    other = nn.Sequential(nn.Linear(6, 6))
+    with pytest.raises(ConfigError) as err:
+        _manager(tmp_path).load_latest({"model": ModelWrapper(other, flavor="tiny")})
+    assert str(err.value).endswith("\n  fix: use the flavor the run was trained with; or give this run its own "
+                                   "job.dump_folder"), err.value
+
+
 def test_rank_local_state_of_another_world_size_is_kept(tmp_path: Path, caplog) -> None:
     run = _Run()
     run.state["dataloader"] = RankLocal(run.loader, rank=1)  # as if written by rank 1 only

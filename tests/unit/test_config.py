@@ -364,6 +364,15 @@ RULES = [
      'mode = "full"', "runs each block's backward twice"),
     ({"parallelism.pipeline_parallel_layers_per_stage": 0}, 1, "parallelism.pipeline_parallel_layers_per_stage", "0",
      "-1 for the default", ">= 1"),
+    # Both split keys: one would be ignored (the explicit stages won, silently), with or without PP.
+    *[({"parallelism.pipeline_parallel_degree": pp, "parallelism.pipeline_parallel_layers_per_stage": 2,
+        "parallelism.module_fqns_per_model_part": [["tok_embeddings", "layers.0", "layers.1"],
+                                                   ["layers.2", "layers.3", "norm", "output"]]}, pp,
+       "parallelism.pipeline_parallel_layers_per_stage", "2",
+       "set only one: pipeline_parallel_layers_per_stage = -1 to keep the explicit stages, or "
+       "module_fqns_per_model_part = [] to split by layer count",
+       "parallelism.module_fqns_per_model_part also sets the stages, and one of the two would be ignored")
+      for pp in (1, 2)],
     ({"comm.init_timeout_seconds": 0}, 1, "comm.init_timeout_seconds", "0", "1 or more", ">= 1"),
     ({"comm.train_timeout_seconds": -5}, 1, "comm.train_timeout_seconds", "-5", "1 or more", ">= 1"),
     ({"comm.trace_buf_size": -1}, 1, "comm.trace_buf_size", "-1", "flight recorder off", ">= 0"),

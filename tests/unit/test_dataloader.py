@@ -6,7 +6,10 @@ tokenizing only its rows, dp-independence, exact resume across layouts.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -118,6 +121,58 @@ def test_read_ahead_does_not_change_the_stream() -> None:
         assert len({stream.position() for stream in streams}) == 1
 
 
+def test_long_documents_pack_in_pieces_as_they_would_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents longer than PIECE_CHARS are tokenized piece by piece as they are packed: the same
+    windows and positions as whole, BOS and EOS included, and a resume from any position (inside
+    a piece, at a piece's end) continues identically."""
+    import torchmoe.data.dataloader as dataloader
+
+    docs = InMemoryDocuments(["ab" * 40, "x", "héllo → 你好 " * 9, "", "end" * 30])
+    whole = PackedStream(docs, ByteTokenizer(), window=11, bos=300, read_ahead=2)
+    monkeypatch.setattr(dataloader, "PIECE_CHARS", 7)
+    pieces = PackedStream(docs, ByteTokenizer(), window=11, bos=300, read_ahead=2)
+    positions = []
+    for _ in range(60):  # several passes
+        positions.append(pieces.position())
+        assert pieces.position() == whole.position()
+        assert torch.equal(pieces.take(1), whole.take(1))
+    reference = PackedStream(docs, ByteTokenizer(), window=11, bos=300, read_ahead=2)
+    windows = [reference.take(1) for _ in range(60)]
+    for i, position in enumerate(positions):
+        resumed = PackedStream(docs, ByteTokenizer(), window=11, bos=300, read_ahead=2)
+        resumed.seek(*position)
+        assert all(torch.equal(resumed.take(1), w) for w in windows[i:i + 5]), position
+
+
+def test_a_huge_document_takes_memory_of_its_size_not_18_times(tmp_path) -> None:
+    """One 40 MiB .jsonl line (a document), packed and checked token by token, in a process of
+    its own: its peak memory (ru_maxrss) may grow by at most 4x the line (it grew 26x when the
+    whole document's ids were listed at once: a 192 MiB line took 4.8 GiB)."""
+    size = 40 * 2**20
+    line = '{"text": "' + ("lorem ipsum dolor sit amet " * (size // 27 + 1))[:size] + '"}\n'
+    (tmp_path / "d.jsonl").write_text(line + '{"text": "small"}\n')
+    script = f"""
+import hashlib, resource, torch
+from pathlib import Path
+from torchmoe.data import ByteTokenizer, FileDocuments, PackedStream
+stream = PackedStream(FileDocuments([Path({str(tmp_path / "d.jsonl")!r})]), ByteTokenizer(), window=4097)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+digest, count = hashlib.sha256(), 0
+while stream.position()[0] == 0:  # the first pass: both documents and their EOS
+    tokens = stream.take(64).flatten()
+    digest.update(tokens.to(torch.int16).numpy().tobytes())
+    count += len(tokens)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, count, digest.hexdigest())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    grown_kib, count, digest = proc.stdout.split()
+    ids = torch.cat([torch.frombuffer(bytearray(line[10:-3].encode()), dtype=torch.uint8).to(torch.int16),
+                     torch.tensor([EOS, *b"small", EOS], dtype=torch.int16)])
+    ids = torch.cat([ids, ids])[: int(count)]  # the last windows run into the second pass
+    assert digest == hashlib.sha256(ids.numpy().tobytes()).hexdigest()  # every token, in order
+    assert int(grown_kib) * 1024 <= 4 * size, f"grew {int(grown_kib) / 1024:.0f} MiB for a {size / 2**20:.0f} MiB line"
+
+
 @pytest.mark.parametrize("dp_degree, local_batch_size", LAYOUTS)
 def test_global_batch_is_independent_of_dp_and_accumulation(dp_degree: int, local_batch_size: int) -> None:
     reference = _ranks(1, G)
@@ -219,14 +274,15 @@ def test_wraps_around_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
 def test_invalid_layouts_and_data() -> None:
     with pytest.raises(ValueError, match=r"dp_rank 2 is not in \[0, dp_degree=2\)"):
         _loader(global_batch_size=4, local_batch_size=2, dp_rank=2, dp_degree=2)
-    with pytest.raises(ValueError, match=r"InMemoryDocuments\(0 texts\)\"?: this holds no documents"):
+    with pytest.raises(ValueError, match=r"InMemoryDocuments\(0 texts\)\"?: holds no documents for one of the batch rows"):
         _loader(InMemoryDocuments([])).next_batch()
     # 3 documents for 4 rows: row 3 has none (its sub-corpus is documents 3, 7, ...).
     with pytest.raises(ValueError, match=r"(?s)documents 3, 7, \.\.\. of InMemoryDocuments.*at least "
                                          r"training.global_batch_size documents"):  # fmt: skip
         _loader(InMemoryDocuments(["a", "b", "c"]), global_batch_size=4, local_batch_size=4).next_batch()
     # Documents, but no text: a whole pass of empty / whitespace-only ones is refused, not trained on.
-    with pytest.raises(ValueError, match=r"holds no text: its 3 document\(s\) are empty or only whitespace"):
+    with pytest.raises(ValueError, match=r"the 3 document\(s\) of a batch row hold no text: document 0, document 1, "
+                                         r"document 2 \(empty or only whitespace\)"):
         _loader(InMemoryDocuments(["", " \n", "\t"]), global_batch_size=1, local_batch_size=1).next_batch()
     # One text among empty documents is enough (it trains on that text and the EOS tokens).
     _loader(InMemoryDocuments(["", "x", ""]), global_batch_size=1, local_batch_size=1).next_batch()

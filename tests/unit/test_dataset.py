@@ -88,7 +88,7 @@ def test_local_txt_folder_one_document_per_file(tmp_path: Path) -> None:
     # Text that is not UTF-8 (latin-1 here) is refused with its file and byte, not trained on
     # as replacement characters.
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9")
-    with pytest.raises(ValueError, match=r"bad\.txt is not UTF-8 text \(byte 3: unexpected end of data\)"):
+    with pytest.raises(ValueError, match=r"bad\.txt is not UTF-8 text \(byte 3 is 0xE9: unexpected end of data\)"):
         list(build_documents(Training(dataset="local", dataset_path=str(tmp_path))))
 
 

@@ -119,3 +119,38 @@ def test_malformed_tokenizer_json_is_a_config_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"version": ')
     with pytest.raises(DataConfigError, match="not a valid tokenizer.json"):
         build_tokenizer(str(tmp_path))
+
+
+# Long text with every kind of whitespace run a pre-tokenizer treats specially: double spaces,
+# newlines after punctuation, tabs, spaces before newlines, a space at the very start.
+_LONG = " " + "".join(f"def f{i}(x):\n    return x  +  {i}.\n\n\t# the quick  brown fox jumps over the lazy dog \n"
+                      for i in range(40))
+
+
+@pytest.mark.parametrize("size", [1, 7, 50, 1000, 10**6])
+def test_byte_pieces_are_the_whole_encoding(size: int) -> None:
+    text = "héllo, wörld → 你好 " * 30
+    pieces = list(ByteTokenizer().encode_pieces(text, size))
+    assert [i for piece in pieces for i in piece] == ByteTokenizer().encode(text)
+    assert len(pieces) == -(-len(text) // size)  # cut anywhere: every character is its own bytes
+
+
+@pytest.mark.parametrize("pre_tokenizer", ["byte_level", "metaspace"])
+@pytest.mark.parametrize("size", [1, 13, 200])
+def test_hf_pieces_are_the_whole_encoding(tmp_path: Path, pre_tokenizer: str, size: int) -> None:
+    """Cut only before a space after a non-space: byte-level BPE (Llama 3 / 4, GPT-2) and
+    SentencePiece's Metaspace start a word there anyway, so no token spans a cut."""
+    pytest.importorskip("tokenizers", reason="HFTokenizer needs the 'tokenizers' package")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if pre_tokenizer == "metaspace" else None))
+    tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if pre_tokenizer == "byte_level"
+                         else pre_tokenizers.Metaspace(prepend_scheme="first"))
+    tok.train_from_iterator(CORPUS + [_LONG], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[*SPECIALS, "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if pre_tokenizer == "byte_level" else []))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path)
+    pieces = list(hf.encode_pieces(_LONG, size))
+    assert len(pieces) > 1
+    assert [i for piece in pieces for i in piece] == hf.encode(_LONG)

@@ -97,6 +97,7 @@ from torchmoe.components.weight_files import (
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import Comm as CommConfig
+from torchmoe.models.llama4.fit import flavor_fix, flavors_fitting
 
 logger = logging.getLogger(__name__)
 
@@ -147,14 +148,16 @@ class ModelWrapper(Stateful):
 
     def check_saved_shapes(self, shapes: dict[str, torch.Size]) -> None:
         """Refuse a checkpoint of another model (another flavor): its checkpoints are valid, so
-        the fix is the flavor, not deleting them (see `_check_saved_shapes`)."""
+        the fix is the flavor they fit (`fit.flavors_fitting`: the whole model's saved tensors,
+        whatever stages this rank holds), not deleting them (see `_check_saved_shapes`)."""
         for name, tensor in self.state_dict().items():
             saved = shapes.get(name)
             if saved is None or tuple(saved) != tuple(tensor.shape):
                 found = "has no such tensor" if saved is None else f"holds it as {tuple(saved)}"
+                fix = flavor_fix("--model.flavor", flavors_fitting(shapes)) or "use the flavor the run was trained with"
                 raise ConfigError("model.flavor", self.flavor, f"does not match the run's checkpoints: this model's "
                                   f"{name} is {tuple(tensor.shape)}, the checkpoint {found}",
-                                  "use the flavor the run was trained with, or give this run its own job.dump_folder")
+                                  f"{fix}; or give this run its own job.dump_folder")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False: each part takes only its own keys from the merged dict. Missing keys are

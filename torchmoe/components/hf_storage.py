@@ -63,6 +63,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.hf import (
+    HFConfigValueError,
     HFConversionError,
     HFSlice,
     args_from_hf_config,
@@ -70,6 +71,7 @@ from torchmoe.models.llama4.hf import (
     hf_slices,
     text_tensor_name,
 )
+from torchmoe.models.llama4.hf_config_check import show_json
 from torchmoe.models.llama4.model import Transformer
 
 __all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "read_hf_args", "save_hf_weights"]
@@ -198,13 +200,17 @@ def read_hf_args(hf_dir: str | os.PathLike, *, key: str, fix: str) -> ModelArgs:
     """The `ModelArgs` of the config.json of the Hugging Face folder `hf_dir` (the value of `key`).
 
     Raises:
-        ConfigError: config.json is missing, unreadable, not a JSON object, or not a Llama 4
-            config this model can represent.
+        ConfigError: config.json is missing, unreadable, not a JSON object, holds a value of the
+            wrong type or range (`check_hf_config`: the fix names the field and what it must
+            be), or is not a Llama 4 config this model can represent.
     """
     hf_dir = Path(hf_dir)
     config = read_json_object(key, hf_dir, "config.json", fix)
     try:
         return args_from_hf_config(config)
+    except HFConfigValueError as err:  # a value to correct: the fix says to what
+        raise ConfigError(key, str(hf_dir), f"its config.json sets \"{err.field}\": {show_json(err.value)}, "
+                          f"{err.problem}", f"set \"{err.field}\" in {hf_dir / 'config.json'} to {err.expected}") from None
     except HFConversionError as err:
         raise ConfigError(key, str(hf_dir), f"its config.json cannot be used: {err}", fix) from None
 

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from torchmoe.config.text import utf8_text
+
 __all__ = ["RUN_INFO_FILE", "read_run_info", "write_run_info"]
 
 RUN_INFO_FILE = "run_info.json"
@@ -28,13 +30,22 @@ def write_run_info(dump_folder: Path, *, world_size: int) -> Path:
 
 def read_run_info(dump_folder: Path) -> dict[str, Any] | None:
     """The facts written by `write_run_info`; None without the file (a run from before it, or
-    a dry run's folder) or when it does not hold a JSON object.
+    a dry run's folder).
 
     Raises:
         OSError: the file is there but cannot be read (a folder, no permission).
+        ValueError: it is not what `write_run_info` writes (one line: not UTF-8, not JSON, not an
+            object, or no positive integer world_size), e.g. edited or cut short.
     """
     try:
-        info = json.loads((dump_folder / RUN_INFO_FILE).read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
+        data = (dump_folder / RUN_INFO_FILE).read_bytes()
+    except FileNotFoundError:
         return None
-    return info if isinstance(info, dict) else None
+    try:
+        info = json.loads(utf8_text(data, nul=False))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"is not JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+    size = info.get("world_size") if isinstance(info, dict) else None
+    if type(size) is not int or size < 1:  # type: bool is an int
+        raise ValueError(f"holds {json.dumps(info)[:80]}, not an object with a positive integer world_size")
+    return info

@@ -48,6 +48,7 @@ from torchmoe.components import checksums
 from torchmoe.components.dcp_unpickling import RefusedPickle, SafeLoadPlanner, SafeReader, unpickle_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.paths import describe_os_error
+from torchmoe.config.text import NotUTF8, utf8_text
 
 __all__ = ["UnreadableWeights", "UnsafeWeights", "describe", "load_dcp", "misfit", "model_prefix",
            "model_tensors", "non_float", "quiet_dcp_logs", "read_dcp_metadata", "read_fault", "read_json_object",
@@ -143,10 +144,13 @@ def quiet_dcp_logs() -> Iterator[None]:
 def reading(key: str, path: str | os.PathLike, fix: str, *, what: str = "a file") -> Iterator[None]:
     """Read weights from `path` (the value of `key`): a fault of the file(s) `what` becomes one
     `UnreadableWeights` naming `key`, `path` and `fix`, a refused pickle one `UnsafeWeights`; DCP's
-    logs are quiet meanwhile."""
+    logs are quiet meanwhile. A `ConfigError` raised meanwhile (a Stateful's `load_state_dict`
+    refusing the state for the job's settings) is no fault of the files and keeps its own message."""
     with quiet_dcp_logs():
         try:
             yield
+        except ConfigError:  # a Stateful refusing what it loads (a changed dataset): said in full
+            raise
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             refused = _refused(err)
             if refused is not None:
@@ -165,15 +169,18 @@ def read_json_object(key: str, folder: Path, name: str, fix: str) -> dict:
     """The JSON object in `folder/name` (a config.json, an index), as a dict.
 
     Raises:
-        UnreadableWeights: the file is missing, unreadable, not UTF-8, not JSON or not an object.
+        UnreadableWeights: the file is missing, unreadable, not UTF-8 (a byte order mark names its
+            encoding), not JSON or not an object.
     """
     path = folder / name
     if not path.exists():
         raise UnreadableWeights(key, str(folder), f"has no {name}", fix)
     with reading(key, folder, fix, what=name):
-        text = path.read_bytes().decode("utf-8")
+        data = path.read_bytes()
     try:
-        value = json.loads(text)
+        value = json.loads(utf8_text(data, nul=False))
+    except NotUTF8 as err:
+        raise UnreadableWeights(key, str(folder), f"{name} {err.problem}", err.fix(path)) from None
     except json.JSONDecodeError as err:
         raise UnreadableWeights(key, str(folder), f"{name} is not JSON ({err.msg} at line {err.lineno} "
                                 f"column {err.colno})", fix) from None

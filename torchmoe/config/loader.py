@@ -27,6 +27,7 @@ from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, Pri
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import path_faults
+from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, translate
 
@@ -200,18 +201,18 @@ def load_toml_config(path: str | Path, *, notes: list[str] | None = None, key: s
 
     Raises:
         ConfigError: the file cannot be read (the OS's reason: missing, a folder, no
-            permission...), is not valid TOML (the message carries the parser's line and
-            column), or holds an unknown key or a wrong type.
+            permission...), is not UTF-8 (a byte order mark names its encoding: `config.text`),
+            is not valid TOML (the message carries the parser's line and column), or holds an
+            unknown key or a wrong type.
     """
     path = Path(path)
     shipped = "the shipped configs are configs/debug_model.toml, configs/llama4_16e.toml, configs/llama4_128e.toml"
     with path_faults(key, str(path), f"pass a TOML job file this user can read; {shipped}"):
         raw = path.read_bytes()
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise ConfigError(key, str(path), f"not UTF-8 text ({err.reason} at byte {err.start})",
-                          "save the file as UTF-8 TOML") from None
+        data = tomllib.loads(utf8_text(raw, nul=False))
+    except NotUTF8 as err:
+        raise ConfigError(key, str(path), err.problem, err.fix(path)) from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(key, str(path), f"malformed TOML: {err}",
                           "fix the TOML syntax at that line (strings need double quotes, tables [section])") from None

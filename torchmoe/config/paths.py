@@ -205,9 +205,36 @@ def writable_folder(folder: Path) -> Path:
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # "Not a directory" for a file
     except OSError as err:  # about the folder, not the probe's made-up name
-        raise OSError(err.errno, f"cannot create files in it: {err.strerror}", str(existing)) from None
+        raise OSError(err.errno, f"cannot create files in it: {err.strerror}{_kernel_file_system(existing)}",
+                      str(existing)) from None
     os.unlink(probe)
     return existing
+
+
+# File systems the kernel makes up (processes, devices, cgroups...): nobody creates files there,
+# and the OS's reason says otherwise ("No such file or directory" in /proc, "Permission denied"
+# to root in /sys).
+_KERNEL_FILE_SYSTEMS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
+                        "pstore", "efivarfs", "devpts", "mqueue", "binfmt_misc", "fusectl", "autofs"}
+
+
+def _kernel_file_system(folder: Path) -> str:
+    """" (it is on a proc file system, ...)" when `folder` lies on one of the kernel's own file
+    systems (the mount table, /proc/self/mounts, says: Linux), else ""."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return ""
+    path = os.path.realpath(folder)
+    # The innermost mount point holding the folder; the table escapes a space in a name as \040.
+    holding = [(point.replace("\\040", " "), kind) for point, kind in mounts
+               if path == point or path.startswith(point.rstrip("/") + "/")]
+    if not holding:
+        return ""
+    kind = max(holding, key=lambda m: len(m[0]))[1]
+    return f" (it is on a {kind} file system, which the kernel provides: no files can be created there)" \
+        if kind in _KERNEL_FILE_SYSTEMS else ""
 
 
 def writable_file(file: Path) -> None:

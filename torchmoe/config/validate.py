@@ -199,6 +199,13 @@ def validate_parallelism(parallelism: Parallelism) -> None:
     for key in ("pipeline_parallel_microbatches", "pipeline_parallel_layers_per_stage"):
         if getattr(parallelism, key) != -1:
             _at_least(f"parallelism.{key}", getattr(parallelism, key), 1, "set a positive value, or -1 for the default")
+    if parallelism.pipeline_parallel_layers_per_stage != -1 and parallelism.module_fqns_per_model_part:
+        # Both split the model into stages: the explicit stages would win and this be ignored.
+        raise ConfigError("parallelism.pipeline_parallel_layers_per_stage",
+                          parallelism.pipeline_parallel_layers_per_stage,
+                          "parallelism.module_fqns_per_model_part also sets the stages, and one of the two would be "
+                          "ignored", "set only one: pipeline_parallel_layers_per_stage = -1 to keep the explicit "
+                          "stages, or module_fqns_per_model_part = [] to split by layer count")
     one_of("parallelism.fsdp_reshard_after_forward", parallelism.fsdp_reshard_after_forward, RESHARD_POLICIES)
     etp, tp, ep = (parallelism.expert_tensor_parallel_degree, parallelism.tensor_parallel_degree,
                    parallelism.expert_parallel_degree)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import itertools
 import logging
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -51,6 +50,13 @@ class CorpusEnd(Exception):
     """A stream built with ``repeat=False`` reached the end of its corpus (validation's one pass)."""
 
 
+# A document longer than this many characters is tokenized in pieces of about this size, as it is
+# packed (`Tokenizer.encode_pieces`): its token ids (8 bytes each, a Python list first) are never
+# all in memory at once. Read-ahead stops once this much text is read.
+PIECE_CHARS = 1 << 20
+READ_AHEAD_CHARS = 1 << 24
+
+
 class PackedStream:
     """A corpus as an endless token stream cut into windows, with a resumable position.
 
@@ -61,8 +67,10 @@ class PackedStream:
     It depends on neither the window size nor the batch layout.
 
     Documents are read and tokenized `read_ahead` at a time with `Tokenizer.encode_batch`
-    (Hugging Face tokenizers encode a batch on all cores); the position counts only documents
-    handed out, so read-ahead never shows in it.
+    (Hugging Face tokenizers encode a batch on all cores), at most `READ_AHEAD_CHARS` of text;
+    a document longer than `PIECE_CHARS` is tokenized piece by piece as it is packed, so memory
+    stays about its text plus one piece. The position counts only documents handed out, so
+    read-ahead never shows in it.
 
     Args:
         documents: the corpus; must yield the same documents on every pass.
@@ -71,11 +79,13 @@ class PackedStream:
         read_ahead: documents tokenized together.
         bos: a token id to put before each document (the tokenizer's BOS), or None.
         repeat: start another pass at the end of the corpus; False raises `CorpusEnd` there.
+        source: the setting that named the corpus and its value, for messages
+            (``("training.dataset_path", "data/*.jsonl")``); default: the corpus itself.
     """
 
     def __init__(
         self, documents: Documents, tokenizer: Tokenizer, *, window: int, read_ahead: int = 64,
-        bos: int | None = None, repeat: bool = True,
+        bos: int | None = None, repeat: bool = True, source: tuple[str, str] | None = None,
     ) -> None:
         self.documents = documents
         self.tokenizer = tokenizer
@@ -83,73 +93,102 @@ class PackedStream:
         self.repeat = repeat
         self.window = window
         self.read_ahead = read_ahead
+        self.source = source or ("training.dataset", repr(documents))
         self.seek(0, 0, 0)
 
     def position(self) -> tuple[int, int, int]:
         """`(epoch, doc_index, token_offset)` of the next window's first token."""
-        if self._doc is not None and self._offset < len(self._doc):
-            return self._epoch, self._next_doc - 1, self._offset
+        if self._piece is not None:  # a document is being packed
+            return self._epoch, self._next_doc - 1, self._done + self._offset
         return self._epoch, self._next_doc, 0
 
     def seek(self, epoch: int, doc_index: int, token_offset: int) -> None:
         """Continue from a `position()`.
 
-        Costs one `documents.iter_from(doc_index)` (which may re-read, but not tokenize, the
-        documents before it); only documents from `doc_index` on are tokenized again.
+        Costs one `documents.iter_from(doc_index - 1)` (which may re-read, but not tokenize, the
+        documents before it); only documents from `doc_index` on are tokenized again, and of a
+        long one only the pieces up to `token_offset`.
 
         Raises:
-            DataConfigError: the position is past the end of the corpus (the dataset or the
-                tokenizer changed since it was saved).
+            DataConfigError: the position is past the end of the corpus or of its document (the
+                dataset or the tokenizer changed since it was saved).
         """
         self._epoch = epoch
         self._next_doc = doc_index  # index of the next document to hand out
-        self._docs: Iterator[str] = self.documents.iter_from(doc_index)
-        self._ready: deque[torch.Tensor] = deque()  # tokenized, not yet handed out
-        self._doc: torch.Tensor | None = None  # (n_tokens + 1,) the current document + EOS
-        self._offset = 0
+        self._ready: deque[Iterator[torch.Tensor]] = deque()  # tokenized (or to be), not yet handed out
+        self._piece: torch.Tensor | None = None  # (n,) the current piece of the document being packed
+        self._pieces: Iterator[torch.Tensor] = iter(())  # the document's pieces after it
+        self._offset = 0  # tokens of `_piece` handed out
+        self._done = 0  # tokens of the document before `_piece`
         # Documents with text (not empty, not only whitespace) read in this pass, when it started at
         # document 0: a whole pass without one means the corpus holds no text to train on.
         self._pass_text: int | None = 0 if doc_index == 0 else None
+        # The document before the position must exist: a corpus that lost documents since the
+        # position was saved would otherwise look like one whose pass just ended.
+        self._docs: Iterator[str] = self.documents.iter_from(max(doc_index - 1, 0))
+        if doc_index and next(self._docs, None) is None:
+            raise self._past_end(epoch, doc_index, token_offset, "the dataset")
         if token_offset:
             self._read()
-            if not self._ready or token_offset >= len(self._ready[0]):
-                raise DataConfigError(
-                    "training.dataset", repr(self.documents),
-                    f"the saved data position (pass {epoch}, document {doc_index}, token "
-                    f"{token_offset}) is past the end of the dataset or of that document",
-                    "resume with the dataset and tokenizer the checkpoint was made with, or start "
-                    "a new run in another job.dump_folder",
-                )  # fmt: skip
-            self._doc, self._offset = self._ready.popleft(), token_offset
-            self._next_doc += 1
+            if not self._ready:
+                raise self._past_end(epoch, doc_index, token_offset, "the dataset")
+            self._start(self._ready.popleft())
+            while self._piece is not None and self._done + len(self._piece) <= token_offset:
+                self._advance()
+            if self._piece is None:
+                raise self._past_end(epoch, doc_index, token_offset, "that document")
+            self._offset = token_offset - self._done
+
+    def _past_end(self, epoch: int, doc_index: int, token_offset: int, what: str) -> DataConfigError:
+        key, value = self.source
+        return DataConfigError(
+            key, value,
+            f"the checkpoint's data position (pass {epoch}, document {doc_index}, token {token_offset}) is past "
+            f"the end of {what}: the dataset or the tokenizer has changed since the checkpoint was saved",
+            "resume with the dataset and tokenizer it was saved with; or, to go on training from it with these, "
+            'set checkpoint.exclude_from_loading = ["dataloader"] (every batch row starts again at its first '
+            "document); or start a new run in another job.dump_folder",
+        )  # fmt: skip
 
     def take(self, n: int) -> torch.Tensor:
         """The next `n` windows, shape (n, window), int64."""
         need = n * self.window
         pieces: list[torch.Tensor] = []
         while need:
-            if self._doc is None or self._offset == len(self._doc):
-                self._doc, self._offset = self._next_document(), 0
-            piece = self._doc[self._offset : self._offset + need]
+            if self._piece is None:
+                self._start(self._next_document())
+            piece = self._piece[self._offset : self._offset + need]
             self._offset += len(piece)
             need -= len(piece)
             pieces.append(piece)
+            if self._offset == len(self._piece):
+                self._advance()
         return torch.cat(pieces).view(n, self.window)
 
-    def _next_document(self) -> torch.Tensor:
-        """The next document's tokens + EOS, (n_tokens + 1,); starts a new pass at the end."""
+    def _start(self, pieces: Iterator[torch.Tensor]) -> None:
+        """Pack the document whose token pieces are `pieces` (every document has one: EOS)."""
+        self._pieces, self._done, self._piece = pieces, 0, None
+        self._next_piece()
+        self._next_doc += 1
+
+    def _advance(self) -> None:
+        """On to the current document's next piece; `_piece` None after its last."""
+        self._done += len(self._piece)
+        self._next_piece()
+
+    def _next_piece(self) -> None:
+        self._offset = 0
+        self._piece = next((p for p in self._pieces if len(p)), None)  # a piece of no tokens is skipped
+
+    def _next_document(self) -> Iterator[torch.Tensor]:
+        """The next document's token pieces (its tokens + EOS); starts a new pass at the end."""
         if not self._ready:
             self._read()
         if not self._ready:
             if self._next_doc == 0:
                 raise self._empty()
             if self._pass_text == 0:
-                raise DataConfigError(
-                    "training.dataset", repr(self.documents),
-                    f"holds no text: its {self._next_doc} document(s) are empty or only whitespace",
-                    "check training.dataset_text_field (it may name an empty column), or point "
-                    "training.dataset_path at files that hold text",
-                )  # fmt: skip
+                raise self._no_text()
             if not self.repeat:
                 raise CorpusEnd(f"{self._next_doc} documents of {self.documents!r}")
             logger.warning(
@@ -165,25 +204,64 @@ class PackedStream:
             self._read()
             if not self._ready:
                 raise self._empty()
-        self._next_doc += 1
         return self._ready.popleft()
 
     def _read(self) -> None:
-        """Tokenize up to `read_ahead` more documents into `_ready`."""
-        texts = list(itertools.islice(self._docs, self.read_ahead))
+        """Read up to `read_ahead` more documents (and `READ_AHEAD_CHARS` of text) into `_ready`:
+        the short ones tokenized together, the long ones to be tokenized piece by piece."""
+        texts: list[str] = []
+        chars = 0
+        while len(texts) < self.read_ahead and chars < READ_AHEAD_CHARS:
+            text = next(self._docs, None)
+            if text is None:
+                break
+            texts.append(text)
+            chars += len(text)
         if self._pass_text is not None:
             self._pass_text += sum(1 for text in texts if not text.isspace() and text)
-        for ids in self.tokenizer.encode_batch(texts):
-            tokens = array.array("q", () if self.bos is None else (self.bos,))  # int64
-            tokens.extend(ids)  # ~3x faster than torch.tensor(list)
+        encoded = iter(self.tokenizer.encode_batch([text for text in texts if len(text) <= PIECE_CHARS]))
+        for text in texts:
+            if len(text) <= PIECE_CHARS:
+                self._ready.append(iter([self._tokens(next(encoded), first=True, last=True)]))
+            else:
+                self._ready.append(self._long_document(text))
+
+    def _long_document(self, text: str) -> Iterator[torch.Tensor]:
+        """The token pieces of a long `text`, tokenized as they are needed."""
+        first = True
+        for ids in self.tokenizer.encode_pieces(text, PIECE_CHARS):
+            yield self._tokens(ids, first=first, last=False)
+            first = False
+        yield self._tokens([], first=False, last=True)
+
+    def _tokens(self, ids: list[int], *, first: bool, last: bool) -> torch.Tensor:
+        """(n,) int64: `ids`, after BOS if `first` (and the stream has one), before EOS if `last`."""
+        tokens = array.array("q", (self.bos,) if first and self.bos is not None else ())  # int64
+        tokens.extend(ids)  # ~3x faster than torch.tensor(list)
+        if last:
             tokens.append(self.tokenizer.eos_id)
-            self._ready.append(torch.frombuffer(tokens, dtype=torch.long))
+        return torch.frombuffer(tokens, dtype=torch.long) if tokens else torch.empty(0, dtype=torch.long)
+
+    def _no_text(self) -> DataConfigError:
+        """A whole pass of this row's documents held no text: the first few named by their files."""
+        shown = [self.documents.locate(i) for i in range(min(self._next_doc, 3))]
+        more = ", ..." if self._next_doc > 3 else ""
+        key, value = self.source
+        return DataConfigError(
+            key, value,
+            f"the {self._next_doc} document(s) of a batch row hold no text: {', '.join(shown)}{more} (empty or "
+            "only whitespace)",
+            "give them text or remove them from the dataset: each of the training.global_batch_size rows packs its "
+            "own documents (row j: documents j, j + G, ...); or check training.dataset_text_field (it may name an "
+            "empty column)",
+        )  # fmt: skip
 
     def _empty(self) -> DataConfigError:
+        key, value = self.source
         return DataConfigError(
-            "training.dataset", repr(self.documents), "this holds no documents",
-            "point training.dataset_path at files or a hub dataset that hold text: at least "
-            "training.global_batch_size documents, one for each batch row",
+            key, value, "holds no documents for one of the batch rows (row j packs documents j, j + G, ...)",
+            "point it at files or a hub dataset that hold text: at least training.global_batch_size documents, "
+            "one for each batch row",
         )  # fmt: skip
 
 
@@ -210,6 +288,7 @@ class DataLoader:
         add_bos: start every document with the tokenizer's BOS token.
         repeat: rows start another pass at the end of their sub-corpus; False makes `next_batch`
             raise `CorpusEnd` when a row of this rank runs out (one pass, for validation).
+        source: the setting that named the corpus and its value, for messages (`PackedStream`).
 
     Raises:
         ValueError: dp_rank, dp_degree or batch_mesh are out of range or disagree (a caller bug).
@@ -229,6 +308,7 @@ class DataLoader:
         read_ahead: int = 64,
         add_bos: bool = False,
         repeat: bool = True,
+        source: tuple[str, str] | None = None,
     ) -> None:
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})")
@@ -257,6 +337,7 @@ class DataLoader:
             PackedStream(
                 documents.split(row, global_batch_size), tokenizer,
                 window=seq_len + 1, read_ahead=max(1, read_ahead // per_rank), bos=bos, repeat=repeat,
+                source=source,
             )  # fmt: skip
             for row in self.rows
         ]
@@ -311,7 +392,8 @@ class DataLoader:
 
         Raises:
             DataConfigError: the state has another number of rows (another global_batch_size),
-                or a position is past the end of its sub-corpus (the dataset changed).
+                or a position is past the end of its sub-corpus or document (the dataset or the
+                tokenizer changed).
         """
         rows = state["rows"]
         if isinstance(rows, DTensor):  # ours (DCP loads into `state_dict()`'s), so G matches
@@ -380,4 +462,13 @@ def build_dataloader(
         batch_mesh=batch_mesh,
         add_bos=training.add_bos,
         repeat=repeat,
+        source=_source(training, key),
     )
+
+
+def _source(training: Training, key: str) -> tuple[str, str]:
+    """The setting that names the documents of `training` and its value: the dataset's path
+    (`key`), or the dataset itself where it has none (python_docs, the c4 of the hub)."""
+    if training.dataset_path:
+        return key, training.dataset_path
+    return key.replace("dataset_path", "dataset"), training.dataset

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.paths import path_faults
+from torchmoe.config.text import NotUTF8, utf8_text
 
 if TYPE_CHECKING:
     from torchmoe.config.job_config import Training
@@ -106,6 +107,10 @@ class Documents(ABC):
         _check_split(index, count)
         return self if count == 1 else StridedDocuments(self, index, count)
 
+    def locate(self, index: int) -> str:
+        """Where document `index` comes from, for messages (a file, ``file:line``, a row)."""
+        return f"document {index}"
+
     def __iter__(self) -> Iterator[str]:
         return self.iter_from(0)
 
@@ -128,6 +133,9 @@ class StridedDocuments(Documents):
 
     def iter_from(self, start: int = 0) -> Iterator[str]:
         return self.parent.iter_strided(self.index + start * self.count, self.count)
+
+    def locate(self, index: int) -> str:
+        return self.parent.locate(self.index + index * self.count)
 
 
 class InMemoryDocuments(Documents):
@@ -175,6 +183,15 @@ class FileDocuments(Documents):
 
     def iter_strided(self, start: int, step: int) -> Iterator[str]:
         """Documents `start`, `start + step`, ... parsing only those (see the module docstring)."""
+        return (text for _, text in self._located(start, step))
+
+    def locate(self, index: int) -> str:
+        """The file of document `index`: ``file``, ``file:line`` (.jsonl), ``file[i]`` (a .json
+        array) or ``file row i`` (.parquet); reads the files before it as `iter_from` does."""
+        return next(self._located(index, 1), (f"document {index}", ""))[0]
+
+    def _located(self, start: int, step: int) -> Iterator[tuple[str, str]]:
+        """(where, text) of documents `start`, `start + step`, ..."""
         first = 0  # index of the current file's first document
         for file in self.files:
             # `start - first` >= 0 is the wanted document's index inside this file.
@@ -184,8 +201,9 @@ class FileDocuments(Documents):
                 start += (end - start + step - 1) // step * step
             first = end
 
-    def _read(self, file: Path, first: int, step: int) -> Generator[str, None, int]:
-        """Yields the documents `first, first + step, ...` of `file`; returns how many it holds."""
+    def _read(self, file: Path, first: int, step: int) -> Generator[tuple[str, str], None, int]:
+        """Yields (where, text) of the documents `first, first + step, ...` of `file`; returns how
+        many it holds."""
         # Deleted since it was listed, a folder, no permission, an I/O error: what the OS says.
         with path_faults(self.key, str(file), "fix its permissions, or remove it from the dataset",
                          error=DataConfigError):
@@ -196,47 +214,56 @@ class FileDocuments(Documents):
             if file.suffix == ".parquet":
                 return (yield from _read_parquet(file, self.text_field, first, step, self.key))
             if first == 0:  # one document per file: other sub-corpora never open it
-                yield _utf8(file.read_bytes(), file, str(file), self.key)
+                yield str(file), _utf8(file.read_bytes(), file, str(file), self.key)
             return 1
 
 
-def _read_jsonl(file: Path, text_field: str, first: int, step: int, key: str) -> Generator[str, None, int]:
-    """Documents `first, first + step, ...` of a .jsonl file; returns its document count.
+def _read_jsonl(file: Path, text_field: str, first: int, step: int,
+                key: str) -> Generator[tuple[str, str], None, int]:
+    """(where, text) of documents `first, first + step, ...` of a .jsonl file; returns its
+    document count.
 
     Every line is scanned (document boundaries are newlines, so there is no index to seek by),
     but only the wanted ones are parsed as JSON.
     """
     index = -1  # of the current document (non-blank line)
+    line_no = 0  # not enumerate(): its reused result tuple would keep the last line alive
     with file.open("rb") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+        for line in f:
+            line_no += 1
+            if not line or line.isspace():  # not strip(): a copy of a long line
                 continue
             index += 1
             if index < first or (index - first) % step:
                 continue
+            where = f"{file}:{line_no}"
+            # A long line is held as bytes, then as text, then parsed, never twice at once, and
+            # none of them while its document is packed.
+            text, line = _utf8(line, file, where, key, nul=False), None
             try:
-                row = json.loads(_utf8(line, file, f"{file}:{line_no}", key))
+                row, text = json.loads(text), None
             except json.JSONDecodeError as e:
-                raise DataConfigError(key, str(file), f"{file}:{line_no} is not JSON ({e.msg})",
+                raise DataConfigError(key, str(file), f"{where} is not JSON ({e.msg})",
                                       "fix or remove that line: .jsonl files hold one JSON object per line") from None
-            yield _row_text(row, text_field, f"{file}:{line_no}")
+            yield where, _row_text(row, text_field, where)
     return index + 1
 
 
-def _read_json(file: Path, text_field: str, first: int, step: int, key: str) -> Generator[str, None, int]:
-    """Documents `first, first + step, ...` of a .json file: an array of objects (read whole), or
-    one object per line like .jsonl (both are what `datasets`' json loader reads)."""
+def _read_json(file: Path, text_field: str, first: int, step: int,
+               key: str) -> Generator[tuple[str, str], None, int]:
+    """(where, text) of documents `first, first + step, ...` of a .json file: an array of objects
+    (read whole), or one object per line like .jsonl (both are what `datasets`' json loader reads)."""
     with file.open("rb") as f:
         head = f.read(4096).lstrip()
     if not head.startswith(b"["):
         return (yield from _read_jsonl(file, text_field, first, step, key))
     try:
-        rows = json.loads(_utf8(file.read_bytes(), file, str(file), key))
+        rows = json.loads(_utf8(file.read_bytes(), file, str(file), key, nul=False))
     except json.JSONDecodeError as e:
         raise DataConfigError(key, str(file), f"is not JSON ({e.msg} at line {e.lineno})",
                               "fix the file: a JSON array of objects, or one object per line") from None
     for index in range(first, len(rows), step):
-        yield _row_text(rows[index], text_field, f"{file}[{index}]")
+        yield f"{file}[{index}]", _row_text(rows[index], text_field, f"{file}[{index}]")
     return len(rows)
 
 
@@ -264,19 +291,19 @@ def _parquet_file(file: Path, key: str) -> Any:
                               "replace it with a valid parquet file, or remove it from the dataset") from None
 
 
-def _utf8(data: bytes, file: Path, where: str, key: str) -> str:
-    """`data` (read from `file`, at `where`: the file or file:line; `key` named it) as text."""
+def _utf8(data: bytes, file: Path, where: str, key: str, *, nul: bool = True) -> str:
+    """`data` (read from `file`, at `where`: the file or file:line; `key` named it) as text;
+    `nul` as in `utf8_text` (False for JSON)."""
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataConfigError(
-            key, str(file), f"{where} is not UTF-8 text (byte {e.start}: {e.reason})",
-            "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or remove it from the dataset",
-        ) from None
+        return utf8_text(data, nul=nul)
+    except NotUTF8 as e:
+        raise DataConfigError(key, str(file), f"{where} {e.problem}",
+                              f"{e.fix(file)}; or remove it from the dataset") from None
 
 
-def _read_parquet(file: Path, text_field: str, first: int, step: int, key: str) -> Generator[str, None, int]:
-    """Rows `first, first + step, ...` of a .parquet file; returns its row count.
+def _read_parquet(file: Path, text_field: str, first: int, step: int,
+                  key: str) -> Generator[tuple[str, str], None, int]:
+    """(where, text) of rows `first, first + step, ...` of a .parquet file; returns its row count.
 
     Reads only the row groups that hold a wanted row, one at a time (bounded memory); the
     count comes from the file's metadata.
@@ -298,7 +325,7 @@ def _read_parquet(file: Path, text_field: str, first: int, step: int, key: str) 
         if wanted < group_end:
             texts = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
             for row in range(wanted, group_end, step):
-                yield _as_text(texts[row - group_start], f"{file} row {row}", text_field)
+                yield f"{file} row {row}", _as_text(texts[row - group_start], f"{file} row {row}", text_field)
             wanted += (group_end - wanted + step - 1) // step * step
         group_start = group_end
     return rows
@@ -401,6 +428,10 @@ class HFDocuments(Documents):
         _check_split(index, count)
         return self if count == 1 else HFSubCorpus(self, index, count)
 
+    def locate(self, index: int, where: str = "") -> str:
+        """Row `index` (of `where`: a sub-corpus) of the hub dataset."""
+        return f"row {index}{where} of hub dataset {self.name!r}"
+
     def _rows(self, stream: Any, start: int, where: str) -> Iterator[str]:
         """The text of each row of `stream`, whose first row is row `start` of `where`."""
         rows = iter(stream)
@@ -412,10 +443,10 @@ class HFDocuments(Documents):
             if self.text_field not in row:
                 raise DataConfigError(
                     "training.dataset_text_field", self.text_field,
-                    f"row {i}{where} of hub dataset {self.name!r} has no such field (found {sorted(row)})",
+                    f"{self.locate(i, where)} has no such field (found {sorted(row)})",
                     "set it to the field that holds the text",
                 )  # fmt: skip
-            yield _as_text(row[self.text_field], f"row {i}{where} of hub dataset {self.name!r}", self.text_field)
+            yield _as_text(row[self.text_field], self.locate(i, where), self.text_field)
 
 
 class HFSubCorpus(Documents):
@@ -436,7 +467,14 @@ class HFSubCorpus(Documents):
         # islice, not part.skip(): on a split by examples, datasets applies skip() to the whole
         # stream before keeping 1 row in `count`, which would start at the wrong row.
         rows = itertools.islice(part, start, None)
-        return self.parent._rows(rows, start, f" of sub-corpus {self.index}/{self.count}")
+        return self.parent._rows(rows, start, self._where)
+
+    def locate(self, index: int) -> str:
+        return self.parent.locate(index, self._where)
+
+    @property
+    def _where(self) -> str:
+        return f" of sub-corpus {self.index}/{self.count}"
 
 
 # Directories that differ between machines with the same Python (installed packages, build

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from torchmoe.config.paths import path_faults
+from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.dataset import DataConfigError
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
@@ -31,6 +33,22 @@ class Tokenizer(ABC):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text; tokenizers that can encode in parallel override it."""
         return [self.encode(text) for text in texts]
+
+    def encode_pieces(self, text: str, size: int) -> Iterator[list[int]]:
+        """`encode(text)` in pieces of about `size` characters, for texts too long to hold all
+        their ids at once; concatenated, the pieces are `encode(text)`.
+
+        This default cuts only before a space that follows a character other than whitespace,
+        where the pre-tokenizers of byte-level BPE (GPT-2, Llama 3 / 4) and of SentencePiece's
+        Metaspace start a new word anyway, so no token spans a cut. (A tokenizer whose normalizer
+        prepends to every input, as Llama 2's tokenizer.json does, would get one more piece at
+        each cut.) A text without such a space is encoded whole.
+        """
+        start = 0
+        while start < len(text):
+            end = _word_start(text, start + size)
+            yield self.encode(text[start:end])
+            start = end
 
     @abstractmethod
     def decode(self, ids: list[int]) -> str:
@@ -52,6 +70,15 @@ class Tokenizer(ABC):
         """End-of-text id; the packer puts it after every document."""
 
 
+def _word_start(text: str, at: int) -> int:
+    """The first index >= `at` of a space that follows a character other than whitespace, or
+    `len(text)`."""
+    at = text.find(" ", max(at, 1))
+    while at != -1 and text[at - 1].isspace():
+        at = text.find(" ", at + 1)
+    return len(text) if at == -1 else at
+
+
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257 (vocab 258).
 
@@ -63,6 +90,11 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_pieces(self, text: str, size: int) -> Iterator[list[int]]:
+        # Every character is its own bytes: any cut is exact.
+        for start in range(0, len(text), size):
+            yield self.encode(text[start : start + size])
 
     def decode(self, ids: list[int]) -> str:
         # Specials have no bytes; dropping them keeps decode total on any id list.
@@ -120,7 +152,11 @@ class HFTokenizer(Tokenizer):
             file = path / "tokenizer.json" if path.is_dir() else path
             data = file.read_bytes()
         try:
-            self._tok = _RustTokenizer.from_str(data.decode("utf-8"))
+            text = utf8_text(data, nul=False)
+        except NotUTF8 as e:
+            raise DataConfigError(key, str(path), f"{file} {e.problem}", e.fix(file)) from None
+        try:
+            self._tok = _RustTokenizer.from_str(text)
         except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
             raise DataConfigError(key, str(path), f"{file} is not a valid tokenizer.json ({e})",
                                   "point it at a Hugging Face tokenizer.json (or its folder)") from None
@@ -207,9 +243,9 @@ def _json_object(file: Path, tokenizer_path: str, key: str) -> dict[str, Any]:
     with path_faults(key, tokenizer_path, fix, error=DataConfigError):
         data = file.read_bytes()
     try:
-        config = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        problem = f"{file} is not UTF-8 text (byte {e.start}: {e.reason})"
+        config = json.loads(utf8_text(data, nul=False))
+    except NotUTF8 as e:
+        raise DataConfigError(key, tokenizer_path, f"{file} {e.problem}", e.fix(file)) from None
     except json.JSONDecodeError as e:
         problem = f"{file} is not JSON ({e.msg} at line {e.lineno} column {e.colno})"
     else:

@@ -25,6 +25,7 @@ from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.preflight.features import check_features, check_launch
 from torchmoe.preflight.files import (
     check_dry_run_outputs,
+    check_hf_assets,
     check_initial_load_path,
     check_dataset_rows,
     check_outputs,
@@ -78,6 +79,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     device = train_device(cfg.training.device)
     check_memory_fits(cfg, args, degrees, device)
     check_outputs(cfg, world_size, device)
+    check_hf_assets(cfg.model)
     check_initial_load_path(cfg)
     tokenizer_key = source_key(cfg, "model.tokenizer_path")
     check_tokenizer(build_tokenizer(cfg.model.tokenizer_path, key=tokenizer_key), args.vocab_size, cfg.model,

@@ -34,6 +34,16 @@ def resumes(cfg: JobConfig) -> bool:
         _STEP_NAME.fullmatch(p.name) and (p / ".complete").is_file() for p in folder.iterdir())
 
 
+def check_hf_assets(model: Model) -> None:
+    """`model.hf_assets_path` must be a folder this user can list (torchtitan's one folder of
+    tokenizer, config and weights): a file there would otherwise be read as the tokenizer and
+    refused as a bad tokenizer.json, or not read at all when the tokenizer is given."""
+    if model.hf_assets_path:
+        with path_faults("model.hf_assets_path", model.hf_assets_path, "point it at a Hugging Face model folder "
+                         "(tokenizer.json; config.json and *.safetensors for checkpoint.initial_load_in_hf)"):
+            os.listdir(model.hf_assets_path)  # the OS says what is wrong: "Not a directory" for a file
+
+
 def check_initial_load_path(cfg: JobConfig) -> None:
     """`checkpoint.initial_load_path`, when the run will load it, must be what
     `initial_load_in_hf` says: a DCP folder (`.metadata`) or a Hugging Face folder (safetensors).

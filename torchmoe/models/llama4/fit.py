@@ -13,7 +13,8 @@ flavors come first there, so for a release's shapes that is the release's archit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -24,7 +25,7 @@ from torchmoe.models.llama4.args import FLAVORS, ModelArgs
 from torchmoe.models.llama4.hf import hf_config_from_args
 from torchmoe.models.llama4.model import Transformer
 
-__all__ = ["matching_flavor", "meta_state", "require_fit"]
+__all__ = ["flavor_fix", "flavors_fitting", "matching_flavor", "meta_state", "require_fit"]
 
 # Hugging Face config fields that do not change what the model computes: the dtype, the length
 # limit (the released configs advertise 10M positions; torchmoe caps its RoPE table anyway), and
@@ -53,22 +54,39 @@ def meta_state(args: ModelArgs) -> dict[str, torch.Tensor]:
         return Transformer(args).state_dict()
 
 
+@functools.cache
+def _flavor_shapes(flavor: str) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in meta_state(FLAVORS[flavor]).items()}
+
+
+def flavors_fitting(shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """The built-in flavors whose model holds exactly tensors of these names and `shapes` (a
+    checkpoint's model tensors), in `FLAVORS` order."""
+    have = {name: tuple(shape) for name, shape in shapes.items()}
+    return [flavor for flavor in FLAVORS if _flavor_shapes(flavor) == have]
+
+
+def flavor_fix(flag: str, fits: list[str]) -> str | None:
+    """The fix that passes the first flavor of `fits` to `flag` (``--model.flavor``), naming the
+    others, which a checkpoint cannot tell apart; None when no flavor fits."""
+    if not fits:
+        return None
+    fix = f"pass {flag} {fits[0]}"
+    if len(fits) > 1:
+        fix += (f" (its tensors also fit {', '.join(fits[1:])}, which differ only in attention or RoPE: "
+                "if it was trained with one of those, pass that one)")
+    return fix
+
+
 def require_fit(key: str, flavor: str, args: ModelArgs, stored: Mapping[str, TensorStorageMetadata],
                 source: str) -> None:
     """Raise a `ConfigError` naming `key` (a flavor option: ``model.flavor``, ``--flavor``) when the
     `stored` model tensors of `source` are not those of a model of `args` (built from `flavor`);
-    the fix names the built-in flavors they fit, if any: the first in `FLAVORS` order, and the
-    others of the same shapes, which a checkpoint cannot tell apart."""
+    the fix names the built-in flavors they fit, if any (`flavor_fix`)."""
     problem = misfit(meta_state(args), stored, extra_ok=False)
     if problem is None:
         return
-    fits = [name for name, other in FLAVORS.items() if misfit(meta_state(other), stored, extra_ok=False) is None]
-    flag = key if key.startswith("-") else f"--{key}"
-    if not fits:
-        fix = "pass the flavor the checkpoint was trained with"
-    else:
-        fix = f"pass {flag} {fits[0]}"
-        if len(fits) > 1:
-            fix += (f" (its tensors also fit {', '.join(fits[1:])}, which differ only in attention or RoPE: "
-                    "if it was trained with one of those, pass that one)")
-    raise ConfigError(key, flavor, f"does not fit {source}: {problem}", fix)
+    fits = flavors_fitting({name: md.size for name, md in stored.items()})
+    fix = flavor_fix(key if key.startswith("-") else f"--{key}", fits)
+    raise ConfigError(key, flavor, f"does not fit {source}: {problem}",
+                      fix or "pass the flavor the checkpoint was trained with")

@@ -20,10 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from torchmoe.models.llama4.args import ModelArgs
-
-
-class HFConversionError(ValueError):
-    """A Hugging Face config or checkpoint this model cannot represent exactly."""
+from torchmoe.models.llama4.hf_config_check import HFConfigValueError, HFConversionError, check_hf_config
 
 
 # Fields of Llama4TextConfig that never change the text model's forward pass in training or
@@ -71,11 +68,16 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
 
 
 def args_from_hf_config(config: dict) -> ModelArgs:
-    """`ModelArgs` equal to a Hugging Face Llama 4 (text) config; unsupported settings raise
-    `HFConversionError` naming the field."""
+    """`ModelArgs` equal to a Hugging Face Llama 4 (text) config; a value of the wrong type or
+    range raises `HFConfigValueError` (`check_hf_config`), other unsupported settings
+    `HFConversionError`, each naming the field."""
     cfg = text_config(config)
+    prefix = "" if cfg is config else "text_config."
+    if not isinstance(cfg, dict):
+        raise HFConfigValueError("text_config", cfg, "not an object", "an object {...} holding the text model's config")
     if cfg.get("model_type", "llama4_text") != "llama4_text":
         raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not a Llama 4 text model")
+    check_hf_config(cfg, prefix)
     if cfg.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
     if cfg.get("attention_bias", False):
