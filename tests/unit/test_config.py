@@ -364,14 +364,16 @@ RULES = [
      'mode = "full"', "runs each block's backward twice"),
     ({"parallelism.pipeline_parallel_layers_per_stage": 0}, 1, "parallelism.pipeline_parallel_layers_per_stage", "0",
      "-1 for the default", ">= 1"),
-    # Both split keys: one would be ignored (the explicit stages won, silently), with or without PP.
-    *[({"parallelism.pipeline_parallel_degree": pp, "parallelism.pipeline_parallel_layers_per_stage": 2,
+    # Both split keys, disagreeing: one would be ignored (the explicit stages won, silently), with
+    # or without PP. (Agreeing, as torchtitan's own Maverick preset sets them, they are accepted:
+    # tests/integration/test_torchtitan_files.py.)
+    *[({"parallelism.pipeline_parallel_degree": pp, "parallelism.pipeline_parallel_layers_per_stage": 3,
         "parallelism.module_fqns_per_model_part": [["tok_embeddings", "layers.0", "layers.1"],
                                                    ["layers.2", "layers.3", "norm", "output"]]}, pp,
-       "parallelism.pipeline_parallel_layers_per_stage", "2",
-       "set only one: pipeline_parallel_layers_per_stage = -1 to keep the explicit stages, or "
-       "module_fqns_per_model_part = [] to split by layer count",
-       "parallelism.module_fqns_per_model_part also sets the stages, and one of the two would be ignored")
+       "parallelism.pipeline_parallel_layers_per_stage", "3",
+       "set only one (pipeline_parallel_layers_per_stage = -1 keeps the explicit stages), or make them agree",
+       "parallelism.module_fqns_per_model_part also sets the stages, with [2, 2] blocks per stage: the explicit "
+       "stages would run and this be ignored")
       for pp in (1, 2)],
     ({"comm.init_timeout_seconds": 0}, 1, "comm.init_timeout_seconds", "0", "1 or more", ">= 1"),
     ({"comm.train_timeout_seconds": -5}, 1, "comm.train_timeout_seconds", "-5", "1 or more", ">= 1"),

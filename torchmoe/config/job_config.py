@@ -145,7 +145,7 @@ class Parallelism:
     pipeline_parallel_microbatches: int = -1
     """Pipeline micro-batches per local batch; -1 = local_batch_size / pipeline_parallel_microbatch_size."""
     pipeline_parallel_layers_per_stage: int = -1
-    """Transformer blocks per pipeline stage (the last takes the rest); -1 = split by the FLOP and memory cost model. Not with module_fqns_per_model_part (one would be ignored)."""
+    """Transformer blocks per pipeline stage (the last takes the rest); -1 = split by the FLOP and memory cost model. Set with module_fqns_per_model_part (torchtitan's presets set both), the two must agree: the explicit stages run."""
     module_fqns_per_model_part: list[list[str]] = field(default_factory=list)
     """Explicit stages, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]; on the command line one value per stage, names comma-separated. Empty = the cost model."""
     enable_async_tensor_parallel: bool = False

@@ -192,6 +192,24 @@ def validate_validation(validation: Validation) -> None:
         _at_least("validation.steps", validation.steps, 1, "set a number of batches, or -1 for one pass over the data")
 
 
+def _check_stage_keys_agree(parallelism: Parallelism) -> None:
+    """Both `pipeline_parallel_layers_per_stage` and `module_fqns_per_model_part` split the model
+    into stages; the explicit stages are what runs (as in torchtitan, whose own presets set both,
+    saying the same). Set together, they must agree: every explicit stage holds that many blocks,
+    the last one at most that many. Otherwise one would be silently ignored."""
+    per_stage, parts = parallelism.pipeline_parallel_layers_per_stage, parallelism.module_fqns_per_model_part
+    if per_stage == -1 or not parts:
+        return
+    blocks = [sum(fqn.startswith("layers.") for fqn in part) for part in parts]
+    if all(n == per_stage for n in blocks[:-1]) and 0 < blocks[-1] <= per_stage:
+        return
+    raise ConfigError("parallelism.pipeline_parallel_layers_per_stage", per_stage,
+                      f"parallelism.module_fqns_per_model_part also sets the stages, with {blocks} blocks per stage: "
+                      "the explicit stages would run and this be ignored",
+                      "set only one (pipeline_parallel_layers_per_stage = -1 keeps the explicit stages), or make them "
+                      "agree")
+
+
 def validate_parallelism(parallelism: Parallelism) -> None:
     """The non-degree settings; the degrees are checked by `resolve_degrees`."""
     one_of("parallelism.pipeline_parallel_schedule", parallelism.pipeline_parallel_schedule, PIPELINE_SCHEDULES)
@@ -199,13 +217,7 @@ def validate_parallelism(parallelism: Parallelism) -> None:
     for key in ("pipeline_parallel_microbatches", "pipeline_parallel_layers_per_stage"):
         if getattr(parallelism, key) != -1:
             _at_least(f"parallelism.{key}", getattr(parallelism, key), 1, "set a positive value, or -1 for the default")
-    if parallelism.pipeline_parallel_layers_per_stage != -1 and parallelism.module_fqns_per_model_part:
-        # Both split the model into stages: the explicit stages would win and this be ignored.
-        raise ConfigError("parallelism.pipeline_parallel_layers_per_stage",
-                          parallelism.pipeline_parallel_layers_per_stage,
-                          "parallelism.module_fqns_per_model_part also sets the stages, and one of the two would be "
-                          "ignored", "set only one: pipeline_parallel_layers_per_stage = -1 to keep the explicit "
-                          "stages, or module_fqns_per_model_part = [] to split by layer count")
+    _check_stage_keys_agree(parallelism)
     one_of("parallelism.fsdp_reshard_after_forward", parallelism.fsdp_reshard_after_forward, RESHARD_POLICIES)
     etp, tp, ep = (parallelism.expert_tensor_parallel_degree, parallelism.tensor_parallel_degree,
                    parallelism.expert_parallel_degree)
