@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,9 +41,10 @@ from torch.distributed.tensor import Shard
 
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
+from torchmoe.components.run_lock import LOCK_NAME, lock_folders
 from torchmoe.components.weight_files import model_prefix, model_tensors, non_float, read_dcp_metadata, reading
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.paths import UserPath, path_faults, user_path_faults, writable_folder
+from torchmoe.config.paths import UserPath, nonempty_path, path_faults, user_path_faults, writable_folder
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
 from torchmoe.models.llama4.fit import matching_flavor, meta_state, require_fit
 
@@ -63,11 +67,39 @@ def _require_dir(key: str, path: Path, fix: str) -> None:
 
 def _require_writable_out(path: Path) -> None:
     """Refuse an output folder that cannot be created or written (what the OS says:
-    `config.paths.writable_folder`) and a non-empty one (leftover shards of another model would
-    mix in); creates nothing (the writers do)."""
+    `config.paths.writable_folder`); creates nothing (`_owning` does)."""
     with path_faults("OUT_DIR", str(path), _OUT_FIX):
-        if writable_folder(path) == path and os.listdir(path):
-            raise ConfigError("OUT_DIR", str(path), "is not empty", _OUT_FIX)
+        writable_folder(path)
+
+
+@contextmanager
+def _owning(out_dir: Path) -> Iterator[None]:
+    """Hold `out_dir` (created) as a run holds its folders (`run_lock`): a live run's folder, or
+    another conversion's output, is refused naming its holder; then it must be empty (leftover
+    shards of another model would mix in). A conversion that fails leaves no partial output (a
+    folder it created is removed); the lock file goes when the conversion ends."""
+    created = not os.path.lexists(out_dir)
+    locks = lock_folders([UserPath("OUT_DIR", str(out_dir), str(out_dir), _OUT_FIX)])
+    failed = False
+    try:
+        with path_faults("OUT_DIR", str(out_dir), _OUT_FIX):
+            if set(os.listdir(out_dir)) - {LOCK_NAME}:
+                raise ConfigError("OUT_DIR", str(out_dir), "is not empty", _OUT_FIX)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                for entry in os.scandir(out_dir):  # all this conversion's: the folder was empty
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    elif entry.name != LOCK_NAME:
+                        os.unlink(entry.path)
+            raise
+    finally:
+        locks.release(remove=True)
+        if failed and created and (not dist.is_initialized() or dist.get_rank() == 0):
+            out_dir.rmdir()
 
 
 def _world() -> DeviceMesh | None:
@@ -126,9 +158,10 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
     args = read_hf_args(hf_dir, key="HF_DIR", fix=fix)
     _require_writable_out(out_dir)
     mesh = _world()
-    state = _empty_state(args, dtype, mesh)
-    load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)
-    dcp.save(state, checkpoint_id=str(out_dir), no_dist=mesh is None)
+    with _owning(out_dir):
+        state = _empty_state(args, dtype, mesh)
+        load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)
+        dcp.save(state, checkpoint_id=str(out_dir), no_dist=mesh is None)
     return matching_flavor(args)
 
 
@@ -159,11 +192,12 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
     _require_writable_out(out_dir)
     dtype = stored["tok_embeddings.weight"].properties.dtype
     mesh = _world()
-    state = _empty_state(args, dtype, mesh)
-    prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
-    with reading("CKPT_DIR", ckpt_dir, fix, what="a *.distcp file"):
-        dcp.load({prefix + k: v for k, v in state.items()}, checkpoint_id=str(ckpt_dir), no_dist=mesh is None)
-    save_hf_weights(state, args, out_dir)
+    with _owning(out_dir):
+        state = _empty_state(args, dtype, mesh)
+        prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
+        with reading("CKPT_DIR", ckpt_dir, fix, what="a *.distcp file"):
+            dcp.load({prefix + k: v for k, v in state.items()}, checkpoint_id=str(ckpt_dir), no_dist=mesh is None)
+        save_hf_weights(state, args, out_dir)
     return dtype
 
 
@@ -191,6 +225,8 @@ def convert_main(argv: list[str]) -> int:
     if opts is None:  # --help was printed
         return 0
     key, source = ("HF_DIR", opts.hf_dir) if opts.direction == "hf-to-dcp" else ("CKPT_DIR", opts.ckpt_dir)
+    nonempty_path(key, source, "pass the folder to convert")
+    nonempty_path("OUT_DIR", opts.out_dir, "pass the folder to write (it is created)")
     paths = [UserPath(key, source, source, "pass a folder this user can read"),
              UserPath("OUT_DIR", opts.out_dir, opts.out_dir, _OUT_FIX)]
     try:

@@ -36,7 +36,8 @@ from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
-from torchmoe.config.paths import path_faults, writable_file, writable_folder
+from torchmoe.config.file_writes import write_file
+from torchmoe.config.paths import nonempty_path, path_faults, writable_file, writable_folder
 from torchmoe.distributed.parallel_dims import MESH_DIMS
 from torchmoe.models.llama4.args import model_args_from_config
 from torchmoe.plan.dry_run import format_count, plan_job
@@ -107,8 +108,8 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
 
     Raises:
         ConfigError: the OS refuses the folder or a file in it (its reason), it holds no
-            metrics.jsonl or config.toml, metrics.jsonl holds no record, or the world size is
-            unknown.
+            metrics.jsonl or config.toml, metrics.jsonl holds no record or expert counts of
+            another model than config.toml's, or the world size is unknown.
     """
     fix = "pass the job.dump_folder of a `torchmoe train` run (this user must be able to read it)"
     with path_faults("DUMP_FOLDER", str(folder), fix):
@@ -127,8 +128,16 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
                           "pass --world-size N, the number of ranks the run was launched with")
     cfg = load_toml_config(folder / "config.toml", key="DUMP_FOLDER")
     args = model_args_from_config(cfg.model)
-    return RunData(folder.resolve().name, records, _run_facts(cfg, world_size, records),
-                   [i for i in range(args.n_layers) if args.is_moe_layer(i)])
+    moe_layers = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+    for record in records:  # counts of another model: config.toml is not the run's that logged them
+        counts = record.get("tokens_per_expert")
+        if counts is not None and [len(row) for row in counts] != [args.num_experts] * len(moe_layers):
+            shape = f"{len(counts)} x {len(counts[0]) if counts else 0}"
+            raise ConfigError("DUMP_FOLDER", str(folder), f"{METRICS_FILE} at step {record['step']} counts the "
+                              f"tokens of {shape} MoE layers x experts, config.toml's flavor {cfg.model.flavor!r} "
+                              f"has {len(moe_layers)} x {args.num_experts}: they are not of one run",
+                              "report a dump folder as a run left it (its config.toml and its metrics.jsonl)")
+    return RunData(folder.resolve().name, records, _run_facts(cfg, world_size, records), moe_layers)
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -253,19 +262,22 @@ th {{ text-align: left; }} td {{ text-align: right; font-family: monospace; }}</
 """
 
 
+def _out_key(opts: argparse.Namespace) -> tuple[str, str]:
+    """The key and value that name the output file: `--out`, or `DUMP_FOLDER` where it goes by default."""
+    return ("--out", opts.out) if opts.out else ("DUMP_FOLDER", opts.dump_folder)
+
+
 def _out_faults(opts: argparse.Namespace) -> AbstractContextManager[None]:
-    """What the OS refuses about the output file is a fault of `--out`, or of `DUMP_FOLDER` when
-    the output goes there by default."""
-    key, value = ("--out", str(opts.out)) if opts.out else ("DUMP_FOLDER", str(opts.dump_folder))
-    return path_faults(key, value, "use a path where this user can create and write a file, or move what is "
+    """What the OS refuses about the output file is a fault of `_out_key`."""
+    return path_faults(*_out_key(opts), "use a path where this user can create and write a file, or move what is "
                        "in the way")
 
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="torchmoe report", description="Draw a run's loss, gradient norm, LR, throughput "
                             "and per-expert load from its dump folder, with the planner's facts of its layout.")
-    parser.add_argument("dump_folder", metavar="DUMP_FOLDER", type=Path, help="job.dump_folder of a run")
-    parser.add_argument("--out", type=Path, help=f"FILE.png, or FILE.html for a self-contained page with the "
+    parser.add_argument("dump_folder", metavar="DUMP_FOLDER", help="job.dump_folder of a run")
+    parser.add_argument("--out", help=f"FILE.png, or FILE.html for a self-contained page with the "
                         f"final metrics (default: DUMP_FOLDER/{DEFAULT_OUT})")
     parser.add_argument("--world-size", type=int, help=f"ranks the run was launched with (default: from "
                         f"{RUN_INFO_FILE}, which runs write)")
@@ -277,22 +289,27 @@ def report_main(argv: Sequence[str]) -> int:
     opts = parse_args(_parser(), argv)
     if opts is None:  # --help was printed
         return 0
-    out = opts.out or opts.dump_folder / DEFAULT_OUT
+    dump_folder = Path(nonempty_path("DUMP_FOLDER", opts.dump_folder, "pass the job.dump_folder of a run"))
+    out = Path(nonempty_path("--out", opts.out, "name the file, or leave --out out")) if opts.out is not None else \
+        dump_folder / DEFAULT_OUT
     if out.suffix.lower() not in (".png", ".html"):
         raise ConfigError("--out", str(out), "is neither a .png nor an .html file",
                           "name the output FILE.png (the figure) or FILE.html (figure and final metrics)")
     if importlib.util.find_spec("matplotlib") is None:  # the report extra
         raise ConfigError("torchmoe report", " ".join(argv), "needs the matplotlib package, which is not installed",
                           "pip install 'torchmoe[report]'")
-    run = load_run(opts.dump_folder, opts.world_size)
+    run = load_run(dump_folder, opts.world_size)
     # Before drawing, which takes seconds: the file, where it is, opens for writing, and its folder
     # (or the nearest that exists: it is created) takes a new file.
     with _out_faults(opts):
-        writable_file(out)
+        writable_file(out)  # first: what the OS says of a link to nothing
         writable_folder(out.parent)
+        if out.is_symlink():
+            raise ConfigError(*_out_key(opts), f"{out} is a symbolic link (to {os.readlink(out)}): the report never "
+                              "writes through a link", "remove the link, or name another file with --out")
     png = _png(render(run))
     with _out_faults(opts):
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(png if out.suffix.lower() == ".png" else _html(run, png).encode("utf-8"))
+        write_file(out, png if out.suffix.lower() == ".png" else _html(run, png))
     print(f"wrote {out}")
     return 0

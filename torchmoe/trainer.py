@@ -47,6 +47,7 @@ from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
     MetricsLogger,
     ThroughputWindow,
+    check_history,
     device_peak_flops,
     peak_memory_gib,
     reset_peak_memory,
@@ -55,11 +56,11 @@ from torchmoe.components.metrics import (
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.components.run_info import write_run_info
-from torchmoe.components.run_lock import lock_dump_folder
+from torchmoe.components.run_lock import lock_folders
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.loader import write_config_toml
-from torchmoe.config.paths import job_paths, source_key, user_path_faults
+from torchmoe.config.paths import job_paths, source_key, user_path_faults, written_folders
 from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
@@ -155,11 +156,17 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
-        self.folder_lock = lock_dump_folder(self.dump_folder)  # before anything is written there
-        if self.rank == 0:
-            write_config_toml(cfg, self.dump_folder / "config.toml")
-            write_run_info(self.dump_folder, world_size=world_size)
+        self.world_size = world_size
+        # Before anything is written (or stale temporaries deleted) there; released if setup fails.
+        nccl_traces = self.device.type == "cuda" and world_size > 1
+        self.folder_locks = lock_folders(written_folders(cfg, nccl_traces=nccl_traces))
+        with ExitStack() as undo:
+            undo.callback(self.folder_locks.release)
+            self._build(cfg)
+            undo.pop_all()
 
+    def _build(self, cfg: JobConfig) -> None:
+        """Everything but the folders: model, optimizer, data, checkpoints (`__init__`)."""
         self.tokenizer = tokenizer = build_tokenizer(cfg.model.tokenizer_path,
                                                      key=source_key(cfg, "model.tokenizer_path"))
         self.model_args = model_args_from_config(cfg.model)
@@ -239,14 +246,41 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------
 
     def load_initial_state(self) -> None:
-        """Resume from the newest complete checkpoint, else load `initial_load_path` if set."""
+        """Resume from the newest complete checkpoint, else load `initial_load_path` if set; then,
+        the run being known to go ahead, write its files (`_write_run_files`)."""
         resumed = self.checkpointer.load_latest(self.state)
         if resumed is not None:
             self.step = resumed
-            return
+        else:
+            self._load_initial_weights()
+        self._write_run_files(resumed=resumed is not None)
+
+    def _load_initial_weights(self) -> None:
         if self.cfg.checkpoint.initial_load_path:
             load_initial_weights(self.cfg.checkpoint, self.cfg.model.flavor, self.model_args, self.model,
                                  key=source_key(self.cfg, "checkpoint.initial_load_path"))
+
+    def _write_run_files(self, *, resumed: bool) -> None:
+        """Write config.toml and run_info.json (rank 0), once nothing can refuse the run any more:
+        a refused run leaves the folder as it found it. A run that resumed no checkpoint must not
+        cut another run's metrics (`metrics.check_history`); rank 0 decides for every rank.
+
+        Raises:
+            ConfigError: on every rank, from `check_history`.
+        """
+        refused: list[tuple | None] = [None]  # ConfigError's arguments: it does not pickle
+        if self.rank == 0 and not resumed:
+            try:
+                check_history(self.dump_folder, self.cfg)
+            except ConfigError as err:
+                refused = [(err.key, err.value, err.problem, err.fix)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(refused, src=0)
+        if refused[0] is not None:
+            raise ConfigError(*refused[0])
+        if self.rank == 0:
+            write_config_toml(self.cfg, self.dump_folder / "config.toml")
+            write_run_info(self.dump_folder, world_size=self.world_size)
 
     @property
     def _token_shards(self) -> int:
@@ -623,6 +657,7 @@ class Trainer:
 
     def create_seed_checkpoint(self) -> None:
         """Write step-0 with the freshly initialised weights (one process: `preflight.check_launch`)."""
+        self._write_run_files(resumed=False)
         path = self.checkpointer.save_seed_checkpoint(self.state)
         logger.info("seed checkpoint written to %s", path)
 
@@ -631,7 +666,7 @@ class Trainer:
         failure watch stops first, while every rank still holds the rendezvous store: tearing
         the process groups down may take any rank a while (NCCL at scale), and a watch still
         polling then would take the store host's exit (rank 0 under srun) for a failure."""
-        self.folder_lock.release()
+        self.folder_locks.release()
         if self.failure_watch is not None:
             self.failure_watch.stop()
         if dist.is_initialized():
@@ -655,6 +690,7 @@ def train(cfg: JobConfig) -> None:
         world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, cfg.parallelism,
                                        Path(cfg.job.dump_folder))
     watch = FailureWatch.start() if world_size > 1 else None
+    trainer: Trainer | None = None
     try:
         with user_path_faults(paths):
             trainer = Trainer(cfg, failure_watch=watch)
@@ -667,6 +703,8 @@ def train(cfg: JobConfig) -> None:
         trainer.close()  # every rank diverged at the same step (the loss is global)
         raise
     except BaseException as err:
+        if trainer is not None:
+            trainer.folder_locks.release()  # this process leaves the run: its folders are free again
         if watch is not None:
             watch.fail(err)  # raises PeerFailed when another rank failed first
         raise

@@ -535,7 +535,7 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         final = self.folder / f"step-{step}"
-        if final.exists():
+        if final.exists() and not final.is_symlink():  # a link: the rename fails ("Not a directory")
             # A folder of the same step without a marker (never loaded) or an older save of
             # this step (e.g. a seed checkpoint written again): replaced by the new one.
             _remove_checkpoint(final)
@@ -557,7 +557,7 @@ class CheckpointManager:
         """Rank 0: delete the temporary folders of other runs' saves (killed or failed)."""
         for path in self.folder.iterdir():
             m = _TMP_DIR.match(path.name)
-            if m and m.group(1) != self.id and path.is_dir():
+            if m and m.group(1) != self.id and path.is_dir() and not path.is_symlink():
                 logger.info("deleting incomplete checkpoint %s left by an earlier run", path)
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -571,13 +571,14 @@ class CheckpointManager:
     # ---- loading -----------------------------------------------------------------------------
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
-        """(step, path) of every `step-N/` holding the completion marker, oldest first."""
+        """(step, path) of every `step-N/` folder (not a link) holding the completion marker, oldest first."""
         if not self.folder.is_dir():
             return []
         found = []
         for path in self.folder.iterdir():
             m = _STEP_DIR.match(path.name)
-            if m and (path / MARKER).is_file():
+            # A symbolic link is not the run's (refused at start): never loaded, never pruned.
+            if m and not path.is_symlink() and (path / MARKER).is_file():
                 found.append((int(m.group(1)), path))
         return sorted(found)
 

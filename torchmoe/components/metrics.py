@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import sys
 import time
@@ -50,7 +49,11 @@ from rich.progress import (
 )
 
 from torchmoe.components.wandb_logger import WandbRun
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_writes import open_append, write_file
+from torchmoe.config.job_config import JobConfig
 from torchmoe.config.job_config import Metrics as MetricsConfig
+from torchmoe.config.loader import differing_keys, load_toml_config
 
 logger = logging.getLogger(__name__)
 
@@ -229,23 +232,51 @@ def parse_record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
+def _lines(path: Path) -> list[str]:
+    """The lines of `path`; none when it does not exist."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+
+
 def _drop_records_after(path: Path, step: int) -> None:
     """Remove from `path` the records of steps after `step` (and a line torn by a kill): a run
     resuming at `step` logs them again, and metrics.jsonl holds each step once. Rewritten to a
     temporary file and renamed, so a crash here loses nothing."""
-    if not path.is_file():
-        return
     kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in _lines(path):
         record = parse_record(line)
         if record is not None and record["step"] <= step:
             kept.append(line)
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, path)
+        write_file(path, "".join(f"{line}\n" for line in kept))
+
+
+def check_history(dump_folder: Path, cfg: JobConfig) -> None:
+    """A run that resumes no checkpoint (it starts at step 1) continues the metrics.jsonl of its
+    dump folder, dropping its records, only where they are its own: a restart of the same run
+    before its first checkpoint, with the same config.toml. Any other run's history is never cut.
+
+    Raises:
+        ConfigError: metrics.jsonl holds records of a run with another (or no) config.toml.
+    """
+    steps = [r["step"] for line in _lines(dump_folder / METRICS_FILE) if (r := parse_record(line)) is not None]
+    if not steps:
+        return
+    try:
+        differ = differing_keys(load_toml_config(dump_folder / "config.toml"), cfg)
+    except ConfigError as err:  # missing or unreadable: not this run's
+        differ = [f"config.toml: {err.problem}"]
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise ConfigError("job.dump_folder", cfg.job.dump_folder,
+                          f"holds the metrics.jsonl of another run (steps {min(steps)}-{max(steps)}; its config "
+                          f"differs in {shown}), which this run, starting at step 1 without a checkpoint to resume, "
+                          "would cut", "give this run its own job.dump_folder, or move metrics.jsonl away to start "
+                          "over in this one")
 
 
 class MetricsLogger:
@@ -293,7 +324,7 @@ class MetricsLogger:
         _drop_records_after(self.path, start_step)
         if cfg.enable_wandb:  # first: when W&B refuses to start, nothing is open yet
             self._wandb = WandbRun(Path(dump_folder), cfg, run_config=run_config, resuming=start_step > 0)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open_append(self.path)
         if cfg.enable_tensorboard:
             self._tb = _summary_writer_cls()(log_dir=str(Path(dump_folder) / cfg.save_tb_folder))
         self.console = console or Console(highlight=False, no_color=cfg.disable_color_printing)
