@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from torchmoe.argparser import ArgumentParser, parse_args
+from torchmoe.components.finite import refuse_nonfinite
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
 from torchmoe.components.run_lock import LOCK_NAME, lock_folders
 from torchmoe.components.weight_files import model_prefix, model_tensors, non_float, read_dcp_metadata, reading
@@ -149,8 +150,9 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
         training from it), or None when no flavor has it.
 
     Raises:
-        ConfigError: `hf_dir` is missing, has a file that is missing, unreadable or damaged, or is
-            not a supported Llama 4 checkpoint; `out_dir` is not empty or cannot be written.
+        ConfigError: `hf_dir` is missing, has a file that is missing, unreadable or damaged, is
+            not a supported Llama 4 checkpoint or holds NaN or inf;
+            `out_dir` is not empty, held by a live run, or cannot be written.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     fix = "pass a Hugging Face Llama 4 text or multimodal checkpoint folder (config.json + *.safetensors)"
@@ -160,6 +162,7 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
     mesh = _world()
     with _owning(out_dir):
         state = _empty_state(args, dtype, mesh)
+        # Checks what it loaded (in `dtype`): exactly the tensors written next, so nothing non-finite is.
         load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)
         dcp.save(state, checkpoint_id=str(out_dir), no_dist=mesh is None)
     return matching_flavor(args)
@@ -174,8 +177,9 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
 
     Raises:
         ConfigError: an unknown flavor, a missing, non-DCP or damaged `ckpt_dir`, a checkpoint
-            whose tensors do not fit `flavor` (the fix names a flavor that fits, if one does) or
-            are not floating point, or an `out_dir` that is not empty or cannot be written.
+            whose tensors do not fit `flavor` (the fix names a flavor that fits, if one does), are
+            not floating point or hold NaN or inf, or an `out_dir` that is not empty, held by a
+            live run, or cannot be written.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if flavor not in FLAVORS:
@@ -197,7 +201,8 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
         prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
         with reading("CKPT_DIR", ckpt_dir, fix, what="a *.distcp file"):
             dcp.load({prefix + k: v for k, v in state.items()}, checkpoint_id=str(ckpt_dir), no_dist=mesh is None)
-        save_hf_weights(state, args, out_dir)
+        refuse_nonfinite(state, key="CKPT_DIR", path=ckpt_dir)
+        save_hf_weights(state, args, out_dir)  # checks them again, as every writer of weights does
     return dtype
 
 

@@ -39,7 +39,8 @@ from torchmoe.components.checkpoint import (
     SaveFailed,
     checkpoint_timeout,
 )
-from torchmoe.components.divergence import TrainingDiverged, nonfinite_state
+from torchmoe.components.divergence import TrainingDiverged
+from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.garbage_collection import GarbageCollection
 from torchmoe.components.hf_storage import save_hf_weights
 from torchmoe.components.initial_load import load_initial_weights
@@ -591,7 +592,8 @@ class Trainer:
 
     def _checkpoint(self, *, stopping: bool) -> None:
         """After each step: save when due (or `stopping` for a signal), if the state is finite
-        (else `TrainingDiverged`); else make a finished async save visible.
+        on every rank (else `TrainingDiverged`: the save checks it); else make a finished async
+        save visible.
 
         A save that fails mid-run (disk full, permissions changed) is reported and training
         goes on: the state in memory is intact and the next interval tries again. When it was
@@ -601,7 +603,6 @@ class Trainer:
         last = stopping or self.step == self.cfg.training.steps
         due = stopping or self.checkpointer.should_save(self.step)
         if due:
-            self._check_state_finite()
             try:  # an earlier async save still in flight: its failure is not this step's
                 self.checkpointer.wait()
             except SaveFailed as err:
@@ -615,6 +616,8 @@ class Trainer:
                 self.checkpointer.wait()  # an async last save must be on disk before the run ends
         except SaveFailed as err:
             self._save_failed(err, last=last)
+        except NonFiniteValues as err:  # the save checked every rank's state: nothing was written
+            raise self._diverged(err, "saving") from None
 
     def _save_failed(self, err: SaveFailed, *, last: bool) -> None:
         """Report a failed save: fatal (`ConfigError`) when it was the run's last, else one line."""
@@ -627,18 +630,12 @@ class Trainer:
             logger.error("%s; training goes on (the state in memory is intact, the next save is attempted at its "
                          "interval); %s", err, resume)
 
-    def _check_state_finite(self) -> None:
-        """Every parameter, buffer and optimizer state of every rank must be finite to be saved."""
-        bad = nonfinite_state(self.model, self.optimizer)
-        flag = torch.tensor(float(bool(bad)), device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag)
-        if flag.item():
-            where = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "") if bad else "on another rank"
-            fix = "lower model.load_balance_coeff" if any(n.endswith("expert_bias") for n in bad) else \
-                "lower optimizer.lr"
-            raise TrainingDiverged(f"the model or optimizer state is not finite after step {self.step} ({where}): "
-                                   f"stopping without saving; {fix}")
+    def _diverged(self, err: NonFiniteValues, doing: str) -> TrainingDiverged:
+        """The state became non-finite in training (what is loaded is checked: `components.finite`);
+        the fix names the setting behind the tensors `err` names."""
+        fix = "lower model.load_balance_coeff" if any("expert_bias" in n for n in err.names) else "lower optimizer.lr"
+        return TrainingDiverged(f"the model or optimizer state is not finite after step {self.step} ({err}): "
+                                f"stopping without {doing}; {fix}")
 
     def _close_checkpointer(self, exc_type, exc, tb) -> bool:
         """Leaving the loop: finish the async save in flight when every rank leaves together
@@ -650,13 +647,21 @@ class Trainer:
         return False  # never swallows the exception
 
     def _save_hf(self) -> None:
-        """Write the weights as a Hugging Face folder, each rank writing its own shards."""
+        """Write the weights as a Hugging Face folder, each rank writing its own shards; not
+        when they are non-finite (`TrainingDiverged`: the last step's update, unchecked by a save
+        when checkpointing is off)."""
         out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
-        save_hf_weights(get_model_state_dict(self.model), self.model_args, out, process_group=self.checkpointer.group)
+        try:
+            save_hf_weights(get_model_state_dict(self.model), self.model_args, out,
+                            process_group=self.checkpointer.group)
+        except NonFiniteValues as err:
+            raise self._diverged(err, "writing Hugging Face weights") from None
         logger.info("saved Hugging Face weights to %s", out)
 
     def create_seed_checkpoint(self) -> None:
-        """Write step-0 with the freshly initialised weights (one process: `preflight.check_launch`)."""
+        """Write step-0 with the initial weights: `initial_load_path`'s when set, else freshly
+        initialised ones (one process: `preflight.check_launch`)."""
+        self._load_initial_weights()
         self._write_run_files(resumed=False)
         path = self.checkpointer.save_seed_checkpoint(self.state)
         logger.info("seed checkpoint written to %s", path)

@@ -82,6 +82,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchmoe.components.finite import NonFiniteValues, nonfinite_names, refuse_nonfinite, require_finite
 from torchmoe.components.weight_files import (
     UnreadableWeights,
     describe,
@@ -306,7 +307,7 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
 
     Raises:
         ConfigError: (naming `key`, the option that named `path`) a file of the folder is
-            missing, unreadable or damaged, or its tensors are not the model's.
+            missing, unreadable or damaged, its tensors are not the model's, or they hold NaN or inf.
     """
     path = Path(path)
     fix = f"point it at {_DCP_FOLDER}"
@@ -322,6 +323,7 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
         dcp.load({"model": wrapper} if prefixed else sd, checkpoint_id=str(path), no_dist=not _dist_on())
     if not prefixed:  # DCP filled the tensors of `sd`; the wrapper puts them into the model
         wrapper.load_state_dict(sd)
+    refuse_nonfinite(wrapper, key=key, path=path)
     logger.info("loaded model weights from %s", path)
 
 
@@ -429,11 +431,22 @@ class CheckpointManager:
             step: the number of completed training steps.
             state: name -> Stateful or (nested) dict of tensors and picklable values.
             model_only: record in the marker that only "model" was saved (seed checkpoints).
+
+        Raises:
+            NonFiniteValues: (on every rank, nothing written) a tensor of `state` holds NaN or inf.
+            ConfigError: the export's cast to `export_dtype` overflows a weight to inf.
         """
+        require_finite(state, group=self.group)
         if self.cfg.last_save_model_only and step == self.total_steps and not model_only:
             dtype = _EXPORT_DTYPES[self.cfg.export_dtype]
             weights = {name: t.to(dtype) if t.is_floating_point() else t
                        for name, t in state["model"].state_dict().items()}
+            try:
+                require_finite(weights, group=self.group)
+            except NonFiniteValues as err:
+                raise ConfigError("checkpoint.export_dtype", self.cfg.export_dtype, f"{err.shown} exceed its range "
+                                  f"({torch.finfo(dtype).max:.4g}): the export would hold inf",
+                                  "export in bfloat16 or float32, whose range holds them") from None
             state, model_only = {"model": weights}, True
         self.wait()
         tmp = self.folder / f"step-{step}.tmp-{self.id}"
@@ -619,8 +632,8 @@ class CheckpointManager:
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the newest complete checkpoint into `state`; returns its step, None if none.
 
-        A checkpoint that fails to load on any rank (truncated or corrupt file, missing keys) is
-        reported with a warning and every rank tries the previous one. If every one fails this
+        A checkpoint that fails to load on any rank (truncated or corrupt file, missing keys, NaN
+        or inf values, which no save writes) is reported with a warning and every rank tries the previous one. If every one fails this
         raises, rather than silently training from scratch. A `ConfigError` (the configuration
         cannot continue the checkpoint, e.g. another global batch size) is raised at once. A seed
         checkpoint (model only) loads only `state["model"]` and returns 0. Returns None when
@@ -649,6 +662,9 @@ class CheckpointManager:
             error = None
             try:
                 _dcp_load(to_load, path, self.group)
+                bad = nonfinite_names(to_load)  # never saved so: damaged on disk, or by another program
+                if bad:
+                    error = f"the weights hold {NonFiniteValues(bad)}"
             except UnreadableWeights as e:
                 error = e.problem
             except ConfigError:

@@ -40,11 +40,11 @@ def resumes(cfg: JobConfig) -> bool:
 
 
 def check_initial_load_path(cfg: JobConfig) -> None:
-    """`checkpoint.initial_load_path`, when the run will load it, must be what
+    """`checkpoint.initial_load_path`, when the run will load it (a seed run always does), must be what
     `initial_load_in_hf` says: a DCP folder (`.metadata`) or a Hugging Face folder (safetensors).
     What is inside is checked where it is loaded, before the first step."""
     ckpt = cfg.checkpoint
-    if not ckpt.initial_load_path or resumes(cfg):
+    if not ckpt.initial_load_path or (resumes(cfg) and not ckpt.create_seed_checkpoint):  # a seed run never resumes
         return
     key = source_key(cfg, "checkpoint.initial_load_path")
     hf = "a Hugging Face Llama 4 folder (config.json + *.safetensors)"
