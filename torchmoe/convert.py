@@ -45,7 +45,8 @@ from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_h
 from torchmoe.components.run_lock import LOCK_NAME, lock_folders
 from torchmoe.components.weight_files import model_prefix, model_tensors, non_float, read_dcp_metadata, reading
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.paths import UserPath, nonempty_path, path_faults, user_path_faults, writable_folder
+from torchmoe.config.file_writes import os_cause, write_fault
+from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
 from torchmoe.models.llama4.fit import matching_flavor, meta_state, require_fit
 
@@ -78,7 +79,8 @@ def _owning(out_dir: Path) -> Iterator[None]:
     """Hold `out_dir` (created) as a run holds its folders (`run_lock`): a live run's folder, or
     another conversion's output, is refused naming its holder; then it must be empty (leftover
     shards of another model would mix in). A conversion that fails leaves no partial output (a
-    folder it created is removed); the lock file goes when the conversion ends."""
+    folder it created is removed), and a write the filesystem refused (a full disk) is one
+    `ConfigError` naming `OUT_DIR` and the OS's reason; the lock file goes when the conversion ends."""
     created = not os.path.lexists(out_dir)
     locks = lock_folders([UserPath("OUT_DIR", str(out_dir), str(out_dir), _OUT_FIX)])
     failed = False
@@ -88,7 +90,7 @@ def _owning(out_dir: Path) -> Iterator[None]:
                 raise ConfigError("OUT_DIR", str(out_dir), "is not empty", _OUT_FIX)
         try:
             yield
-        except BaseException:
+        except BaseException as err:
             failed = True
             if not dist.is_initialized() or dist.get_rank() == 0:
                 for entry in os.scandir(out_dir):  # all this conversion's: the folder was empty
@@ -96,7 +98,13 @@ def _owning(out_dir: Path) -> Iterator[None]:
                         shutil.rmtree(entry.path)
                     elif entry.name != LOCK_NAME:
                         os.unlink(entry.path)
-            raise
+            cause = os_cause(err) if not isinstance(err, ConfigError) else None
+            if cause is None:
+                raise
+            # A full disk (DCP's exceptions wrap the OSError): one message, naming the output.
+            fault = path_fault("OUT_DIR", str(out_dir), cause, _OUT_FIX)
+            raise ConfigError(fault.key, fault.value, f"{write_fault(err)}: nothing of the conversion is left there",
+                              fault.fix) from None
     finally:
         locks.release(remove=True)
         if failed and created and (not dist.is_initialized() or dist.get_rank() == 0):

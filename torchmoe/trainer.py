@@ -580,6 +580,7 @@ class Trainer:
                 mem.step()
         if cfg.checkpoint.last_save_in_hf:
             self._save_hf()
+        metrics.require_written()  # last: records held back by a full disk did not stop training
 
     def _compile_report(self, compiled: DynamoCounts, step_s: float) -> dict[str, float]:
         """Log what the first step compiled; the metrics record's keys for it. Under EP each MoE
@@ -649,13 +650,16 @@ class Trainer:
     def _save_hf(self) -> None:
         """Write the weights as a Hugging Face folder, each rank writing its own shards; not
         when they are non-finite (`TrainingDiverged`: the last step's update, unchecked by a save
-        when checkpointing is off)."""
-        out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
+        when checkpointing is off). Visible only once complete (`CheckpointManager.save_export`);
+        a failed write is the run's last error (`_save_failed`)."""
+        state = get_model_state_dict(self.model)
         try:
-            save_hf_weights(get_model_state_dict(self.model), self.model_args, out,
-                            process_group=self.checkpointer.group)
+            out = self.checkpointer.save_export(self.step, lambda folder: save_hf_weights(
+                state, self.model_args, folder, process_group=self.checkpointer.group))
         except NonFiniteValues as err:
             raise self._diverged(err, "writing Hugging Face weights") from None
+        except SaveFailed as err:  # a full disk: nothing of the export is left
+            self._save_failed(err, last=True)  # raises: the run's last write
         logger.info("saved Hugging Face weights to %s", out)
 
     def create_seed_checkpoint(self) -> None:

@@ -365,7 +365,9 @@ def test_nan_initial_weights_are_refused_before_training_and_never_exported(
     assert status == 2 and err.count("error:") == 1 and "Traceback" not in err, err
     _assert_message(err, "checkpoint.initial_load_path", str(folder), "model.embed_tokens.weight")
     assert "optimizer.lr" not in err and "step 1" not in err
-    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]  # no config.toml, no checkpoint, no export
+    # No config.toml, no export: only the locks of the folders the run would have written into.
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [LOCK_NAME, "checkpoint",
+                                                                       f"checkpoint/{LOCK_NAME}"]
 
 
 def test_a_seed_checkpoint_seeds_from_initial_load_path(hf_dir: Path, tmp_path: Path) -> None:

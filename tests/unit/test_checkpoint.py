@@ -168,7 +168,7 @@ def test_a_linked_step_folder_is_never_loaded_pruned_or_replaced(tmp_path: Path)
     assert _manager(tmp_path).load_latest(_Run().state) == 1
     ckpt.save(2, run.state)  # prunes step-1, not the links
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-3", "step-5"]
-    with pytest.raises(SaveFailed, match=r"checkpoint step-3 could not be saved \(.*: Not a directory"):
+    with pytest.raises(SaveFailed, match=r"checkpoint step-3 could not be saved \(Not a directory: "):
         ckpt.save(3, run.state)
     assert (shared / "checkpoint" / "step-9" / MARKER).is_file()
     assert sorted(p.name for p in (shared / "checkpoint" / "step-9").iterdir()) == sorted(

@@ -57,6 +57,7 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -94,6 +95,7 @@ from torchmoe.components.weight_files import (
     reading,
 )
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import Comm as CommConfig
 
@@ -101,7 +103,7 @@ logger = logging.getLogger(__name__)
 
 MARKER = ".complete"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_DIR = re.compile(r"^step-\d+\.tmp-(\w+)$")
+_TMP_DIR = re.compile(r"^step-\d+(-hf)?\.tmp-(\w+)$")  # a save's, or a Hugging Face export's
 
 
 def _as_list(x: Any) -> list:
@@ -340,13 +342,12 @@ def checkpoint_timeout(checkpoint_cfg: CheckpointConfig, comm_cfg: CommConfig) -
 
 
 class SaveFailed(Exception):
-    """A checkpoint could not be written; raised on every rank. Its temporary folder is gone and
-    the checkpoints saved before it are intact."""
+    """A checkpoint (`name`: step-N, or its step-N-hf export) could not be written; raised on every
+    rank. Its temporary folder is gone and the checkpoints saved before it are intact."""
 
-    def __init__(self, step: int, error: str) -> None:
-        self.step = step
+    def __init__(self, name: str, error: str) -> None:
         self.error = error
-        super().__init__(f"checkpoint step-{step} could not be saved ({error})")
+        super().__init__(f"checkpoint {name} could not be saved ({error})")
 
 
 @dataclass
@@ -472,7 +473,7 @@ class CheckpointManager:
         try:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=not _dist_on())
         except (Exception, CheckpointException) as e:  # DCP raises a write error on every rank
-            error = describe(e)
+            error = write_fault(e)
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
         # .metadata, so every shard is on disk: rank 0 may make the folder visible now.
         self._finish(step, tmp, meta, error)
@@ -494,6 +495,34 @@ class CheckpointManager:
         self.save(0, {"model": state["model"]}, model_only=True)
         return self.folder / "step-0"
 
+    def save_export(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Write `step-<step>-hf/` as `write(folder)` does (collective: every rank calls it with the
+        same folder), into a temporary folder that becomes visible by a rename once `write` returned
+        on rank 0 (it ends when every rank's part is written). Returns the folder.
+
+        Raises:
+            SaveFailed: the filesystem refused a write (a full disk): the temporary folder is gone.
+                When one rank alone fails in a part of `write` that is not collective, its peers
+                are blocked in the next collective: the failure watch ends them, and the next run
+                deletes the temporary folder.
+        """
+        tmp = self.folder / f"step-{step}-hf.tmp-{self.id}"
+        try:
+            write(tmp)
+        except (Exception, CheckpointException) as e:
+            if os_cause(e) is None:
+                raise  # not the filesystem's: a bug, or non-finite weights (the caller's to say)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise SaveFailed(f"step-{step}-hf", write_fault(e)) from None
+        final = self.folder / f"step-{step}-hf"
+        if self.rank == 0:
+            if final.exists() and not final.is_symlink():  # an earlier run's export of this step
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.folder)
+        return final
+
     def wait(self) -> None:
         """Block until an async save in flight is written and visible; re-raises its error."""
         pending, self._pending = self._pending, None
@@ -503,7 +532,7 @@ class CheckpointManager:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as e:
-            error = describe(e)
+            error = write_fault(e)
         self._finish(pending.step, pending.tmp, pending.meta, error, finalized=pending.finalized)
 
     def close(self) -> None:
@@ -525,12 +554,12 @@ class CheckpointManager:
             try:
                 self._finalize(step, tmp, meta)
             except OSError as e:
-                error = describe(e)
+                error = write_fault(e)
         error = _job_error(_gather(error, self.group))
         if error is None:
             return
         self._discard(tmp)  # a failed save (full disk) leaves nothing behind to fail again
-        raise SaveFailed(step, error)
+        raise SaveFailed(f"step-{step}", error)
 
     def _poll(self) -> None:
         p = self._pending
@@ -570,7 +599,7 @@ class CheckpointManager:
         """Rank 0: delete the temporary folders of other runs' saves (killed or failed)."""
         for path in self.folder.iterdir():
             m = _TMP_DIR.match(path.name)
-            if m and m.group(1) != self.id and path.is_dir() and not path.is_symlink():
+            if m and m.group(2) != self.id and path.is_dir() and not path.is_symlink():
                 logger.info("deleting incomplete checkpoint %s left by an earlier run", path)
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -694,16 +723,6 @@ class CheckpointManager:
                               "no checkpoint there could be loaded:" + "".join(f"\n  {e}" for e in errors),
                               "delete or move the broken step-N folders to start over")
         return None
-
-
-def _write_fault(err: BaseException) -> str:
-    """One line for a failed save: the OS's reason for each rank's failed write (a full disk,
-    permissions), else the exception's type and first line, without DCP's tracebacks."""
-    if isinstance(err, CheckpointException):
-        return "; ".join(dict.fromkeys(_write_fault(exc) for exc, _ in err.failures.values()))
-    if isinstance(err, OSError) and err.strerror:
-        return err.strerror + (f": {err.filename}" if err.filename else "")
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 def _gather(error: str | None, group: dist.ProcessGroup | None) -> list[str | None]:

@@ -60,6 +60,7 @@ from torchmoe.components.checkpoint import _dist_on
 from torchmoe.components.finite import refuse_nonfinite, require_finite
 from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_writes import write_file
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.hf import (
@@ -367,7 +368,7 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
             os.replace(out_dir / "model-00001-of-00001.safetensors", out_dir / "model.safetensors")
             (out_dir / "model.safetensors.index.json").unlink()
         config = hf_config_from_args(args, dtype)
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_file(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
     if _dist_on():
         dist.barrier(group=process_group)
 

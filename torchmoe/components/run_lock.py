@@ -30,6 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_writes import os_error
 from torchmoe.config.paths import UserPath
 
 __all__ = ["LOCK_NAME", "FolderLocks", "lock_folders"]
@@ -97,8 +98,12 @@ def _try_lock(folder: Path) -> tuple[int | None, str | None]:
         os.close(fd)  # a holder removed the file as it released it: lock the one that is there now
     me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
           "command": " ".join(sys.argv)}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(me).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+    except OSError as err:  # a full disk: the lock holds, but who holds it cannot be said
+        os.close(fd)
+        raise os_error(err, path) from None
     return fd, None
 
 

@@ -1,7 +1,10 @@
-"""Writing the files a run owns: never through a symbolic link, never half-written.
+"""Writing the files a run owns: never through a symbolic link, never half-written, and one line
+for why a write failed.
 
     write_file(dump / "config.toml", text)      # a new temporary file beside it, renamed over the name
-    with open_append(dump / "metrics.jsonl") as f: ...   # a symbolic link there: OSError (ELOOP)
+    fd = open_append(dump / "metrics.jsonl")    # a symbolic link there: OSError (ELOOP)
+    append(fd, line, path)                       # whole or not at all (a full disk cuts it back off)
+    os_cause(err), write_fault(err)              # "No space left on device", out of DCP's exceptions too
 
 A name the run writes may hold a symbolic link someone else made (to another run's file, or out of
 the folder): a plain ``open(path, "w")`` writes through it. A rename replaces the link itself, and
@@ -17,9 +20,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TextIO
 
-__all__ = ["open_append", "os_error", "write_file"]
+__all__ = ["append", "open_append", "os_cause", "os_error", "write_fault", "write_file"]
 
 
 def os_error(err: OSError, path: str | os.PathLike) -> OSError:
@@ -55,11 +57,57 @@ def write_file(path: str | os.PathLike, data: str | bytes) -> None:
         raise os_error(err, path) from None
 
 
-def open_append(path: str | os.PathLike) -> TextIO:
-    """`path` opened to append UTF-8 text (created if missing); a symbolic link there is refused.
+def open_append(path: str | os.PathLike) -> int:
+    """A descriptor of `path` opened to append (created if missing); a symbolic link there is refused.
 
     Raises:
         OSError: what the OS says (``Too many levels of symbolic links`` for a link).
     """
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    return os.fdopen(fd, "a", encoding="utf-8")
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+
+
+def append(fd: int, data: bytes, path: str | os.PathLike) -> None:
+    """Append `data` to the file `fd` (opened by `open_append` on `path`) whole or not at all: a
+    write cut short (a full disk) is cut back off the file, so that it holds only whole records
+    and a later append does not continue a torn one.
+
+    Raises:
+        OSError: what the OS says, naming `path`.
+    """
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as err:
+        os.ftruncate(fd, start)  # frees what was written: it works on a full disk
+        raise os_error(err, path) from None
+
+
+def os_cause(err: BaseException) -> OSError | None:
+    """The `OSError` behind a failed write, wherever it is in `err`: `err` itself, its cause or
+    context (torch's zip writer raises a RuntimeError from the OSError of a full disk), or a rank's
+    failure of a DCP `CheckpointException`; None when there is none (a bug, not the filesystem)."""
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+    if isinstance(failures, dict):
+        return next((cause for exc, _ in failures.values() if (cause := os_cause(exc)) is not None), None)
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def write_fault(err: BaseException) -> str:
+    """One line for a failed write: the OS's reason (`os_cause`: a full disk, permissions) with the
+    file it names, for every rank of a DCP `CheckpointException`; else the exception's type and
+    first line."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        return "; ".join(dict.fromkeys(write_fault(exc) for exc, _ in failures.values()))
+    cause = os_cause(err)
+    if cause is not None:
+        return cause.strerror + (f": {cause.filename}" if cause.filename else "")
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__

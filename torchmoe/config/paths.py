@@ -209,7 +209,8 @@ def written_folders(cfg: JobConfig, *, nccl_traces: bool) -> list[UserPath]:
     """The folders this run writes into: the dump folder, and each folder under it (or elsewhere,
     for an absolute key) that the run uses; `nccl_traces`: the NCCL flight recorder dumps into
     comm.save_traces_folder (a multi-rank CUDA run with a trace buffer)."""
-    used = {"checkpoint.folder": cfg.checkpoint.enable,  # even load_only deletes failed saves' leftovers
+    # Even load_only deletes failed saves' leftovers; last_save_in_hf exports there without checkpoints.
+    used = {"checkpoint.folder": cfg.checkpoint.enable or cfg.checkpoint.last_save_in_hf,
             "metrics.save_tb_folder": cfg.metrics.enable_tensorboard,
             "profiling.save_traces_folder": cfg.profiling.enable_profiling or cfg.profiling.enable_step_breakdown,
             "profiling.save_memory_snapshot_folder": cfg.profiling.enable_memory_snapshot,
