@@ -8,9 +8,9 @@ would blame the learning rate), an export carries it to whoever loads it. So eve
 weights (checkpoint saves, the seed checkpoint, the Hugging Face export, `torchmoe convert` both
 ways) checks the tensors it is about to write, and every reader of weights a user names
 (`checkpoint.initial_load_path`, `convert`'s sources, a checkpoint being resumed) checks what it
-read. Each check is one pass over the local tensors and one host sync; under a process group the
-ranks exchange the names they found, so all of them stop alike and the message names every
-tensor, wherever its bad shard lives.
+read. Each check is one pass over the local tensors (their sums) and one host sync; under a
+process group the ranks exchange the names they found, so all of them stop alike and the message
+names every tensor, wherever its bad shard lives.
 """
 
 from __future__ import annotations
@@ -56,12 +56,20 @@ def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]
 
 
 def nonfinite_names(state: Any) -> list[str]:
-    """Names of this rank's floating-point tensors in `state` holding NaN or inf, in order."""
+    """Names of this rank's floating-point tensors in `state` holding NaN or inf, in order. A NaN
+    or inf makes a tensor's sum non-finite, so the sums (one fast pass) pick the suspects, which
+    an element-wise check then settles (a sum may overflow where no element does); one or two
+    host syncs."""
     named = list(_tensors(state))
     if not named:
         return []
-    bad = torch.stack([~torch.isfinite(t).all() for _, t in named]).tolist()  # one host sync
-    return [name for (name, _), b in zip(named, bad) if b]
+    # float32 sums (fp16/bf16 would overflow sooner); an fp64 sum beyond float32 is only a suspect.
+    sums = torch.stack([t.sum(dtype=torch.float32 if t.element_size() < 8 else None).float() for _, t in named])
+    suspects = [named[i] for i, finite in enumerate(sums.isfinite().tolist()) if not finite]
+    if not suspects:
+        return []
+    bad = torch.stack([~torch.isfinite(t).all() for _, t in suspects]).tolist()
+    return [name for (name, _), b in zip(suspects, bad) if b]
 
 
 def require_finite(state: Any, *, group: dist.ProcessGroup | None = None) -> None:
