@@ -662,8 +662,8 @@ class CheckpointManager:
         """Load the newest complete checkpoint into `state`; returns its step, None if none.
 
         A checkpoint that fails to load on any rank (truncated or corrupt file, missing keys, NaN
-        or inf values, which no save writes) is reported with a warning and every rank tries the previous one. If every one fails this
-        raises, rather than silently training from scratch. A `ConfigError` (the configuration
+        or inf values, which no save writes) is reported with a warning and every rank tries the
+        previous one. If every one fails this raises, rather than silently training from scratch. A `ConfigError` (the configuration
         cannot continue the checkpoint, e.g. another global batch size) is raised at once. A seed
         checkpoint (model only) loads only `state["model"]` and returns 0. Returns None when
         checkpointing is disabled.
