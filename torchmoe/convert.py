@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,11 +40,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from torchmoe.argparser import ArgumentParser, parse_args
+from torchmoe.components.finite import refuse_nonfinite
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
 from torchmoe.components.checksums import ChecksummingWriter
+from torchmoe.components.run_lock import LOCK_NAME, lock_folders
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.paths import UserPath, path_faults, user_path_faults, writable_folder
+from torchmoe.config.file_writes import os_cause, write_fault
+from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
 from torchmoe.models.llama4.fit import matching_flavor, meta_state, require_fit
 
@@ -64,11 +70,46 @@ def _require_dir(key: str, path: Path, fix: str) -> None:
 
 def _require_writable_out(path: Path) -> None:
     """Refuse an output folder that cannot be created or written (what the OS says:
-    `config.paths.writable_folder`) and a non-empty one (leftover shards of another model would
-    mix in); creates nothing (the writers do)."""
+    `config.paths.writable_folder`); creates nothing (`_owning` does)."""
     with path_faults("OUT_DIR", str(path), _OUT_FIX):
-        if writable_folder(path) == path and os.listdir(path):
-            raise ConfigError("OUT_DIR", str(path), "is not empty", _OUT_FIX)
+        writable_folder(path)
+
+
+@contextmanager
+def _owning(out_dir: Path) -> Iterator[None]:
+    """Hold `out_dir` (created) as a run holds its folders (`run_lock`): a live run's folder, or
+    another conversion's output, is refused naming its holder; then it must be empty (leftover
+    shards of another model would mix in). A conversion that fails leaves no partial output (a
+    folder it created is removed), and a write the filesystem refused (a full disk) is one
+    `ConfigError` naming `OUT_DIR` and the OS's reason; the lock file goes when the conversion ends."""
+    created = not os.path.lexists(out_dir)
+    locks = lock_folders([UserPath("OUT_DIR", str(out_dir), str(out_dir), _OUT_FIX)])
+    failed = False
+    try:
+        with path_faults("OUT_DIR", str(out_dir), _OUT_FIX):
+            if set(os.listdir(out_dir)) - {LOCK_NAME}:
+                raise ConfigError("OUT_DIR", str(out_dir), "is not empty", _OUT_FIX)
+        try:
+            yield
+        except BaseException as err:
+            failed = True
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                for entry in os.scandir(out_dir):  # all this conversion's: the folder was empty
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    elif entry.name != LOCK_NAME:
+                        os.unlink(entry.path)
+            cause = os_cause(err) if not isinstance(err, ConfigError) else None
+            if cause is None:
+                raise
+            # A full disk (DCP's exceptions wrap the OSError): one message, naming the output.
+            fault = path_fault("OUT_DIR", str(out_dir), cause, _OUT_FIX)
+            raise ConfigError(fault.key, fault.value, f"{write_fault(err)}: nothing of the conversion is left there",
+                              fault.fix) from None
+    finally:
+        locks.release(remove=True)
+        if failed and created and (not dist.is_initialized() or dist.get_rank() == 0):
+            out_dir.rmdir()
 
 
 def _world() -> DeviceMesh | None:
@@ -118,8 +159,9 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
         training from it), or None when no flavor has it.
 
     Raises:
-        ConfigError: `hf_dir` is missing, has a file that is missing, unreadable or damaged, or is
-            not a supported Llama 4 checkpoint; `out_dir` is not empty or cannot be written.
+        ConfigError: `hf_dir` is missing, has a file that is missing, unreadable or damaged, is
+            not a supported Llama 4 checkpoint or holds NaN or inf;
+            `out_dir` is not empty, held by a live run, or cannot be written.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     fix = "pass a Hugging Face Llama 4 text or multimodal checkpoint folder (config.json + *.safetensors)"
@@ -127,9 +169,11 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
     args = read_hf_args(hf_dir, key="HF_DIR", fix=fix)
     _require_writable_out(out_dir)
     mesh = _world()
-    state = _empty_state(args, dtype, mesh)
-    load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)
-    dcp.save(state, storage_writer=ChecksummingWriter(out_dir), no_dist=mesh is None)
+    with _owning(out_dir):
+        state = _empty_state(args, dtype, mesh)
+        # Checks what it loaded (in `dtype`): exactly the tensors written next, so nothing non-finite is.
+        load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)
+        dcp.save(state, storage_writer=ChecksummingWriter(out_dir), no_dist=mesh is None)
     return matching_flavor(args)
 
 
@@ -142,8 +186,9 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
 
     Raises:
         ConfigError: an unknown flavor, a missing, non-DCP or damaged `ckpt_dir`, a checkpoint
-            whose tensors do not fit `flavor` (the fix names a flavor that fits, if one does) or
-            are not floating point, or an `out_dir` that is not empty or cannot be written.
+            whose tensors do not fit `flavor` (the fix names a flavor that fits, if one does), are
+            not floating point or hold NaN or inf, or an `out_dir` that is not empty, held by a
+            live run, or cannot be written.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if flavor not in FLAVORS:
@@ -160,10 +205,12 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
     _require_writable_out(out_dir)
     dtype = stored["tok_embeddings.weight"].properties.dtype
     mesh = _world()
-    state = _empty_state(args, dtype, mesh)
-    prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
-    load_dcp({prefix + k: v for k, v in state.items()}, ckpt_dir, metadata, key="CKPT_DIR", fix=fix)
-    save_hf_weights(state, args, out_dir)
+    with _owning(out_dir):
+        state = _empty_state(args, dtype, mesh)
+        prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
+        load_dcp({prefix + k: v for k, v in state.items()}, ckpt_dir, metadata, key="CKPT_DIR", fix=fix)
+        refuse_nonfinite(state, key="CKPT_DIR", path=ckpt_dir)
+        save_hf_weights(state, args, out_dir)  # checks them again, as every writer of weights does
     return dtype
 
 
@@ -191,6 +238,8 @@ def convert_main(argv: list[str]) -> int:
     if opts is None:  # --help was printed
         return 0
     key, source = ("HF_DIR", opts.hf_dir) if opts.direction == "hf-to-dcp" else ("CKPT_DIR", opts.ckpt_dir)
+    nonempty_path(key, source, "pass the folder to convert")
+    nonempty_path("OUT_DIR", opts.out_dir, "pass the folder to write (it is created)")
     paths = [UserPath(key, source, source, "pass a folder this user can read"),
              UserPath("OUT_DIR", opts.out_dir, opts.out_dir, _OUT_FIX)]
     try:

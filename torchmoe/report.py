@@ -38,7 +38,8 @@ from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
-from torchmoe.config.paths import path_faults, writable_file, writable_folder
+from torchmoe.config.file_writes import write_file
+from torchmoe.config.paths import nonempty_path, path_faults, writable_file, writable_folder
 from torchmoe.distributed.parallel_dims import MESH_DIMS
 from torchmoe.config.validate import resolve_degrees, validate_sections
 from torchmoe.models.llama4.args import FLAVORS, ModelArgs, model_args_from_config
@@ -351,19 +352,22 @@ th {{ text-align: left; }} td {{ text-align: right; font-family: monospace; }}</
 """
 
 
+def _out_key(opts: argparse.Namespace) -> tuple[str, str]:
+    """The key and value that name the output file: `--out`, or `DUMP_FOLDER` where it goes by default."""
+    return ("--out", opts.out) if opts.out else ("DUMP_FOLDER", opts.dump_folder)
+
+
 def _out_faults(opts: argparse.Namespace) -> AbstractContextManager[None]:
-    """What the OS refuses about the output file is a fault of `--out`, or of `DUMP_FOLDER` when
-    the output goes there by default."""
-    key, value = ("--out", str(opts.out)) if opts.out else ("DUMP_FOLDER", str(opts.dump_folder))
-    return path_faults(key, value, "use a path where this user can create and write a file, or move what is "
+    """What the OS refuses about the output file is a fault of `_out_key`."""
+    return path_faults(*_out_key(opts), "use a path where this user can create and write a file, or move what is "
                        "in the way")
 
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="torchmoe report", description="Draw a run's loss, gradient norm, LR, throughput "
                             "and per-expert load from its dump folder, with the planner's facts of its layout.")
-    parser.add_argument("dump_folder", metavar="DUMP_FOLDER", type=Path, help="job.dump_folder of a run")
-    parser.add_argument("--out", type=Path, help=f"FILE.png, or FILE.html for a self-contained page with the "
+    parser.add_argument("dump_folder", metavar="DUMP_FOLDER", help="job.dump_folder of a run")
+    parser.add_argument("--out", help=f"FILE.png, or FILE.html for a self-contained page with the "
                         f"final metrics (default: DUMP_FOLDER/{DEFAULT_OUT})")
     parser.add_argument("--world-size", type=int, help=f"ranks the run was launched with (default: from "
                         f"{RUN_INFO_FILE}, which runs write)")
@@ -375,22 +379,27 @@ def report_main(argv: Sequence[str]) -> int:
     opts = parse_args(_parser(), argv)
     if opts is None:  # --help was printed
         return 0
-    out = opts.out or opts.dump_folder / DEFAULT_OUT
+    dump_folder = Path(nonempty_path("DUMP_FOLDER", opts.dump_folder, "pass the job.dump_folder of a run"))
+    out = Path(nonempty_path("--out", opts.out, "name the file, or leave --out out")) if opts.out is not None else \
+        dump_folder / DEFAULT_OUT
     if out.suffix.lower() not in (".png", ".html"):
         raise ConfigError("--out", str(out), "is neither a .png nor an .html file",
                           "name the output FILE.png (the figure) or FILE.html (figure and final metrics)")
     if importlib.util.find_spec("matplotlib") is None:  # the report extra
         raise ConfigError("torchmoe report", " ".join(argv), "needs the matplotlib package, which is not installed",
                           "pip install 'torchmoe[report]'")
-    run = load_run(opts.dump_folder, opts.world_size)
+    run = load_run(dump_folder, opts.world_size)
     # Before drawing, which takes seconds: the file, where it is, opens for writing, and its folder
     # (or the nearest that exists: it is created) takes a new file.
     with _out_faults(opts):
-        writable_file(out)
+        writable_file(out)  # first: what the OS says of a link to nothing
         writable_folder(out.parent)
+        if out.is_symlink():
+            raise ConfigError(*_out_key(opts), f"{out} is a symbolic link (to {os.readlink(out)}): the report never "
+                              "writes through a link", "remove the link, or name another file with --out")
     png = _png(render(run))
     with _out_faults(opts):
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(png if out.suffix.lower() == ".png" else _html(run, png).encode("utf-8"))
+        write_file(out, png if out.suffix.lower() == ".png" else _html(run, png))
     print(f"wrote {out}")
     return 0

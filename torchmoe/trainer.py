@@ -39,7 +39,8 @@ from torchmoe.components.checkpoint import (
     SaveFailed,
     checkpoint_timeout,
 )
-from torchmoe.components.divergence import TrainingDiverged, nonfinite_state
+from torchmoe.components.divergence import TrainingDiverged
+from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.garbage_collection import GarbageCollection
 from torchmoe.components.hf_storage import save_hf_weights
 from torchmoe.components.initial_load import load_initial_weights
@@ -47,6 +48,7 @@ from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
     MetricsLogger,
     ThroughputWindow,
+    check_history,
     device_peak_flops,
     peak_memory_gib,
     reset_peak_memory,
@@ -55,11 +57,11 @@ from torchmoe.components.metrics import (
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.components.run_info import write_run_info
-from torchmoe.components.run_lock import lock_dump_folder
+from torchmoe.components.run_lock import lock_folders
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.loader import write_config_toml
-from torchmoe.config.paths import job_paths, source_key, user_path_faults
+from torchmoe.config.paths import job_paths, source_key, user_path_faults, written_folders
 from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
@@ -156,11 +158,17 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
-        self.folder_lock = lock_dump_folder(self.dump_folder)  # before anything is written there
-        if self.rank == 0:
-            write_config_toml(cfg, self.dump_folder / "config.toml")
-            write_run_info(self.dump_folder, world_size=world_size)
+        self.world_size = world_size
+        # Before anything is written (or stale temporaries deleted) there; released if setup fails.
+        nccl_traces = self.device.type == "cuda" and world_size > 1
+        self.folder_locks = lock_folders(written_folders(cfg, nccl_traces=nccl_traces))
+        with ExitStack() as undo:
+            undo.callback(self.folder_locks.release)
+            self._build(cfg)
+            undo.pop_all()
 
+    def _build(self, cfg: JobConfig) -> None:
+        """Everything but the folders: model, optimizer, data, checkpoints (`__init__`)."""
         self.tokenizer = tokenizer = build_tokenizer(cfg.model.tokenizer_path,
                                                      key=source_key(cfg, "model.tokenizer_path"))
         self.model_args = model_args_from_config(cfg.model)
@@ -240,14 +248,41 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------
 
     def load_initial_state(self) -> None:
-        """Resume from the newest complete checkpoint, else load `initial_load_path` if set."""
+        """Resume from the newest complete checkpoint, else load `initial_load_path` if set; then,
+        the run being known to go ahead, write its files (`_write_run_files`)."""
         resumed = self.checkpointer.load_latest(self.state)
         if resumed is not None:
             self.step = resumed
-            return
+        else:
+            self._load_initial_weights()
+        self._write_run_files(resumed=resumed is not None)
+
+    def _load_initial_weights(self) -> None:
         if self.cfg.checkpoint.initial_load_path:
             load_initial_weights(self.cfg.checkpoint, self.cfg.model.flavor, self.model_args, self.model,
                                  key=source_key(self.cfg, "checkpoint.initial_load_path"))
+
+    def _write_run_files(self, *, resumed: bool) -> None:
+        """Write config.toml and run_info.json (rank 0), once nothing can refuse the run any more:
+        a refused run leaves the folder as it found it. A run that resumed no checkpoint must not
+        cut another run's metrics (`metrics.check_history`); rank 0 decides for every rank.
+
+        Raises:
+            ConfigError: on every rank, from `check_history`.
+        """
+        refused: list[tuple | None] = [None]  # ConfigError's arguments: it does not pickle
+        if self.rank == 0 and not resumed:
+            try:
+                check_history(self.dump_folder, self.cfg)
+            except ConfigError as err:
+                refused = [(err.key, err.value, err.problem, err.fix)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(refused, src=0)
+        if refused[0] is not None:
+            raise ConfigError(*refused[0])
+        if self.rank == 0:
+            write_config_toml(self.cfg, self.dump_folder / "config.toml")
+            write_run_info(self.dump_folder, world_size=self.world_size)
 
     @property
     def _token_shards(self) -> int:
@@ -553,6 +588,7 @@ class Trainer:
                 mem.step()
         if cfg.checkpoint.last_save_in_hf:
             self._save_hf()
+        metrics.require_written()  # last: records held back by a full disk did not stop training
 
     def _compile_report(self, compiled: DynamoCounts, step_s: float) -> dict[str, float]:
         """Log what the first step compiled; the metrics record's keys for it. Under EP each MoE
@@ -565,7 +601,8 @@ class Trainer:
 
     def _checkpoint(self, *, stopping: bool) -> None:
         """After each step: save when due (or `stopping` for a signal), if the state is finite
-        (else `TrainingDiverged`); else make a finished async save visible.
+        on every rank (else `TrainingDiverged`: the save checks it); else make a finished async
+        save visible.
 
         A save that fails mid-run (disk full, permissions changed) is reported and training
         goes on: the state in memory is intact and the next interval tries again. When it was
@@ -575,7 +612,6 @@ class Trainer:
         last = stopping or self.step == self.cfg.training.steps
         due = stopping or self.checkpointer.should_save(self.step)
         if due:
-            self._check_state_finite()
             try:  # an earlier async save still in flight: its failure is not this step's
                 self.checkpointer.wait()
             except SaveFailed as err:
@@ -589,6 +625,8 @@ class Trainer:
                 self.checkpointer.wait()  # an async last save must be on disk before the run ends
         except SaveFailed as err:
             self._save_failed(err, last=last)
+        except NonFiniteValues as err:  # the save checked every rank's state: nothing was written
+            raise self._diverged(err, "saving") from None
 
     def _save_failed(self, err: SaveFailed, *, last: bool) -> None:
         """Report a failed save: fatal (`ConfigError`) when it was the run's last, else one line."""
@@ -601,18 +639,12 @@ class Trainer:
             logger.error("%s; training goes on (the state in memory is intact, the next save is attempted at its "
                          "interval); %s", err, resume)
 
-    def _check_state_finite(self) -> None:
-        """Every parameter, buffer and optimizer state of every rank must be finite to be saved."""
-        bad = nonfinite_state(self.model, self.optimizer)
-        flag = torch.tensor(float(bool(bad)), device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag)
-        if flag.item():
-            where = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "") if bad else "on another rank"
-            fix = "lower model.load_balance_coeff" if any(n.endswith("expert_bias") for n in bad) else \
-                "lower optimizer.lr"
-            raise TrainingDiverged(f"the model or optimizer state is not finite after step {self.step} ({where}): "
-                                   f"stopping without saving; {fix}")
+    def _diverged(self, err: NonFiniteValues, doing: str) -> TrainingDiverged:
+        """The state became non-finite in training (what is loaded is checked: `components.finite`);
+        the fix names the setting behind the tensors `err` names."""
+        fix = "lower model.load_balance_coeff" if any("expert_bias" in n for n in err.names) else "lower optimizer.lr"
+        return TrainingDiverged(f"the model or optimizer state is not finite after step {self.step} ({err}): "
+                                f"stopping without {doing}; {fix}")
 
     def _close_checkpointer(self, exc_type, exc, tb) -> bool:
         """Leaving the loop: finish the async save in flight when every rank leaves together
@@ -624,13 +656,25 @@ class Trainer:
         return False  # never swallows the exception
 
     def _save_hf(self) -> None:
-        """Write the weights as a Hugging Face folder, each rank writing its own shards."""
-        out = self.dump_folder / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
-        save_hf_weights(get_model_state_dict(self.model), self.model_args, out, process_group=self.checkpointer.group)
+        """Write the weights as a Hugging Face folder, each rank writing its own shards; not
+        when they are non-finite (`TrainingDiverged`: the last step's update, unchecked by a save
+        when checkpointing is off). Visible only once complete (`CheckpointManager.save_export`);
+        a failed write is the run's last error (`_save_failed`)."""
+        state = get_model_state_dict(self.model)
+        try:
+            out = self.checkpointer.save_export(self.step, lambda folder: save_hf_weights(
+                state, self.model_args, folder, process_group=self.checkpointer.group))
+        except NonFiniteValues as err:
+            raise self._diverged(err, "writing Hugging Face weights") from None
+        except SaveFailed as err:  # a full disk: nothing of the export is left
+            self._save_failed(err, last=True)  # raises: the run's last write
         logger.info("saved Hugging Face weights to %s", out)
 
     def create_seed_checkpoint(self) -> None:
-        """Write step-0 with the freshly initialised weights (one process: `preflight.check_launch`)."""
+        """Write step-0 with the initial weights: `initial_load_path`'s when set, else freshly
+        initialised ones (one process: `preflight.check_launch`)."""
+        self._load_initial_weights()
+        self._write_run_files(resumed=False)
         path = self.checkpointer.save_seed_checkpoint(self.state)
         logger.info("seed checkpoint written to %s", path)
 
@@ -639,7 +683,7 @@ class Trainer:
         failure watch stops first, while every rank still holds the rendezvous store: tearing
         the process groups down may take any rank a while (NCCL at scale), and a watch still
         polling then would take the store host's exit (rank 0 under srun) for a failure."""
-        self.folder_lock.release()
+        self.folder_locks.release()
         if self.failure_watch is not None:
             self.failure_watch.stop()
         if dist.is_initialized():
@@ -664,6 +708,7 @@ def train(cfg: JobConfig) -> None:
                                        Path(cfg.job.dump_folder))
     watch = FailureWatch.start() if world_size > 1 else None
     watch_launcher()  # a torchrun worker whose launcher is killed stops within a second
+    trainer: Trainer | None = None
     try:
         with user_path_faults(paths):
             trainer = Trainer(cfg, failure_watch=watch)
@@ -676,6 +721,8 @@ def train(cfg: JobConfig) -> None:
         trainer.close()  # every rank diverged at the same step (the loss is global)
         raise
     except BaseException as err:
+        if trainer is not None:
+            trainer.folder_locks.release()  # this process leaves the run: its folders are free again
         if watch is not None:
             watch.fail(err)  # raises PeerFailed when another rank failed first
         raise

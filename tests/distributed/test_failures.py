@@ -77,7 +77,7 @@ def test_async_save_failing_on_one_rank_is_skipped_by_both(tmp_path: Path) -> No
     assert "Traceback" not in out, out
     assert out.count("checkpoint step-2 could not be saved") == 1, out  # rank 0 speaks for both
     assert "No space left on device" in out and "training goes on" in out, out
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-4"], out
+    assert sorted(p.name for p in (tmp_path / "checkpoint").glob("step-*")) == ["step-4"], out
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
@@ -106,7 +106,7 @@ def test_data_error_while_blocked_and_signalled_ends_both_without_torchrun(tmp_p
     assert outs[1].count("error:") == 1 and "[rank 1] error: training.dataset_path" in outs[1], outs[1]
     assert outs[0].count(PEER_LINE) == 1 and "error:" not in outs[0], outs[0]
     assert "received SIGTERM" not in outs[0], outs[0]
-    assert not any(p.name.startswith("step-3") for p in (tmp_path / "checkpoint").iterdir())  # no save on SIGTERM
+    assert not any(p.name.startswith("step-3") for p in (tmp_path / "checkpoint").glob("step-*"))  # no save on SIGTERM
 
 
 def test_store_host_failing_tells_the_other_rank_before_leaving(tmp_path: Path, hf_folder: Path) -> None:
@@ -172,7 +172,7 @@ def test_a_checkpoint_write_slower_than_the_training_timeout_saves(slow_peer_run
     out, procs, outs, _ = slow_peer_run
     assert [p.returncode for p in procs] == [0, 0], outs
     assert not any("could not be saved" in text for text in outs), outs
-    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-2", "step-3"], outs
+    assert sorted(p.name for p in (out / "checkpoint").glob("step-*")) == ["step-2", "step-3"], outs
     assert all((out / "checkpoint" / name / ".complete").is_file() for name in ("step-2", "step-3"))
 
 

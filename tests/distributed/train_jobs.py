@@ -58,7 +58,7 @@ def _run(job: dict, world_size: int) -> None:
     trainer = Trainer(cfg)
     trainer.load_initial_state()
     trainer.fit()
-    trainer.folder_lock.release()  # Trainer.close would also leave the process group
+    trainer.folder_locks.release()  # Trainer.close would also leave the process group
     del trainer
     if dist.is_initialized():
         dist.barrier()

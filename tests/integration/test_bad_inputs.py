@@ -463,20 +463,27 @@ def test_world_size_without_torchrun_is_refused(capsys, tmp_path: Path, monkeypa
 
 @pytest.mark.parametrize("interval, flags, problem", [
     # Due to save after step 1: the check of the whole state before the save finds it.
-    ("1", ["--model.load_balance_coeff", "1e300"], "state is not finite after step 1 (layers.1.moe.expert_bias"),
+    ("1", ["--model.load_balance_coeff", "1e300"], "state is not finite after step 1 (NaN or inf in "
+     "model.layers.1.moe.expert_bias, model.layers.3.moe.expert_bias): stopping without saving; lower "
+     "model.load_balance_coeff"),
     # Not due to save: the next step's check of the biases finds it, before anything could save it.
     ("2", ["--model.load_balance_coeff", "1e300"], "an MoE expert bias is not finite after step 1"),
     # foreach AdamW refuses the overflowing scalar before writing it...
     ("1", ["--optimizer.lr", "1e300", "--optimizer.implementation", "foreach"],
      "the optimizer update overflows at step 1"),
     # ...fused AdamW (the default) writes NaN weights: the check of the state before the save finds them.
-    ("1", ["--optimizer.lr", "1e300"], "state is not finite after step 1"),
-], ids=["expert_bias_at_save", "expert_bias_next_step", "optimizer_overflow_foreach", "optimizer_overflow_fused"])
+    ("1", ["--optimizer.lr", "1e300"], "state is not finite after step 1 (NaN or inf in model.tok_embeddings.weight"),
+    # ...and without checkpoints the last step's update reaches no save: the Hugging Face export checks it.
+    ("0", ["--optimizer.lr", "1e300", "--training.steps", "1", "--checkpoint.last_save_in_hf", "true"],
+     "stopping without writing Hugging Face weights; lower optimizer.lr"),
+], ids=["expert_bias_at_save", "expert_bias_next_step", "optimizer_overflow_foreach", "optimizer_overflow_fused",
+        "export_after_the_last_step"])
 def test_non_finite_state_stops_with_exit_1_and_saves_nothing(capsys, tmp_path: Path, interval, flags,
                                                               problem) -> None:
-    status, err = _main(capsys, tmp_path, "--checkpoint.enable", "true", "--checkpoint.interval", interval, *flags)
-    _assert_one_error(status, err, problem, "stopping without saving", code=1)
-    assert not list((tmp_path / "run" / "checkpoint").glob("step-*")), "a poisoned checkpoint was saved"
+    checkpoints = ["--checkpoint.enable", "true", "--checkpoint.interval", interval] if interval != "0" else []
+    status, err = _main(capsys, tmp_path, *checkpoints, *flags)
+    _assert_one_error(status, err, problem, "stopping without", code=1)
+    assert not list((tmp_path / "run" / "checkpoint").glob("step-*")), "poisoned weights were saved"
 
 
 def test_a_save_failing_mid_run_keeps_training(capsys, tmp_path: Path, monkeypatch) -> None:
@@ -497,13 +504,13 @@ def test_a_save_failing_mid_run_keeps_training(capsys, tmp_path: Path, monkeypat
     assert "checkpoint step-2 could not be saved" in err and "No space left on device" in err
     assert "training goes on" in err and "no checkpoint is on disk" in err
     folder = tmp_path / "run" / "checkpoint"
-    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]  # the failed save left nothing behind
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-4"]  # the failed save left nothing behind
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
 
     status, err = _main(capsys, tmp_path, *args[:-1], "6")  # resumes at 5; its last save (6) fails
     _assert_one_error(status, err, 'checkpoint.folder = "', "checkpoint step-6 could not be saved",
                       f"the newest checkpoint on disk is {folder / 'step-4'}", "run again to resume")
-    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-4"]
 
 
 def test_errors_from_outside_are_the_same(tmp_path: Path) -> None:

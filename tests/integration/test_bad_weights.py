@@ -31,6 +31,7 @@ from torch import nn
 from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model
 from torchmoe import cli
 from torchmoe.components.checkpoint import MARKER, CheckpointManager, ModelWrapper
+from torchmoe.components.run_lock import LOCK_NAME
 from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.weight_files import quiet_dcp_logs
 from torchmoe.config import ConfigError
@@ -51,10 +52,11 @@ TRAIN = ["train", "--config", DEBUG_CONFIG, "--training.seq_len", "64", "--train
 
 
 def _state(flavor: str) -> dict[str, torch.Tensor]:
-    """The state dict of a model of `flavor`, uninitialised: these tests read files, not values."""
+    """The state dict of a model of `flavor`, zeros: these tests read files, not values (which must
+    be finite: NaN and inf are refused)."""
     with torch.device("meta"):
         model = Transformer(FLAVORS[flavor])
-    return model.to_empty(device="cpu").state_dict()
+    return {name: torch.zeros_like(t, device="cpu") for name, t in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +124,21 @@ def _int32_safetensors(folder: Path) -> None:
     tensors = load_file(folder / "model.safetensors")
     save_file({k: v.to(torch.int32) for k, v in tensors.items()}, folder / "model.safetensors",
               metadata={"format": "pt"})
+
+
+def _nan_dcp(folder: Path) -> None:
+    state = _state("tiny")
+    state["tok_embeddings.weight"][7] = float("nan")  # one row: 128 values
+    state["layers.1.moe.experts.w2"][0, 0, 0] = float("inf")
+    shutil.rmtree(folder)
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def _nan_safetensors(folder: Path) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.embed_tokens.weight"][7] = float("nan")
+    tensors["model.layers.1.feed_forward.experts.gate_up_proj"][0, 0, -1] = float("-inf")  # w3's half
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def _index(text: str | bytes) -> Callable[[Path], None]:
@@ -208,6 +225,13 @@ FAULTS = {
     "hf-list-index": Fault("hf", _index("[1]"), ("model.safetensors.index.json holds an array, not a JSON object",)),
     "hf-int32-weights": Fault("hf", _int32_safetensors,
                               ("model.embed_tokens.weight is stored as int32, not as floating-point weights",)),
+    # NaN and inf: named as the folder names them (one HF tensor holds both w1 and w3), never lr's fault
+    "dcp-nan-weights": Fault("dcp", _nan_dcp, ("the weights hold NaN or inf in tok_embeddings.weight, "
+                                               "layers.1.moe.experts.w2: they came in with the weights",
+                                               "fix: point it at weights without NaN or inf")),
+    "hf-nan-weights": Fault("hf", _nan_safetensors, (
+        "the weights hold NaN or inf in model.embed_tokens.weight, model.layers.1.feed_forward.experts.gate_up_proj:",
+        "fix: point it at weights without NaN or inf")),
     # another model (the other flavor's DCP case needs its own folder: `test_dcp_of_another_flavor`)
     "hf-llama3-config": Fault("hf", lambda d: (d / "config.json").write_text(json.dumps(
         {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64})),
@@ -455,6 +479,66 @@ def test_train_from_int32_hf_weights_exits_2_instead_of_training(hf_dir: Path, t
     assert "step 1" not in proc.stdout + proc.stderr
 
 
+def test_nan_initial_weights_are_refused_before_training_and_never_exported(
+        hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A NaN row in the initial Hugging Face weights with checkpointing off and last_save_in_hf:
+    refused at load naming the tensor (it used to train and export 128 NaNs with exit 0), and the
+    message does not blame optimizer.lr."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_dir, folder)
+    _nan_safetensors(folder)
+    run = tmp_path / "run"
+    status = cli.main([*TRAIN, "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
+                       "true", "--checkpoint.last_save_in_hf", "true", "--job.dump_folder", str(run)])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    _assert_message(err, "checkpoint.initial_load_path", str(folder), "model.embed_tokens.weight")
+    assert "optimizer.lr" not in err and "step 1" not in err
+    # No config.toml, no export: only the locks of the folders the run would have written into.
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [LOCK_NAME, "checkpoint",
+                                                                       f"checkpoint/{LOCK_NAME}"]
+
+
+def test_a_seed_checkpoint_seeds_from_initial_load_path(hf_dir: Path, tmp_path: Path) -> None:
+    """create_seed_checkpoint with initial_load_path: step-0 holds those weights (it used to hold
+    random ones, the path silently ignored)."""
+    assert cli.main(["train", "--config", DEBUG_CONFIG, "--checkpoint.enable", "true",
+                     "--checkpoint.create_seed_checkpoint", "true", "--checkpoint.initial_load_path", str(hf_dir),
+                     "--checkpoint.initial_load_in_hf", "true", "--job.dump_folder", str(tmp_path)]) == 0
+    seeded = empty_tiny_model()
+    CheckpointManager(tmp_path, CheckpointConfig(enable=True), total_steps=1).load_latest(
+        {"model": ModelWrapper(seeded)})
+    expected = load_file(hf_dir / "model.safetensors")
+    assert torch.equal(seeded.tok_embeddings.weight, expected["model.embed_tokens.weight"])
+    assert torch.equal(seeded.layers["1"].moe.experts.w2.transpose(1, 2),
+                       expected["model.layers.1.feed_forward.experts.down_proj"])
+
+
+def test_every_writer_of_weights_refuses_nan_before_writing(tmp_path: Path) -> None:
+    """The Hugging Face writer (`save_model`, the export, `convert dcp-to-hf`), checkpoint saves
+    (seed ones too) and a float16 export that would overflow: nothing written."""
+    from torchmoe.components.finite import NonFiniteValues
+    from torchmoe.hf import save_model
+
+    model = empty_tiny_model()
+    model.init_weights(seed=0)
+    model.layers["0"].attention.wq.weight.data[3, 5] = float("nan")
+    with pytest.raises(NonFiniteValues, match=r"^NaN or inf in layers\.0\.attention\.wq\.weight$"):
+        save_model(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    manager = CheckpointManager(tmp_path, CheckpointConfig(enable=True), total_steps=1)
+    with pytest.raises(NonFiniteValues, match=r"^NaN or inf in model\.layers\.0\.attention\.wq\.weight$"):
+        manager.save_seed_checkpoint({"model": ModelWrapper(model)})
+    model.layers["0"].attention.wq.weight.data[3, 5] = 1e5  # finite, beyond float16's 65504
+    export = CheckpointManager(tmp_path, CheckpointConfig(enable=True, last_save_model_only=True,
+                                                          export_dtype="float16"), total_steps=1)
+    with pytest.raises(ConfigError, match=r'checkpoint.export_dtype = "float16": layers\.0\.attention\.wq\.weight '
+                                          r"exceed its range \(6\.55e\+04\): the export would hold inf\n  fix: "
+                                          r"export in bfloat16 or float32"):
+        export.save(1, {"model": ModelWrapper(model)})
+    assert not list((tmp_path / "checkpoint").glob("step-*"))
+
+
 # ---- resuming: probing broken checkpoints quietly -----------------------------------------------------
 
 
@@ -497,6 +581,25 @@ def test_resume_skips_a_checkpoint_whose_bytes_changed_and_trains_on_exactly(
     got, want = read_metrics(dump)[-1], read_metrics(reference)[-1]
     assert got["step"] == want["step"] == 3
     assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
+
+
+def test_resume_skips_a_checkpoint_holding_nan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A step-N whose weights are NaN (no save writes that: damaged on disk, or another program's)
+    is one warning, naming the tensor, and the previous checkpoint resumes."""
+    model = nn.Linear(4, 4)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(enable=True), total_steps=10)
+    manager.save(1, {"model": ModelWrapper(model)})
+    nan = tmp_path / "checkpoint" / "step-2"
+    with torch.no_grad():
+        model.bias[2] = float("nan")
+    dcp.save({"model": ModelWrapper(model)}, checkpoint_id=str(nan), no_dist=True)  # past the manager's check
+    shutil.copy(tmp_path / "checkpoint" / "step-1" / MARKER, nan / MARKER)
+    with caplog.at_level(logging.WARNING):
+        step = CheckpointManager(tmp_path, CheckpointConfig(enable=True), total_steps=10).load_latest(
+            {"model": ModelWrapper(model)})
+    assert step == 1 and torch.isfinite(model.bias).all()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"could not load checkpoint {nan} (the weights hold NaN or inf in model.bias); trying the previous one"]
 
 
 def test_no_loadable_checkpoint_is_one_short_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""Nothing lost: one run owns its dump folder.
+"""Nothing lost: a run owns every folder it writes into, and writes nothing before it knows it goes
+ahead (no empty paths, no history it did not continue, no symbolic links it did not make).
 
     python -m pytest -q -m integration tests/integration/test_run_safety.py
 """
@@ -9,11 +10,14 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, REPO, assert_user_error
-from torchmoe.launch import run_train
+from torchmoe import cli
+from torchmoe.components.run_lock import LOCK_NAME
+from torchmoe.launch import read_metrics, run_train
 
 pytestmark = pytest.mark.integration
 
@@ -24,8 +28,9 @@ TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "32", "--training.local_
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from torchmoe.components.run_lock import lock_dump_folder
-lock = lock_dump_folder(Path(sys.argv[1]))
+from torchmoe.components.run_lock import lock_folders
+from torchmoe.config.paths import UserPath
+lock = lock_folders([UserPath("job.dump_folder", sys.argv[1], sys.argv[1], "")])
 print("locked", flush=True)
 time.sleep(600)
 """
@@ -71,3 +76,244 @@ def test_another_flavor_on_a_runs_checkpoints_names_the_flavor(tmp_path):
                       "  fix: pass --model.flavor tiny; or give this run its own job.dump_folder\n")
     assert "delete" not in proc.stderr
     assert (tmp_path / "checkpoint" / "step-1" / ".complete").is_file()
+
+
+# ---- every folder a run writes into --------------------------------------------------------------
+
+# A live run: a Trainer built from the flags (it holds every folder it writes into), until killed.
+_RUN = """
+import sys, time
+from torchmoe.config import load_job_config
+from torchmoe.trainer import Trainer
+trainer = Trainer(load_job_config(sys.argv[1:]))
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def live_run():
+    """Starts `_RUN` with the given flags; every one started is killed at the end."""
+    procs = []
+
+    def start(*flags: str | os.PathLike) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", _RUN, *TINY, *map(str, flags)], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        procs.append(proc)
+        assert proc.stdout.readline().strip() == "locked"
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _main(capsys, *argv: str | os.PathLike) -> tuple[int, str]:
+    """`torchmoe ARGV` in this process; returns (exit status, stderr)."""
+    status = cli.main([str(a) for a in argv])
+    return status, capsys.readouterr().err
+
+
+def _one_error(status: int, err: str, *expected: str) -> None:
+    assert status == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    for text in expected:
+        assert text in err, err
+
+
+# (the live run's flags, this run's flags, the key refused, its value); a: the live run's dump folder.
+SHARED = {
+    "absolute_checkpoint_folder": (["--checkpoint.folder", "{t}/ckpt"], ["--checkpoint.folder", "{t}/ckpt"],
+                                   "checkpoint.folder", "{t}/ckpt"),
+    "checkpoint_folder_through_dotdot": (["--checkpoint.folder", "{t}/ckpt"], ["--checkpoint.folder", "../ckpt"],
+                                         "checkpoint.folder", "../ckpt"),
+    "checkpoint_folder_through_a_link": (["--checkpoint.folder", "{t}/ckpt"], ["--checkpoint.folder", "{t}/link"],
+                                         "checkpoint.folder", "{t}/link"),
+    "dump_folder_is_its_checkpoint_folder": ([], ["--job.dump_folder", "{t}/a/checkpoint"], "job.dump_folder",
+                                             "{t}/a/checkpoint"),
+    "trace_folder": (["--profiling.enable_profiling", "true", "--profiling.save_traces_folder", "{t}/traces"],
+                     ["--profiling.enable_profiling", "true", "--profiling.save_traces_folder", "{t}/traces"],
+                     "profiling.save_traces_folder", "{t}/traces"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED))
+def test_a_folder_a_live_run_writes_into_is_refused_under_any_name(capsys, tmp_path, live_run, case) -> None:
+    """Two runs with their own dump folders and one checkpoint (or trace) folder: the second is refused
+    before it resumes from, prunes or writes into the first one's."""
+    live_flags, flags = ([x.format(t=tmp_path) for x in xs] for xs in SHARED[case][:2])
+    key, value = SHARED[case][2], SHARED[case][3].format(t=tmp_path)
+    (tmp_path / "link").symlink_to(tmp_path / "ckpt", target_is_directory=True)
+    live = live_run("--job.dump_folder", tmp_path / "a", *live_flags)
+    status, err = _main(capsys, "train", *TINY, "--job.dump_folder", tmp_path / "b", *flags)
+    _one_error(status, err, f'{key} = "{value}": is in use by another run: pid {live.pid} on ',
+               f"fix: wait for it to end or stop it, or give this run a folder of its own for {key}")
+    assert not list(tmp_path.glob("*/step-*")) and not list(tmp_path.glob("*/config.toml"))
+
+
+@pytest.mark.parametrize("direction", ["hf-to-dcp", "dcp-to-hf"])
+def test_convert_into_a_live_runs_folder_is_refused(capsys, tmp_path, live_run, hf_dir, direction) -> None:
+    live = live_run("--job.dump_folder", tmp_path / "a", "--checkpoint.folder", tmp_path / "ckpt")
+    source = [hf_dir] if direction == "hf-to-dcp" else [_dcp_of(hf_dir, tmp_path / "dcp"), "--flavor", "tiny"]
+    out = tmp_path / "ckpt"
+    status, err = _main(capsys, "convert", direction, source[0], out, *source[1:])
+    _one_error(status, err, f'OUT_DIR = "{out}": is in use by another run: pid {live.pid} on ')
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # the live run's lock, and nothing else
+
+
+def _dcp_of(hf_dir: Path, out: Path) -> Path:
+    from torchmoe.convert import hf_to_dcp
+
+    hf_to_dcp(hf_dir, out)
+    assert LOCK_NAME not in os.listdir(out)  # a finished conversion leaves only what it converted
+    return out
+
+
+# ---- history and files are never cut or rewritten by a run that does not go ahead --------------
+
+
+def test_a_new_run_never_cuts_another_runs_metrics(capsys, tmp_path) -> None:
+    """A run with checkpoints, then a new run in its folder without them: refused, not cutting
+    metrics.jsonl from 3 records to 1 nor rewriting config.toml; a resume continues 1..5."""
+    run = tmp_path / "run"
+    base = ["train", *TINY, "--job.dump_folder", run, "--metrics.log_freq", "1"]
+    assert _main(capsys, *base, "--training.steps", "3")[0] == 0
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.toml", "run_info.json")}
+    status, err = _main(capsys, *base, "--training.steps", "1", "--checkpoint.enable", "false")
+    _one_error(status, err, f'job.dump_folder = "{run}": holds the metrics.jsonl of another run (steps 1-3; its '
+               "config differs in training.steps, checkpoint.enable), which this run, starting at step 1 without a "
+               "checkpoint to resume, would cut", "fix: give this run its own job.dump_folder")
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert _main(capsys, *base, "--training.steps", "5")[0] == 0  # resumes step-3 of the same history
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5]
+
+
+def test_a_restart_before_the_first_checkpoint_logs_its_steps_again(capsys, tmp_path) -> None:
+    """The same run again (its config.toml equal): its records are its own, logged again."""
+    argv = ["train", *TINY, "--job.dump_folder", tmp_path, "--training.steps", "2", "--checkpoint.interval", "10",
+            "--checkpoint.last_save_model_only", "true", "--metrics.log_freq", "1"]
+    for _ in range(2):  # the last save holds only weights: the second run starts at step 1 again
+        assert _main(capsys, *argv)[0] == 0
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+REFUSED_AT_LOAD = {
+    "another_flavor": (["--model.flavor", "bench256"], 'model.flavor = "bench256"'),
+    "a_load_step_not_saved": (["--checkpoint.load_step", "7"], "checkpoint.load_step = 7"),
+    "a_seed_run_over_a_history": (["--checkpoint.create_seed_checkpoint", "true"], "holds the metrics.jsonl of "
+                                  "another run (steps 1-1; its config differs in checkpoint.create_seed_checkpoint)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_AT_LOAD))
+def test_a_refused_run_leaves_the_folder_as_it_found_it(capsys, tmp_path, case) -> None:
+    """Refused once it has read the folder (exit 2): config.toml, run_info.json and metrics.jsonl
+    are the earlier run's, and `torchmoe report` still reads the folder."""
+    flags, expected = REFUSED_AT_LOAD[case]
+    assert _main(capsys, "train", *TINY, "--job.dump_folder", tmp_path)[0] == 0
+    before = _files(tmp_path)
+    _one_error(*_main(capsys, "train", *TINY, "--job.dump_folder", tmp_path, *flags), expected)
+    assert _files(tmp_path) == before
+    assert _main(capsys, "report", tmp_path, "--out", tmp_path / "r.png")[0] == 0
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """The files of `folder` and their bytes, but the lock's (whoever holds it says so there)."""
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != LOCK_NAME}
+
+
+# ---- empty paths ------------------------------------------------------------------------------
+
+EMPTY = {  # flag, value, the key named, what it would have meant
+    "dump_folder": ("--job.dump_folder", "", "job.dump_folder", "the current directory"),
+    "checkpoint_folder": ("--checkpoint.folder", "", "checkpoint.folder", "the dump folder itself"),
+    "tb_folder_blank": ("--metrics.save_tb_folder", " ", "metrics.save_tb_folder", "the dump folder itself"),
+    "trace_folder": ("--profiling.save_traces_folder", "", "profiling.save_traces_folder", "the dump folder itself"),
+    "snapshot_folder": ("--profiling.save_memory_snapshot_folder", "", "profiling.save_memory_snapshot_folder",
+                        "the dump folder itself"),
+    "comm_trace_folder": ("--comm.save_traces_folder", "", "comm.save_traces_folder", "the dump folder itself"),
+    "tokenizer": ("--model.tokenizer_path", "", "--model.tokenizer_path",
+                  "model.tokenizer_path not set (the byte tokenizer)"),
+    "initial_load_path": ("--checkpoint.initial_load_path", "", "--checkpoint.initial_load_path",
+                          "checkpoint.initial_load_path not set (random initial weights)"),
+    "dataset_blank": ("--training.dataset_path", "  ", "--training.dataset_path",
+                      "training.dataset_path not set (no dataset files)"),
+    "config_file": ("--config", "", "--config", "the current directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY))
+def test_an_empty_path_is_refused_before_anything_is_written(capsys, tmp_path, monkeypatch, case) -> None:
+    """What an unset shell variable gives: never the current directory (here the user's own files)."""
+    flag, value, key, means = EMPTY[case]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.toml").write_text("# the user's own\n")
+    job = TINY[2:] if flag == "--config" else TINY  # --config once
+    status, err = _main(capsys, "train", *job, "--job.dump_folder", tmp_path / "run", flag, value)
+    _one_error(status, err, f'{key} = "{value}": an empty path (an unset shell variable?), which would mean {means}')
+    assert sorted(os.listdir(tmp_path)) == ["config.toml"]
+    assert (tmp_path / "config.toml").read_text() == "# the user's own\n"
+
+
+def test_an_empty_path_in_the_job_file_and_in_other_commands_is_refused(capsys, tmp_path) -> None:
+    (tmp_path / "job.toml").write_text(f'[job]\ndump_folder = "{tmp_path / "run"}"\n[checkpoint]\nfolder = ""\n')
+    _one_error(*_main(capsys, "train", "--config", tmp_path / "job.toml"), 'checkpoint.folder = "": an empty path')
+    _one_error(*_main(capsys, "report", ""), 'DUMP_FOLDER = "": an empty path')
+    _one_error(*_main(capsys, "report", tmp_path, "--out", ""), '--out = "": an empty path')
+    _one_error(*_main(capsys, "convert", "hf-to-dcp", tmp_path, ""), 'OUT_DIR = "": an empty path')
+    _one_error(*_main(capsys, "convert", "dcp-to-hf", "", tmp_path / "o", "--flavor", "tiny"),
+               'CKPT_DIR = "": an empty path')
+    assert sorted(os.listdir(tmp_path)) == ["job.toml"]
+
+
+# ---- symbolic links ------------------------------------------------------------------------------
+
+LINKS = {  # the link, under tmp/run; the key named; flags; whether the target is a folder
+    "config_toml": ("config.toml", "job.dump_folder", [], False),
+    "run_info": ("run_info.json", "job.dump_folder", [], False),
+    "lock_file": (LOCK_NAME, "job.dump_folder", [], False),
+    "metrics": ("metrics.jsonl", "job.dump_folder", [], False),
+    "wandb_run_id": ("wandb_run_id", "job.dump_folder", ["--metrics.enable_wandb", "true"], False),
+    "shared_checkpoint": ("checkpoint/step-1", "checkpoint.folder", [], True),
+    "stale_temporary": ("checkpoint/step-1.tmp-0123abcd", "checkpoint.folder", [], True),
+    "hf_export": ("checkpoint/step-1-hf", "checkpoint.folder", ["--checkpoint.last_save_in_hf", "true"], True),
+    "trace_iteration": ("profile_traces/iteration_1", "profiling.save_traces_folder",
+                        ["--profiling.enable_profiling", "true"], True),
+    "dry_run_json": ("dry_run.json", "job.dump_folder", ["--dry-run"], False),
+}
+
+
+@pytest.mark.parametrize("case", list(LINKS))
+def test_a_link_where_the_run_writes_is_refused_at_start(capsys, tmp_path, monkeypatch, case) -> None:
+    """A link the run did not make is never written or pruned through: the target (another run's
+    file, a shared checkpoint's marker) is untouched, one message names the link."""
+    name, key, flags, folder = LINKS[case]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    target = tmp_path / "precious"
+    if folder:
+        target.mkdir()
+        (target / ".complete").write_text("kept")
+    else:
+        target.write_text("kept")
+    link = tmp_path / "run" / name
+    link.parent.mkdir(parents=True)
+    link.symlink_to(target)
+    status, err = _main(capsys, "train", *TINY, "--job.dump_folder", tmp_path / "run", *flags)
+    _one_error(status, err, f"{key} = ", f"{link} is a symbolic link (to {target}): a run never writes or deletes "
+               "through a link it did not make", "fix: remove the link")
+    assert (target / ".complete" if folder else target).read_text() == "kept"
+    assert link.is_symlink()
+
+
+def test_a_dump_folder_that_is_a_link_is_the_folder_it_names(capsys, tmp_path) -> None:
+    """The folders the keys name may be links (a scratch disk): each is locked where it really is."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "run").symlink_to(tmp_path / "real", target_is_directory=True)
+    assert _main(capsys, "train", *TINY, "--job.dump_folder", tmp_path / "run")[0] == 0
+    assert (tmp_path / "real" / "checkpoint" / "step-1" / ".complete").is_file()
+    (tmp_path / "precious.png").write_text("kept")
+    (tmp_path / "real" / "elsewhere.png").symlink_to(tmp_path / "precious.png")
+    _one_error(*_main(capsys, "report", tmp_path / "run", "--out", tmp_path / "real" / "elsewhere.png"),
+               f"elsewhere.png is a symbolic link (to {tmp_path / 'precious.png'}): the report never writes through")
+    assert (tmp_path / "precious.png").read_text() == "kept"

@@ -38,8 +38,8 @@ def train(dump_folder: Path, flags: list[str], *, returncode: int = 0) -> subpro
 
 
 def checkpoints(dump_folder: Path) -> list[str]:
-    """Names of the entries of the checkpoint folder, complete or not."""
-    return sorted(p.name for p in (dump_folder / "checkpoint").iterdir())
+    """Names of the step entries of the checkpoint folder, complete or not (not its lock)."""
+    return sorted(p.name for p in (dump_folder / "checkpoint").glob("step-*"))
 
 
 @pytest.fixture(scope="module")

@@ -153,6 +153,28 @@ def test_keep_latest_k(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-3", "step-4"]
 
 
+def test_a_linked_step_folder_is_never_loaded_pruned_or_replaced(tmp_path: Path) -> None:
+    """A step-N that is a symbolic link (refused at start; here one appearing mid-run) is not the
+    run's: resuming skips it, pruning leaves it and its target's marker, and a save of its step
+    fails rather than deleting through it."""
+    run = _Run()
+    shared = tmp_path / "shared"
+    _manager(shared).save(9, run.state)  # another run's complete checkpoint
+    ckpt = _manager(tmp_path, keep_latest_k=1)
+    ckpt.save(1, run.state)
+    (tmp_path / "checkpoint" / "step-5").symlink_to(shared / "checkpoint" / "step-9")
+    (tmp_path / "checkpoint" / "step-3").symlink_to(shared / "checkpoint" / "step-9")
+    assert [step for step, _ in ckpt.complete_checkpoints()] == [1]
+    assert _manager(tmp_path).load_latest(_Run().state) == 1
+    ckpt.save(2, run.state)  # prunes step-1, not the links
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-3", "step-5"]
+    with pytest.raises(SaveFailed, match=r"checkpoint step-3 could not be saved \(Not a directory: "):
+        ckpt.save(3, run.state)
+    assert (shared / "checkpoint" / "step-9" / MARKER).is_file()
+    assert sorted(p.name for p in (shared / "checkpoint" / "step-9").iterdir()) == sorted(
+        p.name for p in (tmp_path / "checkpoint" / "step-2").iterdir())
+
+
 def test_incomplete_folders_are_never_loaded(tmp_path: Path) -> None:
     run = _Run()
     run.step()

@@ -23,6 +23,7 @@ from torchmoe.components.metrics import (
     setup_logging,
 )
 from torchmoe.components.wandb_logger import run_id
+from torchmoe.config import file_writes
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Metrics as MetricsConfig
 
@@ -286,3 +287,47 @@ def test_throughput_window_leaves_out_the_first_step():
     resumed = ThroughputWindow(first_step=7)
     resumed.add(7, 100, 4.0)
     assert resumed.take() == 25.0  # a window holding only the first step reports it
+
+
+def test_records_a_full_disk_refuses_are_held_and_written_in_order(tmp_path: Path, monkeypatch, caplog) -> None:
+    """Steps 2 and 3 meet a full disk (step 2's write is cut short after 10 bytes): the file keeps
+    whole records only, step 4 writes 2, 3 and 4 in order, one warning and one note say so; held
+    to the end, `require_written` names the steps and the OS's reason."""
+    real_write = file_writes.os.write
+    full = {"on": False, "cut": True}
+
+    def write(fd, data):
+        if not full["on"]:
+            return real_write(fd, data)
+        if full["cut"]:  # a first write cut short, as a disk that fills during it
+            full["cut"] = False
+            return real_write(fd, bytes(data[:10]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(file_writes.os, "write", write)
+    m = MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=9, console=_console()[0])
+    with caplog.at_level(logging.INFO, logger="torchmoe"):
+        m.log(1, {"loss": 1.0})
+        full["on"] = True
+        m.log(2, {"loss": 2.0})
+        m.log(3, {"loss": 3.0})
+        assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+        full["on"] = False
+        m.log(4, {"loss": 4.0})
+        full["on"] = True
+        m.log(5, {"loss": 5.0})
+        m.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    messages = [r.getMessage() for r in caplog.records if "metrics.jsonl" in r.getMessage()]
+    assert messages == [
+        f"{tmp_path / 'metrics.jsonl'}: No space left on device: the record of step 2 and those after it are held "
+        "in memory and written once the file takes them; training goes on",
+        f"{tmp_path / 'metrics.jsonl'} takes records again: the ones held back are written",
+        f"{tmp_path / 'metrics.jsonl'}: No space left on device: the record of step 5 and those after it are held "
+        "in memory and written once the file takes them; training goes on"]
+    with pytest.raises(ConfigError) as err:
+        m.require_written()
+    assert str(err.value) == (f'job.dump_folder = "{tmp_path}": {tmp_path / "metrics.jsonl"}: No space left on '
+                              "device: the record of step 5 could not be written (training and its checkpoints "
+                              "went on)\n  fix: free space on that filesystem (or use a folder on another one), then "
+                              "run again")

@@ -59,6 +59,7 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -84,6 +85,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
+from torchmoe.components.finite import NonFiniteValues, nonfinite_names, refuse_nonfinite, require_finite
 from torchmoe.components.weight_files import (
     UnreadableWeights,
     describe,
@@ -95,6 +97,7 @@ from torchmoe.components.weight_files import (
     read_dcp_metadata,
 )
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import Comm as CommConfig
 from torchmoe.models.llama4.fit import flavor_fix, flavors_fitting
@@ -103,7 +106,7 @@ logger = logging.getLogger(__name__)
 
 MARKER = ".complete"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_DIR = re.compile(r"^step-\d+\.tmp-(\w+)$")
+_TMP_DIR = re.compile(r"^step-\d+(-hf)?\.tmp-(\w+)$")  # a save's, or a Hugging Face export's
 
 
 def _as_list(x: Any) -> list:
@@ -311,7 +314,7 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
 
     Raises:
         ConfigError: (naming `key`, the option that named `path`) a file of the folder is
-            missing, unreadable or damaged, or its tensors are not the model's.
+            missing, unreadable or damaged, its tensors are not the model's, or they hold NaN or inf.
     """
     path = Path(path)
     fix = f"point it at {_DCP_FOLDER}"
@@ -326,6 +329,7 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
     load_dcp({"model": wrapper} if prefixed else sd, path, metadata, key=key, fix=fix)
     if not prefixed:  # DCP filled the tensors of `sd`; the wrapper puts them into the model
         wrapper.load_state_dict(sd)
+    refuse_nonfinite(wrapper, key=key, path=path)
     logger.info("loaded model weights from %s", path)
 
 
@@ -342,13 +346,12 @@ def checkpoint_timeout(checkpoint_cfg: CheckpointConfig, comm_cfg: CommConfig) -
 
 
 class SaveFailed(Exception):
-    """A checkpoint could not be written; raised on every rank. Its temporary folder is gone and
-    the checkpoints saved before it are intact."""
+    """A checkpoint (`name`: step-N, or its step-N-hf export) could not be written; raised on every
+    rank. Its temporary folder is gone and the checkpoints saved before it are intact."""
 
-    def __init__(self, step: int, error: str) -> None:
-        self.step = step
+    def __init__(self, name: str, error: str) -> None:
         self.error = error
-        super().__init__(f"checkpoint step-{step} could not be saved ({error})")
+        super().__init__(f"checkpoint {name} could not be saved ({error})")
 
 
 @dataclass
@@ -433,11 +436,22 @@ class CheckpointManager:
             step: the number of completed training steps.
             state: name -> Stateful or (nested) dict of tensors and picklable values.
             model_only: record in the marker that only "model" was saved (seed checkpoints).
+
+        Raises:
+            NonFiniteValues: (on every rank, nothing written) a tensor of `state` holds NaN or inf.
+            ConfigError: the export's cast to `export_dtype` overflows a weight to inf.
         """
+        require_finite(state, group=self.group)
         if self.cfg.last_save_model_only and step == self.total_steps and not model_only:
             dtype = _EXPORT_DTYPES[self.cfg.export_dtype]
             weights = {name: t.to(dtype) if t.is_floating_point() else t
                        for name, t in state["model"].state_dict().items()}
+            try:
+                require_finite(weights, group=self.group)
+            except NonFiniteValues as err:
+                raise ConfigError("checkpoint.export_dtype", self.cfg.export_dtype, f"{err.shown} exceed its range "
+                                  f"({torch.finfo(dtype).max:.4g}): the export would hold inf",
+                                  "export in bfloat16 or float32, whose range holds them") from None
             state, model_only = {"model": weights}, True
         self.wait()
         tmp = self.folder / f"step-{step}.tmp-{self.id}"
@@ -464,7 +478,7 @@ class CheckpointManager:
             dcp.save(state, storage_writer=ChecksummingWriter(tmp), process_group=self.group,
                      no_dist=not _dist_on())
         except (Exception, CheckpointException) as e:  # DCP raises a write error on every rank
-            error = describe(e)
+            error = write_fault(e)
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
         # .metadata, so every shard is on disk: rank 0 may make the folder visible now.
         self._finish(step, tmp, meta, error)
@@ -486,6 +500,34 @@ class CheckpointManager:
         self.save(0, {"model": state["model"]}, model_only=True)
         return self.folder / "step-0"
 
+    def save_export(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Write `step-<step>-hf/` as `write(folder)` does (collective: every rank calls it with the
+        same folder), into a temporary folder that becomes visible by a rename once `write` returned
+        on rank 0 (it ends when every rank's part is written). Returns the folder.
+
+        Raises:
+            SaveFailed: the filesystem refused a write (a full disk): the temporary folder is gone.
+                When one rank alone fails in a part of `write` that is not collective, its peers
+                are blocked in the next collective: the failure watch ends them, and the next run
+                deletes the temporary folder.
+        """
+        tmp = self.folder / f"step-{step}-hf.tmp-{self.id}"
+        try:
+            write(tmp)
+        except (Exception, CheckpointException) as e:
+            if os_cause(e) is None:
+                raise  # not the filesystem's: a bug, or non-finite weights (the caller's to say)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise SaveFailed(f"step-{step}-hf", write_fault(e)) from None
+        final = self.folder / f"step-{step}-hf"
+        if self.rank == 0:
+            if final.exists() and not final.is_symlink():  # an earlier run's export of this step
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.folder)
+        return final
+
     def wait(self) -> None:
         """Block until an async save in flight is written and visible; re-raises its error."""
         pending, self._pending = self._pending, None
@@ -495,7 +537,7 @@ class CheckpointManager:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as e:
-            error = describe(e)
+            error = write_fault(e)
         self._finish(pending.step, pending.tmp, pending.meta, error, finalized=pending.finalized)
 
     def close(self) -> None:
@@ -517,12 +559,12 @@ class CheckpointManager:
             try:
                 self._finalize(step, tmp, meta)
             except OSError as e:
-                error = describe(e)
+                error = write_fault(e)
         error = _job_error(_gather(error, self.group))
         if error is None:
             return
         self._discard(tmp)  # a failed save (full disk) leaves nothing behind to fail again
-        raise SaveFailed(step, error)
+        raise SaveFailed(f"step-{step}", error)
 
     def _poll(self) -> None:
         p = self._pending
@@ -540,7 +582,7 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         final = self.folder / f"step-{step}"
-        if final.exists():
+        if final.exists() and not final.is_symlink():  # a link: the rename fails ("Not a directory")
             # A folder of the same step without a marker (never loaded) or an older save of
             # this step (e.g. a seed checkpoint written again): replaced by the new one.
             _remove_checkpoint(final)
@@ -562,7 +604,7 @@ class CheckpointManager:
         """Rank 0: delete the temporary folders of other runs' saves (killed or failed)."""
         for path in self.folder.iterdir():
             m = _TMP_DIR.match(path.name)
-            if m and m.group(1) != self.id and path.is_dir():
+            if m and m.group(2) != self.id and path.is_dir() and not path.is_symlink():
                 logger.info("deleting incomplete checkpoint %s left by an earlier run", path)
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -576,13 +618,14 @@ class CheckpointManager:
     # ---- loading -----------------------------------------------------------------------------
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
-        """(step, path) of every `step-N/` holding the completion marker, oldest first."""
+        """(step, path) of every `step-N/` folder (not a link) holding the completion marker, oldest first."""
         if not self.folder.is_dir():
             return []
         found = []
         for path in self.folder.iterdir():
             m = _STEP_DIR.match(path.name)
-            if m and (path / MARKER).is_file():
+            # A symbolic link is not the run's (refused at start): never loaded, never pruned.
+            if m and not path.is_symlink() and (path / MARKER).is_file():
                 found.append((int(m.group(1)), path))
         return sorted(found)
 
@@ -624,10 +667,11 @@ class CheckpointManager:
         """Load the newest complete checkpoint into `state`; returns its step, None if none.
 
         A checkpoint that fails to load on any rank (truncated or corrupt file, one that does not
-        match its checksum, missing keys) is reported with a warning and every rank tries the
-        previous one. If every one fails this raises, rather than silently training from scratch.
-        A `ConfigError` (the configuration cannot continue the checkpoint, e.g. another global
-        batch size; a file that would run code, `UnsafeWeights`) is raised at once. A seed
+        match its checksum, missing keys, NaN or inf values, which no save writes) is reported with
+        a warning and every rank tries the previous one. If every one fails this raises, rather
+        than silently training from scratch. A `ConfigError` (the configuration cannot continue the
+        checkpoint, e.g. another global batch size; a file that would run code, `UnsafeWeights`)
+        is raised at once. A seed
         checkpoint (model only) loads only `state["model"]` and returns 0. Returns None when
         checkpointing is disabled.
         """
@@ -654,6 +698,9 @@ class CheckpointManager:
             error = None
             try:
                 _dcp_load(to_load, path, self.group)
+                bad = nonfinite_names(to_load)  # never saved so: damaged on disk, or by another program
+                if bad:
+                    error = f"the weights hold {NonFiniteValues(bad)}"
             except UnreadableWeights as e:
                 error = e.problem
             except ConfigError:
@@ -683,16 +730,6 @@ class CheckpointManager:
                               "no checkpoint there could be loaded:" + "".join(f"\n  {e}" for e in errors),
                               "delete or move the broken step-N folders to start over")
         return None
-
-
-def _write_fault(err: BaseException) -> str:
-    """One line for a failed save: the OS's reason for each rank's failed write (a full disk,
-    permissions), else the exception's type and first line, without DCP's tracebacks."""
-    if isinstance(err, CheckpointException):
-        return "; ".join(dict.fromkeys(_write_fault(exc) for exc, _ in err.failures.values()))
-    if isinstance(err, OSError) and err.strerror:
-        return err.strerror + (f": {err.filename}" if err.filename else "")
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 def _gather(error: str | None, group: dist.ProcessGroup | None) -> list[str | None]:

@@ -58,8 +58,10 @@ from torch.futures import Future
 # checkpoint's import also silences DCP's warning on every single-process call.
 from torchmoe.components.checkpoint import _dist_on
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
+from torchmoe.components.finite import refuse_nonfinite, require_finite
 from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_writes import write_file
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.models.llama4.args import ModelArgs
 from torchmoe.models.llama4.hf import (
@@ -230,8 +232,8 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
             what to do about a folder that does not load, for the `ConfigError`.
 
     Raises:
-        ConfigError: a file is missing, unreadable or damaged, or the checkpoint is not a model of
-            `args` in floating point.
+        ConfigError: a file is missing, unreadable or damaged, the checkpoint is not a model of
+            `args` in floating point, or its weights hold NaN or inf (named as the files name them).
     """
     hf_dir = Path(hf_dir)
     _check_files(hf_dir, key, fix)
@@ -240,6 +242,7 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
         views, slices = _hf_views(state)
         stored = _stored_names(reader.read_metadata(), slices, args)
         dcp.load(views, storage_reader=reader, planner=_HFLoadPlanner(slices, stored), no_dist=not _dist_on())
+    refuse_nonfinite(views, key=key, path=hf_dir, names={name: stored[s.hf_name] for name, s in slices.items()})
 
 
 # ---- saving ----------------------------------------------------------------------------------
@@ -344,10 +347,14 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
         args: the model's architecture (config.json, and the file split of the whole model).
         process_group: for the collectives (the default group when None); a training run passes
             its checkpoint group, whose timeout waits for the slowest rank's write.
+
+    Raises:
+        NonFiniteValues: (on every rank, before anything is written) a tensor holds NaN or inf.
     """
     out_dir = Path(out_dir)
     shards = out_dir / _SHARDS_DIR
     rank = dist.get_rank() if _dist_on() else 0
+    require_finite(state, group=process_group)
     bias_max = _max_abs_expert_bias(state, process_group)
     if bias_max > 0 and rank == 0:
         warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face Llama 4 "
@@ -368,7 +375,7 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
             os.replace(out_dir / "model-00001-of-00001.safetensors", out_dir / "model.safetensors")
             (out_dir / "model.safetensors.index.json").unlink()
         config = hf_config_from_args(args, dtype)
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_file(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
     if _dist_on():
         dist.barrier(group=process_group)
 

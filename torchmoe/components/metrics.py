@@ -18,7 +18,9 @@ unknown, e.g. on CPU), `memory_gib` (peak per rank), `elapsed_s` (since the logg
 `moe_imbalance` (max/mean tokens per expert averaged over MoE layers) and, when counts are
 given, `tokens_per_expert` (a list per MoE layer). Non-finite numbers are written as null so the
 file stays strict JSON. A resumed run appends again from its checkpoint step, so a step can
-appear twice: the later line is the one that continues.
+appear twice: the later line is the one that continues. Records are appended whole or not at
+all: one the filesystem refuses (a full disk) is held in memory and written once it can be
+(training goes on); a run that ends with records still held ends with exit 2 naming them.
 
 TensorBoard and W&B (`metrics.enable_tensorboard`, `metrics.enable_wandb`; see `wandb_logger`) get
 each record's numbers and every MoE layer's `layer_imbalance`; TensorBoard also the per-expert
@@ -50,7 +52,12 @@ from rich.progress import (
 )
 
 from torchmoe.components.wandb_logger import WandbRun
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_writes import append, open_append, write_file
+from torchmoe.config.job_config import JobConfig
 from torchmoe.config.job_config import Metrics as MetricsConfig
+from torchmoe.config.loader import differing_keys, load_toml_config
+from torchmoe.config.paths import WRITE_FIX, path_fault
 
 logger = logging.getLogger(__name__)
 
@@ -229,23 +236,93 @@ def parse_record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
+def _lines(path: Path) -> list[str]:
+    """The lines of `path`; none when it does not exist."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+
+
 def _drop_records_after(path: Path, step: int) -> None:
     """Remove from `path` the records of steps after `step` (and a line torn by a kill): a run
     resuming at `step` logs them again, and metrics.jsonl holds each step once. Rewritten to a
     temporary file and renamed, so a crash here loses nothing."""
-    if not path.is_file():
-        return
     kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in _lines(path):
         record = parse_record(line)
         if record is not None and record["step"] <= step:
             kept.append(line)
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, path)
+        write_file(path, "".join(f"{line}\n" for line in kept))
+
+
+def check_history(dump_folder: Path, cfg: JobConfig) -> None:
+    """A run that resumes no checkpoint (it starts at step 1) continues the metrics.jsonl of its
+    dump folder, dropping its records, only where they are its own: a restart of the same run
+    before its first checkpoint, with the same config.toml. Any other run's history is never cut.
+
+    Raises:
+        ConfigError: metrics.jsonl holds records of a run with another (or no) config.toml.
+    """
+    steps = [r["step"] for line in _lines(dump_folder / METRICS_FILE) if (r := parse_record(line)) is not None]
+    if not steps:
+        return
+    try:
+        differ = differing_keys(load_toml_config(dump_folder / "config.toml"), cfg)
+    except ConfigError as err:  # missing or unreadable: not this run's
+        differ = [f"config.toml: {err.problem}"]
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise ConfigError("job.dump_folder", cfg.job.dump_folder,
+                          f"holds the metrics.jsonl of another run (steps {min(steps)}-{max(steps)}; its config "
+                          f"differs in {shown}), which this run, starting at step 1 without a checkpoint to resume, "
+                          "would cut", "give this run its own job.dump_folder, or move metrics.jsonl away to start "
+                          "over in this one")
+
+
+class _RecordFile:
+    """metrics.jsonl, appended one whole record at a time (`file_writes.append`). A record the
+    filesystem refuses (a full disk) is held in memory, with those after it, and written in order
+    with the next record the file takes again: training goes on, the file never holds a torn
+    record, and `fault` says why records are held (`MetricsLogger.require_written`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = open_append(path)
+        self.held: list[tuple[int, bytes]] = []  # (step, its line), oldest first
+        self.fault: OSError | None = None
+
+    def add(self, step: int, line: str) -> None:
+        self.held.append((step, line.encode("utf-8")))
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the held records, oldest first, until the file refuses one."""
+        while self.held and self.fd is not None:
+            step, line = self.held[0]
+            try:
+                append(self.fd, line, self.path)
+            except OSError as err:
+                if self.fault is None:
+                    logger.warning("%s: %s: the record of step %d and those after it are held in memory and "
+                                   "written once the file takes them; training goes on", self.path,
+                                   err.strerror, step)
+                self.fault = err
+                return
+            self.held.pop(0)
+        if self.fault is not None and not self.held:
+            logger.info("%s takes records again: the ones held back are written", self.path)
+            self.fault = None
+
+    def close(self) -> None:
+        """A last try at the held records, then close the file (what is still held stays in `held`)."""
+        if self.fd is not None:
+            self.flush()
+            os.close(self.fd)
+            self.fd = None
 
 
 class MetricsLogger:
@@ -282,8 +359,9 @@ class MetricsLogger:
         self.peak_flops = peak_flops
         self.start_step = start_step
         self._t0 = time.perf_counter()
+        self.dump_folder = str(dump_folder)
         self.path = Path(dump_folder) / METRICS_FILE
-        self._file = None
+        self._file: _RecordFile | None = None
         self._tb = None
         self._wandb: WandbRun | None = None
         self._progress: Progress | None = None
@@ -293,7 +371,7 @@ class MetricsLogger:
         _drop_records_after(self.path, start_step)
         if cfg.enable_wandb:  # first: when W&B refuses to start, nothing is open yet
             self._wandb = WandbRun(Path(dump_folder), cfg, run_config=run_config, resuming=start_step > 0)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = _RecordFile(self.path)
         if cfg.enable_tensorboard:
             self._tb = _summary_writer_cls()(log_dir=str(Path(dump_folder) / cfg.save_tb_folder))
         self.console = console or Console(highlight=False, no_color=cfg.disable_color_printing)
@@ -345,8 +423,7 @@ class MetricsLogger:
             per_layer = layer_imbalance(tokens_per_expert).tolist()
             record.setdefault("moe_imbalance", moe_imbalance(tokens_per_expert))
             record["tokens_per_expert"] = tokens_per_expert.detach().cpu().tolist()
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        self._file.add(step, json.dumps(record, allow_nan=False) + "\n")
         scalars = _scalars(record)
         if self._tb is not None:
             self._write_tensorboard(step, scalars, tokens_per_expert, per_layer)
@@ -405,7 +482,21 @@ class MetricsLogger:
             self._wandb = None
         if self._file is not None:
             self._file.close()
-            self._file = None
+
+    def require_written(self) -> None:
+        """Call once the run is done (after `close`): every record is in metrics.jsonl.
+
+        Raises:
+            ConfigError: records are still held (the file refused them to the end: a full disk),
+                naming the OS's reason and the steps whose records are missing.
+        """
+        if self._file is None or not self._file.held:
+            return
+        first, last = self._file.held[0][0], self._file.held[-1][0]
+        which = f"record of step {first}" if first == last else f"records of steps {first}-{last}"
+        fault = path_fault("job.dump_folder", self.dump_folder, self._file.fault, WRITE_FIX)
+        raise ConfigError(fault.key, fault.value, f"{fault.problem}: the {which} could not be written (training and "
+                          "its checkpoints went on)", fault.fix)
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -19,8 +19,10 @@ Memory snapshots: `<dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/ran
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from torchmoe.components.step_breakdown import format_breakdown, step_breakdown
+from torchmoe.config.file_writes import os_cause, write_fault, write_file
 from torchmoe.config.job_config import Profiling as ProfilingConfig
 
 logger = logging.getLogger(__name__)
@@ -85,18 +88,20 @@ def maybe_profile(
         # prof.step_num counts step() calls; it equals the training step just traced.
         step = prof.step_num + start_step
         out = folder / f"iteration_{step}"
-        out.mkdir(parents=True, exist_ok=True)
-        if cfg.enable_profiling:
-            t0 = time.perf_counter()
-            prof.export_chrome_trace(str(out / f"rank{rank}_trace.json"))
-            logger.info("profiler trace of step %d written to %s in %.1fs", step, out, time.perf_counter() - t0)
-        if cfg.enable_step_breakdown:
-            table = step_breakdown(prof.events()).to_dict()
-            (out / f"rank{rank}_breakdown.json").write_text(json.dumps({"rank": rank, "step": step, **table},
-                                                                       indent=2) + "\n")
-            if rank == 0:
-                logger.info("rank 0, traced steps to step %d (every rank's in %s):\n%s", step, out,
-                            format_breakdown(table))
+        trace = out / f"rank{rank}_trace.json"
+        with _skipped_if_refused(f"the profiler trace of step {step}", trace):
+            out.mkdir(parents=True, exist_ok=True)
+            if cfg.enable_profiling:
+                t0 = time.perf_counter()
+                _export_trace(prof, trace)
+                logger.info("profiler trace of step %d written to %s in %.1fs", step, out, time.perf_counter() - t0)
+            if cfg.enable_step_breakdown:
+                table = step_breakdown(prof.events()).to_dict()
+                write_file(out / f"rank{rank}_breakdown.json",
+                           json.dumps({"rank": rank, "step": step, **table}, indent=2) + "\n")
+                if rank == 0:
+                    logger.info("rank 0, traced steps to step %d (every rank's in %s):\n%s", step, out,
+                                format_breakdown(table))
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -127,9 +132,40 @@ class _MemorySnapshotter:
 
     def dump(self, name: str) -> None:
         out = self.folder / name
-        out.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(out / f"rank{self.rank}_memory_snapshot.pickle"))
-        logger.info("memory snapshot written to %s", out)
+        snapshot = out / f"rank{self.rank}_memory_snapshot.pickle"
+        with _skipped_if_refused(f"the memory snapshot {name}", snapshot):
+            out.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            logger.info("memory snapshot written to %s", out)
+
+
+def _export_trace(prof: profile, trace: Path) -> None:
+    """`prof`'s chrome trace to `trace`. Kineto writes it to `<trace>.tmp` and renames that, but a
+    write the filesystem refuses (a full disk) it ignores, leaving no trace and an empty `.tmp`:
+    that is an `OSError` here, with the free space (kineto gives no reason).
+
+    Raises:
+        OSError: no trace was written.
+    """
+    prof.export_chrome_trace(str(trace))
+    if not trace.exists():
+        Path(f"{trace}.tmp").unlink(missing_ok=True)
+        st = os.statvfs(trace.parent)
+        raise OSError(errno.EIO, f"the profiler wrote none and does not say why; {st.f_bavail * st.f_frsize // 1024} "
+                      "KiB are free there", str(trace))
+
+
+@contextlib.contextmanager
+def _skipped_if_refused(what: str, partial: Path) -> Iterator[None]:
+    """Traces and snapshots are diagnostics: one the filesystem refuses (a full disk) is skipped
+    with one warning and its partial file removed; training goes on."""
+    try:
+        yield
+    except Exception as err:
+        if os_cause(err) is None:
+            raise
+        partial.unlink(missing_ok=True)
+        logger.warning("%s was not written (%s): skipped; training goes on", what, write_fault(err))
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from torchmoe.config.file_writes import write_file
 from torchmoe.config.text import utf8_text
 
 __all__ = ["RUN_INFO_FILE", "read_run_info", "write_run_info"]
@@ -24,7 +25,7 @@ RUN_INFO_FILE = "run_info.json"
 def write_run_info(dump_folder: Path, *, world_size: int) -> Path:
     """Write `run_info.json` (a resumed run rewrites it: a restart may change the world size)."""
     path = dump_folder / RUN_INFO_FILE
-    path.write_text(json.dumps({"world_size": world_size}) + "\n", encoding="utf-8")
+    write_file(path, json.dumps({"world_size": world_size}) + "\n")
     return path
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import Metrics as MetricsConfig
 
 __all__ = ["RUN_ID_FILE", "WANDB_FOLDER", "WandbRun", "run_id"]
@@ -45,9 +46,7 @@ def run_id(dump_folder: Path, *, resuming: bool) -> str:
         if kept:
             return kept
     new = secrets.token_hex(4)  # W&B ids: up to 64 characters of [a-z0-9_-]
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(new + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_file(path, new + "\n")
     return new
 
 

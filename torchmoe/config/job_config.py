@@ -169,7 +169,7 @@ class Checkpoint:
     keep_latest_k: int = 0
     """Keep only the newest k checkpoints; 0 = keep all."""
     create_seed_checkpoint: bool = False
-    """Write step-0 from one process and exit; every layout that finds it starts from it."""
+    """Write step-0 from one process and exit (the weights of initial_load_path when set, else freshly initialised ones); every layout that finds it starts from it."""
     initial_load_path: str = ""
     """Load weights from this checkpoint (DCP folder, or HF folder with initial_load_in_hf) when no checkpoint exists yet."""
     initial_load_in_hf: bool = False

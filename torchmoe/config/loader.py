@@ -25,8 +25,9 @@ import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
 from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.paths import path_faults
+from torchmoe.config.paths import READ_KEYS, nonempty_path, path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, translate
@@ -228,8 +229,14 @@ def write_config_toml(cfg: JobConfig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = f"# Resolved torchmoe job config. Rerun it: python -m torchmoe train --config {path}\n\n"
-    path.write_text(header + config_toml(cfg), encoding="utf-8")
+    write_file(path, header + config_toml(cfg))
     return path
+
+
+def differing_keys(a: JobConfig, b: JobConfig) -> list[str]:
+    """The ``section.key`` names whose values differ between `a` and `b`, in declaration order."""
+    return [f"{section}.{key}" for section in _config_fields() for key in _config_fields()[section]
+            if getattr(getattr(a, section), key) != getattr(getattr(b, section), key)]
 
 
 def config_toml(cfg: JobConfig) -> str:
@@ -238,6 +245,12 @@ def config_toml(cfg: JobConfig) -> str:
 
 
 # ---- command-line overrides ------------------------------------------------------------------
+
+
+# What each path the run reads means when it is not set.
+_UNSET = {"model.hf_assets_path": "no Hugging Face folder", "model.tokenizer_path": "the byte tokenizer",
+          "checkpoint.initial_load_path": "random initial weights", "training.dataset_path": "no dataset files",
+          "validation.dataset_path": "no dataset files"}
 
 
 def _parse_bool(text: str) -> bool:
@@ -363,7 +376,8 @@ def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[s
             raise ConfigError("--config", " ".join(values), "expects exactly one file",
                               "pass --config FILE, e.g. --config configs/debug_model.toml")
         else:
-            config_path = values[0]
+            config_path = nonempty_path("--config", values[0], "pass --config FILE, e.g. --config "
+                                        "configs/debug_model.toml", means="the current directory (not a file)")
     return config_path, remaining, wants_help
 
 
@@ -405,6 +419,9 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
         values_set, note = _check_override(flag, values)
         _warn(notes, note)
         for dotted, value in values_set.items():
+            if dotted in READ_KEYS:  # "" means "not set", but no one sets that on purpose from a flag
+                nonempty_path(flag, value, f"pass the path, or leave --{dotted} out",
+                              means=f"{dotted} not set ({_UNSET[dotted]})")
             section, _, leaf = dotted.partition(".")
             updates.setdefault(section, {})[leaf] = value
     cfg = dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kv) for s, kv in updates.items()})

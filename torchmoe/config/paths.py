@@ -30,8 +30,33 @@ from pathlib import Path
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 
-__all__ = ["WRITE_FIX", "UserPath", "describe_os_error", "job_paths", "path_fault", "path_faults", "source_key",
-           "user_path_faults", "writable_file", "writable_folder"]
+__all__ = ["FULL_FIX", "PATH_KEYS", "READ_KEYS", "WRITE_FIX", "WRITTEN_FOLDER_KEYS", "UserPath", "describe_os_error",
+           "job_paths", "key_value", "nonempty_path", "path_fault", "path_faults", "source_key", "user_path_faults",
+           "writable_file", "writable_folder", "written_folders"]
+
+
+# ---- the path-valued keys ----------------------------------------------------------------------
+
+# The folders a run writes into: the dump folder, and the folders under it (each may be absolute).
+WRITTEN_FOLDER_KEYS = ("job.dump_folder", "checkpoint.folder", "metrics.save_tb_folder",
+                       "profiling.save_traces_folder", "profiling.save_memory_snapshot_folder",
+                       "comm.save_traces_folder")
+# What a run reads; "" means "not set" for each (the byte tokenizer, random weights, no dataset).
+READ_KEYS = ("model.hf_assets_path", "model.tokenizer_path", "checkpoint.initial_load_path",
+             "training.dataset_path", "validation.dataset_path")
+PATH_KEYS = WRITTEN_FOLDER_KEYS + READ_KEYS
+
+
+def nonempty_path(key: str, value: str, fix: str, *, means: str = "the current directory") -> str:
+    """`value`, unless it is empty or blank: a path no one types, but what an unset shell variable
+    gives (``--job.dump_folder "$RUN"``), and which the OS takes for `means`.
+
+    Raises:
+        ConfigError: naming `key`, with `fix`.
+    """
+    if not value.strip():
+        raise ConfigError(key, value, f"an empty path (an unset shell variable?), which would mean {means}", fix)
+    return value
 
 
 # ---- the message -------------------------------------------------------------------------------
@@ -66,10 +91,16 @@ def _in_the_way(path: str, err: OSError) -> str:
     return ""
 
 
+# A full filesystem is fixed by space, not by another path or permissions.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+FULL_FIX = "free space on that filesystem (or use a folder on another one), then run again"
+
+
 def path_fault(key: str, value: str, err: OSError, fix: str, *,
                error: type[ConfigError] = ConfigError) -> ConfigError:
-    """The `error` (a `ConfigError` kind) for `err`, raised about the path that `key` = `value` names."""
-    return error(key, value, describe_os_error(err, value), fix)
+    """The `error` (a `ConfigError` kind) for `err`, raised about the path that `key` = `value` names;
+    for a full disk the fix is `FULL_FIX` whatever `fix` says."""
+    return error(key, value, describe_os_error(err, value), FULL_FIX if err.errno in _FULL else fix)
 
 
 @contextmanager
@@ -142,8 +173,7 @@ _FILLED_BY_ASSETS = ("model.tokenizer_path", "checkpoint.initial_load_path")
 def source_key(cfg: JobConfig, key: str) -> str:
     """The key the user set for the path in `key`: ``model.hf_assets_path`` where its value filled
     `key` (the tokenizer, the Hugging Face weights to load), else `key`."""
-    section, _, leaf = key.partition(".")
-    value = getattr(getattr(cfg, section), leaf)
+    value = key_value(cfg, key)
     assets = cfg.model.hf_assets_path
     return "model.hf_assets_path" if key in _FILLED_BY_ASSETS and assets and value == assets else key
 
@@ -166,18 +196,32 @@ def job_paths(cfg: JobConfig) -> list[UserPath]:
     """Every path-valued key of `cfg` that is set: the dump folder, the folders the run writes
     under it (each may also be absolute), and what the run reads."""
     dump = cfg.job.dump_folder
-    written = {"checkpoint.folder": cfg.checkpoint.folder, "metrics.save_tb_folder": cfg.metrics.save_tb_folder,
-               "profiling.save_traces_folder": cfg.profiling.save_traces_folder,
-               "profiling.save_memory_snapshot_folder": cfg.profiling.save_memory_snapshot_folder,
-               "comm.save_traces_folder": cfg.comm.save_traces_folder}
-    read = {"model.hf_assets_path": cfg.model.hf_assets_path, "model.tokenizer_path": cfg.model.tokenizer_path,
-            "checkpoint.initial_load_path": cfg.checkpoint.initial_load_path,
-            "training.dataset_path": cfg.training.dataset_path, "validation.dataset_path": cfg.validation.dataset_path}
     paths = [UserPath("job.dump_folder", dump, dump, WRITE_FIX)]
-    paths += [UserPath(key, value, os.path.join(dump, value), WRITE_FIX) for key, value in written.items() if value]
+    paths += [UserPath(key, value, os.path.join(dump, value), WRITE_FIX) for key in WRITTEN_FOLDER_KEYS[1:]
+              if (value := key_value(cfg, key))]
     # model.hf_assets_path comes first: where it filled another key, the path is the same.
-    paths += [UserPath(key, value, _folder_part(value), _READ_FIX[key]) for key, value in read.items() if value]
+    paths += [UserPath(key, value, _folder_part(value), _READ_FIX[key]) for key in READ_KEYS
+              if (value := key_value(cfg, key))]
     return paths
+
+
+def written_folders(cfg: JobConfig, *, nccl_traces: bool) -> list[UserPath]:
+    """The folders this run writes into: the dump folder, and each folder under it (or elsewhere,
+    for an absolute key) that the run uses; `nccl_traces`: the NCCL flight recorder dumps into
+    comm.save_traces_folder (a multi-rank CUDA run with a trace buffer)."""
+    # Even load_only deletes failed saves' leftovers; last_save_in_hf exports there without checkpoints.
+    used = {"checkpoint.folder": cfg.checkpoint.enable or cfg.checkpoint.last_save_in_hf,
+            "metrics.save_tb_folder": cfg.metrics.enable_tensorboard,
+            "profiling.save_traces_folder": cfg.profiling.enable_profiling or cfg.profiling.enable_step_breakdown,
+            "profiling.save_memory_snapshot_folder": cfg.profiling.enable_memory_snapshot,
+            "comm.save_traces_folder": nccl_traces and cfg.comm.trace_buf_size > 0}
+    return [p for p in job_paths(cfg) if p.key == "job.dump_folder" or used.get(p.key, False)]
+
+
+def key_value(cfg: JobConfig, key: str) -> str:
+    """The value of ``section.key`` in `cfg`."""
+    section, _, leaf = key.partition(".")
+    return getattr(getattr(cfg, section), leaf)
 
 
 # ---- looking before writing --------------------------------------------------------------------

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 
 from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, nonempty_path
 from torchmoe.config.job_config import (
     ActivationCheckpoint,
     Checkpoint,
@@ -111,6 +112,19 @@ def validate_int64(cfg: JobConfig) -> None:
 
 
 # ---- per-section checks ----------------------------------------------------------------------
+
+
+def validate_paths(cfg: JobConfig) -> None:
+    """A folder the run writes into is never empty or blank: the OS would take it for the current
+    directory (or, under job.dump_folder, the dump folder itself), whatever is kept there. A path
+    the run reads may be empty (not set) but not blank."""
+    for key in WRITTEN_FOLDER_KEYS:
+        means = "the current directory" if key == "job.dump_folder" else "the dump folder itself"
+        nonempty_path(key, key_value(cfg, key), f'name the folder ("." if you mean {means})', means=means)
+    for key in READ_KEYS:
+        if value := key_value(cfg, key):
+            nonempty_path(key, value, "name the path, or leave the key out (it is then not set)",
+                          means="a file named by blanks")
 
 
 def validate_job(job: Job) -> None:
@@ -321,6 +335,7 @@ def validate_sections(cfg: JobConfig) -> None:
         ConfigError: the first problem found, naming the key, the value and the fix.
     """
     validate_int64(cfg)
+    validate_paths(cfg)
     validate_job(cfg.job)
     validate_model(cfg.model)
     validate_optimizer(cfg.optimizer)

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
 from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
@@ -53,6 +54,8 @@ _MAX_LISTED = 8
 _JSON_MEMBERS = 1024
 # Above this fraction of device memory the estimate is flagged even though it fits.
 _TIGHT_FRACTION = 0.9
+
+DRY_RUN_FILE = "dry_run.json"
 
 
 def format_ranks(members: Sequence[int]) -> str:
@@ -328,8 +331,8 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
     _print_report(console, cfg, job, compute_dtype_bytes(cfg.training))
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dry_run.json").write_text(json.dumps(job.report, indent=2) + "\n")
-    console.print(f"wrote {out / 'dry_run.json'}")
+    write_file(out / DRY_RUN_FILE, json.dumps(job.report, indent=2) + "\n")
+    console.print(f"wrote {out / DRY_RUN_FILE}")
     return job.report
 
 

@@ -7,20 +7,25 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.components.metrics import METRICS_FILE
 from torchmoe.components.run_info import RUN_INFO_FILE
 from torchmoe.components.run_lock import LOCK_NAME
 from torchmoe.components.wandb_logger import RUN_ID_FILE, WANDB_FOLDER
+from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
-from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_file, writable_folder
+from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_file, writable_folder, written_folders
 from torchmoe.data.dataset import DataConfigError, build_documents
 from torchmoe.data.tokenizer import Tokenizer
+from torchmoe.plan.dry_run import DRY_RUN_FILE
 
 _STEP_NAME = re.compile(r"step-(\d+)(-hf)?")
+# Every name the checkpoint manager writes, renames or prunes: step-N, its -hf export, their temporaries.
+_STEP_ENTRY = re.compile(r"step-\d+(-hf)?(\.tmp-\w+)?")
 
 
 # ---- what the run reads ----------------------------------------------------------------------
@@ -45,11 +50,11 @@ def check_hf_assets(model: Model) -> None:
 
 
 def check_initial_load_path(cfg: JobConfig) -> None:
-    """`checkpoint.initial_load_path`, when the run will load it, must be what
+    """`checkpoint.initial_load_path`, when the run will load it (a seed run always does), must be what
     `initial_load_in_hf` says: a DCP folder (`.metadata`) or a Hugging Face folder (safetensors).
     What is inside is checked where it is loaded, before the first step."""
     ckpt = cfg.checkpoint
-    if not ckpt.initial_load_path or resumes(cfg):
+    if not ckpt.initial_load_path or (resumes(cfg) and not ckpt.create_seed_checkpoint):  # a seed run never resumes
         return
     key = source_key(cfg, "checkpoint.initial_load_path")
     hf = "a Hugging Face Llama 4 folder (config.json + *.safetensors)"
@@ -112,34 +117,68 @@ def check_dataset_rows(training: Training, global_batch_size: int, *, key: str =
 
 def check_outputs(cfg: JobConfig, world_size: int, device: torch.device) -> None:
     """Everything the run will write must be writable now: the dump folder, the files and
-    folders in it, and the `step-N` names the run will save under."""
+    folders in it, and the `step-N` names the run will save under; and no name the run writes or
+    deletes may be a symbolic link (`_refuse_links`)."""
     dump = Path(cfg.job.dump_folder)
-    _check_folder("job.dump_folder", cfg.job.dump_folder, dump)
-    for name in ("config.toml", "metrics.jsonl", RUN_INFO_FILE, LOCK_NAME):
-        _check_file("job.dump_folder", cfg.job.dump_folder, dump / name)
+    # Where the NCCL flight recorder dumps too (`trainer._init_distributed`).
+    folders = written_folders(cfg, nccl_traces=device.type == "cuda" and world_size > 1)
+    for folder in folders:
+        _check_folder(folder.key, folder.value, Path(folder.path))
+    own = ["config.toml", METRICS_FILE, RUN_INFO_FILE, LOCK_NAME]
     if cfg.metrics.enable_wandb:  # W&B's run id and folder have fixed names in the dump folder
-        _check_file("job.dump_folder", cfg.job.dump_folder, dump / RUN_ID_FILE)
+        own.append(RUN_ID_FILE)
         _check_folder("job.dump_folder", cfg.job.dump_folder, dump / WANDB_FOLDER)
-    folders = [("checkpoint.folder", cfg.checkpoint.folder, cfg.checkpoint.enable),
-               ("metrics.save_tb_folder", cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard),
-               ("profiling.save_traces_folder", cfg.profiling.save_traces_folder,
-                cfg.profiling.enable_profiling or cfg.profiling.enable_step_breakdown),
-               ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder,
-                cfg.profiling.enable_memory_snapshot),
-               # Where the NCCL flight recorder dumps (`trainer._init_distributed`).
-               ("comm.save_traces_folder", cfg.comm.save_traces_folder,
-                device.type == "cuda" and world_size > 1 and cfg.comm.trace_buf_size > 0)]
-    for key, value, used in folders:
-        if used:
-            _check_folder(key, value, dump / value)
+    for name in own:
+        _check_file("job.dump_folder", cfg.job.dump_folder, dump / name)
+    if cfg.metrics.enable_wandb:
+        own.append(WANDB_FOLDER)
+    for folder in folders:
+        written = (lambda name: name in own) if folder.key == "job.dump_folder" else _written_names(folder.key, cfg)
+        _refuse_links(folder.key, folder.value, Path(folder.path), written)
     if cfg.checkpoint.enable:
         _check_step_names(cfg.checkpoint, dump / cfg.checkpoint.folder, cfg.training.steps)
+
+
+_ITERATION = re.compile(r"iteration_\d+(_exit)?")
+
+
+def _written_names(key: str, cfg: JobConfig) -> Callable[[str], bool]:
+    """Which names of the folder of `key` the run writes or deletes (besides its lock file)."""
+    if key == "checkpoint.folder":
+        return lambda name: bool(_STEP_ENTRY.fullmatch(name))
+    if key in ("profiling.save_traces_folder", "profiling.save_memory_snapshot_folder"):
+        return lambda name: bool(_ITERATION.fullmatch(name))
+    if key == "comm.save_traces_folder":
+        return lambda name: name.startswith(cfg.comm.save_traces_file_prefix)
+    return lambda name: False  # TensorBoard: event files of new names
+
+
+def _refuse_links(key: str, value: str, folder: Path, written: Callable[[str], bool]) -> None:
+    """No name of `folder` that the run writes or deletes (`written`, and its lock file) may be a
+    symbolic link, nor a file in such a folder of traces (`iteration_N/rank0_trace.json`): a
+    write would go through it (out of the folder, into another run's file), pruning would delete
+    through it (a shared checkpoint's marker). The folder itself may be a link: each folder is
+    locked at its real location (`run_lock`). A folder that does not exist yet is fine."""
+    try:
+        entries = [e for e in os.scandir(folder) if e.name == LOCK_NAME or written(e.name)]
+    except (FileNotFoundError, NotADirectoryError):
+        return  # created by the run (`_check_folder` said whether it can be)
+    for entry in entries:
+        traces = _ITERATION.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
+        for link in [entry, *(os.scandir(entry.path) if traces else ())]:
+            if link.is_symlink():
+                checkpoint = "; to start from another run's checkpoint, set checkpoint.initial_load_path to it" \
+                    if key == "checkpoint.folder" else ""
+                raise ConfigError(key, value, f"{link.path} is a symbolic link (to {os.readlink(link.path)}): a run "
+                                  "never writes or deletes through a link it did not make",
+                                  f"remove the link, or put a copy of what it points to in its place{checkpoint}")
 
 
 def check_dry_run_outputs(job: Job) -> None:
     """The dry run writes `dry_run.json` into the dump folder (on this machine)."""
     _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder))
-    _check_file("job.dump_folder", job.dump_folder, Path(job.dump_folder) / "dry_run.json")
+    _check_file("job.dump_folder", job.dump_folder, Path(job.dump_folder) / DRY_RUN_FILE)
+    _refuse_links("job.dump_folder", job.dump_folder, Path(job.dump_folder), lambda name: name == DRY_RUN_FILE)
 
 
 def _check_folder(key: str, value: str, folder: Path) -> None:

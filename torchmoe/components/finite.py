@@ -1,0 +1,105 @@
+"""Nothing non-finite is written, and none comes in with the weights.
+
+    require_finite(state, group=group)        # collective: NonFiniteValues on every rank, naming the tensors
+    refuse_nonfinite(state, key=..., path=...)  # a reader's: UnreadableWeights naming the folder and tensors
+
+A NaN or inf in a weight stays there: training on it diverges at some later step (whose message
+would blame the learning rate), an export carries it to whoever loads it. So every writer of
+weights (checkpoint saves, the seed checkpoint, the Hugging Face export, `torchmoe convert` both
+ways) checks the tensors it is about to write, and every reader of weights a user names
+(`checkpoint.initial_load_path`, `convert`'s sources, a checkpoint being resumed) checks what it
+read. Each check is one pass over the local tensors (their sums) and one host sync; under a
+process group the ranks exchange the names they found, so all of them stop alike and the message
+names every tensor, wherever its bad shard lives.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from torchmoe.components.weight_files import UnreadableWeights
+
+__all__ = ["NonFiniteValues", "nonfinite_names", "refuse_nonfinite", "require_finite"]
+
+
+class NonFiniteValues(ValueError):
+    """Tensors about to be written (or just read) hold NaN or inf; `names` says which."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        super().__init__(f"NaN or inf in {self.shown}")
+
+
+def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) of every floating-point tensor in `state`: nested mappings, lists and
+    `Stateful`s (through their state dict); a DTensor as this rank's shard."""
+    if isinstance(state, Stateful):
+        state = state.state_dict()
+    if isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from _tensors(value, f"{prefix}{key}.")
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _tensors(value, f"{prefix}{i}.")
+    elif isinstance(state, torch.Tensor) and state.is_floating_point():
+        local = state.to_local() if isinstance(state, DTensor) else state
+        if local.numel():
+            yield prefix[:-1], local
+
+
+def nonfinite_names(state: Any) -> list[str]:
+    """Names of this rank's floating-point tensors in `state` holding NaN or inf, in order. A NaN
+    or inf makes a tensor's sum non-finite, so the sums (one fast pass) pick the suspects, which
+    an element-wise check then settles (a sum may overflow where no element does); one or two
+    host syncs."""
+    named = list(_tensors(state))
+    if not named:
+        return []
+    # float32 sums (fp16/bf16 would overflow sooner); an fp64 sum beyond float32 is only a suspect.
+    sums = torch.stack([t.sum(dtype=torch.float32 if t.element_size() < 8 else None).float() for _, t in named])
+    suspects = [named[i] for i, finite in enumerate(sums.isfinite().tolist()) if not finite]
+    if not suspects:
+        return []
+    bad = torch.stack([~torch.isfinite(t).all() for _, t in suspects]).tolist()
+    return [name for (name, _), b in zip(suspects, bad) if b]
+
+
+def require_finite(state: Any, *, group: dist.ProcessGroup | None = None) -> None:
+    """Check `state` on every rank of `group` (collective under a process group).
+
+    Raises:
+        NonFiniteValues: on every rank, naming the tensors any rank found.
+    """
+    names = nonfinite_names(state)
+    if dist.is_available() and dist.is_initialized():
+        gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, names, group=group)
+        names = list(dict.fromkeys(name for found in gathered for name in found))
+    if names:
+        raise NonFiniteValues(names)
+
+
+def refuse_nonfinite(state: Any, *, key: str, path: str | os.PathLike, names: Mapping[str, str] | None = None,
+                     group: dist.ProcessGroup | None = None) -> None:
+    """What a reader checks of the weights it read from `path` (the value of `key`); `names` maps
+    state names to the names in the files (Hugging Face's). Collective like `require_finite`.
+
+    Raises:
+        UnreadableWeights: naming `key`, `path` and the tensors: the values came with the weights.
+    """
+    try:
+        require_finite(state, group=group)
+    except NonFiniteValues as err:
+        stored = [names.get(name, name) for name in err.names] if names else err.names
+        raise UnreadableWeights(key, os.fspath(path), f"the weights hold {NonFiniteValues(stored)}: they came "
+                                "in with the weights, and training from them would diverge",
+                                "point it at weights without NaN or inf (a copy saved before they appeared, or a "
+                                "fresh download)") from None
