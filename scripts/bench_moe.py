@@ -22,7 +22,7 @@ import torch
 
 from torchmoe.config.job_config import Compile
 from torchmoe.distributed.compile import apply_compile
-from torchmoe.models.init import init_parameters
+from torchmoe.nn.init import init_parameters
 from torchmoe.models.llama4 import FLAVORS, MoE, Transformer
 
 

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from torchmoe.config.job_config import Parallelism
-from torchmoe.distributed.parallel_dims import ParallelDims
+from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.launch import read_metrics, run_train
 from torchmoe.models.llama4 import FLAVORS
 from torchmoe.plan.pipeline import (

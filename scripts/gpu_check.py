@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 import time

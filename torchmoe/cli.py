@@ -145,8 +145,9 @@ def _run_train(cfg: JobConfig, world_size: int, dry_run: bool) -> int:
         # --help should not wait for.
         if dry_run:
             from torchmoe.plan.dry_run import run_dry_run
+            from torchmoe.preflight import device_memory_gib
 
-            run_dry_run(cfg, world_size)
+            run_dry_run(cfg, world_size, machine_device_gib=device_memory_gib())
         else:
             from torchmoe.distributed.failure import PeerFailed
             from torchmoe.trainer import TrainingDiverged, train

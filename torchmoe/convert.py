@@ -49,7 +49,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
-from torchmoe.models.llama4.fit import matching_flavor, meta_state, require_fit
+from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
 
@@ -258,7 +258,7 @@ def _run(opts: argparse.Namespace) -> int:
         if flavor is not None:
             _say(f"train from it with --model.flavor {flavor} --checkpoint.initial_load_path {opts.out_dir}")
         else:
-            _say("note: no built-in flavor has this architecture; add one to torchmoe/models/llama4/args.py "
+            _say("note: no built-in flavor has this architecture; add one to torchmoe/arch/llama4.py "
                   "FLAVORS to train from it")
     else:
         # The one warning here (a non-zero expert bias is dropped) is news for the user, so it is

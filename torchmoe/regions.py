@@ -15,6 +15,8 @@ import contextlib
 import torch
 from torch.autograd.profiler import record_function
 
+from torchmoe import _torch_private as private
+
 # Every label is PREFIX + one of REGIONS.
 PREFIX = "torchmoe/"
 REGIONS = ("attention", "routed_experts", "ffn", "router", "data", "optimizer")
@@ -27,6 +29,6 @@ def region(name: str) -> contextlib.AbstractContextManager:
         name: one of `REGIONS`.
     """
     assert name in REGIONS, name
-    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+    if torch.compiler.is_compiling() or not private.profiler_enabled():
         return contextlib.nullcontext()
     return record_function(PREFIX + name)

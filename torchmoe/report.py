@@ -40,9 +40,9 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.paths import nonempty_path, path_faults, writable_file, writable_folder
-from torchmoe.distributed.parallel_dims import MESH_DIMS
+from torchmoe.plan.parallel_dims import MESH_DIMS
 from torchmoe.config.validate import resolve_degrees, validate_sections
-from torchmoe.models.llama4.args import FLAVORS, ModelArgs, model_args_from_config
+from torchmoe.arch.llama4 import FLAVORS, ModelArgs, model_args_from_config
 from torchmoe.plan.dry_run import format_count, plan_job
 from torchmoe.preflight.layout import check_flavor
 

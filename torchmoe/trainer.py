@@ -69,17 +69,14 @@ from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.launcher import watch_launcher
-from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
-from torchmoe.distributed.pipeline_parallel import (
-    PipelineRankModel,
-    build_schedule,
-    split_into_stages,
-    stage_io_metas,
-)
+from torchmoe.plan.parallel_dims import ParallelDims
+from torchmoe.distributed.mesh import ParallelMesh, build_mesh
+from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.models.llama4 import Transformer, update_expert_bias
-from torchmoe.models.llama4.args import model_args_from_config
+from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
+from torchmoe.models.llama4.pipeline_stages import PipelineRankModel, split_into_stages
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype_bytes, param_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
@@ -152,7 +149,7 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         setup_logging(self.rank)
         self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        self.mesh: ParallelMesh | None = self.dims.build_mesh(self.device.type) if world_size > 1 else None
+        self.mesh: ParallelMesh | None = build_mesh(self.dims, self.device.type) if world_size > 1 else None
         if cfg.training.deterministic:
             # cuBLAS refuses deterministic mode without a fixed workspace configuration.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

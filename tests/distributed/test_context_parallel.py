@@ -117,10 +117,10 @@ def _check_model(seq_len: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchmoe.distributed.context_parallel import apply_cp
+    from torchmoe.models.llama4.parallelize import apply_cp
     from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.models.llama4.model import Attention
-    from torchmoe.distributed.parallel_dims import ParallelDims
+    from torchmoe.plan.parallel_dims import ParallelDims
     from torchmoe.plan.memory import ActivationModel
 
     torch.manual_seed(0)

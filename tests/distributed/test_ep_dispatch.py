@@ -42,7 +42,7 @@ def _worker(rank: int, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchmoe.distributed.expert_parallel import AllToAllDispatcher
-    from torchmoe.models.llama4.moe import TokenDispatcher
+    from torchmoe.nn.dispatch import TokenDispatcher
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP)
     mesh = init_device_mesh("cpu", (EP,), mesh_dim_names=("ep",))

@@ -35,14 +35,15 @@ def _worker(out_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchmoe.distributed.parallel_dims import ALL_NAMES, ParallelDims
+    from torchmoe.distributed.mesh import build_mesh
+    from torchmoe.plan.parallel_dims import ALL_NAMES, ParallelDims
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     record = {}
     for label, degrees in LAYOUTS.items():
         dims = ParallelDims(**degrees, world_size=WORLD)
-        mesh = dims.build_mesh("cpu")
+        mesh = build_mesh(dims, "cpu")
         per_name = {}
         for name in ALL_NAMES:
             sub = mesh[name]
@@ -69,7 +70,7 @@ def mesh_records(tmp_path_factory) -> dict[int, dict]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("label", list(LAYOUTS))
 def test_real_mesh_matches_layout(mesh_records, label):
-    from torchmoe.distributed.parallel_dims import ALL_NAMES, ParallelDims
+    from torchmoe.plan.parallel_dims import ALL_NAMES, ParallelDims
 
     dims = ParallelDims(**LAYOUTS[label], world_size=WORLD)
     layout = dims.layout()
@@ -87,7 +88,7 @@ def test_real_mesh_matches_layout(mesh_records, label):
 @pytest.mark.distributed
 @pytest.mark.parametrize("label", list(LAYOUTS))
 def test_hsdp_meshes_are_replicas_of_shard_groups(mesh_records, label):
-    from torchmoe.distributed.parallel_dims import ParallelDims
+    from torchmoe.plan.parallel_dims import ParallelDims
 
     dims = ParallelDims(**LAYOUTS[label], world_size=WORLD)
     layout = dims.layout()

@@ -7,7 +7,7 @@ on a Scout-shaped stack. Skipped (with the reason) where there is no GPU.
 The math kernel is SDPA's fallback for whatever the fused kernels refuse (a mask tensor, grouped
 query heads on the memory-efficient kernel): it materialises the score matrix, which at long
 context is gigabytes per head. Excluding it (`sdpa_kernel` without `SDPBackend.MATH`) turns such
-a fallback into an error. The prefixed blocks (`torchmoe.ops.attention`) call the flash or
+a fallback into an error. The prefixed blocks (`torchmoe.nn.attention`) call the flash or
 memory-efficient kernels directly.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tests.unit.test_attention_ops import CASES, _inputs, _reference, _run
+from tests.unit.test_attention import CASES, _inputs, _reference, _run
 from torchmoe.models.llama4 import FLAVORS, Transformer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -52,7 +52,7 @@ def test_prefixed_blocks_in_fp32_use_the_memory_efficient_kernel():
     (q, k, v), m = _inputs(12, 20, 8)
     prefix, keys = (k[..., :m, :], v[..., :m, :]), (k[..., m:, :], v[..., m:, :])
     ref = _reference(q, k, v, 12, 8)[..., :4, :]  # the first chunk's queries: the prefixed block
-    from torchmoe.ops.attention import prefixed_causal_attention
+    from torchmoe.nn.attention import prefixed_causal_attention
 
     args = [t.detach().cuda() for t in (q[..., :4, :], *prefix, keys[0][..., :4, :], keys[1][..., :4, :])]
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):

@@ -25,7 +25,7 @@ from torchmoe.config import (
     write_config_toml,
 )
 from torchmoe.config.job_config import Parallelism
-from torchmoe.models.llama4.args import FLAVORS, ModelArgs
+from torchmoe.arch.llama4 import FLAVORS, ModelArgs
 from torchmoe.preflight import validate_job_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

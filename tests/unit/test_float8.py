@@ -21,12 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.loader import load_job_config
 from torchmoe.distributed.activation_checkpoint import apply_ac
-from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears, float8_tp_enabled
-from torchmoe.distributed.parallel_dims import ParallelDims
-from torchmoe.distributed.tensor_parallel import apply_tp
+from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears
+from torchmoe.plan.float8 import float8_tp_enabled
+from torchmoe.distributed.mesh import build_mesh
+from torchmoe.plan.parallel_dims import ParallelDims
+from torchmoe.models.llama4.tensor_parallel import apply_tp
 from torchmoe.models.llama4 import FLAVORS, Transformer
-from torchmoe.models.llama4.moe import GroupedExperts, _grouped_swiglu, _looped_swiglu
-from torchmoe.models.llama4.moe_ops import grouped_mm
+from torchmoe.nn.experts import GroupedExperts, _grouped_swiglu, _looped_swiglu
+from torchmoe.nn.moe_ops import grouped_mm
 from torchmoe.plan.pipeline import pipeline_layout
 from torchmoe.plan.tp_comm import tp_gather_bytes
 from torchmoe.preflight import validate_job_config
@@ -49,7 +51,7 @@ def _tp_model(fake_world, cfg, tp: int, *, device: str = "meta"):
     ranks (this process rank 0); returns (model, TP plan, dims)."""
     dims = ParallelDims.from_config(cfg.parallelism, tp)
     fake_world(0, tp)
-    mesh = dims.build_mesh("cpu")
+    mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = Transformer(FLAVORS["tiny"])
     if cfg.float8.enable:
@@ -343,12 +345,12 @@ def test_float8_tp_composes_with_the_parallelize_pipeline(fake_world, world, fla
     linear runs, every parameter is a DTensor with a gradient, and the output has rank 0's shape
     (vocab-sharded logits, or a first stage's sequence-sharded hidden states)."""
     from torchmoe.models.llama4.parallelize import parallelize_llama4
-    from torchmoe.distributed.pipeline_parallel import split_into_stages
+    from torchmoe.models.llama4.pipeline_stages import split_into_stages
 
     cfg = _cfg("--float8.enable", "true", *flags)
     dims = ParallelDims.from_config(cfg.parallelism, world)
     fake_world(0, world)
-    mesh = dims.build_mesh("cpu")
+    mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = Transformer(FLAVORS["tiny"])
     if dims.pp_enabled:

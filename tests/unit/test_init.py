@@ -1,4 +1,4 @@
-"""Layout-independent initialisation (`torchmoe/models/init.py`): a shard's values are the full
+"""Layout-independent initialisation (`torchmoe/nn/init.py`): a shard's values are the full
 tensor's values at the shard's place, and the declared distributions are what is drawn."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torchmoe.models.init import (
+from torchmoe.nn.init import (
     Normal,
     TruncNormal,
     check_box_layout,

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from torchmoe.models.init import init_parameters
+from torchmoe.nn.init import init_parameters
 from torchmoe.models.llama4 import FLAVORS, MoE, update_expert_bias
-from torchmoe.models.llama4.moe import GroupedExperts, TokenChoiceRouter, round_robin_experts
+from torchmoe.models.llama4.moe import TokenChoiceRouter, round_robin_experts
+from torchmoe.nn.experts import GroupedExperts
 
 
 def _moe(**overrides) -> MoE:
@@ -216,7 +217,7 @@ def test_grouped_path_makes_no_host_sync(grouped):
 
 def test_cuda_block_padding_gives_the_same_outputs():
     """The 16-row alignment used on CUDA, exercised on CPU: same expert outputs, zero gaps."""
-    from torchmoe.models.llama4.moe import pad_expert_blocks
+    from torchmoe.nn.dispatch import pad_expert_blocks
 
     experts = _moe().experts
     rows = torch.randn(21, 128)

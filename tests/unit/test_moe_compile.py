@@ -1,6 +1,6 @@
 """torch.compile of whole blocks, dense and MoE: no graph breaks, the eager model's numbers.
 
-The custom ops that make MoE blocks traceable (`torchmoe/models/llama4/moe_ops.py`) are checked
+The custom ops that make MoE blocks traceable (`torchmoe/models/nn/moe_ops.py`) are checked
 with torch's own `opcheck` (schema, fake kernel, autograd registration, AOT dispatch), then a
 2-layer tiny model (one dense, one MoE block) is compiled block by block as `apply_compile`
 compiles it and compared with its eager twin: loss, every gradient and the routed-token counts.
@@ -16,7 +16,7 @@ from torchmoe.config.job_config import ActivationCheckpoint, Compile
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.distributed.compile import DynamoCounts, apply_compile
 from torchmoe.models.llama4 import FLAVORS, Transformer
-from torchmoe.models.llama4.moe_ops import accumulate_token_counts, grouped_mm, grouped_mm_weight_grad
+from torchmoe.nn.moe_ops import accumulate_token_counts, grouped_mm, grouped_mm_weight_grad
 
 ARGS = FLAVORS["tiny"].replace(n_layers=2)  # layer 0 dense, layer 1 MoE
 

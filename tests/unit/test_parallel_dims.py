@@ -9,7 +9,7 @@ import pytest
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism
-from torchmoe.distributed.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims, mesh_layout
+from torchmoe.plan.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims, mesh_layout
 
 
 def dims(world_size: int, **degrees: int) -> ParallelDims:

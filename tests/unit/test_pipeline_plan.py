@@ -22,7 +22,7 @@ from torchmoe.config.job_config import Parallelism
 from torchmoe.config.loader import load_job_config
 from torchmoe.config.validate import PIPELINE_SCHEDULES
 from torchmoe.preflight import validate_job_config
-from torchmoe.distributed.parallel_dims import MESH_DIMS, ParallelDims
+from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.models.llama4 import FLAVORS
 from torchmoe.plan.dry_run import run_dry_run
 from torchmoe.plan.pipeline import (

@@ -25,9 +25,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchmoe.config.job_config import ActivationCheckpoint, JobConfig, Parallelism, Training
 from torchmoe.config.loader import load_job_config
-from torchmoe.distributed.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims
+from torchmoe.distributed.mesh import build_mesh
+from torchmoe.plan.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
-from torchmoe.models.llama4.moe import GroupedExperts
+from torchmoe.nn.experts import GroupedExperts
 from torchmoe.plan.dry_run import format_ranks, run_dry_run
 from torchmoe.plan.layout import param_specs, shard_numel
 from torchmoe.plan.memory import GIB, ActivationModel, estimate_memory, memory_per_pp_rank
@@ -149,7 +150,7 @@ def test_states_match_parallelized_meta_model(fake_world, flavor, degrees, rank)
         args = args.replace(vocab_size=510, ffn_hidden_dim=382)
     dims = _dims(**degrees)
     fake_world(rank, dims.world_size)
-    mesh = dims.build_mesh("cpu")
+    mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = Transformer(args)
     cfg = JobConfig()
@@ -162,7 +163,7 @@ def test_expert_fsdp_on_dim1_matches_fully_shard(fake_world):
     # dp_shard16, ep4: 2 local experts but 4 efsdp ranks, so experts shard on dim 1.
     dims = _dims(dp_shard=16, ep=4)
     fake_world(0, dims.world_size)
-    mesh = dims.build_mesh("cpu")
+    mesh = build_mesh(dims, "cpu")
     args = FLAVORS["tiny"]
     with torch.device("meta"):
         experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, use_grouped_mm=True)

@@ -4,7 +4,7 @@
 
 Every expected number below was measured from the torchtitan v0.2.2 wheel (its `llama4_args`,
 each flavor built on the meta device with its own classes) and is written here, not read from
-`torchmoe/models/llama4/args.py`.
+`torchmoe/arch/llama4.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.models.llama4 import FLAVORS, Transformer
-from torchmoe.models.llama4.fit import matching_flavor, meta_state, require_fit
+from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit
 from torchmoe.models.llama4.hf import args_from_hf_config, hf_config_from_args
 from torchmoe.models.llama4.model import precompute_freqs_cis, rope_frequencies
 from torchmoe.plan.memory import estimate_memory

@@ -100,7 +100,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import Comm as CommConfig
-from torchmoe.models.llama4.fit import flavor_fix, flavors_fitting
+from torchmoe.components.flavor_fit import flavor_fix, flavors_fitting
 
 logger = logging.getLogger(__name__)
 

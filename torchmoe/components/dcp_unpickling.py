@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-# Private torch API: the inverse of DCP's flattening, which DefaultLoadPlanner.load_bytes uses too.
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from torchmoe import _torch_private as private
 
 __all__ = ["RefusedPickle", "SafeLoadPlanner", "SafeReader", "unpickle_metadata"]
 
@@ -176,6 +176,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             raise RefusedPickle(info.relative_path, offender, f"its value {fqn}") from None
         # The rest is DefaultLoadPlanner.load_bytes (torch 2.13) with `obj` for its torch.load.
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            private.set_state_dict_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from torchmoe.components.weight_files import UnreadableWeights
+from torchmoe.nn.shards import local_shard
 
 __all__ = ["NonFiniteValues", "nonfinite_names", "refuse_nonfinite", "require_finite"]
 
@@ -50,7 +50,7 @@ def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]
         for i, value in enumerate(state):
             yield from _tensors(value, f"{prefix}{i}.")
     elif isinstance(state, torch.Tensor) and state.is_floating_point():
-        local = state.to_local() if isinstance(state, DTensor) else state
+        local = local_shard(state)
         if local.numel():
             yield prefix[:-1], local
 

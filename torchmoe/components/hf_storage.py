@@ -9,7 +9,7 @@
 torch's `HuggingFaceStorageReader` reads the slices of each safetensors tensor that a rank's
 local shards cover, and `HuggingFaceStorageWriter` writes each rank's shards to files of its
 own, which every rank then helps consolidate into Hugging Face's layout
-(`consolidate_safetensors_files_on_every_rank`). No rank ever holds more than its shards.
+(`_torch_private.consolidate_safetensors`). No rank ever holds more than its shards.
 
 What torch does not know is our name and layout mapping (`models/llama4/hf.py`): the routed
 experts are stored transposed, and w1 / w3 are the two halves of one fused ``gate_up_proj``.
@@ -40,10 +40,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files,
-    consolidate_safetensors_files_on_every_rank,
-)
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -52,10 +48,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 # checkpoint's import also silences DCP's warning on every single-process call.
+from torchmoe import _torch_private as private
 from torchmoe.components.checkpoint import _dist_on
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.finite import refuse_nonfinite, require_finite
@@ -63,7 +59,7 @@ from torchmoe.components.weight_files import UnreadableWeights, read_json_object
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import write_file
 from torchmoe.distributed.process_groups import device_backend
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.models.llama4.hf import (
     HFConfigValueError,
     HFConversionError,
@@ -75,6 +71,7 @@ from torchmoe.models.llama4.hf import (
 )
 from torchmoe.models.llama4.hf_config_check import show_json
 from torchmoe.models.llama4.model import Transformer
+from torchmoe.nn.shards import local_shard
 
 __all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "read_hf_args", "save_hf_weights"]
 
@@ -299,7 +296,7 @@ class _RankShardWriter(HuggingFaceStorageWriter):
         for (index, copy), items in files.items():
             name = f"shard-{shard:05d}-{copy}-model-{index:05d}-of-{n_files:05d}.safetensors"
             file_queue.put((self.fs.concat_path(self.path, name), name, items))
-        return self._write_data(planner, file_queue)
+        return private.hf_writer_write_files(self, planner, file_queue)
 
 
 def _file_index(dtype: torch.dtype, max_shard_bytes: int, args: ModelArgs) -> dict[str, int]:
@@ -322,7 +319,7 @@ def _max_abs_expert_bias(state: Mapping[str, torch.Tensor], group: dist.ProcessG
     """The largest |expert_bias| over the whole model (the biases of all ranks' stages)."""
     # Local shards: the all-reduce over every rank covers what each holds (DTensor shards or stages).
     maxima = [local.abs().max().float().cpu() for name, t in state.items() if name.endswith("expert_bias")
-              if (local := t.to_local() if isinstance(t, DTensor) else t).numel()]
+              if (local := local_shard(t)).numel()]
     local = torch.stack(maxima).max() if maxima else torch.zeros(())
     if _dist_on():
         # A host tensor where the group's backend carries them (gloo), else on the current GPU (NCCL).
@@ -365,10 +362,8 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
     writer = _RankShardWriter(str(shards), fqn_to_index_mapping=index, save_distributed=True)
     dcp.save(views, storage_writer=writer, planner=_HFSavePlanner(slices), process_group=process_group,
              no_dist=not _dist_on())
-    if _dist_on():  # each rank writes some of the output files
-        consolidate_safetensors_files_on_every_rank(str(shards), str(out_dir), index, process_group=process_group)
-    else:
-        consolidate_safetensors_files(str(shards), str(out_dir), index)
+    # Each rank writes some of the output files.
+    private.consolidate_safetensors(str(shards), str(out_dir), index, every_rank=_dist_on(), process_group=process_group)
     if rank == 0:
         shutil.rmtree(shards)
         if max(index.values()) == 1:  # Hugging Face's name for a single file, which needs no index

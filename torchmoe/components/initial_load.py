@@ -21,8 +21,8 @@ from torchmoe.components.hf_storage import load_hf_weights, read_hf_args
 from torchmoe.components.weight_files import model_tensors, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
-from torchmoe.models.llama4.args import ModelArgs
-from torchmoe.models.llama4.fit import matching_flavor, require_fit
+from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.components.flavor_fit import matching_flavor, require_fit
 
 __all__ = ["load_initial_weights"]
 
@@ -72,6 +72,6 @@ def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: 
         fits = matching_flavor(hf_args)
         raise ConfigError(key, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}",
                           f"pass --model.flavor {fits}" if fits else
-                          "add a flavor with its architecture to torchmoe/models/llama4/args.py FLAVORS")
+                          "add a flavor with its architecture to torchmoe/arch/llama4.py FLAVORS")
     load_hf_weights(get_model_state_dict(model), hf_dir, args, key=key, fix=_HF_FIX)
     logger.info("loaded Hugging Face weights from %s", hf_dir)

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from torchmoe import _torch_private as private
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.nn.shards import local_shard
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
 
 
 def _fused_supported(params: list[nn.Parameter]) -> bool:
-    devices = _get_fused_kernels_supported_devices()
+    devices = private.fused_optimizer_devices()
     return all(p.device.type in devices and p.is_floating_point() for p in params)
 
 
@@ -155,7 +156,7 @@ def clip_grad_norm_(
         # Also split by placements so the per-tensor norms stacked inside get_total_norm share
         # one placement (Partial for sharded grads, Replicate for replicated ones).
         by_mesh.setdefault(_mesh_key(g, placements=True), []).append(g)
-    device = _local(grads[0]).device
+    device = local_shard(grads[0]).device
     norms = []
     for group in by_mesh.values():
         norm = _group_norm(group, norm_type, foreach)
@@ -178,14 +179,14 @@ def clip_grad_norm_(
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0).float()
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
-        local = _local(g)
+        local = local_shard(g)
         by_device.setdefault(local.device, []).append(local)
     for dev, local_grads in by_device.items():
         if foreach is False:
             for g in local_grads:
                 g.mul_(coef.to(dev))
         else:
-            torch._foreach_mul_(local_grads, coef.to(dev))
+            private.foreach_mul_(local_grads, coef.to(dev))
     return total.float()
 
 
@@ -196,9 +197,5 @@ def _group_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | Non
     if foreach is False:
         norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
     else:
-        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float64)
+        norms = private.foreach_norm(grads, norm_type, torch.float64)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

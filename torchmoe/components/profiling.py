@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from torchmoe import _torch_private as private
 from torchmoe.components.step_breakdown import format_breakdown, step_breakdown
 from torchmoe.config.file_writes import os_cause, write_fault, write_file
 from torchmoe.config.job_config import Profiling as ProfilingConfig
@@ -135,7 +136,7 @@ class _MemorySnapshotter:
         snapshot = out / f"rank{self.rank}_memory_snapshot.pickle"
         with _skipped_if_refused(f"the memory snapshot {name}", snapshot):
             out.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(snapshot))
+            private.dump_memory_snapshot(str(snapshot))
             logger.info("memory snapshot written to %s", out)
 
 
@@ -187,7 +188,7 @@ def maybe_memory_snapshot(
     snap = _MemorySnapshotter(
         Path(dump_folder) / cfg.save_memory_snapshot_folder, max(cfg.profile_freq, 1), rank, start_step
     )
-    torch.cuda.memory._record_memory_history(max_entries=_MEMORY_HISTORY_ENTRIES)
+    private.record_memory_history(True, _MEMORY_HISTORY_ENTRIES)
     try:
         yield snap
     except BaseException:
@@ -195,4 +196,4 @@ def maybe_memory_snapshot(
         snap.dump(f"iteration_{snap.step_num + 1}_exit")
         raise
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        private.record_memory_history(False)

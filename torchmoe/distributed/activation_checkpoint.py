@@ -13,41 +13,29 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
+from torchmoe import _torch_private as private
 from torchmoe.config.job_config import ActivationCheckpoint
-from torchmoe.ops.attention import PREFIXED_ATTENTION
+from torchmoe.nn.attention import PREFIXED_ATTENTION
 
-# Outputs saved by per-op selective AC: expensive to recompute, small relative to their cost.
-# Matmuls alternate (every second one saved) to balance memory against recompute.
-_SAVE_ALWAYS = {
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._grouped_mm.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_to_all_single.default,
-    torch.ops.aten.max.default,  # float8 amax: tiny, and recomputing it under TP needs comms
-    # Attention over a prefix block and a causal block (context parallelism, chunks that do not
-    # divide the sequence): its merged output and log-sum-exp, as for one fused kernel.
-    PREFIXED_ATTENTION,
-}
-# The cuDNN attention kernel, and float8 routed experts' grouped GEMM (`float8.routed_experts`).
-_SAVE_ALWAYS |= {getattr(torch.ops.aten, name).default for name in ("_scaled_dot_product_cudnn_attention",
-                                                                    "_scaled_grouped_mm")
-                 if hasattr(torch.ops.aten, name)}
-# Matmuls, float8 linears' included (torchao runs them as _scaled_mm).
-_MM = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
+# Outputs saved by per-op selective AC: expensive to recompute, small relative to their cost:
+# fused attention kernels, grouped GEMMs (float8's too), TP's reduce-scatters and EP's
+# all-to-alls; float8's amax (tiny, and recomputing it under TP needs comms); the attention over
+# a prefix block and a causal block (context parallelism, chunks that do not divide the
+# sequence): its merged output and log-sum-exp, as for one fused kernel.
+_SAVE_ALWAYS = private.saved_by_selective_ac() | {torch.ops.aten.max.default, PREFIXED_ATTENTION}
+# Matmuls alternate (every second one saved) to balance memory against recompute; float8
+# linears' included (torchao runs them as _scaled_mm).
+_MM = {torch.ops.aten.mm.default, private.scaled_mm_op()}
 
 
 # Profiler annotations (record_function) are no computation, but SAC counts every op and requires
 # recomputation to replay forward's exactly. FSDP's pre-forward hook of a unit nested in a block
 # (EP's experts) runs as a new root during recomputation and annotates once more, so without
 # this the recompute of an FSDP x EP block fails ("invocation index ... not found in storage").
-_PROFILER_OPS = frozenset({torch.ops.profiler._record_function_enter.default,
-                           torch.ops.profiler._record_function_enter_new.default,
-                           torch.ops.profiler._record_function_exit._RecordFunction})
+_PROFILER_OPS = private.profiler_record_ops()
+_CachingMode, _CachedMode = private.sac_dispatch_modes()
 
 
 class _SkipProfilerOps:
@@ -59,11 +47,11 @@ class _SkipProfilerOps:
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class _Caching(_SkipProfilerOps, _CachingTorchDispatchMode):
+class _Caching(_SkipProfilerOps, _CachingMode):
     """SAC's forward-side mode (records what to save or recompute)."""
 
 
-class _Cached(_SkipProfilerOps, _CachedTorchDispatchMode):
+class _Cached(_SkipProfilerOps, _CachedMode):
     """SAC's recompute-side mode (replays the records)."""
 
 
@@ -116,7 +104,7 @@ def apply_ac(model: nn.Module, ac_cfg: ActivationCheckpoint) -> None:
     if ac_cfg.mode == "none":
         return
     option, forced = ac_cfg.selective_ac_option, ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns
-    wrap = functools.partial(checkpoint_wrapper, preserve_rng_state=False, early_stop=ac_cfg.early_stop)
+    wrap = functools.partial(private.checkpoint_wrapper, preserve_rng_state=False, early_stop=ac_cfg.early_stop)
     for i, (name, block) in enumerate(list(model.layers.items())):
         if ac_cfg.mode == "full":
             wrapped = wrap(block)

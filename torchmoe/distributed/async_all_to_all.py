@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_c10d = torch.ops._c10d_functional
+from torchmoe import _torch_private as private
+
+_c10d = private.functional_collectives
 
 
 @dataclass

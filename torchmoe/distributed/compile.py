@@ -4,7 +4,7 @@ Blocks are compiled one by one (after activation checkpointing, before FSDP) so 
 stays that of one block and FSDP's per-block communication stays outside the graphs.
 
 Every block, dense and MoE, is one graph: the MoE operators the compiler cannot trace as they are
-(fp32 grouped GEMMs, the recomputation-aware counters) are custom ops (`models/llama4/moe_ops.py`),
+(fp32 grouped GEMMs, the recomputation-aware counters) are custom ops (`models/nn/moe_ops.py`),
 single nodes in the graph. Without EP every shape is static (routed rows are always
 tokens x top_k; expert boundaries are tensor offsets), so those blocks are compiled with
 ``fullgraph=True``: a graph break there is a bug and fails loudly. Under CP the attention's K/V
@@ -36,9 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch import nn
 
+from torchmoe import _torch_private as private
 from torchmoe.config.job_config import Compile
 
 
@@ -53,7 +53,7 @@ def apply_compile(model: nn.Module, cfg: Compile, *, fullgraph: bool, expert_par
     if "model" not in cfg.components:
         return
     if expert_parallel:
-        fx_config.backed_size_oblivious = True
+        private.size_oblivious_shapes()
     for name, block in list(model.layers.items()):
         keep_order = expert_parallel and block.moe_enabled and cfg.backend == "inductor"
         options = {"reorder_for_peak_memory": False} if keep_order else None
@@ -71,9 +71,7 @@ class DynamoCounts:
 
     @classmethod
     def now(cls) -> DynamoCounts:
-        from torch._dynamo.utils import counters
-
-        return cls(counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        return cls(*private.dynamo_counters())
 
     def since(self, before: DynamoCounts) -> DynamoCounts:
         return DynamoCounts(self.graphs - before.graphs, self.graph_breaks - before.graph_breaks)

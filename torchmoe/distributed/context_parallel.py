@@ -23,12 +23,10 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchmoe.models.llama4.model import Attention
 from torchmoe.distributed.process_groups import device_backend
-from torchmoe.ops.attention import causal_attention, chunked_causal_attention
+from torchmoe.nn.attention import causal_attention, chunked_causal_attention
 from torchmoe.plan.context import GATHER, GLOBAL, HALO, LOCAL, CPLayout
 
 
@@ -191,16 +189,3 @@ class ContextParallelAttention:
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
-    """Context-parallelise `model` (a `Transformer` or a pipeline stage) over `cp_mesh` in place:
-    the model and its attention modules share one `ContextParallelAttention`, and MoE blocks sum
-    their balance-loss statistics over cp."""
-    cp_attention = ContextParallelAttention(CPLayout(seq_len, cp_mesh.size()), cp_mesh)
-    model.context_parallel = cp_attention
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.context_parallel = cp_attention
-    for moe in model.moe_layers():
-        moe.sequence_shard_groups.append(cp_mesh.get_group())

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
+from torchmoe import _torch_private as private
 from torchmoe.config.job_config import Training
+from torchmoe.nn.shards import local_shard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,7 +144,7 @@ def _expert_placement(efsdp: int):
     from torchmoe.plan.layout import expert_fsdp_shard_dim
 
     def placement(param: nn.Parameter) -> Shard:
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local = local_shard(param)
         return Shard(expert_fsdp_shard_dim(local.shape[0], efsdp))
 
     return placement
@@ -160,7 +161,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce
     """Replicate `model` over `dp_mesh` (DDP semantics: full parameters everywhere, gradients
     all-reduced during backward), with gradients summed like FSDP's."""
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    replicate(model, mesh=dp_mesh, mp_policy=mp)
+    private.replicate(model, mesh=dp_mesh, mp_policy=mp)
     _sum_gradients(model)
 
 

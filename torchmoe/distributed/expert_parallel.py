@@ -32,14 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchmoe import _torch_private as private
 from torchmoe.distributed.async_all_to_all import PendingAllToAll, launch_all_to_all, wait_all_to_all
-from torchmoe.models.llama4.moe import GroupedExperts, Routed, TokenDispatcher
-from torchmoe.models.llama4.moe_ops import count_exchanged_bytes
+from torchmoe.nn.dispatch import Routed, TokenDispatcher
+from torchmoe.nn.moe_ops import count_exchanged_bytes
 
 
 @dataclass
@@ -89,7 +88,7 @@ class AllToAllDispatcher(TokenDispatcher):
         group = self.ep_mesh.get_group()
         # recv_counts[src, e]: rows source rank src sends for our local expert e; in flight
         # during the sort.
-        recv_counts = funcol.all_to_all_single(counts, None, None, group)
+        recv_counts = private.all_to_all_counts(counts, group)
         routed = super().dispatch(tokens, top_scores, selected, counts, score_before_experts)
         recv_counts = recv_counts.view(self.ep, self.local_experts)
         send_splits = counts.view(self.ep, self.local_experts).sum(1)
@@ -99,7 +98,7 @@ class AllToAllDispatcher(TokenDispatcher):
         routed.exchange = Exchange(send, recv, recv_counts, launch_all_to_all(routed.rows, recv, send, group))
         return routed
 
-    def run_experts(self, routed: Routed, experts: GroupedExperts) -> None:
+    def run_experts(self, routed: Routed, experts: nn.Module) -> None:
         """Wait for the rows, run the local experts and launch the outputs' all-to-all back."""
         exchange = routed.exchange
         received = wait_all_to_all(exchange.pending)  # (sum(recv), dim), grouped by source rank
@@ -136,29 +135,6 @@ def _source_major_to_expert_major(recv_counts: torch.Tensor, total: int) -> torc
     dst_start = torch.cumsum(by_expert, 0) - by_expert
     shift = torch.repeat_interleave(block_src_start - dst_start, by_expert, output_size=total)
     return torch.arange(total, device=recv_counts.device) + shift
-
-
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, tp_mesh: DeviceMesh | None) -> None:
-    """Shard every MoE layer's routed experts over `ep_mesh` (``Shard(0)``: whole experts per
-    rank) and install the all-to-all dispatcher. With `tp_mesh`, make the router gate and
-    shared experts replicated DTensors on ``tp`` fed token-sharded inputs (see module doc)."""
-    from torchmoe.distributed.tensor_parallel import ReplicateParallel
-
-    for moe in model.moe_layers():
-        experts = moe.experts
-        if moe.num_experts % ep_mesh.size():
-            raise ValueError(f"num_experts ({moe.num_experts}) is not divisible by ep ({ep_mesh.size()})")
-        for name in ("w1", "w2", "w3"):
-            param = getattr(experts, name)
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
-        moe.dispatcher = AllToAllDispatcher(moe.num_experts, moe.top_k, ep_mesh)
-        if tp_mesh is not None:
-            moe.sequence_shard_groups.append(tp_mesh.get_group())
-            ReplicateParallel(input_layout=Shard(0))._apply(moe.router.gate, tp_mesh)
-            if moe.shared_experts is not None:
-                # Per projection: the MoE layer calls the shared expert's halves, not its forward.
-                for proj in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
-                    ReplicateParallel(input_layout=Shard(0))._apply(proj, tp_mesh)
 
 
 def ep_bytes_moved(model: nn.Module) -> int:

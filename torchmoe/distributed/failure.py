@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
+from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
 from torchmoe.interruption import Interrupted
 from torchmoe.distributed.process_groups import device_backend
@@ -170,7 +171,7 @@ def lost_peer(err: BaseException) -> str | None:
 def abort_process_groups() -> None:
     """Abort the process groups of an NCCL job, without entering a collective: collectives
     blocked on them (this rank's own, when the watch thread calls it) fail at once instead of
-    at the timeout. Every group is aborted at once, as torch orders it (`_abort_process_group`).
+    at the timeout. Every group is aborted at once, as torch orders it (`_torch_private.abort_process_groups`).
 
     Gloo jobs are left alone: gloo's abort fails no pending operation (here or on the peers,
     which fail when this process exits and its sockets close), and an aborted gloo group hangs
@@ -179,7 +180,7 @@ def abort_process_groups() -> None:
     backstop ends the process.)
     """
     if dist.is_initialized() and device_backend("cuda") == "nccl":  # "nccl" or "cuda:nccl,cpu:gloo"
-        dist.distributed_c10d._abort_process_group()
+        private.abort_process_groups()
 
 
 class FailureWatch:
@@ -209,7 +210,7 @@ class FailureWatch:
     @classmethod
     def start(cls) -> FailureWatch:
         """Watch for failures of the default process group's ranks (call after init_process_group)."""
-        return cls(dist.distributed_c10d._get_default_store(), rank=dist.get_rank(),
+        return cls(private.default_store(), rank=dist.get_rank(),
                    world_size=dist.get_world_size())
 
     @property

@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from torchmoe.config.job_config import Float8
+from torchmoe.plan.float8 import float8_linear_eligible, selected_by
 
-# Float8 GEMM tiles: both dims of a float8 matmul operand must be multiples of this.
-FLOAT8_TILE = 16
 # torch._scaled_grouped_mm's CUDA kernels exist for these compute capabilities (major, minor or None: any).
 _GROUPED_CAPABILITIES = ((9, 0), (10, None))
 _TORCHAO_FIX = "pip install 'torchmoe[float8]' (torchao >= 0.18)"
@@ -35,12 +34,6 @@ _TORCHAO_FIX = "pip install 'torchmoe[float8]' (torchao >= 0.18)"
 
 class Float8Unavailable(RuntimeError):
     """Float8 was requested where it cannot run."""
-
-
-def float8_tp_enabled(cfg: Float8) -> bool:
-    """The seed's rule: TP itself runs in float8 when float8 linears are on with a recipe that is
-    not rowwise (tensorwise); rowwise recipes keep TP communication in high precision."""
-    return cfg.enable and cfg.recipe_name not in ("rowwise", "rowwise_with_gw_hp")
 
 
 def float8_unavailable(cfg: Float8, device: torch.device | str, *,
@@ -68,18 +61,6 @@ def float8_unavailable(cfg: Float8, device: torch.device | str, *,
             return ("float8.routed_experts", "float8 routed experts need torchao's moe_training, which is not installed "
                     "(or older than 0.18)", _TORCHAO_FIX)
     return None
-
-
-def float8_linear_eligible(fqn: str, out_features: int, in_features: int, filter_fqns: list[str]) -> bool:
-    """The nn.Linear `fqn` (out x in) becomes a ``Float8Linear``: not named by `filter_fqns`, both
-    dims float8 tiles. The one rule the conversion, the TP plan's count and the dry run share."""
-    return (not any(f in fqn for f in filter_fqns)
-            and out_features % FLOAT8_TILE == 0 and in_features % FLOAT8_TILE == 0)
-
-
-def selected_by(fqn: str, moe_fqns: list[str]) -> bool:
-    """`float8.moe_fqns` selects module `fqn` when one of its entries is part of the name."""
-    return any(f in fqn for f in moe_fqns)
 
 
 def _grouped_capability_ok(cap: tuple[int, int]) -> bool:
@@ -155,7 +136,7 @@ def convert_float8_experts(model: nn.Module, moe_fqns: list[str]) -> list[str]:
     """Make the routed-expert modules of `model` whose names contain any of `moe_fqns` run their
     grouped GEMMs in float8 (torchao's rowwise-scaled grouped GEMM, bf16 out); return their names.
     Their weights stay high-precision parameters: the casts happen in each forward and backward."""
-    from torchmoe.models.llama4.moe import GroupedExperts
+    from torchmoe.nn.experts import GroupedExperts
 
     names = [fqn for fqn, module in model.named_modules()
              if isinstance(module, GroupedExperts) and selected_by(fqn, moe_fqns)]

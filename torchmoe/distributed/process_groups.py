@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchmoe import _torch_private as private
+
 __all__ = ["backend_spec", "device_backend", "set_timeout"]
 
 
@@ -56,5 +58,4 @@ def set_timeout(seconds: int, groups: Iterable[dist.ProcessGroup | None], device
         torch.cuda.synchronize(device)
     timeout = timedelta(seconds=seconds)
     for group in dict.fromkeys(groups):  # a group may be several meshes' (views share groups)
-        # torch offers no public setter; the private one is pinned by tests/unit/test_comm.py.
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        private.set_group_timeout(timeout, group)  # torch offers no public setter

@@ -1,21 +1,13 @@
-"""Tensor parallelism for the Llama 4 transformer, including MoE tensor parallelism.
-
-Layout (sequence parallel between blocks): the residual stream is a DTensor sharded on the
-sequence dim over ``tp``; each attention / FFN / MoE block all-gathers its input sequence,
-computes on a slice of the heads or hidden units, and reduce-scatters its output back.
-
-MoE TP (``tp > 1`` and ``ep == 1``): the MoE block's input is all-gathered (``Shard(1)`` ->
-``Replicate()``) and its output, a partial sum over the local hidden units of every expert, is
-reduce-scattered (``Partial()`` -> ``Shard(1)``). Routed and shared experts are column-wise on
-w1/w3 and row-wise on w2; the router gate is replicated on the same mesh so every parameter is a
-DTensor on ``tp`` (uniform clipping, optimizer and FSDP handling).
+"""Tensor-parallel styles beyond torch's own, for MoE models: parameters replicated on the mesh
+(`ReplicateParallel`: router gates, shared experts under EP), routed experts sharded on their hidden
+dim (`ExpertTensorParallel`), and the per-module choice between torchao's float8 styles and plain
+ones (`LinearStyles`). Which module of a model gets which style is the model's TP plan
+(`torchmoe.models.llama4.tensor_parallel`).
 
 Float8 TP (``float8=True``: float8 linears with the tensorwise recipe): every ``Float8Linear``
-is sharded with torchao's float8 styles, and a block input whose consumers are all float8
-(attention: wq/wk/wv; dense FFN: w1/w3) is cast to float8 before its all-gather, so the forward
-all-gathers and the backward all-gathers of wo/w2's output gradients move 1-byte elements. The
-MoE input stays high precision (the router and routed experts read it); shared experts cast
-their replicated copy locally.
+is sharded with torchao's float8 styles, and a block input whose consumers are all float8 is
+cast to float8 before its all-gather, so the forward all-gathers and the backward all-gathers of
+the row-wise projections' output gradients move 1-byte elements.
 """
 
 from __future__ import annotations
@@ -24,18 +16,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from torchmoe.distributed.float8 import is_float8_linear
+
+__all__ = ["ExpertTensorParallel", "LinearStyles", "ReplicateParallel"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -91,80 +76,7 @@ class ExpertTensorParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, input_fn)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_tp: bool,
-             float8: bool = False) -> dict[str, ParallelStyle]:
-    """Shard `model` (a `Transformer`, or a pipeline stage of one) over `tp_mesh` in place and
-    return the plan applied: module name -> style.
-
-    The model returns plain tensors: logits (B, S, vocab / tp) with loss parallel, to be viewed as
-    a ``Shard(-1)`` DTensor by the loss, else gathered (B, S, vocab); a pipeline stage without
-    the head returns its sequence shard (B, S / tp, dim) of hidden states, and a stage without
-    the embedding takes one. Plain tensors are what pipeline stages send each other.
-
-    Args:
-        loss_parallel: keep the logits vocab-sharded for a vocab-parallel cross entropy.
-        moe_tp: tensor-parallelise MoE blocks (False when expert parallelism handles them).
-        float8: float8 TP (`float8.float8_tp_enabled`): torchao's float8 styles for the
-            ``Float8Linear`` modules, plain styles for the rest.
-    """
-    applied: dict[str, ParallelStyle] = {}
-    top_plan: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
-        # DTensor out (not local): the sequence length read downstream must be the global one.
-        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                     use_local_output=False)
-    if model.norm is not None:
-        top_plan["norm"] = SequenceParallel()
-    if model.output is not None:
-        top_plan["output"] = ColwiseParallel(input_layouts=Shard(1),
-                                             output_layouts=Shard(-1) if loss_parallel else Replicate())
-    parallelize_module(model, tp_mesh, top_plan)
-    applied.update(top_plan)
-    if model.tok_embeddings is None:  # a later pipeline stage: hidden-state shards in, as DTensors
-        parallelize_module(model, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
-                                                              desired_input_layouts=(Shard(1),)))
-    if model.norm is None:  # an earlier pipeline stage: hidden-state shards out, as plain tensors
-        parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
-                                                               desired_output_layouts=(Shard(1),)))
-
-    for name, block in model.layers.items():
-        styles = _LinearStyles(block, float8)
-        plan: dict[str, ParallelStyle] = {
-            "attention_norm": SequenceParallel(),
-            "attention": styles.gather_input("attention", ("wq", "wk", "wv"), (Shard(1), None),
-                                             (Replicate(), None)),
-            "attention.wq": styles.colwise("attention.wq"),
-            "attention.wk": styles.colwise("attention.wk"),
-            "attention.wv": styles.colwise("attention.wv"),
-            "attention.wo": styles.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
-            "ffn_norm": SequenceParallel(),
-        }
-        if not block.moe_enabled:
-            plan.update({
-                "feed_forward": styles.gather_input("feed_forward", ("w1", "w3"), (Shard(1),), (Replicate(),)),
-                "feed_forward.w1": styles.colwise("feed_forward.w1"),
-                "feed_forward.w2": styles.rowwise("feed_forward.w2", output_layouts=Shard(1), use_local_output=False),
-                "feed_forward.w3": styles.colwise("feed_forward.w3"),
-            })
-        elif moe_tp:
-            if not block.moe.score_before_experts:
-                # Gates applied to the experts' partial outputs would give each rank a partial
-                # gate gradient, which the replicated router never reduces.
-                raise ValueError("MoE tensor parallelism needs router scores applied before the experts "
-                                 "(score_before_experts=True, as in Llama 4); use expert parallelism instead")
-            plan.update(_moe_tp_plan(block.moe.shared_experts is not None, styles))
-        else:
-            # Experts are expert-parallel: the MoE block sees its own sequence shard as a local
-            # tensor and returns one (EP dispatches tokens itself).
-            plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
-                output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
-        parallelize_module(block, tp_mesh, plan)
-        applied.update({f"layers.{name}.{fqn}": style for fqn, style in plan.items()})
-    return applied
-
-
-class _LinearStyles:
+class LinearStyles:
     """The TP styles of one block's linears: torchao's float8 styles for its ``Float8Linear``
     modules when float8 TP is on, the plain ones otherwise."""
 
@@ -197,22 +109,3 @@ class _LinearStyles:
             return self._prepare(input_layouts=input_layouts, desired_input_layouts=desired,
                                  fwd_config_submodule_fqn=consumers[0])
         return PrepareModuleInput(input_layouts=input_layouts, desired_input_layouts=desired)
-
-
-def _moe_tp_plan(has_shared: bool, styles: _LinearStyles) -> dict[str, ParallelStyle]:
-    plan: dict[str, ParallelStyle] = {
-        # The input is gathered in high precision: the router and the routed experts read it.
-        "moe": PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=False),
-        "moe.router.gate": ReplicateParallel(),
-        "moe.experts": ExpertTensorParallel(),
-    }
-    if has_shared:
-        plan.update({
-            "moe.shared_experts.w1": styles.colwise("moe.shared_experts.w1"),
-            "moe.shared_experts.w3": styles.colwise("moe.shared_experts.w3"),
-            # Partial out: added to the routed experts' partial sum, reduced once by the block.
-            "moe.shared_experts.w2": styles.rowwise("moe.shared_experts.w2", output_layouts=Partial()),
-        })
-    return plan

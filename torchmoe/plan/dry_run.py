@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -25,9 +24,9 @@ from rich.table import Table
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
-from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
-from torchmoe.distributed.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
-from torchmoe.models.llama4.args import ModelArgs, model_args_from_config
+from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
+from torchmoe.plan.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
+from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
 from torchmoe.plan.pipeline import (
@@ -77,15 +76,6 @@ def group_json(members: Sequence[int]) -> list[int] | dict:
 def example_ranks(world_size: int) -> list[int]:
     """Rank 0, one in the middle and the last rank (deduplicated for tiny worlds)."""
     return sorted({0, world_size // 2, world_size - 1})
-
-
-def device_memory_gib(cfg_gib: float) -> float | None:
-    """Memory per device: the config's value, else the first CUDA device's, else unknown (None)."""
-    if cfg_gib > 0:
-        return cfg_gib
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory / GIB
-    return None
 
 
 def _linear_specs(specs: list[ParamSpec]) -> list[ParamSpec]:
@@ -272,8 +262,14 @@ class JobPlan:
     device_gib: float | None
 
 
-def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
-    """Plan `cfg` on `world_size` ranks (a validated config; nothing is printed or written)."""
+def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | None = None) -> JobPlan:
+    """Plan `cfg` on `world_size` ranks (a validated config; nothing is printed or written).
+
+    Args:
+        machine_device_gib: this machine's memory per device (`preflight.device_memory_gib`),
+            what the fit is checked against when `job.device_memory_gib` is not set; None:
+            unknown (the planner reads no hardware).
+    """
     degrees = resolve_degrees(cfg.parallelism, world_size)
     dims = ParallelDims(**degrees, world_size=world_size)
     args = model_args_from_config(cfg.model)
@@ -289,7 +285,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     expert_params_per_rank = max(sum(shard_numel(s, dims) for s in local if s.expert) for local in per_pp_rank)
     memory = max(memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
                                     compiled=cfg.compile.enable), key=lambda e: e.total)
-    device_gib = device_memory_gib(cfg.job.device_memory_gib)
+    device_gib = cfg.job.device_memory_gib if cfg.job.device_memory_gib > 0 else machine_device_gib
     tp_gathers = tp_gather_bytes(cfg, dims, args, pipe)
     plan = describe_plan(cfg, dims, args, pipe, tp_gathers)
 
@@ -316,18 +312,20 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     return JobPlan(report, dims, layout, ranks, params_local, memory, device_gib)
 
 
-def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = None) -> dict:
+def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = None,
+                machine_device_gib: float | None = None) -> dict:
     """Plan `cfg` on `world_size` ranks: print the report and write ``dry_run.json``.
 
     Args:
         cfg: a validated job config.
         world_size: ranks to plan for.
         console: where to print (default: stdout).
+        machine_device_gib: as `plan_job`'s.
     Returns:
         The report written to ``<job.dump_folder>/dry_run.json``.
     """
     console = console or Console(highlight=False)
-    job = plan_job(cfg, world_size)
+    job = plan_job(cfg, world_size, machine_device_gib=machine_device_gib)
     _print_report(console, cfg, job, compute_dtype_bytes(cfg.training))
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)

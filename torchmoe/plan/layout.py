@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchmoe.distributed.parallel_dims import ParallelDims
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.parallel_dims import ParallelDims
+from torchmoe.arch.llama4 import ModelArgs
 
 @dataclass(frozen=True)
 class ParamSpec:

@@ -45,7 +45,7 @@ memory instead (reported as ``host``, not in the device total).
 Activations: bytes saved for backward per token, per block, from the tensors `model.py` keeps
 alive (eager autograd, flash-style attention kernels that save q, k, v, out and the fp32
 log-sum-exp rather than probabilities: no path hands attention a mask, which would send it to the
-math kernel and its score matrix, see `ops.attention`). ``a`` = compute dtype
+math kernel and its score matrix, see `nn.attention`). ``a`` = compute dtype
 bytes, ``r`` residual-stream bytes (``a``, or 4 under autocast), ``D`` dim,
 ``Hq = n_heads*head_dim``, ``Hkv = n_kv_heads*head_dim``, ``F`` ffn_hidden_dim, ``M`` moe_hidden_dim,
 ``Ms = M * num_shared_experts``, ``E`` experts, ``k`` top_k. TP shards heads and hidden dims
@@ -63,7 +63,7 @@ inputs are the all-gathered sequence (full ``D``).
               + (4*(Hq + Hkv) + 4*(n_heads + n_kv_heads))/tp   QK L2-norm (RoPE layers, use_qk_norm)
               + cp                      with cp > 1, or a chunk that does not divide the sequence
                                         (`ActivationModel._cp_attention`): gathered K/V, or the
-                                        received halos; the output again (no mask: `ops.attention`)
+                                        received halos; the output again (no mask: `nn.attention`)
     dense FFN = norm(D)/tp + x(2)*D + 4*a*F/tp              w1/w3 input; w1 out, silu out, w3
                                                             out, product
     MoE       = norm(D)/tp + f*x(1 + 2s)*D                  ffn_norm, MoE input (router gate and,
@@ -110,8 +110,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
-from torchmoe.distributed.parallel_dims import MESH_DIMS, ParallelDims
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.plan.context import HALO, LOCAL, CPLayout
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
 from torchmoe.plan.pipeline import (
@@ -340,7 +340,7 @@ class ActivationModel:
     def _cp_attention(self, layer: int) -> float:
         """Bytes per local token that context parallelism, or chunks that do not divide the
         sequence, add to what attention saves (`plan.context` modes; nothing in local mode), for
-        the fullest cp rank. No mask or score matrix in any mode (`ops.attention`):
+        the fullest cp rank. No mask or score matrix in any mode (`nn.attention`):
           - global / gather: the whole sequence's keys and values (cp x a rank's own);
           - halo: the previous pieces' tails received from other ranks (a halo from the rank's
             own other piece is a view of its keys and values);

@@ -39,8 +39,8 @@ from functools import lru_cache
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism, Training
-from torchmoe.distributed.parallel_dims import ParallelDims
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.parallel_dims import ParallelDims
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.plan.layout import ParamSpec, param_specs, shard_numel
 
 # torch.distributed.pipelining's schedules (torchtitan's names) and how they place stages.
@@ -427,15 +427,12 @@ def _dependencies(kind: str, stage: int, mb: int, num_stages: int) -> list[tuple
 def _pipeline_orders(schedule: str, pp: int, num_stages: int, n: int) -> dict[int, list[tuple[str, int, int]]]:
     """Every rank's compute actions (kind F/B/I/W, stage, micro-batch), in torch's order.
 
-    Multi-stage schedules: torch builds the lists for all ranks when the schedule is constructed;
-    stand-in stages carry the few attributes it reads. GPipe and 1F1B have no such lists (their
+    Multi-stage schedules: torch builds the lists for all ranks when the schedule is constructed
+    (`_torch_private.pipeline_action_orders`). GPipe and 1F1B have no such lists (their
     order is written in their step loops), so it is restated here: GPipe runs every forward, then
     every backward; 1F1B runs ``min(n, pp - r)`` warm-up forwards on rank r, then alternates
     backward and forward.
     """
-    from torch import nn
-    from torch.distributed.pipelining import schedules
-
     if schedule in ("GPipe", "1F1B"):
         orders = {}
         for r in range(pp):
@@ -447,27 +444,10 @@ def _pipeline_orders(schedule: str, pp: int, num_stages: int, n: int) -> dict[in
                     order.append(("F", r, warmup + i))
             orders[r] = order
         return orders
+    # Torch's generator of the multi-stage schedules' lists: the planner's one use of torch.
+    from torchmoe._torch_private import pipeline_action_orders
 
-    class _PlanningStage:
-        def __init__(self, index: int, rank: int) -> None:
-            self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, pp, rank
-            self.is_first, self.is_last = index == 0, index == num_stages - 1
-            self.submod, self.has_backward, self.stage_index_to_group_rank = nn.Identity(), True, {}
-
-    stages = [_PlanningStage(s, 0) for s in stage_ranks(pp, num_stages, schedule)[0]]
-    order = schedules.get_schedule_class(schedule)(stages, n_microbatches=n, loss_fn=lambda out, target: out).pipeline_order
-    orders: dict[int, list[tuple[str, int, int]]] = {}
-    for rank, actions in order.items():
-        orders[rank] = []
-        for action in actions:
-            if action is None:
-                continue
-            for sub in action.sub_actions or (action,):
-                kind = str(sub.computation_type)
-                orders[rank].append(({"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I",
-                                      "BACKWARD_WEIGHT": "W"}.get(kind.rsplit(".", 1)[-1], kind), sub.stage_index,
-                                     sub.microbatch_index))
-    return orders
+    return pipeline_action_orders(schedule, pp, stage_ranks(pp, num_stages, schedule)[0], num_stages, n)
 
 
 def peak_activations_in_flight(schedule: str, pp: int, num_stages: int, n_microbatches: int, pp_rank: int,

@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchmoe.config.job_config import JobConfig
-from torchmoe.distributed.float8 import float8_linear_eligible, float8_tp_enabled
-from torchmoe.distributed.parallel_dims import ParallelDims
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.float8 import float8_linear_eligible, float8_tp_enabled
+from torchmoe.plan.parallel_dims import ParallelDims
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.plan.layout import param_specs
 from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.pipeline import PipelineLayout

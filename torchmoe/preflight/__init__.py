@@ -21,7 +21,7 @@ from torchmoe.config.paths import source_key
 from torchmoe.config.validate import resolve_degrees, validate_sections
 from torchmoe.data.dataloader import validation_data
 from torchmoe.data.tokenizer import build_tokenizer
-from torchmoe.models.llama4.args import model_args_from_config
+from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.preflight.features import check_features, check_launch
 from torchmoe.preflight.files import (
     check_dry_run_outputs,
@@ -43,7 +43,7 @@ from torchmoe.preflight.layout import (
     check_validation,
 )
 
-__all__ = ["train_device", "validate_job_config"]
+__all__ = ["device_memory_gib", "train_device", "validate_job_config"]
 
 
 def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool = True) -> None:
@@ -91,6 +91,13 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     if cfg.validation.enable:
         check_dataset_rows(validation_data(cfg.training, cfg.validation), cfg.validation.local_batch_size * dp,
                            key="validation.dataset_path")
+
+
+def device_memory_gib() -> float | None:
+    """This machine's memory per device: the first CUDA device's, None without one."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return None
 
 
 def train_device(requested: str) -> torch.device:

@@ -11,8 +11,8 @@ import torch
 
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
-from torchmoe.distributed.parallel_dims import ParallelDims
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.plan.parallel_dims import ParallelDims
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.plan.layout import param_specs
 
 

@@ -7,8 +7,9 @@ import torch
 
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
-from torchmoe.distributed.float8 import FLOAT8_TILE, float8_tp_enabled, float8_unavailable, selected_by
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.distributed.float8 import float8_unavailable
+from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
+from torchmoe.arch.llama4 import ModelArgs
 
 
 def check_float8(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:

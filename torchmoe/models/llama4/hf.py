@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchmoe.models.llama4.args import ModelArgs
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.models.llama4.hf_config_check import HFConfigValueError, HFConversionError, check_hf_config
 
 

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchmoe.models.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
-from torchmoe.models.llama4.args import ModelArgs
-from torchmoe.models.llama4.moe import FeedForward, MoE
-from torchmoe.ops.attention import causal_attention
+from torchmoe.nn.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
+from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.models.llama4.moe import MoE
+from torchmoe.nn.experts import FeedForward
+from torchmoe.nn.attention import causal_attention
 from torchmoe.regions import region
 
 
@@ -275,7 +276,7 @@ class Transformer(nn.Module):
     def init_weights(self, *, seed: int, buffer_device: torch.device | None = None) -> None:
         """Initialise parameters in place from `seed` and rebuild buffers.
 
-        A parameter's values depend on the seed and its name only (`models/init.py`), so every
+        A parameter's values depend on the seed and its name only (`nn/init.py`), so every
         layout (sharded, a pipeline stage of this model, CPU or CUDA) holds the same full weights.
         Works after ``to_empty(device=...)`` from the meta device; ``buffer_device`` places
         buffers elsewhere than parameters (e.g. CUDA buffers with CPU-offloaded parameters).

@@ -18,14 +18,25 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
+from torchmoe import _torch_private as private
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.distributed.compile import apply_compile
+from torchmoe.distributed.context_parallel import ContextParallelAttention
 from torchmoe.distributed.data_parallel import apply_autocast, apply_ddp, apply_fsdp
-from torchmoe.distributed.float8 import apply_float8, float8_tp_enabled
-from torchmoe.distributed.parallel_dims import ParallelDims, ParallelMesh
-from torchmoe.distributed.tensor_parallel import apply_tp
+from torchmoe.distributed.expert_parallel import AllToAllDispatcher
+from torchmoe.distributed.float8 import apply_float8
+from torchmoe.distributed.mesh import ParallelMesh
+from torchmoe.distributed.tensor_parallel import ReplicateParallel
+from torchmoe.models.llama4.model import Attention
+from torchmoe.models.llama4.tensor_parallel import apply_tp
+from torchmoe.plan.context import CPLayout
+from torchmoe.plan.float8 import float8_tp_enabled
+from torchmoe.plan.parallel_dims import ParallelDims
 
 
 def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, cfg: JobConfig,
@@ -38,19 +49,15 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
         apply_float8(model, cfg.float8, device)
 
     if dims.tp_enabled:
-        if par.enable_async_tensor_parallel:
-            _enable_async_tp(mesh["tp"])
+        if par.enable_async_tensor_parallel:  # validation guarantees CUDA and compile
+            private.enable_async_tp(mesh["tp"].get_group().group_name)
         apply_tp(model, mesh["tp"], loss_parallel=not par.disable_loss_parallel, moe_tp=dims.moe_tp_enabled,
                  float8=float8_tp_enabled(cfg.float8))
 
     if dims.ep_enabled:
-        from torchmoe.distributed.expert_parallel import apply_ep
-
         apply_ep(model, mesh["ep"], tp_mesh=mesh["tp"] if dims.tp_enabled else None)
 
     if dims.cp_enabled:
-        from torchmoe.distributed.context_parallel import apply_cp
-
         apply_cp(model, mesh["cp"], cfg.training.seq_len)
 
     apply_ac(model, cfg.activation_checkpoint)
@@ -78,10 +85,34 @@ def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh 
     return model
 
 
-def _enable_async_tp(tp_mesh) -> None:
-    """Async TP: inductor fuses TP collectives with the matmuls they feed, over symmetric memory.
-    Validation guarantees CUDA and compile are on."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, tp_mesh: DeviceMesh | None) -> None:
+    """Shard every MoE layer's routed experts over `ep_mesh` (``Shard(0)``: whole experts per
+    rank; the preflight checks that ep divides the experts) and install the all-to-all
+    dispatcher. With `tp_mesh`, make the router gate and shared experts replicated DTensors on
+    ``tp`` fed token-sharded inputs (see `distributed.expert_parallel`)."""
+    for moe in model.moe_layers():
+        experts = moe.experts
+        for name in ("w1", "w2", "w3"):
+            param = getattr(experts, name)
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        moe.dispatcher = AllToAllDispatcher(moe.num_experts, moe.top_k, ep_mesh)
+        if tp_mesh is not None:
+            moe.sequence_shard_groups.append(tp_mesh.get_group())
+            parallelize_module(moe.router.gate, tp_mesh, ReplicateParallel(input_layout=Shard(0)))
+            if moe.shared_experts is not None:
+                # Per projection: the MoE layer calls the shared expert's halves, not its forward.
+                for proj in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+                    parallelize_module(proj, tp_mesh, ReplicateParallel(input_layout=Shard(0)))
 
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """Context-parallelise `model` (a `Transformer` or a pipeline stage) over `cp_mesh` in place:
+    the model and its attention modules share one `ContextParallelAttention`, and MoE blocks sum
+    their balance-loss statistics over cp."""
+    cp_attention = ContextParallelAttention(CPLayout(seq_len, cp_mesh.size()), cp_mesh)
+    model.context_parallel = cp_attention
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.context_parallel = cp_attention
+    for moe in model.moe_layers():
+        moe.sequence_shard_groups.append(cp_mesh.get_group())

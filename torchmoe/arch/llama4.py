@@ -1,6 +1,6 @@
 """Llama 4 text-model hyper-parameters and the named flavors.
 
-    python -c "from torchmoe.models.llama4.args import FLAVORS; print(FLAVORS['scout'].param_counts())"
+    python -c "from torchmoe.arch.llama4 import FLAVORS; print(FLAVORS['scout'].param_counts())"
 
 `ModelArgs` is the single description of a model's shape; the model, the Hugging Face mapping,
 the dry-run planner and the parallelize pipeline all read it. Flavors are a plain dict: torchmoe's

@@ -1,13 +1,14 @@
-"""Parallel degrees, the rank layout they imply, and the DeviceMesh built from that layout.
+"""Parallel degrees and the rank layout they imply (the DeviceMesh built from it is
+`torchmoe.distributed.mesh`'s).
 
-    python -c "from torchmoe.distributed.parallel_dims import ParallelDims as P; \\
+    python -c "from torchmoe.plan.parallel_dims import ParallelDims as P; \\
         print(P(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1, world_size=8).layout()['tp'].groups())"
 
 Ranks are numbered row-major over ``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost, so a TP
 group is a run of consecutive ranks: one node's fast interconnect). Every dim and view is a list
 of axes ``(size, stride)`` over the global rank numbers, outermost first; a rank's group along
 a dim is every rank that differs from it only along those axes. `mesh_layout` is the one place
-that says so: the dry-run printer reads groups from it, and `ParallelDims.build_mesh` checks the
+that says so: the dry-run printer reads groups from it, and `torchmoe.distributed.mesh.build_mesh` checks the
 real DeviceMesh against it on every rank, so what is printed is what runs.
 
 Views (DESIGN §4):
@@ -28,10 +29,6 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism
 from torchmoe.config.validate import resolve_degrees
 
@@ -276,40 +273,11 @@ class ParallelDims:
         """Mesh names to pass to ``fully_shard`` for routed experts (2-D = HSDP)."""
         return ("dp_replicate", "efsdp") if self.dp_replicate_enabled else ("efsdp",)
 
-    # ---- layout and the real mesh -----------------------------------------------------------
+    # ---- layout ---------------------------------------------------------------------------------
 
     def layout(self) -> dict[str, DimLayout]:
         """`mesh_layout` of these degrees."""
         return mesh_layout(self.degrees)
-
-    def build_mesh(self, device_type: str) -> ParallelMesh:
-        """Create the real DeviceMeshes (collective: every rank calls this, in the same order).
-
-        The default process group must span `world_size` ranks (``init_device_mesh`` initialises
-        it from the torchrun environment when it is not). Creates, in order: the world mesh over
-        `MESH_DIMS` (size-1 dims included, so lookups never depend on the degrees), the flattened
-        views, and the expert mesh ``(efsdp, ep)`` unflattened from the expert region. Then checks
-        this rank's group along every name against `mesh_layout` and raises if they differ.
-        """
-        if dist.is_initialized() and dist.get_world_size() != self.world_size:
-            raise ConfigError("parallelism", self.degrees,
-                              f"degrees multiply to {self.world_size} but the launched world has "
-                              f"{dist.get_world_size()} ranks",
-                              "launch as many ranks as the degrees multiply to")
-        world = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS),
-                                 mesh_dim_names=MESH_DIMS)
-        views = {name: world[dims]._flatten(name) for name, dims in FLAT_VIEWS.items()}
-        if self.ep_enabled and self.tp_enabled:
-            region = world["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
-        else:
-            # ep == 1 or tp == 1: the expert region is dp_shard x cp, already flattened. (With
-            # ep == 1 the efsdp groups equal dp_shard_cp's but get their own process groups.)
-            region = views["dp_shard_cp"]
-        experts = region._unflatten(0, (self.efsdp, self.ep), ("efsdp", "ep"))
-        views["efsdp"], views["ep"] = experts["efsdp"], experts["ep"]
-        mesh = ParallelMesh(world, views)
-        mesh.check_against(self.layout())
-        return mesh
 
 
 def _as_parallelism(degrees: Mapping[str, int]) -> Parallelism:
@@ -322,39 +290,3 @@ def _as_parallelism(degrees: Mapping[str, int]) -> Parallelism:
         tensor_parallel_degree=degrees["tp"],
         expert_parallel_degree=degrees["ep"],
     )
-
-
-class ParallelMesh:
-    """The job's DeviceMeshes, looked up by name.
-
-    ``mesh["tp"]``, ``mesh["dp_shard_cp"]``, ``mesh["ep"]``, ``mesh["efsdp"]``, ``mesh["batch"]``,
-    ``mesh["loss"]`` return 1-D DeviceMeshes; a tuple of names (``mesh["dp_replicate", "efsdp"]``)
-    returns the n-D mesh over them (for HSDP), sharing the same process groups.
-    """
-
-    def __init__(self, world: DeviceMesh, views: dict[str, DeviceMesh]) -> None:
-        self.world = world
-        self._views = views
-
-    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
-        if isinstance(names, str):
-            return self.world[names] if names in MESH_DIMS else self._views[names]
-        if all(n in MESH_DIMS for n in names):
-            return self.world[names]
-        # Views live beside the world mesh (not inside it), so join their 1-D meshes; this reuses
-        # their process groups instead of creating new ones.
-        return DeviceMesh._concatenate([self[n] for n in names])
-
-    def groups(self) -> list[dist.ProcessGroup]:
-        """The process group of every named dim and view, each once (views of one size share a
-        world dim's group)."""
-        return list(dict.fromkeys(self[name].get_group() for name in ALL_NAMES))
-
-    def check_against(self, layout: Mapping[str, DimLayout]) -> None:
-        """Raise if this rank's group along any name differs from `layout` (no communication)."""
-        rank = self.world.get_rank()
-        for name in ALL_NAMES:
-            real = self[name].mesh.tolist()
-            expected = layout[name].group(rank)
-            if real != expected:
-                raise RuntimeError(f"rank {rank}: DeviceMesh group of {name!r} is {real}, layout says {expected}")

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchmoe.components.weight_files import misfit
 from torchmoe.config.errors import ConfigError
-from torchmoe.models.llama4.args import FLAVORS, ModelArgs
+from torchmoe.arch.llama4 import FLAVORS, ModelArgs
 from torchmoe.models.llama4.hf import hf_config_from_args
 from torchmoe.models.llama4.model import Transformer
 

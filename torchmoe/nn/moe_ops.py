@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from torchmoe import _torch_private as private
+
 __all__ = ["accumulate_token_counts", "count_exchanged_bytes", "grouped_mm"]
 
 
@@ -37,7 +39,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     """
     # The kernel pads rows to 16 bytes (N = 6 fp32 gets stride 8); the fake kernel promises a
     # contiguous result, and for the usual N (a multiple of 4) this is no copy.
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).contiguous()
+    return private.grouped_mm(x, w.transpose(-2, -1), offsets).contiguous()
 
 
 @grouped_mm.register_fake
@@ -54,7 +56,7 @@ def grouped_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.T
     Returns:
         (G, N, K) contiguous.
     """
-    return torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets).contiguous()  # as in grouped_mm
+    return private.grouped_mm(grad.transpose(0, 1), x, offsets).contiguous()  # as in grouped_mm
 
 
 @grouped_mm_weight_grad.register_fake
@@ -90,7 +92,7 @@ def accumulate_token_counts(buffer: torch.Tensor, counts: torch.Tensor) -> None:
         buffer: (E,) fp32 running counts (the layer's ``tokens_per_expert``).
         counts: (E,) fp32 routed copies per expert in this forward.
     """
-    if torch._C._current_graph_task_id() == -1:
+    if not private.in_backward():
         buffer.add_(counts)
 
 
@@ -108,7 +110,7 @@ def count_exchanged_bytes(counter: torch.Tensor, nbytes: int) -> None:
         counter: (2,) int64 CPU tensor (the EP dispatcher's; read on the host without a sync).
         nbytes: bytes this forward's all-to-alls send to other ranks.
     """
-    counter[int(torch._C._current_graph_task_id() != -1)] += nbytes
+    counter[int(private.in_backward())] += nbytes
 
 
 @count_exchanged_bytes.register_fake

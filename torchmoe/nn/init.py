@@ -35,12 +35,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from torchmoe import _torch_private as private
 
 # Values per drawn chunk: large enough that per-chunk overhead (a generator, a slice) is noise,
 # small enough (4 MiB of fp32) that a rank with a small shard draws little beyond it.
 CHUNK_VALUES = 1 << 20
+# FSDP's placement of a dim sharded twice (TP, then FSDP on the same dim).
+_STRIDED_SHARD = private.strided_shard_type()
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def shard_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple
     mesh, placements = param.device_mesh, param.placements
     check_box_layout(placements, mesh.shape)
     local = param.to_local()
-    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    shape, offset = private.local_shape_and_offset(param.shape, mesh, placements)
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"local shard {tuple(local.shape)} is not the expected {tuple(shape)} of "
                          f"{tuple(param.shape)} under {placements}")
@@ -130,11 +132,11 @@ def check_box_layout(placements, mesh_shape: tuple[int, ...]) -> None:
     dim d; anything else along d (a strided shard applied after another shard) is a strided set.
     """
     for i, p in enumerate(placements):
-        if not isinstance(p, _StridedShard):
+        if not isinstance(p, _STRIDED_SHARD):
             continue
         others = [j for j, q in enumerate(placements)
-                  if j != i and isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim]
-        if any(j < i or isinstance(placements[j], _StridedShard) for j in others) or (
+                  if j != i and isinstance(q, (Shard, _STRIDED_SHARD)) and q.dim == p.dim]
+        if any(j < i or isinstance(placements[j], _STRIDED_SHARD) for j in others) or (
                 math.prod(mesh_shape[j] for j in others) != p.split_factor):
             raise ValueError(f"layout-independent init needs a contiguous shard per dim, not {placements}")
 

@@ -1,6 +1,6 @@
 """Causal attention without mask tensors: every layout's attention, as fused kernels accept it.
 
-    python -m pytest -q tests/unit/test_attention_ops.py
+    python -m pytest -q tests/unit/test_attention.py
 
 Fused GPU attention kernels refuse what a dense boolean mask expresses: flash attention takes no
 mask at all, and the memory-efficient kernel no grouped-query heads. With a mask SDPA falls back
@@ -31,8 +31,9 @@ What autograd keeps for a prefixed block: q, both key/value blocks (views of the
 tensors), the merged output and the fp32 log-sum-exp: what a flash kernel keeps, no mask and no
 score matrix (`plan.memory` counts it so).
 
-The kernels are private aten operators (the public SDPA returns no log-sum-exp); the op is a
-custom operator, so torch.compile and selective activation checkpointing see one node.
+The kernels are private aten operators (the public SDPA returns no log-sum-exp; they are
+`torchmoe._torch_private`'s); the op is a custom operator, so torch.compile and selective
+activation checkpointing see one node.
 """
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torchmoe import _torch_private as private
+
 __all__ = ["PREFIXED_ATTENTION", "causal_attention", "chunked_causal_attention", "prefixed_causal_attention"]
-
-_aten = torch.ops.aten
-
 
 def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
     """Causal attention within consecutive chunks of `chunk` tokens (the length a multiple of it).
@@ -217,13 +217,12 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     """Attention of q over one key block: (out (B, H, n, hd), lse (B, H, n) fp32)."""
     n = q.shape[-2]
     if q.device.type == "cpu":
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        out, lse = private.flash_attention_cpu(q, k, v, causal)
     elif q.device.type == "cuda" and _flash_on_cuda(q):
-        out, lse = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+        out, lse = private.flash_attention_cuda(q, k, v, causal)
     elif q.device.type == "cuda" and torch.backends.cuda.mem_efficient_sdp_enabled():
         heads = q.shape[1]
-        out, lse = _aten._scaled_dot_product_efficient_attention(q, _repeat_heads(k, heads), _repeat_heads(v, heads),
-                                                                 None, True, 0.0, causal)[:2]
+        out, lse = private.efficient_attention_cuda(q, _repeat_heads(k, heads), _repeat_heads(v, heads), causal)
         lse = lse[..., :n]  # the kernel pads the log-sum-exp's length to a multiple of 32
     else:
         return _math_forward(q, k, v, causal=causal)
@@ -235,21 +234,15 @@ def _block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """dq, dk, dv of one key block's share of an attention whose whole output and log-sum-exp
     are `out` and `lse`: the kernel recomputes the probabilities from `lse`, so they are the
     merged softmax's, and ``D = rowsum(grad * out)`` is the merged output's."""
-    n = q.shape[-2]
     if q.device.type == "cpu":
-        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal)
+        return private.flash_attention_cpu_backward(grad, q, k, v, out, lse, causal)
     if q.device.type == "cuda" and _flash_on_cuda(q):
-        # Dense (not varlen) flash: no cumulative lengths; without dropout the RNG state is unread.
-        rng = torch.empty((), dtype=torch.int64)
-        return _aten._scaled_dot_product_flash_attention_backward(grad, q, k, v, out, lse, None, None, n, k.shape[-2],
-                                                                  0.0, causal, rng, rng)
+        return private.flash_attention_cuda_backward(grad, q, k, v, out, lse, causal)
     if q.device.type == "cuda" and torch.backends.cuda.mem_efficient_sdp_enabled():
         heads, kv_heads = q.shape[1], k.shape[1]
-        padded = F.pad(lse, (0, -n % 32))  # the kernel's own layout of it (see `_block_forward`)
-        rng = torch.empty((), dtype=torch.int64)
-        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, _repeat_heads(k, heads), _repeat_heads(v, heads), None, out, padded, rng, rng, 0.0,
-            [True, True, True, False], causal)
+        padded = F.pad(lse, (0, -q.shape[-2] % 32))  # the kernel's own layout of it (see `_block_forward`)
+        dq, dk, dv = private.efficient_attention_cuda_backward(grad, q, _repeat_heads(k, heads),
+                                                               _repeat_heads(v, heads), out, padded, causal)
         return dq, _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
     return _math_backward(grad, q, k, v, out, lse, causal=causal)
 

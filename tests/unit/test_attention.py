@@ -1,6 +1,6 @@
-"""Mask-free causal attention (`torchmoe.ops.attention`) against attention with an explicit mask.
+"""Mask-free causal attention (`torchmoe.nn.attention`) against attention with an explicit mask.
 
-    python -m pytest -q tests/unit/test_attention_ops.py
+    python -m pytest -q tests/unit/test_attention.py
 
 The reference is torch's SDPA given the dense boolean mask of the same attention (causal, within
 chunks, over the keys from the first query's chunk start): the computation fused GPU kernels
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import refusing_attention_masks
-from torchmoe.ops import attention
-from torchmoe.ops.attention import causal_attention, prefixed_causal_attention
+from torchmoe.nn import attention
+from torchmoe.nn.attention import causal_attention, prefixed_causal_attention
 
 # (start, queries, chunk): queries at [start, start + n); the prefix reaches back to the chunk start.
 CASES = [
