@@ -22,8 +22,8 @@ import torch
 
 from torchmoe.config.job_config import Compile
 from torchmoe.distributed.compile import apply_compile
-from torchmoe.nn.init import init_parameters
 from torchmoe.models.llama4 import FLAVORS, MoE, Transformer
+from torchmoe.nn.init import init_parameters
 
 
 def _time(fn, warmup: int, iters: int) -> float:

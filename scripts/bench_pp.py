@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 
 from torchmoe.config.job_config import Parallelism
-from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.launch import read_metrics, run_train
 from torchmoe.models.llama4 import FLAVORS
+from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import (
     SCHEDULE_STYLES,
     bubble_fraction,

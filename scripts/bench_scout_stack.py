@@ -46,8 +46,9 @@ import torch.nn.functional as F
 
 from torchmoe.components.metrics import device_peak_flops, peak_memory_gib, reset_peak_memory
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
-from torchmoe.config.job_config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
+from torchmoe.config.job_config import ActivationCheckpoint, Compile, Float8
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.config.job_config import Parallelism, Training
 from torchmoe.distributed.compile import apply_compile
 from torchmoe.distributed.data_parallel import apply_autocast
 from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears

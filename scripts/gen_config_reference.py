@@ -21,7 +21,6 @@ from torchmoe.config.errors import show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, TUNES, Mapped, Refused
 
-
 _START, _END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 

@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
-from torchmoe.config.loader import config_toml
 from torchmoe.config.job_config import Parallelism
+from torchmoe.config.loader import config_toml
 from torchmoe.config.paths import job_paths, user_path_faults
 from torchmoe.interruption import Interrupted, interrupt_on_signals
 from torchmoe.interruption import report as report_interruption

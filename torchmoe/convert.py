@@ -40,20 +40,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from torchmoe.argparser import ArgumentParser, parse_args
-from torchmoe.components.finite import refuse_nonfinite
-from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
 from torchmoe.components.checksums import ChecksummingWriter
+from torchmoe.components.finite import refuse_nonfinite
+from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit
+from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
 from torchmoe.components.run_lock import LOCK_NAME, lock_folders
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
+from torchmoe.config.validate import PARAM_DTYPES
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
-from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit
+from torchmoe.nn.dtypes import torch_dtype
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def _parser() -> ArgumentParser:
     to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> DCP folder for checkpoint.initial_load_path")
     to_dcp.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face Llama 4 folder (config.json + *.safetensors)")
     to_dcp.add_argument("out_dir", metavar="OUT_DIR", help="DCP folder to create (must not hold files)")
-    to_dcp.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (default: float32)")
+    to_dcp.add_argument("--dtype", choices=PARAM_DTYPES, default="float32", help="parameter dtype (default: float32)")
     to_hf = sub.add_parser("dcp-to-hf", help="torchmoe step-N (or bare model DCP) folder -> Hugging Face folder")
     to_hf.add_argument("ckpt_dir", metavar="CKPT_DIR", help="step-N checkpoint folder or bare model DCP folder")
     to_hf.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face folder to create (must not hold files)")
@@ -253,7 +253,7 @@ def convert_main(argv: list[str]) -> int:
 def _run(opts: argparse.Namespace) -> int:
     """One direction; rank 0 reports (under torchrun every rank does its share of the work)."""
     if opts.direction == "hf-to-dcp":
-        flavor = hf_to_dcp(opts.hf_dir, opts.out_dir, dtype=DTYPES[opts.dtype])
+        flavor = hf_to_dcp(opts.hf_dir, opts.out_dir, dtype=torch_dtype(opts.dtype))
         _say(f"wrote DCP folder {opts.out_dir} ({opts.dtype})")
         if flavor is not None:
             _say(f"train from it with --model.flavor {flavor} --checkpoint.initial_load_path {opts.out_dir}")

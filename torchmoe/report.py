@@ -32,18 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchmoe.arch.llama4 import FLAVORS, ModelArgs, model_args_from_config
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.metrics import METRICS_FILE, layer_imbalance, parse_record
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
-from torchmoe.config.file_writes import write_file
 from torchmoe.config.paths import nonempty_path, path_faults, writable_file, writable_folder
-from torchmoe.plan.parallel_dims import MESH_DIMS
 from torchmoe.config.validate import resolve_degrees, validate_sections
-from torchmoe.arch.llama4 import FLAVORS, ModelArgs, model_args_from_config
 from torchmoe.plan.dry_run import format_count, plan_job
+from torchmoe.plan.parallel_dims import MESH_DIMS
 from torchmoe.preflight.layout import check_flavor
 
 if TYPE_CHECKING:

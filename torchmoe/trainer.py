@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.components.checkpoint import (
     CheckpointManager,
     ModelWrapper,
@@ -69,25 +70,21 @@ from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.launcher import watch_launcher
-from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.models.llama4 import Transformer, update_expert_bias
-from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.models.llama4.parallelize import parallelize_llama4
 from torchmoe.models.llama4.pipeline_stages import PipelineRankModel, split_into_stages
+from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.plan.context import CPLayout
-from torchmoe.plan.memory import compute_dtype_bytes, param_dtype_bytes, residual_dtype_bytes
+from torchmoe.plan.memory import compute_dtype, residual_dtype
+from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
 from torchmoe.preflight import train_device
 from torchmoe.regions import region
 
 logger = logging.getLogger(__name__)
-
-# The planner counts bytes per element; the dtype that runs with that many.
-_DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
-
 
 @dataclass
 class StepResult:
@@ -178,11 +175,11 @@ class Trainer:
         self.global_tokens = self.dataloader.global_batch_size * cfg.training.seq_len
         # What the matmuls compute in, in every layout (FSDP/DDP cast the parameters to it, other
         # layouts autocast): the planner's dtype, and the peak MFU is measured against.
-        self.compute_dtype = _DTYPE_OF_BYTES[compute_dtype_bytes(cfg.training)]
+        self.compute_dtype = torch_dtype(compute_dtype(cfg.training))
 
         # The parameters' dtype (`training.dtype`): every parameter is created in the default
         # dtype, while the buffers that must stay fp32 (RoPE table, router state) say so.
-        param_dtype = _DTYPE_OF_BYTES[param_dtype_bytes(cfg.training)]
+        param_dtype = torch_dtype(cfg.training.dtype)
         with torch.device("meta"), _default_dtype(param_dtype):
             model = Transformer(self.model_args)
         # The stages this rank runs (the whole model without PP), each parallelized on its own.
@@ -221,6 +218,9 @@ class Trainer:
         }
         self.step = 0
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        # This rank's share in sums of the loss over the world: only tp-coordinate 0 counts it,
+        # since its TP peers hold the same value.
+        self.loss_weight = 1.0 if self.mesh is None or self.mesh["tp"].get_local_rank() == 0 else 0.0
         self._stop_signal: int | None = None
         self.pp_microbatches = microbatches(cfg.training, cfg.parallelism)[0] if self.dims.pp_enabled else 1
         # Context parallelism: the columns of each sequence this rank trains on (its head-tail pieces).
@@ -232,7 +232,7 @@ class Trainer:
         """torch's pipeline schedule over this rank's stages (see `distributed/pipeline_parallel.py`)."""
         cfg, args = self.cfg, self.model_args
         tp = self.dims.tp
-        hidden_dtype = _DTYPE_OF_BYTES[residual_dtype_bytes(self.dims, cfg.training)]
+        hidden_dtype = torch_dtype(residual_dtype(self.dims, cfg.training))
         metas = lambda stage: stage_io_metas(
             self.pipe, stage, microbatch=cfg.training.local_batch_size // self.pp_microbatches,
             seq_len=cfg.training.seq_len // self.dims.cp, seq_shards=tp, dim=args.dim,
@@ -352,8 +352,6 @@ class Trainer:
                                   dp_degree=self.dims.dp, batch_mesh=self.batch_mesh, repeat=False,
                                   key="validation.dataset_path")
         counts = [moe.tokens_per_expert.clone() for moe in self.moe_layers]
-        # Only tp-coordinate 0 counts its loss: its TP peers hold the same value.
-        weight = 1.0 if self.mesh is None or self.mesh["tp"].get_local_rank() == 0 else 0.0
         total = torch.zeros((), device=self.device)
         batches = 0
         while val.steps == -1 or batches < val.steps:
@@ -370,7 +368,7 @@ class Trainer:
                 inputs, labels = self._local_columns(inputs, labels)
                 with loss_parallel() if self.loss_parallel else nullcontext():
                     loss = self._summed_loss(self.model(inputs), labels)
-                total += weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
+                total += self.loss_weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
             batches += 1
         for moe, saved in zip(self.moe_layers, counts):
             moe.tokens_per_expert.copy_(saved)
@@ -469,8 +467,7 @@ class Trainer:
         bad_bias = (~torch.isfinite(torch.cat(biases))).any().float() if biases else torch.zeros_like(flag)
         if self.mesh is None:
             return local_loss, flag, bad_bias
-        weight = 1.0 if self.mesh["tp"].get_local_rank() == 0 else 0.0
-        buf = torch.stack([local_loss * weight, flag, bad_bias])
+        buf = torch.stack([local_loss * self.loss_weight, flag, bad_bias])
         dist.all_reduce(buf)
         return buf[0], buf[1], buf[2]
 

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+
 def _about_to_fail(out: Path) -> None:
     if os.environ.get("FAIL_ON_GO") == "1":
         (out / "blocked").touch()

@@ -117,11 +117,11 @@ def _check_model(seq_len: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchmoe.models.llama4.parallelize import apply_cp
     from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.models.llama4.model import Attention
-    from torchmoe.plan.parallel_dims import ParallelDims
+    from torchmoe.models.llama4.parallelize import apply_cp
     from torchmoe.plan.memory import ActivationModel
+    from torchmoe.plan.parallel_dims import ParallelDims
 
     torch.manual_seed(0)
     args = FLAVORS["tiny"]

@@ -121,9 +121,9 @@ def measured(tmp_path_factory) -> dict[int, dict]:
 
 def _estimate(label: str, pp_rank: int):
     from torchmoe.config.loader import load_job_config
-    from torchmoe.plan.parallel_dims import ParallelDims
     from torchmoe.models.llama4 import FLAVORS
     from torchmoe.plan.memory import memory_per_pp_rank
+    from torchmoe.plan.parallel_dims import ParallelDims
 
     cfg = load_job_config([*BASE, *LAYOUTS[label]])
     dims = ParallelDims.from_config(cfg.parallelism, WORLD)

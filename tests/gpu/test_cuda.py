@@ -11,8 +11,8 @@ import torch
 
 from tests.helpers import DEBUG_CONFIG
 from torchmoe.launch import metrics_by_step, run_train
-from torchmoe.nn.init import init_parameters
 from torchmoe.models.llama4 import FLAVORS, MoE
+from torchmoe.nn.init import init_parameters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -31,8 +31,8 @@ from torch import nn
 from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model
 from torchmoe import cli
 from torchmoe.components.checkpoint import MARKER, CheckpointManager, ModelWrapper
-from torchmoe.components.run_lock import LOCK_NAME
 from torchmoe.components.initial_load import load_initial_weights
+from torchmoe.components.run_lock import LOCK_NAME
 from torchmoe.components.weight_files import quiet_dcp_logs
 from torchmoe.config import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig

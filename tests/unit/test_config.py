@@ -17,6 +17,7 @@ import torch
 
 from tests.helpers import write_toml
 from torchmoe import cli
+from torchmoe.arch.llama4 import FLAVORS, ModelArgs
 from torchmoe.config import (
     ConfigError,
     JobConfig,
@@ -25,7 +26,6 @@ from torchmoe.config import (
     write_config_toml,
 )
 from torchmoe.config.job_config import Parallelism
-from torchmoe.arch.llama4 import FLAVORS, ModelArgs
 from torchmoe.preflight import validate_job_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -12,9 +12,9 @@ from rich.console import Console
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.loader import load_job_config
-from torchmoe.preflight import validate_job_config
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.dry_run import run_dry_run
+from torchmoe.preflight import validate_job_config
 
 
 @pytest.mark.parametrize(("seq_len", "cp"), [(16, 2), (64, 4), (384, 2), (48, 3)])

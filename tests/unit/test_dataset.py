@@ -18,10 +18,9 @@ from torchmoe.data import (
     HFDocuments,
     InMemoryDocuments,
     build_documents,
-    local_files,
-    python_docs_files,
 )
 from torchmoe.data import dataset as dataset_module
+from torchmoe.data import local_files, python_docs_files
 
 
 def _write_jsonl(path: Path, texts: list[str | None], field: str = "text") -> None:

@@ -18,21 +18,21 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers import DEBUG_CONFIG
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.loader import load_job_config
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears
-from torchmoe.plan.float8 import float8_tp_enabled
 from torchmoe.distributed.mesh import build_mesh
-from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.models.llama4.tensor_parallel import apply_tp
 from torchmoe.models.llama4 import FLAVORS, Transformer
+from torchmoe.models.llama4.tensor_parallel import apply_tp
 from torchmoe.nn.experts import GroupedExperts, _grouped_swiglu, _looped_swiglu
 from torchmoe.nn.moe_ops import grouped_mm
+from torchmoe.plan.float8 import float8_tp_enabled
+from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import pipeline_layout
 from torchmoe.plan.tp_comm import tp_gather_bytes
 from torchmoe.preflight import validate_job_config
-from tests.helpers import DEBUG_CONFIG
 
 ao_tp = pytest.importorskip("torchao.float8.float8_tensor_parallel")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.nn.init import (
     Normal,
     TruncNormal,
@@ -18,7 +19,6 @@ from torchmoe.nn.init import (
     init_parameters,
     rows_per_chunk,
 )
-from torchmoe.models.llama4 import FLAVORS, Transformer
 
 
 def _full(init, shape: tuple[int, ...], seed: int = 3) -> torch.Tensor:

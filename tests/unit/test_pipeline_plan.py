@@ -21,10 +21,9 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism
 from torchmoe.config.loader import load_job_config
 from torchmoe.config.validate import PIPELINE_SCHEDULES
-from torchmoe.preflight import validate_job_config
-from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.models.llama4 import FLAVORS
 from torchmoe.plan.dry_run import run_dry_run
+from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.plan.pipeline import (
     SCHEDULE_STYLES,
     bubble_fraction,
@@ -36,6 +35,7 @@ from torchmoe.plan.pipeline import (
     stage_costs,
     stage_ranks,
 )
+from torchmoe.preflight import validate_job_config
 
 
 def _dims(**degrees: int) -> ParallelDims:

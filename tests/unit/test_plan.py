@@ -26,12 +26,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torchmoe.config.job_config import ActivationCheckpoint, JobConfig, Parallelism, Training
 from torchmoe.config.loader import load_job_config
 from torchmoe.distributed.mesh import build_mesh
-from torchmoe.plan.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
 from torchmoe.nn.experts import GroupedExperts
 from torchmoe.plan.dry_run import format_ranks, run_dry_run
 from torchmoe.plan.layout import param_specs, shard_numel
 from torchmoe.plan.memory import GIB, ActivationModel, estimate_memory, memory_per_pp_rank
+from torchmoe.plan.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -73,6 +73,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -80,12 +81,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.finite import NonFiniteValues, nonfinite_names, refuse_nonfinite, require_finite
+from torchmoe.components.flavor_fit import flavor_fix, flavors_fitting
 from torchmoe.components.weight_files import (
     UnreadableWeights,
     describe,
@@ -100,7 +101,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import Comm as CommConfig
-from torchmoe.components.flavor_fit import flavor_fix, flavors_fitting
+from torchmoe.nn.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +169,6 @@ class ModelWrapper(Stateful):
         options = StateDictOptions(strict=False)
         for part in self.model_parts:
             set_model_state_dict(part, state_dict, options=options)
-
-
-# checkpoint.export_dtype: the dtype of a model-only last save.
-_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class OptimizerWrapper(Stateful):
@@ -443,7 +440,7 @@ class CheckpointManager:
         """
         require_finite(state, group=self.group)
         if self.cfg.last_save_model_only and step == self.total_steps and not model_only:
-            dtype = _EXPORT_DTYPES[self.cfg.export_dtype]
+            dtype = torch_dtype(self.cfg.export_dtype)
             weights = {name: t.to(dtype) if t.is_floating_point() else t
                        for name, t in state["model"].state_dict().items()}
             try:

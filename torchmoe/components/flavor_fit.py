@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchmoe.arch.llama4 import FLAVORS, ModelArgs
 from torchmoe.components.weight_files import misfit
 from torchmoe.config.errors import ConfigError
-from torchmoe.arch.llama4 import FLAVORS, ModelArgs
 from torchmoe.models.llama4.hf import hf_config_from_args
 from torchmoe.models.llama4.model import Transformer
 

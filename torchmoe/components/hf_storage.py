@@ -52,6 +52,7 @@ from torch.futures import Future
 
 # checkpoint's import also silences DCP's warning on every single-process call.
 from torchmoe import _torch_private as private
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.components.checkpoint import _dist_on
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.finite import refuse_nonfinite, require_finite
@@ -59,7 +60,6 @@ from torchmoe.components.weight_files import UnreadableWeights, read_json_object
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import write_file
 from torchmoe.distributed.process_groups import device_backend
-from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.models.llama4.hf import (
     HFConfigValueError,
     HFConversionError,

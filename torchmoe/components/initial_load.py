@@ -16,13 +16,13 @@ from pathlib import Path
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.components.checkpoint import load_model_only
+from torchmoe.components.flavor_fit import matching_flavor, require_fit
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args
 from torchmoe.components.weight_files import model_tensors, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
-from torchmoe.arch.llama4 import ModelArgs
-from torchmoe.components.flavor_fit import matching_flavor, require_fit
 
 __all__ = ["load_initial_weights"]
 

@@ -15,7 +15,6 @@ import math
 from collections.abc import Sequence
 
 from torchmoe.config.errors import ConfigError, show_value
-from torchmoe.config.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, nonempty_path
 from torchmoe.config.job_config import (
     ActivationCheckpoint,
     Checkpoint,
@@ -33,6 +32,7 @@ from torchmoe.config.job_config import (
     Training,
     Validation,
 )
+from torchmoe.config.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, nonempty_path
 
 OPTIMIZERS = ("AdamW", "Adam")
 OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")

@@ -18,7 +18,6 @@ gradient of the global mean loss, whatever the number of ranks.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -26,9 +25,8 @@ from torch.distributed.tensor import Shard
 
 from torchmoe import _torch_private as private
 from torchmoe.config.job_config import Training
+from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.nn.shards import local_shard
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
@@ -59,7 +57,7 @@ def apply_fsdp(
             (``efsdp``, with ``dp_replicate`` for HSDP); routed experts then form their own
             FSDP units on it, inside each block's unit.
     """
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(param_dtype), reduce_dtype=torch_dtype(reduce_dtype))
     # Pinned host memory (faster copies to the device) needs an accelerator; on a CPU mesh the
     # offload runs unpinned (the code path of offload, for tests: there is nothing to offload from).
     offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
@@ -160,7 +158,7 @@ def _sum_gradients(unit) -> None:
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, reduce_dtype: str) -> None:
     """Replicate `model` over `dp_mesh` (DDP semantics: full parameters everywhere, gradients
     all-reduced during backward), with gradients summed like FSDP's."""
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(param_dtype), reduce_dtype=torch_dtype(reduce_dtype))
     private.replicate(model, mesh=dp_mesh, mp_policy=mp)
     _sum_gradients(model)
 
@@ -172,4 +170,4 @@ def apply_autocast(model: nn.Module, training_cfg: Training) -> None:
     cast. A compute dtype equal to the parameters' (``dtype``: fp32, or pure bf16) leaves the
     model as it is."""
     compute = training_cfg.mixed_precision_param
-    model.autocast_dtype = None if compute == training_cfg.dtype else _DTYPES[compute]
+    model.autocast_dtype = None if compute == training_cfg.dtype else torch_dtype(compute)

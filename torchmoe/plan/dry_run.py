@@ -21,14 +21,22 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
-from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
-from torchmoe.plan.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
-from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
 from torchmoe.plan.context import CPLayout
+from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
+from torchmoe.plan.memory import (
+    GIB,
+    MemoryEstimate,
+    autocast_enabled,
+    compute_dtype_bytes,
+    memory_per_pp_rank,
+    state_bytes_per_param,
+)
+from torchmoe.plan.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
     bubble_fraction,
@@ -37,14 +45,6 @@ from torchmoe.plan.pipeline import (
     pipeline_layout,
     rank_param_specs,
     stage_costs,
-)
-from torchmoe.plan.memory import (
-    GIB,
-    MemoryEstimate,
-    autocast_enabled,
-    compute_dtype_bytes,
-    memory_per_pp_rank,
-    state_bytes_per_param,
 )
 from torchmoe.plan.tp_comm import TPGatherBytes, float8_linear_names, tp_gather_bytes
 

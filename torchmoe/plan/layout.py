@@ -26,8 +26,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.plan.parallel_dims import ParallelDims
+
 
 @dataclass(frozen=True)
 class ParamSpec:

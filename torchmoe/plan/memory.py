@@ -109,21 +109,19 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
-from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.config.dtypes import DTYPE_BYTES
+from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.plan.context import HALO, LOCAL, CPLayout
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
+from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
-    peak_activations_in_flight,
-    pipeline_layout,
-    rank_param_specs,
 )
 from torchmoe.plan.pipeline import microbatches as pipeline_microbatches
+from torchmoe.plan.pipeline import peak_activations_in_flight, pipeline_layout, rank_param_specs
 
 GIB = 1024**3
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _OPTIMIZER_STATES = 2  # AdamW and Adam: exp_avg, exp_avg_sq
 
 
@@ -149,15 +147,20 @@ class MemoryEstimate:
         return {f: getattr(self, f) / GIB for f in fields}
 
 
+def compute_dtype(training_cfg: Training) -> str:
+    """The dtype matmuls compute in and produce: ``mixed_precision_param`` in every layout
+    (FSDP/DDP cast the parameters to it, the other layouts autocast to it)."""
+    return training_cfg.mixed_precision_param
+
+
 def compute_dtype_bytes(training_cfg: Training) -> int:
-    """Bytes per element of what matmuls compute in and produce: ``mixed_precision_param`` in
-    every layout (FSDP/DDP cast the parameters to it, the other layouts autocast to it)."""
-    return _DTYPE_BYTES[training_cfg.mixed_precision_param]
+    """Bytes per element of `compute_dtype`."""
+    return DTYPE_BYTES[compute_dtype(training_cfg)]
 
 
 def param_dtype_bytes(training_cfg: Training) -> int:
     """Bytes per element of the parameters, their gradients and the optimizer state: ``dtype``."""
-    return _DTYPE_BYTES[training_cfg.dtype]
+    return DTYPE_BYTES[training_cfg.dtype]
 
 
 def state_bytes_per_param(training_cfg: Training) -> int:
@@ -168,14 +171,19 @@ def state_bytes_per_param(training_cfg: Training) -> int:
 def autocast_enabled(dims: ParallelDims, training_cfg: Training) -> bool:
     """The forward runs under torch.autocast: a compute dtype below the parameters', and no
     FSDP/DDP policy to cast them (`distributed.data_parallel.apply_autocast`)."""
-    return not dims.mp_policy_enabled and compute_dtype_bytes(training_cfg) != param_dtype_bytes(training_cfg)
+    return not dims.mp_policy_enabled and compute_dtype(training_cfg) != training_cfg.dtype
+
+
+def residual_dtype(dims: ParallelDims, training_cfg: Training) -> str:
+    """The dtype of the residual stream (block inputs and outputs, norm inputs, pipeline hidden
+    states): the compute dtype when FSDP/DDP cast the parameters (the embedding's output is
+    already in it), fp32 under autocast (additions and norms are not autocast ops)."""
+    return "float32" if autocast_enabled(dims, training_cfg) else compute_dtype(training_cfg)
 
 
 def residual_dtype_bytes(dims: ParallelDims, training_cfg: Training) -> int:
-    """Bytes per element of the residual stream (block inputs and outputs, norm inputs, pipeline
-    hidden states): the compute dtype when FSDP/DDP cast the parameters (the embedding's output
-    is already in it), fp32 under autocast (additions and norms are not autocast ops)."""
-    return 4 if autocast_enabled(dims, training_cfg) else compute_dtype_bytes(training_cfg)
+    """Bytes per element of `residual_dtype`."""
+    return DTYPE_BYTES[residual_dtype(dims, training_cfg)]
 
 
 # ---- states and FSDP buffers --------------------------------------------------------------------
@@ -192,8 +200,8 @@ def _param_copy_bytes(specs: list[ParamSpec], model_args: ModelArgs, dims: Paral
         return compute_dtype_bytes(training_cfg) * sum(math.prod(local_shape(s, dims)) for s in matmul)
     if not dims.fsdp_enabled:
         return 0
-    c = _DTYPE_BYTES[training_cfg.mixed_precision_param]
-    r = _DTYPE_BYTES[training_cfg.mixed_precision_reduce]
+    c = DTYPE_BYTES[training_cfg.mixed_precision_param]
+    r = DTYPE_BYTES[training_cfg.mixed_precision_reduce]
     # TP/EP-local elements of each FSDP unit, in execution order (specs are in module order).
     units: dict[str, int] = {}
     for spec in specs:

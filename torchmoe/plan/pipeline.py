@@ -37,11 +37,11 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism, Training
-from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.plan.layout import ParamSpec, param_specs, shard_numel
+from torchmoe.plan.parallel_dims import ParallelDims
 
 # torch.distributed.pipelining's schedules (torchtitan's names) and how they place stages.
 SCHEDULE_STYLES: dict[str, str] = {

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.config.job_config import JobConfig
 from torchmoe.plan.float8 import float8_linear_eligible, float8_tp_enabled
-from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.plan.layout import param_specs
 from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
+from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import PipelineLayout
 
 FLOAT8_BYTES = 1

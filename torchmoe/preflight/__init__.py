@@ -16,18 +16,18 @@ import os
 
 import torch
 
+from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import source_key
 from torchmoe.config.validate import resolve_degrees, validate_sections
 from torchmoe.data.dataloader import validation_data
 from torchmoe.data.tokenizer import build_tokenizer
-from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.preflight.features import check_features, check_launch
 from torchmoe.preflight.files import (
+    check_dataset_rows,
     check_dry_run_outputs,
     check_hf_assets,
     check_initial_load_path,
-    check_dataset_rows,
     check_outputs,
     check_tokenizer,
 )

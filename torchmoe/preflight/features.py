@@ -9,11 +9,11 @@ import os
 
 import torch
 
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
-from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.plan.layout import param_specs
+from torchmoe.plan.parallel_dims import ParallelDims
 
 
 def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:

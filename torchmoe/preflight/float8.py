@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.float8 import float8_unavailable
 from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
-from torchmoe.arch.llama4 import ModelArgs
 
 
 def check_float8(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:

@@ -9,12 +9,12 @@ import os
 
 import torch
 
+from torchmoe.arch.llama4 import FLAVORS, ModelArgs
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig, Parallelism, Training
 from torchmoe.config.validate import divisors_text, one_of
-from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.arch.llama4 import FLAVORS, ModelArgs
 from torchmoe.plan.memory import estimate_memory
+from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import SPLIT_BACKWARD_SCHEDULES, check_microbatches, pipeline_layout
 
 GIB = 2**30

@@ -22,7 +22,6 @@ import torch
 from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.models.llama4.hf_config_check import HFConfigValueError, HFConversionError, check_hf_config
 
-
 # Fields of Llama4TextConfig that never change the text model's forward pass in training or
 # evaluation (token ids, generation, dropout at 0, output switches) and are therefore accepted as-is.
 _IGNORED_FIELDS = {

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchmoe.nn.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.models.llama4.moe import MoE
-from torchmoe.nn.experts import FeedForward
 from torchmoe.nn.attention import causal_attention
+from torchmoe.nn.experts import FeedForward
+from torchmoe.nn.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.regions import region
 
 
