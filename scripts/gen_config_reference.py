@@ -1,7 +1,7 @@
 """Print the Markdown reference of every TOML section and key, from `JobConfig`'s docstrings.
 
-    python scripts/gen_config_reference.py                 # print it
-    python scripts/gen_config_reference.py --write-readme  # refresh the README's config reference
+    python scripts/gen_config_reference.py               # print it
+    python scripts/gen_config_reference.py --write-docs  # rewrite docs/config.md with it
 
 The field docstrings (the string literal right below each field in job_config.py) are the single
 source of the option descriptions: `--help` shows the same text.
@@ -21,7 +21,7 @@ from torchmoe.config.errors import show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, TUNES, Mapped, Refused
 
-_START, _END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
 
 def field_docstrings(cls: type) -> dict[str, str]:
@@ -47,7 +47,7 @@ def reference() -> str:
     for section in dataclasses.fields(JobConfig):
         cls = section_types[section.name]
         docs, hints = field_docstrings(cls), typing.get_type_hints(cls)
-        lines += ["", f"### `[{section.name}]`", "", "| key | type | default | description |", "|---|---|---|---|"]
+        lines += ["", f"## `[{section.name}]`", "", "| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             default = show_value(getattr(getattr(defaults, section.name), f.name))
             text = docs.get(f.name, "").replace("|", "\\|").replace("\n", " ")
@@ -57,7 +57,7 @@ def reference() -> str:
 
 def torchtitan_reference() -> list[str]:
     """The torchtitan v0.2.2 keys torchmoe does not share by name: what each does here."""
-    lines = ["### torchtitan keys", "",
+    lines = ["## torchtitan keys", "",
              "torchtitan v0.2.2's keys that torchmoe does not have under the same name (those it has are in the "
              "tables above). A refused key is an error (exit 2) at any value but torchtitan's default. A key "
              "without effect warns once when set to anything but torchtitan's default; one that only tunes a "
@@ -75,16 +75,16 @@ def torchtitan_reference() -> list[str]:
     return lines
 
 
-def write_readme(readme: Path) -> None:
-    """Replace the text between the README's config-reference markers with `reference()`."""
-    text = readme.read_text()
-    head, rest = text.split(_START)
-    _, tail = rest.split(_END)
-    readme.write_text(f"{head}{_START}\n{reference()}\n{_END}{tail}")
+def page() -> str:
+    """docs/config.md: a title and a line on where it comes from, then `reference()`."""
+    return ("# Config reference\n\nEvery key of every TOML section (also a `--section.key` flag: "
+            "[cli.md](cli.md)), generated from the field docstrings in `torchmoe/config/job_config.py` by "
+            "`scripts/gen_config_reference.py --write-docs`; `tests/unit/test_readme.py` keeps this page equal to "
+            f"its output.\n\n{reference()}\n")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--write-readme"]:
-        write_readme(Path(__file__).resolve().parents[1] / "README.md")
+    if sys.argv[1:] == ["--write-docs"]:
+        PAGE.write_text(page())
     else:
         print(reference())

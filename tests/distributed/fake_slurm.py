@@ -41,19 +41,21 @@ def dump_folder(root: Path, job_id: int) -> Path:
     return root / "outputs" / f"torchmoe-{job_id}"
 
 
-def sbatch(root: Path, args: list[str], *, job_id: int) -> subprocess.CompletedProcess[str]:
+def sbatch(root: Path, args: list[str], *, job_id: int, srun: str = SRUN,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`scripts/multinode.slurm ARGS` as SLURM runs it for job `job_id` on two nodes of 2 CPU ranks
-    each; fails on a nonzero exit status."""
+    each (`env` overrides the variables SLURM and the user set; `srun` replaces the srun stand-in);
+    fails on a nonzero exit status."""
     bin_dir = root / "bin"
     if not bin_dir.is_dir():
         bin_dir.mkdir(parents=True)
-        for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
+        for name, text in (("scontrol", SCONTROL), ("srun", srun)):
             (bin_dir / name).write_text(text)
             (bin_dir / name).chmod(0o755)
     env = {**cli_env(), "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": str(job_id),
            "SLURM_JOB_NAME": "torchmoe", "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()),
-           "DUMP_ROOT": str(root / "outputs")}
+           "DUMP_ROOT": str(root / "outputs"), **(env or {})}
     proc = subprocess.run(["bash", str(REPO / "scripts" / "multinode.slurm"), *args], env=env, capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -70,7 +70,7 @@ def test_another_flavor_on_a_runs_checkpoints_names_the_flavor(tmp_path):
     run_train(TINY, dump_folder=tmp_path, timeout=120)
     proc = run_train([*TINY, "--model.flavor", "bench256", "--training.steps", "2"], dump_folder=tmp_path,
                      timeout=120, expect=None)
-    # README promises the flavor that fits: the flavor the checkpoints' shapes are of.
+    # docs/checkpoints.md promises the flavor that fits: the flavor the checkpoints' shapes are of.
     assert_user_error(proc, 'model.flavor = "bench256": does not match the run\'s checkpoints: this model\'s '
                       "tok_embeddings.weight is (2048, 256), the checkpoint holds it as (512, 128)\n"
                       "  fix: pass --model.flavor tiny; or give this run its own job.dump_folder\n")

@@ -1,6 +1,6 @@
 """torch.compile of whole blocks, dense and MoE: no graph breaks, the eager model's numbers.
 
-The custom ops that make MoE blocks traceable (`torchmoe/models/nn/moe_ops.py`) are checked
+The custom ops that make MoE blocks traceable (`torchmoe/nn/moe_ops.py`) are checked
 with torch's own `opcheck` (schema, fake kernel, autograd registration, AOT dispatch), then a
 2-layer tiny model (one dense, one MoE block) is compiled block by block as `apply_compile`
 compiles it and compared with its eager twin: loss, every gradient and the routed-token counts.

@@ -256,7 +256,7 @@ _TORCHMOE_FLAVORS: dict[str, ModelArgs] = {
 # uses RoPE and plain causal attention. The _irope variants make layer i NoPE iff i % 4 == 0 (not
 # Hugging Face's (i + 1) % 4, hence the explicit lists) and RoPE layers attend within fixed blocks
 # (torchtitan's fixed_attn_block_size). torchtitan's irope flavors also mask documents apart,
-# which torchmoe does not (README "Flavors"); their attention runs on torchmoe's default backend.
+# which torchmoe does not (docs/models.md, "Flavors"); their attention runs on torchmoe's default backend.
 
 
 def _torchtitan(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int, ffn_hidden_dim: int,

@@ -1,7 +1,7 @@
 """The typed job configuration: one dataclass per TOML section.
 
 Every field has a type, a default and a docstring (the string right below it); `--help` and the
-README's config reference are generated from them. Key names follow torchtitan's 2025 TOML
+the config reference (docs/config.md) are generated from them. Key names follow torchtitan's 2025 TOML
 configs so users can port their files (DESIGN §3, a contract).
 """
 
@@ -27,7 +27,7 @@ class Model:
     name: str = "llama4"
     """Model family. Only 'llama4' exists."""
     flavor: str = "tiny"
-    """Model flavor (README "Flavors"): torchmoe's tiny (2.4 M parameters, the default), bench256, scout and maverick (those two: the Hugging Face releases), or torchtitan v0.2.2's debugmodel, debugmodel_irope, 17bx16e, 17bx16e_irope, 17bx128e, 17bx128e_irope."""
+    """Model flavor (docs/models.md, "Flavors"): torchmoe's tiny (2.4 M parameters, the default), bench256, scout and maverick (those two: the Hugging Face releases), or torchtitan v0.2.2's debugmodel, debugmodel_irope, 17bx16e, 17bx16e_irope, 17bx128e, 17bx128e_irope."""
     tokenizer_path: str = ""
     """Hugging Face tokenizer.json (or a folder holding one); empty = built-in byte tokenizer."""
     hf_assets_path: str = ""

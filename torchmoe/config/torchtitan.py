@@ -40,7 +40,7 @@ __all__ = ["TORCHTITAN_KEYS", "Mapped", "NoEffect", "Refused", "translate"]
 @dataclass(frozen=True)
 class Mapped:
     """A torchtitan key that torchmoe spells differently: `to(value)` gives the torchmoe
-    ``{"section.key": value}`` that mean the same, `means` says which (for the README)."""
+    ``{"section.key": value}`` that mean the same, `means` says which (for docs/config.md)."""
 
     typ: Any
     to: Callable[[Any], dict[str, Any]]

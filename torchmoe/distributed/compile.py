@@ -4,7 +4,7 @@ Blocks are compiled one by one (after activation checkpointing, before FSDP) so 
 stays that of one block and FSDP's per-block communication stays outside the graphs.
 
 Every block, dense and MoE, is one graph: the MoE operators the compiler cannot trace as they are
-(fp32 grouped GEMMs, the recomputation-aware counters) are custom ops (`models/nn/moe_ops.py`),
+(fp32 grouped GEMMs, the recomputation-aware counters) are custom ops (`nn/moe_ops.py`),
 single nodes in the graph. Without EP every shape is static (routed rows are always
 tokens x top_k; expert boundaries are tensor offsets), so those blocks are compiled with
 ``fullgraph=True``: a graph break there is a bug and fails loudly. Under CP the attention's K/V

@@ -19,7 +19,7 @@ shared expert is split where that changes no bit of the result, between its matm
 three (w1, w3) in the dispatch window, one (w2) in the combine window. Splitting it by tokens
 instead would balance the two windows (both exchanges move the same bytes) but change the GEMM
 shapes, hence the rounding. With all three in the dispatch window, 2 gloo ranks hid about half
-as much shared-expert compute behind the exchanges (README, "Expert parallel").
+as much shared-expert compute behind the exchanges (docs/parallelism.md, "The parallelize order", step 3).
 
 Dropless: every routed copy is sent, however unbalanced the routing. With TP, EP borrows the TP
 ranks: each rank dispatches the tokens of its own sequence shard (no all-gather in the MoE
