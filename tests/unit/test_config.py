@@ -579,7 +579,7 @@ def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, attr: str, fn) -> N
 def test_dry_run_world_size(monkeypatch: pytest.MonkeyPatch, args: list[str], env: str | None, expected: int) -> None:
     seen = {}
     _fake_module(monkeypatch, "torchmoe.plan.dry_run", "run_dry_run",
-                 lambda cfg, world_size: seen.update(cfg=cfg, world_size=world_size))
+                 lambda cfg, world_size, machine_device_gib: seen.update(cfg=cfg, world_size=world_size))
     monkeypatch.delenv("RANK", raising=False)
     if env is None:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -604,7 +604,7 @@ def test_real_run_refuses_mismatched_world_size(monkeypatch: pytest.MonkeyPatch,
 ])
 def test_config_error_inside_the_run_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                              module: str, attr: str, args: list[str]) -> None:
-    def fail(*_args):
+    def fail(*_args, **_kwargs):
         raise ConfigError("model.tokenizer_path", "missing/", "no tokenizer.json there", "download it")
 
     _fake_module(monkeypatch, module, attr, fail)

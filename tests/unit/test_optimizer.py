@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchmoe.components import optimizer as optim_mod
+from torchmoe import _torch_private as private
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 
@@ -71,7 +71,7 @@ def test_implementations(implementation: str, foreach: bool, fused: bool) -> Non
 
 
 def test_fused_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    monkeypatch.setattr(optim_mod, "_get_fused_kernels_supported_devices", lambda: ["cuda"])
+    monkeypatch.setattr(private, "fused_optimizer_devices", lambda: ["cuda"])
     with caplog.at_level(logging.WARNING):
         opt = build_optimizer(_TinyMoE(), OptimizerConfig(implementation="fused"))
     assert all(g["foreach"] and not g["fused"] for g in opt.param_groups)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
 from torchmoe.plan.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 
@@ -36,14 +37,14 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
                           "launch as many ranks as the degrees multiply to")
     world = init_device_mesh(device_type, tuple(getattr(dims, d) for d in MESH_DIMS),
                              mesh_dim_names=MESH_DIMS)
-    views = {name: world[dims]._flatten(name) for name, dims in FLAT_VIEWS.items()}
+    views = {name: private.flatten_mesh(world[dims], name) for name, dims in FLAT_VIEWS.items()}
     if dims.ep_enabled and dims.tp_enabled:
-        region = world["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+        region = private.flatten_mesh(world["dp_shard", "cp", "tp"], "dp_shard_cp_tp")
     else:
         # ep == 1 or tp == 1: the expert region is dp_shard x cp, already flattened. (With
         # ep == 1 the efsdp groups equal dp_shard_cp's but get their own process groups.)
         region = views["dp_shard_cp"]
-    experts = region._unflatten(0, (dims.efsdp, dims.ep), ("efsdp", "ep"))
+    experts = private.unflatten_mesh(region, 0, (dims.efsdp, dims.ep), ("efsdp", "ep"))
     views["efsdp"], views["ep"] = experts["efsdp"], experts["ep"]
     mesh = ParallelMesh(world, views)
     mesh.check_against(dims.layout())
@@ -69,7 +70,7 @@ class ParallelMesh:
             return self.world[names]
         # Views live beside the world mesh (not inside it), so join their 1-D meshes; this reuses
         # their process groups instead of creating new ones.
-        return DeviceMesh._concatenate([self[n] for n in names])
+        return private.concatenate_meshes([self[n] for n in names])
 
     def groups(self) -> list[dist.ProcessGroup]:
         """The process group of every named dim and view, each once (views of one size share a
