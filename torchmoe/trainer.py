@@ -64,6 +64,7 @@ from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.loader import write_config_toml
 from torchmoe.config.paths import job_paths, source_key, user_path_faults, written_folders
 from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
+from torchmoe.data.file_index import INDEX_FOLDER
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
@@ -170,7 +171,8 @@ class Trainer:
         self.dp_rank = dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
         # With the batch mesh the loader's checkpointed rows are a DTensor: each rank saves its own.
         self.dataloader = build_dataloader(
-            cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp, batch_mesh=batch_mesh
+            cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp, batch_mesh=batch_mesh,
+            index_cache=self.dump_folder / INDEX_FOLDER,
         )
         self.global_tokens = self.dataloader.global_batch_size * cfg.training.seq_len
         # What the matmuls compute in, in every layout (FSDP/DDP cast the parameters to it, other
@@ -350,7 +352,7 @@ class Trainer:
         val = self.cfg.validation
         loader = build_dataloader(validation_data(self.cfg.training, val), self.tokenizer, dp_rank=self.dp_rank,
                                   dp_degree=self.dims.dp, batch_mesh=self.batch_mesh, repeat=False,
-                                  key="validation.dataset_path")
+                                  key="validation.dataset_path", index_cache=self.dump_folder / INDEX_FOLDER)
         counts = [moe.tokens_per_expert.clone() for moe in self.moe_layers]
         total = torch.zeros((), device=self.device)
         batches = 0

@@ -85,20 +85,21 @@ def _dataset(tmp_path: Path, kind: str) -> str:
     if kind == "garbage_parquet":
         (tmp_path / "d.parquet").write_bytes(b"PAR1 but not really" * 3)
         return str(tmp_path / "d.parquet")
-    if kind == "too_few_documents":
-        (tmp_path / "only.txt").write_text("one document, two rows")
+    if kind == "too_little_text":
+        (tmp_path / "only.txt").write_text("x")
         return str(tmp_path / "only.txt")
     if kind == "folder_without_text":
         (tmp_path / "docs").mkdir()
         (tmp_path / "docs" / "notes.md").write_text("not a dataset suffix")
         return str(tmp_path / "docs")
-    if kind == "zero_byte_files":  # row 1 reads b.txt and d.txt, which hold nothing
-        for name, text in zip("abcd", ("one", "", "three", "")):
+    if kind == "zero_byte_files":  # row 0 reads a.txt and b.txt (bytes 0-1 of 4), which hold no text
+        for name, text in zip("abcd", ("", " \n", "", "\tx")):
             (tmp_path / f"{name}.txt").write_text(text)
         return str(tmp_path / "*.txt")
-    if kind == "empty_parquet_rows":  # row 0 reads rows 0 and 2
+    if kind == "empty_parquet_rows":  # row 0 reads rows 0-3 (bytes 0-2 of 5), which hold no text
         pq = pytest.importorskip("pyarrow.parquet")
-        pq.write_table(pytest.importorskip("pyarrow").table({"text": ["", "b", None, "d"]}), tmp_path / "d.parquet")
+        pq.write_table(pytest.importorskip("pyarrow").table({"text": ["", " ", None, "  ", "dd"]}),
+                       tmp_path / "d.parquet")
         return str(tmp_path / "d.parquet")
     if kind == "bom_jsonl":
         path = tmp_path / "d.jsonl"
@@ -114,30 +115,32 @@ def _dataset(tmp_path: Path, kind: str) -> str:
 # key, and the message ({} is the test's folder); each names the file it is about.
 DATASETS = {
     "missing": ("training.dataset_path", "No such file or directory"),
-    "empty_txt": ("training.dataset_path", "the 1 document(s) of a batch row hold no text: {}/a.txt (empty or only "
-                  "whitespace)\n  fix: give them text or remove them from the dataset: each of the "
-                  "training.global_batch_size rows packs its own documents (row j: documents j, j + G, ...); or "
-                  "check training.dataset_text_field (it may name an empty column)"),
+    "empty_txt": ("training.dataset_path", "holds 2 document(s), all empty: {0}/a.txt, {0}/b.txt\n  fix: point it "
+                  "at files that hold text"),
     "whitespace_txt": ("training.dataset_path", "hold no text: {}/a.txt (empty or only whitespace)"),
-    "zero_byte_files": ("training.dataset_path", "the 2 document(s) of a batch row hold no text: {0}/b.txt, "
-                        "{0}/d.txt (empty or only whitespace)"),
+    "zero_byte_files": ("training.dataset_path", "the 2 document(s) of a batch row hold no text: {0}/a.txt, "
+                        "{0}/b.txt (empty or only whitespace)\n  fix: give them text or remove them from the dataset: "
+                        "each of the training.global_batch_size rows packs its own range of the corpus; or check "
+                        "training.dataset_text_field (it may name an empty column)"),
     "not_utf8_txt": ("training.dataset_path", "a.txt is not UTF-8 text (byte 3 is 0xE9: invalid continuation "
                      "byte)\n  fix: convert a.txt to UTF-8, e.g. iconv -f latin1 -t UTF-8 a.txt > a.txt.utf8, then "
                      "replace it; or remove it from the dataset"),
     "utf16_txt": ("training.dataset_path", "a.txt is UTF-16LE text, not UTF-8: it starts with the UTF-16LE byte "
                   "order mark (BOM, bytes FF FE)\n  fix: convert a.txt to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 a.txt "
                   "> a.txt.utf8, then replace it; or remove it from the dataset"),
-    "empty_strings_jsonl": ("training.dataset_path", "the 2 document(s) of a batch row hold no text: {0}/d.jsonl:1, "
-                            "{0}/d.jsonl:3 (empty or only whitespace)"),
-    "empty_parquet_rows": ("training.dataset_path", "the 2 document(s) of a batch row hold no text: {0}/d.parquet "
-                           "row 0, {0}/d.parquet row 2 (empty or only whitespace)"),
+    "empty_strings_jsonl": ("training.dataset_path", "the 3 document(s) of a batch row hold no text: {0}/d.jsonl:1, "
+                            "{0}/d.jsonl:2, {0}/d.jsonl:3 (empty or only whitespace)"),
+    "empty_parquet_rows": ("training.dataset_path", "the 4 document(s) of a batch row hold no text: {0}/d.parquet "
+                           "row 0, {0}/d.parquet row 1, {0}/d.parquet row 2, ... (empty or only whitespace)"),
     "truncated_jsonl": ("training.dataset_path", "d.jsonl:2 is not JSON"),
     "not_utf8_jsonl": ("training.dataset_path", "d.jsonl:1 is not UTF-8 text (byte 10 is 0xFF: invalid start byte)"),
     "bom_jsonl": ("training.dataset_path", "{}/d.jsonl:1 starts with the UTF-8 byte order mark (BOM, bytes EF BB "
                   "BF)\n  fix: save d.jsonl as UTF-8 without a BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' d.jsonl; or "
                   "remove it from the dataset"),
     "garbage_parquet": ("training.dataset_path", "is not a readable .parquet file"),
-    "too_few_documents": ("training.dataset_path", "holds 1 document(s), fewer than the 2 rows"),
+    "too_little_text": ("training.global_batch_size", "the corpus (training.dataset_path = {0}/only.txt) holds 1 "
+                        "bytes, too few to give each of 2 batch rows a part of it\n  fix: use a "
+                        "smaller training.global_batch_size, or more text"),
     "folder_without_text": ("training.dataset_path", "holds no .txt/.jsonl/.json/.parquet files"),
 }
 
@@ -157,7 +160,7 @@ HUB_DATASETS = {
     "no_data_files": ({}, "EmptyDatasetError"),
     "garbage_parquet": ({"train.parquet": b"PAR1 not really"}, "ArrowInvalid"),
     "no_such_config": ({"train.jsonl": b'{"text": "a"}\n{"text": "b"}\n'}, "BuilderConfig 'nocfg' not found"),
-    "too_few_documents": ({"train.jsonl": b'{"text": "only one"}\n'}, "holds 1 document(s), fewer than the 2 rows"),
+    "too_few_documents": ({"train.jsonl": b'{"text": "only one"}\n'}, "holds 1 row(s), fewer than the 2 rows"),
 }
 
 

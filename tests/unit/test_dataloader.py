@@ -80,10 +80,10 @@ def test_packing_puts_eos_between_documents_and_shifts_labels() -> None:
     loader = _loader(docs, seq_len=3, global_batch_size=2, local_batch_size=2)
     [(inputs, labels)] = loader.next_batch()
     a, b, c, d, e, f = (ord(ch) for ch in "abcdef")
-    # Row 0 packs documents 0 and 2: a b EOS f EOS | a b ...; row 1 document 1: c d e EOS | c ...
-    # Each is cut into windows of seq_len + 1 = 4.
-    assert inputs.tolist() == [[a, b, EOS], [c, d, e]]
-    assert labels.tolist() == [[b, EOS, f], [d, e, EOS]]
+    # 6 bytes in 2 rows of 3: documents 0 and 1 start in bytes 0-2 (row 0: a b EOS c d e EOS | a ...),
+    # document 2 at byte 5 (row 1: f EOS f EOS ...). Each is cut into windows of seq_len + 1 = 4.
+    assert inputs.tolist() == [[a, b, EOS], [f, EOS, f]]
+    assert labels.tolist() == [[b, EOS, c], [EOS, f, EOS]]
     assert inputs.dtype == labels.dtype == torch.long
     assert inputs.shape == labels.shape == (2, 3)
 
@@ -93,14 +93,24 @@ def test_add_bos_starts_every_document_with_bos_as_torchtitan_packs() -> None:
     loader = _loader(InMemoryDocuments(["ab", "cde", "f"]), seq_len=5, global_batch_size=2, local_batch_size=2,
                      add_bos=True)
     [(inputs, labels)] = loader.next_batch()
-    a, b, c, d, e, f = (ord(ch) for ch in "abcdef")
-    # Row 0: BOS a b EOS BOS f EOS ...; row 1: BOS c d e EOS BOS c ...
-    assert inputs.tolist() == [[bos, a, b, EOS, bos], [bos, c, d, e, EOS]]
-    assert labels.tolist() == [[a, b, EOS, bos, f], [c, d, e, EOS, bos]]
+    a, b, c, f = (ord(ch) for ch in "abcf")
+    # Row 0: BOS a b EOS BOS c d e EOS ...; row 1: BOS f EOS BOS f EOS ...
+    assert inputs.tolist() == [[bos, a, b, EOS, bos], [bos, f, EOS, bos, f]]
+    assert labels.tolist() == [[a, b, EOS, bos, c], [f, EOS, bos, f, EOS]]
 
 
-def test_each_row_tiles_the_stream_of_its_sub_corpus() -> None:
+def _contiguous_rows(texts: list[str], rows: int) -> list[list[str]]:
+    """The documents of each row when none is larger than a row's share: document d, starting at
+    byte s of the corpus's T, belongs to row floor(s * rows / T)."""
+    starts = [sum(len(t) for t in texts[:d]) for d in range(len(texts))]
+    total = sum(len(t) for t in texts)
+    return [[t for t, s in zip(texts, starts) if s * rows // total == row] for row in range(rows)]
+
+
+def test_each_row_tiles_the_stream_of_its_range_of_the_corpus() -> None:
     docs = _corpus()
+    rows = _contiguous_rows(docs.texts, 4)
+    assert all(len(t) * 4 <= sum(map(len, docs.texts)) for t in docs.texts)  # no document is cut
     loader = _loader(docs, global_batch_size=4, local_batch_size=2)
     got: list[list[int]] = [[] for _ in range(4)]
     for _ in range(6):
@@ -109,7 +119,7 @@ def test_each_row_tiles_the_stream_of_its_sub_corpus() -> None:
         for row, window in enumerate(torch.cat([x, y[:, -1:]], dim=1).tolist()):
             got[row] += window
     for row in range(4):
-        want = _stream(docs.texts[row::4])  # documents row, row + 4, ...
+        want = _stream(rows[row])
         assert got[row] == want[: len(got[row])], row
 
 
@@ -191,17 +201,18 @@ def test_global_batch_is_independent_of_dp_and_accumulation(dp_degree: int, loca
 
 @pytest.mark.parametrize("dp_degree", [1, 2, 4])
 def test_each_rank_tokenizes_only_its_own_rows(dp_degree: int) -> None:
-    # 64 documents of 31 bytes + EOS: every row consumes the same documents, so each rank must
-    # tokenize exactly 1/D of what one rank tokenizes (read_ahead 1: one document per row at a time).
+    # 64 documents of 31 bytes + EOS: row j reads documents 8j .. 8j + 7, every row consumes as many, so
+    # each rank must tokenize exactly 1/D of what one rank tokenizes (read_ahead 1: one document per row
+    # at a time).
     docs = InMemoryDocuments([f"{i:03d}" + "x" * 28 for i in range(64)])
     tokenizers = [RecordingTokenizer() for _ in range(dp_degree)]
     ranks = _ranks(dp_degree, G // dp_degree, docs, tokenizers, seq_len=15, read_ahead=1)
-    for _ in range(5):  # 5 windows of 16 tokens per row: documents 0..2 of each sub-corpus
+    for _ in range(5):  # 5 windows of 16 tokens per row: documents 0..2 of each row
         _global_step(ranks)
     per_rank = G // dp_degree
     for r, tok in enumerate(tokenizers):
-        # Rank r's rows r*G/D .. read sub-corpora r*G/D .. : documents row, row + 8, row + 16.
-        want = sorted(row + 8 * k for row in range(r * per_rank, (r + 1) * per_rank) for k in range(3))
+        # Rank r's rows r*G/D ..: documents 8 * row, 8 * row + 1, 8 * row + 2.
+        want = sorted(8 * row + k for row in range(r * per_rank, (r + 1) * per_rank) for k in range(3))
         assert sorted(int(text[:3]) for text in tok.texts) == want
         assert len(tok.texts) == 24 // dp_degree and sum(map(len, tok.texts)) == 24 * 31 // dp_degree
 
@@ -240,7 +251,7 @@ def test_a_rank_loads_its_own_rows_back() -> None:
 def test_resume_does_not_retokenize_earlier_documents() -> None:
     docs = InMemoryDocuments([f"{i:04d}" + "x" * 996 for i in range(100)])  # 1001 tokens with EOS
     uninterrupted = _loader(docs, seq_len=63, global_batch_size=4, local_batch_size=4)
-    for _ in range(100):  # 100 windows of 64 tokens per row: inside document 6 of each sub-corpus
+    for _ in range(100):  # 100 windows of 64 tokens per row: inside document 6 of each row
         uninterrupted.next_batch()
     state = uninterrupted.state_dict()
     assert state["rows"].tolist() == [[0, 6, 100 * 64 - 6 * 1001]] * 4
@@ -248,8 +259,9 @@ def test_resume_does_not_retokenize_earlier_documents() -> None:
     restored = _loader(docs, tok, seq_len=63, global_batch_size=4, local_batch_size=4)
     restored.load_state_dict(state)
     assert torch.equal(_global(restored.next_batch())[0], _global(uninterrupted.next_batch())[0])
-    # Row j's document 6 is document j + 24; nothing before it was tokenized.
-    assert min(int(text[:4]) for text in tok.texts) == 24
+    # Row j reads documents 25j .. 25j + 24, and resumes in 25j + 6: nothing before it was tokenized.
+    assert min(int(text[:4]) for text in tok.texts) == 6
+    assert all(int(text[:4]) % 25 >= 6 for text in tok.texts)
 
 
 def test_two_constructions_are_identical() -> None:
@@ -274,11 +286,11 @@ def test_wraps_around_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
 def test_invalid_layouts_and_data() -> None:
     with pytest.raises(ValueError, match=r"dp_rank 2 is not in \[0, dp_degree=2\)"):
         _loader(global_batch_size=4, local_batch_size=2, dp_rank=2, dp_degree=2)
-    with pytest.raises(ValueError, match=r"InMemoryDocuments\(0 texts\)\"?: holds no documents for one of the batch rows"):
+    with pytest.raises(ValueError, match=r"InMemoryDocuments\(0 texts\)\"?: holds no documents"):
         _loader(InMemoryDocuments([])).next_batch()
-    # 3 documents for 4 rows: row 3 has none (its sub-corpus is documents 3, 7, ...).
-    with pytest.raises(ValueError, match=r"(?s)documents 3, 7, \.\.\. of InMemoryDocuments.*at least "
-                                         r"training.global_batch_size documents"):  # fmt: skip
+    # 3 bytes for 4 rows: some row would get nothing.
+    with pytest.raises(ValueError, match=r"(?s)global_batch_size = 4: the corpus .* holds 3 bytes, too few to give each "
+                                         r"of 4 batch rows a part of it\n.*smaller"):  # fmt: skip
         _loader(InMemoryDocuments(["a", "b", "c"]), global_batch_size=4, local_batch_size=4).next_batch()
     # Documents, but no text: a whole pass of empty / whitespace-only ones is refused, not trained on.
     with pytest.raises(ValueError, match=r"the 3 document\(s\) of a batch row hold no text: document 0, document 1, "

@@ -134,23 +134,47 @@ def _mixed_folder(tmp_path: Path) -> list[str]:
     return ["alpha", *(f"b{i}" for i in range(7)), *(f"c{i}" for i in range(7)), "delta0", "delta1", "delta2"]
 
 
+def _units(row) -> list[str]:
+    return [unit.content for unit in row]
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 20])
-def test_split_is_the_strided_view_and_iter_from_seeks_in_it(tmp_path: Path, count: int) -> None:
+def test_rows_are_contiguous_ranges_and_iter_from_seeks_in_them(tmp_path: Path, count: int) -> None:
     full = _mixed_folder(tmp_path)
     for docs in (FileDocuments(local_files(str(tmp_path))), InMemoryDocuments(full)):
-        parts = [docs.split(j, count) for j in range(count)]
-        for j, part in enumerate(parts):
-            want = full[j::count]
-            for k in range(len(want) + 2):
-                assert list(part.iter_from(k)) == want[k:], (type(docs).__name__, j, k)
-        assert sorted(t for part in parts for t in part) == sorted(full)  # disjoint, complete
+        name = type(docs).__name__
+        sizes = docs.sizes().tolist()  # a .jsonl document measures its line, the others their text
+        total = sum(sizes)
+        rows = [docs.split(j, count) for j in range(count)]
+        assert all(len(row) for row in rows), name  # every row gets text
+        for row in rows:
+            for k in range(len(row) + 2):
+                assert list(row.iter_from(k)) == list(row)[k:], name
+        # In order, the rows hold every document once, whole or in consecutive parts.
+        units = [u for row in rows for u in row]
+        texts, text, inside = [], "", False
+        for u in units:
+            assert u.starts == (not inside), name  # BOS before a document's first unit only
+            text += u.content
+            inside = not u.ends
+            if u.ends:
+                texts.append(text)
+                text = ""
+        assert texts == full and text == "", name
+        if max(sizes) * count <= total:  # no document larger than a row's share: all whole,
+            for j, row in enumerate(rows):  # row j holds those starting in bytes [j T / G, (j + 1) T / G)
+                want = [t for d, t in enumerate(full) if sum(sizes[:d]) * count // total == j]
+                assert _units(row) == want and all(u.starts and u.ends for u in row), (name, j)
     with pytest.raises(ValueError, match=r"sub-corpus 3 is not in \[0, count=3\)"):
         InMemoryDocuments(full).split(3, 3)
 
 
-def test_strided_view_parses_and_opens_only_its_documents(tmp_path: Path, monkeypatch) -> None:
+def test_a_row_parses_and_opens_only_its_documents(tmp_path: Path, monkeypatch) -> None:
     pq = pytest.importorskip("pyarrow.parquet", reason="parquet needs pyarrow")
-    full = _mixed_folder(tmp_path)
+    _mixed_folder(tmp_path)
+    docs = FileDocuments(local_files(str(tmp_path)))
+    # alpha 5 bytes, b0-b6 23 (their .jsonl lines), c0-c6 2, delta0-2 6: 198 bytes, rows of 39.6.
+    assert docs.sizes().tolist() == [5] + [23] * 7 + [2] * 7 + [6] * 3  # indexes the files first
     parsed: list[bytes] = []
     opened: list[str] = []
     groups: list[int] = []
@@ -159,12 +183,99 @@ def test_strided_view_parses_and_opens_only_its_documents(tmp_path: Path, monkey
     monkeypatch.setattr(Path, "read_bytes", lambda self: opened.append(self.name) or real_read_bytes(self))
     monkeypatch.setattr(pq.ParquetFile, "read_row_group",
                         lambda self, i, **kw: groups.append(i) or real_group(self, i, **kw))  # fmt: skip
-    # Sub-corpus 2 of 5 from its document 1: documents 7, 12, 17 = b6, c4, delta2.
-    part = FileDocuments(local_files(str(tmp_path))).split(2, 5)
-    assert list(part.iter_from(1)) == full[7::5] == ["b6", "c4", "delta2"]
-    assert [real_loads(line)["text"] for line in parsed] == ["b6"]  # other lines: scanned, not parsed
-    assert opened == ["d2.txt"]  # a.txt, d0.txt, d1.txt never opened
-    assert groups == [2]  # rows 4-5; groups 0, 1 (rows 0-3) and 3 (row 6) never read
+    # Row 3 holds the documents starting in bytes 119-158: b5 (120) and b6 (143).
+    assert _units(docs.split(3, 5).iter_from(1)) == ["b6"]
+    assert [real_loads(line)["text"] for line in parsed] == ["b6"]  # b5's line: skipped by a seek, not parsed
+    assert opened == [] and groups == []
+    # Row 4 holds c0-c6 (166-178) and delta0-2 (180-192); from its unit 8 on: delta1, delta2.
+    row = docs.split(4, 5)
+    assert _units(row.iter_from(8)) == ["delta1", "delta2"]
+    assert opened == ["d1.txt", "d2.txt"] and groups == []  # a.txt, d0.txt and the parquet row groups unread
+    assert row.locate(0) == f"{tmp_path / 'c.parquet'} row 0"
+    assert docs.split(3, 5).locate(1) == f"{tmp_path / 'b.jsonl'}:8"  # line 2 is blank
+
+
+def _play(lines: int) -> str:
+    return "".join(f"{i}: Now is the winter of our discontent {'x' * (i % 37)}\n" for i in range(lines))
+
+
+@pytest.mark.parametrize("rows", [8, 64, 1024])
+def test_one_text_file_fills_any_number_of_rows(tmp_path: Path, rows: int) -> None:
+    """One 1 MB .txt file (one document) is cut into G parts after newlines, one or two per row."""
+    text = _play(17_000)
+    assert 1_000_000 < len(text) < 1_100_000
+    (tmp_path / "play.txt").write_text(text)
+    docs = FileDocuments(local_files(str(tmp_path / "play.txt")))
+    units = [list(docs.split(j, rows)) for j in range(rows)]
+    assert all(units)  # every row gets a part
+    parts = [u for row in units for u in row]
+    assert "".join(u.content for u in parts) == text  # the parts, in order, are the file
+    assert [u.starts for u in parts] == [True] + [False] * (len(parts) - 1)  # BOS once, EOS once
+    assert [u.ends for u in parts] == [False] * (len(parts) - 1) + [True]
+    assert all(u.content.endswith("\n") for u in parts)  # cut after newlines
+    share = len(text) / rows
+    longest = max(len(line) + 1 for line in text.splitlines())
+    assert max(len(u.content) for u in parts) <= share + longest
+
+
+def test_a_part_of_a_text_file_reads_only_its_bytes(tmp_path: Path, monkeypatch) -> None:
+    text = _play(17_000)
+    (tmp_path / "play.txt").write_text(text)
+    docs = FileDocuments(local_files(str(tmp_path / "play.txt")))
+    row = docs.split(700, 1024)
+    read: list[int] = []
+    real_open = Path.open
+
+    class Counting:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+        def seek(self, offset: int) -> int:
+            return self.f.seek(offset)
+
+        def read(self, n: int = -1) -> bytes:
+            data = self.f.read(n)
+            read.append(len(data))
+            return data
+
+    monkeypatch.setattr(Path, "open", lambda self, mode="r": Counting(real_open(self, mode)))
+    [part] = list(row)
+    assert part.content and not part.starts and not part.ends
+    assert sum(read) <= 3 * len(text) / 1024  # its part and the searches for its two newlines, not the file
+
+
+def test_a_corpus_too_small_for_the_rows_is_one_message(tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("abc")
+    docs = FileDocuments(local_files(str(tmp_path / "t.txt")), value=str(tmp_path / "t.txt"))
+    with pytest.raises(ConfigError, match=r"global_batch_size = 8: the corpus \(training.dataset_path = .*t\.txt\) "
+                                          r"holds 3 bytes, too few to give each of 8 batch rows"):
+        [docs.split(j, 8) for j in range(8)]
+    (tmp_path / "t.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"holds 1 document\(s\), all empty"):
+        FileDocuments(local_files(str(tmp_path / "t.txt"))).split(0, 1)
+
+
+def test_jsonl_line_index_is_built_once_and_cached(tmp_path: Path, monkeypatch) -> None:
+    _write_jsonl(tmp_path / "d.jsonl", [f"doc {i}" for i in range(50)])
+    cache = tmp_path / "run" / "data_index"
+    first = FileDocuments([tmp_path / "d.jsonl"], index_cache=cache)
+    assert list(first) == [f"doc {i}" for i in range(50)]
+    assert len(list(cache.glob("*.npy"))) == 1
+    monkeypatch.setattr(dataset_module, "line_spans", lambda file: pytest.fail("indexed again"))
+    again = FileDocuments([tmp_path / "d.jsonl"], index_cache=cache)
+    assert list(again.iter_from(48)) == ["doc 48", "doc 49"]  # from the cache
+    monkeypatch.undo()
+    _write_jsonl(tmp_path / "d.jsonl", [f"new {i}" for i in range(3)])  # an edited file: a new index
+    assert list(FileDocuments([tmp_path / "d.jsonl"], index_cache=cache)) == ["new 0", "new 1", "new 2"]
+    for path in cache.glob("*.npy"):  # a cache file cut short is built again
+        path.write_bytes(path.read_bytes()[:20])
+    assert list(FileDocuments([tmp_path / "d.jsonl"], index_cache=cache).iter_from(2)) == ["new 2"]
 
 
 def test_local_glob(tmp_path: Path) -> None:
@@ -262,13 +373,14 @@ def test_json_files_hold_an_array_or_one_object_per_line(tmp_path: Path) -> None
     (tmp_path / "b.json").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(3)))
     docs = FileDocuments(local_files(str(tmp_path)))
     assert list(docs.iter_from(0)) == [*(f"array {i}" for i in range(5)), "line 0", "line 1", "line 2"]
-    assert list(docs.split(1, 3).iter_from(0)) == ["array 1", "array 4", "line 2"]
+    # 5 array rows of 7 bytes (their text), 3 lines of 18: rows of 29.7 bytes, row 1 holds bytes 30-59.
+    assert _units(docs.split(1, 3)) == ["line 0", "line 1"]
     (tmp_path / "a.json").write_text('[{"text": "x"}, {"txt": "y"}]')
     with pytest.raises(ConfigError, match=r"a.json\[1\] has no such field \(found \['txt'\]\)"):
-        list(docs.iter_from(0))
+        list(FileDocuments(local_files(str(tmp_path))).iter_from(0))
     (tmp_path / "a.json").write_text('[{"text": "x"},')
     with pytest.raises(ConfigError, match=r"a.json\": is not JSON"):
-        list(docs.iter_from(0))
+        list(FileDocuments(local_files(str(tmp_path))).iter_from(0))
 
 
 def test_torchtitan_dataset_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,16 +2,15 @@
 
 from torchmoe.data.dataloader import DataLoader, PackedStream, build_dataloader
 from torchmoe.data.dataset import (
-    Documents,
     FileDocuments,
     HFDocuments,
     HFSubCorpus,
     InMemoryDocuments,
-    StridedDocuments,
     build_documents,
     local_files,
     python_docs_files,
 )
+from torchmoe.data.documents import Documents, RowCorpus, SizedDocuments, Unit
 from torchmoe.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
@@ -24,11 +23,13 @@ __all__ = [
     "HFTokenizer",
     "InMemoryDocuments",
     "PackedStream",
-    "StridedDocuments",
+    "RowCorpus",
+    "SizedDocuments",
     "Tokenizer",
     "build_dataloader",
     "build_documents",
     "build_tokenizer",
     "local_files",
     "python_docs_files",
+    "Unit",
 ]

@@ -7,18 +7,19 @@
         ...                                      # each (local_batch_size, seq_len) int64
 
 The global batch has G = global_batch_size rows. Row j of every global batch is the next window
-of `seq_len + 1` tokens of its own endless token stream, sub-stream j: the documents of
-sub-corpus j (`Documents.split(j, G)`: documents j, j+G, j+2G, ... by default) each followed
-by EOS (and preceded by BOS with `training.add_bos`, as torchtitan packs), document after
-document, pass after pass. `inputs = window[:-1]`, `labels =
-window[1:]`; nothing is padded, so every label counts in the loss.
+of `seq_len + 1` tokens of its own endless token stream, sub-stream j: the units of row j
+(`Documents.split(j, G)`: the j-th of G contiguous ranges of the corpus, documents and parts of
+documents, `documents.py`; rows of a hub dataset j, j+G, ...), each document followed by EOS (and
+preceded by BOS with `training.add_bos`, as torchtitan packs), unit after unit, pass after pass.
+`inputs = window[:-1]`, `labels = window[1:]`; nothing is padded, so every label counts in the
+loss.
 
 Rank r of D data-parallel ranks owns the contiguous rows [r*G/D, (r+1)*G/D): it reads and
-tokenizes only their sub-corpora, and splits its rows into consecutive micro-batches of
+tokenizes only their ranges, and splits its rows into consecutive micro-batches of
 `local_batch_size`. Concatenating every rank's micro-batches in (rank, micro-batch) order gives
-the global batch, and since the split into sub-corpora depends only on G, every layout with the
-same G trains on the same data in the same order. The price: another G is another data order,
-so a run cannot resume with a different G.
+the global batch, and since the ranges depend only on G, every layout with the same G trains on
+the same data in the same order. The price: another G is another data order, so a run cannot
+resume with a different G.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from torchmoe.data.dataset import DataConfigError, Documents, build_documents
+from torchmoe.data.dataset import build_documents
+from torchmoe.data.documents import DataConfigError, Documents, Unit
 from torchmoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -157,6 +161,7 @@ class PackedStream:
         while need:
             if self._piece is None:
                 self._start(self._next_document())
+                continue  # a unit without tokens (an empty part of a document)
             piece = self._piece[self._offset : self._offset + need]
             self._offset += len(piece)
             need -= len(piece)
@@ -166,7 +171,7 @@ class PackedStream:
         return torch.cat(pieces).view(n, self.window)
 
     def _start(self, pieces: Iterator[torch.Tensor]) -> None:
-        """Pack the document whose token pieces are `pieces` (every document has one: EOS)."""
+        """Pack the unit whose token pieces are `pieces` (`_piece` None if it has no tokens)."""
         self._pieces, self._done, self._piece = pieces, 0, None
         self._next_piece()
         self._next_doc += 1
@@ -207,37 +212,52 @@ class PackedStream:
         return self._ready.popleft()
 
     def _read(self) -> None:
-        """Read up to `read_ahead` more documents (and `READ_AHEAD_CHARS` of text) into `_ready`:
-        the short ones tokenized together, the long ones to be tokenized piece by piece."""
-        texts: list[str] = []
+        """Read up to `read_ahead` more units (and `READ_AHEAD_CHARS` of text) into `_ready`: the
+        short texts tokenized together, long ones to be tokenized piece by piece, token ids (a
+        pre-tokenized corpus) as they are."""
+        units: list[Unit] = []
         chars = 0
-        while len(texts) < self.read_ahead and chars < READ_AHEAD_CHARS:
-            text = next(self._docs, None)
-            if text is None:
+        while len(units) < self.read_ahead and chars < READ_AHEAD_CHARS:
+            item = next(self._docs, None)
+            if item is None:
                 break
-            texts.append(text)
-            chars += len(text)
+            unit = item if isinstance(item, Unit) else Unit(item, True, True)  # a hub row: a whole document
+            units.append(unit)
+            chars += len(unit.content)
         if self._pass_text is not None:
-            self._pass_text += sum(1 for text in texts if not text.isspace() and text)
-        encoded = iter(self.tokenizer.encode_batch([text for text in texts if len(text) <= PIECE_CHARS]))
-        for text in texts:
-            if len(text) <= PIECE_CHARS:
-                self._ready.append(iter([self._tokens(next(encoded), first=True, last=True)]))
+            self._pass_text += sum(1 for unit in units if _has_text(unit.content))
+        short = [unit.content for unit in units if isinstance(unit.content, str) and len(unit.content) <= PIECE_CHARS]
+        encoded = iter(self.tokenizer.encode_batch(short))
+        for unit in units:
+            if not isinstance(unit.content, str):
+                self._ready.append(self._token_pieces(unit))
+            elif len(unit.content) <= PIECE_CHARS:
+                self._ready.append(iter([self._tokens(next(encoded), first=unit.starts, last=unit.ends)]))
             else:
-                self._ready.append(self._long_document(text))
+                self._ready.append(self._long_document(unit))
 
-    def _long_document(self, text: str) -> Iterator[torch.Tensor]:
-        """The token pieces of a long `text`, tokenized as they are needed."""
-        first = True
-        for ids in self.tokenizer.encode_pieces(text, PIECE_CHARS):
+    def _long_document(self, unit: Unit) -> Iterator[torch.Tensor]:
+        """The token pieces of a long text, tokenized as they are needed."""
+        first = unit.starts
+        for ids in self.tokenizer.encode_pieces(unit.content, PIECE_CHARS):
             yield self._tokens(ids, first=first, last=False)
             first = False
-        yield self._tokens([], first=False, last=True)
+        yield self._tokens([], first=first, last=unit.ends)
 
-    def _tokens(self, ids: list[int], *, first: bool, last: bool) -> torch.Tensor:
+    def _token_pieces(self, unit: Unit) -> Iterator[torch.Tensor]:
+        """The pieces of a unit of token ids (read from a memory map as they are needed)."""
+        ids = unit.content
+        for start in range(0, len(ids), PIECE_CHARS):
+            yield self._tokens(ids[start:start + PIECE_CHARS], first=unit.starts and start == 0, last=False)
+        yield self._tokens([], first=unit.starts and len(ids) == 0, last=unit.ends)
+
+    def _tokens(self, ids: list[int] | np.ndarray, *, first: bool, last: bool) -> torch.Tensor:
         """(n,) int64: `ids`, after BOS if `first` (and the stream has one), before EOS if `last`."""
         tokens = array.array("q", (self.bos,) if first and self.bos is not None else ())  # int64
-        tokens.extend(ids)  # ~3x faster than torch.tensor(list)
+        if isinstance(ids, np.ndarray):
+            tokens.frombytes(ids.astype(np.int64).tobytes())
+        else:
+            tokens.extend(ids)  # ~3x faster than torch.tensor(list)
         if last:
             tokens.append(self.tokenizer.eos_id)
         return torch.frombuffer(tokens, dtype=torch.long) if tokens else torch.empty(0, dtype=torch.long)
@@ -252,16 +272,16 @@ class PackedStream:
             f"the {self._next_doc} document(s) of a batch row hold no text: {', '.join(shown)}{more} (empty or "
             "only whitespace)",
             "give them text or remove them from the dataset: each of the training.global_batch_size rows packs its "
-            "own documents (row j: documents j, j + G, ...); or check training.dataset_text_field (it may name an "
-            "empty column)",
+            "own range of the corpus; or check training.dataset_text_field (it may name an empty column)",
         )  # fmt: skip
 
     def _empty(self) -> DataConfigError:
         key, value = self.source
         return DataConfigError(
-            key, value, "holds no documents for one of the batch rows (row j packs documents j, j + G, ...)",
-            "point it at files or a hub dataset that hold text: at least training.global_batch_size documents, "
-            "one for each batch row",
+            key, value, "holds no documents for one of the batch rows (a hub dataset's row j packs its rows j, "
+            "j + G, ...)",
+            "point it at files or a hub dataset that hold text: a hub dataset needs at least "
+            "training.global_batch_size rows, one for each batch row",
         )  # fmt: skip
 
 
@@ -272,7 +292,7 @@ class DataLoader:
     docstring) and never reads another row's documents: tokenization is split D ways.
 
     Args:
-        documents: the corpus (`build_documents`); row j reads `documents.split(j, G)`.
+        documents: the corpus (`build_documents`); row j packs `documents.split(j, G)`.
         tokenizer: the model's tokenizer.
         seq_len: tokens per sequence.
         global_batch_size: sequences per optimizer step over all dp ranks (G): the rows.
@@ -426,6 +446,11 @@ class DataLoader:
         )  # fmt: skip
 
 
+def _has_text(content: str | np.ndarray) -> bool:
+    """Whether a unit holds something to train on (not empty, not only whitespace)."""
+    return bool(content.strip()) if isinstance(content, str) else len(content) > 0
+
+
 def validation_data(training: Training, validation: Validation) -> Training:
     """The `[training]` data settings of the validation batches: `validation`'s dataset, split,
     rows and length, one batch per step (no accumulation); BOS and the text field stay the
@@ -444,15 +469,17 @@ def build_dataloader(
     batch_mesh: DeviceMesh | None = None,
     repeat: bool = True,
     key: str = "training.dataset_path",
+    index_cache: Path | None = None,
 ) -> DataLoader:
     """The loader the `[training]` section describes; `global_batch_size = -1` means
     `local_batch_size * dp_degree` (no gradient accumulation). `repeat` as in `DataLoader`; `key`
-    names the dataset's path in messages (``validation.dataset_path`` for the validation data)."""
+    names the dataset's path in messages (``validation.dataset_path`` for the validation data);
+    `index_cache` keeps the data files' document indexes between runs (`FileDocuments`)."""
     global_batch_size = training.global_batch_size
     if global_batch_size == -1:
         global_batch_size = training.local_batch_size * dp_degree
     return DataLoader(
-        build_documents(training, key=key),
+        build_documents(training, key=key, index_cache=index_cache),
         tokenizer,
         seq_len=training.seq_len,
         global_batch_size=global_batch_size,

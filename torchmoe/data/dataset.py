@@ -2,7 +2,7 @@
 
     from torchmoe.data import build_documents
     docs = build_documents(job_config.training)   # training.dataset picks the source
-    for text in docs.iter_from(1000): ...         # documents 1000, 1001, ...; 0..999 not tokenized
+    for text in docs.iter_from(1000): ...         # documents 1000, 1001, ...; 0..999 not read
 
 The sources, chosen by `training.dataset`:
 - `python_docs` (default): the Python standard library's own sources, offline everywhere.
@@ -11,15 +11,9 @@ The sources, chosen by `training.dataset`:
 - torchtitan's names: `c4` / `c4_validation` (allenai/c4 "en", streamed) and `c4_test` (its test
   corpus, `tests/assets/c4_test` of a torchtitan checkout); `dataset_path` moves either.
 Every source yields the same documents in the same order on every pass and every rank; the
-packer (`dataloader.py`) relies on that to resume, and reads one sub-corpus per batch row:
-
-    row = docs.split(j, G)                        # sub-corpus j of G: documents j, j+G, j+2G, ...
-    for text in row.iter_from(k): ...             # document j + k*G of docs, then j + (k+1)*G, ...
-
-Each source reads as little as it can for its sub-corpora: `.txt` files that are not in it are
-never opened, `.parquet` row groups without one of its rows never read, `.jsonl` lines of other
-sub-corpora scanned but not parsed; hub datasets are split by `datasets` itself (by shard when
-it can). Nothing outside a sub-corpus is ever tokenized.
+packer (`dataloader.py`) relies on that to resume, and reads one row's share per batch row
+(`Documents.split`): files by contiguous ranges of their bytes (`documents.py`), each document
+read alone by a seek, hub datasets by rows (`datasets` splits them, by shard when it can).
 """
 
 from __future__ import annotations
@@ -32,16 +26,18 @@ import logging
 import os
 import stat
 import sysconfig
-from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchmoe.config.errors import ConfigError
+import numpy as np
+
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, check_split, text_part
+from torchmoe.data.file_index import cached_index, line_spans
 
 if TYPE_CHECKING:
     from torchmoe.config.job_config import Training
@@ -50,7 +46,6 @@ __all__ = [
     "DataConfigError",
     "Documents",
     "InMemoryDocuments",
-    "StridedDocuments",
     "FileDocuments",
     "HFDocuments",
     "HFSubCorpus",
@@ -67,204 +62,218 @@ C4_HUB = "allenai/c4"
 C4_TEST_PATH = "tests/assets/c4_test"
 
 
-class DataConfigError(ConfigError, ValueError):
-    """A data or tokenizer setting that cannot work: missing files, fields or packages.
-
-    The CLI reports it like any `ConfigError` (one message, exit status 2); it is also a
-    `ValueError` for code that uses the data pipeline as a library.
-    """
-
-
-class Documents(ABC):
-    """An ordered corpus: document i is the same text on every pass, rank and machine."""
-
-    @abstractmethod
-    def iter_from(self, start: int = 0) -> Iterator[str]:
-        """Documents `start`, `start + 1`, ... to the end of one pass.
-
-        Skipping the first `start` documents may re-read them from storage, but never hands
-        them to a tokenizer: that is what keeps resuming cheap.
-        """
-
-    def iter_strided(self, start: int, step: int) -> Iterator[str]:
-        """Documents `start`, `start + step`, `start + 2*step`, ... to the end of one pass.
-
-        The default reads every document from `start` on and drops the others; sources that
-        can skip more cheaply (without parsing, or without reading at all) override it.
-        """
-        return itertools.islice(self.iter_from(start), 0, None, step)
-
-    def split(self, index: int, count: int) -> Documents:
-        """Sub-corpus `index` of `count` disjoint ones that together hold every document.
-
-        The default is the strided view: documents `index, index + count, index + 2*count, ...`
-        (`iter_from(k)` of the view starts at document `index + k*count`). It depends only on
-        `count`, so it is the same whichever process reads it.
-
-        Raises:
-            ValueError: not `0 <= index < count` (a caller bug).
-        """
-        _check_split(index, count)
-        return self if count == 1 else StridedDocuments(self, index, count)
-
-    def locate(self, index: int) -> str:
-        """Where document `index` comes from, for messages (a file, ``file:line``, a row)."""
-        return f"document {index}"
-
-    def __iter__(self) -> Iterator[str]:
-        return self.iter_from(0)
-
-
-def _check_split(index: int, count: int) -> None:
-    if not 0 <= index < count:
-        raise ValueError(f"sub-corpus {index} is not in [0, count={count})")
-
-
-class StridedDocuments(Documents):
-    """Documents `index, index + count, ...` of `parent` (`Documents.split`)."""
-
-    def __init__(self, parent: Documents, index: int, count: int) -> None:
-        self.parent = parent
-        self.index = index
-        self.count = count
-
-    def __repr__(self) -> str:
-        return f"documents {self.index}, {self.index + self.count}, ... of {self.parent!r}"
-
-    def iter_from(self, start: int = 0) -> Iterator[str]:
-        return self.parent.iter_strided(self.index + start * self.count, self.count)
-
-    def locate(self, index: int) -> str:
-        return self.parent.locate(self.index + index * self.count)
-
-
-class InMemoryDocuments(Documents):
-    """A fixed list of strings (tests, small experiments)."""
+class InMemoryDocuments(SizedDocuments):
+    """A fixed list of strings (tests, small experiments); sizes are their UTF-8 bytes."""
 
     def __init__(self, texts: Sequence[str]) -> None:
         self.texts = list(texts)
+        self.source = ("training.dataset", repr(self))
 
     def __repr__(self) -> str:
         return f"InMemoryDocuments({len(self.texts)} texts)"
 
-    def iter_from(self, start: int = 0) -> Iterator[str]:
-        return iter(self.texts[start:])
+    def sizes(self) -> np.ndarray:
+        return np.array([len(text.encode("utf-8")) for text in self.texts], dtype=np.int64)
 
-    def iter_strided(self, start: int, step: int) -> Iterator[str]:
-        return iter(self.texts[start::step])
+    def read(self, index: int) -> str:
+        return self.texts[index]
 
 
-class FileDocuments(Documents):
-    """Documents from files, in the given order.
+class FileDocuments(SizedDocuments):
+    """Documents from files, in the given order, each read alone (a seek).
 
-    `.jsonl` files hold one document per non-blank line (the string at `text_field`), `.parquet`
-    files one per row (column `text_field`, via pyarrow), and any other file is one document
-    (its text). Text must be UTF-8: a file that is not (binary, or another encoding) is a
-    `DataConfigError` naming it, as is one that cannot be read or parsed. A null text is an
-    empty document, so document indices always count rows.
+    `.jsonl` files hold one document per non-blank line (the string at `text_field`), found once
+    by `file_index.line_spans`; `.json` files an array of objects (or lines, like .jsonl);
+    `.parquet` files one per row (column `text_field`, via pyarrow); any other file is one
+    document (its text), of which a part reads only its bytes. Text must be UTF-8: a file that is
+    not (binary, or another encoding) is a `DataConfigError` naming it, as is one that cannot be
+    read or parsed. A null text is an empty document, so document indices always count rows.
 
     Args:
         files: the files, already in their deterministic order.
         text_field: the JSON key / parquet column holding the text.
-        key: the setting that named the files, for messages.
+        key: the setting that named the files, for messages; `value` its value.
+        index_cache: the folder that keeps each file's index between runs (`file_index`); None
+            keeps them in memory.
     """
 
-    def __init__(self, files: Sequence[Path], *, text_field: str = "text", key: str = "training.dataset_path") -> None:
+    def __init__(self, files: Sequence[Path], *, text_field: str = "text", key: str = "training.dataset_path",
+                 value: str = "", index_cache: Path | None = None) -> None:
         self.files = [Path(f) for f in files]
         self.text_field = text_field
         self.key = key
+        self.source = (key, value or (str(self.files[0]) if self.files else ""))
+        self.index_cache = index_cache
+        self._open: tuple[Path, Any] | None = None  # the last .json array or parquet row group read
 
     def __repr__(self) -> str:
         where = f", first {self.files[0]}" if self.files else ""
         return f"FileDocuments({len(self.files)} files{where})"
 
-    def iter_from(self, start: int = 0) -> Iterator[str]:
-        return self.iter_strided(start, 1)
+    @cached_property
+    def _tables(self) -> list[np.ndarray]:
+        """Per file, (n, 2) int64: each document's (offset, size): a .jsonl line's bytes, a .json
+        or .parquet row's text bytes (offset: its row), a text file's bytes."""
+        return [self._faults(file, self._table, file) for file in self.files]
 
-    def iter_strided(self, start: int, step: int) -> Iterator[str]:
-        """Documents `start`, `start + step`, ... parsing only those (see the module docstring)."""
-        return (text for _, text in self._located(start, step))
+    @cached_property
+    def _first(self) -> np.ndarray:
+        """(files + 1,) int64: index of each file's first document, and the count last."""
+        return np.concatenate([[0], np.cumsum([len(t) for t in self._tables])]).astype(np.int64)
+
+    def sizes(self) -> np.ndarray:
+        return np.concatenate([t[:, 1] for t in self._tables]) if self.files else np.zeros(0, np.int64)
+
+    def read(self, index: int) -> str:
+        file, row = self._find(index)
+        return self._faults(file, self._read, file, row)
+
+    def read_part(self, index: int, part: int, parts: int) -> str:
+        file, row = self._find(index)
+        if _kind(file) != "text":
+            return super().read_part(index, part, parts)
+        return self._faults(file, self._read_text_part, file, part, parts)
 
     def locate(self, index: int) -> str:
-        """The file of document `index`: ``file``, ``file:line`` (.jsonl), ``file[i]`` (a .json
-        array) or ``file row i`` (.parquet); reads the files before it as `iter_from` does."""
-        return next(self._located(index, 1), (f"document {index}", ""))[0]
+        """Document `index`: ``file``, ``file:line`` (.jsonl), ``file[i]`` (a .json array) or
+        ``file row i`` (.parquet)."""
+        file, row = self._find(index)
+        kind = _kind(file)
+        if kind == "lines":
+            return f"{file}:{self._line_number(file, row)}"
+        if kind == "array":
+            return f"{file}[{row}]"
+        if kind == "parquet":
+            return f"{file} row {row}"
+        return str(file)
 
-    def _located(self, start: int, step: int) -> Iterator[tuple[str, str]]:
-        """(where, text) of documents `start`, `start + step`, ..."""
-        first = 0  # index of the current file's first document
-        for file in self.files:
-            # `start - first` >= 0 is the wanted document's index inside this file.
-            count = yield from self._read(file, start - first, step)
-            end = first + count
-            if start < end:  # move on to the first wanted document after this file
-                start += (end - start + step - 1) // step * step
-            first = end
+    def _find(self, index: int) -> tuple[Path, int]:
+        """The file holding document `index`, and the document's row in it."""
+        f = int(np.searchsorted(self._first, index, side="right")) - 1
+        return self.files[f], index - int(self._first[f])
 
-    def _read(self, file: Path, first: int, step: int) -> Generator[tuple[str, str], None, int]:
-        """Yields (where, text) of the documents `first, first + step, ...` of `file`; returns how
-        many it holds."""
+    def _faults(self, file: Path, fn: Callable[..., Any], *args: Any) -> Any:
         # Deleted since it was listed, a folder, no permission, an I/O error: what the OS says.
         with path_faults(self.key, str(file), "fix its permissions, or remove it from the dataset",
                          error=DataConfigError):
-            if file.suffix == ".jsonl":
-                return (yield from _read_jsonl(file, self.text_field, first, step, self.key))
-            if file.suffix == ".json":
-                return (yield from _read_json(file, self.text_field, first, step, self.key))
-            if file.suffix == ".parquet":
-                return (yield from _read_parquet(file, self.text_field, first, step, self.key))
-            if first == 0:  # one document per file: other sub-corpora never open it
-                yield str(file), _utf8(file.read_bytes(), file, str(file), self.key)
-            return 1
+            return fn(*args)
 
+    def _table(self, file: Path) -> np.ndarray:
+        kind = _kind(file)
+        if kind == "lines":
+            return cached_index(file, "lines", lambda: line_spans(file), self.index_cache)
+        if kind in ("array", "parquet"):
+            build = lambda: _row_sizes(self._rows_of(file, kind))  # noqa: E731
+            return cached_index(file, f"{kind}:{self.text_field}", build, self.index_cache)
+        return np.array([[0, os.stat(file).st_size]], dtype=np.int64)
 
-def _read_jsonl(file: Path, text_field: str, first: int, step: int,
-                key: str) -> Generator[tuple[str, str], None, int]:
-    """(where, text) of documents `first, first + step, ...` of a .jsonl file; returns its
-    document count.
+    def _rows_of(self, file: Path, kind: str) -> Iterator[str]:
+        """The text of every row of a .json array or .parquet file, in order."""
+        if kind == "array":
+            rows = self._json_array(file)
+            return (_row_text(row, self.text_field, f"{file}[{i}]") for i, row in enumerate(rows))
+        pf = _parquet_file(file, self.key)
+        _parquet_column(pf, file, self.text_field)
+        return (text for group in range(pf.metadata.num_row_groups)
+                for text in self._parquet_group(file, pf, group))
 
-    Every line is scanned (document boundaries are newlines, so there is no index to seek by),
-    but only the wanted ones are parsed as JSON.
-    """
-    index = -1  # of the current document (non-blank line)
-    line_no = 0  # not enumerate(): its reused result tuple would keep the last line alive
-    with file.open("rb") as f:
-        for line in f:
-            line_no += 1
-            if not line or line.isspace():  # not strip(): a copy of a long line
-                continue
-            index += 1
-            if index < first or (index - first) % step:
-                continue
-            where = f"{file}:{line_no}"
-            # A long line is held as bytes, then as text, then parsed, never twice at once, and
-            # none of them while its document is packed.
-            text, line = _utf8(line, file, where, key, nul=False), None
+    def _read(self, file: Path, row: int) -> str:
+        kind = _kind(file)
+        if kind == "text":
+            return _utf8(file.read_bytes(), file, str(file), self.key)
+        if kind == "lines":
+            offset, length = self._tables[self.files.index(file)][row]
+            with file.open("rb") as f:
+                f.seek(offset)
+                line = f.read(length)
+            where = f"{file}:{self._line_number(file, row)}"
+            # A long line is held as bytes, then as text, then parsed, never twice at once.
+            text, line = _utf8(line, file, where, self.key, nul=False), None
             try:
-                row, text = json.loads(text), None
+                parsed, text = json.loads(text), None
             except json.JSONDecodeError as e:
-                raise DataConfigError(key, str(file), f"{where} is not JSON ({e.msg})",
+                raise DataConfigError(self.key, str(file), f"{where} is not JSON ({e.msg})",
                                       "fix or remove that line: .jsonl files hold one JSON object per line") from None
-            yield where, _row_text(row, text_field, where)
-    return index + 1
+            return _row_text(parsed, self.text_field, where)
+        if kind == "array":
+            return _row_text(self._json_array(file)[row], self.text_field, f"{file}[{row}]")
+        return self._parquet_row(file, row)
+
+    def _read_text_part(self, file: Path, part: int, parts: int) -> str:
+        """Part `part` of `parts` of a text file: only its bytes (and a newline's search) are read."""
+        size = os.stat(file).st_size
+        with file.open("rb") as f:
+
+            def read(offset: int, n: int) -> bytes:
+                f.seek(offset)
+                return f.read(n)
+
+            start, end = text_part(read, size, part, parts)
+            where = str(file) if start == 0 else f"{file} (the part from byte {start})"
+            return _utf8(read(start, end - start), file, where, self.key)
+
+    def _line_number(self, file: Path, row: int) -> int:
+        """The 1-based line number of document `row` of a .jsonl file (counts the newlines before it)."""
+        offset = int(self._tables[self.files.index(file)][row, 0])
+        count = 0
+        with file.open("rb") as f:
+            while offset > 0:
+                chunk = f.read(min(offset, 1 << 24))
+                count += chunk.count(b"\n")
+                offset -= len(chunk)
+        return count + 1
+
+    def _json_array(self, file: Path) -> list[Any]:
+        """The rows of a .json array file, parsed once and kept while it is read."""
+        if self._open is None or self._open[0] != file:
+            try:
+                rows = json.loads(_utf8(file.read_bytes(), file, str(file), self.key, nul=False))
+            except json.JSONDecodeError as e:
+                raise DataConfigError(self.key, str(file), f"is not JSON ({e.msg} at line {e.lineno})",
+                                      "fix the file: a JSON array of objects, or one object per line") from None
+            if not isinstance(rows, list):
+                raise DataConfigError(self.key, str(file), f"holds a JSON {type(rows).__name__}, not an array",
+                                      "fix the file: a JSON array of objects, or one object per line")
+            self._open = (file, rows)
+        return self._open[1]
+
+    def _parquet_row(self, file: Path, row: int) -> str:
+        """Row `row` of a .parquet file: its row group is read (and kept while it is read)."""
+        pf = _parquet_file(file, self.key)
+        start = 0
+        for group in range(pf.metadata.num_row_groups):
+            end = start + pf.metadata.row_group(group).num_rows
+            if row < end:
+                if self._open is None or self._open[0] != (file, group):
+                    self._open = ((file, group), self._parquet_group(file, pf, group))
+                return self._open[1][row - start]
+            start = end
+        raise IndexError(row)
+
+    def _parquet_group(self, file: Path, pf: Any, group: int) -> list[str]:
+        """The texts of one row group, checked (`_as_text`)."""
+        first = sum(pf.metadata.row_group(g).num_rows for g in range(group))
+        texts = pf.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
+        return [_as_text(text, f"{file} row {first + i}", self.text_field) for i, text in enumerate(texts)]
 
 
-def _read_json(file: Path, text_field: str, first: int, step: int,
-               key: str) -> Generator[tuple[str, str], None, int]:
-    """(where, text) of documents `first, first + step, ...` of a .json file: an array of objects
-    (read whole), or one object per line like .jsonl (both are what `datasets`' json loader reads)."""
-    with file.open("rb") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith(b"["):
-        return (yield from _read_jsonl(file, text_field, first, step, key))
-    try:
-        rows = json.loads(_utf8(file.read_bytes(), file, str(file), key, nul=False))
-    except json.JSONDecodeError as e:
-        raise DataConfigError(key, str(file), f"is not JSON ({e.msg} at line {e.lineno})",
-                              "fix the file: a JSON array of objects, or one object per line") from None
-    for index in range(first, len(rows), step):
-        yield f"{file}[{index}]", _row_text(rows[index], text_field, f"{file}[{index}]")
-    return len(rows)
+def _kind(file: Path) -> str:
+    """How a file holds documents: "lines" (.jsonl, or a .json of lines), "array" (a .json
+    array), "parquet", or "text" (the whole file is one)."""
+    if file.suffix == ".jsonl":
+        return "lines"
+    if file.suffix == ".json":
+        with file.open("rb") as f:
+            return "array" if f.read(4096).lstrip().startswith(b"[") else "lines"
+    if file.suffix == ".parquet":
+        return "parquet"
+    return "text"
+
+
+def _row_sizes(texts: Iterator[str]) -> np.ndarray:
+    """(n, 2) int64: (row, UTF-8 bytes) of each text."""
+    sizes = np.fromiter((len(text.encode("utf-8")) for text in texts), dtype=np.int64)
+    return np.stack([np.arange(len(sizes), dtype=np.int64), sizes], axis=1)
 
 
 def _row_text(row: Any, text_field: str, where: str) -> str:
@@ -291,6 +300,15 @@ def _parquet_file(file: Path, key: str) -> Any:
                               "replace it with a valid parquet file, or remove it from the dataset") from None
 
 
+def _parquet_column(pf: Any, file: Path, text_field: str) -> None:
+    columns = pf.schema_arrow.names
+    if text_field not in columns:
+        raise DataConfigError(
+            "training.dataset_text_field", text_field, f"{file} has no such column (found {columns})",
+            "set it to the column that holds the text",
+        )  # fmt: skip
+
+
 def _utf8(data: bytes, file: Path, where: str, key: str, *, nul: bool = True) -> str:
     """`data` (read from `file`, at `where`: the file or file:line; `key` named it) as text;
     `nul` as in `utf8_text` (False for JSON)."""
@@ -299,36 +317,6 @@ def _utf8(data: bytes, file: Path, where: str, key: str, *, nul: bool = True) ->
     except NotUTF8 as e:
         raise DataConfigError(key, str(file), f"{where} {e.problem}",
                               f"{e.fix(file)}; or remove it from the dataset") from None
-
-
-def _read_parquet(file: Path, text_field: str, first: int, step: int,
-                  key: str) -> Generator[tuple[str, str], None, int]:
-    """(where, text) of rows `first, first + step, ...` of a .parquet file; returns its row count.
-
-    Reads only the row groups that hold a wanted row, one at a time (bounded memory); the
-    count comes from the file's metadata.
-    """
-    pf = _parquet_file(file, key)
-    rows = pf.metadata.num_rows
-    if first >= rows:
-        return rows
-    columns = pf.schema_arrow.names
-    if text_field not in columns:
-        raise DataConfigError(
-            "training.dataset_text_field", text_field, f"{file} has no such column (found {columns})",
-            "set it to the column that holds the text",
-        )  # fmt: skip
-    wanted = first  # the next wanted row
-    group_start = 0
-    for group in range(pf.metadata.num_row_groups):
-        group_end = group_start + pf.metadata.row_group(group).num_rows
-        if wanted < group_end:
-            texts = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
-            for row in range(wanted, group_end, step):
-                yield f"{file} row {row}", _as_text(texts[row - group_start], f"{file} row {row}", text_field)
-            wanted += (group_end - wanted + step - 1) // step * step
-        group_start = group_end
-    return rows
 
 
 def _as_text(value: Any, where: str, field: str) -> str:
@@ -425,7 +413,7 @@ class HFDocuments(Documents):
         return self._rows(self.stream.skip(start) if start else self.stream, start, "")
 
     def split(self, index: int, count: int) -> Documents:
-        _check_split(index, count)
+        check_split(index, count)
         return self if count == 1 else HFSubCorpus(self, index, count)
 
     def locate(self, index: int, where: str = "") -> str:
@@ -550,15 +538,20 @@ def _files_under(folder: Path) -> list[Path]:
     return [Path(parent) / name for parent, _, names in os.walk(folder, onerror=fail) for name in names]
 
 
-def build_documents(training: Training, *, key: str = "training.dataset_path") -> Documents:
+def build_documents(training: Training, *, key: str = "training.dataset_path",
+                    index_cache: Path | None = None) -> Documents:
     """The document source that `training.dataset` names (see `Training` in job_config); `key`
-    names its path in messages (``validation.dataset_path`` for the validation data)."""
+    names its path in messages (``validation.dataset_path`` for the validation data);
+    `index_cache` keeps the files' document indexes (`FileDocuments`)."""
     kind = training.dataset
+    files = lambda path: FileDocuments(  # noqa: E731
+        local_files(path, key=key), text_field=training.dataset_text_field, key=key, value=path,
+        index_cache=index_cache,
+    )
     if kind == "python_docs":
-        return FileDocuments(python_docs_files())
+        return FileDocuments(python_docs_files(), key="training.dataset", value=kind)
     if kind == "local":
-        return FileDocuments(local_files(training.dataset_path, key=key), text_field=training.dataset_text_field,
-                             key=key)
+        return files(training.dataset_path)
     if kind == "hf":
         return HFDocuments.from_spec(
             training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field, key=key
@@ -574,7 +567,7 @@ def build_documents(training: Training, *, key: str = "training.dataset_path") -
                 "folder), which does not exist",
                 "run from a torchtitan checkout, or set training.dataset_path to a copy of its tests/assets/c4_test",
             )  # fmt: skip
-        return FileDocuments(local_files(path, key=key), text_field=training.dataset_text_field, key=key)
+        return files(path)
     raise DataConfigError(
         "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local' or 'hf'"
     )

@@ -1,6 +1,6 @@
 """Checks of the files a run reads and writes, before it trains: a file that can only fail
-later (a checkpoint folder that is a file, a dump folder nobody may write, a dataset with fewer
-documents than batch rows) is refused at start, not after the steps it would lose."""
+later (a checkpoint folder that is a file, a dump folder nobody may write, a dataset with too
+little text for the batch rows) is refused at start, not after the steps it would lose."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
 from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_file, writable_folder, written_folders
 from torchmoe.data.dataset import DataConfigError, build_documents
+from torchmoe.data.documents import SizedDocuments
+from torchmoe.data.file_index import INDEX_FOLDER
 from torchmoe.data.tokenizer import Tokenizer
 from torchmoe.plan.dry_run import DRY_RUN_FILE
 
@@ -90,25 +92,30 @@ def check_tokenizer(tokenizer: Tokenizer, model_vocab: int, model: Model, traini
 
 
 def check_dataset_rows(training: Training, global_batch_size: int, *, key: str = "training.dataset_path") -> None:
-    """A local or hub dataset must hold a document for each row of the global batch: row j
-    reads documents j, j + G, ... (`data.dataloader`). Reads the first G documents only, so a
-    dataset that cannot be resolved, or undecodable or malformed documents among them, fail
-    here too (the python_docs corpus is always there). `key` names the dataset's path
+    """Every row of the global batch must get text to pack: files are cut into G ranges
+    (`data.documents`), so each range must hold some; a hub dataset's row j reads its rows j,
+    j + G, ..., so it must hold G rows. Reads the first unit of each row only, so a dataset that
+    cannot be resolved, or undecodable or malformed documents there, fail here too (the
+    python_docs corpus is always there). `key` names the dataset's path
     (``validation.dataset_path`` for the validation data)."""
     if training.dataset == "python_docs":
         return
     docs = build_documents(training, key=key)
+    if isinstance(docs, SizedDocuments):
+        for row in range(global_batch_size):
+            next(iter(docs.split(row, global_batch_size)), None)
+        return
     count = sum(1 for _ in itertools.islice(docs.iter_from(0), global_batch_size))
     if count == 0:
         raise DataConfigError(key, training.dataset_path, "holds no documents",
-                              "point it at .txt/.jsonl/.json/.parquet files that hold text")
+                              "point it at a hub dataset that holds text")
     if count < global_batch_size:
         raise DataConfigError(
             key, training.dataset_path,
-            f"holds {count} document(s), fewer than the {global_batch_size} rows of a global batch (row j "
-            f"packs documents j, j + {global_batch_size}, ...; a .txt file is one document, a .jsonl line or a "
-            ".parquet row one)",
-            f"add documents, or use training.global_batch_size <= {count}",
+            f"holds {count} row(s), fewer than the {global_batch_size} rows of a global batch (batch row j packs "
+            f"the hub dataset's rows j, j + {global_batch_size}, ...)",
+            f"use training.global_batch_size <= {count}, or prepare the data as files (torchmoe prepare-data, or "
+            "local files: their bytes are cut into one range per batch row)",
         )  # fmt: skip
 
 
@@ -130,6 +137,8 @@ def check_outputs(cfg: JobConfig, world_size: int, device: torch.device) -> None
         _check_folder("job.dump_folder", cfg.job.dump_folder, dump / WANDB_FOLDER)
     for name in own:
         _check_file("job.dump_folder", cfg.job.dump_folder, dump / name)
+    _check_folder("job.dump_folder", cfg.job.dump_folder, dump / INDEX_FOLDER)
+    own.append(INDEX_FOLDER)
     if cfg.metrics.enable_wandb:
         own.append(WANDB_FOLDER)
     for folder in folders:

@@ -1,0 +1,225 @@
+"""Corpora as ordered documents, and their split into the rows of a global batch.
+
+    docs.iter_from(1000)                 # documents 1000, 1001, ... of one pass (Documents)
+    docs.sizes(), docs.read(17)          # sized corpora: every size known, any document read alone
+    row = docs.split(j, G)               # the units batch row j of G packs, in order
+    for unit in row.iter_from(k): ...    # Unit(content, starts, ends): a document or a part of one
+
+**Rows are contiguous ranges of the corpus.** A sized corpus of total size T (bytes as stored, or
+as the source text measured them for pre-tokenized shards) is cut into G ranges of T/G. A
+document larger than one range is first cut into ``ceil(size * G / T)`` nearly equal parts (text
+after a newline, tokens anywhere); each document or part then belongs to the row whose range
+holds its first byte. So one 1 MB text file fills 8 or 1024 rows alike, many small documents are
+dealt out whole, and every row reads only its own range, seeking to it: nothing before it is
+read, and nothing outside it is tokenized. The ranges depend on G only, never on which rank
+reads them or how many ranks there are.
+
+A part that does not begin its document gets no BOS, and one that does not end it no EOS: the
+packer (`dataloader.PackedStream`) adds those at real document boundaries only.
+
+Streamed corpora without sizes (hub datasets) split by rows instead (`HFDocuments.split`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from functools import cached_property
+from typing import NamedTuple
+
+import numpy as np
+
+from torchmoe.config.errors import ConfigError
+
+__all__ = ["DataConfigError", "Unit", "Documents", "SizedDocuments", "RowCorpus", "text_part"]
+
+Content = str | np.ndarray  # a document's text, or its token ids (a pre-tokenized corpus)
+
+
+class DataConfigError(ConfigError, ValueError):
+    """A data or tokenizer setting that cannot work: missing files, fields or packages.
+
+    The CLI reports it like any `ConfigError` (one message, exit status 2); it is also a
+    `ValueError` for code that uses the data pipeline as a library.
+    """
+
+
+class Unit(NamedTuple):
+    """What a batch row packs next: a whole document, or a contiguous part of one."""
+
+    content: Content
+    starts: bool
+    """It begins its document (BOS may go before it)."""
+    ends: bool
+    """It ends its document (EOS goes after it)."""
+
+
+class Documents(ABC):
+    """An ordered corpus: document i is the same on every pass, rank and machine."""
+
+    @abstractmethod
+    def iter_from(self, start: int = 0) -> Iterator[Content | Unit]:
+        """Documents (or, for a row, units) `start`, `start + 1`, ... to the end of one pass.
+
+        Skipping the first `start` never hands them to a tokenizer: that keeps resuming cheap.
+        """
+
+    def split(self, index: int, count: int) -> Documents:
+        """What batch row `index` of `count` packs; the rows together hold every document.
+
+        Corpora override it; what a batch row packs is not split further.
+        """
+        raise TypeError(f"{self!r} is not split further")
+
+    def locate(self, index: int) -> str:
+        """Where document `index` comes from, for messages (a file, ``file:line``, a row)."""
+        return f"document {index}"
+
+    def __iter__(self) -> Iterator[Content | Unit]:
+        return self.iter_from(0)
+
+
+def check_split(index: int, count: int) -> None:
+    """Raises ValueError unless `0 <= index < count` (a caller bug)."""
+    if not 0 <= index < count:
+        raise ValueError(f"sub-corpus {index} is not in [0, count={count})")
+
+
+class SizedDocuments(Documents):
+    """A corpus whose document sizes are known up front and whose documents read alone (seek).
+
+    Subclasses give `sizes`, `read` and, where a part can be read without its whole document
+    (a text file), `read_part`.
+    """
+
+    source: tuple[str, str] = ("training.dataset", "")
+    """The setting that named the corpus and its value, for messages."""
+
+    @abstractmethod
+    def sizes(self) -> np.ndarray:
+        """(N,) int64: each document's size as stored (bytes), the measure rows are cut by."""
+
+    @abstractmethod
+    def read(self, index: int) -> Content:
+        """Document `index`, whole."""
+
+    def read_part(self, index: int, part: int, parts: int) -> Content:
+        """Part `part` of `parts` of document `index` (`text_part`; tokens cut evenly)."""
+        content = self.read(index)
+        if isinstance(content, str):
+            data = content.encode("utf-8")
+            start, end = text_part(lambda offset, n: data[offset:offset + n], len(data), part, parts)
+            return data[start:end].decode("utf-8")
+        count = len(content)
+        return content[part * count // parts:(part + 1) * count // parts]
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        """(N + 1,) int64: where each document begins in the corpus, and its total size last."""
+        return np.concatenate([np.zeros(1, np.int64), np.cumsum(self.sizes(), dtype=np.int64)])
+
+    def iter_from(self, start: int = 0) -> Iterator[Content]:
+        return (self.read(i) for i in range(start, len(self.starts) - 1))
+
+    def split(self, index: int, count: int) -> RowCorpus:
+        check_split(index, count)
+        return RowCorpus(self, index, count)
+
+
+class RowCorpus(Documents):
+    """The units batch row `row` of `rows` packs (see the module docstring), in corpus order.
+
+    Raises:
+        DataConfigError: the corpus holds no text, or too little to give this row any.
+    """
+
+    def __init__(self, corpus: SizedDocuments, row: int, rows: int) -> None:
+        self.corpus, self.row, self.rows = corpus, row, rows
+        starts = corpus.starts
+        sizes = np.diff(starts)
+        total = int(starts[-1])
+        if total == 0:
+            shown = ", ".join(corpus.locate(i) for i in range(min(len(sizes), 3))) + (", ..." if len(sizes) > 3 else "")
+            what = "no documents" if len(sizes) == 0 else f"{len(sizes)} document(s), all empty: {shown}"
+            raise DataConfigError(*corpus.source, f"holds {what}", "point it at files that hold text")
+        # Parts per document: ceil(size * G / T), so no part is larger than a row's range.
+        self._parts = np.maximum(1, -(-sizes * rows // total))
+        # A unit starting at s belongs to row floor(s * G / T): starts in [lo, hi). Empty documents
+        # at the very end start at T: the last row takes them.
+        lo, hi = -(-row * total // rows), -(-(row + 1) * total // rows) + (row == rows - 1)
+        whole = np.arange(np.searchsorted(starts[:-1], lo), np.searchsorted(starts[:-1], hi))
+        whole = whole[self._parts[whole] == 1]
+        docs, parts = [whole], [np.zeros(len(whole), np.int64)]
+        for doc in np.nonzero(self._parts > 1)[0]:  # fewer than G documents
+            k = np.arange(self._parts[doc])
+            first = starts[doc] - (-k * sizes[doc] // self._parts[doc])  # ceil: part k of a whole corpus is row k's
+            mine = k[(first >= lo) & (first < hi)]
+            docs.append(np.full(len(mine), doc))
+            parts.append(mine)
+        doc, part = np.concatenate(docs), np.concatenate(parts)
+        order = np.lexsort((part, doc))
+        self._doc, self._part = doc[order], part[order]
+        if total < rows or len(self._doc) == 0:  # under a byte per row, some row's part holds nothing
+            which = f" (row {row} gets none)" if total >= rows else ""
+            raise DataConfigError(
+                "training.global_batch_size", rows,
+                f"the corpus ({corpus.source[0]} = {corpus.source[1]}) holds {total} bytes, too few to give each of "
+                f"{rows} batch rows a part of it{which}",
+                "use a smaller training.global_batch_size, or more text",
+            )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"row {self.row} of {self.rows} of {self.corpus!r}"
+
+    def __len__(self) -> int:
+        return len(self._doc)
+
+    def iter_from(self, start: int = 0) -> Iterator[Unit]:
+        for i in range(start, len(self._doc)):
+            doc, part = int(self._doc[i]), int(self._part[i])
+            parts = int(self._parts[doc])
+            if parts == 1:
+                yield Unit(self.corpus.read(doc), True, True)
+            else:
+                yield Unit(self.corpus.read_part(doc, part, parts), part == 0, part == parts - 1)
+
+    def locate(self, index: int) -> str:
+        doc, part = int(self._doc[index]), int(self._part[index])
+        parts = int(self._parts[doc])
+        where = self.corpus.locate(doc)
+        return where if parts == 1 else f"{where} (part {part + 1} of {parts})"
+
+
+# Text parts are cut after a newline: the first one at or after the even cut, within the part.
+_SCAN = 1 << 16
+
+
+def text_part(read: Callable[[int, int], bytes], size: int, part: int, parts: int) -> tuple[int, int]:
+    """Byte range [start, end) of part `part` of `parts` of a UTF-8 text of `size` bytes.
+
+    Cut k (0 < k < parts) is just after the first newline in [k*size/parts, (k+1)*size/parts),
+    or, with no newline there, at the first character boundary from k*size/parts: so both
+    neighbours of a cut compute it alike, each part is valid UTF-8, and each part starts a line
+    wherever lines allow. `read(offset, n)` returns up to n bytes from offset (a file or a buffer).
+    """
+    return _cut(read, size, part, parts), _cut(read, size, part + 1, parts)
+
+
+def _cut(read: Callable[[int, int], bytes], size: int, k: int, parts: int) -> int:
+    if k <= 0:
+        return 0
+    if k >= parts:
+        return size
+    ideal, limit = k * size // parts, (k + 1) * size // parts
+    offset = ideal
+    while offset < limit:
+        chunk = read(offset, min(_SCAN, limit - offset))
+        if not chunk:
+            break
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            return offset + newline + 1
+        offset += len(chunk)
+    head = read(ideal, 4)  # UTF-8 continuation bytes (0b10xxxxxx) never start a character
+    skip = next((i for i, b in enumerate(head) if b & 0xC0 != 0x80), len(head))
+    return min(ideal + skip, size)
