@@ -561,6 +561,9 @@ class Trainer:
                     extra["validation_loss"] = self.validate()
                 if validating or metrics.should_log(self.step) or "first_step_s" in extra:
                     tokens_per_sec = window.take()
+                    if cfg.training.dataset_mix:  # tokens fed by each source since the run began
+                        extra.update({f"tokens/{name}": count
+                                      for name, count in self.dataloader.tokens_by_source().items()})
                     metrics.log(self.step, {**extra,
                         "loss": result.loss,
                         "grad_norm": result.grad_norm,

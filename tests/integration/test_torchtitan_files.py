@@ -11,6 +11,7 @@ selects).
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -71,8 +72,9 @@ def test_each_file_plans_its_job(name: str, world_size: int, expected: str, tmp_
 
 
 def _reference_step1(checkout: Path, seed: int) -> tuple[float, float]:
-    """Step 1 without the trainer: rows j = documents j, j + 8, ... each as BOS ids EOS, the first
-    SEQ_LEN + 1 tokens of each; the flavor's weights from `seed`; mean cross entropy; fp64 norm."""
+    """Step 1 without the trainer: row j = the documents whose line starts in the j-th eighth of the
+    file's non-blank lines' bytes, each as BOS ids EOS, the first SEQ_LEN + 1 tokens of each; the
+    flavor's weights from `seed`; mean cross entropy; fp64 norm."""
     from tokenizers import Tokenizer
 
     from torchmoe.models.llama4 import FLAVORS, Transformer
@@ -80,10 +82,14 @@ def _reference_step1(checkout: Path, seed: int) -> tuple[float, float]:
     tok = Tokenizer.from_file(str(checkout / "tests" / "assets" / "tokenizer" / "tokenizer.json"))
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
     corpus = (checkout / "tests" / "assets" / "c4_test" / "c4_test.json").read_text()
-    docs = [json.loads(line)["text"] for line in corpus.split("\n") if line]
+    lines = [line for line in corpus.split("\n") if line.strip()]
+    sizes = [len(line.encode("utf-8")) for line in lines]
+    assert max(sizes) * ROWS <= sum(sizes)  # no document is cut into parts
+    starts = [0, *itertools.accumulate(sizes)]
     rows = []
     for j in range(ROWS):
-        stream = [t for doc in docs[j::ROWS] for t in [bos, *tok.encode(doc, add_special_tokens=False).ids, eos]]
+        docs = [json.loads(line)["text"] for line, s in zip(lines, starts) if s * ROWS // sum(sizes) == j]
+        stream = [t for doc in docs for t in [bos, *tok.encode(doc, add_special_tokens=False).ids, eos]]
         rows.append(stream[: SEQ_LEN + 1])
     windows = torch.tensor(rows)
     inputs, labels = windows[:, :-1], windows[:, 1:]

@@ -312,7 +312,7 @@ def test_changed_dataset_stops_at_the_newest_checkpoint_with_its_whole_message(t
         _manager(tmp_path).load_latest({"dataloader": shorter})
     row0 = run.state_dict()["rows"][0].tolist()
     assert str(err.value) == (
-        f'training.dataset = "documents 0, 8, ... of InMemoryDocuments(30 texts)": the checkpoint\'s data position '
+        f'training.dataset = "row 0 of 8 of InMemoryDocuments(30 texts)": the checkpoint\'s data position '
         f"(pass 0, document {row0[1]}, token {row0[2]}) is past the end of that document: the dataset or the "
         "tokenizer has changed since the checkpoint was saved\n"
         "  fix: resume with the dataset and tokenizer it was saved with; or, to go on training from it with these, "

@@ -459,6 +459,10 @@ class MetricsLogger:
         add("mfu", "MFU {:.1f}%", "green")
         add("memory_gib", "mem {:.2f} GiB", "yellow")
         add("moe_imbalance", "imb {:.2f}", "red")
+        sources = {k[len("tokens/"):]: v for k, v in r.items() if k.startswith("tokens/")}
+        if sources:  # a mixture: each source's share of the tokens so far
+            total = sum(sources.values()) or 1
+            parts.append("[blue]" + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in sources.items()) + "[/]")
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
         else:

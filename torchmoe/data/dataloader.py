@@ -28,7 +28,7 @@ import array
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torchmoe.data.dataset import build_documents
 from torchmoe.data.documents import DataConfigError, Documents, Unit
+from torchmoe.data.mixture import KEY, MixSchedule, source_settings
 from torchmoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ READ_AHEAD_CHARS = 1 << 24
 class PackedStream:
     """A corpus as an endless token stream cut into windows, with a resumable position.
 
-    `DataLoader` runs one per batch row, over that row's sub-corpus.
+    `DataLoader` runs one per batch row, over that row's units (`Documents.split`).
 
     The position is where the next window starts: `(epoch, doc_index, token_offset)`, i.e.
     token `token_offset` of document `doc_index` (its tokens followed by EOS) in pass `epoch`.
@@ -286,13 +287,16 @@ class PackedStream:
 
 
 class DataLoader:
-    """This rank's batch rows, packed from their own sub-corpora, for each optimizer step.
+    """This rank's batch rows, packed from their own ranges of the corpus, for each optimizer step.
 
     Rank r builds one `PackedStream` per row it owns (rows [r*G/D, (r+1)*G/D), see the module
-    docstring) and never reads another row's documents: tokenization is split D ways.
+    docstring) and source, and never reads another row's documents: tokenization is split D ways.
+    With several sources (a mixture, `mixture.py`), row j of each step reads its next window from
+    the source `mix` picks for it; each source keeps its own position per row.
 
     Args:
-        documents: the corpus (`build_documents`); row j packs `documents.split(j, G)`.
+        documents: the corpus (`build_documents`); row j packs `documents.split(j, G)`. Or one
+            corpus per source of a mixture, with `mix` and `source_names`.
         tokenizer: the model's tokenizer.
         seq_len: tokens per sequence.
         global_batch_size: sequences per optimizer step over all dp ranks (G): the rows.
@@ -306,9 +310,12 @@ class DataLoader:
         read_ahead: documents tokenized together on this rank, split over its rows (at least
             one per row); it changes no batch.
         add_bos: start every document with the tokenizer's BOS token.
-        repeat: rows start another pass at the end of their sub-corpus; False makes `next_batch`
+        repeat: rows start another pass at the end of their range; False makes `next_batch`
             raise `CorpusEnd` when a row of this rank runs out (one pass, for validation).
-        source: the setting that named the corpus and its value, for messages (`PackedStream`).
+        source: the setting that named the corpus and its value, for messages (`PackedStream`);
+            one per source with several.
+        mix: which source each row reads, with several sources.
+        source_names: each source's name in metrics (`tokens_by_source`).
 
     Raises:
         ValueError: dp_rank, dp_degree or batch_mesh are out of range or disagree (a caller bug).
@@ -316,7 +323,7 @@ class DataLoader:
 
     def __init__(
         self,
-        documents: Documents,
+        documents: Documents | Sequence[Documents],
         tokenizer: Tokenizer,
         *,
         seq_len: int,
@@ -328,8 +335,15 @@ class DataLoader:
         read_ahead: int = 64,
         add_bos: bool = False,
         repeat: bool = True,
-        source: tuple[str, str] | None = None,
+        source: tuple[str, str] | Sequence[tuple[str, str]] | None = None,
+        mix: MixSchedule | None = None,
+        source_names: Sequence[str] = (),
     ) -> None:
+        corpora = [documents] if isinstance(documents, Documents) else list(documents)
+        if (len(corpora) > 1) != (mix is not None) or len(source_names) not in (0, len(corpora)):
+            raise ValueError(f"{len(corpora)} sources need a MixSchedule exactly when there are several, and a "
+                             f"name each (got {source_names})")
+        sources = [source] if source is None or isinstance(source[0], str) else list(source)
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})")
         if batch_mesh is not None and (batch_mesh.ndim, batch_mesh.size(), batch_mesh.get_local_rank()) != (
@@ -353,14 +367,20 @@ class DataLoader:
             if bos is None:
                 raise DataConfigError("training.add_bos", True, "the tokenizer has no BOS token",
                                       "name one as bos_token in tokenizer_config.json, or set add_bos = false")
-        self._streams = [
-            PackedStream(
-                documents.split(row, global_batch_size), tokenizer,
-                window=seq_len + 1, read_ahead=max(1, read_ahead // per_rank), bos=bos, repeat=repeat,
-                source=source,
-            )  # fmt: skip
-            for row in self.rows
+        self._streams = [  # [source][row of this rank]
+            [
+                PackedStream(
+                    corpus.split(row, global_batch_size), tokenizer,
+                    window=seq_len + 1, read_ahead=max(1, read_ahead // per_rank), bos=bos, repeat=repeat,
+                    source=sources[min(s, len(sources) - 1)],
+                )  # fmt: skip
+                for row in self.rows
+            ]
+            for s, corpus in enumerate(corpora)
         ]
+        self.mix = mix
+        self.source_names = list(source_names) or ["data"]
+        self._source_rows = torch.zeros(len(corpora), dtype=torch.long)  # rows each source filled, all ranks
         self._step = 0
 
     @property
@@ -375,7 +395,13 @@ class DataLoader:
             `grad_accum_steps` pairs `(inputs, labels)`, each (local_batch_size, seq_len) int64,
             with `labels[:, t] == inputs[:, t + 1]` inside a sequence.
         """
-        windows = torch.cat([stream.take(1) for stream in self._streams])  # (G/D, seq_len + 1)
+        if self.mix is None:
+            windows = torch.cat([stream.take(1) for stream in self._streams[0]])  # (G/D, seq_len + 1)
+            self._source_rows[0] += self.global_batch_size
+        else:
+            picks = self.mix.sources(self._step, self.rows, self.global_batch_size)
+            windows = torch.cat([self._streams[s][i].take(1) for i, s in enumerate(picks.tolist())])
+            self._source_rows += torch.from_numpy(self.mix.counts(self._step, self.global_batch_size))
         self._step += 1
         # clone: contiguous inputs and labels (each a strided view of the windows).
         return [(mb[:, :-1].clone(), mb[:, 1:].clone()) for mb in windows.split(self.local_batch_size)]
@@ -384,66 +410,89 @@ class DataLoader:
         """The position after the last `next_batch`.
 
         - `step`: optimizer steps (global batches) served so far (the same on every rank).
-        - `rows`: int64 (G, 3); row j is `(epoch, doc_index, token_offset)` of sub-stream j:
-          its next window starts at token `token_offset` of document `doc_index` of sub-corpus
-          j (its tokens + EOS) in pass `epoch`.
+        - `rows`: int64 (G, 3 * S) for S sources; row j holds, per source, `(epoch, doc_index,
+          token_offset)` of its stream j: its next window starts at token `token_offset` of unit
+          `doc_index` of row j (a document or a part of one, `Documents.split`: its tokens, and
+          EOS if it ends its document) in pass `epoch`.
+        - `source_rows` (several sources only): int64 (S,), the rows each source has filled.
 
         With a `batch_mesh`, `rows` is a DTensor sharded `Shard(0)` over it, each rank holding
         its own G/D rows, so DCP saves every rank's rows and reshards them on load into any dp
         degree and local batch size with the same G. Without one it is a plain tensor of this
-        rank's rows: (G, 3) in a single process.
+        rank's rows: (G, 3 * S) in a single process.
         """
-        rows = torch.tensor([stream.position() for stream in self._streams], dtype=torch.long)  # (G/D, 3)
+        width = 3 * len(self._streams)
+        rows = torch.tensor([[v for streams in self._streams for v in streams[i].position()]
+                             for i in range(len(self.rows))], dtype=torch.long).view(len(self.rows), width)
         if self.batch_mesh is not None:
             rows = DTensor.from_local(
-                rows, self.batch_mesh, [Shard(0)], shape=torch.Size((self.global_batch_size, 3)), stride=(3, 1)
+                rows, self.batch_mesh, [Shard(0)], shape=torch.Size((self.global_batch_size, width)), stride=(width, 1)
             )
-        return {"step": self._step, "rows": rows}
+        state = {"step": self._step, "rows": rows}
+        if self.mix is not None:
+            state["source_rows"] = self._source_rows.clone()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at `state` (from `state_dict`, of any layout with the same G).
+        """Resume at `state` (from `state_dict`, of any layout with the same G and sources).
 
-        `rows` may be a DTensor (this rank's shard is used), the full (G, 3) tensor (this rank
-        takes its rows) or this rank's own (G/D, 3) rows.
+        `rows` may be a DTensor (this rank's shard is used), the full (G, 3 * S) tensor (this
+        rank takes its rows) or this rank's own (G/D, 3 * S) rows.
 
-        Cost: per row, the documents of its sub-corpus before `doc_index` are skipped by
+        Cost: per row, the units of its range before `doc_index` are skipped by
         `Documents.iter_from` (see dataset.py for what each source re-reads); tokenization
         restarts at document `doc_index`, independent of the step count.
 
         Raises:
-            DataConfigError: the state has another number of rows (another global_batch_size),
-                or a position is past the end of its sub-corpus or document (the dataset or the
-                tokenizer changed).
+            DataConfigError: the state has another number of rows (another global_batch_size)
+                or of sources, or a position is past the end of its range or document (the
+                dataset or the tokenizer changed).
         """
         rows = state["rows"]
         if isinstance(rows, DTensor):  # ours (DCP loads into `state_dict()`'s), so G matches
             rows = rows.to_local()
         elif len(rows) == self.global_batch_size:
             rows = rows[self.rows.start : self.rows.stop]
-        if tuple(rows.shape) != (len(self.rows), 3):
-            raise self._other_global_batch(len(rows))
-        for stream, (epoch, doc_index, token_offset) in zip(self._streams, rows.tolist(), strict=True):
-            stream.seek(epoch, doc_index, token_offset)
+        self._check_shape((self.global_batch_size if len(rows) == len(self.rows) else len(rows), rows.shape[1]))
+        for i, positions in enumerate(rows.reshape(len(self.rows), -1, 3).tolist()):
+            for streams, (epoch, doc_index, token_offset) in zip(self._streams, positions, strict=True):
+                streams[i].seek(epoch, doc_index, token_offset)
+        if self.mix is not None:
+            self._source_rows = state["source_rows"].clone()
         self._step = int(state["step"])
 
+    def tokens_by_source(self) -> dict[str, int]:
+        """Tokens each source has fed (to every rank together) since the run began: name -> count."""
+        return {name: int(count) * self.seq_len for name, count in zip(self.source_names, self._source_rows)}
+
     def check_saved_shapes(self, shapes: Mapping[str, torch.Size]) -> None:
-        """Refuse a checkpoint whose `rows` (shape in `shapes`) were saved with another G.
+        """Refuse a checkpoint whose `rows` (shape in `shapes`) were saved with another G or
+        another number of sources.
 
         `CheckpointManager` calls it before loading (DCP would fail on the shape with a
         traceback-worthy error): another G is another data order, so it is a user error.
         """
         saved = shapes.get("rows")
-        if saved is not None and tuple(saved) != (self.global_batch_size, 3):
-            raise self._other_global_batch(saved[0])
+        if saved is not None:
+            self._check_shape(tuple(saved))
 
-    def _other_global_batch(self, saved_rows: int) -> DataConfigError:
-        return DataConfigError(
-            "training.global_batch_size", self.global_batch_size,
-            f"the checkpoint was saved with global_batch_size {saved_rows}; each batch row reads "
-            "its own sub-corpus, so the data position of one cannot continue in the other",
-            f"resume with training.global_batch_size = {saved_rows}, or start a new run in another "
-            "job.dump_folder (checkpoint.initial_load_path can start it from the weights)",
-        )  # fmt: skip
+    def _check_shape(self, saved: tuple[int, int]) -> None:
+        if saved[0] != self.global_batch_size:
+            raise DataConfigError(
+                "training.global_batch_size", self.global_batch_size,
+                f"the checkpoint was saved with global_batch_size {saved[0]}; each batch row reads "
+                "its own range of the corpus, so the data position of one cannot continue in the other",
+                f"resume with training.global_batch_size = {saved[0]}, or start a new run in another "
+                "job.dump_folder (checkpoint.initial_load_path can start it from the weights)",
+            )  # fmt: skip
+        if saved[1] != 3 * len(self._streams):
+            raise DataConfigError(
+                "training.dataset_mix", len(self._streams),
+                f"the checkpoint was saved with {saved[1] // 3} data source(s), this run has {len(self._streams)}; "
+                "each source keeps its own position",
+                "resume with the sources it was saved with; or set checkpoint.exclude_from_loading = "
+                '["dataloader"] (every source starts again at its first document)',
+            )  # fmt: skip
 
 
 def _has_text(content: str | np.ndarray) -> bool:
@@ -456,7 +505,7 @@ def validation_data(training: Training, validation: Validation) -> Training:
     rows and length, one batch per step (no accumulation); BOS and the text field stay the
     training's."""
     return dataclasses.replace(training, dataset=validation.dataset, dataset_path=validation.dataset_path,
-                               dataset_split=validation.dataset_split, local_batch_size=validation.local_batch_size,
+                               dataset_mix=[], dataset_split=validation.dataset_split, local_batch_size=validation.local_batch_size,
                                global_batch_size=-1, seq_len=validation.seq_len)
 
 
@@ -478,8 +527,17 @@ def build_dataloader(
     global_batch_size = training.global_batch_size
     if global_batch_size == -1:
         global_batch_size = training.local_batch_size * dp_degree
+    mix = source_settings(training)
+    if mix:
+        documents = [build_documents(alone, key=KEY, index_cache=index_cache) for _, alone in mix]
+        sources = [(KEY, source.entry) for source, _ in mix]
+        schedule = MixSchedule([source.weight for source, _ in mix], training.seed) if len(mix) > 1 else None
+        names = [source.name for source, _ in mix]
+    else:
+        documents, sources, schedule, names = build_documents(training, key=key, index_cache=index_cache), \
+            _source(training, key), None, []
     return DataLoader(
-        build_documents(training, key=key, index_cache=index_cache),
+        documents,
         tokenizer,
         seq_len=training.seq_len,
         global_batch_size=global_batch_size,
@@ -489,7 +547,9 @@ def build_dataloader(
         batch_mesh=batch_mesh,
         add_bos=training.add_bos,
         repeat=repeat,
-        source=_source(training, key),
+        source=sources,
+        mix=schedule,
+        source_names=names,
     )
 
 

@@ -22,6 +22,8 @@ from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_f
 from torchmoe.data.dataset import DataConfigError, build_documents
 from torchmoe.data.documents import SizedDocuments
 from torchmoe.data.file_index import INDEX_FOLDER
+from torchmoe.data.mixture import KEY as MIX_KEY
+from torchmoe.data.mixture import source_settings
 from torchmoe.data.tokenizer import Tokenizer
 from torchmoe.plan.dry_run import DRY_RUN_FILE
 
@@ -98,6 +100,14 @@ def check_dataset_rows(training: Training, global_batch_size: int, *, key: str =
     cannot be resolved, or undecodable or malformed documents there, fail here too (the
     python_docs corpus is always there). `key` names the dataset's path
     (``validation.dataset_path`` for the validation data)."""
+    if training.dataset_mix:
+        if training.dataset_path:
+            raise ConfigError("training.dataset_path", training.dataset_path,
+                              "is set together with training.dataset_mix, which names every source itself",
+                              "put this dataset in the mixture, or leave training.dataset_mix empty")
+        for source, alone in source_settings(training):
+            check_dataset_rows(alone, global_batch_size, key=MIX_KEY)
+        return
     if training.dataset == "python_docs":
         return
     docs = build_documents(training, key=key)

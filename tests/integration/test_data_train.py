@@ -1,0 +1,70 @@
+"""Training from the data sources end to end, in this process: one text file at any batch size.
+
+    pytest tests/integration/test_data_train.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DEBUG_CONFIG
+from torchmoe import cli
+from torchmoe.launch import read_metrics
+
+pytestmark = pytest.mark.integration
+
+TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "32", "--training.steps", "2",
+        "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "1"]
+
+
+def _play(lines: int) -> str:
+    return "".join(f"{i}: Now is the winter of our discontent made glorious summer\n" for i in range(lines))
+
+
+@pytest.mark.parametrize("rows", [8, 64])
+def test_one_text_file_trains_at_any_global_batch(capsys, tmp_path: Path, rows: int) -> None:
+    """nanoGPT's first exercise: one .txt file (one document) at the debug job's 8 rows and at 64
+    (it was refused: "holds 1 document(s), fewer than the 8 rows of a global batch")."""
+    (tmp_path / "play.txt").write_text(_play(2_000))
+    status = cli.main(["train", *TINY, "--training.local_batch_size", str(rows), "--training.dataset", "local",
+                       "--training.dataset_path", str(tmp_path / "play.txt"), "--job.dump_folder",
+                       str(tmp_path / "run")])
+    assert status == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_a_mixture_trains_and_counts_tokens_per_source(capsys, tmp_path: Path) -> None:
+    (tmp_path / "play.txt").write_text(_play(800))
+    (tmp_path / "code.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(800)))
+    status = cli.main(["train", *TINY, "--training.local_batch_size", "8", "--training.dataset_mix",
+                       f"play=0.75:local:{tmp_path / 'play.txt'}", f"code=0.25:local:{tmp_path / 'code.txt'}",
+                       "--job.dump_folder", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    records = read_metrics(tmp_path / "run")
+    for r in records:  # every row of every step counted once: 8 rows of 32 tokens per step
+        assert r["tokens/play"] + r["tokens/code"] == r["step"] * 8 * 32
+        assert r["tokens/play"] > r["tokens/code"] > 0
+    last = records[-1]  # the console's shares of the tokens so far
+    share = round(100 * last["tokens/play"] / (last["step"] * 8 * 32))
+    assert f"play {share}% code {100 - share}%" in out, out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--training.dataset_mix", "web=0:local:x.txt"], 'training.dataset_mix = "web=0:local:x.txt": the weight 0 is '
+     "not a positive number"),
+    (["--training.dataset_mix", "1:local:{tmp}/missing.txt"], 'training.dataset_mix = "{tmp}/missing.txt": No such '
+     "file or directory"),
+    (["--training.dataset_mix", "1:nope:x"], 'training.dataset = "nope": unknown dataset'),
+    (["--training.dataset_mix", "1:local:{tmp}/play.txt", "--training.dataset_path", "{tmp}/play.txt"],
+     "training.dataset_path = \"{tmp}/play.txt\": is set together with training.dataset_mix"),
+])
+def test_a_bad_mixture_is_one_message(capsys, tmp_path: Path, flags: list[str], message: str) -> None:
+    (tmp_path / "play.txt").write_text(_play(100))
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    status = cli.main(["train", *TINY, *flags, "--job.dump_folder", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert message.format(tmp=tmp_path) in err, err
