@@ -321,3 +321,24 @@ def test_build_dataloader_on_python_docs() -> None:
     [(x, y)] = loader.next_batch()
     assert x.shape == y.shape == (2, 64)
     assert int(x.max()) < ByteTokenizer().vocab_size
+
+
+@pytest.mark.parametrize("saved, resumed", [(LAYOUTS[0], LAYOUTS[3]), (LAYOUTS[2], LAYOUTS[1])])
+def test_resume_inside_parts_of_one_text_file_is_exact_across_layouts(tmp_path, saved, resumed) -> None:
+    """One .txt file cut into G parts: positions inside parts resume exactly, under any layout."""
+    from torchmoe.data import FileDocuments
+
+    (tmp_path / "play.txt").write_text("".join(f"{i}: and thus the native hue of resolution\n" for i in range(400)))
+    docs = FileDocuments([tmp_path / "play.txt"])
+    uninterrupted = _ranks(*saved, docs=docs)
+    for _ in range(30):
+        _global_step(uninterrupted)
+    state = _state(uninterrupted)
+    assert (state["rows"][:, 2] > 0).all()  # every row inside its part
+    restored = _ranks(*resumed, docs=FileDocuments([tmp_path / "play.txt"]))
+    for rank in restored:
+        rank.load_state_dict(state)
+    for _ in range(300):  # past the end of every row's part (about 2,100 bytes), into the second pass
+        want, got = _global_step(uninterrupted), _global_step(restored)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (_state(restored)["rows"][:, 0] >= 1).all()
