@@ -251,11 +251,14 @@ def _nccl_parity_reachable(out: Path) -> str:
     return f"{len(PARITY_LAYOUTS)} layouts pass --dry-run"
 
 
+# Time limits in seconds: the one-GPU steps' add up to 460, so one GPU finishes within 8 minutes
+# whatever happens (a step past its limit fails, and the next one starts).
+ONE_GPU_LIMIT_S = 480
 STEPS = [
-    Step("gpu_tier", 1, 240, *_pytest_step("gpu_tier", ["tests/gpu", "--ignore", ATTENTION_TESTS])),
-    Step("sdpa_kernels", 1, 180, *_pytest_step("sdpa_kernels", [ATTENTION_TESTS])),
-    Step("scout_bench", 1, 240, _scout_bench, _scout_bench_reachable),
-    Step("compiled_train", 1, 180, _compiled_train, _compiled_train_reachable),
+    Step("gpu_tier", 1, 140, *_pytest_step("gpu_tier", ["tests/gpu", "--ignore", ATTENTION_TESTS])),
+    Step("sdpa_kernels", 1, 90, *_pytest_step("sdpa_kernels", [ATTENTION_TESTS])),
+    Step("scout_bench", 1, 140, _scout_bench, _scout_bench_reachable),
+    Step("compiled_train", 1, 90, _compiled_train, _compiled_train_reachable),
     Step("nccl_parity", 2, 300, _nccl_parity, _nccl_parity_reachable),
 ]
 

@@ -65,3 +65,9 @@ def test_steps_run_where_the_gpus_allow(tmp_path, monkeypatch, gpus, ran):
                                             for s in STEPS]
     if gpus == 1:
         assert verdicts[-1].detail == "needs 2 GPUs, this machine has 1; reachable: checked"
+
+
+def test_one_gpu_steps_fit_in_8_minutes() -> None:
+    """The issue's bound holds by construction: the limits of the steps one GPU runs add up to less."""
+    gpu_check = _module()
+    assert sum(s.timeout for s in gpu_check.STEPS if s.gpus == 1) < gpu_check.ONE_GPU_LIMIT_S == 8 * 60
