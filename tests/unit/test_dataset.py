@@ -398,3 +398,19 @@ def test_torchtitan_dataset_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     corpus.mkdir(parents=True)
     (corpus / "data.json").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(4)))
     assert list(build_documents(Training(dataset="c4_test")).iter_from(2)) == ["doc 2", "doc 3"]
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 1 << 24])
+def test_line_index_finds_every_non_blank_line(tmp_path: Path, monkeypatch, chunk: int) -> None:
+    """Lines that straddle the reader's chunks, blank and whitespace-only lines, no last newline."""
+    from torchmoe.data import file_index
+
+    monkeypatch.setattr(file_index, "_CHUNK", chunk)
+    for data in (b"", b"\n", b"a\n\n  \nbb\n \tx\n\t\n", b"abc", b"line one\n   \n  two\nlast", b"\n\n\nx", b" y\r\n"):
+        (tmp_path / "f.jsonl").write_bytes(data)
+        want, offset = [], 0
+        for number, line in enumerate(data.split(b"\n"), start=1):
+            if line.strip():
+                want.append([offset, len(line), number])
+            offset += len(line) + 1
+        assert file_index.line_spans(tmp_path / "f.jsonl").tolist() == want, data

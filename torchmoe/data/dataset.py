@@ -112,8 +112,9 @@ class FileDocuments(SizedDocuments):
 
     @cached_property
     def _tables(self) -> list[np.ndarray]:
-        """Per file, (n, 2) int64: each document's (offset, size): a .jsonl line's bytes, a .json
-        or .parquet row's text bytes (offset: its row), a text file's bytes."""
+        """Per file, (n, 2+) int64: each document's (offset, size, ...): a .jsonl line's bytes
+        (and its line number), a .json or .parquet row's text bytes (offset: its row), a text
+        file's bytes."""
         return [self._faults(file, self._table, file) for file in self.files]
 
     @cached_property
@@ -125,11 +126,11 @@ class FileDocuments(SizedDocuments):
         return np.concatenate([t[:, 1] for t in self._tables]) if self.files else np.zeros(0, np.int64)
 
     def read(self, index: int) -> str:
-        file, row = self._find(index)
-        return self._faults(file, self._read, file, row)
+        f, row = self._find(index)
+        return self._faults(self.files[f], self._read, f, row)
 
     def read_part(self, index: int, part: int, parts: int) -> str:
-        file, row = self._find(index)
+        file = self.files[self._find(index)[0]]
         if _kind(file) != "text":
             return super().read_part(index, part, parts)
         return self._faults(file, self._read_text_part, file, part, parts)
@@ -137,20 +138,20 @@ class FileDocuments(SizedDocuments):
     def locate(self, index: int) -> str:
         """Document `index`: ``file``, ``file:line`` (.jsonl), ``file[i]`` (a .json array) or
         ``file row i`` (.parquet)."""
-        file, row = self._find(index)
-        kind = _kind(file)
+        f, row = self._find(index)
+        file, kind = self.files[f], _kind(self.files[f])
         if kind == "lines":
-            return f"{file}:{self._line_number(file, row)}"
+            return f"{file}:{self._tables[f][row, 2]}"
         if kind == "array":
             return f"{file}[{row}]"
         if kind == "parquet":
             return f"{file} row {row}"
         return str(file)
 
-    def _find(self, index: int) -> tuple[Path, int]:
-        """The file holding document `index`, and the document's row in it."""
+    def _find(self, index: int) -> tuple[int, int]:
+        """The index of the file holding document `index`, and the document's row in it."""
         f = int(np.searchsorted(self._first, index, side="right")) - 1
-        return self.files[f], index - int(self._first[f])
+        return f, index - int(self._first[f])
 
     def _faults(self, file: Path, fn: Callable[..., Any], *args: Any) -> Any:
         # Deleted since it was listed, a folder, no permission, an I/O error: what the OS says.
@@ -161,7 +162,7 @@ class FileDocuments(SizedDocuments):
     def _table(self, file: Path) -> np.ndarray:
         kind = _kind(file)
         if kind == "lines":
-            return cached_index(file, "lines", lambda: line_spans(file), self.index_cache)
+            return cached_index(file, "lines-v1", lambda: line_spans(file), self.index_cache)
         if kind in ("array", "parquet"):
             build = lambda: _row_sizes(self._rows_of(file, kind))  # noqa: E731
             return cached_index(file, f"{kind}:{self.text_field}", build, self.index_cache)
@@ -177,16 +178,17 @@ class FileDocuments(SizedDocuments):
         return (text for group in range(pf.metadata.num_row_groups)
                 for text in self._parquet_group(file, pf, group))
 
-    def _read(self, file: Path, row: int) -> str:
+    def _read(self, f: int, row: int) -> str:
+        file = self.files[f]
         kind = _kind(file)
         if kind == "text":
             return _utf8(file.read_bytes(), file, str(file), self.key)
         if kind == "lines":
-            offset, length = self._tables[self.files.index(file)][row]
+            offset, length, line_number = self._tables[f][row].tolist()
             with file.open("rb") as f:
                 f.seek(offset)
                 line = f.read(length)
-            where = f"{file}:{self._line_number(file, row)}"
+            where = f"{file}:{line_number}"
             # A long line is held as bytes, then as text, then parsed, never twice at once.
             text, line = _utf8(line, file, where, self.key, nul=False), None
             try:
@@ -211,17 +213,6 @@ class FileDocuments(SizedDocuments):
             start, end = text_part(read, size, part, parts)
             where = str(file) if start == 0 else f"{file} (the part from byte {start})"
             return _utf8(read(start, end - start), file, where, self.key)
-
-    def _line_number(self, file: Path, row: int) -> int:
-        """The 1-based line number of document `row` of a .jsonl file (counts the newlines before it)."""
-        offset = int(self._tables[self.files.index(file)][row, 0])
-        count = 0
-        with file.open("rb") as f:
-            while offset > 0:
-                chunk = f.read(min(offset, 1 << 24))
-                count += chunk.count(b"\n")
-                offset -= len(chunk)
-        return count + 1
 
     def _json_array(self, file: Path) -> list[Any]:
         """The rows of a .json array file, parsed once and kept while it is read."""

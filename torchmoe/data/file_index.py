@@ -1,6 +1,7 @@
 """Where each document of a data file lies, found once per file and cached in the run's folder.
 
-    spans = line_spans(Path("web.jsonl"), cache=dump / "data_index")   # (n, 2): offset, length
+    spans = cached_index(file, "lines", lambda: line_spans(file), dump / "data_index")
+    # (n, 3): offset, length, line number of each document (non-blank line)
 
 A `.jsonl` file's documents are its non-blank lines; `line_spans` finds them with one pass of
 numpy over the bytes, after which any document is one seek away. The index is saved as a `.npy`
@@ -72,39 +73,49 @@ class _npy_bytes:
 
 
 def line_spans(file: Path) -> np.ndarray:
-    """(n, 2) int64: offset and length (without the newline) of each non-blank line of `file`.
+    """(n, 3) int64: offset, length (without the newline) and 1-based line number of each
+    non-blank line of `file`.
 
     A line is blank when it is empty or only whitespace; a last line without a newline counts.
     """
     spans: list[np.ndarray] = []
+    firsts: list[np.ndarray] = []  # each line's first byte (0 for an empty line)
     offset = 0  # of the chunk in the file
-    line_start = 0
+    line_start, line_first = 0, None  # the line that runs into the next chunk, and its first byte
     with open(file, "rb") as f:
         while chunk := f.read(_CHUNK):
-            ends = offset + np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
-            starts = np.concatenate([[line_start], ends[:-1] + 1]) if len(ends) else np.zeros(0, np.int64)
-            spans.append(np.stack([starts, ends - starts], axis=1))
+            data = np.frombuffer(chunk, np.uint8)
+            if line_first is None and line_start < offset + len(chunk):
+                line_first = int(data[line_start - offset])
+            ends = offset + np.flatnonzero(data == 10)
             if len(ends):
+                starts = np.concatenate([[line_start], ends[:-1] + 1])
+                spans.append(np.stack([starts, ends - starts], axis=1))
+                inner = starts[1:] - offset  # the lines that start in this chunk (before its end)
+                firsts.append(np.concatenate([[line_first if line_first is not None else 10], data[inner]]))
                 line_start = int(ends[-1]) + 1
+                line_first = int(data[line_start - offset]) if line_start < offset + len(chunk) else None
             offset += len(chunk)
     if offset > line_start:
         spans.append(np.array([[line_start, offset - line_start]], np.int64))
-    table = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
-    return table[_not_blank(file, table)].astype(np.int64)
+        firsts.append(np.array([line_first]))
+    if not spans:
+        return np.zeros((0, 3), np.int64)
+    table = np.concatenate(spans)
+    table = np.concatenate([table, np.arange(1, len(table) + 1)[:, None]], axis=1).astype(np.int64)
+    return table[_not_blank(file, table, np.concatenate(firsts))]
 
 
-def _not_blank(file: Path, table: np.ndarray) -> np.ndarray:
-    """(n,) bool: which lines of `table` hold more than whitespace. Only lines that start with
-    whitespace (or are empty) can be blank, so only those are read again."""
+def _not_blank(file: Path, table: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+    """(n,) bool: which lines of `table` (whose first bytes are `firsts`) hold more than
+    whitespace. Only a non-empty line that starts with whitespace can be blank and still count
+    as one, so only those are read again."""
     keep = table[:, 1] > 0
-    if not keep.any():
-        return keep
-    with open(file, "rb") as f:
-        for i in np.flatnonzero(keep):
-            start, length = table[i]
-            f.seek(start)
-            head = f.read(1)
-            if head in _WHITESPACE:  # rare: read the whole line
+    maybe = keep & np.isin(firsts, np.frombuffer(_WHITESPACE, np.uint8))
+    if maybe.any():
+        with open(file, "rb") as f:
+            for i in np.flatnonzero(maybe):  # rare: read the whole line
+                start, length = table[i, :2]
                 f.seek(start)
                 keep[i] = bool(f.read(length).strip(_WHITESPACE))
     return keep
