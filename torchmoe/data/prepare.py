@@ -28,7 +28,6 @@ anything else (another run's shards, a finished other dataset, other files) is r
 from __future__ import annotations
 
 import hashlib
-import itertools
 import multiprocessing
 import os
 import sys
@@ -56,8 +55,6 @@ from torchmoe.data.token_shards import (
     check_digest,
     manifest_header,
     read_manifest,
-    shard_file,
-    token_dtype,
     write_manifest,
     write_shard,
 )

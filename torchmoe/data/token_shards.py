@@ -50,8 +50,8 @@ from torchmoe.config.paths import path_faults
 from torchmoe.data.dataset import DataConfigError
 from torchmoe.data.tokenizer import ByteTokenizer, Fingerprint, Tokenizer
 
-__all__ = ["FORMAT", "MANIFEST", "PROGRESS", "VERSION", "TokenShards", "shard_name", "token_dtype", "write_manifest",
-           "write_shard"]
+__all__ = ["FORMAT", "KINDS", "MANIFEST", "PROGRESS", "VERSION", "TokenShards", "check_digest", "manifest_header",
+           "read_manifest", "shard_file", "shard_name", "token_dtype", "write_manifest", "write_shard"]
 
 FORMAT = "torchmoe-token-shards"
 VERSION = 1
