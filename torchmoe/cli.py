@@ -183,11 +183,19 @@ def _report_figure(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def _prepare_data(argv: list[str]) -> int:
+    from torchmoe.data.prepare import prepare_main  # imported here: it pulls in numpy and torch
+
+    return prepare_main(argv)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
     "convert": Subcommand("Convert weights: hf-to-dcp (Hugging Face -> DCP) or dcp-to-hf.", _convert),
     "report": Subcommand("Draw a run's curves, expert load and planner facts: report.png or an HTML page.",
                          _report_figure),
+    "prepare-data": Subcommand("Tokenize a corpus once into token shards that training reads by memory map.",
+                               _prepare_data),
 }
 
 

@@ -62,3 +62,22 @@ def test_checkpoint_bench_times_both_paths_on_the_same_state(tmp_path) -> None:
     assert result["checkpoint_mb"] == 29.9  # 2.4 M parameters x (weights + 2 AdamW moments) in fp32
     assert all(result[f"{k}_s"] > 0 for k in ("save_torch", "save_checksums", "load_torch", "load_checked"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checked-1", "checked0", "plain-1", "plain0"]
+
+
+def test_data_bench_reports_prepare_reader_and_memory(tmp_path, monkeypatch) -> None:
+    """Tiny settings: prepare-data and the `tokenizers` library count the same tokens, and each
+    number the JSON promises is there."""
+    pytest.importorskip("tokenizers")
+    import json
+    import sys
+
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench_data.py", "--text-mb", "0.2", "--vocab", "300", "--workers", "1",
+                                      "--small-mb", "0.1", "--big-mb", "0.5", "--windows", "50", "--train-steps", "0",
+                                      "--tmp", str(tmp_path), "--out", str(out)])
+    _script("bench_data").main()
+    result = json.loads(out.read_text())
+    assert result["prepare"]["tokens"] > 0 and result["prepare"]["per_core_ratio"] > 0
+    assert result["reader"]["reader_tokens_per_sec"] > 0
+    assert result["memory"]["small"]["tokens"] == 50_000 and result["memory"]["big"]["tokens"] == 250_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # the corpora are deleted

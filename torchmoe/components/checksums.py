@@ -36,24 +36,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from torchmoe.config.digests import ALGORITHM, digest_file
 from torchmoe.config.paths import describe_os_error
 
 __all__ = ["ALGORITHM", "SIDECAR", "ChecksummingWriter", "digest_file", "metadata_fault", "verify"]
 
 logger = logging.getLogger(__name__)
 
-ALGORITHM = "xxh3_64"
 SIDECAR = ".checksums.json"
-_CHUNK = 16 * 1024 * 1024
-
-
-def digest_file(path: Path) -> str:
-    """The xxh3_64 hex digest of the file at `path`, read in 16 MiB chunks."""
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- writing ---------------------------------------------------------------------------------------

@@ -5,14 +5,18 @@
     tok = build_tokenizer("path/to/Llama-4-Scout") # folder holding tokenizer.json
 
 Both expose the same small interface, which is all the data pipeline and the trainer use.
-`encode` never adds special tokens: the packer decides where BOS/EOS go.
+`encode` never adds special tokens: the packer decides where BOS/EOS go. `fingerprint()` names a
+tokenizer and hashes what decides its ids, so that token ids made by one are never read with another
+(pre-tokenized shards record it: `token_shards.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,19 @@ from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.dataset import DataConfigError
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
+__all__ = ["Fingerprint", "Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Which tokenizer made some token ids: a name for people (`byte`, a tokenizer.json path) and a
+    hash of everything that decides the ids; two tokenizers with the same hash encode alike."""
+
+    name: str
+    hash: str
+
+    def __str__(self) -> str:
+        return f"{self.name} (hash {self.hash[:16]})"
 
 
 class Tokenizer(ABC):
@@ -54,6 +70,10 @@ class Tokenizer(ABC):
     def decode(self, ids: list[int]) -> str:
         """Text of `ids` (special tokens are kept, as their text where they have one)."""
 
+    @abstractmethod
+    def fingerprint(self) -> Fingerprint:
+        """This tokenizer's name and the hash of what decides its ids (the class docstring says what)."""
+
     @property
     @abstractmethod
     def vocab_size(self) -> int:
@@ -82,11 +102,13 @@ def _word_start(text: str, at: int) -> int:
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257 (vocab 258).
 
-    Needs no files, so the debug model trains anywhere; its vocab (512) holds every id.
+    Needs no files, so the debug model trains anywhere; its vocab (512) holds every id. Its
+    fingerprint is fixed: it has no file, and its ids never change.
     """
 
     _BOS = 256
     _EOS = 257
+    _FINGERPRINT = Fingerprint("byte", "torchmoe-byte-tokenizer-v1")
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -99,6 +121,9 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         # Specials have no bytes; dropping them keeps decode total on any id list.
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> Fingerprint:
+        return self._FINGERPRINT
 
     @property
     def vocab_size(self) -> int:
@@ -121,6 +146,9 @@ _EOS_CANDIDATES = ("<|end_of_text|>", "<|eot|>", "</s>", "<eos>", "<|endoftext|>
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face fast tokenizer loaded from `tokenizer.json` via the `tokenizers` library.
+
+    Its fingerprint is named by the file and hashes (sha256) the bytes of `tokenizer.json` with the
+    BOS and EOS ids, which the config files next to it may choose.
 
     Args:
         path: the `tokenizer.json` file, or a folder holding it. BOS/EOS are read from the
@@ -177,6 +205,9 @@ class HFTokenizer(Tokenizer):
                 "name it as eos_token in a tokenizer_config.json next to tokenizer.json",
             )  # fmt: skip
         self._eos = eos
+        specials = json.dumps({"bos_id": self._bos, "eos_id": self._eos}, sort_keys=True).encode()
+        # The length first: no tokenizer.json and specials can hash like another pair.
+        self._hash = hashlib.sha256(len(data).to_bytes(8, "little") + data + specials).hexdigest()
 
     def _find_id(self, named: str | None, candidates: tuple[str, ...]) -> int | None:
         for token in ((named,) if named else ()) + candidates:
@@ -194,6 +225,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def fingerprint(self) -> Fingerprint:
+        return Fingerprint(str(self.path), self._hash)
 
     @property
     def vocab_size(self) -> int:

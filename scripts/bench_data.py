@@ -1,0 +1,229 @@
+"""Pre-tokenized data: `prepare-data` against the `tokenizers` library's own batch encoding, reading
+shards against what training consumes, and the reader's memory against the corpus size.
+
+    python scripts/bench_data.py                                  # 16 MB of text, 10 MB vs 1 GB token corpora
+    python scripts/bench_data.py --text-mb 2 --big-mb 50 --train-steps 0
+
+- prepare: a byte-level BPE of `--vocab` ids is trained on the fly on the first MB of the text
+  (`python_docs`, the first `--text-mb` MB, one document per file, written as one .jsonl); then
+  `Tokenizer.encode_batch` of the `tokenizers` library on its own thread pool (threads = cores)
+  encodes the documents, and `prepare` (`--workers` processes, default the cores) tokenizes the
+  .jsonl into shards; the wall time of each, reading, the workers' start and writing included (the
+  fork server that the workers fork from starts once per process: `prepare_startup_s`, the time of
+  a one-document run before). `per_core_ratio` = (prepare tokens/s / workers) / (tokenizers
+  tokens/s / its threads); the target is >= 0.8.
+- reader: tokens/s of windows of seq_len + 1 tokens at random documents and offsets of the big
+  corpus, each copied out of `TokenShards.tokens(i)` as int64, against the tokens/s a short
+  `torchmoe train` run of the `debugmodel` flavor consumes here (config debug_model.toml, median
+  step after 2; `--train-steps 0` skips it).
+- memory: a fresh process opens a corpus and reads `--windows` random windows; VmRSS (and RssAnon:
+  memory not backed by the shard files) after that minus before opening, for a `--small-mb` and a
+  `--big-mb` corpus of random uint16 ids in documents of 1-4095 tokens (written with
+  `token_shards.write_shard`, under a temporary folder deleted after). The target: RSS growth of
+  the big corpus < that of the small one + 50 MB.
+
+Writes JSON (default outputs/bench_data.json) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from torchmoe.data import ByteTokenizer, python_docs_files
+from torchmoe.data.prepare import default_workers, prepare
+from torchmoe.data.token_shards import MANIFEST, TokenShards, manifest_header, write_manifest, write_shard
+from torchmoe.launch import read_metrics, run_train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def python_docs_text(mb: float) -> list[str]:
+    """The first `mb` MB of python_docs, one document per file."""
+    texts, total = [], 0
+    for file in python_docs_files():
+        if total >= mb * 1e6:
+            break
+        texts.append(file.read_text(encoding="utf-8", errors="replace"))
+        total += len(texts[-1].encode())
+    return texts
+
+
+def train_bpe(texts: list[str], vocab: int, path: Path) -> str:
+    """A byte-level BPE of `vocab` ids trained on about 1 MB of `texts`, saved at `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    sample, size = [], 0
+    for text in texts:
+        sample.append(text)
+        size += len(text)
+        if size > 1e6:
+            break
+    tok.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|end_of_text|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return str(path)
+
+
+def bench_prepare(texts: list[str], vocab: int, workers: int, root: Path) -> dict:
+    """prepare-data vs `tokenizers`' encode_batch on the same documents (module docstring)."""
+    from tokenizers import Tokenizer
+
+    root.mkdir(parents=True)
+    tokenizer_path = train_bpe(texts, vocab, root / "tokenizer.json")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = Tokenizer.from_file(tokenizer_path)
+    start = time.perf_counter()
+    lib_tokens = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+    lib_s = time.perf_counter() - start
+    # What the first run of a process costs before its first token: one document, the same workers
+    # (the fork server starts and imports torchmoe; it stays for the run measured next).
+    (root / "one.jsonl").write_text(json.dumps({"text": texts[0][:100]}) + "\n")
+    start = time.perf_counter()
+    prepare([str(root / "one.jsonl")], root / "one", tokenizer_path=tokenizer_path, workers=workers,
+            show_progress=False)
+    startup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    manifest = prepare([str(corpus)], root / "shards", tokenizer_path=tokenizer_path, workers=workers,
+                       show_progress=False)
+    prepare_s = time.perf_counter() - start
+    assert manifest["tokens"] == lib_tokens, (manifest["tokens"], lib_tokens)  # the same ids, counted twice
+    threads = int(os.environ.get("RAYON_NUM_THREADS", 0)) or os.cpu_count()
+    lib_per_core = lib_tokens / lib_s / threads
+    return {"text_mb": round(sum(len(t.encode()) for t in texts) / 1e6, 1), "documents": len(texts),
+            "vocab": vocab, "tokens": lib_tokens, "cores": default_workers(),
+            "tokenizers_threads": threads, "tokenizers_tokens_per_sec": round(lib_tokens / lib_s),
+            "prepare_workers": workers, "prepare_tokens_per_sec": round(lib_tokens / prepare_s),
+            "prepare_s": round(prepare_s, 2), "prepare_startup_s": round(startup_s, 2),
+            "per_core_ratio": round(lib_tokens / prepare_s / workers / lib_per_core, 3)}
+
+
+def synthetic_corpus(folder: Path, mb: float, shard_tokens: int = 1 << 27, seed: int = 0) -> Path:
+    """`mb` MB of random uint16 ids (byte-tokenizer vocabulary) in documents of 1-4095 tokens."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    header = manifest_header(ByteTokenizer(), {"kind": "synthetic", "mb": mb}, shard_tokens)
+    left, shards = int(mb * 1e6) // 2, []
+    while left > 0:
+        n = min(left, shard_tokens)
+        counts = rng.integers(1, 4096, size=n // 1024 + 2, dtype=np.int64)  # sums to ~2n: enough
+        counts = counts[:int(np.searchsorted(np.cumsum(counts), n)) + 1]
+        counts[-1] -= counts.sum() - n  # the last document ends the shard at n tokens
+        tokens = rng.integers(0, 258, size=n, dtype=np.uint16)
+        shards.append(write_shard(folder, len(shards), np.dtype(np.uint16), [tokens], counts, counts))
+        left -= n
+    write_manifest(folder / MANIFEST, header, shards)
+    return folder
+
+
+def read_windows(shards: TokenShards, windows: int, seq_len: int, seed: int = 0) -> int:
+    """Copy `windows` windows of up to seq_len + 1 tokens at random documents and offsets; returns
+    the tokens read."""
+    rng = np.random.default_rng(seed)
+    docs = rng.integers(0, shards.num_documents, size=windows)
+    starts = rng.random(windows)
+    total = 0
+    for doc, start in zip(docs.tolist(), starts.tolist()):
+        tokens = shards.tokens(doc)
+        first = int(start * max(len(tokens) - seq_len - 1, 0))
+        total += len(np.array(tokens[first:first + seq_len + 1], dtype=np.int64))
+    return total
+
+
+def bench_reader(folder: Path, seq_len: int, windows: int) -> dict:
+    shards = TokenShards(folder)
+    read_windows(shards, windows // 10, seq_len, seed=1)  # warm the page cache's index pages
+    start = time.perf_counter()
+    tokens = read_windows(shards, windows, seq_len)
+    return {"seq_len": seq_len, "windows": windows, "reader_tokens_per_sec": round(tokens / (time.perf_counter() - start))}
+
+
+def _status() -> dict[str, int]:
+    """VmRSS and RssAnon of this process, in bytes."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon")}
+
+
+def rss_child(folder: str, windows: int, seq_len: int) -> None:
+    """In a fresh process: memory growth of opening `folder` and reading `windows` windows."""
+    before = _status()
+    read_windows(TokenShards(folder), windows, seq_len)
+    after = _status()
+    print(json.dumps({k: after[k] - before[k] for k in after}))
+
+
+def bench_memory(small: Path, big: Path, windows: int, seq_len: int) -> dict:
+    result = {}
+    for label, folder in (("small", small), ("big", big)):
+        out = subprocess.run([sys.executable, __file__, "--rss-child", str(folder), "--windows", str(windows),
+                              "--seq-len", str(seq_len)], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        growth = json.loads(out.stdout)
+        corpus = json.loads((folder / MANIFEST).read_text())
+        result[label] = {"tokens": corpus["tokens"], "documents": corpus["documents"],
+                         "rss_growth_mb": round(growth["VmRSS"] / 1e6, 1),
+                         "anon_growth_mb": round(growth["RssAnon"] / 1e6, 1)}
+    result["rss_growth_difference_mb"] = round(result["big"]["rss_growth_mb"] - result["small"]["rss_growth_mb"], 1)
+    return result
+
+
+def train_tokens_per_sec(steps: int, seq_len: int, root: Path) -> float:
+    """The median tokens/s of a `debugmodel` training run (steps after the first 2)."""
+    run_train(["--config", str(REPO / "configs" / "debug_model.toml"), "--model.flavor", "debugmodel",
+               "--training.steps", str(steps), "--training.seq_len", str(seq_len), "--metrics.log_freq", "1"],
+              dump_folder=root / "train", threads=None, timeout=1800)
+    return statistics.median(r["tokens_per_sec"] for r in read_metrics(root / "train") if r["step"] > 2)
+
+
+def bench(opts: argparse.Namespace, root: Path) -> dict:
+    texts = python_docs_text(opts.text_mb)
+    result = {"prepare": bench_prepare(texts, opts.vocab, opts.workers, root / "prepare")}
+    small = synthetic_corpus(root / "small", opts.small_mb)
+    big = synthetic_corpus(root / "big", opts.big_mb)
+    result["reader"] = bench_reader(big, opts.seq_len, opts.windows)
+    if opts.train_steps:
+        train = train_tokens_per_sec(opts.train_steps, opts.seq_len, root)
+        result["reader"].update(debugmodel_train_tokens_per_sec=round(train),
+                                reader_vs_training=round(result["reader"]["reader_tokens_per_sec"] / train))
+    result["memory"] = bench_memory(small, big, opts.windows, opts.seq_len)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text-mb", type=float, default=16.0)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--workers", type=int, default=default_workers())
+    parser.add_argument("--small-mb", type=float, default=10.0)
+    parser.add_argument("--big-mb", type=float, default=1000.0)
+    parser.add_argument("--seq-len", type=int, default=128, help="debug_model.toml's")
+    parser.add_argument("--windows", type=int, default=20000)
+    parser.add_argument("--train-steps", type=int, default=12)
+    parser.add_argument("--tmp", default=None, help="where the corpora go (default: the system's temporary folder)")
+    parser.add_argument("--out", default=str(REPO / "outputs" / "bench_data.json"))
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.rss_child:
+        rss_child(opts.rss_child, opts.windows, opts.seq_len)
+        return
+    with tempfile.TemporaryDirectory(dir=opts.tmp) as tmp:
+        result = bench(opts, Path(tmp))
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
