@@ -68,3 +68,23 @@ def test_a_bad_mixture_is_one_message(capsys, tmp_path: Path, flags: list[str], 
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
     assert message.format(tmp=tmp_path) in err, err
+
+
+def test_training_from_shards_equals_training_from_the_text(capsys, tmp_path: Path) -> None:
+    """The loss curve from `torchmoe prepare-data`'s shards is the raw text's, step for step."""
+    import json
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": f"{i}: {_play(3)}"}) + "\n" for i in range(80)))
+    (corpus / "b.txt").write_text(_play(2))
+    assert cli.main(["prepare-data", str(corpus), str(tmp_path / "shards"), "--workers", "1"]) == 0
+    curves = []
+    for name, flags in (("text", ["--training.dataset", "local", "--training.dataset_path", str(corpus)]),
+                        ("tokens", ["--training.dataset", "tokens", "--training.dataset_path", str(tmp_path / "shards")])):
+        status = cli.main(["train", *TINY, "--training.steps", "3", "--training.local_batch_size", "8",
+                           "--training.mixed_precision_param", "float32", *flags,
+                           "--job.dump_folder", str(tmp_path / name)])
+        assert status == 0, capsys.readouterr().err
+        curves.append([(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / name)])
+    assert curves[0] == curves[1] and len(curves[0]) == 3

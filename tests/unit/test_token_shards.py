@@ -65,7 +65,9 @@ def _assert_round_trip(shards: TokenShards, tokenizer_path: str) -> None:
         assert shards.tokens(i).dtype == np.uint16
         assert shards.tokens(i).tolist() == tokenizer.encode(text), i
         assert shards.token_count(i) == len(tokenizer.encode(text))
-    assert shards.sizes().tolist() == [len(t.encode("utf-8")) for t in TEXTS]
+    # Each document's size as the raw files' rows measure it: a .jsonl line's bytes, a .txt file's.
+    lines = [len(json.dumps({"text": t})) for t in TEXTS[:30]]
+    assert shards.sizes().tolist() == lines + [len(t.encode("utf-8")) for t in TEXTS[30:]]
     assert len(shards.manifest["shards"]) >= 3  # documents run on across shards
     shards.check_tokenizer(tokenizer)
 

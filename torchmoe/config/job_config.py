@@ -97,7 +97,7 @@ class Training:
     max_norm: float = 1.0
     """Gradient clipping by total norm (<= 0 disables clipping)."""
     dataset: str = "python_docs"
-    """'python_docs' (offline text shipped with Python), 'local' (files at dataset_path), 'hf' (hub dataset named by dataset_path, streamed), or torchtitan's 'c4' / 'c4_validation' (allenai/c4 'en', streamed) and 'c4_test' (its test corpus, ./tests/assets/c4_test)."""
+    """'python_docs' (offline text shipped with Python), 'local' (files at dataset_path), 'tokens' (pre-tokenized shards of `torchmoe prepare-data` at dataset_path, memory-mapped), 'hf' (hub dataset named by dataset_path, streamed), or torchtitan's 'c4' / 'c4_validation' (allenai/c4 'en', streamed) and 'c4_test' (its test corpus, ./tests/assets/c4_test)."""
     dataset_path: str = ""
     """For 'local': a file, folder or glob of .txt/.jsonl/.json/.parquet; for 'hf': 'name' or 'name:config'; for the c4 names: another location of the same data."""
     dataset_mix: list[str] = field(default_factory=list)

@@ -37,7 +37,7 @@ from torchmoe.config.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, non
 OPTIMIZERS = ("AdamW", "Adam")
 OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 DECAY_TYPES = ("linear", "sqrt", "cosine")
-DATASETS = ("python_docs", "local", "hf", "c4", "c4_test", "c4_validation")
+DATASETS = ("python_docs", "local", "tokens", "hf", "c4", "c4_test", "c4_validation")
 PARAM_DTYPES = ("bfloat16", "float32")
 REDUCE_DTYPES = ("float32", "bfloat16")
 DEVICES = ("", "cpu", "cuda")
@@ -192,8 +192,9 @@ def validate_training(training: Training) -> None:
 
 def _check_dataset(section: str, dataset: str, dataset_path: str) -> None:
     one_of(f"{section}.dataset", dataset, DATASETS)
-    if dataset in ("local", "hf") and not dataset_path:
-        what = "files (a file, folder or glob)" if dataset == "local" else "the hub dataset ('name' or 'name:config')"
+    if dataset in ("local", "tokens", "hf") and not dataset_path:
+        what = {"local": "files (a file, folder or glob)", "tokens": "a folder written by `torchmoe prepare-data`",
+                "hf": "the hub dataset ('name' or 'name:config')"}[dataset]
         raise ConfigError(f"{section}.dataset_path", dataset_path, f"dataset = {show_value(dataset)} needs a path",
                           f"set dataset_path to {what}")
 

@@ -340,6 +340,8 @@ class DataLoader:
         source_names: Sequence[str] = (),
     ) -> None:
         corpora = [documents] if isinstance(documents, Documents) else list(documents)
+        for corpus in corpora:
+            corpus.check_tokenizer(tokenizer)
         if (len(corpora) > 1) != (mix is not None) or len(source_names) not in (0, len(corpora)):
             raise ValueError(f"{len(corpora)} sources need a MixSchedule exactly when there are several, and a "
                              f"name each (got {source_names})")

@@ -38,6 +38,7 @@ from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, check_split, text_part
 from torchmoe.data.file_index import cached_index, line_spans
+from torchmoe.data.token_shards import TokenShards
 
 if TYPE_CHECKING:
     from torchmoe.config.job_config import Training
@@ -543,6 +544,11 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
         return FileDocuments(python_docs_files(), key="training.dataset", value=kind)
     if kind == "local":
         return files(training.dataset_path)
+    if kind == "tokens":
+        if not training.dataset_path:
+            raise DataConfigError(key, "", 'dataset = "tokens" needs a folder', "point it at the OUT_DIR of "
+                                  "`torchmoe prepare-data`")
+        return TokenShards(training.dataset_path, key=key)
     if kind == "hf":
         return HFDocuments.from_spec(
             training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field, key=key
@@ -560,5 +566,5 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
             )  # fmt: skip
         return files(path)
     raise DataConfigError(
-        "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local' or 'hf'"
+        "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local', 'tokens' or 'hf'"
     )

@@ -25,11 +25,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from torchmoe.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torchmoe.data.tokenizer import Tokenizer
 
 __all__ = ["DataConfigError", "Unit", "Documents", "SizedDocuments", "RowCorpus", "text_part"]
 
@@ -74,6 +77,10 @@ class Documents(ABC):
     def locate(self, index: int) -> str:
         """Where document `index` comes from, for messages (a file, ``file:line``, a row)."""
         return f"document {index}"
+
+    def check_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Refuse a tokenizer this corpus cannot be read with: text goes with any; pre-tokenized
+        shards (`TokenShards`) only with the one that made them."""
 
     def __iter__(self) -> Iterator[Content | Unit]:
         return self.iter_from(0)

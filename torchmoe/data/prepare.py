@@ -49,6 +49,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.paths import nonempty_path, path_faults
 from torchmoe.data.dataloader import PIECE_CHARS
 from torchmoe.data.dataset import DataConfigError, Documents, FileDocuments, HFDocuments, local_files
+from torchmoe.data.documents import SizedDocuments
 from torchmoe.data.token_shards import (
     MANIFEST,
     PROGRESS,
@@ -337,8 +338,14 @@ def prepare(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer_path
         new_tokens = 0
         with _progress(show_progress, source.total_bytes, sum(s["text_bytes"] for s in resumed)) as (bar, task):
             batches = _batches(source.documents.iter_from(done_documents))
+            # Files record each document's size as their rows measure it (a .jsonl line's bytes):
+            # the shards then split into the rows the raw files do. A hub stream has no sizes.
+            measured = source.documents.sizes() if isinstance(source.documents, SizedDocuments) else None
+            cursor = done_documents
             for ids, counts, sizes in _encoded(batches, tokenizer, tokenizer_path, writer.dtype,
                                                workers or default_workers()):
+                if measured is not None:
+                    sizes, cursor = measured[cursor:cursor + len(sizes)], cursor + len(sizes)
                 new_tokens += len(ids)
                 bar.update(task, advance=int(sizes.sum()), new_tokens=new_tokens,
                            tokens=sum(s["tokens"] for s in writer.shards) + writer.tokens + len(ids))

@@ -47,7 +47,7 @@ import numpy as np
 from torchmoe.config.digests import ALGORITHM, digest_file
 from torchmoe.config.file_writes import os_error, write_file
 from torchmoe.config.paths import path_faults
-from torchmoe.data.dataset import DataConfigError
+from torchmoe.data.documents import DataConfigError, SizedDocuments
 from torchmoe.data.tokenizer import ByteTokenizer, Fingerprint, Tokenizer
 
 __all__ = ["FORMAT", "KINDS", "MANIFEST", "PROGRESS", "VERSION", "TokenShards", "check_digest", "manifest_header",
@@ -218,10 +218,12 @@ def _load(folder: Path, file: str, dtype: np.dtype, count: int, key: str) -> np.
     return array
 
 
-class TokenShards:
+class TokenShards(SizedDocuments):
     """A folder of pre-tokenized shards (module docstring), opened and checked: `manifest.json` (its
     format, version and fields), every shard's files (present, the small index files matching their
-    checksums, token files as long as the manifest says).
+    checksums, token files as long as the manifest says). As a corpus (`training.dataset =
+    "tokens"`) its documents are token ids, read by memory map, and its rows are cut by the sizes
+    the source measured, as the raw text's are (`documents.py`).
 
     Args:
         folder: the folder `torchmoe prepare-data` wrote.
@@ -235,6 +237,7 @@ class TokenShards:
     def __init__(self, folder: str | os.PathLike, *, key: str = "training.dataset_path") -> None:
         self.folder = Path(folder)
         self.key = key
+        self.source = (key, str(folder))
         fix = "point it at a folder written by `torchmoe prepare-data`, or prepare one"
         with path_faults(key, str(folder), fix, error=DataConfigError):
             manifest_path = self.folder / MANIFEST
@@ -269,7 +272,7 @@ class TokenShards:
         return int(self._first[-1])
 
     def sizes(self) -> np.ndarray:
-        """int64 (num_documents,): each document's size in its source (UTF-8 bytes of its text)."""
+        """int64 (num_documents,): each document's size as its source measured it (`prepare.py`)."""
         return self._all_sizes
 
     @cached_property
@@ -289,6 +292,9 @@ class TokenShards:
         shard, doc = self._where(index)
         offsets = self._offsets[shard]
         return self._tokens[shard][offsets[doc]:offsets[doc + 1]]
+
+    def read(self, index: int) -> np.ndarray:
+        return self.tokens(index)
 
     def token_count(self, index: int) -> int:
         shard, doc = self._where(index)

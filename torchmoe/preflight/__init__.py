@@ -82,15 +82,15 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     check_hf_assets(cfg.model)
     check_initial_load_path(cfg)
     tokenizer_key = source_key(cfg, "model.tokenizer_path")
-    check_tokenizer(build_tokenizer(cfg.model.tokenizer_path, key=tokenizer_key), args.vocab_size, cfg.model,
-                    cfg.training, key=tokenizer_key)
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path, key=tokenizer_key)
+    check_tokenizer(tokenizer, args.vocab_size, cfg.model, cfg.training, key=tokenizer_key)
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     global_batch = cfg.training.global_batch_size if cfg.training.global_batch_size != -1 else \
         cfg.training.local_batch_size * dp
-    check_dataset_rows(cfg.training, global_batch)
+    check_dataset_rows(cfg.training, global_batch, tokenizer)
     if cfg.validation.enable:
         check_dataset_rows(validation_data(cfg.training, cfg.validation), cfg.validation.local_batch_size * dp,
-                           key="validation.dataset_path")
+                           tokenizer, key="validation.dataset_path")
 
 
 def device_memory_gib() -> float | None:

@@ -93,24 +93,27 @@ def check_tokenizer(tokenizer: Tokenizer, model_vocab: int, model: Model, traini
                           "name one as bos_token in its tokenizer_config.json, or set add_bos = false")
 
 
-def check_dataset_rows(training: Training, global_batch_size: int, *, key: str = "training.dataset_path") -> None:
+def check_dataset_rows(training: Training, global_batch_size: int, tokenizer: Tokenizer, *,
+                       key: str = "training.dataset_path") -> None:
     """Every row of the global batch must get text to pack: files are cut into G ranges
     (`data.documents`), so each range must hold some; a hub dataset's row j reads its rows j,
     j + G, ..., so it must hold G rows. Reads the first unit of each row only, so a dataset that
     cannot be resolved, or undecodable or malformed documents there, fail here too (the
     python_docs corpus is always there). `key` names the dataset's path
-    (``validation.dataset_path`` for the validation data)."""
+    (``validation.dataset_path`` for the validation data). Pre-tokenized shards must come from
+    `tokenizer`."""
     if training.dataset_mix:
         if training.dataset_path:
             raise ConfigError("training.dataset_path", training.dataset_path,
                               "is set together with training.dataset_mix, which names every source itself",
                               "put this dataset in the mixture, or leave training.dataset_mix empty")
         for source, alone in source_settings(training):
-            check_dataset_rows(alone, global_batch_size, key=MIX_KEY)
+            check_dataset_rows(alone, global_batch_size, tokenizer, key=MIX_KEY)
         return
     if training.dataset == "python_docs":
         return
     docs = build_documents(training, key=key)
+    docs.check_tokenizer(tokenizer)
     if isinstance(docs, SizedDocuments):
         for row in range(global_batch_size):
             next(iter(docs.split(row, global_batch_size)), None)
