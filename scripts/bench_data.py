@@ -12,15 +12,17 @@ shards against what training consumes, and the reader's memory against the corpu
   fork server that the workers fork from starts once per process: `prepare_startup_s`, the time of
   a one-document run before). `per_core_ratio` = (prepare tokens/s / workers) / (tokenizers
   tokens/s / its threads); the target is >= 0.8.
-- reader: tokens/s of windows of seq_len + 1 tokens at random documents and offsets of the big
-  corpus, each copied out of `TokenShards.tokens(i)` as int64, against the tokens/s a short
-  `torchmoe train` run of the `debugmodel` flavor consumes here (config debug_model.toml, median
-  step after 2; `--train-steps 0` skips it).
-- memory: a fresh process opens a corpus and reads `--windows` random windows; VmRSS (and RssAnon:
-  memory not backed by the shard files) after that minus before opening, for a `--small-mb` and a
+- loader: tokens/s of the `training.dataset = "tokens"` loader on the big corpus (`--rows` rows, each
+  its own range of the corpus, `--steps` batches), against the tokens/s a short `torchmoe train`
+  run of the `debugmodel` flavor consumes here (config debug_model.toml, median step after 2;
+  `--train-steps 0` skips it).
+- memory: a fresh process builds that loader and serves `--steps` batches; VmRSS (and RssAnon:
+  memory not backed by the shard files) after that minus before, for a `--small-mb` and a
   `--big-mb` corpus of random uint16 ids in documents of 1-4095 tokens (written with
   `token_shards.write_shard`, under a temporary folder deleted after). The target: RSS growth of
   the big corpus < that of the small one + 50 MB.
+- jsonl_resume: the `.jsonl` text of `prepare`, resumed with 64 rows each near the end of its
+  range: the seconds to the first batch (the line index built in one pass, then a seek per row).
 
 Writes JSON (default outputs/bench_data.json) and prints it.
 """
@@ -38,10 +40,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from torchmoe.data import ByteTokenizer, python_docs_files
+from torchmoe.config.job_config import Training
+from torchmoe.data import ByteTokenizer, build_dataloader, python_docs_files
 from torchmoe.data.prepare import default_workers, prepare
-from torchmoe.data.token_shards import MANIFEST, TokenShards, manifest_header, write_manifest, write_shard
+from torchmoe.data.token_shards import MANIFEST, manifest_header, write_manifest, write_shard
 from torchmoe.launch import read_metrics, run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,26 +132,20 @@ def synthetic_corpus(folder: Path, mb: float, shard_tokens: int = 1 << 27, seed:
     return folder
 
 
-def read_windows(shards: TokenShards, windows: int, seq_len: int, seed: int = 0) -> int:
-    """Copy `windows` windows of up to seq_len + 1 tokens at random documents and offsets; returns
-    the tokens read."""
-    rng = np.random.default_rng(seed)
-    docs = rng.integers(0, shards.num_documents, size=windows)
-    starts = rng.random(windows)
-    total = 0
-    for doc, start in zip(docs.tolist(), starts.tolist()):
-        tokens = shards.tokens(doc)
-        first = int(start * max(len(tokens) - seq_len - 1, 0))
-        total += len(np.array(tokens[first:first + seq_len + 1], dtype=np.int64))
-    return total
+def read_batches(folder: Path, steps: int, seq_len: int, rows: int) -> int:
+    """`steps` global batches of `rows` rows of the `training.dataset = "tokens"` loader on `folder`
+    (each row its own range of the corpus, so the reads spread over all of it); returns the tokens
+    served."""
+    loader = build_dataloader(Training(dataset="tokens", dataset_path=str(folder), seq_len=seq_len,
+                                       local_batch_size=rows), ByteTokenizer())
+    return sum(x.numel() for _ in range(steps) for x, _ in loader.next_batch())
 
 
-def bench_reader(folder: Path, seq_len: int, windows: int) -> dict:
-    shards = TokenShards(folder)
-    read_windows(shards, windows // 10, seq_len, seed=1)  # warm the page cache's index pages
+def bench_reader(folder: Path, seq_len: int, steps: int, rows: int) -> dict:
     start = time.perf_counter()
-    tokens = read_windows(shards, windows, seq_len)
-    return {"seq_len": seq_len, "windows": windows, "reader_tokens_per_sec": round(tokens / (time.perf_counter() - start))}
+    tokens = read_batches(folder, steps, seq_len, rows)
+    return {"seq_len": seq_len, "rows": rows, "steps": steps,
+            "loader_tokens_per_sec": round(tokens / (time.perf_counter() - start))}
 
 
 def _status() -> dict[str, int]:
@@ -156,19 +154,21 @@ def _status() -> dict[str, int]:
     return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon")}
 
 
-def rss_child(folder: str, windows: int, seq_len: int) -> None:
-    """In a fresh process: memory growth of opening `folder` and reading `windows` windows."""
+def rss_child(folder: str, steps: int, seq_len: int, rows: int) -> None:
+    """In a fresh process: memory growth of building the loader on `folder` and serving `steps`
+    batches."""
     before = _status()
-    read_windows(TokenShards(folder), windows, seq_len)
+    read_batches(Path(folder), steps, seq_len, rows)
     after = _status()
     print(json.dumps({k: after[k] - before[k] for k in after}))
 
 
-def bench_memory(small: Path, big: Path, windows: int, seq_len: int) -> dict:
+def bench_memory(small: Path, big: Path, steps: int, seq_len: int, rows: int) -> dict:
     result = {}
     for label, folder in (("small", small), ("big", big)):
-        out = subprocess.run([sys.executable, __file__, "--rss-child", str(folder), "--windows", str(windows),
-                              "--seq-len", str(seq_len)], capture_output=True, text=True, check=True,
+        out = subprocess.run([sys.executable, __file__, "--rss-child", str(folder), "--steps", str(steps),
+                              "--seq-len", str(seq_len), "--rows", str(rows)], capture_output=True, text=True,
+                             check=True,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
         growth = json.loads(out.stdout)
         corpus = json.loads((folder / MANIFEST).read_text())
@@ -177,6 +177,24 @@ def bench_memory(small: Path, big: Path, windows: int, seq_len: int) -> dict:
                          "anon_growth_mb": round(growth["RssAnon"] / 1e6, 1)}
     result["rss_growth_difference_mb"] = round(result["big"]["rss_growth_mb"] - result["small"]["rss_growth_mb"], 1)
     return result
+
+
+def bench_jsonl_resume(texts: list[str], root: Path, rows: int) -> dict:
+    """Seconds to resume a `.jsonl` corpus with every one of `rows` rows far into its range, and to
+    serve the first batch: one pass over the file builds the line index (kept in memory here; a run
+    keeps it in its dump folder), then each row seeks to its line."""
+    root.mkdir(parents=True)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    training = Training(dataset="local", dataset_path=str(corpus), seq_len=512, local_batch_size=rows)
+    loader = build_dataloader(training, ByteTokenizer())
+    far = len(texts) // rows - 2  # every row near the end of its range
+    start = time.perf_counter()
+    loader = build_dataloader(training, ByteTokenizer())
+    loader.load_state_dict({"step": 0, "rows": torch.tensor([[0, far, 0]] * rows)})
+    loader.next_batch()
+    return {"documents": len(texts), "file_mb": round(corpus.stat().st_size / 1e6, 1), "rows": rows,
+            "resume_at_row_document": far, "resume_s": round(time.perf_counter() - start, 3)}
 
 
 def train_tokens_per_sec(steps: int, seq_len: int, root: Path) -> float:
@@ -192,12 +210,13 @@ def bench(opts: argparse.Namespace, root: Path) -> dict:
     result = {"prepare": bench_prepare(texts, opts.vocab, opts.workers, root / "prepare")}
     small = synthetic_corpus(root / "small", opts.small_mb)
     big = synthetic_corpus(root / "big", opts.big_mb)
-    result["reader"] = bench_reader(big, opts.seq_len, opts.windows)
+    result["loader"] = bench_reader(big, opts.seq_len, opts.steps, opts.rows)
     if opts.train_steps:
         train = train_tokens_per_sec(opts.train_steps, opts.seq_len, root)
-        result["reader"].update(debugmodel_train_tokens_per_sec=round(train),
-                                reader_vs_training=round(result["reader"]["reader_tokens_per_sec"] / train))
-    result["memory"] = bench_memory(small, big, opts.windows, opts.seq_len)
+        result["loader"].update(debugmodel_train_tokens_per_sec=round(train),
+                                loader_vs_training=round(result["loader"]["loader_tokens_per_sec"] / train))
+    result["memory"] = bench_memory(small, big, opts.steps, opts.seq_len, opts.rows)
+    result["jsonl_resume"] = bench_jsonl_resume(texts, root / "jsonl", opts.rows * 8)
     return result
 
 
@@ -209,14 +228,15 @@ def main() -> None:
     parser.add_argument("--small-mb", type=float, default=10.0)
     parser.add_argument("--big-mb", type=float, default=1000.0)
     parser.add_argument("--seq-len", type=int, default=128, help="debug_model.toml's")
-    parser.add_argument("--windows", type=int, default=20000)
+    parser.add_argument("--steps", type=int, default=2000, help="batches the loader serves")
+    parser.add_argument("--rows", type=int, default=8, help="rows of a global batch (debug_model.toml's 8)")
     parser.add_argument("--train-steps", type=int, default=12)
     parser.add_argument("--tmp", default=None, help="where the corpora go (default: the system's temporary folder)")
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench_data.json"))
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.rss_child:
-        rss_child(opts.rss_child, opts.windows, opts.seq_len)
+        rss_child(opts.rss_child, opts.steps, opts.seq_len, opts.rows)
         return
     with tempfile.TemporaryDirectory(dir=opts.tmp) as tmp:
         result = bench(opts, Path(tmp))
