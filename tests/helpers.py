@@ -268,3 +268,15 @@ def compute_dtypes(trainer) -> dict[str, list[str]]:
     seen["params"] = {str(p.dtype) for p in params}
     seen["grads"] = {str(p.grad.dtype) for p in params if p.grad is not None}
     return {key: sorted(values) for key, values in seen.items()}
+
+
+def small_bpe(path: Path) -> Path:
+    """A small byte-level BPE tokenizer.json with Llama 4's special tokens (vocab 300 < tiny's), at `path`."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=[
+        "<|begin_of_text|>", "<|end_of_text|>", "<unk>"])
+    tok.train_from_iterator(["def train(model): return model"] * 20, trainer)
+    tok.save(str(path))
+    return path

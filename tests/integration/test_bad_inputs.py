@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import DEBUG_CONFIG, assert_user_error
+from tests.helpers import DEBUG_CONFIG, assert_user_error, small_bpe
 from torchmoe import cli
 from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.config import ConfigError, load_job_config, resolve_degrees
@@ -182,15 +182,7 @@ def test_bad_hub_dataset_is_one_message(capsys, tmp_path: Path, kind: str) -> No
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory) -> Path:
     """A small BPE tokenizer.json with Llama 4's special tokens (vocab 300 < tiny's)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=[
-        "<|begin_of_text|>", "<|end_of_text|>", "<unk>"])
-    tok.train_from_iterator(["def train(model): return model"] * 20, trainer)
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return small_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 TOKENIZERS = {

@@ -75,15 +75,6 @@ def bench_dcp_dir(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """The dump folder of a 2-step run with its step-2 checkpoint."""
-    folder = tmp_path_factory.mktemp("run")
-    run_cli([*TRAIN, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", folder],
-            timeout=180)
-    return folder
-
-
 def _truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])

@@ -24,11 +24,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from tests.helpers import DEBUG_CONFIG
+from tests.helpers import DEBUG_CONFIG, small_bpe
 from torchmoe import cli
 from torchmoe.components.checksums import ALGORITHM, SIDECAR, digest_file
 from torchmoe.components.dcp_unpickling import unpickle_metadata
-from torchmoe.launch import read_metrics, run_cli
+from torchmoe.launch import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -43,15 +43,6 @@ class _Payload:
 
     def __reduce__(self):
         return os.system, (f"touch {self.marker}",)
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """The dump folder of a 2-step run with its step-2 checkpoint."""
-    folder = tmp_path_factory.mktemp("run")
-    run_cli([*TRAIN, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", folder],
-            timeout=180)
-    return folder
 
 
 # ---- crafting a checkpoint --------------------------------------------------------------------------
@@ -186,14 +177,8 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(craft: str, reader: str,
 def _tokenizer(folder: Path, marker: Path) -> None:
     """A tokenizer.json with a tokenizer_config.json whose auto_map names a module of the folder
     that creates the marker on import (what transformers would import with trust_remote_code)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=[
-        "<|begin_of_text|>", "<|end_of_text|>", "<unk>"])
-    tok.train_from_iterator(["def train(model): return model"] * 20, trainer)
     folder.mkdir()
-    tok.save(str(folder / "tokenizer.json"))
+    small_bpe(folder / "tokenizer.json")
     (folder / "evil_tokenizer.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
                                               "class EvilTokenizer: pass\n")
     (folder / "tokenizer_config.json").write_text(json.dumps({
