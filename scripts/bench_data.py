@@ -21,8 +21,9 @@ shards against what training consumes, and the reader's memory against the corpu
   `--big-mb` corpus of random uint16 ids in documents of 1-4095 tokens (written with
   `token_shards.write_shard`, under a temporary folder deleted after). The target: RSS growth of
   the big corpus < that of the small one + 50 MB.
-- jsonl_resume: the `.jsonl` text of `prepare`, resumed with 64 rows each near the end of its
-  range: the seconds to the first batch (the line index built in one pass, then a seek per row).
+- jsonl_resume: a `.jsonl` file of `--jsonl-documents` documents of random words, resumed with 8 x
+  `--rows` rows each near the end of its range: the seconds to the first batch (the line index
+  built in one pass, then a seek per row).
 
 Writes JSON (default outputs/bench_data.json) and prints it.
 """
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 
 from torchmoe.config.job_config import Training
-from torchmoe.data import ByteTokenizer, build_dataloader, python_docs_files
+from torchmoe.data import ByteTokenizer, FileDocuments, build_dataloader, python_docs_files
 from torchmoe.data.prepare import default_workers, prepare
 from torchmoe.data.token_shards import MANIFEST, manifest_header, write_manifest, write_shard
 from torchmoe.launch import read_metrics, run_train
@@ -179,21 +180,25 @@ def bench_memory(small: Path, big: Path, steps: int, seq_len: int, rows: int) ->
     return result
 
 
-def bench_jsonl_resume(texts: list[str], root: Path, rows: int) -> dict:
-    """Seconds to resume a `.jsonl` corpus with every one of `rows` rows far into its range, and to
-    serve the first batch: one pass over the file builds the line index (kept in memory here; a run
-    keeps it in its dump folder), then each row seeks to its line."""
+def bench_jsonl_resume(root: Path, rows: int, documents: int = 60_000, seed: int = 0) -> dict:
+    """Seconds to resume a `.jsonl` corpus of `documents` documents (50-300 random words) with each
+    of `rows` rows near the end of its range, and to serve the first batch: one pass over the file
+    builds the line index (kept in memory here; a run keeps it in its dump folder), then each row
+    seeks to its line."""
+    rng = np.random.default_rng(seed)
+    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta"])
     root.mkdir(parents=True)
     corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    corpus.write_text("".join(json.dumps({"text": " ".join(words[rng.integers(0, 6, rng.integers(50, 301))])}) + "\n"
+                              for _ in range(documents)))
     training = Training(dataset="local", dataset_path=str(corpus), seq_len=512, local_batch_size=rows)
-    loader = build_dataloader(training, ByteTokenizer())
-    far = len(texts) // rows - 2  # every row near the end of its range
+    docs = FileDocuments([corpus])
+    far = min(len(docs.split(j, rows)) for j in range(rows)) - 2  # every row near the end of its range
     start = time.perf_counter()
     loader = build_dataloader(training, ByteTokenizer())
     loader.load_state_dict({"step": 0, "rows": torch.tensor([[0, far, 0]] * rows)})
     loader.next_batch()
-    return {"documents": len(texts), "file_mb": round(corpus.stat().st_size / 1e6, 1), "rows": rows,
+    return {"documents": documents, "file_mb": round(corpus.stat().st_size / 1e6, 1), "rows": rows,
             "resume_at_row_document": far, "resume_s": round(time.perf_counter() - start, 3)}
 
 
@@ -216,7 +221,7 @@ def bench(opts: argparse.Namespace, root: Path) -> dict:
         result["loader"].update(debugmodel_train_tokens_per_sec=round(train),
                                 loader_vs_training=round(result["loader"]["loader_tokens_per_sec"] / train))
     result["memory"] = bench_memory(small, big, opts.steps, opts.seq_len, opts.rows)
-    result["jsonl_resume"] = bench_jsonl_resume(texts, root / "jsonl", opts.rows * 8)
+    result["jsonl_resume"] = bench_jsonl_resume(root / "jsonl", opts.rows * 8, opts.jsonl_documents)
     return result
 
 
@@ -230,6 +235,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="debug_model.toml's")
     parser.add_argument("--steps", type=int, default=2000, help="batches the loader serves")
     parser.add_argument("--rows", type=int, default=8, help="rows of a global batch (debug_model.toml's 8)")
+    parser.add_argument("--jsonl-documents", type=int, default=60_000)
     parser.add_argument("--train-steps", type=int, default=12)
     parser.add_argument("--tmp", default=None, help="where the corpora go (default: the system's temporary folder)")
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench_data.json"))

@@ -125,6 +125,20 @@ class SizedDocuments(Documents):
         """(N + 1,) int64: where each document begins in the corpus, and its total size last."""
         return np.concatenate([np.zeros(1, np.int64), np.cumsum(self.sizes(), dtype=np.int64)])
 
+    def cut_documents(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The documents larger than a row's share of `rows` rows, and how many parts each is cut
+        into: ``ceil(size * rows / T)`` (so no part is larger than a share). Fewer than `rows`
+        documents; found once per row count (every row asks)."""
+        if rows not in self._cut:
+            sizes = np.diff(self.starts)
+            big = np.flatnonzero(sizes * rows > self.starts[-1])
+            self._cut[rows] = big, -(-sizes[big] * rows // self.starts[-1])
+        return self._cut[rows]
+
+    @cached_property
+    def _cut(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        return {}
+
     def iter_from(self, start: int = 0) -> Iterator[Content]:
         return (self.read(i) for i in range(start, len(self.starts) - 1))
 
@@ -143,29 +157,32 @@ class RowCorpus(Documents):
     def __init__(self, corpus: SizedDocuments, row: int, rows: int) -> None:
         self.corpus, self.row, self.rows = corpus, row, rows
         starts = corpus.starts
-        sizes = np.diff(starts)
         total = int(starts[-1])
         if total == 0:
-            shown = ", ".join(corpus.locate(i) for i in range(min(len(sizes), 3))) + (", ..." if len(sizes) > 3 else "")
-            what = "no documents" if len(sizes) == 0 else f"{len(sizes)} document(s), all empty: {shown}"
+            n = len(starts) - 1
+            shown = ", ".join(corpus.locate(i) for i in range(min(n, 3))) + (", ..." if n > 3 else "")
+            what = "no documents" if n == 0 else f"{n} document(s), all empty: {shown}"
             raise DataConfigError(*corpus.source, f"holds {what}", "point it at files that hold text")
-        # Parts per document: ceil(size * G / T), so no part is larger than a row's range.
-        self._parts = np.maximum(1, -(-sizes * rows // total))
         # A unit starting at s belongs to row floor(s * G / T): starts in [lo, hi). Empty documents
         # at the very end start at T: the last row takes them.
         lo, hi = -(-row * total // rows), -(-(row + 1) * total // rows) + (row == rows - 1)
+        big, big_parts = corpus.cut_documents(rows)
         whole = np.arange(np.searchsorted(starts[:-1], lo), np.searchsorted(starts[:-1], hi))
-        whole = whole[self._parts[whole] == 1]
+        whole = whole[~np.isin(whole, big)]
         docs, parts = [whole], [np.zeros(len(whole), np.int64)]
-        for doc in np.nonzero(self._parts > 1)[0]:  # fewer than G documents
-            k = np.arange(self._parts[doc])
-            first = starts[doc] - (-k * sizes[doc] // self._parts[doc])  # ceil: part k of a whole corpus is row k's
+        self._parts: dict[int, int] = {}  # the documents of this row that are cut: their part count
+        for doc, count in zip(big.tolist(), big_parts.tolist()):
+            k = np.arange(count)
+            size = int(starts[doc + 1] - starts[doc])
+            first = int(starts[doc]) - (-k * size // count)  # ceil: part k of a whole corpus is row k's
             mine = k[(first >= lo) & (first < hi)]
-            docs.append(np.full(len(mine), doc))
-            parts.append(mine)
+            if len(mine):
+                self._parts[doc] = count
+                docs.append(np.full(len(mine), doc))
+                parts.append(mine)
         doc, part = np.concatenate(docs), np.concatenate(parts)
         order = np.lexsort((part, doc))
-        self._doc, self._part = doc[order], part[order]
+        self._doc, self._part = doc[order], part[order]  # (units,) each: the document, its part
         if total < rows or len(self._doc) == 0:  # under a byte per row, some row's part holds nothing
             which = f" (row {row} gets none)" if total >= rows else ""
             raise DataConfigError(
@@ -184,7 +201,7 @@ class RowCorpus(Documents):
     def iter_from(self, start: int = 0) -> Iterator[Unit]:
         for i in range(start, len(self._doc)):
             doc, part = int(self._doc[i]), int(self._part[i])
-            parts = int(self._parts[doc])
+            parts = self._parts.get(doc, 1)
             if parts == 1:
                 yield Unit(self.corpus.read(doc), True, True)
             else:
@@ -192,7 +209,7 @@ class RowCorpus(Documents):
 
     def locate(self, index: int) -> str:
         doc, part = int(self._doc[index]), int(self._part[index])
-        parts = int(self._parts[doc])
+        parts = self._parts.get(doc, 1)
         where = self.corpus.locate(doc)
         return where if parts == 1 else f"{where} (part {part + 1} of {parts})"
 
