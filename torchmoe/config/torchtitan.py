@@ -4,7 +4,8 @@
 
 Most of torchtitan's keys are torchmoe's own under the same name (`training.steps`,
 `training.dtype`, `activation_checkpoint.early_stop`, `checkpoint.load_step`, ...) and
-`loader.py` reads them as such. This module holds the other 59, each either
+`loader.py` reads them as such. This module holds the other 58, and one model argument its
+flavors set (`model.attn_mask_type`, accepted as a key too), each either
 
 - **mapped** onto the torchmoe keys that do the same (`debug.seed` is `training.seed`,
   `[quantize.linear.float8]` is `[float8]`, `model.converters = ["quantize.linear.float8"]` is

@@ -27,8 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from torchmoe.nn.attention import (accumulation_dtype, block_backward, block_forward, prefixed_block_backward,
-                                   prefixed_block_forward)
+from torchmoe.nn.attention import (
+    accumulation_dtype,
+    block_backward,
+    block_forward,
+    prefixed_block_backward,
+    prefixed_block_forward,
+)
 
 __all__ = ["DOCUMENT_ATTENTION", "document_attention", "document_starts"]
 
