@@ -397,8 +397,9 @@ class Trainer:
         if self.cp_positions is not None:
             columns = tuple(t[:, self.cp_positions] for t in columns)
         if self.device.type == "cuda":
-            columns = tuple(t.pin_memory().to(self.device, non_blocking=True) for t in columns)
-        inputs, labels, *documents = (t.to(self.device) for t in columns)
+            inputs, labels, *documents = (t.pin_memory().to(self.device, non_blocking=True) for t in columns)
+        else:
+            inputs, labels, *documents = (t.to(self.device) for t in columns)
         return inputs, labels, documents[0] if masking else None
 
     def _sync_replicas(self, *, last: bool) -> None:
