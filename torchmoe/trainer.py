@@ -77,6 +77,7 @@ from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.llama4.parallelize import parallelize_llama4
 from torchmoe.models.llama4.pipeline_stages import PipelineRankModel, split_into_stages
+from torchmoe.nn.document_attention import document_starts
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype, residual_dtype
@@ -327,13 +328,13 @@ class Trainer:
         # Every micro-batch's copy to the device starts now: later ones arrive during earlier ones' compute.
         with region("data"):
             micro_batches = [self._local_columns(inputs, labels) for inputs, labels in micro_batches]
-        for i, (inputs, labels) in enumerate(micro_batches):
+        for i, (inputs, labels, documents) in enumerate(micro_batches):
             self._sync_replicas(last=i == len(micro_batches) - 1)
             with loss_parallel() if self.loss_parallel else nullcontext():
                 if self.schedule is not None:
-                    losses = self._pipeline_step(inputs, labels)
+                    losses = self._pipeline_step(inputs, labels, documents)
                 else:
-                    losses = [self._loss(self.model(inputs), labels)]
+                    losses = [self._loss(self.model(inputs, documents), labels)]
                     losses[0].backward()
             for loss in losses:
                 local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
@@ -367,9 +368,9 @@ class Trainer:
             if flag.item():
                 break
             for inputs, labels in micro_batches:
-                inputs, labels = self._local_columns(inputs, labels)
+                inputs, labels, documents = self._local_columns(inputs, labels)
                 with loss_parallel() if self.loss_parallel else nullcontext():
-                    loss = self._summed_loss(self.model(inputs), labels)
+                    loss = self._summed_loss(self.model(inputs, documents), labels)
                 total += self.loss_weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
             batches += 1
         for moe, saved in zip(self.moe_layers, counts):
@@ -382,18 +383,26 @@ class Trainer:
                               "use more validation data, or a smaller validation.local_batch_size / seq_len")
         return total.item() / (batches * loader.global_batch_size * val.seq_len)
 
-    def _local_columns(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _local_columns(self, inputs: torch.Tensor,
+                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This rank's columns of a (B, seq_len) micro-batch (its CP pieces; all without CP), on
-        its device. Validation batches have training's seq_len under CP (`preflight`).
+        its device, and with `training.document_masking` those columns of the rows' document
+        starts (`document_starts`, from the whole rows: a piece's first document may begin in an
+        earlier piece), else None. Every rank of a pipeline derives them from the same batch, so
+        stages without the token ids get each micro-batch's own. Validation batches have
+        training's seq_len under CP (`preflight`).
 
         To a GPU the copy is asynchronous: from pinned host memory, with ``non_blocking``, so the
         host goes on queueing work while the batch travels (the stream orders its use)."""
+        masking = self.cfg.training.document_masking
+        columns = (inputs, labels, *([document_starts(inputs, self.tokenizer.eos_id)] if masking else []))
         if self.cp_positions is not None:
-            inputs, labels = inputs[:, self.cp_positions], labels[:, self.cp_positions]
-        if self.device.type != "cuda":
-            return inputs.to(self.device), labels.to(self.device)
-        return (inputs.pin_memory().to(self.device, non_blocking=True),
-                labels.pin_memory().to(self.device, non_blocking=True))
+            columns = tuple(t[:, self.cp_positions] for t in columns)
+        if self.device.type == "cuda":
+            inputs, labels, *documents = (t.pin_memory().to(self.device, non_blocking=True) for t in columns)
+        else:
+            inputs, labels, *documents = (t.to(self.device) for t in columns)
+        return inputs, labels, documents[0] if masking else None
 
     def _sync_replicas(self, *, last: bool) -> None:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing
@@ -407,14 +416,18 @@ class Trainer:
         else:  # DDP
             self.model.set_requires_gradient_sync(last)
 
-    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor,
+                       documents: torch.Tensor | None) -> list[torch.Tensor]:
         """Forward and backward of one local batch through the pipeline schedule; returns the
-        pipeline micro-batches' losses on the rank holding the last stage, else nothing."""
+        pipeline micro-batches' losses on the rank holding the last stage, else nothing. The
+        document starts go to every stage as a keyword argument, which the schedule splits into
+        micro-batches along the rows as it splits the inputs."""
         losses: list[torch.Tensor] = []
         first, last = self.pipe.has_first_stage(self.pp_rank), self.pipe.has_last_stage(self.pp_rank)
         args = (inputs,) if first else ()
+        kwargs = {"documents": documents} if documents is not None else {}
         self.schedule.step(*args, target=labels if last else None, losses=losses if last else None,
-                           return_outputs=False)
+                           return_outputs=False, **kwargs)
         return losses
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:

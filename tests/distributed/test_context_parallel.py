@@ -46,12 +46,18 @@ RTOL = 1e-5
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 CP4 = ["--parallelism.context_parallel_degree", "4"]
 MODES = {256: "local", 384: "halo", 128: "gather"}
+DOCS = ["--training.document_masking", "true"]
 
 
 @pytest.fixture(scope="module")
 def references(runs):
-    """seq_len -> the single-process run at that sequence length (step -> metrics)."""
-    return lambda seq_len: metrics_by_step(runs.folder(f"single{seq_len}"))
+    """(seq_len, flags) -> the single-process run at that sequence length, with document masking
+    when the flags ask for it (step -> metrics)."""
+    return lambda seq_len, flags=(): metrics_by_step(runs.folder(_single(seq_len, flags)))
+
+
+def _single(seq_len: int, flags) -> str:
+    return f"single{seq_len}" + ("_docs" if DOCS[0] in flags else "")
 
 
 LAYOUTS = {
@@ -77,6 +83,15 @@ LAYOUTS = {
     # the halo exchange); inductor's codegen is covered by FSDP's and EP's compiled parity runs.
     "cp2_compile": (2, 384, [*CP2, "--compile.enable", "true", "--compile.backend", "aot_eager",
                              "--training.local_batch_size", "8"]),
+    # Document masking in every mode on cp 2 and 4, under TP and PP (2 stages, 2 micro-batches),
+    # against the one process with masking.
+    **{f"cp{cp}_{mode}_docs": (cp, seq_len, [*flags, *DOCS, "--training.local_batch_size", "8"])
+       for cp, flags, modes in ((2, CP2, MODES), (4, CP4, {512: "local", 768: "halo", 256: "gather"}))
+       for seq_len, mode in modes.items()},
+    "cp2_tp2_docs": (4, 256, [*CP2, *DOCS, "--parallelism.tensor_parallel_degree", "2",
+                              "--training.local_batch_size", "8"]),
+    "pp2_docs": (2, 384, [*DOCS, "--parallelism.pipeline_parallel_degree", "2",
+                          "--parallelism.pipeline_parallel_microbatch_size", "4", "--training.local_batch_size", "8"]),
 }
 
 
@@ -87,8 +102,9 @@ def _seq(seq_len: int) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(seed, tmp_path_factory) -> TinyRuns:
     return TinyRuns(seed, tmp_path_factory.mktemp("runs"), {
-        **{f"single{seq_len}": Job(1, [*_seq(seq_len), "--training.local_batch_size", "8"])
-           for seq_len in sorted({seq_len for _, seq_len, _ in LAYOUTS.values()})},
+        **{_single(seq_len, flags): Job(1, [*_seq(seq_len), *flags, "--training.local_batch_size", "8"])
+           for seq_len, flags in sorted({(seq_len, tuple(DOCS) if DOCS[0] in flags else ())
+                                         for _, seq_len, flags in LAYOUTS.values()})},
         **{name: Job(nproc, [*_seq(seq_len), *flags]) for name, (nproc, seq_len, flags) in LAYOUTS.items()},
         "cp2_to_cp1": Job(1, [*_seq(384), "--training.local_batch_size", "8"], start=("cp2_halo", 3)),
     })
@@ -96,8 +112,16 @@ def runs(seed, tmp_path_factory) -> TinyRuns:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_cp_layout_matches_single_process(layout, runs, references):
-    _, seq_len, _ = LAYOUTS[layout]
-    assert_same_curve(metrics_by_step(runs.folder(layout)), references(seq_len), layout, rtol=RTOL)
+    _, seq_len, flags = LAYOUTS[layout]
+    assert_same_curve(metrics_by_step(runs.folder(layout)), references(seq_len, flags), layout, rtol=RTOL)
+
+
+@pytest.mark.parametrize("seq_len", [128, 384, 768])
+def test_document_masking_changes_the_first_step(references, seq_len):
+    """The first batch packs documents at these lengths: masking moves its loss, gradient norm or
+    expert counts beyond the parity check, so a masked run that ignored the masking fails above."""
+    with pytest.raises(AssertionError):
+        assert_same_curve({1: references(seq_len, DOCS)[1]}, {1: references(seq_len)[1]}, "masked", rtol=RTOL)
 
 
 def test_checkpoint_saved_under_cp2_resumes_under_cp1(runs, references):
@@ -120,6 +144,7 @@ def _check_model(seq_len: int) -> dict:
     from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.models.llama4.model import Attention
     from torchmoe.models.llama4.parallelize import apply_cp
+    from torchmoe.nn.document_attention import document_starts
     from torchmoe.plan.memory import ActivationModel
     from torchmoe.plan.parallel_dims import ParallelDims
 
@@ -162,19 +187,32 @@ def _check_model(seq_len: int) -> dict:
     max_err = ((logits - full[:, local]).abs().max() / full.abs().max()).item()
     sent = dict(cp.sent)  # before the block-by-block forwards below send more
 
+    # Document masking: documents ending at a third and just past half of row 0, and early in
+    # row 1, so pieces start inside documents that began pieces (and ranks) earlier.
+    packed = tokens.clone()
+    packed[0, [seq_len // 3, seq_len // 2 + 5]] = packed[1, 10] = 1
+    documents = document_starts(packed, 1)
+    full_docs = model(packed, documents)
+    logits_docs = sharded(packed[:, local], documents[:, local])
+    logits_docs.float().pow(2).mean().backward()
+    max_err_docs = ((logits_docs - full_docs[:, local]).abs().max() / full_docs.abs().max()).item()
+
     # Saved bytes per block under CP vs the activation model (fp32, one rank's tokens).
     from tests.unit.test_plan import _saved_bytes
 
     dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, world_size=2)
-    act = ActivationModel(args, dims, a=4, compiled=False, loss_parallel=False, seq_len=seq_len)
     x = torch.randn(2, seq_len // 2, args.dim, requires_grad=True)
     freqs = sharded._rotations(seq_len // 2)
     saved = {}
-    for lid, block in sharded.layers.items():
-        saved[lid] = {"measured": _saved_bytes(sharded, lambda: block(x, freqs)),
-                      "estimated": act.block_full(int(lid)) * 2 * seq_len // 2}
+    for masking in (False, True):
+        act = ActivationModel(args, dims, a=4, compiled=False, loss_parallel=False, seq_len=seq_len,
+                              document_masking=masking)
+        for lid, block in sharded.layers.items():
+            run = lambda: block(x, freqs, documents[:, local] if masking else None)
+            saved[f"{lid}{'_docs' if masking else ''}"] = {"measured": _saved_bytes(sharded, run),
+                                                            "estimated": act.block_full(int(lid)) * 2 * seq_len // 2}
     dist.barrier()
-    return {"max_rel_err": max_err, "calls": dict(calls), "modes": {
+    return {"max_rel_err": max_err, "max_rel_err_docs": max_err_docs, "calls": dict(calls), "modes": {
         lid: cp.layout.chunk_mode(b.attention.chunk_size) for lid, b in sharded.layers.items()},
         "sent": sent, "saved": saved,
         "attention_modules": sum(isinstance(m, Attention) for m in sharded.modules())}
@@ -199,6 +237,7 @@ def test_sharded_logits_equal_unsharded(model_checks, seq_len):
     for rank in (0, 1):
         got = model_checks[rank][str(seq_len)]
         assert got["max_rel_err"] < 1e-5, (rank, got["max_rel_err"])
+        assert got["max_rel_err_docs"] < 1e-5, (rank, got["max_rel_err_docs"])
         assert got["modes"] == {"0": MODES[seq_len], "1": MODES[seq_len], "2": MODES[seq_len], "3": "global"}
 
 
@@ -232,7 +271,7 @@ def test_saved_bytes_per_block_match_the_planner(model_checks, seq_len):
     keys and values or received halos, the output copy; no mask in any mode) against what
     autograd saves on one rank for 2 sequences. Left out as negligible, as without CP: NoPE
     layers' (seq,) temperature scale and int64 index tensors (observed: 0.07-0.32% under the
-    measurement); bound 0.5% under, never over."""
+    measurement); bound 0.5% under, never over. With document masking too (layers "0_docs"...)."""
     for rank in (0, 1):
         for layer, got in model_checks[rank][str(seq_len)]["saved"].items():
             over = got["estimated"] - got["measured"]

@@ -116,12 +116,12 @@ def test_math_fallback_equals_the_cpu_kernel():
     q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
     grad = torch.randn_like(q)
     for causal in (False, True):
-        out, lse = attention._block_forward(q, k, v, causal=causal)
+        out, lse = attention.block_forward(q, k, v, causal=causal)
         math_out, math_lse = attention._math_forward(q, k, v, causal=causal)
         torch.testing.assert_close(math_out, out, rtol=0, atol=2e-6)
         torch.testing.assert_close(math_lse, lse, rtol=0, atol=2e-6)
         for got, expected in zip(attention._math_backward(grad, q, k, v, out, lse, causal=causal),
-                                 attention._block_backward(grad, q, k, v, out, lse, causal=causal)):
+                                 attention.block_backward(grad, q, k, v, out, lse, causal=causal)):
             torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
 
 

@@ -193,14 +193,17 @@ def _saved_bytes(model: torch.nn.Module, fn) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in own)
 
 
+@pytest.mark.parametrize("masking", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "bf16_params", "bf16_autocast"])
 @pytest.mark.parametrize("seq", [64, 96, 160, 192])
-def test_block_activations_match_saved_tensors(precision, seq):
+def test_block_activations_match_saved_tensors(precision, seq, masking):
     """fp32; bf16 parameters and inputs (what FSDP/DDP's mixed precision computes with); fp32
     parameters and residual stream under bf16 autocast (the layouts without FSDP/DDP). The tiny
     flavor's RoPE layers attend within 64-token chunks: 64 is one chunk (plain causal), 192
     three (folded into the batch), 96 and 160 end in a partial chunk (the whole chunks and the
-    rest attended separately, the output concatenated: one more copy of it)."""
+    rest attended separately, the output concatenated: one more copy of it). With document
+    masking (documents of 30 tokens, then the rest of the row) one operator writes the whole
+    output and keeps the int64 document starts."""
     args = FLAVORS["tiny"]
     torch.manual_seed(0)  # for the inputs below
     model = Transformer(args)
@@ -213,10 +216,11 @@ def test_block_activations_match_saved_tensors(precision, seq):
     freqs = model._rotations(seq)
     autocast = precision == "bf16_autocast"
     act = ActivationModel(args, _dims(), a=4 if precision == "fp32" else 2, compiled=False, loss_parallel=False,
-                          autocast=autocast, seq_len=seq)
+                          autocast=autocast, seq_len=seq, document_masking=masking)
+    documents = torch.arange(seq).expand(batch, seq).clamp(max=30) // 30 * 30 if masking else None
     for i, block in model.layers.items():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            measured = _saved_bytes(model, lambda: block(x, freqs))
+            measured = _saved_bytes(model, lambda: block(x, freqs, documents))
         # autocast's bf16 weight copies are saved too: the planner counts them once per forward,
         # as parameter copies (`fsdp_buffers`), not per token.
         copies = 2 * sum(s.numel for s in param_specs(args) if s.layer == int(i) and len(s.shape) >= 2)

@@ -74,6 +74,8 @@ validation.freq validation.steps validation.dataloader.num_workers validation.da
 validation.dataloader.pin_memory validation.dataloader.prefetch_factor
 debug.seed debug.deterministic debug.deterministic_warn_only debug.moe_force_load_balance
 """.split()
+# torchtitan's model arguments that its flavors set and torchmoe takes as job keys too.
+TORCHTITAN_MODEL_ARGS = ["model.attn_mask_type"]
 
 
 def _leaves(table: dict, prefix: str = "") -> set[str]:
@@ -94,7 +96,8 @@ def test_the_key_list_is_torchtitans_and_every_key_has_a_meaning_here() -> None:
     unknown = [k for k in TORCHTITAN_V022_KEYS if k not in shared and k not in TORCHTITAN_KEYS]
     assert unknown == []
     # The table holds torchtitan keys only, none that torchmoe already has under the same name.
-    assert set(TORCHTITAN_KEYS) <= set(TORCHTITAN_V022_KEYS) and not set(TORCHTITAN_KEYS) & shared
+    assert set(TORCHTITAN_KEYS) <= set(TORCHTITAN_V022_KEYS + TORCHTITAN_MODEL_ARGS)
+    assert not set(TORCHTITAN_KEYS) & shared
 
 
 def test_the_three_files_hold_every_key_and_load_without_a_warning() -> None:

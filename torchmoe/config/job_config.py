@@ -112,6 +112,8 @@ class Training:
     """Use deterministic algorithms (slower; for debugging)."""
     add_bos: bool = False
     """Start every document with the tokenizer's BOS token, as torchtitan does; false: only the EOS after each document separates them."""
+    document_masking: bool = False
+    """Attention never crosses a document boundary inside a packed row (torchtitan's model.attn_mask_type = "block_causal"): a document starts at the row's first token and after every EOS. Positions stay global (RoPE counts from the row start, as in torchtitan). Runs each document's (and chunk's) causal attention as its own fused-kernel call, no mask tensor; not with model.attn_backend = "flex"."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps and never inside a step (0 = Python's automatic collection)."""
     dtype: str = "float32"

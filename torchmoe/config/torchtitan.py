@@ -4,7 +4,8 @@
 
 Most of torchtitan's keys are torchmoe's own under the same name (`training.steps`,
 `training.dtype`, `activation_checkpoint.early_stop`, `checkpoint.load_step`, ...) and
-`loader.py` reads them as such. This module holds the other 58, each either
+`loader.py` reads them as such. This module holds the other 58, and one model argument its
+flavors set (`model.attn_mask_type`, accepted as a key too), each either
 
 - **mapped** onto the torchmoe keys that do the same (`debug.seed` is `training.seed`,
   `[quantize.linear.float8]` is `[float8]`, `model.converters = ["quantize.linear.float8"]` is
@@ -101,6 +102,17 @@ def _converters(names: list[str]) -> dict[str, Any]:
             **({"float8.routed_experts": True} if _FLOAT8_GROUPED in names else {})}
 
 
+_MASK_TYPES = {"causal": False, "block_causal": True}
+
+
+def _attn_mask_type(value: str) -> dict[str, Any]:
+    if value not in _MASK_TYPES:
+        raise ConfigError("model.attn_mask_type", value, "torchtitan's mask types are \"causal\" and "
+                          "\"block_causal\" (attention within documents)",
+                          'use "causal", or "block_causal" (torchmoe\'s training.document_masking = true)')
+    return {"training.document_masking": _MASK_TYPES[value]}
+
+
 _TRACKING = "rank 0 writes the metrics of the whole job (losses and norms are global)"
 _LOADER = "torchmoe packs batches in the training process, a few documents ahead, without worker processes"
 _CP = "torchmoe's context parallelism has its own load balance (head and tail chunks per rank) and exchange"
@@ -120,6 +132,9 @@ TORCHTITAN_KEYS: dict[str, Mapped | Refused | NoEffect] = {
                                'name "float8"); `float8.routed_experts` for "quantize.grouped_mm.float8" '
                                '(of the modules `quantize.grouped_mm.float8.fqns` names); the MX converters are '
                                'refused'),
+    # torchtitan's model argument (its flavors set it; the job key where a job file names it)
+    "model.attn_mask_type": Mapped(str, _attn_mask_type, '`training.document_masking`: false for "causal", '
+                                   'true for "block_causal"; any other value is refused'),
     # [optimizer]
     "optimizer.early_step_in_backward": Refused(
         bool, False, "torchtitan then steps each parameter in its gradient hook during the backward, without "

@@ -137,21 +137,28 @@ def _prefixed_forward(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.T
                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, n, hd) in q's dtype, lse (B, H, n) fp32): `prefixed_causal_attention` and the
     log-sum-exp of its scores (what the backward needs)."""
-    out_p, lse_p = _block_forward(q, k_prefix, v_prefix, causal=False)
-    out_d, lse_d = _block_forward(q, k, v, causal=True)
-    lse = torch.logaddexp(lse_p, lse_d).contiguous()
-    # Weights exp(lse_i - lse) in (0, 1]: each block's share of the softmax's denominator. The
-    # result is contiguous whatever layout the kernels chose, as the fake kernel promises.
+    # The result is contiguous whatever layout the kernels chose, as the fake kernel promises.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    acc = _accumulation_dtype(q)
+    return out, prefixed_block_forward(q, k_prefix, v_prefix, k, v, out)
+
+
+def prefixed_block_forward(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Writes `prefixed_causal_attention` of q into `out` (B, H, n, hd) and returns the log-sum-exp
+    (B, H, n) of its scores, in the accumulation dtype: each block by its fused kernel, merged."""
+    out_p, lse_p = block_forward(q, k_prefix, v_prefix, causal=False)
+    out_d, lse_d = block_forward(q, k, v, causal=True)
+    lse = torch.logaddexp(lse_p, lse_d).contiguous()
+    # Weights exp(lse_i - lse) in (0, 1]: each block's share of the softmax's denominator.
+    acc = accumulation_dtype(q)
     out.copy_(torch.exp(lse_p - lse).unsqueeze(-1) * out_p.to(acc) + torch.exp(lse_d - lse).unsqueeze(-1) * out_d.to(acc))
-    return out, lse
+    return lse
 
 
 @_prefixed_forward.register_fake
 def _(q, k_prefix, v_prefix, k, v):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1],
-                                                                                   dtype=_accumulation_dtype(q))
+                                                                                   dtype=accumulation_dtype(q))
 
 
 @torch.library.custom_op("torchmoe::prefixed_causal_attention_backward", mutates_args=())
@@ -159,12 +166,21 @@ def _prefixed_backward(grad: torch.Tensor, q: torch.Tensor, k_prefix: torch.Tens
                        k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> list[torch.Tensor]:
     """Gradients [dq, dk_prefix, dv_prefix, dk, dv] of `prefixed_causal_attention` for the output
     gradient `grad` (B, H, n, hd), from the forward's merged `out` and `lse`."""
-    dq_p, dk_p, dv_p = _block_backward(grad, q, k_prefix, v_prefix, out, lse, causal=False)
-    dq_d, dk_d, dv_d = _block_backward(grad, q, k, v, out, lse, causal=True)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dq.copy_(dq_p.to(_accumulation_dtype(q)) + dq_d.to(_accumulation_dtype(q)))
+    grads = prefixed_block_backward(grad, q, k_prefix, v_prefix, k, v, out, lse, dq)
     # Contiguous, as the fake kernel promises (the kernels return their own layouts).
-    return [dq, *(g.contiguous() for g in (dk_p, dv_p, dk_d, dv_d))]
+    return [dq, *(g.contiguous() for g in grads)]
+
+
+def prefixed_block_backward(grad: torch.Tensor, q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
+                            k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            dq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Writes the query gradient of `prefixed_causal_attention` into `dq` and returns
+    (dk_prefix, dv_prefix, dk, dv): each block's kernel backward with the merged `out` and `lse`."""
+    dq_p, dk_p, dv_p = block_backward(grad, q, k_prefix, v_prefix, out, lse, causal=False)
+    dq_d, dk_d, dv_d = block_backward(grad, q, k, v, out, lse, causal=True)
+    dq.copy_(dq_p.to(accumulation_dtype(q)) + dq_d.to(accumulation_dtype(q)))
+    return dk_p, dv_p, dk_d, dv_d
 
 
 @_prefixed_backward.register_fake
@@ -190,7 +206,7 @@ PREFIXED_ATTENTION = torch.ops.torchmoe.prefixed_causal_attention.default
 # ---- one key block: a fused kernel and its log-sum-exp ------------------------------------------
 
 
-def _accumulation_dtype(q: torch.Tensor) -> torch.dtype:
+def accumulation_dtype(q: torch.Tensor) -> torch.dtype:
     """What log-sum-exps and merges are computed in: fp32, or fp64 for fp64 inputs."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -213,7 +229,7 @@ def _sum_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, s, hd).sum(2)
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one key block: (out (B, H, n, hd), lse (B, H, n) fp32)."""
     n = q.shape[-2]
     if q.device.type == "cpu":
@@ -226,10 +242,10 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         lse = lse[..., :n]  # the kernel pads the log-sum-exp's length to a multiple of 32
     else:
         return _math_forward(q, k, v, causal=causal)
-    return out, lse.to(_accumulation_dtype(q))
+    return out, lse.to(accumulation_dtype(q))
 
 
-def _block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one key block's share of an attention whose whole output and log-sum-exp
     are `out` and `lse`: the kernel recomputes the probabilities from `lse`, so they are the
@@ -240,7 +256,7 @@ def _block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return private.flash_attention_cuda_backward(grad, q, k, v, out, lse, causal)
     if q.device.type == "cuda" and torch.backends.cuda.mem_efficient_sdp_enabled():
         heads, kv_heads = q.shape[1], k.shape[1]
-        padded = F.pad(lse, (0, -q.shape[-2] % 32))  # the kernel's own layout of it (see `_block_forward`)
+        padded = F.pad(lse, (0, -q.shape[-2] % 32))  # the kernel's own layout of it (see `block_forward`)
         dq, dk, dv = private.efficient_attention_cuda_backward(grad, q, _repeat_heads(k, heads),
                                                                _repeat_heads(v, heads), out, padded, causal)
         return dq, _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
@@ -253,7 +269,7 @@ def _block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 def _probabilities(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None, *, causal: bool):
     """Scores (B, H, n, m) of q against k (heads repeated) in the accumulation dtype, causal on
     a square block, and exp(scores - lse) when `lse` is given."""
-    acc = _accumulation_dtype(q)
+    acc = accumulation_dtype(q)
     scores = q.to(acc) @ _repeat_heads(k, q.shape[1]).to(acc).transpose(-2, -1) * q.shape[-1] ** -0.5
     if causal:
         n = q.shape[-2]

@@ -235,6 +235,8 @@ class ActivationModel:
             from it; unused with cp == 1).
         recompute_mm_fqns: ``per_op_sac_force_recompute_mm_shapes_by_fqns``: the per-op policy
             recomputes every matmul with the weight shape of a linear these name.
+        document_masking: attention within documents (`nn.document_attention`): see
+            `_cp_attention`.
     """
 
     args: ModelArgs
@@ -245,6 +247,7 @@ class ActivationModel:
     seq_len: int = 0
     autocast: bool = False
     recompute_mm_fqns: tuple[str, ...] = ()
+    document_masking: bool = False
 
     @property
     def r(self) -> int:
@@ -354,23 +357,28 @@ class ActivationModel:
             own other piece is a view of its keys and values);
           - the attention output once more: pieces (and chunks cut at a piece or sequence end)
             are attended separately and concatenated, so the output projection's input is a copy.
+        Document masking: its operator keeps the (B, S) int64 document starts (8 bytes per token;
+        one tensor that every layer's operator keeps, counted per layer as a block measures it)
+        and writes the whole output at once (no cut chunks without CP; under CP the pieces are
+        concatenated in every mode, local too).
         """
         m, cp = self.args, self.dims.cp
         chunk = m.attention_chunk_size if m.rope_layers[layer] else None
         output = self.a * m.n_heads * m.head_dim / self.dims.tp
+        documents = 8.0 if self.document_masking else 0.0
         if cp == 1:
-            cut = chunk is not None and chunk < self.seq_len and self.seq_len % chunk
-            return output if cut else 0.0
+            cut = chunk is not None and chunk < self.seq_len and self.seq_len % chunk and not self.document_masking
+            return documents + (output if cut else 0.0)
         layout = CPLayout(self.seq_len, cp)
         mode, tokens = layout.chunk_mode(chunk), self.seq_len // cp
         if mode == LOCAL:
-            return 0.0
+            return documents + (output if self.document_masking else 0.0)
         kv = 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp  # per token
         if mode == HALO:
             received = max(sum(layout.halo(j, chunk) for j in layout.pieces(r) if j and layout.owner(j - 1) != r)
                            for r in range(cp))
-            return (kv * received + output * tokens) / tokens
-        return kv * (cp - 1) + output
+            return documents + (kv * received + output * tokens) / tokens
+        return documents + kv * (cp - 1) + output
 
 
 def _saved_per_block(act: ActivationModel, layers: list[int], ac_cfg: ActivationCheckpoint) -> list[float]:
@@ -422,7 +430,8 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     act = ActivationModel(model_args, dims, a, compiled, seq_len=training_cfg.seq_len,
                           loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel,
                           autocast=autocast_enabled(dims, training_cfg),
-                          recompute_mm_fqns=tuple(ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns))
+                          recompute_mm_fqns=tuple(ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns),
+                          document_masking=training_cfg.document_masking)
     if dims.pp_enabled:
         microbatches, sequences = pipeline_microbatches(training_cfg, parallelism_cfg)
     else:

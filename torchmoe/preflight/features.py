@@ -27,6 +27,10 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                           "selective AC is not supported with attn_backend \"flex\"",
                           'use activation_checkpoint.mode = "full", or model.attn_backend = "sdpa"')
     _check_forced_recompute(cfg.activation_checkpoint, args)
+    if cfg.training.document_masking and args.attn_backend == "flex":
+        raise ConfigError("model.attn_backend", "flex", "document masking runs the fused kernels per document "
+                          "(nn.document_attention); FlexAttention is not wired to it",
+                          'use model.attn_backend = "sdpa", or training.document_masking = false')
     if degrees["cp"] > 1 and args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", "context parallelism runs SDPA with masks over global "
                           "positions; FlexAttention is not wired to it", 'use model.attn_backend = "sdpa"')

@@ -79,8 +79,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
         styles = LinearStyles(block, float8)
         plan: dict[str, ParallelStyle] = {
             "attention_norm": SequenceParallel(),
-            "attention": styles.gather_input("attention", ("wq", "wk", "wv"), (Shard(1), None),
-                                             (Replicate(), None)),
+            # Inputs (x, freqs_cis, documents): only the hidden states are sharded.
+            "attention": styles.gather_input("attention", ("wq", "wk", "wv"), (Shard(1), None, None),
+                                             (Replicate(), None, None)),
             "attention.wq": styles.colwise("attention.wq"),
             "attention.wk": styles.colwise("attention.wk"),
             "attention.wv": styles.colwise("attention.wv"),

@@ -1,0 +1,216 @@
+"""Document masking (`training.document_masking`): attention never crosses a document boundary
+inside a packed row, positions stay global, and no path hands attention a mask.
+
+    python -m pytest -q tests/unit/test_document_masking.py
+
+The reference for "each document alone" runs the same weights on the document's tokens only,
+with its global positions (RoPE, NoPE temperature tuning and chunk boundaries counted from the row
+start, as torchtitan's block-causal mask does): a stand-in for context parallelism's hook gives
+the model those positions and a dense attention over them, written here independently of
+`nn.document_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import refusing_attention_masks
+from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.config import load_job_config
+from torchmoe.config.errors import ConfigError
+from torchmoe.distributed.compile import DynamoCounts
+from torchmoe.models.llama4 import FLAVORS, Transformer
+from torchmoe.nn.document_attention import document_attention, document_starts
+from torchmoe.preflight.features import check_features
+from torchmoe.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+EOS = 1
+CHUNK = FLAVORS["tiny"].attention_chunk_size  # 64
+
+
+@dataclass(frozen=True)
+class _Layout:
+    seq_len: int
+
+
+class _AloneAt:
+    """Context parallelism's hook, standing in: the tokens are one document at global positions
+    ``[offset, offset + n)``; attention is dense causal over them (within global chunks)."""
+
+    def __init__(self, offset: int, n: int) -> None:
+        self.offset, self.n = offset, n
+        self.layout = _Layout(offset + n)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.offset, self.offset + self.n, device=device)
+
+    def attend(self, q, k, v, chunk, documents=None):
+        pos = self.positions(q.device)
+        allowed = pos[:, None] >= pos[None, :]
+        if chunk is not None:
+            allowed &= pos[:, None] // chunk == pos[None, :] // chunk
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
+        return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.double()).to(q.dtype)
+
+
+def _documents(row: list[int], eos: int) -> list[tuple[int, int]]:
+    """(start, end) of each document of a row: one starts at 0 and after every EOS."""
+    starts = [0] + [t + 1 for t, tok in enumerate(row[:-1]) if tok == eos]
+    return list(zip(starts, starts[1:] + [len(row)]))
+
+
+def _alone(model: Transformer, tokens: torch.Tensor, offset: int) -> torch.Tensor:
+    """Logits (1, n, V) of one document (1, n) run alone at global positions offset.."""
+    hook = _AloneAt(offset, tokens.shape[-1])
+    modules = [model, *(layer.attention for layer in model.layers.values())]
+    for module in modules:
+        module.context_parallel = hook
+    try:
+        return model(tokens)
+    finally:
+        for module in modules:
+            module.context_parallel = None
+
+
+def _per_document_logits(model: Transformer, tokens: torch.Tensor, eos: int = EOS) -> torch.Tensor:
+    """(B, S, V): every document of every row run alone, the logits put back in place."""
+    rows = []
+    for row in tokens:
+        rows.append(torch.cat([_alone(model, row[None, s:e], s) for s, e in _documents(row.tolist(), eos)], dim=1))
+    return torch.cat(rows)
+
+
+def _packed_rows(seed: int = 0) -> torch.Tensor:
+    """(2, 256): documents of 20, 100, 9, 127 and 64, 1, 191 tokens (shorter, as long as and
+    longer than the 64-token chunk; some crossing chunk boundaries), each ending in EOS but the
+    last (cut by the row's end)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randint(2, FLAVORS["tiny"].vocab_size, (2, 256), generator=gen)
+    for b, lengths in enumerate(([20, 100, 9, 127], [64, 1, 191])):
+        ends = torch.tensor(lengths).cumsum(0)[:-1] - 1
+        rows[b, ends] = EOS
+    return rows
+
+
+@functools.cache
+def _model() -> Transformer:
+    model = Transformer(FLAVORS["tiny"])
+    model.init_weights(seed=0)
+    return model.eval()
+
+
+def test_document_starts() -> None:
+    tokens = torch.tensor([[5, EOS, 7, 8, EOS, EOS, 9], [EOS, 3, 3, 3, 3, 3, EOS]])
+    assert document_starts(tokens, EOS).tolist() == [[0, 0, 2, 2, 2, 5, 6], [0, 1, 1, 1, 1, 1, 1]]
+
+
+@torch.no_grad()
+def test_packed_row_equals_each_document_alone() -> None:
+    model, tokens = _model(), _packed_rows()
+    with refusing_attention_masks():  # no path of the masked attention hands SDPA a mask
+        packed = model(tokens, document_starts(tokens, EOS))
+    torch.testing.assert_close(packed, _per_document_logits(model, tokens), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_masking_changes_the_logits_of_a_row_with_several_documents() -> None:
+    model, tokens = _model(), _packed_rows()
+    masked, unmasked = model(tokens, document_starts(tokens, EOS)), model(tokens)
+    first = 20  # the first document's logits are the same either way; the second's are not
+    torch.testing.assert_close(masked[0, :first], unmasked[0, :first], rtol=1e-5, atol=1e-5)
+    assert (masked[0, first:] - unmasked[0, first:]).abs().max() > 1e-2
+
+
+def test_attention_with_a_prefix_equals_the_whole_row() -> None:
+    """A piece of queries whose first document began before it (context parallelism) sees those
+    keys as a prefix: output and gradients equal the whole row's, at fp32 rounding."""
+    torch.manual_seed(0)
+    tokens = _packed_rows()
+    documents = document_starts(tokens, EOS)
+    q = torch.randn(2, 4, 256, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 256, 16, requires_grad=True) for _ in range(2))
+    for chunk, start in ((None, 96), (CHUNK, 96), (CHUNK, 128)):
+        whole = document_attention(q, k, v, documents, chunk=chunk)
+        lo = 0 if chunk is None else start // chunk * chunk
+        piece = document_attention(q[..., start:, :], k[..., start:, :], v[..., start:, :], documents[:, start:],
+                                   chunk=chunk, start=start, prefix=(k[..., lo:start, :], v[..., lo:start, :]))
+        torch.testing.assert_close(piece, whole[..., start:, :], rtol=1e-5, atol=1e-5)
+        grad = torch.randn_like(piece)
+        expected = torch.autograd.grad(whole[..., start:, :], (q, k, v), grad)
+        for got, want in zip(torch.autograd.grad(piece, (q, k, v), grad), expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefix_too_short_is_refused() -> None:
+    tokens = _packed_rows()
+    documents = document_starts(tokens, EOS)
+    q, k = torch.randn(2, 4, 256, 16), torch.randn(2, 2, 256, 16)
+    with pytest.raises(ValueError, match="prefix holds 4"):
+        document_attention(q[..., 30:, :], k[..., 30:, :], k[..., 30:, :], documents[:, 30:], start=30,
+                           prefix=(k[..., 26:30, :], k[..., 26:30, :]))
+
+
+def _trainer(dump_folder: Path, *flags: str) -> Trainer:
+    cfg = load_job_config([
+        "--config", str(REPO / "configs" / "debug_model.toml"), "--job.dump_folder", str(dump_folder),
+        "--training.seq_len", "256", "--training.local_batch_size", "4", "--training.steps", "2",
+        "--training.mixed_precision_param", "float32", "--training.document_masking", *flags,
+    ])
+    return Trainer(cfg)
+
+
+def test_step_one_loss_is_the_cross_entropy_of_each_document_alone(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path)
+    eos = trainer.tokenizer.eos_id
+    [(inputs, labels)] = batch = trainer.dataloader.next_batch()
+    assert max(len(_documents(row, eos)) for row in inputs.tolist()) >= 2  # the batch packs documents
+    with torch.no_grad():
+        logits = _per_document_logits(trainer.model, inputs, eos)
+        # Token by token first (a boundary off by one moves the mean loss by less than 1e-5).
+        local_inputs, _, documents = trainer._local_columns(inputs, labels)
+        torch.testing.assert_close(trainer.model(local_inputs, documents), logits, rtol=1e-5, atol=1e-5)
+    expected = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    assert trainer.train_step(batch).loss == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_compiled_and_checkpointed_equals_eager(tmp_path: Path) -> None:
+    """torch.compile (aot_eager) of every block with per-op selective AC, two steps: the document
+    attention is one node, so the blocks stay one graph each (fullgraph), and the second step's
+    other documents compile nothing new."""
+    runs = []
+    for flags in ((), ("--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode",
+                       "selective", "--activation_checkpoint.selective_ac_option", "op")):
+        trainer = _trainer(tmp_path / str(len(flags)), *flags)
+        first = trainer.train_step(trainer.dataloader.next_batch())
+        compiled = DynamoCounts.now()
+        second = trainer.train_step(trainer.dataloader.next_batch())
+        runs.append((first, second, DynamoCounts.now().since(compiled)))
+    (eager_1, eager_2, _), (compiled_1, compiled_2, recompiled) = runs
+    assert recompiled.graphs == 0
+    for eager, compiled in ((eager_1, compiled_1), (eager_2, compiled_2)):
+        assert compiled.loss == pytest.approx(eager.loss, rel=1e-5)
+        assert compiled.grad_norm == pytest.approx(eager.grad_norm, rel=1e-5)
+
+
+def test_torchtitan_attn_mask_type() -> None:
+    def masking(value: str) -> bool:
+        return load_job_config(["--model.attn_mask_type", value]).training.document_masking
+
+    assert masking("block_causal") and not masking("causal")
+    with pytest.raises(ConfigError, match="model.attn_mask_type"):
+        masking("sliding_window")
+
+
+def test_flex_attention_with_masking_is_refused() -> None:
+    cfg = load_job_config(["--training.document_masking", "--model.attn_backend", "flex"])
+    with pytest.raises(ConfigError, match="document masking runs the fused kernels per document"):
+        check_features(cfg, model_args_from_config(cfg.model), {"cp": 1}, check_device=False)
