@@ -322,6 +322,33 @@ def test_changed_dataset_stops_at_the_newest_checkpoint_with_its_whole_message(t
     assert [step for step, _ in _manager(tmp_path).complete_checkpoints()] == [2, 3]
 
 
+def test_data_positions_of_the_old_row_split_are_refused(tmp_path: Path) -> None:
+    """A checkpoint saved before rows were ranges of the corpus (its dataloader state has no
+    `split`) holds positions that mean other documents now: refused with the fix, not continued."""
+
+    class OldLoader:
+        def __init__(self, loader: DataLoader) -> None:
+            self.loader = loader
+
+        def state_dict(self) -> dict:
+            return {k: v for k, v in self.loader.state_dict().items() if k != "split"}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.loader.load_state_dict(state)
+
+    run = _data_loader(8)
+    run.next_batch()
+    _manager(tmp_path).save(1, {"dataloader": OldLoader(run)})
+    with pytest.raises(ConfigError) as err:
+        _manager(tmp_path).load_latest({"dataloader": _data_loader(8)})
+    assert "row split of torchmoe before 2026-12-02" in str(err.value)
+    assert 'exclude_from_loading = ["dataloader"]' in str(err.value)
+    _manager(tmp_path).save(2, {"dataloader": run})  # today's state resumes
+    again = _data_loader(8)
+    assert _manager(tmp_path).load_latest({"dataloader": again}) == 2
+    assert torch.equal(again.next_batch()[0][0], run.next_batch()[0][0])
+
+
 def test_model_of_no_flavor_is_refused_without_naming_one(tmp_path: Path) -> None:
     _manager(tmp_path).save(1, {"model": ModelWrapper(_Net())})
     other = nn.Sequential(nn.Linear(6, 6))

@@ -126,7 +126,7 @@ def test_a_checkpoint_of_other_sources_is_one_message() -> None:
                                           r"this run has 3"):
         _mixed().load_state_dict(single.state_dict())
     with pytest.raises(ConfigError, match="saved with 3 data source"):
-        single.check_saved_shapes({"rows": torch.Size((G, 9))})
+        single.check_saved_shapes({"rows": torch.Size((G, 9)), "split": torch.Size(())})
 
 
 def test_build_dataloader_reads_every_source(tmp_path) -> None:

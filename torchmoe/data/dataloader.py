@@ -51,6 +51,11 @@ __all__ = ["CorpusEnd", "PackedStream", "DataLoader", "build_dataloader", "valid
 logger = logging.getLogger(__name__)
 
 
+# The rule that cuts a corpus into batch rows, saved with every position: 1, contiguous byte ranges
+# (`documents.RowCorpus`). Checkpoints without it counted documents j, j + G, ... of each row.
+ROW_SPLIT = 1
+
+
 class CorpusEnd(Exception):
     """A stream built with ``repeat=False`` reached the end of its corpus (validation's one pass)."""
 
@@ -417,6 +422,8 @@ class DataLoader:
           `doc_index` of row j (a document or a part of one, `Documents.split`: its tokens, and
           EOS if it ends its document) in pass `epoch`.
         - `source_rows` (several sources only): int64 (S,), the rows each source has filled.
+        - `split`: `ROW_SPLIT`, the rule that cut the corpus into rows (a position means nothing
+          under another).
 
         With a `batch_mesh`, `rows` is a DTensor sharded `Shard(0)` over it, each rank holding
         its own G/D rows, so DCP saves every rank's rows and reshards them on load into any dp
@@ -430,7 +437,7 @@ class DataLoader:
             rows = DTensor.from_local(
                 rows, self.batch_mesh, [Shard(0)], shape=torch.Size((self.global_batch_size, width)), stride=(width, 1)
             )
-        state = {"step": self._step, "rows": rows}
+        state = {"step": self._step, "rows": rows, "split": torch.tensor(ROW_SPLIT)}
         if self.mix is not None:
             state["source_rows"] = self._source_rows.clone()
         return state
@@ -476,6 +483,14 @@ class DataLoader:
         """
         saved = shapes.get("rows")
         if saved is not None:
+            if "split" not in shapes:  # saved before rows were ranges of the corpus
+                raise DataConfigError(
+                    "checkpoint.folder", "", "the checkpoint's data positions count documents j, j + G, ... of each "
+                    "row, the row split of torchmoe before 2026-12-02; rows are now contiguous ranges of the corpus, "
+                    "so those positions cannot be continued",
+                    'set checkpoint.exclude_from_loading = ["dataloader"] (every batch row starts again at its '
+                    "first document), or start a new run in another job.dump_folder",
+                )  # fmt: skip
             self._check_shape(tuple(saved))
 
     def _check_shape(self, saved: tuple[int, int]) -> None:
