@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(REPO / "configs" / "debug_model.toml")
+# 900 short documents (2-45 words, one .jsonl line each): every window of the document-masking
+# tests packs several (python_docs' windows mostly lie inside one file).
+SHORT_DOCUMENTS = ["--training.dataset", "local", "--training.dataset_path",
+                   str(REPO / "tests" / "assets" / "short_documents.jsonl")]
 
 # The distributed parity tests' job: the tiny flavor, global batch 8 x 64 tokens, log every step,
 # checkpoints on so the seed checkpoint is picked up; warmup 2 so the LR changes across the

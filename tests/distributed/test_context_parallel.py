@@ -32,6 +32,7 @@ import pytest
 
 from tests.helpers import (
     BALANCE,
+    SHORT_DOCUMENTS,
     Job,
     TinyRuns,
     assert_same_curve,
@@ -46,7 +47,7 @@ RTOL = 1e-5
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 CP4 = ["--parallelism.context_parallel_degree", "4"]
 MODES = {256: "local", 384: "halo", 128: "gather"}
-DOCS = ["--training.document_masking", "true"]
+DOCS = ["--training.document_masking", "true", *SHORT_DOCUMENTS]
 
 
 @pytest.fixture(scope="module")

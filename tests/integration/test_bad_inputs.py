@@ -510,8 +510,8 @@ def test_a_save_failing_mid_run_keeps_training(capsys, tmp_path: Path, monkeypat
 
 def test_errors_from_outside_are_the_same(tmp_path: Path) -> None:
     """The real command: exit 2, one message, no traceback (here: a dataset with no text)."""
-    (tmp_path / "a.txt").write_text("")
-    (tmp_path / "b.txt").write_text(" ")
+    (tmp_path / "a.txt").write_text("   ")  # rows of 3 bytes: row 0 reads a.txt alone
+    (tmp_path / "b.txt").write_text(" \n ")
     proc = run_train([*TINY, "--training.dataset", "local", "--training.dataset_path", str(tmp_path / "*.txt")],
                      dump_folder=tmp_path / "run", timeout=120, expect=None)
     assert_user_error(proc, f"hold no text: {tmp_path / 'a.txt'} (empty or only whitespace)")

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import refusing_attention_masks
+from tests.helpers import SHORT_DOCUMENTS, refusing_attention_masks
 from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
@@ -163,7 +163,7 @@ def _trainer(dump_folder: Path, *flags: str) -> Trainer:
     cfg = load_job_config([
         "--config", str(REPO / "configs" / "debug_model.toml"), "--job.dump_folder", str(dump_folder),
         "--training.seq_len", "256", "--training.local_batch_size", "4", "--training.steps", "2",
-        "--training.mixed_precision_param", "float32", "--training.document_masking", *flags,
+        "--training.mixed_precision_param", "float32", "--training.document_masking", *SHORT_DOCUMENTS, *flags,
     ])
     return Trainer(cfg)
 

@@ -167,7 +167,8 @@ class FileDocuments(SizedDocuments):
         if kind in ("array", "parquet"):
             build = lambda: _row_sizes(self._rows_of(file, kind))  # noqa: E731
             return cached_index(file, f"{kind}:{self.text_field}", build, self.index_cache)
-        return np.array([[0, os.stat(file).st_size]], dtype=np.int64)
+        with open(file, "rb") as f:  # opened, not only stat'ed: an unreadable file fails here, named
+            return np.array([[0, os.fstat(f.fileno()).st_size]], dtype=np.int64)
 
     def _rows_of(self, file: Path, kind: str) -> Iterator[str]:
         """The text of every row of a .json array or .parquet file, in order."""
