@@ -146,14 +146,15 @@ def test_store_host_killed_ends_the_other_rank(tmp_path: Path) -> None:
 
 # ---- slow peers: a good run ends well ---------------------------------------------------------
 
-SLOW_WRITE_S, SLOW_TEARDOWN_S, SLOW_TRAIN_TIMEOUT_S = 6, 12, 2
+# Twice the training timeout late, and a teardown longer than the lost store takes to notice (< 3 s).
+SLOW_WRITE_S, SLOW_TEARDOWN_S, SLOW_TRAIN_TIMEOUT_S = 4, 6, 2
 
 
 @pytest.fixture(scope="module")
 def slow_peer_run(tmp_path_factory) -> tuple[Path, list[subprocess.Popen], list[str], list[float]]:
     """Two ranks started by hand (rank 0 hosts the store, as under srun), 3 steps with async
     checkpoints of step 2 and step 3 and a 2 s training timeout. Rank 1 writes each checkpoint
-    6 s late and takes 12 s to tear its process groups down."""
+    4 s late and takes 6 s to tear its process groups down."""
     out = tmp_path_factory.mktemp("slow_peer")
     procs = start_ranks(JOB, "slow", out, ["--training.steps", "3", "--checkpoint.interval", "2",
                                        "--checkpoint.async_mode", "async",
@@ -175,7 +176,7 @@ def test_a_checkpoint_write_slower_than_the_training_timeout_saves(slow_peer_run
 
 
 def test_a_slow_teardown_after_a_good_run_exits_0(slow_peer_run) -> None:
-    """Rank 1 leaves 12 s after rank 0, whose exit takes the rendezvous store along: rank 1 has
+    """Rank 1 leaves 6 s after rank 0, whose exit takes the rendezvous store along: rank 1 has
     stopped its failure watch before tearing down, so it neither takes the lost store for a
     failure nor says anything."""
     _, procs, outs, ends = slow_peer_run
