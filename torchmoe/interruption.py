@@ -50,7 +50,11 @@ def _raise(signum: int, frame) -> None:
 def report(stop: Interrupted) -> None:
     """The one line: ``[rank r] interrupted by SIGTERM: stopped`` (no rank in a one-process run)."""
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-    print(f"[rank {rank}] {stop}: stopped" if rank is not None else f"{stop}: stopped", file=sys.stderr, flush=True)
+    line = f"[rank {rank}] {stop}: stopped" if rank is not None else f"{stop}: stopped"
+    # One write with its newline: every rank shares the launcher's stderr, and print() writes the
+    # text and the newline apart, so two ranks' lines could run together ("...stopped[rank 0] ...").
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _leave_if_interrupted(unraisable) -> None:

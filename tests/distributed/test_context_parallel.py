@@ -84,7 +84,7 @@ LAYOUTS = {
     # the halo exchange); inductor's codegen is covered by FSDP's and EP's compiled parity runs.
     "cp2_compile": (2, 384, [*CP2, "--compile.enable", "true", "--compile.backend", "aot_eager",
                              "--training.local_batch_size", "8"]),
-    # Document masking in every mode on cp 2 and 4, under TP and PP (2 stages, 2 micro-batches),
+    # Document masking in every mode on cp 2 and 4, under TP, EP and PP (2 stages, 2 micro-batches),
     # against the one process with masking.
     # 4 rows each (the masked singles too): every window packs several documents anyway.
     **{f"cp{cp}_{mode}_docs": (cp, seq_len, [*flags, *DOCS, "--training.local_batch_size", "4"])
@@ -92,6 +92,7 @@ LAYOUTS = {
        for seq_len, mode in modes.items()},
     "cp2_tp2_docs": (4, 256, [*CP2, *DOCS, "--parallelism.tensor_parallel_degree", "2",
                               "--training.local_batch_size", "4"]),
+    "ep2_docs": (2, 384, [*DOCS, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
     "pp2_docs": (2, 384, [*DOCS, "--parallelism.pipeline_parallel_degree", "2",
                           "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size", "4"]),
 }
