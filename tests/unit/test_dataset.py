@@ -414,3 +414,10 @@ def test_line_index_finds_every_non_blank_line(tmp_path: Path, monkeypatch, chun
                 want.append([offset, len(line), number])
             offset += len(line) + 1
         assert file_index.line_spans(tmp_path / "f.jsonl").tolist() == want, data
+
+
+def test_empty_documents_at_the_end_belong_to_the_last_row() -> None:
+    """Empty documents after the last byte start at T, past every row's range but the last's."""
+    docs = InMemoryDocuments(["abcd", "efgh", "", ""])
+    rows = [docs.split(j, 2) for j in range(2)]
+    assert [_units(row) for row in rows] == [["abcd"], ["efgh", "", ""]]
