@@ -281,6 +281,7 @@ LINKS = {  # the link, under tmp/run; the key named; flags; whether the target i
     "trace_iteration": ("profile_traces/iteration_1", "profiling.save_traces_folder",
                         ["--profiling.enable_profiling", "true"], True),
     "dry_run_json": ("dry_run.json", "job.dump_folder", ["--dry-run"], False),
+    "data_index": ("data_index", "job.dump_folder", [], True),  # the data files' line indexes
 }
 
 
