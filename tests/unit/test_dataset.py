@@ -421,3 +421,21 @@ def test_empty_documents_at_the_end_belong_to_the_last_row() -> None:
     docs = InMemoryDocuments(["abcd", "efgh", "", ""])
     rows = [docs.split(j, 2) for j in range(2)]
     assert [_units(row) for row in rows] == [["abcd"], ["efgh", "", ""]]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".json"])
+def test_one_document_in_any_format_fills_the_rows(tmp_path: Path, suffix: str) -> None:
+    """One big document of a .jsonl line, a .parquet row or a .json array element is cut into
+    parts like a .txt file: every row gets one, in order, BOS once and EOS once."""
+    text = _play(3_000)
+    path = tmp_path / f"one{suffix}"
+    if suffix == ".jsonl":
+        _write_jsonl(path, [text])
+    elif suffix == ".parquet":
+        _write_parquet(path, [text])
+    else:
+        path.write_text(json.dumps([{"text": text}]))
+    docs = FileDocuments([path])
+    units = [u for j in range(16) for u in docs.split(j, 16)]
+    assert len(units) == 16 and "".join(u.content for u in units) == text
+    assert [u.starts for u in units] == [True] + [False] * 15 and [u.ends for u in units] == [False] * 15 + [True]
