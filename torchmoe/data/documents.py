@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from torchmoe.config.errors import ConfigError
+from torchmoe.data.errors import DataConfigError
 
 if TYPE_CHECKING:
     from torchmoe.data.tokenizer import Tokenizer
@@ -37,14 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["DataConfigError", "Unit", "Documents", "SizedDocuments", "RowCorpus", "text_part"]
 
 Content = str | np.ndarray  # a document's text, or its token ids (a pre-tokenized corpus)
-
-
-class DataConfigError(ConfigError, ValueError):
-    """A data or tokenizer setting that cannot work: missing files, fields or packages.
-
-    The CLI reports it like any `ConfigError` (one message, exit status 2); it is also a
-    `ValueError` for code that uses the data pipeline as a library.
-    """
 
 
 class Unit(NamedTuple):

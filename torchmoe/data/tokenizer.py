@@ -22,7 +22,7 @@ from typing import Any
 
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
-from torchmoe.data.documents import DataConfigError
+from torchmoe.data.errors import DataConfigError
 
 __all__ = ["Fingerprint", "Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
 

@@ -1,0 +1,15 @@
+"""The data pipeline's error: a data or tokenizer setting that cannot work."""
+
+from __future__ import annotations
+
+from torchmoe.config.errors import ConfigError
+
+__all__ = ["DataConfigError"]
+
+
+class DataConfigError(ConfigError, ValueError):
+    """A data or tokenizer setting that cannot work: missing files, fields or packages.
+
+    The CLI reports it like any `ConfigError` (one message, exit status 2); it is also a
+    `ValueError` for code that uses the data pipeline as a library.
+    """
