@@ -13,6 +13,7 @@ renames it over the name, so the last rename wins with the same contents.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -49,27 +50,17 @@ def cached_index(file: Path, kind: str, build: Callable[[], np.ndarray], cache: 
     index = build()
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        with _npy_bytes(index) as data:
-            write_file(path, data)
+        write_file(path, _npy_bytes(index))
     except OSError:
         pass
     return index
 
 
-class _npy_bytes:
-    """`np.save`'s bytes of an array (a context manager, so the buffer is freed after the write)."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        import io
-
-        self._buffer = io.BytesIO()
-        np.save(self._buffer, array, allow_pickle=False)
-
-    def __enter__(self) -> bytes:
-        return self._buffer.getvalue()
-
-    def __exit__(self, *exc: object) -> None:
-        self._buffer.close()
+def _npy_bytes(array: np.ndarray) -> bytes:
+    """`np.save`'s bytes of an array (no pickle)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
 
 
 def line_spans(file: Path) -> np.ndarray:

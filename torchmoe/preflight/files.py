@@ -107,7 +107,7 @@ def check_dataset_rows(training: Training, global_batch_size: int, tokenizer: To
             raise ConfigError("training.dataset_path", training.dataset_path,
                               "is set together with training.dataset_mix, which names every source itself",
                               "put this dataset in the mixture, or leave training.dataset_mix empty")
-        for source, alone in source_settings(training):
+        for _, alone in source_settings(training):
             check_dataset_rows(alone, global_batch_size, tokenizer, key=MIX_KEY)
         return
     if training.dataset == "python_docs":
