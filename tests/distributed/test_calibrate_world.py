@@ -1,0 +1,82 @@
+"""The machine calibration on 2 CPU ranks (gloo): every collective fitted, the overlap measured,
+one profile for all ranks, written once (by rank 0), and the process group it created gone.
+
+    python -m pytest -q tests/distributed/test_calibrate_world.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, run_rank_script
+
+WORLD = 2
+
+
+def _worker(out_dir: Path) -> None:
+    """Runs on every rank: calibrate the debug job, counting this rank's file writes."""
+    import torch.distributed as dist
+
+    import torchmoe.calibrate as calibration
+    from torchmoe.config.loader import load_job_config
+
+    writes = []
+    write_file = calibration.write_file
+
+    def counted(path, data):
+        writes.append(str(path))
+        write_file(path, data)
+
+    calibration.write_file = counted
+    cfg = load_job_config(["--config", str(REPO / "configs" / "debug_model.toml")])
+    doc = calibration.calibrate(cfg, out_dir / "profile.json", budget_s=4.0)
+    record = {"doc": doc, "writes": writes, "group_left": not dist.is_initialized()}
+    (out_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> tuple[dict[int, dict], Path]:
+    out = tmp_path_factory.mktemp("calibrate")
+    return run_rank_script(__file__, out, world=WORLD, timeout=180), out
+
+
+@pytest.mark.distributed
+def test_every_rank_returns_the_profile_rank_0_wrote_once(records):
+    by_rank, out = records
+    written = out / "profile.json"
+    assert by_rank[0]["writes"] == [str(written)] and by_rank[1]["writes"] == []
+    assert by_rank[0]["doc"] == by_rank[1]["doc"] == json.loads(written.read_text())
+    assert by_rank[0]["group_left"] and by_rank[1]["group_left"]
+
+
+@pytest.mark.distributed
+def test_collectives_are_fitted_and_the_overlap_measured(records):
+    from torchmoe.plan.hardware import COLLECTIVES, load_profile
+
+    by_rank, out = records
+    profile = load_profile(str(out / "profile.json"))
+    assert set(profile.collectives) == set(COLLECTIVES)
+    for link in profile.collectives.values():
+        assert link.bandwidth_gbs > 0 and link.latency_us >= 0
+    assert profile.intra_node == profile.inter_node == profile.collectives["all_gather"]
+    tables = profile.measurements["collectives"]
+    assert set(tables) == set(COLLECTIVES)
+    for table in tables.values():
+        assert [size for size, _ in table] == [4096 * 4**i for i in range(6)]  # divisible by 2 ranks
+        assert all(seconds > 0 for _, seconds in table)
+    assert 0.0 <= profile.overlap <= 1.0
+    overlap = profile.measurements["overlap"]
+    assert overlap["compute_s"] > 0 and overlap["comm_s"] > 0 and overlap["both_s"] > 0
+    assert profile.gpus_per_node == WORLD and profile.measurements["world_size"] == WORLD
+    for op in ("matmul", "attention", "grouped_mm"):
+        assert all(rate > 0 for rate in profile.achieved_tflops[op].values())
+    assert "one node measured" in profile.source
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

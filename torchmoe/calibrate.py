@@ -1,0 +1,599 @@
+"""Measure the machine this runs on as a hardware profile (`plan.hardware`'s schema) for the planner.
+
+    python -c "from torchmoe.calibrate import calibrate; from torchmoe.config.loader import load_job_config; \\
+        calibrate(load_job_config(['--config', 'configs/debug_model.toml']), 'cpu.json', budget_s=20)"
+
+`torchmoe plan --calibrate OUT.json` runs `calibrate`, in one process or under torchrun (every
+launched rank measures; rank 0 writes the file). Every rank runs the same measurements at the same
+time (a barrier before each), so a rate includes the contention between the ranks that share the
+machine: four ranks on two CPU cores each reach about half of one core. Threads are training's
+(torch's setting is left alone; `torchmoe.launch` runs ranks with one thread each).
+
+Compute runs at the job's shapes (``tokens = local_batch_size * seq_len``), forward + backward
+through autograd as training runs them, shrunk (`_shrink`, the order given per op) only where one
+step would exceed `_STEP_FLOPS` / `_STEP_BYTES` (a 17B model's shapes on a CPU); the shapes measured
+are in ``measurements.shapes``. FLOPs counted:
+
+    matmul      6 * tokens * dim * ffn_hidden_dim          an nn.Linear of the dense FFN (float8 on
+                                                            CUDA >= 8.9: the three tensorwise-scaled
+                                                            GEMMs float8 training runs, casts included)
+    attention   12 * n_heads * head_dim * (seq_len / 2) per token    causal: the planner's count
+    grouped_mm  18 * dim * moe_hidden_dim * routed rows     the routed experts' SwiGLU (3 GEMMs),
+                                                            tokens * top_k rows spread evenly
+
+``memory_bandwidth_gbs``: an elementwise ``silu(x) * w`` forward and its gradient, 11 tensor passes
+(silu 2, mul 3, the mul's gradient 3, silu's 3) over tensors larger than the caches.
+``kernel_overhead_us``: a chain of multiplications of 1-element tensors, forward and backward, per
+kernel. Rates are the mean over ranks, times the slowest rank's, so every rank returns one dict.
+
+Collectives (more than one rank; float32 tensors on the compute device, messages of 4 KiB up to
+4 MiB on CPU, 64 MiB on CUDA): all-gather, reduce-scatter, all-reduce, all-to-all and p2p (each rank
+sends to the next and receives from the previous). `fit_link` fits `Link.seconds`'s model to each
+one's (bytes, seconds) table; the all-gather's fit is both ``links`` (one node is measured: its
+inter-node link is unknown, and said so in ``source``). ``overlap``: matmuls while an asynchronous
+all-gather of about the same duration is in flight, against each alone (1.0 in one process: there
+is nothing to hide). One process measures no link: a known GPU keeps its built-in profile's
+links, anything else gets a stand-in (its memory bandwidth and kernel overhead), said in ``source``.
+
+Time: each measurement runs once to warm up, once to count, then as many times as its share of
+`budget_s` allows (at most `_MAX_ITERS`); the ranks agree on the count.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.config.file_writes import write_file
+from torchmoe.config.job_config import JobConfig
+from torchmoe.distributed.process_groups import backend_spec
+from torchmoe.nn.attention import causal_attention
+from torchmoe.nn.dispatch import TokenDispatcher
+from torchmoe.nn.dtypes import torch_dtype
+from torchmoe.nn.experts import GroupedExperts
+from torchmoe.plan.hardware import (
+    BUILTIN_PROFILES,
+    COLLECTIVES,
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    Link,
+    profile_from_dict,
+    profile_to_dict,
+)
+from torchmoe.plan.memory import compute_dtype
+from torchmoe.preflight import train_device
+
+__all__ = ["calibrate", "fit_link", "float8_linear_matmuls", "overlap_fraction"]
+
+# One compute step at most this many FLOPs and bytes of tensors (per rank): 20-100 ms on a CPU
+# core, tens of ms on a datacenter GPU. A 17B model's shapes are shrunk to it.
+_STEP_FLOPS = {"cpu": 2e9, "cuda": 5e13}
+_STEP_BYTES = {"cpu": 2**28, "cuda": 2**33}
+# Elements of the elementwise measurement's tensors: 32 MiB (fp32) is past a CPU's last-level
+# cache share; 256 MiB past any GPU's L2.
+_STREAM_ELEMENTS = {"cpu": 2**23, "cuda": 2**26}
+_TINY_OPS = 32  # multiplications in the kernel-overhead chain
+_MAX_ITERS = 100  # timed repetitions of one measurement at most
+_BATCHES = 5  # ... timed in this many batches
+_MIN_MESSAGE = 4 * 2**10
+_MAX_MESSAGE = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
+_OVERLAP_ROUNDS = 3
+# Shares of the budget: a compute measurement 1, a collective's message size 0.3, the overlap 3;
+# together 60% of it, the rest is warm-up, counting runs and start-up.
+_COMPUTE_SHARE, _MESSAGE_SHARE, _OVERLAP_SHARE, _TIMED_SHARE = 1.0, 0.3, 3.0, 0.6
+
+
+# ---- the link model's fit ----------------------------------------------------------------------------
+
+
+def fit_link(collective: str, ranks: int, table: Sequence[tuple[float, float]]) -> Link:
+    """The `Link` whose ``seconds(collective, bytes, ranks)`` best fits the measured
+    ``(bytes, seconds)`` rows of `table` (two distinct sizes at least): least squares of the
+    relative error (the sizes span three orders of magnitude: plain least squares would let the
+    largest messages' noise set the latency). Exact on times that follow the model.
+
+    The model is linear in (latency, 1 / bandwidth): ``t = a * latency + b(S) / bandwidth``, with
+    ``a`` and ``b`` read off `Link.seconds` itself (so the fit cannot drift from the planner's
+    formula). A negative latency is refitted as 0; times that do not grow with the size (no
+    measurable bandwidth) get the latency alone fitted, and the largest message's rate (latency
+    included: a lower bound) as the bandwidth.
+    """
+    a = Link(1e6, math.inf).seconds(collective, 1.0, ranks)  # seconds per second of latency
+    b = [Link(0.0, 1e-9).seconds(collective, size, ranks) for size, _ in table]  # seconds at 1 B/s
+    t = [seconds for _, seconds in table]
+    # Rows divided by t: minimise sum((a * lat + b_i * inv - t_i) / t_i)^2 over (lat, inv).
+    saa = sum((a / ti) ** 2 for ti in t)
+    sab = sum(a * bi / ti**2 for bi, ti in zip(b, t))
+    sbb = sum((bi / ti) ** 2 for bi, ti in zip(b, t))
+    sa = sum(a / ti for ti in t)
+    sb = sum(bi / ti for bi, ti in zip(b, t))
+    det = saa * sbb - sab**2
+    lat, inv = (sbb * sa - sab * sb) / det, (saa * sb - sab * sa) / det
+    if inv <= 0:  # all latency: the latency alone fits, and the largest message's rate bounds B from below
+        big = max(range(len(t)), key=lambda i: b[i])
+        return Link(sa / saa * 1e6, b[big] / t[big] / 1e9)
+    if lat < 0:
+        lat, inv = 0.0, sb / sbb
+    return Link(lat * 1e6, 1 / inv / 1e9)
+
+
+# ---- the ranks -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _World:
+    """The ranks measuring together (one: no process group)."""
+
+    rank: int
+    size: int
+    local_size: int
+    device: torch.device
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (the host's clock times it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        """Every rank here, the device idle: what each measurement starts from."""
+        if self.size > 1:
+            dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.sync()
+
+    def reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
+        """`values` reduced elementwise over the ranks (`op` SUM or MAX)."""
+        if self.size == 1:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=op)
+        return tensor.tolist()
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        return dict(zip(values, (v / self.size for v in self.reduce(list(values.values()), dist.ReduceOp.SUM))))
+
+    def slowest(self, values: dict[str, float]) -> dict[str, float]:
+        return dict(zip(values, self.reduce(list(values.values()), dist.ReduceOp.MAX)))
+
+
+def _seconds(world: _World, step: Callable[[], object], slot_s: float) -> float:
+    """Seconds one call of `step` takes on this rank while every rank runs it: once to warm up
+    (allocations, kernel choice), once to count, then as often as `slot_s` allows (every rank
+    the same number of times: the slowest rank's count), in up to `_BATCHES` batches: the
+    fastest batch's time per call (processes outside the job only ever slow a batch down)."""
+    step()
+    world.barrier()
+    start = time.perf_counter()
+    step()
+    world.sync()
+    once = world.slowest({"once": time.perf_counter() - start})["once"]
+    n = max(1, min(_MAX_ITERS, int(slot_s / max(once, 1e-9))))
+    batches = [n // _BATCHES + (b < n % _BATCHES) for b in range(min(n, _BATCHES))]
+    world.barrier()
+    per_call = []
+    for calls in batches:
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        world.sync()
+        per_call.append((time.perf_counter() - start) / calls)
+    return min(per_call)
+
+
+# ---- compute steps: (step, its work), on tensors made once --------------------------------------------
+
+
+def _shrink(sizes: dict[str, int], order: Sequence[tuple[str, int]], fits: Callable[[dict[str, int]], bool]
+            ) -> dict[str, int]:
+    """`sizes` with the first size of `order` that stays at or above its floor halved, again and
+    again, until `fits` holds (or nothing can shrink)."""
+    sizes = dict(sizes)
+    while not fits(sizes):
+        name = next((name for name, floor in order if sizes[name] // 2 >= floor), None)
+        if name is None:
+            break
+        sizes[name] //= 2
+    return sizes
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: torch.device, grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(grad)
+
+
+def _matmul_step(s: dict[str, int], dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], object], float]:
+    """nn.Linear's forward and backward: x (tokens, in) @ w (out, in).T, and both gradients."""
+    x = _randn(s["tokens"], s["in"], dtype=dtype, device=device, grad=True)
+    w = _randn(s["out"], s["in"], dtype=dtype, device=device, grad=True)
+    g = _randn(s["tokens"], s["out"], dtype=dtype, device=device)
+    return (lambda: torch.autograd.grad(F.linear(x, w), (x, w), g)), 6.0 * s["tokens"] * s["in"] * s["out"]
+
+
+def _to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` scaled into `dtype`'s range by its absolute maximum (tensorwise dynamic scaling, as
+    float8 training casts), and the inverse scale (0-d fp32) that decodes it."""
+    scale = torch.finfo(dtype).max / t.abs().max().float().clamp(min=1e-12)
+    return (t.float() * scale).to(dtype), scale.reciprocal()
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` (2-D) with the same values laid out column by column (what a GEMM's second operand wants)."""
+    return t.t().contiguous().t()
+
+
+def float8_linear_matmuls(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three GEMMs of a float8 linear's forward and backward, casts included: ``x @ w.T``,
+    ``g @ w`` and ``g.T @ x`` (e4m3 inputs and weights, e5m2 gradients, tensorwise scales).
+    x: (T, in), w: (out, in), g: (T, out) in bf16 -> (T, out), (T, in), (out, in) in bf16."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    xq, sx = _to_float8(x, e4m3)
+    wq, sw = _to_float8(w, e4m3)
+    gq, sg = _to_float8(g, e5m2)
+
+    def mm(a, sa, b, sb):
+        return F.scaled_mm(a, b, sa, F.ScalingType.TensorWise, sb, F.ScalingType.TensorWise, output_dtype=x.dtype)
+
+    return (mm(xq, sx, wq.t(), sw), mm(gq, sg, _column_major(wq), sw),
+            mm(gq.t().contiguous(), sg, _column_major(xq), sx))
+
+
+def _float8_step(s: dict[str, int], device: torch.device) -> tuple[Callable[[], object], float]:
+    """`float8_linear_matmuls` at the matmul's shapes, each a multiple of 16 (the kernels' rule)."""
+    t, i, o = (max(16, s[k] // 16 * 16) for k in ("tokens", "in", "out"))
+    x, w, g = (_randn(*shape, dtype=torch.bfloat16, device=device) for shape in ((t, i), (o, i), (t, o)))
+    return (lambda: float8_linear_matmuls(x, w, g)), 6.0 * t * i * o
+
+
+def _attention_step(s: dict[str, int], dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], object], float]:
+    """`causal_attention` forward and backward: q (batch, kv_heads * heads_per_kv, seq, head_dim),
+    k and v (batch, kv_heads, seq, head_dim)."""
+    b, kv, group, n, head_dim = s["batch"], s["kv_heads"], s["heads_per_kv"], s["seq"], s["head_dim"]
+    q = _randn(b, kv * group, n, head_dim, dtype=dtype, device=device, grad=True)
+    k, v = (_randn(b, kv, n, head_dim, dtype=dtype, device=device, grad=True) for _ in range(2))
+    g = torch.randn_like(q)
+    flops = 12.0 * kv * group * head_dim * (n / 2) * b * n
+    return (lambda: torch.autograd.grad(causal_attention(q, k, v), (q, k, v), g)), flops
+
+
+def _grouped_step(s: dict[str, int], top_k: int, use_grouped_mm: bool, dtype: torch.dtype, device: torch.device
+                  ) -> tuple[Callable[[], object], float]:
+    """The routed experts as the MoE layer runs them (`TokenDispatcher.run_local_experts`: padded
+    expert blocks where the kernel wants them), forward and backward, rows spread evenly."""
+    e, rows_per, dim, hidden = s["experts"], s["rows_per_expert"], s["dim"], s["hidden"]
+    experts = GroupedExperts(dim, hidden, e, use_grouped_mm).to(device=device, dtype=dtype)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.02)
+    x = _randn(e * rows_per, dim, dtype=dtype, device=device, grad=True)
+    counts = torch.full((e,), rows_per, dtype=torch.int64, device=device)
+    g = torch.randn_like(x)
+    dispatcher = TokenDispatcher(e, top_k)
+    inputs = (x, *experts.parameters())
+    step = lambda: torch.autograd.grad(dispatcher.run_local_experts(x, counts, experts), inputs, g)
+    return step, 18.0 * dim * hidden * e * rows_per
+
+
+def _stream_step(n: int, device: torch.device) -> tuple[Callable[[], object], float]:
+    """``silu(x) * w`` and its gradient in x on n fp32 elements: 11 passes of 4n bytes."""
+    x = _randn(n, dtype=torch.float32, device=device, grad=True)
+    w, g = _randn(n, dtype=torch.float32, device=device), _randn(n, dtype=torch.float32, device=device)
+    return (lambda: torch.autograd.grad(F.silu(x) * w, x, g)), 11.0 * 4 * n
+
+
+def _tiny_step(device: torch.device) -> tuple[Callable[[], object], float]:
+    """`_TINY_OPS` multiplications of a 1-element tensor and their gradients: one kernel each."""
+    x = torch.ones(1, device=device, requires_grad=True)
+    g = torch.ones(1, device=device)
+
+    def step():
+        y = x
+        for _ in range(_TINY_OPS):
+            y = y * 1.0001
+        return torch.autograd.grad(y, x, g)
+
+    return step, 2.0 * _TINY_OPS
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+
+
+def _message_sizes(device_type: str) -> list[int]:
+    sizes = [_MIN_MESSAGE]
+    while sizes[-1] * 4 <= _MAX_MESSAGE[device_type]:
+        sizes.append(sizes[-1] * 4)
+    return sizes
+
+
+def _collective_step(name: str, nbytes: int, world: _World) -> tuple[Callable[[], object], int]:
+    """One `name` collective of about `nbytes` (`Link.seconds`'s size: the all-gather's output,
+    the reduce-scatter's input, the buffer, the message) over float32 tensors, and its exact size."""
+    n = world.size
+    numel = max(n, nbytes // 4 // n * n)
+    full = torch.ones(numel, device=world.device)
+    other = torch.empty_like(full)
+    shard = torch.ones(numel // n, device=world.device)
+    steps = {
+        "all_gather": lambda: dist.all_gather_single(full, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_to_all": lambda: dist.all_to_all_single(other, full),
+        # batched: NCCL pairs a send and a receive with the same peer only inside one group
+        "p2p": lambda: [work.wait() for work in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, full, (world.rank + 1) % n), dist.P2POp(dist.irecv, other, (world.rank - 1) % n)])],
+    }
+    return steps[name], numel * 4
+
+
+def _overlap(world: _World, matmul: Callable[[], object], matmul_s: float, link: Link, sizes: list[int],
+             slot_s: float) -> tuple[float, dict]:
+    """Overlap of matmuls with an asynchronous all-gather of about the same duration (`link`'s
+    prediction; at most the largest message's), over `_OVERLAP_ROUNDS` rounds of: the matmuls
+    alone, the all-gather alone, both. `matmul_s`: the slowest rank's seconds per matmul.
+    Returns `overlap_fraction` of the slowest rank's times, and the times."""
+    n = world.size
+    target_s = min(slot_s / _OVERLAP_ROUNDS / 3, link.seconds("all_gather", sizes[-1], n))
+    count = max(1, min(_MAX_ITERS, round(target_s / matmul_s)))
+    wanted = (count * matmul_s - (n - 1) * link.latency_us * 1e-6) * link.bandwidth_gbs * 1e9 * n / (n - 1)
+    size = int(min(max(wanted, sizes[0]), sizes[-1]))
+    shard = torch.ones(size // 4 // n, device=world.device)
+    full = torch.empty(shard.numel() * n, device=world.device)
+
+    def compute():
+        for _ in range(count):
+            matmul()
+
+    def comm():
+        dist.all_gather_single(full, shard)
+
+    def both():
+        work = dist.all_gather_single(full, shard, async_op=True)
+        compute()
+        work.wait()
+
+    both()  # warm-up
+    spent = {"compute_s": 0.0, "comm_s": 0.0, "both_s": 0.0}
+    for _ in range(_OVERLAP_ROUNDS):
+        for key, run in (("compute_s", compute), ("comm_s", comm), ("both_s", both)):
+            world.barrier()
+            start = time.perf_counter()
+            run()
+            world.sync()
+            spent[key] += (time.perf_counter() - start) / _OVERLAP_ROUNDS
+    spent = world.slowest(spent)
+    overlap = overlap_fraction(spent["compute_s"], spent["comm_s"], spent["both_s"])
+    return overlap, {**spent, "bytes": full.numel() * 4, "matmuls": count}
+
+
+def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The share of the shorter of compute and communication that running both at once hid:
+    ``(compute_s + comm_s - both_s) / min(compute_s, comm_s)``, clipped to [0, 1] (timing noise
+    can put `both_s` below the longer one or above the sum)."""
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
+
+
+# ---- the profile -----------------------------------------------------------------------------------
+
+
+def _job_shapes(cfg: JobConfig, device_type: str) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """(the job's shapes per op, the shapes measured: `_shrink`ed to `_STEP_FLOPS` / `_STEP_BYTES`).
+    Bytes are counted at 4 per element (tensors, their gradients, intermediates)."""
+    args = model_args_from_config(cfg.model)
+    batch, seq = cfg.training.local_batch_size, cfg.training.seq_len
+    group, hd = args.n_heads // args.n_kv_heads, args.head_dim
+    max_flops, max_bytes = _STEP_FLOPS[device_type], _STEP_BYTES[device_type] / 4
+
+    def matmul_fits(s):
+        t, i, o = s["tokens"], s["in"], s["out"]
+        return 6 * t * i * o <= max_flops and 2 * (t * i + i * o + t * o) <= max_bytes
+
+    def attention_fits(s):
+        heads = s["kv_heads"] * group
+        return (12 * heads * hd * s["seq"] / 2 * s["batch"] * s["seq"] <= max_flops
+                and 4 * s["batch"] * s["seq"] * hd * (heads + s["kv_heads"]) <= max_bytes)
+
+    def grouped_fits(s):
+        e, r, d, m = s["experts"], s["rows_per_expert"], s["dim"], s["hidden"]
+        return 18 * d * m * e * r <= max_flops and 6 * e * m * d + e * r * (4 * d + 6 * m) <= max_bytes
+
+    job = {
+        "matmul": {"tokens": batch * seq, "in": args.dim, "out": args.ffn_hidden_dim},
+        "attention": {"batch": batch, "kv_heads": args.n_kv_heads, "heads_per_kv": group, "seq": seq, "head_dim": hd},
+        "grouped_mm": {"experts": args.num_experts, "rows_per_expert": -(-batch * seq * args.top_k // args.num_experts),
+                       "dim": args.dim, "hidden": args.moe_hidden_dim},
+    }
+    # Shrunk first where the rate depends least on it: rows before weights, batch and heads
+    # before the sequence, experts (whole ones, two kept: still a grouped GEMM) before an
+    # expert's shape.
+    measured = {
+        "matmul": _shrink(job["matmul"], (("tokens", 128), ("out", 256), ("in", 256)), matmul_fits),
+        "attention": _shrink(job["attention"], (("batch", 1), ("kv_heads", 1), ("seq", 128)), attention_fits),
+        "grouped_mm": _shrink(job["grouped_mm"],
+                              (("experts", 2), ("rows_per_expert", 16), ("hidden", 128), ("dim", 128)), grouped_fits),
+    }
+    return job, measured
+
+
+def _builtin(device_name: str) -> str | None:
+    """The built-in profile of a GPU named `device_name` ("NVIDIA H100 80GB HBM3": h100), if any."""
+    return next((key for key in BUILTIN_PROFILES if key.upper() in device_name.upper()), None)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _round(x: float) -> float:
+    """Four significant digits: what one calibration can tell apart."""
+    return float(f"{x:.4g}")
+
+
+def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
+    """Every measurement, aggregated over the ranks, as a profile document."""
+    begin = time.perf_counter()
+    args = model_args_from_config(cfg.model)
+    dev = world.device
+    cuda = dev.type == "cuda"
+    compute = compute_dtype(cfg.training)
+    dtypes = list(dict.fromkeys((compute, "float32", "bfloat16")))
+    float8 = cuda and torch.cuda.get_device_capability(dev) >= (8, 9)
+    job, shapes = _job_shapes(cfg, dev.type)
+    sizes = _message_sizes(dev.type) if world.size > 1 else []
+    shares = (_COMPUTE_SHARE * (3 * len(dtypes) + float8 + 2)
+              + _MESSAGE_SHARE * len(COLLECTIVES) * len(sizes) + _OVERLAP_SHARE * (world.size > 1))
+    unit = budget_s * _TIMED_SHARE / shares
+
+    local: dict[str, float] = {}  # this rank's rates (FLOP/s, bytes/s) and seconds per kernel
+
+    def rate(key: str, built: tuple[Callable[[], object], float]) -> float:
+        seconds = _seconds(world, built[0], _COMPUTE_SHARE * unit)
+        local[key] = built[1] / seconds
+        return seconds
+
+    matmul_s = {}
+    for name in dtypes:
+        matmul_s[name] = rate(f"matmul.{name}", _matmul_step(shapes["matmul"], torch_dtype(name), dev))
+    if float8:
+        rate("matmul.float8", _float8_step(shapes["matmul"], dev))
+    for name in dtypes:
+        rate(f"attention.{name}", _attention_step(shapes["attention"], torch_dtype(name), dev))
+    for name in dtypes:
+        rate(f"grouped_mm.{name}", _grouped_step(shapes["grouped_mm"], args.top_k, args.use_grouped_mm,
+                                                 torch_dtype(name), dev))
+    rate("memory_bandwidth", _stream_step(_STREAM_ELEMENTS[dev.type], dev))
+    tiny, kernels = _tiny_step(dev)
+    local["kernel_overhead"] = _seconds(world, tiny, _COMPUTE_SHARE * unit) / kernels
+    rates = world.mean(local)
+
+    measurements: dict = {"world_size": world.size, "budget_s": budget_s, "shapes": shapes}
+    fits: dict[str, Link] = {}
+    overlap = 1.0
+    if world.size > 1:
+        times = {}
+        for name in COLLECTIVES:
+            for size in sizes:
+                step, nbytes = _collective_step(name, size, world)
+                times[f"{name}:{nbytes}"] = _seconds(world, step, _MESSAGE_SHARE * unit)
+        times = world.slowest(times)
+        tables: dict[str, list[list[float]]] = {name: [] for name in COLLECTIVES}
+        for key, seconds in times.items():
+            name, nbytes = key.split(":")
+            tables[name].append([int(nbytes), seconds])
+        fits = {name: fit_link(name, world.size, table) for name, table in tables.items()}
+        matmul = _matmul_step(shapes["matmul"], torch_dtype(compute), dev)[0]
+        slowest_matmul = world.slowest({"s": matmul_s[compute]})["s"]
+        overlap, measurements["overlap"] = _overlap(world, matmul, slowest_matmul, fits["all_gather"], sizes,
+                                                    _OVERLAP_SHARE * unit)
+        measurements["collectives"] = tables
+    measurements["elapsed_s"] = world.slowest({"s": time.perf_counter() - begin})["s"]
+    return _document(world, rates, fits, overlap, job, shapes, measurements)
+
+
+def _document(world: _World, rates: dict[str, float], fits: dict[str, Link], overlap: float,
+              job: dict, shapes: dict, measurements: dict) -> dict:
+    """The profile document of the aggregated measurements (checked by `profile_from_dict`)."""
+    dev = world.device
+    achieved: dict[str, dict[str, float]] = {"matmul": {}, "attention": {}, "grouped_mm": {}}
+    for key, value in rates.items():
+        op, _, dtype = key.partition(".")
+        if op in achieved:
+            achieved[op][dtype] = _round(value / 1e12)
+    bandwidth_gbs, overhead_us = _round(rates["memory_bandwidth"] / 1e9), _round(rates["kernel_overhead"] * 1e6)
+    if dev.type == "cuda":
+        device_name = torch.cuda.get_device_name(dev)
+        memory_gib = torch.cuda.get_device_properties(dev).total_memory / 2**30
+        described = device_name
+    else:
+        device_name = "cpu"
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / world.local_size
+        described = f"{_cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s) per rank"
+    builtin = _builtin(device_name) if dev.type == "cuda" else None
+    notes = []
+    if builtin:
+        peak = dict(BUILTIN_PROFILES[builtin]["peak_tflops"])
+        notes.append(f"peak_tflops: the built-in {builtin} profile's (datasheet)")
+    else:
+        peak = dict(achieved["matmul"])
+        notes.append("peak_tflops: the measured matmul rates (" +
+                     ("CPUs publish no useful peak)" if dev.type == "cpu" else "no built-in profile of this GPU)"))
+    if fits:
+        links = {"intra_node": fits["all_gather"], "inter_node": fits["all_gather"]}
+        notes.append("links: the all-gather's fit; inter_node = intra_node (one node measured)")
+    elif builtin:
+        links = {side: Link(**BUILTIN_PROFILES[builtin]["links"][side]) for side in ("intra_node", "inter_node")}
+        notes.append(f"links: the built-in {builtin} profile's (one process measures no link)")
+    else:
+        links = dict.fromkeys(("intra_node", "inter_node"), Link(overhead_us, bandwidth_gbs))
+        notes.append("links: a stand-in (memory bandwidth, kernel overhead): one process measures no link, "
+                     "calibrate under torchrun for real ones")
+    shrunk = [op for op in shapes if shapes[op] != job[op]]
+    if shrunk:
+        notes.append(f"{', '.join(shrunk)} measured at smaller shapes than the job's (measurements.shapes)")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    source = (f"torchmoe calibrate on {socket.gethostname()}, {date}, torch {torch.__version__}, "
+              f"{world.size} rank(s) on {described}; " + "; ".join(notes))
+    rounded = lambda link: {"latency_us": _round(link.latency_us), "bandwidth_gbs": _round(link.bandwidth_gbs)}
+    doc = {
+        "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": "calibrated-" + _slug(device_name),
+        "source": source, "memory_gib": _round(memory_gib), "gpus_per_node": world.local_size, "peak_tflops": peak,
+        "achieved_tflops": achieved, "attention_head_dim": shapes["attention"]["head_dim"],
+        "memory_bandwidth_gbs": bandwidth_gbs, "kernel_overhead_us": overhead_us, "overlap": _round(overlap),
+        "links": {side: rounded(link) for side, link in links.items()},
+        "collectives": {name: rounded(link) for name, link in fits.items()},
+        "measurements": measurements,
+    }
+    return profile_to_dict(profile_from_dict(doc))
+
+
+def _slug(name: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
+def calibrate(cfg: JobConfig, out: str | os.PathLike, *, budget_s: float = 90.0) -> dict:
+    """Measure this machine (under torchrun: all launched ranks together) and write its profile
+    JSON to `out` (rank 0, atomically: `write_file`). Returns the profile document (the same on
+    every rank; `plan.hardware.profile_from_dict` reads it).
+
+    Args:
+        cfg: the job whose shapes, compute dtype and device (``training.device``) are measured.
+        budget_s: about how long the measurements may take (> 0); start-up comes on top.
+    Raises:
+        OSError: rank 0 could not write `out`.
+    """
+    if not budget_s > 0:
+        raise ValueError(f"budget_s must be > 0, not {budget_s}")
+    device = train_device(cfg.training.device)
+    created = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    if created:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend_spec(device.type, host_collectives=False),
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        size = dist.get_world_size() if dist.is_initialized() else 1
+        world = _World(rank=dist.get_rank() if dist.is_initialized() else 0, size=size,
+                       local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)), device=device)
+        doc = _measure(cfg, world, budget_s)
+        if world.size > 1:  # rank 0's host name and date
+            shared = [doc]
+            dist.broadcast_object_list(shared, src=0)
+            doc = shared[0]
+        if world.rank == 0:
+            write_file(out, json.dumps(doc, indent=2) + "\n")
+        return doc
+    finally:
+        if created:
+            dist.destroy_process_group()
