@@ -319,9 +319,10 @@ def _collective_step(name: str, nbytes: int, world: _World) -> tuple[Callable[[]
     the reduce-scatter's input, the buffer, the message) over float32 tensors, and its exact size."""
     n = world.size
     numel = max(n, nbytes // 4 // n * n)
-    full = torch.ones(numel, device=world.device)
+    # zeros: repeated all-reduces of them stay zeros (ones would grow to inf within ~100 calls)
+    full = torch.zeros(numel, device=world.device)
     other = torch.empty_like(full)
-    shard = torch.ones(numel // n, device=world.device)
+    shard = torch.zeros(numel // n, device=world.device)
     steps = {
         "all_gather": lambda: dist.all_gather_single(full, shard),
         "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
@@ -345,7 +346,7 @@ def _overlap(world: _World, matmul: Callable[[], object], matmul_s: float, link:
     count = max(1, min(_MAX_ITERS, round(target_s / matmul_s)))
     wanted = (count * matmul_s - (n - 1) * link.latency_us * 1e-6) * link.bandwidth_gbs * 1e9 * n / (n - 1)
     size = int(min(max(wanted, sizes[0]), sizes[-1]))
-    shard = torch.ones(size // 4 // n, device=world.device)
+    shard = torch.zeros(size // 4 // n, device=world.device)
     full = torch.empty(shard.numel() * n, device=world.device)
 
     def compute():
