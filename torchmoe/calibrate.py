@@ -89,7 +89,7 @@ _MAX_ITERS = 100  # timed repetitions of one measurement at most
 _BATCHES = 5  # ... timed in this many batches
 _MIN_MESSAGE = 4 * 2**10
 _MAX_MESSAGE = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
-_OVERLAP_ROUNDS = 3
+_OVERLAP_ROUNDS = (3, 20)  # the fewest and most rounds of the overlap measurement
 # Shares of the budget: a compute measurement 1, a collective's message size 0.3, the overlap 3;
 # together 60% of it, the rest is warm-up, counting runs and start-up.
 _COMPUTE_SHARE, _MESSAGE_SHARE, _OVERLAP_SHARE, _TIMED_SHARE = 1.0, 0.3, 3.0, 0.6
@@ -338,14 +338,18 @@ def _collective_step(name: str, nbytes: int, world: _World) -> tuple[Callable[[]
 def _overlap(world: _World, matmul: Callable[[], object], matmul_s: float, link: Link, sizes: list[int],
              slot_s: float) -> tuple[float, dict]:
     """Overlap of matmuls with an asynchronous all-gather of about the same duration (`link`'s
-    prediction; at most the largest message's), over `_OVERLAP_ROUNDS` rounds of: the matmuls
-    alone, the all-gather alone, both. `matmul_s`: the slowest rank's seconds per matmul.
-    Returns `overlap_fraction` of the slowest rank's times, and the times."""
+    prediction; at most the largest message's), over rounds of: the matmuls alone, the all-gather
+    alone, both (as many rounds as `slot_s` holds, `_OVERLAP_ROUNDS`). `matmul_s`: the slowest
+    rank's seconds per matmul. Returns `overlap_fraction` of each time's fastest round (the
+    slowest rank's), and the times."""
     n = world.size
-    target_s = min(slot_s / _OVERLAP_ROUNDS / 3, link.seconds("all_gather", sizes[-1], n))
+    fewest, most = _OVERLAP_ROUNDS
+    target_s = min(slot_s / fewest / 3, link.seconds("all_gather", sizes[-1], n))
     count = max(1, min(_MAX_ITERS, round(target_s / matmul_s)))
     wanted = (count * matmul_s - (n - 1) * link.latency_us * 1e-6) * link.bandwidth_gbs * 1e9 * n / (n - 1)
     size = int(min(max(wanted, sizes[0]), sizes[-1]))
+    one_round_s = 3 * max(count * matmul_s, link.seconds("all_gather", size, n))  # the same on every rank
+    rounds = max(fewest, min(most, int(slot_s / one_round_s)))
     shard = torch.zeros(size // 4 // n, device=world.device)
     full = torch.empty(shard.numel() * n, device=world.device)
 
@@ -362,17 +366,17 @@ def _overlap(world: _World, matmul: Callable[[], object], matmul_s: float, link:
         work.wait()
 
     both()  # warm-up
-    spent = {"compute_s": 0.0, "comm_s": 0.0, "both_s": 0.0}
-    for _ in range(_OVERLAP_ROUNDS):
+    spent = dict.fromkeys(("compute_s", "comm_s", "both_s"), math.inf)
+    for _ in range(rounds):
         for key, run in (("compute_s", compute), ("comm_s", comm), ("both_s", both)):
             world.barrier()
             start = time.perf_counter()
             run()
             world.sync()
-            spent[key] += (time.perf_counter() - start) / _OVERLAP_ROUNDS
+            spent[key] = min(spent[key], time.perf_counter() - start)
     spent = world.slowest(spent)
     overlap = overlap_fraction(spent["compute_s"], spent["comm_s"], spent["both_s"])
-    return overlap, {**spent, "bytes": full.numel() * 4, "matmuls": count}
+    return overlap, {**spent, "bytes": full.numel() * 4, "matmuls": count, "rounds": rounds}
 
 
 def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
