@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -100,14 +101,16 @@ class ModelArgs:
 
     # ---- per-layer structure (HF Llama4TextConfig.__post_init__ semantics) -------------------
 
-    @property
+    # Cached: the planner asks for them per block of every layout it scores (the fields are
+    # not changed after construction: `replace` makes a new ModelArgs).
+    @cached_property
     def moe_layer_ids(self) -> frozenset[int]:
         if self.moe_layers is not None:
             return frozenset(self.moe_layers)
         step = self.interleave_moe_layer_step
         return frozenset(range(step - 1, self.n_layers, step))
 
-    @property
+    @cached_property
     def rope_layers(self) -> list[bool]:
         if self.no_rope_layers is not None:
             return [bool(x) for x in self.no_rope_layers[: self.n_layers]]

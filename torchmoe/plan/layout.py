@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.plan.memo import memoised
 from torchmoe.plan.parallel_dims import ParallelDims
 
 
@@ -74,7 +76,15 @@ def _swiglu(prefix: str, dim: int, hidden: int, layer: int, kind: str) -> list[P
 
 
 def param_specs(args: ModelArgs) -> list[ParamSpec]:
-    """Every parameter of ``Transformer(args)``, in module order."""
+    """Every parameter of ``Transformer(args)``, in module order (memoised by the arguments' text:
+    the layout search asks for the same model's list thousands of times)."""
+    return list(memoised(_SPECS, repr(args), lambda: tuple(_param_specs(args)), limit=32))
+
+
+_SPECS: dict[str, tuple[ParamSpec, ...]] = {}
+
+
+def _param_specs(args: ModelArgs) -> list[ParamSpec]:
     d, q_out, kv_out = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     specs = [ParamSpec("tok_embeddings.weight", (args.vocab_size, d), 0)]
     for i in range(args.n_layers):
@@ -108,6 +118,7 @@ def param_specs(args: ModelArgs) -> list[ParamSpec]:
 # ---- per-rank shards ---------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=1 << 16)
 def local_shape(spec: ParamSpec, dims: ParallelDims) -> tuple[int, ...]:
     """The shape one rank holds after TP and EP, before FSDP (what FSDP all-gathers back).
 
@@ -135,6 +146,7 @@ def expert_fsdp_shard_dim(local_experts: int, efsdp: int) -> int:
     return 0 if local_experts >= efsdp else 1
 
 
+@lru_cache(maxsize=1 << 16)
 def shard_numel(spec: ParamSpec, dims: ParallelDims) -> int:
     """Elements of `spec` one rank stores: TP/EP-local, then FSDP-sharded with padding."""
     shape = local_shape(spec, dims)

@@ -114,6 +114,7 @@ from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.plan.context import HALO, LOCAL, CPLayout
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
+from torchmoe.plan.memo import memoised
 from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
@@ -248,6 +249,12 @@ class ActivationModel:
     autocast: bool = False
     recompute_mm_fqns: tuple[str, ...] = ()
     document_masking: bool = False
+
+    @property
+    def key(self) -> tuple:
+        """A hashable summary of every field (the planner's memo tables key on it)."""
+        return (repr(self.args), self.dims, self.a, self.compiled, self.loss_parallel, self.seq_len, self.autocast,
+                self.recompute_mm_fqns, self.document_masking)
 
     @property
     def r(self) -> int:
@@ -395,6 +402,16 @@ def _saved_per_block(act: ActivationModel, layers: list[int], ac_cfg: Activation
 
 def _activation_bytes(act: ActivationModel, pipe: PipelineLayout, pp_rank: int, tokens: int, microbatches: int,
                       schedule: str, ac_cfg: ActivationCheckpoint) -> int:
+    key = (act.key, pipe.key, pp_rank, tokens, microbatches, schedule, ac_cfg.mode, ac_cfg.selective_ac_option)
+    return memoised(_ACTIVATIONS, key, lambda: _activation_bytes_of(act, pipe, pp_rank, tokens, microbatches,
+                                                                    schedule, ac_cfg))
+
+
+_ACTIVATIONS: dict[tuple, int] = {}
+
+
+def _activation_bytes_of(act: ActivationModel, pipe: PipelineLayout, pp_rank: int, tokens: int, microbatches: int,
+                         schedule: str, ac_cfg: ActivationCheckpoint) -> int:
     stages = pipe.ranks[pp_rank]
     saved_of: dict[int, float] = {}
     stage_saved: dict[int, float] = {}
@@ -409,6 +426,22 @@ def _activation_bytes(act: ActivationModel, pipe: PipelineLayout, pp_rank: int, 
 
 
 # ---- the estimate -------------------------------------------------------------------------------
+
+
+def _rank_state(model_args: ModelArgs, dims: ParallelDims, pipe: PipelineLayout, pp_rank: int,
+                training_cfg: Training, parallelism_cfg: Parallelism) -> tuple[int, int]:
+    """(stored parameter elements, FSDP/autocast parameter-copy bytes) of one rank of `pp_rank`."""
+    def compute() -> tuple[int, int]:
+        local = rank_param_specs(param_specs(model_args), pipe, pp_rank)
+        return (sum(shard_numel(s, dims) for s in local),
+                _param_copy_bytes(local, model_args, dims, training_cfg, parallelism_cfg))
+
+    key = (repr(model_args), dims, pipe.key, pp_rank, training_cfg.dtype, training_cfg.mixed_precision_param,
+           training_cfg.mixed_precision_reduce, parallelism_cfg.fsdp_reshard_after_forward)
+    return memoised(_STATES, key, compute)
+
+
+_STATES: dict[tuple, tuple[int, int]] = {}
 
 
 def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: Training,
@@ -437,12 +470,10 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     else:
         sequences, microbatches = training_cfg.local_batch_size, 1
     tokens = sequences * training_cfg.seq_len // dims.cp
-    specs = param_specs(model_args)
     p = param_dtype_bytes(training_cfg)
     estimates = []
     for pp_rank in range(dims.pp):
-        local = rank_param_specs(specs, pipe, pp_rank)
-        numel = sum(shard_numel(s, dims) for s in local)
+        numel, fsdp_buffers = _rank_state(model_args, dims, pipe, pp_rank, training_cfg, parallelism_cfg)
         states = {"params": p * numel, "grads": p * numel, "optimizer": p * _OPTIMIZER_STATES * numel}
         host = 0
         if parallelism_cfg.fsdp_cpu_offload and dims.fsdp_enabled:
@@ -451,7 +482,7 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
         estimates.append(MemoryEstimate(
             pp_rank=pp_rank,
             **states,
-            fsdp_buffers=_param_copy_bytes(local, model_args, dims, training_cfg, parallelism_cfg),
+            fsdp_buffers=fsdp_buffers,
             activations=_activation_bytes(act, pipe, pp_rank, tokens, microbatches,
                                           parallelism_cfg.pipeline_parallel_schedule, ac_cfg),
             host=host,

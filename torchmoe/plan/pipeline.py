@@ -41,6 +41,7 @@ from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism, Training
 from torchmoe.plan.layout import ParamSpec, param_specs, shard_numel
+from torchmoe.plan.memo import memoised
 from torchmoe.plan.parallel_dims import ParallelDims
 
 # torch.distributed.pipelining's schedules (torchtitan's names) and how they place stages.
@@ -80,6 +81,11 @@ class PipelineLayout:
     num_stages: int
     layers: list[list[int]]
     ranks: list[list[int]]
+
+    @property
+    def key(self) -> tuple:
+        """A hashable summary (the planner's memo tables key on it)."""
+        return self.num_stages, tuple(map(tuple, self.layers)), tuple(map(tuple, self.ranks))
 
     def rank_layers(self, pp_rank: int) -> list[int]:
         """Blocks held by `pp_rank`, ascending."""
@@ -328,9 +334,21 @@ def pipeline_layout(args: ModelArgs, dims: ParallelDims, parallelism_cfg: Parall
         size = parallelism_cfg.pipeline_parallel_layers_per_stage
         layers = [list(range(s * size, min((s + 1) * size, args.n_layers))) for s in range(num_stages)]
     else:
-        flops, state, ends = layer_costs(args, dims, seq_len)
-        layers = split_by_cost(flops, state, num_stages, ends)
+        layers = _cost_split(args, dims, seq_len, num_stages)
     return PipelineLayout(num_stages, layers, stage_ranks(pp, num_stages, parallelism_cfg.pipeline_parallel_schedule))
+
+
+def _cost_split(args: ModelArgs, dims: ParallelDims, seq_len: int, num_stages: int) -> list[list[int]]:
+    """`split_by_cost` over `layer_costs`, memoised: the layout search asks for the same split
+    for every variant of a layout."""
+    def split() -> list[list[int]]:
+        flops, state, ends = layer_costs(args, dims, seq_len)
+        return split_by_cost(flops, state, num_stages, ends)
+
+    return [list(stage) for stage in memoised(_SPLITS, (repr(args), dims, seq_len, num_stages), split)]
+
+
+_SPLITS: dict[tuple, list[list[int]]] = {}
 
 
 # ---- micro-batches and the bubble ------------------------------------------------------------------

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import source_key
 from torchmoe.config.validate import resolve_degrees, validate_sections
@@ -43,7 +43,7 @@ from torchmoe.preflight.layout import (
     check_validation,
 )
 
-__all__ = ["device_memory_gib", "train_device", "validate_job_config"]
+__all__ = ["device_memory_gib", "train_device", "validate_job_config", "validate_layout"]
 
 
 def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool = True) -> None:
@@ -60,18 +60,7 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     Raises:
         ConfigError: the first problem found, naming the key, the value and the fix.
     """
-    validate_sections(cfg)
-    check_flavor(cfg.model.flavor)
-    degrees = resolve_degrees(cfg.parallelism, world_size)
-    args = model_args_from_config(cfg.model)
-    check_seq_len(args, cfg.model.flavor, cfg.training.seq_len)
-    check_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
-    check_force_load_balance(args, degrees, cfg.training.seq_len)
-    check_batch(cfg.training, cfg.parallelism, degrees)
-    check_pipeline(cfg, args, degrees, world_size)
-    check_validation(cfg, args, degrees)
-    check_features(cfg, args, degrees, check_device)
-    check_float8(cfg, args, degrees, check_device)
+    degrees, args = validate_layout(cfg, world_size, check_device=check_device)
     if not check_device:
         check_dry_run_outputs(cfg.job)
         return
@@ -91,6 +80,29 @@ def validate_job_config(cfg: JobConfig, world_size: int, *, check_device: bool =
     if cfg.validation.enable:
         check_dataset_rows(validation_data(cfg.training, cfg.validation), cfg.validation.local_batch_size * dp,
                            tokenizer, key="validation.dataset_path")
+
+
+def validate_layout(cfg: JobConfig, world_size: int, *, check_device: bool = False) -> tuple[dict[str, int], ModelArgs]:
+    """The checks of the model, the layout and the features on `world_size` ranks, without the
+    files: what `torchmoe plan` asks of every layout it scores. Returns the resolved degrees
+    and the model's arguments.
+
+    Raises:
+        ConfigError: as `validate_job_config`.
+    """
+    validate_sections(cfg)
+    check_flavor(cfg.model.flavor)
+    degrees = resolve_degrees(cfg.parallelism, world_size)
+    args = model_args_from_config(cfg.model)
+    check_seq_len(args, cfg.model.flavor, cfg.training.seq_len)
+    check_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
+    check_force_load_balance(args, degrees, cfg.training.seq_len)
+    check_batch(cfg.training, cfg.parallelism, degrees)
+    check_pipeline(cfg, args, degrees, world_size)
+    check_validation(cfg, args, degrees)
+    check_features(cfg, args, degrees, check_device)
+    check_float8(cfg, args, degrees, check_device)
+    return degrees, args
 
 
 def device_memory_gib() -> float | None:

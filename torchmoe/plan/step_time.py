@@ -1,0 +1,407 @@
+"""Predicted step time of a job on a hardware profile: compute, exposed communication, bubble.
+
+    python -c "from torchmoe.config import load_job_config; from torchmoe.plan.step_time import predict; \\
+        from torchmoe.plan.hardware import load_profile; \\
+        cfg = load_job_config(['--config', 'configs/llama4_16e.toml']); \\
+        print(predict(cfg, 64, load_profile('h100')).summary())"
+
+Pure arithmetic over `ModelArgs`, the layout and a `HardwareProfile` (no torch, no process group).
+Every term is per rank and per step; with PP the slowest pp rank sets the pace.
+
+Compute. FLOPs per token of each block, by op class, over the class's achieved rate:
+
+    matmul      6 x (attention projections + dense FFN + shared expert + router gate) / tp
+                + the output head 6 V D / tp on the last stage
+    attention   12 x n_heads x head_dim x L / tp, L the mean keys a causal query sees
+                (seq_len / 2, or about chunk / 2 in chunked layers: the causal half a kernel computes)
+    grouped_mm  18 x D x M x top_k / tp (routed experts: EP moves tokens so each rank computes
+                its share, MoE TP shards the hidden dim)
+
+FLOPs of float8 linears (and of routed experts in float8) run at the float8 rates. Activation
+checkpointing adds the forward again (a third of the block's FLOPs) for recomputed blocks, and
+per-op selective AC half of the plain matmuls' forward. Beside the FLOPs:
+
+    elementwise  4 x the bytes a block saves for backward (`memory.ActivationModel`) over the
+                 memory bandwidth: each saved tensor is written in forward, read in backward, and
+                 its gradient written and read once more
+    kernels      the kernels a block launches per micro-batch (`KERNELS`; forward + backward,
+                 counted from the eager model; a third under torch.compile, which fuses the
+                 elementwise chains) x the profile's fixed cost per kernel
+    optimizer    AdamW reads the parameter, gradient and two moments and writes three back:
+                 7 x state bytes of the rank's shards over the memory bandwidth
+
+Communication, from bytes over the bandwidth of the link each group crosses (`Link.seconds`:
+the inter-node link when the group of rank 0 along that dim spans nodes of `gpus_per_node`
+ranks, as torchmoe places ranks row-major with tp innermost):
+
+    tp    sequence-parallel all-gathers (`tp_comm.tp_gather_bytes`) and as many reduce-scatters,
+          four of each per block per micro-batch, on the critical path (exposed)
+    ep    the dispatch and combine all-to-alls of every MoE block, forward and backward (and the
+          forward's again when recomputed): exposed
+    cp    the key/value all-gathers or halos (`dry_run.context_report`'s bytes): exposed
+    pp    each stage's activation and its gradient per micro-batch: exposed
+    fsdp  all-gathers of every FSDP unit in compute dtype (again in backward when resharding
+          after forward, per micro-batch under PP) and reduce-scatters of its gradients; DDP and
+          HSDP all-reduce gradients over dp_replicate. Prefetching hides them behind compute:
+          exposed = max((1 - o) C, C - o x compute) with o the profile's `overlap`
+
+The bubble: with bubble fraction b of the schedule (`pipeline.bubble_fraction`), the pipeline's
+busy time (compute and the exposed tp/ep/cp/pp traffic) is stretched by ``b / (1 - b)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
+from torchmoe.config.dtypes import DTYPE_BYTES
+from torchmoe.config.job_config import JobConfig
+from torchmoe.config.validate import resolve_degrees
+from torchmoe.plan.context import CPLayout
+from torchmoe.plan.float8 import selected_by
+from torchmoe.plan.hardware import HardwareProfile
+from torchmoe.plan.layout import local_shape, param_specs, shard_numel
+from torchmoe.plan.memo import memoised
+from torchmoe.plan.memory import (
+    ActivationModel,
+    autocast_enabled,
+    compute_dtype,
+    compute_dtype_bytes,
+    param_dtype_bytes,
+    residual_dtype_bytes,
+)
+from torchmoe.plan.parallel_dims import ParallelDims
+from torchmoe.plan.pipeline import (
+    PipelineLayout,
+    bubble_fraction,
+    microbatches,
+    pipeline_layout,
+    rank_param_specs,
+)
+from torchmoe.plan.tp_comm import float8_linear_names, tp_gather_bytes
+
+__all__ = ["KERNELS", "StepPrediction", "predict", "predict_layout"]
+
+# Kernels one block launches per micro-batch, forward + backward, in eager mode (counted with
+# torch.profiler on the tiny flavor: norms, projections, RoPE, attention, SwiGLU, residual adds
+# and their backward; the MoE block's router, top-k, sort, dispatch, grouped GEMMs and combine).
+KERNELS = {"attention": 60, "dense_ffn": 30, "moe": 120, "head": 30, "fsdp_unit": 12, "param": 4}
+# torch.compile fuses the elementwise chains around the matmuls.
+_COMPILED_KERNELS = 1 / 3
+# Elementwise passes over each saved byte: written in forward, read in backward, its gradient
+# written and read.
+_ELEMENTWISE_PASSES = 4
+# AdamW: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq.
+_OPTIMIZER_PASSES = 7
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One step of one layout on one profile; times in seconds per step, for the slowest rank.
+
+    Attributes:
+        compute: the busy time by part (matmul, attention, grouped_mm, elementwise, kernels,
+            optimizer), recomputation included.
+        comm: exposed communication by technique (tp, ep, cp, pp, fsdp, ddp).
+        comm_total: the same traffic before overlap, for the report.
+        bubble: the pipeline's idle time.
+        tokens: tokens the whole job trains on per step.
+        world_size: ranks.
+        model_flops_per_token: training FLOPs per token in the PaLM convention (what MFU divides).
+        peak_flops: the profile's peak FLOP/s in the compute dtype.
+    """
+
+    compute: dict[str, float]
+    comm: dict[str, float]
+    comm_total: dict[str, float]
+    bubble: float
+    tokens: int
+    world_size: int
+    model_flops_per_token: float
+    peak_flops: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(self.compute.values())
+
+    @property
+    def comm_s(self) -> float:
+        return sum(self.comm.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.bubble
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens / self.step_s / self.world_size
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s_per_gpu * self.model_flops_per_token / self.peak_flops
+
+    def summary(self) -> str:
+        return (f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}, step {self.step_s:.3g} s = "
+                f"compute {self.compute_s:.3g} + comm {self.comm_s:.3g} + bubble {self.bubble:.3g}")
+
+    def as_dict(self) -> dict:
+        return {"tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "step_s": self.step_s,
+                "compute_s": self.compute_s, "exposed_comm_s": self.comm_s, "bubble_s": self.bubble,
+                "compute": dict(self.compute), "exposed_comm": dict(self.comm), "comm_before_overlap": dict(self.comm_total)}
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every term needs: the job, its layout and the profile."""
+
+    cfg: JobConfig
+    args: ModelArgs
+    dims: ParallelDims
+    pipe: PipelineLayout
+    profile: HardwareProfile
+    gpus_per_node: int
+
+    def spans_nodes(self, dim: str) -> bool:
+        return _spans_nodes(self.dims, dim, self.gpus_per_node)
+
+    def seconds(self, collective: str, dim: str, nbytes: float, calls: float, ranks: int) -> float:
+        """`calls` collectives over `dim`'s `ranks`, `nbytes` in all (output size)."""
+        if ranks <= 1 or calls <= 0:
+            return 0.0
+        link = self.profile.link(collective, self.spans_nodes(dim))
+        return calls * link.seconds(collective, nbytes / calls, ranks)
+
+
+@lru_cache(maxsize=1 << 14)
+def _spans_nodes(dims: ParallelDims, dim: str, gpus_per_node: int) -> bool:
+    """Whether rank 0's group along `dim` holds ranks of more than one node."""
+    members = dims.layout()[dim].members(0)
+    return members[0] // gpus_per_node != members[-1] // gpus_per_node
+
+
+def _recomputed(cfg: JobConfig, position: int) -> float:
+    """Fraction of the block at `position` in its stage that backward runs forward again for:
+    1 under full AC (or the n-th blocks of selective n), 0 without."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "full":
+        return 1.0
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        return float(position % int(ac.selective_ac_option) == 0)
+    return 0.0
+
+
+def _block_flops(ctx: _Context, layer: int, float8: set[str]) -> dict[str, float]:
+    """Training FLOPs per local token of block `layer`, by (op class, dtype) key "class:dtype"."""
+    m, tp = ctx.args, ctx.dims.tp
+    dtype = compute_dtype(ctx.cfg.training)
+    hq, hkv, d = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.dim
+    prefix = f"layers.{layer}."
+
+    def linear(name: str, n_in: int, n_out: int, split: int) -> tuple[str, float]:
+        kind = "float8" if prefix + name in float8 else dtype
+        return f"matmul:{kind}", 6 * n_in * n_out / split
+
+    terms = [linear("attention.wq", d, hq, tp), linear("attention.wk", d, hkv, tp),
+             linear("attention.wv", d, hkv, tp), linear("attention.wo", hq, d, tp)]
+    chunk = m.attention_chunk_size if m.rope_layers[layer] else None
+    seq = ctx.cfg.training.seq_len
+    keys = (min(chunk, seq) + 1) / 2 if chunk is not None else (seq + 1) / 2
+    terms.append((f"attention:{dtype}", 12 * hq * keys / tp))
+    if not m.is_moe_layer(layer):
+        f = m.ffn_hidden_dim
+        terms += [linear("feed_forward.w1", d, f, tp), linear("feed_forward.w3", d, f, tp),
+                  linear("feed_forward.w2", f, d, tp)]
+    else:
+        share = 1 / tp if (ctx.dims.ep_enabled or tp == 1) else 1.0  # MoE TP replicates the gate
+        terms.append(linear("moe.router.gate", d, m.num_experts, 1 / share))
+        if m.num_shared_experts:
+            s = m.moe_hidden_dim * m.num_shared_experts
+            terms += [linear("moe.shared_experts.w1", d, s, tp), linear("moe.shared_experts.w3", d, s, tp),
+                      linear("moe.shared_experts.w2", s, d, tp)]
+        f8 = ctx.cfg.float8.routed_experts and selected_by(f"{prefix}moe.experts", ctx.cfg.float8.moe_fqns)
+        terms.append((f"grouped_mm:{'float8' if f8 else dtype}", 18 * d * m.moe_hidden_dim * m.top_k / tp))
+    out: dict[str, float] = {}
+    for key, flops in terms:
+        out[key] = out.get(key, 0.0) + flops
+    return out
+
+
+def _rate(ctx: _Context, key: str) -> float:
+    op, dtype = key.split(":")
+    return ctx.profile.rate(op, dtype)
+
+
+def _compute(ctx: _Context, pp_rank: int, tokens: float, n_mb: int, act: ActivationModel,
+             float8: set[str]) -> dict[str, float]:
+    """Busy seconds of `pp_rank` for `tokens` local tokens per step in `n_mb` micro-batches."""
+    cfg, m, prof = ctx.cfg, ctx.args, ctx.profile
+    parts = dict.fromkeys(("matmul", "attention", "grouped_mm", "elementwise", "kernels", "optimizer"), 0.0)
+    kernels = 0.0
+    sac_op = cfg.activation_checkpoint.mode == "selective" and cfg.activation_checkpoint.selective_ac_option == "op"
+    for stage in ctx.pipe.ranks[pp_rank]:
+        for position, layer in enumerate(ctx.pipe.layers[stage]):
+            again = _recomputed(cfg, position)
+            for key, flops in _block_flops(ctx, layer, float8).items():
+                extra = again / 3 + (1 / 6 if sac_op and key.startswith("matmul") else 0.0)
+                parts[key.split(":")[0]] += tokens * flops * (1 + extra) / _rate(ctx, key)
+            parts["elementwise"] += (_ELEMENTWISE_PASSES * (1 + again / 2) * act.block_full(layer) * tokens
+                                     / (prof.memory_bandwidth_gbs * 1e9))
+            block = KERNELS["attention"] + KERNELS["moe" if m.is_moe_layer(layer) else "dense_ffn"]
+            kernels += block * (1 + again / 3) * n_mb
+        if stage == ctx.pipe.num_stages - 1:
+            dtype = compute_dtype(cfg.training)
+            head = f"matmul:{'float8' if 'output' in float8 else dtype}"
+            parts["matmul"] += tokens * 6 * m.vocab_size * m.dim / ctx.dims.tp / _rate(ctx, head)
+            parts["elementwise"] += _ELEMENTWISE_PASSES * act.head() * tokens / (prof.memory_bandwidth_gbs * 1e9)
+            kernels += KERNELS["head"] * n_mb
+    if cfg.compile.enable:
+        kernels *= _COMPILED_KERNELS
+    params = _rank_params(ctx, pp_rank)
+    parts["optimizer"] = (_OPTIMIZER_PASSES * param_dtype_bytes(cfg.training) * params.stored
+                          / (prof.memory_bandwidth_gbs * 1e9))
+    kernels += KERNELS["param"] * params.tensors
+    if ctx.dims.fsdp_enabled:
+        kernels += KERNELS["fsdp_unit"] * (params.units[False] + params.units[True]) * n_mb
+    parts["kernels"] = kernels * prof.kernel_overhead_us * 1e-6
+    return parts
+
+
+@dataclass(frozen=True)
+class _RankParams:
+    """What one rank of a pp rank holds: elements stored (sharded), parameter tensors, and per
+    kind (False: dense, True: routed experts) the TP/EP-local elements FSDP gathers and its units."""
+
+    stored: int
+    tensors: int
+    unsharded: dict[bool, int]
+    units: dict[bool, int]
+
+
+def _rank_params(ctx: _Context, pp_rank: int) -> _RankParams:
+    def compute() -> _RankParams:
+        local = rank_param_specs(param_specs(ctx.args), ctx.pipe, pp_rank)
+        kinds = (False, True)
+        return _RankParams(
+            stored=sum(shard_numel(s, ctx.dims) for s in local), tensors=len(local),
+            unsharded={k: sum(math.prod(local_shape(s, ctx.dims)) for s in local if s.expert == k) for k in kinds},
+            units={k: len({s.fsdp_unit for s in local if s.expert == k}) for k in kinds})
+
+    return memoised(_RANK_PARAMS, (repr(ctx.args), ctx.dims, ctx.pipe.key, pp_rank), compute)
+
+
+_RANK_PARAMS: dict[tuple, _RankParams] = {}
+
+
+def _reshards(ctx: _Context) -> bool:
+    """FSDP frees each unit's gathered parameters after forward (`data_parallel`'s rule)."""
+    policy = ctx.cfg.parallelism.fsdp_reshard_after_forward
+    return policy == "always" or (policy == "default" and not ctx.dims.pp_enabled)
+
+
+def _critical_comm(ctx: _Context, pp_rank: int, tokens: float, n_mb: int) -> dict[str, float]:
+    """Exposed seconds of the collectives on the critical path: TP, EP, CP and PP."""
+    cfg, m, dims = ctx.cfg, ctx.args, ctx.dims
+    a, r = compute_dtype_bytes(cfg.training), residual_dtype_bytes(dims, cfg.training)
+    layers = [(layer, pos) for s in ctx.pipe.ranks[pp_rank] for pos, layer in enumerate(ctx.pipe.layers[s])]
+    out = dict.fromkeys(("tp", "ep", "cp", "pp"), 0.0)
+    if dims.tp_enabled:
+        gathered = tp_gather_bytes(cfg, dims, m, ctx.pipe)
+        # Received bytes -> output bytes; the reduce-scatters move the high-precision tensors again.
+        output = gathered.total * dims.tp / (dims.tp - 1)
+        scatter = gathered.high_precision * dims.tp / (dims.tp - 1)  # always in high precision
+        calls = 4 * n_mb * sum(1 + _recomputed(cfg, pos) / 2 for _, pos in layers)
+        out["tp"] = (ctx.seconds("all_gather", "tp", output, calls, dims.tp)
+                     + ctx.seconds("reduce_scatter", "tp", scatter, calls, dims.tp))
+    moe = [(layer, pos) for layer, pos in layers if m.is_moe_layer(layer)]
+    if dims.ep_enabled and moe:
+        routed = tokens / dims.tp * m.top_k * m.dim * a  # bytes one all-to-all moves per MoE block
+        passes = sum(4 + 2 * _recomputed(cfg, pos) for _, pos in moe)
+        out["ep"] = ctx.seconds("all_to_all", "ep", routed * passes, passes * n_mb, dims.ep)
+    if dims.cp_enabled:
+        layout = CPLayout(cfg.training.seq_len, dims.cp)
+        kv = 2 * a * m.n_kv_heads * m.head_dim / dims.tp
+        sequences = tokens * dims.cp / cfg.training.seq_len
+        for layer, pos in layers:
+            chunk = m.attention_chunk_size if m.rope_layers[layer] else None
+            mode = layout.chunk_mode(chunk)
+            received = layout.bytes_received(mode, chunk, kv) * sequences * (2 + _recomputed(cfg, pos))
+            if mode in ("global", "gather"):
+                out["cp"] += ctx.seconds("all_gather", "cp", received * dims.cp / (dims.cp - 1), 3 * n_mb, dims.cp)
+            elif mode == "halo":
+                out["cp"] += ctx.seconds("p2p", "cp", received, 3 * n_mb, 2)
+    if dims.pp_enabled:
+        boundary = tokens * m.dim * r / dims.tp  # one stage's output (and its gradient) per step
+        stages = len(ctx.pipe.ranks[pp_rank])
+        out["pp"] = ctx.seconds("p2p", "pp", 2 * boundary * stages, 2 * n_mb * stages, 2)
+    return out
+
+
+def _data_parallel_comm(ctx: _Context, pp_rank: int, accumulation: int, n_pipe: int) -> float:
+    """Seconds of FSDP gathers and reduce-scatters and of DDP/HSDP all-reduces, before overlap:
+    FSDP gathers per accumulation step (per pipeline micro-batch too when resharding) and
+    reduce-scatters per accumulation step; dp_replicate all-reduces once per step (the trainer
+    syncs replicas in the last micro-batch only)."""
+    cfg, dims = ctx.cfg, ctx.dims
+    params = _rank_params(ctx, pp_rank)
+    c = DTYPE_BYTES[cfg.training.mixed_precision_param] if not autocast_enabled(dims, cfg.training) \
+        else param_dtype_bytes(cfg.training)
+    reduce = DTYPE_BYTES[cfg.training.mixed_precision_reduce]
+    seconds = 0.0
+    if dims.fsdp_enabled:
+        gathers = accumulation * (2 * n_pipe if _reshards(ctx) else 1)
+        for expert, dim, ranks in ((False, "dp_shard_cp", dims.dp_shard_cp), (True, "efsdp", dims.efsdp)):
+            numel, units = params.unsharded[expert], params.units[expert]
+            if not units or ranks <= 1:
+                continue
+            seconds += ctx.seconds("all_gather", dim, c * numel * gathers, units * gathers, ranks)
+            seconds += ctx.seconds("reduce_scatter", dim, reduce * numel * accumulation, units * accumulation, ranks)
+    if dims.dp_replicate > 1:
+        seconds += ctx.seconds("all_reduce", "dp_replicate", reduce * params.stored, 1 + params.tensors // 64,
+                               dims.dp_replicate)
+    return seconds
+
+
+def predict_layout(cfg: JobConfig, dims: ParallelDims, profile: HardwareProfile, gpus_per_node: int,
+                   *, args: ModelArgs | None = None, pipe: PipelineLayout | None = None) -> StepPrediction:
+    """The step of `cfg` on the resolved layout `dims` (a config that passed the preflight)."""
+    args = args or model_args_from_config(cfg.model)
+    pipe = pipe or pipeline_layout(args, dims, cfg.parallelism, cfg.training.seq_len)
+    ctx = _Context(cfg, args, dims, pipe, profile, gpus_per_node)
+    t = cfg.training
+    accumulation = t.global_batch_size // (t.local_batch_size * dims.dp) if t.global_batch_size > 0 else 1
+    n_pipe = microbatches(t, cfg.parallelism)[0] if dims.pp_enabled else 1
+    n_mb = accumulation * n_pipe  # forward passes through each block per step
+    tokens = accumulation * t.local_batch_size * t.seq_len / dims.cp
+    act = ActivationModel(args, dims, compute_dtype_bytes(t), cfg.compile.enable, seq_len=t.seq_len,
+                          loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+                          autocast=autocast_enabled(dims, t), document_masking=t.document_masking)
+    float8 = float8_linear_names(args, cfg.float8.filter_fqns) if cfg.float8.enable else set()
+    best: StepPrediction | None = None
+    bubble = bubble_fraction(cfg.parallelism.pipeline_parallel_schedule, dims.pp, pipe.num_stages, n_pipe)
+    for pp_rank in range(dims.pp):
+        compute = _compute(ctx, pp_rank, tokens, n_mb, act, float8)
+        critical = _critical_comm(ctx, pp_rank, tokens, n_mb)
+        busy = sum(compute.values()) + sum(critical.values())
+        overlappable = _data_parallel_comm(ctx, pp_rank, accumulation, n_pipe)
+        o = profile.overlap
+        exposed = max((1 - o) * overlappable, overlappable - o * sum(compute.values()))
+        name = "fsdp" if dims.fsdp_enabled else "ddp"
+        comm = {**critical, name: exposed}
+        total = {**critical, name: overlappable}
+        pred = StepPrediction(
+            compute=compute, comm=comm, comm_total=total, bubble=busy * bubble / (1 - bubble),
+            tokens=accumulation * t.local_batch_size * dims.dp * t.seq_len, world_size=dims.world_size,
+            model_flops_per_token=args.flops_per_token(t.seq_len),
+            peak_flops=profile.peak(compute_dtype(t)))
+        if best is None or pred.step_s > best.step_s:
+            best = pred
+    return best
+
+
+def predict(cfg: JobConfig, world_size: int, profile: HardwareProfile, gpus_per_node: int | None = None) -> StepPrediction:
+    """`predict_layout` for `cfg`'s own degrees on `world_size` ranks."""
+    dims = ParallelDims(**resolve_degrees(cfg.parallelism, world_size), world_size=world_size)
+    return predict_layout(cfg, dims, profile, gpus_per_node or profile.gpus_per_node)
