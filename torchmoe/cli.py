@@ -39,6 +39,10 @@ Train a Llama 4 MoE model from a TOML job file plus --section.key overrides
                    per-rank memory, without creating a process group or real tensors.
   --world-size N   Ranks to plan for with --dry-run (default: WORLD_SIZE if set, else the
                    product of the degrees with data_parallel_shard_degree -1 counted as 1).
+  --hardware NAME  With --dry-run: the profile (h100, h200, b200, a100 or a JSON from
+                   `torchmoe plan --calibrate`) the layout is compared with the planner's best
+                   on (default h100 for GPU jobs; CPU jobs are compared only when given).
+  --gpus-per-node N  With --dry-run: ranks per node for that comparison (default: the profile's).
 """
 
 
@@ -56,22 +60,43 @@ def _positive_int(key: str, text: str, fix: str) -> int:
     return int(text)
 
 
-def _split_train_flags(argv: Sequence[str]) -> tuple[bool, int | None, list[str]]:
-    """Take `--dry-run` and `--world-size N` out of argv; the rest are config flags."""
-    dry_run, world_size, rest = False, None, []
+@dataclass(frozen=True)
+class TrainFlags:
+    """`torchmoe train`'s own flags; `config_argv` is the rest, for the config loader."""
+
+    dry_run: bool = False
+    world_size: int | None = None
+    hardware: str = ""
+    gpus_per_node: int | None = None
+    config_argv: tuple[str, ...] = ()
+
+
+def _split_train_flags(argv: Sequence[str]) -> TrainFlags:
+    """Take `--dry-run`, `--world-size N`, `--hardware NAME` and `--gpus-per-node N` out of argv."""
+    found: dict[str, object] = {}
+    rest: list[str] = []
     tokens = iter(argv)
     for token in tokens:
         flag, eq, value = token.partition("=")
-        if flag in ("--dry-run", "--dry_run"):
+        flag = flag.replace("_", "-") if "." not in flag else flag
+        if flag == "--dry-run":
             if eq:
                 raise ConfigError("--dry-run", value, "takes no value", "pass --dry-run alone")
-            dry_run = True
-        elif flag in ("--world-size", "--world_size"):
+            found["dry_run"] = True
+        elif flag in ("--world-size", "--gpus-per-node", "--hardware"):
             value = value if eq else next(tokens, "")
-            world_size = _positive_int("--world-size", value, "pass the number of ranks, e.g. --world-size 64")
+            if flag == "--hardware":
+                found["hardware"] = value or "h100"
+            else:
+                found[flag[2:].replace("-", "_")] = _positive_int(flag, value, f"pass a number of ranks, e.g. {flag} 8")
         else:
             rest.append(token)
-    return dry_run, world_size, rest
+    flags = TrainFlags(**found, config_argv=tuple(rest))
+    if not flags.dry_run and (flags.hardware or flags.gpus_per_node):
+        flag = "--hardware" if flags.hardware else "--gpus-per-node"
+        raise ConfigError(flag, flags.hardware or flags.gpus_per_node, "only plans: it has no effect on training",
+                          "pass it with --dry-run, or leave it out")
+    return flags
 
 
 def _env_world_size() -> int | None:
@@ -117,7 +142,8 @@ class _RankSpecificError(Exception):
 
 
 def _train(argv: list[str]) -> int:
-    dry_run, world_size_flag, config_argv = _split_train_flags(argv)
+    flags = _split_train_flags(argv)
+    dry_run, config_argv = flags.dry_run, list(flags.config_argv)
     notes: list[str] = []
     try:
         cfg = load_job_config(config_argv, prog="torchmoe train", description=TRAIN_DESCRIPTION, notes=notes)
@@ -126,15 +152,16 @@ def _train(argv: list[str]) -> int:
     if os.environ.get("RANK") in (None, "0"):  # the same on every rank: rank 0 says it once
         for note in notes:
             Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]warning:[/] {escape(note)}")
-    world_size = resolve_world_size(world_size_flag, dry_run, cfg.parallelism)
+    world_size = resolve_world_size(flags.world_size, dry_run, cfg.parallelism)
     validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
     # Whatever the OS refuses about a path from here on is a user error naming the key that set it.
     with user_path_faults(job_paths(cfg)):
-        return _run_train(cfg, world_size, dry_run)
+        return _run_train(cfg, world_size, flags)
 
 
-def _run_train(cfg: JobConfig, world_size: int, dry_run: bool) -> int:
-    """Check `cfg` for `world_size` ranks, then plan it (`dry_run`) or train it."""
+def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags) -> int:
+    """Check `cfg` for `world_size` ranks, then plan it (`flags.dry_run`) or train it."""
+    dry_run = flags.dry_run
     from torchmoe.preflight import validate_job_config
 
     validate_job_config(cfg, world_size, check_device=not dry_run)
@@ -147,7 +174,11 @@ def _run_train(cfg: JobConfig, world_size: int, dry_run: bool) -> int:
             from torchmoe.plan.dry_run import run_dry_run
             from torchmoe.preflight import device_memory_gib
 
+            from torchmoe.planner import dry_run_advice
+
             run_dry_run(cfg, world_size, machine_device_gib=device_memory_gib())
+            if os.environ.get("RANK") in (None, "0"):
+                dry_run_advice(cfg, world_size, hardware=flags.hardware, gpus_per_node=flags.gpus_per_node)
         else:
             from torchmoe.distributed.failure import PeerFailed
             from torchmoe.trainer import TrainingDiverged, train
@@ -189,8 +220,15 @@ def _prepare_data(argv: list[str]) -> int:
     return prepare_main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    from torchmoe.planner import plan_main  # imported here: the preflight it runs pulls in torch
+
+    return plan_main(argv)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
+    "plan": Subcommand("Choose the fastest layout that fits on N GPUs (or --calibrate this machine).", _plan),
     "convert": Subcommand("Convert weights: hf-to-dcp (Hugging Face -> DCP) or dcp-to-hf.", _convert),
     "report": Subcommand("Draw a run's curves, expert load and planner facts: report.png or an HTML page.",
                          _report_figure),

@@ -150,7 +150,8 @@ def _build(values: dict[str, Any]) -> JobConfig:
     return JobConfig(**{section: hints[section](**kv) for section, kv in sections.items()})
 
 
-def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = None) -> JobConfig:
+def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = None,
+                         set_keys: set[str] | None = None) -> JobConfig:
     """Build a `JobConfig` from parsed TOML; fields left out keep their defaults.
 
     torchtitan v0.2.2's keys are read through `torchmoe.config.torchtitan`: a key mapped there
@@ -193,10 +194,13 @@ def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = N
                     k.partition(".")[2] for k in TORCHTITAN_KEYS if k.startswith(f"{section}.")]
                 fix = f"did you mean {match}?" if match else f"valid keys in [{section}]: {', '.join(valid)}"
                 raise ConfigError(dotted, value, f"unknown key in [{section}]", fix)
+    if set_keys is not None:
+        set_keys.update(mapped, own)
     return _build({**mapped, **own})
 
 
-def load_toml_config(path: str | Path, *, notes: list[str] | None = None, key: str = "--config") -> JobConfig:
+def load_toml_config(path: str | Path, *, notes: list[str] | None = None, key: str = "--config",
+                     set_keys: set[str] | None = None) -> JobConfig:
     """Read a TOML job file into a `JobConfig` (no overrides, no validation); `notes` as in
     `job_config_from_dict`; `key` names the file in messages (`torchmoe report` reads a run's).
 
@@ -217,7 +221,7 @@ def load_toml_config(path: str | Path, *, notes: list[str] | None = None, key: s
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(key, str(path), f"malformed TOML: {err}",
                           "fix the TOML syntax at that line (strings need double quotes, tables [section])") from None
-    return job_config_from_dict(data, notes=notes)
+    return job_config_from_dict(data, notes=notes, set_keys=set_keys)
 
 
 def write_config_toml(cfg: JobConfig, path: str | Path) -> Path:
@@ -382,7 +386,7 @@ def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[s
 
 
 def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", description: str | None = None,
-                    notes: list[str] | None = None) -> JobConfig:
+                    notes: list[str] | None = None, set_keys: set[str] | None = None) -> JobConfig:
     """Parse ``[--config FILE] [--section.key VALUE | --section.key=VALUE ...]`` into a `JobConfig`.
 
     Values come from the flag, else the TOML file, else the dataclass default. List fields take
@@ -402,12 +406,14 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
         prog: program name shown in the help.
         description: text shown at the top of the help.
         notes: collects the warnings about torchtitan keys without effect here.
+        set_keys: collects the ``section.key`` names the file or a flag sets (torchtitan keys as
+            the torchmoe keys they set): what `torchmoe plan` keeps fixed.
 
     Raises:
         ConfigError: any user error in the file or the flags.
     """
     config_path, overrides, wants_help = _split_args(argv)
-    base = load_toml_config(config_path, notes=notes) if config_path is not None else JobConfig()
+    base = load_toml_config(config_path, notes=notes, set_keys=set_keys) if config_path is not None else JobConfig()
     if wants_help:
         # tyro renders the help from the dataclasses, their docstrings and the TOML's values.
         tyro.cli(JobConfig, prog=prog, description=description, args=["--help"], default=base,
@@ -424,6 +430,8 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
                               means=f"{dotted} not set ({_UNSET[dotted]})")
             section, _, leaf = dotted.partition(".")
             updates.setdefault(section, {})[leaf] = value
+            if set_keys is not None:
+                set_keys.add(dotted)
     cfg = dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kv) for s, kv in updates.items()})
     return _with_hf_assets(cfg)
 

@@ -217,15 +217,19 @@ def split_by_cost(flops: list[int], state: list[int], num_stages: int,
         f, m = _with_ends(stage, num_stages, pre_f[hi] - pre_f[lo], pre_m[hi] - pre_m[lo], ends)
         return max(f / mean_f, m / mean_m)
 
-    # best[s][j]: (max cost, split) of the first j blocks as stages 0..s.
-    best: list[dict[int, tuple[float, list[int]]]] = [{j: (cost(0, 0, j), [j]) for j in range(1, n - num_stages + 2)}]
+    # best[s][j]: (max cost, where stage s starts) of the first j blocks as stages 0..s; the first
+    # minimum over ascending starts wins ties.
+    best: list[dict[int, tuple[float, int]]] = [{j: (cost(0, 0, j), 0) for j in range(1, n - num_stages + 2)}]
     for s in range(1, num_stages):
         row = {}
+        prev = best[-1]
         for j in range(s + 1, n - num_stages + s + 2):
-            row[j] = min(((max(best[-1][i][0], cost(s, i, j)), best[-1][i][1] + [j]) for i in best[-1] if i < j),
-                         key=lambda c: c[0])
+            row[j] = min(((max(prev[i][0], cost(s, i, j)), i) for i in prev if i < j), key=lambda c: c[0])
         best.append(row)
-    bounds = [0] + best[-1][n][1]
+    bounds = [n]
+    for s in range(num_stages - 1, -1, -1):
+        bounds.append(best[s][bounds[-1]][1])
+    bounds.reverse()
     return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
 
 

@@ -62,6 +62,9 @@ AC_MODES = ("none", "selective", "full")
 DEFAULT_MARGIN = 0.10
 
 Check = Callable[[JobConfig, int], None]
+# Tokens a context-parallel rank keeps at least: below that its two head-tail pieces are shorter
+# than an attention kernel's tiles, and the key/value all-gathers move more than it computes.
+_MIN_CP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -161,9 +164,9 @@ def _degree_options(cfg: JobConfig, world: int, gpus_per_node: int, fixed: set[s
             return list(replicas)
         return [d for d in _divisors(world) if d <= limit]
 
-    for pp in options("pp", args.n_layers):
+    for pp in options("pp", max(1, args.n_layers // 2)):
         for tp in options("tp", gpus_per_node):
-            for cp in options("cp", world):
+            for cp in options("cp", max(1, cfg.training.seq_len // _MIN_CP_TOKENS)):
                 for rep in options("dp_replicate", world):
                     if world % (pp * tp * cp * rep):
                         continue
@@ -362,8 +365,10 @@ def search(cfg: JobConfig, world_size: int, profile: HardwareProfile, *, gpus_pe
     if replicate_free:
         for family in sorted(tuned, key=speed, reverse=True)[:_REPLICATED_FAMILIES]:
             d = family.dims
+            known = {f.name for f in found}
             options = [{**d.degrees, "dp_replicate": r, "dp_shard": d.dp_shard // r} for r in _divisors(d.dp_shard)[1:]
                        if d.dp_shard // r * d.cp * d.tp % d.ep == 0]
+            options = [o for o in options if family_name(o) not in known]
             knobs = dict(family.current)
             found += families(options, start=lambda degrees: {**knobs, **{DEGREE_KEYS[k]: v for k, v in degrees.items()}})
     for family in found:
