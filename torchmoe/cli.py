@@ -172,9 +172,8 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags) -> int:
         # --help should not wait for.
         if dry_run:
             from torchmoe.plan.dry_run import run_dry_run
-            from torchmoe.preflight import device_memory_gib
-
             from torchmoe.planner import dry_run_advice
+            from torchmoe.preflight import device_memory_gib
 
             run_dry_run(cfg, world_size, machine_device_gib=device_memory_gib())
             if os.environ.get("RANK") in (None, "0"):

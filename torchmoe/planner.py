@@ -173,9 +173,13 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
         console.print(f"wrote {json_out} ({len(result.scored)} layouts)")
     best = result.best
     if best is None:
-        closest = min(result.pruned.items(), key=lambda kv: kv[1], default=("", "no valid layout"))
+        if result.unfit:
+            name = min(result.unfit, key=result.unfit.__getitem__)
+            closest = f"the closest, {name}, {result.pruned[name]}"
+        else:
+            closest = next(iter(result.pruned.values()), "no layout is valid")
         raise ConfigError("--gpus", gpus, f"no layout of {cfg.model.flavor} fits {gpus} x {profile.name} "
-                          f"({profile.memory_gib:g} GiB each, margin {margin:.0%}); e.g. {closest[0]}: {closest[1]}",
+                          f"({profile.memory_gib:g} GiB each, margin {margin:.0%}); {closest}",
                           "plan for more GPUs, a device with more memory, a shorter seq_len or smaller batch, "
                           "or --free the keys the config fixes")
     if out is not None:

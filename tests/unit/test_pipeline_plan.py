@@ -150,6 +150,23 @@ def test_tied_embeddings_are_refused_under_pp(monkeypatch):
     assert err.value.key == "parallelism.pipeline_parallel_degree" and "ties the output head" in str(err.value)
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_split_backward_with_tensor_parallelism_is_refused(schedule):
+    """torch 2.13's input backward detaches the stage outputs in place; under TP they are views
+    ("Can't detach views in-place", seen on 4 gloo ranks, pp 2 x tp 2): refused before the run."""
+    cfg = load_job_config(["--config", "configs/debug_model.toml", "--parallelism.pipeline_parallel_degree", "2",
+                           "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                           schedule, "--parallelism.data_parallel_shard_degree", "1"])
+    with pytest.raises(ConfigError) as err:
+        validate_job_config(cfg, 4, check_device=False)
+    assert err.value.key == "parallelism.pipeline_parallel_schedule" and "views tensor parallelism" in str(err.value)
+    one_f_one_b = load_job_config(["--config", "configs/debug_model.toml", "--parallelism.pipeline_parallel_degree",
+                                   "2", "--parallelism.tensor_parallel_degree", "2",
+                                   "--parallelism.data_parallel_shard_degree", "1",
+                                   "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"])
+    validate_job_config(one_f_one_b, 4, check_device=False)
+
+
 def test_dry_run_prints_the_stages(tmp_path):
     cfg = load_job_config(["--config", "configs/llama4_128e.toml", "--job.dump_folder", str(tmp_path),
                            "--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "8",

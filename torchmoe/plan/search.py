@@ -11,7 +11,8 @@ size, the local batch size (where a global batch size is set: it trades activati
 fewer accumulation steps), activation checkpointing, FSDP's reshard-after-forward policy and
 float8 (only where the profile has float8 rates and the job computes in bf16). A key the user set
 in the config or a flag stays fixed unless `free` releases it (a key, its section, or "all");
-``data_parallel_shard_degree = -1`` is never fixed (it means "the rest").
+``data_parallel_shard_degree = -1`` is never fixed (it means "the rest"); explicit pipeline stages
+(``module_fqns_per_model_part``, ``pipeline_parallel_layers_per_stage``) fix the pp degree.
 
 Which layouts are valid is the training preflight's decision, handed in as `check` (the planner
 stays below the preflight, which imports torch): a layout `torchmoe train` would refuse is not
@@ -57,6 +58,8 @@ SCHEDULE, MICROBATCH = "parallelism.pipeline_parallel_schedule", "parallelism.pi
 LOCAL_BATCH, AC, RESHARD, FLOAT8 = ("training.local_batch_size", "activation_checkpoint.mode",
                                     "parallelism.fsdp_reshard_after_forward", "float8.enable")
 PLAN_KEYS = (*DEGREE_KEYS.values(), SCHEDULE, MICROBATCH, LOCAL_BATCH, AC, RESHARD, FLOAT8)
+# Follows the degrees: experts tensor-parallel over tp (a config's choice) only without EP.
+ETP = "parallelism.expert_tensor_parallel_degree"
 AC_MODES = ("none", "selective", "full")
 # The fraction of device memory left for what the estimate does not count.
 DEFAULT_MARGIN = 0.10
@@ -104,6 +107,7 @@ class SearchResult:
     seconds: float = 0.0
     device_gib: float = 0.0
     refused: dict[str, str] = field(default_factory=dict)  # family -> first preflight refusal
+    unfit: dict[str, float] = field(default_factory=dict)  # family -> GiB of its most frugal layout
 
     @property
     def best(self) -> Layout | None:
@@ -197,6 +201,7 @@ def _choices(cfg: JobConfig, degrees: dict[str, int], fixed: set[str], profile: 
             sorted(SCHEDULE_STYLES, key=lambda name: name != "1F1B")
         out[MICROBATCH] = [par.pipeline_parallel_microbatch_size] if MICROBATCH in fixed else \
             _divisors(max(out.get(LOCAL_BATCH, [t.local_batch_size])))
+    out[ETP] = [degrees["tp"] if par.expert_tensor_parallel_degree > 1 and degrees["ep"] == 1 else 1]
     out[AC] = [cfg.activation_checkpoint.mode] if AC in fixed else ["full", "selective", "none"]
     fsdp = degrees["dp_shard"] * degrees["cp"] > 1 or degrees["ep"] > 1
     out[RESHARD] = [par.fsdp_reshard_after_forward] if RESHARD in fixed or not fsdp else ["always", "never"]
@@ -265,7 +270,7 @@ class _Family:
         if key in self.scored:
             return self.scored[key]
         cfg = self.cfg
-        overrides = {k: v for k, v in values.items() if not (k == FLOAT8 and v == cfg.float8.enable)}
+        overrides = {k: v for k, v in values.items() if k not in (FLOAT8, ETP) or v != _value(cfg, k)}
         candidate = _with(cfg, overrides)
         try:
             if self.check is not None:
@@ -320,6 +325,10 @@ def search(cfg: JobConfig, world_size: int, profile: HardwareProfile, *, gpus_pe
     began = time.perf_counter()
     gpn = gpus_per_node or profile.gpus_per_node
     fixed = set(fixed or ())
+    par = cfg.parallelism
+    if par.module_fqns_per_model_part or par.pipeline_parallel_layers_per_stage > 0:
+        # Stages written out for one pp degree: the split would not fit another.
+        fixed.add(DEGREE_KEYS["pp"])
     limit = profile.memory_gib * (1 - margin)
     result = SearchResult([], {}, sorted(fixed), device_gib=profile.memory_gib)
     env = (profile, gpn, check, limit)
@@ -343,6 +352,7 @@ def search(cfg: JobConfig, world_size: int, profile: HardwareProfile, *, gpus_pe
                 continue
             family = _Family(cfg, world_size, dims, choices, env, result, start=start(degrees) if start else None)
             if family.hopeless:
+                result.unfit[name] = family.smallest
                 result.pruned[name] = (f"does not fit: {family.smallest:.1f} GiB per rank at best, over "
                                        f"{limit:.1f} of {profile.memory_gib:g} GiB")
             out.append(family)

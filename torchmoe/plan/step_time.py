@@ -19,12 +19,13 @@ Compute. FLOPs per token of each block, by op class, over the class's achieved r
 
 FLOPs of float8 linears (and of routed experts in float8) run at the float8 rates. Activation
 checkpointing adds the forward again (a third of the block's FLOPs) for recomputed blocks, and
-per-op selective AC half of the plain matmuls' forward. Beside the FLOPs:
+per-op selective AC half of the plain matmuls' forward (it replays the rest of the forward too:
+its elementwise passes and kernels count as full AC's). Beside the FLOPs:
 
     elementwise  4 x the bytes a block saves for backward (`memory.ActivationModel`) over the
                  memory bandwidth: each saved tensor is written in forward, read in backward, and
                  its gradient written and read once more
-    kernels      the kernels a block launches per micro-batch (`KERNELS`; forward + backward,
+    kernels      the operators a block runs per micro-batch (`KERNELS`; forward + backward,
                  counted from the eager model; a third under torch.compile, which fuses the
                  elementwise chains) x the profile's fixed cost per kernel
     optimizer    AdamW reads the parameter, gradient and two moments and writes three back:
@@ -84,10 +85,12 @@ from torchmoe.plan.tp_comm import float8_linear_names, tp_gather_bytes
 
 __all__ = ["KERNELS", "StepPrediction", "predict", "predict_layout"]
 
-# Kernels one block launches per micro-batch, forward + backward, in eager mode (counted with
-# torch.profiler on the tiny flavor: norms, projections, RoPE, attention, SwiGLU, residual adds
-# and their backward; the MoE block's router, top-k, sort, dispatch, grouped GEMMs and combine).
-KERNELS = {"attention": 60, "dense_ffn": 30, "moe": 120, "head": 30, "fsdp_unit": 12, "param": 4}
+# Operators one block runs per micro-batch, forward + backward, in eager mode: the leaf aten ops
+# torch.profiler records for the tiny flavor (2026-12-02), a dense block (attention + SwiGLU FFN)
+# 362 and an MoE block (attention + router, top-k, sort, dispatch, grouped GEMMs, combine, shared
+# expert) 994; the final norm, head and loss about 75. Per FSDP unit and pass: its all-gather's
+# copy-in/out and hooks; per parameter: AdamW's foreach ops and the gradient-norm reduction.
+KERNELS = {"dense_block": 362, "moe_block": 994, "head": 75, "fsdp_unit": 12, "param": 4}
 # torch.compile fuses the elementwise chains around the matmuls.
 _COMPILED_KERNELS = 1 / 3
 # Elementwise passes over each saved byte: written in forward, read in backward, its gradient
@@ -247,10 +250,13 @@ def _compute(ctx: _Context, pp_rank: int, tokens: float, n_mb: int, act: Activat
             for key, flops in _block_flops(ctx, layer, float8).items():
                 extra = again / 3 + (1 / 6 if sac_op and key.startswith("matmul") else 0.0)
                 parts[key.split(":")[0]] += tokens * flops * (1 + extra) / _rate(ctx, key)
-            parts["elementwise"] += (_ELEMENTWISE_PASSES * (1 + again / 2) * act.block_full(layer) * tokens
+            # Per-op selective AC replays the whole forward in backward, skipping only the saved
+            # ops' compute: its elementwise traffic and kernels are full AC's.
+            replayed = 1.0 if sac_op else again
+            parts["elementwise"] += (_ELEMENTWISE_PASSES * (1 + replayed / 2) * act.block_full(layer) * tokens
                                      / (prof.memory_bandwidth_gbs * 1e9))
-            block = KERNELS["attention"] + KERNELS["moe" if m.is_moe_layer(layer) else "dense_ffn"]
-            kernels += block * (1 + again / 3) * n_mb
+            block = KERNELS["moe_block" if m.is_moe_layer(layer) else "dense_block"]
+            kernels += block * (1 + replayed / 3) * n_mb
         if stage == ctx.pipe.num_stages - 1:
             dtype = compute_dtype(cfg.training)
             head = f"matmul:{'float8' if 'output' in float8 else dtype}"

@@ -139,6 +139,13 @@ def check_pipeline(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], wor
                           "gradients), and per-op selective AC allows one backward per checkpointed region",
                           'use activation_checkpoint.mode = "full", a per-layer selective_ac_option (e.g. "2"), '
                           "or a schedule without split backward (1F1B, Interleaved1F1B)")
+    if degrees["tp"] > 1 and par.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+        # torch 2.13's stage_backward_input detaches the stage's outputs in place, and TP's
+        # outputs are views (of the redistributed local shard): "Can't detach views in-place".
+        raise ConfigError("parallelism.pipeline_parallel_schedule", par.pipeline_parallel_schedule,
+                          f"splits backward into input and weight halves, and torch's input half detaches the "
+                          f"stage's outputs in place, which fails on the views tensor parallelism "
+                          f"(tp = {degrees['tp']}) returns", "use Interleaved1F1B or 1F1B with tensor parallelism")
     if cfg.compile.enable and par.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
         raise ConfigError("parallelism.pipeline_parallel_schedule", par.pipeline_parallel_schedule,
                           "splits backward into input and weight halves, which torch does not support for "

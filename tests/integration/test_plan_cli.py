@@ -1,0 +1,83 @@
+"""`torchmoe plan` end to end: the commands docs/planner.md shows, the TOML it writes trains, a
+calibrated profile plans, and bad input is one message with exit status 2.
+
+    python -m pytest -q -m integration tests/integration/test_plan_cli.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DEBUG_CONFIG, assert_user_error
+from torchmoe.launch import read_metrics, run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def _torchmoe(*args: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
+    return run_cli(args, nproc=nproc, timeout=300, expect=None)
+
+
+def test_plan_writes_a_toml_that_trains(tmp_path: Path) -> None:
+    """torchmoe plan --config configs/debug_model.toml --gpus 4 --free all --out best.toml --json all.json,
+    then torchmoe train --config best.toml --dry-run --world-size 4, and one real step of it."""
+    best, every = tmp_path / "best.toml", tmp_path / "all.json"
+    plan = _torchmoe("plan", "--config", DEBUG_CONFIG, "--gpus", "4", "--free", "all", "--out", str(best),
+                     "--json", str(every), "--job.dump_folder", str(tmp_path / "run"))
+    assert plan.returncode == 0, plan.stderr
+    assert "fastest layouts" in plan.stdout and "families that lost" in plan.stdout
+    report = json.loads(every.read_text())
+    assert report["gpus"] == 4 and report["layouts"][0]["flags"]
+    dry = _torchmoe("train", "--config", str(best), "--dry-run", "--world-size", "4")
+    assert dry.returncode == 0 and "warning" not in dry.stderr, dry.stderr
+    run = _torchmoe("train", "--config", str(best), "--training.steps", "1", nproc=4)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 1
+
+
+def test_calibrated_profile_plans(tmp_path: Path) -> None:
+    """torchrun --nproc_per_node=2 -m torchmoe plan --calibrate cpu.json --config configs/debug_model.toml --budget 20,
+    then torchmoe plan --config configs/debug_model.toml --gpus 2 --hardware cpu.json --free all."""
+    profile = tmp_path / "cpu.json"
+    calibrated = _torchmoe("plan", "--calibrate", str(profile), "--config", DEBUG_CONFIG, "--budget", "20", nproc=2)
+    assert calibrated.returncode == 0, calibrated.stderr[-3000:]
+    doc = json.loads(profile.read_text())
+    assert doc["gpus_per_node"] == 2 and set(doc["collectives"]) == {
+        "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"}
+    plan = _torchmoe("plan", "--config", DEBUG_CONFIG, "--gpus", "2", "--hardware", str(profile), "--free", "all")
+    assert plan.returncode == 0, plan.stderr
+    assert f"plan: tiny on 2 x {doc['name']}" in plan.stdout
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ([], ("--gpus", "missing")),
+    (["--gpus", "0"], ("--gpus = \"0\"", "expected an integer >= 1")),
+    (["--gpus", "4", "--hardware", "h900"], ("--hardware = \"h900\"", "unknown hardware profile", "h100, h200")),
+    (["--gpus", "4", "--free", "optimizer"], ("--free = \"optimizer\"", "names no key")),
+    (["--gpus", "4", "--top", "x"], ("--top = \"x\"",)),
+    (["--gpus", "4", "--margin", "1.5"], ("--margin = \"1.5\"", "[0, 1)")),
+    (["--gpus", "4", "--out", "{folder}"], ("--out", "Is a directory")),
+    (["--gpus", "4", "--json", "{through}"], ("--json", "Not a directory")),
+    (["--gpus", "4", "--gpus", "8"], ("--gpus = \"8\"", "given more than once")),
+    (["--calibrate", "{through}"], ("--calibrate", "Not a directory")),
+    (["--calibrate", "{tmp}/p.json", "--budget", "-3"], ("--budget = \"-3\"", "positive number")),
+])
+def test_bad_plan_input_is_one_message(tmp_path: Path, flags: list[str], expected: tuple[str, ...]) -> None:
+    (tmp_path / "file").write_text("x")
+    names = {"folder": str(tmp_path), "through": str(tmp_path / "file" / "out.json"), "tmp": str(tmp_path)}
+    argv = [f.format(**names) for f in flags]
+    assert_user_error(_torchmoe("plan", "--config", DEBUG_CONFIG, *argv), *expected)
+
+
+def test_nothing_fits_is_one_message() -> None:
+    result = _torchmoe("plan", "--config", str(Path(DEBUG_CONFIG).parent / "llama4_128e.toml"), "--gpus", "8")
+    assert_user_error(result, "--gpus = 8", "no layout of maverick fits 8 x h100", "does not fit")
+
+
+def test_dry_run_flags_only_with_dry_run() -> None:
+    assert_user_error(_torchmoe("train", "--config", DEBUG_CONFIG, "--hardware", "h100"),
+                      "--hardware = \"h100\"", "only plans", "--dry-run")
