@@ -129,7 +129,8 @@ def main() -> None:
     opts = parser.parse_args()
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    state = json.loads(out.read_text()) if opts.phase == "compare" else {"runs": {}}
+    # Runs of other flavors and world sizes already in the file are kept (measure one again alone).
+    state = json.loads(out.read_text()) if out.exists() else {"runs": {}}
     for flavor in opts.flavors:
         for world in opts.worlds:
             key = f"{flavor}/{world}"

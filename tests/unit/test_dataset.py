@@ -73,6 +73,10 @@ def test_python_docs_order_and_exclusions(tmp_path: Path) -> None:
         "idlelib/editor.py", "json/__init__.py", "json/decoder.py", "os.py", "zipfile.py",
         "idlelib/idle_test/test_x.py", "test/test_os.py",
     ]  # fmt: skip
+    # The test suite's encoding samples (a BOM, Latin-1) are left out: the reader refuses them.
+    (tmp_path / "test" / "bad_coding2.py").write_bytes(b"\xef\xbb\xbfx = 1\n")
+    (tmp_path / "test" / "latin1.py").write_bytes(b"# -*- coding: latin-1 -*-\nx = '\xe9'\n")
+    assert [p.relative_to(tmp_path).as_posix() for p in python_docs_files(tmp_path)] == got
 
 
 # local -------------------------------------------------------------------------------------

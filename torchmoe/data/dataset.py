@@ -472,7 +472,10 @@ def python_docs_files(stdlib: str | Path | None = None) -> list[Path]:
     keeps the first pass identical there up to that point. Within each part files are sorted by
     path relative to the stdlib root, so the order does not depend on the install location or
     the file system. Installed packages and machine-specific files (`_sysconfigdata*`,
-    `config-*/`) are excluded.
+    `config-*/`) are excluded, and so are the test suite's encoding samples: files that are not
+    plain UTF-8 (a byte order mark, Latin-1, KOI8-R: 6 on CPython 3.11, e.g.
+    `test/tokenizedata/bad_coding2.py`), which the corpus reader refuses as a user's file
+    (`config.text`) and which would stop the default job where a row reaches one.
 
     Args:
         stdlib: the stdlib folder; default `sysconfig.get_paths()["stdlib"]`.
@@ -487,7 +490,15 @@ def python_docs_files(stdlib: str | Path | None = None) -> list[Path]:
         for name in filenames:
             if name.endswith(".py") and not name.startswith("_sysconfigdata"):
                 part.append(((rel_dir / name).as_posix(), Path(dirpath) / name))
-    return [path for _, path in sorted(modules)] + [path for _, path in sorted(tests)]
+    return [path for _, path in sorted(modules)] + [path for _, path in sorted(tests) if _plain_utf8(path)]
+
+
+def _plain_utf8(path: Path) -> bool:
+    try:
+        utf8_text(path.read_bytes())
+    except NotUTF8:
+        return False
+    return True
 
 
 def local_files(dataset_path: str, *, key: str = "training.dataset_path") -> list[Path]:

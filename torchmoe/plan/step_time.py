@@ -218,8 +218,8 @@ def _block_flops(ctx: _Context, layer: int, float8: set[str]) -> dict[str, float
         terms += [linear("feed_forward.w1", d, f, tp), linear("feed_forward.w3", d, f, tp),
                   linear("feed_forward.w2", f, d, tp)]
     else:
-        share = 1 / tp if (ctx.dims.ep_enabled or tp == 1) else 1.0  # MoE TP replicates the gate
-        terms.append(linear("moe.router.gate", d, m.num_experts, 1 / share))
+        # MoE TP replicates the gate over the gathered sequence; under EP it scores the rank's shard.
+        terms.append(linear("moe.router.gate", d, m.num_experts, 1 if ctx.dims.moe_tp_enabled else tp))
         if m.num_shared_experts:
             s = m.moe_hidden_dim * m.num_shared_experts
             terms += [linear("moe.shared_experts.w1", d, s, tp), linear("moe.shared_experts.w3", d, s, tp),
