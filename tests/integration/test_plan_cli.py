@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error
+from torchmoe import cli
 from torchmoe.launch import read_metrics, run_cli
 
 pytestmark = pytest.mark.integration
@@ -66,11 +67,18 @@ def test_calibrated_profile_plans(tmp_path: Path) -> None:
     (["--calibrate", "{through}"], ("--calibrate", "Not a directory")),
     (["--calibrate", "{tmp}/p.json", "--budget", "-3"], ("--budget = \"-3\"", "positive number")),
 ])
-def test_bad_plan_input_is_one_message(tmp_path: Path, flags: list[str], expected: tuple[str, ...]) -> None:
+def test_bad_plan_input_is_one_message(tmp_path: Path, flags: list[str], expected: tuple[str, ...],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """In process (`cli.main` returns the status rather than raising: no traceback); the
+    subprocess path of the same errors is `test_nothing_fits_is_one_message`'s."""
     (tmp_path / "file").write_text("x")
     names = {"folder": str(tmp_path), "through": str(tmp_path / "file" / "out.json"), "tmp": str(tmp_path)}
     argv = [f.format(**names) for f in flags]
-    assert_user_error(_torchmoe("plan", "--config", DEBUG_CONFIG, *argv), *expected)
+    assert cli.main(["plan", "--config", DEBUG_CONFIG, *argv]) == 2
+    out, err = capsys.readouterr()
+    text = " ".join(err.split())
+    assert err.startswith("error: ") and err.count("error:") == 1 and "Traceback" not in err, err
+    assert all(" ".join(e.split()) in text for e in expected), err
 
 
 def test_nothing_fits_is_one_message() -> None:

@@ -68,7 +68,12 @@ def test_each_file_plans_its_job(name: str, world_size: int, expected: str, tmp_
                      "--job.dump_folder", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert expected in " ".join(out.split()), out
-    assert "warning:" not in err and "error:" not in err, err
+    # No key needs a warning; the only warnings are the planner's about speed (torchtitan's
+    # Maverick preset: 1F1B over 4 micro-batches idles 43% of each step; docs/planner.md).
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert all(" slower than the planner's best " in w or w.startswith("warning: pipeline bubble ")
+               for w in warnings), err
+    assert "error:" not in err, err
 
 
 def _reference_step1(checkout: Path, seed: int) -> tuple[float, float]:

@@ -8,6 +8,7 @@ flat profile whose every rate is 1 TFLOP/s so the compute time is the FLOP count
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import json
 from pathlib import Path
@@ -44,6 +45,13 @@ def flat_profile(**changes) -> dict:
 
 def check(cfg, world):
     validate_layout(cfg, world)
+
+
+@functools.cache
+def scout_64():
+    """The shipped Scout config on 64 h100s, every key free (searched once for the tests here)."""
+    return search(load_job_config(["--config", str(REPO / "configs" / "llama4_16e.toml")]), 64,
+                  load_profile("h100"), check=check)
 
 
 # ---- profiles --------------------------------------------------------------------------------
@@ -191,8 +199,7 @@ def test_planner_choices_and_figures_are_pinned() -> None:
     best = result.best
     assert best.family == "dp_replicate 4"
     assert best.prediction.tokens_per_s_per_gpu == pytest.approx(PINNED["tiny_4_h100"], rel=1e-6)
-    scout = load_job_config(["--config", str(REPO / "configs" / "llama4_16e.toml")])
-    result = search(scout, 64, load_profile("h100"), check=check)
+    result = scout_64()
     assert result.best.family == PINNED["scout_64_family"]
     assert result.best.prediction.tokens_per_s_per_gpu == pytest.approx(PINNED["scout_64_h100"], rel=1e-6)
     assert result.best.memory_gib <= 0.9 * 80
@@ -216,9 +223,7 @@ def test_keys_the_config_sets_stay_fixed_unless_freed() -> None:
 
 
 def test_families_lose_with_a_reason() -> None:
-    cfg = load_job_config(["--config", str(REPO / "configs" / "llama4_16e.toml")])
-    result = search(cfg, 64, load_profile("h100"), check=check)
-    reasons = result.pruned
+    reasons = scout_64().pruned
     assert reasons["dp_shard 64"].startswith("does not fit: ")
     slower = [r for r in reasons.values() if "slower at best" in r]
     assert slower and all(any(w in r for w in ("bubble", "traffic", "compute-bound")) for r in slower)
