@@ -25,12 +25,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.loader import write_config_toml
 from torchmoe.config.paths import path_faults, writable_file, writable_folder
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
+from torchmoe.plan.parallel_dims import ParallelDims
+from torchmoe.plan.pipeline import bubble_fraction, microbatches, pipeline_layout
 from torchmoe.plan.search import DEFAULT_MARGIN, PLAN_KEYS, Layout, SearchResult, free_keys, search
+from torchmoe.plan.step_time import predict
 from torchmoe.preflight import validate_layout
 
 __all__ = ["PLAN_DESCRIPTION", "dry_run_advice", "plan_main", "run_plan"]
@@ -271,16 +275,9 @@ def dry_run_advice(cfg: JobConfig, world_size: int, *, hardware: str = "", gpus_
       `hardware` (default h100; a CPU job is compared only when `hardware` is given, as GPU
       rates say nothing about it), with the flags of the best.
     """
-    from torchmoe.plan.pipeline import bubble_fraction, microbatches, pipeline_layout
-    from torchmoe.plan.step_time import predict
-
     console = console or Console(stderr=True, highlight=False, soft_wrap=True)
     lines = []
-    dims_pp = cfg.parallelism.pipeline_parallel_degree
-    if dims_pp > 1:
-        from torchmoe.arch.llama4 import model_args_from_config
-        from torchmoe.plan.parallel_dims import ParallelDims
-
+    if cfg.parallelism.pipeline_parallel_degree > 1:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
         pipe = pipeline_layout(model_args_from_config(cfg.model), dims, cfg.parallelism, cfg.training.seq_len)
         n = microbatches(cfg.training, cfg.parallelism)[0]

@@ -53,7 +53,7 @@ busy time (compute and the exposed tp/ep/cp/pp traffic) is stretched by ``b / (1
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
@@ -124,7 +124,6 @@ class StepPrediction:
     world_size: int
     model_flops_per_token: float
     peak_flops: float
-    notes: list[str] = field(default_factory=list)
 
     @property
     def compute_s(self) -> float:
