@@ -2,6 +2,7 @@
 
     python scripts/bench_planner.py                       # calibrate, measure, compare (~15 min)
     python scripts/bench_planner.py --phase compare       # re-predict the layouts measured before
+    python scripts/bench_planner.py --phase search        # time `torchmoe plan` at GPU scale (~1 min)
 
 For each flavor (tiny, debugmodel) and world size (2, 4): calibrate this machine under torchrun
 with that many ranks (`torchmoe plan --calibrate`), let the planner enumerate and score the job's
@@ -17,6 +18,11 @@ with the prediction:
 Measuring is the slow part, so the measured step times are kept in the JSON (default
 outputs/bench_planner.json) and `--phase compare` predicts the same layouts again with the
 current model. Run it on a quiet machine: other processes change both calibration and runs.
+
+`--phase search` times the whole `torchmoe plan` command (Python start, imports, the search over
+every key, the table) on the h100 profile for the shipped Scout and Maverick configs at GPU
+scale, `SEARCH_REPEATS` times each, and keeps the median under "search" (target: Maverick on
+1,024 GPUs in under 10 s).
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Per flavor: sequence length and global batch (sequences per step) of the measured job.
 JOBS = {"tiny": (1024, 8), "debugmodel": (1024, 4)}
 STEPS, WARMUP = 8, 2
+# `--phase search`: (config, GPUs) planned, and runs of each.
+SEARCH_JOBS = [("configs/llama4_16e.toml", 64), ("configs/llama4_128e.toml", 256), ("configs/llama4_128e.toml", 1024)]
+SEARCH_REPEATS = 3
 
 
 def base_args(flavor: str) -> list[str]:
@@ -119,18 +128,39 @@ def compare(flavor: str, world: int, profile_path: Path, layouts: list[dict]) ->
             "median_error": statistics.median(abs(r["error"]) for r in rows)}
 
 
+def time_search() -> list[dict]:
+    """Median wall seconds of `torchmoe plan --free all` per `SEARCH_JOBS` entry."""
+    rows = []
+    for config, gpus in SEARCH_JOBS:
+        seconds = []
+        for _ in range(SEARCH_REPEATS):
+            start = time.perf_counter()
+            run_cli(["plan", "--config", REPO / config, "--gpus", str(gpus), "--hardware", "h100", "--free", "all"],
+                    threads=None)
+            seconds.append(time.perf_counter() - start)
+        rows.append({"config": config, "gpus": gpus, "seconds": statistics.median(seconds), "runs": seconds})
+        print(f"plan {config} on {gpus} GPUs: {rows[-1]['seconds']:.1f} s (runs {', '.join(f'{x:.1f}' for x in seconds)})",
+              flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flavors", nargs="+", default=list(JOBS))
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--layouts", type=int, default=12)
-    parser.add_argument("--phase", choices=("all", "compare"), default="all")
+    parser.add_argument("--phase", choices=("all", "compare", "search"), default="all")
     parser.add_argument("--out", default="outputs/bench_planner.json")
     opts = parser.parse_args()
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Runs of other flavors and world sizes already in the file are kept (measure one again alone).
     state = json.loads(out.read_text()) if out.exists() else {"runs": {}}
+    if opts.phase == "search":
+        state["search"] = time_search()
+        out.write_text(json.dumps(state, indent=1))
+        print(f"wrote {out}")
+        return
     for flavor in opts.flavors:
         for world in opts.worlds:
             key = f"{flavor}/{world}"

@@ -155,3 +155,73 @@ def shard_numel(spec: ParamSpec, dims: ParallelDims) -> int:
     # they sit in their block's unit, sharded on dim 0 like every other parameter.
     dim = expert_fsdp_shard_dim(shape[0], n) if spec.expert and dims.ep_enabled else 0
     return math.ceil(shape[dim] / n) * math.prod(shape) // shape[dim]
+
+
+# ---- per-unit totals ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """What one rank holds of one FSDP unit (a block, the embedding, or the final norm and head).
+
+    Attributes:
+        stored: elements stored after TP/EP and FSDP sharding, padding included (`shard_numel`).
+        local: TP/EP-local elements, what FSDP all-gathers: (dense parameters, routed experts).
+        tensors: parameter tensors: (dense, routed experts).
+        matmul_local: TP/EP-local elements of the matmul weights, what autocast casts (norms are
+            not matmul weights, nor an untied embedding, which is a lookup).
+    """
+
+    stored: int
+    local: tuple[int, int]
+    tensors: tuple[int, int]
+    matmul_local: int
+
+
+def unit_sizes(args: ModelArgs, dims: ParallelDims) -> dict[str, UnitSize]:
+    """`UnitSize` of every FSDP unit of ``Transformer(args)`` under `dims`, in module order.
+
+    Memoised, and blocks with the same parameter shapes (all dense blocks, all MoE blocks) are
+    summed once: the layout search asks for hundreds of layouts of a 48-block model.
+    """
+    def compute() -> dict[str, UnitSize]:
+        by_shapes: dict[tuple, UnitSize] = {}
+        out = {}
+        for unit, specs in _units(args).items():
+            shapes = tuple((s.shape, s.tp_dim, s.kind, s.fqn == "tok_embeddings.weight") for s in specs)
+            if shapes not in by_shapes:
+                by_shapes[shapes] = _unit_size(specs, dims, args.tie_word_embeddings)
+            out[unit] = by_shapes[shapes]
+        return out
+
+    return memoised(_UNIT_SIZES, (repr(args), dims), compute)
+
+
+_UNIT_SIZES: dict[tuple, dict[str, UnitSize]] = {}
+
+
+def _units(args: ModelArgs) -> dict[str, tuple[ParamSpec, ...]]:
+    """The parameters of each FSDP unit, in module order (memoised by the arguments' text)."""
+    def compute() -> dict[str, tuple[ParamSpec, ...]]:
+        out: dict[str, list[ParamSpec]] = {}
+        for spec in param_specs(args):
+            out.setdefault(spec.fsdp_unit, []).append(spec)
+        return {unit: tuple(specs) for unit, specs in out.items()}
+
+    return memoised(_UNITS, repr(args), compute, limit=32)
+
+
+_UNITS: dict[str, dict[str, tuple[ParamSpec, ...]]] = {}
+
+
+def _unit_size(specs: tuple[ParamSpec, ...], dims: ParallelDims, tie_word_embeddings: bool) -> UnitSize:
+    local = [0, 0]
+    tensors = [0, 0]
+    matmul = 0
+    for spec in specs:
+        n = math.prod(local_shape(spec, dims))
+        local[spec.expert] += n
+        tensors[spec.expert] += 1
+        if len(spec.shape) >= 2 and (tie_word_embeddings or spec.fqn != "tok_embeddings.weight"):
+            matmul += n
+    return UnitSize(sum(shard_numel(s, dims) for s in specs), (local[0], local[1]), (tensors[0], tensors[1]), matmul)

@@ -113,14 +113,14 @@ from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.plan.context import HALO, LOCAL, CPLayout
-from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
+from torchmoe.plan.layout import UnitSize, unit_sizes
 from torchmoe.plan.memo import memoised
 from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
 )
 from torchmoe.plan.pipeline import microbatches as pipeline_microbatches
-from torchmoe.plan.pipeline import peak_activations_in_flight, pipeline_layout, rank_param_specs
+from torchmoe.plan.pipeline import peak_activations_in_flight, pipeline_layout, rank_units
 
 GIB = 1024**3
 _OPTIMIZER_STATES = 2  # AdamW and Adam: exp_avg, exp_avg_sq
@@ -190,24 +190,20 @@ def residual_dtype_bytes(dims: ParallelDims, training_cfg: Training) -> int:
 # ---- states and FSDP buffers --------------------------------------------------------------------
 
 
-def _param_copy_bytes(specs: list[ParamSpec], model_args: ModelArgs, dims: ParallelDims, training_cfg: Training,
+def _param_copy_bytes(units: list[UnitSize], dims: ParallelDims, training_cfg: Training,
                       parallelism_cfg: Parallelism) -> int:
-    """Peak bytes of compute-dtype parameter copies: FSDP's unsharded units, or autocast's."""
+    """Peak bytes of compute-dtype parameter copies: FSDP's unsharded units, or autocast's
+    (`units`: one rank's FSDP units in execution order)."""
     if autocast_enabled(dims, training_cfg):
         # autocast casts each matmul weight once per forward and keeps the copy until the forward
-        # ends (and backward needs it): norms and an untied embedding are not matmul weights.
-        matmul = [s for s in specs if len(s.shape) >= 2 and (
-            model_args.tie_word_embeddings or s.fqn != "tok_embeddings.weight")]
-        return compute_dtype_bytes(training_cfg) * sum(math.prod(local_shape(s, dims)) for s in matmul)
+        # ends (and backward needs it).
+        return compute_dtype_bytes(training_cfg) * sum(u.matmul_local for u in units)
     if not dims.fsdp_enabled:
         return 0
     c = DTYPE_BYTES[training_cfg.mixed_precision_param]
     r = DTYPE_BYTES[training_cfg.mixed_precision_reduce]
-    # TP/EP-local elements of each FSDP unit, in execution order (specs are in module order).
-    units: dict[str, int] = {}
-    for spec in specs:
-        units[spec.fsdp_unit] = units.get(spec.fsdp_unit, 0) + math.prod(local_shape(spec, dims))
-    numel = list(units.values())
+    # TP/EP-local elements of each FSDP unit, in execution order.
+    numel = [sum(u.local) for u in units]
     grad_bytes = c + r if r != c else c
     policy = parallelism_cfg.fsdp_reshard_after_forward
     if policy == "never" or (policy == "default" and dims.pp_enabled):
@@ -432,9 +428,9 @@ def _rank_state(model_args: ModelArgs, dims: ParallelDims, pipe: PipelineLayout,
                 training_cfg: Training, parallelism_cfg: Parallelism) -> tuple[int, int]:
     """(stored parameter elements, FSDP/autocast parameter-copy bytes) of one rank of `pp_rank`."""
     def compute() -> tuple[int, int]:
-        local = rank_param_specs(param_specs(model_args), pipe, pp_rank)
-        return (sum(shard_numel(s, dims) for s in local),
-                _param_copy_bytes(local, model_args, dims, training_cfg, parallelism_cfg))
+        sizes = unit_sizes(model_args, dims)
+        local = [sizes[unit] for unit in rank_units(pipe, pp_rank)]
+        return sum(u.stored for u in local), _param_copy_bytes(local, dims, training_cfg, parallelism_cfg)
 
     key = (repr(model_args), dims, pipe.key, pp_rank, training_cfg.dtype, training_cfg.mixed_precision_param,
            training_cfg.mixed_precision_reduce, parallelism_cfg.fsdp_reshard_after_forward)

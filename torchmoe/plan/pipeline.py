@@ -37,10 +37,12 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism, Training
-from torchmoe.plan.layout import ParamSpec, param_specs, shard_numel
+from torchmoe.plan.layout import ParamSpec, unit_sizes
 from torchmoe.plan.memo import memoised
 from torchmoe.plan.parallel_dims import ParallelDims
 
@@ -114,17 +116,18 @@ def stage_ranks(pp: int, num_stages: int, schedule: str) -> list[list[int]]:
     return ranks
 
 
+def rank_units(pipe: PipelineLayout, pp_rank: int) -> list[str]:
+    """The FSDP units (`ParamSpec.fsdp_unit`) `pp_rank` holds, in module order: its blocks, plus
+    the embedding / the final norm and head on the end stages."""
+    return ((["tok_embeddings"] if pipe.has_first_stage(pp_rank) else [])
+            + [f"layers.{i}" for i in pipe.rank_layers(pp_rank)]
+            + (["head"] if pipe.has_last_stage(pp_rank) else []))
+
+
 def rank_param_specs(specs: list[ParamSpec], pipe: PipelineLayout, pp_rank: int) -> list[ParamSpec]:
-    """The parameters `pp_rank` holds: its blocks, plus the embedding / head on the end stages."""
-    layers = set(pipe.rank_layers(pp_rank))
-    keep = []
-    for spec in specs:
-        unit = spec.fsdp_unit
-        if (spec.layer is not None and spec.layer in layers) or (
-                unit == "tok_embeddings" and pipe.has_first_stage(pp_rank)) or (
-                unit == "head" and pipe.has_last_stage(pp_rank)):
-            keep.append(spec)
-    return keep
+    """The parameters `pp_rank` holds (of its `rank_units`), in module order."""
+    units = set(rank_units(pipe, pp_rank))
+    return [spec for spec in specs if spec.fsdp_unit in units]
 
 
 # ---- the cost model ---------------------------------------------------------------------------
@@ -167,14 +170,10 @@ def layer_costs(args: ModelArgs, dims: ParallelDims, seq_len: int, *,
         (flops per block, state bytes per block, ``{"first_bytes", "last_bytes", "last_flops"}``):
         the embedding's bytes (first stage), the final norm + head's bytes and FLOPs (last stage).
     """
-    state = [0] * args.n_layers
-    ends = {"first_bytes": 0, "last_bytes": 0, "last_flops": args.head_flops_per_token()}
-    for spec in param_specs(args):
-        nbytes = state_bytes_per_param * shard_numel(spec, dims)
-        if spec.layer is not None:
-            state[spec.layer] += nbytes
-        else:
-            ends["first_bytes" if spec.fsdp_unit == "tok_embeddings" else "last_bytes"] += nbytes
+    units = unit_sizes(args, dims)
+    state = [state_bytes_per_param * units[f"layers.{i}"].stored for i in range(args.n_layers)]
+    ends = {"first_bytes": state_bytes_per_param * units["tok_embeddings"].stored,
+            "last_bytes": state_bytes_per_param * units["head"].stored, "last_flops": args.head_flops_per_token()}
     flops = [args.layer_flops_per_token(i, seq_len) for i in range(args.n_layers)]
     return flops, state, ends
 
@@ -201,34 +200,44 @@ def split_by_cost(flops: list[int], state: list[int], num_stages: int,
                   ends: dict[str, int] | None = None) -> list[list[int]]:
     """Contiguous, non-empty stages minimising the largest ``max(time / mean, memory / mean)``.
 
-    Exact: a dynamic program over split points, O(num_stages * n_layers^2). Ties go to the split
-    whose earlier stages are shorter (deterministic, so every rank computes the same split).
+    Exact: a dynamic program over split points, O(num_stages * n_layers^2), one (n+1, n+1)
+    array operation per stage (the layout search asks for hundreds of splits of 48 blocks).
+    Ties go to the split whose earlier stages are shorter (deterministic, so every rank computes
+    the same split).
     """
     ends = ends or {"first_bytes": 0, "last_bytes": 0, "last_flops": 0}
-    n = len(flops)
+    n, last = len(flops), num_stages - 1
     mean_f = (sum(flops) + ends["last_flops"]) / num_stages or 1.0
     mean_m = (sum(state) + ends["first_bytes"] + ends["last_bytes"]) / num_stages or 1.0
-    pre_f, pre_m = [0], [0]
-    for f, m in zip(flops, state):
-        pre_f.append(pre_f[-1] + f)
-        pre_m.append(pre_m[-1] + m)
+    # int64 sums stay exact (a 2T-parameter model's state is ~3e13 bytes) and convert to float
+    # as Python's int / float does, so the split is the same on every rank and every platform.
+    pre_f = np.concatenate(([0], np.cumsum(flops, dtype=np.int64)))
+    pre_m = np.concatenate(([0], np.cumsum(state, dtype=np.int64)))
+    span_f = pre_f[None, :] - pre_f[:, None]  # [i, j]: blocks i..j-1 (meaningful for i < j)
+    span_m = pre_m[None, :] - pre_m[:, None]
+    empty = np.tri(n + 1, dtype=bool)  # i >= j: an empty or reversed stage
 
-    def cost(stage: int, lo: int, hi: int) -> float:  # blocks lo..hi-1 as stage `stage`
-        f, m = _with_ends(stage, num_stages, pre_f[hi] - pre_f[lo], pre_m[hi] - pre_m[lo], ends)
-        return max(f / mean_f, m / mean_m)
+    def cost(stage: int) -> np.ndarray:
+        """(n+1, n+1): the cost of blocks i..j-1 as `stage`, inf where i >= j."""
+        f = span_f + (ends["last_flops"] if stage == last else 0)
+        m = span_m + (ends["first_bytes"] if stage == 0 else 0) + (ends["last_bytes"] if stage == last else 0)
+        return np.where(empty, np.inf, np.maximum(f / mean_f, m / mean_m))
 
-    # best[s][j]: (max cost, where stage s starts) of the first j blocks as stages 0..s; the first
-    # minimum over ascending starts wins ties.
-    best: list[dict[int, tuple[float, int]]] = [{j: (cost(0, 0, j), 0) for j in range(1, n - num_stages + 2)}]
+    # best[j]: the smallest max cost of the first j blocks as stages 0..s (inf where they cannot
+    # fill s + 1 non-empty stages and leave one block for each later stage); start[s][j]: where
+    # stage s then begins. argmin takes the first minimum over ascending starts: the tie rule.
+    reachable = np.arange(n + 1)
+    best = np.where((reachable >= 1) & (reachable <= n - last), cost(0)[0], np.inf)
+    starts = [np.zeros(n + 1, dtype=np.int64)]
     for s in range(1, num_stages):
-        row = {}
-        prev = best[-1]
-        for j in range(s + 1, n - num_stages + s + 2):
-            row[j] = min(((max(prev[i][0], cost(s, i, j)), i) for i in prev if i < j), key=lambda c: c[0])
-        best.append(row)
+        candidates = np.maximum(best[:, None], cost(s))
+        start = np.argmin(candidates, axis=0)
+        best = candidates[start, reachable]
+        best[(reachable < s + 1) | (reachable > n - last + s)] = np.inf
+        starts.append(start)
     bounds = [n]
-    for s in range(num_stages - 1, -1, -1):
-        bounds.append(best[s][bounds[-1]][1])
+    for s in range(last, -1, -1):
+        bounds.append(int(starts[s][bounds[-1]]))
     bounds.reverse()
     return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
 

@@ -29,7 +29,8 @@ Speed, in three phases (`search`):
   2. the `_TUNED_FAMILIES` fastest of them are tuned by a coordinate search over their knobs;
   3. the `_REPLICATED_FAMILIES` best are tried with data-parallel replicas (HSDP) at their knobs.
 Context parallelism keeps at least `_MIN_CP_TOKENS` per rank and pipelining two blocks per pp
-rank. Maverick on 1,024 GPUs: about 900 layouts estimated, in about 10 s (docs/planner.md).
+rank. Maverick on 1,024 GPUs: about 900 layouts estimated; the whole command takes about 7 s
+(`scripts/bench_planner.py --phase search`, docs/planner.md).
 """
 
 from __future__ import annotations

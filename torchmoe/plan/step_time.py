@@ -52,7 +52,6 @@ busy time (compute and the exposed tp/ep/cp/pp traffic) is stretched by ``b / (1
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -63,7 +62,7 @@ from torchmoe.config.validate import resolve_degrees
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import selected_by
 from torchmoe.plan.hardware import HardwareProfile
-from torchmoe.plan.layout import local_shape, param_specs, shard_numel
+from torchmoe.plan.layout import unit_sizes
 from torchmoe.plan.memo import memoised
 from torchmoe.plan.memory import (
     ActivationModel,
@@ -79,7 +78,7 @@ from torchmoe.plan.pipeline import (
     bubble_fraction,
     microbatches,
     pipeline_layout,
-    rank_param_specs,
+    rank_units,
 )
 from torchmoe.plan.tp_comm import float8_linear_names, tp_gather_bytes
 
@@ -287,12 +286,13 @@ class _RankParams:
 
 def _rank_params(ctx: _Context, pp_rank: int) -> _RankParams:
     def compute() -> _RankParams:
-        local = rank_param_specs(param_specs(ctx.args), ctx.pipe, pp_rank)
+        sizes = unit_sizes(ctx.args, ctx.dims)
+        local = [sizes[unit] for unit in rank_units(ctx.pipe, pp_rank)]
         kinds = (False, True)
         return _RankParams(
-            stored=sum(shard_numel(s, ctx.dims) for s in local), tensors=len(local),
-            unsharded={k: sum(math.prod(local_shape(s, ctx.dims)) for s in local if s.expert == k) for k in kinds},
-            units={k: len({s.fsdp_unit for s in local if s.expert == k}) for k in kinds})
+            stored=sum(u.stored for u in local), tensors=sum(sum(u.tensors) for u in local),
+            unsharded={k: sum(u.local[k] for u in local) for k in kinds},
+            units={k: sum(u.tensors[k] > 0 for u in local) for k in kinds})
 
     return memoised(_RANK_PARAMS, (repr(ctx.args), ctx.dims, ctx.pipe.key, pp_rank), compute)
 
@@ -384,6 +384,7 @@ def predict_layout(cfg: JobConfig, dims: ParallelDims, profile: HardwareProfile,
                           loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
                           autocast=autocast_enabled(dims, t), document_masking=t.document_masking)
     float8 = float8_linear_names(args, cfg.float8.filter_fqns) if cfg.float8.enable else set()
+    model_flops = args.flops_per_token(t.seq_len)
     best: StepPrediction | None = None
     bubble = bubble_fraction(cfg.parallelism.pipeline_parallel_schedule, dims.pp, pipe.num_stages, n_pipe)
     for pp_rank in range(dims.pp):
@@ -399,7 +400,7 @@ def predict_layout(cfg: JobConfig, dims: ParallelDims, profile: HardwareProfile,
         pred = StepPrediction(
             compute=compute, comm=comm, comm_total=total, bubble=busy * bubble / (1 - bubble),
             tokens=accumulation * t.local_batch_size * dims.dp * t.seq_len, world_size=dims.world_size,
-            model_flops_per_token=args.flops_per_token(t.seq_len),
+            model_flops_per_token=model_flops,
             peak_flops=profile.peak(compute_dtype(t)))
         if best is None or pred.step_s > best.step_s:
             best = pred

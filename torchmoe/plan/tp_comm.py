@@ -29,6 +29,7 @@ from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.config.job_config import JobConfig
 from torchmoe.plan.float8 import float8_linear_eligible, float8_tp_enabled
 from torchmoe.plan.layout import param_specs
+from torchmoe.plan.memo import memoised
 from torchmoe.plan.memory import compute_dtype_bytes, residual_dtype_bytes
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import PipelineLayout
@@ -63,11 +64,11 @@ def tp_gather_bytes(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: P
     """The TP all-gather bytes of one step on one rank (see the module docstring); zeros without TP."""
     if not dims.tp_enabled:
         return TPGatherBytes(0.0, 0.0, 0.0, 0.0)
-    float8 = float8_linear_names(args, cfg.float8.filter_fqns) if float8_tp_enabled(cfg.float8) else set()
     rows = max(cfg.training.global_batch_size, 0) // dims.dp or cfg.training.local_batch_size
     # Elements one rank receives per all-gather of a (tokens, dim) tensor, over the whole step.
     per_gather = rows * cfg.training.seq_len / dims.cp * args.dim * (dims.tp - 1) / dims.tp
     r, a = residual_dtype_bytes(dims, cfg.training), compute_dtype_bytes(cfg.training)
+    per_block = _gathers_per_block(args, dims, cfg, r)
     ac = cfg.activation_checkpoint
     loss_parallel = not cfg.parallelism.disable_loss_parallel
     best: TPGatherBytes | None = None
@@ -75,8 +76,7 @@ def tp_gather_bytes(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: P
         fwd = bwd = rec = hp = 0.0
         for stage in stages:
             for position, layer in enumerate(pipe.layers[stage]):
-                block_fwd, block_bwd = _block_gathers(args, layer, dims, float8, r)
-                plain_fwd, plain_bwd = _block_gathers(args, layer, dims, set(), r)
+                (block_fwd, block_bwd), (plain_fwd, plain_bwd) = per_block[layer]
                 recomputed = ac.mode == "full" or (ac.mode == "selective" and (
                     ac.selective_ac_option == "op" or position % int(ac.selective_ac_option) == 0))
                 fwd, bwd, rec = fwd + block_fwd, bwd + block_bwd, rec + block_fwd * recomputed
@@ -90,6 +90,24 @@ def tp_gather_bytes(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: P
         if best is None or result.total > best.total:
             best = result
     return best
+
+
+def _gathers_per_block(args: ModelArgs, dims: ParallelDims, cfg: JobConfig, r: int
+                       ) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """`_block_gathers` of every block, with the job's float8 linears and with plain styles;
+    memoised by what they depend on (the search asks for it in every layout of a family)."""
+    float8_tp = float8_tp_enabled(cfg.float8)
+
+    def compute() -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        float8 = float8_linear_names(args, cfg.float8.filter_fqns) if float8_tp else set()
+        return [(_block_gathers(args, i, dims, float8, r), _block_gathers(args, i, dims, set(), r))
+                for i in range(args.n_layers)]
+
+    key = (repr(args), dims.moe_tp_enabled, float8_tp and tuple(cfg.float8.filter_fqns), r)
+    return memoised(_GATHERS, key, compute)
+
+
+_GATHERS: dict[tuple, list[tuple[tuple[int, int], tuple[int, int]]]] = {}
 
 
 def _block_gathers(args: ModelArgs, layer: int, dims: ParallelDims, float8: set[str], r: int) -> tuple[int, int]:
