@@ -346,3 +346,15 @@ def pipeline_action_orders(schedule: str, pp: int, stage_indices: list[int], num
                         for action in actions if action is not None for sub in (action.sub_actions or (action,))
                         for name in (str(sub.computation_type).rsplit(".", 1)[-1],)]
     return orders
+
+
+# ---- recovery across replica groups -----------------------------------------------------------
+
+
+def streaming_load(f) -> object:
+    """Tensors and plain values from torch's streaming format (what torchft's HTTP checkpoint
+    transport sends), unpickled with ``weights_only=True``: no code from the wire runs.
+    Public replacement: none (``torch.distributed._serialization._streaming_load``)."""
+    from torch.distributed._serialization import _streaming_load
+
+    return _streaming_load(f, weights_only=True)

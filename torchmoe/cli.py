@@ -25,7 +25,7 @@ from rich.markup import escape
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.job_config import Parallelism
 from torchmoe.config.loader import config_toml
-from torchmoe.config.paths import job_paths, user_path_faults
+from torchmoe.config.paths import job_paths, replica_group_config, user_path_faults
 from torchmoe.interruption import Interrupted, interrupt_on_signals
 from torchmoe.interruption import report as report_interruption
 
@@ -154,6 +154,7 @@ def _train(argv: list[str]) -> int:
             Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]warning:[/] {escape(note)}")
     world_size = resolve_world_size(flags.world_size, dry_run, cfg.parallelism)
     validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
+    cfg = replica_group_config(cfg)
     # Whatever the OS refuses about a path from here on is a user error naming the key that set it.
     with user_path_faults(job_paths(cfg)):
         return _run_train(cfg, world_size, flags)
@@ -225,6 +226,12 @@ def _plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
+def _lighthouse(argv: list[str]) -> int:
+    from torchmoe.lighthouse import lighthouse_main  # imported here: torchft pulls in torch
+
+    return lighthouse_main(argv)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
     "plan": Subcommand("Choose the fastest layout that fits on N GPUs (or --calibrate this machine).", _plan),
@@ -233,6 +240,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                          _report_figure),
     "prepare-data": Subcommand("Tokenize a corpus once into token shards that training reads by memory map.",
                                _prepare_data),
+    "lighthouse": Subcommand("Run torchft's lighthouse: the quorums of fault-tolerant replica groups.", _lighthouse),
 }
 
 

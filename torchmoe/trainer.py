@@ -40,6 +40,7 @@ from torchmoe.components.checkpoint import (
     SaveFailed,
     checkpoint_timeout,
 )
+from torchmoe.components.data_position import DataPosition
 from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.garbage_collection import GarbageCollection
@@ -69,6 +70,7 @@ from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch
+from torchmoe.distributed.fault_tolerance import ReplicaGroups, like, local_tensors
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
@@ -95,6 +97,8 @@ class StepResult:
     lr: float  # the learning rate this step used
     stop: bool  # some rank caught SIGTERM/SIGINT: every rank stops after this step
     tokens_per_expert: torch.Tensor | None  # (n_moe_layers, n_experts), summed over the batch
+    committed: bool = True  # under fault tolerance: the quorum let the optimizer step
+    participants: int = 1  # replica groups that took part in the step (fault tolerance)
 
 
 def _init_distributed(device: torch.device, comm_cfg: Comm, parallelism_cfg: Parallelism, dump_folder: Path) -> int:
@@ -170,12 +174,18 @@ class Trainer:
         self.model_args = model_args_from_config(cfg.model)
         self.batch_mesh = batch_mesh = self.mesh["batch"] if self.mesh is not None else None
         self.dp_rank = dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
-        # With the batch mesh the loader's checkpointed rows are a DTensor: each rank saves its own.
+        ft = cfg.fault_tolerance
+        # Under fault tolerance the batch rows are split over every group's dp ranks, group
+        # after group (HSDP's order, replica groups as its replicate dim); each rank keeps its
+        # own rows in checkpoints, as the batch mesh spans one group only.
+        groups, group = (ft.group_size, ft.replica_id) if ft.enable else (1, 0)
         self.dataloader = build_dataloader(
-            cfg.training, tokenizer, dp_rank=dp_rank, dp_degree=self.dims.dp, batch_mesh=batch_mesh,
-            index_cache=self.dump_folder / INDEX_FOLDER,
+            cfg.training, tokenizer, dp_rank=group * self.dims.dp + dp_rank, dp_degree=groups * self.dims.dp,
+            batch_mesh=None if ft.enable else batch_mesh, index_cache=self.dump_folder / INDEX_FOLDER,
         )
-        self.global_tokens = self.dataloader.global_batch_size * cfg.training.seq_len
+        # The loss is normalised by this group's tokens: averaged over the groups of a step, it
+        # is the mean over their rows (without fault tolerance: the global batch's).
+        self.global_tokens = self.dataloader.global_batch_size // groups * cfg.training.seq_len
         # What the matmuls compute in, in every layout (FSDP/DDP cast the parameters to it, other
         # layouts autocast): the planner's dtype, and the peak MFU is measured against.
         self.compute_dtype = torch_dtype(compute_dtype(cfg.training))
@@ -216,10 +226,19 @@ class Trainer:
             "model": ModelWrapper([self.model], flavor=cfg.model.flavor),
             "optimizer": OptimizerWrapper([self.model], [self.optimizer]),
             "lr_scheduler": self.scheduler,
-            "dataloader": self.dataloader,
+            "dataloader": RankLocal(self.dataloader, rank=self.rank) if ft.enable else self.dataloader,
             "rng": RankLocal(RNGState(), rank=self.rank),
         }
         self.step = 0
+        self.replicas: ReplicaGroups | None = None
+        self.data_position: DataPosition | None = None
+        self._recovered = False  # a peer's live state was taken since the batch was drawn
+        self._quorum_joined = False  # the next attempt's quorum was joined already (`fit`)
+        if ft.enable:
+            self.data_position = DataPosition(self.dump_folder, rank=self.rank)
+            self.replicas = ReplicaGroups(ft, quorum_timeout_s=cfg.comm.init_timeout_seconds, state=self._live_state,
+                                          load=self._load_live_state)
+            self.state["fault_tolerance"] = self.replicas
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         # This rank's share in sums of the loss over the world: only tp-coordinate 0 counts it,
         # since its TP peers hold the same value.
@@ -255,6 +274,9 @@ class Trainer:
             self.step = resumed
         else:
             self._load_initial_weights()
+        if self.replicas is not None:
+            # Where this group's rows start when a recovery finds no position it committed.
+            self._start_position = self.dataloader.state_dict()
         self._write_run_files(resumed=resumed is not None)
 
     def _load_initial_weights(self) -> None:
@@ -439,12 +461,24 @@ class Trainer:
                 stepped, so the model still holds the previous step's weights).
         """
         global_loss, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
+        if self.replicas is not None:
+            # Averaged over the step's replica groups before clipping, so every group clips and
+            # steps alike (the loss too, for the record).
+            self.replicas.average_([global_loss.view(1), *self._local_grads()])
+        counts = self._moe_counts()
         max_norm = self.cfg.training.max_norm
         with region("optimizer"):
             grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
                                         pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
         loss, stop, norm, bad_bias = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
                                                   bad_bias]).tolist()
+        lr = self.scheduler.get_last_lr()[0]
+        if self.replicas is not None and not self.replicas.commit():
+            # A peer failed during the step, or too few groups took part: nothing is stepped.
+            self.optimizer.zero_grad(set_to_none=True)
+            for moe in self.moe_layers:
+                moe.tokens_per_expert.zero_()
+            return StepResult(loss, norm, lr, stop > 0, None, committed=False, participants=self.replicas.participants)
         if bad_bias:  # set by the previous step's update, which no save has seen yet
             raise TrainingDiverged(f"an MoE expert bias is not finite after step {self.step}: stopping without "
                                    "saving; lower model.load_balance_coeff")
@@ -452,7 +486,6 @@ class Trainer:
             if not math.isfinite(value):
                 raise TrainingDiverged(f"{name} is {value} at step {self.step + 1}: stopping without saving; "
                                        "lower optimizer.lr or check the data")
-        lr = self.scheduler.get_last_lr()[0]
         try:
             self.optimizer.step()
         except RuntimeError as err:
@@ -465,8 +498,19 @@ class Trainer:
         precompute_float8_scales([self.model], self.cfg.float8)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        counts = self._update_moe_biases()
-        return StepResult(loss, norm, lr, stop > 0, counts)
+        counts = self._update_moe_biases(counts)
+        return StepResult(loss, norm, lr, stop > 0, counts,
+                          participants=self.replicas.participants if self.replicas is not None else 1)
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """Every parameter's gradient as this rank holds it (a DTensor's local shard), in the
+        model's order; a parameter without one gets zeros, so that every group's list lines up."""
+        grads = []
+        for param in self.model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+        return grads
 
     def _reduce_loss_and_flags(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sum the loss over data-parallel ranks and agree on stopping and on the expert biases
@@ -486,27 +530,62 @@ class Trainer:
         dist.all_reduce(buf)
         return buf[0], buf[1], buf[2]
 
-    def _update_moe_biases(self) -> torch.Tensor | None:
-        """Reduce this step's per-expert token counts over the batch and update every local
-        layer's bias identically on all replicas of its stage. Returns the (n_moe_layers,
-        n_experts) counts of every MoE layer of the model (under PP gathered over pp)."""
+    def _moe_counts(self) -> torch.Tensor | None:
+        """This step's (L_local, E) token counts of the local MoE layers, summed over every rank
+        that routes other tokens (and over the step's replica groups); None without local MoE
+        layers."""
+        if not self.moe_layers:  # a pipeline stage may have none
+            return None
+        counts = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # (L_local, E)
+        if self.mesh is not None and self.dims.dp * self.dims.cp > 1:
+            dist.all_reduce(counts, group=self.mesh["loss"].get_group())
+        if self.mesh is not None and self.dims.ep_enabled and self.dims.tp_enabled:
+            dist.all_reduce(counts, group=self.mesh["tp"].get_group())
+        if self.replicas is not None:
+            self.replicas.sum_(counts)
+        return counts
+
+    def _update_moe_biases(self, counts: torch.Tensor | None) -> torch.Tensor | None:
+        """Update every local layer's bias from `counts` (`_moe_counts`), identically on all
+        replicas of its stage. Returns the (n_moe_layers, n_experts) counts of every MoE layer of
+        the model (under PP gathered over pp)."""
         if not self.n_moe_layers:
             return None
-        if self.moe_layers:  # a pipeline stage may have none
-            counts = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # (L_local, E)
-            if self.mesh is not None and self.dims.dp * self.dims.cp > 1:
-                dist.all_reduce(counts, group=self.mesh["loss"].get_group())
-            if self.mesh is not None and self.dims.ep_enabled and self.dims.tp_enabled:
-                dist.all_reduce(counts, group=self.mesh["tp"].get_group())
+        if counts is not None:
             update_expert_bias(self.moe_layers, list(counts))
         if not self.dims.pp_enabled:
             return counts
         # Every MoE layer lives on exactly one pp rank: a sum over pp assembles all of them.
         full = torch.zeros(self.n_moe_layers, self.model_args.num_experts, device=self.device)
-        if self.moe_layers:
+        if counts is not None:
             full[self.moe_rows] = counts
         dist.all_reduce(full, group=self.mesh["pp"].get_group())
         return full
+
+    # ---- fault tolerance ------------------------------------------------------------------------
+
+    def _live_state(self) -> dict:
+        """What a recovering replica group takes from this rank: weights, optimizer, schedule and
+        step, as plain tensors (`fault_tolerance.local_tensors`). Its rows stay its own."""
+        # An optimizer that never stepped has no state to send; asking DCP for it would create
+        # some (it takes a zero step to build the moments: Adam's step count would then be off by one).
+        optimizer = local_tensors(self.state["optimizer"].state_dict()) if self.optimizer.state else {}
+        return {"model": local_tensors(self.state["model"].state_dict()), "optimizer": optimizer,
+                "lr_scheduler": self.scheduler.state_dict(), "step": self.step}
+
+    def _load_live_state(self, state: dict) -> None:
+        """Take a healthy peer's `_live_state`, and move this group's rows to where they stood
+        after its own last committed step (`DataPosition`; the start position if it has none)."""
+        self.state["model"].load_state_dict(like(self.state["model"].state_dict(), state["model"]))
+        if state["optimizer"]:
+            self.state["optimizer"].load_state_dict(like(self.state["optimizer"].state_dict(), state["optimizer"]))
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        logger.info("recovered the live state of step %d from a healthy replica group (this group was at step %d)",
+                    state["step"], self.step)
+        self.step = state["step"]
+        if self.data_position.restore(self.dataloader) is None:
+            self.dataloader.load_state_dict(self._start_position)
+        self._recovered = True
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -530,6 +609,11 @@ class Trainer:
         cfg = self.cfg
         steps = cfg.training.steps
         flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
+        if self.replicas is not None:
+            # The first quorum before the metrics file is opened: a group that is behind takes a
+            # peer's live state now, and its records of the steps it committed before stay.
+            self.replicas.start_step()
+            self._quorum_joined = True
         metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
                                 peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step,
                                 run_config=asdict(cfg))
@@ -550,25 +634,26 @@ class Trainer:
                                                             start_step=self.step))
             collector = GarbageCollection(cfg.training.gc_freq)
             stack.callback(collector.close)
-            first_step = self.step + 1
-            window = ThroughputWindow(first_step)
+            window = ThroughputWindow()
+            first = True  # this process's first step (a recovering replica group's step number jumps)
             compiled_before = DynamoCounts.now()
             while self.step < steps:
                 t0 = time.perf_counter()
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
-                with region("data"):
-                    batch = self.dataloader.next_batch()
-                result = self.train_step(batch)
+                result = self._committed_step()
                 self.step += 1
+                if self.data_position is not None:
+                    self.data_position.save(self.dataloader, committed_step=self.step)
                 step_s = time.perf_counter() - t0
-                window.add(self.step, self.global_tokens, step_s)
+                window.add(self.global_tokens, step_s)
                 extra = {"ep_all_to_all_gib": (ep_bytes_moved(self.model) - ep_bytes) / 2**30} \
                     if self.dims.ep_enabled else {}
-                if self.step == first_step:
+                if first:
                     if self.mesh is not None:  # loading, compile and warm-up are done
                         set_timeout(cfg.comm.train_timeout_seconds, [None, *self.mesh.groups()], self.device)
                     if cfg.compile.enable:
                         extra.update(self._compile_report(DynamoCounts.now().since(compiled_before), step_s))
+                first = False
                 validating = cfg.validation.enable and self.step % cfg.validation.freq == 0
                 if validating:  # after the step's timing and traffic: its numbers are the training's
                     extra["validation_loss"] = self.validate()
@@ -584,6 +669,7 @@ class Trainer:
                         "tokens_per_sec": tokens_per_sec,
                         "tflops": flops_per_token * tokens_per_sec / self.dims.world_size / 1e12,
                         "memory_gib": peak_memory_gib(self.device),
+                        **({"ft_participants": result.participants} if self.replicas is not None else {}),
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
@@ -601,6 +687,26 @@ class Trainer:
         if cfg.checkpoint.last_save_in_hf:
             self._save_hf()
         metrics.require_written()  # last: records held back by a full disk did not stop training
+
+    def _committed_step(self) -> StepResult:
+        """Draw a batch and train on it; under fault tolerance join each attempt's quorum first
+        and try again until the quorum commits: with the same batch, or with the next rows of
+        this group once it took a peer's live state (`_load_live_state` moved its rows)."""
+        batch = None
+        while True:
+            if self.replicas is not None and not self._quorum_joined:
+                self.replicas.start_step()
+            self._quorum_joined = False
+            if batch is None or self._recovered:
+                self._recovered = False
+                with region("data"):
+                    batch = self.dataloader.next_batch()
+            result = self.train_step(batch)
+            if result.committed:
+                return result
+            logger.warning("step %d was not committed: a replica group failed during it, or fewer than "
+                           "fault_tolerance.min_replica_size (%d) took part (%d did); trying it again",
+                           self.step + 1, self.cfg.fault_tolerance.min_replica_size, result.participants)
 
     def _compile_report(self, compiled: DynamoCounts, step_s: float) -> dict[str, float]:
         """Log what the first step compiled; the metrics record's keys for it. Under EP each MoE
@@ -696,6 +802,8 @@ class Trainer:
         the process groups down may take any rank a while (NCCL at scale), and a watch still
         polling then would take the store host's exit (rank 0 under srun) for a failure."""
         self.folder_locks.release()
+        if self.replicas is not None:
+            self.replicas.shutdown()
         if self.failure_watch is not None:
             self.failure_watch.stop()
         if dist.is_initialized():

@@ -2,8 +2,8 @@
 
     proc = sbatch(tmp_path, [CONFIG, *overrides], job_id=4242)   # dump folder: tmp_path/outputs/torchmoe-4242
 
-SLURM itself is replaced by two small shell stand-ins on PATH: `scontrol show hostnames` names two
-nodes, both localhost, and `srun` starts its command once per node (as `--ntasks-per-node=1`
+SLURM itself is replaced by two small shell stand-ins on PATH: `scontrol show hostnames` names the
+job's nodes, all localhost, and `srun` starts its command once per node (as `--ntasks-per-node=1`
 does) and returns the first failure. Everything else (the script's rendezvous endpoint, node
 count, ranks per node, per-job dump folder) is the script as users run it.
 """
@@ -18,8 +18,9 @@ from pathlib import Path
 from tests.helpers import REPO
 from torchmoe.launch import cli_env, free_port
 
-SCONTROL = """#!/bin/sh
-[ "$1 $2" = "show hostnames" ] && printf 'localhost\\nlocalhost\\n'
+# `scontrol show hostnames`: one localhost per node of the job.
+SCONTROL = """#!/bin/bash
+if [[ "$1 $2" == "show hostnames" ]]; then for ((i = 0; i < SLURM_NNODES; i++)); do echo localhost; done; fi
 """
 
 # One task per node: run the command (after srun's own options) once per node, in parallel.

@@ -277,15 +277,15 @@ def test_live_bar_on_a_terminal(tmp_path: Path) -> None:
 def test_throughput_window_leaves_out_the_first_step():
     from torchmoe.components.metrics import ThroughputWindow
 
-    window = ThroughputWindow(first_step=1)
-    window.add(1, 100, 10.0)  # compile + warm-up: 10 tokens/s
-    window.add(2, 100, 1.0)
-    assert window.take() == 100.0  # steps 2 only, not (200 tokens / 11 s)
-    window.add(3, 100, 1.0)
-    window.add(4, 100, 3.0)
+    window = ThroughputWindow()
+    window.add(100, 10.0)  # compile + warm-up: 10 tokens/s
+    window.add(100, 1.0)
+    assert window.take() == 100.0  # the second step only, not (200 tokens / 11 s)
+    window.add(100, 1.0)
+    window.add(100, 3.0)
     assert window.take() == 50.0  # the window since the last log: 200 tokens / 4 s
-    resumed = ThroughputWindow(first_step=7)
-    resumed.add(7, 100, 4.0)
+    resumed = ThroughputWindow()  # a resumed (or recovered) run's first step, whatever its number
+    resumed.add(100, 4.0)
     assert resumed.take() == 25.0  # a window holding only the first step reports it
 
 

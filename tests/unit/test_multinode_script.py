@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.distributed import fake_slurm
+from torchmoe.launch import free_port
 
 # srun's stand-in: one line per node with the command it would start there.
 PRINTING_SRUN = """#!/bin/bash
@@ -49,3 +52,42 @@ def test_run_name_names_the_dump_folder_a_new_job_continues(tmp_path: Path) -> N
     # RUN_NAME=scout-pretrain sbatch --nodes 4 scripts/multinode.slurm configs/llama4_16e.toml
     commands, _ = _torchrun_lines(tmp_path, [SCOUT], job_id=98765, RUN_NAME="scout-pretrain")
     assert commands == [_expected(tmp_path, 98765, "scout-pretrain", [])] * 4
+
+
+# srun's stand-in for a job step on part of the allocation: one line per node of the step
+# (`--nodes N --relative FIRST`) with the command it would start there.
+STEP_PRINTING_SRUN = """#!/bin/bash
+nodes=$SLURM_NNODES; first=0
+while [[ $1 == --* ]]; do
+    case $1 in --nodes) nodes=$2; shift;; --relative) first=$2; shift;; --ntasks) shift;; esac
+    shift
+done
+for ((node = first; node < first + nodes; node++)); do echo "node $node: $*"; done
+"""
+
+
+def test_ft_groups_split_the_nodes_into_replica_groups_with_a_lighthouse(tmp_path: Path) -> None:
+    # FT_GROUPS=2 sbatch --nodes 4 scripts/multinode.slurm configs/llama4_16e.toml
+    lighthouse_port = free_port()
+    proc = fake_slurm.sbatch(tmp_path, [SCOUT], job_id=777, srun=STEP_PRINTING_SRUN,
+                             env={"SLURM_NNODES": "4", "SLURM_GPUS_ON_NODE": "8", "NPROC_PER_NODE": "",
+                                  "MASTER_PORT": "", "FT_GROUPS": "2", "LIGHTHOUSE_PORT": str(lighthouse_port)})
+    lines = proc.stdout.splitlines()
+    assert f"torchmoe: 2 replica groups of 2 nodes, lighthouse http://localhost:{lighthouse_port}" in lines
+    nodes = {int(line.split(":")[0].split()[1]): line.split(": ", 1)[1] for line in lines if line.startswith("node ")}
+    assert sorted(nodes) == [0, 1, 2, 3]
+    port = 29500 + 777 % 1000
+    for node, command in nodes.items():
+        group = node // 2
+        assert command == " ".join([
+            "python -m torch.distributed.run --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d",
+            f"--rdzv_endpoint localhost:{port + 2 + group} --rdzv_id torchmoe-777-group{group} --max_restarts 0",
+            f"--shutdown_timeout 110 -m torchmoe train --config {SCOUT} --checkpoint.enable true",
+            f"--job.dump_folder {tmp_path / 'outputs' / 'torchmoe-777'} --fault_tolerance.enable true",
+            f"--fault_tolerance.group_size 2 --fault_tolerance.replica_id {group} --fault_tolerance.min_replica_size 1"])
+
+
+def test_ft_groups_must_divide_the_nodes(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="FT_GROUPS=3 does not divide the 4 nodes"):
+        fake_slurm.sbatch(tmp_path, [SCOUT], job_id=778, srun=STEP_PRINTING_SRUN,
+                          env={"SLURM_NNODES": "4", "FT_GROUPS": "3"})

@@ -243,8 +243,6 @@ def test_what_torchmoe_cannot_honour_is_one_error(tmp_path: Path, capsys: pytest
      "parallelism.pipeline_parallel_last_stage_less_layers", "gives the last pipeline stage", "leave this key at 1"),
     ('[parallelism]\npipeline_parallel_schedule_csv = "zb.csv"\n', "parallelism.pipeline_parallel_schedule_csv",
      "runs the schedule that file lists", "parallelism.pipeline_parallel_schedule"),
-    ("[fault_tolerance]\nenable = true\n", "fault_tolerance.enable", "each group would train alone",
-     "data_parallel_replicate_degree = the number of groups"),
 ])
 def test_what_changes_the_numbers_or_memory_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        text: str, key: str, problem: str, fix: str) -> None:

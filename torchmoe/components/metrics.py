@@ -154,14 +154,16 @@ class ThroughputWindow:
     """Tokens per second over the steps since the last log, leaving out this process's first
     step (compilation, allocator and communicator warm-up) unless it is all the window holds."""
 
-    def __init__(self, first_step: int) -> None:
-        self.first_step = first_step
+    def __init__(self) -> None:
         self.tokens = 0.0
         self.seconds = 0.0
         self.warmup: tuple[float, float] | None = None
+        self.started = False
 
-    def add(self, step: int, tokens: float, seconds: float) -> None:
-        if step == self.first_step:
+    def add(self, tokens: float, seconds: float) -> None:
+        """One step's tokens and seconds (the first `add` is this process's first step)."""
+        if not self.started:
+            self.started = True
             self.warmup = (tokens, seconds)
         else:
             self.tokens += tokens

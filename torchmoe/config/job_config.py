@@ -315,6 +315,32 @@ class Validation:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = False
+    """Train as one of group_size replica groups joined by torchft (needs the ft extra): each group is its own torchrun launch holding the whole model (FSDP/TP/EP/CP/PP inside it); gradients are averaged across the groups that join each step, a failed group drops out while the others go on, and a restarted one recovers the live state from a healthy peer. The lighthouse's address comes from TORCHFT_LIGHTHOUSE (torchmoe lighthouse)."""
+    replica_id: int = 0
+    """This launch's replica group, 0 .. group_size - 1: it trains rows of the global batch that no other group trains."""
+    group_size: int = 0
+    """Replica groups of the job (each the same layout): the global batch is split over all of them."""
+    min_replica_size: int = 1
+    """Groups that must join a step for it to commit; with fewer alive the others wait for one to come back instead of stepping alone."""
+    process_group: str = "gloo"
+    """torchft's process group across groups: 'gloo' (host tensors; any device) or 'nccl' (CUDA)."""
+    process_group_timeout_ms: int = 10000
+    """Timeout of the collectives across groups, and of a step's quorum and commit: a group silent this long is dropped from the step."""
+    semi_sync_method: str = ""
+    """'' = average gradients across groups every step; 'local_sgd' = groups step alone and average their parameters every sync_steps steps; 'diloco' = groups step alone and every sync_steps steps average the pseudo-gradient (parameters at the last sync minus now) and apply it with an outer SGD (outer_lr, outer_momentum, outer_nesterov)."""
+    sync_steps: int = 5
+    """Steps between synchronisations of local_sgd and diloco."""
+    outer_lr: float = 0.7
+    """diloco: learning rate of the outer SGD."""
+    outer_momentum: float = 0.9
+    """diloco: momentum of the outer SGD."""
+    outer_nesterov: bool = True
+    """diloco: Nesterov momentum in the outer SGD."""
+
+
+@dataclass
 class JobConfig:
     """A whole training job. TOML sections map one-to-one onto these fields."""
 
@@ -332,3 +358,4 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

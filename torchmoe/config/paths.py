@@ -24,15 +24,15 @@ import glob
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 
 __all__ = ["FULL_FIX", "PATH_KEYS", "READ_KEYS", "WRITE_FIX", "WRITTEN_FOLDER_KEYS", "UserPath", "describe_os_error",
-           "job_paths", "key_value", "nonempty_path", "path_fault", "path_faults", "source_key", "user_path_faults",
-           "writable_file", "writable_folder", "written_folders"]
+           "job_paths", "key_value", "nonempty_path", "path_fault", "path_faults", "replica_group_config", "source_key",
+           "user_path_faults", "writable_file", "writable_folder", "written_folders"]
 
 
 # ---- the path-valued keys ----------------------------------------------------------------------
@@ -190,6 +190,16 @@ _READ_FIX = {
     "validation.dataset_path": "point it at .txt/.jsonl/.json/.parquet files this user can read, a folder of "
                                "them or a glob",
 }
+
+
+def replica_group_config(cfg: JobConfig) -> JobConfig:
+    """`cfg` with ``job.dump_folder`` = ``<job.dump_folder>/replica_<replica_id>`` under fault
+    tolerance: every replica group is a launch of its own, and each owns its folder (metrics,
+    checkpoints, data positions; the run lock refuses two launches in one). Without it, `cfg`."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return cfg
+    return replace(cfg, job=replace(cfg.job, dump_folder=str(Path(cfg.job.dump_folder) / f"replica_{ft.replica_id}")))
 
 
 def job_paths(cfg: JobConfig) -> list[UserPath]:

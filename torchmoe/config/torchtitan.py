@@ -4,7 +4,7 @@
 
 Most of torchtitan's keys are torchmoe's own under the same name (`training.steps`,
 `training.dtype`, `activation_checkpoint.early_stop`, `checkpoint.load_step`, ...) and
-`loader.py` reads them as such. This module holds the other 58, and one model argument its
+`loader.py` reads them as such. This module holds the other 51, and one model argument its
 flavors set (`model.attn_mask_type`, accepted as a key too), each either
 
 - **mapped** onto the torchmoe keys that do the same (`debug.seed` is `training.seed`,
@@ -12,15 +12,14 @@ flavors set (`model.attn_mask_type`, accepted as a key too), each either
   `float8.enable`, `debug.moe_force_load_balance` is `model.moe_force_load_balance`), or
 - **refused** unless at torchtitan's default: what its other values do changes the numbers
   trained or the memory of a rank, and torchmoe does not do it (`optimizer.early_step_in_backward`,
-  a full-state `checkpoint.initial_load_model_only = false`, `[fault_tolerance] enable`, the
-  pipeline split and schedule-file keys, ...). One `ConfigError` (exit 2) names the key, its value,
+  a full-state `checkpoint.initial_load_model_only = false`, the pipeline split and schedule-file
+  keys, ...). One `ConfigError` (exit 2) names the key, its value,
   what torchtitan would do and the fix; or
 - **without effect** here, with the reason: keys of speed, logging and tooling. Such a key is
   accepted; set to anything but torchtitan's default it gets one warning line saying why it does
   nothing (a default value asks for nothing, so it stays quiet: torchtitan's own files list many
-  keys at their defaults). Keys that only tune a feature switched on elsewhere (`[fault_tolerance]`
-  but `enable`, the MX and grouped-GEMM tables, which only a refused converter reads) never warn:
-  the switch does.
+  keys at their defaults). Keys that only tune a feature switched on elsewhere (the MX and
+  grouped-GEMM tables, which only a refused converter reads) never warn: the switch does.
 
 Other values that ask for something torchmoe cannot do and that would change what is trained (MX
 formats; and, checked with torchmoe's own keys, 2-D expert sharding or another model family) are
@@ -116,7 +115,8 @@ def _attn_mask_type(value: str) -> dict[str, Any]:
 _TRACKING = "rank 0 writes the metrics of the whole job (losses and norms are global)"
 _LOADER = "torchmoe packs batches in the training process, a few documents ahead, without worker processes"
 _CP = "torchmoe's context parallelism has its own load balance (head and tail chunks per rank) and exchange"
-_FT = "torchft is not integrated; a failed rank ends the job, and torchrun restarts resume from the newest checkpoint"
+_FT = ("with fault_tolerance.enable, each replica group saves its data position after every committed step "
+       "(what a restarted group resumes its rows from); without it there is nothing to save")
 _PLUGINS = "torchmoe has no plugin modules: its configs and models are its own"
 _MX = "MX formats are not supported (a model.converters entry for them is refused)"
 
@@ -202,15 +202,6 @@ TORCHTITAN_KEYS: dict[str, Mapped | Refused | NoEffect] = {
     "memory_estimation.enable": NoEffect(bool, False, "the per-rank memory estimate is torchmoe train --dry-run's "
                                          "(and every real run is checked against it before it starts)"),
     "memory_estimation.disable_fake_mode": NoEffect(bool, False, "see memory_estimation.enable"),
-    # [fault_tolerance]
-    "fault_tolerance.enable": Refused(
-        bool, False, "torchtitan then trains each replica group as a job of its own and averages the groups "
-        "through torchft (every step, or by semi_sync_method); torchmoe trains one world, so each group would "
-        "train alone on its own batches", "run one torchmoe job over every group's ranks (HSDP: "
-        "parallelism.data_parallel_replicate_degree = the number of groups) with fault_tolerance.enable = false"),
-    **{f"fault_tolerance.{key}": NoEffect(typ, TUNES, _FT) for key, typ in (
-        ("process_group", str), ("process_group_timeout_ms", int), ("replica_id", int), ("group_size", int),
-        ("min_replica_size", int), ("semi_sync_method", str))},
     # [experimental]
     "experimental.custom_import": NoEffect(str, "", _PLUGINS),
     "experimental.custom_args_module": NoEffect(str, "", _PLUGINS),
@@ -228,7 +219,7 @@ TORCHTITAN_KEYS: dict[str, Mapped | Refused | NoEffect] = {
 }
 
 # torchtitan's sections that torchmoe lacks; a key under them is looked up in TORCHTITAN_KEYS.
-SECTIONS = ("quantize", "memory_estimation", "fault_tolerance", "experimental", "debug")
+SECTIONS = ("quantize", "memory_estimation", "experimental", "debug")
 
 
 def translate(key: str, value: Any) -> tuple[dict[str, Any], str | None]:

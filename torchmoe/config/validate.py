@@ -20,6 +20,7 @@ from torchmoe.config.job_config import (
     Checkpoint,
     Comm,
     Compile,
+    FaultTolerance,
     Float8,
     Job,
     JobConfig,
@@ -53,6 +54,8 @@ CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
 COMPILE_COMPONENTS = ("model", "loss")
 AC_MODES = ("none", "selective", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FT_PROCESS_GROUPS = ("gloo", "nccl")
+SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TIMEOUT_SECONDS = 2**31 - 1
@@ -309,6 +312,36 @@ def validate_float8(float8: Float8) -> None:
                           "set enable_fsdp_float8_all_gather = false or recipe_name = \"tensorwise\"")
 
 
+def validate_fault_tolerance(ft: FaultTolerance) -> None:
+    """The `[fault_tolerance]` keys among themselves (torchtitan's files set them with enable
+    false too, so the names and ranges are checked either way); the layout's side is the
+    preflight's (`preflight.fault_tolerance`)."""
+    one_of("fault_tolerance.process_group", ft.process_group, FT_PROCESS_GROUPS)
+    one_of("fault_tolerance.semi_sync_method", ft.semi_sync_method, SEMI_SYNC_METHODS)
+    if not 1 <= ft.process_group_timeout_ms <= MAX_TIMEOUT_SECONDS * 1000:
+        raise ConfigError("fault_tolerance.process_group_timeout_ms", ft.process_group_timeout_ms,
+                          f"must lie in 1 .. {MAX_TIMEOUT_SECONDS * 1000} milliseconds",
+                          "set a timeout in milliseconds, e.g. 10000")
+    _at_least("fault_tolerance.sync_steps", ft.sync_steps, 1)
+    _positive("fault_tolerance.outer_lr", ft.outer_lr)
+    if not 0.0 <= ft.outer_momentum < 1.0:
+        raise ConfigError("fault_tolerance.outer_momentum", ft.outer_momentum, "must lie in [0, 1)",
+                          "set a momentum such as 0.9 (0 for none)")
+    if not ft.enable:
+        return
+    if ft.group_size < 1:
+        raise ConfigError("fault_tolerance.group_size", ft.group_size, "must be >= 1 with fault_tolerance.enable "
+                          "(the replica groups of the job)", "set the number of replica groups, e.g. 2")
+    if not 0 <= ft.replica_id < ft.group_size:
+        raise ConfigError("fault_tolerance.replica_id", ft.replica_id,
+                          f"must lie in 0 .. group_size - 1 = {ft.group_size - 1}",
+                          "give each group's launch its own id, e.g. --fault_tolerance.replica_id 1")
+    if not 1 <= ft.min_replica_size <= ft.group_size:
+        raise ConfigError("fault_tolerance.min_replica_size", ft.min_replica_size,
+                          f"must lie in 1 .. group_size = {ft.group_size}",
+                          "set how many groups must join a step for it to commit, e.g. 1")
+
+
 def validate_metrics(metrics: Metrics) -> None:
     _at_least("metrics.log_freq", metrics.log_freq, 1)
 
@@ -351,6 +384,7 @@ def validate_sections(cfg: JobConfig) -> None:
     validate_metrics(cfg.metrics)
     validate_profiling(cfg.profiling, cfg.training.steps)
     validate_validation(cfg.validation)
+    validate_fault_tolerance(cfg.fault_tolerance)
 
 
 # ---- degrees ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from torchmoe.config.paths import source_key
 from torchmoe.config.validate import resolve_degrees, validate_sections
 from torchmoe.data.dataloader import validation_data
 from torchmoe.data.tokenizer import build_tokenizer
+from torchmoe.preflight.fault_tolerance import check_fault_tolerance
 from torchmoe.preflight.features import check_features, check_launch
 from torchmoe.preflight.files import (
     check_dataset_rows,
@@ -102,6 +103,7 @@ def validate_layout(cfg: JobConfig, world_size: int, *, check_device: bool = Fal
     check_validation(cfg, args, degrees)
     check_features(cfg, args, degrees, check_device)
     check_float8(cfg, args, degrees, check_device)
+    check_fault_tolerance(cfg, degrees, check_device)
     return degrees, args
 
 

@@ -1,0 +1,212 @@
+"""Replica groups on torchft (`[fault_tolerance]`), on CPU: a lighthouse started here, and 2 groups
+of 2 gloo ranks each (FSDP 2 inside a group), each its own torchrun launch.
+
+    python -m pytest -q tests/distributed/test_fault_tolerance.py
+
+  - no failure: the loss and gradient norm of every step equal a plain HSDP 2 x 2 run's (one
+    torchrun world of 4), and every step has both groups;
+  - a group dies: `kill -9` of group 1's launcher and ranks in its step 6; group 0 goes on alone
+    without a restart, group 1 is launched again once group 0 has stepped alone, takes the live
+    state from group 0, and both finish: their weights and optimizer states are equal bit for
+    bit, and group 1 trained each of its rows once;
+  - the quorum lost (min_replica_size 2): group 0 waits while group 1 is down, stepping nothing
+    alone, and both finish once it is back.
+
+The failure tests train the debugmodel flavor (about 1 s a step here) so that the survivor is
+still training when the restarted group, whose start takes seconds, rejoins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import DEBUG_CONFIG
+from torchmoe.launch import cli_command, cli_env, free_port, metrics_by_step, run_train
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 20
+JOB = ["--config", DEBUG_CONFIG, "--training.steps", str(STEPS), "--training.seq_len", "64",
+       "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+# The failure tests' job: the debugmodel flavor, whose steps are long enough (about 1 s for a
+# group alone here) that the survivor is still training when the restarted group, whose start
+# takes seconds (imports, the model, the recovery), rejoins.
+SLOW = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4"]
+FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+      "--fault_tolerance.process_group_timeout_ms", "5000"]
+
+
+class Lighthouse:
+    """`torchmoe lighthouse` in a subprocess; `url` is what the groups' TORCHFT_LIGHTHOUSE gets."""
+
+    def __init__(self, log: Path, *, min_replicas: int) -> None:
+        self.proc = subprocess.Popen(
+            cli_command(["lighthouse", "--min-replicas", str(min_replicas), "--bind", "[::]:0",
+                         "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "1000"]),
+            env=cli_env(), stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+        line = self.proc.stdout.readline()
+        port = re.search(r"http://\S+:(\d+) ", line)
+        assert port, line
+        self.url = f"http://localhost:{port.group(1)}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        assert self.proc.wait(timeout=30) == 0
+
+
+class Group:
+    """One replica group: `torchmoe train` under torchrun (2 ranks) in a session of its own (so
+    that `kill` reaches the launcher and every rank)."""
+
+    def __init__(self, replica_id: int, args: list[str], out: Path, lighthouse: Lighthouse, tag: str = "") -> None:
+        self.metrics = out / f"replica_{replica_id}" / "metrics.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = out / f"group{replica_id}{tag}.log"
+        self.proc = subprocess.Popen(
+            cli_command(["train", *args, *FT, "--fault_tolerance.replica_id", str(replica_id), "--job.dump_folder",
+                         str(out)], nproc=2),
+            env={**cli_env(), "TORCHFT_LIGHTHOUSE": lighthouse.url}, stdout=open(self.log, "w"),
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def records(self) -> list[dict]:
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.endswith("}")]
+
+    def wait_for(self, done, what: str, timeout: float = 240) -> float:
+        """Poll the metrics until `done(records)`; the time it took."""
+        start = time.monotonic()
+        while not done(self.records()):
+            assert self.proc.poll() is None, f"{what}: group exited {self.proc.returncode}\n{self.log.read_text()[-3000:]}"
+            assert time.monotonic() - start < timeout, f"{what}: timed out\n{self.log.read_text()[-3000:]}"
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def finish(self) -> None:
+        assert self.proc.wait(timeout=300) == 0, self.log.read_text()[-5000:]
+
+
+def _last_step(records: list[dict]) -> int:
+    return records[-1]["step"] if records else 0
+
+
+def _states(folder: Path) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor of a step-N folder, whole (read in this process)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from torchmoe.components.weight_files import load_dcp, read_dcp_metadata
+
+    metadata = read_dcp_metadata("test", folder, "")
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata) and k.startswith(("model.", "optimizer."))}
+    load_dcp(state, folder, metadata, key="test", fix="")
+    return state
+
+
+def test_two_groups_train_what_hsdp_2x2_trains(tmp_path: Path) -> None:
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)  # both groups in the first quorum
+    try:
+        groups = [Group(g, JOB, tmp_path / "ft", lighthouse) for g in (0, 1)]
+        run_train([*JOB, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=tmp_path / "hsdp", nproc=4)
+        for group in groups:
+            group.finish()
+    finally:
+        lighthouse.close()
+    reference = metrics_by_step(tmp_path / "hsdp")
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    for group in groups:
+        got = {r["step"]: r for r in group.records()}
+        assert sorted(got) == sorted(reference)
+        for step, ref in reference.items():
+            assert got[step]["ft_participants"] == 2, step
+            for key in ("loss", "grad_norm"):
+                assert got[step][key] == pytest.approx(ref[key], rel=1e-5), (group.metrics, step, key)
+            assert got[step]["tokens_per_expert"] == ref["tokens_per_expert"], step
+
+
+def test_a_killed_group_drops_out_and_recovers_the_live_state(tmp_path: Path) -> None:
+    out = tmp_path / "ft"
+    args = [*JOB, *SLOW, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1)
+    try:
+        first = [Group(g, args, out, lighthouse) for g in (0, 1)]
+        first[1].wait_for(lambda r: _last_step(r) >= 5, "group 1 reaches step 5")
+        first[1].kill()  # in its step 6
+        killed = time.monotonic()
+        survivor = first[0]
+        survivor.wait_for(lambda r: any(x["step"] > 5 and x["ft_participants"] == 1 for x in r),
+                          "group 0 steps alone")
+        alone_s = time.monotonic() - killed
+        restarted_at = time.monotonic()
+        back = Group(1, args, out, lighthouse, tag="-restarted")
+        back.wait_for(lambda r: _last_step(r) > 6, "group 1 steps again")
+        rejoin_s = time.monotonic() - restarted_at
+        survivor.finish()
+        back.finish()
+    finally:
+        lighthouse.close()
+    print(f"group 0's first step alone {alone_s:.1f} s after the kill; group 1 stepped {rejoin_s:.1f} s after its "
+          "restart")
+    steps0 = survivor.records()
+    assert [r["step"] for r in steps0] == list(range(steps0[0]["step"], STEPS + 1))  # never stopped, none twice
+    alone = [r["step"] for r in steps0 if r["step"] > 5 and r["ft_participants"] == 1]
+    assert len(alone) >= 2 and alone == list(range(6, alone[-1] + 1))
+    assert all(r["ft_participants"] == 2 for r in steps0 if r["step"] > alone[-1])
+    log = (out / "group1-restarted.log").read_text()
+    recovered = [int(s) for s in re.findall(r"recovered the live state of step (\d+)", log)]
+    assert recovered and recovered[0] == alone[-1], log[-3000:]
+    steps1 = [r["step"] for r in back.records()]
+    assert steps1 == sorted(set(steps1)) and steps1[-1] == STEPS
+    # Both hold the same weights and AdamW state, bit for bit.
+    a, b = (_states(out / f"replica_{g}" / "checkpoint" / f"step-{STEPS}") for g in (0, 1))
+    assert sorted(a) == sorted(b) and len(a) > 50
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # Group 1's rows: one batch per step it committed (before the kill and after the recovery),
+    # none drawn twice nor left out; `DataPosition` records where they stand.
+    committed = len(steps1)
+    for rank in (0, 1):
+        position = json.loads((out / "replica_1" / "data_position" / f"rank{rank}.json").read_text())
+        assert position["committed_step"] == STEPS and position["loader_step"] == committed
+
+
+def test_with_the_quorum_lost_the_survivor_waits(tmp_path: Path) -> None:
+    out = tmp_path / "ft"
+    args = [*JOB, *SLOW, "--fault_tolerance.min_replica_size", "2"]
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)
+    try:
+        first = [Group(g, args, out, lighthouse) for g in (0, 1)]
+        first[1].wait_for(lambda r: _last_step(r) >= 5, "group 1 reaches step 5")
+        first[1].kill()
+        survivor = first[0]
+        down = 4.0
+        time.sleep(down)
+        waited_at = _last_step(survivor.records())
+        back = Group(1, args, out, lighthouse, tag="-restarted")
+        back.wait_for(lambda r: _last_step(r) > waited_at, "group 1 steps again")
+        survivor.finish()
+        back.finish()
+    finally:
+        lighthouse.close()
+    steps0 = survivor.records()
+    assert waited_at <= 6  # the step group 1 died in, at most (it may have committed it first)
+    assert all(r["ft_participants"] == 2 for r in steps0)  # never a step alone
+    assert [r["step"] for r in steps0] == list(range(1, STEPS + 1))
+    # The step after the kill waited for the restarted group: longer than it was down.
+    elapsed = {r["step"]: r["elapsed_s"] for r in steps0}
+    waited = elapsed[waited_at + 1] - elapsed[waited_at]
+    print(f"group 0 waited {waited:.1f} s for the quorum (group 1 down {down:.0f} s, then starting again)")
+    assert waited > down

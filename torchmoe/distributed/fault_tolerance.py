@@ -1,0 +1,194 @@
+"""Replica groups that survive each other's failures, on torchft (`[fault_tolerance]`).
+
+    TORCHFT_LIGHTHOUSE=http://localhost:29510 torchrun --nproc_per_node=2 --master-port 29600 -m torchmoe train \\
+        --config configs/debug_model.toml --fault_tolerance.enable true --fault_tolerance.group_size 2 \\
+        --fault_tolerance.replica_id 0
+
+Each replica group is a torchrun launch of its own that holds the whole model in the layout the
+config gives (FSDP, TP, EP, CP and PP stay inside it). What joins the groups is a torchft
+`Manager` on every rank: at the start of each step it asks the lighthouse for a quorum (the
+groups alive now), a group that is behind the quorum's step takes the live state from a healthy
+peer (its rank r from their rank r: the layouts are the same), and the step's collectives across
+groups run on torchft's process group, which turns a failed peer into a failed step instead of a
+hung job. A step is stepped by the optimizer only if `commit` says every group rank of every
+participant got through it and at least ``min_replica_size`` groups took part.
+
+What crosses groups, each through `Manager.allreduce` between the same rank of every group:
+the gradients (averaged: every group normalises its loss by its own tokens, so the average is
+the global batch's mean over the groups that took part), the loss (averaged, for the record),
+and the MoE routers' token counts (summed, so every group updates its expert biases alike).
+
+Recovery runs no code from the wire: torchft's HTTP transport unpickles what a peer sends
+(``weights_only=False``); `_TensorsOnlyTransport` loads it with ``weights_only=True``, and the
+state sent holds only plain tensors (DTensors as their local shards, `local_tensors`) and numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchmoe import _torch_private as private
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import FaultTolerance
+
+logger = logging.getLogger(__name__)
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# Gradients cross groups in flat buffers of at most this many bytes: one collective per bucket
+# instead of one per parameter, without a second copy of every gradient at once.
+BUCKET_BYTES = 256 * 2**20
+
+
+def import_torchft():
+    """The torchft module; a `ConfigError` naming the extra when it is not installed."""
+    try:
+        import torchft
+    except ImportError as err:
+        raise ConfigError("fault_tolerance.enable", True, f"needs torchft, which is not installed ({err})",
+                          "pip install 'torchmoe[ft]' (it pins the torchft release tested with this torch)") from None
+    return torchft
+
+
+def _tensors_only_transport(timeout: timedelta):
+    """torchft's HTTP checkpoint transport, loading what a peer sends with ``weights_only=True``."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class _TensorsOnlyTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            import urllib.request
+
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return private.streaming_load(f)
+
+    return _TensorsOnlyTransport(timeout=timeout, num_chunks=0)
+
+
+def local_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
+    """`state` (a flat or nested dict) with every DTensor replaced by its local shard."""
+    return {k: local_tensors(v) if isinstance(v, Mapping) else v.to_local() if isinstance(v, DTensor) else v
+            for k, v in state.items()}
+
+
+def like(template: Mapping[str, Any], received: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+    """`received` (from `local_tensors` on a peer with the same layout) in `template`'s form: each
+    local shard wrapped as the DTensor `template` holds at its key.
+
+    Raises:
+        ValueError: the keys or shapes differ (the groups do not run the same layout).
+    """
+    if set(template) != set(received):
+        missing, extra = sorted(set(template) - set(received)), sorted(set(received) - set(template))
+        raise ValueError(f"the peer's state differs at {path or 'the top'}: missing {missing[:3]}, extra {extra[:3]} "
+                         "(every replica group must run the same model and layout)")
+    out = {}
+    for key, mine in template.items():
+        theirs, where = received[key], f"{path}{key}"
+        if isinstance(mine, Mapping):
+            out[key] = like(mine, theirs, f"{where}.")
+        elif isinstance(mine, DTensor):
+            if tuple(theirs.shape) != tuple(mine.to_local().shape):
+                raise ValueError(f"the peer's {where} has a local shard of {tuple(theirs.shape)}, this rank's is "
+                                 f"{tuple(mine.to_local().shape)} (every replica group must run the same layout)")
+            out[key] = DTensor.from_local(theirs.to(mine.device), mine.device_mesh, mine.placements,
+                                          shape=mine.shape, stride=mine.stride(), run_check=False)
+        elif isinstance(mine, torch.Tensor):
+            out[key] = theirs.to(mine.device)
+        else:
+            out[key] = theirs
+    return out
+
+
+class ReplicaGroups:
+    """This rank's torchft `Manager` and the collectives across replica groups.
+
+    Args:
+        cfg: the `[fault_tolerance]` section (enabled).
+        quorum_timeout_s: how long a step's quorum may take to form (groups that are down are
+            waited for this long when fewer than min_replica_size are up).
+        state: what a recovering peer takes from this rank (`local_tensors` form).
+        load: applies such a state from a healthy peer to this rank.
+    """
+
+    def __init__(self, cfg: FaultTolerance, *, quorum_timeout_s: float, state: Callable[[], dict[str, Any]],
+                 load: Callable[[dict[str, Any]], None]) -> None:
+        torchft = import_torchft()
+        if not os.environ.get(LIGHTHOUSE_ENV):
+            raise ConfigError(LIGHTHOUSE_ENV, "", "is not set: fault_tolerance.enable needs a torchft lighthouse",
+                              f"start one (torchmoe lighthouse --min-replicas {cfg.min_replica_size}) and export "
+                              f"{LIGHTHOUSE_ENV}=http://HOST:PORT as it prints, for every group's launch")
+        timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
+        pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
+              else torchft.ProcessGroupNCCL(timeout=timeout))
+        self.cfg = cfg
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=load, state_dict=state, min_replica_size=cfg.min_replica_size,
+            # The quorum (and any recovery) completes before the step's forward: a recovering
+            # group computes on the live weights, and every step's participants are known.
+            use_async_quorum=False, replica_id=f"torchmoe_{cfg.replica_id}", timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timeout,
+            checkpoint_transport=_tensors_only_transport(timeout))
+
+    def start_step(self) -> None:
+        """Join this step's quorum; a group behind the quorum's step recovers here (`load`)."""
+        self.manager.start_quorum()
+
+    @property
+    def participants(self) -> int:
+        """Replica groups in this step's quorum."""
+        return self.manager.num_participants()
+
+    @property
+    def step(self) -> int:
+        """Steps committed by the quorum so far (what a recovered group resumes after)."""
+        return self.manager.current_step()
+
+    def average_(self, tensors: list[torch.Tensor]) -> None:
+        """Average `tensors` in place over the groups in the quorum (one flat bucket per dtype
+        and `BUCKET_BYTES`). After a peer failed mid-step the values are garbage and `commit`
+        says so."""
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self.manager.allreduce(flat).wait()
+            for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(piece.view_as(t))
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place over the groups in the quorum."""
+        self.manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+
+    def commit(self) -> bool:
+        """Whether every rank of every participant got through the step and enough groups took
+        part: the optimizer may step. A collective within the group: every rank calls it."""
+        return self.manager.should_commit()
+
+    def state_dict(self) -> dict[str, int]:
+        """The Manager's step and committed batches, for the group's own checkpoints."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.manager.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by dtype and device, consecutive, each group at most `BUCKET_BYTES`."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not out or (t.dtype, t.device) != (out[-1][0].dtype, out[-1][0].device) or size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out

@@ -1,0 +1,65 @@
+"""`torchmoe lighthouse`: torchft's lighthouse, which forms each step's quorum of replica groups.
+
+    torchmoe lighthouse --min-replicas 1 --bind "[::]:29510"
+    # then, for every replica group's launch:
+    export TORCHFT_LIGHTHOUSE=http://HOST:29510
+
+One per job, on any host every group can reach (it holds no model state: groups send it a
+heartbeat and ask it for quorums). ``--min-replicas`` is the fewest groups a quorum may have:
+with fault_tolerance.min_replica_size N, start it with N so that survivors wait for a quorum
+instead of computing steps that cannot commit. It runs until SIGTERM or Ctrl-C (exit 0).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from torchmoe.argparser import ArgumentParser, parse_args
+from torchmoe.config.errors import ConfigError
+from torchmoe.distributed.fault_tolerance import LIGHTHOUSE_ENV, import_torchft
+from torchmoe.interruption import Interrupted
+
+
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="torchmoe lighthouse", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--min-replicas", type=int, default=1,
+                        help="fewest replica groups in a quorum (fault_tolerance.min_replica_size); default 1")
+    parser.add_argument("--bind", default="[::]:29510", help='address to listen on (default "[::]:29510")')
+    parser.add_argument("--join-timeout-ms", type=int, default=60000,
+                        help="how long a quorum waits for more groups to join once it could form (default 60000)")
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
+                        help="a group silent this long is out of the next quorum (default 5000)")
+    parser.add_argument("--quorum-tick-ms", type=int, default=100, help="how often quorums are formed (default 100)")
+    return parser
+
+
+def lighthouse_main(argv: Sequence[str]) -> int:
+    """`torchmoe lighthouse ARGS`; returns the exit status (ConfigError propagates: exit 2)."""
+    opts = parse_args(_parser(), argv)
+    if opts is None:
+        return 0
+    for key in ("min_replicas", "join_timeout_ms", "heartbeat_timeout_ms", "quorum_tick_ms"):
+        if getattr(opts, key) < 1:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(flag, getattr(opts, key), "must be >= 1", f"pass a positive value, e.g. {flag} 1")
+    import_torchft()
+    from torchft.coordination import LighthouseServer
+
+    try:
+        server = LighthouseServer(bind=opts.bind, min_replicas=opts.min_replicas,
+                                          join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
+                                          heartbeat_timeout_ms=opts.heartbeat_timeout_ms)
+    except Exception as err:  # the Rust server's bind error (address in use, no such host) carries no type
+        raise ConfigError("--bind", opts.bind, f"the lighthouse cannot listen there ({err})",
+                          'pass a free HOST:PORT, e.g. --bind "[::]:29511"') from None
+    port = server.address().rsplit(":", 1)[1]
+    print(f"lighthouse listening on {server.address()} (min_replicas {opts.min_replicas}); for every replica "
+          f"group: export {LIGHTHOUSE_ENV}=http://HOST:{port}", flush=True)
+    try:
+        threading.Event().wait()  # never set: the lighthouse serves until a signal
+    except Interrupted:  # SIGTERM / Ctrl-C: the way a lighthouse is meant to stop
+        pass
+    finally:
+        server.shutdown()
+    return 0

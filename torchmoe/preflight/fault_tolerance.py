@@ -1,0 +1,46 @@
+"""Checks of `[fault_tolerance]` against the layout, the batch and this install: what torchft
+cannot serve is refused before any group starts (`distributed.fault_tolerance` runs the rest)."""
+
+from __future__ import annotations
+
+import torch
+
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import JobConfig
+
+
+def check_fault_tolerance(cfg: JobConfig, degrees: dict[str, int], check_device: bool) -> None:
+    """With fault_tolerance.enable: the replica groups are the replicate dimension, the global
+    batch splits over every group's dp ranks, the cross-group process group suits the device,
+    and (`check_device`) torchft is installed."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    if degrees["dp_replicate"] != 1:
+        raise ConfigError("parallelism.data_parallel_replicate_degree", degrees["dp_replicate"],
+                          "must be 1 with fault_tolerance.enable: the replica groups are the replicate dimension "
+                          "(each group is a launch of its own)",
+                          f"set it to 1, and launch fault_tolerance.group_size ({ft.group_size}) groups of this layout")
+    if ft.semi_sync_method:
+        raise ConfigError("fault_tolerance.semi_sync_method", ft.semi_sync_method,
+                          "semi-synchronous training (local SGD, DiLoCo) is not available yet: replica groups average "
+                          "their gradients every step", 'set semi_sync_method = "" (the default)')
+    if cfg.checkpoint.create_seed_checkpoint:
+        raise ConfigError("checkpoint.create_seed_checkpoint", True, "writes a seed checkpoint from one process, "
+                          "which joins no replica group", "write it with fault_tolerance.enable = false, then train "
+                          "each group with it on")
+    global_batch = cfg.training.global_batch_size
+    step = cfg.training.local_batch_size * degrees["dp_shard"] * ft.group_size
+    if global_batch != -1 and global_batch % step:
+        raise ConfigError("training.global_batch_size", global_batch,
+                          f"must be a multiple of local_batch_size({cfg.training.local_batch_size}) * dp_shard"
+                          f"({degrees['dp_shard']}) * fault_tolerance.group_size({ft.group_size}) = {step}: every "
+                          f"replica group trains an equal share; {global_batch} % {step} = {global_batch % step}",
+                          f"use a multiple of {step}, or -1 for exactly {step}")
+    if ft.process_group == "nccl" and (cfg.training.device == "cpu" or (check_device and not torch.cuda.is_available())):
+        raise ConfigError("fault_tolerance.process_group", "nccl", "NCCL moves CUDA tensors, and this run trains "
+                          "on the CPU", 'use "gloo" (any device), or train on CUDA GPUs')
+    if check_device:
+        from torchmoe.distributed.fault_tolerance import import_torchft
+
+        import_torchft()
