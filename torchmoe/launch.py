@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["LaunchError", "cli_command", "cli_env", "free_port", "metrics_by_step", "read_metrics", "run_cli",
-           "run_train"]
+__all__ = ["LaunchError", "Lighthouse", "ReplicaGroup", "cli_command", "cli_env", "free_port", "metrics_by_step",
+           "read_metrics", "run_cli", "run_train"]
 
 Arg = str | os.PathLike
 # Set by torchrun for its workers; a launcher that inherited them would look like one.
@@ -97,3 +100,79 @@ def read_metrics(dump_folder: Arg) -> list[dict]:
 def metrics_by_step(dump_folder: Arg) -> dict[int, dict]:
     """step -> its record of `<dump_folder>/metrics.jsonl` (the last one written for that step)."""
     return {r["step"]: r for r in read_metrics(dump_folder)}
+
+
+# ---- fault-tolerant replica groups (`[fault_tolerance]`) on one machine -------------------------
+
+
+class Lighthouse:
+    """`torchmoe lighthouse FLAGS` in a subprocess on a free port (a group silent for 1 s is out
+    of the next quorum, unless `flags` say otherwise); `url` is what every group's
+    TORCHFT_LIGHTHOUSE gets."""
+
+    def __init__(self, log: Arg, *flags: str) -> None:
+        defaults = ["--bind", "[::]:0", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "1000"]
+        self.proc = subprocess.Popen(cli_command(["lighthouse", *defaults, *flags]), env=cli_env(),
+                                     stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+        line = self.proc.stdout.readline()  # "lighthouse listening on http://HOST:PORT ..."
+        port = re.search(r"http://\S+:(\d+) ", line)
+        if port is None:
+            raise RuntimeError(f"the lighthouse did not start: {line!r}; see {log}")
+        self.url = f"http://localhost:{port.group(1)}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+class ReplicaGroup:
+    """One replica group: `torchmoe train ARGS` under torchrun with `nproc` ranks, in a session of
+    its own (so that `kill` reaches its launcher and every rank), writing to
+    `<out>/replica_<id>/` and its output to `<out>/group<id><tag>.log`."""
+
+    def __init__(self, replica_id: int, args: Sequence[Arg], out: Arg, lighthouse: Lighthouse, *, nproc: int = 2,
+                 tag: str = "") -> None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.metrics = out / f"replica_{replica_id}" / "metrics.jsonl"
+        self.log = out / f"group{replica_id}{tag}.log"
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            cli_command(["train", *args, "--fault_tolerance.replica_id", str(replica_id), "--job.dump_folder", out],
+                        nproc=nproc),
+            env={**cli_env(), "TORCHFT_LIGHTHOUSE": lighthouse.url}, stdout=open(self.log, "w"),
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def records(self) -> list[dict]:
+        """The group's metrics records so far (whole lines only)."""
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.endswith("}")]
+
+    def last_step(self) -> int:
+        records = self.records()
+        return records[-1]["step"] if records else 0
+
+    def wait_for(self, done: Callable[[list[dict]], bool], what: str, timeout: float = 300) -> float:
+        """Poll the metrics every 50 ms until `done(records)`; the seconds it took.
+
+        Raises:
+            RuntimeError: the group exited first, or `timeout` passed (with the log's tail).
+        """
+        start = time.monotonic()
+        while not done(self.records()):
+            if self.proc.poll() is not None or time.monotonic() - start > timeout:
+                why = f"exited {self.proc.returncode}" if self.proc.poll() is not None else "timed out"
+                raise RuntimeError(f"{what}: the group {why}\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        """SIGKILL to the launcher and every rank."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def finish(self, timeout: float = 300) -> None:
+        """Wait for the group to end; `RuntimeError` (with the log's tail) unless it exits 0."""
+        if self.proc.wait(timeout=timeout) != 0:
+            raise RuntimeError(f"the group exited {self.proc.returncode}\n{self.log.read_text()[-5000:]}")

@@ -19,11 +19,7 @@ still training when the restarted group, whose start takes seconds, rejoins.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +27,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from torchmoe.launch import cli_command, cli_env, free_port, metrics_by_step, run_train
+from torchmoe.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_train
 
 pytestmark = pytest.mark.distributed
 
@@ -44,64 +40,6 @@ JOB = ["--config", DEBUG_CONFIG, "--training.steps", str(STEPS), "--training.seq
 SLOW = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4"]
 FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
       "--fault_tolerance.process_group_timeout_ms", "5000"]
-
-
-class Lighthouse:
-    """`torchmoe lighthouse` in a subprocess; `url` is what the groups' TORCHFT_LIGHTHOUSE gets."""
-
-    def __init__(self, log: Path, *, min_replicas: int) -> None:
-        self.proc = subprocess.Popen(
-            cli_command(["lighthouse", "--min-replicas", str(min_replicas), "--bind", "[::]:0",
-                         "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "1000"]),
-            env=cli_env(), stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
-        line = self.proc.stdout.readline()
-        port = re.search(r"http://\S+:(\d+) ", line)
-        assert port, line
-        self.url = f"http://localhost:{port.group(1)}"
-
-    def close(self) -> None:
-        self.proc.terminate()
-        assert self.proc.wait(timeout=30) == 0
-
-
-class Group:
-    """One replica group: `torchmoe train` under torchrun (2 ranks) in a session of its own (so
-    that `kill` reaches the launcher and every rank)."""
-
-    def __init__(self, replica_id: int, args: list[str], out: Path, lighthouse: Lighthouse, tag: str = "") -> None:
-        self.metrics = out / f"replica_{replica_id}" / "metrics.jsonl"
-        out.mkdir(parents=True, exist_ok=True)
-        self.log = out / f"group{replica_id}{tag}.log"
-        self.proc = subprocess.Popen(
-            cli_command(["train", *args, *FT, "--fault_tolerance.replica_id", str(replica_id), "--job.dump_folder",
-                         str(out)], nproc=2),
-            env={**cli_env(), "TORCHFT_LIGHTHOUSE": lighthouse.url}, stdout=open(self.log, "w"),
-            stderr=subprocess.STDOUT, start_new_session=True)
-
-    def records(self) -> list[dict]:
-        if not self.metrics.exists():
-            return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.endswith("}")]
-
-    def wait_for(self, done, what: str, timeout: float = 240) -> float:
-        """Poll the metrics until `done(records)`; the time it took."""
-        start = time.monotonic()
-        while not done(self.records()):
-            assert self.proc.poll() is None, f"{what}: group exited {self.proc.returncode}\n{self.log.read_text()[-3000:]}"
-            assert time.monotonic() - start < timeout, f"{what}: timed out\n{self.log.read_text()[-3000:]}"
-            time.sleep(0.05)
-        return time.monotonic() - start
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def finish(self) -> None:
-        assert self.proc.wait(timeout=300) == 0, self.log.read_text()[-5000:]
-
-
-def _last_step(records: list[dict]) -> int:
-    return records[-1]["step"] if records else 0
 
 
 def _states(folder: Path) -> dict[str, torch.Tensor]:
@@ -118,9 +56,9 @@ def _states(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_two_groups_train_what_hsdp_2x2_trains(tmp_path: Path) -> None:
-    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)  # both groups in the first quorum
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")  # both groups in the first quorum
     try:
-        groups = [Group(g, JOB, tmp_path / "ft", lighthouse) for g in (0, 1)]
+        groups = [ReplicaGroup(g, [*JOB, *FT], tmp_path / "ft", lighthouse) for g in (0, 1)]
         run_train([*JOB, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=tmp_path / "hsdp", nproc=4)
         for group in groups:
             group.finish()
@@ -140,11 +78,11 @@ def test_two_groups_train_what_hsdp_2x2_trains(tmp_path: Path) -> None:
 
 def test_a_killed_group_drops_out_and_recovers_the_live_state(tmp_path: Path) -> None:
     out = tmp_path / "ft"
-    args = [*JOB, *SLOW, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
-    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1)
+    args = [*JOB, *SLOW, *FT, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "1")
     try:
-        first = [Group(g, args, out, lighthouse) for g in (0, 1)]
-        first[1].wait_for(lambda r: _last_step(r) >= 5, "group 1 reaches step 5")
+        first = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
+        first[1].wait_for(lambda r: r and r[-1]["step"] >= 5, "group 1 reaches step 5")
         first[1].kill()  # in its step 6
         killed = time.monotonic()
         survivor = first[0]
@@ -152,8 +90,8 @@ def test_a_killed_group_drops_out_and_recovers_the_live_state(tmp_path: Path) ->
                           "group 0 steps alone")
         alone_s = time.monotonic() - killed
         restarted_at = time.monotonic()
-        back = Group(1, args, out, lighthouse, tag="-restarted")
-        back.wait_for(lambda r: _last_step(r) > 6, "group 1 steps again")
+        back = ReplicaGroup(1, args, out, lighthouse, tag="-restarted")
+        back.wait_for(lambda r: r and r[-1]["step"] > 6, "group 1 steps again")
         rejoin_s = time.monotonic() - restarted_at
         survivor.finish()
         back.finish()
@@ -185,18 +123,18 @@ def test_a_killed_group_drops_out_and_recovers_the_live_state(tmp_path: Path) ->
 
 def test_with_the_quorum_lost_the_survivor_waits(tmp_path: Path) -> None:
     out = tmp_path / "ft"
-    args = [*JOB, *SLOW, "--fault_tolerance.min_replica_size", "2"]
-    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)
+    args = [*JOB, *SLOW, *FT, "--fault_tolerance.min_replica_size", "2"]
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")
     try:
-        first = [Group(g, args, out, lighthouse) for g in (0, 1)]
-        first[1].wait_for(lambda r: _last_step(r) >= 5, "group 1 reaches step 5")
+        first = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
+        first[1].wait_for(lambda r: r and r[-1]["step"] >= 5, "group 1 reaches step 5")
         first[1].kill()
         survivor = first[0]
         down = 4.0
         time.sleep(down)
-        waited_at = _last_step(survivor.records())
-        back = Group(1, args, out, lighthouse, tag="-restarted")
-        back.wait_for(lambda r: _last_step(r) > waited_at, "group 1 steps again")
+        waited_at = survivor.last_step()
+        back = ReplicaGroup(1, args, out, lighthouse, tag="-restarted")
+        back.wait_for(lambda r: r and r[-1]["step"] > waited_at, "group 1 steps again")
         survivor.finish()
         back.finish()
     finally:

@@ -93,14 +93,15 @@ def like(template: Mapping[str, Any], received: Mapping[str, Any], path: str = "
         theirs, where = received[key], f"{path}{key}"
         if isinstance(mine, Mapping):
             out[key] = like(mine, theirs, f"{where}.")
-        elif isinstance(mine, DTensor):
-            if tuple(theirs.shape) != tuple(mine.to_local().shape):
-                raise ValueError(f"the peer's {where} has a local shard of {tuple(theirs.shape)}, this rank's is "
-                                 f"{tuple(mine.to_local().shape)} (every replica group must run the same layout)")
-            out[key] = DTensor.from_local(theirs.to(mine.device), mine.device_mesh, mine.placements,
-                                          shape=mine.shape, stride=mine.stride(), run_check=False)
         elif isinstance(mine, torch.Tensor):
-            out[key] = theirs.to(mine.device)
+            local = mine.to_local() if isinstance(mine, DTensor) else mine
+            if not isinstance(theirs, torch.Tensor) or tuple(theirs.shape) != tuple(local.shape):
+                shape = tuple(theirs.shape) if isinstance(theirs, torch.Tensor) else type(theirs).__name__
+                raise ValueError(f"the peer's {where} is {shape}, this rank's {tuple(local.shape)} (every replica "
+                                 "group must run the same layout)")
+            theirs = theirs.to(local.device)
+            out[key] = DTensor.from_local(theirs, mine.device_mesh, mine.placements, shape=mine.shape,
+                                          stride=mine.stride(), run_check=False) if isinstance(mine, DTensor) else theirs
         else:
             out[key] = theirs
     return out

@@ -1,0 +1,133 @@
+"""`[fault_tolerance]` without a world: bad settings are one message each (exit 2), a group plans and
+writes under its own folder, `torchmoe lighthouse` refuses bad flags, a group's data position
+round-trips, and recovered state is checked against this rank's before it is taken.
+
+    python -m pytest -q tests/unit/test_fault_tolerance_config.py
+
+(Groups training, failing and recovering: tests/distributed/test_fault_tolerance.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import DEBUG_CONFIG
+from torchmoe import cli
+from torchmoe.components.data_position import DataPosition
+from torchmoe.config import load_job_config
+from torchmoe.data.dataloader import build_dataloader
+from torchmoe.data.tokenizer import build_tokenizer
+from torchmoe.distributed.fault_tolerance import LIGHTHOUSE_ENV, like, local_tensors
+
+FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+
+
+@pytest.mark.parametrize(("flags", "key", "problem", "fix"), [
+    (["--fault_tolerance.enable", "true"], "fault_tolerance.group_size = 0", "must be >= 1",
+     "set the number of replica groups"),
+    ([*FT, "--fault_tolerance.replica_id", "2"], "fault_tolerance.replica_id = 2", "0 .. group_size - 1 = 1",
+     "--fault_tolerance.replica_id 1"),
+    ([*FT, "--fault_tolerance.min_replica_size", "3"], "fault_tolerance.min_replica_size = 3",
+     "1 .. group_size = 2", "how many groups must join"),
+    ([*FT, "--fault_tolerance.process_group", "mpi"], 'fault_tolerance.process_group = "mpi"',
+     "not an allowed value", '"gloo", "nccl"'),
+    (["--fault_tolerance.semi_sync_method", "DiLoCo"], 'fault_tolerance.semi_sync_method = "DiLoCo"',
+     "not an allowed value", 'did you mean "diloco"'),
+    ([*FT, "--fault_tolerance.semi_sync_method", "local_sgd"], 'fault_tolerance.semi_sync_method = "local_sgd"',
+     "not available yet", 'semi_sync_method = ""'),
+    ([*FT, "--fault_tolerance.process_group_timeout_ms", "0"], "fault_tolerance.process_group_timeout_ms = 0",
+     "milliseconds", "e.g. 10000"),
+    ([*FT, "--fault_tolerance.outer_momentum", "1.0"], "fault_tolerance.outer_momentum = 1.0", "[0, 1)",
+     "such as 0.9"),
+    ([*FT, "--parallelism.data_parallel_replicate_degree", "2", "--world-size", "4"],
+     "parallelism.data_parallel_replicate_degree = 2", "the replica groups are the replicate dimension",
+     "launch fault_tolerance.group_size (2) groups"),
+    ([*FT, "--training.global_batch_size", "12", "--training.local_batch_size", "2", "--world-size", "2"],
+     "training.global_batch_size = 12", "* fault_tolerance.group_size(2) = 8", "use a multiple of 8"),
+    ([*FT, "--fault_tolerance.process_group", "nccl"], 'fault_tolerance.process_group = "nccl"',
+     "trains on the CPU", 'use "gloo"'),
+    ([*FT, "--checkpoint.enable", "true", "--checkpoint.create_seed_checkpoint", "true"],
+     "checkpoint.create_seed_checkpoint = true",
+     "joins no replica group", "fault_tolerance.enable = false"),
+])
+def test_bad_settings_are_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], key: str,
+                                      problem: str, fix: str) -> None:
+    status = cli.main(["train", "--config", DEBUG_CONFIG, "--dry-run", "--job.dump_folder", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"{key}:" in err and problem in err and fix in err, err
+
+
+def test_a_group_plans_its_own_layout_in_its_own_folder(tmp_path: Path) -> None:
+    assert cli.main(["train", "--config", DEBUG_CONFIG, "--dry-run", "--world-size", "2", "--job.dump_folder",
+                     str(tmp_path), *FT, "--fault_tolerance.replica_id", "1"]) == 0
+    report = json.loads((tmp_path / "replica_1" / "dry_run.json").read_text())
+    assert report["world_size"] == 2 and not (tmp_path / "dry_run.json").exists()
+
+
+def test_training_without_a_lighthouse_is_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    assert cli.main(["train", "--config", DEBUG_CONFIG, "--training.steps", "1", "--job.dump_folder", str(tmp_path),
+                     *FT]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f"{LIGHTHOUSE_ENV} = " in err and "torchmoe lighthouse" in err, err
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--min-replicas", "0"], "--min-replicas = 0: must be >= 1"),
+    (["--heartbeat-timeout-ms", "-5"], "--heartbeat-timeout-ms = -5: must be >= 1"),
+    (["--bind", "no-such-host.invalid:1"], "--bind = \"no-such-host.invalid:1\": the lighthouse cannot listen there"),
+    (["--min-replicas", "two"], "torchmoe lighthouse"),
+    (["--port", "1"], "unrecognized arguments: --port 1"),
+])
+def test_lighthouse_bad_flags_are_one_message(capsys: pytest.CaptureFixture[str], flags: list[str],
+                                             expected: str) -> None:
+    assert cli.main(["lighthouse", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and expected in err and "Traceback" not in err, err
+
+
+def _loader(dp_rank: int = 1):
+    cfg = load_job_config(["--config", DEBUG_CONFIG, "--training.seq_len", "32", "--training.local_batch_size", "2"])
+    return build_dataloader(cfg.training, build_tokenizer(""), dp_rank=dp_rank, dp_degree=4)
+
+
+def test_a_data_position_resumes_the_rows_after_the_last_committed_step(tmp_path: Path) -> None:
+    position = DataPosition(tmp_path, rank=3)
+    loader = _loader()
+    assert position.restore(loader) is None  # never committed: the loader stays
+    for _ in range(2):
+        loader.next_batch()
+    position.save(loader, committed_step=7)
+    loader.next_batch()  # drawn, never committed
+    again = _loader()
+    assert position.restore(again) == 7
+    fresh = _loader()
+    expected = [fresh.next_batch() for _ in range(3)][2]
+    got = again.next_batch()
+    assert all(torch.equal(a, b) for pair in zip(got, expected) for a, b in zip(*pair))
+    assert again.state_dict()["step"] == 3
+
+
+def test_an_unreadable_data_position_is_one_message(tmp_path: Path) -> None:
+    position = DataPosition(tmp_path, rank=0)
+    position.path.parent.mkdir(parents=True)
+    position.path.write_text("{not json")
+    with pytest.raises(Exception) as err:
+        position.restore(_loader())
+    assert "rank0.json is unreadable" in str(err.value) and "delete it" in str(err.value)
+
+
+def test_a_peers_state_must_have_this_ranks_keys_and_shapes() -> None:
+    mine = {"model": {"w": torch.zeros(2, 3)}, "step": 4}
+    sent = local_tensors({"model": {"w": torch.ones(2, 3)}, "step": 9})
+    assert torch.equal(like(mine, sent)["model"]["w"], torch.ones(2, 3)) and like(mine, sent)["step"] == 9
+    with pytest.raises(ValueError, match=r"missing \['w'\], extra \['v'\]"):
+        like(mine, {"model": {"v": torch.ones(2, 3)}, "step": 9})
+    with pytest.raises(ValueError, match=r"model.w is \(3, 2\), this rank's \(2, 3\)"):
+        like(mine, {"model": {"w": torch.ones(3, 2)}, "step": 9})
