@@ -55,25 +55,38 @@ def _states(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_two_groups_train_what_hsdp_2x2_trains(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """The reference: the same job as HSDP 2 x 2 in one torchrun world of 4 ranks."""
+    folder = tmp_path_factory.mktemp("hsdp")
+    run_train([*JOB, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=folder, nproc=4)
+    reference = metrics_by_step(folder)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    return reference
+
+
+def _assert_hsdp_curve(records: list[dict], reference: dict[int, dict], label: str) -> None:
+    """Every step of `records` has HSDP's loss and gradient norm (1e-5) and token counts."""
+    for record in records:
+        ref = reference[record["step"]]
+        for key in ("loss", "grad_norm"):
+            assert record[key] == pytest.approx(ref[key], rel=1e-5), (label, record["step"], key)
+        assert record["tokens_per_expert"] == ref["tokens_per_expert"], (label, record["step"])
+
+
+def test_two_groups_train_what_hsdp_2x2_trains(tmp_path: Path, hsdp: dict[int, dict]) -> None:
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")  # both groups in the first quorum
     try:
         groups = [ReplicaGroup(g, [*JOB, *FT], tmp_path / "ft", lighthouse) for g in (0, 1)]
-        run_train([*JOB, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=tmp_path / "hsdp", nproc=4)
         for group in groups:
             group.finish()
     finally:
         lighthouse.close()
-    reference = metrics_by_step(tmp_path / "hsdp")
-    assert sorted(reference) == list(range(1, STEPS + 1))
     for group in groups:
-        got = {r["step"]: r for r in group.records()}
-        assert sorted(got) == sorted(reference)
-        for step, ref in reference.items():
-            assert got[step]["ft_participants"] == 2, step
-            for key in ("loss", "grad_norm"):
-                assert got[step][key] == pytest.approx(ref[key], rel=1e-5), (group.metrics, step, key)
-            assert got[step]["tokens_per_expert"] == ref["tokens_per_expert"], step
+        records = group.records()
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert all(r["ft_participants"] == 2 for r in records)
+        _assert_hsdp_curve(records, hsdp, str(group.metrics))
 
 
 def test_a_killed_group_drops_out_and_recovers_the_live_state(tmp_path: Path) -> None:
@@ -121,30 +134,34 @@ def test_a_killed_group_drops_out_and_recovers_the_live_state(tmp_path: Path) ->
         assert position["committed_step"] == STEPS and position["loader_step"] == committed
 
 
-def test_with_the_quorum_lost_the_survivor_waits(tmp_path: Path) -> None:
+def test_with_the_quorum_lost_the_survivor_waits(tmp_path: Path, hsdp: dict[int, dict]) -> None:
+    """min_replica_size 2: nothing is stepped alone, no row is repeated or left out, so the whole
+    run, around the outage, is HSDP's, step for step, in both groups."""
     out = tmp_path / "ft"
-    args = [*JOB, *SLOW, *FT, "--fault_tolerance.min_replica_size", "2"]
+    args = [*JOB, *FT, "--fault_tolerance.min_replica_size", "2"]
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")
     try:
         first = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
-        first[1].wait_for(lambda r: r and r[-1]["step"] >= 5, "group 1 reaches step 5")
+        first[1].wait_for(lambda r: bool(r) and r[-1]["step"] >= 5, "group 1 reaches step 5")
         first[1].kill()
         survivor = first[0]
         down = 4.0
         time.sleep(down)
         waited_at = survivor.last_step()
         back = ReplicaGroup(1, args, out, lighthouse, tag="-restarted")
-        back.wait_for(lambda r: r and r[-1]["step"] > waited_at, "group 1 steps again")
+        back.wait_for(lambda r: bool(r) and r[-1]["step"] > waited_at, "group 1 steps again")
         survivor.finish()
         back.finish()
     finally:
         lighthouse.close()
     steps0 = survivor.records()
     assert waited_at <= 6  # the step group 1 died in, at most (it may have committed it first)
-    assert all(r["ft_participants"] == 2 for r in steps0)  # never a step alone
     assert [r["step"] for r in steps0] == list(range(1, STEPS + 1))
+    assert all(r["ft_participants"] == 2 for r in steps0)  # never a step alone
     # The step after the kill waited for the restarted group: longer than it was down.
     elapsed = {r["step"]: r["elapsed_s"] for r in steps0}
     waited = elapsed[waited_at + 1] - elapsed[waited_at]
     print(f"group 0 waited {waited:.1f} s for the quorum (group 1 down {down:.0f} s, then starting again)")
     assert waited > down
+    _assert_hsdp_curve(steps0, hsdp, "group 0")
+    _assert_hsdp_curve(back.records(), hsdp, "group 1")
