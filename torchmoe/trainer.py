@@ -70,7 +70,7 @@ from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch
-from torchmoe.distributed.fault_tolerance import ReplicaGroups, like, local_tensors
+from torchmoe.distributed.fault_tolerance import ReplicaGroups, SemiSync, like, local_tensors
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
@@ -231,6 +231,9 @@ class Trainer:
         }
         self.step = 0
         self.replicas: ReplicaGroups | None = None
+        # The replica groups when they meet every step (fault tolerance without semi_sync_method).
+        self.step_replicas: ReplicaGroups | None = None
+        self.semi_sync: SemiSync | None = None
         self.data_position: DataPosition | None = None
         self._recovered = False  # a peer's live state was taken since the batch was drawn
         self._quorum_joined = False  # the next attempt's quorum was joined already (`fit`)
@@ -239,6 +242,11 @@ class Trainer:
             self.replicas = ReplicaGroups(ft, quorum_timeout_s=cfg.comm.init_timeout_seconds, state=self._live_state,
                                           load=self._load_live_state)
             self.state["fault_tolerance"] = self.replicas
+            if ft.semi_sync_method:
+                self.semi_sync = SemiSync(self.replicas, ft, self._local_params, [m.expert_bias for m in self.moe_layers])
+                self.state["semi_sync"] = RankLocal(self.semi_sync, rank=self.rank)
+            else:
+                self.step_replicas = self.replicas
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         # This rank's share in sums of the loss over the world: only tp-coordinate 0 counts it,
         # since its TP peers hold the same value.
@@ -277,6 +285,8 @@ class Trainer:
         if self.replicas is not None:
             # Where this group's rows start when a recovery finds no position it committed.
             self._start_position = self.dataloader.state_dict()
+        if self.semi_sync is not None and resumed is None:
+            self.semi_sync.anchor_here()  # the initial weights may have been loaded just now
         self._write_run_files(resumed=resumed is not None)
 
     def _load_initial_weights(self) -> None:
@@ -461,10 +471,10 @@ class Trainer:
                 stepped, so the model still holds the previous step's weights).
         """
         global_loss, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
-        if self.replicas is not None:
+        if self.step_replicas is not None:
             # Averaged over the step's replica groups before clipping, so every group clips and
             # steps alike (the loss too, for the record).
-            self.replicas.average_([global_loss.view(1), *self._local_grads()])
+            self.step_replicas.average_([global_loss.view(1), *self._local_grads()])
         counts = self._moe_counts()
         max_norm = self.cfg.training.max_norm
         with region("optimizer"):
@@ -473,12 +483,13 @@ class Trainer:
         loss, stop, norm, bad_bias = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
                                                   bad_bias]).tolist()
         lr = self.scheduler.get_last_lr()[0]
-        if self.replicas is not None and not self.replicas.commit():
+        if self.step_replicas is not None and not self.step_replicas.commit():
             # A peer failed during the step, or too few groups took part: nothing is stepped.
             self.optimizer.zero_grad(set_to_none=True)
             for moe in self.moe_layers:
                 moe.tokens_per_expert.zero_()
-            return StepResult(loss, norm, lr, stop > 0, None, committed=False, participants=self.replicas.participants)
+            return StepResult(loss, norm, lr, stop > 0, None, committed=False,
+                              participants=self.step_replicas.participants)
         if bad_bias:  # set by the previous step's update, which no save has seen yet
             raise TrainingDiverged(f"an MoE expert bias is not finite after step {self.step}: stopping without "
                                    "saving; lower model.load_balance_coeff")
@@ -500,7 +511,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         counts = self._update_moe_biases(counts)
         return StepResult(loss, norm, lr, stop > 0, counts,
-                          participants=self.replicas.participants if self.replicas is not None else 1)
+                          participants=self.step_replicas.participants if self.step_replicas is not None else 1)
+
+    def _local_params(self) -> list[torch.Tensor]:
+        """Every parameter as this rank holds it (a DTensor's local shard), in the model's order."""
+        return [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
 
     def _local_grads(self) -> list[torch.Tensor]:
         """Every parameter's gradient as this rank holds it (a DTensor's local shard), in the
@@ -541,8 +556,8 @@ class Trainer:
             dist.all_reduce(counts, group=self.mesh["loss"].get_group())
         if self.mesh is not None and self.dims.ep_enabled and self.dims.tp_enabled:
             dist.all_reduce(counts, group=self.mesh["tp"].get_group())
-        if self.replicas is not None:
-            self.replicas.sum_(counts)
+        if self.step_replicas is not None:
+            self.step_replicas.sum_(counts)
         return counts
 
     def _update_moe_biases(self, counts: torch.Tensor | None) -> torch.Tensor | None:
@@ -571,7 +586,8 @@ class Trainer:
         # some (it takes a zero step to build the moments: Adam's step count would then be off by one).
         optimizer = local_tensors(self.state["optimizer"].state_dict()) if self.optimizer.state else {}
         return {"model": local_tensors(self.state["model"].state_dict()), "optimizer": optimizer,
-                "lr_scheduler": self.scheduler.state_dict(), "step": self.step}
+                "lr_scheduler": self.scheduler.state_dict(), "step": self.step,
+                "semi_sync": self.semi_sync.state_dict() if self.semi_sync is not None else {}}
 
     def _load_live_state(self, state: dict) -> None:
         """Take a healthy peer's `_live_state`, and move this group's rows to where they stood
@@ -580,6 +596,8 @@ class Trainer:
         if state["optimizer"]:
             self.state["optimizer"].load_state_dict(like(self.state["optimizer"].state_dict(), state["optimizer"]))
         self.scheduler.load_state_dict(state["lr_scheduler"])
+        if self.semi_sync is not None:
+            self.semi_sync.load_state_dict(state["semi_sync"])
         logger.info("recovered the live state of step %d from a healthy replica group (this group was at step %d)",
                     state["step"], self.step)
         self.step = state["step"]
@@ -614,6 +632,8 @@ class Trainer:
             # peer's live state now, and its records of the steps it committed before stay.
             self.replicas.start_step()
             self._quorum_joined = True
+            if self.semi_sync is not None:  # the groups meet again at the first sync
+                self.replicas.commit()
         metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
                                 peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step,
                                 run_config=asdict(cfg))
@@ -642,12 +662,17 @@ class Trainer:
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
                 result = self._committed_step()
                 self.step += 1
-                if self.data_position is not None:
+                extra = {}
+                if self.semi_sync is not None and self.semi_sync.due(self.step):
+                    extra = {"ft_synced": self.semi_sync.sync(), "ft_participants": self.replicas.participants}
+                # A group's rows count as trained once its step is the quorum's: every step, or
+                # (semi-synchronous) at a sync that committed.
+                if self.data_position is not None and (self.semi_sync is None or extra.get("ft_synced")):
                     self.data_position.save(self.dataloader, committed_step=self.step)
                 step_s = time.perf_counter() - t0
                 window.add(self.global_tokens, step_s)
-                extra = {"ep_all_to_all_gib": (ep_bytes_moved(self.model) - ep_bytes) / 2**30} \
-                    if self.dims.ep_enabled else {}
+                if self.dims.ep_enabled:
+                    extra["ep_all_to_all_gib"] = (ep_bytes_moved(self.model) - ep_bytes) / 2**30
                 if first:
                     if self.mesh is not None:  # loading, compile and warm-up are done
                         set_timeout(cfg.comm.train_timeout_seconds, [None, *self.mesh.groups()], self.device)
@@ -669,7 +694,7 @@ class Trainer:
                         "tokens_per_sec": tokens_per_sec,
                         "tflops": flops_per_token * tokens_per_sec / self.dims.world_size / 1e12,
                         "memory_gib": peak_memory_gib(self.device),
-                        **({"ft_participants": result.participants} if self.replicas is not None else {}),
+                        **({"ft_participants": result.participants} if self.step_replicas is not None else {}),
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
@@ -694,8 +719,8 @@ class Trainer:
         this group once it took a peer's live state (`_load_live_state` moved its rows)."""
         batch = None
         while True:
-            if self.replicas is not None and not self._quorum_joined:
-                self.replicas.start_step()
+            if self.step_replicas is not None and not self._quorum_joined:
+                self.step_replicas.start_step()
             self._quorum_joined = False
             if batch is None or self._recovered:
                 self._recovered = False

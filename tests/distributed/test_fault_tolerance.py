@@ -165,3 +165,40 @@ def test_with_the_quorum_lost_the_survivor_waits(tmp_path: Path, hsdp: dict[int,
     assert waited > down
     _assert_hsdp_curve(steps0, hsdp, "group 0")
     _assert_hsdp_curve(back.records(), hsdp, "group 1")
+
+
+def _semi_sync_run(tmp_path: Path, name: str, method: list[str], every: int) -> list[dict[int, dict]]:
+    """2 groups of the tiny job, 10 steps, syncing every 5 by `method`; each group's model state
+    every `every` steps (its checkpoints)."""
+    out = tmp_path / name
+    args = [*JOB, *FT, "--training.steps", "10", "--fault_tolerance.sync_steps", "5", *method,
+            "--checkpoint.enable", "true", "--checkpoint.interval", str(every)]
+    lighthouse = Lighthouse(tmp_path / f"lighthouse-{name}.log", "--min-replicas", "2")
+    try:
+        groups = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
+        for group in groups:
+            group.finish()
+    finally:
+        lighthouse.close()
+    synced = [r["step"] for r in groups[0].records() if r.get("ft_synced")]
+    assert synced == [5, 10] and all(r["ft_participants"] == 2 for r in groups[0].records() if r.get("ft_synced"))
+    return [{step: {k: v for k, v in _states(out / f"replica_{g}" / "checkpoint" / f"step-{step}").items()
+                    if k.startswith("model.")} for step in range(every, 11, every)} for g in (0, 1)]
+
+
+def test_local_sgd_and_diloco_groups_agree_exactly_at_sync_steps(tmp_path: Path) -> None:
+    """Local SGD: the groups' weights are equal at steps 5 and 10 and differ between. DiLoCo with
+    outer lr 1 and no momentum applies the averaged pseudo-gradient to the anchor, which is
+    the average of the groups' weights: local SGD's, to rounding (the outer step with momentum
+    is checked against torch's SGD in tests/unit/test_fault_tolerance_config.py)."""
+    local = _semi_sync_run(tmp_path, "local_sgd", ["--fault_tolerance.semi_sync_method", "local_sgd"], 1)
+    for step in range(1, 11):
+        equal = all(torch.equal(local[0][step][k], local[1][step][k]) for k in local[0][step])
+        assert equal == (step % 5 == 0), step
+    diloco = _semi_sync_run(tmp_path, "diloco", ["--fault_tolerance.semi_sync_method", "diloco",
+                                                 "--fault_tolerance.outer_lr", "1.0",
+                                                 "--fault_tolerance.outer_momentum", "0.0"], 5)
+    for step in (5, 10):
+        assert all(torch.equal(diloco[0][step][k], diloco[1][step][k]) for k in diloco[0][step]), step
+    for key, value in diloco[0][5].items():
+        assert torch.allclose(value.float(), local[0][5][key].float(), rtol=1e-5, atol=1e-6), key

@@ -37,8 +37,6 @@ FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
      "not an allowed value", '"gloo", "nccl"'),
     (["--fault_tolerance.semi_sync_method", "DiLoCo"], 'fault_tolerance.semi_sync_method = "DiLoCo"',
      "not an allowed value", 'did you mean "diloco"'),
-    ([*FT, "--fault_tolerance.semi_sync_method", "local_sgd"], 'fault_tolerance.semi_sync_method = "local_sgd"',
-     "not available yet", 'semi_sync_method = ""'),
     ([*FT, "--fault_tolerance.process_group_timeout_ms", "0"], "fault_tolerance.process_group_timeout_ms = 0",
      "milliseconds", "e.g. 10000"),
     ([*FT, "--fault_tolerance.outer_momentum", "1.0"], "fault_tolerance.outer_momentum = 1.0", "[0, 1)",
@@ -131,3 +129,75 @@ def test_a_peers_state_must_have_this_ranks_keys_and_shapes() -> None:
         like(mine, {"model": {"v": torch.ones(2, 3)}, "step": 9})
     with pytest.raises(ValueError, match=r"model.w is \(3, 2\), this rank's \(2, 3\)"):
         like(mine, {"model": {"w": torch.ones(3, 2)}, "step": 9})
+
+
+class _TwoGroups:
+    """`ReplicaGroups` as this rank sees it when a second group holds `other`: averaging takes the
+    mean with the other group's tensors (in the order given), commit says `commits`."""
+
+    def __init__(self, other: list[torch.Tensor], *, commits: bool = True) -> None:
+        self.other, self.commits, self.quorums = other, commits, 0
+
+    def start_step(self) -> None:
+        self.quorums += 1
+
+    def average_(self, tensors: list[torch.Tensor]) -> None:
+        for mine, theirs in zip(tensors, self.other, strict=True):
+            mine.copy_((mine + theirs) / 2)
+
+    def commit(self) -> bool:
+        return self.commits
+
+
+def _semi_sync(method: str, params: list[torch.Tensor], groups, bias: torch.Tensor, **keys):
+    from torchmoe.config.job_config import FaultTolerance
+    from torchmoe.distributed.fault_tolerance import SemiSync
+
+    cfg = FaultTolerance(enable=True, group_size=2, semi_sync_method=method, **keys)
+    return SemiSync(groups, cfg, lambda: params, [bias])
+
+
+def test_diloco_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient() -> None:
+    """Two syncs of one rank against a hand computation and against torch's own SGD (lr 0.7,
+    momentum 0.9, Nesterov) stepped on the averaged pseudo-gradient, to 1e-6."""
+    gen = torch.Generator().manual_seed(0)
+    theta0 = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    params = [t.clone() for t in theta0]
+    groups = _TwoGroups([])
+    sync = _semi_sync("diloco", params, groups, torch.zeros(2), outer_lr=0.7, outer_momentum=0.9)
+    reference = [torch.nn.Parameter(t.clone()) for t in theta0]
+    outer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    anchor, momentum = [t.clone() for t in theta0], None
+    for _ in range(2):
+        mine = [torch.randn(p.shape, generator=gen) * 0.1 for p in params]  # this group's inner steps
+        theirs = [torch.randn(p.shape, generator=gen) * 0.1 for p in params]
+        for p, step in zip(params, mine):
+            p.sub_(step)
+        # The other group's pseudo-gradient (anchor - its θ), and its expert bias.
+        groups.other = [*theirs, torch.ones(2)]
+        assert sync.sync()
+        delta = [(m + t) / 2 for m, t in zip(mine, theirs)]  # mean of (anchor - θ_g)
+        momentum = delta if momentum is None else [0.9 * m + d for m, d in zip(momentum, delta)]
+        anchor = [a - 0.7 * (d + 0.9 * m) for a, d, m in zip(anchor, delta, momentum)]
+        for ref, d in zip(reference, delta):
+            ref.grad = d.clone()
+        outer.step()
+        for got, hand, torch_sgd in zip(params, anchor, reference):
+            assert torch.allclose(got, hand, rtol=0, atol=1e-6)
+            assert torch.allclose(got, torch_sgd.detach(), rtol=0, atol=1e-6)
+        assert all(torch.equal(a, p) for a, p in zip(sync.anchor, params))  # the next sync's anchor
+    assert torch.equal(sync.buffers[0], torch.full((2,), 0.75)) and groups.quorums == 2  # 0 -> 0.5 -> 0.75
+
+
+def test_local_sgd_averages_parameters_and_biases_and_a_failed_sync_changes_nothing() -> None:
+    params, bias = [torch.zeros(3), torch.ones(2)], torch.zeros(4)
+    groups = _TwoGroups([torch.full((3,), 2.0), torch.full((2,), 3.0), torch.ones(4)], commits=False)
+    sync = _semi_sync("local_sgd", params, groups, bias, sync_steps=5)
+    assert [sync.due(s) for s in (4, 5, 10)] == [False, True, True]
+    assert not sync.sync()
+    assert torch.equal(params[0], torch.zeros(3)) and torch.equal(bias, torch.zeros(4))
+    groups.commits = True
+    assert sync.sync()
+    assert torch.equal(params[0], torch.ones(3)) and torch.equal(params[1], torch.full((2,), 2.0))
+    assert torch.equal(bias, torch.full((4,), 0.5))
+    assert sync.state_dict() == {"anchor": [], "momentum": []}

@@ -193,3 +193,91 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         out[-1].append(t)
         size += nbytes
     return out
+
+
+class SemiSync:
+    """Semi-synchronous training across replica groups (`semi_sync_method`): each group steps on its
+    own, and every `sync_steps` steps the groups meet in a quorum and
+
+    - ``local_sgd``: average their parameters (and the MoE expert biases, which route tokens: a
+      model is both);
+    - ``diloco``: average the pseudo-gradient ``Δ = anchor - θ`` (anchor: the parameters after the
+      last sync) and apply it to the anchor with an outer SGD,
+      ``m = μ m + Δ; θ = anchor - lr (Δ + μ m)`` with Nesterov (``- lr m`` without), as
+      `torch.optim.SGD` with dampening 0 does; expert biases are averaged as in local SGD.
+
+    A sync that does not commit (a peer failed, too few groups) changes nothing: the groups go on
+    from their own parameters and try again at the next sync. Works on every rank's local shards,
+    so any layout inside a group; the anchor and the outer momentum are state (`state_dict`).
+
+    Args:
+        groups: the replica groups (`ReplicaGroups`).
+        cfg: the `[fault_tolerance]` section.
+        params: gives this rank's parameter shards (DTensors' local tensors), always in one order
+            (asked at each sync: FSDP swaps the tensors a module holds between steps).
+        buffers: this rank's MoE expert biases, averaged at each sync.
+    """
+
+    def __init__(self, groups: ReplicaGroups, cfg: FaultTolerance, params: Callable[[], list[torch.Tensor]],
+                 buffers: list[torch.Tensor]) -> None:
+        self.groups, self.cfg, self.local_params, self.buffers = groups, cfg, params, buffers
+        self.diloco = cfg.semi_sync_method == "diloco"
+        self.anchor = [p.detach().clone() for p in params()] if self.diloco else []
+        # Zeros: the first outer step's m = μ·0 + Δ = Δ is torch SGD's first buffer; and the state
+        # has the same tensors before the first sync as after (what checkpoints load into).
+        self.momentum = [torch.zeros_like(a) for a in self.anchor]
+
+    def anchor_here(self) -> None:
+        """Start DiLoCo from the parameters as they are now (after loading initial weights)."""
+        if not self.diloco:
+            return
+        with torch.no_grad():
+            for anchor, param, m in zip(self.anchor, self.local_params(), self.momentum, strict=True):
+                anchor.copy_(param)
+                m.zero_()
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.sync_steps == 0
+
+    def sync(self) -> bool:
+        """Meet the other groups (a group that is behind recovers here) and synchronise; whether
+        the sync committed."""
+        self.groups.start_step()
+        params = self.local_params()
+        with torch.no_grad():
+            if self.diloco:
+                # The pseudo-gradient of this group, averaged over the groups in the quorum.
+                shared = [a - p for a, p in zip(self.anchor, params, strict=True)]
+            else:
+                shared = [p.clone() for p in params]
+            shared += [b.clone() for b in self.buffers]
+            self.groups.average_(shared)
+            if not self.groups.commit():
+                return False
+            values, biases = shared[:len(params)], shared[len(params):]
+            for buffer, average in zip(self.buffers, biases):
+                buffer.copy_(average)
+            if self.diloco:
+                self._outer_step(params, values)
+            else:
+                for param, average in zip(params, values):
+                    param.copy_(average)
+        return True
+
+    def _outer_step(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> None:
+        """θ = anchor - lr * (Δ + μ m) (Nesterov) with m = μ m + Δ; the anchor becomes θ."""
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        for m, d in zip(self.momentum, deltas):
+            m.mul_(mu).add_(d)
+        for param, anchor, delta, m in zip(params, self.anchor, deltas, self.momentum):
+            update = delta.add(m, alpha=mu) if self.cfg.outer_nesterov else m
+            anchor.sub_(update, alpha=lr)
+            param.copy_(anchor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The anchor and the outer momentum (DiLoCo; empty for local SGD): this rank's shards."""
+        return {"anchor": list(self.anchor), "momentum": list(self.momentum)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for mine, saved in zip([*self.anchor, *self.momentum], [*state["anchor"], *state["momentum"]], strict=True):
+            mine.copy_(saved)

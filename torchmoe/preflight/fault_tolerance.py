@@ -21,10 +21,6 @@ def check_fault_tolerance(cfg: JobConfig, degrees: dict[str, int], check_device:
                           "must be 1 with fault_tolerance.enable: the replica groups are the replicate dimension "
                           "(each group is a launch of its own)",
                           f"set it to 1, and launch fault_tolerance.group_size ({ft.group_size}) groups of this layout")
-    if ft.semi_sync_method:
-        raise ConfigError("fault_tolerance.semi_sync_method", ft.semi_sync_method,
-                          "semi-synchronous training (local SGD, DiLoCo) is not available yet: replica groups average "
-                          "their gradients every step", 'set semi_sync_method = "" (the default)')
     if cfg.checkpoint.create_seed_checkpoint:
         raise ConfigError("checkpoint.create_seed_checkpoint", True, "writes a seed checkpoint from one process, "
                           "which joins no replica group", "write it with fault_tolerance.enable = false, then train "
