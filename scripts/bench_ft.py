@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from torchmoe.launch import Lighthouse, ReplicaGroup, read_metrics, run_train
+from torchmoe.launch import Lighthouse, ReplicaGroup, read_metrics, run_replica_groups, run_train
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -41,13 +41,7 @@ def _step_seconds(records: list[dict], tokens_per_step: int) -> float:
 def overhead(tmp: Path) -> dict:
     run_train([*JOB, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=tmp / "hsdp", nproc=4)
     hsdp = _step_seconds(read_metrics(tmp / "hsdp"), 4 * 4 * 256)
-    lighthouse = Lighthouse(tmp / "lighthouse.log", "--min-replicas", "2")
-    try:
-        groups = [ReplicaGroup(g, [*JOB, *FT], tmp / "ft", lighthouse) for g in (0, 1)]
-        for group in groups:
-            group.finish()
-    finally:
-        lighthouse.close()
+    groups = run_replica_groups([*JOB, *FT], tmp / "ft", "--min-replicas", "2")
     ft = statistics.mean(_step_seconds(group.records(), 2 * 4 * 256) for group in groups)
     return {"hsdp_2x2_step_s": hsdp, "ft_2x2_step_s": ft, "overhead": ft / hsdp - 1}
 

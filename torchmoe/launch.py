@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["LaunchError", "Lighthouse", "ReplicaGroup", "cli_command", "cli_env", "free_port", "metrics_by_step",
-           "read_metrics", "run_cli", "run_train"]
+           "read_metrics", "run_cli", "run_replica_groups", "run_train"]
 
 Arg = str | os.PathLike
 # Set by torchrun for its workers; a launcher that inherited them would look like one.
@@ -176,3 +176,21 @@ class ReplicaGroup:
         """Wait for the group to end; `RuntimeError` (with the log's tail) unless it exits 0."""
         if self.proc.wait(timeout=timeout) != 0:
             raise RuntimeError(f"the group exited {self.proc.returncode}\n{self.log.read_text()[-5000:]}")
+
+
+def run_replica_groups(args: Sequence[Arg], out: Arg, *lighthouse_flags: str, groups: int = 2) -> list[ReplicaGroup]:
+    """Train `groups` replica groups of `torchmoe train ARGS` (which enable fault tolerance) to
+    the end, with a lighthouse of their own (`lighthouse_flags`, its log in `out`); the groups.
+
+    Raises:
+        RuntimeError: a group exited with an error (`ReplicaGroup.finish`).
+    """
+    Path(out).mkdir(parents=True, exist_ok=True)
+    lighthouse = Lighthouse(Path(out) / "lighthouse.log", *lighthouse_flags)
+    try:
+        started = [ReplicaGroup(g, args, out, lighthouse) for g in range(groups)]
+        for group in started:
+            group.finish()
+    finally:
+        lighthouse.close()
+    return started

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from torchmoe.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_train
+from torchmoe.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_replica_groups, run_train
 
 pytestmark = pytest.mark.distributed
 
@@ -75,13 +75,8 @@ def _assert_hsdp_curve(records: list[dict], reference: dict[int, dict], label: s
 
 
 def test_two_groups_train_what_hsdp_2x2_trains(tmp_path: Path, hsdp: dict[int, dict]) -> None:
-    lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")  # both groups in the first quorum
-    try:
-        groups = [ReplicaGroup(g, [*JOB, *FT], tmp_path / "ft", lighthouse) for g in (0, 1)]
-        for group in groups:
-            group.finish()
-    finally:
-        lighthouse.close()
+    # --min-replicas 2: both groups are in the first quorum (a group up first would train alone).
+    groups = run_replica_groups([*JOB, *FT], tmp_path / "ft", "--min-replicas", "2")
     for group in groups:
         records = group.records()
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -173,13 +168,7 @@ def _semi_sync_run(tmp_path: Path, name: str, method: list[str], every: int) -> 
     out = tmp_path / name
     args = [*JOB, *FT, "--training.steps", "10", "--fault_tolerance.sync_steps", "5", *method,
             "--checkpoint.enable", "true", "--checkpoint.interval", str(every)]
-    lighthouse = Lighthouse(tmp_path / f"lighthouse-{name}.log", "--min-replicas", "2")
-    try:
-        groups = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
-        for group in groups:
-            group.finish()
-    finally:
-        lighthouse.close()
+    groups = run_replica_groups(args, out, "--min-replicas", "2")
     synced = [r["step"] for r in groups[0].records() if r.get("ft_synced")]
     assert synced == [5, 10] and all(r["ft_participants"] == 2 for r in groups[0].records() if r.get("ft_synced"))
     return [{step: {k: v for k, v in _states(out / f"replica_{g}" / "checkpoint" / f"step-{step}").items()
