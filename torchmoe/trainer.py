@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -473,7 +474,8 @@ class Trainer:
         global_loss, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
         if self.step_replicas is not None:
             # Averaged over the step's replica groups before clipping, so every group clips and
-            # steps alike (the loss too, for the record).
+            # steps alike (the loss too, for the record). From here on the rows may count.
+            self.data_position.save_pending(self.dataloader, step=self.step + 1)
             self.step_replicas.average_([global_loss.view(1), *self._local_grads()])
         counts = self._moe_counts()
         max_norm = self.cfg.training.max_norm
@@ -483,7 +485,7 @@ class Trainer:
         loss, stop, norm, bad_bias = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
                                                   bad_bias]).tolist()
         lr = self.scheduler.get_last_lr()[0]
-        if self.step_replicas is not None and not self.step_replicas.commit():
+        if self.step_replicas is not None and not self.step_replicas.commit(self.step + 1):
             # A peer failed during the step, or too few groups took part: nothing is stepped.
             self.optimizer.zero_grad(set_to_none=True)
             for moe in self.moe_layers:
@@ -581,17 +583,19 @@ class Trainer:
 
     def _live_state(self) -> dict:
         """What a recovering replica group takes from this rank: weights, optimizer, schedule and
-        step, as plain tensors (`fault_tolerance.local_tensors`). Its rows stay its own."""
+        step, as plain tensors (`fault_tolerance.local_tensors`), and which groups each recent
+        step averaged (its rows stay its own: that says where they stand)."""
         # An optimizer that never stepped has no state to send; asking DCP for it would create
         # some (it takes a zero step to build the moments: Adam's step count would then be off by one).
         optimizer = local_tensors(self.state["optimizer"].state_dict()) if self.optimizer.state else {}
         return {"model": local_tensors(self.state["model"].state_dict()), "optimizer": optimizer,
                 "lr_scheduler": self.scheduler.state_dict(), "step": self.step,
-                "semi_sync": self.semi_sync.state_dict() if self.semi_sync is not None else {}}
+                "semi_sync": self.semi_sync.state_dict() if self.semi_sync is not None else {},
+                "contributors": dict(self.replicas.history)}
 
     def _load_live_state(self, state: dict) -> None:
         """Take a healthy peer's `_live_state`, and move this group's rows to where they stood
-        after its own last committed step (`DataPosition`; the start position if it has none)."""
+        after its last step that counted (`DataPosition`; the start position if none did)."""
         self.state["model"].load_state_dict(like(self.state["model"].state_dict(), state["model"]))
         if state["optimizer"]:
             self.state["optimizer"].load_state_dict(like(self.state["optimizer"].state_dict(), state["optimizer"]))
@@ -601,7 +605,8 @@ class Trainer:
         logger.info("recovered the live state of step %d from a healthy replica group (this group was at step %d)",
                     state["step"], self.step)
         self.step = state["step"]
-        if self.data_position.restore(self.dataloader) is None:
+        contributed = partial(self.replicas.contributed, state["contributors"])
+        if self.data_position.restore(self.dataloader, contributed) is None:
             self.dataloader.load_state_dict(self._start_position)
         self._recovered = True
 
@@ -633,7 +638,7 @@ class Trainer:
             self.replicas.start_step()
             self._quorum_joined = True
             if self.semi_sync is not None:  # the groups meet again at the first sync
-                self.replicas.commit()
+                self.replicas.commit(self.step)
         metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
                                 peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step,
                                 run_config=asdict(cfg))
@@ -664,7 +669,8 @@ class Trainer:
                 self.step += 1
                 extra = {}
                 if self.semi_sync is not None and self.semi_sync.due(self.step):
-                    extra = {"ft_synced": self.semi_sync.sync(), "ft_participants": self.replicas.participants}
+                    self.data_position.save_pending(self.dataloader, step=self.step)
+                    extra = {"ft_synced": self.semi_sync.sync(self.step), "ft_participants": self.replicas.participants}
                 # A group's rows count as trained once its step is the quorum's: every step, or
                 # (semi-synchronous) at a sync that committed.
                 if self.data_position is not None and (self.semi_sync is None or extra.get("ft_synced")):

@@ -18,9 +18,10 @@ from pathlib import Path
 from tests.helpers import REPO
 from torchmoe.launch import cli_env, free_port
 
-# `scontrol show hostnames`: one localhost per node of the job.
+# `scontrol show hostnames`: one localhost per node of the job, in one write (the script reads
+# the first with `| head -n 1` under pipefail: a later write into the closed pipe would fail it).
 SCONTROL = """#!/bin/bash
-if [[ "$1 $2" == "show hostnames" ]]; then for ((i = 0; i < SLURM_NNODES; i++)); do echo localhost; done; fi
+if [[ "$1 $2" == "show hostnames" ]]; then printf 'localhost\\n%.0s' $(seq 1 "$SLURM_NNODES"); fi
 """
 
 # One task per node: run the command (after srun's own options) once per node, in parallel.

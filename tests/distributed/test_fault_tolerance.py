@@ -121,12 +121,15 @@ def test_a_killed_group_drops_out_and_recovers_the_live_state(tmp_path: Path) ->
     a, b = (_states(out / f"replica_{g}" / "checkpoint" / f"step-{STEPS}") for g in (0, 1))
     assert sorted(a) == sorted(b) and len(a) > 50
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # Group 1's rows: one batch per step it committed (before the kill and after the recovery),
-    # none drawn twice nor left out; `DataPosition` records where they stand.
-    committed = len(steps1)
+    # Group 1's rows: one batch per step whose average held its gradients (those it logged, and
+    # the step it died in if group 0 committed that one with both groups), none drawn twice nor
+    # left out; `DataPosition` records where they stand.
+    died_in = {r["step"]: r["ft_participants"] for r in steps0}[6]
+    committed = len(steps1) + (died_in == 2 and 6 not in steps1)
     for rank in (0, 1):
         position = json.loads((out / "replica_1" / "data_position" / f"rank{rank}.json").read_text())
-        assert position["committed_step"] == STEPS and position["loader_step"] == committed
+        assert position["pending"] is None
+        assert position["committed"]["step"] == STEPS and position["committed"]["loader_step"] == committed
 
 
 def test_with_the_quorum_lost_the_survivor_waits(tmp_path: Path, hsdp: dict[int, dict]) -> None:
@@ -191,3 +194,26 @@ def test_local_sgd_and_diloco_groups_agree_exactly_at_sync_steps(tmp_path: Path)
         assert all(torch.equal(diloco[0][step][k], diloco[1][step][k]) for k in diloco[0][step]), step
     for key, value in diloco[0][5].items():
         assert torch.allclose(value.float(), local[0][5][key].float(), rtol=1e-5, atol=1e-6), key
+
+
+def test_a_full_restart_resumes_every_group_exactly(tmp_path: Path, hsdp: dict[int, dict]) -> None:
+    """Both groups killed after their step-5 checkpoints, then launched again: each resumes from
+    its own checkpoint, and the whole run is HSDP's curve, step for step."""
+    out = tmp_path / "ft"
+    args = [*JOB, *FT, "--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")
+    try:
+        first = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
+        first[0].wait_for(lambda r: bool(r) and r[-1]["step"] >= 7, "group 0 is past its step-5 checkpoint")
+        for group in first:
+            group.kill()
+        again = [ReplicaGroup(g, args, out, lighthouse, tag="-again") for g in (0, 1)]
+        for group in again:
+            group.finish()
+    finally:
+        lighthouse.close()
+    for group in again:
+        assert "resuming at step 6" in group.log.read_text()
+        records = group.records()  # the first launch's records after step 5 were dropped
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        _assert_hsdp_curve(records, hsdp, str(group.metrics))

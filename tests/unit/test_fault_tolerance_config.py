@@ -95,21 +95,25 @@ def _loader(dp_rank: int = 1):
     return build_dataloader(cfg.training, build_tokenizer(""), dp_rank=dp_rank, dp_degree=4)
 
 
-def test_a_data_position_resumes_the_rows_after_the_last_committed_step(tmp_path: Path) -> None:
+def test_a_data_position_resumes_the_rows_after_the_last_step_that_counted(tmp_path: Path) -> None:
+    """Committed after 2 batches, then a 3rd drawn and marked pending: recovery resumes after the
+    2nd unless a peer's record says the 3rd step averaged this group's gradients."""
     position = DataPosition(tmp_path, rank=3)
     loader = _loader()
-    assert position.restore(loader) is None  # never committed: the loader stays
+    assert position.restore(loader, lambda step: True) is None  # never committed: the loader stays
     for _ in range(2):
         loader.next_batch()
     position.save(loader, committed_step=7)
-    loader.next_batch()  # drawn, never committed
-    again = _loader()
-    assert position.restore(again) == 7
+    loader.next_batch()
+    position.save_pending(loader, step=8)
+    loader.next_batch()  # drawn, never averaged
     fresh = _loader()
-    expected = [fresh.next_batch() for _ in range(3)][2]
-    got = again.next_batch()
-    assert all(torch.equal(a, b) for pair in zip(got, expected) for a, b in zip(*pair))
-    assert again.state_dict()["step"] == 3
+    batches = [fresh.next_batch() for _ in range(4)]
+    for counted, step, expected in ((set(), 7, batches[2]), ({8}, 8, batches[3])):
+        again = _loader()
+        assert position.restore(again, counted.__contains__) == step
+        got = again.next_batch()
+        assert all(torch.equal(a, b) for pair in zip(got, expected) for a, b in zip(*pair)), step
 
 
 def test_an_unreadable_data_position_is_one_message(tmp_path: Path) -> None:
@@ -117,7 +121,7 @@ def test_an_unreadable_data_position_is_one_message(tmp_path: Path) -> None:
     position.path.parent.mkdir(parents=True)
     position.path.write_text("{not json")
     with pytest.raises(Exception) as err:
-        position.restore(_loader())
+        position.restore(_loader(), lambda step: True)
     assert "rank0.json is unreadable" in str(err.value) and "delete it" in str(err.value)
 
 
@@ -145,7 +149,7 @@ class _TwoGroups:
         for mine, theirs in zip(tensors, self.other, strict=True):
             mine.copy_((mine + theirs) / 2)
 
-    def commit(self) -> bool:
+    def commit(self, step: int) -> bool:
         return self.commits
 
 
@@ -175,7 +179,7 @@ def test_diloco_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient() -> 
             p.sub_(step)
         # The other group's pseudo-gradient (anchor - its θ), and its expert bias.
         groups.other = [*theirs, torch.ones(2)]
-        assert sync.sync()
+        assert sync.sync(5)
         delta = [(m + t) / 2 for m, t in zip(mine, theirs)]  # mean of (anchor - θ_g)
         momentum = delta if momentum is None else [0.9 * m + d for m, d in zip(momentum, delta)]
         anchor = [a - 0.7 * (d + 0.9 * m) for a, d, m in zip(anchor, delta, momentum)]
@@ -194,10 +198,10 @@ def test_local_sgd_averages_parameters_and_biases_and_a_failed_sync_changes_noth
     groups = _TwoGroups([torch.full((3,), 2.0), torch.full((2,), 3.0), torch.ones(4)], commits=False)
     sync = _semi_sync("local_sgd", params, groups, bias, sync_steps=5)
     assert [sync.due(s) for s in (4, 5, 10)] == [False, True, True]
-    assert not sync.sync()
+    assert not sync.sync(5)
     assert torch.equal(params[0], torch.zeros(3)) and torch.equal(bias, torch.zeros(4))
     groups.commits = True
-    assert sync.sync()
+    assert sync.sync(10)
     assert torch.equal(params[0], torch.ones(3)) and torch.equal(params[1], torch.full((2,), 2.0))
     assert torch.equal(bias, torch.full((4,), 0.5))
     assert sync.state_dict() == {"anchor": [], "momentum": []}

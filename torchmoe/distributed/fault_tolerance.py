@@ -44,6 +44,8 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # Gradients cross groups in flat buffers of at most this many bytes: one collective per bucket
 # instead of one per parameter, without a second copy of every gradient at once.
 BUCKET_BYTES = 256 * 2**20
+# Committed steps whose contributing groups a group remembers (and sends a recovering peer).
+HISTORY = 1024
 
 
 def import_torchft():
@@ -129,6 +131,10 @@ class ReplicaGroups:
         pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
               else torchft.ProcessGroupNCCL(timeout=timeout))
         self.cfg = cfg
+        # The groups whose tensors the last `average_` summed, and per committed step (the last
+        # `HISTORY`) those of its average: whether a group's rows counted in a step it died in.
+        self.contributors: list[int] = []
+        self.history: dict[int, list[int]] = {}
         self.manager = torchft.Manager(
             pg=pg, load_state_dict=load, state_dict=state, min_replica_size=cfg.min_replica_size,
             # The quorum (and any recovery) completes before the step's forward: a recovering
@@ -153,22 +159,36 @@ class ReplicaGroups:
 
     def average_(self, tensors: list[torch.Tensor]) -> None:
         """Average `tensors` in place over the groups in the quorum (one flat bucket per dtype
-        and `BUCKET_BYTES`). After a peer failed mid-step the values are garbage and `commit`
+        and `BUCKET_BYTES`), and learn which groups took part (`contributors`: a one-hot of this
+        group's id rides along). After a peer failed mid-step the values are garbage and `commit`
         says so."""
-        for bucket in _buckets(tensors):
+        presence = torch.zeros(self.cfg.group_size, device=tensors[0].device if tensors else "cpu")
+        presence[self.cfg.replica_id] = 1.0
+        for bucket in _buckets([*tensors, presence]):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             self.manager.allreduce(flat).wait()
             for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
                 t.copy_(piece.view_as(t))
+        self.contributors = [g for g, share in enumerate(presence.tolist()) if share > 0]
 
     def sum_(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` in place over the groups in the quorum."""
         self.manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
 
-    def commit(self) -> bool:
+    def commit(self, step: int) -> bool:
         """Whether every rank of every participant got through the step and enough groups took
-        part: the optimizer may step. A collective within the group: every rank calls it."""
-        return self.manager.should_commit()
+        part: the optimizer may step. A collective within the group: every rank calls it. A
+        committed `step` is remembered with its `contributors`."""
+        committed = self.manager.should_commit()
+        if committed:
+            self.history[step] = self.contributors
+            for old in sorted(self.history)[:-HISTORY]:
+                del self.history[old]
+        return committed
+
+    def contributed(self, history: dict[int, list[int]], step: int) -> bool:
+        """Whether this group's tensors are in committed `step` by `history` (a peer's)."""
+        return self.cfg.replica_id in history.get(step, ())
 
     def state_dict(self) -> dict[str, int]:
         """The Manager's step and committed batches, for the group's own checkpoints."""
@@ -239,9 +259,9 @@ class SemiSync:
     def due(self, step: int) -> bool:
         return step % self.cfg.sync_steps == 0
 
-    def sync(self) -> bool:
-        """Meet the other groups (a group that is behind recovers here) and synchronise; whether
-        the sync committed."""
+    def sync(self, step: int) -> bool:
+        """Meet the other groups at `step` (a group that is behind recovers here) and
+        synchronise; whether the sync committed."""
         self.groups.start_step()
         params = self.local_params()
         with torch.no_grad():
@@ -252,7 +272,7 @@ class SemiSync:
                 shared = [p.clone() for p in params]
             shared += [b.clone() for b in self.buffers]
             self.groups.average_(shared)
-            if not self.groups.commit():
+            if not self.groups.commit(step):
                 return False
             values, biases = shared[:len(params)], shared[len(params):]
             for buffer, average in zip(self.buffers, biases):
