@@ -7,6 +7,7 @@ Running the CLI itself is `torchmoe.launch`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -115,6 +116,7 @@ class Job:
     args: list[str]
     start: str | Path | tuple[str, int] | None = "seed"
     preflight: bool = True  # False: force a code path the preflight refuses on this machine
+    flash: bool = False  # attention on CUDA flash's path, emulated, host reads counted (train_jobs.py)
 
 
 class TinyRuns:
@@ -175,7 +177,7 @@ class TinyRuns:
         labels = [label for label in self.jobs if self._group(label) == group]
         jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args], "dump_folder": str(self.root / label),
                  "start_from": str(start) if (start := self._start(label)) else None,
-                 "preflight": self.jobs[label].preflight} for label in labels]
+                 "preflight": self.jobs[label].preflight, "flash": self.jobs[label].flash} for label in labels]
         if self.jobs[labels[0]].nproc == 1:
             from tests.distributed.train_jobs import run_here
 
@@ -207,6 +209,135 @@ def refusing_attention_masks():
         yield
     finally:
         F.scaled_dot_product_attention = sdpa
+
+
+class HostReads:
+    """Counts the reads of tensor values on the host (``item``, ``bool``/``int``/``float`` of a
+    tensor, ``tolist``, ``numpy``, ``nonzero`` and the other ops whose result's size depends on
+    the values) made while `counting`: on a GPU every one of them waits for the device. The
+    tensor methods and functions themselves are wrapped, so reads inside custom operators'
+    kernels count too (torch's function and dispatch modes do not see inside them). Reads made
+    while `paused` (a test's own bookkeeping) are not counted."""
+
+    METHODS = ("item", "tolist", "numpy", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
+               "__bool__", "__int__", "__float__", "__index__")
+    FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive")
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        self.counts: Counter[str] = Counter()
+        self.paused = False
+
+    @contextmanager
+    def counting(self):
+        import torch
+
+        def wrap(name, read):
+            def counted(*args, **kwargs):
+                if not self.paused:
+                    self.counts[name] += 1
+                return read(*args, **kwargs)
+            return counted
+
+        patched = [(torch.Tensor, name) for name in self.METHODS] + [(torch, name) for name in self.FUNCTIONS]
+        saved = [getattr(owner, name) for owner, name in patched]
+        for (owner, name), read in zip(patched, saved):
+            setattr(owner, name, wrap(name, read))
+        try:
+            yield self
+        finally:
+            for (owner, name), read in zip(patched, saved):
+                setattr(owner, name, read)
+
+    @contextmanager
+    def pause(self):
+        paused, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = paused
+
+
+@contextmanager
+def counting_model_reads(trainer, reads: HostReads):
+    """While inside, the host reads of `trainer`'s forward and backward passes are counted in
+    `reads` (`Trainer.forward_backward`, but the batch's own host work, `_local_columns`, which
+    builds the segment tables from the host token ids before they travel)."""
+    forward_backward, local_columns = trainer.forward_backward, trainer._local_columns
+
+    def counted(micro_batches):
+        with reads.counting():
+            return forward_backward(micro_batches)
+
+    def uncounted(inputs, labels):
+        with reads.pause():
+            return local_columns(inputs, labels)
+
+    trainer.forward_backward, trainer._local_columns = counted, uncounted
+    try:
+        yield reads
+    finally:
+        trainer.forward_backward, trainer._local_columns = forward_backward, local_columns
+
+
+@contextmanager
+def emulated_flash(reads: HostReads | None = None):
+    """While inside, document masking takes CUDA flash's path on the CPU: `nn.segment_attention`
+    chooses the flash kernel, and torch's ``varlen_attn`` is replaced by a
+    stand-in that checks what the CUDA kernel assumes of its operands (3-D with the head dim
+    contiguous; int32, contiguous cumulative offsets on the queries' device from 0 to the packed
+    lengths, never decreasing; bounds no shorter than any segment; causal windows; grouped heads)
+    and computes the same attention with the host operator. Its own reads are paused in `reads`.
+    Yields the list of the calls' (q, k, v, cu_q, cu_k, max_q, max_k) shapes, for the test."""
+    import torch
+
+    from torchmoe.attention_kernel import FLASH
+    from torchmoe.nn import segment_attention
+
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False, **kwargs):
+        with pause():
+            assert not kwargs, kwargs
+            assert window_size == (-1, 0), window_size
+            assert q.dim() == k.dim() == v.dim() == 3 and all(t.stride(-1) == 1 for t in (q, k, v))
+            assert q.shape[1] % k.shape[1] == 0 and (enable_gqa or q.shape[1] == k.shape[1])
+            for cu, packed_rows, bound in ((cu_q, q.shape[0], max_q), (cu_k, k.shape[0], max_k)):
+                assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous() and cu.device == q.device
+                values = cu.tolist()
+                assert values[0] == 0 and values[-1] == packed_rows, (values, packed_rows)
+                lengths = [b - a for a, b in zip(values, values[1:])]
+                assert min(lengths) >= 0 and max(lengths) <= bound, (lengths, bound)
+            assert cu_q.shape == cu_k.shape
+            calls.append(tuple(tuple(t.shape) for t in (q, k, v, cu_q, cu_k)) + (max_q, max_k))
+        return Varlen.apply(q, k, v, cu_q, cu_k)
+
+    pause = (lambda: reads.pause()) if reads is not None else contextlib.nullcontext
+
+    class Varlen(torch.autograd.Function):
+        """The kernel's result from the host operator, its reads (forward and backward) paused."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, cu_q, cu_k):
+            with pause():
+                tables = (cu_q.cpu(), cu_k.cpu())
+                out, lse = torch.ops.torchmoe.segment_attention(q, k, v, *tables)
+            ctx.save_for_backward(q, k, v, out, lse, *tables)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            with pause():
+                grads = torch.ops.torchmoe.segment_attention_backward(grad.contiguous(), *ctx.saved_tensors)
+            return *grads, None, None
+
+    saved = segment_attention.kernel_for, segment_attention.varlen_attn
+    segment_attention.kernel_for, segment_attention.varlen_attn = (lambda q: FLASH), varlen
+    try:
+        yield calls
+    finally:
+        segment_attention.kernel_for, segment_attention.varlen_attn = saved
 
 
 def empty_tiny_model() -> Transformer:

@@ -185,11 +185,14 @@ def efficient_attention_cuda_backward(grad, q, k, v, out, padded_lse, causal: bo
 
 
 def saved_by_selective_ac() -> frozenset:
-    """The private ops per-op selective AC saves: fused attention kernels, grouped GEMMs (also
-    float8's), TP's reduce-scatters and EP's all-to-alls (functional collectives)."""
+    """The private ops per-op selective AC saves: fused attention kernels (the public
+    ``varlen_attn``'s operator too), grouped GEMMs (also float8's), TP's reduce-scatters and EP's
+    all-to-alls (functional collectives)."""
+    import torch.nn.attention.varlen  # noqa: F401  registers torch_attn::_varlen_attn
+
     ops = {_aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_flash_attention.default,
            _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._grouped_mm.default,
-           torch.ops._c10d_functional.reduce_scatter_tensor.default,
+           torch.ops.torch_attn._varlen_attn.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
            torch.ops._c10d_functional.all_to_all_single.default}
     ops |= {getattr(_aten, name).default for name in ("_scaled_dot_product_cudnn_attention", "_scaled_grouped_mm")
             if hasattr(_aten, name)}
@@ -280,6 +283,13 @@ def size_oblivious_shapes() -> None:
     fx_config.backed_size_oblivious = True
 
 
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Let torch.compile trace dim `dim` of `t` as symbolic from its first graph on (no
+    recompilation when it changes; nothing where it must stay static). Public replacement:
+    none (``torch._dynamo.maybe_mark_dynamic``)."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
 def dynamo_counters() -> tuple[int, int]:
     """(graphs compiled, graph breaks met) by dynamo in this process. Public replacement:
     ``torch._logging`` records (no totals)."""
@@ -358,3 +368,4 @@ def streaming_load(f) -> object:
     from torch.distributed._serialization import _streaming_load
 
     return _streaming_load(f, weights_only=True)
+

@@ -558,7 +558,8 @@ def _document(world: _World, rates: dict[str, float], fits: dict[str, Link], ove
         "memory_bandwidth_gbs": bandwidth_gbs, "kernel_overhead_us": overhead_us, "overlap": _round(overlap),
         "links": {side: rounded(link) for side, link in links.items()},
         "collectives": {name: rounded(link) for name, link in fits.items()},
-        "measurements": measurements,
+        "measurements": measurements, "device": dev.type,
+        **({"compute_capability": list(torch.cuda.get_device_capability(dev))} if dev.type == "cuda" else {}),
     }
     return profile_to_dict(profile_from_dict(doc))
 

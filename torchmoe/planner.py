@@ -26,11 +26,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.attention_kernel import MATH
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.loader import write_config_toml
 from torchmoe.config.paths import path_faults, writable_file, writable_folder
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
+from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import bubble_fraction, microbatches, pipeline_layout
 from torchmoe.plan.search import DEFAULT_MARGIN, PLAN_KEYS, Layout, SearchResult, free_keys, search
@@ -218,6 +220,7 @@ def _print(console: Console, cfg: JobConfig, gpus: int, profile: str, result: Se
     console.print(table)
     if result.best is not None:
         console.print("best: " + escape(" ".join(result.best.flags())))
+        console.print(f"attention kernel: {result.best.prediction.attention_kernel} (torchmoe/attention_kernel.py)")
     if result.pruned:
         console.print(f"[bold]families that lost ({len(result.pruned)})[/]")
         for name, reason in sorted(result.pruned.items(), key=lambda kv: _order(kv[1])):
@@ -291,6 +294,11 @@ def dry_run_advice(cfg: JobConfig, world_size: int, *, hardware: str = "", gpus_
         profile = load_profile(hardware or "h100")
         gpn = gpus_per_node or min(profile.gpus_per_node, world_size)
         mine = predict(cfg, world_size, profile, gpn)
+        if mine.attention_kernel == MATH:
+            lines.append(f"on {profile.name} no fused attention kernel takes {compute_dtype(cfg.training)} with "
+                         f"head_dim {model_args_from_config(cfg.model).head_dim}: attention runs torchmoe's math "
+                         "definition, which materialises each call's score matrix (predicted in the step time); "
+                         "train in bfloat16 with a head_dim that is a multiple of 8 for the flash kernel")
         result = search(cfg, world_size, profile, gpus_per_node=gpn,
                         check=lambda candidate, world: validate_layout(candidate, world))
         best = result.best

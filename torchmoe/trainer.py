@@ -80,7 +80,14 @@ from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.llama4.parallelize import parallelize_llama4
 from torchmoe.models.llama4.pipeline_stages import PipelineRankModel, split_into_stages
-from torchmoe.nn.document_attention import document_starts
+from torchmoe.nn.attention_kernels import describe_kernel
+from torchmoe.nn.document_attention import (
+    AttentionCall,
+    DocumentSegments,
+    document_segments,
+    document_starts,
+    whole_row_calls,
+)
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype, residual_dtype
@@ -249,9 +256,11 @@ class Trainer:
             else:
                 self.step_replicas = self.replicas
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        # Sliced once: slicing a DeviceMesh builds a new one from its rank tensor every time.
+        self.tp_mesh = self.mesh["tp"] if self.mesh is not None else None
         # This rank's share in sums of the loss over the world: only tp-coordinate 0 counts it,
         # since its TP peers hold the same value.
-        self.loss_weight = 1.0 if self.mesh is None or self.mesh["tp"].get_local_rank() == 0 else 0.0
+        self.loss_weight = 1.0 if self.mesh is None or self.tp_mesh.get_local_rank() == 0 else 0.0
         self._stop_signal: int | None = None
         self.pp_microbatches = microbatches(cfg.training, cfg.parallelism)[0] if self.dims.pp_enabled else 1
         # Context parallelism: the columns of each sequence this rank trains on (its head-tail pieces).
@@ -344,7 +353,7 @@ class Trainer:
     def _summed_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The micro-batch's token losses summed (fp32 cross entropy); shapes as in `_loss`."""
         if self.loss_parallel:
-            logits = DTensor.from_local(logits, self.mesh["tp"], [Shard(-1)], run_check=False)
+            logits = DTensor.from_local(logits, self.tp_mesh, [Shard(-1)], run_check=False)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
     # ---- one step --------------------------------------------------------------------------------
@@ -417,25 +426,39 @@ class Trainer:
         return total.item() / (batches * loader.global_batch_size * val.seq_len)
 
     def _local_columns(self, inputs: torch.Tensor,
-                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]:
         """This rank's columns of a (B, seq_len) micro-batch (its CP pieces; all without CP), on
-        its device, and with `training.document_masking` those columns of the rows' document
-        starts (`document_starts`, from the whole rows: a piece's first document may begin in an
-        earlier piece), else None. Every rank of a pipeline derives them from the same batch, so
-        stages without the token ids get each micro-batch's own. Validation batches have
-        training's seq_len under CP (`preflight`).
+        its device, and with `training.document_masking` the segment tables of every attention
+        call this rank's layers make (`nn.document_attention.document_segments`), else None.
+        The tables come from the whole rows' token ids, on the host, before they travel (a
+        piece's first document may begin in an earlier piece): no layer reads a device value
+        for them. Every rank of a pipeline derives them from the same batch, so stages without
+        the token ids get each micro-batch's own. Validation batches have training's seq_len
+        under CP (`preflight`).
 
         To a GPU the copy is asynchronous: from pinned host memory, with ``non_blocking``, so the
         host goes on queueing work while the batch travels (the stream orders its use)."""
-        masking = self.cfg.training.document_masking
-        columns = (inputs, labels, *([document_starts(inputs, self.tokenizer.eos_id)] if masking else []))
+        documents = None
+        if self.cfg.training.document_masking:
+            documents = document_segments(document_starts(inputs, self.tokenizer.eos_id),
+                                          self._attention_calls(inputs.shape[-1]), self.device)
+        columns = (inputs, labels)
         if self.cp_positions is not None:
             columns = tuple(t[:, self.cp_positions] for t in columns)
         if self.device.type == "cuda":
-            inputs, labels, *documents = (t.pin_memory().to(self.device, non_blocking=True) for t in columns)
+            inputs, labels = (t.pin_memory().to(self.device, non_blocking=True) for t in columns)
         else:
-            inputs, labels, *documents = (t.to(self.device) for t in columns)
-        return inputs, labels, documents[0] if masking else None
+            inputs, labels = (t.to(self.device) for t in columns)
+        return inputs, labels, documents
+
+    def _attention_calls(self, seq_len: int) -> list[AttentionCall]:
+        """The kinds of attention call this rank's layers make on rows of `seq_len` tokens: one
+        per chunk size of the model, per local CP piece under CP."""
+        chunks = self.model_args.attention_chunks()
+        if not self.dims.cp_enabled:
+            return whole_row_calls(chunks, seq_len)
+        layout = CPLayout(seq_len, self.dims.cp)
+        return [AttentionCall(*call) for call in layout.attention_calls(self.mesh["cp"].get_local_rank(), chunks)]
 
     def _sync_replicas(self, *, last: bool) -> None:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing
@@ -450,11 +473,11 @@ class Trainer:
             self.model.set_requires_gradient_sync(last)
 
     def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor,
-                       documents: torch.Tensor | None) -> list[torch.Tensor]:
+                       documents: DocumentSegments | None) -> list[torch.Tensor]:
         """Forward and backward of one local batch through the pipeline schedule; returns the
         pipeline micro-batches' losses on the rank holding the last stage, else nothing. The
-        document starts go to every stage as a keyword argument, which the schedule splits into
-        micro-batches along the rows as it splits the inputs."""
+        document segment tables go to every stage as a keyword argument, which the schedule
+        splits into micro-batches along the rows as it splits the inputs (they are a pytree)."""
         losses: list[torch.Tensor] = []
         first, last = self.pipe.has_first_stage(self.pp_rank), self.pipe.has_last_stage(self.pp_rank)
         args = (inputs,) if first else ()
@@ -557,7 +580,7 @@ class Trainer:
         if self.mesh is not None and self.dims.dp * self.dims.cp > 1:
             dist.all_reduce(counts, group=self.mesh["loss"].get_group())
         if self.mesh is not None and self.dims.ep_enabled and self.dims.tp_enabled:
-            dist.all_reduce(counts, group=self.mesh["tp"].get_group())
+            dist.all_reduce(counts, group=self.tp_mesh.get_group())
         if self.step_replicas is not None:
             self.step_replicas.sum_(counts)
         return counts
@@ -644,6 +667,8 @@ class Trainer:
                                 run_config=asdict(cfg))
         if self.step > 0:
             logger.info("resuming at step %d", self.step + 1)
+        if self.rank == 0:  # decided once per device, dtype and head dim (`nn.attention_kernels`)
+            logger.info("%s", describe_kernel(self.device, self.compute_dtype, self.model_args.head_dim))
         warmup = cfg.lr_scheduler.warmup_steps
         if warmup >= steps and self.rank == 0:
             logger.warning("lr_scheduler.warmup_steps (%d) >= training.steps (%d): the learning rate never reaches "

@@ -24,6 +24,7 @@ the bytes autograd saves per block under CP against the planner's activation mod
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -111,6 +112,7 @@ def runs(seed, tmp_path_factory) -> TinyRuns:
                                          for _, seq_len, flags in LAYOUTS.values()})},
         **{name: Job(nproc, [*_seq(seq_len), *flags]) for name, (nproc, seq_len, flags) in LAYOUTS.items()},
         "cp2_to_cp1": Job(1, [*_seq(384), "--training.local_batch_size", "8"], start=("cp2_halo", 3)),
+        "cp2_tp2_docs_flash": Job(4, [*_seq(256), *LAYOUTS["cp2_tp2_docs"][2]], flash=True),
     })
 
 
@@ -118,6 +120,18 @@ def runs(seed, tmp_path_factory) -> TinyRuns:
 def test_cp_layout_matches_single_process(layout, runs, references):
     _, seq_len, flags = LAYOUTS[layout]
     assert_same_curve(metrics_by_step(runs.folder(layout)), references(seq_len, flags), layout, rtol=RTOL)
+
+
+def test_a_masked_cp_tp_step_on_flash_reads_nothing_on_the_host(runs, references):
+    """cp 2 x tp 2 with document masking, attention on CUDA flash's path (emulated on the CPU:
+    every `varlen_attn` call's operands checked against what the CUDA kernel assumes, every other
+    kernel call against its layout contract): the single process's curve, and on every rank, at
+    every step, not one host read in the model's forward or backward."""
+    folder = runs.folder("cp2_tp2_docs_flash")
+    assert_same_curve(metrics_by_step(folder), references(256, DOCS), "cp2_tp2_docs_flash", rtol=RTOL)
+    for rank in range(4):
+        record = json.loads((folder / f"host_reads_rank{rank}.json").read_text())
+        assert record["reads"] == {} and record["varlen_calls"] > 0, (rank, record)
 
 
 @pytest.mark.parametrize("seq_len", [128, 384, 768])
@@ -148,7 +162,7 @@ def _check_model(seq_len: int) -> dict:
     from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.models.llama4.model import Attention
     from torchmoe.models.llama4.parallelize import apply_cp
-    from torchmoe.nn.document_attention import document_starts
+    from torchmoe.nn.document_attention import AttentionCall, document_segments, document_starts, whole_row_calls
     from torchmoe.plan.memory import ActivationModel
     from torchmoe.plan.parallel_dims import ParallelDims
 
@@ -195,9 +209,11 @@ def _check_model(seq_len: int) -> dict:
     # row 1, so pieces start inside documents that began pieces (and ranks) earlier.
     packed = tokens.clone()
     packed[0, [seq_len // 3, seq_len // 2 + 5]] = packed[1, 10] = 1
-    documents = document_starts(packed, 1)
-    full_docs = model(packed, documents)
-    logits_docs = sharded(packed[:, local], documents[:, local])
+    starts, cpu = document_starts(packed, 1), torch.device("cpu")
+    full_docs = model(packed, document_segments(starts, whole_row_calls(args.attention_chunks(), seq_len), cpu))
+    rank_calls = [AttentionCall(*c) for c in cp.layout.attention_calls(dist.get_rank(), args.attention_chunks())]
+    documents = document_segments(starts, rank_calls, cpu)
+    logits_docs = sharded(packed[:, local], documents)
     logits_docs.float().pow(2).mean().backward()
     max_err_docs = ((logits_docs - full_docs[:, local]).abs().max() / full_docs.abs().max()).item()
 
@@ -212,7 +228,7 @@ def _check_model(seq_len: int) -> dict:
         act = ActivationModel(args, dims, a=4, compiled=False, loss_parallel=False, seq_len=seq_len,
                               document_masking=masking)
         for lid, block in sharded.layers.items():
-            run = lambda: block(x, freqs, documents[:, local] if masking else None)
+            run = lambda: block(x, freqs, documents if masking else None)
             saved[f"{lid}{'_docs' if masking else ''}"] = {"measured": _saved_bytes(sharded, run),
                                                             "estimated": act.block_full(int(lid)) * 2 * seq_len // 2}
     dist.barrier()

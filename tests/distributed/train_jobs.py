@@ -5,8 +5,11 @@
     run_here(jobs)                                  # the same, in the calling process
 
 `OUT_DIR/jobs.json` lists the jobs in order: ``{"label", "args", "dump_folder", "start_from",
-"preflight"}``, `args` being `torchmoe train` arguments; `preflight` false skips the checks that
-refuse what this machine cannot run usefully (`tests.helpers.Job`). Every rank runs each job as `torchmoe train` does: the
+"preflight", "flash"}``, `args` being `torchmoe train` arguments; `preflight` false skips the checks that
+refuse what this machine cannot run usefully (`tests.helpers.Job`); `flash` true trains with
+attention on CUDA flash's path, emulated (`tests.helpers.emulated_flash`), counting the host reads
+of the model's forward and backward (`tests.helpers.HostReads`), written per rank to
+``host_reads_rank<r>.json`` in the dump folder. Every rank runs each job as `torchmoe train` does: the
 config validated for this world, the real `Trainer` (its own meshes, built on the one process
 group), its initial state loaded, `fit`; then it leaves the dump folder for the next job. Starting
 a world (torch imported and gloo joined on every rank) costs more than training a tiny job, which
@@ -24,6 +27,7 @@ on stderr as it starts and as it ends, with its seconds, so the output says whic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -57,13 +61,31 @@ def _run(job: dict, world_size: int) -> None:
         torch._dynamo.reset()  # compiles afresh, as in a process of its own (no recompile limit reached)
     trainer = Trainer(cfg)
     trainer.load_initial_state()
-    trainer.fit()
+    with contextlib.ExitStack() as stack:
+        if job.get("flash"):
+            _count_host_reads(trainer, stack)
+        trainer.fit()
     trainer.folder_locks.release()  # Trainer.close would also leave the process group
     del trainer
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"=== job {job['label']}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
+
+def _count_host_reads(trainer, stack: contextlib.ExitStack) -> None:
+    """Attention on flash's path (emulated) for the rest of the job, and every host read of the
+    model's forward and backward counted; the counts are written when the job ends."""
+    import torch.distributed as dist
+
+    from tests.helpers import HostReads, counting_model_reads, emulated_flash
+
+    reads = HostReads()
+    calls = stack.enter_context(emulated_flash(reads))
+    stack.enter_context(counting_model_reads(trainer, reads))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    record = Path(trainer.dump_folder) / f"host_reads_rank{rank}.json"
+    stack.callback(lambda: record.write_text(json.dumps({"reads": reads.counts, "varlen_calls": len(calls)})))
 
 
 def run_here(jobs: list[dict]) -> None:

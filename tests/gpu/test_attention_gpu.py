@@ -1,6 +1,9 @@
 """Attention on fused CUDA kernels only: every layer kind and every context-parallel mode's
-attention calls run with SDPA's math kernel excluded, and the planner's activation memory holds
-on a Scout-shaped stack. Skipped (with the reason) where there is no GPU.
+attention calls run with SDPA's math kernel excluded; document masking in bf16 and fp16 on
+flash's varlen kernel (forward and the three gradients) against each document alone, with CP
+prefixes, and in fp32 on the memory-efficient kernel; torchmoe's own math fallback never runs
+where a fused kernel should; and the planner's activation memory holds on a Scout-shaped stack.
+Skipped (with the reason) where there is no GPU.
 
     python -m pytest -q tests/gpu/test_attention_gpu.py -m gpu
 
@@ -19,6 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.unit.test_attention import CASES, _inputs, _reference, _run
 from torchmoe.models.llama4 import FLAVORS, Transformer
+from torchmoe.nn.attention_kernels import CALLS
+from torchmoe.nn.document_attention import AttentionCall, document_attention, document_segments, document_starts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -58,6 +63,100 @@ def test_prefixed_blocks_in_fp32_use_the_memory_efficient_kernel():
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
         out = prefixed_causal_attention(*args)
     torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=1e-5)
+
+
+def _kernels_during(fn):
+    """What `fn` returns, and the kernel calls it made (`nn.attention_kernels.CALLS`)."""
+    before = CALLS.copy()
+    result = fn()
+    return result, CALLS - before
+
+
+# Rows of documents of 20, 100, 9, 127 and 64, 1, 191 tokens (EOS = 1): shorter, as long as and
+# longer than the 64-token chunks, some crossing chunk boundaries.
+def _document_rows() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(2, 500, (2, 256), generator=gen)
+    for b, lengths in enumerate(([20, 100, 9, 127], [64, 1, 191])):
+        rows[b, torch.tensor(lengths).cumsum(0)[:-1] - 1] = 1
+    return rows
+
+
+def _alone(q, k, v, starts, chunk, lo):
+    """fp32 reference for queries from `lo`: each (document, chunk) window of each row attended
+    alone by SDPA's causal kernel over the window's keys, from the window start on."""
+    out = torch.zeros(q.shape[0], q.shape[1], q.shape[2] - lo, q.shape[3], device=q.device)
+    groups = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        pos = torch.arange(q.shape[2], device=q.device)
+        window = starts[b].to(q.device) if chunk is None else torch.maximum(starts[b].to(q.device), pos // chunk * chunk)
+        for w in window[lo:].unique().tolist():
+            rows = (window == w).nonzero().flatten()
+            first, last = max(int(rows[0]), lo), int(rows[-1]) + 1
+            qs = q[b:b + 1, :, first:last].float()
+            ks, vs = (t[b:b + 1, :, w:last].float().repeat_interleave(groups, 1) for t in (k, v))
+            # Queries [first, last) over keys [w, last): each sees the keys up to its own position.
+            mask = torch.arange(last - w, device=q.device)[None, :] <= torch.arange(first - w, last - w,
+                                                                                    device=q.device)[:, None]
+            out[b, :, first - lo:last - lo] = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask)[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(("chunk", "lo"), [(None, 0), (64, 0), (None, 96), (64, 96)],
+                         ids=["documents", "chunks", "cp_prefix", "cp_prefix_chunks"])
+def test_document_masking_on_fused_kernels_equals_each_document_alone(dtype, chunk, lo):
+    """Documents (and chunks), whole rows or a later piece with its prefix (context parallelism),
+    8 query heads over 4 key/value heads of 64: output and the q, k, v gradients against each
+    window attended alone in fp32 (bf16/fp16 resolution: 3e-2 absolute at values of order 1;
+    fp32 1e-4). bf16/fp16 run flash's varlen kernel, fp32 the memory-efficient one; torchmoe's
+    math fallback never."""
+    torch.manual_seed(0)
+    rows = _document_rows()
+    starts = document_starts(rows, 1)
+    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    base = 0 if chunk is None else lo // chunk * chunk
+    segments = document_segments(starts, [AttentionCall(chunk, lo, 256 - lo, lo - base)], torch.device("cuda"))
+    prefix = (k[..., base:lo, :], v[..., base:lo, :]) if lo > base else None
+
+    def run():
+        out = document_attention(q[..., lo:, :], k[..., lo:, :], v[..., lo:, :], segments, chunk=chunk, start=lo,
+                                 prefix=prefix)
+        return out, torch.autograd.grad(out, (q, k, v), grad)
+
+    grad = torch.randn(2, 8, 256 - lo, 64, device="cuda", dtype=dtype)
+    (out, grads), kernels = _kernels_during(run)
+    assert kernels["math"] == 0, kernels
+    assert kernels["flash_varlen"] if dtype != torch.float32 else kernels["efficient"], kernels
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = _alone(qf, kf, vf, starts, chunk, lo)
+    expected = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
+    atol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=atol)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("backends", [[SDPBackend.FLASH_ATTENTION], [SDPBackend.EFFICIENT_ATTENTION]],
+                         ids=["flash", "efficient"])
+def test_prefixed_blocks_run_the_fused_kernel_asked_for(backends):
+    """A CP piece's prefixed block (bf16) on the flash kernel, then with flash switched off on the
+    memory-efficient one: that kernel ran, torchmoe's math fallback never; output within bf16's
+    resolution of the fp32 masked reference."""
+    from torchmoe.nn.attention import prefixed_causal_attention
+
+    torch.manual_seed(0)
+    (q, k, v), m = _inputs(12, 20, 8)
+    ref = _reference(q, k, v, 12, 8)[..., :4, :]
+    args = [t.detach().cuda().bfloat16() for t in (q[..., :4, :], k[..., :m, :], v[..., :m, :], k[..., m:m + 4, :],
+                                                   v[..., m:m + 4, :])]
+    with sdpa_kernel(backends):
+        out, kernels = _kernels_during(lambda: prefixed_causal_attention(*args))
+    name = "flash" if backends == [SDPBackend.FLASH_ATTENTION] else "efficient"
+    assert kernels[name] == 2 and kernels["math"] == 0, kernels
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=0, atol=3e-2)
 
 
 @pytest.mark.parametrize("seq", [256, 320])

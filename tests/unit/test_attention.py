@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import refusing_attention_masks
-from torchmoe.nn import attention
 from torchmoe.nn.attention import causal_attention, prefixed_causal_attention
 
 # (start, queries, chunk): queries at [start, start + n); the prefix reaches back to the chunk start.
@@ -107,22 +106,6 @@ def test_custom_operator_passes_opcheck():
     make = lambda heads, length: torch.randn(2, heads, length, 16, requires_grad=True)
     torch.library.opcheck(torch.ops.torchmoe.prefixed_causal_attention,
                           (make(4, 6), make(2, 10), make(2, 10), make(2, 6), make(2, 6)))
-
-
-def test_math_fallback_equals_the_cpu_kernel():
-    """Devices without a fused kernel run the math definition: it agrees with CPU's flash kernel,
-    forward (output and log-sum-exp) and backward, for both block kinds."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
-    grad = torch.randn_like(q)
-    for causal in (False, True):
-        out, lse = attention.block_forward(q, k, v, causal=causal)
-        math_out, math_lse = attention._math_forward(q, k, v, causal=causal)
-        torch.testing.assert_close(math_out, out, rtol=0, atol=2e-6)
-        torch.testing.assert_close(math_lse, lse, rtol=0, atol=2e-6)
-        for got, expected in zip(attention._math_backward(grad, q, k, v, out, lse, causal=causal),
-                                 attention.block_backward(grad, q, k, v, out, lse, causal=causal)):
-            torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
 
 
 def test_compiles_into_one_graph():

@@ -20,13 +20,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import SHORT_DOCUMENTS, refusing_attention_masks
+from tests.helpers import SHORT_DOCUMENTS, HostReads, counting_model_reads, emulated_flash, refusing_attention_masks
 from torchmoe.arch.llama4 import model_args_from_config
 from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.models.llama4 import FLAVORS, Transformer
-from torchmoe.nn.document_attention import document_attention, document_starts
+from torchmoe.nn.document_attention import (
+    AttentionCall,
+    document_attention,
+    document_segments,
+    document_starts,
+    whole_row_calls,
+)
 from torchmoe.preflight.features import check_features
 from torchmoe.trainer import Trainer
 
@@ -101,6 +107,12 @@ def _packed_rows(seed: int = 0) -> torch.Tensor:
     return rows
 
 
+def _segments(tokens: torch.Tensor, calls: list[AttentionCall] | None = None, eos: int = EOS):
+    """The segment tables of `tokens`' rows for `calls` (default: the tiny model's, whole rows)."""
+    calls = calls or whole_row_calls(FLAVORS["tiny"].attention_chunks(), tokens.shape[-1])
+    return document_segments(document_starts(tokens, eos), calls, tokens.device)
+
+
 @functools.cache
 def _model() -> Transformer:
     model = Transformer(FLAVORS["tiny"])
@@ -117,14 +129,14 @@ def test_document_starts() -> None:
 def test_packed_row_equals_each_document_alone() -> None:
     model, tokens = _model(), _packed_rows()
     with refusing_attention_masks():  # no path of the masked attention hands SDPA a mask
-        packed = model(tokens, document_starts(tokens, EOS))
+        packed = model(tokens, _segments(tokens))
     torch.testing.assert_close(packed, _per_document_logits(model, tokens), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
 def test_masking_changes_the_logits_of_a_row_with_several_documents() -> None:
     model, tokens = _model(), _packed_rows()
-    masked, unmasked = model(tokens, document_starts(tokens, EOS)), model(tokens)
+    masked, unmasked = model(tokens, _segments(tokens)), model(tokens)
     first = 20  # the first document's logits are the same either way; the second's are not
     torch.testing.assert_close(masked[0, :first], unmasked[0, :first], rtol=1e-5, atol=1e-5)
     assert (masked[0, first:] - unmasked[0, first:]).abs().max() > 1e-2
@@ -135,13 +147,13 @@ def test_attention_with_a_prefix_equals_the_whole_row() -> None:
     keys as a prefix: output and gradients equal the whole row's, at fp32 rounding."""
     torch.manual_seed(0)
     tokens = _packed_rows()
-    documents = document_starts(tokens, EOS)
     q = torch.randn(2, 4, 256, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, 256, 16, requires_grad=True) for _ in range(2))
     for chunk, start in ((None, 96), (CHUNK, 96), (CHUNK, 128)):
-        whole = document_attention(q, k, v, documents, chunk=chunk)
+        whole = document_attention(q, k, v, _segments(tokens, whole_row_calls([chunk], 256)), chunk=chunk)
         lo = 0 if chunk is None else start // chunk * chunk
-        piece = document_attention(q[..., start:, :], k[..., start:, :], v[..., start:, :], documents[:, start:],
+        segments = _segments(tokens, [AttentionCall(chunk, start, 256 - start, start - lo)])
+        piece = document_attention(q[..., start:, :], k[..., start:, :], v[..., start:, :], segments,
                                    chunk=chunk, start=start, prefix=(k[..., lo:start, :], v[..., lo:start, :]))
         torch.testing.assert_close(piece, whole[..., start:, :], rtol=1e-5, atol=1e-5)
         grad = torch.randn_like(piece)
@@ -151,11 +163,18 @@ def test_attention_with_a_prefix_equals_the_whole_row() -> None:
 
 
 def test_a_prefix_too_short_is_refused() -> None:
+    """Row 0's first document began at 0: queries from 30 need its 30 earlier keys; the tables
+    are refused when built, on the host, before any layer runs."""
+    with pytest.raises(ValueError, match="starts 30 positions before the queries at 30, but the prefix holds 4"):
+        _segments(_packed_rows(), [AttentionCall(None, 30, 226, 4)])
+
+
+def test_a_call_other_than_its_table_is_refused() -> None:
     tokens = _packed_rows()
-    documents = document_starts(tokens, EOS)
     q, k = torch.randn(2, 4, 256, 16), torch.randn(2, 2, 256, 16)
-    with pytest.raises(ValueError, match="prefix holds 4"):
-        document_attention(q[..., 30:, :], k[..., 30:, :], k[..., 30:, :], documents[:, 30:], start=30,
+    segments = _segments(tokens, [AttentionCall(None, 30, 226, 30)])
+    with pytest.raises(ValueError, match="built for 226 queries after 30 prefix keys, but the call has 226 after 4"):
+        document_attention(q[..., 30:, :], k[..., 30:, :], k[..., 30:, :], segments, start=30,
                            prefix=(k[..., 26:30, :], k[..., 26:30, :]))
 
 
@@ -180,6 +199,41 @@ def test_step_one_loss_is_the_cross_entropy_of_each_document_alone(tmp_path: Pat
         torch.testing.assert_close(trainer.model(local_inputs, documents), logits, rtol=1e-5, atol=1e-5)
     expected = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     assert trainer.train_step(batch).loss == pytest.approx(expected.item(), rel=1e-5)
+
+
+@torch.no_grad()
+def test_packed_row_on_flash_equals_each_document_alone() -> None:
+    """On CUDA flash's path (emulated: `varlen_attn`'s operands checked against what the kernel
+    assumes), one call per layer for both rows, the same logits, and no host read."""
+    model, tokens = _model(), _packed_rows()
+    reads = HostReads()
+    segments = _segments(tokens)
+    with emulated_flash(reads) as calls, reads.counting():
+        packed = model(tokens, segments)
+    assert len(calls) == FLAVORS["tiny"].n_layers and not reads.counts
+    torch.testing.assert_close(packed, _per_document_logits(model, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_masked_step_on_flash_reads_nothing_on_the_host(tmp_path: Path, monkeypatch) -> None:
+    """Two steps of two micro-batches on flash's path (emulated) against the host kernels' path:
+    the same losses and gradient norms; one `varlen_attn` call per layer and micro-batch; the
+    segment tables built once per micro-batch (not per layer); and no host read at all in the
+    model's forward and backward, in any step."""
+    built = []
+    monkeypatch.setattr("torchmoe.trainer.document_segments",
+                        lambda *args: built.append(1) or document_segments(*args))
+    flags = ("--training.global_batch_size", "8")  # two micro-batches of 4 rows
+    reference = _trainer(tmp_path / "host", *flags)
+    expected = [reference.train_step(reference.dataloader.next_batch()) for _ in range(2)]
+    trainer, reads = _trainer(tmp_path / "flash", *flags), HostReads()
+    with emulated_flash(reads) as calls, counting_model_reads(trainer, reads):
+        got = [trainer.train_step(trainer.dataloader.next_batch()) for _ in range(2)]
+    assert not reads.counts
+    assert len(built) == 2 * (2 * 2)  # both runs: 2 steps x 2 micro-batches
+    assert len(calls) == (2 * 2) * trainer.model_args.n_layers
+    for want, have in zip(expected, got):
+        assert have.loss == pytest.approx(want.loss, rel=1e-6)
+        assert have.grad_norm == pytest.approx(want.grad_norm, rel=1e-6)
 
 
 def test_compiled_and_checkpointed_equals_eager(tmp_path: Path) -> None:

@@ -296,6 +296,19 @@ def test_dynamo_counters_count_a_compiled_graph():
     assert private.dynamo_counters() == (graphs + 1, breaks)
 
 
+def test_a_marked_dim_compiles_once_for_every_size():
+    """What the document segment tables' width relies on: a dim marked dynamic is symbolic in
+    the first graph, so other sizes reuse it."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x + 1).sum(-1), backend="eager", fullgraph=True)
+    graphs, _ = private.dynamo_counters()
+    for width in (4, 8, 16):
+        x = torch.ones(2, width)
+        private.mark_dynamic(x, 1)
+        assert fn(x).tolist() == [2.0 * width] * 2
+    assert private.dynamo_counters()[0] == graphs + 1
+
+
 def test_async_tp_switches_exist():
     """CUDA-only in use (symmetric memory); pinned by existence."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group  # noqa: F401

@@ -119,10 +119,20 @@ class ModelArgs:
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.num_experts > 0 and layer_id in self.moe_layer_ids
 
+    def layer_chunk(self, layer_id: int) -> int | None:
+        """The chunk length layer `layer_id` attends within (RoPE layers), or None (NoPE layers:
+        causal over the whole row)."""
+        return self.attention_chunk_size if self.rope_layers[layer_id] else None
+
+    def attention_chunks(self) -> tuple[int | None, ...]:
+        """Every distinct `layer_chunk` of the model, in layer order: the kinds of attention call
+        its layers make (document masking builds a segment table for each)."""
+        return tuple(dict.fromkeys(self.layer_chunk(i) for i in range(self.n_layers)))
 
     def routed_expert_names(self) -> list[str]:
         """Module names of the routed experts (``GroupedExperts``), one per MoE layer."""
         return [f"layers.{i}.moe.experts" for i in range(self.n_layers) if self.is_moe_layer(i)]
+
     def replace(self, **overrides) -> "ModelArgs":
         return dataclasses.replace(self, **overrides)
 

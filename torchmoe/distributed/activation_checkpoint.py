@@ -18,16 +18,17 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torchmoe import _torch_private as private
 from torchmoe.config.job_config import ActivationCheckpoint
 from torchmoe.nn.attention import PREFIXED_ATTENTION
-from torchmoe.nn.document_attention import DOCUMENT_ATTENTION
+from torchmoe.nn.segment_attention import SEGMENT_ATTENTION
 
 # Outputs saved by per-op selective AC: expensive to recompute, small relative to their cost:
 # fused attention kernels, grouped GEMMs (float8's too), TP's reduce-scatters and EP's
 # all-to-alls; float8's amax (tiny, and recomputing it under TP needs comms); the attention over
 # a prefix block and a causal block (context parallelism, chunks that do not divide the
-# sequence): its merged output and log-sum-exp, as for one fused kernel; the attention within
-# documents (document masking), likewise.
+# sequence): its merged output and log-sum-exp, as for one fused kernel; the attention over
+# segments (document masking, and prefixed blocks on flash: torch's varlen kernel, or the host
+# operator), likewise.
 _SAVE_ALWAYS = private.saved_by_selective_ac() | {torch.ops.aten.max.default, PREFIXED_ATTENTION,
-                                                  DOCUMENT_ATTENTION}
+                                                  SEGMENT_ATTENTION}
 # Matmuls alternate (every second one saved) to balance memory against recompute; float8
 # linears' included (torchao runs them as _scaled_mm).
 _MM = {torch.ops.aten.mm.default, private.scaled_mm_op()}

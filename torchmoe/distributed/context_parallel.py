@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.nn.attention import causal_attention, chunked_causal_attention
-from torchmoe.nn.document_attention import document_attention
+from torchmoe.nn.document_attention import DocumentSegments, document_attention
 from torchmoe.plan.context import GATHER, GLOBAL, HALO, LOCAL, CPLayout
 
 
@@ -124,16 +124,17 @@ class ContextParallelAttention:
         return self._cached(("positions", device), lambda: torch.tensor(self.layout.positions(self.rank), device=device))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int | None,
-               documents: torch.Tensor | None = None) -> torch.Tensor:
+               documents: DocumentSegments | None = None) -> torch.Tensor:
         """Causal (chunked when `chunk`) attention of the local queries, within documents when
         `documents` is given.
 
         Args:
             q: (B, H, L, hd), k, v: (B, Hkv, L, hd) for the local tokens, L = seq_len / cp.
-            documents: None, or (B, L) int64: the global position where each local token's
-                document starts. A piece's first document may have begun in an earlier piece:
-                the keys the layer's mode brings (halo, gathered) reach back to its chunk's
-                start, so they hold that document's earlier keys wherever the query may see them.
+            documents: None, or the micro-batch's segment tables, built for this rank's calls
+                (`CPLayout.attention_calls`). A piece's first document may have begun in an
+                earlier piece: the keys the layer's mode brings (halo, gathered) reach back to its
+                chunk's start, so they hold that document's earlier keys wherever the query may
+                see them.
         Returns:
             (B, H, L, hd).
         """
@@ -142,19 +143,17 @@ class ContextParallelAttention:
             return chunked_causal_attention(q, k, v, chunk)
         if mode == LOCAL:  # every piece holds whole chunks: no key from another piece is seen
             p = self.layout.piece
-            return torch.cat([self._piece_attention(documents, slot)(
+            return torch.cat([self._piece_attention(documents)(
                 q.narrow(-2, slot * p, p), k.narrow(-2, slot * p, p), v.narrow(-2, slot * p, p), chunk=chunk,
                 start=piece * p) for slot, piece in enumerate(self.layout.pieces(self.rank))], dim=-2)
         if mode == HALO:
             return self._attend_with_halos(q, torch.stack([k, v]), chunk, documents)
         return self._attend_gathered(q, torch.stack([k, v]), chunk, mode, documents)
 
-    def _piece_attention(self, documents: torch.Tensor | None, slot: int):
-        """The attention of local piece `slot`: `causal_attention`, or within documents."""
-        if documents is None:
-            return causal_attention
-        p = self.layout.piece
-        return partial(document_attention, documents=documents.narrow(-1, slot * p, p))
+    @staticmethod
+    def _piece_attention(documents: DocumentSegments | None):
+        """The attention of a local piece: `causal_attention`, or within documents."""
+        return causal_attention if documents is None else partial(document_attention, segments=documents)
 
     def _attend_gathered(self, q: torch.Tensor, kv: torch.Tensor, chunk: int | None, mode: str,
                          documents: torch.Tensor | None) -> torch.Tensor:
@@ -171,7 +170,7 @@ class ContextParallelAttention:
         for slot, piece in enumerate(layout.pieces(self.rank)):
             start = piece * p
             lo = 0 if mode == GLOBAL else start // chunk * chunk  # where its first chunk starts
-            outs.append(self._piece_attention(documents, slot)(
+            outs.append(self._piece_attention(documents)(
                 q.narrow(-2, slot * p, p), gathered[0, ..., start:start + p, :], gathered[1, ..., start:start + p, :],
                 chunk=chunk if mode == GATHER else None, start=start,
                 prefix=(gathered[0, ..., lo:start, :], gathered[1, ..., lo:start, :]) if start > lo else None))
@@ -204,7 +203,7 @@ class ContextParallelAttention:
                 halo = kv.narrow(-2, (1 - slot) * p + p - h, h)
             else:
                 halo = next(received) if h else None
-            outs.append(self._piece_attention(documents, slot)(
+            outs.append(self._piece_attention(documents)(
                 q.narrow(-2, slot * p, p), own[0], own[1], chunk=chunk, start=piece * p,
                 prefix=(halo[0], halo[1]) if halo is not None else None))
         return torch.cat(outs, dim=-2)

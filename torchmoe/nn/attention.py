@@ -23,17 +23,23 @@ also returns its log-sum-exp, and the two are merged exactly (the softmax over b
     lse = logaddexp(lse_p, lse_d),  out = exp(lse_p - lse) * out_p + exp(lse_d - lse) * out_d.
 
 Its backward runs each block's kernel backward with the merged output and log-sum-exp (which give
-the probabilities of the whole softmax), and sums the query gradients. Kernels: on CPU torch's
-flash kernel; on CUDA flash attention for fp16/bf16 (grouped-query heads natively), else the
-memory-efficient kernel (key/value heads repeated for it); elsewhere the math definition.
+the probabilities of the whole softmax), and sums the query gradients. Which kernels run is
+`attention_kernel.choose`'s rule (`nn.attention_kernels`): CUDA's flash kernel, its
+memory-efficient kernel (key/value heads repeated for it), torch's CPU flash kernel or the math
+definition, each called with its log-sum-exp, under the layout contract CUDA's kernels assume.
 
 What autograd keeps for a prefixed block: q, both key/value blocks (views of the caller's
 tensors), the merged output and the fp32 log-sum-exp: what a flash kernel keeps, no mask and no
 score matrix (`plan.memory` counts it so).
 
-The kernels are private aten operators (the public SDPA returns no log-sum-exp; they are
-`torchmoe._torch_private`'s); the op is a custom operator, so torch.compile and selective
-activation checkpointing see one node.
+Why not torch's public ``varlen_attn``, which takes a prefix too (FlashAttention-2 aligns its
+causal mask bottom right): it wants the prefix and the block's keys in one tensor, a copy of
+both per call; under context parallelism a global layer would keep that copy beside the gathered
+keys it was cut from (up to 1.5x its keys and values). The public SDPA returns no log-sum-exp,
+so the two kernels are private aten operators (`torchmoe._torch_private`, called only under the
+contract); the op is a custom operator, so torch.compile and selective activation checkpointing
+see one node. Document masking, whose segments only cumulative lengths express, does use
+``varlen_attn`` (`nn.segment_attention`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torchmoe import _torch_private as private
+from torchmoe.nn.attention_kernels import accumulation_dtype, prefixed_block_backward, prefixed_block_forward
 
 __all__ = ["PREFIXED_ATTENTION", "causal_attention", "chunked_causal_attention", "prefixed_causal_attention"]
 
@@ -142,19 +148,6 @@ def _prefixed_forward(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.T
     return out, prefixed_block_forward(q, k_prefix, v_prefix, k, v, out)
 
 
-def prefixed_block_forward(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Writes `prefixed_causal_attention` of q into `out` (B, H, n, hd) and returns the log-sum-exp
-    (B, H, n) of its scores, in the accumulation dtype: each block by its fused kernel, merged."""
-    out_p, lse_p = block_forward(q, k_prefix, v_prefix, causal=False)
-    out_d, lse_d = block_forward(q, k, v, causal=True)
-    lse = torch.logaddexp(lse_p, lse_d).contiguous()
-    # Weights exp(lse_i - lse) in (0, 1]: each block's share of the softmax's denominator.
-    acc = accumulation_dtype(q)
-    out.copy_(torch.exp(lse_p - lse).unsqueeze(-1) * out_p.to(acc) + torch.exp(lse_d - lse).unsqueeze(-1) * out_d.to(acc))
-    return lse
-
-
 @_prefixed_forward.register_fake
 def _(q, k_prefix, v_prefix, k, v):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1],
@@ -170,17 +163,6 @@ def _prefixed_backward(grad: torch.Tensor, q: torch.Tensor, k_prefix: torch.Tens
     grads = prefixed_block_backward(grad, q, k_prefix, v_prefix, k, v, out, lse, dq)
     # Contiguous, as the fake kernel promises (the kernels return their own layouts).
     return [dq, *(g.contiguous() for g in grads)]
-
-
-def prefixed_block_backward(grad: torch.Tensor, q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
-                            k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                            dq: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Writes the query gradient of `prefixed_causal_attention` into `dq` and returns
-    (dk_prefix, dv_prefix, dk, dv): each block's kernel backward with the merged `out` and `lse`."""
-    dq_p, dk_p, dv_p = block_backward(grad, q, k_prefix, v_prefix, out, lse, causal=False)
-    dq_d, dk_d, dv_d = block_backward(grad, q, k, v, out, lse, causal=True)
-    dq.copy_(dq_p.to(accumulation_dtype(q)) + dq_d.to(accumulation_dtype(q)))
-    return dk_p, dv_p, dk_d, dv_d
 
 
 @_prefixed_backward.register_fake
@@ -201,96 +183,3 @@ def _backward(ctx, grad_out: torch.Tensor, _grad_lse: torch.Tensor | None):
 _prefixed_forward.register_autograd(_backward, setup_context=_setup_context)
 # The operator as dispatch modes see it (selective activation checkpointing's policy saves it).
 PREFIXED_ATTENTION = torch.ops.torchmoe.prefixed_causal_attention.default
-
-
-# ---- one key block: a fused kernel and its log-sum-exp ------------------------------------------
-
-
-def accumulation_dtype(q: torch.Tensor) -> torch.dtype:
-    """What log-sum-exps and merges are computed in: fp32, or fp64 for fp64 inputs."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _flash_on_cuda(q: torch.Tensor) -> bool:
-    """CUDA's flash kernel takes this query: fp16/bf16, head_dim a multiple of 8 up to 256."""
-    hd = q.shape[-1]
-    return q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256 and \
-        torch.backends.cuda.flash_sdp_enabled()
-
-
-def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(B, Hkv, S, hd) -> (B, heads, S, hd): each key/value head for its group of query heads."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
-def _sum_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of `_repeat_heads`: (B, H, S, hd) summed over each group -> (B, Hkv, S, hd)."""
-    b, h, s, hd = t.shape
-    return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, s, hd).sum(2)
-
-
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over one key block: (out (B, H, n, hd), lse (B, H, n) fp32)."""
-    n = q.shape[-2]
-    if q.device.type == "cpu":
-        out, lse = private.flash_attention_cpu(q, k, v, causal)
-    elif q.device.type == "cuda" and _flash_on_cuda(q):
-        out, lse = private.flash_attention_cuda(q, k, v, causal)
-    elif q.device.type == "cuda" and torch.backends.cuda.mem_efficient_sdp_enabled():
-        heads = q.shape[1]
-        out, lse = private.efficient_attention_cuda(q, _repeat_heads(k, heads), _repeat_heads(v, heads), causal)
-        lse = lse[..., :n]  # the kernel pads the log-sum-exp's length to a multiple of 32
-    else:
-        return _math_forward(q, k, v, causal=causal)
-    return out, lse.to(accumulation_dtype(q))
-
-
-def block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of one key block's share of an attention whose whole output and log-sum-exp
-    are `out` and `lse`: the kernel recomputes the probabilities from `lse`, so they are the
-    merged softmax's, and ``D = rowsum(grad * out)`` is the merged output's."""
-    if q.device.type == "cpu":
-        return private.flash_attention_cpu_backward(grad, q, k, v, out, lse, causal)
-    if q.device.type == "cuda" and _flash_on_cuda(q):
-        return private.flash_attention_cuda_backward(grad, q, k, v, out, lse, causal)
-    if q.device.type == "cuda" and torch.backends.cuda.mem_efficient_sdp_enabled():
-        heads, kv_heads = q.shape[1], k.shape[1]
-        padded = F.pad(lse, (0, -q.shape[-2] % 32))  # the kernel's own layout of it (see `block_forward`)
-        dq, dk, dv = private.efficient_attention_cuda_backward(grad, q, _repeat_heads(k, heads),
-                                                               _repeat_heads(v, heads), out, padded, causal)
-        return dq, _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
-    return _math_backward(grad, q, k, v, out, lse, causal=causal)
-
-
-# ---- the math definition (devices without a fused kernel, and the reference) ----------------------
-
-
-def _probabilities(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None, *, causal: bool):
-    """Scores (B, H, n, m) of q against k (heads repeated) in the accumulation dtype, causal on
-    a square block, and exp(scores - lse) when `lse` is given."""
-    acc = accumulation_dtype(q)
-    scores = q.to(acc) @ _repeat_heads(k, q.shape[1]).to(acc).transpose(-2, -1) * q.shape[-1] ** -0.5
-    if causal:
-        n = q.shape[-2]
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return scores if lse is None else torch.exp(scores - lse.unsqueeze(-1))
-
-
-def _math_forward(q, k, v, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = _probabilities(q, k, None, causal=causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ _repeat_heads(v, q.shape[1]).to(scores.dtype)
-    return out.to(q.dtype), lse
-
-
-def _math_backward(grad, q, k, v, out, lse, *, causal: bool):
-    p = _probabilities(q, k, lse, causal=causal)  # (B, H, n, m), the merged softmax's share
-    acc = p.dtype
-    g, vx = grad.to(acc), _repeat_heads(v, q.shape[1]).to(acc)
-    dv = p.transpose(-2, -1) @ g
-    ds = p * (g @ vx.transpose(-2, -1) - (g * out.to(acc)).sum(-1, keepdim=True)) * q.shape[-1] ** -0.5
-    dq = ds @ _repeat_heads(k, q.shape[1]).to(acc)
-    dk = ds.transpose(-2, -1) @ q.to(acc)
-    kv_heads = k.shape[1]
-    return dq.to(q.dtype), _sum_heads(dk, kv_heads).to(k.dtype), _sum_heads(dv, kv_heads).to(v.dtype)

@@ -10,32 +10,37 @@ as torchtitan's block-causal masking does; only what attention sees changes.
 A query at position t sees the keys from its window start on, w(t) = its document's start, or
 with chunks (iRoPE's chunked layers) the later of that and its chunk's start. The window start
 only grows along the row, so the queries cut into segments of equal w, each a plain causal
-attention over its own keys: the mask-free fused kernels of `nn.attention`, one call per
-segment, never a mask tensor. Only a segment starting at the first query can have w before the
-first position (context parallelism: a piece whose first document, or chunk, began in an earlier
-piece): it sees those keys, a `prefix` the caller gathered, unmasked plus its own causally, merged
-by log-sum-exp as `prefixed_causal_attention` does.
+attention over its own keys: `nn.segment_attention`, which takes them as cumulative lengths
+(torch's public ``varlen_attn`` on flash; one fused-kernel call per segment elsewhere), never a
+mask tensor. Only a row's first segment can have w before the first query (context parallelism:
+a piece whose first document, or chunk, began in an earlier piece): it also sees those keys, a
+`prefix` the caller gathered, packed before the row's own keys (the kernel's causal mask is
+aligned bottom right, so the prefix is seen entirely).
 
-The segments depend on the data. `document_attention` is one custom operator (so torch.compile
-traces one node with static shapes whatever the documents, and never recompiles for them; per-op
-selective activation checkpointing saves it as it saves the fused kernels): its kernel reads the
-boundaries on the host (on CUDA a synchronisation per layer) and loops over them. Autograd keeps
-q, k, v, the prefix, the output, its fp32 log-sum-exp and the (B, n) int64 document starts.
+The segments depend on the data, and are computed once per micro-batch on the host, from the
+token ids before they travel (`document_segments`, called by the trainer): one `SegmentTable` per
+kind of attention call the model makes (`AttentionCall`: a chunk size, and under context
+parallelism each local piece with its prefix length), each row's cumulative offsets padded to a
+common width, on the host for the per-segment kernels and on the device for ``varlen_attn``. A
+layer adds its rows' offsets (one tensor operation) and reads nothing: no `nonzero`, `item` or
+`tolist` of a device value in forward, backward or recomputation. The tables are a pytree (the
+pipeline schedule splits their rows into micro-batches like the inputs'); FSDP leaves them where
+they are (it moves tensors, lists and tuples to the device, not dataclasses).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from torchmoe.nn.attention import (
-    accumulation_dtype,
-    block_backward,
-    block_forward,
-    prefixed_block_backward,
-    prefixed_block_forward,
-)
+from torchmoe import _torch_private as private
+from torchmoe.nn.segment_attention import packed, packed_with_prefix, segment_attention
 
-__all__ = ["DOCUMENT_ATTENTION", "document_attention", "document_starts"]
+__all__ = ["AttentionCall", "DocumentSegments", "SegmentTable", "document_attention", "document_segments",
+           "document_starts", "whole_row_calls"]
 
 
 def document_starts(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -48,7 +53,126 @@ def document_starts(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.where(starts, positions, 0).cummax(dim=-1).values
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, *,
+@dataclass(frozen=True)
+class AttentionCall:
+    """One kind of attention call a layer makes: queries at global positions ``[start, start + n)``
+    of every row, `m` keys before them passed as the prefix, windows cut at multiples of `chunk`
+    (None: at documents only)."""
+
+    chunk: int | None
+    start: int
+    n: int
+    m: int
+
+
+@dataclass
+class SegmentTable:
+    """The segments of one `AttentionCall` for B rows: per row, the cumulative offsets of its
+    segments' queries within the row's n queries and of their keys within its m + n keys (prefix
+    first), padded to a common width K by repeating the last offset (empty segments).
+
+    Attributes:
+        queries, keys: (B, K) int32 on the compute device (for ``varlen_attn``).
+        host_queries, host_keys: the same values on the host (for the per-segment kernels).
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    host_queries: torch.Tensor
+    host_keys: torch.Tensor
+
+
+@dataclass
+class DocumentSegments:
+    """Every segment table of one micro-batch, one per `AttentionCall` (in `calls`' order), for
+    rows of `seq_len` tokens."""
+
+    seq_len: int
+    calls: tuple[AttentionCall, ...]
+    tables: tuple[SegmentTable, ...]
+
+    def table(self, chunk: int | None, start: int) -> tuple[AttentionCall, SegmentTable]:
+        """The call and table of queries from `start` with chunks of `chunk`."""
+        chunk = _effective_chunk(chunk, self.seq_len)
+        for call, table in zip(self.calls, self.tables):
+            if call.chunk == chunk and call.start == start:
+                return call, table
+        raise ValueError(f"document_attention: no segment table for chunk {chunk} from position {start}; the batch "
+                         f"has {[(c.chunk, c.start) for c in self.calls]}")
+
+
+# The pipeline schedule splits a micro-batch's pytree leaves along dim 0 (the rows).
+torch.export.register_dataclass(SegmentTable)
+torch.export.register_dataclass(DocumentSegments)
+
+
+def _effective_chunk(chunk: int | None, seq_len: int) -> int | None:
+    """A chunk no shorter than the row cuts nothing."""
+    return chunk if chunk is not None and chunk < seq_len else None
+
+
+def whole_row_calls(chunks: Sequence[int | None], seq_len: int) -> list[AttentionCall]:
+    """The calls of layers attending within `chunks` over whole rows (no context parallelism)."""
+    return [AttentionCall(chunk, 0, seq_len, 0) for chunk in chunks]
+
+
+def document_segments(starts: torch.Tensor, calls: Sequence[AttentionCall], device: torch.device) -> DocumentSegments:
+    """The segment tables of a micro-batch, built on the host.
+
+    Args:
+        starts: (B, S) int64 host tensor: `document_starts` of the whole rows.
+        calls: every kind of attention call the model makes on this rank.
+        device: where the model runs (the device tables go there from pinned memory, without
+            blocking the host).
+    Raises:
+        ValueError: a call's prefix does not reach back to a row's first window start.
+    """
+    if starts.device.type != "cpu":
+        raise ValueError("document_segments: the document starts must be a host tensor (built from the batch's "
+                         "token ids before they travel to the device)")
+    host = starts.numpy()
+    seq_len = host.shape[-1]
+    unique = tuple(dict.fromkeys(AttentionCall(_effective_chunk(c.chunk, seq_len), c.start, c.n, c.m) for c in calls))
+    tables = []
+    for call in unique:
+        queries, keys = (torch.from_numpy(t) for t in _row_offsets(host, call))
+        if device.type == "cpu":
+            on_device = (queries, keys)
+        else:
+            on_device = tuple(t.pin_memory().to(device, non_blocking=True) for t in (queries, keys))
+        for t in (*on_device, queries, keys):
+            # The width K changes with the documents: one compiled graph serves every width.
+            private.mark_dynamic(t, 1)
+        tables.append(SegmentTable(*on_device, queries, keys))
+    return DocumentSegments(seq_len, unique, tuple(tables))
+
+
+def _row_offsets(starts: np.ndarray, call: AttentionCall) -> tuple[np.ndarray, np.ndarray]:
+    """(B, K) int32 query and key offsets of `call`'s segments (`SegmentTable`) from the rows'
+    document starts (B, S). Each row: an empty first segment over the prefix keys its first
+    window does not reach, then one segment per window."""
+    lo, n, m = call.start, call.n, call.m
+    window = starts[:, lo:lo + n]
+    if call.chunk is not None:
+        window = np.maximum(window, np.arange(lo, lo + n) // call.chunk * call.chunk)
+    reach = lo - window[:, 0]  # prefix keys the row's first segment sees
+    if (reach > m).any():
+        raise ValueError(f"document_attention: a window starts {int(reach.max())} positions before the queries at "
+                         f"{lo}, but the prefix holds {m}")
+    cut = np.ones_like(window, dtype=bool)
+    cut[:, 1:] = window[:, 1:] != window[:, :-1]
+    rows = [np.flatnonzero(row)[1:] for row in cut]  # each row's segment starts after its first
+    # Width: [0, 0, starts..., n] padded to a power of two, so a few widths serve every batch.
+    width = 1 << (max(len(r) for r in rows) + 2).bit_length()
+    queries = np.full((len(rows), width), n, dtype=np.int32)
+    keys = np.full((len(rows), width), m + n, dtype=np.int32)
+    for b, firsts in enumerate(rows):
+        queries[b, :2], keys[b, :2] = 0, (0, m - reach[b])
+        queries[b, 2:2 + len(firsts)], keys[b, 2:2 + len(firsts)] = firsts, m + firsts
+    return queries, keys
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments, *,
                        chunk: int | None = None, start: int = 0,
                        prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention within documents (and within chunks of `chunk` positions when given) of
@@ -56,7 +180,8 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
 
     Args:
         q: (B, H, n, hd) queries; k, v: (B, Hkv, n, hd) the keys and values at the same positions.
-        documents: (B, n) int64, the global position where each query's document starts.
+        segments: the micro-batch's tables (`document_segments`); the one for (`chunk`, `start`)
+            is used, and must have been built for n queries and this prefix.
         chunk: chunk length (chunks start at multiples of it); None: documents only.
         start: the global position of the first query.
         prefix: (k, v), each (B, Hkv, m, hd): the keys and values at ``[start - m, start)``; it
@@ -64,100 +189,26 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     Returns:
         (B, H, n, hd).
     """
-    if prefix is None:
-        empty = k.new_empty(*k.shape[:-2], 0, k.shape[-1])
-        prefix = (empty, empty)
-    return torch.ops.torchmoe.document_attention(q, *prefix, k, v, documents, start, chunk or 0)[0]
+    call, table = segments.table(chunk, start)
+    b, heads, n, hd = q.shape
+    m = prefix[0].shape[-2] if prefix is not None else 0
+    if (call.n, call.m) != (n, m):
+        raise ValueError(f"document_attention: the table for chunk {call.chunk} from position {start} was built for "
+                         f"{call.n} queries after {call.m} prefix keys, but the call has {n} after {m}")
+    if call.n < segments.seq_len:
+        # A piece of the rows (context parallelism): its keys packed with their prefix, a copy
+        # in every mode, so no gathered or exchanged buffer stays alive through a view of it.
+        prefix = prefix or (k[..., :0, :], v[..., :0, :])
+        k, v = (packed_with_prefix(p, t) for p, t in zip(prefix, (k, v)))
+    else:
+        k, v = packed(k), packed(v)
+    cu = [_flat(rows, width) for rows, width in ((table.queries, n), (table.keys, m + n),
+                                                 (table.host_queries, n), (table.host_keys, m + n))]
+    out = segment_attention(packed(q), k, v, *cu, max_q=n, max_k=m + n)
+    return out.view(b, n, heads, hd).transpose(1, 2)
 
 
-def _segments(documents: torch.Tensor, start: int, chunk: int, m: int) -> list[list[tuple[int, int, int]]]:
-    """Per row, its segments as (first, end, prefix) local query indices and the prefix keys the
-    first one sees (0 for every later one), read to the host in one transfer. documents: (B, n)."""
-    positions = torch.arange(start, start + documents.shape[-1], device=documents.device)
-    window = documents if not chunk else torch.maximum(documents, positions // chunk * chunk)
-    offset = window - start  # (B, n): where each query's keys begin, relative to the first query
-    cut = torch.ones_like(offset, dtype=torch.bool)
-    cut[:, 1:] = offset[:, 1:] != offset[:, :-1]
-    cuts, first = cut.nonzero().tolist(), offset[:, 0].tolist()
-    if min(first) < -m:
-        raise ValueError(f"document_attention: a window starts {-min(first)} positions before the queries, "
-                         f"but the prefix holds {m}")
-    rows: list[list[int]] = [[] for _ in first]
-    for row, i in cuts:
-        rows[row].append(i)
-    n = documents.shape[-1]
-    return [[(i, e, -first[row] if i == 0 else 0) for i, e in zip(idx, idx[1:] + [n])]
-            for row, idx in enumerate(rows)]
-
-
-@torch.library.custom_op("torchmoe::document_attention", mutates_args=())
-def _document_forward(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, documents: torch.Tensor, start: int,
-                      chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, H, n, hd) laid out like q, lse (B, H, n) fp32): `document_attention` (chunk 0:
-    none) and the log-sum-exp of its scores (what the backward needs)."""
-    out = torch.empty_like(q)
-    lse = q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q))
-    m = k_prefix.shape[-2]
-    for b, segments in enumerate(_segments(documents, start, chunk, m)):
-        for i, e, h in segments:
-            qs, ks, vs = (t[b:b + 1, :, i:e] for t in (q, k, v))
-            if h:
-                lse[b:b + 1, :, i:e] = prefixed_block_forward(qs, k_prefix[b:b + 1, :, m - h:],
-                                                              v_prefix[b:b + 1, :, m - h:], ks, vs, out[b:b + 1, :, i:e])
-            else:
-                o, s = block_forward(qs, ks, vs, causal=True)
-                out[b:b + 1, :, i:e], lse[b:b + 1, :, i:e] = o, s
-    return out, lse
-
-
-@_document_forward.register_fake
-def _(q, k_prefix, v_prefix, k, v, documents, start, chunk):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q))
-
-
-@torch.library.custom_op("torchmoe::document_attention_backward", mutates_args=())
-def _document_backward(grad: torch.Tensor, q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, start: int, chunk: int,
-                       out: torch.Tensor, lse: torch.Tensor) -> list[torch.Tensor]:
-    """Gradients [dq, dk_prefix, dv_prefix, dk, dv] of `document_attention` for the output
-    gradient `grad` (B, H, n, hd), segment by segment from the forward's `out` and `lse`."""
-    dq, dk_p, dv_p, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                              for t in (q, k_prefix, v_prefix, k, v))
-    m = k_prefix.shape[-2]
-    for b, segments in enumerate(_segments(documents, start, chunk, m)):
-        for i, e, h in segments:
-            rows = (slice(b, b + 1), slice(None), slice(i, e))
-            gs, qs, ks, vs, os = (t[rows] for t in (grad, q, k, v, out))
-            if h:
-                old = (slice(b, b + 1), slice(None), slice(m - h, m))
-                dk_p[old], dv_p[old], dk[rows], dv[rows] = prefixed_block_backward(
-                    gs, qs, k_prefix[old], v_prefix[old], ks, vs, os, lse[rows], dq[rows])
-            else:
-                dq[rows], dk[rows], dv[rows] = block_backward(gs, qs, ks, vs, os, lse[rows], causal=True)
-    return [dq, dk_p, dv_p, dk, dv]
-
-
-@_document_backward.register_fake
-def _(grad, q, k_prefix, v_prefix, k, v, documents, start, chunk, out, lse):
-    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k_prefix, v_prefix, k, v)]
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    q, k_prefix, v_prefix, k, v, documents, start, chunk = inputs
-    out, lse = output
-    ctx.start, ctx.chunk = start, chunk
-    ctx.save_for_backward(q, k_prefix, v_prefix, k, v, documents, out, lse)
-
-
-def _backward(ctx, grad_out: torch.Tensor, _grad_lse: torch.Tensor | None):
-    # The log-sum-exp is an output for the backward's sake only: nothing differentiates it.
-    q, k_prefix, v_prefix, k, v, documents, out, lse = ctx.saved_tensors
-    grads = torch.ops.torchmoe.document_attention_backward(grad_out.contiguous(), q, k_prefix, v_prefix, k, v,
-                                                           documents, ctx.start, ctx.chunk, out, lse)
-    return (*grads, None, None, None)
-
-
-_document_forward.register_autograd(_backward, setup_context=_setup_context)
-# The operator as dispatch modes see it (selective activation checkpointing's policy saves it).
-DOCUMENT_ATTENTION = torch.ops.torchmoe.document_attention.default
+def _flat(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, K) per-row offsets -> (B * K,) offsets into the packed rows of `width` each (int32)."""
+    shift = torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device) * width
+    return (rows + shift[:, None]).flatten()

@@ -81,6 +81,18 @@ class CPLayout:
             return (piece + 1) * p - piece * p // chunk * chunk
         return p + (self.halo(piece, chunk) if mode == HALO and piece else 0)
 
+    def prefix(self, piece: int, chunk: int | None) -> int:
+        """Keys before its own that `piece`'s queries attend over (what `keys` adds to the piece)."""
+        return self.keys(piece, chunk) - self.piece if self.chunk_mode(chunk) != LOCAL else 0
+
+    def attention_calls(self, rank: int, chunks: tuple[int | None, ...]) -> list[tuple[int | None, int, int, int]]:
+        """The attention calls `rank` makes per row, for layers with each of `chunks`: (chunk the
+        call cuts at, None in global mode; its first query's global position; queries; prefix
+        keys), one per local piece, in the order its tokens are laid out."""
+        p = self.piece
+        return [(None if self.chunk_mode(chunk) == GLOBAL else chunk, piece * p, p, self.prefix(piece, chunk))
+                for chunk in chunks for piece in self.pieces(rank)]
+
     def bytes_received(self, mode: str, chunk: int | None, kv_bytes_per_token: float) -> float:
         """Key/value bytes one rank receives per sequence in forward under `mode` (its gradients
         travel back in backward, the same amount again): the analytic minimum for the layout."""

@@ -151,7 +151,7 @@ def context_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> dict:
     sequences = max(cfg.training.global_batch_size, 0) // dims.dp or cfg.training.local_batch_size
     modes: dict[str, dict] = {}
     for i in range(args.n_layers):
-        chunk = args.attention_chunk_size if args.rope_layers[i] else None
+        chunk = args.layer_chunk(i)
         mode = layout.chunk_mode(chunk)
         entry = modes.setdefault(mode, {"layers": [], "bytes_per_step": 0.0})
         entry["layers"].append(i)

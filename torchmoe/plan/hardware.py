@@ -17,6 +17,10 @@ A profile is a JSON document (the built-in ones are the same data, in `BUILTIN_P
         "grouped_mm": {"bfloat16": 550}    routed experts' grouped GEMMs
       },
       "attention_head_dim": 128,           the head_dim the attention rate was measured at (0: any)
+      "device": "cuda",                    optional: the device type ("cuda", the default, or "cpu")
+      "compute_capability": [9, 0],        optional: the GPU's (default 8.0); with the device and
+                                           the job's dtype and head_dim it says which attention
+                                           kernel runs (`torchmoe.attention_kernel`)
       "memory_bandwidth_gbs": 2700,        achieved GB/s of elementwise kernels (norms, SwiGLU, AdamW)
       "kernel_overhead_us": 4,             fixed cost per kernel the device cannot hide (launch, dispatch)
       "overlap": 0.9,                      fraction of FSDP/DDP traffic that computing hides (0-1)
@@ -47,6 +51,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchmoe import attention_kernel
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
@@ -100,6 +105,8 @@ class HardwareProfile:
     attention_head_dim: int = 0
     collectives: dict[str, Link] = field(default_factory=dict)
     measurements: dict = field(default_factory=dict)
+    device: str = "cuda"
+    compute_capability: tuple[int, int] | None = (8, 0)
 
     @property
     def has_float8(self) -> bool:
@@ -116,6 +123,12 @@ class HardwareProfile:
         base = "bfloat16" if "bfloat16" in rates else next(iter(rates))
         scale = self.achieved_tflops["matmul"][dtype] / self.achieved_tflops["matmul"][base]
         return rates[base] * scale * 1e12
+
+    def attention_kernel(self, dtype: str, head_dim: int) -> str:
+        """The attention kernel a job in `dtype` with `head_dim`-wide heads runs on this device
+        (`attention_kernel.choose`; float8 jobs attend in bf16)."""
+        dtype = "bfloat16" if dtype == "float8" else dtype
+        return attention_kernel.choose(self.device, dtype, head_dim, self.compute_capability)
 
     def peak(self, dtype: str) -> float:
         """Published dense peak FLOP/s in `dtype` (bfloat16's when the dtype has none listed)."""
@@ -142,8 +155,8 @@ def _link(lat: float, bw: float) -> dict:
 #   (scaling and casts around them), elementwise kernels at 80% of HBM bandwidth.
 # Links are per-GPU bus bandwidths: NVLink's per-direction bandwidth at 80% (what nccl-tests'
 # busbw reaches on 8 GPUs), and the node's network divided by its GPUs (one NIC per GPU) at 90%.
-def _gpu(name: str, source: str, memory_gib: float, bf16: float, fp32: float, fp8: float | None,
-         hbm_gbs: float, nvlink_gbs: float, nic_gbs: float) -> dict:
+def _gpu(name: str, source: str, capability: tuple[int, int], memory_gib: float, bf16: float, fp32: float,
+         fp8: float | None, hbm_gbs: float, nvlink_gbs: float, nic_gbs: float) -> dict:
     matmul = {"bfloat16": 0.70 * bf16, "float32": 0.70 * fp32}
     grouped = {"bfloat16": 0.55 * bf16, "float32": 0.55 * fp32}
     peak = {"bfloat16": bf16, "float32": fp32}
@@ -158,6 +171,7 @@ def _gpu(name: str, source: str, memory_gib: float, bf16: float, fp32: float, fp
                             "grouped_mm": grouped},
         "attention_head_dim": 0, "memory_bandwidth_gbs": 0.8 * hbm_gbs, "kernel_overhead_us": 4.0,
         "overlap": 0.9, "links": {"intra_node": _link(8.0, 0.8 * nvlink_gbs), "inter_node": _link(20.0, 0.9 * nic_gbs)},
+        "device": "cuda", "compute_capability": list(capability),
     }
 
 
@@ -165,18 +179,18 @@ BUILTIN_PROFILES: dict[str, dict] = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (TF32 tensor cores 494 dense, used for
     # fp32 matmuls), 1,979 FP8, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (450 per direction);
     # DGX H100: 8x 400 Gb/s ConnectX-7, 50 GB/s per GPU.
-    "h100": _gpu("h100", "NVIDIA H100 SXM5 datasheet; DGX H100 networking (8x 400 Gb/s NDR)", 80.0,
+    "h100": _gpu("h100", "NVIDIA H100 SXM5 datasheet; DGX H100 networking (8x 400 Gb/s NDR)", (9, 0), 80.0,
                  989.0, 494.0, 1979.0, 3350.0, 450.0, 50.0),
     # H200 SXM: the H100's compute with 141 GB HBM3e at 4.8 TB/s (NVIDIA H200 datasheet).
-    "h200": _gpu("h200", "NVIDIA H200 SXM datasheet; 8x 400 Gb/s NDR per node", 141.0,
+    "h200": _gpu("h200", "NVIDIA H200 SXM datasheet; 8x 400 Gb/s NDR per node", (9, 0), 141.0,
                  989.0, 494.0, 1979.0, 4800.0, 450.0, 50.0),
     # DGX B200: 72 PFLOP/s FP8 training over 8 GPUs (4,500 TFLOP/s dense FP8 each, 2,250 BF16,
     # TF32 1,100), 1,440 GB HBM3e (180 GB each) at 8 TB/s, NVLink 5 1.8 TB/s (900 per
     # direction), 8x 400 Gb/s ConnectX-7.
-    "b200": _gpu("b200", "NVIDIA DGX B200 datasheet", 180.0, 2250.0, 1100.0, 4500.0, 8000.0, 900.0, 50.0),
+    "b200": _gpu("b200", "NVIDIA DGX B200 datasheet", (10, 0), 180.0, 2250.0, 1100.0, 4500.0, 8000.0, 900.0, 50.0),
     # A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16, TF32 156, no FP8; HBM2e 2,039 GB/s;
     # NVLink 3 600 GB/s (300 per direction); DGX A100: 8x 200 Gb/s HDR, 25 GB/s per GPU.
-    "a100": _gpu("a100", "NVIDIA A100 SXM4 80GB datasheet; DGX A100 networking (8x 200 Gb/s HDR)", 80.0,
+    "a100": _gpu("a100", "NVIDIA A100 SXM4 80GB datasheet; DGX A100 networking (8x 200 Gb/s HDR)", (8, 0), 80.0,
                  312.0, 156.0, None, 2039.0, 300.0, 25.0),
 }
 
@@ -260,6 +274,13 @@ def profile_from_dict(data: object) -> HardwareProfile:
     head_dim = data.get("attention_head_dim", 0)
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 0:
         raise ProfileError("attention_head_dim", head_dim, "must be an integer >= 0")
+    device = data.get("device", "cuda")
+    if device not in ("cuda", "cpu"):
+        raise ProfileError("device", device, 'must be "cuda" or "cpu"')
+    capability = data.get("compute_capability", [8, 0] if device == "cuda" else None)
+    if device == "cuda" and not (isinstance(capability, list) and len(capability) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 100 for x in capability)):
+        raise ProfileError("compute_capability", capability, "must be [major, minor], e.g. [9, 0] for an H100")
     source = data.get("source", "")
     return HardwareProfile(
         name=name, source=source if isinstance(source, str) else str(source),
@@ -273,6 +294,7 @@ def profile_from_dict(data: object) -> HardwareProfile:
         attention_head_dim=head_dim,
         collectives={c: _link_from(_table(collectives, f"collectives.{c}"), f"collectives.{c}") for c in collectives},
         measurements=data.get("measurements", {}) if isinstance(data.get("measurements", {}), dict) else {},
+        device=device, compute_capability=tuple(capability) if device == "cuda" else None,
     )
 
 
@@ -289,7 +311,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
         "kernel_overhead_us": profile.kernel_overhead_us, "overlap": profile.overlap,
         "links": {"intra_node": link(profile.intra_node), "inter_node": link(profile.inter_node)},
         "collectives": {c: link(l) for c, l in profile.collectives.items()},
-        "measurements": profile.measurements,
+        "measurements": profile.measurements, "device": profile.device,
+        **({"compute_capability": list(profile.compute_capability)} if profile.compute_capability else {}),
     }
 
 

@@ -233,7 +233,7 @@ class ActivationModel:
         recompute_mm_fqns: ``per_op_sac_force_recompute_mm_shapes_by_fqns``: the per-op policy
             recomputes every matmul with the weight shape of a linear these name.
         document_masking: attention within documents (`nn.document_attention`): see
-            `_cp_attention`.
+            `_document_attention`.
     """
 
     args: ModelArgs
@@ -360,28 +360,42 @@ class ActivationModel:
             own other piece is a view of its keys and values);
           - the attention output once more: pieces (and chunks cut at a piece or sequence end)
             are attended separately and concatenated, so the output projection's input is a copy.
-        Document masking: its operator keeps the (B, S) int64 document starts (8 bytes per token;
-        one tensor that every layer's operator keeps, counted per layer as a block measures it)
-        and writes the whole output at once (no cut chunks without CP; under CP the pieces are
-        concatenated in every mode, local too).
+        Document masking: `_document_attention`.
         """
+        if self.document_masking:
+            return self._document_attention(layer)
         m, cp = self.args, self.dims.cp
-        chunk = m.attention_chunk_size if m.rope_layers[layer] else None
+        chunk = m.layer_chunk(layer)
         output = self.a * m.n_heads * m.head_dim / self.dims.tp
-        documents = 8.0 if self.document_masking else 0.0
         if cp == 1:
-            cut = chunk is not None and chunk < self.seq_len and self.seq_len % chunk and not self.document_masking
-            return documents + (output if cut else 0.0)
+            cut = chunk is not None and chunk < self.seq_len and self.seq_len % chunk
+            return output if cut else 0.0
         layout = CPLayout(self.seq_len, cp)
         mode, tokens = layout.chunk_mode(chunk), self.seq_len // cp
         if mode == LOCAL:
-            return documents + (output if self.document_masking else 0.0)
+            return 0.0
         kv = 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp  # per token
         if mode == HALO:
             received = max(sum(layout.halo(j, chunk) for j in layout.pieces(r) if j and layout.owner(j - 1) != r)
                            for r in range(cp))
-            return documents + (kv * received + output * tokens) / tokens
-        return documents + kv * (cp - 1) + output
+            return (kv * received + output * tokens) / tokens
+        return kv * (cp - 1) + output
+
+    def _document_attention(self, layer: int) -> float:
+        """What attention within documents (`nn.document_attention`) adds: without CP nothing
+        (its segment tables live on the host; the whole rows' queries, keys and values go to the
+        kernel as views). Under CP, each piece's keys and values go packed with the prefix its
+        mode brings (halo, gathered; a copy, in every mode, so that no gathered or exchanged
+        buffer stays alive through a view): the rank's keys and values once more than its own
+        by the prefixes' length, for the fullest rank; and the pieces' outputs concatenated, so
+        the output projection's input is a copy."""
+        m, cp = self.args, self.dims.cp
+        if cp == 1:
+            return 0.0
+        layout, chunk = CPLayout(self.seq_len, cp), m.layer_chunk(layer)
+        kv = 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp
+        prefixes = max(sum(layout.prefix(piece, chunk) for piece in layout.pieces(r)) for r in range(cp))
+        return kv * prefixes / (self.seq_len // cp) + self.a * m.n_heads * m.head_dim / self.dims.tp
 
 
 def _saved_per_block(act: ActivationModel, layers: list[int], ac_cfg: ActivationCheckpoint) -> list[float]:

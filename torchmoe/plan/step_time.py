@@ -13,7 +13,13 @@ Compute. FLOPs per token of each block, by op class, over the class's achieved r
     matmul      6 x (attention projections + dense FFN + shared expert + router gate) / tp
                 + the output head 6 V D / tp on the last stage
     attention   12 x n_heads x head_dim x L / tp, L the mean keys a causal query sees
-                (seq_len / 2, or about chunk / 2 in chunked layers: the causal half a kernel computes)
+                (seq_len / 2, or about chunk / 2 in chunked layers: the causal half a kernel computes),
+                at the profile's attention rate, for the fused kernel the device runs in the compute
+                dtype (`HardwareProfile.attention_kernel`). Where none takes it (fp64, odd head
+                dims, old GPUs) torchmoe's math definition runs instead: 14 x n_heads x head_dim x
+                the full window (it computes the masked half too; 7 fp32 matmuls per block, the
+                backward recomputing the scores) at the fp32 matmul rate, plus the fp32 score
+                matrix's traffic (`_MATH_SCORE_PASSES` passes over it) as elementwise time
     grouped_mm  18 x D x M x top_k / tp (routed experts: EP moves tokens so each rank computes
                 its share, MoE TP shards the hidden dim)
 
@@ -53,9 +59,10 @@ busy time (compute and the exposed tp/ep/cp/pp traffic) is stretched by ``b / (1
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
+from torchmoe.attention_kernel import FLASH, MATH
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
@@ -97,6 +104,9 @@ _COMPILED_KERNELS = 1 / 3
 _ELEMENTWISE_PASSES = 4
 # AdamW: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq.
 _OPTIMIZER_PASSES = 7
+# The math definition's fp32 score matrix: written and exponentiated in forward; recomputed,
+# exponentiated, multiplied into the score gradient and read twice more in backward.
+_MATH_SCORE_PASSES = 8
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,7 @@ class StepPrediction:
         bubble: the pipeline's idle time.
         tokens: tokens the whole job trains on per step.
         world_size: ranks.
+        attention_kernel: the kernel attention runs (`torchmoe.attention_kernel`).
         model_flops_per_token: training FLOPs per token in the PaLM convention (what MFU divides).
         peak_flops: the profile's peak FLOP/s in the compute dtype.
     """
@@ -123,6 +134,7 @@ class StepPrediction:
     world_size: int
     model_flops_per_token: float
     peak_flops: float
+    attention_kernel: str = FLASH
 
     @property
     def compute_s(self) -> float:
@@ -150,6 +162,7 @@ class StepPrediction:
 
     def as_dict(self) -> dict:
         return {"tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "step_s": self.step_s,
+                "attention_kernel": self.attention_kernel,
                 "compute_s": self.compute_s, "exposed_comm_s": self.comm_s, "bubble_s": self.bubble,
                 "compute": dict(self.compute), "exposed_comm": dict(self.comm), "comm_before_overlap": dict(self.comm_total)}
 
@@ -164,6 +177,10 @@ class _Context:
     pipe: PipelineLayout
     profile: HardwareProfile
     gpus_per_node: int
+
+    @cached_property
+    def attention_kernel(self) -> str:
+        return self.profile.attention_kernel(compute_dtype(self.cfg.training), self.args.head_dim)
 
     def spans_nodes(self, dim: str) -> bool:
         return _spans_nodes(self.dims, dim, self.gpus_per_node)
@@ -207,10 +224,11 @@ def _block_flops(ctx: _Context, layer: int, float8: set[str]) -> dict[str, float
 
     terms = [linear("attention.wq", d, hq, tp), linear("attention.wk", d, hkv, tp),
              linear("attention.wv", d, hkv, tp), linear("attention.wo", hq, d, tp)]
-    chunk = m.attention_chunk_size if m.rope_layers[layer] else None
-    seq = ctx.cfg.training.seq_len
-    keys = (min(chunk, seq) + 1) / 2 if chunk is not None else (seq + 1) / 2
-    terms.append((f"attention:{dtype}", 12 * hq * keys / tp))
+    window = _window(ctx, layer)
+    if ctx.attention_kernel == MATH:
+        terms.append(("matmul:float32", 14 * hq * window / tp))
+    else:
+        terms.append((f"attention:{dtype}", 12 * hq * (window + 1) / 2 / tp))
     if not m.is_moe_layer(layer):
         f = m.ffn_hidden_dim
         terms += [linear("feed_forward.w1", d, f, tp), linear("feed_forward.w3", d, f, tp),
@@ -228,6 +246,17 @@ def _block_flops(ctx: _Context, layer: int, float8: set[str]) -> dict[str, float
     for key, flops in terms:
         out[key] = out.get(key, 0.0) + flops
     return out
+
+
+def _window(ctx: _Context, layer: int) -> int:
+    """Keys the last query of a window sees in `layer`: its chunk, or the sequence."""
+    chunk, seq = ctx.args.layer_chunk(layer), ctx.cfg.training.seq_len
+    return min(chunk, seq) if chunk is not None else seq
+
+
+def _math_score_bytes(ctx: _Context, layer: int) -> float:
+    """Bytes per local token the math definition's fp32 score matrix moves in `layer`."""
+    return _MATH_SCORE_PASSES * 4 * ctx.args.n_heads / ctx.dims.tp * _window(ctx, layer)
 
 
 def _rate(ctx: _Context, key: str) -> float:
@@ -253,6 +282,8 @@ def _compute(ctx: _Context, pp_rank: int, tokens: float, n_mb: int, act: Activat
             replayed = 1.0 if sac_op else again
             parts["elementwise"] += (_ELEMENTWISE_PASSES * (1 + replayed / 2) * act.block_full(layer) * tokens
                                      / (prof.memory_bandwidth_gbs * 1e9))
+            if ctx.attention_kernel == MATH:
+                parts["elementwise"] += _math_score_bytes(ctx, layer) * tokens / (prof.memory_bandwidth_gbs * 1e9)
             block = KERNELS["moe_block" if m.is_moe_layer(layer) else "dense_block"]
             kernels += block * (1 + replayed / 3) * n_mb
         if stage == ctx.pipe.num_stages - 1:
@@ -330,7 +361,7 @@ def _critical_comm(ctx: _Context, pp_rank: int, tokens: float, n_mb: int) -> dic
         kv = 2 * a * m.n_kv_heads * m.head_dim / dims.tp
         sequences = tokens * dims.cp / cfg.training.seq_len
         for layer, pos in layers:
-            chunk = m.attention_chunk_size if m.rope_layers[layer] else None
+            chunk = m.layer_chunk(layer)
             mode = layout.chunk_mode(chunk)
             received = layout.bytes_received(mode, chunk, kv) * sequences * (2 + _recomputed(cfg, pos))
             if mode in ("global", "gather"):
@@ -401,7 +432,7 @@ def predict_layout(cfg: JobConfig, dims: ParallelDims, profile: HardwareProfile,
             compute=compute, comm=comm, comm_total=total, bubble=busy * bubble / (1 - bubble),
             tokens=accumulation * t.local_batch_size * dims.dp * t.seq_len, world_size=dims.world_size,
             model_flops_per_token=model_flops,
-            peak_flops=profile.peak(compute_dtype(t)))
+            peak_flops=profile.peak(compute_dtype(t)), attention_kernel=ctx.attention_kernel)
         if best is None or pred.step_s > best.step_s:
             best = pred
     return best

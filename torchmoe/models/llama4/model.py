@@ -19,7 +19,7 @@ from torch import nn
 from torchmoe.arch.llama4 import ModelArgs
 from torchmoe.models.llama4.moe import MoE
 from torchmoe.nn.attention import causal_attention
-from torchmoe.nn.document_attention import document_attention
+from torchmoe.nn.document_attention import DocumentSegments, document_attention
 from torchmoe.nn.experts import FeedForward
 from torchmoe.nn.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.regions import region
@@ -101,7 +101,7 @@ class Attention(nn.Module):
         self.use_rope = args.rope_layers[layer_id]
         self.qk_norm = RMSNorm(args.head_dim, args.norm_eps, elementwise_affine=False) if (
             args.use_qk_norm and self.use_rope) else None
-        self.chunk_size = args.attention_chunk_size if self.use_rope else None
+        self.chunk_size = args.layer_chunk(layer_id)
         self.temperature = (args.floor_scale, args.attn_scale) if (
             args.attn_temperature_tuning and not self.use_rope) else None
         self.attn_backend = args.attn_backend
@@ -113,9 +113,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: DocumentSegments | None = None) -> torch.Tensor:
         """x: (B, S, dim), freqs_cis: (S, hd/2) complex, documents: None, or with document
-        masking (B, S) int64, the row position where each token's document starts -> (B, S, dim)."""
+        masking the micro-batch's segment tables (`nn.document_attention`) -> (B, S, dim)."""
         bsz, seq_len, _ = x.shape
         # -1 head counts: under tensor parallel each rank holds a slice of the heads.
         xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, H, hd)
@@ -135,7 +135,8 @@ class Attention(nn.Module):
         out = self._attend(q, k, v, documents)  # (B, H, S, hd)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: DocumentSegments | None) -> torch.Tensor:
         if self.context_parallel is not None:
             return self.context_parallel.attend(q, k, v, self.chunk_size, documents)
         if documents is not None:
@@ -188,7 +189,7 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init of output projections keeps the residual stream's variance bounded.
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: DocumentSegments | None = None) -> torch.Tensor:
         """x: (B, S, dim), freqs_cis: (S, hd/2) complex, documents: as `Attention.forward`'s
         -> (B, S, dim)."""
         normed = self.attention_norm(x)
@@ -240,14 +241,14 @@ class Transformer(nn.Module):
     def _rope_cache_len(self) -> int:
         return min(self.args.max_seq_len, _MAX_ROPE_CACHE)
 
-    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: DocumentSegments | None = None) -> torch.Tensor:
         """tokens: (B, S) int64 ids (or (B, S, dim) hidden states on later pipeline stages)
         -> logits (B, S, vocab) (or hidden states when this stage has no output head).
 
-        documents: None (causal attention over the row), or document masking: (B, S) int64, the
-        row position where each token's document starts (`nn.document_attention.document_starts`
-        of the row's ids; under context parallelism this rank's columns of it). Positions stay
-        global: RoPE counts from the row start either way.
+        documents: None (causal attention over the row), or document masking: the micro-batch's
+        segment tables (`nn.document_attention.document_segments` of the whole rows' document
+        starts, built on the host). Positions stay global: RoPE counts from the row start
+        either way.
 
         Under ``autocast_dtype`` the logits come out in it and the hidden states in fp32 (the
         residual stream is a sum autocast leaves in fp32); the loss upcasts the logits."""
@@ -256,7 +257,7 @@ class Transformer(nn.Module):
         with torch.autocast(tokens.device.type, dtype=self.autocast_dtype):
             return self._forward(tokens, documents)
 
-    def _forward(self, tokens: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, documents: DocumentSegments | None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         freqs_cis = self._rotations(h.shape[1])
         for layer in self.layers.values():
