@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
 
 import pytest
 import torch
@@ -82,3 +84,22 @@ def test_data_bench_reports_prepare_reader_and_memory(tmp_path, monkeypatch) -> 
     assert result["jsonl_resume"]["resume_s"] > 0 and result["jsonl_resume"]["resume_at_row_document"] > 20
     assert result["memory"]["small"]["tokens"] == 50_000 and result["memory"]["big"]["tokens"] == 250_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # the corpora are deleted
+
+
+def test_compile_bench_alternates_eager_and_compiled_on_the_same_batch(tmp_path, monkeypatch) -> None:
+    """Both variants measured the asked number of steps, with and without masking, the speed-up
+    their medians' ratio, 0 graph breaks (fullgraph would have raised), JSON written (aot_eager:
+    inductor's codegen would take the tier's time)."""
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench_compile.py", "--flavors", "tiny", "--seq", "128", "--batch", "2",
+                                      "--steps", "2", "--warmup", "1", "--backend", "aot_eager", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        _script("bench_compile").main()
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads(out.read_text())["results"]
+    assert [r["document_masking"] for r in results] == [False, True]
+    for r in results:
+        assert len(r["steps"]["eager"]) == len(r["steps"]["compiled"]) == 2 and r["graph_breaks"] == 0
+        assert r["compiled_over_eager"] == pytest.approx(r["eager_s"] / r["compiled_s"])

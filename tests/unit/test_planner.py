@@ -86,6 +86,9 @@ def test_ring_collective_seconds() -> None:
     (lambda d: d.update(collectives={"broadcast": {}}), "collectives.broadcast"),
     (lambda d: d.update(format="other"), 'format = "other"'),
     (lambda d: d.update(gpus_per_node=0), "gpus_per_node = 0"),
+    (lambda d: d.update(device="tpu"), 'device = "tpu": must be "cuda" or "cpu"'),
+    (lambda d: d.update(compute_capability="9.0"), 'compute_capability = "9.0": must be [major, minor]'),
+    (lambda d: d.update(compute_capability=[9, True]), "compute_capability = [9, true]"),
 ])
 def test_a_wrong_profile_field_is_named(tmp_path: Path, make, expect: str) -> None:
     doc = copy.deepcopy(BUILTIN_PROFILES["h100"])
@@ -142,6 +145,28 @@ def test_compute_is_the_causal_flop_count_over_the_rate() -> None:
     assert full.compute["matmul"] - head == pytest.approx((p.compute["matmul"] - head) * 4 / 3, rel=1e-12)
     for k in ("attention", "grouped_mm"):
         assert full.compute[k] == pytest.approx(p.compute[k] * 4 / 3, rel=1e-12)
+
+
+def test_attention_is_priced_for_the_kernel_the_device_runs() -> None:
+    """A bf16 job on the flat profile: an sm80 GPU runs flash at the attention rate; an sm75 GPU,
+    where neither fused kernel takes bf16, runs torchmoe's math definition: no attention-rate
+    time, but 14 x n_heads x head_dim x the whole window of fp32 matmul FLOPs per token, and its
+    fp32 score matrix's traffic (8 passes) over the memory bandwidth."""
+    bf16 = ["--config", DEBUG, "--training.seq_len", "512", "--training.mixed_precision_param", "bfloat16"]
+    cfg = load_job_config(bf16)
+    args = model_args_from_config(cfg.model)
+    fused = predict(cfg, 1, profile_from_dict(flat_profile()))
+    old = predict(cfg, 1, profile_from_dict(flat_profile(compute_capability=[7, 5], memory_bandwidth_gbs=100.0)))
+    assert (fused.attention_kernel, old.attention_kernel) == ("flash", "math")
+    assert old.compute["attention"] == 0.0
+    heads = args.n_heads * args.head_dim
+    windows = [min(args.layer_chunk(i) or 512, 512) for i in range(args.n_layers)]
+    math_flops = sum(14 * heads * w for w in windows) * old.tokens
+    assert old.compute["matmul"] - fused.compute["matmul"] == pytest.approx(math_flops / 1e12, rel=1e-9)
+    scores = sum(8 * 4 * args.n_heads * w for w in windows) * old.tokens / 100e9
+    assert old.compute["elementwise"] == pytest.approx(
+        predict(cfg, 1, profile_from_dict(flat_profile(memory_bandwidth_gbs=100.0))).compute["elementwise"] + scores,
+        rel=1e-9)
 
 
 def test_tp_divides_compute_and_adds_its_collectives_on_the_intra_node_link() -> None:
