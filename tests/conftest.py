@@ -1,14 +1,29 @@
-"""Fixtures of every test tier."""
+"""Fixtures of every test tier.
+
+Every test leaves the process as it found it (`_restore_global_state`): the suite passes in any
+order (CI runs it shuffled, `pytest-randomly`) and whatever a test changes globally (torch's
+compiler configs, the environment, threads, default dtype, deterministic mode, logging,
+warning filters) never reaches the next one.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 
 import pytest
+import torch
+import torch._dynamo.config
+import torch._functorch.config
+import torch._inductor.config
+import torch.fx.experimental._config
 
 # The `torchmoe` logger as the tests found it, before any test or fixture ran.
 _TORCHMOE_LOG = logging.getLogger("torchmoe")
 _PRISTINE_LOG = (list(_TORCHMOE_LOG.handlers), _TORCHMOE_LOG.level, _TORCHMOE_LOG.propagate)
+# torch's config modules that torchmoe (`_torch_private`) or a test may switch.
+_CONFIGS = (torch._dynamo.config, torch._inductor.config, torch._functorch.config, torch.fx.experimental._config)
 
 
 @pytest.fixture(autouse=True)
@@ -19,3 +34,33 @@ def _restore_torchmoe_logging():
     records of later tests (a unit test's `caplog` after a trainer test, in any order)."""
     yield
     _TORCHMOE_LOG.handlers[:], _TORCHMOE_LOG.level, _TORCHMOE_LOG.propagate = _PRISTINE_LOG
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """What a test changes in the process, put back after it: torch's compiler configs (only
+    the keys that changed, as their own setters would), the environment, intra-op threads, the
+    default dtype, deterministic mode, the root and `torch` loggers' levels and handlers, the
+    warning filters."""
+    configs = [config.get_config_copy() for config in _CONFIGS]
+    environ = dict(os.environ)
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    loggers = [(log, list(log.handlers), log.level) for log in (logging.getLogger(), logging.getLogger("torch"))]
+    filters = list(warnings.filters)
+    yield
+    for config, saved in zip(_CONFIGS, configs):
+        now = config.get_config_copy()
+        for key, value in saved.items():
+            if now.get(key) != value:
+                setattr(config, key, value)
+    os.environ.clear()
+    os.environ.update(environ)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+    if torch.are_deterministic_algorithms_enabled() != deterministic:
+        torch.use_deterministic_algorithms(deterministic)
+    for log, handlers, level in loggers:
+        log.handlers[:], log.level = handlers, level
+    warnings.filters[:] = filters

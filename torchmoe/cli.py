@@ -24,7 +24,7 @@ from rich.markup import escape
 
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.job_config import Parallelism
-from torchmoe.config.loader import config_toml
+from torchmoe.config.loader import CONFIG_FLAGS, config_toml
 from torchmoe.config.paths import job_paths, replica_group_config, user_path_faults
 from torchmoe.interruption import Interrupted, interrupt_on_signals
 from torchmoe.interruption import report as report_interruption
@@ -154,6 +154,11 @@ def _train(argv: list[str]) -> int:
             Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]warning:[/] {escape(note)}")
     world_size = resolve_world_size(flags.world_size, dry_run, cfg.parallelism)
     validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
+    if not dry_run and not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
+        raise ConfigError("--config", "(not given)", f"without a job file torchmoe would train its defaults: "
+                          f"{cfg.training.steps:,} steps of {cfg.model.flavor} into {cfg.job.dump_folder}/",
+                          "pass a job file: --config configs/debug_model.toml is the tiny job (CPU, 21 s); "
+                          "configs/ holds the others (an empty .toml file trains the defaults)")
     cfg = replica_group_config(cfg)
     # Whatever the OS refuses about a path from here on is a user error naming the key that set it.
     with user_path_faults(job_paths(cfg)):

@@ -281,12 +281,14 @@ def test_hf_consolidation_and_writer_take_what_we_pass():
 # ---- compile -----------------------------------------------------------------------------------------
 
 
-def test_size_oblivious_shapes_sets_torchs_switch(monkeypatch):
+def test_size_oblivious_shapes_sets_torchs_switch():
+    """Switched through torch's own `patch`, which restores it (pytest 9.2's monkeypatch deletes a
+    torch config key on undo, breaking every later compile)."""
     import torch.fx.experimental._config as fx_config
 
-    monkeypatch.setattr(fx_config, "backed_size_oblivious", False)
-    private.size_oblivious_shapes()
-    assert fx_config.backed_size_oblivious is True
+    with fx_config.patch(backed_size_oblivious=False):
+        private.size_oblivious_shapes()
+        assert fx_config.backed_size_oblivious is True
 
 
 def test_dynamo_counters_count_a_compiled_graph():

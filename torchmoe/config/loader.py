@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _HELP_FLAGS = ("-h", "--help")
 # torchtitan names its job file with a flag of its [job] section; both spellings mean --config.
-_CONFIG_FLAGS = ("--config", "--job.config_file", "--job.config-file")
+CONFIG_FLAGS = ("--config", "--job.config_file", "--job.config-file")
 _HELP_HINT = "run `torchmoe train --help` to list every option"
 
 # What each supported field type looks like, for "expected ..." messages.
@@ -372,7 +372,7 @@ def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[s
             raise ConfigError("argument", token, "unexpected positional argument", fix)
     remaining = []
     for flag, values in overrides:
-        if flag not in _CONFIG_FLAGS:
+        if flag not in CONFIG_FLAGS:
             remaining.append((flag, values))
         elif config_path is not None:
             raise ConfigError("--config", " ".join(values), "given more than once", "pass a single --config FILE")
