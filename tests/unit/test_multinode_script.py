@@ -54,6 +54,14 @@ def test_run_name_names_the_dump_folder_a_new_job_continues(tmp_path: Path) -> N
     assert commands == [_expected(tmp_path, 98765, "scout-pretrain", [])] * 4
 
 
+def test_the_head_node_of_a_large_allocation_is_read_without_a_broken_pipe(tmp_path: Path) -> None:
+    # On 2,048 nodes `scontrol show hostnames` writes more than a pipe holds; `| head -n 1` under
+    # pipefail then killed the script silently (SIGPIPE), and at random with fewer nodes.
+    commands, banner = _torchrun_lines(tmp_path, [SCOUT], job_id=7, SLURM_NNODES="2048")
+    assert banner.startswith("torchmoe: 2048 nodes x 8 ranks, rendezvous localhost:29507,")
+    assert len(commands) == 2048 and all("--nnodes 2048 " in command for command in commands)
+
+
 # srun's stand-in for a job step on part of the allocation: one line per node of the step
 # (`--nodes N --relative FIRST`) with the command it would start there.
 STEP_PRINTING_SRUN = """#!/bin/bash
