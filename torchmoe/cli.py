@@ -15,8 +15,10 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -141,31 +143,51 @@ class _RankSpecificError(Exception):
         self.err = err
 
 
-def _train(argv: list[str]) -> int:
-    flags = _split_train_flags(argv)
-    dry_run, config_argv = flags.dry_run, list(flags.config_argv)
+def _job_config(config_argv: list[str], prog: str, description: str, *,
+                require_file: Callable[[JobConfig], str] | None = None,
+                set_keys: set[str] | None = None) -> JobConfig | int:
+    """The job file and overrides of `config_argv`, each section checked; an int when --help was
+    printed (the exit status). Notes (torchtitan keys mapped) are printed once, by rank 0.
+
+    Args:
+        require_file: what the command would do with the defaults, when it needs a job file (a
+            missing --config is then a `ConfigError`).
+        set_keys: filled with the keys the file and the flags set.
+    """
     notes: list[str] = []
     try:
-        cfg = load_job_config(config_argv, prog="torchmoe train", description=TRAIN_DESCRIPTION, notes=notes)
+        cfg = load_job_config(config_argv, prog=prog, description=description, notes=notes, set_keys=set_keys)
     except SystemExit as exit_:  # --help was printed
         return int(exit_.code or 0)
     if os.environ.get("RANK") in (None, "0"):  # the same on every rank: rank 0 says it once
         for note in notes:
             Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]warning:[/] {escape(note)}")
-    world_size = resolve_world_size(flags.world_size, dry_run, cfg.parallelism)
     validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
-    if not dry_run and not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
-        raise ConfigError("--config", "(not given)", f"without a job file torchmoe would train its defaults: "
-                          f"{cfg.training.steps:,} steps of {cfg.model.flavor} into {cfg.job.dump_folder}/",
+    if require_file is not None and not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
+        raise ConfigError("--config", "(not given)", f"without a job file torchmoe would {require_file(cfg)}",
                           "pass a job file: --config configs/debug_model.toml is the tiny job (CPU, 21 s); "
                           "configs/ holds the others (an empty .toml file trains the defaults)")
+    return cfg
+
+
+def _train(argv: list[str]) -> int:
+    flags = _split_train_flags(argv)
+    dry_run, config_argv = flags.dry_run, list(flags.config_argv)
+    set_keys: set[str] = set()  # what the file and the flags set: the dry run's search keeps them
+    cfg = _job_config(config_argv, "torchmoe train", TRAIN_DESCRIPTION, set_keys=set_keys,
+                      require_file=None if dry_run else
+                      lambda cfg: f"train its defaults: {cfg.training.steps:,} steps of {cfg.model.flavor} into "
+                                  f"{cfg.job.dump_folder}/")
+    if isinstance(cfg, int):
+        return cfg
+    world_size = resolve_world_size(flags.world_size, dry_run, cfg.parallelism)
     cfg = replica_group_config(cfg)
     # Whatever the OS refuses about a path from here on is a user error naming the key that set it.
     with user_path_faults(job_paths(cfg)):
-        return _run_train(cfg, world_size, flags)
+        return _run_train(cfg, world_size, flags, set_keys)
 
 
-def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags) -> int:
+def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set[str]) -> int:
     """Check `cfg` for `world_size` ranks, then plan it (`flags.dry_run`) or train it."""
     dry_run = flags.dry_run
     from torchmoe.preflight import validate_job_config
@@ -183,7 +205,8 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags) -> int:
 
             run_dry_run(cfg, world_size, machine_device_gib=device_memory_gib())
             if os.environ.get("RANK") in (None, "0"):
-                dry_run_advice(cfg, world_size, hardware=flags.hardware, gpus_per_node=flags.gpus_per_node)
+                dry_run_advice(cfg, world_size, hardware=flags.hardware, gpus_per_node=flags.gpus_per_node,
+                               set_keys=set_keys)
         else:
             from torchmoe.distributed.failure import PeerFailed
             from torchmoe.trainer import TrainingDiverged, train
@@ -205,6 +228,51 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags) -> int:
     except ConfigError as err:
         raise _RankSpecificError(err) from err
     return 0
+
+
+def _needs_a_run(cfg: JobConfig) -> str:
+    return f"read the newest checkpoint of its default run, {cfg.job.dump_folder}/, with its default model {cfg.model.flavor}"
+
+
+def _checkpoint_job(config_argv: list[str], prog: str, description: str) -> JobConfig | int:
+    """The job whose checkpoints `generate` and `eval` read: a replica group's own dump folder
+    under fault tolerance (`replica_group_config`)."""
+    cfg = _job_config(config_argv, prog, description, require_file=_needs_a_run)
+    return cfg if isinstance(cfg, int) else replica_group_config(cfg)
+
+
+def _generate(argv: list[str]) -> int:
+    from torchmoe.generate import generate_main  # imported here: it pulls in torch and the model
+
+    try:
+        return generate_main(argv, _checkpoint_job)
+    except ConfigError as err:
+        raise _RankSpecificError(err) from err  # one process: its message is the message
+
+
+def _eval(argv: list[str]) -> int:
+    from torchmoe.evaluate import eval_main  # imported here: it pulls in the checkpoint code
+
+    def check(cfg: JobConfig) -> None:
+        from torchmoe.preflight import validate_job_config
+
+        validate_job_config(cfg, resolve_world_size(None, False, cfg.parallelism), check_device=True)
+
+    @contextmanager
+    def running() -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as err:  # raised while running: it may differ between ranks
+            raise _RankSpecificError(err) from err
+
+    from torchmoe.distributed.failure import PeerFailed
+
+    try:
+        return eval_main(argv, _checkpoint_job, check, running)
+    except PeerFailed as err:  # another rank failed and reports its error itself
+        print(err, file=sys.stderr)
+        _leave_if_failed(err.exit_status)
+        return err.exit_status
 
 
 def _convert(argv: list[str]) -> int:
@@ -240,6 +308,10 @@ def _lighthouse(argv: list[str]) -> int:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
     "plan": Subcommand("Choose the fastest layout that fits on N GPUs (or --calibrate this machine).", _plan),
+    "generate": Subcommand("Sample text from a checkpoint (greedy, or temperature and top-p) with a KV cache.",
+                           _generate),
+    "eval": Subcommand("The loss and perplexity of a checkpoint on the validation or training data, any layout.",
+                       _eval),
     "convert": Subcommand("Convert weights: hf-to-dcp (Hugging Face -> DCP) or dcp-to-hf.", _convert),
     "report": Subcommand("Draw a run's curves, expert load and planner facts: report.png or an HTML page.",
                          _report_figure),
@@ -251,7 +323,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 def _overview() -> str:
     width = max(map(len, SUBCOMMANDS))
-    lines = [f"usage: torchmoe {{{','.join(SUBCOMMANDS)}}} [OPTIONS]", "", "subcommands:"]
+    lines = [f"usage: torchmoe {{{','.join(SUBCOMMANDS)}}} [OPTIONS]  (or --version)", "", "subcommands:"]
     lines += [f"  {name:<{width}}  {sub.summary}" for name, sub in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -262,7 +334,24 @@ def _report(err: Exception, rank: str | None) -> None:
     Console(stderr=True, soft_wrap=True, highlight=False).print(f"{prefix}[bold red]error:[/] {escape(str(err))}")
 
 
+def _versions() -> str:
+    """`torchmoe X (torch Y, Python Z)`: read from the installed packages' metadata, so it costs no
+    torch import and names the torch build a bug report needs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"torchmoe {installed('torchmoe')} (torch {installed('torch')}, Python {platform.python_version()})"
+
+
 def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] in ("-V", "--version"):
+        print(_versions())
+        return 0
     if argv and argv[0] in ("-h", "--help"):
         print(_overview() + "\n")
         return SUBCOMMANDS["train"].run(["--help"])

@@ -45,6 +45,7 @@ from torchmoe.components.finite import refuse_nonfinite
 from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
 from torchmoe.components.run_lock import LOCK_NAME, lock_folders
+from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
@@ -229,6 +230,9 @@ def _parser() -> ArgumentParser:
     to_hf.add_argument("ckpt_dir", metavar="CKPT_DIR", help="step-N checkpoint folder or bare model DCP folder")
     to_hf.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face folder to create (must not hold files)")
     to_hf.add_argument("--flavor", required=True, help=f"model flavor of the checkpoint: {', '.join(FLAVORS)}")
+    to_hf.add_argument("--tokenizer", default="", metavar="PATH",
+                       help="the tokenizer.json (or its folder) the model trained with: copied into OUT_DIR with its "
+                            "tokenizer_config.json and special_tokens_map.json (default: none, the byte tokenizer)")
     return parser
 
 
@@ -263,9 +267,18 @@ def _run(opts: argparse.Namespace) -> int:
     else:
         # The one warning here (a non-zero expert bias is dropped) is news for the user, so it is
         # printed as one line rather than with the source line Python's format adds.
+        tokenizer_fix = "pass the tokenizer.json the model trained with, or its folder"
+        if opts.tokenizer:  # before anything is written
+            with path_faults("--tokenizer", opts.tokenizer, tokenizer_fix):
+                os.stat(opts.tokenizer)
         with warnings.catch_warnings(record=True) as caught:
             dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=opts.flavor)
         for w in caught:
             _say(f"warning: {w.message}", file=sys.stderr)
-        _say(f"wrote Hugging Face folder {opts.out_dir} ({opts.flavor}, {str(dtype).removeprefix('torch.')})")
+        copied = []
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with path_faults("--tokenizer", opts.tokenizer, tokenizer_fix):
+                copied = copy_tokenizer_files(opts.tokenizer, opts.out_dir)
+        _say(f"wrote Hugging Face folder {opts.out_dir} ({opts.flavor}, {str(dtype).removeprefix('torch.')}"
+             + (f"; tokenizer: {', '.join(copied)})" if copied else ")"))
     return 0

@@ -35,7 +35,7 @@ from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import bubble_fraction, microbatches, pipeline_layout
-from torchmoe.plan.search import DEFAULT_MARGIN, PLAN_KEYS, Layout, SearchResult, free_keys, search
+from torchmoe.plan.search import DEFAULT_MARGIN, PLAN_KEYS, Layout, SearchResult, fixed_keys, search
 from torchmoe.plan.step_time import predict
 from torchmoe.preflight import validate_layout
 
@@ -47,7 +47,7 @@ Choose the fastest layout that fits for a job on N GPUs, from a hardware profile
   --gpus N             ranks (GPUs) to plan for (required unless --calibrate)
   --gpus-per-node N    ranks per node (default: the profile's, 8 for the built-in GPUs)
   --hardware NAME      {', '.join(BUILTIN_PROFILES)}, or a profile JSON (default h100)
-  --top K              layouts to print (default 10)
+  --top K              layouts to print (default 5; --json has every one)
   --out FILE           write the winner as a job TOML that `torchmoe train --config FILE` runs
   --json FILE          write every scored layout: prediction, memory, the flags that reproduce it
   --free KEY ...       release keys the config sets: a key, its section, or all (the planner's
@@ -149,26 +149,24 @@ def plan_main(argv: Sequence[str]) -> int:
     profile = load_profile(flags.get("--hardware", "h100"))
     gpn = _count("--gpus-per-node", flags["--gpus-per-node"]) if "--gpus-per-node" in flags else \
         min(profile.gpus_per_node, gpus)
-    top = _count("--top", flags.get("--top", "10"))
+    top = _count("--top", flags.get("--top", "5"))
     margin = _fraction("--margin", flags.get("--margin", str(DEFAULT_MARGIN)))
     outputs = {k: _check_output(k, flags[k]) for k in ("--out", "--json") if k in flags}
-    fixed = {k for k in PLAN_KEYS if k in set_keys} - free_keys(free)
-    if cfg.parallelism.data_parallel_shard_degree == -1:
-        fixed.discard("parallelism.data_parallel_shard_degree")
+    fixed = fixed_keys(cfg, set_keys, free)
     run_plan(cfg, gpus, profile_name=flags.get("--hardware", "h100"), gpus_per_node=gpn, fixed=fixed, top=top,
              margin=margin, out=outputs.get("--out"), json_out=outputs.get("--json"))
     return 0
 
 
 def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_node: int | None = None,
-             fixed: set[str] | None = None, top: int = 10, margin: float = DEFAULT_MARGIN,
+             fixed: set[str] | None = None, top: int = 5, margin: float = DEFAULT_MARGIN,
              out: Path | None = None, json_out: Path | None = None, console: Console | None = None) -> SearchResult:
     """Search, print the report, write `out` (the winner's TOML) and `json_out` (every layout).
 
     Raises:
         ConfigError: no layout fits (naming the closest family's memory), or a write fails.
     """
-    console = console or Console(highlight=False)
+    console = console or _report_console()
     profile = load_profile(profile_name)
     result = search(cfg, gpus, profile, gpus_per_node=gpus_per_node, fixed=fixed, margin=margin,
                     check=lambda candidate, world: validate_layout(candidate, world))
@@ -222,9 +220,42 @@ def _print(console: Console, cfg: JobConfig, gpus: int, profile: str, result: Se
         console.print("best: " + escape(" ".join(result.best.flags())))
         console.print(f"attention kernel: {result.best.prediction.attention_kernel} (torchmoe/attention_kernel.py)")
     if result.pruned:
-        console.print(f"[bold]families that lost ({len(result.pruned)})[/]")
-        for name, reason in sorted(result.pruned.items(), key=lambda kv: _order(kv[1])):
-            console.print(f"  {escape(name)}: {escape(reason)}")
+        console.print(f"[bold]families that lost ({len(result.pruned)}; each with its reason in --json)[/]")
+        for line in _pruned_summary(result.pruned):
+            console.print(f"  {escape(line)}")
+
+
+def _report_console() -> Console:
+    """stdout at the terminal's width; written to a file or a pipe, wide enough that the table
+    is never cut (rich would assume 80 columns)."""
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=220)
+
+
+def _pruned_summary(pruned: dict[str, str]) -> list[str]:
+    """One line per reason families lost for: slower (how many, the closest), not fitting (how
+    many, the smallest), refused by training (how many per refusing key, an example)."""
+    slower = sorted((r, n) for n, r in pruned.items() if _order(r) == 0)
+    unfit = sorted((r, n) for n, r in pruned.items() if _order(r) == 1)
+    refused: dict[str, list[str]] = {}
+    for name, reason in pruned.items():
+        if _order(reason) == 2:
+            refused.setdefault(reason.split(" = ", 1)[0], []).append(name)
+    lines = []
+    if slower:
+        closest = min(slower, key=lambda rn: _leading_percent(rn[0]))
+        lines.append(f"slower: {len(slower)} families; the closest, {closest[1]}: {closest[0]}")
+    if unfit:
+        lines.append(f"does not fit: {len(unfit)} families; e.g. {unfit[0][1]}: {unfit[0][0]}")
+    for key, names in sorted(refused.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"refused by {key}: {len(names)} families; e.g. {names[0]}: {pruned[names[0]]}")
+    return lines
+
+
+def _leading_percent(reason: str) -> float:
+    """The N of a reason starting "N% slower"."""
+    head = reason.split("%", 1)[0]
+    return float(head) if head.replace(".", "", 1).isdigit() else float("inf")
 
 
 def _order(reason: str) -> int:
@@ -269,14 +300,16 @@ BUBBLE_WARNING = 0.25
 
 
 def dry_run_advice(cfg: JobConfig, world_size: int, *, hardware: str = "", gpus_per_node: int | None = None,
-                   console: Console | None = None) -> list[str]:
+                   set_keys: set[str] | None = None, console: Console | None = None) -> list[str]:
     """The dry run's warnings about speed: one line each, printed and returned.
 
     - the layout's pipeline bubble is over `BUBBLE_WARNING` of its step (hardware-free: the
       schedule's own idle fraction);
     - its predicted tokens/s per GPU is more than `SLOWER_WARNING` below the planner's best on
       `hardware` (default h100; a CPU job is compared only when `hardware` is given, as GPU
-      rates say nothing about it), with the flags of the best.
+      rates say nothing about it), with the flags of the best. The search is `torchmoe plan`'s
+      for the same config: the planner keys the file or the flags set (`set_keys`) stay fixed,
+      so a layout `plan` wrote is never flagged, and both commands give one verdict.
     """
     console = console or Console(stderr=True, highlight=False, soft_wrap=True)
     lines = []
@@ -299,7 +332,7 @@ def dry_run_advice(cfg: JobConfig, world_size: int, *, hardware: str = "", gpus_
                          f"head_dim {model_args_from_config(cfg.model).head_dim}: attention runs torchmoe's math "
                          "definition, which materialises each call's score matrix (predicted in the step time); "
                          "train in bfloat16 with a head_dim that is a multiple of 8 for the flash kernel")
-        result = search(cfg, world_size, profile, gpus_per_node=gpn,
+        result = search(cfg, world_size, profile, gpus_per_node=gpn, fixed=fixed_keys(cfg, set_keys or set(), ()),
                         check=lambda candidate, world: validate_layout(candidate, world))
         best = result.best
         if best is not None and mine.tokens_per_s_per_gpu < (1 - SLOWER_WARNING) * best.prediction.tokens_per_s_per_gpu:

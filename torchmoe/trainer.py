@@ -17,12 +17,13 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from torchmoe.components.hf_storage import save_hf_weights
 from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
+    METRICS_FILE,
     MetricsLogger,
     ThroughputWindow,
     check_history,
@@ -61,6 +63,7 @@ from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.components.run_info import write_run_info
 from torchmoe.components.run_lock import lock_folders
+from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.loader import write_config_toml
@@ -97,6 +100,8 @@ from torchmoe.preflight import train_device
 from torchmoe.regions import region
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 @dataclass
 class StepResult:
@@ -238,6 +243,8 @@ class Trainer:
             "rng": RankLocal(RNGState(), rank=self.rank),
         }
         self.step = 0
+        self.last_result: StepResult | None = None  # this process's newest step, for the closing line
+        self.validation_loss: float | None = None  # the newest, for the closing line
         self.replicas: ReplicaGroups | None = None
         # The replica groups when they meet every step (fault tolerance without semi_sync_method).
         self.step_replicas: ReplicaGroups | None = None
@@ -665,6 +672,7 @@ class Trainer:
         metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
                                 peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step,
                                 run_config=asdict(cfg))
+        metrics.say(self._opening())
         if self.step > 0:
             logger.info("resuming at step %d", self.step + 1)
         if self.rank == 0:  # decided once per device, dtype and head dim (`nn.attention_kernels`)
@@ -685,12 +693,13 @@ class Trainer:
             collector = GarbageCollection(cfg.training.gc_freq)
             stack.callback(collector.close)
             window = ThroughputWindow()
+            began, first_step, stopped = time.perf_counter(), self.step, False
             first = True  # this process's first step (a recovering replica group's step number jumps)
             compiled_before = DynamoCounts.now()
             while self.step < steps:
                 t0 = time.perf_counter()
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
-                result = self._committed_step()
+                result = self.last_result = self._committed_step()
                 self.step += 1
                 extra = {}
                 if self.semi_sync is not None and self.semi_sync.due(self.step):
@@ -712,7 +721,7 @@ class Trainer:
                 first = False
                 validating = cfg.validation.enable and self.step % cfg.validation.freq == 0
                 if validating:  # after the step's timing and traffic: its numbers are the training's
-                    extra["validation_loss"] = self.validate()
+                    extra["validation_loss"] = self.validation_loss = self.validate()
                 if validating or metrics.should_log(self.step) or "first_step_s" in extra:
                     tokens_per_sec = window.take()
                     if cfg.training.dataset_mix:  # tokens fed by each source since the run began
@@ -735,14 +744,45 @@ class Trainer:
                     else:
                         why = "checkpoint.load_only is true" if cfg.checkpoint.enable else "checkpoint.enable is false"
                         logger.warning("%s: stopping at step %d without a checkpoint", why, self.step)
-                    return
+                    stopped = True
+                    break
                 self._checkpoint(stopping=False)
                 collector.step(self.step)
                 prof.step()
                 mem.step()
+        # After the stack: an asynchronous save has finished, so the closing line names it.
+        if stopped:
+            metrics.say(self._closing(first_step, time.perf_counter() - began))
+            return
         if cfg.checkpoint.last_save_in_hf:
             self._save_hf()
+        metrics.say(self._closing(first_step, time.perf_counter() - began))
         metrics.require_written()  # last: records held back by a full disk did not stop training
+
+    def _opening(self) -> str:
+        """The run's first console lines: its description, what trains where, where it writes."""
+        cfg, counts = self.cfg, self.model_args.param_counts()
+        tokens = self.dataloader.global_batch_size * cfg.training.seq_len
+        line = (f"training {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, {counts['active'] / 1e6:,.1f} M "
+                f"active) on {self.world_size} x {self.device.type}: steps {self.step + 1}-{cfg.training.steps}, "
+                f"{tokens:,} tokens each; writing to {self.dump_folder}")
+        return f"{cfg.job.description}\n{line}" if cfg.job.description else line
+
+    def _closing(self, first_step: int, seconds: float) -> str:
+        """The run's last console line: how far it got, its loss, time and throughput, and where
+        its metrics and newest checkpoint are."""
+        result = self.last_result
+        if result is None:
+            return f"no step trained; {self.dump_folder} holds what the run wrote"
+        trained = self.step - first_step
+        tokens = trained * self.dataloader.global_batch_size * self.cfg.training.seq_len
+        val = self.validation_loss
+        saved = self.checkpointer.complete_checkpoints() if self.checkpointer.folder.is_dir() else []
+        where = f"metrics in {self.dump_folder / METRICS_FILE}" + (f", newest checkpoint {saved[-1][1]}" if saved else "")
+        return (f"{'done' if self.step == self.cfg.training.steps else 'stopped'}: step {self.step}/"
+                f"{self.cfg.training.steps}, loss {result.loss:.4f}"
+                + (f", validation loss {val:.4f}" if val is not None else "")
+                + f"; {trained} steps in {seconds:,.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s); {where}")
 
     def _committed_step(self) -> StepResult:
         """Draw a batch and train on it; under fault tolerance join each attempt's quorum first
@@ -830,14 +870,20 @@ class Trainer:
         return False  # never swallows the exception
 
     def _save_hf(self) -> None:
-        """Write the weights as a Hugging Face folder, each rank writing its own shards; not
+        """Write the weights as a Hugging Face folder, each rank writing its own shards, with the
+        tokenizer's files (`components.tokenizer_files`; none for the byte tokenizer); not
         when they are non-finite (`TrainingDiverged`: the last step's update, unchecked by a save
         when checkpointing is off). Visible only once complete (`CheckpointManager.save_export`);
         a failed write is the run's last error (`_save_failed`)."""
         state = get_model_state_dict(self.model)
+
+        def write(folder: Path) -> None:
+            save_hf_weights(state, self.model_args, folder, process_group=self.checkpointer.group)
+            if self.rank == 0:  # the tokenizer beside the weights: the folder loads whole
+                copy_tokenizer_files(self.cfg.model.tokenizer_path, folder)
+
         try:
-            out = self.checkpointer.save_export(self.step, lambda folder: save_hf_weights(
-                state, self.model_args, folder, process_group=self.checkpointer.group))
+            out = self.checkpointer.save_export(self.step, write)
         except NonFiniteValues as err:
             raise self._diverged(err, "writing Hugging Face weights") from None
         except SaveFailed as err:  # a full disk: nothing of the export is left
@@ -878,6 +924,30 @@ def train(cfg: JobConfig) -> None:
             watch takes this rank's exit status from it).
         PeerFailed: on the ranks that stopped because another rank failed.
     """
+    def body(trainer: Trainer) -> None:
+        if cfg.checkpoint.create_seed_checkpoint:
+            trainer.create_seed_checkpoint()
+        else:
+            trainer.load_initial_state()
+            trainer.fit()
+
+    _with_trainer(cfg, body)
+
+
+def evaluate(cfg: JobConfig) -> float:
+    """The mean token loss over `cfg`'s validation batches (`Trainer.validate`) of the weights its
+    run starts from (`checkpoint.initial_load_path`), in its layout, without training: the
+    `torchmoe eval` command. Failures and errors as `train`'s."""
+    def body(trainer: Trainer) -> float:
+        trainer.load_initial_state()
+        return trainer.validate()
+
+    return _with_trainer(cfg, body)
+
+
+def _with_trainer(cfg: JobConfig, body: Callable[[Trainer], _T]) -> _T:
+    """`body(trainer)` for the job's Trainer, joined to the launched world, watched for failed
+    peers, its folders released whatever happens (`train`)."""
     paths = job_paths(cfg)
     with user_path_faults(paths):  # the comm traces folder is created here
         world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, cfg.parallelism,
@@ -888,11 +958,7 @@ def train(cfg: JobConfig) -> None:
     try:
         with user_path_faults(paths):
             trainer = Trainer(cfg, failure_watch=watch)
-            if cfg.checkpoint.create_seed_checkpoint:
-                trainer.create_seed_checkpoint()
-            else:
-                trainer.load_initial_state()
-                trainer.fit()
+            result = body(trainer)
     except TrainingDiverged:
         trainer.close()  # every rank diverged at the same step (the loss is global)
         raise
@@ -903,3 +969,4 @@ def train(cfg: JobConfig) -> None:
             watch.fail(err)  # raises PeerFailed when another rank failed first
         raise
     trainer.close()
+    return result

@@ -89,8 +89,10 @@ def _dataset(tmp_path: Path, kind: str) -> str:
         (tmp_path / "only.txt").write_text("x")
         return str(tmp_path / "only.txt")
     if kind == "folder_without_text":
-        (tmp_path / "docs").mkdir()
-        (tmp_path / "docs" / "notes.md").write_text("not a dataset suffix")
+        (tmp_path / "docs").mkdir()  # images and compiled code only, and hidden text
+        (tmp_path / "docs" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+        (tmp_path / "docs" / "x.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0")
+        (tmp_path / "docs" / ".notes.md").write_text("hidden")
         return str(tmp_path / "docs")
     if kind == "zero_byte_files":  # row 0 reads a.txt and b.txt (bytes 0-1 of 4), which hold no text
         for name, text in zip("abcd", ("", " \n", "", "\tx")):
@@ -141,7 +143,7 @@ DATASETS = {
     "too_little_text": ("training.global_batch_size", "the corpus (training.dataset_path = {0}/only.txt) holds 1 "
                         "bytes, too few to give each of 2 batch rows a part of it\n  fix: use a "
                         "smaller training.global_batch_size, or more text"),
-    "folder_without_text": ("training.dataset_path", "holds no .txt/.jsonl/.json/.parquet files"),
+    "folder_without_text": ("training.dataset_path", "this folder holds no corpus files (2 not text, e.g. "),
 }
 
 
@@ -228,9 +230,15 @@ def test_good_tokenizer_with_its_config_trains(capsys, tmp_path: Path, tokenizer
     (tmp_path / "tok" / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": {"content": "<|begin_of_text|>"}, "eos_token": "<|end_of_text|>", "pad_token": None}))
-    status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(tmp_path / "tok"))
+    status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(tmp_path / "tok"),
+                        "--checkpoint.last_save_in_hf", "true")
     assert status == 0, err
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    # The Hugging Face export carries the tokenizer, byte for byte: the folder loads whole.
+    export = tmp_path / "run" / "checkpoint" / "step-2-hf"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (export / name).read_bytes() == (tmp_path / "tok" / name).read_bytes(), name
+    assert not (export / "special_tokens_map.json").exists()  # the source has none
 
 
 _TOML = "[training]\nsteps = 2\n"

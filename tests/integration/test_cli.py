@@ -63,7 +63,7 @@ def test_unknown_flag_suggests_closest() -> None:
     (["--model.tokenizer_path", "{missing}"], "model.tokenizer_path",
      ("No such file or directory", "fix: give a tokenizer")),
     (["--training.dataset", "local", "--training.dataset_path", "{missing}/*.jsonl"], "training.dataset_path",
-     ("matches no .txt/.jsonl/.json/.parquet files", "fix: point it at")),
+     ("this glob matches no corpus files", "fix: point it at")),
 ], ids=["initial_load_path", "initial_load_in_hf", "tokenizer_path", "dataset_path"])
 def test_path_to_nothing_names_key_value_and_fix(tmp_path: Path, flags: list[str], key: str,
                                                  expected: tuple[str, ...]) -> None:

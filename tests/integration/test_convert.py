@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 transformers = pytest.importorskip("transformers")
 
-from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model  # noqa: E402
+from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model, small_bpe  # noqa: E402
 from torchmoe.components.checkpoint import load_model_only  # noqa: E402
 from torchmoe.components.checksums import SIDECAR, digest_file  # noqa: E402
 from torchmoe.config import ConfigError  # noqa: E402
@@ -55,6 +55,23 @@ def test_hf_to_dcp_to_hf_is_lossless(hf_dir: Path, tmp_path: Path) -> None:
     assert original.keys() == back.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_dcp_to_hf_copies_the_tokenizer(hf_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "tok").mkdir()
+    small_bpe(tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "tok" / "special_tokens_map.json").write_text('{"eos_token": "<|end_of_text|>"}')
+    _ok("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp")
+    # A tokenizer that is not there is refused before anything is written.
+    proc = _torchmoe("convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "bad", "--flavor", "tiny",
+                     "--tokenizer", tmp_path / "nope")
+    assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "--tokenizer" in proc.stderr, proc.stderr
+    assert not (tmp_path / "bad").exists()
+    proc = _ok("convert", "dcp-to-hf", tmp_path / "dcp", tmp_path / "hf", "--flavor", "tiny",
+               "--tokenizer", tmp_path / "tok" / "tokenizer.json")
+    assert "tokenizer: tokenizer.json, special_tokens_map.json" in proc.stdout
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "tok" / name).read_bytes()
 
 
 def test_hf_to_dcp_bfloat16_trains_as_initial_load_path(hf_dir: Path, tmp_path: Path) -> None:

@@ -83,11 +83,11 @@ def test_python_docs_order_and_exclusions(tmp_path: Path) -> None:
 
 
 def test_local_txt_folder_one_document_per_file(tmp_path: Path) -> None:
-    for name, text in {"b.txt": "second", "a.txt": "first", "sub/c.txt": "third", "skip.md": "no"}.items():
+    for name, text in {"b.txt": "second", "a.txt": "first", "sub/c.txt": "third", "notes.md": "fourth"}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     docs = build_documents(Training(dataset="local", dataset_path=str(tmp_path)))
-    assert list(docs) == ["first", "second", "third"]  # a, b, sub/c
+    assert list(docs) == ["first", "second", "fourth", "third"]  # a, b, notes.md, sub/c
     # Text that is not UTF-8 (latin-1 here) is refused with its file and byte, not trained on
     # as replacement characters.
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9")
@@ -296,15 +296,37 @@ def test_local_no_match_error_names_path_and_fix(tmp_path: Path) -> None:
         build_documents(Training(dataset="local", dataset_path=pattern))
     # A ConfigError too: the CLI prints it as one message and exits with status 2.
     assert isinstance(err.value, ConfigError)
-    assert pattern in str(err.value) and "matches no .txt/.jsonl/.json/.parquet files" in str(err.value)
+    assert pattern in str(err.value) and "this glob matches no corpus files" in str(err.value)
     assert "fix: point it at" in str(err.value) and "glob" in str(err.value)
-    (tmp_path / "notes.md").write_text("x")
-    with pytest.raises(ValueError, match=r"folder holds no \.txt/\.jsonl/\.json/\.parquet files"):
+    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    with pytest.raises(ValueError, match=r"folder holds no corpus files \(1 not text, e\.g\. .*logo\.png\)"):
         local_files(str(tmp_path))
-    with pytest.raises(ValueError, match=r"unsupported file type '\.md'"):
-        local_files(str(tmp_path / "notes.md"))
+    with pytest.raises(ValueError, match=r"is not a text file \(a NUL byte"):
+        local_files(str(tmp_path / "logo.png"))
     with pytest.raises(ValueError, match='dataset = "local" needs files'):
         local_files("")
+
+
+def test_any_text_file_is_a_document_and_binary_files_are_passed_over(tmp_path: Path) -> None:
+    # A source tree: code and docs of any suffix (or none) are text; compiled files, images and
+    # hidden folders (.git) are not read.
+    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "pkg" / "main.py").write_text("def main():\n    return 1\n")
+    (tmp_path / "pkg" / "README.md").write_text("# pkg\n")
+    (tmp_path / "Makefile").write_text("all:\n\techo ok\n")
+    (tmp_path / "pkg" / "__pycache__" / "main.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0")
+    (tmp_path / "pkg" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    (tmp_path / "pkg" / "latin1.c").write_bytes("/* caf\xe9 */".encode("latin-1"))  # not UTF-8: not text
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    # A multi-byte character cut by the 8 KiB sniff is still text.
+    (tmp_path / "pkg" / "long.rs").write_text("a" * 8191 + "é" + "b")
+    names = [p.relative_to(tmp_path).as_posix() for p in local_files(str(tmp_path))]
+    assert names == ["Makefile", "pkg/README.md", "pkg/long.rs", "pkg/main.py"]
+    assert [p.name for p in local_files(str(tmp_path / "**" / "*.py"))] == ["main.py"]
+    assert local_files(str(tmp_path / "Makefile")) == [tmp_path / "Makefile"]
+    docs = FileDocuments(local_files(str(tmp_path / "pkg")))
+    assert list(docs.iter_from(0)) == ["# pkg\n", "a" * 8191 + "é" + "b", "def main():\n    return 1\n"]
 
 
 def test_unknown_dataset_kind() -> None:

@@ -68,7 +68,7 @@ def test_every_benchmark_table_is_dated() -> None:
 
 SNIPPET = """# A page
 
-<!-- runs in: tests/integration/test_train.py::test_default_job_loss_falls -->
+<!-- runs in: tests/integration/test_readme_in_order.py::test_the_readme_runs_in_order -->
 ```bash
 torchmoe train --config configs/debug_model.toml --training.steps 40
 torchmoe train --config configs/debug_model.toml --optimizer.lr 1e-3

@@ -335,6 +335,20 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
 # ---------------------------------------------------------------------------------------------
 
 
+def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every `step-N/` folder (not a link) in `folder` holding the completion
+    marker, oldest first; none when `folder` does not exist."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        m = _STEP_DIR.match(path.name)
+        # A symbolic link is not the run's (refused at start): never loaded, never pruned.
+        if m and not path.is_symlink() and (path / MARKER).is_file():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
 def checkpoint_timeout(checkpoint_cfg: CheckpointConfig, comm_cfg: CommConfig) -> timedelta:
     """The checkpoint group's collective timeout: `checkpoint.timeout_seconds`, -1 meaning the
     init timeout (loading, compile and the first step's)."""
@@ -616,15 +630,7 @@ class CheckpointManager:
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of every `step-N/` folder (not a link) holding the completion marker, oldest first."""
-        if not self.folder.is_dir():
-            return []
-        found = []
-        for path in self.folder.iterdir():
-            m = _STEP_DIR.match(path.name)
-            # A symbolic link is not the run's (refused at start): never loaded, never pruned.
-            if m and not path.is_symlink() and (path / MARKER).is_file():
-                found.append((int(m.group(1)), path))
-        return sorted(found)
+        return complete_checkpoints(self.folder)
 
     def _candidates(self) -> list[tuple[int, Path, bool]]:
         """(step, path, model_only) to try, newest first, as rank 0 sees them: every complete

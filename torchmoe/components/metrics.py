@@ -361,6 +361,9 @@ class MetricsLogger:
         self.peak_flops = peak_flops
         self.start_step = start_step
         self._t0 = time.perf_counter()
+        # (step, time) of the first step logged: the ETA counts from there, leaving out the first
+        # step's loading, compilation and warm-up, which the steps ahead will not repeat.
+        self._eta_from: tuple[int, float] | None = None
         self.dump_folder = str(dump_folder)
         self.path = Path(dump_folder) / METRICS_FILE
         self._file: _RecordFile | None = None
@@ -454,6 +457,7 @@ class MetricsLogger:
                 parts.append(f"[{style}]{fmt.format(r[key])}[/]")
 
         add("loss", "loss {:.4f}", "cyan")
+        add("validation_loss", "val {:.4f}", "bold cyan")
         add("grad_norm", "grad {:.3f}", "magenta")
         add("lr", "lr {:.2e}", "white")
         add("tokens_per_sec", "{:,.0f} tok/s", "green")
@@ -467,13 +471,19 @@ class MetricsLogger:
             parts.append("[blue]" + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in sources.items()) + "[/]")
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
-        else:
-            done = step - self.start_step
-            if done > 0 and step < self.total_steps:
-                eta = (time.perf_counter() - self._t0) / done * (self.total_steps - step)
-                parts.append(f"eta {_duration(eta)}")
+        elif self._eta_from is None:
+            self._eta_from = (step, time.perf_counter())
+        elif step < self.total_steps:
+            first, since = self._eta_from
+            eta = (time.perf_counter() - since) / (step - first) * (self.total_steps - step)
+            parts.append(f"eta {_duration(eta)}")
         # soft_wrap: one line per step even when the console is not a terminal (80 columns).
         self.console.print("  ".join(parts), soft_wrap=True)
+
+    def say(self, text: str) -> None:
+        """Print `text` on rank 0's console (above the progress bar), as the run's own lines."""
+        if self.rank == 0:
+            self.console.print(text, soft_wrap=True, markup=False)
 
     def close(self) -> None:
         """Stop the progress bar and close metrics.jsonl, TensorBoard and the W&B run (idempotent)."""

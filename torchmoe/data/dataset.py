@@ -6,7 +6,9 @@
 
 The sources, chosen by `training.dataset`:
 - `python_docs` (default): the Python standard library's own sources, offline everywhere.
-- `local`: `.txt` / `.jsonl` / `.json` / `.parquet` files named by `training.dataset_path`.
+- `local`: files named by `training.dataset_path`: `.jsonl` / `.json` / `.parquet` rows, and any
+  other text file (`.txt`, source code, Markdown, no suffix: UTF-8 without NUL bytes) as one
+  document each.
 - `hf`: a Hugging Face hub dataset, streamed.
 - torchtitan's names: `c4` / `c4_validation` (allenai/c4 "en", streamed) and `c4_test` (its test
   corpus, `tests/assets/c4_test` of a torchtitan checkout); `dataset_path` moves either.
@@ -43,6 +45,8 @@ from torchmoe.data.token_shards import TokenShards
 if TYPE_CHECKING:
     from torchmoe.config.job_config import Training
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DataConfigError",
     "Documents",
@@ -55,7 +59,15 @@ __all__ = [
     "build_documents",
 ]
 
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+# Files whose rows are documents, and .txt files, are always read (a .txt file that is not UTF-8
+# gets the reader's message naming its encoding and the fix); any other file that is text is one
+# document.
+ROW_SUFFIXES = (".jsonl", ".json", ".parquet")
+ALWAYS_READ = (*ROW_SUFFIXES, ".txt")
+# Bytes read to tell text from binary: git's rule (a NUL byte in the first 8 KiB is binary),
+# plus that they decode as UTF-8.
+_SNIFF_BYTES = 8192
+LOCAL_FILES = "a .jsonl/.json/.parquet file of rows, or text files (.txt, code, any UTF-8 text)"
 # torchtitan v0.2.2's dataset names: c4 and c4_validation stream allenai/c4 ("en") from the hub,
 # c4_test reads its test corpus (a .json file of 2K documents) from a torchtitan checkout.
 C4_SPLITS = {"c4": "train", "c4_validation": "validation"}
@@ -501,18 +513,35 @@ def _plain_utf8(path: Path) -> bool:
     return True
 
 
-def local_files(dataset_path: str, *, key: str = "training.dataset_path") -> list[Path]:
-    """The `.txt`/`.jsonl`/`.json`/`.parquet` files named by `dataset_path` (the setting `key`), sorted.
+def is_text_file(path: Path) -> bool:
+    """Whether `path` looks like text: its first 8 KiB hold no NUL byte and decode as UTF-8 (a
+    character cut by the 8 KiB boundary is fine). Raises OSError when it cannot be read."""
+    with path.open("rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        # Only an incomplete character at the very end: the next bytes complete it.
+        return len(head) == _SNIFF_BYTES and err.start >= len(head) - 3 and err.reason == "unexpected end of data"
+    return True
 
-    `dataset_path` is a file, a folder (searched recursively) or a glob (`**` allowed).
+
+def local_files(dataset_path: str, *, key: str = "training.dataset_path") -> list[Path]:
+    """The corpus files named by `dataset_path` (the setting `key`), sorted: `.jsonl`, `.json`,
+    `.parquet` and `.txt` files, and every other file that is text (`is_text_file`).
+
+    `dataset_path` is a file, a folder (searched recursively, hidden files and folders left out)
+    or a glob (`**` allowed). In a folder or a glob, files that are not text (images, compiled
+    code) are passed over, and how many is logged; a file named alone must be text.
 
     Raises:
         DataConfigError: nothing usable matches, or the OS refuses the path or a file or folder
             under it (missing, a path through a file, a name too long, a symbolic link to
             nothing, no permission: its reason); the message names the path and what to give.
     """
-    wanted = "/".join(LOCAL_SUFFIXES)
-    fix = f"point it at a {wanted} file, a folder holding such files, or a glob like 'data/*.jsonl'"
+    fix = f"point it at {LOCAL_FILES}, a folder holding such files, or a glob like 'data/*.jsonl'"
     if not dataset_path:
         raise DataConfigError(key, dataset_path, 'dataset = "local" needs files', fix)
     path = Path(dataset_path)
@@ -521,25 +550,35 @@ def local_files(dataset_path: str, *, key: str = "training.dataset_path") -> lis
             candidates, what = [Path(p) for p in glob.glob(dataset_path, recursive=True)], "this glob matches"
         elif stat.S_ISDIR(os.stat(path).st_mode):
             candidates, what = _files_under(path), "this folder holds"
-        elif path.suffix not in LOCAL_SUFFIXES:
-            raise DataConfigError(key, dataset_path, f"unsupported file type {path.suffix!r}", fix)
-        else:
+        elif path.suffix in ALWAYS_READ or is_text_file(path):
             return [path]
-        files = sorted((p for p in candidates if p.suffix in LOCAL_SUFFIXES and not stat.S_ISDIR(os.stat(p).st_mode)),
-                       key=lambda p: p.as_posix())
+        else:
+            raise DataConfigError(key, dataset_path, "is not a text file (a NUL byte or bytes that are not UTF-8 in "
+                                  "its first 8 KiB)", fix)
+        files = [p for p in candidates if not stat.S_ISDIR(os.stat(p).st_mode)]
+        binary = [p for p in files if p.suffix not in ALWAYS_READ and not is_text_file(p)]
+        files = sorted(set(files) - set(binary), key=lambda p: p.as_posix())
     if not files:
-        raise DataConfigError(key, dataset_path, f"{what} no {wanted} files", fix)
+        raise DataConfigError(key, dataset_path, f"{what} no corpus files" +
+                              (f" ({len(binary)} not text, e.g. {binary[0]})" if binary else ""), fix)
+    if binary:
+        logger.info("%s: passed over %d files that are not text (e.g. %s)", key, len(binary), binary[0])
     return files
 
 
 def _files_under(folder: Path) -> list[Path]:
     """Every entry under `folder` that is not a folder, recursively, without following links to
-    folders; a folder that cannot be listed raises (os.walk and Path.rglob would pass over it)."""
+    folders, leaving out hidden ones (names starting with "."; their folders unread); a folder
+    that cannot be listed raises (os.walk and Path.rglob would pass over it)."""
 
     def fail(err: OSError) -> None:
         raise err
 
-    return [Path(parent) / name for parent, _, names in os.walk(folder, onerror=fail) for name in names]
+    found = []
+    for parent, folders, names in os.walk(folder, onerror=fail):
+        folders[:] = [name for name in folders if not name.startswith(".")]  # .git, .cache, ...
+        found += [Path(parent) / name for name in names if not name.startswith(".")]
+    return found
 
 
 def build_documents(training: Training, *, key: str = "training.dataset_path",

@@ -1,6 +1,6 @@
 """`torchmoe prepare-data INPUT... OUT_DIR`: tokenize a corpus once into pre-tokenized shards.
 
-    torchmoe prepare-data corpus/ data/tokens                       # .txt/.jsonl/.json/.parquet, byte tokenizer
+    torchmoe prepare-data corpus/ data/tokens                       # text files, .jsonl/.json/.parquet rows; byte tokenizer
     torchmoe prepare-data 'corpus/*.jsonl' data/tokens --tokenizer path/to/tokenizer.json --workers 16
     torchmoe prepare-data hf:allenai/c4:en data/c4 --split validation
 
@@ -387,7 +387,7 @@ def _parser() -> ArgumentParser:
                             "token ids that training reads by memory map (training.dataset = \"tokens\"). A killed "
                             "run resumes when run again with the same arguments.")
     parser.add_argument("paths", nargs="+", metavar="INPUT... OUT_DIR",
-                        help=f"local files, folders or globs (.txt/.jsonl/.json/.parquet), or one {HUB_PREFIX}NAME"
+                        help=f"local files, folders or globs (.jsonl/.json/.parquet rows, or any text files), or one {HUB_PREFIX}NAME"
                         "[:CONFIG] hub dataset; then the output folder (new, empty, or this job's own to resume)")
     parser.add_argument("--tokenizer", default="", help="tokenizer.json (or its folder); default: the built-in "
                         "byte tokenizer, as model.tokenizer_path = \"\"")

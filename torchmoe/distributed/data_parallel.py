@@ -18,6 +18,8 @@ gradient of the global mean loss, whatever the number of ranks.
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -57,6 +59,11 @@ def apply_fsdp(
             (``efsdp``, with ``dp_replicate`` for HSDP); routed experts then form their own
             FSDP units on it, inside each block's unit.
     """
+    # FSDP2 warns, per unit and rank, that a unit returned a view: an in-place op on that view
+    # would drop its pre-backward hook. torchmoe never modifies a unit's output in place (a block
+    # returns `h + ...`, the loss reads the logits out of place: every layout's gradients equal
+    # the single process's in tests/distributed), so the warning has nothing to act on.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(param_dtype), reduce_dtype=torch_dtype(reduce_dtype))
     # Pinned host memory (faster copies to the device) needs an accelerator; on a CPU mesh the
     # offload runs unpinned (the code path of offload, for tests: there is nothing to offload from).

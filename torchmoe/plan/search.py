@@ -125,6 +125,17 @@ def family_name(degrees: dict[str, int]) -> str:
     return " × ".join(f"{k} {degrees[k]}" for k in DEGREE_KEYS if degrees[k] > 1) or "one rank"
 
 
+def fixed_keys(cfg: JobConfig, set_keys: set[str], free: Iterable[str]) -> set[str]:
+    """The planner keys a search keeps at `cfg`'s values: those its file or flags set
+    (`set_keys`, from `load_job_config`), but what `free` releases; never
+    ``data_parallel_shard_degree = -1`` (it means "the rest"). `torchmoe plan` and the dry run's
+    comparison search alike."""
+    fixed = {k for k in PLAN_KEYS if k in set_keys} - free_keys(free)
+    if cfg.parallelism.data_parallel_shard_degree == -1:
+        fixed.discard(DEGREE_KEYS["dp_shard"])
+    return fixed
+
+
 def free_keys(free: Iterable[str]) -> set[str]:
     """The planner keys `free` releases: each entry a key, a section or "all".
 

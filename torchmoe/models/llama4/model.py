@@ -22,6 +22,7 @@ from torchmoe.nn.attention import causal_attention
 from torchmoe.nn.document_attention import DocumentSegments, document_attention
 from torchmoe.nn.experts import FeedForward
 from torchmoe.nn.init import ONES, Normal, ParamInit, TruncNormal, init_parameters, prefixed
+from torchmoe.nn.kv_cache import KVCache
 from torchmoe.regions import region
 
 
@@ -113,9 +114,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: DocumentSegments | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: DocumentSegments | None = None,
+                cache: KVCache | None = None, name: str = "") -> torch.Tensor:
         """x: (B, S, dim), freqs_cis: (S, hd/2) complex, documents: None, or with document
-        masking the micro-batch's segment tables (`nn.document_attention`) -> (B, S, dim)."""
+        masking the micro-batch's segment tables (`nn.document_attention`) -> (B, S, dim).
+        cache: decoding (`nn.kv_cache`): x holds positions ``[cache.length, + S)``, and this
+        layer (`name`) adds its keys and values to the cache and attends over the cached ones."""
         bsz, seq_len, _ = x.shape
         # -1 head counts: under tensor parallel each rank holds a slice of the heads.
         xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, H, hd)
@@ -128,11 +132,16 @@ class Attention(nn.Module):
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
             cp = self.context_parallel
-            pos = (cp.positions(x.device) if cp is not None else torch.arange(seq_len, device=x.device)).float()
+            start = cache.length if cache is not None else 0
+            pos = (cp.positions(x.device) if cp is not None else
+                   torch.arange(start, start + seq_len, device=x.device)).float()
             scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0  # (S,)
             xq = (xq * scale.view(1, seq_len, 1, 1)).to(xq.dtype)
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, S, hd)
-        out = self._attend(q, k, v, documents)  # (B, H, S, hd)
+        if cache is not None:
+            out = self._attend_cached(q, k, v, cache, name)
+        else:
+            out = self._attend(q, k, v, documents)  # (B, H, S, hd)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -146,6 +155,17 @@ class Attention(nn.Module):
         if self.attn_backend == "flex":
             return _flex_attention(q, k, v, chunk)
         return causal_attention(q, k, v, chunk=chunk)
+
+    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                       name: str) -> torch.Tensor:
+        """Queries at ``[L, L + S)`` (L = cache.length) over the cached keys from the first query's
+        chunk start (or 0) as the prefix, and their own causally: training's attention over a
+        piece of the row, so the logits are the full forward's."""
+        start = cache.length
+        first = start // self.chunk_size * self.chunk_size if self.chunk_size is not None else 0
+        prefix = cache.append(name, k, v, keep_from=first)
+        return causal_attention(q, k, v, chunk=self.chunk_size, start=start,
+                                prefix=prefix if start > first else None)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """Projections into heads at std 0.02; the output projection at the block's depth-scaled std."""
@@ -189,12 +209,16 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init of output projections keeps the residual stream's variance bounded.
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: DocumentSegments | None = None) -> torch.Tensor:
-        """x: (B, S, dim), freqs_cis: (S, hd/2) complex, documents: as `Attention.forward`'s
-        -> (B, S, dim)."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: DocumentSegments | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """x: (B, S, dim), freqs_cis: (S, hd/2) complex, documents and cache: as
+        `Attention.forward`'s -> (B, S, dim)."""
         normed = self.attention_norm(x)
         with region("attention"):
-            h = x + self.attention(normed, freqs_cis, documents)
+            if cache is None:
+                h = x + self.attention(normed, freqs_cis, documents)
+            else:
+                h = x + self.attention(normed, freqs_cis, cache=cache, name=str(self.layer_id))
         normed = self.ffn_norm(h)
         if not self.moe_enabled:
             return h + self.feed_forward(normed)
@@ -241,7 +265,8 @@ class Transformer(nn.Module):
     def _rope_cache_len(self) -> int:
         return min(self.args.max_seq_len, _MAX_ROPE_CACHE)
 
-    def forward(self, tokens: torch.Tensor, documents: DocumentSegments | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: DocumentSegments | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens: (B, S) int64 ids (or (B, S, dim) hidden states on later pipeline stages)
         -> logits (B, S, vocab) (or hidden states when this stage has no output head).
 
@@ -250,18 +275,25 @@ class Transformer(nn.Module):
         starts, built on the host). Positions stay global: RoPE counts from the row start
         either way.
 
+        cache: decoding (`nn.kv_cache.KVCache`): `tokens` are the positions after the cached
+        ones; every layer appends its keys and values, and the logits equal the full forward's
+        at those positions.
+
         Under ``autocast_dtype`` the logits come out in it and the hidden states in fp32 (the
         residual stream is a sum autocast leaves in fp32); the loss upcasts the logits."""
         if self.autocast_dtype is None:
-            return self._forward(tokens, documents)
+            return self._forward(tokens, documents, cache)
         with torch.autocast(tokens.device.type, dtype=self.autocast_dtype):
-            return self._forward(tokens, documents)
+            return self._forward(tokens, documents, cache)
 
-    def _forward(self, tokens: torch.Tensor, documents: DocumentSegments | None) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, documents: DocumentSegments | None, cache: KVCache | None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        freqs_cis = self._rotations(h.shape[1])
+        start = cache.length if cache is not None else 0
+        freqs_cis = self._rotations(start + h.shape[1])[start:]
         for layer in self.layers.values():
-            h = layer(h, freqs_cis, documents)
+            h = layer(h, freqs_cis, documents) if cache is None else layer(h, freqs_cis, cache=cache)
+        if cache is not None:
+            cache.advance(h.shape[1])
         if self.norm is None:  # not the last pipeline stage
             return h
         h = self.norm(h)

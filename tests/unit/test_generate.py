@@ -1,0 +1,86 @@
+"""Decoding with the key/value cache gives the full forward's logits; sampling is greedy at
+temperature 0, reproducible from its seed, and keeps exactly the nucleus at top-p.
+
+The reference is the model itself without a cache: the whole sequence so far through one
+forward at every step (training's forward, which `test_hf_parity.py` ties to transformers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchmoe.generate import Sampling, generate_ids, next_token
+from torchmoe.models.llama4 import FLAVORS, Transformer
+from torchmoe.nn.kv_cache import KVCache
+
+# Chunks of 16 and a temperature floor of 8: a prompt of 21 and 30 new tokens cross three chunk
+# starts (16, 32, 48) and the temperature's steps, NoPE and RoPE layers, dense and MoE ones.
+ARGS = FLAVORS["tiny"].replace(attention_chunk_size=16, floor_scale=8)
+PROMPT = [5, 77, 300, 12, 9, 9, 140, 33, 2, 411, 256, 80, 81, 82, 7, 64, 65, 66, 1, 0, 499]
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights(seed=3)
+    return model.eval()
+
+
+@torch.no_grad()
+def test_cached_decoding_gives_the_full_forwards_logits(model: Transformer) -> None:
+    tokens = torch.tensor([PROMPT + [int(t) for t in torch.randint(0, 512, (30,))]])
+    full = model(tokens)  # (1, 51, V)
+    cache = KVCache()
+    pieces = [model(tokens[:, :21], cache=cache)]  # prefill, then one position at a time
+    pieces += [model(tokens[:, i:i + 1], cache=cache) for i in range(21, 51)]
+    cached = torch.cat(pieces, dim=1)
+    assert cache.length == 51
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+    # Prefill in uneven pieces (crossing a chunk start inside a piece) is the same forward.
+    cache = KVCache()
+    cached = torch.cat([model(tokens[:, a:b], cache=cache) for a, b in ((0, 10), (10, 37), (37, 51))], dim=1)
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_greedy_generation_is_the_argmax_of_the_full_forward_at_every_step(model: Transformer) -> None:
+    got = generate_ids(model, PROMPT, Sampling(max_new_tokens=30), eos_id=-1)
+    ids = list(PROMPT)
+    for _ in range(30):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert got == ids[len(PROMPT):]
+
+
+def test_generation_stops_at_the_end_of_text_id(model: Transformer) -> None:
+    free = generate_ids(model, PROMPT, Sampling(max_new_tokens=12), eos_id=-1)
+    stop = free[4]  # pretend the fifth id is end-of-text: it is the last one returned
+    assert generate_ids(model, PROMPT, Sampling(max_new_tokens=12), eos_id=stop) == free[:free.index(stop) + 1]
+
+
+def test_sampling_is_reproducible_from_its_seed(model: Transformer) -> None:
+    warm = Sampling(max_new_tokens=20, temperature=1.5, seed=7)
+    first = generate_ids(model, PROMPT, warm, eos_id=-1)
+    assert generate_ids(model, PROMPT, warm, eos_id=-1) == first
+    others = {tuple(generate_ids(model, PROMPT, Sampling(max_new_tokens=20, temperature=1.5, seed=s), eos_id=-1))
+              for s in (8, 9)}
+    assert tuple(first) not in others  # the seed decides: hot sampling from a random model differs
+    # A nucleus that holds only the most likely token is greedy decoding.
+    tight = Sampling(max_new_tokens=20, temperature=1.5, top_p=1e-6, seed=7)
+    assert generate_ids(model, PROMPT, tight, eos_id=-1) == generate_ids(model, PROMPT, Sampling(max_new_tokens=20),
+                                                                         eos_id=-1)
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p() -> None:
+    # Probabilities 0.5, 0.3, 0.15, 0.05 (ids 2, 0, 3, 1): p = 0.75 keeps ids 2 and 0, p = 0.8 as
+    # well (0.5 + 0.3 reaches it), p = 0.81 adds id 3.
+    logits = torch.log(torch.tensor([[0.3, 0.05, 0.5, 0.15]]))
+    for top_p, kept in ((0.75, {0, 2}), (0.8, {0, 2}), (0.81, {0, 2, 3}), (0.4, {2}), (1.0, {0, 1, 2, 3})):
+        generator = torch.Generator().manual_seed(0)
+        drawn = {int(next_token(logits, Sampling(temperature=1.0, top_p=top_p), generator)) for _ in range(400)}
+        assert drawn == kept, top_p
+    # Kept tokens are drawn in proportion to their probability, renormalised: 0.5 / 0.8 for id 2.
+    generator = torch.Generator().manual_seed(0)
+    draws = [int(next_token(logits, Sampling(temperature=1.0, top_p=0.8), generator)) for _ in range(4000)]
+    assert draws.count(2) / 4000 == pytest.approx(0.625, abs=0.03)

@@ -1,0 +1,43 @@
+"""The tokenizer's files beside exported Hugging Face weights, so the folder loads whole
+(`AutoTokenizer.from_pretrained(folder)` as well as the model).
+
+    copied = copy_tokenizer_files("path/to/tokenizer.json", out_dir)   # [] for the byte tokenizer
+
+The files are those of the tokenizer the run trained with (`model.tokenizer_path`, or
+`model.hf_assets_path` where that gave it): its tokenizer.json and, from the same folder, the
+configs that name its special tokens and chat template. Copied byte for byte, never through a
+symbolic link at the destination.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torchmoe.config.file_writes import write_file
+
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files"]
+
+# What transformers reads for a fast tokenizer (tokenizer.model: a SentencePiece original).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja")
+
+
+def copy_tokenizer_files(tokenizer_path: str, out_dir: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer files of `tokenizer_path` (a tokenizer.json or its folder; "" is the
+    byte tokenizer, which has none) into `out_dir`; returns the names copied.
+
+    Raises:
+        OSError: a file cannot be read or written (the caller names the key).
+    """
+    if not tokenizer_path:
+        return []
+    source = Path(tokenizer_path)
+    folder, main = (source, source / "tokenizer.json") if source.is_dir() else (source.parent, source)
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = main if name == "tokenizer.json" else folder / name
+        if path.is_file():
+            write_file(Path(out_dir) / name, path.read_bytes())
+            copied.append(name)
+    return copied

@@ -1,0 +1,138 @@
+"""`torchmoe eval`: the mean token loss of trained weights on a split, with training's own code.
+
+    torchmoe eval --config configs/debug_model.toml                      # newest checkpoint, [validation]
+    torchmoe eval --config configs/debug_model.toml --split train --batches 1 --step 0
+    torchrun --nproc_per_node 4 -m torchmoe eval --config job.toml --checkpoint outputs/x/checkpoint/step-800
+
+The job file gives the model, the layout (any layout training runs: the loss is the same in
+each) and the data; `--checkpoint` (or the newest checkpoint of the job's run, or `--step N`'s)
+the weights. `--split validation` (the default) reads the `[validation]` section; `--split train`
+reads `[training]`'s corpus from its start, in batches of its `local_batch_size` rows per rank,
+so with no gradient accumulation `--batches 1` on a run's step-0 (seed) checkpoint gives that
+run's logged step-1 loss. `--batches N` reads N batches (default: `validation.steps`; -1 is one
+pass over the data).
+
+It runs training's validation (`Trainer.validate`): same forward, masking and loss. The run's
+own files (config, locks, data indexes) go to a scratch folder that is removed afterwards: the
+checkpoint's run folder is only read. `--out FILE.json` writes the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from torchmoe.components.trained_weights import trained_weights
+from torchmoe.config import ConfigError, JobConfig
+from torchmoe.config.file_writes import write_file
+from torchmoe.config.flags import split_flags
+from torchmoe.config.paths import path_faults
+
+__all__ = ["EVAL_DESCRIPTION", "eval_config", "eval_main"]
+
+_FLAGS = {"--checkpoint": str, "--step": int, "--split": str, "--batches": int, "--out": str}
+
+EVAL_DESCRIPTION = (
+    "The mean token loss (and perplexity) of trained weights: the job file's model, layout and data, with the weights "
+    "of --checkpoint (a step-N folder, a DCP folder or a Hugging Face folder), or else the newest checkpoint of the "
+    "job's run (--step N picks one). Own flags: --split validation|train (validation: the [validation] section; "
+    "train: [training]'s corpus from its start), --batches N (default validation.steps; -1: one pass), "
+    "--out FILE.json. Every other flag overrides the job file as in `torchmoe train`; launch with torchrun for "
+    "several ranks.")
+
+
+def eval_config(cfg: JobConfig, *, weights: Path, in_hf: bool, split: str, batches: int | None,
+                work_folder: Path) -> JobConfig:
+    """`cfg` as the evaluation runs it: starts from `weights`, saves nothing, writes its run
+    files to `work_folder`, validates on `split` for `batches` batches.
+
+    Raises:
+        ConfigError: an unknown split, a batch count below -1 or 0, a training mixture as the split.
+    """
+    if split not in ("train", "validation"):
+        raise ConfigError("--split", split, "unknown split", "pass --split validation or --split train")
+    if batches is not None and (batches == 0 or batches < -1):
+        raise ConfigError("--batches", batches, "must be a number of batches >= 1, or -1 for one pass",
+                          "pass e.g. --batches 10")
+    val = cfg.validation
+    if split == "train":
+        training = cfg.training
+        if training.dataset_mix:
+            raise ConfigError("--split", split, "training.dataset_mix draws from several corpora: there is no one "
+                              "training corpus to read from its start", "set [validation] to the source to "
+                              "evaluate on and pass --split validation")
+        val = dataclasses.replace(val, dataset=training.dataset, dataset_path=training.dataset_path,
+                                  dataset_split=training.dataset_split, local_batch_size=training.local_batch_size,
+                                  seq_len=training.seq_len)
+    val = dataclasses.replace(val, enable=True, steps=val.steps if batches is None else batches)
+    checkpoint = dataclasses.replace(cfg.checkpoint, enable=False, initial_load_path=str(weights),
+                                     initial_load_in_hf=in_hf, create_seed_checkpoint=False, last_save_in_hf=False)
+    job = dataclasses.replace(cfg.job, dump_folder=str(work_folder))
+    # Training's own metrics sinks stay off: the result is printed (and --out).
+    metrics = dataclasses.replace(cfg.metrics, enable_tensorboard=False, enable_wandb=False)
+    # One launch: a fault-tolerant run's replica group evaluates alone, joining no lighthouse.
+    ft = dataclasses.replace(cfg.fault_tolerance, enable=False)
+    return dataclasses.replace(cfg, validation=val, checkpoint=checkpoint, job=job, metrics=metrics, fault_tolerance=ft)
+
+
+def _work_folder() -> Path:
+    """A scratch folder for the run's files, the same on every rank of a node: named by the
+    launch's rendezvous (torchrun's variables) under several ranks, a fresh one alone."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Path(tempfile.mkdtemp(prefix="torchmoe-eval-"))
+    launch = "-".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+    return Path(tempfile.gettempdir()) / f"torchmoe-eval-{launch.replace(os.sep, '_')}"
+
+
+def eval_main(argv: list[str], load_config: Callable[[list[str], str, str], JobConfig | int],
+              check: Callable[[JobConfig], None], running: Callable[[], AbstractContextManager]) -> int:
+    """`torchmoe eval`: print the loss and perplexity (rank 0), and write them to `--out`.
+
+    `load_config(argv, prog, description)` parses the job file and its overrides as `train`
+    does (an int: --help was printed, the exit status); `check(cfg)` is train's check of a job
+    before it runs (preflight); `running()` holds the evaluation itself (the command line's
+    report of errors that may differ between ranks)."""
+    found, rest = split_flags(argv, _FLAGS)
+    cfg = load_config(rest, "torchmoe eval", EVAL_DESCRIPTION)
+    if isinstance(cfg, int):
+        return cfg
+    split = str(found.get("--split", "validation"))
+    weights, in_hf = trained_weights(cfg, "--checkpoint", path=str(found.get("--checkpoint", "")),
+                                     step=found.get("--step"))  # type: ignore[arg-type]
+    out = Path(str(found["--out"])) if "--out" in found else None
+    if out is not None and (out.is_dir() or out.is_symlink()):
+        raise ConfigError("--out", str(out), "is a folder or a symbolic link", "pass the path of a new .json file")
+    work = _work_folder()
+    try:
+        ecfg = eval_config(cfg, weights=weights, in_hf=in_hf, split=split, batches=found.get("--batches"),  # type: ignore[arg-type]
+                           work_folder=work)
+        check(ecfg)
+        from torchmoe.trainer import evaluate  # imported here: it pulls in the whole training stack
+
+        with running():
+            loss = evaluate(ecfg)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if os.environ.get("RANK") in (None, "0"):
+        val = ecfg.validation
+        # exp overflows a float past a loss of ~709: the perplexity is then null, never inf.
+        perplexity = math.exp(loss) if loss < 700 else None
+        result = {"checkpoint": str(weights), "split": split, "loss": loss, "perplexity": perplexity,
+                  "batches": val.steps, "seq_len": val.seq_len, "dataset": val.dataset,
+                  "dataset_path": val.dataset_path}
+        batches = "one pass" if val.steps == -1 else f"{val.steps} batch{'es' if val.steps > 1 else ''}"
+        shown = f"{perplexity:.3f}" if perplexity is not None else "over 1e304"
+        print(f"{split} loss {loss:.6f} (perplexity {shown}) over {batches} of {val.dataset} "
+              f"at seq_len {val.seq_len}; weights {weights}", file=sys.stdout, flush=True)
+        if out is not None:
+            with path_faults("--out", str(out), "pass a file path this user can write"):
+                write_file(out, json.dumps(result, indent=2) + "\n")
+    return 0
