@@ -8,7 +8,8 @@ Reads `metrics.jsonl` (a step that a resumed run logged again counts once: the l
 draws: a header of the planner's facts (flavor, total / active parameters, world size and mesh,
 estimated memory per rank: `plan_job`, what `train --dry-run` prints); loss, gradient norm, LR and
 tokens/s over the steps; each MoE layer's share of tokens per expert at the last logged step; and
-each MoE layer's imbalance (max / mean tokens per expert) over the logged steps. Needs the
+each MoE layer's imbalance (max / mean tokens per expert) over the logged steps; a dotted line
+and a header note at each step where a run resumed a checkpoint (`resumed_from`). Needs the
 `report` extra (matplotlib). A missing folder or file, a metrics file without records, a record
 or config.toml that is not what `train` writes (`_record_fault`; per-expert counts of another
 flavor than config.toml's), a malformed run_info.json or a world size that does not fit the
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["RunData", "load_run", "read_records", "render", "report_main"]
+__all__ = ["RunData", "load_run", "read_records", "render", "report_main", "resumes"]
 
 DEFAULT_OUT = "report.png"
 _CURVES = (("loss", "loss"), ("grad_norm", "gradient norm"), ("lr", "learning rate"),
@@ -108,6 +109,9 @@ def _record_fault(record: dict[str, Any]) -> str | None:
     `tokens_per_expert` one row of counts per MoE layer, each with a count per expert."""
     if type(record["step"]) is not int or record["step"] < 1:
         return f"step is {_short(record['step'])}, not a positive integer"
+    resumed = record.get("resumed_from")
+    if resumed is not None and not (type(resumed) is int and 0 < resumed < record["step"]):
+        return f"resumed_from is {_short(resumed)}, not a checkpoint step before the record's"
     for key in _NUMBERS:
         if record.get(key) is not None and not _is_number(record[key]):
             return f"{key} is {_short(record[key])}, not a number (or null)"
@@ -140,8 +144,9 @@ def _run_facts(cfg: JobConfig, world_size: int, records: list[dict[str, Any]]) -
         f"{format_count(plan['params_active'])} active per token",
         f"{world_size} rank{'s' * (world_size != 1)}: {mesh}, ep {plan['mesh']['ep']}; "
         f"estimated memory per rank {memory:.3g} GiB (planner)",
-        f"steps {records[0]['step']}-{records[-1]['step']} of {t.steps} logged; "
-        f"seq_len {t.seq_len}, {t.mixed_precision_param} compute, {t.dtype} weights",
+        f"steps {records[0]['step']}-{records[-1]['step']} of {t.steps} logged"
+        + "".join(f", resumed at step {step}" for step in resumes(records))
+        + f"; seq_len {t.seq_len}, {t.mixed_precision_param} compute, {t.dtype} weights",
     ]
 
 
@@ -243,9 +248,17 @@ def _step_axis(ax: Axes) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def resumes(records: list[dict[str, Any]]) -> list[int]:
+    """The checkpoint steps where the run's curves continue a resumed run (`resumed_from`)."""
+    return sorted({r["resumed_from"] for r in records if r.get("resumed_from") is not None})
+
+
 def _curve(ax: Axes, records: list[dict[str, Any]], key: str, title: str) -> None:
+    """One metric over the steps that hold it, with a dotted line at each resume."""
     steps, values = _series(records, key)
     ax.plot(steps, values, marker="." if len(steps) <= 50 else None, color="tab:blue")
+    for i, step in enumerate(resumes(records)):
+        ax.axvline(step, color="tab:gray", linestyle=":", label="resumed at step " + str(step) if i == 0 else None)
     ax.set_title(title)
     _step_axis(ax)
     ax.grid(alpha=0.3)
@@ -307,7 +320,9 @@ def render(run: RunData) -> Figure:
         steps, values = _series(run.records, "validation_loss")
         axes[0, 0].plot(steps, values, marker="o", color="tab:orange", label="validation")
         axes[0, 0].lines[0].set_label("training")
-        axes[0, 0].legend()
+    for ax in axes[:2].flatten():
+        if ax.get_legend_handles_labels()[1]:  # validation, resumes
+            ax.legend()
     moe = [r for r in run.records if r.get("tokens_per_expert")]
     if moe:
         labels = [f"layer {i}" for i in run.moe_layers]

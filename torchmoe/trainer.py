@@ -713,7 +713,10 @@ class Trainer:
                 window.add(self.global_tokens, step_s)
                 if self.dims.ep_enabled:
                     extra["ep_all_to_all_gib"] = (ep_bytes_moved(self.model) - ep_bytes) / 2**30
+                opening = first
                 if first:
+                    if first_step > 0:  # the report marks where the curves continue a checkpoint
+                        extra["resumed_from"] = first_step
                     if self.mesh is not None:  # loading, compile and warm-up are done
                         set_timeout(cfg.comm.train_timeout_seconds, [None, *self.mesh.groups()], self.device)
                     if cfg.compile.enable:
@@ -722,7 +725,7 @@ class Trainer:
                 validating = cfg.validation.enable and self.step % cfg.validation.freq == 0
                 if validating:  # after the step's timing and traffic: its numbers are the training's
                     extra["validation_loss"] = self.validation_loss = self.validate()
-                if validating or metrics.should_log(self.step) or "first_step_s" in extra:
+                if validating or metrics.should_log(self.step) or opening:
                     tokens_per_sec = window.take()
                     if cfg.training.dataset_mix:  # tokens fed by each source since the run began
                         extra.update({f"tokens/{name}": count
@@ -737,6 +740,9 @@ class Trainer:
                         **({"ft_participants": result.participants} if self.step_replicas is not None else {}),
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)
+                else:  # the numbers the step read anyway, so that curves hold every step
+                    metrics.record_step(self.step, {"loss": result.loss, "grad_norm": result.grad_norm,
+                                                    "lr": result.lr})
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
                     self._announce_stop()
                     if self.checkpointer.writes:

@@ -177,19 +177,29 @@ def test_report_html_embeds_the_figure_and_the_final_metrics(run: Path, tmp_path
     assert "Final metrics (step 2)" in page and "tiny: 2.40 M parameters" in page
 
 
-def test_report_of_a_resumed_run_counts_each_step_once(run: Path, tmp_path: Path, capsys) -> None:
-    """A step logged again by a resumed run is drawn with its later record."""
-    from torchmoe.report import load_run
+def test_report_of_a_resumed_run_counts_each_step_once_and_marks_the_resume(run: Path, tmp_path: Path,
+                                                                          capsys) -> None:
+    """A step logged again by a resumed run is drawn with its later record; the resume is a
+    dotted line on each curve at the checkpoint's step, and a note in the header."""
+    from torchmoe.report import load_run, render
 
     folder = _copy(run, tmp_path)
     rows = read_metrics(run)
-    lines = [*rows, {**rows[1], "loss": 99.0}, '{"step": 3, "lo']  # step 2 again, then a torn line
+    assert all("resumed_from" not in r for r in rows)  # a run that resumed nothing
+    # step 2 again, as a run resuming step-1 logs it, then a torn line
+    lines = [*rows, {**rows[1], "loss": 99.0, "resumed_from": 1}, '{"step": 3, "lo']
     (folder / "metrics.jsonl").write_text("".join((json.dumps(r) if isinstance(r, dict) else r) + "\n"
                                                   for r in lines))
     loaded = load_run(folder, world_size=None)
     assert [r["step"] for r in loaded.records] == [1, 2] and loaded.records[-1]["loss"] == 99.0
     assert loaded.moe_layers == [1, 3]
     assert loaded.facts[1].startswith("1 rank: pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1, ep 1")
+    assert loaded.facts[2].startswith("steps 1-2 of 2 logged, resumed at step 1; seq_len 32")
+    fig = render(loaded)
+    for ax in fig.axes[:4]:  # loss, gradient norm, LR, tokens/s
+        curve, mark = ax.lines
+        assert list(curve.get_xdata()) == [1, 2] and list(mark.get_xdata()) == [1, 1]
+        assert ax.get_legend_handles_labels()[1] == ["resumed at step 1"]
 
 
 def _copy(run: Path, tmp_path: Path, names: tuple[str, ...] = ("metrics.jsonl", "config.toml", "run_info.json"),
@@ -289,6 +299,9 @@ REPORT_INPUTS = {
     "table_field_a_list": (_edit_records(lambda r: r[1].update(memory_gib=[1])),
                            _IN + "metrics.jsonl line 2: memory_gib is [1], not a number (or null)\n  "
                            + _MEND.replace("{line}", "2")),
+    "resumed_after_its_step": (_edit_records(lambda r: r[0].update(resumed_from=1)),
+                               _IN + "metrics.jsonl line 1: resumed_from is 1, not a checkpoint step before the "
+                               "record's\n  " + _MEND.replace("{line}", "1")),
     "step_zero": (_edit_records(lambda r: r[0].update(step=0)),
                   _IN + "metrics.jsonl line 1: step is 0, not a positive integer\n  " + _MEND.replace("{line}", "1")),
     "counts_of_another_flavor": (

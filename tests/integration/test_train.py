@@ -58,6 +58,8 @@ def test_resume_continues_bitwise(full_run: Path, tmp_path: Path) -> None:
     train(folder, SIX_STEPS)
     resumed, reference = read_metrics(folder), read_metrics(full_run)[3:]
     assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert resumed[0]["resumed_from"] == 3  # the report's mark
+    assert all("resumed_from" not in r for r in resumed[1:] + read_metrics(full_run))
     for got, want in zip(resumed, reference):
         # Model, optimizer, LR schedule, data position and MoE router state all continue.
         for key in ("loss", "grad_norm", "lr", "tokens_per_expert"):
@@ -94,8 +96,14 @@ def test_torn_checkpoints_are_never_loaded(full_run: Path, tmp_path: Path) -> No
 
 
 def test_gradient_accumulation_matches_one_micro_batch(full_run: Path, tmp_path: Path) -> None:
-    train(tmp_path, [*SIX_STEPS, "--training.local_batch_size", "2", "--checkpoint.enable", "false"])
-    for got, want in zip(read_metrics(tmp_path), read_metrics(full_run), strict=True):
+    """Four micro-batches of 2 train as one of 8; logged every 4th step, metrics.jsonl still holds
+    every step's loss, gradient norm and LR (the steps between logs in a short record)."""
+    train(tmp_path, [*SIX_STEPS, "--training.local_batch_size", "2", "--checkpoint.enable", "false",
+                     "--metrics.log_freq", "4"])
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records if "tokens_per_sec" in r] == [1, 4, 6]  # first, 4th, last
+    assert all(sorted(r) == ["elapsed_s", "grad_norm", "loss", "lr", "step"] for r in records if r["step"] in (2, 3, 5))
+    for got, want in zip(records, read_metrics(full_run), strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), got["step"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), got["step"]
 

@@ -11,16 +11,19 @@
                     tokens_per_expert=counts)  # (n_layers, n_experts) or None
     metrics.close()
 
-metrics.jsonl (DESIGN §3, a contract): rank 0 appends one JSON object per logged step with
-`step, loss, grad_norm, lr, tokens_per_sec` (global), `tflops` (achieved per rank), `mfu`
-(percent of the device's peak dense FLOP/s in the run's compute dtype; null when the peak is
-unknown, e.g. on CPU), `memory_gib` (peak per rank), `elapsed_s` (since the logger started, unless given),
+metrics.jsonl (DESIGN §3, a contract): rank 0 appends one JSON object per step. A step between
+logged ones (`record_step`) holds `step, loss, grad_norm, lr, elapsed_s`; a logged step (the
+first of a process, every log_freq-th, a validated one, the last) also `tokens_per_sec`
+(global), `tflops` (achieved per rank), `mfu` (percent of the device's peak dense FLOP/s in the
+run's compute dtype; null when the peak is unknown, e.g. on CPU), `memory_gib` (peak per rank),
 `moe_imbalance` (max/mean tokens per expert averaged over MoE layers) and, when counts are
-given, `tokens_per_expert` (a list per MoE layer). Non-finite numbers are written as null so the
-file stays strict JSON. A resumed run appends again from its checkpoint step, so a step can
-appear twice: the later line is the one that continues. Records are appended whole or not at
-all: one the filesystem refuses (a full disk) is held in memory and written once it can be
-(training goes on); a run that ends with records still held ends with exit 2 naming them.
+given, `tokens_per_expert` (a list per MoE layer); the first step of a run that resumed a
+checkpoint also `resumed_from` (the checkpoint's step). `elapsed_s` counts from the logger's
+start unless given. Non-finite numbers are written as null so the file stays strict JSON. A
+resumed run appends again from its checkpoint step, so a step can appear twice: the later line
+is the one that continues. Records are appended whole or not at all: one the filesystem refuses
+(a full disk) is held in memory and written once it can be (training goes on); a run that ends
+with records still held ends with exit 2 naming them.
 
 TensorBoard and W&B (`metrics.enable_tensorboard`, `metrics.enable_wandb`; see `wandb_logger`) get
 each record's numbers and every MoE layer's `layer_imbalance`; TensorBoard also the per-expert
@@ -436,6 +439,17 @@ class MetricsLogger:
             self._wandb.log(step, scalars, per_layer)
         self._print(step, record)
         return record
+
+    def record_step(self, step: int, values: Mapping[str, float]) -> None:
+        """Record a step between logged ones in metrics.jsonl only (rank 0): `values` (the loss,
+        gradient norm and LR its step read to the host anyway) and `elapsed_s`. The console,
+        TensorBoard and W&B keep to the logged steps; the file and `torchmoe report` hold every
+        step, at one short line each."""
+        if self.rank != 0:
+            return
+        record = {"step": step, **{k: _number(v) for k, v in values.items()},
+                  "elapsed_s": round(time.perf_counter() - self._t0, 3)}
+        self._file.add(step, json.dumps(record, allow_nan=False) + "\n")
 
     def _write_tensorboard(self, step: int, scalars: dict[str, float], counts: torch.Tensor | None,
                            per_layer: list[float] | None) -> None:

@@ -257,7 +257,7 @@ class Comm:
 @dataclass
 class Metrics:
     log_freq: int = 10
-    """Log every this many steps."""
+    """Print a console line, and write the full record (throughput, memory, expert load) plus TensorBoard and W&B, every this many steps; metrics.jsonl gets every step's loss, gradient norm and LR regardless."""
     enable_tensorboard: bool = False
     """Also write TensorBoard scalars (needs the tensorboard extra)."""
     save_tb_folder: str = "tb"
