@@ -163,7 +163,7 @@ class Trainer:
         self.device = train_device(cfg.training.device)
         world_size = _init_distributed(self.device, cfg.comm, cfg.parallelism, Path(cfg.job.dump_folder))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        setup_logging(self.rank)
+        setup_logging(self.rank, cfg.metrics.log_level)
         self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
         self.mesh: ParallelMesh | None = build_mesh(self.dims, self.device.type) if world_size > 1 else None
         if cfg.training.deterministic:

@@ -204,6 +204,8 @@ RULES = [
     ({"lr_scheduler.decay_ratio": -0.5}, 1, "lr_scheduler.decay_ratio", "-0.5", "or -1", "[0, 1]"),
     ({"lr_scheduler.decay_ratio": 1.5}, 1, "lr_scheduler.decay_ratio", "1.5", "or -1", "[0, 1]"),
     ({"metrics.log_freq": 0}, 1, "metrics.log_freq", "0", "1 or more", ">= 1"),
+    ({"metrics.log_level": "WARNING"}, 1, "metrics.log_level", '"WARNING"', 'did you mean "warning"', "allowed"),
+    ({"metrics.log_level": "verbose"}, 1, "metrics.log_level", '"verbose"', '"warning", "info", "debug"', "allowed"),
     ({"checkpoint.keep_latest_k": -1}, 1, "checkpoint.keep_latest_k", "-1", "0 to keep every", ">= 0"),
     ({"checkpoint.interval": 0}, 1, "checkpoint.interval", "0", "1 or more", ">= 1"),
     ({"lr_scheduler.decay_type": "cosin"}, 1, "lr_scheduler.decay_type", '"cosin"', 'did you mean "cosine"', "allowed"),

@@ -102,22 +102,50 @@ class _CurrentStderrHandler(logging.StreamHandler):
         """StreamHandler.__init__ assigns a stream; ignored, as the stream is always sys.stderr."""
 
 
-def setup_logging(rank: int, level: int = logging.INFO) -> None:
-    """Send the `torchmoe` loggers to stderr as `[rank<r>] HH:MM:SS LEVEL name: message`.
+# metrics.log_level: the level of torchmoe's loggers on rank 0. At "debug" the libraries'
+# loggers below also reach the console at INFO; otherwise only their warnings and errors do
+# (Python's own last-resort handler), as nobody reading a run's console can act on their INFO.
+_LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+_LIBRARY_LOGGERS = ("torch.distributed", "torchft")
 
-    Rank 0 logs at `level`; other ranks only warnings and errors, so that a problem on any
-    rank is seen, but routine messages are not repeated world-size times. Idempotent.
+
+def setup_logging(rank: int, log_level: str = "info") -> None:
+    """Send the `torchmoe` loggers to stderr as `[rank<r>] HH:MM:SS LEVEL name: message`, and at
+    `log_level` "debug" those of torch.distributed and torchft too (at INFO).
+
+    Rank 0 logs at `log_level` (metrics.log_level); other ranks only warnings and errors, so that
+    a problem on any rank is seen, but routine messages are not repeated world-size times.
+    Idempotent.
     """
-    root = logging.getLogger("torchmoe")
-    for h in [h for h in root.handlers if isinstance(h, _CurrentStderrHandler)]:
-        root.removeHandler(h)
+    level = _LEVELS[log_level]
     handler = _CurrentStderrHandler()
     handler.setFormatter(
         logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )
-    root.addHandler(handler)
-    root.setLevel(level if rank == 0 else max(level, logging.WARNING))
-    root.propagate = False
+    _attach(logging.getLogger("torchmoe"), handler, level if rank == 0 else max(level, logging.WARNING))
+    for name in _LIBRARY_LOGGERS:
+        log = logging.getLogger(name)
+        if log_level == "debug" and rank == 0:
+            _attach(log, handler, logging.INFO)
+        elif _detach(log):  # shown by an earlier call: back to how the library left it
+            log.propagate = True
+            log.setLevel(logging.NOTSET)
+
+
+def _detach(log: logging.Logger) -> bool:
+    """Remove `setup_logging`'s handlers from `log`; whether it had one."""
+    ours = [h for h in log.handlers if isinstance(h, _CurrentStderrHandler)]
+    for h in ours:
+        log.removeHandler(h)
+    return bool(ours)
+
+
+def _attach(log: logging.Logger, handler: logging.Handler, level: int) -> None:
+    """`log` at `level` to `handler` only (replacing an earlier call's)."""
+    _detach(log)
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
 
 
 def device_peak_flops(device: torch.device | str, dtype: torch.dtype) -> float | None:

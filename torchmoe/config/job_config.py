@@ -258,6 +258,8 @@ class Comm:
 class Metrics:
     log_freq: int = 10
     """Print a console line, and write the full record (throughput, memory, expert load) plus TensorBoard and W&B, every this many steps; metrics.jsonl gets every step's loss, gradient norm and LR regardless."""
+    log_level: str = "info"
+    """What the console shows besides the step lines and the run's opening and closing: 'info' torchmoe's own messages on rank 0 (the attention kernel, checkpoints saved, ...) and warnings and errors from any rank; 'warning' only warnings and errors; 'debug' also torchmoe's debug messages, torch.distributed's and torchft's INFO logs, and torchft's Rust core at INFO (every quorum and commit; a RUST_LOG you set wins)."""
     enable_tensorboard: bool = False
     """Also write TensorBoard scalars (needs the tensorboard extra)."""
     save_tb_folder: str = "tb"

@@ -40,6 +40,7 @@ OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 DECAY_TYPES = ("linear", "sqrt", "cosine")
 DATASETS = ("python_docs", "local", "tokens", "hf", "c4", "c4_test", "c4_validation")
 PARAM_DTYPES = ("bfloat16", "float32")
+LOG_LEVELS = ("warning", "info", "debug")  # metrics.log_level
 REDUCE_DTYPES = ("float32", "bfloat16")
 DEVICES = ("", "cpu", "cuda")
 ATTN_BACKENDS = ("", "sdpa", "flex")
@@ -344,6 +345,7 @@ def validate_fault_tolerance(ft: FaultTolerance) -> None:
 
 def validate_metrics(metrics: Metrics) -> None:
     _at_least("metrics.log_freq", metrics.log_freq, 1)
+    one_of("metrics.log_level", metrics.log_level, LOG_LEVELS)
 
 
 def validate_profiling(profiling: Profiling, training_steps: int) -> None:

@@ -48,16 +48,14 @@ BUCKET_BYTES = 256 * 2**20
 HISTORY = 1024
 
 
-# torchft's Rust core logs every quorum and commit at INFO (RUST_LOG unset): on 2 groups of 2
-# ranks that was 96% of a run's console. Warnings and errors still show; a user who sets RUST_LOG
-# (e.g. RUST_LOG=info to watch quorums) gets what they set.
-_RUST_LOG_DEFAULT = "warn"
-
-
-def import_torchft():
-    """The torchft module (its Rust logs at `_RUST_LOG_DEFAULT` unless RUST_LOG says otherwise);
-    a `ConfigError` naming the extra when it is not installed."""
-    os.environ.setdefault("RUST_LOG", _RUST_LOG_DEFAULT)  # read when torchft's core first logs
+def import_torchft(log_level: str = "info"):
+    """The torchft module, its Rust core logging at INFO for metrics.log_level "debug" and at
+    WARN otherwise, unless RUST_LOG says otherwise; a `ConfigError` naming the extra when it is
+    not installed."""
+    # The core logs every quorum and commit at INFO (RUST_LOG unset): on 2 groups of 2 ranks that
+    # was 96% of a run's console. Set before the core first logs, which reads it then; a user who
+    # sets RUST_LOG (e.g. RUST_LOG=info to watch quorums) gets what they set.
+    os.environ.setdefault("RUST_LOG", "info" if log_level == "debug" else "warn")
     try:
         import torchft
     except ImportError as err:

@@ -39,4 +39,4 @@ def check_fault_tolerance(cfg: JobConfig, degrees: dict[str, int], check_device:
     if check_device:
         from torchmoe.distributed.fault_tolerance import import_torchft
 
-        import_torchft()
+        import_torchft(cfg.metrics.log_level)  # first: it sets the Rust core's log level
