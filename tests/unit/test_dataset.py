@@ -327,6 +327,21 @@ def test_any_text_file_is_a_document_and_binary_files_are_passed_over(tmp_path: 
     assert local_files(str(tmp_path / "Makefile")) == [tmp_path / "Makefile"]
     docs = FileDocuments(local_files(str(tmp_path / "pkg")))
     assert list(docs.iter_from(0)) == ["# pkg\n", "a" * 8191 + "é" + "b", "def main():\n    return 1\n"]
+    # training.dataset_extensions: several extensions at once (which one glob cannot), any case,
+    # in folders, globs, validation and mixture sources alike (build_documents passes it on).
+    pick = lambda path, *exts: [p.relative_to(tmp_path).as_posix()  # noqa: E731
+                                for p in local_files(str(path), extensions=exts)]
+    assert pick(tmp_path, ".py", ".MD") == ["pkg/README.md", "pkg/main.py"]
+    assert pick(tmp_path / "pkg" / "*", ".rs") == ["pkg/long.rs"]
+    assert pick(tmp_path / "Makefile", ".py") == ["Makefile"]  # named alone: read whatever its extension
+    training = Training(dataset="local", dataset_path=str(tmp_path), dataset_extensions=[".py"])
+    assert list(build_documents(training).iter_from(0)) == ["def main():\n    return 1\n"]
+    with pytest.raises(ValueError) as err:
+        local_files(str(tmp_path), key="validation.dataset_path", extensions=[".go"])
+    assert str(err.value).startswith(
+        f'validation.dataset_path = "{tmp_path}": this folder holds 7 files of other extensions '
+        '(training.dataset_extensions = [".go"]) and no corpus files\n')
+    assert "fix: name the corpus's extensions in training.dataset_extensions (empty: every text file)" in str(err.value)
 
 
 def test_unknown_dataset_kind() -> None:

@@ -100,6 +100,8 @@ class Training:
     """'python_docs' (offline text shipped with Python), 'local' (files at dataset_path), 'tokens' (pre-tokenized shards of `torchmoe prepare-data` at dataset_path, memory-mapped), 'hf' (hub dataset named by dataset_path, streamed), or torchtitan's 'c4' / 'c4_validation' (allenai/c4 'en', streamed) and 'c4_test' (its test corpus, ./tests/assets/c4_test)."""
     dataset_path: str = ""
     """For 'local': a file, folder or glob of .jsonl/.json/.parquet rows or text files (.txt, code, any UTF-8 text; hidden and binary files passed over); for 'hf': 'name' or 'name:config'; for the c4 names: another location of the same data."""
+    dataset_extensions: list[str] = field(default_factory=list)
+    """For 'local' folders and globs (training, validation and mixture sources): read only files with these extensions, e.g. [".py", ".md"] (compared without case); empty = every text file. A file named alone is read whatever its extension."""
     dataset_mix: list[str] = field(default_factory=list)
     """A weighted mixture of sources instead of dataset/dataset_path: entries '[NAME=]WEIGHT:DATASET[:PATH]', e.g. ["web=0.7:local:data/web/*.jsonl", "code=0.3:tokens:data/code"]; weights are normalised, each row of each step reads one source (the same for every layout and seed), metrics count tokens per source (tokens/NAME). Empty = one source."""
     dataset_split: str = "train"

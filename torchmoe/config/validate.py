@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from collections.abc import Sequence
 
 from torchmoe.config.errors import ConfigError, show_value
@@ -180,6 +181,12 @@ def validate_training(training: Training) -> None:
         raise ConfigError("training.max_norm", training.max_norm, "must be a finite number",
                           "set a positive clipping norm, or 0 to disable clipping")
     _check_dataset("training", training.dataset, training.dataset_path)
+    for ext in training.dataset_extensions:
+        if not re.fullmatch(r"\.[^./\\*?\[\]\s]+(\.[^./\\*?\[\]\s]+)*", ext):
+            suffix = "." + ext.strip().strip("*").lstrip(".") if ext.strip().strip("*.") else ".txt"
+            raise ConfigError("training.dataset_extensions", training.dataset_extensions,
+                              f"{show_value(ext)} is not a file extension (a dot and a name without "
+                              "slashes, wildcards or spaces)", f"write it as {show_value(suffix)}")
     one_of("training.dtype", training.dtype, PARAM_DTYPES)
     one_of("training.mixed_precision_param", training.mixed_precision_param, PARAM_DTYPES)
     if training.dtype == "bfloat16" and training.mixed_precision_param != "bfloat16":

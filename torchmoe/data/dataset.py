@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from torchmoe.config.errors import show_value
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, check_split, text_part
@@ -528,13 +529,16 @@ def is_text_file(path: Path) -> bool:
     return True
 
 
-def local_files(dataset_path: str, *, key: str = "training.dataset_path") -> list[Path]:
+def local_files(dataset_path: str, *, key: str = "training.dataset_path",
+                extensions: Sequence[str] = ()) -> list[Path]:
     """The corpus files named by `dataset_path` (the setting `key`), sorted: `.jsonl`, `.json`,
     `.parquet` and `.txt` files, and every other file that is text (`is_text_file`).
 
     `dataset_path` is a file, a folder (searched recursively, hidden files and folders left out)
-    or a glob (`**` allowed). In a folder or a glob, files that are not text (images, compiled
-    code) are passed over, and how many is logged; a file named alone must be text.
+    or a glob (`**` allowed). In a folder or a glob, only files whose names end in one of
+    `extensions` (training.dataset_extensions, without case; empty: any) are kept, and files that
+    are not text (images, compiled code) are passed over, and how many is logged; a file named
+    alone must be text.
 
     Raises:
         DataConfigError: nothing usable matches, or the OS refuses the path or a file or folder
@@ -556,6 +560,12 @@ def local_files(dataset_path: str, *, key: str = "training.dataset_path") -> lis
             raise DataConfigError(key, dataset_path, "is not a text file (a NUL byte or bytes that are not UTF-8 in "
                                   "its first 8 KiB)", fix)
         files = [p for p in candidates if not stat.S_ISDIR(os.stat(p).st_mode)]
+        if extensions:
+            kept = [p for p in files if p.name.lower().endswith(tuple(e.lower() for e in extensions))]
+            what += f" {len(files) - len(kept)} files of other extensions (training.dataset_extensions = " \
+                f"{show_value(list(extensions))}) and"
+            fix = "name the corpus's extensions in training.dataset_extensions (empty: every text file), or " + fix
+            files = kept
         binary = [p for p in files if p.suffix not in ALWAYS_READ and not is_text_file(p)]
         files = sorted(set(files) - set(binary), key=lambda p: p.as_posix())
     if not files:
@@ -588,7 +598,7 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
     `index_cache` keeps the files' document indexes (`FileDocuments`)."""
     kind = training.dataset
     files = lambda path: FileDocuments(  # noqa: E731
-        local_files(path, key=key), text_field=training.dataset_text_field, key=key, value=path,
+        local_files(path, key=key, extensions=training.dataset_extensions), text_field=training.dataset_text_field, key=key, value=path,
         index_cache=index_cache,
     )
     if kind == "python_docs":
