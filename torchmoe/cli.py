@@ -412,7 +412,15 @@ def run() -> None:
     its status; after a multi-rank failure without running process-group destructors (see
     `torchmoe.distributed.failure.leave`). Only such a run imports that module: the CLI stays
     quick to answer without torch."""
-    status = main()
+    entry = main
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # Under torchrun: an unexpected error's message and traceback go to the file torchrun
+        # reads, so its failure summary names them (without it: "error_file: <N/A>", and the
+        # traceback is somewhere above, among every rank's output).
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        entry = record(main)
+    status = entry()
     failure = sys.modules.get("torchmoe.distributed.failure")
     if failure is not None:
         failure.leave(status)

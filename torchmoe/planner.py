@@ -286,7 +286,7 @@ def _calibrate(cfg: JobConfig, flags: dict[str, str]) -> int:
     profile = calibrate(cfg, out, budget_s=budget)
     if os.environ.get("RANK") in (None, "0"):
         rates = profile["achieved_tflops"]
-        Console(highlight=False).print(
+        _report_console().print(  # one line, also in a file
             f"wrote {escape(str(out))}: " + "; ".join(f"{op} " + ", ".join(f"{d} {v:.3g}" for d, v in r.items())
                                                     + " TFLOP/s" for op, r in rates.items())
             + f"; {len(profile.get('collectives', {}))} collectives; plan with --hardware {escape(str(out))}")

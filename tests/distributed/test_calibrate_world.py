@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPO, run_rank_script
+from torchmoe.launch import cli_env, free_port
 
 WORLD = 2
 
@@ -76,6 +79,40 @@ def test_collectives_are_fitted_and_the_overlap_measured(records):
     for op in ("matmul", "attention", "grouped_mm"):
         assert all(rate > 0 for rate in profile.achieved_tflops[op].values())
     assert "one node measured" in profile.source
+
+
+# Ranks whose measurement fails unexpectedly, run as `python -m torchmoe` runs (`cli.run`).
+_FAILING_RANK = """
+import os, sys
+import torchmoe.calibrate
+
+def calibrate(*args, **kwargs):
+    raise RuntimeError(f"rank {os.environ['RANK']} measured nothing")
+
+torchmoe.calibrate.calibrate = calibrate  # on both: a peer left waiting would take torchrun 30 s to stop
+sys.argv = ["torchmoe", "plan", "--calibrate", sys.argv[1], "--config", sys.argv[2], "--budget", "1"]
+from torchmoe.cli import run
+run()
+"""
+
+
+@pytest.mark.distributed
+def test_an_unexpected_error_on_one_rank_is_named_in_torchruns_summary(tmp_path: Path) -> None:
+    """Under torchrun, a rank's unexpected error (not a user's mistake) reaches the failure
+    summary torchrun prints last, with its traceback (before: "error_file: <N/A>" there, and the
+    traceback somewhere above among every rank's output)."""
+    script = tmp_path / "failing_rank.py"
+    script.write_text(_FAILING_RANK)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+         str(script), str(tmp_path / "profile.json"), str(REPO / "configs" / "debug_model.toml")],
+        env={**cli_env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
+    rank = re.search(r"rank      : (\d) \(local_rank: \d\)", summary).group(1)
+    assert "error_file: <N/A>" not in summary, proc.stderr
+    assert summary.rstrip("= \n").endswith(f"RuntimeError: rank {rank} measured nothing"), summary
+    assert not (tmp_path / "profile.json").exists()
 
 
 if __name__ == "__main__":
