@@ -231,7 +231,8 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set
 
 
 def _needs_a_run(cfg: JobConfig) -> str:
-    return f"read the newest checkpoint of its default run, {cfg.job.dump_folder}/, with its default model {cfg.model.flavor}"
+    return (f"read the newest checkpoint of its default run, {cfg.job.dump_folder}/, with its default model "
+            f"{cfg.model.flavor}")
 
 
 def _checkpoint_job(config_argv: list[str], prog: str, description: str) -> JobConfig | int:

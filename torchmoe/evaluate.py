@@ -112,8 +112,8 @@ def eval_main(argv: list[str], load_config: Callable[[list[str], str, str], JobC
         raise ConfigError("--out", str(out), "is a folder or a symbolic link", "pass the path of a new .json file")
     work = _work_folder()
     try:
-        ecfg = eval_config(cfg, weights=weights, in_hf=in_hf, split=split, batches=found.get("--batches"),  # type: ignore[arg-type]
-                           work_folder=work)
+        ecfg = eval_config(cfg, weights=weights, in_hf=in_hf, split=split,
+                           batches=found.get("--batches"), work_folder=work)  # type: ignore[arg-type]
         check(ecfg)
         from torchmoe.trainer import evaluate  # imported here: it pulls in the whole training stack
 

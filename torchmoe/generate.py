@@ -138,7 +138,8 @@ def _sampling(found: dict[str, object]) -> Sampling:
         raise ConfigError("--temperature", sampling.temperature, "must be a finite number >= 0",
                           "pass 0 for greedy decoding, or e.g. 0.8")
     if not 0 < sampling.top_p <= 1:
-        raise ConfigError("--top-p", sampling.top_p, "must be in (0, 1]", "pass e.g. 0.9, or 1 to sample from all tokens")
+        raise ConfigError("--top-p", sampling.top_p, "must be in (0, 1]",
+                          "pass e.g. 0.9, or 1 to sample from all tokens")
     return sampling
 
 
@@ -152,14 +153,16 @@ def generate_main(argv: list[str], load_config: Callable[[list[str], str, str], 
     if isinstance(cfg, int):
         return cfg
     if "--prompt" not in found:
-        raise ConfigError("--prompt", "(not given)", "is required", 'pass the text to continue, e.g. --prompt "def main("')
+        raise ConfigError("--prompt", "(not given)", "is required",
+                          'pass the text to continue, e.g. --prompt "def main("')
     sampling = _sampling(found)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path, key="model.tokenizer_path")
     prompt = ([tokenizer.bos_id] if cfg.training.add_bos and tokenizer.bos_id is not None else []) \
         + tokenizer.encode(str(found["--prompt"]))
     if not prompt:
         raise ConfigError("--prompt", "", "encodes to no tokens", 'pass text to continue, e.g. --prompt "The"')
-    model = load_trained_model(cfg, checkpoint=str(found.get("--checkpoint", "")), step=found.get("--step"))  # type: ignore[arg-type]
+    model = load_trained_model(cfg, checkpoint=str(found.get("--checkpoint", "")),
+                               step=found.get("--step"))  # type: ignore[arg-type]
     limit = model.args.max_seq_len
     if len(prompt) + sampling.max_new_tokens > limit:
         raise ConfigError("--max-new-tokens", sampling.max_new_tokens,

@@ -769,8 +769,8 @@ class Trainer:
         """The run's first console lines: its description, what trains where, where it writes."""
         cfg, counts = self.cfg, self.model_args.param_counts()
         tokens = self.dataloader.global_batch_size * cfg.training.seq_len
-        line = (f"training {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, {counts['active'] / 1e6:,.1f} M "
-                f"active) on {self.world_size} x {self.device.type}: steps {self.step + 1}-{cfg.training.steps}, "
+        line = (f"training {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, "
+                f"{counts['active'] / 1e6:,.1f} M active) on {self.world_size} x {self.device.type}: steps {self.step + 1}-{cfg.training.steps}, "
                 f"{tokens:,} tokens each; writing to {self.dump_folder}")
         return f"{cfg.job.description}\n{line}" if cfg.job.description else line
 
@@ -784,7 +784,8 @@ class Trainer:
         tokens = trained * self.dataloader.global_batch_size * self.cfg.training.seq_len
         val = self.validation_loss
         saved = self.checkpointer.complete_checkpoints() if self.checkpointer.folder.is_dir() else []
-        where = f"metrics in {self.dump_folder / METRICS_FILE}" + (f", newest checkpoint {saved[-1][1]}" if saved else "")
+        where = f"metrics in {self.dump_folder / METRICS_FILE}" + \
+            (f", newest checkpoint {saved[-1][1]}" if saved else "")
         return (f"{'done' if self.step == self.cfg.training.steps else 'stopped'}: step {self.step}/"
                 f"{self.cfg.training.steps}, loss {result.loss:.4f}"
                 + (f", validation loss {val:.4f}" if val is not None else "")

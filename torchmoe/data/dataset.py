@@ -598,8 +598,8 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
     `index_cache` keeps the files' document indexes (`FileDocuments`)."""
     kind = training.dataset
     files = lambda path: FileDocuments(  # noqa: E731
-        local_files(path, key=key, extensions=training.dataset_extensions), text_field=training.dataset_text_field, key=key, value=path,
-        index_cache=index_cache,
+        local_files(path, key=key, extensions=training.dataset_extensions), text_field=training.dataset_text_field,
+        key=key, value=path, index_cache=index_cache,
     )
     if kind == "python_docs":
         return FileDocuments(python_docs_files(), key="training.dataset", value=kind)
