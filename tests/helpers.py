@@ -415,3 +415,18 @@ def small_bpe(path: Path) -> Path:
     tok.train_from_iterator(["def train(model): return model"] * 20, trainer)
     tok.save(str(path))
     return path
+
+
+def leave_world() -> None:
+    """Destroy this process's (test) world and forget what DTensor cached about its meshes.
+
+    DTensor's sharding propagation caches output specs keyed by specs whose meshes compare by
+    their ranks, so a later world's equal mesh would get this one's, naming its destroyed process
+    groups ("Could not resolve the process group registered under the name 16", seen in random
+    order). torch's own helper for it is private (torch.distributed.tensor.debug)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _clear_sharding_prop_cache()

@@ -126,8 +126,8 @@ class Lighthouse:
 
 
 class ReplicaGroup:
-    """One replica group: `torchmoe train ARGS` under torchrun with `nproc` ranks, in a session of
-    its own (so that `kill` reaches its launcher and every rank), writing to
+    """One replica group: `torchmoe train ARGS` under torchrun with `nproc` ranks, its launcher in
+    a session of its own (torchrun starts each rank in another: `kill` finds them), writing to
     `<out>/replica_<id>/` and its output to `<out>/group<id><tag>.log`."""
 
     def __init__(self, replica_id: int, args: Sequence[Arg], out: Arg, lighthouse: Lighthouse, *, nproc: int = 2,
@@ -168,7 +168,14 @@ class ReplicaGroup:
         return time.monotonic() - start
 
     def kill(self) -> None:
-        """SIGKILL to the launcher and every rank."""
+        """SIGKILL to every rank, then the launcher: none trains another step. (A signal to the
+        launcher's session alone left the ranks training until they noticed it gone, a step or
+        two later.)"""
+        for pid in descendants(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended meanwhile
+                pass
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
@@ -176,6 +183,25 @@ class ReplicaGroup:
         """Wait for the group to end; `RuntimeError` (with the log's tail) unless it exits 0."""
         if self.proc.wait(timeout=timeout) != 0:
             raise RuntimeError(f"the group exited {self.proc.returncode}\n{self.log.read_text()[-5000:]}")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...), read from Linux's /proc: torchrun starts
+    each worker in a session of its own, out of reach of a signal to the launcher's."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:  # ended meanwhile
+            continue
+        if stat:  # "pid (name) state ppid ...": the name may hold spaces and parentheses
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def run_replica_groups(args: Sequence[Arg], out: Arg, *lighthouse_flags: str, groups: int = 2) -> list[ReplicaGroup]:

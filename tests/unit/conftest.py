@@ -6,6 +6,8 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from tests.helpers import leave_world
+
 
 @pytest.fixture
 def fake_world():
@@ -16,5 +18,4 @@ def fake_world():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
     yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_world()

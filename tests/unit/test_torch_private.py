@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from tests.helpers import leave_world
 from torchmoe import _torch_private as private
 
 PACKAGE = Path(private.__file__).parent
@@ -33,7 +34,7 @@ def world(tmp_path):
     """A real one-rank gloo world (what needs real collectives)."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    leave_world()
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def fake_world():
     """A fake world of 8 ranks, this process rank 0 (meshes and layouts, no data moved)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     yield
-    dist.destroy_process_group()
+    leave_world()
 
 
 # ---- device meshes -----------------------------------------------------------------------------
