@@ -61,6 +61,7 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.config.job_config import Metrics as MetricsConfig
 from torchmoe.config.loader import differing_keys, load_toml_config
 from torchmoe.config.paths import WRITE_FIX, path_fault
+from torchmoe.config.validate import LOG_LEVELS
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class _CurrentStderrHandler(logging.StreamHandler):
 # metrics.log_level: the level of torchmoe's loggers on rank 0. At "debug" the libraries'
 # loggers below also reach the console at INFO; otherwise only their warnings and errors do
 # (Python's own last-resort handler), as nobody reading a run's console can act on their INFO.
-_LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+_LEVELS = {name: getattr(logging, name.upper()) for name in LOG_LEVELS}
 _LIBRARY_LOGGERS = ("torch.distributed", "torchft")
 
 
@@ -446,9 +447,7 @@ class MetricsLogger:
         """
         if self.rank != 0:
             return None
-        record: dict[str, Any] = {"step": step}
-        record.update({k: _number(v) for k, v in values.items()})
-        record.setdefault("elapsed_s", round(time.perf_counter() - self._t0, 3))
+        record = self._record(step, values)
         if "mfu" not in record:
             tflops = record.get("tflops")
             record["mfu"] = (
@@ -475,9 +474,13 @@ class MetricsLogger:
         step, at one short line each."""
         if self.rank != 0:
             return
-        record = {"step": step, **{k: _number(v) for k, v in values.items()},
-                  "elapsed_s": round(time.perf_counter() - self._t0, 3)}
-        self._file.add(step, json.dumps(record, allow_nan=False) + "\n")
+        self._file.add(step, json.dumps(self._record(step, values), allow_nan=False) + "\n")
+
+    def _record(self, step: int, values: Mapping[str, Any]) -> dict[str, Any]:
+        """`step`, `values` as JSON numbers (non-finite: null) and `elapsed_s` unless given."""
+        record: dict[str, Any] = {"step": step, **{k: _number(v) for k, v in values.items()}}
+        record.setdefault("elapsed_s", round(time.perf_counter() - self._t0, 3))
+        return record
 
     def _write_tensorboard(self, step: int, scalars: dict[str, float], counts: torch.Tensor | None,
                            per_layer: list[float] | None) -> None:
