@@ -22,6 +22,7 @@ from torchmoe.config import load_job_config
 from torchmoe.data.dataloader import build_dataloader
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.fault_tolerance import LIGHTHOUSE_ENV, like, local_tensors
+from torchmoe.models.llama4 import FLAVORS, Transformer
 
 FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
 
@@ -134,6 +135,22 @@ def test_a_peers_state_must_have_this_ranks_keys_and_shapes() -> None:
     with pytest.raises(ValueError, match=r"model.w is \(3, 2\), this rank's \(2, 3\)"):
         like(mine, {"model": {"w": torch.ones(3, 2)}, "step": 9})
 
+
+
+def test_a_forward_and_backward_leave_the_live_state_as_it_was() -> None:
+    """torchft serves a group's live state to a recovering peer while the group runs the retried
+    step's forward and backward: nothing in the model's state dict may change then (the routed-
+    token counts did, and a peer summed a step's counts twice)."""
+    model = Transformer(FLAVORS["tiny"])
+    model.init_weights(seed=0)
+    served = local_tensors(model.state_dict())
+    before = {name: tensor.clone() for name, tensor in served.items()}
+    tokens = torch.randint(0, FLAVORS["tiny"].vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(tokens).sum().backward()
+    assert sum(moe.tokens_per_expert.sum().item() for moe in model.moe_layers()) > 0  # the forward counted
+    changed = [name for name, tensor in served.items() if not torch.equal(tensor, before[name])]
+    assert changed == []
+    assert any(name.endswith("expert_bias") for name in served)  # the router state still travels
 
 class _TwoGroups:
     """`ReplicaGroups` as this rank sees it when a second group holds `other`: averaging takes the

@@ -219,8 +219,8 @@ def _hf_name(name: str) -> str | None:
 
 
 _EXPERTS_OURS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
-# Our persistent buffers without a Hugging Face counterpart (router state).
-_NO_HF_COUNTERPART = ("expert_bias", "tokens_per_expert")
+# Our persistent buffer without a Hugging Face counterpart (router state).
+_NO_HF_COUNTERPART = "expert_bias"
 SKIPPED_HF_PREFIXES = ("vision_model.", "multi_modal_projector.")
 MULTIMODAL_TEXT_PREFIX = "language_model."
 
@@ -246,7 +246,7 @@ class HFSlice:
 
 def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
     """The `HFSlice` of our state-dict entry `name` of shape `shape`; None for the router
-    buffers, which Hugging Face has no place for. Raises `HFConversionError` for other names."""
+    bias, which Hugging Face has no place for. Raises `HFConversionError` for other names."""
     if name.endswith(_NO_HF_COUNTERPART):
         return None
     if m := _EXPERTS_OURS.match(name):

@@ -113,9 +113,11 @@ class _AttachAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """Router + routed experts + shared expert, with load-balancing state.
 
-    Buffers (persistent, so checkpoints carry the router state):
-        expert_bias: (E,) fp32 selection bias, updated by `update_expert_bias`.
-        tokens_per_expert: (E,) fp32 tokens routed to each expert since the last bias update.
+    Buffers:
+        expert_bias: (E,) fp32 selection bias, updated by `update_expert_bias` (persistent:
+            checkpoints and a recovering replica group's live state carry the router state).
+        tokens_per_expert: (E,) fp32 tokens routed to each expert since the last bias update
+            (not persistent: zero between steps, and written by every forward).
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -135,7 +137,11 @@ class MoE(nn.Module):
             else None
         )
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
-        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32))
+        # Out of the state dict: torchft serves a healthy group's live state to a recovering peer
+        # while that group already runs the retried step's forward, which adds to this buffer in
+        # place, so a peer could take (and sum again) a step's counts (seen under load in CI).
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
+                             persistent=False)
         # The trainer sets this to 1 / micro-batches per step so auxiliary-loss gradients match the
         # main loss's normalisation; the last values are kept for metrics.
         self.aux_loss_grad_scale = 1.0
