@@ -19,9 +19,12 @@ import torch._functorch.config
 import torch._inductor.config
 import torch.fx.experimental._config
 
-# The `torchmoe` logger as the tests found it, before any test or fixture ran.
-_TORCHMOE_LOG = logging.getLogger("torchmoe")
-_PRISTINE_LOG = (list(_TORCHMOE_LOG.handlers), _TORCHMOE_LOG.level, _TORCHMOE_LOG.propagate)
+from torchmoe.components.run_logs import LogFile
+
+# The loggers torchmoe configures (`components.run_logs`) as the tests found them, before any
+# test or fixture ran.
+_RUN_LOGS = [logging.getLogger(name) for name in ("torchmoe", "torch.distributed", "torchft")]
+_PRISTINE_LOGS = [(list(log.handlers), log.level, log.propagate) for log in _RUN_LOGS]
 # torch's config modules that torchmoe (`_torch_private`) or a test may switch.
 _CONFIGS = (torch._dynamo.config, torch._inductor.config, torch._functorch.config, torch.fx.experimental._config)
 
@@ -30,10 +33,15 @@ _CONFIGS = (torch._dynamo.config, torch._inductor.config, torch._functorch.confi
 def _restore_torchmoe_logging():
     """Tests and fixtures (module-scoped ones too) that build a Trainer or run `torchmoe.cli.main`
     in this process get torchmoe's logging setup (its own stderr handler, no propagation to the
-    root logger); undo it after every test, or pytest's log capture would miss the `torchmoe`
-    records of later tests (a unit test's `caplog` after a trainer test, in any order)."""
+    root logger, a rank's log file); undo it after every test, or pytest's log capture would miss
+    the `torchmoe` records of later tests (a unit test's `caplog` after a trainer test, in any
+    order), and a Trainer a test did not release would keep writing its log file."""
     yield
-    _TORCHMOE_LOG.handlers[:], _TORCHMOE_LOG.level, _TORCHMOE_LOG.propagate = _PRISTINE_LOG
+    for log, (handlers, level, propagate) in zip(_RUN_LOGS, _PRISTINE_LOGS):
+        for handler in list(log.handlers):
+            if isinstance(handler, LogFile) and handler not in handlers:
+                handler.close()
+        log.handlers[:], log.level, log.propagate = handlers, level, propagate
 
 
 @pytest.fixture(autouse=True)

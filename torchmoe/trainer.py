@@ -57,12 +57,12 @@ from torchmoe.components.metrics import (
     device_peak_flops,
     peak_memory_gib,
     reset_peak_memory,
-    setup_logging,
 )
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.components.run_info import write_run_info
 from torchmoe.components.run_lock import lock_folders
+from torchmoe.components.run_logs import LogFile, setup_logging
 from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig, Parallelism
@@ -73,7 +73,7 @@ from torchmoe.data.file_index import INDEX_FOLDER
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
-from torchmoe.distributed.failure import FailureWatch
+from torchmoe.distributed.failure import FailureWatch, PeerFailed
 from torchmoe.distributed.fault_tolerance import ReplicaGroups, SemiSync, like, local_tensors
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.launcher import watch_launcher
@@ -175,10 +175,14 @@ class Trainer:
         # Before anything is written (or stale temporaries deleted) there; released if setup fails.
         nccl_traces = self.device.type == "cuda" and world_size > 1
         self.folder_locks = lock_folders(written_folders(cfg, nccl_traces=nccl_traces))
-        with ExitStack() as undo:
-            undo.callback(self.folder_locks.release)
+        self.log_file: LogFile | None = None
+        try:
+            if cfg.metrics.enable_log_files:
+                self.log_file = LogFile.attach(self.dump_folder, self.rank, cfg.metrics.log_level)
             self._build(cfg)
-            undo.pop_all()
+        except BaseException as err:
+            self.release(err)
+            raise
 
     def _build(self, cfg: JobConfig) -> None:
         """Everything but the folders: model, optimizer, data, checkpoints (`__init__`)."""
@@ -312,9 +316,10 @@ class Trainer:
                                  key=source_key(self.cfg, "checkpoint.initial_load_path"))
 
     def _write_run_files(self, *, resumed: bool) -> None:
-        """Write config.toml and run_info.json (rank 0), once nothing can refuse the run any more:
-        a refused run leaves the folder as it found it. A run that resumed no checkpoint must not
-        cut another run's metrics (`metrics.check_history`); rank 0 decides for every rank.
+        """Write config.toml and run_info.json (rank 0) and open every rank's log file, once nothing
+        can refuse the run any more: a refused run leaves the folder as it found it. A run that
+        resumed no checkpoint must not cut another run's metrics (`metrics.check_history`); rank
+        0 decides for every rank.
 
         Raises:
             ConfigError: on every rank, from `check_history`.
@@ -332,6 +337,8 @@ class Trainer:
         if self.rank == 0:
             write_config_toml(self.cfg, self.dump_folder / "config.toml")
             write_run_info(self.dump_folder, world_size=self.world_size)
+        if self.log_file is not None:  # after the files a resume needs, on a disk nearly full
+            self.log_file.open()
 
     @property
     def _token_shards(self) -> int:
@@ -672,7 +679,7 @@ class Trainer:
         metrics = MetricsLogger(self.dump_folder, cfg.metrics, rank=self.rank, total_steps=steps,
                                 peak_flops=device_peak_flops(self.device, self.compute_dtype), start_step=self.step,
                                 run_config=asdict(cfg))
-        metrics.say(self._opening())
+        self._say(metrics, self._opening())
         if self.step > 0:
             logger.info("resuming at step %d", self.step + 1)
         if self.rank == 0:  # decided once per device, dtype and head dim (`nn.attention_kernels`)
@@ -758,11 +765,11 @@ class Trainer:
                 mem.step()
         # After the stack: an asynchronous save has finished, so the closing line names it.
         if stopped:
-            metrics.say(self._closing(first_step, time.perf_counter() - began))
+            self._say(metrics, self._closing(first_step, time.perf_counter() - began))
             return
         if cfg.checkpoint.last_save_in_hf:
             self._save_hf()
-        metrics.say(self._closing(first_step, time.perf_counter() - began))
+        self._say(metrics, self._closing(first_step, time.perf_counter() - began))
         metrics.require_written()  # last: records held back by a full disk did not stop training
 
     def _opening(self) -> str:
@@ -773,6 +780,12 @@ class Trainer:
                 f"{counts['active'] / 1e6:,.1f} M active) on {self.world_size} x {self.device.type}: steps {self.step + 1}-{cfg.training.steps}, "
                 f"{tokens:,} tokens each; writing to {self.dump_folder}")
         return f"{cfg.job.description}\n{line}" if cfg.job.description else line
+
+    def _say(self, metrics: MetricsLogger, text: str) -> None:
+        """`text` on rank 0's console (`MetricsLogger.say`) and in this rank's log file."""
+        metrics.say(text)
+        if self.log_file is not None:
+            self.log_file.note(text)
 
     def _closing(self, first_step: int, seconds: float) -> str:
         """The run's last console line: how far it got, its loss, time and throughput, and where
@@ -785,6 +798,7 @@ class Trainer:
         val = self.validation_loss
         saved = self.checkpointer.complete_checkpoints() if self.checkpointer.folder.is_dir() else []
         where = f"metrics in {self.dump_folder / METRICS_FILE}" + \
+            (f", logs in {self.log_file.path.parent}" if self.log_file is not None else "") + \
             (f", newest checkpoint {saved[-1][1]}" if saved else "")
         return (f"{'done' if self.step == self.cfg.training.steps else 'stopped'}: step {self.step}/"
                 f"{self.cfg.training.steps}, loss {result.loss:.4f}"
@@ -905,12 +919,20 @@ class Trainer:
         path = self.checkpointer.save_seed_checkpoint(self.state)
         logger.info("seed checkpoint written to %s", path)
 
-    def close(self) -> None:
-        """Leave together with every rank (the run ended the same way on all of them). The
-        failure watch stops first, while every rank still holds the rendezvous store: tearing
-        the process groups down may take any rank a while (NCCL at scale), and a watch still
-        polling then would take the store host's exit (rank 0 under srun) for a failure."""
+    def release(self, error: BaseException | None = None) -> None:
+        """Close this rank's log file, after `error` (why it leaves) if given, and free the run's
+        folders for another run. Idempotent."""
+        if self.log_file is not None:
+            self.log_file.close(error)
         self.folder_locks.release()
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Leave together with every rank (the run ended the same way on all of them; `error`
+        that way, if given: see `release`). The failure watch stops first, while every rank
+        still holds the rendezvous store: tearing the process groups down may take any rank a
+        while (NCCL at scale), and a watch still polling then would take the store host's exit
+        (rank 0 under srun) for a failure."""
+        self.release(error)
         if self.replicas is not None:
             self.replicas.shutdown()
         if self.failure_watch is not None:
@@ -966,14 +988,20 @@ def _with_trainer(cfg: JobConfig, body: Callable[[Trainer], _T]) -> _T:
         with user_path_faults(paths):
             trainer = Trainer(cfg, failure_watch=watch)
             result = body(trainer)
-    except TrainingDiverged:
-        trainer.close()  # every rank diverged at the same step (the loss is global)
+    except TrainingDiverged as err:
+        trainer.close(err)  # every rank diverged at the same step (the loss is global)
         raise
     except BaseException as err:
-        if trainer is not None:
-            trainer.folder_locks.release()  # this process leaves the run: its folders are free again
-        if watch is not None:
-            watch.fail(err)  # raises PeerFailed when another rank failed first
+        reason = err
+        try:
+            if watch is not None:
+                watch.fail(err)  # raises PeerFailed when another rank failed first
+        except PeerFailed as peer:
+            reason = peer  # `err` chained as its cause
+            raise
+        finally:
+            if trainer is not None:
+                trainer.release(reason)  # this process leaves the run: its folders are free again
         raise
     trainer.close()
     return result

@@ -105,6 +105,11 @@ def test_data_error_while_blocked_and_signalled_ends_both_without_torchrun(tmp_p
     assert outs[0].count(PEER_LINE) == 1 and "error:" not in outs[0], outs[0]
     assert "received SIGTERM" not in outs[0], outs[0]
     assert not any(p.name.startswith("step-3") for p in (tmp_path / "checkpoint").glob("step-*"))  # no save on SIGTERM
+    # Each rank's log file ends with why it left, traceback included (the console has one line).
+    for rank, why in ((1, "training.dataset_path"), (0, "PeerFailed: ")):
+        lines = (tmp_path / "logs" / f"rank{rank}.log").read_text().splitlines()
+        assert lines[lines.index(next(x for x in lines if x.endswith("leaving with an error:"))) + 1] == \
+            "Traceback (most recent call last):" and why in "\n".join(lines[-2:]), (rank, lines[-5:])
 
 
 def test_store_host_failing_tells_the_other_rank_before_leaving(tmp_path: Path, hf_folder: Path) -> None:

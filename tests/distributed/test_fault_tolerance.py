@@ -166,6 +166,12 @@ def test_with_the_quorum_lost_the_survivor_waits(tmp_path: Path, hsdp: dict[int,
     assert waited > down
     _assert_hsdp_curve(steps0, hsdp, "group 0")
     _assert_hsdp_curve(back.records(), hsdp, "group 1")
+    # torchft's INFO, out of the console, is in every rank's log file: the restarted group's
+    # rank 1 (whose console shows only warnings) says how it recovered, the killed run's start
+    # stays above the restart's.
+    log = (out / "replica_1" / "logs" / "rank1.log").read_text()
+    assert log.count("rank 1 (pid") == 2 and "INFO torchft.manager:" in log and "reconfiguring for quorum_id" in log
+    assert "applying pending state dict" in log and "recovered the live state of step" in log
 
 
 def _semi_sync_run(tmp_path: Path, name: str, method: list[str], every: int) -> list[dict[int, dict]]:

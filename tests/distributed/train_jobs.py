@@ -65,7 +65,7 @@ def _run(job: dict, world_size: int) -> None:
         if job.get("flash"):
             _count_host_reads(trainer, stack)
         trainer.fit()
-    trainer.folder_locks.release()  # Trainer.close would also leave the process group
+    trainer.release()  # Trainer.close would also leave the process group
     del trainer
     if dist.is_initialized():
         dist.barrier()

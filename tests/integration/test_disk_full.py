@@ -131,8 +131,9 @@ def test_the_hugging_face_export_without_checkpoints(capsys, small_disk) -> None
 
 def test_metrics_the_disk_refuses_are_held_and_named_at_the_end(capsys, small_disk, tmp_path) -> None:
     """The dump folder's disk takes the run's start (lock, config.toml and run_info.json: a page
-    each) but no record; the checkpoints are elsewhere: training goes on and saves, and the run
-    ends with exit 2 naming the records that could not be written."""
+    each) but no record and no log line; the checkpoints are elsewhere: training goes on and
+    saves, the log's lines are dropped (said once), and the run ends with exit 2 naming the
+    records that could not be written."""
     disk = small_disk("1m")
     _fill(disk, 3 * os.sysconf("SC_PAGESIZE"))
     dump = disk / "run"
@@ -141,6 +142,7 @@ def test_metrics_the_disk_refuses_are_held_and_named_at_the_end(capsys, small_di
     _one_error(status, err, f'job.dump_folder = "{dump}": {dump / "metrics.jsonl"}: {FULL}: the records of steps '
                "1-3 could not be written (training and its checkpoints went on)", f"fix: {FULL_FIX}")
     assert f"metrics.jsonl: {FULL}: the record of step 1 and those after it are held in memory" in err
+    assert err.count(f"rank0.log: {FULL}: log lines are dropped until it takes them again; training goes on") == 1
     assert (dump / "metrics.jsonl").read_bytes() == b"" and not _leftovers(dump)  # nothing half-written
     load_model_only(tmp_path / "ckpt" / "step-3", [empty_tiny_model()])
 

@@ -282,6 +282,8 @@ LINKS = {  # the link, under tmp/run; the key named; flags; whether the target i
                         ["--profiling.enable_profiling", "true"], True),
     "dry_run_json": ("dry_run.json", "job.dump_folder", ["--dry-run"], False),
     "data_index": ("data_index", "job.dump_folder", [], True),  # the data files' line indexes
+    "log_folder": ("logs", "job.dump_folder", [], True),  # each rank's log file
+    "log_file": ("logs/rank0.log", "job.dump_folder", [], False),
 }
 
 

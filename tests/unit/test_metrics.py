@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import re
 import sys
 from pathlib import Path
@@ -21,7 +20,6 @@ from torchmoe.components.metrics import (
     layer_imbalance,
     moe_imbalance,
     peak_memory_gib,
-    setup_logging,
 )
 from torchmoe.components.wandb_logger import run_id
 from torchmoe.config import file_writes
@@ -243,75 +241,6 @@ def test_tensorboard_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)
     with pytest.raises(RuntimeError, match="pip install 'torchmoe\\[tensorboard\\]'"):
         MetricsLogger(tmp_path, MetricsConfig(enable_tensorboard=True), rank=0, total_steps=3)
-
-
-@pytest.fixture
-def restored_loggers():
-    """The loggers `setup_logging` configures, put back as they were."""
-    names = ("torchmoe", "torch.distributed", "torchft")
-    saved = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level, logging.getLogger(n).propagate)
-             for n in names}
-    yield
-    for name, (handlers, level, propagate) in saved.items():
-        log = logging.getLogger(name)
-        log.handlers[:] = handlers
-        log.setLevel(level)
-        log.propagate = propagate
-
-
-@pytest.mark.parametrize("log_level, shown", [
-    ("warning", ["torchmoe warning"]),
-    ("info", ["torchmoe info", "torchmoe warning"]),
-    ("debug", ["torchmoe debug", "torchmoe info", "torchmoe warning", "torch.distributed info", "torchft info"]),
-])
-def test_log_level_decides_what_reaches_rank_0s_console(capsys, restored_loggers, log_level: str,
-                                                        shown: list[str]) -> None:
-    """metrics.log_level: torchmoe's own messages from its level up; torch.distributed's and
-    torchft's INFO only at "debug" (their warnings always, by Python's last resort)."""
-    setup_logging(0, "debug")  # a second call replaces the first: nothing shown twice, nothing stuck
-    setup_logging(0, log_level)
-    for name in ("torchmoe.trainer", "torch.distributed.c10d", "torchft.manager"):
-        lib = name.split(".")[0] if name != "torch.distributed.c10d" else "torch.distributed"
-        for level in ("debug", "info"):
-            getattr(logging.getLogger(name), level)(f"{lib} {level}")
-    logging.getLogger("torchmoe.trainer").warning("torchmoe warning")
-    err = capsys.readouterr().err
-    got = [line.split(": ", 1)[1] for line in err.splitlines() if line.startswith("[rank0]")]
-    assert sorted(got) == sorted(shown), err
-    if log_level != "debug":  # the libraries' warnings go where they would without torchmoe
-        assert all(logging.getLogger(n).propagate and logging.getLogger(n).level == logging.NOTSET
-                   for n in ("torch.distributed", "torchft"))
-
-
-def test_log_level_debug_shows_torchfts_rust_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torchft's Rust core: WARN unless metrics.log_level is "debug" (INFO); a RUST_LOG the user
-    set wins."""
-    pytest.importorskip("torchft")
-    from torchmoe.distributed.fault_tolerance import import_torchft
-
-    for level, want in (("info", "warn"), ("warning", "warn"), ("debug", "info")):
-        monkeypatch.delenv("RUST_LOG", raising=False)
-        import_torchft(level)
-        assert os.environ["RUST_LOG"] == want
-    monkeypatch.setenv("RUST_LOG", "torchft=debug")
-    import_torchft("info")
-    assert os.environ["RUST_LOG"] == "torchft=debug"
-
-
-def test_setup_logging_prefixes_the_rank(capsys: pytest.CaptureFixture) -> None:
-    setup_logging(3)
-    try:
-        log = logging.getLogger("torchmoe.components.test")
-        log.info("hidden on rank 3")
-        log.warning("router collapsed")
-        err = capsys.readouterr().err
-        assert "[rank3]" in err and "router collapsed" in err and "hidden" not in err
-    finally:
-        root = logging.getLogger("torchmoe")
-        for h in list(root.handlers):
-            root.removeHandler(h)
-        root.propagate = True
-        root.setLevel(logging.NOTSET)
 
 
 def test_eta_format() -> None:

@@ -1,6 +1,5 @@
 """Training metrics: metrics.jsonl, a console line with a progress bar, TensorBoard, W&B.
 
-    setup_logging(rank)
     metrics = MetricsLogger(job.dump_folder, job_config.metrics, rank=rank, total_steps=steps,
                             peak_flops=device_peak_flops(device, compute_dtype),
                             run_config=dataclasses.asdict(job_config))
@@ -61,7 +60,6 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.config.job_config import Metrics as MetricsConfig
 from torchmoe.config.loader import differing_keys, load_toml_config
 from torchmoe.config.paths import WRITE_FIX, path_fault
-from torchmoe.config.validate import LOG_LEVELS
 
 logger = logging.getLogger(__name__)
 
@@ -88,65 +86,6 @@ _PEAK_FLOPS: list[tuple[str, float, float]] = [
     ("MI325X", 1307e12, 163.4e12),
     ("MI300X", 1307e12, 163.4e12),
 ]
-
-
-class _CurrentStderrHandler(logging.StreamHandler):
-    """A stream handler that writes to whatever `sys.stderr` is at emit time, so that rich's
-    live progress bar (which swaps sys.stderr) keeps log lines above the bar."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value) -> None:
-        """StreamHandler.__init__ assigns a stream; ignored, as the stream is always sys.stderr."""
-
-
-# metrics.log_level: the level of torchmoe's loggers on rank 0. At "debug" the libraries'
-# loggers below also reach the console at INFO; otherwise only their warnings and errors do
-# (Python's own last-resort handler), as nobody reading a run's console can act on their INFO.
-_LEVELS = {name: getattr(logging, name.upper()) for name in LOG_LEVELS}
-_LIBRARY_LOGGERS = ("torch.distributed", "torchft")
-
-
-def setup_logging(rank: int, log_level: str = "info") -> None:
-    """Send the `torchmoe` loggers to stderr as `[rank<r>] HH:MM:SS LEVEL name: message`, and at
-    `log_level` "debug" those of torch.distributed and torchft too (at INFO).
-
-    Rank 0 logs at `log_level` (metrics.log_level); other ranks only warnings and errors, so that
-    a problem on any rank is seen, but routine messages are not repeated world-size times.
-    Idempotent.
-    """
-    level = _LEVELS[log_level]
-    handler = _CurrentStderrHandler()
-    handler.setFormatter(
-        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    )
-    _attach(logging.getLogger("torchmoe"), handler, level if rank == 0 else max(level, logging.WARNING))
-    for name in _LIBRARY_LOGGERS:
-        log = logging.getLogger(name)
-        if log_level == "debug" and rank == 0:
-            _attach(log, handler, logging.INFO)
-        elif _detach(log):  # shown by an earlier call: back to how the library left it
-            log.propagate = True
-            log.setLevel(logging.NOTSET)
-
-
-def _detach(log: logging.Logger) -> bool:
-    """Remove `setup_logging`'s handlers from `log`; whether it had one."""
-    ours = [h for h in log.handlers if isinstance(h, _CurrentStderrHandler)]
-    for h in ours:
-        log.removeHandler(h)
-    return bool(ours)
-
-
-def _attach(log: logging.Logger, handler: logging.Handler, level: int) -> None:
-    """`log` at `level` to `handler` only (replacing an earlier call's)."""
-    _detach(log)
-    log.addHandler(handler)
-    log.setLevel(level)
-    log.propagate = False
 
 
 def device_peak_flops(device: torch.device | str, dtype: torch.dtype) -> float | None:

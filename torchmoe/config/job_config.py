@@ -262,6 +262,8 @@ class Metrics:
     """Print a console line, and write the full record (throughput, memory, expert load) plus TensorBoard and W&B, every this many steps; metrics.jsonl gets every step's loss, gradient norm and LR regardless."""
     log_level: str = "info"
     """What the console shows besides the step lines and the run's opening and closing: 'info' torchmoe's own messages on rank 0 (the attention kernel, checkpoints saved, ...) and warnings and errors from any rank; 'warning' only warnings and errors; 'debug' also torchmoe's debug messages, torch.distributed's and torchft's INFO logs, and torchft's Rust core at INFO (every quorum and commit; a RUST_LOG you set wins)."""
+    enable_log_files: bool = True
+    """Each rank appends its log to job.dump_folder/logs/rank<r>.log: its torchmoe messages and torch.distributed's and torchft's INFO (quorums, recoveries), which the console leaves out, at INFO ('debug': DEBUG), dated; a failed rank's file ends with its error and traceback."""
     enable_tensorboard: bool = False
     """Also write TensorBoard scalars (needs the tensorboard extra)."""
     save_tb_folder: str = "tb"

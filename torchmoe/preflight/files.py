@@ -15,6 +15,7 @@ import torch
 from torchmoe.components.metrics import METRICS_FILE
 from torchmoe.components.run_info import RUN_INFO_FILE
 from torchmoe.components.run_lock import LOCK_NAME
+from torchmoe.components.run_logs import LOG_FILE_NAME, LOG_FOLDER
 from torchmoe.components.wandb_logger import RUN_ID_FILE, WANDB_FOLDER
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
@@ -152,6 +153,10 @@ def check_outputs(cfg: JobConfig, world_size: int, device: torch.device) -> None
         _check_file("job.dump_folder", cfg.job.dump_folder, dump / name)
     _check_folder("job.dump_folder", cfg.job.dump_folder, dump / INDEX_FOLDER)
     own.append(INDEX_FOLDER)
+    if cfg.metrics.enable_log_files:  # each rank's rank<r>.log (`run_logs`)
+        _check_folder("job.dump_folder", cfg.job.dump_folder, dump / LOG_FOLDER)
+        own.append(LOG_FOLDER)
+        _refuse_links("job.dump_folder", cfg.job.dump_folder, dump / LOG_FOLDER, LOG_FILE_NAME.fullmatch)
     if cfg.metrics.enable_wandb:
         own.append(WANDB_FOLDER)
     for folder in folders:
