@@ -76,8 +76,9 @@ def eval_config(cfg: JobConfig, *, weights: Path, in_hf: bool, split: str, batch
     checkpoint = dataclasses.replace(cfg.checkpoint, enable=False, initial_load_path=str(weights),
                                      initial_load_in_hf=in_hf, create_seed_checkpoint=False, last_save_in_hf=False)
     job = dataclasses.replace(cfg.job, dump_folder=str(work_folder))
-    # Training's own metrics sinks stay off: the result is printed (and --out).
-    metrics = dataclasses.replace(cfg.metrics, enable_tensorboard=False, enable_wandb=False)
+    # Training's own metrics sinks and log files stay off: the result is printed (and --out), and
+    # the work folder is deleted.
+    metrics = dataclasses.replace(cfg.metrics, enable_tensorboard=False, enable_wandb=False, enable_log_files=False)
     # One launch: a fault-tolerant run's replica group evaluates alone, joining no lighthouse.
     ft = dataclasses.replace(cfg.fault_tolerance, enable=False)
     return dataclasses.replace(cfg, validation=val, checkpoint=checkpoint, job=job, metrics=metrics, fault_tolerance=ft)
