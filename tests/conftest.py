@@ -19,7 +19,7 @@ import torch._functorch.config
 import torch._inductor.config
 import torch.fx.experimental._config
 
-from torchmoe.components.run_logs import LogFile
+from torchmoe.components.run_logs import reset_logging
 
 # The loggers torchmoe configures (`components.run_logs`) as the tests found them, before any
 # test or fixture ran.
@@ -37,10 +37,8 @@ def _restore_torchmoe_logging():
     the `torchmoe` records of later tests (a unit test's `caplog` after a trainer test, in any
     order), and a Trainer a test did not release would keep writing its log file."""
     yield
+    reset_logging()
     for log, (handlers, level, propagate) in zip(_RUN_LOGS, _PRISTINE_LOGS):
-        for handler in list(log.handlers):
-            if isinstance(handler, LogFile) and handler not in handlers:
-                handler.close()
         log.handlers[:], log.level, log.propagate = handlers, level, propagate
 
 

@@ -11,16 +11,18 @@ from pathlib import Path
 import pytest
 
 from torchmoe.components import run_logs
-from torchmoe.components.run_logs import LogFile, log_file_path, setup_logging
+from torchmoe.components.run_logs import LogFile, log_file_path, reset_logging, setup_logging
 
 
 @pytest.fixture
 def restored_loggers():
-    """The loggers `setup_logging` configures, put back as they were."""
-    names = ("torchmoe", "torch.distributed", "torchft")
+    """The loggers `setup_logging` and `LogFile` configure (and `torch_logging` sets up), put
+    back as they were."""
+    names = ("torchmoe", "torch", "torch.distributed", "torch.distributed.distributed_c10d", "torchft")
     saved = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level, logging.getLogger(n).propagate)
              for n in names}
     yield
+    reset_logging()
     for name, (handlers, level, propagate) in saved.items():
         log = logging.getLogger(name)
         log.handlers[:] = handlers
@@ -28,15 +30,40 @@ def restored_loggers():
         log.propagate = propagate
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _torch_logging() -> _Records:
+    """torch.distributed's loggers as torch's own logging leaves them in a worker: it and some of
+    its modules' (distributed_c10d) with a handler of their own, each printing what reaches it,
+    not propagating, at `torch`'s WARNING; the handler they share."""
+    handler = _Records()
+    for name in ("torch.distributed", "torch.distributed.distributed_c10d"):
+        log = logging.getLogger(name)
+        log.handlers[:], log.propagate, log.level = [handler], False, logging.NOTSET
+    logging.getLogger("torch").setLevel(logging.WARNING)
+    return handler
+
+
 @pytest.mark.parametrize("log_level, shown", [
     ("warning", ["torchmoe warning"]),
     ("info", ["torchmoe info", "torchmoe warning"]),
-    ("debug", ["torchmoe debug", "torchmoe info", "torchmoe warning", "torch.distributed info", "torchft info"]),
+    ("debug", ["torchmoe debug", "torchmoe info", "torchmoe warning", "torchft info"]),
 ])
 def test_log_level_decides_what_reaches_rank_0s_console(capsys, restored_loggers, log_level: str,
                                                         shown: list[str]) -> None:
     """metrics.log_level: torchmoe's own messages from its level up; torch.distributed's and
-    torchft's INFO only at "debug" (their warnings always, by Python's last resort)."""
+    torchft's INFO only at "debug" (torch.distributed's through torch's own handler, once);
+    their warnings always, by their own handlers or Python's last resort."""
+    torch_handler = _torch_logging()
+    libraries = [logging.getLogger(n) for n in ("torch.distributed", "torchft")]
+    before = [(log.level, log.propagate, list(log.handlers)) for log in libraries]
     setup_logging(0, "debug")  # a second call replaces the first: nothing shown twice, nothing stuck
     setup_logging(0, log_level)
     for name in ("torchmoe.trainer", "torch.distributed.c10d", "torchft.manager"):
@@ -47,9 +74,11 @@ def test_log_level_decides_what_reaches_rank_0s_console(capsys, restored_loggers
     err = capsys.readouterr().err
     got = [line.split(": ", 1)[1] for line in err.splitlines() if line.startswith("[rank0]")]
     assert sorted(got) == sorted(shown), err
-    if log_level != "debug":  # the libraries' warnings go where they would without torchmoe
-        assert all(logging.getLogger(n).propagate and logging.getLogger(n).level == logging.NOTSET
-                   for n in ("torch.distributed", "torchft"))
+    assert [r.getMessage() for r in torch_handler.records] == (["torch.distributed info"] if log_level == "debug"
+                                                               else [])
+    if log_level != "debug":  # the libraries' loggers as torch and torchft had them
+        assert [(log.level, log.propagate, log.handlers) for log in libraries] == before
+        assert not any(h.filters for log in libraries for h in log.handlers)
 
 
 def test_log_level_debug_shows_torchfts_rust_core(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,11 +121,13 @@ def test_a_ranks_log_file_keeps_what_its_console_leaves_out(capsys, restored_log
     """Rank 1 at "info": the console shows its warning only; its file holds its own INFO and the
     libraries' (what a user reads after a failure), dated, from `attach` on; DEBUG nowhere."""
     setup_logging(1, "info")
+    torch_handler = _torch_logging()
     log_file = LogFile.attach(tmp_path, 1, "info")
     logging.getLogger("torchmoe.trainer").info("before the run goes ahead")
     assert not (tmp_path / "logs").exists()  # a run refused now leaves nothing
     log_file.open()
-    for name in ("torchmoe.trainer", "torch.distributed.c10d", "torchft.manager"):
+    for name in ("torchmoe.trainer", "torch.distributed.c10d", "torch.distributed.distributed_c10d",
+                 "torchft.manager"):
         logging.getLogger(name).debug(f"{name} debug")
         logging.getLogger(name).info(f"{name} info")
     logging.getLogger("torchmoe.trainer").warning("router collapsed")
@@ -110,13 +141,19 @@ def test_a_ranks_log_file_keeps_what_its_console_leaves_out(capsys, restored_log
         "INFO torchmoe.trainer: before the run goes ahead",
         "INFO torchmoe.trainer: torchmoe.trainer info",
         "INFO torch.distributed.c10d: torch.distributed.c10d info",
+        "INFO torch.distributed.distributed_c10d: torch.distributed.distributed_c10d info",
         "INFO torchft.manager: torchft.manager info",
         "WARNING torchmoe.trainer: router collapsed",
         "INFO torchmoe: done: step 3/3",
     ]
     assert path.read_text().startswith("20") and " rank 1 (pid" in path.read_text().splitlines()[0]
+    logging.getLogger("torch.distributed.c10d").warning("a library warning")
     err = capsys.readouterr().err
     assert [line.split(": ", 1)[1] for line in err.splitlines()] == ["router collapsed", "after the close"]
+    # The libraries' INFO went to the file only: torch's handlers printed only its warnings, as
+    # before the file, and are as they were.
+    assert [r.getMessage() for r in torch_handler.records] == ["a library warning"]
+    assert not torch_handler.filters and logging.getLogger("torch.distributed").level == logging.NOTSET
     # Detached: the loggers are as `setup_logging` left them (the libraries at their own level).
     assert all(not isinstance(h, LogFile) for n in ("torchmoe", "torch.distributed", "torchft")
                for h in logging.getLogger(n).handlers)

@@ -33,7 +33,7 @@ from pathlib import Path
 from torchmoe.config.file_writes import append, open_append
 from torchmoe.config.validate import LOG_LEVELS
 
-__all__ = ["LOG_FILE_NAME", "LOG_FOLDER", "LogFile", "log_file_path", "setup_logging"]
+__all__ = ["LOG_FILE_NAME", "LOG_FOLDER", "LogFile", "log_file_path", "reset_logging", "setup_logging"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,23 +67,41 @@ class _CurrentStderrHandler(logging.StreamHandler):
         """StreamHandler.__init__ assigns a stream; ignored, as the stream is always sys.stderr."""
 
 
+# What the last `setup_logging` said (the rank and metrics.log_level), and the log files
+# attached: the libraries' loggers depend on all three (`_configure_libraries`).
+_CONSOLE = {"rank": 0, "log_level": "info"}
+_ATTACHED: list[LogFile] = []
+
+
 def setup_logging(rank: int, log_level: str = "info") -> None:
     """Send the `torchmoe` loggers to stderr as `[rank<r>] HH:MM:SS LEVEL name: message`, and at
     `log_level` "debug" those of torch.distributed and torchft too (at INFO).
 
     Rank 0 logs at `log_level` (metrics.log_level); other ranks only warnings and errors, so that
     a problem on any rank is seen, but routine messages are not repeated world-size times.
-    Idempotent; an open `LogFile` keeps getting what it got.
+    Idempotent; an attached `LogFile` keeps getting what it got.
     """
+    _CONSOLE.update(rank=rank, log_level=log_level)
     level = _LEVELS[log_level]
-    _attach_console(logging.getLogger("torchmoe"), _console(rank, level if rank == 0 else max(level, logging.WARNING)))
-    for name in _LIBRARY_LOGGERS:
-        log = logging.getLogger(name)
-        if log_level == "debug" and rank == 0:
-            _attach_console(log, _console(rank, logging.INFO))
-        elif _detach_console(log):  # shown by an earlier call: back to how the library left it
-            log.propagate = True
-            _set_level(log)
+    log = logging.getLogger("torchmoe")
+    _detach_console(log)
+    log.addHandler(_console(rank, level if rank == 0 else max(level, logging.WARNING)))
+    log.propagate = False
+    _set_level(log)
+    _configure_libraries()
+
+
+def reset_logging() -> None:
+    """Undo `setup_logging` and close every attached `LogFile`: the loggers as the libraries left
+    them (for a process that runs several jobs, such as a test session)."""
+    for handler in list(_ATTACHED):
+        handler.close()
+    _CONSOLE.update(rank=0, log_level="info")
+    _configure_libraries()
+    log = logging.getLogger("torchmoe")
+    _detach_console(log)
+    log.propagate = True
+    _set_level(log)
 
 
 def _console(rank: int, level: int) -> logging.Handler:
@@ -95,28 +113,81 @@ def _console(rank: int, level: int) -> logging.Handler:
     return handler
 
 
-def _detach_console(log: logging.Logger) -> bool:
-    """Remove `setup_logging`'s handlers from `log`; whether it had one."""
-    ours = [h for h in log.handlers if isinstance(h, _CurrentStderrHandler)]
-    for h in ours:
-        log.removeHandler(h)
-    return bool(ours)
-
-
-def _attach_console(log: logging.Logger, handler: logging.Handler) -> None:
-    """`log` to `handler` (replacing an earlier call's) and to no ancestor's handlers."""
-    _detach_console(log)
-    log.addHandler(handler)
-    log.propagate = False
-    _set_level(log)
+def _detach_console(log: logging.Logger) -> None:
+    """Remove `setup_logging`'s handlers from `log`."""
+    for handler in [h for h in log.handlers if isinstance(h, _CurrentStderrHandler)]:
+        log.removeHandler(handler)
 
 
 def _set_level(log: logging.Logger) -> None:
     """`log`'s level: the lowest of our handlers' on it (each filters for itself), NOTSET without
-    any (the library's own default, its ancestors' level). Others' handlers (pytest's capture)
-    do not count: they take what they are given."""
+    any. Others' handlers (pytest's capture) do not count: they take what they are given."""
     ours = [h.level for h in log.handlers if isinstance(h, (_CurrentStderrHandler, LogFile))]
     log.setLevel(min(ours, default=logging.NOTSET))
+
+
+# ---- torch.distributed's and torchft's loggers ------------------------------------------------
+
+# The library loggers taken over (`_configure_libraries`): their level and propagation before.
+_TAKEN_OVER: dict[str, tuple[int, bool]] = {}
+
+
+class _AtLeast(logging.Filter):
+    """Passes records of `level` and above: a library's own handler prints what it did before."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
+
+
+def _configure_libraries() -> None:
+    """torch.distributed's and torchft's loggers: left as the libraries have them unless their
+    INFO is wanted, on rank 0's console at "debug" or in a log file. Then each is taken over,
+    with every logger below it that does not propagate (torch's own logging gives some of
+    torch.distributed's modules a handler of their own): its level lowered, not propagating (an
+    ancestor's handler would print the INFO), each handler already on it filtered to what it
+    printed before (or to INFO on rank 0 at "debug"), the log files added; the library's
+    warnings reach the console through ours where no handler of its own prints them."""
+    for name in list(_TAKEN_OVER):
+        _release(logging.getLogger(name))
+    rank, debug = _CONSOLE["rank"], _CONSOLE["log_level"] == "debug" and _CONSOLE["rank"] == 0
+    if not (debug or _ATTACHED):
+        return
+    levels = [h.level for h in _ATTACHED] + ([logging.INFO] if debug else [])
+    for name in _LIBRARY_LOGGERS:
+        # What each printed before, read before any level below `name` is lowered.
+        loggers = [(log, logging.INFO if debug else log.getEffectiveLevel()) for log in _unpropagated(name)]
+        for log, shown in loggers:
+            _TAKEN_OVER[log.name] = (log.level, log.propagate)
+            for handler in log.handlers:
+                handler.addFilter(_AtLeast(shown))
+            if log.name == name and not log.handlers:  # its records went up to an ancestor's
+                log.addHandler(_console(rank, logging.INFO if debug else logging.WARNING))
+            for handler in _ATTACHED:
+                log.addHandler(handler)
+            log.propagate = False
+            log.setLevel(min(levels))
+
+
+def _unpropagated(name: str) -> list[logging.Logger]:
+    """The logger `name` and each existing logger below it that does not propagate."""
+    below = [log for key, log in sorted(logging.root.manager.loggerDict.items())
+             if key.startswith(f"{name}.") and isinstance(log, logging.Logger) and not log.propagate]
+    return [logging.getLogger(name), *below]
+
+
+def _release(log: logging.Logger) -> None:
+    """A taken-over library logger back as it was."""
+    level, propagate = _TAKEN_OVER.pop(log.name)
+    for handler in [h for h in log.handlers if isinstance(h, (_CurrentStderrHandler, LogFile))]:
+        log.removeHandler(handler)
+    for handler in log.handlers:
+        handler.filters = [f for f in handler.filters if not isinstance(f, _AtLeast)]
+    log.setLevel(level)
+    log.propagate = propagate
 
 
 class LogFile(logging.Handler):
@@ -143,10 +214,10 @@ class LogFile(logging.Handler):
         torchft's loggers, not open yet."""
         handler = cls(log_file_path(dump_folder, rank), logging.DEBUG if log_level == "debug" else logging.INFO)
         handler.pending.append(f"{_now()} rank {rank} (pid {os.getpid()}) starts logging here")
-        for name in ("torchmoe", *_LIBRARY_LOGGERS):
-            log = logging.getLogger(name)
-            log.addHandler(handler)
-            _set_level(log)
+        logging.getLogger("torchmoe").addHandler(handler)
+        _set_level(logging.getLogger("torchmoe"))
+        _ATTACHED.append(handler)
+        _configure_libraries()
         return handler
 
     def open(self) -> None:
@@ -218,11 +289,13 @@ class LogFile(logging.Handler):
     def close(self, error: BaseException | None = None) -> None:
         """Detach from the loggers and close the file (if it was opened), after `error` (why
         this rank leaves, with its traceback) if given. Idempotent."""
-        for name in ("torchmoe", *_LIBRARY_LOGGERS):
-            log = logging.getLogger(name)
-            if self in log.handlers:
-                log.removeHandler(self)
-                _set_level(log)
+        log = logging.getLogger("torchmoe")
+        if self in log.handlers:
+            log.removeHandler(self)
+            _set_level(log)
+        if self in _ATTACHED:
+            _ATTACHED.remove(self)
+            _configure_libraries()
         if error is not None:
             text = "".join(traceback.format_exception(error)).rstrip()
             self._write_line(f"{_now()} leaving with an error:\n{text}")
