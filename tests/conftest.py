@@ -29,6 +29,21 @@ _PRISTINE_LOGS = [(list(log.handlers), log.level, log.propagate) for log in _RUN
 _CONFIGS = (torch._dynamo.config, torch._inductor.config, torch._functorch.config, torch.fx.experimental._config)
 
 
+_TIERS = ("distributed", "integration")  # the unit tier after them
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The distributed tier's modules first, then the integration tier's, then the unit tests,
+    each tier in the order pytest-randomly chose (this runs after it): xdist hands the workers
+    whole modules in this order, so the minutes-long world modules start early and the many
+    short ones even out the end, instead of one worker finishing a world module alone."""
+    def tier(item: pytest.Item) -> int:
+        return next((i for i, mark in enumerate(_TIERS) if item.get_closest_marker(mark)), len(_TIERS))
+
+    items.sort(key=tier)  # stable: the random order within a tier stays
+
+
 @pytest.fixture(autouse=True)
 def _restore_torchmoe_logging():
     """Tests and fixtures (module-scoped ones too) that build a Trainer or run `torchmoe.cli.main`
