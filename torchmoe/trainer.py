@@ -789,7 +789,7 @@ class Trainer:
 
     def _closing(self, first_step: int, seconds: float) -> str:
         """The run's last console line: how far it got, its loss, time and throughput, and where
-        its metrics and newest checkpoint are."""
+        its metrics, log files and newest checkpoint are."""
         result = self.last_result
         if result is None:
             return f"no step trained; {self.dump_folder} holds what the run wrote"

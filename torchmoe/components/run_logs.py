@@ -42,8 +42,8 @@ LOG_FILE_NAME = re.compile(r"rank\d+\.log")
 
 # metrics.log_level: the level of torchmoe's loggers on rank 0's console. At "debug" the
 # libraries' loggers below also reach the console at INFO; otherwise only their warnings and
-# errors do (Python's own last-resort handler), as nobody reading a run's console can act on
-# their INFO. Their INFO goes to the log files whatever the level.
+# errors do (through their own handlers, or ours: `_configure_libraries`), as nobody reading a
+# run's console can act on their INFO. Their INFO goes to the log files whatever the level.
 _LEVELS = {name: getattr(logging, name.upper()) for name in LOG_LEVELS}
 _LIBRARY_LOGGERS = ("torch.distributed", "torchft")
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # a disk that refuses the file now, not for good
@@ -246,7 +246,7 @@ class LogFile(logging.Handler):
         self.fd = open_append(self.path)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self._warning:
+        if self._warning or self.closed:
             return
         try:
             line = self.format(record)
