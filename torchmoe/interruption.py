@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["Interrupted", "interrupt_on_signals", "report"]
+__all__ = ["Interrupted", "interrupt_on_signals", "leaving_for_failure", "report"]
 
 
 class Interrupted(BaseException):
@@ -43,8 +43,23 @@ class Interrupted(BaseException):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
+# Set by `leaving_for_failure` until `interrupt_on_signals` ends.
+_leaving = False
+
+
+def leaving_for_failure() -> None:
+    """This process is leaving for a failure already: from here on SIGTERM and SIGINT raise
+    nothing (until `interrupt_on_signals` ends). torchrun's agent sends SIGTERM to the survivors
+    of a rank that died; raised while a survivor unwinds from its failed collective, it replaced
+    the failure's one line ("lost its connection to rank 0") with "interrupted by SIGTERM". The
+    failure protocol's exit backstop ends the process whatever happens."""
+    global _leaving
+    _leaving = True
+
+
 def _raise(signum: int, frame) -> None:
-    raise Interrupted(signum)
+    if not _leaving:
+        raise Interrupted(signum)
 
 
 def report(stop: Interrupted) -> None:
@@ -79,11 +94,14 @@ def interrupt_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    global _leaving
+    _leaving = False  # a job run in this process before (a test's) left for its failure, not this one
     previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous_hook, sys.unraisablehook = sys.unraisablehook, _leave_if_interrupted
     try:
         yield
     finally:
+        _leaving = False
         sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)

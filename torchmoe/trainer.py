@@ -80,6 +80,7 @@ from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
+from torchmoe.interruption import leaving_for_failure
 from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.llama4.parallelize import parallelize_llama4
 from torchmoe.models.llama4.pipeline_stages import PipelineRankModel, split_into_stages
@@ -691,6 +692,9 @@ class Trainer:
         with ExitStack() as stack:
             for sig in (signal.SIGTERM, signal.SIGINT):  # the caller's handlers come back at the end
                 stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
+            # Before they come back, when a failure ends the loop: a signal then (torchrun's agent
+            # stopping the survivors of a dead rank) must not replace the failure's report.
+            stack.push(lambda exc_type, exc, tb: leaving_for_failure() if exc_type is not None else None)
             stack.push(self._close_checkpointer)
             stack.callback(metrics.close)
             prof = stack.enter_context(maybe_profile(cfg.profiling, self.dump_folder, rank=self.rank,
@@ -992,6 +996,7 @@ def _with_trainer(cfg: JobConfig, body: Callable[[Trainer], _T]) -> _T:
         trainer.close(err)  # every rank diverged at the same step (the loss is global)
         raise
     except BaseException as err:
+        leaving_for_failure()  # this rank leaves for `err`: a signal from here on is not another stop
         reason = err
         try:
             if watch is not None:

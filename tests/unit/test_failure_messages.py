@@ -65,3 +65,21 @@ def test_each_kind_of_failure_is_one_line(failure, line):
 ])
 def test_exit_status_by_kind_of_error(error, status):
     assert exit_status(error) == status
+
+
+def test_a_signal_after_a_failure_does_not_replace_it():
+    """Inside the CLI's handlers a SIGTERM raises `Interrupted`, until the rank is leaving for a
+    failure (torchrun's agent then stops the survivors of a dead rank: that is no new stop); the
+    next `interrupt_on_signals` raises again (a job run before in this process does not leak)."""
+    import os
+
+    from torchmoe.interruption import interrupt_on_signals, leaving_for_failure
+
+    with pytest.raises(Interrupted), interrupt_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+    with interrupt_on_signals():
+        leaving_for_failure()
+        os.kill(os.getpid(), signal.SIGTERM)  # nothing raised: the failure's report stays
+    leaving_for_failure()  # a Trainer.fit that failed in this process, outside the CLI
+    with pytest.raises(Interrupted), interrupt_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
