@@ -136,7 +136,6 @@ def test_a_peers_state_must_have_this_ranks_keys_and_shapes() -> None:
         like(mine, {"model": {"w": torch.ones(3, 2)}, "step": 9})
 
 
-
 def test_a_forward_and_backward_leave_the_live_state_as_it_was() -> None:
     """torchft serves a group's live state to a recovering peer while the group runs the retried
     step's forward and backward: nothing in the model's state dict may change then (the routed-
@@ -151,6 +150,7 @@ def test_a_forward_and_backward_leave_the_live_state_as_it_was() -> None:
     changed = [name for name, tensor in served.items() if not torch.equal(tensor, before[name])]
     assert changed == []
     assert any(name.endswith("expert_bias") for name in served)  # the router state still travels
+
 
 class _TwoGroups:
     """`ReplicaGroups` as this rank sees it when a second group holds `other`: averaging takes the
