@@ -43,16 +43,18 @@ class Interrupted(BaseException):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
-# Set by `leaving_for_failure` until `interrupt_on_signals` ends.
+# Set by `leaving_for_failure`; cleared when the next `interrupt_on_signals` begins.
 _leaving = False
 
 
 def leaving_for_failure() -> None:
     """This process is leaving for a failure already: from here on SIGTERM and SIGINT raise
-    nothing (until `interrupt_on_signals` ends). torchrun's agent sends SIGTERM to the survivors
-    of a rank that died; raised while a survivor unwinds from its failed collective, it replaced
-    the failure's one line ("lost its connection to rank 0") with "interrupted by SIGTERM". The
-    failure protocol's exit backstop ends the process whatever happens."""
+    nothing, also in the CLI's outer handlers while it reports the failure (until another
+    `interrupt_on_signals` begins: a process that runs several jobs, such as a test session).
+    torchrun's agent sends SIGTERM to the survivors of a rank that died or failed; raised while
+    a rank unwinds from the failure or prints it, it replaced the failure's one line with
+    "interrupted by SIGTERM" or cut it off. The failure protocol's exit backstop ends the process
+    whatever happens."""
     global _leaving
     _leaving = True
 
@@ -101,7 +103,6 @@ def interrupt_on_signals() -> Iterator[None]:
     try:
         yield
     finally:
-        _leaving = False
         sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -77,9 +77,11 @@ def test_a_signal_after_a_failure_does_not_replace_it():
 
     with pytest.raises(Interrupted), interrupt_on_signals():
         os.kill(os.getpid(), signal.SIGTERM)
-    with interrupt_on_signals():
-        leaving_for_failure()
-        os.kill(os.getpid(), signal.SIGTERM)  # nothing raised: the failure's report stays
+    with interrupt_on_signals():  # python -m torchmoe's handlers around the CLI's (cli.main)
+        with interrupt_on_signals():
+            leaving_for_failure()
+            os.kill(os.getpid(), signal.SIGTERM)  # nothing raised: the failure's report stays
+        os.kill(os.getpid(), signal.SIGTERM)  # nor while the CLI prints it, outside the inner handlers
     leaving_for_failure()  # a Trainer.fit that failed in this process, outside the CLI
     with pytest.raises(Interrupted), interrupt_on_signals():
         os.kill(os.getpid(), signal.SIGTERM)
