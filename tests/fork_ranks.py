@@ -24,19 +24,14 @@ import importlib
 import importlib.util
 import os
 import signal
-import socket
 import sys
 import threading
 import traceback
 from pathlib import Path
 
+from torchmoe.launch import free_port
+
 _PR_SET_PDEATHSIG = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank(worker, out_dir: Path, rank: int, world: int, port: int) -> None:
@@ -63,7 +58,7 @@ def main() -> None:
     importlib.import_module("torchmoe.trainer")  # what every rank script runs, imported once for all ranks
 
     assert threading.active_count() == 1, "forking with threads running is unsafe"
-    port = _free_port()
+    port = free_port()  # rank 0 binds it for the store
     sys.stdout.flush()
     sys.stderr.flush()
     ranks: dict[int, int] = {}

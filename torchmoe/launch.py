@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -42,10 +43,29 @@ class LaunchError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for torchrun's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for torchrun's rendezvous), below
+    the kernel's ephemeral range. The port is free only until the launcher binds it: a port from
+    the ephemeral range (what binding port 0 gives) is also what the kernel hands every outgoing
+    connection and every port-0 listener (gloo opens dozens per world), and a concurrent test's
+    world took one before torchrun bound it (EADDRINUSE in CI). Below that range only another
+    `free_port` can take it: a random pick among some 12,000 ports."""
+    low = _ephemeral_low()
+    while True:
+        port = random.randrange(max(1024, low - 12768), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: another pick
+                continue
+            return port
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (ip_local_port_range; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def cli_command(args: Sequence[Arg], *, nproc: int = 1) -> list[str]:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from torchmoe.launch import descendants
+from torchmoe.launch import descendants, free_port
 
 # A launcher that starts a worker in a session of its own (as torchrun does), which starts
 # another process; all of them wait.
@@ -46,3 +48,13 @@ def test_descendants_reach_workers_in_sessions_of_their_own() -> None:
                 pass
         launcher.kill()
         launcher.wait()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_bind() -> None:
+    """A port-0 listener or an outgoing connection (gloo's, a concurrent test world's) can never
+    take a port `free_port` gave torchrun before it binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert all(1024 <= port < low for port in ports) and len(set(ports)) > 40
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))
