@@ -51,7 +51,7 @@ def _bytes_worker(seqs: list[int], out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchmoe.models.llama4 import FLAVORS, Transformer
-    from torchmoe.models.llama4.parallelize import apply_cp
+    from torchmoe.models.decoder.parallelize import apply_cp
 
     dist.init_process_group("gloo")
     args = FLAVORS["tiny"]

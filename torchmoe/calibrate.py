@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.process_groups import backend_spec

@@ -3,14 +3,16 @@
     torchmoe convert hf-to-dcp path/to/Llama-4-Scout-17B-16E-Instruct outputs/scout-dcp --dtype bfloat16
     torchmoe train --config configs/llama4_16e.toml --checkpoint.initial_load_path outputs/scout-dcp
     torchmoe convert dcp-to-hf outputs/debug/checkpoint/step-200 outputs/debug-hf --flavor tiny
+    torchmoe convert dcp-to-hf outputs/qwen/checkpoint/step-200 outputs/qwen-hf --model-name qwen3 --flavor tiny
 
     torchrun --nproc_per_node=8 -m torchmoe convert hf-to-dcp path/to/Llama-4-Maverick out/maverick-dcp
 
 `hf-to-dcp` writes the model's state dict under its own names (no `model.` prefix): the layout
 `checkpoint.initial_load_path` loads. A DCP folder records no architecture, so the command says
-which built-in flavor the weights belong to. `dcp-to-hf` reads a torchmoe `step-N/` folder (only
-its `model.*` entries) or such a bare model folder and writes a Hugging Face `Llama4ForCausalLM`
-folder.
+which built-in family and flavor the weights belong to (the family is config.json's
+``model_type``). `dcp-to-hf` reads a torchmoe `step-N/` folder (only its `model.*` entries) or such
+a bare model folder and writes a Hugging Face folder of the family (`Llama4ForCausalLM`,
+`Qwen3MoeForCausalLM`).
 
 Both directions run in one process, or as a sharded job under torchrun (gloo: this is host
 work): every tensor with at least one row per rank is split by rows over the ranks, and each
@@ -51,10 +53,14 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.config.validate import PARAM_DTYPES
-from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.registry import FLAVORS
+from torchmoe.models.decoder.model import Transformer
 from torchmoe.nn.dtypes import torch_dtype
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
+
+_HF_FIX = "pass a Hugging Face checkpoint folder of a family torchmoe trains (config.json + *.safetensors)"
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -151,21 +157,22 @@ def _empty_state(args: ModelArgs, dtype: torch.dtype, mesh: DeviceMesh | None) -
 # ---- the two directions ----------------------------------------------------------------------
 
 
-def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> str | None:
-    """Write the weights of a Hugging Face Llama 4 folder as a DCP folder of the bare model state
-    dict (parameters in `dtype`, zero router state).
+def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *,
+              dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
+    """Write the weights of a Hugging Face folder (Llama 4, Qwen3-MoE) as a DCP folder of the
+    bare model state dict (parameters in `dtype`, zero router state).
 
     Returns:
-        The built-in flavor with the checkpoint's architecture (what `model.flavor` must be when
-        training from it), or None when no flavor has it.
+        The checkpoint's family (`model.name`) and the built-in flavor with its architecture (what
+        `model.flavor` must be when training from it), or None when no flavor has it.
 
     Raises:
         ConfigError: `hf_dir` is missing, has a file that is missing, unreadable or damaged, is
-            not a supported Llama 4 checkpoint or holds NaN or inf;
+            not a supported checkpoint or holds NaN or inf;
             `out_dir` is not empty, held by a live run, or cannot be written.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    fix = "pass a Hugging Face Llama 4 text or multimodal checkpoint folder (config.json + *.safetensors)"
+    fix = _HF_FIX
     _require_dir("HF_DIR", hf_dir, fix)
     args = read_hf_args(hf_dir, key="HF_DIR", fix=fix)
     _require_writable_out(out_dir)
@@ -175,30 +182,33 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = t
         # Checks what it loaded (in `dtype`): exactly the tensors written next, so nothing non-finite is.
         load_hf_weights(state, hf_dir, args, key="HF_DIR", fix=fix)
         dcp.save(state, storage_writer=ChecksummingWriter(out_dir), no_dist=mesh is None)
-    return matching_flavor(args)
+    return args.family, matching_flavor(args)
 
 
-def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torch.dtype:
+def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: str = "llama4") -> torch.dtype:
     """Write the model weights of a DCP folder (a torchmoe `step-N/` or a bare model state dict)
-    as a Hugging Face `Llama4ForCausalLM` folder, keeping the checkpoint's parameter dtype.
+    of family `name` as a Hugging Face folder of that family (`Llama4ForCausalLM`,
+    `Qwen3MoeForCausalLM`), keeping the checkpoint's parameter dtype.
 
     Returns:
         The dtype written.
 
     Raises:
-        ConfigError: an unknown flavor, a missing, non-DCP or damaged `ckpt_dir`, a checkpoint
+        ConfigError: an unknown family or flavor, a missing, non-DCP or damaged `ckpt_dir`, a checkpoint
             whose tensors do not fit `flavor` (the fix names a flavor that fits, if one does), are
             not floating point or hold NaN or inf, or an `out_dir` that is not empty, held by a
             live run, or cannot be written.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    if flavor not in FLAVORS:
-        raise ConfigError("--flavor", flavor, "unknown flavor", f"use one of: {', '.join(FLAVORS)}")
+    if name not in FLAVORS:
+        raise ConfigError("--model-name", name, "unknown model family", f"use one of: {', '.join(FLAVORS)}")
+    if flavor not in FLAVORS[name]:
+        raise ConfigError("--flavor", flavor, f"unknown {name} flavor", f"use one of: {', '.join(FLAVORS[name])}")
     fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
     _require_dir("CKPT_DIR", ckpt_dir, fix)
     metadata = read_dcp_metadata("CKPT_DIR", ckpt_dir, fix)
     stored = model_tensors(metadata)
-    args = FLAVORS[flavor]
+    args = FLAVORS[name][flavor]
     require_fit("--flavor", flavor, args, stored, str(ckpt_dir))
     problem = non_float(meta_state(args), stored)
     if problem is not None:
@@ -220,16 +230,20 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str) -> torc
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="torchmoe convert", description="Convert model weights between Hugging Face "
-                            "Llama 4 folders and DCP checkpoints (see `torchmoe convert DIRECTION --help`).")
+                            "folders (Llama 4, Qwen3-MoE) and DCP checkpoints (see `torchmoe convert DIRECTION "
+                            "--help`).")
     sub = parser.add_subparsers(dest="direction", required=True, metavar="{hf-to-dcp,dcp-to-hf}")
     to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> DCP folder for checkpoint.initial_load_path")
-    to_dcp.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face Llama 4 folder (config.json + *.safetensors)")
+    to_dcp.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face folder (config.json + *.safetensors)")
     to_dcp.add_argument("out_dir", metavar="OUT_DIR", help="DCP folder to create (must not hold files)")
     to_dcp.add_argument("--dtype", choices=PARAM_DTYPES, default="float32", help="parameter dtype (default: float32)")
     to_hf = sub.add_parser("dcp-to-hf", help="torchmoe step-N (or bare model DCP) folder -> Hugging Face folder")
     to_hf.add_argument("ckpt_dir", metavar="CKPT_DIR", help="step-N checkpoint folder or bare model DCP folder")
     to_hf.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face folder to create (must not hold files)")
-    to_hf.add_argument("--flavor", required=True, help=f"model flavor of the checkpoint: {', '.join(FLAVORS)}")
+    to_hf.add_argument("--model-name", default="llama4", metavar="NAME",
+                       help=f"model family of the checkpoint (model.name): {', '.join(FLAVORS)} (default: llama4)")
+    to_hf.add_argument("--flavor", required=True, help="model flavor of the checkpoint (model.flavor): "
+                       + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in FLAVORS.items()))
     to_hf.add_argument("--tokenizer", default="", metavar="PATH",
                        help="the tokenizer.json (or its folder) the model trained with: copied into OUT_DIR with its "
                             "tokenizer_config.json and special_tokens_map.json (default: none, the byte tokenizer)")
@@ -257,12 +271,13 @@ def convert_main(argv: list[str]) -> int:
 def _run(opts: argparse.Namespace) -> int:
     """One direction; rank 0 reports (under torchrun every rank does its share of the work)."""
     if opts.direction == "hf-to-dcp":
-        flavor = hf_to_dcp(opts.hf_dir, opts.out_dir, dtype=torch_dtype(opts.dtype))
+        name, flavor = hf_to_dcp(opts.hf_dir, opts.out_dir, dtype=torch_dtype(opts.dtype))
         _say(f"wrote DCP folder {opts.out_dir} ({opts.dtype})")
         if flavor is not None:
-            _say(f"train from it with --model.flavor {flavor} --checkpoint.initial_load_path {opts.out_dir}")
+            _say(f"train from it with --model.name {name} --model.flavor {flavor} "
+                 f"--checkpoint.initial_load_path {opts.out_dir}")
         else:
-            _say("note: no built-in flavor has this architecture; add one to torchmoe/arch/llama4.py "
+            _say(f"note: no built-in flavor has this architecture; add one to torchmoe/arch/{name}.py "
                   "FLAVORS to train from it")
     else:
         # The one warning here (a non-zero expert bias is dropped) is news for the user, so it is
@@ -272,7 +287,7 @@ def _run(opts: argparse.Namespace) -> int:
             with path_faults("--tokenizer", opts.tokenizer, tokenizer_fix):
                 os.stat(opts.tokenizer)
         with warnings.catch_warnings(record=True) as caught:
-            dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=opts.flavor)
+            dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=opts.flavor, name=opts.model_name)
         for w in caught:
             _say(f"warning: {w.message}", file=sys.stderr)
         copied = []

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.trained_weights import trained_weights
 from torchmoe.config import ConfigError, JobConfig

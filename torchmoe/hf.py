@@ -1,7 +1,9 @@
-"""Public Hugging Face API: load a Llama 4 checkpoint into torchmoe, save torchmoe as one.
+"""Public Hugging Face API: load a checkpoint of a family torchmoe trains (Llama 4, Qwen3-MoE)
+into torchmoe, save torchmoe as one.
 
     from torchmoe.hf import load_model, save_model
     model = load_model("path/to/Llama-4-Scout-17B-16E-Instruct", dtype=torch.bfloat16)
+    model = load_model("path/to/Qwen3-30B-A3B")  # the family is config.json's model_type
     logits = model(tokens)                       # (batch, seq, vocab), equal to transformers'
     save_model(model, "out/hf")                  # transformers loads it with identical logits
 
@@ -18,21 +20,23 @@ from pathlib import Path
 import torch
 
 from torchmoe.components.hf_storage import DEFAULT_SHARD_BYTES, load_hf_weights, read_hf_args, save_hf_weights
-from torchmoe.models.llama4.hf import HFConversionError
-from torchmoe.models.llama4.model import Transformer
+from torchmoe.models.decoder.model import Transformer
+from torchmoe.models.hf_config_spec import HFConversionError
 
 __all__ = ["HFConversionError", "load_model", "save_model"]
 
-_FIX = "pass a complete Hugging Face Llama 4 text or multimodal checkpoint folder (config.json + *.safetensors)"
+_FIX = ("pass a complete Hugging Face checkpoint folder of a family torchmoe trains (config.json + *.safetensors): "
+        "Llama 4 (text or multimodal) or Qwen3-MoE")
 
 
 def load_model(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Transformer:
-    """A torchmoe `Transformer` (CPU, eval mode, parameters in `dtype`) from a Hugging Face Llama 4
-    text or multimodal checkpoint folder (config.json + *.safetensors).
+    """A torchmoe `Transformer` (CPU, eval mode, parameters in `dtype`) from a Hugging Face
+    checkpoint folder (config.json + *.safetensors) of a family torchmoe trains, detected from
+    config.json's ``model_type``: Llama 4 (text or multimodal), Qwen3-MoE.
 
     Raises:
         ConfigError: (naming ``hf_dir``) a file of the folder is missing, unreadable or damaged,
-            or it is not a Llama 4 checkpoint this model can represent.
+            or it is not a checkpoint this model can represent.
     """
     hf_dir = Path(hf_dir)
     args = read_hf_args(hf_dir, key="hf_dir", fix=_FIX)
@@ -47,7 +51,8 @@ def load_model(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) ->
 
 
 def save_model(model: Transformer, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
-    """Write `model` as a Hugging Face ``Llama4ForCausalLM`` folder: config.json plus safetensors
-    files of at most `max_shard_bytes` with model.safetensors.index.json. A non-zero expert bias
-    is dropped with a warning (Hugging Face Llama 4 has no place for it)."""
+    """Write `model` as a Hugging Face folder of its family (``Llama4ForCausalLM``,
+    ``Qwen3MoeForCausalLM``): config.json plus safetensors files of at most `max_shard_bytes` with
+    model.safetensors.index.json. A non-zero expert bias is dropped with a warning (Hugging Face
+    has no place for it)."""
     save_hf_weights(model.state_dict(), model.args, out_dir, max_shard_bytes=max_shard_bytes)

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.attention_kernel import MATH
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.file_writes import write_file

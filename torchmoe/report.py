@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchmoe.arch.llama4 import FLAVORS, ModelArgs, model_args_from_config
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.registry import FLAVORS, model_args_from_config
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.metrics import METRICS_FILE, layer_imbalance, parse_record
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
@@ -186,7 +187,7 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
     cfg = load_toml_config(folder / "config.toml", key="DUMP_FOLDER")
     with _config_faults(folder):  # checked as `train` checks its sections
         validate_sections(cfg)
-        check_flavor(cfg.model.flavor)
+        check_flavor(cfg.model)
     try:
         resolve_degrees(cfg.parallelism, world_size)
     except ConfigError as err:
@@ -194,7 +195,7 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
                           f"world size {world_size} does not fit the run's config.toml: {err.problem}",
                           size_fix) from None
     args = model_args_from_config(cfg.model)
-    _check_records(folder, records, cfg.model.flavor, _counts_shape(args))
+    _check_records(folder, records, cfg.model.flavor, args)
     kept = [record for _, record in records]
     with _config_faults(folder):  # the planner's own checks (a pipeline split)
         facts = _run_facts(cfg, world_size, kept)
@@ -212,10 +213,10 @@ def _config_faults(folder: Path) -> Iterator[None]:
                           f"{err.problem}", f"{err.fix} (in {folder / 'config.toml'})") from None
 
 
-def _check_records(folder: Path, records: list[tuple[int, dict[str, Any]]], flavor: str,
-                   shape: tuple[int, int]) -> None:
+def _check_records(folder: Path, records: list[tuple[int, dict[str, Any]]], flavor: str, args: ModelArgs) -> None:
     """Every record drawn must be one torchmoe writes (`_record_fault`), with the tokens_per_expert
-    of a model of config.toml's `flavor` (`shape`: its MoE layers and experts)."""
+    of a model of config.toml's `flavor` (`args`: its MoE layers and experts)."""
+    shape = _counts_shape(args)
     for line_no, record in records:
         where = f"{METRICS_FILE} line {line_no}"
         problem = _record_fault(record)
@@ -227,7 +228,7 @@ def _check_records(folder: Path, records: list[tuple[int, dict[str, Any]]], flav
         counts = record.get("tokens_per_expert")
         got = (len(counts), len(counts[0])) if counts else (0, 0)
         if counts is not None and got != shape:
-            fits = [name for name, args in FLAVORS.items() if _counts_shape(args) == got]
+            fits = [name for name, other in FLAVORS[args.family].items() if _counts_shape(other) == got]
             raise ConfigError(
                 "DUMP_FOLDER", str(folder), f"{where}: tokens_per_expert holds {got[0]} MoE layers of {got[1]} experts, "
                 f"but config.toml's flavor {flavor!r} has {shape[0]} of {shape[1]}: the metrics are another run's",

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.components.checkpoint import (
     CheckpointManager,
     ModelWrapper,
@@ -82,8 +82,8 @@ from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_meta
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.interruption import leaving_for_failure
 from torchmoe.models.llama4 import Transformer, update_expert_bias
-from torchmoe.models.llama4.parallelize import parallelize_llama4
-from torchmoe.models.llama4.pipeline_stages import PipelineRankModel, split_into_stages
+from torchmoe.models.decoder.parallelize import parallelize_model
+from torchmoe.models.decoder.pipeline_stages import PipelineRankModel, split_into_stages
 from torchmoe.nn.attention_kernels import describe_kernel
 from torchmoe.nn.document_attention import (
     AttentionCall,
@@ -217,7 +217,7 @@ class Trainer:
         self.pipe = pipeline_layout(self.model_args, self.dims, cfg.parallelism, cfg.training.seq_len)
         self.pp_rank = self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
         parts = split_into_stages(model, self.pipe, self.pp_rank) if self.dims.pp_enabled else [model]
-        self.model_parts = [parallelize_llama4(part, self.dims, self.mesh, cfg, self.device) for part in parts]
+        self.model_parts = [parallelize_model(part, self.dims, self.mesh, cfg, self.device) for part in parts]
         # For whatever draws from the global RNG while training; the weights do not: their values
         # come from the seed and each parameter's name, the same under every layout.
         torch.manual_seed(cfg.training.seed)
@@ -241,7 +241,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(self.dump_folder, cfg.checkpoint, total_steps=cfg.training.steps,
                                               timeout=checkpoint_timeout(cfg.checkpoint, cfg.comm))
         self.state = {
-            "model": ModelWrapper([self.model], flavor=cfg.model.flavor),
+            "model": ModelWrapper([self.model], flavor=cfg.model.flavor, family=cfg.model.name),
             "optimizer": OptimizerWrapper([self.model], [self.optimizer]),
             "lr_scheduler": self.scheduler,
             "dataloader": RankLocal(self.dataloader, rank=self.rank) if ft.enable else self.dataloader,

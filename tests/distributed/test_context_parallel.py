@@ -160,8 +160,8 @@ def _check_model(seq_len: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchmoe.models.llama4 import FLAVORS, Transformer
-    from torchmoe.models.llama4.model import Attention
-    from torchmoe.models.llama4.parallelize import apply_cp
+    from torchmoe.models.decoder.model import Attention
+    from torchmoe.models.decoder.parallelize import apply_cp
     from torchmoe.nn.document_attention import AttentionCall, document_segments, document_starts, whole_row_calls
     from torchmoe.plan.memory import ActivationModel
     from torchmoe.plan.parallel_dims import ParallelDims

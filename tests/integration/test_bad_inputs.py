@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error, small_bpe
 from torchmoe import cli
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config import ConfigError, load_job_config, resolve_degrees
 from torchmoe.launch import read_metrics, run_train
 from torchmoe.preflight.layout import check_memory_fits

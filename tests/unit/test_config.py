@@ -17,7 +17,8 @@ import torch
 
 from tests.helpers import write_toml
 from torchmoe import cli
-from torchmoe.arch.llama4 import FLAVORS, ModelArgs
+from torchmoe.arch.llama4 import FLAVORS
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config import (
     ConfigError,
     JobConfig,
@@ -229,7 +230,8 @@ RULES = [
     ({"optimizer.implementation": "triton"}, 1, "optimizer.implementation", '"triton"', '"foreach"', "allowed"),
     ({"checkpoint.async_mode": "asynch"}, 1, "checkpoint.async_mode", '"asynch"', 'did you mean "async"', "allowed"),
     # keys torchmoe shares with torchtitan v0.2.2
-    ({"model.name": "llama3"}, 1, "model.name", '"llama3"', 'model.name = "llama4"', "Llama 4 (text, mixture-of"),
+    ({"model.name": "llama3"}, 1, "model.name", '"llama3"', "set model.name to one of them",
+     'the mixture-of-experts families "llama4", "qwen3"'),
     ({"lr_scheduler.total_steps": 0}, 1, "lr_scheduler.total_steps", "0", "-1 for training.steps", ">= 1"),
     ({"training.gc_freq": -1}, 1, "training.gc_freq", "-1", "0 for Python's automatic", ">= 0"),
     ({"training.dataset": "C4"}, 1, "training.dataset", '"C4"', 'did you mean "c4"', "allowed"),

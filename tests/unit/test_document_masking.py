@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import SHORT_DOCUMENTS, HostReads, counting_model_reads, emulated_flash, refusing_attention_masks
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
 from torchmoe.distributed.compile import DynamoCounts

@@ -25,7 +25,7 @@ from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears
 from torchmoe.distributed.mesh import build_mesh
 from torchmoe.models.llama4 import FLAVORS, Transformer
-from torchmoe.models.llama4.tensor_parallel import apply_tp
+from torchmoe.models.decoder.tensor_parallel import apply_tp
 from torchmoe.nn.experts import GroupedExperts, _grouped_swiglu, _looped_swiglu
 from torchmoe.nn.moe_ops import grouped_mm
 from torchmoe.plan.float8 import float8_tp_enabled
@@ -344,8 +344,8 @@ def test_float8_tp_composes_with_the_parallelize_pipeline(fake_world, world, fla
     moves no data: shapes, placements and the float8 paths run, not the numbers): every float8
     linear runs, every parameter is a DTensor with a gradient, and the output has rank 0's shape
     (vocab-sharded logits, or a first stage's sequence-sharded hidden states)."""
-    from torchmoe.models.llama4.parallelize import parallelize_llama4
-    from torchmoe.models.llama4.pipeline_stages import split_into_stages
+    from torchmoe.models.decoder.parallelize import parallelize_model
+    from torchmoe.models.decoder.pipeline_stages import split_into_stages
 
     cfg = _cfg("--float8.enable", "true", *flags)
     dims = ParallelDims.from_config(cfg.parallelism, world)
@@ -356,7 +356,7 @@ def test_float8_tp_composes_with_the_parallelize_pipeline(fake_world, world, fla
     if dims.pp_enabled:
         pipe = pipeline_layout(FLAVORS["tiny"], dims, cfg.parallelism, SEQ)
         model = split_into_stages(model, pipe, 0)[0]
-    parallelize_llama4(model, dims, mesh, cfg, "cpu")
+    parallelize_model(model, dims, mesh, cfg, "cpu")
     float8 = [module for module in model.modules() if isinstance(module, Float8Linear)]
     assert float8 and all(isinstance(p, DTensor) for p in model.parameters())
     model.to_empty(device="cpu")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchmoe.models.llama4 import FLAVORS, Transformer, build_model_args
+from torchmoe.arch.registry import build_model_args
+from torchmoe.models.llama4 import FLAVORS, Transformer
 
 
 def _meta_then_init(flavor: str, seed: int) -> Transformer:
@@ -78,11 +79,11 @@ def test_flops_per_token_formula():
 
 
 def test_build_model_args_overrides():
-    args = build_model_args("tiny", attn_backend="flex", use_grouped_mm=False, load_balance_coeff=0.0,
+    args = build_model_args("llama4", "tiny", attn_backend="flex", use_grouped_mm=False, load_balance_coeff=0.0,
                             aux_loss_coeff=0.1)
     assert (args.attn_backend, args.use_grouped_mm, args.load_balance_coeff, args.aux_loss_coeff) == (
         "flex", False, None, 0.1)
-    assert build_model_args("tiny").load_balance_coeff == FLAVORS["tiny"].load_balance_coeff
+    assert build_model_args("llama4", "tiny").load_balance_coeff == FLAVORS["tiny"].load_balance_coeff
 
 
 def test_flex_attention_matches_sdpa():

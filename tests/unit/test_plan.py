@@ -144,7 +144,7 @@ def _measured_local_elements(model: torch.nn.Module) -> int:
     ("tiny", dict(dp_shard=4, ep=2), 3),
 ])
 def test_states_match_parallelized_meta_model(fake_world, flavor, degrees, rank):
-    from torchmoe.models.llama4.parallelize import parallelize_llama4
+    from torchmoe.models.decoder.parallelize import parallelize_model
 
     args = FLAVORS["tiny"]
     if flavor == "uneven":
@@ -155,7 +155,7 @@ def test_states_match_parallelized_meta_model(fake_world, flavor, degrees, rank)
     with torch.device("meta"):
         model = Transformer(args)
     cfg = JobConfig()
-    parallelize_llama4(model, dims, mesh, cfg, "cpu")
+    parallelize_model(model, dims, mesh, cfg, "cpu")
     est = memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism)[0]
     assert est.params == 4 * _measured_local_elements(model)
 

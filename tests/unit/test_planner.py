@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config import ConfigError, load_job_config
 from torchmoe.config.loader import differing_keys
 from torchmoe.plan.hardware import BUILTIN_PROFILES, Link, load_profile, profile_from_dict, profile_to_dict

@@ -23,7 +23,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.models.llama4.hf import args_from_hf_config, hf_config_from_args
-from torchmoe.models.llama4.model import precompute_freqs_cis, rope_frequencies
+from torchmoe.models.decoder.model import precompute_freqs_cis, rope_frequencies
 from torchmoe.plan.memory import estimate_memory
 
 REPO = Path(__file__).resolve().parents[2]

@@ -140,9 +140,10 @@ class ModelWrapper(Stateful):
     state dicts merge into one dict keyed like the unsplit model's.
     """
 
-    def __init__(self, model_parts: nn.Module | list[nn.Module], *, flavor: str = "") -> None:
+    def __init__(self, model_parts: nn.Module | list[nn.Module], *, flavor: str = "", family: str = "llama4") -> None:
         self.model_parts = _as_list(model_parts)
-        self.flavor = flavor  # named in the error for a checkpoint of another model
+        # Named in the error for a checkpoint of another model, with the family's flavors it fits.
+        self.flavor, self.family = flavor, family
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {}
@@ -158,7 +159,8 @@ class ModelWrapper(Stateful):
             saved = shapes.get(name)
             if saved is None or tuple(saved) != tuple(tensor.shape):
                 found = "has no such tensor" if saved is None else f"holds it as {tuple(saved)}"
-                fix = flavor_fix("--model.flavor", flavors_fitting(shapes)) or "use the flavor the run was trained with"
+                fix = (flavor_fix("--model.flavor", flavors_fitting(shapes, self.family))
+                       or "use the flavor the run was trained with")
                 raise ConfigError("model.flavor", self.flavor, f"does not match the run's checkpoints: this model's "
                                   f"{name} is {tuple(tensor.shape)}, the checkpoint {found}",
                                   f"{fix}; or give this run its own job.dump_folder")

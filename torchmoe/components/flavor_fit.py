@@ -19,11 +19,12 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchmoe.arch.llama4 import FLAVORS, ModelArgs
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.registry import FLAVORS
 from torchmoe.components.weight_files import misfit
 from torchmoe.config.errors import ConfigError
-from torchmoe.models.llama4.hf import hf_config_from_args
-from torchmoe.models.llama4.model import Transformer
+from torchmoe.models.decoder.model import Transformer
+from torchmoe.models.registry import hf_mapping
 
 __all__ = ["flavor_fix", "flavors_fitting", "matching_flavor", "meta_state", "require_fit"]
 
@@ -38,14 +39,14 @@ _NOT_ARCHITECTURE = ("dtype", "max_position_embeddings", "interleave_moe_layer_s
 def _architecture(args: ModelArgs) -> dict:
     """A canonical description of what `args` computes: its Hugging Face config, which spells out
     derived settings (RoPE/NoPE and MoE layers) that `ModelArgs` may leave implicit."""
-    config = hf_config_from_args(args, torch.float32)
+    config = hf_mapping(args).hf_config_from_args(args, torch.float32)
     return {k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}
 
 
 def matching_flavor(args: ModelArgs) -> str | None:
-    """The built-in flavor with exactly the architecture of `args`, or None."""
+    """The built-in flavor of the family of `args` with exactly its architecture, or None."""
     want = _architecture(args)
-    return next((name for name, flavor in FLAVORS.items() if _architecture(flavor) == want), None)
+    return next((name for name, flavor in FLAVORS[args.family].items() if _architecture(flavor) == want), None)
 
 
 def meta_state(args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -55,15 +56,15 @@ def meta_state(args: ModelArgs) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
-def _flavor_shapes(flavor: str) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in meta_state(FLAVORS[flavor]).items()}
+def _flavor_shapes(family: str, flavor: str) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in meta_state(FLAVORS[family][flavor]).items()}
 
 
-def flavors_fitting(shapes: Mapping[str, Sequence[int]]) -> list[str]:
-    """The built-in flavors whose model holds exactly tensors of these names and `shapes` (a
-    checkpoint's model tensors), in `FLAVORS` order."""
+def flavors_fitting(shapes: Mapping[str, Sequence[int]], family: str = "llama4") -> list[str]:
+    """The built-in flavors of `family` whose model holds exactly tensors of these names and
+    `shapes` (a checkpoint's model tensors), in `FLAVORS` order."""
     have = {name: tuple(shape) for name, shape in shapes.items()}
-    return [flavor for flavor in FLAVORS if _flavor_shapes(flavor) == have]
+    return [flavor for flavor in FLAVORS[family] if _flavor_shapes(family, flavor) == have]
 
 
 def flavor_fix(flag: str, fits: list[str]) -> str | None:
@@ -86,7 +87,7 @@ def require_fit(key: str, flavor: str, args: ModelArgs, stored: Mapping[str, Ten
     problem = misfit(meta_state(args), stored, extra_ok=False)
     if problem is None:
         return
-    fits = flavors_fitting({name: md.size for name, md in stored.items()})
+    fits = flavors_fitting({name: md.size for name, md in stored.items()}, args.family)
     fix = flavor_fix(key if key.startswith("-") else f"--{key}", fits)
     raise ConfigError(key, flavor, f"does not fit {source}: {problem}",
                       fix or "pass the flavor the checkpoint was trained with")

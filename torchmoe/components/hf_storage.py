@@ -11,13 +11,14 @@ local shards cover, and `HuggingFaceStorageWriter` writes each rank's shards to 
 own, which every rank then helps consolidate into Hugging Face's layout
 (`_torch_private.consolidate_safetensors`). No rank ever holds more than its shards.
 
-What torch does not know is our name and layout mapping (`models/llama4/hf.py`): the routed
-experts are stored transposed, and w1 / w3 are the two halves of one fused ``gate_up_proj``.
-The planners below present each of our tensors to DCP in Hugging Face orientation (a view of
-the tensor, so loading writes straight into the parameters) and move its chunks to their place
-in the stored tensor (w3's half starts at column `hidden`). A rank whose w1 and w3 shards are
-both column slices of one ``gate_up_proj`` (MoE tensor parallelism) writes them to two files,
-since one safetensors file holds one entry per name.
+What torch does not know is each family's name and layout mapping (`models/registry.py`,
+`models.hf_slices`): Llama 4 stores its routed experts transposed, w1 / w3 as the two halves of
+one fused ``gate_up_proj``; Qwen3-MoE stores one tensor per expert. The planners below present
+each of our tensors to DCP in Hugging Face orientation (a view of the tensor, so loading writes
+straight into the parameters) and move its chunks to their place in the stored tensor (w3's half
+starts at column `hidden`), or split them into one chunk per expert's tensor. A rank whose w1
+and w3 shards are both column slices of one ``gate_up_proj`` (MoE tensor parallelism) writes
+them to two files, since one safetensors file holds one entry per name.
 
 Without a process group everything runs in this process (`no_dist`), with the same code.
 """
@@ -52,7 +53,7 @@ from torch.futures import Future
 
 # checkpoint's import also silences DCP's warning on every single-process call.
 from torchmoe import _torch_private as private
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.checkpoint import _dist_on
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.finite import refuse_nonfinite, require_finite
@@ -60,17 +61,10 @@ from torchmoe.components.weight_files import UnreadableWeights, read_json_object
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import write_file
 from torchmoe.distributed.process_groups import device_backend
-from torchmoe.models.llama4.hf import (
-    HFConfigValueError,
-    HFConversionError,
-    HFSlice,
-    args_from_hf_config,
-    hf_config_from_args,
-    hf_slices,
-    text_tensor_name,
-)
-from torchmoe.models.llama4.hf_config_check import show_json
-from torchmoe.models.llama4.model import Transformer
+from torchmoe.models.decoder.model import Transformer
+from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, show_json
+from torchmoe.models.hf_slices import HFSlice
+from torchmoe.models.registry import hf_mapping, hf_mapping_for_config, hf_slices
 from torchmoe.nn.shards import local_shard
 
 __all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "read_hf_args", "save_hf_weights"]
@@ -80,9 +74,10 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 _SHARDS_DIR = ".rank-shards"
 
 
-def _hf_views(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, HFSlice]]:
+def _hf_views(state: Mapping[str, torch.Tensor], args: ModelArgs) -> tuple[dict[str, torch.Tensor],
+                                                                          dict[str, HFSlice]]:
     """Our entries that Hugging Face stores, as views in its orientation, and their slices."""
-    slices = hf_slices(state)
+    slices = hf_slices(state, args)
     return {name: s.view(state[name]) for name, s in slices.items()}, slices
 
 
@@ -90,7 +85,7 @@ def _full_model_slices(args: ModelArgs) -> list[HFSlice]:
     """The slices of a whole model of `args` (all stages, whatever this rank holds), in order."""
     with torch.device("meta"):
         model = Transformer(args)
-    return list(hf_slices(model.state_dict()).values())
+    return list(hf_slices(model.state_dict(), args).values())
 
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -101,7 +96,8 @@ class _HFLoadPlanner(SafeLoadPlanner):
 
     DCP plans against a virtual metadata in which every one of our tensors is stored whole
     under its own name; each read item is then pointed at the stored tensor, its offsets
-    moved by the slice's offset.
+    moved by the slice's offset, or split into one item per expert of a per-expert slice (its
+    destination is then expert e's matrix of our tensor: `transform_tensor`).
 
     Args:
         slices: ours -> where it is stored.
@@ -116,7 +112,7 @@ class _HFLoadPlanner(SafeLoadPlanner):
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         virtual = {}
         for name, s in self.slices.items():
-            stored_md = metadata.state_dict_metadata[self.stored[s.hf_name]]
+            stored_md = metadata.state_dict_metadata[self.stored[next(iter(s.stored()))]]
             size = torch.Size(state_dict[name].shape)
             virtual[name] = TensorStorageMetadata(stored_md.properties, size,
                                                   [ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
@@ -124,15 +120,30 @@ class _HFLoadPlanner(SafeLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
-        return dataclasses.replace(plan, items=[self._to_stored(item) for item in plan.items])
+        return dataclasses.replace(plan, items=[out for item in plan.items for out in self._to_stored(item)])
 
-    def _to_stored(self, item: ReadItem) -> ReadItem:
+    def _to_stored(self, item: ReadItem) -> list[ReadItem]:
         s = self.slices[item.dest_index.fqn]
         offsets = list(item.storage_offsets)
-        offsets[-1] += s.offset
         # A Hugging Face file stores each tensor whole: its one chunk starts at 0 (checked on load).
-        return dataclasses.replace(item, storage_index=MetadataIndex(self.stored[s.hf_name], [0] * len(offsets)),
-                                   storage_offsets=torch.Size(offsets))
+        if not s.per_expert:
+            offsets[-1] += s.offset
+            return [dataclasses.replace(item, storage_index=MetadataIndex(self.stored[s.hf_name], [0] * len(offsets)),
+                                        storage_offsets=torch.Size(offsets))]
+        # Expert e's rows of the item: its 2-D block of expert e's tensor. The lengths are the
+        # block's (2-D); the destination keeps its 3-D offsets, whose first is the local expert.
+        first, dest = offsets[0], list(item.dest_offsets)
+        return [dataclasses.replace(item, storage_index=MetadataIndex(self.stored[s.hf_name.format(e=first + j)],
+                                                                      [0, 0]),
+                                    storage_offsets=torch.Size(offsets[1:]), lengths=torch.Size(item.lengths[1:]),
+                                    dest_offsets=torch.Size([dest[0] + j, *dest[1:]]))
+                for j in range(item.lengths[0])]
+
+    def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
+        if len(read_item.dest_offsets) == len(read_item.lengths) + 1:  # one expert's block (`_to_stored`)
+            one = dataclasses.replace(read_item, dest_offsets=torch.Size(read_item.dest_offsets[1:]))
+            return super().transform_tensor(one, tensor[read_item.dest_offsets[0]])
+        return super().transform_tensor(read_item, tensor)
 
 
 def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArgs) -> dict[str, str]:
@@ -144,8 +155,9 @@ def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArg
             stored as integers.
     """
     entries = metadata.state_dict_metadata
-    stored = {text: key for key in entries if (text := text_tensor_name(key)) is not None}
-    expected = {s.hf_name for s in _full_model_slices(args)}
+    mapping = hf_mapping(args)
+    stored = {text: key for key in entries if (text := mapping.text_tensor_name(key)) is not None}
+    expected = {name for s in _full_model_slices(args) for name in s.stored()}
     missing = sorted(expected - set(stored))
     if missing:
         raise HFConversionError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -153,15 +165,15 @@ def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArg
     if extra:
         raise HFConversionError(f"the checkpoint holds {len(extra)} tensors this model has no place for, "
                                 f"e.g. {extra[:3]}")
-    for s in slices.values():
-        md = entries[stored[s.hf_name]]
-        if tuple(md.size) != s.size:
-            raise HFConversionError(f"{s.hf_name} has shape {tuple(md.size)}, expected {s.size}")
+    for name, size in ((name, size) for s in slices.values() for name, size in s.stored().items()):
+        md = entries[stored[name]]
+        if tuple(md.size) != size:
+            raise HFConversionError(f"{name} has shape {tuple(md.size)}, expected {size}")
         if len(md.chunks) != 1:
-            raise HFConversionError(f"{s.hf_name} is split over {len(md.chunks)} files: not a Hugging Face "
+            raise HFConversionError(f"{name} is split over {len(md.chunks)} files: not a Hugging Face "
                                     "checkpoint (a sharded DCP export must be consolidated first)")
         if not md.properties.dtype.is_floating_point:  # a cast would load nonsense (quantized weights?)
-            raise HFConversionError(f"{s.hf_name} is stored as {str(md.properties.dtype).removeprefix('torch.')}, "
+            raise HFConversionError(f"{name} is stored as {str(md.properties.dtype).removeprefix('torch.')}, "
                                     "not as floating-point weights")
     return stored
 
@@ -201,12 +213,13 @@ def read_hf_args(hf_dir: str | os.PathLike, *, key: str, fix: str) -> ModelArgs:
     Raises:
         ConfigError: config.json is missing, unreadable, not a JSON object, holds a value of the
             wrong type or range (`check_hf_config`: the fix names the field and what it must
-            be), or is not a Llama 4 config this model can represent.
+            be), or is not a config of a family torchmoe trains that this model can represent
+            (the family is config.json's ``model_type``: `models.registry`).
     """
     hf_dir = Path(hf_dir)
     config = read_json_object(key, hf_dir, "config.json", fix)
     try:
-        return args_from_hf_config(config)
+        return hf_mapping_for_config(config).args_from_hf_config(config)
     except HFConfigValueError as err:  # a value to correct: the fix says to what
         raise ConfigError(key, str(hf_dir), f"its config.json sets \"{err.field}\": {show_json(err.value)}, "
                           f"{err.problem}", f"set \"{err.field}\" in {hf_dir / 'config.json'} to {err.expected}") from None
@@ -216,14 +229,14 @@ def read_hf_args(hf_dir: str | os.PathLike, *, key: str, fix: str) -> ModelArgs:
 
 def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike, args: ModelArgs, *,
                     key: str, fix: str) -> None:
-    """Copy the weights of a Hugging Face Llama 4 folder into the tensors of `state` in place, each
+    """Copy the weights of a Hugging Face folder of the family of `args` into the tensors of `state` in place, each
     rank reading only the slices its (DTensor) shards cover, cast to their dtype. Collective
     under a process group. Router buffers are left as they are.
 
     Args:
         state: our model state dict on this rank (e.g. `get_model_state_dict(model)`: sharded
             DTensors sharing the parameters' storage; under PP only this rank's stages).
-        hf_dir: a text or multimodal Llama 4 checkpoint (``*.safetensors``).
+        hf_dir: a checkpoint of the family (``*.safetensors``; Llama 4's text or multimodal).
         args: the whole model's architecture (to check the checkpoint holds all of it).
         key, fix: how the user named `hf_dir` (``HF_DIR``, ``checkpoint.initial_load_path``) and
             what to do about a folder that does not load, for the `ConfigError`.
@@ -236,10 +249,11 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
     _check_files(hf_dir, key, fix)
     with reading(key, hf_dir, fix, what="a *.safetensors file"):  # HFConversionError is a fault too
         reader = HuggingFaceStorageReader(str(hf_dir))
-        views, slices = _hf_views(state)
+        views, slices = _hf_views(state, args)
         stored = _stored_names(reader.read_metadata(), slices, args)
         dcp.load(views, storage_reader=reader, planner=_HFLoadPlanner(slices, stored), no_dist=not _dist_on())
-    refuse_nonfinite(views, key=key, path=hf_dir, names={name: stored[s.hf_name] for name, s in slices.items()})
+    refuse_nonfinite(views, key=key, path=hf_dir, names={name: s.label() if s.per_expert else stored[s.hf_name]
+                                                         for name, s in slices.items()})
 
 
 # ---- saving ----------------------------------------------------------------------------------
@@ -247,33 +261,44 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
 
 class _HFSavePlanner(DefaultSavePlanner):
     """Writes each of our tensors (a view in HF orientation) as chunks of its stored tensor:
-    every write item is renamed to the HF name with its offsets moved by the slice's offset."""
+    every write item is renamed to the HF name with its offsets moved by the slice's offset, or
+    split into one item per expert of a per-expert slice."""
 
     def __init__(self, slices: dict[str, HFSlice]) -> None:
         super().__init__()
         self.slices = slices
-        self._ours: dict[tuple[str, tuple[int, ...]], MetadataIndex] = {}
+        # (stored name, offsets) -> our item, and the expert of its chunk (None: the whole chunk).
+        self._ours: dict[tuple[str, tuple[int, ...]], tuple[MetadataIndex, int | None]] = {}
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        self.plan = dataclasses.replace(plan, items=[self._to_stored(item) for item in plan.items])
+        self.plan = dataclasses.replace(plan, items=[out for item in plan.items for out in self._to_stored(item)])
         return self.plan
 
-    def _to_stored(self, item: WriteItem) -> WriteItem:
+    def _to_stored(self, item: WriteItem) -> list[WriteItem]:
         s = self.slices[item.index.fqn]
         chunk = item.tensor_data.chunk
         offsets = list(chunk.offsets)
-        offsets[-1] += s.offset
-        self._ours[(s.hf_name, tuple(offsets))] = item.index
-        data = TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), chunk.sizes),
-                               properties=item.tensor_data.properties, size=torch.Size(s.size))
-        # SHARD: a stored tensor may receive several chunks (w1's and w3's) from one rank.
-        return WriteItem(index=MetadataIndex(s.hf_name, offsets), type=WriteItemType.SHARD, tensor_data=data)
+        if s.per_expert:  # expert e's rows of the chunk: a 2-D chunk of expert e's tensor
+            pieces = [(s.hf_name.format(e=offsets[0] + j), offsets[1:], chunk.sizes[1:], s.size[1:], j)
+                      for j in range(chunk.sizes[0])]
+        else:
+            offsets[-1] += s.offset
+            pieces = [(s.hf_name, offsets, chunk.sizes, s.size, None)]
+        items = []
+        for name, at, sizes, size, expert in pieces:
+            self._ours[(name, tuple(at))] = (item.index, expert)
+            data = TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(at), torch.Size(sizes)),
+                                   properties=item.tensor_data.properties, size=torch.Size(size))
+            # SHARD: a stored tensor may receive several chunks (w1's and w3's) from one rank.
+            items.append(WriteItem(index=MetadataIndex(name, at), type=WriteItemType.SHARD, tensor_data=data))
+        return items
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        ours = self._ours[(write_item.index.fqn, tuple(write_item.index.offset))]
+        ours, expert = self._ours[(write_item.index.fqn, tuple(write_item.index.offset))]
+        data = super().resolve_data(dataclasses.replace(write_item, index=ours))
         # The views of transposed experts are strided; safetensors writes contiguous memory.
-        return super().resolve_data(dataclasses.replace(write_item, index=ours)).contiguous()
+        return (data if expert is None else data[expert]).contiguous()
 
 
 class _RankShardWriter(HuggingFaceStorageWriter):
@@ -304,13 +329,13 @@ def _file_index(dtype: torch.dtype, max_shard_bytes: int, args: ModelArgs) -> di
     the current one would exceed `max_shard_bytes`. The same on every rank, whatever it holds."""
     index: dict[str, int] = {}
     file, used = 1, 0
-    for s in _full_model_slices(args):
-        if s.hf_name in index:
+    for name, shape in ((name, shape) for s in _full_model_slices(args) for name, shape in s.stored().items()):
+        if name in index:  # w3's half of a fused tensor, after w1's
             continue
-        size = math.prod(s.size) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize
         if used and used + size > max_shard_bytes:
             file, used = file + 1, 0
-        index[s.hf_name] = file
+        index[name] = file
         used += size
     return index
 
@@ -331,7 +356,8 @@ def _max_abs_expert_bias(state: Mapping[str, torch.Tensor], group: dist.ProcessG
 
 def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, *,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, process_group: dist.ProcessGroup | None = None) -> None:
-    """Write `state` as a Hugging Face ``Llama4ForCausalLM`` folder: config.json,
+    """Write `state` as a Hugging Face folder of the family of `args` (``Llama4ForCausalLM``,
+    ``Qwen3MoeForCausalLM``: `models.registry`): config.json,
     ``model-0000i-of-0000n.safetensors`` files of at most `max_shard_bytes` and
     model.safetensors.index.json. Each rank writes only its shards, then consolidates some of
     the output files. Collective under a process group; parameters keep their dtype.
@@ -353,10 +379,11 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
     rank = dist.get_rank() if _dist_on() else 0
     require_finite(state, group=process_group)
     bias_max = _max_abs_expert_bias(state, process_group)
+    mapping = hf_mapping(args)
     if bias_max > 0 and rank == 0:
-        warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face Llama 4 "
-                      "and is dropped: expert selection there ignores it", stacklevel=2)
-    views, slices = _hf_views(state)
+        warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face "
+                      f"{mapping.title} and is dropped: expert selection there ignores it", stacklevel=2)
+    views, slices = _hf_views(state, args)
     dtype = next(iter(views.values())).dtype  # every parameter has the same (every pp stage has some)
     index = _file_index(dtype, max_shard_bytes, args)
     writer = _RankShardWriter(str(shards), fqn_to_index_mapping=index, save_distributed=True)
@@ -369,7 +396,7 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
         if max(index.values()) == 1:  # Hugging Face's name for a single file, which needs no index
             os.replace(out_dir / "model-00001-of-00001.safetensors", out_dir / "model.safetensors")
             (out_dir / "model.safetensors.index.json").unlink()
-        config = hf_config_from_args(args, dtype)
+        config = mapping.hf_config_from_args(args, dtype)
         write_file(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
     if _dist_on():
         dist.barrier(group=process_group)

@@ -16,13 +16,14 @@ from pathlib import Path
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.checkpoint import load_model_only
 from torchmoe.components.flavor_fit import matching_flavor, require_fit
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args
 from torchmoe.components.weight_files import model_tensors, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+from torchmoe.models.registry import hf_mapping
 
 __all__ = ["load_initial_weights"]
 
@@ -30,15 +31,16 @@ logger = logging.getLogger(__name__)
 
 _DCP_FIX = ("point it at a DCP checkpoint folder: a step-N folder of a run, or the output of "
             "`torchmoe convert hf-to-dcp`")
-_HF_FIX = "point it at a complete Hugging Face Llama 4 folder (config.json + *.safetensors)"
+
 
 # The ModelArgs fields that decide the tensors' shapes and what the model computes with them: a
 # Hugging Face config must agree with the run's flavor in each (the router's training settings
 # and the attention backend are the run's own).
-_ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "num_experts",
+_ARCHITECTURE_FIELDS = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "num_experts",
                         "top_k", "moe_hidden_dim", "ffn_hidden_dim", "moe_layer_ids", "rope_layers", "rope_theta",
                         "rope_scaling", "attention_chunk_size", "use_qk_norm", "attn_temperature_tuning",
-                        "floor_scale", "attn_scale", "tie_word_embeddings")
+                        "floor_scale", "attn_scale", "tie_word_embeddings", "qk_rms_norm", "rope_style",
+                        "score_func", "score_before_experts", "norm_topk_prob", "num_shared_experts", "norm_eps")
 
 
 def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, model: nn.Module, *,
@@ -66,12 +68,16 @@ def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, m
 
 def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: str) -> None:
     """Every rank reads the safetensors slices its shards cover, straight into its parameters."""
-    hf_args = read_hf_args(hf_dir, key=key, fix=_HF_FIX)
+    fix = f"point it at a complete Hugging Face {hf_mapping(args).title} folder (config.json + *.safetensors)"
+    hf_args = read_hf_args(hf_dir, key=key, fix=fix)
     differ = [f for f in _ARCHITECTURE_FIELDS if getattr(hf_args, f) != getattr(args, f)]
     if differ:
         fits = matching_flavor(hf_args)
-        raise ConfigError(key, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}",
-                          f"pass --model.flavor {fits}" if fits else
-                          "add a flavor with its architecture to torchmoe/arch/llama4.py FLAVORS")
-    load_hf_weights(get_model_state_dict(model), hf_dir, args, key=key, fix=_HF_FIX)
+        other = hf_args.family != args.family
+        what = f" (a {hf_mapping(hf_args).title} model, not {hf_mapping(args).title})" if other else ""
+        name = f"--model.name {hf_args.family} " if other else ""
+        raise ConfigError(key, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}{what}",
+                          f"pass {name}--model.flavor {fits}" if fits else
+                          f"add a flavor with its architecture to torchmoe/arch/{hf_args.family}.py FLAVORS")
+    load_hf_weights(get_model_state_dict(model), hf_dir, args, key=key, fix=fix)
     logger.info("loaded Hugging Face weights from %s", hf_dir)

@@ -137,10 +137,7 @@ def validate_job(job: Job) -> None:
 
 
 def validate_model(model: Model) -> None:
-    """The flavor name is checked with the model's shape (`torchmoe.preflight`)."""
-    if model.name != "llama4":  # e.g. a torchtitan file of another family: llama3, deepseek_v3, qwen3
-        raise ConfigError("model.name", model.name, "torchmoe trains Llama 4 (text, mixture-of-experts) models only",
-                          'set model.name = "llama4" with a Llama 4 flavor, or train this model family with torchtitan')
+    """The family and flavor names are checked with the model's shape (`torchmoe.preflight`)."""
     one_of("model.attn_backend", model.attn_backend, ATTN_BACKENDS)
     if model.load_balance_coeff != -1.0:
         _at_least("model.load_balance_coeff", model.load_balance_coeff, 0,

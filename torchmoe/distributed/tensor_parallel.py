@@ -2,7 +2,7 @@
 (`ReplicateParallel`: router gates, shared experts under EP), routed experts sharded on their hidden
 dim (`ExpertTensorParallel`), and the per-module choice between torchao's float8 styles and plain
 ones (`LinearStyles`). Which module of a model gets which style is the model's TP plan
-(`torchmoe.models.llama4.tensor_parallel`).
+(`torchmoe.models.decoder.tensor_parallel`).
 
 Float8 TP (``float8=True``: float8 linears with the tensorwise recipe): every ``Float8Linear``
 is sharded with torchao's float8 styles, and a block input whose consumers are all float8 is

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees

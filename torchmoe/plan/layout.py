@@ -3,7 +3,7 @@
     python -c "from torchmoe.plan.layout import param_specs; from torchmoe.models.llama4 import FLAVORS; \\
         print(*param_specs(FLAVORS['tiny'])[:6], sep='\\n')"
 
-Derived from `ModelArgs` alone (no model is built), mirroring the tensors `models/llama4/model.py`
+Derived from `ModelArgs` alone (no model is built), mirroring the tensors `models/decoder/model.py`
 creates. The sharding rules are the ones the parallelize pipeline applies (DESIGN §4):
 
 - TP (`distributed/tensor_parallel.py`): attention wq/wk/wv and dense SwiGLU w1/w3 column-wise
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.plan.memo import memoised
 from torchmoe.plan.parallel_dims import ParallelDims
 

@@ -109,7 +109,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.plan.context import HALO, LOCAL, CPLayout

@@ -39,7 +39,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Parallelism, Training
 from torchmoe.plan.layout import ParamSpec, unit_sizes

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from torchmoe.arch.llama4 import model_args_from_config
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.plan.hardware import HardwareProfile

@@ -61,7 +61,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.attention_kernel import FLASH, MATH
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import JobConfig

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.job_config import JobConfig
 from torchmoe.plan.float8 import float8_linear_eligible, float8_tp_enabled
 from torchmoe.plan.layout import param_specs

@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from torchmoe.arch.llama4 import ModelArgs, model_args_from_config
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import source_key
 from torchmoe.config.validate import resolve_degrees, validate_sections
@@ -92,7 +93,7 @@ def validate_layout(cfg: JobConfig, world_size: int, *, check_device: bool = Fal
         ConfigError: as `validate_job_config`.
     """
     validate_sections(cfg)
-    check_flavor(cfg.model.flavor)
+    check_flavor(cfg.model)
     degrees = resolve_degrees(cfg.parallelism, world_size)
     args = model_args_from_config(cfg.model)
     check_seq_len(args, cfg.model.flavor, cfg.training.seq_len)

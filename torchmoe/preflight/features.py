@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.plan.layout import param_specs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.float8 import float8_unavailable

@@ -14,13 +14,14 @@ under ``language_model.``; their vision tower is skipped.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
-from torchmoe.arch.llama4 import ModelArgs
-from torchmoe.models.llama4.hf_config_check import HFConfigValueError, HFConversionError, check_hf_config
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError
+from torchmoe.models.hf_slices import HFSlice
+from torchmoe.models.llama4.hf_config_check import check_hf_config
 
 # Fields of Llama4TextConfig that never change the text model's forward pass in training or
 # evaluation (token ids, generation, dropout at 0, output switches) and are therefore accepted as-is.
@@ -225,25 +226,6 @@ SKIPPED_HF_PREFIXES = ("vision_model.", "multi_modal_projector.")
 MULTIMODAL_TEXT_PREFIX = "language_model."
 
 
-@dataclass(frozen=True)
-class HFSlice:
-    """Where one of our tensors lives in a Hugging Face checkpoint.
-
-    Our tensor, in Hugging Face orientation (`view`: dims 1 and 2 swapped for the routed experts,
-    which HF stores input-major), is the block of `hf_name` (full size `size`) that starts at
-    `offset` along the last dim: the fused ``gate_up_proj`` holds w1 at 0 and w3 at `hidden`.
-    """
-
-    hf_name: str
-    size: tuple[int, ...]
-    transposed: bool = False
-    offset: int = 0
-
-    def view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` (ours, possibly a DTensor) as a view in HF orientation; shares its storage."""
-        return tensor.transpose(1, 2) if self.transposed else tensor
-
-
 def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
     """The `HFSlice` of our state-dict entry `name` of shape `shape`; None for the router
     bias, which Hugging Face has no place for. Raises `HFConversionError` for other names."""
@@ -261,12 +243,6 @@ def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
     if (hf := _hf_name(name)) is None:
         raise HFConversionError(f"no Hugging Face name for {name!r}")
     return HFSlice(hf, tuple(shape))
-
-
-def hf_slices(state: Mapping[str, torch.Tensor]) -> dict[str, HFSlice]:
-    """`hf_slice` of every entry of `state` that Hugging Face stores (ours -> slice)."""
-    slices = {name: hf_slice(name, t.shape) for name, t in state.items()}
-    return {name: s for name, s in slices.items() if s is not None}
 
 
 def text_tensor_name(stored: str) -> str | None:

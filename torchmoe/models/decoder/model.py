@@ -1,11 +1,14 @@
-"""The Llama 4 text transformer (iRoPE attention, interleaved dense and MoE feed-forward).
+"""The mixture-of-experts decoder every family builds (`ModelArgs` says which options it uses):
+GQA attention (Llama 4's iRoPE, chunks and QK L2-norm; Qwen3's per-head QK RMSNorm and half-split
+RoPE), interleaved dense and MoE feed-forward.
 
     python -c "import torch; from torchmoe.models.llama4 import Transformer, FLAVORS; \\
         m = Transformer(FLAVORS['tiny']); m.init_weights(seed=0); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
 
-Numerics follow Hugging Face ``Llama4ForCausalLM`` operation for operation (norms and rotary
-embeddings in fp32, interleaved-pair complex RoPE, QK L2-norm after RoPE, temperature tuning of
-NoPE queries), so logits match it to fp32 rounding.
+Numerics follow each family's Hugging Face model operation for operation (``Llama4ForCausalLM``:
+norms and rotary embeddings in fp32, interleaved-pair complex RoPE, QK L2-norm after RoPE,
+temperature tuning of NoPE queries; ``Qwen3MoeForCausalLM``: RMSNorm of each q/k head before
+half-split RoPE), so logits match them to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchmoe.arch.llama4 import ModelArgs
-from torchmoe.models.llama4.moe import MoE
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.models.decoder.moe import MoE
 from torchmoe.nn.attention import causal_attention
 from torchmoe.nn.document_attention import DocumentSegments, document_attention
 from torchmoe.nn.experts import FeedForward
@@ -73,17 +76,28 @@ def precompute_freqs_cis(args: ModelArgs, seq_len: int, device: torch.device | N
     return torch.polar(torch.ones_like(freqs), freqs)
 
 
-def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of q/k.
+def _rotate(x: torch.Tensor, fc: torch.Tensor, style: str) -> torch.Tensor:
+    """`x` (B, S, H, hd) rotated by `fc` (1, S, 1, hd/2) complex, pairs as `style` says."""
+    if style == "interleaved":
+        out = torch.view_as_real(torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * fc)
+        return out.flatten(3).type_as(x)
+    # "half": pair i is (x_i, x_{i + hd/2}); the real and imaginary parts go back to the halves.
+    half = x.shape[-1] // 2
+    pairs = torch.stack((x[..., :half].float(), x[..., half:].float()), dim=-1)  # (B, S, H, hd/2, 2)
+    out = torch.view_as_real(torch.view_as_complex(pairs) * fc)
+    return torch.cat((out[..., 0], out[..., 1]), dim=-1).type_as(x)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor, style: str = "interleaved"):
+    """Rotate pairs of q/k coordinates: interleaved (x0, x1), (x2, x3), ... (Llama 4), or half-split
+    (x_i, x_{i + hd/2}) (Qwen3, Hugging Face's `rotate_half`).
 
     xq: (B, S, H, hd), xk: (B, S, Hkv, hd), freqs_cis: (S, hd/2) complex. (Complex, not real
     (cos, sin) pairs: FSDP's and DDP's mixed precision cast every floating-point argument of a
     block to the compute dtype, and complex tensors are left alone.)
     """
     fc = freqs_cis[None, :, None, :]  # (1, S, 1, hd/2)
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    return torch.view_as_real(xq_ * fc).flatten(3).type_as(xq), torch.view_as_real(xk_ * fc).flatten(3).type_as(xk)
+    return _rotate(xq, fc, style), _rotate(xk, fc, style)
 
 
 class Attention(nn.Module):
@@ -92,6 +106,8 @@ class Attention(nn.Module):
     RoPE layers: rotary embeddings, QK L2-norm (``use_qk_norm``), causal attention within chunks
     of ``attention_chunk_size``. NoPE layers: no rotation, full causal attention, queries scaled by
     ``1 + attn_scale * log1p(floor((pos + 1) / floor_scale))`` (temperature tuning).
+    ``qk_rms_norm``: each query and key head is RMS-normalised with a learned (hd,) weight
+    (`q_norm`, `k_norm`) before RoPE.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
@@ -100,6 +116,10 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.use_rope = args.rope_layers[layer_id]
+        self.rope_style = args.rope_style
+        # Learned per-head norms (Qwen3); under tensor parallel each rank normalises its own heads.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_rms_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_rms_norm else None
         self.qk_norm = RMSNorm(args.head_dim, args.norm_eps, elementwise_affine=False) if (
             args.use_qk_norm and self.use_rope) else None
         self.chunk_size = args.layer_chunk(layer_id)
@@ -125,8 +145,10 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, H, hd)
         xk = self.wk(x).view(bsz, seq_len, -1, self.head_dim)  # (B, S, Hkv, hd)
         xv = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
+        if self.q_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         if self.use_rope:
-            xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+            xq, xk = apply_rotary_emb(xq, xk, freqs_cis, self.rope_style)
         if self.qk_norm is not None:
             xq, xk = self.qk_norm(xq), self.qk_norm(xk)
         if self.temperature is not None:
@@ -168,9 +190,14 @@ class Attention(nn.Module):
                                 prefix=prefix if start > first else None)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
-        """Projections into heads at std 0.02; the output projection at the block's depth-scaled std."""
-        return {"wq.weight": TruncNormal(0.02), "wk.weight": TruncNormal(0.02), "wv.weight": TruncNormal(0.02),
-                "wo.weight": TruncNormal(init_std)}
+        """Projections into heads at std 0.02; the output projection at the block's depth-scaled std;
+        per-head norms at 1."""
+        inits = {"wq.weight": TruncNormal(0.02), "wk.weight": TruncNormal(0.02), "wv.weight": TruncNormal(0.02),
+                 "wo.weight": TruncNormal(init_std)}
+        if self.q_norm is not None:
+            inits.update({**prefixed("q_norm", self.q_norm.param_inits()),
+                          **prefixed("k_norm", self.k_norm.param_inits())})
+        return inits
 
 
 _BLOCK_MASKS: dict = {}

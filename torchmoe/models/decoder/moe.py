@@ -29,7 +29,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 
-from torchmoe.arch.llama4 import ModelArgs
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.nn.dispatch import TokenDispatcher
 from torchmoe.nn.experts import FeedForward, GroupedExperts
 from torchmoe.nn.init import ParamInit, TruncNormal, prefixed
@@ -47,12 +47,13 @@ class TokenChoiceRouter(nn.Module):
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, *,
-                 force_load_balance: bool = False) -> None:
+                 norm_topk_prob: bool = False, force_load_balance: bool = False) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func
+        self.norm_topk_prob = norm_topk_prob
         self.force_load_balance = force_load_balance
 
     def forward(
@@ -79,6 +80,8 @@ class TokenChoiceRouter(nn.Module):
             choice = scores if expert_bias is None else scores + expert_bias
             _, selected = torch.topk(choice, self.top_k, dim=-1)  # (T, k)
         top_scores = scores.gather(-1, selected)  # (T, k)
+        if self.norm_topk_prob:  # the gates of a token sum to 1 (Qwen3's norm_topk_prob)
+            top_scores = top_scores / top_scores.sum(-1, keepdim=True)
         return top_scores, selected, scores, logits
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
@@ -129,6 +132,7 @@ class MoE(nn.Module):
         self.z_loss_coeff = args.z_loss_coeff
         self.load_balance_coeff = args.load_balance_coeff
         self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func,
+                                        norm_topk_prob=args.norm_topk_prob,
                                         force_load_balance=args.moe_force_load_balance)
         self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (

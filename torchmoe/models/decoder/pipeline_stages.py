@@ -14,7 +14,7 @@ import copy
 
 from torch import nn
 
-from torchmoe.models.llama4.model import Transformer
+from torchmoe.models.decoder.model import Transformer
 from torchmoe.plan.pipeline import PipelineLayout
 
 __all__ = ["PipelineRankModel", "split_into_stages"]

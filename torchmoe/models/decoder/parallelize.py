@@ -32,14 +32,14 @@ from torchmoe.distributed.expert_parallel import AllToAllDispatcher
 from torchmoe.distributed.float8 import apply_float8
 from torchmoe.distributed.mesh import ParallelMesh
 from torchmoe.distributed.tensor_parallel import ReplicateParallel
-from torchmoe.models.llama4.model import Attention
-from torchmoe.models.llama4.tensor_parallel import apply_tp
+from torchmoe.models.decoder.model import Attention
+from torchmoe.models.decoder.tensor_parallel import apply_tp
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import float8_tp_enabled
 from torchmoe.plan.parallel_dims import ParallelDims
 
 
-def parallelize_llama4(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, cfg: JobConfig,
+def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, cfg: JobConfig,
                        device: torch.device | str) -> nn.Module:
     """Apply every enabled parallelism and optimisation to `model` (on the meta device or
     materialised) and return it. `mesh` may be None only when the world is a single rank;

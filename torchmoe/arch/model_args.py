@@ -1,0 +1,203 @@
+"""The shape and behaviour of a mixture-of-experts decoder, as plain data: `ModelArgs`.
+
+    python -c "from torchmoe.arch.registry import FLAVORS; print(FLAVORS['qwen3']['30B-A3B'].param_counts())"
+
+One description serves every family (`family` names it; its flavors live in
+``torchmoe/arch/<family>.py``): the model, the Hugging Face mapping, the dry-run planner and the
+parallelize pipeline all read it. The defaults are Llama 4 Scout's, the first family torchmoe
+trained; each family's options are fields that other families leave off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
+
+# Llama 4's RoPE scaling (the released configs' and torchtitan's `RoPEScalingArgs()`): frequencies
+# whose wavelength exceeds 8192 positions are divided by 16. low == high leaves no band to smooth.
+LLAMA4_ROPE_SCALING = {
+    "factor": 16.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@dataclass(kw_only=True)
+class ModelArgs:
+    """Shape and behaviour of a mixture-of-experts decoder of family `family`.
+
+    Layer ``i`` is an MoE layer when ``i in moe_layer_ids`` and uses RoPE (attention within chunks
+    of ``attention_chunk_size`` if set, QK L2-norm if ``use_qk_norm``) when ``rope_layers[i]``;
+    otherwise it is a NoPE layer with full causal attention (and attention temperature tuning if
+    ``attn_temperature_tuning``), exactly as Hugging Face's ``Llama4TextConfig`` derives them.
+    """
+
+    # The family (`arch/registry.py`): which Hugging Face model the weights map to.
+    family: str = "llama4"
+    dim: int = 5120
+    n_layers: int = 48
+    n_heads: int = 40
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 202048
+    norm_eps: float = 1e-5
+    max_seq_len: int = 131072
+    # RoPE: base and the llama3 frequency scaling (None = plain RoPE).
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = field(default_factory=lambda: dict(LLAMA4_ROPE_SCALING))
+    # iRoPE: every `no_rope_layer_interval`-th layer is NoPE unless `no_rope_layers` lists them
+    # explicitly (HF convention: 1 = this layer uses RoPE, 0 = NoPE).
+    no_rope_layer_interval: int = 4
+    no_rope_layers: list[int] | None = None
+    attention_chunk_size: int | None = 8192
+    use_qk_norm: bool = True  # Llama 4: weightless L2 norm of q and k after RoPE, RoPE layers only
+    # Qwen3: RMSNorm with a learned (head_dim,) weight of each query and key head, before RoPE, on
+    # every layer.
+    qk_rms_norm: bool = False
+    # Which coordinates RoPE rotates together: "interleaved" pairs (x0, x1), (x2, x3), ... (Llama 4,
+    # Meta's complex form) or "half" pairs (x_i, x_{i + head_dim/2}) (Qwen3, `rotate_half`).
+    rope_style: str = "interleaved"
+    attn_temperature_tuning: bool = True
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
+    # "sdpa" (scaled_dot_product_attention with explicit masks) or "flex" (FlexAttention block masks).
+    attn_backend: str = "sdpa"
+    # Feed-forward: dense SwiGLU layers use `ffn_hidden_dim`; experts and the shared expert use
+    # `moe_hidden_dim`.
+    ffn_hidden_dim: int = 16384
+    moe_hidden_dim: int = 8192
+    # MoE placement: `moe_layers` overrides the interleave step when set.
+    interleave_moe_layer_step: int = 1
+    moe_layers: list[int] | None = None
+    num_experts: int = 16
+    top_k: int = 1
+    num_shared_experts: int = 1
+    score_func: str = "sigmoid"  # "sigmoid" (Llama 4) or "softmax"
+    score_before_experts: bool = True  # Llama 4 scales expert inputs; False scales outputs
+    norm_topk_prob: bool = False  # divide the k selected scores by their sum (Qwen3's option)
+    load_balance_coeff: float | None = 1e-3  # aux-loss-free bias update rate; None disables
+    aux_loss_coeff: float = 0.0  # sequence-wise load-balancing loss coefficient
+    z_loss_coeff: float = 0.0  # router z-loss coefficient
+    use_grouped_mm: bool = True  # torch._grouped_mm for routed experts (else a per-expert loop)
+    moe_force_load_balance: bool = False  # round-robin routing instead of top-k (performance work)
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            problems.append(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if not 1 <= self.top_k <= self.num_experts:
+            problems.append(f"top_k ({self.top_k}) must be in [1, num_experts={self.num_experts}]")
+        if self.score_func not in ("sigmoid", "softmax"):
+            problems.append(f"score_func ({self.score_func!r}) must be 'sigmoid' or 'softmax'")
+        if self.rope_style not in ("interleaved", "half"):
+            problems.append(f"rope_style ({self.rope_style!r}) must be 'interleaved' or 'half'")
+        if self.attn_backend not in ("sdpa", "flex"):
+            problems.append(f"attn_backend ({self.attn_backend!r}) must be 'sdpa' or 'flex'")
+        if self.no_rope_layers is not None and len(self.no_rope_layers) < self.n_layers:
+            problems.append(f"no_rope_layers has {len(self.no_rope_layers)} entries, need n_layers={self.n_layers}")
+        if self.moe_layers is not None and any(not 0 <= i < self.n_layers for i in self.moe_layers):
+            problems.append(f"moe_layers {self.moe_layers} must lie in [0, {self.n_layers})")
+        if problems:
+            raise ValueError("invalid ModelArgs: " + "; ".join(problems))
+
+    # ---- per-layer structure (HF Llama4TextConfig.__post_init__ semantics) -------------------
+
+    # Cached: the planner asks for them per block of every layout it scores (the fields are
+    # not changed after construction: `replace` makes a new ModelArgs).
+    @cached_property
+    def moe_layer_ids(self) -> frozenset[int]:
+        if self.moe_layers is not None:
+            return frozenset(self.moe_layers)
+        step = self.interleave_moe_layer_step
+        return frozenset(range(step - 1, self.n_layers, step))
+
+    @cached_property
+    def rope_layers(self) -> list[bool]:
+        if self.no_rope_layers is not None:
+            return [bool(x) for x in self.no_rope_layers[: self.n_layers]]
+        return [(i + 1) % self.no_rope_layer_interval != 0 for i in range(self.n_layers)]
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.num_experts > 0 and layer_id in self.moe_layer_ids
+
+    def layer_chunk(self, layer_id: int) -> int | None:
+        """The chunk length layer `layer_id` attends within (RoPE layers), or None (NoPE layers:
+        causal over the whole row)."""
+        return self.attention_chunk_size if self.rope_layers[layer_id] else None
+
+    def attention_chunks(self) -> tuple[int | None, ...]:
+        """Every distinct `layer_chunk` of the model, in layer order: the kinds of attention call
+        its layers make (document masking builds a segment table for each)."""
+        return tuple(dict.fromkeys(self.layer_chunk(i) for i in range(self.n_layers)))
+
+    def routed_expert_names(self) -> list[str]:
+        """Module names of the routed experts (``GroupedExperts``), one per MoE layer."""
+        return [f"layers.{i}.moe.experts" for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    def replace(self, **overrides) -> "ModelArgs":
+        return dataclasses.replace(self, **overrides)
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    def _attention_params(self) -> int:
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        qk_norms = 2 * self.head_dim if self.qk_rms_norm else 0
+        return self.dim * q_out + 2 * self.dim * kv_out + q_out * self.dim + qk_norms
+
+    def _expert_params(self) -> int:
+        return 3 * self.dim * self.moe_hidden_dim
+
+    def layer_params(self, layer_id: int) -> tuple[int, int]:
+        """(total, active) parameters of block `layer_id`; active counts the top_k routed experts."""
+        attn = self._attention_params() + 2 * self.dim  # attention + two RMSNorms
+        if not self.is_moe_layer(layer_id):
+            dense = attn + 3 * self.dim * self.ffn_hidden_dim
+            return dense, dense
+        common = attn + self.num_shared_experts * self._expert_params() + self.dim * self.num_experts
+        return common + self.num_experts * self._expert_params(), common + self.top_k * self._expert_params()
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameter counts: ``total``, ``active`` (per token: top_k routed experts), ``embedding``.
+
+        ``active`` counts the embedding and the output head, as the published "17B active" does.
+        """
+        per_layer = [self.layer_params(i) for i in range(self.n_layers)]
+        embedding = self.vocab_size * self.dim
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
+        extra = embedding + head + self.dim  # + final norm
+        return {"total": sum(t for t, _ in per_layer) + extra, "active": sum(a for _, a in per_layer) + extra,
+                "embedding": embedding}
+
+    def layer_flops_per_token(self, layer_id: int, seq_len: int, *, causal: bool = False) -> int:
+        """Training FLOPs per token (forward + backward) of block `layer_id`.
+
+        ``6 * N`` for the matmuls over its active parameters ``N``, plus ``12 * n_heads * head_dim *
+        L_eff`` for the attention scores and weighted sum (2 matmuls, x3 for backward, x2
+        multiply-add), where ``L_eff`` is the context a query attends over: ``seq_len`` for
+        full-attention layers and ``min(seq_len, attention_chunk_size)`` for chunked ones. By
+        default causal masking is not halved, following the PaLM/MFU convention so numbers compare
+        across trainers; `causal` counts only the keys a query sees (half the square: ``L_eff / 2``),
+        the work a causal kernel actually does.
+        """
+        ctx = seq_len
+        if self.rope_layers[layer_id] and self.attention_chunk_size is not None:
+            ctx = min(seq_len, self.attention_chunk_size)
+        attention = 12 * self.n_heads * self.head_dim * ctx
+        return 6 * self.layer_params(layer_id)[1] + (attention // 2 if causal else attention)
+
+    def head_flops_per_token(self) -> int:
+        """Training FLOPs per token of the final norm and the output head (the embedding lookup is
+        no matmul; a tied head still multiplies by the embedding)."""
+        return 6 * (self.vocab_size * self.dim + self.dim)
+
+    def flops_per_token(self, seq_len: int, *, causal: bool = False) -> int:
+        """Training FLOPs per token (forward + backward) of the whole model, counting only the
+        active experts: every block's `layer_flops_per_token` plus the head's."""
+        return sum(self.layer_flops_per_token(i, seq_len, causal=causal)
+                   for i in range(self.n_layers)) + self.head_flops_per_token()

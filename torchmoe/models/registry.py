@@ -1,0 +1,80 @@
+"""Each family's Hugging Face mapping, by `ModelArgs.family` or by config.json's ``model_type``.
+
+    mapping = hf_mapping_for_config(json.load(open("config.json")))    # the family a checkpoint is
+    args = mapping.args_from_hf_config(config)
+    slices = hf_slices(model.state_dict(), args)                      # ours -> where HF stores it
+
+Every family shares the decoder of `models.decoder` (its module tree, TP plan, parallelize
+pipeline and pipeline split), configured by `ModelArgs`; what differs per family is the mapping
+to its Hugging Face model, held in ``models/<family>/hf.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.models.hf_config_spec import HFConversionError
+from torchmoe.models.hf_slices import HFSlice
+from torchmoe.models.llama4 import hf as llama4_hf
+from torchmoe.models.qwen3 import hf as qwen3_hf
+
+__all__ = ["HFMapping", "hf_mapping", "hf_mapping_for_config", "hf_slices"]
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """One family's mapping to its Hugging Face model.
+
+    Attributes:
+        title: the family as messages name it ("Llama 4").
+        architecture: the ``transformers`` class a saved folder loads as.
+        model_types: config.json ``model_type`` values of this family.
+        args_from_hf_config: config.json (dict) -> `ModelArgs`; raises `HFConversionError`.
+        hf_config_from_args: (`ModelArgs`, dtype) -> config.json dict.
+        hf_slice: (our state-dict name, shape) -> `HFSlice`, or None for what HF has no place for.
+        text_tensor_name: a stored name -> the text model's name, or None for what is skipped
+            (a multimodal checkpoint's vision tower).
+    """
+
+    title: str
+    architecture: str
+    model_types: tuple[str, ...]
+    args_from_hf_config: Callable[[dict], ModelArgs]
+    hf_config_from_args: Callable[[ModelArgs, torch.dtype], dict]
+    hf_slice: Callable[[str, Sequence[int]], HFSlice | None]
+    text_tensor_name: Callable[[str], str | None]
+
+
+_MAPPINGS: dict[str, HFMapping] = {
+    "llama4": HFMapping("Llama 4", "Llama4ForCausalLM", ("llama4", "llama4_text"), llama4_hf.args_from_hf_config,
+                        llama4_hf.hf_config_from_args, llama4_hf.hf_slice, llama4_hf.text_tensor_name),
+    "qwen3": HFMapping("Qwen3-MoE", "Qwen3MoeForCausalLM", qwen3_hf.MODEL_TYPES, qwen3_hf.args_from_hf_config,
+                       qwen3_hf.hf_config_from_args, qwen3_hf.hf_slice, qwen3_hf.text_tensor_name),
+}
+
+
+def hf_mapping(args: ModelArgs) -> HFMapping:
+    """The Hugging Face mapping of the family of `args`."""
+    return _MAPPINGS[args.family]
+
+
+def hf_mapping_for_config(config: dict) -> HFMapping:
+    """The mapping of the family config.json's ``model_type`` names (Llama 4 where it names none,
+    as in torchmoe's first releases). Raises `HFConversionError` naming an unknown type."""
+    model_type = config.get("model_type", "llama4_text")
+    for mapping in _MAPPINGS.values():
+        if model_type in mapping.model_types:
+            return mapping
+    known = ", ".join(t for m in _MAPPINGS.values() for t in m.model_types)
+    raise HFConversionError(f"model_type {model_type!r} is not a family torchmoe trains (known: {known})")
+
+
+def hf_slices(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, HFSlice]:
+    """`HFMapping.hf_slice` of every entry of `state` that Hugging Face stores (ours -> slice)."""
+    mapping = hf_mapping(args)
+    slices = {name: mapping.hf_slice(name, t.shape) for name, t in state.items()}
+    return {name: s for name, s in slices.items() if s is not None}
