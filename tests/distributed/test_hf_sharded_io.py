@@ -10,7 +10,8 @@ process, loads it, and then writes it back with the trainer's `last_save_in_hf` 
   weights are copied, not computed), as the single-process `load_model` (today's path) gives;
 - the folder written back holds exactly the input folder's tensors, names and shapes
   (w1 and w3 written by different ranks, or as two column slices by one rank under MoE TP,
-  must land in the right halves of the fused `gate_up_proj`);
+  must land in the right halves of Llama 4's fused `gate_up_proj`; Qwen3-MoE's experts, one
+  tensor each, are written by the ranks holding them, or in row slices under MoE TP);
 - the load's peak host memory per rank (VmHWM reset before the load, minus the resident size
   before it) stays near the rank's shard and well under the full model: measured on bench256
   under FSDP 4, whose full model is 4x a rank's shard.
@@ -42,6 +43,17 @@ LAYOUTS = {
     "fsdp4_ep2": ["--parallelism.expert_parallel_degree", "2"],
     "pp2_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
 }
+# Qwen3-MoE (`qwen3` tiny: one tensor per expert in the folder, per-head QK norms, a dense layer),
+# in the same world.
+QWEN3 = ["--model.name", "qwen3"]
+QWEN3_LAYOUTS = {
+    "qwen3_fsdp4": QWEN3,
+    "qwen3_fsdp2_tp2_moe_tp": [*QWEN3, "--parallelism.tensor_parallel_degree", "2"],
+    "qwen3_fsdp2_tp2_ep4": [*QWEN3, "--parallelism.tensor_parallel_degree", "2",
+                            "--parallelism.expert_parallel_degree", "4"],
+    "qwen3_pp2_ep2": [*QWEN3, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                      "GPipe", "--parallelism.expert_parallel_degree", "2"],
+}
 MEMORY_LAYOUT = ["--model.flavor", "bench256"]
 
 
@@ -61,7 +73,7 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
     from torch.distributed.tensor import DTensor
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.models.llama4.hf import hf_slice
+    from torchmoe.models.registry import hf_mapping
     from torchmoe.trainer import Trainer
 
     cfg = load_job_config([*BASE, *flags, "--checkpoint.initial_load_path", str(hf_in),
@@ -79,10 +91,13 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
     mismatched = []
     with safe_open(str(next(hf_in.glob("*.safetensors"))), framework="pt") as f:
         for name, p in params.items():
-            s = hf_slice(name, p.shape)
-            stored = f.get_tensor(s.hf_name)
-            want = stored[..., s.offset:s.offset + (p.shape[1] if s.transposed else stored.shape[-1])]
-            want = want.transpose(1, 2) if s.transposed else want
+            s = hf_mapping(trainer.model_args).hf_slice(name, p.shape)
+            if s.per_expert:
+                want = torch.stack([f.get_tensor(expert) for expert in s.stored()])
+            else:
+                stored = f.get_tensor(s.hf_name)
+                want = stored[..., s.offset:s.offset + (p.shape[1] if s.transposed else stored.shape[-1])]
+                want = want.transpose(1, 2) if s.transposed else want
             got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             if not torch.equal(got, want):
                 mismatched.append(name)
@@ -102,16 +117,19 @@ def _worker(out_dir: Path) -> None:
     dist.init_process_group("gloo")  # the Trainer joins it; its meshes are built on top
     hf = json.loads((out_dir / "inputs.json").read_text())
     records = {label: _load_and_save(label, flags, Path(hf["tiny"]), out_dir) for label, flags in LAYOUTS.items()}
+    records.update({label: _load_and_save(label, flags, Path(hf["qwen3_tiny"]), out_dir)
+                    for label, flags in QWEN3_LAYOUTS.items()})
     records["memory"] = _load_and_save("memory", MEMORY_LAYOUT, Path(hf["bench256"]), out_dir)
     write_rank_record(out_dir, records)
 
 
-def _hf_folder(flavor: str, folder: Path, seed: int) -> Path:
+def _hf_folder(flavor: str, folder: Path, seed: int, family: str = "llama4") -> Path:
     """A Hugging Face folder of a randomly initialised model of `flavor` (one process)."""
+    from torchmoe.arch.registry import FLAVORS
     from torchmoe.hf import save_model
-    from torchmoe.models.llama4 import FLAVORS, Transformer
+    from torchmoe.models.decoder.model import Transformer
 
-    model = Transformer(FLAVORS[flavor])
+    model = Transformer(FLAVORS[family][flavor])
     model.init_weights(seed=seed)
     save_model(model, folder)
     return folder
@@ -122,6 +140,7 @@ def measured(tmp_path_factory) -> tuple[dict[int, dict], Path]:
     out = tmp_path_factory.mktemp("hf_sharded")
     inputs = {flavor: str(_hf_folder(flavor, out / f"hf_{flavor}", seed)) for seed, flavor in
               enumerate(("tiny", "bench256"))}
+    inputs["qwen3_tiny"] = str(_hf_folder("tiny", out / "hf_qwen3_tiny", 2, "qwen3"))
     (out / "inputs.json").write_text(json.dumps(inputs))
     return run_rank_script(__file__, out, world=WORLD, timeout=600), out
 
@@ -132,20 +151,21 @@ def _tensors(folder: Path) -> dict:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-@pytest.mark.parametrize("label", list(LAYOUTS))
+@pytest.mark.parametrize("label", [*LAYOUTS, *QWEN3_LAYOUTS])
 def test_load_gives_the_folders_tensors_and_save_writes_them_back(measured, label):
     import torch
 
     records, out = measured
     for rank in range(WORLD):
         assert records[rank][label]["mismatched"] == [], (label, rank)
-    want = _tensors(out / "hf_tiny")
+    hf_in = out / ("hf_qwen3_tiny" if label in QWEN3_LAYOUTS else "hf_tiny")
+    want = _tensors(hf_in)
     saved = out / label / "checkpoint" / "step-1-hf"
     got = _tensors(saved)
     assert sorted(got) == sorted(want), label
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), (label, name)
-    assert json.loads((saved / "config.json").read_text()) == json.loads((out / "hf_tiny" / "config.json").read_text())
+    assert json.loads((saved / "config.json").read_text()) == json.loads((hf_in / "config.json").read_text())
     assert not (saved / ".rank-shards").exists()  # each rank's own files are gone once consolidated
 
 

@@ -118,3 +118,27 @@ def test_total_steps_sets_the_schedules_length() -> None:
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1 - 9 / 20)  # step 10 of 20
     assert lr_factor(25, warmup_steps=0, total_steps=20) == 0.0
+
+
+def test_state_resumes_into_another_number_of_param_groups() -> None:
+    """The optimizer has one param group per (weight decay, mesh): 2 under FSDP, 3 once expert
+    parallelism puts the experts on a mesh of their own. The schedule saved under one layout
+    resumes under the other at the same step and LR (and from LambdaLR's own older state)."""
+    cfg = LRSchedulerConfig(warmup_steps=2)
+    weights = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    two = torch.optim.SGD([{"params": weights[:2]}, {"params": weights[2:]}], lr=0.1)
+    saved = build_lr_scheduler(two, cfg, 10)
+    for _ in range(4):
+        two.step()
+        saved.step()
+    state = saved.state_dict()
+    assert state == {"last_epoch": 4, "_step_count": 5, "base_lr": 0.1}
+    older = torch.optim.lr_scheduler.LambdaLR.state_dict(saved)  # what checkpoints held before
+    for resumed_state in (state, older):
+        three = torch.optim.SGD([{"params": [w]} for w in weights], lr=0.1)
+        resumed = build_lr_scheduler(three, cfg, 10)
+        resumed.load_state_dict(resumed_state)
+        three.step()
+        resumed.step()  # to training step 6's LR, as the saved run's next step would be
+        assert resumed.last_epoch == 5 and resumed.base_lrs == [0.1] * 3
+        assert [g["lr"] for g in three.param_groups] == [0.1 * lr_factor(6, warmup_steps=2, total_steps=10)] * 3

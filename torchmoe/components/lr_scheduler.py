@@ -96,10 +96,32 @@ def _factor(
     return min_lr_factor + (1.0 - min_lr_factor) * _DECAY_SHAPES[decay_type](progress)
 
 
+class LayoutFreeLambdaLR(LambdaLR):
+    """A LambdaLR whose checkpointed state does not depend on the layout.
+
+    The optimizer has one param group per (weight decay, mesh) (`optimizer.build_optimizer`), so
+    their number differs between layouts (FSDP alone: 2; with expert parallelism the experts'
+    mesh adds one), and LambdaLR's own state holds one base LR per group. Every group has the
+    job's peak LR, so the state is the schedule's position and that one LR, and a run resumes
+    under any layout.
+    """
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count, "base_lr": self.base_lrs[0]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Checkpoints written before this class hold LambdaLR's own state (a list of base LRs).
+        base_lr = state_dict["base_lr"] if "base_lr" in state_dict else state_dict["base_lrs"][0]
+        self.base_lrs = [base_lr] * len(self.optimizer.param_groups)
+        self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
 ) -> LambdaLR:
-    """A LambdaLR following `lr_factor`; its state_dict (last_epoch, base_lrs) checkpoints it.
+    """A `LayoutFreeLambdaLR` following `lr_factor`; its state_dict (last_epoch, the peak LR)
+    checkpoints it.
 
     Args:
         optimizer: the optimizer whose param groups' lr is the peak LR.
@@ -115,7 +137,7 @@ def build_lr_scheduler(
             "decaying over the %d post-warmup steps instead",
             cfg.warmup_steps, cfg.decay_ratio, total_steps, decay_steps,
         )
-    return LambdaLR(
+    return LayoutFreeLambdaLR(
         optimizer,
         lambda i: _factor(
             i + 1,

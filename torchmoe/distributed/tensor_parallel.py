@@ -20,7 +20,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 
 from torchmoe.distributed.float8 import is_float8_linear
 
-__all__ = ["ExpertTensorParallel", "LinearStyles", "ReplicateParallel"]
+__all__ = ["ExpertTensorParallel", "LinearStyles", "ReplicateParallel", "sum_gradient"]
+
+
+def sum_gradient(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """`x` (a plain tensor, the same on every rank of `mesh`) unchanged; in backward its gradient,
+    a partial sum on each rank, is all-reduced over `mesh` so every rank upstream sees the whole."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 class ReplicateParallel(ParallelStyle):
@@ -70,8 +76,7 @@ class ExpertTensorParallel(ParallelStyle):
 
         def input_fn(mod, inputs, mesh):
             x, *rest = inputs
-            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-            return (x, *rest)
+            return (sum_gradient(x, mesh), *rest)
 
         return distribute_module(module, device_mesh, partition, input_fn)
 

@@ -8,7 +8,7 @@ creates. The sharding rules are the ones the parallelize pipeline applies (DESIG
 
 - TP (`distributed/tensor_parallel.py`): attention wq/wk/wv and dense SwiGLU w1/w3 column-wise
   (dim 0), wo and w2 row-wise (dim 1), the embedding and output head over the vocab (dim 0);
-  norms replicated. The MoE block's own parameters follow the experts: under MoE TP (ep == 1,
+  norms replicated (Qwen3's per-head q/k norms too). The MoE block's own parameters follow the experts: under MoE TP (ep == 1,
   tp > 1) the shared expert is column/row-wise like a dense FFN and the router gate replicated;
   under EP the MoE block runs on each rank's sequence shard and TP leaves them whole.
 - Routed experts ``w1, w3: [E, hidden, dim]``, ``w2: [E, dim, hidden]``: EP shards dim 0; under
@@ -94,6 +94,10 @@ def _param_specs(args: ModelArgs) -> list[ParamSpec]:
             ParamSpec(f"{p}.attention.wk.weight", (kv_out, d), 0, layer=i),
             ParamSpec(f"{p}.attention.wv.weight", (kv_out, d), 0, layer=i),
             ParamSpec(f"{p}.attention.wo.weight", (d, q_out), 1, layer=i),
+        ]
+        if args.qk_rms_norm:  # replicated over tp: each rank normalises its heads with the whole weight
+            specs += [ParamSpec(f"{p}.attention.{n}.weight", (args.head_dim,), None, layer=i) for n in ("q_norm", "k_norm")]
+        specs += [
             ParamSpec(f"{p}.attention_norm.weight", (d,), None, layer=i),
             ParamSpec(f"{p}.ffn_norm.weight", (d,), None, layer=i),
         ]

@@ -61,6 +61,8 @@ inputs are the all-gathered sequence (full ``D``).
               + a*(Hq + 2*Hkv)/tp           sdpa's q, k, v
               + a*Hq/tp + 4*n_heads/tp      sdpa output (also wo's input: its transpose is free), lse
               + (4*(Hq + Hkv) + 4*(n_heads + n_kv_heads))/tp   QK L2-norm (RoPE layers, use_qk_norm)
+              + ((4 + a)*(Hq + Hkv) + 4*(n_heads + n_kv_heads))/tp   per-head QK RMSNorm (qk_rms_norm,
+                                        Qwen3): a*(Hq + Hkv) with torch.compile
               + cp                      with cp > 1, or a chunk that does not divide the sequence
                                         (`ActivationModel._cp_attention`): gathered K/V, or the
                                         received halos; the output again (no mask: `nn.attention`)
@@ -284,6 +286,9 @@ class ActivationModel:
         total += a * hq / tp + 4 * m.n_heads / tp + self._cp_attention(layer)
         if m.use_qk_norm and m.rope_layers[layer]:
             total += (4 * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads)) / tp
+        if m.qk_rms_norm:  # the heads' RMSNorm: norm(n) of the projections' outputs (a bytes)
+            per_head = a * (hq + hkv) if self.compiled else (4 + a) * (hq + hkv)
+            total += (per_head + 4 * (m.n_heads + m.n_kv_heads)) / tp
         return total
 
     def _ffn(self, layer: int) -> float:

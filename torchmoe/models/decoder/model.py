@@ -117,9 +117,6 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.use_rope = args.rope_layers[layer_id]
         self.rope_style = args.rope_style
-        # Learned per-head norms (Qwen3); under tensor parallel each rank normalises its own heads.
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_rms_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_rms_norm else None
         self.qk_norm = RMSNorm(args.head_dim, args.norm_eps, elementwise_affine=False) if (
             args.use_qk_norm and self.use_rope) else None
         self.chunk_size = args.layer_chunk(layer_id)
@@ -133,6 +130,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Learned per-head norms (Qwen3); under tensor parallel each rank normalises its own heads.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_rms_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_rms_norm else None
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: DocumentSegments | None = None,
                 cache: KVCache | None = None, name: str = "") -> torch.Tensor:

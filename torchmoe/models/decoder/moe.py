@@ -28,8 +28,10 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchmoe.arch.model_args import ModelArgs
+from torchmoe.distributed.tensor_parallel import sum_gradient
 from torchmoe.nn.dispatch import TokenDispatcher
 from torchmoe.nn.experts import FeedForward, GroupedExperts
 from torchmoe.nn.init import ParamInit, TruncNormal, prefixed
@@ -155,6 +157,9 @@ class MoE(nn.Module):
         self.sequence_shard_groups: list[dist.ProcessGroup] = []
         # Token dispatch hooks: expert parallelism replaces these to move tokens between ranks.
         self.dispatcher: TokenDispatcher = TokenDispatcher(args.num_experts, args.top_k)
+        # Set by MoE tensor parallelism when the gates scale the experts' outputs, which are
+        # partial sums over each rank's hidden units: the gates' gradients are summed over it.
+        self.gate_gradient_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, S, dim) -> (B, S, dim)."""
@@ -162,6 +167,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)  # (T, dim)
         # The bias is applied even when balancing is off (it is then zero, or a trained model's).
         top_scores, selected, scores, logits = self.router(tokens, self.expert_bias)
+        if self.gate_gradient_mesh is not None:
+            top_scores = sum_gradient(top_scores, self.gate_gradient_mesh)
         flat_expert = selected.reshape(-1)  # (T*k,)
         # scatter_add rather than bincount: bincount sizes its output from the data (a host sync).
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)

@@ -88,6 +88,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
             "attention.wo": styles.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
         }
+        if block.attention.q_norm is not None:
+            # Per-head norms (Qwen3) see this rank's heads, (B, S, H / tp, hd): the weight is
+            # replicated and its gradient, a sum over the local heads, is summed over tp.
+            plan.update({"attention.q_norm": ReplicateParallel(input_layout=Shard(2)),
+                         "attention.k_norm": ReplicateParallel(input_layout=Shard(2))})
         if not block.moe_enabled:
             plan.update({
                 "feed_forward": styles.gather_input("feed_forward", ("w1", "w3"), (Shard(1),), (Replicate(),)),
@@ -97,10 +102,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
             })
         elif moe_tp:
             if not block.moe.score_before_experts:
-                # Gates applied to the experts' partial outputs would give each rank a partial
-                # gate gradient, which the replicated router never reduces.
-                raise ValueError("MoE tensor parallelism needs router scores applied before the experts "
-                                 "(score_before_experts=True, as in Llama 4); use expert parallelism instead")
+                # Gates that scale the experts' partial outputs (Qwen3) get a partial gradient on
+                # each rank: the MoE layer sums it over tp before it reaches the router.
+                block.moe.gate_gradient_mesh = tp_mesh
             plan.update(_moe_tp_plan(block.moe.shared_experts is not None, styles))
         else:
             # Experts are expert-parallel: the MoE block sees its own sequence shard as a local
