@@ -50,7 +50,7 @@ def _raises(fn, *args, key: str, value: str, fix: str, problem: str = "", **kwar
 
 
 @pytest.mark.parametrize(("name", "world_size"), [("debug_model", 1), ("llama4_16e", 64), ("llama4_128e", 256),
-                                                  ("llama4_128e", 1024)])
+                                                  ("llama4_128e", 1024), ("qwen3_30b_a3b", 64), ("qwen3_30b_a3b", 1)])
 def test_shipped_configs_load_and_validate(name: str, world_size: int) -> None:
     cfg = load_job_config(["--config", str(CONFIGS / f"{name}.toml")])
     validate_job_config(cfg, world_size, check_device=name == "debug_model")
@@ -559,7 +559,7 @@ def test_resolve_degrees_errors() -> None:
 # ---- write/reload round trip -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["debug_model", "llama4_16e", "llama4_128e"])
+@pytest.mark.parametrize("name", ["debug_model", "llama4_16e", "llama4_128e", "qwen3_30b_a3b"])
 def test_write_config_round_trip(tmp_path: Path, name: str) -> None:
     cfg = load_job_config(["--config", str(CONFIGS / f"{name}.toml"), "--optimizer.lr", "1.5e-4",
                            "--float8.filter_fqns", "output", "router", "shared", "--job.description", 'say "hi"'])
