@@ -52,6 +52,10 @@ LAYOUTS = {
     "hsdp2x2_pure_bf16": ["--parallelism.data_parallel_replicate_degree", "2", *PURE_BF16],
     "fsdp2_tp2_ep4_pure_bf16": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree",
                                 "4", *PURE_BF16],
+    # Qwen3-MoE (qwen3 tiny): per-head QK norms replicated over tp, no shared expert, a dense layer.
+    "qwen3_fsdp2_tp2_moe_tp": ["--model.name", "qwen3", "--parallelism.tensor_parallel_degree", "2"],
+    "qwen3_fsdp2_tp2_ep4": ["--model.name", "qwen3", "--parallelism.tensor_parallel_degree", "2",
+                            "--parallelism.expert_parallel_degree", "4"],
 }
 
 
@@ -120,14 +124,14 @@ def measured(tmp_path_factory) -> dict[int, dict]:
 
 
 def _estimate(label: str, pp_rank: int):
+    from torchmoe.arch.registry import model_args_from_config
     from torchmoe.config.loader import load_job_config
-    from torchmoe.models.llama4 import FLAVORS
     from torchmoe.plan.memory import memory_per_pp_rank
     from torchmoe.plan.parallel_dims import ParallelDims
 
     cfg = load_job_config([*BASE, *LAYOUTS[label]])
     dims = ParallelDims.from_config(cfg.parallelism, WORLD)
-    est = memory_per_pp_rank(FLAVORS[cfg.model.flavor], dims, cfg.training, cfg.activation_checkpoint,
+    est = memory_per_pp_rank(model_args_from_config(cfg.model), dims, cfg.training, cfg.activation_checkpoint,
                              cfg.parallelism, compiled=cfg.compile.enable)
     return dims, est[pp_rank]
 

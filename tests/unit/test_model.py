@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchmoe.arch.registry import FLAVORS as FAMILIES
 from torchmoe.arch.registry import build_model_args
 from torchmoe.models.llama4 import FLAVORS, Transformer
 
@@ -106,3 +107,15 @@ def test_longer_than_rope_cache_computes_on_the_fly():
     tokens = torch.randint(0, 512, (1, 200))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), big(tokens))
+
+
+# The published sizes of the Qwen3-MoE releases (Qwen/Qwen3-30B-A3B and -235B-A22B model cards:
+# 30.5B / 3.3B and 235B / 22B), exactly as the safetensors hold them.
+@pytest.mark.parametrize(("flavor", "total", "active"), [("30B-A3B", 30_532_122_624, 3_353_032_704),
+                                                         ("235B-A22B", 235_093_634_560, 22_190_763_520)])
+def test_qwen3_flavors_have_the_published_sizes(flavor: str, total: int, active: int) -> None:
+    args = FAMILIES["qwen3"][flavor]
+    counts = args.param_counts()
+    assert (counts["total"], counts["active"]) == (total, active)
+    with torch.device("meta"):  # the model the counts describe (48/94 layers on the meta device)
+        assert sum(p.numel() for p in Transformer(args).parameters()) == total
