@@ -179,7 +179,7 @@ class Checkpoint:
     initial_load_path: str = ""
     """Load weights from this checkpoint (DCP folder, or HF folder with initial_load_in_hf) when no checkpoint exists yet."""
     initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face Llama 4 folder (config.json + safetensors)."""
+    """initial_load_path is a Hugging Face folder of the model's family (config.json + safetensors)."""
     last_save_in_hf: bool = False
     """Also write the final weights as a Hugging Face folder (step-N-hf/)."""
     async_mode: str = "disabled"
