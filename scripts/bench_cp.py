@@ -50,8 +50,8 @@ def _bytes_worker(seqs: list[int], out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.models.decoder.parallelize import apply_cp
+    from torchmoe.models.llama4 import FLAVORS, Transformer
 
     dist.init_process_group("gloo")
     args = FLAVORS["tiny"]

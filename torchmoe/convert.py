@@ -41,6 +41,8 @@ from torch.distributed import tensor as dtensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.registry import FLAVORS
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import refuse_nonfinite
@@ -53,8 +55,6 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.config.validate import PARAM_DTYPES
-from torchmoe.arch.model_args import ModelArgs
-from torchmoe.arch.registry import FLAVORS
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.nn.dtypes import torch_dtype
 

@@ -81,9 +81,9 @@ from torchmoe.distributed.mesh import ParallelMesh, build_mesh
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.interruption import leaving_for_failure
-from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.models.decoder.parallelize import parallelize_model
 from torchmoe.models.decoder.pipeline_stages import PipelineRankModel, split_into_stages
+from torchmoe.models.llama4 import Transformer, update_expert_bias
 from torchmoe.nn.attention_kernels import describe_kernel
 from torchmoe.nn.document_attention import (
     AttentionCall,

@@ -159,9 +159,9 @@ def _check_model(seq_len: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.models.decoder.model import Attention
     from torchmoe.models.decoder.parallelize import apply_cp
+    from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.nn.document_attention import AttentionCall, document_segments, document_starts, whole_row_calls
     from torchmoe.plan.memory import ActivationModel
     from torchmoe.plan.parallel_dims import ParallelDims

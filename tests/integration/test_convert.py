@@ -143,3 +143,31 @@ def test_usage_errors_are_one_message(capsys) -> None:
     assert 'torchmoe convert = "dcp-to-hf a b"' in err and "the following arguments are required: --flavor" in err
     assert "fix: run `torchmoe convert dcp-to-hf --help` for the usage" in err and "Traceback" not in err
     assert cli.main(["convert", "--help"]) == 0 and "hf-to-dcp" in capsys.readouterr().out
+
+
+def test_qwen3_folders_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Qwen3-MoE folder (its experts one tensor each): hf-to-dcp names the family and flavor to
+    train it with, and dcp-to-hf --model-name qwen3 writes back exactly its tensors and config."""
+    from torchmoe.arch.qwen3 import FLAVORS
+    from torchmoe.convert import convert_main
+    from torchmoe.hf import save_model
+    from torchmoe.models.decoder.model import Transformer
+
+    model = Transformer(FLAVORS["tiny"])
+    model.init_weights(seed=5)
+    save_model(model, tmp_path / "hf")
+    assert convert_main(["hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
+    assert "--model.name qwen3 --model.flavor tiny" in capsys.readouterr().out
+    assert convert_main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model-name", "qwen3",
+                         "--flavor", "tiny"]) == 0
+    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in original and original.keys() == back.keys()
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
+        (tmp_path / "hf" / "config.json").read_text())
+    # The family's flavors are its own: Llama 4's tiny does not fit these tensors, and says so.
+    with pytest.raises(ConfigError, match="--flavor") as err:
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny")
+    assert "does not fit" in str(err.value)
+    with pytest.raises(ConfigError, match="--model-name"):
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny", name="deepseek_v3")

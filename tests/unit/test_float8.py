@@ -24,8 +24,8 @@ from torchmoe.config.loader import load_job_config
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears
 from torchmoe.distributed.mesh import build_mesh
-from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.models.decoder.tensor_parallel import apply_tp
+from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.nn.experts import GroupedExperts, _grouped_swiglu, _looped_swiglu
 from torchmoe.nn.moe_ops import grouped_mm
 from torchmoe.plan.float8 import float8_tp_enabled

@@ -1,5 +1,6 @@
-"""Decoding with the key/value cache gives the full forward's logits; sampling is greedy at
-temperature 0, reproducible from its seed, and keeps exactly the nucleus at top-p.
+"""Decoding with the key/value cache gives the full forward's logits (Llama 4 and Qwen3-MoE);
+sampling is greedy at temperature 0, reproducible from its seed, and keeps exactly the nucleus at
+top-p.
 
 The reference is the model itself without a cache: the whole sequence so far through one
 forward at every step (training's forward, which `test_hf_parity.py` ties to transformers).
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchmoe.arch.qwen3 import FLAVORS as QWEN3_FLAVORS
 from torchmoe.generate import Sampling, generate_ids, next_token
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.nn.kv_cache import KVCache
@@ -20,12 +22,20 @@ ARGS = FLAVORS["tiny"].replace(attention_chunk_size=16, floor_scale=8)
 PROMPT = [5, 77, 300, 12, 9, 9, 140, 33, 2, 411, 256, 80, 81, 82, 7, 64, 65, 66, 1, 0, 499]
 
 
-@pytest.fixture(scope="module")
-def model() -> Transformer:
+# Qwen3-MoE's tiny flavor: per-head QK norms before half-split RoPE, a dense first layer.
+QWEN3_ARGS = QWEN3_FLAVORS["tiny"]
+
+
+def _model(args) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = Transformer(args)
     model.init_weights(seed=3)
     return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama4", "qwen3"])
+def model(request) -> Transformer:
+    return _model(ARGS if request.param == "llama4" else QWEN3_ARGS)
 
 
 @torch.no_grad()

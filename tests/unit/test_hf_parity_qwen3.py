@@ -147,6 +147,9 @@ def test_what_the_model_cannot_represent_is_refused(field, value, message):
     ("num_key_value_heads", 5, "not a multiple of it"),
     ("moe_intermediate_size", "768", "a string, not an integer"),
     ("norm_topk_prob", 1, "an integer, not true or false"),
+    ("num_local_experts", 64, "differs from num_experts (128)"),
+    ("rms_norm_eps", float("nan"), "not a finite number"),
+    ("decoder_sparse_step", 0, "out of range"),
 ])
 def test_bad_values_name_the_field(field, value, problem):
     with pytest.raises(HFConfigValueError) as err:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from torchmoe.models.llama4 import FLAVORS, MoE, update_expert_bias
 from torchmoe.models.decoder.moe import TokenChoiceRouter, round_robin_experts
+from torchmoe.models.llama4 import FLAVORS, MoE, update_expert_bias
 from torchmoe.nn.experts import GroupedExperts
 from torchmoe.nn.init import init_parameters
 

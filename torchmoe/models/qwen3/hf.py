@@ -87,12 +87,22 @@ def _expert_count(cfg: dict) -> int:
     return cfg.get("num_local_experts", cfg.get("num_experts", 128))
 
 
+def _check_expert_names(cfg: dict) -> None:
+    """transformers 5 writes the expert count as num_local_experts, the releases as num_experts:
+    a file with both must say one number."""
+    if "num_experts" in cfg and "num_local_experts" in cfg and cfg["num_experts"] != cfg["num_local_experts"]:
+        raise HFConfigValueError("num_local_experts", cfg["num_local_experts"], f"differs from num_experts "
+                                 f"({cfg['num_experts']}): both name the routed experts",
+                                 f"the same integer as num_experts ({cfg['num_experts']}), or remove one of them")
+
+
 def _check(cfg: dict) -> None:
     check_fields(_FIELDS, cfg, "")
     for rope in ("rope_parameters", "rope_scaling"):
         if isinstance(cfg.get(rope), dict):
             check_fields(_ROPE_FIELDS, cfg[rope], f"{rope}.")
     check_heads(cfg, "", default_heads=32, default_hidden=2048)
+    _check_expert_names(cfg)
     experts, top_k = _expert_count(cfg), cfg.get("num_experts_per_tok", 8)
     if top_k > experts:
         raise HFConfigValueError("num_experts_per_tok", top_k, f"more than the {experts} experts (num_experts)",
