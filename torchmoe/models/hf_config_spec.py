@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HFConfigValueError", "HFConversionError", "POSITIVE", "Spec", "check_fields", "check_heads",
-           "check_layer_list", "show_json"]
+__all__ = ["DECODER_FIELDS", "HFConfigValueError", "HFConversionError", "POSITIVE", "Spec", "check_fields",
+           "check_heads", "check_layer_list", "decoder_config", "show_json"]
 
 # Upper bounds: 8x the deepest released LLM's layers (126), 64x the largest vocabulary (262k), and
 # sizes no accelerator could hold a layer of. A value beyond them is a typo, refused before a model
@@ -121,6 +121,45 @@ def _num(x: float) -> str:
 
 
 POSITIVE = Spec("number", low=0, low_open=True)
+
+# The fields every family's config.json spells alike (a decoder's shape), with what each may hold;
+# each family adds its own.
+DECODER_FIELDS: dict[str, Spec] = {
+    "num_hidden_layers": Spec("int", high=MAX_LAYERS),
+    "hidden_size": Spec("int", high=MAX_SIZE),
+    "num_attention_heads": Spec("int", high=MAX_HEADS),
+    "num_key_value_heads": Spec("int", high=MAX_HEADS, null=True),  # null: one per query head
+    "head_dim": Spec("int", low=2, high=MAX_SIZE, null=True),  # null: hidden_size / heads
+    "vocab_size": Spec("int", high=MAX_VOCAB),
+    "rms_norm_eps": POSITIVE,
+    "max_position_embeddings": Spec("int", high=MAX_INT32),
+    "rope_theta": POSITIVE,
+    "rope_parameters": Spec("object", null=True),
+    "rope_scaling": Spec("object", null=True),
+    "intermediate_size": Spec("int", high=MAX_SIZE),
+    "num_experts_per_tok": Spec("int", high=MAX_EXPERTS),
+    "tie_word_embeddings": Spec("bool"),
+    "attention_bias": Spec("bool"),
+    "model_type": Spec("str"),
+    "hidden_act": Spec("str"),
+}
+
+
+def decoder_config(args: Any, dtype: Any) -> dict:
+    """The `DECODER_FIELDS` part of a config.json for `args` (a `ModelArgs`) in `dtype` (a torch
+    dtype): what every family writes alike."""
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+    }
+
 
 def check_fields(fields: dict[str, Spec], cfg: dict, prefix: str) -> None:
     for name, spec in fields.items():

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError
+from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, decoder_config
 from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.llama4.hf_config_check import check_hf_config
 
@@ -153,15 +153,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["Llama4ForCausalLM"],
         "model_type": "llama4_text",
-        "dtype": str(dtype).removeprefix("torch."),
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
+        **decoder_config(args, dtype),
         "rope_parameters": rope,
         "rope_theta": args.rope_theta,
         "rope_scaling": rope if args.rope_scaling is not None else None,

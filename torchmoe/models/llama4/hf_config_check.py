@@ -11,12 +11,10 @@ lists that cover the layers).
 from __future__ import annotations
 
 from torchmoe.models.hf_config_spec import (
+    DECODER_FIELDS,
     MAX_EXPERTS,
-    MAX_HEADS,
     MAX_INT32,
-    MAX_LAYERS,
     MAX_SIZE,
-    MAX_VOCAB,
     POSITIVE,
     HFConfigValueError,
     Spec,
@@ -29,17 +27,7 @@ __all__ = ["check_hf_config"]
 
 # Every field of Llama4TextConfig that args_from_hf_config reads, under its Hugging Face name.
 _FIELDS: dict[str, Spec] = {
-    "num_hidden_layers": Spec("int", high=MAX_LAYERS),
-    "hidden_size": Spec("int", high=MAX_SIZE),
-    "num_attention_heads": Spec("int", high=MAX_HEADS),
-    "num_key_value_heads": Spec("int", high=MAX_HEADS, null=True),  # null: one per query head
-    "head_dim": Spec("int", low=2, high=MAX_SIZE, null=True),  # null: hidden_size / heads
-    "vocab_size": Spec("int", high=MAX_VOCAB),
-    "rms_norm_eps": POSITIVE,
-    "max_position_embeddings": Spec("int", high=MAX_INT32),
-    "rope_theta": POSITIVE,
-    "rope_parameters": Spec("object", null=True),
-    "rope_scaling": Spec("object", null=True),
+    **DECODER_FIELDS,
     "partial_rotary_factor": POSITIVE,
     "no_rope_layers": Spec("int_list", null=True),
     "no_rope_layer_interval": Spec("int", high=MAX_INT32),
@@ -50,15 +38,9 @@ _FIELDS: dict[str, Spec] = {
     "floor_scale": Spec("int", high=MAX_INT32),
     "attn_scale": Spec("number", low=None),
     "intermediate_size_mlp": Spec("int", high=MAX_SIZE),
-    "intermediate_size": Spec("int", high=MAX_SIZE),
     "interleave_moe_layer_step": Spec("int", high=MAX_INT32),
     "moe_layers": Spec("int_list", null=True),
     "num_local_experts": Spec("int", high=MAX_EXPERTS),
-    "num_experts_per_tok": Spec("int", high=MAX_EXPERTS),
-    "tie_word_embeddings": Spec("bool"),
-    "attention_bias": Spec("bool"),
-    "model_type": Spec("str"),
-    "hidden_act": Spec("str"),
     "layer_types": Spec("str_list", null=True),  # what they must say: args_from_hf_config
 }
 # The RoPE object's fields (rope_parameters, or the older rope_scaling).

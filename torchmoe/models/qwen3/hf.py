@@ -22,12 +22,10 @@ import torch
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.qwen3 import qwen3_moe
 from torchmoe.models.hf_config_spec import (
+    DECODER_FIELDS,
     MAX_EXPERTS,
-    MAX_HEADS,
     MAX_INT32,
-    MAX_LAYERS,
     MAX_SIZE,
-    MAX_VOCAB,
     POSITIVE,
     HFConfigValueError,
     HFConversionError,
@@ -35,6 +33,7 @@ from torchmoe.models.hf_config_spec import (
     check_fields,
     check_heads,
     check_layer_list,
+    decoder_config,
 )
 from torchmoe.models.hf_slices import HFSlice
 
@@ -42,33 +41,17 @@ __all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slic
 
 MODEL_TYPES = ("qwen3_moe",)
 
-# Every field args_from_hf_config reads, under its Hugging Face name (transformers 5 writes the
-# expert count as num_local_experts, the released files as num_experts).
+# Every field args_from_hf_config reads, under its Hugging Face name: the decoder's, and Qwen3's
+# own (transformers 5 writes the expert count as num_local_experts, the released files as num_experts).
 _FIELDS: dict[str, Spec] = {
-    "num_hidden_layers": Spec("int", high=MAX_LAYERS),
-    "hidden_size": Spec("int", high=MAX_SIZE),
-    "num_attention_heads": Spec("int", high=MAX_HEADS),
-    "num_key_value_heads": Spec("int", high=MAX_HEADS, null=True),
-    "head_dim": Spec("int", low=2, high=MAX_SIZE, null=True),
-    "vocab_size": Spec("int", high=MAX_VOCAB),
-    "rms_norm_eps": POSITIVE,
-    "max_position_embeddings": Spec("int", high=MAX_INT32),
-    "rope_theta": POSITIVE,
-    "rope_parameters": Spec("object", null=True),
-    "rope_scaling": Spec("object", null=True),
-    "intermediate_size": Spec("int", high=MAX_SIZE),
+    **DECODER_FIELDS,
     "moe_intermediate_size": Spec("int", high=MAX_SIZE),
     "num_experts": Spec("int", high=MAX_EXPERTS),
     "num_local_experts": Spec("int", high=MAX_EXPERTS),
-    "num_experts_per_tok": Spec("int", high=MAX_EXPERTS),
     "norm_topk_prob": Spec("bool"),
     "decoder_sparse_step": Spec("int", high=MAX_INT32),
     "mlp_only_layers": Spec("int_list", null=True),
-    "tie_word_embeddings": Spec("bool"),
-    "attention_bias": Spec("bool"),
     "use_sliding_window": Spec("bool"),
-    "hidden_act": Spec("str"),
-    "model_type": Spec("str"),
 }
 _ROPE_FIELDS: dict[str, Spec] = {"rope_type": Spec("str"), "type": Spec("str"), "rope_theta": POSITIVE}
 
@@ -174,15 +157,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "dtype": str(dtype).removeprefix("torch."),
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
+        **decoder_config(args, dtype),
         "rope_parameters": {"rope_theta": args.rope_theta, "rope_type": "default"},
         "intermediate_size": args.ffn_hidden_dim,
         "moe_intermediate_size": args.moe_hidden_dim,
