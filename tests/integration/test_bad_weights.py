@@ -226,7 +226,8 @@ FAULTS = {
     # another model (the other flavor's DCP case needs its own folder: `test_dcp_of_another_flavor`)
     "hf-llama3-config": Fault("hf", lambda d: (d / "config.json").write_text(json.dumps(
         {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64})),
-        ("its config.json cannot be used: model_type 'llama' is not a Llama 4 text model",)),
+        ("its config.json cannot be used: model_type 'llama' is not a family torchmoe trains (known: llama4, "
+         "llama4_text, qwen3_moe)",)),
 }
 
 # Each reader of each kind of folder: the option that names the folder.

@@ -1,5 +1,5 @@
 """The shipped configs of the families beyond Llama 4: each plans its GPU job with the published
-parameter counts, and trains on one CPU process with a small flavor of its family as the change.
+parameter counts, and trains on one CPU process with torchtitan's debug flavor as the only change.
 
     python -m pytest -q tests/integration/test_family_configs.py
 """
@@ -17,10 +17,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # (file, ranks, the dry run's parameter line: Qwen/Qwen3-30B-A3B's published 30.5B / 3.3B)
 PLANS = [("qwen3_30b_a3b.toml", 64, "parameters: total 30.53 B, active 3.35 B")]
-# (file, a flavor small enough for the suite: torchtitan's debugmodel_moe, 316 M parameters, takes
-# ~90 s a step of the file's 4,096 tokens on 2 cores (measured: 3 steps in 286 s), and 47 s for one
-# step of 256 tokens, most of it initialising and stepping AdamW over its 64 experts per layer)
-DEBUG_FLAVORS = [("qwen3_30b_a3b.toml", "tiny")]
+# (file, torchtitan's debug flavor of the family: the one change a laptop run makes)
+DEBUG_FLAVORS = [("qwen3_30b_a3b.toml", "debugmodel_moe")]
 
 
 @pytest.mark.parametrize(("name", "world_size", "expected"), PLANS)
@@ -34,12 +32,33 @@ def test_each_config_plans_its_gpu_job(name: str, world_size: int, expected: str
 
 
 @pytest.mark.parametrize(("name", "flavor"), DEBUG_FLAVORS)
-def test_each_config_trains_on_one_cpu_process_with_a_small_flavor(name: str, flavor: str, tmp_path: Path) -> None:
+def test_each_config_trains_on_one_cpu_process_with_the_debug_flavor(name: str, flavor: str, tmp_path: Path) -> None:
     """The file as shipped (bf16 autocast, full AC, AdamW, its data and tokenizer) on one process
-    with a small flavor of its family: one step of 256 tokens, no compile and no checkpoint, for
-    time."""
+    with the debug flavor: one step of 256 tokens, no compile and no checkpoint, for time (the
+    316 M parameters' initialisation and AdamW state are most of its ~13 s; a step of the file's
+    4,096 tokens takes ~30 s on 2 cores)."""
     assert cli.main(["train", "--config", str(CONFIGS / name), "--model.flavor", flavor, "--training.steps", "1",
                      "--training.seq_len", "256", "--compile.enable", "false", "--checkpoint.enable", "false",
                      "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 1 and 0 < record["loss"] < 20 and record["grad_norm"] > 0
+
+
+def test_weights_of_another_family_name_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Qwen3-MoE Hugging Face folder given to a Llama 4 run: one error (exit 2, nothing
+    written) that names the family the folder holds and the flags that train it."""
+    from torchmoe.arch.qwen3 import FLAVORS
+    from torchmoe.hf import save_model
+    from torchmoe.models.decoder.model import Transformer
+
+    model = Transformer(FLAVORS["tiny"])
+    model.init_weights(seed=1)
+    save_model(model, tmp_path / "qwen3")
+    assert cli.main(["train", "--config", str(CONFIGS / "debug_model.toml"), "--training.steps", "1",
+                     "--checkpoint.initial_load_path", str(tmp_path / "qwen3"), "--checkpoint.initial_load_in_hf",
+                     "true", "--job.dump_folder", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert "differs from flavor 'tiny' in family" in err and "(a Qwen3-MoE model, not Llama 4)" in err, err
+    assert "fix: pass --model.name qwen3 --model.flavor tiny" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
