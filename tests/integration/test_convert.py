@@ -118,7 +118,7 @@ def test_in_process_errors(hf_dir: Path, step_dir: Path, tmp_path: Path) -> None
         hf_to_dcp(step_dir, tmp_path / "out")
     with pytest.raises(ConfigError, match=r"CKPT_DIR .*\(no \.metadata\)"):
         dcp_to_hf(hf_dir, tmp_path / "out", flavor="tiny")
-    with pytest.raises(ConfigError, match='--flavor = "huge": unknown flavor'):
+    with pytest.raises(ConfigError, match='--flavor = "huge": unknown llama4 flavor'):
         dcp_to_hf(step_dir, tmp_path / "out", flavor="huge")
 
 
@@ -160,7 +160,8 @@ def test_qwen3_folders_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureF
     assert "--model.name qwen3 --model.flavor tiny" in capsys.readouterr().out
     assert convert_main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model-name", "qwen3",
                          "--flavor", "tiny"]) == 0
-    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    back = load_file(tmp_path / "back" / "model.safetensors")
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in original and original.keys() == back.keys()
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(

@@ -138,6 +138,9 @@ def test_state_resumes_into_another_number_of_param_groups() -> None:
         three = torch.optim.SGD([{"params": [w]} for w in weights], lr=0.1)
         resumed = build_lr_scheduler(three, cfg, 10)
         resumed.load_state_dict(resumed_state)
+        # Step 5 (the first after the resume) trains at step 5's LR, and reports it.
+        step5 = 0.1 * lr_factor(5, warmup_steps=2, total_steps=10)
+        assert [g["lr"] for g in three.param_groups] == resumed.get_last_lr() == [step5] * 3
         three.step()
         resumed.step()  # to training step 6's LR, as the saved run's next step would be
         assert resumed.last_epoch == 5 and resumed.base_lrs == [0.1] * 3

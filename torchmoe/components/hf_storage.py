@@ -229,9 +229,9 @@ def read_hf_args(hf_dir: str | os.PathLike, *, key: str, fix: str) -> ModelArgs:
 
 def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike, args: ModelArgs, *,
                     key: str, fix: str) -> None:
-    """Copy the weights of a Hugging Face folder of the family of `args` into the tensors of `state` in place, each
-    rank reading only the slices its (DTensor) shards cover, cast to their dtype. Collective
-    under a process group. Router buffers are left as they are.
+    """Copy the weights of a Hugging Face folder of the family of `args` into the tensors of
+    `state` in place, each rank reading only the slices its (DTensor) shards cover, cast to their
+    dtype. Collective under a process group. Router buffers are left as they are.
 
     Args:
         state: our model state dict on this rank (e.g. `get_model_state_dict(model)`: sharded

@@ -114,6 +114,9 @@ class LayoutFreeLambdaLR(LambdaLR):
         base_lr = state_dict["base_lr"] if "base_lr" in state_dict else state_dict["base_lrs"][0]
         self.base_lrs = [base_lr] * len(self.optimizer.param_groups)
         self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
+        # The next step trains at the resumed position's LR, whatever the optimizer's groups held.
+        for group, lr_lambda, lr in zip(self.optimizer.param_groups, self.lr_lambdas, self.base_lrs):
+            group["lr"] = lr * lr_lambda(self.last_epoch)
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
