@@ -513,6 +513,13 @@ def test_initial_load_path_must_be_the_folder_it_names(debug_cfg: JobConfig, loa
     validate_job_config(cfg, 1, check_device=False)  # the dry-run plans for another machine's files
 
 
+def test_initial_load_path_fix_names_the_runs_family(debug_cfg: JobConfig, load_dirs: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    cfg = _with(_loading(debug_cfg, tmp_path, load_dirs["missing"], True), {"model.name": "qwen3"})
+    _raises(validate_job_config, cfg, 1, key="checkpoint.initial_load_path", value=f'"{load_dirs["missing"]}"',
+            fix="a Hugging Face Qwen3-MoE folder", problem="No such file or directory")
+
+
 @pytest.mark.parametrize(("name", "in_hf"), [("dcp", False), ("hf", True)])
 def test_initial_load_path_of_the_right_kind_passes(debug_cfg: JobConfig, load_dirs: dict[str, Path],
                                                     tmp_path: Path, name: str, in_hf: bool) -> None:

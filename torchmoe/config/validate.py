@@ -291,7 +291,8 @@ def validate_checkpoint(checkpoint: Checkpoint) -> None:
                           "add --checkpoint.enable true")
     if checkpoint.initial_load_in_hf and not checkpoint.initial_load_path:
         raise ConfigError("checkpoint.initial_load_in_hf", True, "no checkpoint.initial_load_path to load from",
-                          "set initial_load_path to a Hugging Face Llama 4 folder, or initial_load_in_hf = false")
+                          "set initial_load_path to a Hugging Face folder of model.name's family, or "
+                          "initial_load_in_hf = false")
 
 
 def validate_activation_checkpoint(ac: ActivationCheckpoint) -> None:

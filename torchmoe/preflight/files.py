@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.components.metrics import METRICS_FILE
 from torchmoe.components.run_info import RUN_INFO_FILE
 from torchmoe.components.run_lock import LOCK_NAME
@@ -26,6 +27,7 @@ from torchmoe.data.file_index import INDEX_FOLDER
 from torchmoe.data.mixture import KEY as MIX_KEY
 from torchmoe.data.mixture import source_settings
 from torchmoe.data.tokenizer import Tokenizer
+from torchmoe.models.registry import hf_mapping
 from torchmoe.plan.dry_run import DRY_RUN_FILE
 
 _STEP_NAME = re.compile(r"step-(\d+)(-hf)?")
@@ -62,7 +64,8 @@ def check_initial_load_path(cfg: JobConfig) -> None:
     if not ckpt.initial_load_path or (resumes(cfg) and not ckpt.create_seed_checkpoint):  # a seed run never resumes
         return
     key = source_key(cfg, "checkpoint.initial_load_path")
-    hf = "a Hugging Face Llama 4 folder (config.json + *.safetensors)"
+    family = hf_mapping(model_args_from_config(cfg.model)).title
+    hf = f"a Hugging Face {family} folder (config.json + *.safetensors)"
     dcp = "a DCP checkpoint folder: a step-N folder of a run, or the output of `torchmoe convert hf-to-dcp`"
     want = hf if ckpt.initial_load_in_hf else dcp
     with path_faults(key, ckpt.initial_load_path, f"point it at {want}, or leave it empty to start from random "
