@@ -60,7 +60,7 @@ def _flavor_shapes(family: str, flavor: str) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in meta_state(FLAVORS[family][flavor]).items()}
 
 
-def flavors_fitting(shapes: Mapping[str, Sequence[int]], family: str = "llama4") -> list[str]:
+def flavors_fitting(shapes: Mapping[str, Sequence[int]], family: str) -> list[str]:
     """The built-in flavors of `family` whose model holds exactly tensors of these names and
     `shapes` (a checkpoint's model tensors), in `FLAVORS` order."""
     have = {name: tuple(shape) for name, shape in shapes.items()}
