@@ -159,7 +159,7 @@ def _check_model(seq_len: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchmoe.models.decoder.model import Attention
+    from torchmoe.models.decoder.attention import Attention
     from torchmoe.models.decoder.parallelize import apply_cp
     from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.nn.document_attention import AttentionCall, document_segments, document_starts, whole_row_calls

@@ -4,15 +4,22 @@ norm, MoE imbalance and per-expert token counts of every step, as `test_layout_p
 
     python -m pytest -q tests/distributed/test_families.py
 
-Qwen3-MoE (`qwen3` tiny: per-head QK RMSNorm before half-split RoPE, softmax top-2 renormalised,
-gates on the experts' outputs, no shared expert, a dense first layer) with the `BALANCE` MoE
-settings (a visible expert-bias update, the balance loss and z-loss on), from one seed
-checkpoint. The layouts cover what this family changes: the per-head norms under TP (replicated
-weights fed head shards, gradients summed over tp), MoE TP with gates on partial expert outputs
-(their gradients summed over tp), EP, EP spanning TP, CP, PP, AC and compile; and a checkpoint
+Each family's tiny flavor with the `BALANCE` MoE settings (a visible expert-bias update, the
+balance loss and z-loss on), from its own seed checkpoint, under the same layouts:
+  - Qwen3-MoE (`qwen3`: per-head QK RMSNorm before half-split RoPE, softmax top-2 renormalised,
+    gates on the experts' outputs, no shared expert, a dense first layer);
+  - DeepSeek-V3 (`deepseek_v3`: latent attention with a query bottleneck and values narrower
+    than the query/key heads, YaRN with its softmax scale, sigmoid routing limited to 2 of 4
+    expert groups with the expert bias, gates renormalised and scaled by 2.5, a shared expert,
+    a dense first layer).
+The layouts cover what these families change: the per-head norms and MLA's replicated
+bottleneck projections under TP (gradients summed over tp: the norms', the shared rotated
+key's), MoE TP with gates on partial expert outputs (their gradients summed over tp), EP, EP
+spanning TP, CP (MLA's values padded to the heads' width), PP, AC and compile; and a checkpoint
 saved under one layout and resumed under another. Bound: 1e-5 relative, as for Llama 4.
 
-The multi-rank runs are trained in one torchrun world per rank count (`tests.helpers.TinyRuns`).
+Both families' multi-rank runs are trained in one torchrun world per rank count
+(`tests.helpers.TinyRuns`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
-QWEN3 = ["--model.name", "qwen3", *BALANCE]
+FAMILIES = {family: ["--model.name", family, *BALANCE] for family in ("qwen3", "deepseek_v3")}
 
 LAYOUTS = {
     # name: (ranks, flags); global batch 8 everywhere. tp2_moe_tp saves at step 3, for the resume.
@@ -51,39 +58,56 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def qwen3_seed(tmp_path_factory) -> Path:
-    return seed_checkpoint(tmp_path_factory.mktemp("qwen3_seed"), QWEN3)
+def seeds(tmp_path_factory) -> dict[str, Path]:
+    return {family: seed_checkpoint(tmp_path_factory.mktemp(f"{family}_seed"), flags)
+            for family, flags in FAMILIES.items()}
 
 
 @pytest.fixture(scope="module")
-def runs(qwen3_seed, tmp_path_factory) -> TinyRuns:
-    return TinyRuns(qwen3_seed, tmp_path_factory.mktemp("runs"), {
-        "single": Job(1, [*QWEN3, "--training.local_batch_size", "8"]),
-        **{name: Job(nproc, [*flags, *QWEN3]) for name, (nproc, flags) in LAYOUTS.items()},
-        "tp2_moe_tp_to_ep2": Job(2, [*QWEN3, "--parallelism.expert_parallel_degree", "2",
-                                     "--training.local_batch_size", "4"], start=("tp2_moe_tp_fsdp2_full_ac", 3)),
-    })
+def runs(seeds, tmp_path_factory) -> TinyRuns:
+    jobs = {}
+    for family, flags in FAMILIES.items():
+        seed = seeds[family]
+        jobs.update({
+            f"{family}_single": Job(1, [*flags, "--training.local_batch_size", "8"], start=seed),
+            **{f"{family}_{name}": Job(nproc, [*layout, *flags], start=seed)
+               for name, (nproc, layout) in LAYOUTS.items()},
+            f"{family}_tp2_moe_tp_to_ep2": Job(2, [*flags, "--parallelism.expert_parallel_degree", "2",
+                                                   "--training.local_batch_size", "4"],
+                                               start=(f"{family}_tp2_moe_tp_fsdp2_full_ac", 3)),
+        })
+    return TinyRuns(seeds["qwen3"], tmp_path_factory.mktemp("runs"), jobs)
 
 
 @pytest.fixture(scope="module")
-def reference(runs) -> dict[int, dict]:
-    ref = metrics_by_step(runs.folder("single"))
-    assert sorted(ref) == [1, 2, 3, 4, 5] and ref[5]["loss"] < ref[1]["loss"]
-    return ref
+def references(runs) -> dict[str, dict[int, dict]]:
+    refs = {family: metrics_by_step(runs.folder(f"{family}_single")) for family in FAMILIES}
+    for ref in refs.values():
+        assert sorted(ref) == [1, 2, 3, 4, 5] and ref[5]["loss"] < ref[1]["loss"]
+    return refs
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_qwen3_layout_matches_single_process(layout, runs, reference):
-    got = metrics_by_step(runs.folder(layout))
-    assert_same_curve(got, reference, f"qwen3 {layout}", rtol=RTOL)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_layout_matches_single_process(family, layout, runs, references):
+    got = metrics_by_step(runs.folder(f"{family}_{layout}"))
+    assert_same_curve(got, references[family], f"{family} {layout}", rtol=RTOL)
     if "ep" in layout:
         assert got[1]["ep_all_to_all_gib"] > 0
     if "compile" in layout:  # every block one graph (fullgraph=True would have refused a break)
         assert got[1]["compile_graph_breaks"] == 0 and got[1]["compile_graphs"] >= 2
 
 
-def test_qwen3_resumes_across_layouts(runs, reference):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_resumes_across_layouts(family, runs, references):
     """Saved at step 3 under TP 2 (MoE TP) x FSDP 2, resumed under EP 2 x FSDP 2: steps 4-5
     continue the single process's curve."""
-    resumed = metrics_by_step(runs.folder("tp2_moe_tp_to_ep2"))
-    assert_same_curve(resumed, {s: reference[s] for s in (4, 5)}, "qwen3 tp2 -> ep2", rtol=RTOL)
+    resumed = metrics_by_step(runs.folder(f"{family}_tp2_moe_tp_to_ep2"))
+    assert_same_curve(resumed, {s: references[family][s] for s in (4, 5)}, f"{family} tp2 -> ep2", rtol=RTOL)
+
+
+def test_the_families_curves_differ(references):
+    """Each family's layouts are checked against its own curve: the curves are not the same."""
+    qwen3, deepseek = references["qwen3"], references["deepseek_v3"]
+    assert abs(qwen3[1]["grad_norm"] - deepseek[1]["grad_norm"]) > 1e-2 * qwen3[1]["grad_norm"]
+    assert abs(qwen3[5]["loss"] - deepseek[5]["loss"]) > 1e-2

@@ -23,6 +23,7 @@ from rich.console import Console
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchmoe.arch.registry import FLAVORS as FAMILY_FLAVORS
 from torchmoe.config.job_config import ActivationCheckpoint, JobConfig, Parallelism, Training
 from torchmoe.config.loader import load_job_config
 from torchmoe.distributed.mesh import build_mesh
@@ -194,18 +195,21 @@ def _saved_bytes(model: torch.nn.Module, fn) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in own)
 
 
+@pytest.mark.parametrize("family", ["llama4", "qwen3", "deepseek_v3"])
 @pytest.mark.parametrize("masking", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "bf16_params", "bf16_autocast"])
 @pytest.mark.parametrize("seq", [64, 96, 160, 192])
-def test_block_activations_match_saved_tensors(precision, seq, masking):
+def test_block_activations_match_saved_tensors(precision, seq, masking, family):
     """fp32; bf16 parameters and inputs (what FSDP/DDP's mixed precision computes with); fp32
     parameters and residual stream under bf16 autocast (the layouts without FSDP/DDP). The tiny
     flavor's RoPE layers attend within 64-token chunks: 64 is one chunk (plain causal), 192
     three (folded into the batch), 96 and 160 end in a partial chunk (the whole chunks and the
     rest attended separately, the output concatenated: one more copy of it). With document
     masking (documents of 30 tokens, then the rest of the row) one operator writes the whole
-    output and keeps nothing of the documents but the segment tables' few int32 offsets."""
-    args = FLAVORS["tiny"]
+    output and keeps nothing of the documents but the segment tables' few int32 offsets.
+    Each family's tiny flavor: Qwen3's per-head norms, DeepSeek-V3's latent attention (its
+    replicated bottleneck norms, padded values and sliced output)."""
+    args = FAMILY_FLAVORS[family]["tiny"]
     torch.manual_seed(0)  # for the inputs below
     model = Transformer(args)
     model.init_weights(seed=0)

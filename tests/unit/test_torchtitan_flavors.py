@@ -21,7 +21,7 @@ from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_
 from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
-from torchmoe.models.decoder.model import precompute_freqs_cis, rope_frequencies
+from torchmoe.models.decoder.rotary import precompute_freqs_cis, rope_frequencies
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.models.llama4.hf import args_from_hf_config, hf_config_from_args
 from torchmoe.plan.memory import estimate_memory

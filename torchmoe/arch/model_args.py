@@ -59,6 +59,16 @@ class ModelArgs:
     # Which coordinates RoPE rotates together: "interleaved" pairs (x0, x1), (x2, x3), ... (Llama 4,
     # Meta's complex form) or "half" pairs (x_i, x_{i + head_dim/2}) (Qwen3, `rotate_half`).
     rope_style: str = "interleaved"
+    # DeepSeek's multi-head latent attention (MLA) when `kv_lora_rank` > 0: queries from a rank
+    # `q_lora_rank` bottleneck (0: one full-rank projection), keys and values from a shared rank
+    # `kv_lora_rank` latent, each head's query/key split into `qk_nope_head_dim` unrotated and
+    # `qk_rope_head_dim` rotated coordinates (the rotated key is one, shared by every head), values
+    # of `v_head_dim`. `head_dim` is then the query/key head (nope + rope), `n_kv_heads` = `n_heads`.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     attn_temperature_tuning: bool = True
     floor_scale: int = 8192
     attn_scale: float = 0.1
@@ -77,6 +87,11 @@ class ModelArgs:
     score_func: str = "sigmoid"  # "sigmoid" (Llama 4) or "softmax"
     score_before_experts: bool = True  # Llama 4 scales expert inputs; False scales outputs
     norm_topk_prob: bool = False  # divide the k selected scores by their sum (Qwen3's option)
+    # DeepSeek-V3's group-limited routing: the experts form `n_group` equal groups, a token's top_k
+    # are chosen within its `topk_group` groups of the highest (two best scores) sums; 1 = off.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the gates' multiplier (after norm_topk_prob)
     load_balance_coeff: float | None = 1e-3  # aux-loss-free bias update rate; None disables
     aux_loss_coeff: float = 0.0  # sequence-wise load-balancing loss coefficient
     z_loss_coeff: float = 0.0  # router z-loss coefficient
@@ -97,6 +112,9 @@ class ModelArgs:
             problems.append(f"score_func ({self.score_func!r}) must be 'sigmoid' or 'softmax'")
         if self.rope_style not in ("interleaved", "half"):
             problems.append(f"rope_style ({self.rope_style!r}) must be 'interleaved' or 'half'")
+        problems += self._latent_attention_problems() + self._group_routing_problems()
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") not in ("llama3", "yarn"):
+            problems.append(f"rope_scaling's rope_type ({self.rope_scaling['rope_type']!r}) must be 'llama3' or 'yarn'")
         if self.attn_backend not in ("sdpa", "flex"):
             problems.append(f"attn_backend ({self.attn_backend!r}) must be 'sdpa' or 'flex'")
         if self.no_rope_layers is not None and len(self.no_rope_layers) < self.n_layers:
@@ -105,6 +123,47 @@ class ModelArgs:
             problems.append(f"moe_layers {self.moe_layers} must lie in [0, {self.n_layers})")
         if problems:
             raise ValueError("invalid ModelArgs: " + "; ".join(problems))
+
+    def _latent_attention_problems(self) -> list[str]:
+        if not self.kv_lora_rank:
+            return []
+        problems = []
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            problems.append(f"head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim "
+                            f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim}) under latent attention")
+        if self.n_kv_heads != self.n_heads:
+            problems.append(f"n_kv_heads ({self.n_kv_heads}) must equal n_heads ({self.n_heads}) "
+                            "under latent attention")
+        if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2 or self.v_head_dim <= 0:
+            problems.append(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and positive and "
+                            f"v_head_dim ({self.v_head_dim}) positive under latent attention")
+        return problems
+
+    def _group_routing_problems(self) -> list[str]:
+        if self.n_group == 1 and self.topk_group == 1:
+            return []
+        per_group = self.num_experts // self.n_group if self.n_group > 0 else 0
+        if self.n_group < 1 or self.num_experts % self.n_group or per_group < 2:
+            return [f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) into groups of 2 or more"]
+        if not 1 <= self.topk_group <= self.n_group or self.top_k > self.topk_group * per_group:
+            return [f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}] and hold top_k "
+                    f"({self.top_k}) experts ({per_group} per group)"]
+        return []
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether the attention is DeepSeek's multi-head latent attention (`kv_lora_rank` > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The coordinates of a query/key head RoPE rotates: all of them, or MLA's rope part."""
+        return self.qk_rope_head_dim if self.latent_attention else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """The width of a value head (MLA's `v_head_dim`; else `head_dim`)."""
+        return self.v_head_dim if self.latent_attention else self.head_dim
 
     # ---- per-layer structure (HF Llama4TextConfig.__post_init__ semantics) -------------------
 
@@ -146,6 +205,13 @@ class ModelArgs:
     # ---- sizes ------------------------------------------------------------------------------
 
     def _attention_params(self) -> int:
+        if self.latent_attention:
+            q_out = self.n_heads * self.head_dim
+            query = (self.dim * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q_out
+                     if self.q_lora_rank else self.dim * q_out)
+            latent = self.dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            keys_values = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return query + latent + keys_values + self.n_heads * self.v_head_dim * self.dim
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         qk_norms = 2 * self.head_dim if self.qk_rms_norm else 0
         return self.dim * q_out + 2 * self.dim * kv_out + q_out * self.dim + qk_norms
@@ -177,18 +243,19 @@ class ModelArgs:
     def layer_flops_per_token(self, layer_id: int, seq_len: int, *, causal: bool = False) -> int:
         """Training FLOPs per token (forward + backward) of block `layer_id`.
 
-        ``6 * N`` for the matmuls over its active parameters ``N``, plus ``12 * n_heads * head_dim *
-        L_eff`` for the attention scores and weighted sum (2 matmuls, x3 for backward, x2
-        multiply-add), where ``L_eff`` is the context a query attends over: ``seq_len`` for
-        full-attention layers and ``min(seq_len, attention_chunk_size)`` for chunked ones. By
-        default causal masking is not halved, following the PaLM/MFU convention so numbers compare
-        across trainers; `causal` counts only the keys a query sees (half the square: ``L_eff / 2``),
-        the work a causal kernel actually does.
+        ``6 * N`` for the matmuls over its active parameters ``N``, plus ``6 * n_heads * (head_dim +
+        value_head_dim) * L_eff`` for the attention scores and weighted sum (2 matmuls, x3 for
+        backward, x2 multiply-add; ``12 * n_heads * head_dim`` unless MLA's values are narrower),
+        where ``L_eff`` is the context a query attends over: ``seq_len`` for full-attention layers
+        and ``min(seq_len, attention_chunk_size)`` for chunked ones. By default causal masking is
+        not halved, following the PaLM/MFU convention so numbers compare across trainers; `causal`
+        counts only the keys a query sees (half the square: ``L_eff / 2``), the work a causal
+        kernel actually does.
         """
         ctx = seq_len
         if self.rope_layers[layer_id] and self.attention_chunk_size is not None:
             ctx = min(seq_len, self.attention_chunk_size)
-        attention = 12 * self.n_heads * self.head_dim * ctx
+        attention = 6 * self.n_heads * (self.head_dim + self.value_head_dim) * ctx
         return 6 * self.layer_params(layer_id)[1] + (attention // 2 if causal else attention)
 
     def head_flops_per_token(self) -> int:

@@ -24,6 +24,7 @@ from torchmoe.arch.registry import FLAVORS
 from torchmoe.components.weight_files import misfit
 from torchmoe.config.errors import ConfigError
 from torchmoe.models.decoder.model import Transformer
+from torchmoe.models.hf_config_spec import HFConversionError
 from torchmoe.models.registry import hf_mapping
 
 __all__ = ["flavor_fix", "flavors_fitting", "matching_flavor", "meta_state", "require_fit"]
@@ -36,16 +37,22 @@ _NOT_ARCHITECTURE = ("dtype", "max_position_embeddings", "interleave_moe_layer_s
                      "rope_theta", "rope_scaling")
 
 
-def _architecture(args: ModelArgs) -> dict:
+def _architecture(args: ModelArgs) -> dict | None:
     """A canonical description of what `args` computes: its Hugging Face config, which spells out
-    derived settings (RoPE/NoPE and MoE layers) that `ModelArgs` may leave implicit."""
-    config = hf_mapping(args).hf_config_from_args(args, torch.float32)
+    derived settings (RoPE/NoPE and MoE layers) that `ModelArgs` may leave implicit; None when the
+    family's Hugging Face model cannot express it (DeepSeek-V3's softmax-scored flavors)."""
+    try:
+        config = hf_mapping(args).hf_config_from_args(args, torch.float32)
+    except HFConversionError:
+        return None
     return {k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}
 
 
 def matching_flavor(args: ModelArgs) -> str | None:
     """The built-in flavor of the family of `args` with exactly its architecture, or None."""
     want = _architecture(args)
+    if want is None:
+        return None
     return next((name for name, flavor in FLAVORS[args.family].items() if _architecture(flavor) == want), None)
 
 

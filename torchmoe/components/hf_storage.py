@@ -156,7 +156,7 @@ def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArg
     """
     entries = metadata.state_dict_metadata
     mapping = hf_mapping(args)
-    stored = {text: key for key in entries if (text := mapping.text_tensor_name(key)) is not None}
+    stored = {text: key for key in entries if (text := mapping.text_tensor_name(key, args)) is not None}
     expected = {name for s in _full_model_slices(args) for name in s.stored()}
     missing = sorted(expected - set(stored))
     if missing:
@@ -378,8 +378,11 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
     shards = out_dir / _SHARDS_DIR
     rank = dist.get_rank() if _dist_on() else 0
     require_finite(state, group=process_group)
-    bias_max = _max_abs_expert_bias(state, process_group)
     mapping = hf_mapping(args)
+    # Families whose Hugging Face model has no place for the bias (`hf_slice` None) lose it.
+    dropped = [name for name, t in state.items()
+               if name.endswith("expert_bias") and mapping.hf_slice(name, t.shape) is None]
+    bias_max = _max_abs_expert_bias({name: state[name] for name in dropped}, process_group)
     if bias_max > 0 and rank == 0:
         warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face "
                       f"{mapping.title} and is dropped: expert selection there ignores it", stacklevel=2)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
+from torchmoe.models.deepseek_v3 import hf as deepseek_v3_hf
 from torchmoe.models.hf_config_spec import HFConversionError
 from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.llama4 import hf as llama4_hf
@@ -36,8 +37,9 @@ class HFMapping:
         args_from_hf_config: config.json (dict) -> `ModelArgs`; raises `HFConversionError`.
         hf_config_from_args: (`ModelArgs`, dtype) -> config.json dict.
         hf_slice: (our state-dict name, shape) -> `HFSlice`, or None for what HF has no place for.
-        text_tensor_name: a stored name -> the text model's name, or None for what is skipped
-            (a multimodal checkpoint's vision tower).
+        text_tensor_name: (a stored name, `ModelArgs`) -> the text model's name, or None for
+            what is skipped (a multimodal checkpoint's vision tower, DeepSeek-V3's multi-token
+            prediction layers).
     """
 
     title: str
@@ -46,7 +48,7 @@ class HFMapping:
     args_from_hf_config: Callable[[dict], ModelArgs]
     hf_config_from_args: Callable[[ModelArgs, torch.dtype], dict]
     hf_slice: Callable[[str, Sequence[int]], HFSlice | None]
-    text_tensor_name: Callable[[str], str | None]
+    text_tensor_name: Callable[[str, ModelArgs], str | None]
 
 
 _MAPPINGS: dict[str, HFMapping] = {
@@ -54,6 +56,9 @@ _MAPPINGS: dict[str, HFMapping] = {
                         llama4_hf.hf_config_from_args, llama4_hf.hf_slice, llama4_hf.text_tensor_name),
     "qwen3": HFMapping("Qwen3-MoE", "Qwen3MoeForCausalLM", qwen3_hf.MODEL_TYPES, qwen3_hf.args_from_hf_config,
                        qwen3_hf.hf_config_from_args, qwen3_hf.hf_slice, qwen3_hf.text_tensor_name),
+    "deepseek_v3": HFMapping("DeepSeek-V3", "DeepseekV3ForCausalLM", deepseek_v3_hf.MODEL_TYPES,
+                             deepseek_v3_hf.args_from_hf_config, deepseek_v3_hf.hf_config_from_args,
+                             deepseek_v3_hf.hf_slice, deepseek_v3_hf.text_tensor_name),
 }
 
 

@@ -6,9 +6,10 @@
 Derived from `ModelArgs` alone (no model is built), mirroring the tensors `models/decoder/model.py`
 creates. The sharding rules are the ones the parallelize pipeline applies (DESIGN §4):
 
-- TP (`distributed/tensor_parallel.py`): attention wq/wk/wv and dense SwiGLU w1/w3 column-wise
+- TP (`models/decoder/tensor_parallel.py`): attention wq/wk/wv and dense SwiGLU w1/w3 column-wise
   (dim 0), wo and w2 row-wise (dim 1), the embedding and output head over the vocab (dim 0);
-  norms replicated (Qwen3's per-head q/k norms too). The MoE block's own parameters follow the experts: under MoE TP (ep == 1,
+  norms replicated (Qwen3's per-head q/k norms too). Latent attention (DeepSeek): wq / wq_b and
+  wkv_b column-wise, wo row-wise, the bottleneck projections wq_a / wkv_a and their norms replicated. The MoE block's own parameters follow the experts: under MoE TP (ep == 1,
   tp > 1) the shared expert is column/row-wise like a dense FFN and the router gate replicated;
   under EP the MoE block runs on each rank's sequence shard and TP leaves them whole.
 - Routed experts ``w1, w3: [E, hidden, dim]``, ``w2: [E, dim, hidden]``: EP shards dim 0; under
@@ -84,19 +85,41 @@ def param_specs(args: ModelArgs) -> list[ParamSpec]:
 _SPECS: dict[str, tuple[ParamSpec, ...]] = {}
 
 
+def _attention_specs(args: ModelArgs, i: int) -> list[ParamSpec]:
+    """Block `i`'s attention parameters: grouped-query (wq/wk/wv column-wise, wo row-wise; Qwen3's
+    per-head norms replicated: each rank normalises its heads with the whole weight), or latent
+    attention (the projections into heads column-wise; the bottleneck projections and their
+    norms replicated)."""
+    p, d, q_out = f"layers.{i}.attention", args.dim, args.n_heads * args.head_dim
+    if args.latent_attention:
+        r, rope, heads = args.kv_lora_rank, args.qk_rope_head_dim, args.n_heads
+        query = ([ParamSpec(f"{p}.wq_a.weight", (args.q_lora_rank, d), None, layer=i),
+                  ParamSpec(f"{p}.q_norm.weight", (args.q_lora_rank,), None, layer=i),
+                  ParamSpec(f"{p}.wq_b.weight", (q_out, args.q_lora_rank), 0, layer=i)]
+                 if args.q_lora_rank else [ParamSpec(f"{p}.wq.weight", (q_out, d), 0, layer=i)])
+        return [*query,
+                ParamSpec(f"{p}.wkv_a.weight", (r + rope, d), None, layer=i),
+                ParamSpec(f"{p}.kv_norm.weight", (r,), None, layer=i),
+                ParamSpec(f"{p}.wkv_b.weight", (heads * (args.qk_nope_head_dim + args.v_head_dim), r), 0, layer=i),
+                ParamSpec(f"{p}.wo.weight", (d, heads * args.v_head_dim), 1, layer=i)]
+    kv_out = args.n_kv_heads * args.head_dim
+    specs = [
+        ParamSpec(f"{p}.wq.weight", (q_out, d), 0, layer=i),
+        ParamSpec(f"{p}.wk.weight", (kv_out, d), 0, layer=i),
+        ParamSpec(f"{p}.wv.weight", (kv_out, d), 0, layer=i),
+        ParamSpec(f"{p}.wo.weight", (d, q_out), 1, layer=i),
+    ]
+    if args.qk_rms_norm:
+        specs += [ParamSpec(f"{p}.{n}.weight", (args.head_dim,), None, layer=i) for n in ("q_norm", "k_norm")]
+    return specs
+
+
 def _param_specs(args: ModelArgs) -> list[ParamSpec]:
-    d, q_out, kv_out = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    d = args.dim
     specs = [ParamSpec("tok_embeddings.weight", (args.vocab_size, d), 0)]
     for i in range(args.n_layers):
         p = f"layers.{i}"
-        specs += [
-            ParamSpec(f"{p}.attention.wq.weight", (q_out, d), 0, layer=i),
-            ParamSpec(f"{p}.attention.wk.weight", (kv_out, d), 0, layer=i),
-            ParamSpec(f"{p}.attention.wv.weight", (kv_out, d), 0, layer=i),
-            ParamSpec(f"{p}.attention.wo.weight", (d, q_out), 1, layer=i),
-        ]
-        if args.qk_rms_norm:  # replicated over tp: each rank normalises its heads with the whole weight
-            specs += [ParamSpec(f"{p}.attention.{n}.weight", (args.head_dim,), None, layer=i) for n in ("q_norm", "k_norm")]
+        specs += _attention_specs(args, i)
         specs += [
             ParamSpec(f"{p}.attention_norm.weight", (d,), None, layer=i),
             ParamSpec(f"{p}.ffn_norm.weight", (d,), None, layer=i),

@@ -279,8 +279,31 @@ class ActivationModel:
     def block_input(self) -> float:
         return self.r * self.args.dim / self.dims.tp
 
+    def _latent_norm(self, n: int) -> float:
+        """A norm of a matmul's output (a bytes): fp32 upcast, normalised output, rstd (compiled:
+        the input and rstd), as `_norm` of a residual-stream input."""
+        return (self.a * n if self.compiled else (4 + self.a) * n) + 4
+
+    def _latent_attention(self, layer: int) -> float:
+        """MLA (`models.decoder.latent_attention`): the bottleneck projections are replicated, so
+        what they save is not divided by tp; the values are padded to the query/key heads'
+        width, so sdpa's v and output are head_dim wide; the output projection's input is a copy
+        (the padding sliced off)."""
+        m, tp, a = self.args, self.dims.tp, self.a
+        hq = m.n_heads * m.head_dim
+        total = self._norm(m.dim) / tp + self._matmul_input(2) * m.dim  # read by wq / wq_a and wkv_a
+        if m.q_lora_rank:  # q_norm, then wq_b's input
+            total += self._latent_norm(m.q_lora_rank) + self._matmul_input(1) * m.q_lora_rank
+        total += self._latent_norm(m.kv_lora_rank) + self._matmul_input(1) * m.kv_lora_rank  # kv_norm, wkv_b's input
+        if self.a == 4 or self.compiled:  # kv_norm keeps its input: a view of wkv_a's whole output, k_rope too
+            total += self.a * m.qk_rope_head_dim
+        total += a * 3 * hq / tp + a * hq / tp + 4 * m.n_heads / tp  # sdpa's q, k, v, output, lse
+        return total + a * m.n_heads * m.v_head_dim / tp + self._cp_attention(layer)
+
     def _attention(self, layer: int) -> float:
         m, tp, a = self.args, self.dims.tp, self.a
+        if m.latent_attention:
+            return self._latent_attention(layer)
         hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
         total = self._norm(m.dim) / tp + self._matmul_input(3) * m.dim + a * (hq + 2 * hkv) / tp
         total += a * hq / tp + 4 * m.n_heads / tp + self._cp_attention(layer)
@@ -298,6 +321,8 @@ class ActivationModel:
         f, k = self._moe_tokens(), m.top_k
         readers = 1 + 2 * (m.num_shared_experts > 0)  # router gate, shared expert w1 and w3
         total = self._norm(m.dim) / tp + self._matmul_input(readers) * m.dim * f + (4 * m.num_experts + 16 * k) * f
+        if m.norm_topk_prob:  # the division's fp32 numerator (the k gates) and denominator
+            total += (4 * k + 4) * f
         total += k * f * (4 * m.dim + 2 * a * m.dim + 4 * a * m.moe_hidden_dim / self.dims.etp + 12)
         return total + 4 * a * m.moe_hidden_dim * m.num_shared_experts / tp
 
@@ -305,10 +330,8 @@ class ActivationModel:
         """Block `layer`'s plain matmuls by their linear's name in the block: its weight's full
         (in, out) shape (what the per-op policy matches) and the output's bytes per token."""
         m, tp, a = self.args, self.dims.tp, self.a
-        hq, hkv, dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.dim
-        # wo's output is counted before the TP reduce-scatter.
-        mms = {"attention.wq": ((dim, hq), a * hq / tp), "attention.wk": ((dim, hkv), a * hkv / tp),
-               "attention.wv": ((dim, hkv), a * hkv / tp), "attention.wo": ((hq, dim), a * dim)}
+        dim = m.dim
+        mms = self._attention_matmuls()
         if not m.is_moe_layer(layer):
             ffn = m.ffn_hidden_dim
             return {**mms, "feed_forward.w1": ((dim, ffn), a * ffn / tp), "feed_forward.w3": ((dim, ffn), a * ffn / tp),
@@ -320,6 +343,26 @@ class ActivationModel:
             mms.update({"moe.shared_experts.w1": ((dim, shared), f * a * shared / etp),
                         "moe.shared_experts.w3": ((dim, shared), f * a * shared / etp),
                         "moe.shared_experts.w2": ((shared, dim), f * a * dim)})
+        return mms
+
+    def _attention_matmuls(self) -> dict[str, tuple[tuple[int, int], float]]:
+        """`_plain_matmuls` of the attention: wo's output is counted before the TP reduce-scatter;
+        MLA's replicated bottleneck projections write their whole output on every rank."""
+        m, tp, a, dim = self.args, self.dims.tp, self.a, self.args.dim
+        hq = m.n_heads * m.head_dim
+        if not m.latent_attention:
+            hkv = m.n_kv_heads * m.head_dim
+            return {"attention.wq": ((dim, hq), a * hq / tp), "attention.wk": ((dim, hkv), a * hkv / tp),
+                    "attention.wv": ((dim, hkv), a * hkv / tp), "attention.wo": ((hq, dim), a * dim)}
+        latent, kv_heads = m.kv_lora_rank + m.qk_rope_head_dim, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        mms = {"attention.wkv_a": ((dim, latent), a * latent),
+               "attention.wkv_b": ((m.kv_lora_rank, kv_heads), a * kv_heads / tp),
+               "attention.wo": ((m.n_heads * m.v_head_dim, dim), a * dim)}
+        if m.q_lora_rank:
+            mms.update({"attention.wq_a": ((dim, m.q_lora_rank), a * m.q_lora_rank),
+                        "attention.wq_b": ((m.q_lora_rank, hq), a * hq / tp)})
+        else:
+            mms["attention.wq"] = ((dim, hq), a * hq / tp)
         return mms
 
     def _op_sac(self, layer: int) -> float:

@@ -46,10 +46,16 @@ class TokenChoiceRouter(nn.Module):
     Llama 4 router (top-k on logits, sigmoid of the chosen logits), as sigmoid is monotonic.
     With `force_load_balance` the selection is `round_robin_experts` instead (torchtitan's
     debug routing, for performance work); the gate values are still the scores it selects.
+
+    Group-limited routing (DeepSeek-V3, ``n_group`` > 1): the experts form ``n_group`` equal
+    groups, each scored by the sum of its two best biased scores, and a token's top-k are chosen
+    among the experts of its ``topk_group`` best groups. The gates are then multiplied by
+    ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``), after `norm_topk_prob`.
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, *,
-                 norm_topk_prob: bool = False, force_load_balance: bool = False) -> None:
+                 norm_topk_prob: bool = False, force_load_balance: bool = False, n_group: int = 1,
+                 topk_group: int = 1, scaling_factor: float = 1.0) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts = num_experts
@@ -57,6 +63,8 @@ class TokenChoiceRouter(nn.Module):
         self.score_func = score_func
         self.norm_topk_prob = norm_topk_prob
         self.force_load_balance = force_load_balance
+        self.n_group, self.topk_group = n_group, topk_group
+        self.scaling_factor = scaling_factor
 
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None
@@ -79,12 +87,26 @@ class TokenChoiceRouter(nn.Module):
         if self.force_load_balance:
             selected = round_robin_experts(scores.shape[0], self.top_k, self.num_experts, scores.device)
         else:
-            choice = scores if expert_bias is None else scores + expert_bias
+            # The choice is indices only: detached, autograd keeps nothing of the selection.
+            choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+            if self.n_group > 1:
+                choice = self._within_best_groups(choice)
             _, selected = torch.topk(choice, self.top_k, dim=-1)  # (T, k)
         top_scores = scores.gather(-1, selected)  # (T, k)
-        if self.norm_topk_prob:  # the gates of a token sum to 1 (Qwen3's norm_topk_prob)
+        if self.norm_topk_prob:  # the gates of a token sum to 1 (Qwen3's and DeepSeek's option)
             top_scores = top_scores / top_scores.sum(-1, keepdim=True)
+        if self.scaling_factor != 1.0:
+            top_scores = top_scores * self.scaling_factor
         return top_scores, selected, scores, logits
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` (T, E) with the experts outside each token's `topk_group` best groups set to
+        -inf; a group's score is the sum of its two best choices (DeepSeek-V3)."""
+        grouped = choice.view(choice.shape[0], self.n_group, -1)  # (T, G, E / G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
+        best = group_scores.topk(self.topk_group, dim=-1).indices  # (T, topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"gate.weight": TruncNormal(init_std)}
@@ -135,7 +157,8 @@ class MoE(nn.Module):
         self.load_balance_coeff = args.load_balance_coeff
         self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func,
                                         norm_topk_prob=args.norm_topk_prob,
-                                        force_load_balance=args.moe_force_load_balance)
+                                        force_load_balance=args.moe_force_load_balance, n_group=args.n_group,
+                                        topk_group=args.topk_group, scaling_factor=args.routed_scaling_factor)
         self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (
             FeedForward(args.dim, args.moe_hidden_dim * args.num_shared_experts)

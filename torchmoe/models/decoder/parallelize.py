@@ -32,7 +32,7 @@ from torchmoe.distributed.expert_parallel import AllToAllDispatcher
 from torchmoe.distributed.float8 import apply_float8
 from torchmoe.distributed.mesh import ParallelMesh
 from torchmoe.distributed.tensor_parallel import ReplicateParallel
-from torchmoe.models.decoder.model import Attention
+from torchmoe.models.decoder.attention import CausalAttention
 from torchmoe.models.decoder.tensor_parallel import apply_tp
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import float8_tp_enabled
@@ -112,7 +112,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
     cp_attention = ContextParallelAttention(CPLayout(seq_len, cp_mesh.size()), cp_mesh)
     model.context_parallel = cp_attention
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, CausalAttention):
             module.context_parallel = cp_attention
     for moe in model.moe_layers():
         moe.sequence_shard_groups.append(cp_mesh.get_group())

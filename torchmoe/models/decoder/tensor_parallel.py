@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Llama 4 transformer, including MoE tensor parallelism: which module
+"""Tensor parallelism for the decoder (every family), including MoE tensor parallelism: which module
 gets which TP style.
 
 Layout (sequence parallel between blocks): the residual stream is a DTensor sharded on the
@@ -35,6 +35,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchmoe.distributed.tensor_parallel import ExpertTensorParallel, LinearStyles, ReplicateParallel
+from torchmoe.models.decoder.attention import Attention
+from torchmoe.models.decoder.latent_attention import LatentAttention
 
 __all__ = ["apply_tp"]
 
@@ -79,20 +81,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
         styles = LinearStyles(block, float8)
         plan: dict[str, ParallelStyle] = {
             "attention_norm": SequenceParallel(),
-            # Inputs (x, freqs_cis, documents): only the hidden states are sharded.
-            "attention": styles.gather_input("attention", ("wq", "wk", "wv"), (Shard(1), None, None),
-                                             (Replicate(), None, None)),
-            "attention.wq": styles.colwise("attention.wq"),
-            "attention.wk": styles.colwise("attention.wk"),
-            "attention.wv": styles.colwise("attention.wv"),
             "attention.wo": styles.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
         }
-        if block.attention.q_norm is not None:
-            # Per-head norms (Qwen3) see this rank's heads, (B, S, H / tp, hd): the weight is
-            # replicated and its gradient, a sum over the local heads, is summed over tp.
-            plan.update({"attention.q_norm": ReplicateParallel(input_layout=Shard(2)),
-                         "attention.k_norm": ReplicateParallel(input_layout=Shard(2))})
+        if isinstance(block.attention, LatentAttention):
+            block.attention.rope_key_gradient_mesh = tp_mesh
+            plan.update(_latent_attention_plan(block.attention, styles))
+        else:
+            plan.update(_attention_plan(block.attention, styles))
         if not block.moe_enabled:
             plan.update({
                 "feed_forward": styles.gather_input("feed_forward", ("w1", "w3"), (Shard(1),), (Replicate(),)),
@@ -115,6 +111,46 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
         parallelize_module(block, tp_mesh, plan)
         applied.update({f"layers.{name}.{fqn}": style for fqn, style in plan.items()})
     return applied
+
+
+def _attention_plan(attention: Attention, styles: LinearStyles) -> dict[str, ParallelStyle]:
+    """Grouped-query attention: heads split (wq/wk/wv column-wise)."""
+    plan: dict[str, ParallelStyle] = {
+        # Inputs (x, freqs_cis, documents): only the hidden states are sharded.
+        "attention": styles.gather_input("attention", ("wq", "wk", "wv"), (Shard(1), None, None),
+                                         (Replicate(), None, None)),
+        "attention.wq": styles.colwise("attention.wq"),
+        "attention.wk": styles.colwise("attention.wk"),
+        "attention.wv": styles.colwise("attention.wv"),
+    }
+    if attention.q_norm is not None:
+        # Per-head norms (Qwen3) see this rank's heads, (B, S, H / tp, hd): the weight is
+        # replicated and its gradient, a sum over the local heads, is summed over tp.
+        plan.update({"attention.q_norm": ReplicateParallel(input_layout=Shard(2)),
+                     "attention.k_norm": ReplicateParallel(input_layout=Shard(2))})
+    return plan
+
+
+def _latent_attention_plan(attention: LatentAttention, styles: LinearStyles) -> dict[str, ParallelStyle]:
+    """Latent attention (DeepSeek's MLA): the projections into heads (wq or wq_b, wkv_b) are
+    column-wise, so each rank computes its heads; the bottleneck projections (wq_a, wkv_a) and
+    their norms are small and replicated, each rank running them on the whole gathered sequence.
+    Their outputs' gradients are complete: the column-wise inputs all-reduce theirs, and the
+    shared rotated key's is summed by the layer (`rope_key_gradient_mesh`). The input is
+    gathered in high precision (replicated readers take no float8 tensor)."""
+    plan: dict[str, ParallelStyle] = {
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wkv_a": ReplicateParallel(),
+        "attention.kv_norm": ReplicateParallel(),
+        "attention.wkv_b": styles.colwise("attention.wkv_b"),
+    }
+    if attention.wq is not None:
+        plan["attention.wq"] = styles.colwise("attention.wq")
+    else:
+        plan.update({"attention.wq_a": ReplicateParallel(), "attention.q_norm": ReplicateParallel(),
+                     "attention.wq_b": styles.colwise("attention.wq_b")})
+    return plan
 
 
 def _moe_tp_plan(has_shared: bool, styles: LinearStyles) -> dict[str, ParallelStyle]:

@@ -237,7 +237,7 @@ def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
     return HFSlice(hf, tuple(shape))
 
 
-def text_tensor_name(stored: str) -> str | None:
+def text_tensor_name(stored: str, args: ModelArgs) -> str | None:
     """The Llama4ForCausalLM name of a tensor stored in a text or multimodal checkpoint, or None
     for the vision tower's tensors."""
     if stored.startswith(SKIPPED_HF_PREFIXES):

@@ -210,6 +210,6 @@ def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
     raise HFConversionError(f"no Hugging Face name for {name!r}")
 
 
-def text_tensor_name(stored: str) -> str | None:
+def text_tensor_name(stored: str, args: ModelArgs) -> str | None:
     """A Qwen3-MoE checkpoint holds the text model only: every stored name is its own."""
     return stored

@@ -1,0 +1,222 @@
+"""Logits parity with transformers' DeepseekV3ForCausalLM, both directions, per feature; the family
+detected from config.json's model_type; the released config.json is the 671B flavor; what the
+model cannot represent refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+
+from torchmoe.arch.deepseek_v3 import FLAVORS  # noqa: E402
+from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
+from torchmoe.hf import HFConversionError, load_model, save_model  # noqa: E402
+from torchmoe.models.decoder.model import Transformer  # noqa: E402
+from torchmoe.models.deepseek_v3.hf import args_from_hf_config, hf_config_from_args  # noqa: E402
+from torchmoe.models.hf_config_spec import HFConfigValueError  # noqa: E402
+
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+_BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+             num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+             first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+             v_head_dim=10, max_position_embeddings=256, rope_parameters=_YARN, rms_norm_eps=1e-6)
+
+# Each case turns on an option: the released form (query bottleneck, groups, YaRN with its
+# softmax scale, values narrower than keys), a full-rank query, no groups and raw gates, YaRN's
+# rotation magnitude (mscale != mscale_all_dim), plain RoPE, half-split RoPE, every layer MoE
+# with two shared experts, tied embeddings.
+CASES = {
+    "released_form": {},
+    "full_rank_query_no_groups": dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
+                                      routed_scaling_factor=1.0),
+    "yarn_magnitude": dict(rope_parameters={**_YARN, "mscale": 0.8, "mscale_all_dim": 0.6}),
+    "plain_rope_half_pairs": dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0}, rope_interleave=False),
+    "all_moe_two_shared_tied": dict(first_k_dense_replace=0, n_shared_experts=2, tie_word_embeddings=True,
+                                    num_experts_per_tok=3, topk_group=3),
+}
+
+
+def _hf_model(overrides: dict, seed: int = 0) -> DeepseekV3ForCausalLM:
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**_BASE, **overrides})).eval()
+    with torch.no_grad():  # HF initialises norms to one and the router and its bias to zero: perturb them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    return model
+
+
+def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+
+
+def _tokens(vocab: int, seq_len: int = 40) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_to_torchmoe_and_back_fp32(case, tmp_path):
+    hf = _hf_model(CASES[case])
+    hf.save_pretrained(tmp_path / "hf")  # one tensor per expert, as the released checkpoints
+    ours = load_model(tmp_path / "hf")
+    assert ours.args.family == "deepseek_v3"
+    tokens = _tokens(_BASE["vocab_size"])
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        got = ours(tokens)
+    assert got.shape == (2, 40, _BASE["vocab_size"])
+    assert _max_rel_err(ref, got) <= 1e-5
+
+    save_model(ours, tmp_path / "back")
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    hf_back = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert _max_rel_err(got, hf_back(tokens).logits) <= 1e-5
+
+
+def test_the_expert_bias_is_hf_e_score_correction_bias(tmp_path):
+    """The aux-loss-free bias only selects: a changed bias changes the logits through the experts
+    chosen, on both sides, and loads into `moe.expert_bias`."""
+    hf = _hf_model({})
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf")
+    stored = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(ours.layers["1"].moe.expert_bias, stored)
+    tokens = _tokens(_BASE["vocab_size"])
+    with torch.no_grad():
+        before = ours(tokens)
+        ours.layers["1"].moe.expert_bias.mul_(-20)
+        stored.mul_(-20)
+        after = ours(tokens)
+        assert _max_rel_err(before, after) > 1e-3
+        assert _max_rel_err(hf(tokens).logits, after) <= 1e-5
+
+
+def test_torchmoe_to_hf_from_our_init(tmp_path):
+    """From our own initialisation of the test flavor: transformers' model built from the
+    config.json we write computes the same logits, and the folder reads back as the flavor."""
+    torch.manual_seed(0)
+    ours = Transformer(FLAVORS["tiny"])
+    ours.init_weights(seed=3)
+    with torch.no_grad():  # ones and zeros at init: perturb what a swap or a dropped op would hide
+        for name, p in ours.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+        for moe in ours.moe_layers():
+            moe.expert_bias.normal_(0, 0.05)
+    save_model(ours.eval(), tmp_path / "hf")
+    hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = _tokens(FLAVORS["tiny"].vocab_size, 96)
+    with torch.no_grad():
+        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+    assert matching_flavor(load_model(tmp_path / "hf").args) == "tiny"
+
+
+def test_bf16_parity(tmp_path):
+    hf = _hf_model({}).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf", dtype=torch.bfloat16)
+    tokens = _tokens(_BASE["vocab_size"])
+    with torch.no_grad():
+        # bf16 rounds differently along two op orders (and HF routes from fp32 router weights);
+        # the bound is bf16's (8 bits of mantissa).
+        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 3e-2
+
+
+# deepseek-ai/DeepSeek-V3's config.json as published (transformers 4 spelling: rope_scaling, the
+# auto_map of its remote code, fp8 quantization removed as a bf16 conversion does).
+_RELEASED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def test_the_released_config_is_the_671b_flavor():
+    args = args_from_hf_config(_RELEASED)
+    assert args == FLAVORS["671B"]
+    assert matching_flavor(args) == "671B"
+    assert args_from_hf_config(hf_config_from_args(args, torch.bfloat16)) == args
+    counts = args.param_counts()  # the published "671B total, 37B activated" (MTP module aside)
+    assert (counts["total"], counts["active"]) == (671_026_404_352, 37_552_282_624)
+
+
+def test_multi_token_prediction_layers_are_skipped_on_load(tmp_path):
+    """A checkpoint with the MTP layer (model.layers.{n_layers}.*, as released) loads its causal
+    LM: the extra layer's tensors are not "tensors this model has no place for"."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model({})
+    hf.save_pretrained(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    weights.update({k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in weights.items()
+                    if k.startswith("model.layers.2.")})
+    weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    ours = load_model(tmp_path / "hf")
+    tokens = _tokens(_BASE["vocab_size"])
+    with torch.no_grad():
+        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "dequantise them to bf16"),
+    ("scoring_func", "softmax", "scoring_func 'softmax' is not supported"),
+    ("topk_method", "greedy", "topk_method 'greedy' is not supported"),
+    ("moe_layer_freq", 2, "moe_layer_freq 2 is not supported"),
+    ("attention_bias", True, "attention_bias = true is not supported"),
+    ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_type 'linear' is not supported"),
+    ("index_topk", 2048, "unsupported DeepseekV3Config fields: index_topk"),
+])
+def test_what_the_model_cannot_represent_is_refused(field, value, message):
+    with pytest.raises(HFConversionError, match=message):
+        args_from_hf_config({**_RELEASED, field: value})
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("num_key_value_heads", 8, "one key and value per query head"),
+    ("n_group", 7, "does not divide the 256 experts"),
+    ("topk_group", 9, "of n_group 8 cannot hold"),
+    ("qk_rope_head_dim", 63, "is odd"),
+    ("kv_lora_rank", "512", "a string, not an integer"),
+    ("routed_scaling_factor", 0, "out of range"),
+    ("head_dim", 128, "disagrees with qk_rope_head_dim (64)"),
+    ("n_routed_experts", 2**20, "out of range"),
+])
+def test_bad_values_name_the_field(field, value, problem):
+    with pytest.raises(HFConfigValueError) as err:
+        args_from_hf_config({**_RELEASED, field: value})
+    assert err.value.field == field and problem in str(err.value)
+
+
+def test_export_refuses_what_hf_cannot_express():
+    with pytest.raises(HFConversionError, match="scores experts with sigmoid only"):
+        hf_config_from_args(FLAVORS["16B"], torch.bfloat16)
+    with pytest.raises(HFConversionError, match="cannot express these settings: score_before_experts"):
+        hf_config_from_args(FLAVORS["tiny"].replace(score_before_experts=True), torch.float32)

@@ -1,0 +1,297 @@
+"""Mapping between torchmoe's DeepSeek-V3 and Hugging Face ``DeepseekV3ForCausalLM`` /
+``DeepseekV3Config`` (Kimi K2's checkpoints are this model type too).
+
+Configs map field by field (`args_from_hf_config`, `hf_config_from_args`); weights map name by
+name, the routed experts one tensor per expert and projection as the released checkpoints (and
+transformers' ``save_pretrained``) store them:
+
+    HF  mlp.experts.{e}.gate_proj.weight [hidden, dim]   ours experts.w1 [E, hidden, dim]
+    HF  mlp.experts.{e}.up_proj.weight   [hidden, dim]   ours experts.w3 [E, hidden, dim]
+    HF  mlp.experts.{e}.down_proj.weight [dim, hidden]   ours experts.w2 [E, dim, hidden]
+    HF  mlp.gate.e_score_correction_bias [E]             ours moe.expert_bias (the aux-loss-free bias)
+
+With ``rope_interleave`` (the releases') Hugging Face rotates interleaved pairs of the rope
+coordinates, as torchmoe's ``rope_style = "interleaved"`` does; it writes the rotated query and
+key in half-split order, a permutation both share, so the attention scores are the same and the
+projections map unchanged. ``rope_interleave = false`` is ``rope_style = "half"``.
+
+Multi-token prediction layers (``num_nextn_predict_layers``: the released ``model.layers.61``)
+are not part of the causal LM Hugging Face runs: loading skips them, as transformers does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+
+from torchmoe.arch.deepseek_v3 import deepseek_v3
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.models.hf_config_spec import (
+    DECODER_FIELDS,
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_SIZE,
+    POSITIVE,
+    HFConfigValueError,
+    HFConversionError,
+    Spec,
+    check_fields,
+    decoder_config,
+)
+from torchmoe.models.hf_slices import HFSlice
+
+__all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slice", "text_tensor_name"]
+
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+_FIELDS: dict[str, Spec] = {
+    **DECODER_FIELDS,
+    "head_dim": Spec("int", low=2, high=MAX_SIZE, null=True),  # Hugging Face writes qk_rope_head_dim here
+    "moe_intermediate_size": Spec("int", high=MAX_SIZE),
+    "n_routed_experts": Spec("int", high=MAX_EXPERTS),
+    "num_local_experts": Spec("int", high=MAX_EXPERTS),
+    "n_shared_experts": Spec("int", low=0, high=MAX_EXPERTS, null=True),
+    "routed_scaling_factor": POSITIVE,
+    "kv_lora_rank": Spec("int", high=MAX_SIZE),
+    "q_lora_rank": Spec("int", low=0, high=MAX_SIZE, null=True),  # null: a full-rank query projection
+    "qk_rope_head_dim": Spec("int", low=2, high=MAX_SIZE),
+    "qk_nope_head_dim": Spec("int", low=0, high=MAX_SIZE),
+    "v_head_dim": Spec("int", high=MAX_SIZE, null=True),
+    "qk_head_dim": Spec("int", high=MAX_SIZE),
+    "n_group": Spec("int", high=MAX_EXPERTS, null=True),
+    "topk_group": Spec("int", high=MAX_EXPERTS, null=True),
+    "first_k_dense_replace": Spec("int", low=0, high=MAX_LAYERS, null=True),
+    "moe_layer_freq": Spec("int", high=MAX_LAYERS),
+    "norm_topk_prob": Spec("bool", null=True),
+    "rope_interleave": Spec("bool", null=True),
+    "num_nextn_predict_layers": Spec("int", low=0, high=MAX_LAYERS),
+    "scoring_func": Spec("str"),
+    "topk_method": Spec("str"),
+}
+_YARN_FIELDS: dict[str, Spec] = {
+    "rope_type": Spec("str"), "type": Spec("str"), "rope_theta": POSITIVE, "factor": POSITIVE,
+    "original_max_position_embeddings": Spec("int", high=2**31 - 1), "beta_fast": POSITIVE, "beta_slow": POSITIVE,
+    "mscale": Spec("number", low=None, null=True), "mscale_all_dim": Spec("number", low=None, null=True),
+    "attention_factor": Spec("number", low=0, low_open=True, null=True), "truncate": Spec("bool"),
+}
+
+# Fields that never change the causal LM's forward pass (token ids, generation, dropout, output
+# switches, expert placement hints, the auxiliary loss the releases trained with).
+_IGNORED_FIELDS = {
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
+    "pad_token_id", "use_cache", "output_router_logits", "initializer_range", "attention_dropout", "name_or_path",
+    "_name_or_path", "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder",
+    "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class", "use_bfloat16", "torchscript",
+    "auto_map", "pretraining_tp", "ep_size", "aux_loss_alpha", "seq_aux", "chunk_size_feed_forward",
+}
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a config: plain RoPE, or YaRN in `arch.deepseek_v3.yarn`'s form."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise HFConversionError(f"rope_type {rope_type!r} is not supported for DeepSeek-V3 ('default' or 'yarn')")
+    for name in ("factor", "original_max_position_embeddings"):
+        if name not in params:
+            raise HFConfigValueError(f"rope_parameters.{name}", None, "is missing: YaRN needs it",
+                                     "the released value (factor 40, original_max_position_embeddings 4096)")
+    scaling = {"rope_type": "yarn", "factor": float(params["factor"]),
+               "original_max_position_embeddings": params["original_max_position_embeddings"],
+               "beta_fast": float(params.get("beta_fast") or 32.0), "beta_slow": float(params.get("beta_slow") or 1.0)}
+    scaling.update({k: params[k] for k in ("mscale", "mscale_all_dim", "attention_factor", "truncate")
+                    if params.get(k) is not None})
+    return theta, scaling
+
+
+def _check(cfg: dict) -> None:
+    check_fields(_FIELDS, cfg, "")
+    for rope in ("rope_parameters", "rope_scaling"):
+        if isinstance(cfg.get(rope), dict):
+            check_fields(_YARN_FIELDS, cfg[rope], f"{rope}.")
+    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts", 256))
+    if "num_local_experts" in cfg and "n_routed_experts" in cfg and cfg["num_local_experts"] != experts:
+        raise HFConfigValueError("num_local_experts", cfg["num_local_experts"],
+                                 f"differs from n_routed_experts ({experts}): both name the routed experts",
+                                 f"{experts}, or remove one of them")
+    heads = cfg.get("num_attention_heads", 128)
+    if (cfg.get("num_key_value_heads") or heads) != heads:
+        raise HFConfigValueError("num_key_value_heads", cfg["num_key_value_heads"], "differs from "
+                                 f"num_attention_heads ({heads}): latent attention has one key and value per query "
+                                 "head", f"{heads}, or null")
+    rope_dim, nope = cfg.get("qk_rope_head_dim", 64), cfg.get("qk_nope_head_dim", 128)
+    if rope_dim % 2:
+        raise HFConfigValueError("qk_rope_head_dim", rope_dim, "is odd: RoPE rotates pairs", "an even integer")
+    for name, value in (("head_dim", rope_dim), ("qk_head_dim", rope_dim + nope)):
+        if cfg.get(name) is not None and cfg[name] != value:
+            raise HFConfigValueError(name, cfg[name], f"disagrees with qk_rope_head_dim ({rope_dim}) and "
+                                     f"qk_nope_head_dim ({nope}), from which Hugging Face derives it",
+                                     f"{value}, or remove it")
+    n_group, top_k = cfg.get("n_group") or 1, cfg.get("num_experts_per_tok", 8)
+    topk_group = cfg.get("topk_group") or 1
+    if experts % n_group or experts // n_group < 2:
+        raise HFConfigValueError("n_group", n_group, f"does not divide the {experts} experts (n_routed_experts) "
+                                 "into groups of 2 or more", "a divisor of n_routed_experts")
+    if topk_group > n_group or top_k > topk_group * (experts // n_group):
+        raise HFConfigValueError("topk_group", topk_group, f"of n_group {n_group} cannot hold num_experts_per_tok "
+                                 f"({top_k}) of {experts // n_group} experts each",
+                                 f"an integer from {-(-top_k // (experts // n_group))} to {n_group}")
+
+
+def _refuse_unsupported(cfg: dict) -> None:
+    if cfg.get("quantization_config") is not None:
+        raise HFConversionError("quantization_config is set: the weights are quantized (the released DeepSeek-V3 "
+                                "files are fp8 blocks with weight_scale_inv tensors); dequantise them to bf16 first "
+                                "(DeepSeek's inference/fp8_cast_bf16.py)")
+    for name, value, supported in (("hidden_act", cfg.get("hidden_act", "silu"), "silu"),
+                                   ("scoring_func", cfg.get("scoring_func", "sigmoid"), "sigmoid"),
+                                   ("topk_method", cfg.get("topk_method", "noaux_tc"), "noaux_tc"),
+                                   ("moe_layer_freq", cfg.get("moe_layer_freq", 1), 1)):
+        if value != supported:
+            raise HFConversionError(f"{name} {value!r} is not supported (DeepseekV3ForCausalLM runs {supported!r})")
+    if cfg.get("attention_bias", False):
+        raise HFConversionError("attention_bias = true is not supported: torchmoe's latent attention has no biases")
+    known = set(_FIELDS) | _IGNORED_FIELDS | {"quantization_config"}
+    unknown = sorted(k for k in cfg if k not in known and not k.startswith("_"))
+    if unknown:
+        raise HFConversionError(f"unsupported DeepseekV3Config fields: {', '.join(unknown)}")
+
+
+def args_from_hf_config(cfg: dict) -> ModelArgs:
+    """`ModelArgs` equal to a Hugging Face DeepSeek-V3 config; a value of the wrong type or range
+    raises `HFConfigValueError`, other unsupported settings `HFConversionError`, each naming the
+    field."""
+    if cfg.get("model_type") not in MODEL_TYPES:
+        raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not a DeepSeek-V3 model")
+    _check(cfg)
+    _refuse_unsupported(cfg)
+    theta, scaling = _rope(cfg)
+    n_layers = cfg.get("num_hidden_layers", 61)
+    return deepseek_v3(
+        dim=cfg.get("hidden_size", 7168), n_layers=n_layers, n_heads=cfg.get("num_attention_heads", 128),
+        vocab_size=cfg.get("vocab_size", 129280), ffn_hidden_dim=cfg.get("intermediate_size", 18432),
+        moe_hidden_dim=cfg.get("moe_intermediate_size", 2048),
+        num_experts=cfg.get("n_routed_experts", cfg.get("num_local_experts", 256)),
+        num_shared_experts=cfg.get("n_shared_experts") or 0, top_k=cfg.get("num_experts_per_tok", 8),
+        first_k_dense=min(cfg.get("first_k_dense_replace") or 0, n_layers), q_lora_rank=cfg.get("q_lora_rank") or 0,
+        kv_lora_rank=cfg.get("kv_lora_rank", 512), qk_nope_head_dim=cfg.get("qk_nope_head_dim", 128),
+        qk_rope_head_dim=cfg.get("qk_rope_head_dim", 64), v_head_dim=cfg.get("v_head_dim") or 128,
+        n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), rope_theta=theta, rope_scaling=scaling,
+        max_seq_len=cfg.get("max_position_embeddings", 4096), norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    ).replace(rope_style="interleaved" if cfg.get("rope_interleave", True) is not False else "half")
+
+
+def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """A ``DeepseekV3Config`` dict (config.json) describing `args`; raises `HFConversionError` for
+    settings Hugging Face's DeepSeek-V3 cannot express (its router scores with sigmoid only:
+    torchtitan's softmax-scored flavors, DeepSeek-V2's router, have no DeepseekV3 form)."""
+    if args.score_func != "sigmoid":
+        raise HFConversionError(f"score_func {args.score_func!r}: Hugging Face's DeepseekV3ForCausalLM scores "
+                                "experts with sigmoid only (the softmax-scored flavors debugmodel, 16B and 236B "
+                                "follow DeepSeek-V2's router)")
+    first_dense = min(args.moe_layer_ids, default=args.n_layers)
+    expected = deepseek_v3(
+        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=args.vocab_size,
+        ffn_hidden_dim=args.ffn_hidden_dim, moe_hidden_dim=args.moe_hidden_dim, num_experts=args.num_experts,
+        num_shared_experts=args.num_shared_experts, top_k=args.top_k, first_k_dense=first_dense,
+        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
+        qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, n_group=args.n_group,
+        topk_group=args.topk_group, routed_scaling_factor=args.routed_scaling_factor,
+        norm_topk_prob=args.norm_topk_prob, rope_theta=args.rope_theta, rope_scaling=args.rope_scaling,
+        max_seq_len=args.max_seq_len, norm_eps=args.norm_eps, tie_word_embeddings=args.tie_word_embeddings,
+    ).replace(rope_style=args.rope_style)
+    training_only = ("attn_backend", "use_grouped_mm", "load_balance_coeff", "aux_loss_coeff", "z_loss_coeff",
+                     "moe_force_load_balance", "init_std")
+    differ = [f for f in expected.__dataclass_fields__ if f not in training_only
+              and getattr(expected, f) != getattr(args, f)]
+    if differ:
+        raise HFConversionError(f"Hugging Face DeepSeek-V3 cannot express these settings: {', '.join(differ)}")
+    rope = {"rope_theta": args.rope_theta, "rope_type": "default"} if args.rope_scaling is None else {
+        "rope_theta": args.rope_theta, **args.rope_scaling}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        **decoder_config(args, dtype),
+        "head_dim": args.qk_rope_head_dim,
+        "rope_parameters": rope,
+        "rope_interleave": args.rope_style == "interleaved",
+        "intermediate_size": args.ffn_hidden_dim,
+        "moe_intermediate_size": args.moe_hidden_dim,
+        "n_routed_experts": args.num_experts,
+        "n_shared_experts": args.num_shared_experts,
+        "num_experts_per_tok": args.top_k,
+        "first_k_dense_replace": first_dense,
+        "n_group": args.n_group,
+        "topk_group": args.topk_group,
+        "routed_scaling_factor": args.routed_scaling_factor,
+        "norm_topk_prob": args.norm_topk_prob,
+        "q_lora_rank": args.q_lora_rank or None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }
+
+
+# Our parameter name <-> HF name (DeepseekV3ForCausalLM); `{i}` is a layer index.
+_NAME_PAIRS = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attention.wq_a.weight", "model.layers.{i}.self_attn.q_a_proj.weight"),
+    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_a_layernorm.weight"),
+    ("layers.{i}.attention.wq_b.weight", "model.layers.{i}.self_attn.q_b_proj.weight"),
+    ("layers.{i}.attention.wkv_a.weight", "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"),
+    ("layers.{i}.attention.kv_norm.weight", "model.layers.{i}.self_attn.kv_a_layernorm.weight"),
+    ("layers.{i}.attention.wkv_b.weight", "model.layers.{i}.self_attn.kv_b_proj.weight"),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.moe.router.gate.weight", "model.layers.{i}.mlp.gate.weight"),
+    ("layers.{i}.moe.expert_bias", "model.layers.{i}.mlp.gate.e_score_correction_bias"),
+    ("layers.{i}.moe.shared_experts.w1.weight", "model.layers.{i}.mlp.shared_experts.gate_proj.weight"),
+    ("layers.{i}.moe.shared_experts.w3.weight", "model.layers.{i}.mlp.shared_experts.up_proj.weight"),
+    ("layers.{i}.moe.shared_experts.w2.weight", "model.layers.{i}.mlp.shared_experts.down_proj.weight"),
+]
+_PATTERNS = [(re.compile(re.escape(ours).replace(r"\{i\}", r"(?P<i>\d+)") + "$"), hf) for ours, hf in _NAME_PAIRS]
+_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
+_EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def hf_slice(name: str, shape: Sequence[int]) -> HFSlice:
+    """The `HFSlice` of our state-dict entry `name` of shape `shape` (the expert bias included:
+    Hugging Face keeps it as ``e_score_correction_bias``). Raises `HFConversionError` for other
+    names."""
+    if m := _EXPERTS.match(name):
+        layer, kind = m.groups()
+        return HFSlice(f"model.layers.{layer}.mlp.experts.{{e}}.{_EXPERT_PROJ[kind]}.weight", tuple(shape),
+                       per_expert=True)
+    for pattern, target in _PATTERNS:
+        if m := pattern.match(name):
+            return HFSlice(target.format(**m.groupdict()), tuple(shape))
+    raise HFConversionError(f"no Hugging Face name for {name!r}")
+
+
+def text_tensor_name(stored: str, args: ModelArgs) -> str | None:
+    """A stored name as the causal LM's, or None for the multi-token prediction layers (indices
+    from ``args.n_layers`` on), which Hugging Face's causal LM does not run either."""
+    if (m := _LAYER.match(stored)) and int(m.group(1)) >= args.n_layers:
+        return None
+    return stored
