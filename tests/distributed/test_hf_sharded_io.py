@@ -10,8 +10,9 @@ process, loads it, and then writes it back with the trainer's `last_save_in_hf` 
   weights are copied, not computed), as the single-process `load_model` (today's path) gives;
 - the folder written back holds exactly the input folder's tensors, names and shapes
   (w1 and w3 written by different ranks, or as two column slices by one rank under MoE TP,
-  must land in the right halves of Llama 4's fused `gate_up_proj`; Qwen3-MoE's experts, one
-  tensor each, are written by the ranks holding them, or in row slices under MoE TP);
+  must land in the right halves of Llama 4's fused `gate_up_proj`; Qwen3-MoE's and DeepSeek-V3's
+  experts, one tensor each, are written by the ranks holding them, or in row slices under MoE
+  TP; DeepSeek-V3's expert bias, a buffer, in and out as e_score_correction_bias);
 - the load's peak host memory per rank (VmHWM reset before the load, minus the resident size
   before it) stays near the rank's shard and well under the full model: measured on bench256
   under FSDP 4, whose full model is 4x a rank's shard.
@@ -43,16 +44,18 @@ LAYOUTS = {
     "fsdp4_ep2": ["--parallelism.expert_parallel_degree", "2"],
     "pp2_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
 }
-# Qwen3-MoE (`qwen3` tiny: one tensor per expert in the folder, per-head QK norms, a dense layer),
-# in the same world.
-QWEN3 = ["--model.name", "qwen3"]
-QWEN3_LAYOUTS = {
-    "qwen3_fsdp4": QWEN3,
-    "qwen3_fsdp2_tp2_moe_tp": [*QWEN3, "--parallelism.tensor_parallel_degree", "2"],
-    "qwen3_fsdp2_tp2_ep4": [*QWEN3, "--parallelism.tensor_parallel_degree", "2",
-                            "--parallelism.expert_parallel_degree", "4"],
-    "qwen3_pp2_ep2": [*QWEN3, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-                      "GPipe", "--parallelism.expert_parallel_degree", "2"],
+# The other families' tiny flavors, in the same world: Qwen3-MoE (one tensor per expert in the
+# folder, per-head QK norms, a dense layer) and DeepSeek-V3 (one tensor per expert, latent
+# attention's replicated bottleneck under TP, the expert bias stored as e_score_correction_bias).
+FAMILY_LAYOUTS = {
+    f"{family}_{name}": (family, ["--model.name", family, *flags]) for family in ("qwen3", "deepseek_v3")
+    for name, flags in {
+        "fsdp4": [],
+        "fsdp2_tp2_moe_tp": ["--parallelism.tensor_parallel_degree", "2"],
+        "fsdp2_tp2_ep4": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"],
+        "pp2_ep2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe",
+                    "--parallelism.expert_parallel_degree", "2"],
+    }.items()
 }
 MEMORY_LAYOUT = ["--model.flavor", "bench256"]
 
@@ -87,11 +90,14 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
     trainer.load_initial_state()
     peak_kib = _vm_kib("VmHWM") - rss_before
 
-    # Each parameter, gathered, against the folder's tensor in our layout.
+    # Each parameter (and the expert bias where the family's folder keeps it), gathered, against
+    # the folder's tensor in our layout.
     mismatched = []
+    biases = {name: b for name, b in trainer.model.named_buffers() if name.endswith("expert_bias")}
     with safe_open(str(next(hf_in.glob("*.safetensors"))), framework="pt") as f:
-        for name, p in params.items():
-            s = hf_mapping(trainer.model_args).hf_slice(name, p.shape)
+        for name, p in {**params, **biases}.items():
+            if (s := hf_mapping(trainer.model_args).hf_slice(name, p.shape)) is None:
+                continue
             if s.per_expert:
                 want = torch.stack([f.get_tensor(expert) for expert in s.stored()])
             else:
@@ -117,20 +123,25 @@ def _worker(out_dir: Path) -> None:
     dist.init_process_group("gloo")  # the Trainer joins it; its meshes are built on top
     hf = json.loads((out_dir / "inputs.json").read_text())
     records = {label: _load_and_save(label, flags, Path(hf["tiny"]), out_dir) for label, flags in LAYOUTS.items()}
-    records.update({label: _load_and_save(label, flags, Path(hf["qwen3_tiny"]), out_dir)
-                    for label, flags in QWEN3_LAYOUTS.items()})
+    records.update({label: _load_and_save(label, flags, Path(hf[f"{family}_tiny"]), out_dir)
+                    for label, (family, flags) in FAMILY_LAYOUTS.items()})
     records["memory"] = _load_and_save("memory", MEMORY_LAYOUT, Path(hf["bench256"]), out_dir)
     write_rank_record(out_dir, records)
 
 
 def _hf_folder(flavor: str, folder: Path, seed: int, family: str = "llama4") -> Path:
     """A Hugging Face folder of a randomly initialised model of `flavor` (one process)."""
+    import torch
+
     from torchmoe.arch.registry import FLAVORS
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer
 
     model = Transformer(FLAVORS[family][flavor])
     model.init_weights(seed=seed)
+    if family == "deepseek_v3":  # its folders keep the expert bias (e_score_correction_bias): a trained one
+        for moe in model.moe_layers():
+            moe.expert_bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
     save_model(model, folder)
     return folder
 
@@ -140,7 +151,8 @@ def measured(tmp_path_factory) -> tuple[dict[int, dict], Path]:
     out = tmp_path_factory.mktemp("hf_sharded")
     inputs = {flavor: str(_hf_folder(flavor, out / f"hf_{flavor}", seed)) for seed, flavor in
               enumerate(("tiny", "bench256"))}
-    inputs["qwen3_tiny"] = str(_hf_folder("tiny", out / "hf_qwen3_tiny", 2, "qwen3"))
+    for seed, family in enumerate(("qwen3", "deepseek_v3"), start=2):
+        inputs[f"{family}_tiny"] = str(_hf_folder("tiny", out / f"hf_{family}_tiny", seed, family))
     (out / "inputs.json").write_text(json.dumps(inputs))
     return run_rank_script(__file__, out, world=WORLD, timeout=600), out
 
@@ -151,14 +163,14 @@ def _tensors(folder: Path) -> dict:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-@pytest.mark.parametrize("label", [*LAYOUTS, *QWEN3_LAYOUTS])
+@pytest.mark.parametrize("label", [*LAYOUTS, *FAMILY_LAYOUTS])
 def test_load_gives_the_folders_tensors_and_save_writes_them_back(measured, label):
     import torch
 
     records, out = measured
     for rank in range(WORLD):
         assert records[rank][label]["mismatched"] == [], (label, rank)
-    hf_in = out / ("hf_qwen3_tiny" if label in QWEN3_LAYOUTS else "hf_tiny")
+    hf_in = out / (f"hf_{FAMILY_LAYOUTS[label][0]}_tiny" if label in FAMILY_LAYOUTS else "hf_tiny")
     want = _tensors(hf_in)
     saved = out / label / "checkpoint" / "step-1-hf"
     got = _tensors(saved)

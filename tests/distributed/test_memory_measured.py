@@ -56,6 +56,11 @@ LAYOUTS = {
     "qwen3_fsdp2_tp2_moe_tp": ["--model.name", "qwen3", "--parallelism.tensor_parallel_degree", "2"],
     "qwen3_fsdp2_tp2_ep4": ["--model.name", "qwen3", "--parallelism.tensor_parallel_degree", "2",
                             "--parallelism.expert_parallel_degree", "4"],
+    # DeepSeek-V3 (deepseek_v3 tiny): latent attention's bottleneck projections and norms replicated
+    # over tp, the heads' projections split; a shared expert; a dense layer.
+    "deepseek_v3_fsdp2_tp2_moe_tp": ["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2"],
+    "deepseek_v3_fsdp2_tp2_ep4": ["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
+                                  "--parallelism.expert_parallel_degree", "4"],
 }
 
 

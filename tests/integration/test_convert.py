@@ -145,20 +145,25 @@ def test_usage_errors_are_one_message(capsys) -> None:
     assert cli.main(["convert", "--help"]) == 0 and "hf-to-dcp" in capsys.readouterr().out
 
 
-def test_qwen3_folders_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A Qwen3-MoE folder (its experts one tensor each): hf-to-dcp names the family and flavor to
-    train it with, and dcp-to-hf --model-name qwen3 writes back exactly its tensors and config."""
-    from torchmoe.arch.qwen3 import FLAVORS
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
+    """A Qwen3-MoE or DeepSeek-V3 folder (its experts one tensor each; DeepSeek's expert bias as
+    e_score_correction_bias): hf-to-dcp names the family and flavor to train it with, and
+    dcp-to-hf --model-name writes back exactly its tensors and config."""
+    from torchmoe.arch.registry import FLAVORS
     from torchmoe.convert import convert_main
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer
 
-    model = Transformer(FLAVORS["tiny"])
+    model = Transformer(FLAVORS[family]["tiny"])
     model.init_weights(seed=5)
+    if family == "deepseek_v3":  # a trained bias, which its folders keep
+        for moe in model.moe_layers():
+            moe.expert_bias.normal_(0, 0.1)
     save_model(model, tmp_path / "hf")
     assert convert_main(["hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    assert "--model.name qwen3 --model.flavor tiny" in capsys.readouterr().out
-    assert convert_main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model-name", "qwen3",
+    assert f"--model.name {family} --model.flavor tiny" in capsys.readouterr().out
+    assert convert_main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model-name", family,
                          "--flavor", "tiny"]) == 0
     original = load_file(tmp_path / "hf" / "model.safetensors")
     back = load_file(tmp_path / "back" / "model.safetensors")
@@ -171,4 +176,4 @@ def test_qwen3_folders_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureF
         dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny")
     assert "does not fit" in str(err.value)
     with pytest.raises(ConfigError, match="--model-name"):
-        dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny", name="deepseek_v3")
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny", name="gpt_oss")

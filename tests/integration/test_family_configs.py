@@ -15,11 +15,14 @@ from torchmoe import cli
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
-# (file, ranks, the dry run's parameter line: Qwen/Qwen3-30B-A3B's published 30.5B / 3.3B)
-PLANS = [("qwen3_30b_a3b.toml", 64, "parameters: total 30.53 B, active 3.35 B")]
-# (file, a flavor of its family small enough for the suite: torchtitan's debugmodel_moe takes ~37 s
-# here in CI, its 316 M parameters' initialisation and AdamW state; docs/models.md has its runs)
-DEBUG_FLAVORS = [("qwen3_30b_a3b.toml", "tiny")]
+# (file, ranks, the dry run's parameter line: Qwen/Qwen3-30B-A3B's published 30.5B / 3.3B;
+# DeepSeek-V2-Lite's 15.7B, whose shapes torchtitan's DeepSeek-V3 16B has)
+PLANS = [("qwen3_30b_a3b.toml", 64, "parameters: total 30.53 B, active 3.35 B"),
+         ("deepseek_v3_16b.toml", 64, "parameters: total 15.71 B, active 2.66 B")]
+# (file, a flavor of its family small enough for the suite: torchtitan's Qwen3 debugmodel_moe takes
+# ~37 s here in CI, its 316 M parameters' initialisation and AdamW state; docs/models.md has its
+# runs. DeepSeek-V3's debugmodel (33 M) is the one the file's comment names: ~3 s.)
+DEBUG_FLAVORS = [("qwen3_30b_a3b.toml", "tiny"), ("deepseek_v3_16b.toml", "debugmodel")]
 
 
 @pytest.mark.parametrize(("name", "world_size", "expected"), PLANS)

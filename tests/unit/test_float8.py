@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import DEBUG_CONFIG
+from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.loader import load_job_config
 from torchmoe.distributed.activation_checkpoint import apply_ac
@@ -47,13 +48,13 @@ def _cfg(*flags: str):
 
 
 def _tp_model(fake_world, cfg, tp: int, *, device: str = "meta"):
-    """The tiny model, float8-converted per `cfg`, tensor-parallel over a fake world of `tp`
-    ranks (this process rank 0); returns (model, TP plan, dims)."""
+    """The config's model (its family's tiny flavor), float8-converted per `cfg`, tensor-parallel
+    over a fake world of `tp` ranks (this process rank 0); returns (model, TP plan, dims)."""
     dims = ParallelDims.from_config(cfg.parallelism, tp)
     fake_world(0, tp)
     mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
-        model = Transformer(FLAVORS["tiny"])
+        model = Transformer(model_args_from_config(cfg.model))
     if cfg.float8.enable:
         convert_float8_linears(model, cfg.float8)
     plan = apply_tp(model, mesh["tp"], loss_parallel=not cfg.parallelism.disable_loss_parallel,
@@ -131,6 +132,10 @@ class _AllGatherBytes(TorchDispatchMode):
     (2, ["--float8.enable", "true", "--activation_checkpoint.mode", "selective"]),
     (2, ["--float8.enable", "true", "--float8.recipe_name", "rowwise", "--parallelism.disable_loss_parallel", "true"]),
     (2, []),
+    # DeepSeek-V3: latent attention's input gathered in high precision (replicated readers), its
+    # replicated wq_a a float8 linear all the same.
+    (2, ["--float8.enable", "true", "--model.name", "deepseek_v3"]),
+    (2, ["--model.name", "deepseek_v3", "--activation_checkpoint.mode", "full"]),
 ])
 def test_tp_all_gathers_move_what_the_dry_run_counts(fake_world, tp, flags):
     """A real forward and backward of the float8 (emulated) TP model: the bytes its all-gathers
@@ -148,7 +153,8 @@ def test_tp_all_gathers_move_what_the_dry_run_counts(fake_world, tp, flags):
     counted = _AllGatherBytes()
     with counted:
         model(tokens).float().sum().backward()
-    planned = tp_gather_bytes(cfg, dims, FLAVORS["tiny"], pipeline_layout(FLAVORS["tiny"], dims, cfg.parallelism, SEQ))
+    args = model_args_from_config(cfg.model)
+    planned = tp_gather_bytes(cfg, dims, args, pipeline_layout(args, dims, cfg.parallelism, SEQ))
     assert counted.received == planned.total > 0
     if float8_tp_enabled(cfg.float8):
         assert set(counted.element_bytes) == {1, 4} and planned.total < planned.high_precision

@@ -1,4 +1,5 @@
-"""Decoding with the key/value cache gives the full forward's logits (Llama 4 and Qwen3-MoE);
+"""Decoding with the key/value cache gives the full forward's logits (Llama 4, Qwen3-MoE and
+DeepSeek-V3);
 sampling is greedy at temperature 0, reproducible from its seed, and keeps exactly the nucleus at
 top-p.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchmoe.arch.deepseek_v3 import FLAVORS as DEEPSEEK_V3_FLAVORS
 from torchmoe.arch.qwen3 import FLAVORS as QWEN3_FLAVORS
 from torchmoe.generate import Sampling, generate_ids, next_token
 from torchmoe.models.llama4 import FLAVORS, Transformer
@@ -22,8 +24,9 @@ ARGS = FLAVORS["tiny"].replace(attention_chunk_size=16, floor_scale=8)
 PROMPT = [5, 77, 300, 12, 9, 9, 140, 33, 2, 411, 256, 80, 81, 82, 7, 64, 65, 66, 1, 0, 499]
 
 
-# Qwen3-MoE's tiny flavor: per-head QK norms before half-split RoPE, a dense first layer.
-QWEN3_ARGS = QWEN3_FLAVORS["tiny"]
+# Qwen3-MoE's tiny flavor: per-head QK norms before half-split RoPE, a dense first layer;
+# DeepSeek-V3's: latent attention (its padded values cached like any), YaRN, grouped routing.
+FAMILY_ARGS = {"llama4": ARGS, "qwen3": QWEN3_FLAVORS["tiny"], "deepseek_v3": DEEPSEEK_V3_FLAVORS["tiny"]}
 
 
 def _model(args) -> Transformer:
@@ -33,9 +36,9 @@ def _model(args) -> Transformer:
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["llama4", "qwen3"])
+@pytest.fixture(scope="module", params=sorted(FAMILY_ARGS))
 def model(request) -> Transformer:
-    return _model(ARGS if request.param == "llama4" else QWEN3_ARGS)
+    return _model(FAMILY_ARGS[request.param])
 
 
 @torch.no_grad()

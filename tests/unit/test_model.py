@@ -119,3 +119,17 @@ def test_qwen3_flavors_have_the_published_sizes(flavor: str, total: int, active:
     assert (counts["total"], counts["active"]) == (total, active)
     with torch.device("meta"):  # the model the counts describe (48/94 layers on the meta device)
         assert sum(p.numel() for p in Transformer(args).parameters()) == total
+
+
+# DeepSeek-V3's published sizes: "671B total, 37B activated" (the MTP module's 14B aside, which
+# the causal LM does not run), and torchtitan's 16B (DeepSeek-V2-Lite's 15.7B) and 236B
+# (DeepSeek-V2's 236B / 21B) shapes.
+@pytest.mark.parametrize(("flavor", "total", "active"), [("671B", 671_026_404_352, 37_552_282_624),
+                                                         ("236B", 235_741_434_880, 21_375_800_320),
+                                                         ("16B", 15_706_484_224, 2_661_150_208)])
+def test_deepseek_v3_flavors_have_the_published_sizes(flavor: str, total: int, active: int) -> None:
+    args = FAMILIES["deepseek_v3"][flavor]
+    counts = args.param_counts()
+    assert (counts["total"], counts["active"]) == (total, active)
+    with torch.device("meta"):  # the model the counts describe
+        assert sum(p.numel() for p in Transformer(args).parameters()) == total

@@ -85,33 +85,54 @@ def param_specs(args: ModelArgs) -> list[ParamSpec]:
 _SPECS: dict[str, tuple[ParamSpec, ...]] = {}
 
 
+COLWISE, ROWWISE, REPLICATED = "colwise", "rowwise", "replicated"
+
+
+@dataclass(frozen=True)
+class AttentionLinear:
+    """One linear of a block's attention: its name in the block (``attention.wq``), its input and
+    output widths, and its TP style: column-wise (output features split), row-wise (input
+    features split: a partial output, reduce-scattered) or replicated (whole on every rank)."""
+
+    name: str
+    n_in: int
+    n_out: int
+    style: str
+
+
+def attention_linears(args: ModelArgs) -> list[AttentionLinear]:
+    """The attention's linears, in module order, with their TP styles
+    (`models.decoder.tensor_parallel`): grouped-query (wq/wk/wv column-wise, wo row-wise), or
+    latent attention (the projections into heads column-wise, the bottleneck projections
+    replicated)."""
+    d, q_out = args.dim, args.n_heads * args.head_dim
+    if not args.latent_attention:
+        kv_out = args.n_kv_heads * args.head_dim
+        return [AttentionLinear("attention.wq", d, q_out, COLWISE), AttentionLinear("attention.wk", d, kv_out, COLWISE),
+                AttentionLinear("attention.wv", d, kv_out, COLWISE), AttentionLinear("attention.wo", q_out, d, ROWWISE)]
+    r, heads = args.kv_lora_rank, args.n_heads
+    query = ([AttentionLinear("attention.wq_a", d, args.q_lora_rank, REPLICATED),
+              AttentionLinear("attention.wq_b", args.q_lora_rank, q_out, COLWISE)]
+             if args.q_lora_rank else [AttentionLinear("attention.wq", d, q_out, COLWISE)])
+    return [*query, AttentionLinear("attention.wkv_a", d, r + args.qk_rope_head_dim, REPLICATED),
+            AttentionLinear("attention.wkv_b", r, heads * (args.qk_nope_head_dim + args.v_head_dim), COLWISE),
+            AttentionLinear("attention.wo", heads * args.v_head_dim, d, ROWWISE)]
+
+
 def _attention_specs(args: ModelArgs, i: int) -> list[ParamSpec]:
-    """Block `i`'s attention parameters: grouped-query (wq/wk/wv column-wise, wo row-wise; Qwen3's
-    per-head norms replicated: each rank normalises its heads with the whole weight), or latent
-    attention (the projections into heads column-wise; the bottleneck projections and their
-    norms replicated)."""
-    p, d, q_out = f"layers.{i}.attention", args.dim, args.n_heads * args.head_dim
+    """Block `i`'s attention parameters: its linears (`attention_linears`) and norms, replicated
+    over tp (Qwen3's per-head norms: each rank normalises its heads with the whole weight; MLA's
+    bottleneck norms)."""
+    p = f"layers.{i}"
+    tp_dim = {COLWISE: 0, ROWWISE: 1, REPLICATED: None}
+    specs = [ParamSpec(f"{p}.{lin.name}.weight", (lin.n_out, lin.n_in), tp_dim[lin.style], layer=i)
+             for lin in attention_linears(args)]
     if args.latent_attention:
-        r, rope, heads = args.kv_lora_rank, args.qk_rope_head_dim, args.n_heads
-        query = ([ParamSpec(f"{p}.wq_a.weight", (args.q_lora_rank, d), None, layer=i),
-                  ParamSpec(f"{p}.q_norm.weight", (args.q_lora_rank,), None, layer=i),
-                  ParamSpec(f"{p}.wq_b.weight", (q_out, args.q_lora_rank), 0, layer=i)]
-                 if args.q_lora_rank else [ParamSpec(f"{p}.wq.weight", (q_out, d), 0, layer=i)])
-        return [*query,
-                ParamSpec(f"{p}.wkv_a.weight", (r + rope, d), None, layer=i),
-                ParamSpec(f"{p}.kv_norm.weight", (r,), None, layer=i),
-                ParamSpec(f"{p}.wkv_b.weight", (heads * (args.qk_nope_head_dim + args.v_head_dim), r), 0, layer=i),
-                ParamSpec(f"{p}.wo.weight", (d, heads * args.v_head_dim), 1, layer=i)]
-    kv_out = args.n_kv_heads * args.head_dim
-    specs = [
-        ParamSpec(f"{p}.wq.weight", (q_out, d), 0, layer=i),
-        ParamSpec(f"{p}.wk.weight", (kv_out, d), 0, layer=i),
-        ParamSpec(f"{p}.wv.weight", (kv_out, d), 0, layer=i),
-        ParamSpec(f"{p}.wo.weight", (d, q_out), 1, layer=i),
-    ]
-    if args.qk_rms_norm:
-        specs += [ParamSpec(f"{p}.{n}.weight", (args.head_dim,), None, layer=i) for n in ("q_norm", "k_norm")]
-    return specs
+        norms = {"q_norm": args.q_lora_rank} if args.q_lora_rank else {}
+        norms["kv_norm"] = args.kv_lora_rank
+    else:
+        norms = {"q_norm": args.head_dim, "k_norm": args.head_dim} if args.qk_rms_norm else {}
+    return specs + [ParamSpec(f"{p}.attention.{n}.weight", (size,), None, layer=i) for n, size in norms.items()]
 
 
 def _param_specs(args: ModelArgs) -> list[ParamSpec]:

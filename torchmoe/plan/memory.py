@@ -115,7 +115,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchmoe.plan.context import HALO, LOCAL, CPLayout
-from torchmoe.plan.layout import UnitSize, unit_sizes
+from torchmoe.plan.layout import COLWISE, UnitSize, attention_linears, unit_sizes
 from torchmoe.plan.memo import memoised
 from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.plan.pipeline import (
@@ -346,24 +346,12 @@ class ActivationModel:
         return mms
 
     def _attention_matmuls(self) -> dict[str, tuple[tuple[int, int], float]]:
-        """`_plain_matmuls` of the attention: wo's output is counted before the TP reduce-scatter;
-        MLA's replicated bottleneck projections write their whole output on every rank."""
-        m, tp, a, dim = self.args, self.dims.tp, self.a, self.args.dim
-        hq = m.n_heads * m.head_dim
-        if not m.latent_attention:
-            hkv = m.n_kv_heads * m.head_dim
-            return {"attention.wq": ((dim, hq), a * hq / tp), "attention.wk": ((dim, hkv), a * hkv / tp),
-                    "attention.wv": ((dim, hkv), a * hkv / tp), "attention.wo": ((hq, dim), a * dim)}
-        latent, kv_heads = m.kv_lora_rank + m.qk_rope_head_dim, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        mms = {"attention.wkv_a": ((dim, latent), a * latent),
-               "attention.wkv_b": ((m.kv_lora_rank, kv_heads), a * kv_heads / tp),
-               "attention.wo": ((m.n_heads * m.v_head_dim, dim), a * dim)}
-        if m.q_lora_rank:
-            mms.update({"attention.wq_a": ((dim, m.q_lora_rank), a * m.q_lora_rank),
-                        "attention.wq_b": ((m.q_lora_rank, hq), a * hq / tp)})
-        else:
-            mms["attention.wq"] = ((dim, hq), a * hq / tp)
-        return mms
+        """`_plain_matmuls` of the attention: a column-wise linear writes its rank's share, a
+        row-wise one (wo) its whole output before the TP reduce-scatter, a replicated one (MLA's
+        bottleneck projections) its whole output on every rank."""
+        tp, a = self.dims.tp, self.a
+        return {lin.name: ((lin.n_in, lin.n_out), a * lin.n_out / (tp if lin.style == COLWISE else 1))
+                for lin in attention_linears(self.args)}
 
     def _op_sac(self, layer: int) -> float:
         """Saved by the per-op policy besides the block input: sdpa, grouped GEMMs, reduce-scatters,

@@ -70,7 +70,7 @@ from torchmoe.config.validate import resolve_degrees
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import selected_by
 from torchmoe.plan.hardware import HardwareProfile
-from torchmoe.plan.layout import unit_sizes
+from torchmoe.plan.layout import REPLICATED, attention_linears, unit_sizes
 from torchmoe.plan.memo import memoised
 from torchmoe.plan.memory import (
     ActivationModel,
@@ -216,15 +216,16 @@ def _block_flops(ctx: _Context, layer: int, float8: set[str]) -> dict[str, float
     """Training FLOPs per local token of block `layer`, by (op class, dtype) key "class:dtype"."""
     m, tp = ctx.args, ctx.dims.tp
     dtype = compute_dtype(ctx.cfg.training)
-    hq, hkv, d = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.dim
+    hq, d = m.n_heads * m.head_dim, m.dim
     prefix = f"layers.{layer}."
 
     def linear(name: str, n_in: int, n_out: int, split: int) -> tuple[str, float]:
         kind = "float8" if prefix + name in float8 else dtype
         return f"matmul:{kind}", 6 * n_in * n_out / split
 
-    terms = [linear("attention.wq", d, hq, tp), linear("attention.wk", d, hkv, tp),
-             linear("attention.wv", d, hkv, tp), linear("attention.wo", hq, d, tp)]
+    # A replicated linear (MLA's bottleneck projections) runs on the whole gathered sequence.
+    terms = [linear(lin.name, lin.n_in, lin.n_out, 1 if lin.style == REPLICATED else tp)
+             for lin in attention_linears(m)]
     window = _window(ctx, layer)
     if ctx.attention_kernel == MATH:
         terms.append(("matmul:float32", 14 * hq * window / tp))

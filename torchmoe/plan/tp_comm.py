@@ -5,7 +5,8 @@ Under sequence parallelism (`distributed.tensor_parallel`) every all-gather rebu
 (tokens, dim) activation or gradient from its tp sequence shards, so each rank receives
 ``(tp - 1) / tp * tokens * dim`` elements. Per block and micro-batch:
 
-    forward   attention input                 float8 when wq, wk, wv are all float8 (tensorwise TP)
+    forward   attention input                 float8 when wq, wk, wv are all float8 (tensorwise TP);
+                                              high precision under latent attention (MLA)
               dense FFN input                 float8 when w1, w3 are both float8
               MoE input (MoE TP)              high precision (the router and routed experts read it)
     backward  gradient of wo's output         float8 (e5m2) when wo is float8 (the backward of its
@@ -118,7 +119,9 @@ def _block_gathers(args: ModelArgs, layer: int, dims: ParallelDims, float8: set[
     def elem(*names: str) -> int:
         return FLOAT8_BYTES if all(prefix + n in float8 for n in names) else r
 
-    fwd, bwd = elem("attention.wq", "attention.wk", "attention.wv"), elem("attention.wo")
+    # MLA's input is gathered in high precision: its replicated readers take no float8 tensor.
+    fwd = r if args.latent_attention else elem("attention.wq", "attention.wk", "attention.wv")
+    bwd = elem("attention.wo")
     if not args.is_moe_layer(layer):
         fwd, bwd = fwd + elem("feed_forward.w1", "feed_forward.w3"), bwd + elem("feed_forward.w2")
     elif dims.moe_tp_enabled:
