@@ -134,6 +134,25 @@ def test_packed_row_equals_each_document_alone() -> None:
 
 
 @torch.no_grad()
+def test_latent_attention_packed_row_equals_each_document_alone() -> None:
+    """DeepSeek-V3's latent attention (values padded to the query/key heads' width, YaRN's softmax
+    scale on the queries) through the varlen kernel's path: each document's logits are those of
+    the document alone against a float64 softmax."""
+    from torchmoe.arch.deepseek_v3 import FLAVORS as DEEPSEEK_V3
+
+    args = DEEPSEEK_V3["tiny"]
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    model.eval()
+    tokens = _packed_rows()
+    segments = document_segments(document_starts(tokens, EOS), whole_row_calls(args.attention_chunks(), 256),
+                                 tokens.device)
+    with refusing_attention_masks():
+        packed = model(tokens, segments)
+    torch.testing.assert_close(packed, _per_document_logits(model, tokens), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 def test_masking_changes_the_logits_of_a_row_with_several_documents() -> None:
     model, tokens = _model(), _packed_rows()
     masked, unmasked = model(tokens, _segments(tokens)), model(tokens)
