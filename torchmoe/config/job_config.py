@@ -25,7 +25,7 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama4"
-    """Model family (docs/models.md): 'llama4' (Llama 4) or 'qwen3' (Qwen3-MoE)."""
+    """Model family (docs/models.md): 'llama4' (Llama 4), 'qwen3' (Qwen3-MoE) or 'deepseek_v3' (DeepSeek-V3, Kimi K2)."""
     flavor: str = "tiny"
     """Model flavor (docs/models.md, "Flavors"). qwen3: tiny, debugmodel_moe, 30B-A3B, 235B-A22B. llama4: torchmoe's tiny (2.4 M parameters, the default), bench256, scout and maverick (those two: the Hugging Face releases), or torchtitan v0.2.2's debugmodel, debugmodel_irope, 17bx16e, 17bx16e_irope, 17bx128e, 17bx128e_irope."""
     tokenizer_path: str = ""
