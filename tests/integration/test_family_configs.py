@@ -65,3 +65,33 @@ def test_weights_of_another_family_name_it(tmp_path: Path, capsys: pytest.Captur
     assert "differs from flavor 'tiny' in family" in err and "(a Qwen3-MoE model, not Llama 4)" in err, err
     assert "fix: pass --model.name qwen3 --model.flavor tiny" in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(("change", "message", "fix"), [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "its config.json cannot be used: quantization_config is set: the weights are quantized", None),
+    ({"n_group": 3}, 'its config.json sets "n_group": 3, does not divide the 8 experts (n_routed_experts) into '
+     "groups of 2 or more", 'set "n_group" in'),
+])
+def test_a_deepseek_folder_the_model_cannot_represent_is_one_error(change: dict, message: str, fix: str | None,
+                                                                  tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A DeepSeek-V3 Hugging Face folder with fp8-quantized weights (the release's form) or a bad
+    value: exit 2, one message naming the field, nothing trained."""
+    from torchmoe.arch.deepseek_v3 import FLAVORS
+    from torchmoe.hf import save_model
+    from torchmoe.models.decoder.model import Transformer
+
+    model = Transformer(FLAVORS["tiny"])
+    model.init_weights(seed=1)
+    save_model(model, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    assert cli.main(["train", "--config", str(CONFIGS / "deepseek_v3_16b.toml"), "--model.flavor", "tiny",
+                     "--training.steps", "1", "--training.seq_len", "256",
+                     "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                     "--checkpoint.initial_load_in_hf", "true", "--job.dump_folder", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err and message in " ".join(err.split()), err
+    assert fix is None or fix in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

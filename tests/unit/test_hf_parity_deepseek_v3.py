@@ -166,6 +166,20 @@ def test_the_released_config_is_the_671b_flavor():
     assert (counts["total"], counts["active"]) == (671_026_404_352, 37_552_282_624)
 
 
+def test_kimi_k2s_config_reads_as_deepseek_v3():
+    """moonshotai/Kimi-K2's config.json (model_type kimi_k2: 384 experts in one group, 64 heads,
+    YaRN x32 on theta 50000): the published 1T total / 32B activated parameters."""
+    kimi = {**_RELEASED, "model_type": "kimi_k2", "n_routed_experts": 384, "num_attention_heads": 64,
+            "num_key_value_heads": 64, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 2.827, "vocab_size": 163840, "num_nextn_predict_layers": 0,
+            "rope_theta": 50000.0, "max_position_embeddings": 131072,
+            "rope_scaling": {**_RELEASED["rope_scaling"], "factor": 32.0, "beta_fast": 1.0}}
+    args = args_from_hf_config(kimi)
+    assert (args.family, args.num_experts, args.n_group, args.routed_scaling_factor) == ("deepseek_v3", 384, 1, 2.827)
+    counts = args.param_counts()
+    assert (counts["total"], counts["active"]) == (1_026_408_209_408, 32_861_477_888)
+
+
 def test_multi_token_prediction_layers_are_skipped_on_load(tmp_path):
     """A checkpoint with the MTP layer (model.layers.{n_layers}.*, as released) loads its causal
     LM: the extra layer's tensors are not "tensors this model has no place for"."""
