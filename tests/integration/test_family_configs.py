@@ -72,12 +72,16 @@ def test_weights_of_another_family_name_it(tmp_path: Path, capsys: pytest.Captur
      "its config.json cannot be used: quantization_config is set: the weights are quantized", None),
     ({"n_group": 3}, 'its config.json sets "n_group": 3, does not divide the 8 experts (n_routed_experts) into '
      "groups of 2 or more", 'set "n_group" in'),
+    # Valid, but routing the run's flavor does not (a field no tensor shape shows).
+    ({"n_group": 2, "routed_scaling_factor": 1.0}, "its config differs from flavor 'tiny' in n_group, "
+     "routed_scaling_factor", "add a flavor with its architecture to torchmoe/arch/deepseek_v3.py FLAVORS"),
 ])
 def test_a_deepseek_folder_the_model_cannot_represent_is_one_error(change: dict, message: str, fix: str | None,
                                                                   tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """A DeepSeek-V3 Hugging Face folder with fp8-quantized weights (the release's form) or a bad
-    value: exit 2, one message naming the field, nothing trained."""
+    """A DeepSeek-V3 Hugging Face folder with fp8-quantized weights (the release's form), a bad
+    value, or another routing than the flavor's: exit 2, one message naming the field, nothing
+    trained."""
     from torchmoe.arch.deepseek_v3 import FLAVORS
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer

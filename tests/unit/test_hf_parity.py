@@ -204,6 +204,18 @@ def test_export_refuses_what_hf_cannot_express():
         hf_config_from_args(args, torch.float32)
 
 
+@pytest.mark.parametrize(("overrides", "fields"), [
+    (dict(qk_rms_norm=True), "qk_rms_norm"),
+    (dict(n_group=4, topk_group=2, routed_scaling_factor=2.5), "n_group, topk_group, routed_scaling_factor"),
+    (dict(norm_topk_prob=True, rope_style="half"), "rope_style, norm_topk_prob"),
+])
+def test_export_refuses_the_other_families_options(overrides, fields):
+    """Every option another family adds to ModelArgs is checked by reading the written config
+    back: Llama 4's config.json has no place for it, so the export names it."""
+    with pytest.raises(HFConversionError, match=f"Hugging Face Llama 4 cannot express these settings: {fields}$"):
+        hf_config_from_args(FLAVORS["tiny"].replace(**overrides), torch.float32)
+
+
 def test_nonzero_expert_bias_warns_on_export(tmp_path):
     model = Transformer(FLAVORS["tiny"])
     model.init_weights(seed=0)

@@ -24,6 +24,16 @@ LLAMA4_ROPE_SCALING = {
 }
 
 
+# Fields that set how a model trains or runs, not what it computes from its weights (a checkpoint
+# and a run may differ in them), and the length limit (released configs advertise up to 10M
+# positions; RoPE extends past any table).
+NOT_ARCHITECTURE = frozenset({"attn_backend", "use_grouped_mm", "load_balance_coeff", "aux_loss_coeff",
+                              "z_loss_coeff", "moe_force_load_balance", "init_std", "max_seq_len"})
+# Fields that spell a per-layer placement (compared as the placement they give).
+_PLACEMENT_SPELLINGS = frozenset({"moe_layers", "interleave_moe_layer_step", "no_rope_layers",
+                                  "no_rope_layer_interval"})
+
+
 @dataclass(kw_only=True)
 class ModelArgs:
     """Shape and behaviour of a mixture-of-experts decoder of family `family`.
@@ -201,6 +211,16 @@ class ModelArgs:
 
     def replace(self, **overrides) -> "ModelArgs":
         return dataclasses.replace(self, **overrides)
+
+    def architecture_differences(self, other: "ModelArgs") -> list[str]:
+        """The fields in which `other` computes something else from the same weights (or holds
+        other weights), in field order: every field but `NOT_ARCHITECTURE`, the MoE and RoPE
+        layer placements compared as placements (``moe_layer_ids``, ``rope_layers``), however
+        each spells them."""
+        skip = NOT_ARCHITECTURE | _PLACEMENT_SPELLINGS
+        differ = [f.name for f in dataclasses.fields(self)
+                  if f.name not in skip and getattr(self, f.name) != getattr(other, f.name)]
+        return differ + [name for name in ("moe_layer_ids", "rope_layers") if getattr(self, name) != getattr(other, name)]
 
     # ---- sizes ------------------------------------------------------------------------------
 

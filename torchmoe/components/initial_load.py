@@ -33,15 +33,6 @@ _DCP_FIX = ("point it at a DCP checkpoint folder: a step-N folder of a run, or t
             "`torchmoe convert hf-to-dcp`")
 
 
-# The ModelArgs fields that decide the tensors' shapes and what the model computes with them: a
-# Hugging Face config must agree with the run's flavor in each (the router's training settings
-# and the attention backend are the run's own).
-_ARCHITECTURE_FIELDS = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "num_experts",
-                        "top_k", "moe_hidden_dim", "ffn_hidden_dim", "moe_layer_ids", "rope_layers", "rope_theta",
-                        "rope_scaling", "attention_chunk_size", "use_qk_norm", "attn_temperature_tuning",
-                        "floor_scale", "attn_scale", "tie_word_embeddings", "qk_rms_norm", "rope_style",
-                        "score_func", "score_before_experts", "norm_topk_prob", "num_shared_experts", "norm_eps")
-
 
 def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, model: nn.Module, *,
                          key: str = "checkpoint.initial_load_path") -> None:
@@ -70,7 +61,9 @@ def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: 
     """Every rank reads the safetensors slices its shards cover, straight into its parameters."""
     fix = f"point it at a complete Hugging Face {hf_mapping(args).title} folder (config.json + *.safetensors)"
     hf_args = read_hf_args(hf_dir, key=key, fix=fix)
-    differ = [f for f in _ARCHITECTURE_FIELDS if getattr(hf_args, f) != getattr(args, f)]
+    # A Hugging Face config must agree with the run's flavor in every field that decides the
+    # tensors' shapes and what the model computes with them (the training settings are the run's).
+    differ = args.architecture_differences(hf_args)
     if differ:
         fits = matching_flavor(hf_args)
         other = hf_args.family != args.family

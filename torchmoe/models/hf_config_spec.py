@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["DECODER_FIELDS", "HFConfigValueError", "HFConversionError", "POSITIVE", "Spec", "check_fields",
-           "check_heads", "check_layer_list", "decoder_config", "show_json"]
+           "check_heads", "check_layer_list", "decoder_config", "require_round_trip", "show_json"]
 
 # Upper bounds: 8x the deepest released LLM's layers (126), 64x the largest vocabulary (262k), and
 # sizes no accelerator could hold a layer of. A value beyond them is a typo, refused before a model
@@ -159,6 +159,16 @@ def decoder_config(args: Any, dtype: Any) -> dict:
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.max_seq_len,
     }
+
+
+def require_round_trip(args: Any, config: dict, read: Callable[[dict], Any], title: str) -> dict:
+    """`config`, the config.json written for `args` (a `ModelArgs`), if reading it back (`read`:
+    the family's ``args_from_hf_config``) gives a model that computes what `args` computes;
+    else `HFConversionError` naming the fields Hugging Face's `title` model cannot express."""
+    differ = read(config).architecture_differences(args)
+    if differ:
+        raise HFConversionError(f"Hugging Face {title} cannot express these settings: {', '.join(differ)}")
+    return config
 
 
 def check_fields(fields: dict[str, Spec], cfg: dict, prefix: str) -> None:

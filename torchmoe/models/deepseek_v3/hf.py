@@ -39,6 +39,7 @@ from torchmoe.models.hf_config_spec import (
     Spec,
     check_fields,
     decoder_config,
+    require_round_trip,
 )
 from torchmoe.models.hf_slices import HFSlice
 
@@ -198,25 +199,9 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
                                 "experts with sigmoid only (the softmax-scored flavors debugmodel, 16B and 236B "
                                 "follow DeepSeek-V2's router)")
     first_dense = min(args.moe_layer_ids, default=args.n_layers)
-    expected = deepseek_v3(
-        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=args.vocab_size,
-        ffn_hidden_dim=args.ffn_hidden_dim, moe_hidden_dim=args.moe_hidden_dim, num_experts=args.num_experts,
-        num_shared_experts=args.num_shared_experts, top_k=args.top_k, first_k_dense=first_dense,
-        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
-        qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, n_group=args.n_group,
-        topk_group=args.topk_group, routed_scaling_factor=args.routed_scaling_factor,
-        norm_topk_prob=args.norm_topk_prob, rope_theta=args.rope_theta, rope_scaling=args.rope_scaling,
-        max_seq_len=args.max_seq_len, norm_eps=args.norm_eps, tie_word_embeddings=args.tie_word_embeddings,
-    ).replace(rope_style=args.rope_style)
-    training_only = ("attn_backend", "use_grouped_mm", "load_balance_coeff", "aux_loss_coeff", "z_loss_coeff",
-                     "moe_force_load_balance", "init_std")
-    differ = [f for f in expected.__dataclass_fields__ if f not in training_only
-              and getattr(expected, f) != getattr(args, f)]
-    if differ:
-        raise HFConversionError(f"Hugging Face DeepSeek-V3 cannot express these settings: {', '.join(differ)}")
     rope = {"rope_theta": args.rope_theta, "rope_type": "default"} if args.rope_scaling is None else {
         "rope_theta": args.rope_theta, **args.rope_scaling}
-    return {
+    return require_round_trip(args, {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         **decoder_config(args, dtype),
@@ -242,7 +227,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-    }
+    }, args_from_hf_config, "DeepSeek-V3")
 
 
 # Our parameter name <-> HF name (DeepseekV3ForCausalLM); `{i}` is a layer index.

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, decoder_config
+from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, decoder_config, require_round_trip
 from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.llama4.hf_config_check import check_hf_config
 
@@ -150,7 +150,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
     rope: dict = {"rope_theta": args.rope_theta, "rope_type": "default"}
     if args.rope_scaling is not None:
         rope = {**rope, "rope_type": "llama3", **args.rope_scaling}
-    return {
+    return require_round_trip(args, {
         "architectures": ["Llama4ForCausalLM"],
         "model_type": "llama4_text",
         **decoder_config(args, dtype),
@@ -173,7 +173,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-    }
+    }, args_from_hf_config, "Llama 4")
 
 
 # Our parameter name <-> HF name (Llama4ForCausalLM), for everything but the fused experts.

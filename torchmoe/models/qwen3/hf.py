@@ -34,6 +34,7 @@ from torchmoe.models.hf_config_spec import (
     check_heads,
     check_layer_list,
     decoder_config,
+    require_round_trip,
 )
 from torchmoe.models.hf_slices import HFSlice
 
@@ -141,20 +142,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
     """A ``Qwen3MoeConfig`` dict (config.json) describing `args`; raises `HFConversionError` for
     settings Hugging Face's Qwen3-MoE cannot express."""
-    expected = qwen3_moe(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                         head_dim=args.head_dim, vocab_size=args.vocab_size, ffn_hidden_dim=args.ffn_hidden_dim,
-                         moe_hidden_dim=args.moe_hidden_dim, num_experts=args.num_experts, top_k=args.top_k,
-                         max_seq_len=args.max_seq_len, rope_theta=args.rope_theta, norm_topk_prob=args.norm_topk_prob,
-                         norm_eps=args.norm_eps, dense_layers=tuple(i for i in range(args.n_layers)
-                                                                    if not args.is_moe_layer(i)),
-                         tie_word_embeddings=args.tie_word_embeddings)
-    training_only = ("attn_backend", "use_grouped_mm", "load_balance_coeff", "aux_loss_coeff", "z_loss_coeff",
-                     "moe_force_load_balance", "init_std")
-    differ = [f for f in expected.__dataclass_fields__ if f not in training_only
-              and getattr(expected, f) != getattr(args, f)]
-    if differ:
-        raise HFConversionError(f"Hugging Face Qwen3-MoE cannot express these settings: {', '.join(differ)}")
-    return {
+    return require_round_trip(args, {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         **decoder_config(args, dtype),
@@ -170,7 +158,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "use_sliding_window": False,
-    }
+    }, args_from_hf_config, "Qwen3-MoE")
 
 
 # Our parameter name <-> HF name (Qwen3MoeForCausalLM); `{i}` is a layer index, `{p}` one of
