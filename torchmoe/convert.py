@@ -262,7 +262,13 @@ def convert_main(argv: list[str]) -> int:
              UserPath("OUT_DIR", opts.out_dir, opts.out_dir, _OUT_FIX)]
     try:
         with user_path_faults(paths):  # what the checks before writing could not foresee
-            return _run(opts)
+            status = _run(opts)
+        if dist.is_initialized():
+            # Every rank past its last collective before any tears the group down: a rank that
+            # destroyed its group while a peer still waited on it left that peer's gloo thread
+            # to abort the process at exit ("terminate called without an active exception").
+            dist.barrier()
+        return status
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
