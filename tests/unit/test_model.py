@@ -133,3 +133,16 @@ def test_deepseek_v3_flavors_have_the_published_sizes(flavor: str, total: int, a
     assert (counts["total"], counts["active"]) == (total, active)
     with torch.device("meta"):  # the model the counts describe
         assert sum(p.numel() for p in Transformer(args).parameters()) == total
+
+
+def test_latent_attention_flops_count_the_value_width():
+    """MLA's query/key heads are nope + rope (192) wide and its values 128: the scores and the
+    weighted sum count each at its own width, 6 x heads x (192 + 128) per attended token, not
+    12 x heads x 192 (what the kernel runs on the padded values is the step time's business)."""
+    args = FAMILIES["deepseek_v3"]["671B"]
+    counts = args.param_counts()
+    seq = 4096
+    attention = 6 * args.n_heads * (192 + 128) * seq * args.n_layers
+    assert (args.head_dim, args.value_head_dim) == (192, 128)
+    assert args.flops_per_token(seq) == 6 * (counts["active"] - counts["embedding"]) + attention
+    assert args.flops_per_token(seq, causal=True) == 6 * (counts["active"] - counts["embedding"]) + attention // 2
