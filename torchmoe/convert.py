@@ -47,7 +47,7 @@ from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import refuse_nonfinite
 from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit
-from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, save_hf_weights
+from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, require_hf_form, save_hf_weights
 from torchmoe.components.run_lock import LOCK_NAME, lock_folders
 from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
@@ -204,6 +204,8 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
         raise ConfigError("--model-name", name, "unknown model family", f"use one of: {', '.join(FLAVORS)}")
     if flavor not in FLAVORS[name]:
         raise ConfigError("--flavor", flavor, f"unknown {name} flavor", f"use one of: {', '.join(FLAVORS[name])}")
+    require_hf_form("--flavor", flavor, FLAVORS[name][flavor], flavor, "keep the DCP checkpoint (torchmoe trains "
+                    "and evaluates from it), or train a flavor the Hugging Face model can express")
     fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
     _require_dir("CKPT_DIR", ckpt_dir, fix)
     metadata = read_dcp_metadata("CKPT_DIR", ckpt_dir, fix)
@@ -230,7 +232,7 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="torchmoe convert", description="Convert model weights between Hugging Face "
-                            "folders (Llama 4, Qwen3-MoE) and DCP checkpoints (see `torchmoe convert DIRECTION "
+                            "folders (Llama 4, Qwen3-MoE, DeepSeek-V3) and DCP checkpoints (see `torchmoe convert DIRECTION "
                             "--help`).")
     sub = parser.add_subparsers(dest="direction", required=True, metavar="{hf-to-dcp,dcp-to-hf}")
     to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> DCP folder for checkpoint.initial_load_path")

@@ -99,3 +99,23 @@ def test_a_deepseek_folder_the_model_cannot_represent_is_one_error(change: dict,
     assert err.count("error:") == 1 and "Traceback" not in err and message in " ".join(err.split()), err
     assert fix is None or fix in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_flavor_without_a_hugging_face_form_is_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtitan's DeepSeek debugmodel scores experts with softmax, which DeepseekV3ForCausalLM
+    cannot: a run that would write it as a Hugging Face folder at its end, and `convert
+    dcp-to-hf` of it, are refused up front (exit 2, one message), not after the training."""
+    assert cli.main(["train", "--config", str(CONFIGS / "deepseek_v3_16b.toml"), "--model.flavor", "debugmodel",
+                     "--checkpoint.last_save_in_hf", "true", "--training.steps", "1",
+                     "--job.dump_folder", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert "checkpoint.last_save_in_hf = true: the debugmodel flavor has no Hugging Face form: score_func " \
+           "'softmax'" in err and "fix: set checkpoint.last_save_in_hf = false" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert cli.main(["convert", "dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--model-name",
+                     "deepseek_v3", "--flavor", "16B"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and '--flavor = "16B": the 16B flavor has no Hugging Face form' in err, err
+    assert not (tmp_path / "hf").exists()

@@ -67,7 +67,7 @@ from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.registry import hf_mapping, hf_mapping_for_config, hf_slices
 from torchmoe.nn.shards import local_shard
 
-__all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "read_hf_args", "save_hf_weights"]
+__all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "read_hf_args", "require_hf_form", "save_hf_weights"]
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 # Each rank's own files while a save is in progress; removed once consolidated.
@@ -205,6 +205,20 @@ def _check_files(hf_dir: Path, key: str, fix: str) -> None:
         if absent:
             raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} lists {len(absent)} files that are not there, "
                                     f"e.g. {absent[:3]}: an incomplete download?", fix)
+
+
+def require_hf_form(key: str, value: object, args: ModelArgs, flavor: str, fix: str) -> None:
+    """Before anything is trained or written: the family's Hugging Face model can express `args`
+    (flavor `flavor`), which the setting `key` = `value` would write as a Hugging Face folder.
+
+    Raises:
+        ConfigError: it cannot (DeepSeek-V3's softmax-scored flavors: its Hugging Face router is
+            sigmoid-only), naming the flavor and why.
+    """
+    try:
+        hf_mapping(args).hf_config_from_args(args, torch.float32)
+    except HFConversionError as err:
+        raise ConfigError(key, value, f"the {flavor} flavor has no Hugging Face form: {err}", fix) from None
 
 
 def read_hf_args(hf_dir: str | os.PathLike, *, key: str, fix: str) -> ModelArgs:

@@ -10,6 +10,7 @@ import os
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
+from torchmoe.components.hf_storage import require_hf_form
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.plan.layout import param_specs
@@ -27,6 +28,9 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                           "selective AC is not supported with attn_backend \"flex\"",
                           'use activation_checkpoint.mode = "full", or model.attn_backend = "sdpa"')
     _check_forced_recompute(cfg.activation_checkpoint, args)
+    if cfg.checkpoint.enable and cfg.checkpoint.last_save_in_hf:  # found out before training, not after
+        require_hf_form("checkpoint.last_save_in_hf", True, args, cfg.model.flavor,
+                        "set checkpoint.last_save_in_hf = false: the run's DCP checkpoints keep the weights")
     if cfg.training.document_masking and args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", "document masking runs the fused kernels per document "
                           "(nn.document_attention); FlexAttention is not wired to it",
