@@ -34,6 +34,11 @@ from torchmoe.launch import metrics_by_step
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
 FAMILIES = {family: ["--model.name", family, *BALANCE] for family in ("qwen3", "deepseek_v3")}
+# torchtitan's DeepSeek debugmodel: what the tiny flavor lacks (a full-rank query projection,
+# column-wise under TP; softmax scores without groups; two shared experts), under TP 2 with MoE TP.
+# Its 33 M parameters train 2 steps of 2 rows (a step and its update), for the suite's time.
+DEBUGMODEL = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *BALANCE, "--training.steps", "2",
+              "--training.global_batch_size", "2", "--training.local_batch_size", "2"]
 
 LAYOUTS = {
     # name: (ranks, flags); global batch 8 everywhere. tp2_moe_tp saves at step 3, for the resume.
@@ -60,7 +65,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory) -> dict[str, Path]:
     return {family: seed_checkpoint(tmp_path_factory.mktemp(f"{family}_seed"), flags)
-            for family, flags in FAMILIES.items()}
+            for family, flags in {**FAMILIES, "debugmodel": DEBUGMODEL}.items()}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +81,11 @@ def runs(seeds, tmp_path_factory) -> TinyRuns:
                                                    "--training.local_batch_size", "4"],
                                                start=(f"{family}_tp2_moe_tp_fsdp2_full_ac", 3)),
         })
+    jobs.update({
+        "debugmodel_single": Job(1, DEBUGMODEL, start=seeds["debugmodel"]),
+        "debugmodel_tp2_moe_tp": Job(2, [*DEBUGMODEL, "--parallelism.tensor_parallel_degree", "2"],
+                                     start=seeds["debugmodel"]),
+    })
     return TinyRuns(seeds["qwen3"], tmp_path_factory.mktemp("runs"), jobs)
 
 
@@ -104,6 +114,15 @@ def test_resumes_across_layouts(family, runs, references):
     continue the single process's curve."""
     resumed = metrics_by_step(runs.folder(f"{family}_tp2_moe_tp_to_ep2"))
     assert_same_curve(resumed, {s: references[family][s] for s in (4, 5)}, f"{family} tp2 -> ep2", rtol=RTOL)
+
+
+def test_deepseeks_full_rank_query_under_tp(runs):
+    """torchtitan's debugmodel (no query bottleneck: wq column-wise; softmax routing; two shared
+    experts) under TP 2 with MoE TP: the single process's curve."""
+    reference = metrics_by_step(runs.folder("debugmodel_single"))
+    assert sorted(reference) == [1, 2] and reference[2]["loss"] != reference[1]["loss"]
+    got = metrics_by_step(runs.folder("debugmodel_tp2_moe_tp"))
+    assert_same_curve(got, reference, "deepseek_v3 debugmodel tp2", rtol=RTOL)
 
 
 def test_the_families_curves_differ(references):
