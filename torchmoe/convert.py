@@ -56,6 +56,7 @@ from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.config.validate import PARAM_DTYPES
 from torchmoe.models.decoder.model import Transformer
+from torchmoe.models.registry import family_titles
 from torchmoe.nn.dtypes import torch_dtype
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
@@ -159,7 +160,7 @@ def _empty_state(args: ModelArgs, dtype: torch.dtype, mesh: DeviceMesh | None) -
 
 def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *,
               dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
-    """Write the weights of a Hugging Face folder (Llama 4, Qwen3-MoE) as a DCP folder of the
+    """Write the weights of a Hugging Face folder (of any family torchmoe trains) as a DCP folder of the
     bare model state dict (parameters in `dtype`, zero router state).
 
     Returns:
@@ -232,7 +233,7 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="torchmoe convert", description="Convert model weights between Hugging Face "
-                            "folders (Llama 4, Qwen3-MoE, DeepSeek-V3) and DCP checkpoints (see `torchmoe convert DIRECTION "
+                            f"folders ({family_titles()}) and DCP checkpoints (see `torchmoe convert DIRECTION "
                             "--help`).")
     sub = parser.add_subparsers(dest="direction", required=True, metavar="{hf-to-dcp,dcp-to-hf}")
     to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> DCP folder for checkpoint.initial_load_path")

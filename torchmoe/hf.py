@@ -1,5 +1,5 @@
-"""Public Hugging Face API: load a checkpoint of a family torchmoe trains (Llama 4, Qwen3-MoE)
-into torchmoe, save torchmoe as one.
+"""Public Hugging Face API: load a checkpoint of a family torchmoe trains (Llama 4, Qwen3-MoE,
+DeepSeek-V3, gpt-oss) into torchmoe, save torchmoe as one.
 
     from torchmoe.hf import load_model, save_model
     model = load_model("path/to/Llama-4-Scout-17B-16E-Instruct", dtype=torch.bfloat16)
@@ -22,17 +22,18 @@ import torch
 from torchmoe.components.hf_storage import DEFAULT_SHARD_BYTES, load_hf_weights, read_hf_args, save_hf_weights
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.models.hf_config_spec import HFConversionError
+from torchmoe.models.registry import family_titles
 
 __all__ = ["HFConversionError", "load_model", "save_model"]
 
 _FIX = ("pass a complete Hugging Face checkpoint folder of a family torchmoe trains (config.json + *.safetensors): "
-        "Llama 4 (text or multimodal) or Qwen3-MoE")
+        f"{family_titles()}")
 
 
 def load_model(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Transformer:
     """A torchmoe `Transformer` (CPU, eval mode, parameters in `dtype`) from a Hugging Face
     checkpoint folder (config.json + *.safetensors) of a family torchmoe trains, detected from
-    config.json's ``model_type``: Llama 4 (text or multimodal), Qwen3-MoE.
+    config.json's ``model_type`` (`models.registry`).
 
     Raises:
         ConfigError: (naming ``hf_dir``) a file of the folder is missing, unreadable or damaged,

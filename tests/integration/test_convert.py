@@ -145,11 +145,18 @@ def test_usage_errors_are_one_message(capsys) -> None:
     assert cli.main(["convert", "--help"]) == 0 and "hf-to-dcp" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+# A tensor of layer 1's experts, as each family stores them.
+_EXPERT_TENSOR = {"qwen3": "model.layers.1.mlp.experts.7.down_proj.weight",
+                  "deepseek_v3": "model.layers.1.mlp.experts.7.down_proj.weight",
+                  "gpt_oss": "model.layers.1.mlp.experts.gate_up_proj"}
+
+
+@pytest.mark.parametrize("family", sorted(_EXPERT_TENSOR))
 def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
-    """A Qwen3-MoE or DeepSeek-V3 folder (its experts one tensor each; DeepSeek's expert bias as
-    e_score_correction_bias): hf-to-dcp names the family and flavor to train it with, and
-    dcp-to-hf --model-name writes back exactly its tensors and config."""
+    """A Qwen3-MoE, DeepSeek-V3 or gpt-oss folder (experts one tensor each; DeepSeek's expert bias
+    as e_score_correction_bias; gpt-oss's fused, input-major, with biases): hf-to-dcp names the
+    family and flavor to train it with, and dcp-to-hf --model-name writes back exactly its
+    tensors and config."""
     from torchmoe.arch.registry import FLAVORS
     from torchmoe.convert import convert_main
     from torchmoe.hf import save_model
@@ -167,7 +174,7 @@ def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.Capture
                          "--flavor", "tiny"]) == 0
     original = load_file(tmp_path / "hf" / "model.safetensors")
     back = load_file(tmp_path / "back" / "model.safetensors")
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in original and original.keys() == back.keys()
+    assert _EXPERT_TENSOR[family] in original and original.keys() == back.keys()
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
         (tmp_path / "hf" / "config.json").read_text())
@@ -176,4 +183,4 @@ def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.Capture
         dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny")
     assert "does not fit" in str(err.value)
     with pytest.raises(ConfigError, match="--model-name"):
-        dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny", name="gpt_oss")
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny", name="llama3")

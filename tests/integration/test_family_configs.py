@@ -18,11 +18,14 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # (file, ranks, the dry run's parameter line: Qwen/Qwen3-30B-A3B's published 30.5B / 3.3B;
 # DeepSeek-V2-Lite's 15.7B, whose shapes torchtitan's DeepSeek-V3 16B has)
 PLANS = [("qwen3_30b_a3b.toml", 64, "parameters: total 30.53 B, active 3.35 B"),
-         ("deepseek_v3_16b.toml", 64, "parameters: total 15.71 B, active 2.66 B")]
+         ("deepseek_v3_16b.toml", 64, "parameters: total 15.71 B, active 2.66 B"),
+         ("gpt_oss_20b.toml", 16, "parameters: total 20.91 B, active 3.61 B")]
 # (file, a flavor of its family small enough for the suite: torchtitan's Qwen3 debugmodel_moe takes
 # ~37 s here in CI, its 316 M parameters' initialisation and AdamW state; docs/models.md has its
-# runs. DeepSeek-V3's debugmodel (33 M) is the one the file's comment names: ~3 s.)
-DEBUG_FLAVORS = [("qwen3_30b_a3b.toml", "tiny"), ("deepseek_v3_16b.toml", "debugmodel")]
+# runs. DeepSeek-V3's debugmodel (33 M) and gpt-oss's (81 M) are the ones the files' comments
+# name; document masking where the family runs it: gpt-oss refuses it.)
+DEBUG_FLAVORS = [("qwen3_30b_a3b.toml", "tiny", True), ("deepseek_v3_16b.toml", "debugmodel", True),
+                 ("gpt_oss_20b.toml", "debugmodel", False)]
 
 
 @pytest.mark.parametrize(("name", "world_size", "expected"), PLANS)
@@ -35,15 +38,16 @@ def test_each_config_plans_its_gpu_job(name: str, world_size: int, expected: str
     assert "fits:" in out and "error:" not in err, err
 
 
-@pytest.mark.parametrize(("name", "flavor"), DEBUG_FLAVORS)
-def test_each_config_trains_on_one_cpu_process_with_a_small_flavor(name: str, flavor: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "flavor", "masking"), DEBUG_FLAVORS)
+def test_each_config_trains_on_one_cpu_process_with_a_small_flavor(name: str, flavor: str, masking: bool,
+                                                                   tmp_path: Path) -> None:
     """The file as shipped (bf16 autocast, full AC, AdamW, its data and tokenizer) on one process
     with a flavor of its family as the one change: one step of 256 tokens, no compile and no
     checkpoint, for time; with document masking, whose varlen kernel is no autocast op (Qwen3's
     q/k norms handed it fp32 queries beside bf16 values under autocast: a crash)."""
     assert cli.main(["train", "--config", str(CONFIGS / name), "--model.flavor", flavor, "--training.steps", "1",
                      "--training.seq_len", "256", "--compile.enable", "false", "--checkpoint.enable", "false",
-                     "--training.document_masking", "true", "--metrics.log_freq", "1",
+                     "--training.document_masking", str(masking).lower(), "--metrics.log_freq", "1",
                      "--job.dump_folder", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 1 and 0 < record["loss"] < 20 and record["grad_norm"] > 0
@@ -121,3 +125,27 @@ def test_a_flavor_without_a_hugging_face_form_is_refused_before_anything_runs(
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and '--flavor = "16B": the 16B flavor has no Hugging Face form' in err, err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(("flags", "message", "fix"), [
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+     "parallelism.context_parallel_degree = 2: model.name = \"gpt_oss\" attends with sinks and sliding windows over "
+     "whole rows; context parallelism's exchanges do not carry the sinks or the window",
+     "fix: set parallelism.context_parallel_degree = 1"),
+    (["--training.document_masking", "true"],
+     "training.document_masking = true: model.name = \"gpt_oss\" attends with sinks and sliding windows over whole "
+     "rows; document masking's per-document segments do not carry the sinks or the window",
+     "fix: set training.document_masking = false"),
+    (["--model.attn_backend", "flex", "--training.device", "cuda"],
+     "model.attn_backend = \"flex\": model.name = \"gpt_oss\" attends with sinks and sliding windows",
+     'fix: use model.attn_backend = "sdpa"'),
+])
+def test_gpt_oss_refuses_what_its_attention_cannot_run(flags: list[str], message: str, fix: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 and one message naming the key, the value and the fix; planned as for a GPU job
+    (`--dry-run`), so the refusal comes before any process group or model."""
+    assert cli.main(["train", "--config", str(CONFIGS / "gpt_oss_20b.toml"), *flags,
+                     "--dry-run", "--world-size", "2", "--job.dump_folder", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert message in " ".join(err.split()) and fix in err, err

@@ -1,7 +1,6 @@
 """Float8 linears train end to end on CPU, emulated (`float8.emulate`): the tensorwise and the
-rowwise recipes, one process, from one seed checkpoint per family (Llama 4, Qwen3-MoE and
-DeepSeek-V3 tiny),
-against its fp32 run.
+rowwise recipes, one process, from one seed checkpoint per family (Llama 4, Qwen3-MoE,
+DeepSeek-V3 and gpt-oss tiny), against its fp32 run.
 
 Emulation casts to float8 (e4m3 forward: 3 mantissa bits, relative rounding up to 2^-4 = 6 %
 per element; e5m2 gradients) and scales exactly as on a GPU, then multiplies in fp32. The loss
@@ -24,11 +23,14 @@ pytestmark = pytest.mark.integration
 JOB = ["--training.local_batch_size", "8"]
 
 
-FAMILIES = {"llama4": [], "qwen3": ["--model.name", "qwen3"], "deepseek_v3": ["--model.name", "deepseek_v3"]}
+FAMILIES = {"llama4": [], "qwen3": ["--model.name", "qwen3"], "deepseek_v3": ["--model.name", "deepseek_v3"],
+            "gpt_oss": ["--model.name", "gpt_oss"]}
 # Qwen3 with one recipe: what it changes (per-head norms, no shared expert) is not a linear, and
 # the recipes differ only in their scales (20 s a run, emulated). DeepSeek-V3 with the other: its
-# latent attention's linears (wkv_a, 40 features wide in tiny, stays high precision).
-CASES = [("llama4", "tensorwise"), ("llama4", "rowwise"), ("qwen3", "tensorwise"), ("deepseek_v3", "rowwise")]
+# latent attention's linears (wkv_a, 40 features wide in tiny, stays high precision). gpt-oss with
+# tensorwise: its attention projections' biases, added after the float8 matmuls.
+CASES = [("llama4", "tensorwise"), ("llama4", "rowwise"), ("qwen3", "tensorwise"), ("deepseek_v3", "rowwise"),
+         ("gpt_oss", "tensorwise")]
 _FP32: dict = {}
 
 

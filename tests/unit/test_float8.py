@@ -27,7 +27,7 @@ from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_l
 from torchmoe.distributed.mesh import build_mesh
 from torchmoe.models.decoder.tensor_parallel import apply_tp
 from torchmoe.models.llama4 import FLAVORS, Transformer
-from torchmoe.nn.experts import GroupedExperts, _grouped_swiglu, _looped_swiglu
+from torchmoe.nn.experts import GroupedExperts
 from torchmoe.nn.moe_ops import grouped_mm
 from torchmoe.plan.float8 import float8_tp_enabled
 from torchmoe.plan.parallel_dims import ParallelDims
@@ -200,19 +200,25 @@ def test_unconverted_experts_keep_the_high_precision_grouped_gemm():
     """Without conversion the hook is unset and the grouped path equals the per-expert loop; set,
     it carries every projection (w1, w3, w2) and its result is what the experts return."""
     experts = GroupedExperts(16, 16, 2, use_grouped_mm=True)
+    looped = GroupedExperts(16, 16, 2, use_grouped_mm=False)
     assert experts.float8_grouped_mm is None
     generator = torch.Generator().manual_seed(0)
-    x, w1, w2, w3 = (torch.randn(*shape, generator=generator) for shape in ((4, 16), (2, 16, 16), (2, 16, 16),
-                                                                           (2, 16, 16)))
+    x = torch.randn(4, 16, generator=generator)
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"):
+            getattr(experts, name).copy_(torch.randn(2, 16, 16, generator=generator))
+            getattr(looped, name).copy_(getattr(experts, name))
+    w1, w2, w3 = experts.w1.detach(), experts.w2.detach(), experts.w3.detach()
     counts = torch.tensor([1, 3])
-    torch.testing.assert_close(_grouped_swiglu(x, w1, w2, w3, counts), _looped_swiglu(x, w1, w2, w3, counts))
+    torch.testing.assert_close(experts(x, counts), looped(x, counts))
     seen = []
 
     def doubled(rows, w, offsets):
         seen.append(w.shape)
         return 2 * grouped_mm(rows, w, offsets)
 
-    hooked = _grouped_swiglu(x, w1, w2, w3, counts, doubled)
+    experts.float8_grouped_mm = doubled
+    hooked = experts(x, counts)
     assert len(seen) == 3
     h = F.silu(2 * grouped_mm(x, w1, counts.cumsum(0).int())) * (2 * grouped_mm(x, w3, counts.cumsum(0).int()))
     torch.testing.assert_close(hooked, 2 * grouped_mm(h, w2, counts.cumsum(0).int()))

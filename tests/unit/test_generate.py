@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from torchmoe.arch.deepseek_v3 import FLAVORS as DEEPSEEK_V3_FLAVORS
+from torchmoe.arch.gpt_oss import FLAVORS as GPT_OSS_FLAVORS
 from torchmoe.arch.qwen3 import FLAVORS as QWEN3_FLAVORS
 from torchmoe.generate import Sampling, generate_ids, next_token
 from torchmoe.models.llama4 import FLAVORS, Transformer
@@ -25,8 +26,10 @@ PROMPT = [5, 77, 300, 12, 9, 9, 140, 33, 2, 411, 256, 80, 81, 82, 7, 64, 65, 66,
 
 
 # Qwen3-MoE's tiny flavor: per-head QK norms before half-split RoPE, a dense first layer;
-# DeepSeek-V3's: latent attention (its padded values cached like any), YaRN, grouped routing.
-FAMILY_ARGS = {"llama4": ARGS, "qwen3": QWEN3_FLAVORS["tiny"], "deepseek_v3": DEEPSEEK_V3_FLAVORS["tiny"]}
+# DeepSeek-V3's: latent attention (its padded values cached like any), YaRN, grouped routing;
+# gpt-oss's: sinks and 8-position windows (the cache keeps what the window sees), biases.
+FAMILY_ARGS = {"llama4": ARGS, "qwen3": QWEN3_FLAVORS["tiny"], "deepseek_v3": DEEPSEEK_V3_FLAVORS["tiny"],
+               "gpt_oss": GPT_OSS_FLAVORS["tiny"]}
 
 
 def _model(args) -> Transformer:

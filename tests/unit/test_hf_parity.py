@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import Llama4ForCausalLM, Llama4TextConfig  # noqa: E402
 
+from tests.hf_parity import max_rel_err, perturb_constant_inits  # noqa: E402
 from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
 from torchmoe.hf import HFConversionError, load_model, save_model  # noqa: E402
 from torchmoe.models.llama4 import FLAVORS, Transformer  # noqa: E402
@@ -39,15 +40,7 @@ CASES = {
 def _hf_model(overrides: dict, seed: int = 0) -> Llama4ForCausalLM:
     torch.manual_seed(seed)
     model = Llama4ForCausalLM(Llama4TextConfig(**{**_BASE, **overrides})).eval()
-    with torch.no_grad():  # HF initialises norms to one: perturb them so a swapped norm shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
-
-
-def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+    return perturb_constant_inits(model)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -60,12 +53,12 @@ def test_hf_to_torchmoe_and_back_fp32(case, tmp_path):
         ref = hf(tokens).logits
         got = ours(tokens)
     assert got.shape == (2, 40, _BASE["vocab_size"])
-    assert _max_rel_err(ref, got) <= 1e-5
+    assert max_rel_err(ref, got) <= 1e-5
 
     save_model(ours, tmp_path / "back")
     hf_back = Llama4ForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
-        assert _max_rel_err(got, hf_back(tokens).logits) <= 1e-5
+        assert max_rel_err(got, hf_back(tokens).logits) <= 1e-5
 
 
 # (flavor, tokens per sequence): tiny has every feature on (150 > its chunk 64 and floor scale 32);
@@ -87,7 +80,7 @@ def test_torchmoe_to_hf_from_our_init(flavor, seq_len, tmp_path):
     hf = Llama4ForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, args.vocab_size, (2, seq_len))
     with torch.no_grad():
-        assert _max_rel_err(model(tokens), hf(tokens).logits) <= 1e-5
+        assert max_rel_err(model(tokens), hf(tokens).logits) <= 1e-5
     # And back again: identical parameters.
     again = load_model(tmp_path / "hf")
     for (n, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
@@ -132,7 +125,7 @@ def test_bf16_parity(tmp_path):
     assert ours.output.weight.dtype == torch.bfloat16
     tokens = torch.randint(0, _BASE["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 2e-2
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 2e-2
 
 
 def test_multimodal_checkpoint_layout(tmp_path):
@@ -152,7 +145,7 @@ def test_multimodal_checkpoint_layout(tmp_path):
     ours = load_model(tmp_path / "mm")
     tokens = torch.randint(0, _BASE["vocab_size"], (1, 20))
     with torch.no_grad():
-        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
 
 
 def test_config_round_trip_covers_fields():

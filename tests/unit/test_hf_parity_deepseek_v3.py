@@ -4,14 +4,13 @@ model cannot represent refused naming the field."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
+from tests.hf_parity import assert_round_trip, max_rel_err, perturb_constant_inits, random_tokens  # noqa: E402
 from torchmoe.arch.deepseek_v3 import FLAVORS  # noqa: E402
 from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
 from torchmoe.hf import HFConversionError, load_model, save_model  # noqa: E402
@@ -44,46 +43,12 @@ CASES = {
 
 def _hf_model(overrides: dict, seed: int = 0) -> DeepseekV3ForCausalLM:
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**_BASE, **overrides})).eval()
-    with torch.no_grad():  # HF initialises norms to one and the router and its bias to zero: perturb them
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-    return model
-
-
-def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
-
-
-def _tokens(vocab: int, seq_len: int = 40) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    return perturb_constant_inits(DeepseekV3ForCausalLM(DeepseekV3Config(**{**_BASE, **overrides})).eval())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_to_torchmoe_and_back_fp32(case, tmp_path):
-    hf = _hf_model(CASES[case])
-    hf.save_pretrained(tmp_path / "hf")  # one tensor per expert, as the released checkpoints
-    ours = load_model(tmp_path / "hf")
-    assert ours.args.family == "deepseek_v3"
-    tokens = _tokens(_BASE["vocab_size"])
-    with torch.no_grad():
-        ref = hf(tokens).logits
-        got = ours(tokens)
-    assert got.shape == (2, 40, _BASE["vocab_size"])
-    assert _max_rel_err(ref, got) <= 1e-5
-
-    save_model(ours, tmp_path / "back")
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
-    hf_back = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back").eval()
-    with torch.no_grad():
-        assert _max_rel_err(got, hf_back(tokens).logits) <= 1e-5
+    assert_round_trip(_hf_model(CASES[case]), tmp_path, family="deepseek_v3", vocab=_BASE["vocab_size"])
 
 
 def test_the_expert_bias_is_hf_e_score_correction_bias(tmp_path):
@@ -94,14 +59,14 @@ def test_the_expert_bias_is_hf_e_score_correction_bias(tmp_path):
     ours = load_model(tmp_path / "hf")
     stored = hf.model.layers[1].mlp.gate.e_score_correction_bias
     assert torch.equal(ours.layers["1"].moe.expert_bias, stored)
-    tokens = _tokens(_BASE["vocab_size"])
+    tokens = random_tokens(_BASE["vocab_size"])
     with torch.no_grad():
         before = ours(tokens)
         ours.layers["1"].moe.expert_bias.mul_(-20)
         stored.mul_(-20)
         after = ours(tokens)
-        assert _max_rel_err(before, after) > 1e-3
-        assert _max_rel_err(hf(tokens).logits, after) <= 1e-5
+        assert max_rel_err(before, after) > 1e-3
+        assert max_rel_err(hf(tokens).logits, after) <= 1e-5
 
 
 def test_torchmoe_to_hf_from_our_init(tmp_path):
@@ -118,9 +83,9 @@ def test_torchmoe_to_hf_from_our_init(tmp_path):
             moe.expert_bias.normal_(0, 0.05)
     save_model(ours.eval(), tmp_path / "hf")
     hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tokens = _tokens(FLAVORS["tiny"].vocab_size, 96)
+    tokens = random_tokens(FLAVORS["tiny"].vocab_size, 96)
     with torch.no_grad():
-        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
     assert matching_flavor(load_model(tmp_path / "hf").args) == "tiny"
 
 
@@ -128,11 +93,11 @@ def test_bf16_parity(tmp_path):
     hf = _hf_model({}).to(torch.bfloat16)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_model(tmp_path / "hf", dtype=torch.bfloat16)
-    tokens = _tokens(_BASE["vocab_size"])
+    tokens = random_tokens(_BASE["vocab_size"])
     with torch.no_grad():
         # bf16 rounds differently along two op orders (and HF routes from fp32 router weights);
         # the bound is bf16's (8 bits of mantissa).
-        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 3e-2
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 3e-2
 
 
 # deepseek-ai/DeepSeek-V3's config.json as published (transformers 4 spelling: rope_scaling, the
@@ -193,9 +158,9 @@ def test_multi_token_prediction_layers_are_skipped_on_load(tmp_path):
     weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     ours = load_model(tmp_path / "hf")
-    tokens = _tokens(_BASE["vocab_size"])
+    tokens = random_tokens(_BASE["vocab_size"])
     with torch.no_grad():
-        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -3,14 +3,13 @@ detected from config.json's model_type; what the model cannot represent refused 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
+from tests.hf_parity import assert_round_trip, max_rel_err, perturb_constant_inits, random_tokens  # noqa: E402
 from torchmoe.arch.qwen3 import FLAVORS  # noqa: E402
 from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
 from torchmoe.hf import HFConversionError, load_model, save_model  # noqa: E402
@@ -36,43 +35,12 @@ CASES = {
 
 def _hf_model(overrides: dict, seed: int = 0) -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**_BASE, **overrides})).eval()
-    with torch.no_grad():  # HF initialises norms to one and the router to zero: perturb them
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.3)
-    return model
-
-
-def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
-
-
-def _tokens(vocab: int, seq_len: int = 40) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    return perturb_constant_inits(Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**_BASE, **overrides})).eval())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_to_torchmoe_and_back_fp32(case, tmp_path):
-    hf = _hf_model(CASES[case])
-    hf.save_pretrained(tmp_path / "hf")  # one tensor per expert, as the released checkpoints
-    ours = load_model(tmp_path / "hf")
-    assert ours.args.family == "qwen3"
-    tokens = _tokens(_BASE["vocab_size"])
-    with torch.no_grad():
-        ref = hf(tokens).logits
-        got = ours(tokens)
-    assert got.shape == (2, 40, _BASE["vocab_size"])
-    assert _max_rel_err(ref, got) <= 1e-5
-
-    save_model(ours, tmp_path / "back")
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
-    hf_back = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back").eval()
-    with torch.no_grad():
-        assert _max_rel_err(got, hf_back(tokens).logits) <= 1e-5
+    assert_round_trip(_hf_model(CASES[case]), tmp_path, family="qwen3", vocab=_BASE["vocab_size"])
 
 
 def test_torchmoe_to_hf_from_our_init(tmp_path):
@@ -87,9 +55,9 @@ def test_torchmoe_to_hf_from_our_init(tmp_path):
                 p.add_(torch.randn_like(p) * 0.2)
     save_model(ours.eval(), tmp_path / "hf")
     hf = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tokens = _tokens(FLAVORS["tiny"].vocab_size, 96)
+    tokens = random_tokens(FLAVORS["tiny"].vocab_size, 96)
     with torch.no_grad():
-        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
     assert matching_flavor(load_model(tmp_path / "hf").args) == "tiny"
 
 
@@ -97,10 +65,10 @@ def test_bf16_parity(tmp_path):
     hf = _hf_model(CASES["norm_topk"]).to(torch.bfloat16)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_model(tmp_path / "hf", dtype=torch.bfloat16)
-    tokens = _tokens(_BASE["vocab_size"])
+    tokens = random_tokens(_BASE["vocab_size"])
     with torch.no_grad():
         # bf16 rounds differently along two op orders; the bound is bf16's (8 bits of mantissa).
-        assert _max_rel_err(hf(tokens).logits, ours(tokens)) <= 2e-2
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 2e-2
 
 
 # The released config.json files (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B), as published.

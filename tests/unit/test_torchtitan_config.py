@@ -268,7 +268,7 @@ def test_per_op_sac_names_must_name_a_block_linear(tmp_path: Path, capsys: pytes
     assert "moe.router.gate" in err  # the fix lists the block's linears
 
 
-@pytest.mark.parametrize("family", ["llama3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama3", "flux"])
 def test_another_model_family_is_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
     # torchtitan files of those families hold the same sections; only the family is not trained here.
     text = f'[model]\nname = "{family}"\nflavor = "debugmodel"\nhf_assets_path = "./tests/assets/tokenizer"\n' \
@@ -276,7 +276,7 @@ def test_another_model_family_is_one_error(tmp_path: Path, capsys: pytest.Captur
     assert cli.main(["train", "--config", write_toml(tmp_path, text)]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and f'model.name = "{family}"' in err, err
-    assert 'torchmoe trains the mixture-of-experts families "llama4", "qwen3", "deepseek_v3"' in err
+    assert 'torchmoe trains the mixture-of-experts families "llama4", "qwen3", "deepseek_v3", "gpt_oss"' in err
 
 
 def test_print_config_prints_the_resolved_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,7 +28,8 @@ LLAMA4_ROPE_SCALING = {
 # and a run may differ in them), and the length limit (released configs advertise up to 10M
 # positions; RoPE extends past any table).
 NOT_ARCHITECTURE = frozenset({"attn_backend", "use_grouped_mm", "load_balance_coeff", "aux_loss_coeff",
-                              "z_loss_coeff", "moe_force_load_balance", "init_std", "max_seq_len"})
+                              "z_loss_coeff", "moe_force_load_balance", "init_std", "max_seq_len",
+                              "active_counts_embedding"})
 # Fields that spell a per-layer placement (compared as the placement they give).
 _PLACEMENT_SPELLINGS = frozenset({"moe_layers", "interleave_moe_layer_step", "no_rope_layers",
                                   "no_rope_layer_interval"})
@@ -79,6 +80,14 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # gpt-oss: biases on the q/k/v/o projections; a learned per-head logit (`sinks`) in every
+    # softmax's denominator (a key no query attends to with a zero value); and the layers listed
+    # in `sliding_layers` attending over the last `sliding_window` positions (the query's own
+    # included) instead of the whole causal context.
+    attention_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: list[int] | None = None
     attn_temperature_tuning: bool = True
     floor_scale: int = 8192
     attn_scale: float = 0.1
@@ -99,6 +108,13 @@ class ModelArgs:
     norm_topk_prob: bool = False  # divide the k selected scores by their sum (Qwen3's option)
     # DeepSeek-V3's group-limited routing: the experts form `n_group` equal groups, a token's top_k
     # are chosen within its `topk_group` groups of the highest (two best scores) sums; 1 = off.
+    # gpt-oss: a bias on the router's logits; routed experts of `experts_style` "gpt_oss" (gate and
+    # up projections fused and interleaved, biases on both matmuls, the SwiGLU clamped at
+    # `swiglu_limit` with sigmoid gain `swiglu_alpha` and ``up + 1``) rather than "swiglu".
+    router_bias: bool = False
+    experts_style: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # the gates' multiplier (after norm_topk_prob)
@@ -108,6 +124,9 @@ class ModelArgs:
     use_grouped_mm: bool = True  # torch._grouped_mm for routed experts (else a per-expert loop)
     moe_force_load_balance: bool = False  # round-robin routing instead of top-k (performance work)
     tie_word_embeddings: bool = False
+    # Whether the published active-parameter count includes the input embedding (Llama 4's and
+    # DeepSeek's do; gpt-oss's counts only the matmuls a token runs, so not the lookup table).
+    active_counts_embedding: bool = True
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -122,6 +141,12 @@ class ModelArgs:
             problems.append(f"score_func ({self.score_func!r}) must be 'sigmoid' or 'softmax'")
         if self.rope_style not in ("interleaved", "half"):
             problems.append(f"rope_style ({self.rope_style!r}) must be 'interleaved' or 'half'")
+        if self.experts_style not in ("swiglu", "gpt_oss"):
+            problems.append(f"experts_style ({self.experts_style!r}) must be 'swiglu' or 'gpt_oss'")
+        if self.sliding_window < 0 or (self.sliding_layers and not self.sliding_window):
+            problems.append(f"sliding_window ({self.sliding_window}) must be positive when sliding_layers are set")
+        if self.sliding_layers is not None and any(not 0 <= i < self.n_layers for i in self.sliding_layers):
+            problems.append(f"sliding_layers {self.sliding_layers} must lie in [0, {self.n_layers})")
         problems += self._latent_attention_problems() + self._group_routing_problems()
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") not in ("llama3", "yarn"):
             problems.append(f"rope_scaling's rope_type ({self.rope_scaling['rope_type']!r}) must be 'llama3' or 'yarn'")
@@ -166,6 +191,11 @@ class ModelArgs:
         return self.kv_lora_rank > 0
 
     @property
+    def windowed_or_sink_attention(self) -> bool:
+        """Whether attention has gpt-oss's sinks or sliding windows (`nn.sink_attention`)."""
+        return self.attention_sinks or bool(self.sliding_layers and self.sliding_window)
+
+    @property
     def rope_dim(self) -> int:
         """The coordinates of a query/key head RoPE rotates: all of them, or MLA's rope part."""
         return self.qk_rope_head_dim if self.latent_attention else self.head_dim
@@ -199,6 +229,11 @@ class ModelArgs:
         """The chunk length layer `layer_id` attends within (RoPE layers), or None (NoPE layers:
         causal over the whole row)."""
         return self.attention_chunk_size if self.rope_layers[layer_id] else None
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window (positions a query sees, its own included) of layer `layer_id`, or
+        None (the whole causal context, or its chunk)."""
+        return self.sliding_window if self.sliding_layers and layer_id in self.sliding_layers else None
 
     def attention_chunks(self) -> tuple[int | None, ...]:
         """Every distinct `layer_chunk` of the model, in layer order: the kinds of attention call
@@ -234,10 +269,14 @@ class ModelArgs:
             return query + latent + keys_values + self.n_heads * self.v_head_dim * self.dim
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         qk_norms = 2 * self.head_dim if self.qk_rms_norm else 0
-        return self.dim * q_out + 2 * self.dim * kv_out + q_out * self.dim + qk_norms
+        biases = q_out + 2 * kv_out + self.dim if self.attention_bias else 0
+        sinks = self.n_heads if self.attention_sinks else 0
+        return self.dim * q_out + 2 * self.dim * kv_out + q_out * self.dim + qk_norms + biases + sinks
 
-    def _expert_params(self) -> int:
-        return 3 * self.dim * self.moe_hidden_dim
+    def _expert_params(self, routed: bool = True) -> int:
+        """One expert's parameters: a routed one (`experts_style`'s) or a shared one (SwiGLU)."""
+        biases = 2 * self.moe_hidden_dim + self.dim if routed and self.experts_style == "gpt_oss" else 0
+        return 3 * self.dim * self.moe_hidden_dim + biases
 
     def layer_params(self, layer_id: int) -> tuple[int, int]:
         """(total, active) parameters of block `layer_id`; active counts the top_k routed experts."""
@@ -245,20 +284,24 @@ class ModelArgs:
         if not self.is_moe_layer(layer_id):
             dense = attn + 3 * self.dim * self.ffn_hidden_dim
             return dense, dense
-        common = attn + self.num_shared_experts * self._expert_params() + self.dim * self.num_experts
+        router = self.dim * self.num_experts + (self.num_experts if self.router_bias else 0)
+        common = attn + self.num_shared_experts * self._expert_params(routed=False) + router
         return common + self.num_experts * self._expert_params(), common + self.top_k * self._expert_params()
 
     def param_counts(self) -> dict[str, int]:
         """Parameter counts: ``total``, ``active`` (per token: top_k routed experts), ``embedding``.
 
-        ``active`` counts the embedding and the output head, as the published "17B active" does.
+        ``active`` counts the output head, and the embedding where the family's published count
+        does (`active_counts_embedding`: Llama 4's "17B active", DeepSeek-V3's 37B; not gpt-oss's
+        5.1B).
         """
         per_layer = [self.layer_params(i) for i in range(self.n_layers)]
         embedding = self.vocab_size * self.dim
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
         extra = embedding + head + self.dim  # + final norm
-        return {"total": sum(t for t, _ in per_layer) + extra, "active": sum(a for _, a in per_layer) + extra,
-                "embedding": embedding}
+        active_extra = extra if self.active_counts_embedding else extra - embedding
+        return {"total": sum(t for t, _ in per_layer) + extra,
+                "active": sum(a for _, a in per_layer) + active_extra, "embedding": embedding}
 
     def layer_flops_per_token(self, layer_id: int, seq_len: int, *, causal: bool = False) -> int:
         """Training FLOPs per token (forward + backward) of block `layer_id`.
@@ -267,7 +310,8 @@ class ModelArgs:
         value_head_dim) * L_eff`` for the attention scores and weighted sum (2 matmuls, x3 for
         backward, x2 multiply-add; ``12 * n_heads * head_dim`` unless MLA's values are narrower),
         where ``L_eff`` is the context a query attends over: ``seq_len`` for full-attention layers
-        and ``min(seq_len, attention_chunk_size)`` for chunked ones. By default causal masking is
+        and ``min(seq_len, attention_chunk_size)`` for chunked ones (``min(seq_len, sliding_window)``
+        for sliding-window ones). By default causal masking is
         not halved, following the PaLM/MFU convention so numbers compare across trainers; `causal`
         counts only the keys a query sees (half the square: ``L_eff / 2``), the work a causal
         kernel actually does.
@@ -275,6 +319,8 @@ class ModelArgs:
         ctx = seq_len
         if self.rope_layers[layer_id] and self.attention_chunk_size is not None:
             ctx = min(seq_len, self.attention_chunk_size)
+        if (window := self.layer_window(layer_id)) is not None:
+            ctx = min(ctx, window)
         attention = 6 * self.n_heads * (self.head_dim + self.value_head_dim) * ctx
         return 6 * self.layer_params(layer_id)[1] + (attention // 2 if causal else attention)
 

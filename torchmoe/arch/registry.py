@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchmoe.arch import deepseek_v3, llama4, qwen3
+from torchmoe.arch import deepseek_v3, gpt_oss, llama4, qwen3
 from torchmoe.arch.model_args import ModelArgs
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ FLAVORS: dict[str, dict[str, ModelArgs]] = {
     "llama4": llama4.FLAVORS,
     "qwen3": qwen3.FLAVORS,
     "deepseek_v3": deepseek_v3.FLAVORS,
+    "gpt_oss": gpt_oss.FLAVORS,
 }
 
 

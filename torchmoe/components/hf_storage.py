@@ -54,6 +54,7 @@ from torch.futures import Future
 # checkpoint's import also silences DCP's warning on every single-process call.
 from torchmoe import _torch_private as private
 from torchmoe.arch.model_args import ModelArgs
+from torchmoe.components import mxfp4
 from torchmoe.components.checkpoint import _dist_on
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.finite import refuse_nonfinite, require_finite
@@ -146,36 +147,54 @@ class _HFLoadPlanner(SafeLoadPlanner):
         return super().transform_tensor(read_item, tensor)
 
 
-def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArgs) -> dict[str, str]:
-    """HF name -> stored name for every tensor `slices` needs, after checking the checkpoint holds
-    exactly a model of `args` (vision tensors and a tied model's head aside), in floating point.
+def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArgs) -> tuple[dict[str, str], set[str]]:
+    """(HF name -> stored name for every tensor `slices` needs, the HF names stored MXFP4-packed),
+    after checking the checkpoint holds exactly a model of `args` (vision tensors and a tied
+    model's head aside), in floating point or as MXFP4 blocks and scales (`components.mxfp4`).
 
     Raises:
         HFConversionError: a tensor is missing, unexpected, split over files, of another shape, or
-            stored as integers.
+            stored as integers (other than MXFP4's).
     """
     entries = metadata.state_dict_metadata
     mapping = hf_mapping(args)
     stored = {text: key for key in entries if (text := mapping.text_tensor_name(key, args)) is not None}
     expected = {name for s in _full_model_slices(args) for name in s.stored()}
-    missing = sorted(expected - set(stored))
+    packed = {name for name in expected - set(stored) if all(p in stored for p in mxfp4.packed_names(name))}
+    missing = sorted(expected - set(stored) - packed)
     if missing:
         raise HFConversionError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    extra = sorted(set(stored) - expected - ({"lm_head.weight"} if args.tie_word_embeddings else set()))
+    packed_parts = {p for name in packed for p in mxfp4.packed_names(name)}
+    extra = sorted(set(stored) - expected - packed_parts - ({"lm_head.weight"} if args.tie_word_embeddings else set()))
     if extra:
         raise HFConversionError(f"the checkpoint holds {len(extra)} tensors this model has no place for, "
                                 f"e.g. {extra[:3]}")
     for name, size in ((name, size) for s in slices.values() for name, size in s.stored().items()):
+        parts = mxfp4.packed_names(name) if name in packed else (name,)
+        for part in parts:
+            if len(entries[stored[part]].chunks) != 1:
+                raise HFConversionError(f"{part} is split over {len(entries[stored[part]].chunks)} files: not a "
+                                        "Hugging Face checkpoint (a sharded DCP export must be consolidated first)")
+        if name in packed:
+            mxfp4.check_packed(name, size, *((tuple(entries[stored[p]].size), entries[stored[p]].properties.dtype)
+                                             for p in parts))
+            continue
         md = entries[stored[name]]
         if tuple(md.size) != size:
             raise HFConversionError(f"{name} has shape {tuple(md.size)}, expected {size}")
-        if len(md.chunks) != 1:
-            raise HFConversionError(f"{name} is split over {len(md.chunks)} files: not a Hugging Face "
-                                    "checkpoint (a sharded DCP export must be consolidated first)")
         if not md.properties.dtype.is_floating_point:  # a cast would load nonsense (quantized weights?)
             raise HFConversionError(f"{name} is stored as {str(md.properties.dtype).removeprefix('torch.')}, "
-                                    "not as floating-point weights")
-    return stored
+                                    "not as floating-point weights (nor as MXFP4 blocks and scales)")
+    return stored, packed
+
+
+def _stored_files(hf_dir: Path, names: set[str]) -> dict[str, Path]:
+    """The file of each stored name in `names` (from the files' headers)."""
+    files = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            files.update({key: file for key in f.keys() if key in names})
+    return files
 
 
 _INDEX = "model.safetensors.index.json"
@@ -264,9 +283,19 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
     with reading(key, hf_dir, fix, what="a *.safetensors file"):  # HFConversionError is a fault too
         reader = HuggingFaceStorageReader(str(hf_dir))
         views, slices = _hf_views(state, args)
-        stored = _stored_names(reader.read_metadata(), slices, args)
-        dcp.load(views, storage_reader=reader, planner=_HFLoadPlanner(slices, stored), no_dist=not _dist_on())
-    refuse_nonfinite(views, key=key, path=hf_dir, names={name: s.label() if s.per_expert else stored[s.hf_name]
+        stored, packed = _stored_names(reader.read_metadata(), slices, args)
+        # MXFP4-packed tensors (gpt-oss's released experts) are read and dequantised by this rank
+        # itself (`components.mxfp4`); DCP reads every other tensor.
+        unpacked = {name: s for name, s in slices.items() if s.hf_name not in packed}
+        dcp.load({name: views[name] for name in unpacked}, storage_reader=reader,
+                 planner=_HFLoadPlanner(unpacked, stored), no_dist=not _dist_on())
+        if packed:
+            files = _stored_files(hf_dir, {stored[p] for name in packed for p in mxfp4.packed_names(name)})
+            for name, s in slices.items():
+                if s.hf_name in packed:
+                    mxfp4.load_packed(views[name], [(files[stored[p]], stored[p])
+                                                    for p in mxfp4.packed_names(s.hf_name)])
+    refuse_nonfinite(views, key=key, path=hf_dir, names={name: stored.get(s.hf_name, s.label())
                                                          for name, s in slices.items()})
 
 

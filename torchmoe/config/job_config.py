@@ -25,9 +25,9 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama4"
-    """Model family (docs/models.md): 'llama4' (Llama 4), 'qwen3' (Qwen3-MoE) or 'deepseek_v3' (DeepSeek-V3, Kimi K2)."""
+    """Model family (docs/models.md): 'llama4' (Llama 4), 'qwen3' (Qwen3-MoE), 'deepseek_v3' (DeepSeek-V3, Kimi K2) or 'gpt_oss' (gpt-oss)."""
     flavor: str = "tiny"
-    """Model flavor (docs/models.md, "Flavors"). qwen3: tiny, debugmodel_moe, 30B-A3B, 235B-A22B. llama4: torchmoe's tiny (2.4 M parameters, the default), bench256, scout and maverick (those two: the Hugging Face releases), or torchtitan v0.2.2's debugmodel, debugmodel_irope, 17bx16e, 17bx16e_irope, 17bx128e, 17bx128e_irope."""
+    """Model flavor (docs/models.md, "Flavors"). qwen3: tiny, debugmodel_moe, 30B-A3B, 235B-A22B. deepseek_v3: tiny, debugmodel, 16B, 236B, 671B. gpt_oss: tiny, debugmodel, 20b, 120b. llama4: torchmoe's tiny (2.4 M parameters, the default), bench256, scout and maverick (those two: the Hugging Face releases), or torchtitan v0.2.2's debugmodel, debugmodel_irope, 17bx16e, 17bx16e_irope, 17bx128e, 17bx128e_irope."""
     tokenizer_path: str = ""
     """Hugging Face tokenizer.json (or a folder holding one); empty = built-in byte tokenizer."""
     hf_assets_path: str = ""

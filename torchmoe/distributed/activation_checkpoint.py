@@ -19,6 +19,7 @@ from torchmoe import _torch_private as private
 from torchmoe.config.job_config import ActivationCheckpoint
 from torchmoe.nn.attention import PREFIXED_ATTENTION
 from torchmoe.nn.segment_attention import SEGMENT_ATTENTION
+from torchmoe.nn.sink_attention import SINK_ATTENTION
 
 # Outputs saved by per-op selective AC: expensive to recompute, small relative to their cost:
 # fused attention kernels, grouped GEMMs (float8's too), TP's reduce-scatters and EP's
@@ -28,7 +29,7 @@ from torchmoe.nn.segment_attention import SEGMENT_ATTENTION
 # segments (document masking, and prefixed blocks on flash: torch's varlen kernel, or the host
 # operator), likewise.
 _SAVE_ALWAYS = private.saved_by_selective_ac() | {torch.ops.aten.max.default, PREFIXED_ATTENTION,
-                                                  SEGMENT_ATTENTION}
+                                                  SEGMENT_ATTENTION, SINK_ATTENTION}
 # Matmuls alternate (every second one saved) to balance memory against recompute; float8
 # linears' included (torchao runs them as _scaled_mm).
 _MM = {torch.ops.aten.mm.default, private.scaled_mm_op()}

@@ -6,7 +6,7 @@
   torchao's float8 TP styles, so the TP all-gathers of block inputs (forward) and of output
   gradients (backward) move float8 bytes (`float8_tp_enabled`, used by `tensor_parallel`).
   Rowwise recipes keep TP communication in high precision (plain styles).
-- **Routed experts** (`float8.routed_experts`): the grouped GEMMs of the ``GroupedExperts``
+- **Routed experts** (`float8.routed_experts`): the grouped GEMMs of the ``RoutedExperts``
   modules `float8.moe_fqns` names run as torchao's float8 rowwise grouped GEMM, on expert row
   blocks padded to 16 rows (`moe.pad_expert_blocks`).
 
@@ -136,10 +136,10 @@ def convert_float8_experts(model: nn.Module, moe_fqns: list[str]) -> list[str]:
     """Make the routed-expert modules of `model` whose names contain any of `moe_fqns` run their
     grouped GEMMs in float8 (torchao's rowwise-scaled grouped GEMM, bf16 out); return their names.
     Their weights stay high-precision parameters: the casts happen in each forward and backward."""
-    from torchmoe.nn.experts import GroupedExperts
+    from torchmoe.nn.experts import RoutedExperts
 
     names = [fqn for fqn, module in model.named_modules()
-             if isinstance(module, GroupedExperts) and selected_by(fqn, moe_fqns)]
+             if isinstance(module, RoutedExperts) and selected_by(fqn, moe_fqns)]
     for fqn in names:
         model.get_submodule(fqn).float8_grouped_mm = _float8_grouped_mm
     return names

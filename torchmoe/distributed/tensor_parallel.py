@@ -60,8 +60,9 @@ class ReplicateParallel(ParallelStyle):
 
 
 class ExpertTensorParallel(ParallelStyle):
-    """Routed experts sharded on the hidden dim: w1/w3 ``Shard(1)`` (column-wise), w2 ``Shard(2)``
-    (row-wise), so each rank's output is a partial sum.
+    """Routed experts sharded on the hidden dim, each parameter on the dim its module's
+    ``tp_dims`` names (SwiGLU's w1/w3 ``Shard(1)``, column-wise, and w2 ``Shard(2)``, row-wise),
+    so each rank's output is a partial sum.
 
     The expert input is the same on every rank, but its gradient is a partial sum over the local
     hidden units: marking the local input's gradient ``Partial`` makes autograd all-reduce it at
@@ -70,7 +71,7 @@ class ExpertTensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name, mod, mesh):
-            for pname, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+            for pname, dim in mod.tp_dims.items():
                 param = getattr(mod, pname)
                 mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
 

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DECODER_FIELDS", "HFConfigValueError", "HFConversionError", "POSITIVE", "Spec", "check_fields",
-           "check_heads", "check_layer_list", "decoder_config", "require_round_trip", "show_json"]
+__all__ = ["DECODER_FIELDS", "IGNORED_FIELDS", "ROPE_FIELDS", "HFConfigValueError", "HFConversionError", "POSITIVE",
+           "Spec", "check_fields", "check_heads", "check_layer_list", "decoder_config", "require_round_trip",
+           "refuse_unknown_fields", "rope_or_yarn", "show_json"]
 
 # Upper bounds: 8x the deepest released LLM's layers (126), 64x the largest vocabulary (262k), and
 # sizes no accelerator could hold a layer of. A value beyond them is a typo, refused before a model
@@ -143,6 +144,54 @@ DECODER_FIELDS: dict[str, Spec] = {
     "model_type": Spec("str"),
     "hidden_act": Spec("str"),
 }
+
+
+# Fields no family's forward pass reads (token ids, generation, dropout, output switches, loader
+# metadata); each family's mapping adds its own.
+IGNORED_FIELDS = frozenset({
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
+    "pad_token_id", "use_cache", "output_router_logits", "initializer_range", "attention_dropout", "name_or_path",
+    "_name_or_path", "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder",
+    "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class", "use_bfloat16", "torchscript",
+})
+# A `rope_parameters` (or `rope_scaling`) object: plain RoPE or YaRN.
+ROPE_FIELDS: dict[str, Spec] = {
+    "rope_type": Spec("str"), "type": Spec("str"), "rope_theta": POSITIVE, "factor": POSITIVE,
+    "original_max_position_embeddings": Spec("int", high=MAX_INT32), "beta_fast": POSITIVE, "beta_slow": POSITIVE,
+    "mscale": Spec("number", low=None, null=True), "mscale_all_dim": Spec("number", low=None, null=True),
+    "attention_factor": Spec("number", low=0, low_open=True, null=True), "truncate": Spec("bool"),
+}
+
+
+def rope_or_yarn(cfg: dict, title: str, default_theta: float, released: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a config: plain RoPE (None), or YaRN with the fields
+    `_yarn_frequencies` reads; `released` names the released values for a missing field's fix.
+    Raises `HFConversionError` for another rope_type, `HFConfigValueError` for a missing field."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise HFConversionError(f"rope_type {rope_type!r} is not supported for {title} ('default' or 'yarn')")
+    for name in ("factor", "original_max_position_embeddings"):
+        if name not in params:
+            raise HFConfigValueError(f"rope_parameters.{name}", None, "is missing: YaRN needs it",
+                                     f"the released value ({released})")
+    scaling = {"rope_type": "yarn", "factor": float(params["factor"]),
+               "original_max_position_embeddings": params["original_max_position_embeddings"],
+               "beta_fast": float(params.get("beta_fast") or 32.0), "beta_slow": float(params.get("beta_slow") or 1.0)}
+    scaling.update({k: params[k] for k in ("mscale", "mscale_all_dim", "attention_factor", "truncate")
+                    if params.get(k) is not None})
+    return theta, scaling
+
+
+def refuse_unknown_fields(cfg: dict, known: set[str] | frozenset[str], config_class: str) -> None:
+    """Raise `HFConversionError` naming the fields of `cfg` outside `known` (and not private, "_x"):
+    a field torchmoe does not read may change what the model computes."""
+    unknown = sorted(k for k in cfg if k not in known and not k.startswith("_"))
+    if unknown:
+        raise HFConversionError(f"unsupported {config_class} fields: {', '.join(unknown)}")
 
 
 def decoder_config(args: Any, dtype: Any) -> dict:

@@ -18,12 +18,13 @@ import torch
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.models.deepseek_v3 import hf as deepseek_v3_hf
+from torchmoe.models.gpt_oss import hf as gpt_oss_hf
 from torchmoe.models.hf_config_spec import HFConversionError
 from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.llama4 import hf as llama4_hf
 from torchmoe.models.qwen3 import hf as qwen3_hf
 
-__all__ = ["HFMapping", "hf_mapping", "hf_mapping_for_config", "hf_slices"]
+__all__ = ["HFMapping", "family_titles", "hf_mapping", "hf_mapping_for_config", "hf_slices"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,14 @@ _MAPPINGS: dict[str, HFMapping] = {
     "deepseek_v3": HFMapping("DeepSeek-V3", "DeepseekV3ForCausalLM", deepseek_v3_hf.MODEL_TYPES,
                              deepseek_v3_hf.args_from_hf_config, deepseek_v3_hf.hf_config_from_args,
                              deepseek_v3_hf.hf_slice, deepseek_v3_hf.text_tensor_name),
+    "gpt_oss": HFMapping("gpt-oss", "GptOssForCausalLM", gpt_oss_hf.MODEL_TYPES, gpt_oss_hf.args_from_hf_config,
+                         gpt_oss_hf.hf_config_from_args, gpt_oss_hf.hf_slice, gpt_oss_hf.text_tensor_name),
 }
+
+
+def family_titles() -> str:
+    """The families torchmoe maps to Hugging Face, as messages name them ("Llama 4, Qwen3-MoE, ...")."""
+    return ", ".join(m.title for m in _MAPPINGS.values())
 
 
 def hf_mapping(args: ModelArgs) -> HFMapping:

@@ -1,10 +1,11 @@
 """Feed-forward building blocks of MoE layers: the SwiGLU MLP (dense layers, shared experts) and
-routed experts stored as stacked weights, run by one grouped GEMM per projection.
+routed experts stored as stacked weights, run by one grouped GEMM per projection: SwiGLU
+(`GroupedExperts`) or gpt-oss's biased, clamped SwiGLU (`ClampedSwiGLUExperts`).
 
     python -m pytest -q tests/unit/test_moe.py
 
-The per-expert loop (`_looped_swiglu`) is kept as the reference the grouped path is tested
-against. Which tokens reach which expert is the router's and the dispatcher's (`nn.dispatch`).
+The per-expert loop (``use_grouped_mm = False``) is kept as the reference the grouped path is
+tested against. Which tokens reach which expert is the router's and the dispatcher's (`nn.dispatch`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchmoe import _torch_private as private
 from torchmoe.nn.init import ParamInit, TruncNormal
@@ -21,7 +23,7 @@ from torchmoe.nn.moe_ops import grouped_mm
 from torchmoe.nn.shards import local_shard
 from torchmoe.regions import region
 
-__all__ = ["FeedForward", "GroupedExperts", "compute_dtype"]
+__all__ = ["ClampedSwiGLUExperts", "FeedForward", "GroupedExperts", "RoutedExperts", "compute_dtype"]
 
 
 class FeedForward(nn.Module):
@@ -52,24 +54,59 @@ class FeedForward(nn.Module):
         return {"w1.weight": TruncNormal(0.02), "w2.weight": TruncNormal(init_std), "w3.weight": TruncNormal(init_std)}
 
 
-class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts stored as stacked weights.
+class RoutedExperts(nn.Module):
+    """What every kind of routed experts shares: ``num_experts`` experts stored as stacked
+    weights ``[E, ...]`` (expert parallel shards dim 0 of every parameter), run on tokens sorted
+    expert-major by one grouped GEMM per projection (or the per-expert reference loop).
+
+    `tp_dims`: parameter name -> the dim MoE tensor parallel shards (`ExpertTensorParallel`).
+    """
+
+    tp_dims: dict[str, int] = {}
+
+    def __init__(self, num_experts: int, use_grouped_mm: bool) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        # Set by `distributed.float8.convert_float8_experts`: (rows, w, offsets) -> rows @ w[e].T
+        # per expert block, in float8.
+        self.float8_grouped_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def _mm(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``rows @ w[e].T`` for each expert's block of rows: one grouped GEMM (float8 when
+        `float8_grouped_mm` is set; torch's ``_grouped_mm`` in bf16, which the compiler lowers to
+        its kernels; else the ``torchmoe::grouped_mm`` custom op, which it can trace), or the
+        reference loop (``tolist`` syncs; fine for a reference). rows: (R, K), w: (E, N, K),
+        offsets: (E,) int32 block ends -> (R, N); rows past the last block are unspecified."""
+        if self.float8_grouped_mm is not None:
+            return self.float8_grouped_mm(rows, w, offsets)
+        if not self.use_grouped_mm:
+            out = rows.new_zeros(rows.shape[0], w.shape[1])
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                out[start:start + n] = rows[start:start + n] @ w[e].T
+                start += n
+            return out
+        if rows.dtype == torch.bfloat16:
+            return private.grouped_mm(rows, w.transpose(-2, -1), offsets)
+        return grouped_mm(rows, w, offsets)
+
+
+class GroupedExperts(RoutedExperts):
+    """SwiGLU experts, ``w2(silu(w1 x) * w3 x)`` per expert.
 
     Weights follow ``nn.Linear`` (out, in) per expert: ``w1, w3: [E, hidden, dim]``,
     ``w2: [E, dim, hidden]``, so tensor parallel shards dim 1 of w1/w3 and dim 2 of w2, and expert
     parallel shards dim 0 of all three.
     """
 
+    tp_dims = {"w1": 1, "w2": 2, "w3": 1}
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.use_grouped_mm = use_grouped_mm
+        super().__init__(num_experts, use_grouped_mm)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        # Set by `distributed.float8.convert_float8_experts`: (rows, w, offsets) -> rows @ w[e].T
-        # per expert block, in float8.
-        self.float8_grouped_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Run each expert on its contiguous block of rows.
@@ -83,18 +120,79 @@ class GroupedExperts(nn.Module):
         """
         with region("routed_experts"):
             # TP/EP place experts so that each rank's shard is self-contained.
-            w1, w2, w3 = (local_shard(w) for w in (self.w1, self.w2, self.w3))
-            if _autocast_on(x):
-                # autocast has no rule for _grouped_mm (it would run in fp32, or fail on mixed
-                # dtypes): cast the operands as autocast casts a matmul's.
-                dtype = compute_dtype(x)
-                x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
-            if self.use_grouped_mm:
-                return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert, self.float8_grouped_mm)
-            return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
+            x, w1, w2, w3 = _in_compute_dtype(x, *(local_shard(w) for w in (self.w1, self.w2, self.w3)))
+            counts = num_tokens_per_expert
+            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert
+            h = F.silu(self._mm(x, w1, counts, offsets)) * self._mm(x, w3, counts, offsets)  # (rows, hidden)
+            return self._mm(h, w2, counts, offsets)  # (rows, dim)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"w1": TruncNormal(0.02), "w2": TruncNormal(init_std), "w3": TruncNormal(init_std)}
+
+
+class ClampedSwiGLUExperts(RoutedExperts):
+    """gpt-oss's experts: per expert ``w2 act(w13 x + b13) + b2`` with the clamped SwiGLU
+
+        gate, up = (w13 x + b13)[0::2], (w13 x + b13)[1::2]      (interleaved columns)
+        act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),  g = min(gate, limit)
+
+    Weights (Hugging Face's ``gate_up_proj`` and ``down_proj``, in ``nn.Linear`` orientation):
+    ``w13: [E, 2 * hidden, dim]`` (gate and up rows interleaved), ``b13: [E, 2 * hidden]``,
+    ``w2: [E, dim, hidden]``, ``b2: [E, dim]``. Tensor parallel shards w13/b13 on their rows (each
+    rank's rows hold whole (gate, up) pairs: its hidden units) and w2 on its columns, so each
+    rank's output is a partial sum; b2 is sharded on dim, and each rank adds its own columns of
+    it (`_down_bias`): summed over the ranks, the bias is added once, and each rank's gradient of
+    its columns is the whole one.
+    """
+
+    tp_dims = {"w13": 1, "b13": 1, "w2": 2, "b2": 1}
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool, *, limit: float,
+                 alpha: float) -> None:
+        super().__init__(num_experts, use_grouped_mm)
+        self.limit, self.alpha = limit, alpha
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """As `GroupedExperts.forward`: x (rows, dim) sorted expert-major -> (rows, dim)."""
+        with region("routed_experts"):
+            x, w13, b13, w2, b2 = _in_compute_dtype(x, local_shard(self.w13), local_shard(self.b13),
+                                                    local_shard(self.w2), self._down_bias())
+            counts = num_tokens_per_expert
+            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            # Each row's expert, by device-side search (rows past the last block take the last).
+            rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+            expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=counts.shape[0] - 1)
+            h = self._mm(x, w13, counts, offsets) + b13[expert]  # (rows, 2 * hidden)
+            gate, up = h[:, 0::2].clamp(max=self.limit), h[:, 1::2].clamp(-self.limit, self.limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # (rows, hidden)
+            return self._mm(act, w2, counts, offsets) + b2[expert]
+
+    def _down_bias(self) -> torch.Tensor:
+        """This rank's (E_local, dim) share of b2: its own columns, zero elsewhere (all of b2 on
+        one rank or under expert parallel, whose shards hold whole experts)."""
+        b2 = self.b2
+        if not isinstance(b2, DTensor):
+            return b2
+        _, offset = private.local_shape_and_offset(b2.shape, b2.device_mesh, b2.placements)
+        local = b2.to_local()
+        return F.pad(local, (offset[1], b2.shape[1] - offset[1] - local.shape[1]))
+
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        return {"w13": TruncNormal(0.02), "b13": TruncNormal(init_std), "w2": TruncNormal(init_std),
+                "b2": TruncNormal(init_std)}
+
+
+def _in_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x and the experts' weights, cast as autocast casts a matmul's operands when it is on:
+    autocast has no rule for _grouped_mm (it would run in fp32, or fail on mixed dtypes)."""
+    if not _autocast_on(x):
+        return (x, *weights)
+    dtype = compute_dtype(x)
+    return tuple(t.to(dtype) for t in (x, *weights))
 
 
 def _autocast_on(x: torch.Tensor) -> bool:
@@ -106,32 +204,3 @@ def _autocast_on(x: torch.Tensor) -> bool:
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a matmul on `x` computes in: autocast's when it is on for x's device, else x's."""
     return torch.get_autocast_dtype(x.device.type) if _autocast_on(x) else x.dtype
-
-
-def _grouped_swiglu(x, w1, w2, w3, counts, float8_mm=None) -> torch.Tensor:
-    """One grouped GEMM per projection; no host-device synchronisation. `float8_mm`, when set,
-    runs them in float8; else bf16 runs torch's ``_grouped_mm`` (which the compiler lowers to its
-    kernels) and other dtypes run it through the ``torchmoe::grouped_mm`` custom op, which the
-    compiler can trace (see `moe_ops`)."""
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert
-    native = x.dtype == torch.bfloat16
-
-    def mm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if float8_mm is not None:
-            return float8_mm(rows, w, offsets)
-        return private.grouped_mm(rows, w.transpose(-2, -1), offsets) if native else grouped_mm(rows, w, offsets)
-
-    h = F.silu(mm(x, w1)) * mm(x, w3)  # (rows, hidden)
-    return mm(h, w2)  # (rows, dim)
-
-
-def _looped_swiglu(x, w1, w2, w3, counts) -> torch.Tensor:
-    """Reference path: a Python loop over experts (``tolist`` syncs; fine for a reference)."""
-    out = torch.zeros_like(x)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        rows = x[start : start + n]
-        h = F.silu(rows @ w1[e].T) * (rows @ w3[e].T)
-        out[start : start + n] = h @ w2[e].T
-        start += n
-    return out

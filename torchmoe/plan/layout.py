@@ -120,19 +120,39 @@ def attention_linears(args: ModelArgs) -> list[AttentionLinear]:
 
 
 def _attention_specs(args: ModelArgs, i: int) -> list[ParamSpec]:
-    """Block `i`'s attention parameters: its linears (`attention_linears`) and norms, replicated
-    over tp (Qwen3's per-head norms: each rank normalises its heads with the whole weight; MLA's
-    bottleneck norms)."""
+    """Block `i`'s attention parameters: gpt-oss's sinks (one per head, split with the heads), its
+    linears (`attention_linears`) with their biases (gpt-oss: a column-wise linear's split with its
+    outputs, a row-wise one's whole) and norms, replicated over tp (Qwen3's per-head norms: each
+    rank normalises its heads with the whole weight; MLA's bottleneck norms)."""
     p = f"layers.{i}"
     tp_dim = {COLWISE: 0, ROWWISE: 1, REPLICATED: None}
-    specs = [ParamSpec(f"{p}.{lin.name}.weight", (lin.n_out, lin.n_in), tp_dim[lin.style], layer=i)
-             for lin in attention_linears(args)]
-    if args.latent_attention:
-        norms = {"q_norm": args.q_lora_rank} if args.q_lora_rank else {}
-        norms["kv_norm"] = args.kv_lora_rank
+    specs = [ParamSpec(f"{p}.attention.sinks", (args.n_heads,), 0, layer=i)] if args.attention_sinks else []
+    # MLA's bottleneck norms follow their projections (module order); per-head norms come last.
+    after = {"attention.wq_a": ("q_norm", args.q_lora_rank), "attention.wkv_a": ("kv_norm", args.kv_lora_rank)}
+    for lin in attention_linears(args):
+        specs.append(ParamSpec(f"{p}.{lin.name}.weight", (lin.n_out, lin.n_in), tp_dim[lin.style], layer=i))
+        if args.attention_bias:
+            specs.append(ParamSpec(f"{p}.{lin.name}.bias", (lin.n_out,), 0 if lin.style == COLWISE else None, layer=i))
+        if args.latent_attention and lin.name in after:
+            norm, size = after[lin.name]
+            specs.append(ParamSpec(f"{p}.attention.{norm}.weight", (size,), None, layer=i))
+    if args.qk_rms_norm and not args.latent_attention:
+        specs += [ParamSpec(f"{p}.attention.{n}.weight", (args.head_dim,), None, layer=i) for n in ("q_norm", "k_norm")]
+    return specs
+
+
+def _moe_specs(args: ModelArgs, i: int) -> list[ParamSpec]:
+    """Block `i`'s router and routed experts (`nn.experts`: SwiGLU's w1/w2/w3, or gpt-oss's fused
+    w13 and w2 with their biases), each expert parameter on the dim MoE TP shards."""
+    p, d, e, h = f"layers.{i}.moe", args.dim, args.num_experts, args.moe_hidden_dim
+    specs = [ParamSpec(f"{p}.router.gate.weight", (e, d), None, "moe", i)]
+    if args.router_bias:
+        specs.append(ParamSpec(f"{p}.router.gate.bias", (e,), None, "moe", i))
+    if args.experts_style == "gpt_oss":
+        experts = [("w13", (e, 2 * h, d), 1), ("b13", (e, 2 * h), 1), ("w2", (e, d, h), 2), ("b2", (e, d), 1)]
     else:
-        norms = {"q_norm": args.head_dim, "k_norm": args.head_dim} if args.qk_rms_norm else {}
-    return specs + [ParamSpec(f"{p}.attention.{n}.weight", (size,), None, layer=i) for n, size in norms.items()]
+        experts = [("w1", (e, h, d), 1), ("w2", (e, d, h), 2), ("w3", (e, h, d), 1)]
+    return specs + [ParamSpec(f"{p}.experts.{name}", shape, tp_dim, "expert", i) for name, shape, tp_dim in experts]
 
 
 def _param_specs(args: ModelArgs) -> list[ParamSpec]:
@@ -148,15 +168,9 @@ def _param_specs(args: ModelArgs) -> list[ParamSpec]:
         if not args.is_moe_layer(i):
             specs += _swiglu(f"{p}.feed_forward", d, args.ffn_hidden_dim, i, "dense")
             continue
-        e, h = args.num_experts, args.moe_hidden_dim
-        specs += [
-            ParamSpec(f"{p}.moe.router.gate.weight", (e, d), None, "moe", i),
-            ParamSpec(f"{p}.moe.experts.w1", (e, h, d), 1, "expert", i),
-            ParamSpec(f"{p}.moe.experts.w2", (e, d, h), 2, "expert", i),
-            ParamSpec(f"{p}.moe.experts.w3", (e, h, d), 1, "expert", i),
-        ]
+        specs += _moe_specs(args, i)
         if args.num_shared_experts:
-            specs += _swiglu(f"{p}.moe.shared_experts", d, h * args.num_shared_experts, i, "moe")
+            specs += _swiglu(f"{p}.moe.shared_experts", d, args.moe_hidden_dim * args.num_shared_experts, i, "moe")
     specs.append(ParamSpec("norm.weight", (d,), None))
     if not args.tie_word_embeddings:
         specs.append(ParamSpec("output.weight", (args.vocab_size, d), 0))

@@ -71,10 +71,12 @@ inputs are the all-gathered sequence (full ``D``).
     MoE       = norm(D)/tp + f*x(1 + 2s)*D                  ffn_norm, MoE input (router gate and,
                                                             s = 1 with a shared expert, its w1/w3)
               + f*(4*E + 16*k)                              fp32 router scores, top-k indices
-              + f*k * (4*D + 2*a*D + 4*a*M/etp + 12)        per routed copy: fp32 operand of the
+              + f*k * (4*D + 2*a*D + X + 12)                per routed copy: fp32 operand of the
                                                             gate multiply, the expert input and
                                                             output (kept by the index_add back
-                                                            to tokens), the expert SwiGLU, index
+                                                            to tokens), the expert's activation
+                                                            (X = 4*a*M/etp for SwiGLU, gpt-oss's
+                                                            clamped SwiGLU 7*a*M/etp + 8), index
                                                             + gate
               + 4*a*Ms/tp                                   shared expert SwiGLU
         f = 1/tp under EP with TP (the MoE block runs on its sequence shard, and the shared
@@ -323,8 +325,16 @@ class ActivationModel:
         total = self._norm(m.dim) / tp + self._matmul_input(readers) * m.dim * f + (4 * m.num_experts + 16 * k) * f
         if m.norm_topk_prob:  # the division's fp32 numerator (the k gates) and denominator
             total += (4 * k + 4) * f
-        total += k * f * (4 * m.dim + 2 * a * m.dim + 4 * a * m.moe_hidden_dim / self.dims.etp + 12)
+        total += k * f * (4 * m.dim + 2 * a * m.dim + self._expert_activation() + 12)
         return total + 4 * a * m.moe_hidden_dim * m.num_shared_experts / tp
+
+    def _expert_activation(self) -> float:
+        """Bytes one routed copy saves inside its expert (`nn.experts`): SwiGLU's w1 and w3
+        outputs, silu's output and the product (4 x M); gpt-oss's clamped SwiGLU its fused
+        gate/up output (2 x M), the clamped gate, its sigmoid, up + 1, their product and the
+        down projection's input (5 x M more), and the copy's expert index (int64, for the biases)."""
+        per_hidden = self.a * self.args.moe_hidden_dim / self.dims.etp
+        return 7 * per_hidden + 8 if self.args.experts_style == "gpt_oss" else 4 * per_hidden
 
     def _plain_matmuls(self, layer: int) -> dict[str, tuple[tuple[int, int], float]]:
         """Block `layer`'s plain matmuls by their linear's name in the block: its weight's full

@@ -35,6 +35,7 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
         raise ConfigError("model.attn_backend", "flex", "document masking runs the fused kernels per document "
                           "(nn.document_attention); FlexAttention is not wired to it",
                           'use model.attn_backend = "sdpa", or training.document_masking = false')
+    _check_sink_attention(cfg, args, degrees["cp"])
     if degrees["cp"] > 1 and args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", "context parallelism runs SDPA with masks over global "
                           "positions; FlexAttention is not wired to it", 'use model.attn_backend = "sdpa"')
@@ -68,6 +69,25 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                               f"set {key} = false, or run on a CUDA machine")
     if check_device:
         _check_packages(cfg.metrics)
+
+
+def _check_sink_attention(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
+    """gpt-oss's attention (sinks, sliding windows) runs `nn.sink_attention` over whole rows:
+    context parallelism's exchanges, document masking's segments and FlexAttention's masks do not
+    carry the sinks or the window."""
+    if not args.windowed_or_sink_attention:
+        return
+    what = f"model.name = {show_value(cfg.model.name)} attends with sinks and sliding windows over whole rows"
+    if cp > 1:
+        raise ConfigError("parallelism.context_parallel_degree", cp, f"{what}; context parallelism's exchanges do "
+                          "not carry the sinks or the window", "set parallelism.context_parallel_degree = 1 (shard "
+                          "over data_parallel_shard_degree instead)")
+    if cfg.training.document_masking:
+        raise ConfigError("training.document_masking", True, f"{what}; document masking's per-document segments do "
+                          "not carry the sinks or the window", "set training.document_masking = false")
+    if args.attn_backend == "flex":
+        raise ConfigError("model.attn_backend", "flex", f"{what}; FlexAttention's block masks do not carry the sinks",
+                          'use model.attn_backend = "sdpa"')
 
 
 def _check_forced_recompute(ac_cfg: ActivationCheckpoint, args: ModelArgs) -> None:

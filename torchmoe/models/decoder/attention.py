@@ -1,7 +1,7 @@
 """The decoder's attention: the kernels' dispatch every variant shares (`CausalAttention`) and
 grouped-query attention (`Attention`: Llama 4's iRoPE, chunks, QK L2-norm and temperature tuning;
-Qwen3's per-head QK RMSNorm and half-split RoPE). DeepSeek's latent attention is
-`latent_attention.LatentAttention`.
+Qwen3's per-head QK RMSNorm and half-split RoPE; gpt-oss's projection biases, sinks and sliding
+windows). DeepSeek's latent attention is `latent_attention.LatentAttention`.
 
     python -m pytest -q tests/unit/test_model.py
 """
@@ -15,9 +15,11 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.models.decoder.rotary import apply_rotary_emb
 from torchmoe.nn.attention import causal_attention
 from torchmoe.nn.document_attention import DocumentSegments, document_attention
-from torchmoe.nn.init import ParamInit, TruncNormal, prefixed
+from torchmoe.nn.init import Constant, ParamInit, TruncNormal, prefixed
 from torchmoe.nn.kv_cache import KVCache
 from torchmoe.nn.rms_norm import RMSNorm
+from torchmoe.nn.shards import local_shard
+from torchmoe.nn.sink_attention import cached_sink_attention, sink_attention
 
 __all__ = ["Attention", "CausalAttention"]
 
@@ -25,12 +27,16 @@ __all__ = ["Attention", "CausalAttention"]
 class CausalAttention(nn.Module):
     """What every attention variant shares: causal attention of its heads over the kernels of
     `nn.attention` (within chunks of ``attention_chunk_size`` on chunked layers), under document
-    masking, context parallelism (`context_parallel`, set by `apply_cp`) or a decoding cache.
-    Subclasses project the heads and call `_attend` / `_attend_cached`."""
+    masking, context parallelism (`context_parallel`, set by `apply_cp`) or a decoding cache;
+    gpt-oss's sinks (``sinks``: (H,) logits) and sliding window (``window``) by
+    `nn.sink_attention` (the config checks refuse document masking, context parallelism and
+    FlexAttention for them). Subclasses project the heads and call `_attend` / `_attend_cached`."""
 
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
         super().__init__()
+        self.register_parameter("sinks", None)  # gpt-oss's subclass sets it
         self.chunk_size = args.layer_chunk(layer_id)
+        self.window = args.layer_window(layer_id)
         self.attn_backend = args.attn_backend
         # Set by context parallelism (`distributed/context_parallel.py`): the local tokens' global
         # positions and the attention over the context they need.
@@ -38,6 +44,9 @@ class CausalAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: DocumentSegments | None) -> torch.Tensor:
+        if self.sinks is not None or self.window is not None:
+            # Under tensor parallel the sinks are sharded as the heads are: this rank's heads'.
+            return sink_attention(q, k, v, None if self.sinks is None else local_shard(self.sinks), self.window)
         if self.context_parallel is not None:
             return self.context_parallel.attend(q, k, v, self.chunk_size, documents)
         if documents is not None:
@@ -54,6 +63,12 @@ class CausalAttention(nn.Module):
         chunk start (or 0) as the prefix, and their own causally: training's attention over a
         piece of the row, so the logits are the full forward's."""
         start = cache.length
+        if self.sinks is not None or self.window is not None:
+            first = max(0, start + 1 - self.window) if self.window is not None else 0
+            prefix_k, prefix_v = cache.append(name, k, v, keep_from=first)
+            sinks = None if self.sinks is None else local_shard(self.sinks)
+            return cached_sink_attention(q, torch.cat([prefix_k, k], dim=-2), torch.cat([prefix_v, v], dim=-2), sinks,
+                                         self.window)
         first = start // self.chunk_size * self.chunk_size if self.chunk_size is not None else 0
         prefix = cache.append(name, k, v, keep_from=first)
         return causal_attention(q, k, v, chunk=self.chunk_size, start=start,
@@ -67,7 +82,8 @@ class Attention(CausalAttention):
     of ``attention_chunk_size``. NoPE layers: no rotation, full causal attention, queries scaled by
     ``1 + attn_scale * log1p(floor((pos + 1) / floor_scale))`` (temperature tuning).
     ``qk_rms_norm``: each query and key head is RMS-normalised with a learned (hd,) weight
-    (`q_norm`, `k_norm`) before RoPE.
+    (`q_norm`, `k_norm`) before RoPE. ``attention_bias``: the four projections have biases;
+    ``attention_sinks``: a learned logit per head (`sinks`) joins each softmax (gpt-oss).
     """
 
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
@@ -81,10 +97,13 @@ class Attention(CausalAttention):
             args.use_qk_norm and self.use_rope) else None
         self.temperature = (args.floor_scale, args.attn_scale) if (
             args.attn_temperature_tuning and not self.use_rope) else None
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        bias = args.attention_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
+        if args.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(args.n_heads))
         # Learned per-head norms (Qwen3); under tensor parallel each rank normalises its own heads.
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_rms_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_rms_norm else None
@@ -125,10 +144,14 @@ class Attention(CausalAttention):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
-        """Projections into heads at std 0.02; the output projection at the block's depth-scaled std;
-        per-head norms at 1."""
-        inits = {"wq.weight": TruncNormal(0.02), "wk.weight": TruncNormal(0.02), "wv.weight": TruncNormal(0.02),
-                 "wo.weight": TruncNormal(init_std)}
+        """Projections into heads at std 0.02; the output projection and the sinks at the block's
+        depth-scaled std; biases at 0; per-head norms at 1."""
+        inits: dict[str, ParamInit] = {"wq.weight": TruncNormal(0.02), "wk.weight": TruncNormal(0.02),
+                                       "wv.weight": TruncNormal(0.02), "wo.weight": TruncNormal(init_std)}
+        if self.wq.bias is not None:
+            inits.update({f"w{p}.bias": Constant(0.0) for p in "qkvo"})
+        if self.sinks is not None:
+            inits["sinks"] = TruncNormal(init_std)
         if self.q_norm is not None:
             inits.update({**prefixed("q_norm", self.q_norm.param_inits()),
                           **prefixed("k_norm", self.k_norm.param_inits())})

@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.distributed.tensor_parallel import sum_gradient
 from torchmoe.nn.dispatch import TokenDispatcher
-from torchmoe.nn.experts import FeedForward, GroupedExperts
-from torchmoe.nn.init import ParamInit, TruncNormal, prefixed
+from torchmoe.nn.experts import ClampedSwiGLUExperts, FeedForward, GroupedExperts
+from torchmoe.nn.init import Constant, ParamInit, TruncNormal, prefixed
 from torchmoe.nn.moe_ops import accumulate_token_counts
 
 
@@ -51,13 +51,16 @@ class TokenChoiceRouter(nn.Module):
     groups, each scored by the sum of its two best biased scores, and a token's top-k are chosen
     among the experts of its ``topk_group`` best groups. The gates are then multiplied by
     ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``), after `norm_topk_prob`.
+
+    ``bias``: the gate has a bias (gpt-oss, whose softmax over the top-k logits is softmax scores
+    renormalised over the top k).
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, *,
                  norm_topk_prob: bool = False, force_load_balance: bool = False, n_group: int = 1,
-                 topk_group: int = 1, scaling_factor: float = 1.0) -> None:
+                 topk_group: int = 1, scaling_factor: float = 1.0, bias: bool = False) -> None:
         super().__init__()
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = nn.Linear(dim, num_experts, bias=bias)
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func
@@ -109,7 +112,10 @@ class TokenChoiceRouter(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
-        return {"gate.weight": TruncNormal(init_std)}
+        inits: dict[str, ParamInit] = {"gate.weight": TruncNormal(init_std)}
+        if self.gate.bias is not None:
+            inits["gate.bias"] = Constant(0.0)
+        return inits
 
 
 def round_robin_experts(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
@@ -158,8 +164,13 @@ class MoE(nn.Module):
         self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func,
                                         norm_topk_prob=args.norm_topk_prob,
                                         force_load_balance=args.moe_force_load_balance, n_group=args.n_group,
-                                        topk_group=args.topk_group, scaling_factor=args.routed_scaling_factor)
-        self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
+                                        topk_group=args.topk_group, scaling_factor=args.routed_scaling_factor,
+                                        bias=args.router_bias)
+        if args.experts_style == "gpt_oss":
+            self.experts = ClampedSwiGLUExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm,
+                                                limit=args.swiglu_limit, alpha=args.swiglu_alpha)
+        else:
+            self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (
             FeedForward(args.dim, args.moe_hidden_dim * args.num_shared_experts)
             if args.num_shared_experts > 0

@@ -92,8 +92,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, tp_mesh: DeviceMesh | Non
     ``tp`` fed token-sharded inputs (see `distributed.expert_parallel`)."""
     for moe in model.moe_layers():
         experts = moe.experts
-        for name in ("w1", "w2", "w3"):
-            param = getattr(experts, name)
+        for name, param in list(experts.named_parameters(recurse=False)):
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
         moe.dispatcher = AllToAllDispatcher(moe.num_experts, moe.top_k, ep_mesh)
         if tp_mesh is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -89,6 +89,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
             plan.update(_latent_attention_plan(block.attention, styles))
         else:
             plan.update(_attention_plan(block.attention, styles))
+            if block.attention.sinks is not None:
+                # gpt-oss's per-head sinks go with their heads: each rank holds its heads' logits.
+                block.attention.sinks = nn.Parameter(distribute_tensor(block.attention.sinks, tp_mesh, [Shard(0)]))
         if not block.moe_enabled:
             plan.update({
                 "feed_forward": styles.gather_input("feed_forward", ("w1", "w3"), (Shard(1),), (Replicate(),)),
@@ -114,7 +117,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
 
 
 def _attention_plan(attention: Attention, styles: LinearStyles) -> dict[str, ParallelStyle]:
-    """Grouped-query attention: heads split (wq/wk/wv column-wise)."""
+    """Grouped-query attention: heads split (wq/wk/wv column-wise, their biases with them; wo's
+    bias, added once to the reduced output, replicated)."""
     plan: dict[str, ParallelStyle] = {
         # Inputs (x, freqs_cis, documents): only the hidden states are sharded.
         "attention": styles.gather_input("attention", ("wq", "wk", "wv"), (Shard(1), None, None),

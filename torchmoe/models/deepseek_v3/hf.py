@@ -30,16 +30,20 @@ from torchmoe.arch.deepseek_v3 import deepseek_v3
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.models.hf_config_spec import (
     DECODER_FIELDS,
+    IGNORED_FIELDS,
     MAX_EXPERTS,
     MAX_LAYERS,
     MAX_SIZE,
     POSITIVE,
+    ROPE_FIELDS,
     HFConfigValueError,
     HFConversionError,
     Spec,
     check_fields,
     decoder_config,
+    refuse_unknown_fields,
     require_round_trip,
+    rope_or_yarn,
 )
 from torchmoe.models.hf_slices import HFSlice
 
@@ -71,50 +75,17 @@ _FIELDS: dict[str, Spec] = {
     "scoring_func": Spec("str"),
     "topk_method": Spec("str"),
 }
-_YARN_FIELDS: dict[str, Spec] = {
-    "rope_type": Spec("str"), "type": Spec("str"), "rope_theta": POSITIVE, "factor": POSITIVE,
-    "original_max_position_embeddings": Spec("int", high=2**31 - 1), "beta_fast": POSITIVE, "beta_slow": POSITIVE,
-    "mscale": Spec("number", low=None, null=True), "mscale_all_dim": Spec("number", low=None, null=True),
-    "attention_factor": Spec("number", low=0, low_open=True, null=True), "truncate": Spec("bool"),
-}
-
-# Fields that never change the causal LM's forward pass (token ids, generation, dropout, output
-# switches, expert placement hints, the auxiliary loss the releases trained with).
-_IGNORED_FIELDS = {
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
-    "pad_token_id", "use_cache", "output_router_logits", "initializer_range", "attention_dropout", "name_or_path",
-    "_name_or_path", "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder",
-    "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class", "use_bfloat16", "torchscript",
-    "auto_map", "pretraining_tp", "ep_size", "aux_loss_alpha", "seq_aux", "chunk_size_feed_forward",
-}
-
-
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) of a config: plain RoPE, or YaRN in `arch.deepseek_v3.yarn`'s form."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "yarn":
-        raise HFConversionError(f"rope_type {rope_type!r} is not supported for DeepSeek-V3 ('default' or 'yarn')")
-    for name in ("factor", "original_max_position_embeddings"):
-        if name not in params:
-            raise HFConfigValueError(f"rope_parameters.{name}", None, "is missing: YaRN needs it",
-                                     "the released value (factor 40, original_max_position_embeddings 4096)")
-    scaling = {"rope_type": "yarn", "factor": float(params["factor"]),
-               "original_max_position_embeddings": params["original_max_position_embeddings"],
-               "beta_fast": float(params.get("beta_fast") or 32.0), "beta_slow": float(params.get("beta_slow") or 1.0)}
-    scaling.update({k: params[k] for k in ("mscale", "mscale_all_dim", "attention_factor", "truncate")
-                    if params.get(k) is not None})
-    return theta, scaling
+# Fields that never change the causal LM's forward pass beyond `IGNORED_FIELDS`: expert placement
+# hints, the auxiliary loss the releases trained with.
+_IGNORED_FIELDS = IGNORED_FIELDS | {"auto_map", "pretraining_tp", "ep_size", "aux_loss_alpha", "seq_aux",
+                                    "chunk_size_feed_forward"}
 
 
 def _check(cfg: dict) -> None:
     check_fields(_FIELDS, cfg, "")
     for rope in ("rope_parameters", "rope_scaling"):
         if isinstance(cfg.get(rope), dict):
-            check_fields(_YARN_FIELDS, cfg[rope], f"{rope}.")
+            check_fields(ROPE_FIELDS, cfg[rope], f"{rope}.")
     experts = cfg.get("n_routed_experts", cfg.get("num_local_experts", 256))
     if "num_local_experts" in cfg and "n_routed_experts" in cfg and cfg["num_local_experts"] != experts:
         raise HFConfigValueError("num_local_experts", cfg["num_local_experts"],
@@ -157,10 +128,7 @@ def _refuse_unsupported(cfg: dict) -> None:
             raise HFConversionError(f"{name} {value!r} is not supported (DeepseekV3ForCausalLM runs {supported!r})")
     if cfg.get("attention_bias", False):
         raise HFConversionError("attention_bias = true is not supported: torchmoe's latent attention has no biases")
-    known = set(_FIELDS) | _IGNORED_FIELDS | {"quantization_config"}
-    unknown = sorted(k for k in cfg if k not in known and not k.startswith("_"))
-    if unknown:
-        raise HFConversionError(f"unsupported DeepseekV3Config fields: {', '.join(unknown)}")
+    refuse_unknown_fields(cfg, set(_FIELDS) | _IGNORED_FIELDS | {"quantization_config"}, "DeepseekV3Config")
 
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
@@ -171,7 +139,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not a DeepSeek-V3 model")
     _check(cfg)
     _refuse_unsupported(cfg)
-    theta, scaling = _rope(cfg)
+    theta, scaling = rope_or_yarn(cfg, "DeepSeek-V3", 10000.0, "factor 40, original_max_position_embeddings 4096")
     n_layers = cfg.get("num_hidden_layers", 61)
     return deepseek_v3(
         dim=cfg.get("hidden_size", 7168), n_layers=n_layers, n_heads=cfg.get("num_attention_heads", 128),

@@ -23,6 +23,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.qwen3 import qwen3_moe
 from torchmoe.models.hf_config_spec import (
     DECODER_FIELDS,
+    IGNORED_FIELDS,
     MAX_EXPERTS,
     MAX_INT32,
     MAX_SIZE,
@@ -34,6 +35,7 @@ from torchmoe.models.hf_config_spec import (
     check_heads,
     check_layer_list,
     decoder_config,
+    refuse_unknown_fields,
     require_round_trip,
 )
 from torchmoe.models.hf_slices import HFSlice
@@ -56,15 +58,9 @@ _FIELDS: dict[str, Spec] = {
 }
 _ROPE_FIELDS: dict[str, Spec] = {"rope_type": Spec("str"), "type": Spec("str"), "rope_theta": POSITIVE}
 
-# Fields that never change the model's forward pass in training or evaluation (token ids,
-# generation, dropout, output switches, the window size while sliding windows are off).
-_IGNORED_FIELDS = {
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
-    "pad_token_id", "use_cache", "output_router_logits", "router_aux_loss_coef", "initializer_range",
-    "attention_dropout", "name_or_path", "_name_or_path", "return_dict", "output_hidden_states",
-    "output_attentions", "sliding_window", "max_window_layers", "tie_encoder_decoder", "is_encoder_decoder",
-    "id2label", "label2id", "problem_type", "tokenizer_class", "use_bfloat16", "torchscript", "layer_types",
-}
+# Fields that never change the forward pass beyond `IGNORED_FIELDS`: the auxiliary loss, the
+# window size while sliding windows are off.
+_IGNORED_FIELDS = IGNORED_FIELDS | {"router_aux_loss_coef", "sliding_window", "max_window_layers", "layer_types"}
 
 
 def _expert_count(cfg: dict) -> int:
@@ -118,10 +114,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     if cfg.get("use_sliding_window", False):
         raise HFConversionError("use_sliding_window = true is not supported: torchmoe's Qwen3-MoE attends over "
                                 "the whole causal context on every layer")
-    known = set(_FIELDS) | _IGNORED_FIELDS
-    unknown = sorted(k for k in cfg if k not in known and not k.startswith("_"))
-    if unknown:
-        raise HFConversionError(f"unsupported Qwen3MoeConfig fields: {', '.join(unknown)}")
+    refuse_unknown_fields(cfg, set(_FIELDS) | _IGNORED_FIELDS, "Qwen3MoeConfig")
     n_layers = cfg.get("num_hidden_layers", 24)
     hidden = cfg.get("hidden_size", 2048)
     heads = cfg.get("num_attention_heads", 32)
