@@ -63,3 +63,51 @@ def assert_round_trip(hf, folder: Path, *, family: str, vocab: int) -> None:
     hf_back = type(hf).from_pretrained(folder / "back").eval()
     with torch.no_grad():
         assert max_rel_err(got, hf_back(tokens).logits) <= 1e-5
+
+
+# ---- MXFP4 ----------------------------------------------------------------------------------------
+
+BLOCK = 32  # values per scale
+
+
+def mxfp4_pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, out, in) values that MXFP4 holds exactly (from `mxfp4_values`) -> (blocks, scales)."""
+    e, rows, cols = values.shape
+    groups = values.reshape(e, rows, cols // BLOCK, BLOCK)
+    exponents = torch.floor(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-100) / 6.0)).clamp_min(-127)
+    codes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    scaled = groups / torch.exp2(exponents).unsqueeze(-1)
+    index = (scaled.abs().unsqueeze(-1) - codes).abs().argmin(-1) + 8 * (scaled < 0)
+    assert torch.equal(torch.exp2(exponents).unsqueeze(-1) * codes[index % 8] * torch.where(index >= 8, -1, 1), groups)
+    nibbles = index.to(torch.uint8).reshape(e, rows, cols // BLOCK, BLOCK // 2, 2)
+    return nibbles[..., 0] | (nibbles[..., 1] << 4), (exponents + 127).to(torch.uint8)
+
+
+def mxfp4_values(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Values MXFP4 holds exactly: E2M1 codes times a power of two per group of 32 (one of which
+    is the group's largest, 6 x 2^k, so the scale is 2^k)."""
+    codes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    values = codes[torch.randint(0, 8, shape, generator=generator)]
+    values = values * torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0)
+    groups = values.view(*shape[:-1], -1, BLOCK)
+    groups[..., 0] = 6.0
+    exponents = torch.randint(-9, -5, groups.shape[:-1], generator=generator).float()
+    return (groups * torch.exp2(exponents).unsqueeze(-1)).view(shape)
+
+
+def mxfp4_folder(folder: Path, out: Path) -> Path:
+    """The single-file Hugging Face gpt-oss folder `folder` (expert matrices of `mxfp4_values`)
+    written to `out` in the releases' form: each expert matrix as MXFP4 blocks and scales,
+    config.json's quantization_config mxfp4."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    for name in [n for n in weights if n.endswith(("gate_up_proj", "down_proj"))]:
+        blocks, scales = mxfp4_pack(weights.pop(name).transpose(1, 2).contiguous())
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -12,7 +12,8 @@ process, loads it, and then writes it back with the trainer's `last_save_in_hf` 
   (w1 and w3 written by different ranks, or as two column slices by one rank under MoE TP,
   must land in the right halves of Llama 4's fused `gate_up_proj`; Qwen3-MoE's and DeepSeek-V3's
   experts, one tensor each, are written by the ranks holding them, or in row slices under MoE
-  TP; DeepSeek-V3's expert bias, a buffer, in and out as e_score_correction_bias);
+  TP; DeepSeek-V3's expert bias, a buffer, in and out as e_score_correction_bias; gpt-oss's
+  MXFP4 folder, each rank dequantising only its box of blocks, loads as its unpacked twin);
 - the load's peak host memory per rank (VmHWM reset before the load, minus the resident size
   before it) stays near the rank's shard and well under the full model: measured on bench256
   under FSDP 4, whose full model is 4x a rank's shard.
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_rank_script, write_rank_record
+from tests.hf_parity import mxfp4_folder, mxfp4_values
 
 pytestmark = pytest.mark.distributed
 
@@ -45,16 +47,27 @@ LAYOUTS = {
     "pp2_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
 }
 # The other families' tiny flavors, in the same world: Qwen3-MoE (one tensor per expert in the
-# folder, per-head QK norms, a dense layer) and DeepSeek-V3 (one tensor per expert, latent
-# attention's replicated bottleneck under TP, the expert bias stored as e_score_correction_bias).
+# folder, per-head QK norms, a dense layer), DeepSeek-V3 (one tensor per expert, latent
+# attention's replicated bottleneck under TP, the expert bias stored as e_score_correction_bias)
+# and gpt-oss (fused input-major experts with biases, sinks split with the heads under TP).
 FAMILY_LAYOUTS = {
-    f"{family}_{name}": (family, ["--model.name", family, *flags]) for family in ("qwen3", "deepseek_v3")
+    f"{family}_{name}": (family, ["--model.name", family, *flags]) for family in ("qwen3", "deepseek_v3", "gpt_oss")
     for name, flags in {
         "fsdp4": [],
         "fsdp2_tp2_moe_tp": ["--parallelism.tensor_parallel_degree", "2"],
         "fsdp2_tp2_ep4": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"],
         "pp2_ep2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe",
                     "--parallelism.expert_parallel_degree", "2"],
+    }.items()
+}
+# gpt-oss's folder in the releases' form (experts as MXFP4 blocks and scales): each rank reads and
+# dequantises the box of blocks its shard covers. TP 4 gives each rank 16 of a down projection's
+# 64 inputs: half a scale group, cut out of the group read.
+MXFP4_LAYOUTS = {
+    f"gpt_oss_mxfp4_{name}": ("gpt_oss_mxfp4", ["--model.name", "gpt_oss", *flags]) for name, flags in {
+        "fsdp4": [],
+        "tp4_moe_tp": ["--parallelism.tensor_parallel_degree", "4", "--parallelism.data_parallel_shard_degree", "1"],
+        "fsdp2_tp2_ep4": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"],
     }.items()
 }
 MEMORY_LAYOUT = ["--model.flavor", "bench256"]
@@ -75,6 +88,7 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
+    from torchmoe.components import mxfp4
     from torchmoe.config.loader import load_job_config
     from torchmoe.models.registry import hf_mapping
     from torchmoe.trainer import Trainer
@@ -100,6 +114,9 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
                 continue
             if s.per_expert:
                 want = torch.stack([f.get_tensor(expert) for expert in s.stored()])
+            elif s.hf_name not in f.keys():  # MXFP4-packed: [E, out, in], HF's transpose
+                want = mxfp4.dequantize(*(f.get_tensor(p) for p in mxfp4.packed_names(s.hf_name))).transpose(1, 2)
+                want = want.transpose(1, 2) if s.transposed else want
             else:
                 stored = f.get_tensor(s.hf_name)
                 want = stored[..., s.offset:s.offset + (p.shape[1] if s.transposed else stored.shape[-1])]
@@ -125,6 +142,8 @@ def _worker(out_dir: Path) -> None:
     records = {label: _load_and_save(label, flags, Path(hf["tiny"]), out_dir) for label, flags in LAYOUTS.items()}
     records.update({label: _load_and_save(label, flags, Path(hf[f"{family}_tiny"]), out_dir)
                     for label, (family, flags) in FAMILY_LAYOUTS.items()})
+    records.update({label: _load_and_save(label, flags, Path(hf[folder]), out_dir)
+                    for label, (folder, flags) in MXFP4_LAYOUTS.items()})
     records["memory"] = _load_and_save("memory", MEMORY_LAYOUT, Path(hf["bench256"]), out_dir)
     write_rank_record(out_dir, records)
 
@@ -139,9 +158,15 @@ def _hf_folder(flavor: str, folder: Path, seed: int, family: str = "llama4") -> 
 
     model = Transformer(FLAVORS[family][flavor])
     model.init_weights(seed=seed)
+    generator = torch.Generator().manual_seed(seed)
     if family == "deepseek_v3":  # its folders keep the expert bias (e_score_correction_bias): a trained one
         for moe in model.moe_layers():
-            moe.expert_bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
+            moe.expert_bias.normal_(0, 0.1, generator=generator)
+    if family == "gpt_oss":  # expert matrices MXFP4 holds exactly, for its packed twin
+        with torch.no_grad():
+            for moe in model.moe_layers():
+                for w in (moe.experts.w13, moe.experts.w2):
+                    w.copy_(mxfp4_values(tuple(w.shape), generator))
     save_model(model, folder)
     return folder
 
@@ -151,8 +176,9 @@ def measured(tmp_path_factory) -> tuple[dict[int, dict], Path]:
     out = tmp_path_factory.mktemp("hf_sharded")
     inputs = {flavor: str(_hf_folder(flavor, out / f"hf_{flavor}", seed)) for seed, flavor in
               enumerate(("tiny", "bench256"))}
-    for seed, family in enumerate(("qwen3", "deepseek_v3"), start=2):
+    for seed, family in enumerate(("qwen3", "deepseek_v3", "gpt_oss"), start=2):
         inputs[f"{family}_tiny"] = str(_hf_folder("tiny", out / f"hf_{family}_tiny", seed, family))
+    inputs["gpt_oss_mxfp4"] = str(mxfp4_folder(Path(inputs["gpt_oss_tiny"]), out / "hf_gpt_oss_mxfp4"))
     (out / "inputs.json").write_text(json.dumps(inputs))
     return run_rank_script(__file__, out, world=WORLD, timeout=600), out
 
@@ -163,14 +189,17 @@ def _tensors(folder: Path) -> dict:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-@pytest.mark.parametrize("label", [*LAYOUTS, *FAMILY_LAYOUTS])
+@pytest.mark.parametrize("label", [*LAYOUTS, *FAMILY_LAYOUTS, *MXFP4_LAYOUTS])
 def test_load_gives_the_folders_tensors_and_save_writes_them_back(measured, label):
+    """The MXFP4 folder loads as its unpacked twin and is written back as it (bf16 or fp32
+    experts, no quantization_config: what transformers and torchmoe both read)."""
     import torch
 
     records, out = measured
     for rank in range(WORLD):
         assert records[rank][label]["mismatched"] == [], (label, rank)
-    hf_in = out / (f"hf_{FAMILY_LAYOUTS[label][0]}_tiny" if label in FAMILY_LAYOUTS else "hf_tiny")
+    family = FAMILY_LAYOUTS.get(label, MXFP4_LAYOUTS.get(label, ("llama4",)))[0].removesuffix("_mxfp4")
+    hf_in = out / ("hf_tiny" if family == "llama4" else f"hf_{family}_tiny")
     want = _tensors(hf_in)
     saved = out / label / "checkpoint" / "step-1-hf"
     got = _tensors(saved)

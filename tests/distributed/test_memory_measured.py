@@ -61,6 +61,11 @@ LAYOUTS = {
     "deepseek_v3_fsdp2_tp2_moe_tp": ["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2"],
     "deepseek_v3_fsdp2_tp2_ep4": ["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
                                   "--parallelism.expert_parallel_degree", "4"],
+    # gpt-oss (gpt_oss tiny): sinks split with the heads, projection biases (wo's replicated), the
+    # fused experts and their biases (the down bias split on dim under MoE TP).
+    "gpt_oss_fsdp2_tp2_moe_tp": ["--model.name", "gpt_oss", "--parallelism.tensor_parallel_degree", "2"],
+    "gpt_oss_fsdp2_tp2_ep4": ["--model.name", "gpt_oss", "--parallelism.tensor_parallel_degree", "2",
+                              "--parallelism.expert_parallel_degree", "4"],
 }
 
 

@@ -103,3 +103,13 @@ def test_compile_bench_alternates_eager_and_compiled_on_the_same_batch(tmp_path,
     for r in results:
         assert len(r["steps"]["eager"]) == len(r["steps"]["compiled"]) == 2 and r["graph_breaks"] == 0
         assert r["compiled_over_eager"] == pytest.approx(r["eager_s"] / r["compiled_s"])
+
+
+def test_sink_attention_bench_reports_every_variant() -> None:
+    """Each variant's time and saved bytes; the masked math keeps its score matrix, the window
+    layer only q, k, v, the output and the log-sum-exp (a fraction of it at this length)."""
+    result = _script("bench_sink_attention").bench(256, heads=2, kv_heads=1, head_dim=16, window=32, steps=1,
+                                                   math_max_seq=256)
+    assert set(result) == {"causal", "sinks", "sinks_window", "math_window"}
+    assert all(r["ms"] > 0 for r in result.values())
+    assert result["sinks_window"]["saved_mib"] < result["math_window"]["saved_mib"] / 2

@@ -4,8 +4,6 @@ detected from config.json's model_type; what the model cannot represent refused 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -13,7 +11,15 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
-from tests.hf_parity import assert_round_trip, max_rel_err, perturb_constant_inits, random_tokens  # noqa: E402
+from tests.hf_parity import (  # noqa: E402
+    assert_round_trip,
+    max_rel_err,
+    mxfp4_folder,
+    mxfp4_pack,
+    mxfp4_values,
+    perturb_constant_inits,
+    random_tokens,
+)
 from torchmoe.arch.gpt_oss import FLAVORS  # noqa: E402
 from torchmoe.components import mxfp4  # noqa: E402
 from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
@@ -127,31 +133,6 @@ def test_dequantize_is_transformers_dequantisation():
     torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=0, atol=0)
 
 
-def _pack(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E, out, in) values that MXFP4 holds exactly (from `_representable`) -> (blocks, scales)."""
-    e, rows, cols = values.shape
-    groups = values.reshape(e, rows, cols // mxfp4.BLOCK, mxfp4.BLOCK)
-    exponents = torch.floor(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-100) / 6.0)).clamp_min(-127)
-    codes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    scaled = groups / torch.exp2(exponents).unsqueeze(-1)
-    index = (scaled.abs().unsqueeze(-1) - codes).abs().argmin(-1) + 8 * (scaled < 0)
-    assert torch.equal(torch.exp2(exponents).unsqueeze(-1) * codes[index % 8] * torch.where(index >= 8, -1, 1), groups)
-    nibbles = index.to(torch.uint8).reshape(e, rows, cols // mxfp4.BLOCK, mxfp4.BLOCK // 2, 2)
-    return nibbles[..., 0] | (nibbles[..., 1] << 4), (exponents + 127).to(torch.uint8)
-
-
-def _representable(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """Values MXFP4 holds exactly: E2M1 codes times a power of two per group of 32 (one of which
-    is the group's largest, 6 x 2^k, so the scale is 2^k)."""
-    codes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    values = codes[torch.randint(0, 8, shape, generator=generator)]
-    values = values * torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0)
-    groups = values.view(*shape[:-1], -1, mxfp4.BLOCK)
-    groups[..., 0] = 6.0
-    exponents = torch.randint(-9, -5, groups.shape[:-1], generator=generator).float()
-    return (groups * torch.exp2(exponents).unsqueeze(-1)).view(shape)
-
-
 def test_released_mxfp4_experts_load_dequantised(tmp_path):
     """A checkpoint in the releases' form (expert matrices as blocks and scales, quantization_config
     mxfp4) loads as the unquantised model computes: transformers' model with the same values."""
@@ -163,16 +144,9 @@ def test_released_mxfp4_experts_load_dequantised(tmp_path):
             experts = layer.mlp.experts
             for name in ("gate_up_proj", "down_proj"):
                 param = getattr(experts, name)  # (E, in, out)
-                param.copy_(_representable((param.shape[0], param.shape[2], param.shape[1]), generator).transpose(1, 2))
+                param.copy_(mxfp4_values((param.shape[0], param.shape[2], param.shape[1]), generator).transpose(1, 2))
     hf.save_pretrained(tmp_path / "hf")
-    weights = load_file(tmp_path / "hf" / "model.safetensors")
-    for name in [n for n in weights if n.endswith(("gate_up_proj", "down_proj"))]:
-        blocks, scales = _pack(weights.pop(name).transpose(1, 2).contiguous())
-        weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
-    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    mxfp4_folder(tmp_path / "hf", tmp_path / "hf")
 
     ours = load_model(tmp_path / "hf")
     tokens = random_tokens(_BASE["vocab_size"])
@@ -187,7 +161,7 @@ def test_mxfp4_parts_of_the_wrong_shape_are_refused(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     name = "model.layers.0.mlp.experts.down_proj"
-    blocks, scales = _pack(torch.zeros(weights[name].transpose(1, 2).shape))
+    blocks, scales = mxfp4_pack(torch.zeros(weights[name].transpose(1, 2).shape))
     del weights[name]
     weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks[:, :-1].contiguous(), scales[:, :-1].contiguous()
     save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
@@ -228,16 +202,6 @@ def test_released_configs_are_the_flavors(flavor):
     assert args == FLAVORS[flavor]
     assert matching_flavor(args) == flavor
     assert args_from_hf_config(hf_config_from_args(args, torch.bfloat16)) == args
-
-
-def test_published_sizes():
-    """The model card's counts: 20.91B / 3.61B and 116.83B / 5.13B active (no embedding table)."""
-    assert FLAVORS["20b"].param_counts()["total"] == 20_914_757_184
-    assert FLAVORS["20b"].param_counts()["active"] == 3_608_307_264
-    assert FLAVORS["120b"].param_counts()["total"] == 116_829_156_672
-    assert FLAVORS["120b"].param_counts()["active"] == 5_132_849_472
-    model_total = sum(p.numel() for p in Transformer(FLAVORS["tiny"]).parameters())
-    assert model_total == FLAVORS["tiny"].param_counts()["total"]
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -146,3 +146,25 @@ def test_latent_attention_flops_count_the_value_width():
     assert (args.head_dim, args.value_head_dim) == (192, 128)
     assert args.flops_per_token(seq) == 6 * (counts["active"] - counts["embedding"]) + attention
     assert args.flops_per_token(seq, causal=True) == 6 * (counts["active"] - counts["embedding"]) + attention // 2
+
+
+@pytest.mark.parametrize(("flavor", "total", "active"), [("20b", 20_914_757_184, 3_608_307_264),
+                                                         ("120b", 116_829_156_672, 5_132_849_472)])
+def test_gpt_oss_flavors_have_the_published_sizes(flavor: str, total: int, active: int) -> None:
+    """The model card's 20.91B / 3.61B and 116.83B / 5.13B: gpt-oss counts the output head but not
+    the embedding table as active."""
+    args = FAMILIES["gpt_oss"][flavor]
+    assert (args.param_counts()["total"], args.param_counts()["active"]) == (total, active)
+    with torch.device("meta"):
+        assert sum(p.numel() for p in Transformer(args).parameters()) == total
+
+
+def test_sliding_window_flops_count_the_window():
+    """gpt-oss's sliding layers (the even ones) attend at most 128 positions, its full layers the
+    whole context; the matmuls count the active parameters (which exclude the embedding here)."""
+    args = FAMILIES["gpt_oss"]["120b"]
+    seq = 4096
+    per_key = 6 * args.n_heads * 2 * args.head_dim
+    attention = per_key * (128 * 18 + seq * 18)
+    assert args.flops_per_token(seq) == 6 * args.param_counts()["active"] + attention
+    assert args.flops_per_token(seq, causal=True) == 6 * args.param_counts()["active"] + attention // 2

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchmoe.arch.registry import FLAVORS as FAMILY_FLAVORS
+from torchmoe.components.saved_tensors import saved_bytes
 from torchmoe.config.job_config import ActivationCheckpoint, JobConfig, Parallelism, Training
 from torchmoe.config.loader import load_job_config
 from torchmoe.distributed.mesh import build_mesh
@@ -181,21 +182,6 @@ def test_expert_fsdp_on_dim1_matches_fully_shard(fake_world):
 # ---- activations: measured on CPU ---------------------------------------------------------------
 
 
-def _saved_bytes(model: torch.nn.Module, fn) -> int:
-    """Bytes of the distinct tensors autograd saves while running `fn`, except `model`'s own
-    parameters and buffers (those are counted as state, not activations)."""
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(n for ptr, n in storages.items() if ptr not in own)
-
-
 # gpt-oss refuses document masking (test_family_configs): its attention runs over whole rows.
 @pytest.mark.parametrize(("family", "masking"), [(f, m) for f in ("llama4", "qwen3", "deepseek_v3", "gpt_oss")
                                                  for m in (False, True) if not (f == "gpt_oss" and m)])
@@ -231,7 +217,7 @@ def test_block_activations_match_saved_tensors(precision, seq, masking, family):
                                   torch.device("cpu")) if masking else None
     for i, block in model.layers.items():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            measured = _saved_bytes(model, lambda: block(x, freqs, documents))
+            measured = saved_bytes(lambda: block(x, freqs, documents), exclude=[*model.parameters(), *model.buffers()])
         # autocast's bf16 weight copies are saved too: the planner counts them once per forward,
         # as parameter copies (`fsdp_buffers`), not per token.
         copies = 2 * sum(s.numel for s in param_specs(args) if s.layer == int(i) and len(s.shape) >= 2
@@ -257,7 +243,7 @@ def test_head_activations_match_saved_tensors_plus_logits():
         F.cross_entropy(model.output(model.norm(h)).float().flatten(0, 1), labels)
 
     act = ActivationModel(args, _dims(), a=4, compiled=False, loss_parallel=False)
-    measured = _saved_bytes(model, head) + logits_bytes
+    measured = saved_bytes(head, exclude=[*model.parameters(), *model.buffers()]) + logits_bytes
     # Left out as negligible: the int64 labels and the loss's scalar weight total.
     assert abs(act.head() * batch * seq - measured) <= 8 * batch * seq + 4
 

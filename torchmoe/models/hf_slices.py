@@ -12,11 +12,13 @@ Three layouts occur in released checkpoints:
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HFSlice"]
+__all__ = ["HFSlice", "per_expert_slice"]
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,18 @@ class HFSlice:
     def label(self) -> str:
         """The stored name for messages (``{e}`` as ``*`` for per-expert tensors)."""
         return self.hf_name.format(e="*") if self.per_expert else self.hf_name
+
+
+_SWIGLU_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
+_SWIGLU_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def per_expert_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
+    """The per-expert slice of our SwiGLU experts' `name` (``layers.{i}.moe.experts.w1`` ...) as
+    Qwen3-MoE's and DeepSeek-V3's checkpoints store them (``model.layers.{i}.mlp.experts.{e}.
+    gate_proj.weight``: w1 gate_proj, w3 up_proj, w2 down_proj); None for other names."""
+    if m := _SWIGLU_EXPERTS.match(name):
+        layer, kind = m.groups()
+        return HFSlice(f"model.layers.{layer}.mlp.experts.{{e}}.{_SWIGLU_PROJ[kind]}.weight", tuple(shape),
+                       per_expert=True)
+    return None

@@ -45,7 +45,7 @@ from torchmoe.models.hf_config_spec import (
     require_round_trip,
     rope_or_yarn,
 )
-from torchmoe.models.hf_slices import HFSlice
+from torchmoe.models.hf_slices import HFSlice, per_expert_slice
 
 __all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slice", "text_tensor_name"]
 
@@ -223,8 +223,6 @@ _NAME_PAIRS = [
     ("layers.{i}.moe.shared_experts.w2.weight", "model.layers.{i}.mlp.shared_experts.down_proj.weight"),
 ]
 _PATTERNS = [(re.compile(re.escape(ours).replace(r"\{i\}", r"(?P<i>\d+)") + "$"), hf) for ours, hf in _NAME_PAIRS]
-_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
-_EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -232,10 +230,8 @@ def hf_slice(name: str, shape: Sequence[int]) -> HFSlice:
     """The `HFSlice` of our state-dict entry `name` of shape `shape` (the expert bias included:
     Hugging Face keeps it as ``e_score_correction_bias``). Raises `HFConversionError` for other
     names."""
-    if m := _EXPERTS.match(name):
-        layer, kind = m.groups()
-        return HFSlice(f"model.layers.{layer}.mlp.experts.{{e}}.{_EXPERT_PROJ[kind]}.weight", tuple(shape),
-                       per_expert=True)
+    if (experts := per_expert_slice(name, shape)) is not None:
+        return experts
     for pattern, target in _PATTERNS:
         if m := pattern.match(name):
             return HFSlice(target.format(**m.groupdict()), tuple(shape))

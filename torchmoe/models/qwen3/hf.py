@@ -38,7 +38,7 @@ from torchmoe.models.hf_config_spec import (
     refuse_unknown_fields,
     require_round_trip,
 )
-from torchmoe.models.hf_slices import HFSlice
+from torchmoe.models.hf_slices import HFSlice, per_expert_slice
 
 __all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slice", "text_tensor_name"]
 
@@ -172,8 +172,6 @@ _NAME_PAIRS = [
 ]
 _PATTERNS = [(re.compile(re.escape(ours).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>[qkvo])") + "$"),
               hf) for ours, hf in _NAME_PAIRS]
-_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
-_EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
@@ -181,10 +179,8 @@ def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
     which Hugging Face has no place for. Raises `HFConversionError` for other names."""
     if name.endswith("expert_bias"):
         return None
-    if m := _EXPERTS.match(name):
-        layer, kind = m.groups()
-        return HFSlice(f"model.layers.{layer}.mlp.experts.{{e}}.{_EXPERT_PROJ[kind]}.weight", tuple(shape),
-                       per_expert=True)
+    if (experts := per_expert_slice(name, shape)) is not None:
+        return experts
     for pattern, target in _PATTERNS:
         if m := pattern.match(name):
             return HFSlice(target.format(**m.groupdict()), tuple(shape))
