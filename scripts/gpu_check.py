@@ -11,7 +11,8 @@ Steps (each a subprocess with its own time limit; one GPU: under 8 minutes in al
                     SDPA's math kernel excluded; document masking in bf16/fp16 on flash's varlen
                     kernel and fp32 on the memory-efficient one against each document alone
                     (forward and the three gradients, CP prefixes too), torchmoe's math fallback
-                    never run; peak memory vs the planner on a Scout stack (2 layers, seq 32K, cp 1)
+                    never run; gpt-oss's sinks and windows on flash and memory-efficient kernels
+                    (forward, gradients and the sinks' gradient); peak memory vs the planner on a Scout stack (2 layers, seq 32K, cp 1)
     scout_bench     scripts/bench_scout_stack.py in bf16 and float8: tokens/s, MFU against the
                     GPU's bf16 peak, peak memory against the planner's
     compiled_train  the debugmodel flavor, compiled, bf16, 50 steps on one GPU, against the same

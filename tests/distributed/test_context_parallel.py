@@ -218,7 +218,7 @@ def _check_model(seq_len: int) -> dict:
     max_err_docs = ((logits_docs - full_docs[:, local]).abs().max() / full_docs.abs().max()).item()
 
     # Saved bytes per block under CP vs the activation model (fp32, one rank's tokens).
-    from tests.unit.test_plan import _saved_bytes
+    from torchmoe.components.saved_tensors import saved_bytes
 
     dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, world_size=2)
     x = torch.randn(2, seq_len // 2, args.dim, requires_grad=True)
@@ -227,9 +227,10 @@ def _check_model(seq_len: int) -> dict:
     for masking in (False, True):
         act = ActivationModel(args, dims, a=4, compiled=False, loss_parallel=False, seq_len=seq_len,
                               document_masking=masking)
+        state = [*sharded.parameters(), *sharded.buffers()]
         for lid, block in sharded.layers.items():
             run = lambda: block(x, freqs, documents if masking else None)
-            saved[f"{lid}{'_docs' if masking else ''}"] = {"measured": _saved_bytes(sharded, run),
+            saved[f"{lid}{'_docs' if masking else ''}"] = {"measured": saved_bytes(run, exclude=state),
                                                             "estimated": act.block_full(int(lid)) * 2 * seq_len // 2}
     dist.barrier()
     return {"max_rel_err": max_err, "max_rel_err_docs": max_err_docs, "calls": dict(calls), "modes": {

@@ -208,3 +208,33 @@ def test_peak_memory_follows_the_planner_on_a_scout_stack():
             optimizer.zero_grad(set_to_none=True)
     measured = torch.cuda.max_memory_allocated() / 2**30
     assert abs(measured - planned) <= 0.1 * planned, (measured, planned)
+
+
+@pytest.mark.parametrize("backends", [[SDPBackend.FLASH_ATTENTION], [SDPBackend.EFFICIENT_ATTENTION]],
+                         ids=["flash", "efficient"])
+@pytest.mark.parametrize(("seq", "window"), [(512, 128), (500, 128), (256, None)])
+def test_sink_attention_runs_the_fused_kernel_asked_for(backends, seq, window):
+    """gpt-oss's sinks and windows (`nn.sink_attention`) in bf16 with grouped heads: a window's
+    own and band blocks (two calls forward, two backward) or one causal call per direction on the
+    kernel asked for, the math fallback never; output and every gradient (the sinks' included)
+    within bf16's resolution of the fp64 definition on the host."""
+    from tests.unit.test_sink_attention import _inputs as sink_inputs
+    from tests.unit.test_sink_attention import _reference as sink_reference
+    from torchmoe.nn.sink_attention import sink_attention
+
+    q, k, v, sinks = sink_inputs(seq, heads=8, kv_heads=2)
+    ref = sink_reference(q, k, v, sinks, window)
+    grad = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, (q, k, v, sinks), grad)
+    cuda = [t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+    cuda_sinks = sinks.detach().float().cuda().requires_grad_()
+    with sdpa_kernel(backends):
+        def run():
+            out = sink_attention(*cuda, cuda_sinks, window)
+            return out, torch.autograd.grad(out, [*cuda, cuda_sinks], grad.cuda().bfloat16())
+        (out, got), kernels = _kernels_during(run)
+    name = "flash" if backends == [SDPBackend.FLASH_ATTENTION] else "efficient"
+    assert kernels[name] == (4 if window is not None else 2) and kernels["math"] == 0, kernels
+    torch.testing.assert_close(out.float().cpu(), ref.float(), rtol=0, atol=3e-2)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.float().cpu(), e.float(), rtol=3e-2, atol=5e-2)

@@ -227,7 +227,7 @@ FAULTS = {
     "hf-llama3-config": Fault("hf", lambda d: (d / "config.json").write_text(json.dumps(
         {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64})),
         ("its config.json cannot be used: model_type 'llama' is not a family torchmoe trains (known: llama4, "
-         "llama4_text, qwen3_moe, deepseek_v3, kimi_k2)",)),
+         "llama4_text, qwen3_moe, deepseek_v3, kimi_k2, gpt_oss)",)),
 }
 
 # Each reader of each kind of folder: the option that names the folder.
