@@ -25,7 +25,7 @@ import torch
 
 from torchmoe import _torch_private as private
 from torchmoe import attention_kernel
-from torchmoe.attention_kernel import CPU_FLASH, EFFICIENT, FLASH, MATH
+from torchmoe.attention_kernel import CPU_FLASH, EFFICIENT, FLASH
 
 __all__ = ["CALLS", "KernelLayoutError", "accumulation_dtype", "block_backward", "block_forward", "kernel_for",
            "require_layout"]

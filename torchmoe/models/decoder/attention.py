@@ -67,6 +67,8 @@ class CausalAttention(nn.Module):
             first = max(0, start + 1 - self.window) if self.window is not None else 0
             prefix_k, prefix_v = cache.append(name, k, v, keep_from=first)
             sinks = None if self.sinks is None else local_shard(self.sinks)
+            if start == 0:  # the prompt: training's attention (fused kernels, no score matrix)
+                return sink_attention(q, k, v, sinks, self.window)
             return cached_sink_attention(q, torch.cat([prefix_k, k], dim=-2), torch.cat([prefix_v, v], dim=-2), sinks,
                                          self.window)
         first = start // self.chunk_size * self.chunk_size if self.chunk_size is not None else 0
