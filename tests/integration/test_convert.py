@@ -184,3 +184,32 @@ def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.Capture
     assert "does not fit" in str(err.value)
     with pytest.raises(ConfigError, match="--model-name"):
         dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny", name="llama3")
+
+
+def test_released_mxfp4_gpt_oss_folder_converts_to_training_weights(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt-oss's releases' form (experts as MXFP4 blocks and scales): hf-to-dcp dequantises them
+    and names the flavor; dcp-to-hf writes the unquantized folder, equal tensor for tensor to the
+    unpacked twin the packed one was made from."""
+    from tests.hf_parity import mxfp4_folder, mxfp4_values
+    from torchmoe.arch.registry import FLAVORS
+    from torchmoe.convert import convert_main
+    from torchmoe.hf import save_model
+    from torchmoe.models.decoder.model import Transformer
+
+    model = Transformer(FLAVORS["gpt_oss"]["tiny"])
+    model.init_weights(seed=6)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            for w in (moe.experts.w13, moe.experts.w2):
+                w.copy_(mxfp4_values(tuple(w.shape), generator))
+    save_model(model, tmp_path / "plain")
+    packed = mxfp4_folder(tmp_path / "plain", tmp_path / "mxfp4")
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in load_file(packed / "model.safetensors")
+    assert convert_main(["hf-to-dcp", str(packed), str(tmp_path / "dcp")]) == 0
+    assert "--model.name gpt_oss --model.flavor tiny" in capsys.readouterr().out
+    assert convert_main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model-name", "gpt_oss",
+                         "--flavor", "tiny"]) == 0
+    want, got = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
