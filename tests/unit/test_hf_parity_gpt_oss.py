@@ -169,6 +169,23 @@ def test_mxfp4_parts_of_the_wrong_shape_are_refused(tmp_path):
         load_model(tmp_path / "hf")
 
 
+def test_mxfp4_scales_that_overflow_are_refused_by_name(tmp_path):
+    """A scale of 255 (2^128) turns every non-zero value of its group into inf: nothing
+    non-finite is loaded, and the error names the packed tensor."""
+    hf = _hf_model(dict(intermediate_size=64))
+    hf.save_pretrained(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    values = mxfp4_values(tuple(weights[name].transpose(1, 2).shape), torch.Generator().manual_seed(0))
+    blocks, scales = mxfp4_pack(values)
+    scales[0, 0, 0] = 255
+    del weights[name]
+    weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnreadableWeights, match=r"NaN or inf in model\.layers\.1\.mlp\.experts\.gate_up_proj"):
+        load_model(tmp_path / "hf")
+
+
 # ---- configs ------------------------------------------------------------------------------------
 
 # The released config.json files (openai/gpt-oss-20b, openai/gpt-oss-120b), as published.
