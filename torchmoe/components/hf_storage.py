@@ -147,7 +147,8 @@ class _HFLoadPlanner(SafeLoadPlanner):
         return super().transform_tensor(read_item, tensor)
 
 
-def _stored_names(metadata: Metadata, slices: dict[str, HFSlice], args: ModelArgs) -> tuple[dict[str, str], set[str]]:
+def _stored_names(metadata: Metadata, slices: dict[str, HFSlice],
+                  args: ModelArgs) -> tuple[dict[str, str], set[str]]:
     """(HF name -> stored name for every tensor `slices` needs, the HF names stored MXFP4-packed),
     after checking the checkpoint holds exactly a model of `args` (vision tensors and a tied
     model's head aside), in floating point or as MXFP4 blocks and scales (`components.mxfp4`).

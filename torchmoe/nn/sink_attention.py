@@ -58,8 +58,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
 def cached_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                           window: int | None) -> torch.Tensor:
     """Decoding's attention after the prompt: the n last queries over every cached key by the math
-    definition (a few queries a step, an (n x m) score matrix; no backward). q: (B, H, n, hd) at the last n of the m positions of k, v
-    (B, Hkv, m, hd) -> (B, H, n, hd)."""
+    definition (a few queries a step, an (n x m) score matrix; no backward). q: (B, H, n, hd) at
+    the last n of the m positions of k, v (B, Hkv, m, hd) -> (B, H, n, hd)."""
     acc = accumulation_dtype(q)
     n, m = q.shape[-2], k.shape[-2]
     heads = q.shape[1]
