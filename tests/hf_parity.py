@@ -65,6 +65,35 @@ def assert_round_trip(hf, folder: Path, *, family: str, vocab: int) -> None:
         assert max_rel_err(got, hf_back(tokens).logits) <= 1e-5
 
 
+def assert_our_model_loads_in_transformers(ours: torch.nn.Module, hf_class: type, folder: Path,
+                                           flavor: str = "tiny") -> None:
+    """`ours` (a torchmoe model whose constant inits the caller perturbed) saved to `folder` is
+    read by transformers' `hf_class` with the same logits over 96 tokens (1e-5), and read back by
+    torchmoe as `flavor`."""
+    from torchmoe.components.flavor_fit import matching_flavor
+    from torchmoe.hf import load_model, save_model
+
+    save_model(ours.eval(), folder)
+    hf = hf_class.from_pretrained(folder).eval()
+    tokens = random_tokens(ours.args.vocab_size, 96)
+    with torch.no_grad():
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+    assert matching_flavor(load_model(folder).args) == flavor
+
+
+def assert_bf16_parity(hf, folder: Path, vocab: int, bound: float) -> None:
+    """`hf` in bf16, saved and loaded by torchmoe in bf16: logits within `bound` of transformers'
+    (bf16 rounds differently along two op orders: its 8 bits of mantissa set the bound)."""
+    from torchmoe.hf import load_model
+
+    hf = hf.to(torch.bfloat16)
+    hf.save_pretrained(folder)
+    ours = load_model(folder, dtype=torch.bfloat16)
+    tokens = random_tokens(vocab)
+    with torch.no_grad():
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= bound
+
+
 # ---- MXFP4 ----------------------------------------------------------------------------------------
 
 BLOCK = 32  # values per scale
@@ -93,6 +122,14 @@ def mxfp4_values(shape: tuple[int, ...], generator: torch.Generator) -> torch.Te
     groups[..., 0] = 6.0
     exponents = torch.randint(-9, -5, groups.shape[:-1], generator=generator).float()
     return (groups * torch.exp2(exponents).unsqueeze(-1)).view(shape)
+
+
+def mxfp4_exact_experts(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Give `model`'s (gpt-oss) expert matrices values MXFP4 holds exactly (`mxfp4_values`), in place."""
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            for w in (moe.experts.w13, moe.experts.w2):
+                w.copy_(mxfp4_values(tuple(w.shape), generator))
 
 
 def mxfp4_folder(folder: Path, out: Path) -> Path:

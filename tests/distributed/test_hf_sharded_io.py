@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_rank_script, write_rank_record
-from tests.hf_parity import mxfp4_folder, mxfp4_values
+from tests.hf_parity import mxfp4_exact_experts, mxfp4_folder
 
 pytestmark = pytest.mark.distributed
 
@@ -167,10 +167,7 @@ def _hf_folder(flavor: str, folder: Path, seed: int, family: str = "llama4") -> 
         for moe in model.moe_layers():
             moe.expert_bias.normal_(0, 0.1, generator=generator)
     if family == "gpt_oss":  # expert matrices MXFP4 holds exactly, for its packed twin
-        with torch.no_grad():
-            for moe in model.moe_layers():
-                for w in (moe.experts.w13, moe.experts.w2):
-                    w.copy_(mxfp4_values(tuple(w.shape), generator))
+        mxfp4_exact_experts(model, generator)
     save_model(model, folder)
     return folder
 

@@ -191,7 +191,7 @@ def test_released_mxfp4_gpt_oss_folder_converts_to_training_weights(tmp_path: Pa
     """gpt-oss's releases' form (experts as MXFP4 blocks and scales): hf-to-dcp dequantises them
     and names the flavor; dcp-to-hf writes the unquantized folder, equal tensor for tensor to the
     unpacked twin the packed one was made from."""
-    from tests.hf_parity import mxfp4_folder, mxfp4_values
+    from tests.hf_parity import mxfp4_exact_experts, mxfp4_folder
     from torchmoe.arch.registry import FLAVORS
     from torchmoe.convert import convert_main
     from torchmoe.hf import save_model
@@ -199,11 +199,7 @@ def test_released_mxfp4_gpt_oss_folder_converts_to_training_weights(tmp_path: Pa
 
     model = Transformer(FLAVORS["gpt_oss"]["tiny"])
     model.init_weights(seed=6)
-    generator = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for moe in model.moe_layers():
-            for w in (moe.experts.w13, moe.experts.w2):
-                w.copy_(mxfp4_values(tuple(w.shape), generator))
+    mxfp4_exact_experts(model, torch.Generator().manual_seed(6))
     save_model(model, tmp_path / "plain")
     packed = mxfp4_folder(tmp_path / "plain", tmp_path / "mxfp4")
     assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in load_file(packed / "model.safetensors")

@@ -10,10 +10,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
-from tests.hf_parity import assert_round_trip, max_rel_err, perturb_constant_inits, random_tokens  # noqa: E402
+from tests.hf_parity import (  # noqa: E402
+    assert_bf16_parity,
+    assert_our_model_loads_in_transformers,
+    assert_round_trip,
+    max_rel_err,
+    perturb_constant_inits,
+    random_tokens,
+)
 from torchmoe.arch.deepseek_v3 import FLAVORS  # noqa: E402
 from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
-from torchmoe.hf import HFConversionError, load_model, save_model  # noqa: E402
+from torchmoe.hf import HFConversionError, load_model  # noqa: E402
 from torchmoe.models.decoder.model import Transformer  # noqa: E402
 from torchmoe.models.deepseek_v3.hf import args_from_hf_config, hf_config_from_args  # noqa: E402
 from torchmoe.models.hf_config_spec import HFConfigValueError  # noqa: E402
@@ -81,23 +88,12 @@ def test_torchmoe_to_hf_from_our_init(tmp_path):
                 p.add_(torch.randn_like(p) * 0.2)
         for moe in ours.moe_layers():
             moe.expert_bias.normal_(0, 0.05)
-    save_model(ours.eval(), tmp_path / "hf")
-    hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tokens = random_tokens(FLAVORS["tiny"].vocab_size, 96)
-    with torch.no_grad():
-        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
-    assert matching_flavor(load_model(tmp_path / "hf").args) == "tiny"
+    assert_our_model_loads_in_transformers(ours, DeepseekV3ForCausalLM, tmp_path / "hf")
 
 
 def test_bf16_parity(tmp_path):
-    hf = _hf_model({}).to(torch.bfloat16)
-    hf.save_pretrained(tmp_path / "hf")
-    ours = load_model(tmp_path / "hf", dtype=torch.bfloat16)
-    tokens = random_tokens(_BASE["vocab_size"])
-    with torch.no_grad():
-        # bf16 rounds differently along two op orders (and HF routes from fp32 router weights);
-        # the bound is bf16's (8 bits of mantissa).
-        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 3e-2
+    # HF routes from fp32 router weights too.
+    assert_bf16_parity(_hf_model({}), tmp_path / "hf", _BASE["vocab_size"], 3e-2)
 
 
 # deepseek-ai/DeepSeek-V3's config.json as published (transformers 4 spelling: rope_scaling, the

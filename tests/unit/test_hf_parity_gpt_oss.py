@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
 from tests.hf_parity import (  # noqa: E402
+    assert_bf16_parity,
+    assert_our_model_loads_in_transformers,
     assert_round_trip,
     max_rel_err,
     mxfp4_folder,
@@ -24,7 +26,7 @@ from torchmoe.arch.gpt_oss import FLAVORS  # noqa: E402
 from torchmoe.components import mxfp4  # noqa: E402
 from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
 from torchmoe.components.weight_files import UnreadableWeights  # noqa: E402
-from torchmoe.hf import HFConversionError, load_model, save_model  # noqa: E402
+from torchmoe.hf import HFConversionError, load_model  # noqa: E402
 from torchmoe.models.decoder.model import Transformer  # noqa: E402
 from torchmoe.models.gpt_oss.hf import args_from_hf_config, hf_config_from_args  # noqa: E402
 from torchmoe.models.hf_config_spec import HFConfigValueError  # noqa: E402
@@ -98,22 +100,11 @@ def test_torchmoe_to_hf_from_our_init(tmp_path):
         for name, p in ours.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.2)
-    save_model(ours.eval(), tmp_path / "hf")
-    hf = GptOssForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tokens = random_tokens(FLAVORS["tiny"].vocab_size, 96)
-    with torch.no_grad():
-        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
-    assert matching_flavor(load_model(tmp_path / "hf").args) == "tiny"
+    assert_our_model_loads_in_transformers(ours, GptOssForCausalLM, tmp_path / "hf")
 
 
 def test_bf16_parity(tmp_path):
-    hf = _hf_model(CASES["released_pattern"]).to(torch.bfloat16)
-    hf.save_pretrained(tmp_path / "hf")
-    ours = load_model(tmp_path / "hf", dtype=torch.bfloat16)
-    tokens = random_tokens(_BASE["vocab_size"])
-    with torch.no_grad():
-        # bf16 rounds differently along two op orders; the bound is bf16's (8 bits of mantissa).
-        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 3e-2
+    assert_bf16_parity(_hf_model(CASES["released_pattern"]), tmp_path / "hf", _BASE["vocab_size"], 3e-2)
 
 
 # ---- the released MXFP4 experts -----------------------------------------------------------------

@@ -93,3 +93,23 @@ def test_the_output_is_laid_out_for_the_output_projection():
     q, k, v, sinks = _inputs(16)
     out = sink_attention(q, k, v, sinks, 4)
     assert out.transpose(1, 2).is_contiguous()
+
+
+def test_a_layer_refuses_documents_and_context_parallel_it_cannot_carry():
+    """The preflight refuses document masking and CP for sinks and windows (exit 2,
+    test_family_configs); a caller that skips it gets an error, not attention across documents or
+    over a CP piece alone."""
+    from torchmoe.arch.gpt_oss import FLAVORS
+    from torchmoe.models.decoder.model import Transformer
+
+    model = Transformer(FLAVORS["tiny"])
+    model.init_weights(seed=0)
+    block = model.layers["0"]
+    x = torch.randn(1, 16, FLAVORS["tiny"].dim)
+    freqs = model._rotations(16)
+    block(x, freqs)  # whole rows: runs
+    with pytest.raises(ValueError, match="document masking and context parallelism are not supported"):
+        block(x, freqs, documents=object())
+    block.attention.context_parallel = object()
+    with pytest.raises(ValueError, match="runs over whole rows"):
+        block(x, freqs)

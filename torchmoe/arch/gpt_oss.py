@@ -7,7 +7,7 @@ per head in every softmax (`attention_sinks`), the even layers attending over a 
 128 positions and the odd ones over the whole causal context, YaRN-scaled RoPE on half-split
 pairs; every layer is MoE, routed by a softmax over the top-k of biased logits (the same gates as
 softmax scores renormalised over the top k), to experts with biases and a clamped SwiGLU
-(`experts_style = "gpt_oss"`); no shared expert. The published active count leaves out the
+(`experts_style = "clamped_swiglu"`); no shared expert. The published active count leaves out the
 embedding table (`active_counts_embedding`).
 
 Flavors carry torchtitan's names and shapes; ``20b`` and ``120b`` are the released config.json files.
@@ -38,7 +38,7 @@ def gpt_oss(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim:
         sliding_layers=list(range(0, n_layers, 2)) if sliding_layers is None else sorted(sliding_layers),
         ffn_hidden_dim=moe_hidden_dim, moe_hidden_dim=moe_hidden_dim, moe_layers=list(range(n_layers)),
         num_experts=num_experts, top_k=top_k, num_shared_experts=0, score_func="softmax",
-        score_before_experts=False, norm_topk_prob=True, router_bias=True, experts_style="gpt_oss",
+        score_before_experts=False, norm_topk_prob=True, router_bias=True, experts_style="clamped_swiglu",
         swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, tie_word_embeddings=tie_word_embeddings,
         active_counts_embedding=False,
     )

@@ -108,7 +108,7 @@ class ModelArgs:
     norm_topk_prob: bool = False  # divide the k selected scores by their sum (Qwen3's option)
     # DeepSeek-V3's group-limited routing: the experts form `n_group` equal groups, a token's top_k
     # are chosen within its `topk_group` groups of the highest (two best scores) sums; 1 = off.
-    # gpt-oss: a bias on the router's logits; routed experts of `experts_style` "gpt_oss" (gate and
+    # gpt-oss: a bias on the router's logits; routed experts of `experts_style` "clamped_swiglu" (gate and
     # up projections fused and interleaved, biases on both matmuls, the SwiGLU clamped at
     # `swiglu_limit` with sigmoid gain `swiglu_alpha` and ``up + 1``) rather than "swiglu".
     router_bias: bool = False
@@ -141,8 +141,8 @@ class ModelArgs:
             problems.append(f"score_func ({self.score_func!r}) must be 'sigmoid' or 'softmax'")
         if self.rope_style not in ("interleaved", "half"):
             problems.append(f"rope_style ({self.rope_style!r}) must be 'interleaved' or 'half'")
-        if self.experts_style not in ("swiglu", "gpt_oss"):
-            problems.append(f"experts_style ({self.experts_style!r}) must be 'swiglu' or 'gpt_oss'")
+        if self.experts_style not in ("swiglu", "clamped_swiglu"):
+            problems.append(f"experts_style ({self.experts_style!r}) must be 'swiglu' or 'clamped_swiglu'")
         if self.sliding_window < 0 or (self.sliding_layers and not self.sliding_window):
             problems.append(f"sliding_window ({self.sliding_window}) must be positive when sliding_layers are set")
         if self.sliding_layers is not None and any(not 0 <= i < self.n_layers for i in self.sliding_layers):
@@ -275,7 +275,7 @@ class ModelArgs:
 
     def _expert_params(self, routed: bool = True) -> int:
         """One expert's parameters: a routed one (`experts_style`'s) or a shared one (SwiGLU)."""
-        biases = 2 * self.moe_hidden_dim + self.dim if routed and self.experts_style == "gpt_oss" else 0
+        biases = 2 * self.moe_hidden_dim + self.dim if routed and self.experts_style == "clamped_swiglu" else 0
         return 3 * self.dim * self.moe_hidden_dim + biases
 
     def layer_params(self, layer_id: int) -> tuple[int, int]:

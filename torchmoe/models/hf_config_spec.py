@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["DECODER_FIELDS", "IGNORED_FIELDS", "ROPE_FIELDS", "HFConfigValueError", "HFConversionError", "POSITIVE",
-           "Spec", "check_fields", "check_heads", "check_layer_list", "decoder_config", "require_round_trip",
-           "refuse_unknown_fields", "rope_or_yarn", "show_json"]
+           "Spec", "check_config", "check_fields", "check_heads", "check_layer_list", "check_top_k", "decoder_config",
+           "require_round_trip", "refuse_unknown_fields", "rope_or_yarn", "show_json"]
 
 # Upper bounds: 8x the deepest released LLM's layers (126), 64x the largest vocabulary (262k), and
 # sizes no accelerator could hold a layer of. A value beyond them is a typo, refused before a model
@@ -184,6 +184,23 @@ def rope_or_yarn(cfg: dict, title: str, default_theta: float, released: str) -> 
     scaling.update({k: params[k] for k in ("mscale", "mscale_all_dim", "attention_factor", "truncate")
                     if params.get(k) is not None})
     return theta, scaling
+
+
+def check_config(cfg: dict, fields: dict[str, Spec], rope_fields: dict[str, Spec]) -> None:
+    """`check_fields` of a config's top level and of its RoPE object (`rope_parameters`, or the
+    older `rope_scaling`)."""
+    check_fields(fields, cfg, "")
+    for rope in ("rope_parameters", "rope_scaling"):
+        if isinstance(cfg.get(rope), dict):
+            check_fields(rope_fields, cfg[rope], f"{rope}.")
+
+
+def check_top_k(top_k: int, experts: int, experts_field: str) -> None:
+    """Raise `HFConfigValueError` unless num_experts_per_tok (`top_k`) fits the `experts` that
+    `experts_field` counts."""
+    if top_k > experts:
+        raise HFConfigValueError("num_experts_per_tok", top_k, f"more than the {experts} experts ({experts_field})",
+                                 f"an integer from 1 to {experts}")
 
 
 def refuse_unknown_fields(cfg: dict, known: set[str] | frozenset[str], config_class: str) -> None:

@@ -148,7 +148,7 @@ def _moe_specs(args: ModelArgs, i: int) -> list[ParamSpec]:
     specs = [ParamSpec(f"{p}.router.gate.weight", (e, d), None, "moe", i)]
     if args.router_bias:
         specs.append(ParamSpec(f"{p}.router.gate.bias", (e,), None, "moe", i))
-    if args.experts_style == "gpt_oss":
+    if args.experts_style == "clamped_swiglu":
         experts = [("w13", (e, 2 * h, d), 1), ("b13", (e, 2 * h), 1), ("w2", (e, d, h), 2), ("b2", (e, d), 1)]
     else:
         experts = [("w1", (e, h, d), 1), ("w2", (e, d, h), 2), ("w3", (e, h, d), 1)]

@@ -334,7 +334,7 @@ class ActivationModel:
         gate/up output (2 x M), the clamped gate, its sigmoid, up + 1, their product and the
         down projection's input (5 x M more), and the copy's expert index (int64, for the biases)."""
         per_hidden = self.a * self.args.moe_hidden_dim / self.dims.etp
-        return 7 * per_hidden + 8 if self.args.experts_style == "gpt_oss" else 4 * per_hidden
+        return 7 * per_hidden + 8 if self.args.experts_style == "clamped_swiglu" else 4 * per_hidden
 
     def _plain_matmuls(self, layer: int) -> dict[str, tuple[tuple[int, int], float]]:
         """Block `layer`'s plain matmuls by their linear's name in the block: its weight's full

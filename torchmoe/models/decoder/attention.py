@@ -45,6 +45,11 @@ class CausalAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: DocumentSegments | None) -> torch.Tensor:
         if self.sinks is not None or self.window is not None:
+            if documents is not None or self.context_parallel is not None:
+                # The preflight refuses these (exit 2); a caller that skips it must not get
+                # attention across documents or over a CP piece alone, silently.
+                raise ValueError("sink and sliding-window attention runs over whole rows: document masking and "
+                                 "context parallelism are not supported with it")
             # Under tensor parallel the sinks are sharded as the heads are: this rank's heads'.
             return sink_attention(q, k, v, None if self.sinks is None else local_shard(self.sinks), self.window)
         if self.context_parallel is not None:

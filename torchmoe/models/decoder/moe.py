@@ -166,7 +166,7 @@ class MoE(nn.Module):
                                         force_load_balance=args.moe_force_load_balance, n_group=args.n_group,
                                         topk_group=args.topk_group, scaling_factor=args.routed_scaling_factor,
                                         bias=args.router_bias)
-        if args.experts_style == "gpt_oss":
+        if args.experts_style == "clamped_swiglu":
             self.experts = ClampedSwiGLUExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm,
                                                 limit=args.swiglu_limit, alpha=args.swiglu_alpha)
         else:

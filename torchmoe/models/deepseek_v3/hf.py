@@ -39,7 +39,7 @@ from torchmoe.models.hf_config_spec import (
     HFConfigValueError,
     HFConversionError,
     Spec,
-    check_fields,
+    check_config,
     decoder_config,
     refuse_unknown_fields,
     require_round_trip,
@@ -82,10 +82,7 @@ _IGNORED_FIELDS = IGNORED_FIELDS | {"auto_map", "pretraining_tp", "ep_size", "au
 
 
 def _check(cfg: dict) -> None:
-    check_fields(_FIELDS, cfg, "")
-    for rope in ("rope_parameters", "rope_scaling"):
-        if isinstance(cfg.get(rope), dict):
-            check_fields(ROPE_FIELDS, cfg[rope], f"{rope}.")
+    check_config(cfg, _FIELDS, ROPE_FIELDS)
     experts = cfg.get("n_routed_experts", cfg.get("num_local_experts", 256))
     if "num_local_experts" in cfg and "n_routed_experts" in cfg and cfg["num_local_experts"] != experts:
         raise HFConfigValueError("num_local_experts", cfg["num_local_experts"],

@@ -36,8 +36,9 @@ from torchmoe.models.hf_config_spec import (
     HFConfigValueError,
     HFConversionError,
     Spec,
-    check_fields,
+    check_config,
     check_heads,
+    check_top_k,
     decoder_config,
     refuse_unknown_fields,
     require_round_trip,
@@ -84,15 +85,9 @@ def _sliding_layers(cfg: dict, n_layers: int) -> list[int]:
 
 
 def _check(cfg: dict) -> None:
-    check_fields(_FIELDS, cfg, "")
-    for rope in ("rope_parameters", "rope_scaling"):
-        if isinstance(cfg.get(rope), dict):
-            check_fields(ROPE_FIELDS, cfg[rope], f"{rope}.")
+    check_config(cfg, _FIELDS, ROPE_FIELDS)
     check_heads(cfg, "", default_heads=64, default_hidden=2880)
-    experts, top_k = cfg.get("num_local_experts", 128), cfg.get("num_experts_per_tok", 4)
-    if top_k > experts:
-        raise HFConfigValueError("num_experts_per_tok", top_k, f"more than the {experts} experts (num_local_experts)",
-                                 f"an integer from 1 to {experts}")
+    check_top_k(cfg.get("num_experts_per_tok", 4), cfg.get("num_local_experts", 128), "num_local_experts")
 
 
 def _refuse_unsupported(cfg: dict) -> None:

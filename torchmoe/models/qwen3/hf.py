@@ -31,9 +31,10 @@ from torchmoe.models.hf_config_spec import (
     HFConfigValueError,
     HFConversionError,
     Spec,
-    check_fields,
+    check_config,
     check_heads,
     check_layer_list,
+    check_top_k,
     decoder_config,
     refuse_unknown_fields,
     require_round_trip,
@@ -77,16 +78,10 @@ def _check_expert_names(cfg: dict) -> None:
 
 
 def _check(cfg: dict) -> None:
-    check_fields(_FIELDS, cfg, "")
-    for rope in ("rope_parameters", "rope_scaling"):
-        if isinstance(cfg.get(rope), dict):
-            check_fields(_ROPE_FIELDS, cfg[rope], f"{rope}.")
+    check_config(cfg, _FIELDS, _ROPE_FIELDS)
     check_heads(cfg, "", default_heads=32, default_hidden=2048)
     _check_expert_names(cfg)
-    experts, top_k = _expert_count(cfg), cfg.get("num_experts_per_tok", 8)
-    if top_k > experts:
-        raise HFConfigValueError("num_experts_per_tok", top_k, f"more than the {experts} experts (num_experts)",
-                                 f"an integer from 1 to {experts}")
+    check_top_k(cfg.get("num_experts_per_tok", 8), _expert_count(cfg), "num_experts")
     n_layers = cfg.get("num_hidden_layers", 24)
     check_layer_list(cfg, "mlp_only_layers", "", f"a layer index from 0 to {n_layers - 1}",
                      f"a list of layer indices from 0 to {n_layers - 1}", lambda v: 0 <= v < n_layers)
