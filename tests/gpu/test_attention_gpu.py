@@ -109,8 +109,9 @@ def _alone(q, k, v, starts, chunk, lo):
 def test_document_masking_on_fused_kernels_equals_each_document_alone(dtype, chunk, lo):
     """Documents (and chunks), whole rows or a later piece with its prefix (context parallelism),
     8 query heads over 4 key/value heads of 64: output and the q, k, v gradients against each
-    window attended alone in fp32 (bf16/fp16 resolution: 3e-2 absolute at values of order 1;
-    fp32 1e-4). bf16/fp16 run flash's varlen kernel, fp32 the memory-efficient one; torchmoe's
+    window attended alone in fp32 (bf16/fp16 resolution: 3e-2 absolute at values of order 1,
+    and 1e-2 relative beyond: a bf16 gradient of 7.0 came 4.9e-3 relative off on an H200,
+    2026-12-04; fp32 1e-4). bf16/fp16 run flash's varlen kernel, fp32 the memory-efficient one; torchmoe's
     math fallback never."""
     torch.manual_seed(0)
     rows = _document_rows()
@@ -133,10 +134,10 @@ def test_document_masking_on_fused_kernels_equals_each_document_alone(dtype, chu
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = _alone(qf, kf, vf, starts, chunk, lo)
     expected = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
-    atol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out.float(), ref, rtol=0, atol=atol)
+    atol, rtol = (1e-4, 0) if dtype == torch.float32 else (3e-2, 1e-2)
+    torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=atol)
     for got, want in zip(grads, expected):
-        torch.testing.assert_close(got.float(), want, rtol=0, atol=atol)
+        torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("backends", [[SDPBackend.FLASH_ATTENTION], [SDPBackend.EFFICIENT_ATTENTION]],

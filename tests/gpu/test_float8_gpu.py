@@ -70,11 +70,19 @@ def _train(tmp_path, name: str, flags: list[str], nproc: int = 1) -> dict[int, d
     return metrics_by_step(folder)
 
 
+# bf16 itself follows fp32's gradient norm to 1e-3 for the debugmodel's first 12 steps, then
+# routing ties flip and single steps' norms part by up to 8x while the loss curves stay within a
+# few percent (H200, 50 compiled steps, 2026-12-04: `scripts/gpu_check.py`'s compiled_train).
+# float8 is held to bf16's gradient norm over those first steps and to its loss over all of them.
+GRAD_NORM_STEPS = 12
+
+
 def _tracks(got: dict[int, dict], ref: dict[int, dict]) -> None:
     assert sorted(got) == sorted(ref)
     for step in ref:
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-2), step
-        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-1), step
+        if step <= GRAD_NORM_STEPS:
+            assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-1), step
 
 
 @needs_float8

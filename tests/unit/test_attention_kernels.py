@@ -93,6 +93,36 @@ def test_what_cuda_reads_from_a_strided_log_sum_exp_is_another_rows():
     assert (right[0][:, 1:] - wrong[0][:, 1:]).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("layout", ["heads_outer", "heads_inner"])
+def test_the_efficient_kernel_reads_the_output_in_its_forward_layout(monkeypatch, layout):
+    """CUDA's memory-efficient backward in half precision reads the output at the gradient's
+    offsets after laying that out (B, S, H, hd): a (B, H, S, hd)-contiguous output (what padding or
+    folding blocks gives) returned gradients off by up to 8e37 on an H200 (2026-12-04). The
+    wrapper hands it the output in that layout, whatever it was given: checked here, with the
+    CUDA call replaced by the math one on the CPU, for the arguments the kernel receives."""
+    from torchmoe import _torch_private as private
+
+    q, k, v = _block(dtype=torch.float64)
+    out, lse = block_forward(q, k, v, causal=True)
+    out = out.contiguous() if layout == "heads_outer" else attention_kernels.heads_inner(out)
+    grad = torch.randn_like(out)
+    received = {}
+
+    def efficient_backward(grad, q, k, v, out, padded_lse, causal):
+        received.update(out=out, lse=padded_lse)
+        return attention_kernels._math_backward(grad, q, k, v, out, padded_lse[..., :q.shape[-2]], causal=causal)
+
+    monkeypatch.setattr(attention_kernels, "kernel_for", lambda q: EFFICIENT)
+    monkeypatch.setattr(private, "efficient_attention_cuda_backward", efficient_backward)
+    got = block_backward(grad, q, k, v, out, lse, causal=True)
+    given = received["out"]
+    assert given.transpose(1, 2).is_contiguous() and torch.equal(given, out)
+    assert received["lse"].shape == (2, 4, 32) and received["lse"].is_contiguous()  # padded to 32 rows
+    monkeypatch.undo()
+    for g, want in zip(got, attention_kernels._math_backward(grad, q, k, v, out, lse, causal=True)):
+        torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
+
+
 def test_a_head_dim_that_is_not_contiguous_is_refused():
     q, k, v = _block()
     with pytest.raises(KernelLayoutError, match=r"q \(2, 4, 8, 16\) has strides .*the head dim \(last\) must be"):

@@ -71,3 +71,22 @@ def test_one_gpu_steps_fit_in_8_minutes() -> None:
     """The issue's bound holds by construction: the limits of the steps one GPU runs add up to less."""
     gpu_check = _module()
     assert sum(s.timeout for s in gpu_check.STEPS if s.gpus == 1) < gpu_check.ONE_GPU_LIMIT_S == 8 * 60
+
+
+def test_an_older_torch_gets_the_shim_of_the_api_it_lacks(monkeypatch):
+    """A lent GPU's image may hold an older torch that can't be replaced: the steps then run with
+    `scripts/gpu_compat` first on their path, whose `varlen_attn` takes 2.13's `enable_gqa` and
+    calls the older one without it; on torch 2.13 the path holds the repo alone."""
+    import torch.nn.attention.varlen as varlen
+
+    gpu_check = _module()
+    compat = REPO / "scripts" / "gpu_compat"
+    assert not gpu_check._env()["PYTHONPATH"].startswith(str(compat))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert gpu_check._env()["PYTHONPATH"].split(":")[:2] == [str(compat), str(REPO)]
+
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda *args, window_size=(-1, -1): calls.append((args, window_size)))
+    exec(compile((compat / "sitecustomize.py").read_text(), "sitecustomize.py", "exec"), {})
+    varlen.varlen_attn("q", "k", window_size=(-1, 0), enable_gqa=True)
+    assert calls == [(("q", "k"), (-1, 0))]

@@ -10,7 +10,9 @@ contract on every device.
 The layout contract. CUDA's kernels read their operands by raw offsets: flash's backward takes the
 log-sum-exp as a contiguous (B, H, S) tensor and checks neither its shape nor its strides (a
 strided slice of a larger one gives every head but the first another row's values), and every
-kernel needs the head dim contiguous in q, k, v, the output and its gradient. The CPU kernel
+kernel needs the head dim contiguous in q, k, v, the output and its gradient; the
+memory-efficient kernel's half-precision backward also reads the output in the layout its forward
+returns it ((B, S, H, hd) in memory), which `block_backward` hands it. The CPU kernel
 honours any strides, so a CPU test would never see a violation. `require_layout` checks the
 contract before every kernel call on every device, so the CPU suite fails where a GPU would give
 wrong gradients silently.
@@ -27,8 +29,8 @@ from torchmoe import _torch_private as private
 from torchmoe import attention_kernel
 from torchmoe.attention_kernel import CPU_FLASH, EFFICIENT, FLASH
 
-__all__ = ["CALLS", "KernelLayoutError", "accumulation_dtype", "block_backward", "block_forward", "kernel_for",
-           "require_layout"]
+__all__ = ["CALLS", "KernelLayoutError", "accumulation_dtype", "block_backward", "block_forward", "heads_inner",
+           "kernel_for", "require_layout"]
 
 
 # Kernel calls by kernel, forward and backward ("flash_varlen": `nn.segment_attention`'s calls of
@@ -95,6 +97,12 @@ def accumulation_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def heads_inner(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, hd) laid out as (B, S, H, hd) in memory, what attention kernels return (a view
+    when it already is)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, Hkv, S, hd) -> (B, heads, S, hd): each key/value head for its group of query heads."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
@@ -142,8 +150,13 @@ def block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if kernel == EFFICIENT:
         heads, kv_heads = q.shape[1], k.shape[1]
         padded = torch.nn.functional.pad(lse, (0, -q.shape[-2] % 32))  # the kernel's own layout of it
+        # The output as the kernel's forward lays it out: its half-precision backward reads `out`
+        # at the gradient's offsets after making that (B, S, H, hd)-contiguous. Handed a
+        # (B, H, S, hd)-contiguous output it returned gradients off by up to 8e37 (H200, bf16,
+        # torch 2.11, 2026-12-04); fp32 and flash read either layout right.
         dq, dk, dv = private.efficient_attention_cuda_backward(grad, q, _repeat_heads(k, heads),
-                                                               _repeat_heads(v, heads), out, padded, causal)
+                                                               _repeat_heads(v, heads), heads_inner(out), padded,
+                                                               causal)
         return dq, _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
     return _math_backward(grad, q, k, v, out, lse, causal=causal)
 

@@ -115,9 +115,10 @@ def pad_expert_blocks(rows: torch.Tensor, counts: torch.Tensor, align: int):
     Args:
         rows: (R, dim) sorted by expert; counts: (E,) rows per expert.
     Returns:
-        The padded rows (R + E * (align - 1), dim) — a static size, so no host sync — with zero
-        rows in the gaps; the index (R,) of each original row in them (None when align is 1, the
-        rows are then returned as they are); and the per-expert counts including padding.
+        The padded rows (R + E * (align - 1), rounded up to a multiple of `align`; dim) — a
+        static size, so no host sync — with zero rows in the gaps and at the end; the index (R,)
+        of each original row in them (None when align is 1, the rows are then returned as they
+        are); and the per-expert counts including padding.
     """
     if align == 1:
         return rows, None, counts
@@ -128,6 +129,10 @@ def pad_expert_blocks(rows: torch.Tensor, counts: torch.Tensor, align: int):
                                             output_size=rows.shape[0])
     rank_in_expert = torch.arange(rows.shape[0], device=rows.device) - start[sorted_expert]
     positions = padded_start[sorted_expert] + rank_in_expert  # (R,)
-    buffer = rows.new_zeros(rows.shape[0] + counts.numel() * (align - 1), rows.shape[1])
+    # The row count is a multiple of `align` too: float8's weight gradient multiplies the rows'
+    # transpose, whose row stride (the row count, one byte an element) the kernel wants in
+    # 16-byte steps (CUDA's `_scaled_grouped_mm`: "strides should be multiple of 16 bytes").
+    total = -(-(rows.shape[0] + counts.numel() * (align - 1)) // align) * align
+    buffer = rows.new_zeros(total, rows.shape[1])
     buffer[positions] = rows
     return buffer, positions, padded

@@ -196,9 +196,12 @@ def _in_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Te
 
 
 def _autocast_on(x: torch.Tensor) -> bool:
-    """autocast is enabled for x's device (devices without autocast, such as meta, never are)."""
+    """autocast is enabled for x's device (meta, which has no autocast, never is)."""
     device = x.device.type
-    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    # Not `torch.amp.is_autocast_available`: dynamo cannot trace it before torch 2.13 (a
+    # fullgraph compile then fails), and meta is the one device type the model meets without
+    # autocast (`is_autocast_enabled` raises there).
+    return device != "meta" and torch.is_autocast_enabled(device)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

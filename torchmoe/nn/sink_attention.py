@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torchmoe.nn.attention_kernels import accumulation_dtype, block_backward, block_forward
+from torchmoe.nn.attention_kernels import accumulation_dtype, block_backward, block_forward, heads_inner
 
 __all__ = ["SINK_ATTENTION", "cached_sink_attention", "sink_attention"]
 
@@ -182,12 +182,7 @@ def _sink_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     # The output in (B, S, H, hd) memory order, as the fake kernel promises (the output
     # projection's input is then a free view of it), and the log-sum-exp contiguous, as CUDA's
     # kernels read it.
-    return _heads_inner(out.to(q.dtype)), merged.contiguous()
-
-
-def _heads_inner(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, hd) laid out as (B, S, H, hd) in memory: what attention kernels return."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return heads_inner(out.to(q.dtype)), merged.contiguous()
 
 
 @_sink_forward.register_fake
