@@ -46,7 +46,7 @@ from torchmoe.arch.registry import FLAVORS
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import refuse_nonfinite
-from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit
+from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit, stored_mtp_layers
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, require_hf_form, save_hf_weights
 from torchmoe.components.run_lock import LOCK_NAME, lock_folders
 from torchmoe.components.tokenizer_files import copy_tokenizer_files
@@ -211,7 +211,7 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
     _require_dir("CKPT_DIR", ckpt_dir, fix)
     metadata = read_dcp_metadata("CKPT_DIR", ckpt_dir, fix)
     stored = model_tensors(metadata)
-    args = FLAVORS[name][flavor]
+    args = FLAVORS[name][flavor].replace(mtp_layers=stored_mtp_layers(stored))  # written as the release does
     require_fit("--flavor", flavor, args, stored, str(ckpt_dir))
     problem = non_float(meta_state(args), stored)
     if problem is not None:

@@ -199,7 +199,7 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
     kept = [record for _, record in records]
     with _config_faults(folder):  # the planner's own checks (a pipeline split)
         facts = _run_facts(cfg, world_size, kept)
-    return RunData(folder.resolve().name, kept, facts, [i for i in range(args.n_layers) if args.is_moe_layer(i)])
+    return RunData(folder.resolve().name, kept, facts, sorted(i for i in args.moe_layer_ids if args.is_moe_layer(i)))
 
 
 @contextmanager

@@ -81,6 +81,7 @@ from torchmoe.distributed.mesh import ParallelMesh, build_mesh
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.interruption import leaving_for_failure
+from torchmoe.models.decoder.mtp import mtp_targets
 from torchmoe.models.decoder.parallelize import parallelize_model
 from torchmoe.models.decoder.pipeline_stages import PipelineRankModel, split_into_stages
 from torchmoe.models.llama4 import Transformer, update_expert_bias
@@ -232,7 +233,7 @@ class Trainer:
             logger.info("the model (rank 0's part) after parallelize and conversion:\n%s", self.model)
         self.moe_layers = self.model.moe_layers()
         # Row of each local MoE layer among all MoE layers of the model (metrics report them all).
-        all_moe = sorted(i for i in range(self.model_args.n_layers) if self.model_args.is_moe_layer(i))
+        all_moe = sorted(i for i in self.model_args.moe_layer_ids if self.model_args.is_moe_layer(i))
         self.moe_rows = [all_moe.index(int(name)) for name, block in self.model.layers.items() if block.moe_enabled]
         self.n_moe_layers = len(all_moe)
 
@@ -365,6 +366,18 @@ class Trainer:
         """
         return self._summed_loss(logits, labels) / self.global_tokens
 
+    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor,
+                      documents: DocumentSegments | None) -> torch.Tensor:
+        """The model's forward on one micro-batch and its share of the global loss (`_loss`); with
+        multi-token prediction modules, plus ``mtp_loss_coeff`` times their mean loss, each depth's
+        summed over its targets (`models.decoder.mtp`) over the same global token count."""
+        if not self.model_args.mtp_layers:
+            return self._loss(self.model(inputs, documents), labels)
+        logits, depths = self.model(inputs, documents, labels=labels)
+        mtp = sum(self._summed_loss(out, mtp_targets(labels, k)) for k, out in enumerate(depths, start=1))
+        scale = self.model_args.mtp_loss_coeff / len(depths)
+        return (self._summed_loss(logits, labels) + scale * mtp) / self.global_tokens
+
     def _summed_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The micro-batch's token losses summed (fp32 cross entropy); shapes as in `_loss`."""
         if self.loss_parallel:
@@ -391,7 +404,7 @@ class Trainer:
                 if self.schedule is not None:
                     losses = self._pipeline_step(inputs, labels, documents)
                 else:
-                    losses = [self._loss(self.model(inputs, documents), labels)]
+                    losses = [self._forward_loss(inputs, labels, documents)]
                     losses[0].backward()
             for loss in losses:
                 local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()

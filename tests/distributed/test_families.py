@@ -39,7 +39,16 @@ from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
-FAMILIES = {family: ["--model.name", family, *BALANCE] for family in ("qwen3", "deepseek_v3", "gpt_oss")}
+_DEEPSEEK = ["--model.name", "deepseek_v3", *BALANCE]
+FAMILIES = {
+    "qwen3": ["--model.name", "qwen3", *BALANCE],
+    # DeepSeek-V3 with a multi-token prediction module (`models.decoder.mtp`: its block under every
+    # per-block parallelism, its norms and projection under TP) in every layout that admits one;
+    # without, in those that refuse it (CP, PP). The main model runs in both.
+    "deepseek_v3_mtp": [*_DEEPSEEK, "--model.mtp_layers", "1"],
+    "deepseek_v3": _DEEPSEEK,
+    "gpt_oss": ["--model.name", "gpt_oss", *BALANCE],
+}
 # torchtitan's DeepSeek debugmodel: what the tiny flavor lacks (a full-rank query projection,
 # column-wise under TP; softmax scores without groups; two shared experts), under TP 2 with MoE TP.
 # Its 33 M parameters train 2 steps of 2 rows (a step and its update), for the suite's time, each
@@ -71,12 +80,16 @@ LAYOUTS = {
 
 
 # Layouts a family refuses (exit 2, `test_family_configs`): gpt-oss's sinks and windows attend
-# over whole rows.
-REFUSED = {"gpt_oss": {"cp2"}}
+# over whole rows; multi-token prediction reads tokens past a rank's piece of the row (CP) and
+# runs the embedding after the last block (PP). DeepSeek-V3 without it trains only those.
+REFUSED = {"gpt_oss": {"cp2"}, "deepseek_v3_mtp": {"cp2", "pp2_interleaved1f1b"}}
+ONLY = {"deepseek_v3": REFUSED["deepseek_v3_mtp"]}
+RESUMED = "tp2_moe_tp_fsdp2_full_ac"  # saves at step 3
 
 
 def _layouts(family: str) -> dict[str, tuple[int, list[str]]]:
-    return {name: layout for name, layout in LAYOUTS.items() if name not in REFUSED.get(family, ())}
+    return {name: layout for name, layout in LAYOUTS.items()
+            if name not in REFUSED.get(family, ()) and name in ONLY.get(family, LAYOUTS)}
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +107,11 @@ def runs(seeds, tmp_path_factory) -> TinyRuns:
             f"{family}_single": Job(1, [*flags, "--training.local_batch_size", "8"], start=seed),
             **{f"{family}_{name}": Job(nproc, [*layout, *flags], start=seed)
                for name, (nproc, layout) in _layouts(family).items()},
-            f"{family}_tp2_moe_tp_to_ep2": Job(2, [*flags, "--parallelism.expert_parallel_degree", "2",
-                                                   "--training.local_batch_size", "4"],
-                                               start=(f"{family}_tp2_moe_tp_fsdp2_full_ac", 3)),
         })
+        if RESUMED in _layouts(family):
+            jobs[f"{family}_tp2_moe_tp_to_ep2"] = Job(2, [*flags, "--parallelism.expert_parallel_degree", "2",
+                                                          "--training.local_batch_size", "4"],
+                                                      start=(f"{family}_{RESUMED}", 3))
     jobs.update({
         "debugmodel_single": Job(1, DEBUGMODEL, start=None),
         "debugmodel_tp2_moe_tp": Job(2, [*DEBUGMODEL, "--parallelism.tensor_parallel_degree", "2"], start=None),
@@ -123,7 +137,7 @@ def test_layout_matches_single_process(family, layout, runs, references):
         assert got[1]["compile_graph_breaks"] == 0 and got[1]["compile_graphs"] >= 2
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(f for f in FAMILIES if RESUMED in _layouts(f)))
 def test_resumes_across_layouts(family, runs, references):
     """Saved at step 3 under TP 2 (MoE TP) x FSDP 2, resumed under EP 2 x FSDP 2: steps 4-5
     continue the single process's curve."""

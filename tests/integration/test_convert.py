@@ -154,17 +154,17 @@ _EXPERT_TENSOR = {"qwen3": "model.layers.1.mlp.experts.7.down_proj.weight",
 @pytest.mark.parametrize("family", sorted(_EXPERT_TENSOR))
 def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
     """A Qwen3-MoE, DeepSeek-V3 or gpt-oss folder (experts one tensor each; DeepSeek's expert bias
-    as e_score_correction_bias; gpt-oss's fused, input-major, with biases): hf-to-dcp names the
-    family and flavor to train it with, and dcp-to-hf --model-name writes back exactly its
-    tensors and config."""
+    as e_score_correction_bias and its multi-token prediction layer as released; gpt-oss's fused,
+    input-major, with biases): hf-to-dcp names the family and flavor to train it with, and
+    dcp-to-hf --model-name writes back exactly its tensors and config."""
     from torchmoe.arch.registry import FLAVORS
     from torchmoe.convert import convert_main
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer
 
-    model = Transformer(FLAVORS[family]["tiny"])
+    model = Transformer(FLAVORS[family]["tiny"].replace(mtp_layers=int(family == "deepseek_v3")))
     model.init_weights(seed=5)
-    if family == "deepseek_v3":  # a trained bias, which its folders keep
+    if family == "deepseek_v3":  # a trained bias, which its folders keep; an MTP layer (model.layers.4)
         for moe in model.moe_layers():
             moe.expert_bias.normal_(0, 0.1)
     save_model(model, tmp_path / "hf")
@@ -175,6 +175,7 @@ def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.Capture
     original = load_file(tmp_path / "hf" / "model.safetensors")
     back = load_file(tmp_path / "back" / "model.safetensors")
     assert _EXPERT_TENSOR[family] in original and original.keys() == back.keys()
+    assert ("model.layers.4.eh_proj.weight" in original) == (family == "deepseek_v3")
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
         (tmp_path / "hf" / "config.json").read_text())

@@ -149,3 +149,48 @@ def test_gpt_oss_refuses_what_its_attention_cannot_run(flags: list[str], message
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "Traceback" not in err, err
     assert message in " ".join(err.split()) and fix in err, err
+
+
+@pytest.mark.parametrize(("flags", "message", "fix"), [
+    (["--model.mtp_layers", "1", "--parallelism.context_parallel_degree", "2",
+      "--parallelism.data_parallel_shard_degree", "1"],
+     "parallelism.context_parallel_degree = 2: model.mtp_layers = 1 reads the tokens up to 1 positions past each "
+     "one, which context parallelism places on other ranks", "fix: set parallelism.context_parallel_degree = 1"),
+    (["--model.mtp_layers", "2", "--parallelism.pipeline_parallel_degree", "2",
+      "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "2"],
+     "parallelism.pipeline_parallel_degree = 2: model.mtp_layers = 2 runs the first stage's embedding after the "
+     "last stage's blocks", "fix: set parallelism.pipeline_parallel_degree = 1"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.mtp_layers", "1"],
+     "model.mtp_layers = 1: multi-token prediction is DeepSeek-V3's; the qwen3 family has no place for its layers",
+     'fix: set model.mtp_layers = 0, or model.name = "deepseek_v3"'),
+    (["--model.mtp_layers", "-1"], "model.mtp_layers = -1: must be >= 0",
+     "fix: use 0 to disable multi-token prediction"),
+    (["--model.mtp_loss_coeff", "nan"], "model.mtp_loss_coeff = nan: must be >= 0", "fix: use a non-negative weight"),
+])
+def test_multi_token_prediction_refuses_what_it_cannot_run(flags: list[str], message: str, fix: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 and one message naming the key, the value and the fix, before any process group."""
+    assert cli.main(["train", "--config", str(CONFIGS / "deepseek_v3_16b.toml"), *flags,
+                     "--dry-run", "--world-size", "2", "--job.dump_folder", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert message in " ".join(err.split()) and fix in err, err
+
+
+def test_multi_token_prediction_plans_its_module(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The dry run of the shipped DeepSeek config with one MTP module sizes it: more parameters
+    and memory per rank than without, the same active count."""
+    import json
+
+    sizes = {}
+    for mtp in ("0", "1"):
+        folder = tmp_path / mtp
+        assert cli.main(["train", "--config", str(CONFIGS / "deepseek_v3_16b.toml"), "--model.mtp_layers", mtp,
+                         "--dry-run", "--world-size", "64", "--job.dump_folder", str(folder)]) == 0
+        sizes[mtp] = json.loads((folder / "dry_run.json").read_text())
+    capsys.readouterr()
+    plain, mtp = sizes["0"], sizes["1"]
+    assert mtp["params_total"] == plain["params_total"] + mtp["params_mtp"] > plain["params_total"]
+    assert mtp["params_active"] == plain["params_active"] and plain["params_mtp"] == 0
+    assert mtp["flops_per_token"] > plain["flops_per_token"]
+    assert mtp["memory_per_rank_gib"]["total"] > plain["memory_per_rank_gib"]["total"]

@@ -120,11 +120,11 @@ _RELEASED = {
 
 def test_the_released_config_is_the_671b_flavor():
     args = args_from_hf_config(_RELEASED)
-    assert args == FLAVORS["671B"]
+    assert args.mtp_layers == 1 and args.replace(mtp_layers=0) == FLAVORS["671B"]  # its MTP layer 61
     assert matching_flavor(args) == "671B"
     assert args_from_hf_config(hf_config_from_args(args, torch.bfloat16)) == args
     counts = args.param_counts()  # the published "671B total, 37B activated" (MTP module aside)
-    assert (counts["total"], counts["active"]) == (671_026_404_352, 37_552_282_624)
+    assert (counts["total"] - counts["mtp"], counts["active"]) == (671_026_404_352, 37_552_282_624)
 
 
 def test_kimi_k2s_config_reads_as_deepseek_v3():
@@ -141,22 +141,34 @@ def test_kimi_k2s_config_reads_as_deepseek_v3():
     assert (counts["total"], counts["active"]) == (1_026_408_209_408, 32_861_477_888)
 
 
-def test_multi_token_prediction_layers_are_skipped_on_load(tmp_path):
-    """A checkpoint with the MTP layer (model.layers.{n_layers}.*, as released) loads its causal
-    LM: the extra layer's tensors are not "tensors this model has no place for"."""
+def test_multi_token_prediction_layers_load_or_are_skipped(tmp_path):
+    """transformers' own folders announce one MTP layer (num_nextn_predict_layers defaults to 1)
+    and hold none: they load as the causal LM. A folder with the MTP layer (model.layers.{n_layers}.*,
+    as released, with its copies of the embedding and head) loads it, and a model without MTP
+    skips it: its tensors are not "tensors this model has no place for"."""
     from safetensors.torch import load_file, save_file
+
+    from torchmoe.hf import load_hf_weights
 
     hf = _hf_model({})
     hf.save_pretrained(tmp_path / "hf")
+    assert hf.config.num_nextn_predict_layers == 1 and load_model(tmp_path / "hf").args.mtp_layers == 0
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     weights.update({k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in weights.items()
                     if k.startswith("model.layers.2.")})
-    weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    weights.update({"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
+                    "model.layers.3.hnorm.weight": torch.ones(64), "model.layers.3.shared_head.norm.weight": torch.ones(64),
+                    "model.layers.3.embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+                    "model.layers.3.shared_head.head.weight": weights["lm_head.weight"].clone()})
     save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     ours = load_model(tmp_path / "hf")
+    assert ours.args.mtp_layers == 1 and torch.equal(ours.mtp["3"].eh_proj.weight, weights["model.layers.3.eh_proj.weight"])
     tokens = random_tokens(_BASE["vocab_size"])
+    without = Transformer(ours.args.replace(mtp_layers=0))
+    load_hf_weights(without.state_dict(), tmp_path / "hf", without.args, key="hf_dir", fix="")
     with torch.no_grad():
         assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+        assert torch.equal(without(tokens), ours(tokens))
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

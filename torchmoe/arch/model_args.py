@@ -27,9 +27,12 @@ LLAMA4_ROPE_SCALING = {
 # Fields that set how a model trains or runs, not what it computes from its weights (a checkpoint
 # and a run may differ in them), and the length limit (released configs advertise up to 10M
 # positions; RoPE extends past any table).
+# `mtp_layers` too: the multi-token prediction layers are the training objective's, not the causal
+# LM's (a checkpoint may hold more of them than a run trains, which are skipped, or fewer, which
+# its tensor check refuses).
 NOT_ARCHITECTURE = frozenset({"attn_backend", "use_grouped_mm", "load_balance_coeff", "aux_loss_coeff",
                               "z_loss_coeff", "moe_force_load_balance", "init_std", "max_seq_len",
-                              "active_counts_embedding"})
+                              "active_counts_embedding", "mtp_layers", "mtp_loss_coeff"})
 # Fields that spell a per-layer placement (compared as the placement they give).
 _PLACEMENT_SPELLINGS = frozenset({"moe_layers", "interleave_moe_layer_step", "no_rope_layers",
                                   "no_rope_layer_interval"})
@@ -127,6 +130,12 @@ class ModelArgs:
     # Whether the published active-parameter count includes the input embedding (Llama 4's and
     # DeepSeek's do; gpt-oss's counts only the matmuls a token runs, so not the lookup table).
     active_counts_embedding: bool = True
+    # DeepSeek-V3's multi-token prediction: `mtp_layers` sequential modules after the main model,
+    # module k (layer ``n_layers + k - 1``, a MoE block) predicting the token k + 1 positions ahead
+    # from the previous depth's hidden state and the embedding of the token k positions ahead;
+    # their mean loss joins the main loss times `mtp_loss_coeff` (`models.decoder.mtp`).
+    mtp_layers: int = 0
+    mtp_loss_coeff: float = 0.1
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -154,6 +163,8 @@ class ModelArgs:
             problems.append(f"attn_backend ({self.attn_backend!r}) must be 'sdpa' or 'flex'")
         if self.no_rope_layers is not None and len(self.no_rope_layers) < self.n_layers:
             problems.append(f"no_rope_layers has {len(self.no_rope_layers)} entries, need n_layers={self.n_layers}")
+        if self.mtp_layers < 0 or self.mtp_loss_coeff < 0:
+            problems.append(f"mtp_layers ({self.mtp_layers}) and mtp_loss_coeff ({self.mtp_loss_coeff}) must be >= 0")
         if self.moe_layers is not None and any(not 0 <= i < self.n_layers for i in self.moe_layers):
             problems.append(f"moe_layers {self.moe_layers} must lie in [0, {self.n_layers})")
         if problems:
@@ -209,18 +220,30 @@ class ModelArgs:
 
     # Cached: the planner asks for them per block of every layout it scores (the fields are
     # not changed after construction: `replace` makes a new ModelArgs).
+    @property
+    def mtp_layer_ids(self) -> range:
+        """The multi-token prediction blocks' layer indices, after the main model's."""
+        return range(self.n_layers, self.n_layers + self.mtp_layers)
+
     @cached_property
     def moe_layer_ids(self) -> frozenset[int]:
+        """The MoE blocks: the main model's placement, and every multi-token prediction block
+        (DeepSeek-V3's is a MoE block)."""
         if self.moe_layers is not None:
-            return frozenset(self.moe_layers)
-        step = self.interleave_moe_layer_step
-        return frozenset(range(step - 1, self.n_layers, step))
+            main = frozenset(self.moe_layers)
+        else:
+            step = self.interleave_moe_layer_step
+            main = frozenset(range(step - 1, self.n_layers, step))
+        return main | frozenset(self.mtp_layer_ids)
 
     @cached_property
     def rope_layers(self) -> list[bool]:
+        """Whether each block (the main model's, then the multi-token prediction ones, which
+        rotate) uses RoPE."""
+        mtp = [True] * self.mtp_layers
         if self.no_rope_layers is not None:
-            return [bool(x) for x in self.no_rope_layers[: self.n_layers]]
-        return [(i + 1) % self.no_rope_layer_interval != 0 for i in range(self.n_layers)]
+            return [bool(x) for x in self.no_rope_layers[: self.n_layers]] + mtp
+        return [(i + 1) % self.no_rope_layer_interval != 0 for i in range(self.n_layers)] + mtp
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.num_experts > 0 and layer_id in self.moe_layer_ids
@@ -242,7 +265,7 @@ class ModelArgs:
 
     def routed_expert_names(self) -> list[str]:
         """Module names of the routed experts (``GroupedExperts``), one per MoE layer."""
-        return [f"layers.{i}.moe.experts" for i in range(self.n_layers) if self.is_moe_layer(i)]
+        return [f"layers.{i}.moe.experts" for i in range(self.n_layers + self.mtp_layers) if self.is_moe_layer(i)]
 
     def replace(self, **overrides) -> "ModelArgs":
         return dataclasses.replace(self, **overrides)
@@ -300,8 +323,15 @@ class ModelArgs:
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
         extra = embedding + head + self.dim  # + final norm
         active_extra = extra if self.active_counts_embedding else extra - embedding
-        return {"total": sum(t for t, _ in per_layer) + extra,
-                "active": sum(a for _, a in per_layer) + active_extra, "embedding": embedding}
+        mtp = sum(self.mtp_module_params(i) for i in self.mtp_layer_ids)
+        return {"total": sum(t for t, _ in per_layer) + extra + mtp,
+                "active": sum(a for _, a in per_layer) + active_extra, "embedding": embedding, "mtp": mtp}
+
+    def mtp_module_params(self, layer_id: int) -> int:
+        """A multi-token prediction module's own parameters: its block, the two input norms and
+        the projection of their concatenation, its output norm (the embedding and the output head
+        are the main model's)."""
+        return self.layer_params(layer_id)[0] + 2 * self.dim * self.dim + 3 * self.dim
 
     def layer_flops_per_token(self, layer_id: int, seq_len: int, *, causal: bool = False) -> int:
         """Training FLOPs per token (forward + backward) of block `layer_id`.
@@ -326,11 +356,13 @@ class ModelArgs:
 
     def head_flops_per_token(self) -> int:
         """Training FLOPs per token of the final norm and the output head (the embedding lookup is
-        no matmul; a tied head still multiplies by the embedding)."""
-        return 6 * (self.vocab_size * self.dim + self.dim)
+        no matmul; a tied head still multiplies by the embedding), once more for each multi-token
+        prediction module with its input projection (its block is a layer's)."""
+        return 6 * (self.vocab_size * self.dim + self.dim) * (1 + self.mtp_layers) + 6 * 2 * self.dim**2 * self.mtp_layers
 
     def flops_per_token(self, seq_len: int, *, causal: bool = False) -> int:
         """Training FLOPs per token (forward + backward) of the whole model, counting only the
-        active experts: every block's `layer_flops_per_token` plus the head's."""
+        active experts: every block's `layer_flops_per_token` (the multi-token prediction blocks'
+        too) plus the head's."""
         return sum(self.layer_flops_per_token(i, seq_len, causal=causal)
-                   for i in range(self.n_layers)) + self.head_flops_per_token()
+                   for i in range(self.n_layers + self.mtp_layers)) + self.head_flops_per_token()

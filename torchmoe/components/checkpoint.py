@@ -86,7 +86,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.finite import NonFiniteValues, nonfinite_names, refuse_nonfinite, require_finite
-from torchmoe.components.flavor_fit import flavor_fix, flavors_fitting
+from torchmoe.components.flavor_fit import flavor_fix, flavors_fitting, stored_mtp_layers
 from torchmoe.components.weight_files import (
     UnreadableWeights,
     describe,
@@ -155,7 +155,13 @@ class ModelWrapper(Stateful):
         """Refuse a checkpoint of another model (another flavor): its checkpoints are valid, so
         the fix is the flavor they fit (`fit.flavors_fitting`: the whole model's saved tensors,
         whatever stages this rank holds), not deleting them (see `_check_saved_shapes`)."""
-        for name, tensor in self.state_dict().items():
+        state = self.state_dict()
+        have, held = stored_mtp_layers(state), stored_mtp_layers(shapes)
+        if have > held:  # multi-token prediction modules the checkpoints lack (more are skipped)
+            raise ConfigError("model.mtp_layers", have, f"does not match the run's checkpoints: they hold {held} "
+                              "multi-token prediction modules", f"set model.mtp_layers to {held} or less; or give "
+                              "this run its own job.dump_folder")
+        for name, tensor in state.items():
             saved = shapes.get(name)
             if saved is None or tuple(saved) != tuple(tensor.shape):
                 found = "has no such tensor" if saved is None else f"holds it as {tuple(saved)}"

@@ -14,7 +14,8 @@ flavors come first there, so for a release's shapes that is the release's archit
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -27,14 +28,16 @@ from torchmoe.models.decoder.model import Transformer
 from torchmoe.models.hf_config_spec import HFConversionError
 from torchmoe.models.registry import hf_mapping
 
-__all__ = ["flavor_fix", "flavors_fitting", "matching_flavor", "meta_state", "require_fit"]
+__all__ = ["flavor_fix", "flavors_fitting", "matching_flavor", "meta_state", "require_fit", "stored_mtp_layers"]
 
 # Hugging Face config fields that do not change what the model computes: the dtype, the length
 # limit (the released configs advertise 10M positions; torchmoe caps its RoPE table anyway), and
 # fields the explicit ones restate (interleave step -> moe_layers, NoPE interval -> no_rope_layers,
 # rope_theta / rope_scaling -> rope_parameters).
+# The multi-token prediction layers are the training objective's, not the flavor's.
 _NOT_ARCHITECTURE = ("dtype", "max_position_embeddings", "interleave_moe_layer_step", "no_rope_layer_interval",
-                     "rope_theta", "rope_scaling")
+                     "rope_theta", "rope_scaling", "num_nextn_predict_layers")
+_MTP_PROJECTION = re.compile(r"^mtp\.\d+\.eh_proj\.weight$")
 
 
 def _architecture(args: ModelArgs) -> dict | None:
@@ -63,15 +66,22 @@ def meta_state(args: ModelArgs) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
-def _flavor_shapes(family: str, flavor: str) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in meta_state(FLAVORS[family][flavor]).items()}
+def _flavor_shapes(family: str, flavor: str, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in meta_state(FLAVORS[family][flavor].replace(mtp_layers=mtp_layers)).items()}
+
+
+def stored_mtp_layers(names: Iterable[str]) -> int:
+    """The multi-token prediction modules a checkpoint's model tensors hold (torchmoe's names)."""
+    return sum(1 for name in names if _MTP_PROJECTION.match(name))
 
 
 def flavors_fitting(shapes: Mapping[str, Sequence[int]], family: str) -> list[str]:
-    """The built-in flavors of `family` whose model holds exactly tensors of these names and
-    `shapes` (a checkpoint's model tensors), in `FLAVORS` order."""
+    """The built-in flavors of `family` whose model (with the checkpoint's multi-token prediction
+    modules) holds exactly tensors of these names and `shapes` (a checkpoint's model tensors), in
+    `FLAVORS` order."""
     have = {name: tuple(shape) for name, shape in shapes.items()}
-    return [flavor for flavor in FLAVORS[family] if _flavor_shapes(family, flavor) == have]
+    mtp = stored_mtp_layers(have)
+    return [flavor for flavor in FLAVORS[family] if _flavor_shapes(family, flavor, mtp) == have]
 
 
 def flavor_fix(flag: str, fits: list[str]) -> str | None:
@@ -90,8 +100,14 @@ def require_fit(key: str, flavor: str, args: ModelArgs, stored: Mapping[str, Ten
                 source: str) -> None:
     """Raise a `ConfigError` naming `key` (a flavor option: ``model.flavor``, ``--flavor``) when the
     `stored` model tensors of `source` are not those of a model of `args` (built from `flavor`);
-    the fix names the built-in flavors they fit, if any (`flavor_fix`)."""
-    problem = misfit(meta_state(args), stored, extra_ok=False)
+    the fix names the built-in flavors they fit, if any (`flavor_fix`). Multi-token prediction
+    modules the checkpoint holds beyond the model's are skipped; fewer are refused naming
+    ``model.mtp_layers``."""
+    held = stored_mtp_layers(stored)
+    if args.mtp_layers > held:
+        raise ConfigError("model.mtp_layers", args.mtp_layers, f"{source} holds {held} multi-token prediction "
+                          "modules", f"set model.mtp_layers to {held} or less")
+    problem = misfit(meta_state(args.replace(mtp_layers=held)), stored, extra_ok=False)
     if problem is None:
         return
     fits = flavors_fitting({name: md.size for name, md in stored.items()}, args.family)

@@ -253,12 +253,33 @@ def read_hf_args(hf_dir: str | os.PathLike, *, key: str, fix: str) -> ModelArgs:
     hf_dir = Path(hf_dir)
     config = read_json_object(key, hf_dir, "config.json", fix)
     try:
-        return hf_mapping_for_config(config).args_from_hf_config(config)
+        args = hf_mapping_for_config(config).args_from_hf_config(config)
     except HFConfigValueError as err:  # a value to correct: the fix says to what
         raise ConfigError(key, str(hf_dir), f"its config.json sets \"{err.field}\": {show_json(err.value)}, "
                           f"{err.problem}", f"set \"{err.field}\" in {hf_dir / 'config.json'} to {err.expected}") from None
     except HFConversionError as err:
         raise ConfigError(key, str(hf_dir), f"its config.json cannot be used: {err}", fix) from None
+    return args.replace(mtp_layers=_stored_mtp_layers(hf_dir, args, key, fix)) if args.mtp_layers else args
+
+
+def _stored_mtp_layers(hf_dir: Path, args: ModelArgs, key: str, fix: str) -> int:
+    """How many of the multi-token prediction layers config.json announces the files hold (each
+    one's input projection stored): transformers writes ``num_nextn_predict_layers = 1`` into
+    checkpoints of its causal LM, which has no place for them."""
+    with reading(key, hf_dir, fix, what="a *.safetensors file"):
+        if (hf_dir / _INDEX).exists():
+            names = set(read_json_object(key, hf_dir, _INDEX, fix).get("weight_map") or {})
+        else:
+            names = set()
+            for file in sorted(hf_dir.glob("*.safetensors")):
+                with safe_open(file, framework="pt") as f:
+                    names.update(f.keys())
+    mapping, held = hf_mapping(args), 0
+    for i in args.mtp_layer_ids:
+        if mapping.hf_slice(f"mtp.{i}.eh_proj.weight", (args.dim, 2 * args.dim)).hf_name not in names:
+            break
+        held += 1
+    return held
 
 
 def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike, args: ModelArgs, *,

@@ -44,6 +44,10 @@ class Model:
     """Coefficient of the sequence-wise load-balancing auxiliary loss (0 = off)."""
     z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (0 = off)."""
+    mtp_layers: int = 0
+    """DeepSeek-V3's multi-token prediction modules (model.name = "deepseek_v3"; the released 671B holds 1): module k predicts the token k + 1 positions ahead; 0 = off. Refused with context or pipeline parallelism."""
+    mtp_loss_coeff: float = 0.1
+    """Weight of the multi-token prediction modules' mean loss, added to the main loss (DeepSeek-V3 trained with 0.3, then 0.1)."""
     moe_force_load_balance: bool = False
     """For performance work (torchtitan's debug.moe_force_load_balance): route round-robin instead of by the router's top-k, each rank's t-th token of an MoE call to experts (t * top_k + j) mod num_experts, j < top_k, gated by the router's scores there. Every expert gets exactly as many tokens in every layout (a sequence length that does not allow it is refused); the model trained is not the router's."""
 

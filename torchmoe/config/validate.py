@@ -144,6 +144,8 @@ def validate_model(model: Model) -> None:
                   "use 0 to disable, a positive rate, or -1 for the flavor's default")
     _at_least("model.aux_loss_coeff", model.aux_loss_coeff, 0, "use 0 to disable or a positive coefficient")
     _at_least("model.z_loss_coeff", model.z_loss_coeff, 0, "use 0 to disable or a positive coefficient")
+    _at_least("model.mtp_layers", model.mtp_layers, 0, "use 0 to disable multi-token prediction, or a depth")
+    _at_least("model.mtp_loss_coeff", model.mtp_loss_coeff, 0, "use a non-negative weight (DeepSeek-V3: 0.1)")
 
 
 def validate_optimizer(optimizer: Optimizer) -> None:

@@ -295,6 +295,7 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
         "mesh": {name: layout[name].size for name in ALL_NAMES},
         "params_total": counts["total"],
         "params_active": counts["active"],
+        "params_mtp": counts["mtp"],  # the multi-token prediction modules', part of the total
         "params_per_rank": params_per_rank,
         "expert_params_per_rank": expert_params_per_rank,
         # Weights, gradients and two AdamW states in training.dtype: 16 bytes per stored element in fp32.
@@ -368,8 +369,9 @@ def _print_report(console: Console, cfg: JobConfig, job: JobPlan, compute_bytes:
 
     dtype = {2: "bf16", 4: "fp32"}[compute_bytes]
     console.print(
-        f"parameters: total {format_count(report['params_total'])}, "
-        f"active {format_count(report['params_active'])}; per rank {format_count(report['params_per_rank'])} "
+        f"parameters: total {format_count(report['params_total'])}"
+        + (f" (multi-token prediction {format_count(report['params_mtp'])})" if report["params_mtp"] else "")
+        + f", active {format_count(report['params_active'])}; per rank {format_count(report['params_per_rank'])} "
         f"stored ({format_count(job.params_local)} after TP/EP, before FSDP sharding)")
     console.print(f"routed experts per rank: {format_count(report['expert_params_per_rank'])} stored; with their "
                   f"gradients and AdamW state {report['expert_state_per_rank_gib']:.2f} GiB (included below)")

@@ -22,9 +22,11 @@ def float8_tp_enabled(cfg: Float8) -> bool:
 
 
 def float8_linear_eligible(fqn: str, out_features: int, in_features: int, filter_fqns: list[str]) -> bool:
-    """The nn.Linear `fqn` (out x in) becomes a ``Float8Linear``: not named by `filter_fqns`, both
-    dims float8 tiles. The one rule the conversion, the TP plan's count and the dry run share."""
-    return (not any(f in fqn for f in filter_fqns)
+    """The nn.Linear `fqn` (out x in) becomes a ``Float8Linear``: not named by `filter_fqns`, not a
+    multi-token prediction module's input projection (replicated under TP, its DTensor input
+    takes no float8 style; a small matmul next to the module's block), both dims float8 tiles.
+    The one rule the conversion, the TP plan's count and the dry run share."""
+    return (not any(f in fqn for f in filter_fqns) and not fqn.startswith("mtp.")
             and out_features % FLOAT8_TILE == 0 and in_features % FLOAT8_TILE == 0)
 
 

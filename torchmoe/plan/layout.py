@@ -158,7 +158,7 @@ def _moe_specs(args: ModelArgs, i: int) -> list[ParamSpec]:
 def _param_specs(args: ModelArgs) -> list[ParamSpec]:
     d = args.dim
     specs = [ParamSpec("tok_embeddings.weight", (args.vocab_size, d), 0)]
-    for i in range(args.n_layers):
+    for i in range(args.n_layers + args.mtp_layers):  # the multi-token prediction blocks last
         p = f"layers.{i}"
         specs += _attention_specs(args, i)
         specs += [
@@ -174,6 +174,9 @@ def _param_specs(args: ModelArgs) -> list[ParamSpec]:
     specs.append(ParamSpec("norm.weight", (d,), None))
     if not args.tie_word_embeddings:
         specs.append(ParamSpec("output.weight", (args.vocab_size, d), 0))
+    for i in args.mtp_layer_ids:  # each module's norms and input projection, replicated over tp
+        specs += [ParamSpec(f"mtp.{i}.enorm.weight", (d,), None), ParamSpec(f"mtp.{i}.hnorm.weight", (d,), None),
+                  ParamSpec(f"mtp.{i}.eh_proj.weight", (d, 2 * d), None), ParamSpec(f"mtp.{i}.norm.weight", (d,), None)]
     return specs
 
 

@@ -395,7 +395,8 @@ class ActivationModel:
         m, tp, a = self.args, self.dims.tp, self.a
         vocab = m.vocab_size / tp if self.loss_parallel else m.vocab_size
         upcast = 0 if a == 4 else 4  # logits.float() is a no-op on fp32 logits
-        return self._norm(m.dim) / tp + a * m.dim + vocab * (a + upcast + 4)
+        # Each multi-token prediction depth has its logits and loss too (its block is a layer's).
+        return (self._norm(m.dim) / tp + a * m.dim + vocab * (a + upcast + 4)) * (1 + m.mtp_layers)
 
     def _cp_attention(self, layer: int) -> float:
         """Bytes per local token that context parallelism, or chunks that do not divide the

@@ -171,10 +171,11 @@ def layer_costs(args: ModelArgs, dims: ParallelDims, seq_len: int, *,
         the embedding's bytes (first stage), the final norm + head's bytes and FLOPs (last stage).
     """
     units = unit_sizes(args, dims)
-    state = [state_bytes_per_param * units[f"layers.{i}"].stored for i in range(args.n_layers)]
+    blocks = range(args.n_layers + args.mtp_layers)  # the multi-token prediction blocks last
+    state = [state_bytes_per_param * units[f"layers.{i}"].stored for i in blocks]
     ends = {"first_bytes": state_bytes_per_param * units["tok_embeddings"].stored,
             "last_bytes": state_bytes_per_param * units["head"].stored, "last_flops": args.head_flops_per_token()}
-    flops = [args.layer_flops_per_token(i, seq_len) for i in range(args.n_layers)]
+    flops = [args.layer_flops_per_token(i, seq_len) for i in blocks]
     return flops, state, ends
 
 
@@ -338,7 +339,8 @@ def pipeline_layout(args: ModelArgs, dims: ParallelDims, parallelism_cfg: Parall
     """
     pp = dims.pp
     if pp == 1:
-        return PipelineLayout(1, [list(range(args.n_layers))], [[0]])
+        # One stage: every block, the multi-token prediction ones too (refused with pp > 1).
+        return PipelineLayout(1, [list(range(args.n_layers + args.mtp_layers))], [[0]])
     num_stages = _num_stages(args, pp, parallelism_cfg)
     _check_stage_count(num_stages, pp, args.n_layers, parallelism_cfg)
     if parallelism_cfg.module_fqns_per_model_part:

@@ -102,7 +102,7 @@ def _gathers_per_block(args: ModelArgs, dims: ParallelDims, cfg: JobConfig, r: i
     def compute() -> list[tuple[tuple[int, int], tuple[int, int]]]:
         float8 = float8_linear_names(args, cfg.float8.filter_fqns) if float8_tp else set()
         return [(_block_gathers(args, i, dims, float8, r), _block_gathers(args, i, dims, set(), r))
-                for i in range(args.n_layers)]
+                for i in range(args.n_layers + args.mtp_layers)]
 
     key = (repr(args), dims.moe_tp_enabled, float8_tp and tuple(cfg.float8.filter_fqns), r)
     return memoised(_GATHERS, key, compute)

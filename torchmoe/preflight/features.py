@@ -36,6 +36,7 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                           "(nn.document_attention); FlexAttention is not wired to it",
                           'use model.attn_backend = "sdpa", or training.document_masking = false')
     _check_sink_attention(cfg, args, degrees["cp"])
+    _check_multi_token_prediction(args, degrees)
     if degrees["cp"] > 1 and args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", "context parallelism runs SDPA with masks over global "
                           "positions; FlexAttention is not wired to it", 'use model.attn_backend = "sdpa"')
@@ -88,6 +89,26 @@ def _check_sink_attention(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
     if args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", f"{what}; FlexAttention's block masks do not carry the sinks",
                           'use model.attn_backend = "sdpa"')
+
+
+def _check_multi_token_prediction(args: ModelArgs, degrees: dict[str, int]) -> None:
+    """DeepSeek-V3's multi-token prediction (`models.decoder.mtp`) reads the tokens up to D
+    positions past each one, and runs the main model's embedding after its last block."""
+    if not args.mtp_layers:
+        return
+    what = f"model.mtp_layers = {args.mtp_layers}"
+    if args.family != "deepseek_v3":
+        raise ConfigError("model.mtp_layers", args.mtp_layers, f"multi-token prediction is DeepSeek-V3's; the "
+                          f"{args.family} family has no place for its layers (nor its Hugging Face form)",
+                          'set model.mtp_layers = 0, or model.name = "deepseek_v3"')
+    if degrees["cp"] > 1:
+        raise ConfigError("parallelism.context_parallel_degree", degrees["cp"], f"{what} reads the tokens up to "
+                          f"{args.mtp_layers} positions past each one, which context parallelism places on other "
+                          "ranks", "set parallelism.context_parallel_degree = 1, or model.mtp_layers = 0")
+    if degrees["pp"] > 1:
+        raise ConfigError("parallelism.pipeline_parallel_degree", degrees["pp"], f"{what} runs the first stage's "
+                          "embedding after the last stage's blocks", "set parallelism.pipeline_parallel_degree = 1 "
+                          "(shard over data_parallel_shard_degree or expert_parallel_degree), or model.mtp_layers = 0")
 
 
 def _check_forced_recompute(ac_cfg: ActivationCheckpoint, args: ModelArgs) -> None:

@@ -23,6 +23,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.models.decoder.attention import Attention
 from torchmoe.models.decoder.latent_attention import LatentAttention
 from torchmoe.models.decoder.moe import MoE
+from torchmoe.models.decoder.mtp import MTPModule, mtp_inputs
 from torchmoe.models.decoder.rotary import precompute_freqs_cis
 from torchmoe.nn.document_attention import DocumentSegments
 from torchmoe.nn.experts import FeedForward
@@ -91,11 +92,15 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        # The multi-token prediction modules' blocks follow the main model's (`models.decoder.mtp`):
+        # every per-block parallelism (TP, EP, FSDP, AC, compile) wraps them as it wraps the others.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers + args.mtp_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied embeddings reuse tok_embeddings.weight in forward rather than sharing a Parameter:
         # shared Parameters come apart under to_empty() and per-module sharding.
         self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # The rest of each multi-token prediction module, keyed by its block's layer index.
+        self.mtp = nn.ModuleDict({str(i): MTPModule(args) for i in args.mtp_layer_ids}) if args.mtp_layers else None
         # Not persistent: derived from args, recomputed by init_weights on the real device. Capped
         # because released configs advertise up to 10M positions (gigabytes of table).
         self.register_buffer("freqs_cis", precompute_freqs_cis(args, self._rope_cache_len()), persistent=False)
@@ -110,9 +115,12 @@ class Transformer(nn.Module):
         return min(self.args.max_seq_len, _MAX_ROPE_CACHE)
 
     def forward(self, tokens: torch.Tensor, documents: DocumentSegments | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, labels: torch.Tensor | None = None):
         """tokens: (B, S) int64 ids (or (B, S, dim) hidden states on later pipeline stages)
         -> logits (B, S, vocab) (or hidden states when this stage has no output head).
+
+        labels: training's (B, S) next tokens, for the multi-token prediction modules: the
+        return is then (logits, [depth k's logits (B, S, vocab), k = 1 .. mtp_layers]).
 
         documents: None (causal attention over the row), or document masking: the micro-batch's
         segment tables (`nn.document_attention.document_segments` of the whole rows' document
@@ -126,21 +134,36 @@ class Transformer(nn.Module):
         Under ``autocast_dtype`` the logits come out in it and the hidden states in fp32 (the
         residual stream is a sum autocast leaves in fp32); the loss upcasts the logits."""
         if self.autocast_dtype is None:
-            return self._forward(tokens, documents, cache)
+            return self._forward(tokens, documents, cache, labels)
         with torch.autocast(tokens.device.type, dtype=self.autocast_dtype):
-            return self._forward(tokens, documents, cache)
+            return self._forward(tokens, documents, cache, labels)
 
-    def _forward(self, tokens: torch.Tensor, documents: DocumentSegments | None, cache: KVCache | None) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, documents: DocumentSegments | None, cache: KVCache | None,
+                 labels: torch.Tensor | None):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         start = cache.length if cache is not None else 0
         freqs_cis = self._rotations(start + h.shape[1])[start:]
-        for layer in self.layers.values():
+        for name, layer in self.layers.items():
+            if int(name) >= self.args.n_layers:  # the multi-token prediction blocks
+                break
             h = layer(h, freqs_cis, documents) if cache is None else layer(h, freqs_cis, cache=cache)
         if cache is not None:
             cache.advance(h.shape[1])
         if self.norm is None:  # not the last pipeline stage
             return h
         h = self.norm(h)
+        logits = self._head(h)
+        if labels is None:
+            return logits
+        depths = []
+        for depth, (name, module) in enumerate((self.mtp or {}).items(), start=1):
+            h = module.combine(self.tok_embeddings(mtp_inputs(labels, depth)), h)
+            h = self.layers[name](h, freqs_cis, documents)
+            depths.append(self._head(module.norm(h)))
+        return logits, depths
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head: (B, S, dim) normed hidden states -> (B, S, vocab) logits."""
         if self.output is None:  # tied embeddings
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
@@ -184,6 +207,8 @@ class Transformer(nn.Module):
         if self.output is not None:
             std = self.args.dim**-0.5
             inits["output.weight"] = TruncNormal(std, a=-3 * std, b=3 * std)
+        for name, module in (self.mtp or {}).items():
+            inits.update(prefixed(f"mtp.{name}", module.param_inits()))
         return inits
 
     def init_buffers(self, device: torch.device | str) -> None:

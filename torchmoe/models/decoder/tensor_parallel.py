@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -76,6 +76,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
     if model.norm is None:  # an earlier pipeline stage: hidden-state shards out, as plain tensors
         parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
                                                                desired_output_layouts=(Shard(1),)))
+
+    for name, module in (model.mtp or {}).items():
+        # Multi-token prediction (`models.decoder.mtp`): its norms run on sequence shards as the
+        # final norm does; the input projection is replicated, taking and giving sequence-sharded
+        # DTensors (the gradient of its weight, a sum over this rank's positions, is summed over
+        # tp by DTensor). Its block is in `model.layers`, its embedding and head the model's.
+        plan = {"enorm": SequenceParallel(), "hnorm": SequenceParallel(), "norm": SequenceParallel()}
+        parallelize_module(module, tp_mesh, plan)
+        distribute_module(module.eh_proj, tp_mesh)
+        applied.update({f"mtp.{name}.{fqn}": style for fqn, style in plan.items()})
 
     for name, block in model.layers.items():
         styles = LinearStyles(block, float8)

@@ -15,8 +15,16 @@ coordinates, as torchmoe's ``rope_style = "interleaved"`` does; it writes the ro
 key in half-split order, a permutation both share, so the attention scores are the same and the
 projections map unchanged. ``rope_interleave = false`` is ``rope_style = "half"``.
 
-Multi-token prediction layers (``num_nextn_predict_layers``: the released ``model.layers.61``)
-are not part of the causal LM Hugging Face runs: loading skips them, as transformers does.
+Multi-token prediction layers (``num_nextn_predict_layers``: the released ``model.layers.61``) are
+torchmoe's ``mtp_layers`` (`models.decoder.mtp`): the block's tensors under the block's names, and
+
+    HF  model.layers.{i}.enorm / hnorm / eh_proj     ours mtp.{i}.enorm / hnorm / eh_proj
+    HF  model.layers.{i}.shared_head.norm            ours mtp.{i}.norm
+
+The release also stores each MTP layer's ``embed_tokens`` and ``shared_head.head``: copies of the
+main model's embedding and head, which the modules share; loading reads the main ones, and saving
+does not write the copies. A model with fewer MTP layers than the checkpoint (transformers' causal
+LM has none) skips the rest.
 """
 
 from __future__ import annotations
@@ -152,7 +160,8 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), rope_theta=theta, rope_scaling=scaling,
         max_seq_len=cfg.get("max_position_embeddings", 4096), norm_eps=cfg.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    ).replace(rope_style="interleaved" if cfg.get("rope_interleave", True) is not False else "half")
+    ).replace(rope_style="interleaved" if cfg.get("rope_interleave", True) is not False else "half",
+              mtp_layers=cfg.get("num_nextn_predict_layers", 0))
 
 
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
@@ -188,7 +197,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
         "qk_nope_head_dim": args.qk_nope_head_dim,
         "qk_rope_head_dim": args.qk_rope_head_dim,
         "v_head_dim": args.v_head_dim,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_layers,
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -218,7 +227,13 @@ _NAME_PAIRS = [
     ("layers.{i}.moe.shared_experts.w1.weight", "model.layers.{i}.mlp.shared_experts.gate_proj.weight"),
     ("layers.{i}.moe.shared_experts.w3.weight", "model.layers.{i}.mlp.shared_experts.up_proj.weight"),
     ("layers.{i}.moe.shared_experts.w2.weight", "model.layers.{i}.mlp.shared_experts.down_proj.weight"),
+    ("mtp.{i}.enorm.weight", "model.layers.{i}.enorm.weight"),
+    ("mtp.{i}.hnorm.weight", "model.layers.{i}.hnorm.weight"),
+    ("mtp.{i}.eh_proj.weight", "model.layers.{i}.eh_proj.weight"),
+    ("mtp.{i}.norm.weight", "model.layers.{i}.shared_head.norm.weight"),
 ]
+# An MTP layer's copies of the main model's embedding and head (the release stores them).
+_MTP_SHARED = (".embed_tokens.weight", ".shared_head.head.weight")
 _PATTERNS = [(re.compile(re.escape(ours).replace(r"\{i\}", r"(?P<i>\d+)") + "$"), hf) for ours, hf in _NAME_PAIRS]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -236,8 +251,10 @@ def hf_slice(name: str, shape: Sequence[int]) -> HFSlice:
 
 
 def text_tensor_name(stored: str, args: ModelArgs) -> str | None:
-    """A stored name as the causal LM's, or None for the multi-token prediction layers (indices
-    from ``args.n_layers`` on), which Hugging Face's causal LM does not run either."""
-    if (m := _LAYER.match(stored)) and int(m.group(1)) >= args.n_layers:
-        return None
+    """A stored name as the model's, or None for what a model of `args` does not read: the
+    multi-token prediction layers past its ``mtp_layers`` (indices from ``n_layers`` on), and each
+    one's copies of the main embedding and head."""
+    if (m := _LAYER.match(stored)) and (i := int(m.group(1))) >= args.n_layers:
+        if i >= args.n_layers + args.mtp_layers or stored.endswith(_MTP_SHARED):
+            return None
     return stored

@@ -1,0 +1,222 @@
+"""DeepSeek-V3's multi-token prediction (`torchmoe.models.decoder.mtp`): the training loss and its
+gradients against an independent reference built from transformers' own DeepSeek-V3 modules (its
+causal LM, which has no MTP, for the main model; its decoder layer and RMSNorm for each module);
+the released checkpoint layout both ways; the sizes; the refusals.
+
+    python -m pytest -q tests/unit/test_mtp.py
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
+    DeepseekV3DecoderLayer,
+    DeepseekV3RMSNorm,
+)
+
+from tests.hf_parity import max_rel_err, perturb_constant_inits, random_tokens  # noqa: E402
+from tests.unit.test_hf_parity_deepseek_v3 import _BASE  # noqa: E402
+from torchmoe.arch.deepseek_v3 import FLAVORS  # noqa: E402
+from torchmoe.hf import load_model, save_model  # noqa: E402
+from torchmoe.models.decoder.model import Transformer  # noqa: E402
+from torchmoe.models.deepseek_v3.hf import args_from_hf_config  # noqa: E402
+from torchmoe.trainer import Trainer  # noqa: E402
+
+# The parity tests' random config (the released form: groups, a query bottleneck, YaRN), with two
+# modules: depth 2 reads depth 1's hidden states.
+_CONFIG = {**_BASE, "num_nextn_predict_layers": 2}
+COEFF = 0.3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(ours with two MTP modules, its Hugging Face folder, transformers' causal LM of it)."""
+    folder = tmp_path_factory.mktemp("mtp") / "hf"
+    args = args_from_hf_config(DeepseekV3Config(**_CONFIG).to_dict()).replace(mtp_loss_coeff=COEFF)
+    assert args.mtp_layers == 2
+    ours = Transformer(args)
+    ours.init_weights(seed=0)
+    perturb_constant_inits(ours)
+    save_model(ours, folder)
+    hf = DeepseekV3ForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    return ours, folder, hf
+
+
+def _reference_modules(folder, hf: DeepseekV3ForCausalLM) -> list[dict]:
+    """Each MTP layer as transformers' modules, its weights read from the saved files."""
+    stored = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        stored.update(load_file(file))
+    config, n, out = hf.config, hf.config.num_hidden_layers, []
+    for i in range(n, n + config.num_nextn_predict_layers):
+        prefix = f"model.layers.{i}."
+        own = {k.removeprefix(prefix): v for k, v in stored.items() if k.startswith(prefix)}
+        layer = DeepseekV3DecoderLayer(config, layer_idx=i)
+        experts = range(config.n_routed_experts)
+        block = {k: v for k, v in own.items() if k.split(".")[0] in ("self_attn", "mlp", "input_layernorm",
+                                                                     "post_attention_layernorm")
+                 and not k.startswith("mlp.experts.")}
+        # transformers' experts hold (gate | up) and down stacked over the experts.
+        block["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([own[f"mlp.experts.{e}.gate_proj.weight"],
+                                                                    own[f"mlp.experts.{e}.up_proj.weight"]])
+                                                         for e in experts])
+        block["mlp.experts.down_proj"] = torch.stack([own[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+        layer.load_state_dict(block)
+        norms = {}
+        for name, key in (("enorm", "enorm.weight"), ("hnorm", "hnorm.weight"), ("norm", "shared_head.norm.weight")):
+            norms[name] = DeepseekV3RMSNorm(config.hidden_size, config.rms_norm_eps)
+            norms[name].weight = torch.nn.Parameter(own[key].clone())
+        eh_proj = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        eh_proj.weight = torch.nn.Parameter(own["eh_proj.weight"].clone())
+        out.append({"layer": layer.eval(), "eh_proj": eh_proj, **norms})
+    return out
+
+
+def _reference_loss(hf: DeepseekV3ForCausalLM, modules: list[dict], row: torch.Tensor) -> torch.Tensor:
+    """The report's objective over rows (B, S + 1): the mean next-token loss plus COEFF times the
+    mean over depths k of the summed loss of predicting x_{t+k+1} at t <= S - 1 - k, over B * S."""
+    b, s = row.shape[0], row.shape[1] - 1
+    hidden = hf.model(row[:, :s]).last_hidden_state  # the final norm's output
+    total = F.cross_entropy(hf.lm_head(hidden).flatten(0, 1), row[:, 1:].flatten(), reduction="sum")
+    positions = torch.arange(s).unsqueeze(0)
+    rotations = hf.model.rotary_emb(hidden, positions)
+    causal = torch.full((s, s), float("-inf")).triu(1)[None, None]
+    mtp = 0.0
+    for k, module in enumerate(modules, start=1):
+        ahead = torch.cat([row[:, k:], row.new_zeros(b, k - 1)], dim=1)  # x_{t+k}, zeros past the row
+        combined = module["eh_proj"](torch.cat([module["enorm"](hf.model.embed_tokens(ahead)),
+                                                module["hnorm"](hidden)], dim=-1))
+        hidden = module["layer"](combined, attention_mask=causal, position_ids=positions,
+                                 position_embeddings=rotations)
+        logits = hf.lm_head(module["norm"](hidden))
+        mtp = mtp + F.cross_entropy(logits[:, :s - k].flatten(0, 1), row[:, k + 1:].flatten(), reduction="sum")
+    return (total + COEFF * mtp / len(modules)) / (b * s)
+
+
+def _trainer_loss(model: Transformer, row: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss of one micro-batch that is the whole global batch."""
+    trainer = SimpleNamespace(model=model, model_args=model.args, global_tokens=row.shape[0] * (row.shape[1] - 1),
+                              loss_parallel=False)
+    trainer._summed_loss = lambda logits, labels: Trainer._summed_loss(trainer, logits, labels)
+    return Trainer._forward_loss(trainer, row[:, :-1], row[:, 1:], None)
+
+
+def test_the_loss_and_its_gradients_are_the_reports_on_transformers_modules(models):
+    """Loss within 1e-6 relative and every gradient the two sides share (embedding, head, a main
+    block, each module's projection, norms and block) within 1e-5, fp32."""
+    ours, folder, hf = models
+    modules = _reference_modules(folder, hf)
+    row = random_tokens(96, 33)
+    ours.zero_grad(set_to_none=True)
+    got = _trainer_loss(ours.train(), row)
+    want = _reference_loss(hf.train(), modules, row)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    got.backward()
+    want.backward()
+    n = hf.config.num_hidden_layers
+    pairs = [("tok_embeddings.weight", hf.model.embed_tokens.weight), ("output.weight", hf.lm_head.weight),
+             ("layers.1.attention.wkv_a.weight", hf.model.layers[1].self_attn.kv_a_proj_with_mqa.weight)]
+    for k, module in enumerate(modules):
+        i = n + k
+        pairs += [(f"mtp.{i}.eh_proj.weight", module["eh_proj"].weight), (f"mtp.{i}.enorm.weight", module["enorm"].weight),
+                  (f"mtp.{i}.hnorm.weight", module["hnorm"].weight), (f"mtp.{i}.norm.weight", module["norm"].weight),
+                  (f"layers.{i}.attention.wo.weight", module["layer"].self_attn.o_proj.weight),
+                  (f"layers.{i}.moe.router.gate.weight", module["layer"].mlp.gate.weight)]
+    params = dict(ours.named_parameters())
+    for name, theirs in pairs:
+        assert max_rel_err(theirs.grad, params[name].grad) <= 1e-5, name
+
+
+def test_without_labels_the_model_is_the_causal_lm(models):
+    """Evaluation, generation and the validation loss read the main head only: the logits are
+    transformers' (which has no MTP) within 1e-5, and a model loaded with its MTP layers is."""
+    ours, folder, hf = models
+    tokens = random_tokens(96)
+    with torch.no_grad():
+        assert max_rel_err(hf.eval()(tokens).logits, ours.eval()(tokens)) <= 1e-5
+        loaded = load_model(folder)
+        assert loaded.args.mtp_layers == 2
+        assert torch.equal(loaded(tokens), ours(tokens))
+        labels = tokens.roll(-1, 1)
+        for got, want in zip(loaded(tokens, labels=labels)[1], ours(tokens, labels=labels)[1], strict=True):
+            assert torch.equal(got, want)
+
+
+def test_the_released_layout_and_a_model_without_mtp(models, tmp_path):
+    """The MTP layers sit where the release puts them (``model.layers.{n + k}``: the block's
+    names, enorm, hnorm, eh_proj, shared_head.norm); the release's copies of the embedding and
+    head there are read from neither; a model without MTP loads the same folder's causal LM."""
+    ours, folder, _ = models
+    stored = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        stored.update(load_file(file))
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.e_score_correction_bias"):
+        assert f"model.layers.3.{name}" in stored and f"model.layers.4.{name}" in stored, name
+    assert torch.equal(stored["model.layers.4.eh_proj.weight"], ours.mtp["4"].eh_proj.weight)
+    # As the release: copies of the embedding and head in the MTP layer (here: other values, to
+    # show they are not read).
+    released = tmp_path / "released"
+    released.mkdir()
+    for file in folder.iterdir():
+        (released / file.name).write_bytes(file.read_bytes())
+    extra = {"model.layers.3.embed_tokens.weight": torch.zeros(96, 64),
+             "model.layers.3.shared_head.head.weight": torch.zeros(96, 64)}
+    from safetensors.torch import save_file
+    save_file(extra, released / "mtp_copies.safetensors")
+    index = released / "model.safetensors.index.json"
+    if index.exists():
+        import json
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(extra, "mtp_copies.safetensors"))
+        index.write_text(json.dumps(data))
+    tokens = random_tokens(96)
+    with torch.no_grad():
+        assert torch.equal(load_model(released)(tokens), ours(tokens))
+
+
+def test_sizes_count_the_modules_and_the_release_is_685b():
+    """Each module's own parameters join the total (not the active count, DeepSeek's 37B of the
+    main model); with the release's copies of the embedding and head, the 671B flavor with one
+    module is the released checkpoint's 684.5B (its fp8 scales aside; published: 685B). FLOPs:
+    each module's block, projection and a head more."""
+    base, mtp = FLAVORS["671B"], FLAVORS["671B"].replace(mtp_layers=1)
+    counts = mtp.param_counts()
+    assert counts["active"] == base.param_counts()["active"]
+    assert counts["total"] - base.param_counts()["total"] == counts["mtp"]
+    assert counts["total"] + 2 * mtp.vocab_size * mtp.dim == pytest.approx(684.49e9, rel=1e-4)
+    seq = 4096
+    extra = mtp.flops_per_token(seq) - base.flops_per_token(seq)
+    assert extra == (mtp.layer_flops_per_token(61, seq) + 12 * mtp.dim**2 + 6 * (mtp.vocab_size * mtp.dim + mtp.dim))
+    tiny = FLAVORS["tiny"].replace(mtp_layers=2)
+    assert sum(p.numel() for p in Transformer(tiny).parameters()) == tiny.param_counts()["total"]
+
+
+def test_checkpoints_with_fewer_modules_are_refused_and_more_skipped():
+    """A run (or an initial load, or dcp-to-hf) reads a checkpoint's modules up to its own
+    `mtp_layers`, skipping the rest; one that holds fewer is refused naming model.mtp_layers, and
+    the flavor the tensors fit is found whatever modules they hold."""
+    from torchmoe.components.checkpoint import ModelWrapper
+    from torchmoe.components.flavor_fit import flavors_fitting, meta_state, require_fit
+    from torchmoe.config.errors import ConfigError
+
+    def stored(mtp: int) -> dict:
+        return {name: SimpleNamespace(size=t.shape) for name, t in meta_state(FLAVORS["tiny"].replace(mtp_layers=mtp)).items()}
+
+    with pytest.raises(ConfigError, match=r"model.mtp_layers = 2: /ckpt holds 1 multi-token prediction modules"):
+        require_fit("model.flavor", "tiny", FLAVORS["tiny"].replace(mtp_layers=2), stored(1), "/ckpt")
+    require_fit("model.flavor", "tiny", FLAVORS["tiny"].replace(mtp_layers=1), stored(2), "/ckpt")
+    require_fit("model.flavor", "tiny", FLAVORS["tiny"], stored(1), "/ckpt")
+    assert flavors_fitting({name: md.size for name, md in stored(2).items()}, "deepseek_v3") == ["tiny"]
+    wrapper = ModelWrapper([Transformer(FLAVORS["tiny"].replace(mtp_layers=1))], flavor="tiny", family="deepseek_v3")
+    with pytest.raises(ConfigError, match=r"model.mtp_layers = 1: does not match the run's checkpoints: they hold 0"):
+        wrapper.check_saved_shapes({name: md.size for name, md in stored(0).items()})
+    wrapper.check_saved_shapes({name: md.size for name, md in stored(2).items()})
