@@ -12,7 +12,8 @@ process, loads it, and then writes it back with the trainer's `last_save_in_hf` 
   (w1 and w3 written by different ranks, or as two column slices by one rank under MoE TP,
   must land in the right halves of Llama 4's fused `gate_up_proj`; Qwen3-MoE's and DeepSeek-V3's
   experts, one tensor each, are written by the ranks holding them, or in row slices under MoE
-  TP; DeepSeek-V3's expert bias, a buffer, in and out as e_score_correction_bias; gpt-oss's
+  TP; DeepSeek-V3's expert bias, a buffer, in and out as e_score_correction_bias, and its
+  multi-token prediction layer with the release's copies of the embedding and head; gpt-oss's
   MXFP4 folder, each rank dequantising only its box of blocks, loads as its unpacked twin);
 - the load's peak host memory per rank (VmHWM reset before the load, minus the resident size
   before it) stays near the rank's shard and well under the full model: measured on bench256
@@ -64,6 +65,10 @@ FAMILY_LAYOUTS = {
     f"{family}_{name}": (family, ["--model.name", family, *flags]) for family in ("qwen3", "deepseek_v3", "gpt_oss")
     for name, flags in _FAMILY_FLAGS.items() if name not in _FAMILY_SKIP.get(family, ())
 }
+# DeepSeek-V3 with its multi-token prediction layer, as released (model.layers.{n_layers}, with its
+# copies of the embedding and head): its block under TP x EP, its projection replicated over tp.
+FAMILY_LAYOUTS["deepseek_v3_mtp_fsdp2_tp2_ep4"] = (
+    "deepseek_v3_mtp", ["--model.name", "deepseek_v3", "--model.mtp_layers", "1", *_FAMILY_FLAGS["fsdp2_tp2_ep4"]])
 # gpt-oss's folder in the releases' form (experts as MXFP4 blocks and scales): each rank reads and
 # dequantises the box of blocks its shard covers. TP 4 gives each rank 16 of a down projection's
 # 64 inputs: half a scale group, cut out of the group read.
@@ -153,14 +158,17 @@ def _worker(out_dir: Path) -> None:
 
 
 def _hf_folder(flavor: str, folder: Path, seed: int, family: str = "llama4") -> Path:
-    """A Hugging Face folder of a randomly initialised model of `flavor` (one process)."""
+    """A Hugging Face folder of a randomly initialised model of `flavor` (one process); a `family`
+    ending in ``_mtp`` has one multi-token prediction layer."""
     import torch
 
     from torchmoe.arch.registry import FLAVORS
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer
 
-    model = Transformer(FLAVORS[family][flavor])
+    mtp = family.endswith("_mtp")
+    family = family.removesuffix("_mtp")
+    model = Transformer(FLAVORS[family][flavor].replace(mtp_layers=int(mtp)))
     model.init_weights(seed=seed)
     generator = torch.Generator().manual_seed(seed)
     if family == "deepseek_v3":  # its folders keep the expert bias (e_score_correction_bias): a trained one
@@ -177,7 +185,7 @@ def measured(tmp_path_factory) -> tuple[dict[int, dict], Path]:
     out = tmp_path_factory.mktemp("hf_sharded")
     inputs = {flavor: str(_hf_folder(flavor, out / f"hf_{flavor}", seed)) for seed, flavor in
               enumerate(("tiny", "bench256"))}
-    for seed, family in enumerate(("qwen3", "deepseek_v3", "gpt_oss"), start=2):
+    for seed, family in enumerate(("qwen3", "deepseek_v3", "gpt_oss", "deepseek_v3_mtp"), start=2):
         inputs[f"{family}_tiny"] = str(_hf_folder("tiny", out / f"hf_{family}_tiny", seed, family))
     inputs["gpt_oss_mxfp4"] = str(mxfp4_folder(Path(inputs["gpt_oss_tiny"]), out / "hf_gpt_oss_mxfp4"))
     (out / "inputs.json").write_text(json.dumps(inputs))

@@ -126,7 +126,8 @@ def test_the_loss_and_its_gradients_are_the_reports_on_transformers_modules(mode
              ("layers.1.attention.wkv_a.weight", hf.model.layers[1].self_attn.kv_a_proj_with_mqa.weight)]
     for k, module in enumerate(modules):
         i = n + k
-        pairs += [(f"mtp.{i}.eh_proj.weight", module["eh_proj"].weight), (f"mtp.{i}.enorm.weight", module["enorm"].weight),
+        pairs += [(f"mtp.{i}.eh_proj.weight", module["eh_proj"].weight),
+                  (f"mtp.{i}.enorm.weight", module["enorm"].weight),
                   (f"mtp.{i}.hnorm.weight", module["hnorm"].weight), (f"mtp.{i}.norm.weight", module["norm"].weight),
                   (f"layers.{i}.attention.wo.weight", module["layer"].self_attn.o_proj.weight),
                   (f"layers.{i}.moe.router.gate.weight", module["layer"].mlp.gate.weight)]
@@ -150,10 +151,13 @@ def test_without_labels_the_model_is_the_causal_lm(models):
             assert torch.equal(got, want)
 
 
-def test_the_released_layout_and_a_model_without_mtp(models, tmp_path):
+def test_the_released_layout_both_ways(models, tmp_path):
     """The MTP layers sit where the release puts them (``model.layers.{n + k}``: the block's
-    names, enorm, hnorm, eh_proj, shared_head.norm); the release's copies of the embedding and
-    head there are read from neither; a model without MTP loads the same folder's causal LM."""
+    names, enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and head, which
+    the engines serving the MTP weights read there); the copies are written but never read (the
+    main embedding and head are)."""
+    from safetensors.torch import save_file
+
     ours, folder, _ = models
     stored = {}
     for file in sorted(folder.glob("*.safetensors")):
@@ -162,25 +166,23 @@ def test_the_released_layout_and_a_model_without_mtp(models, tmp_path):
                  "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.e_score_correction_bias"):
         assert f"model.layers.3.{name}" in stored and f"model.layers.4.{name}" in stored, name
     assert torch.equal(stored["model.layers.4.eh_proj.weight"], ours.mtp["4"].eh_proj.weight)
-    # As the release: copies of the embedding and head in the MTP layer (here: other values, to
-    # show they are not read).
-    released = tmp_path / "released"
-    released.mkdir()
+    for i in (3, 4):
+        assert torch.equal(stored[f"model.layers.{i}.embed_tokens.weight"], ours.tok_embeddings.weight)
+        assert torch.equal(stored[f"model.layers.{i}.shared_head.head.weight"], ours.output.weight)
+    # Copies of other values: not read.
+    changed = tmp_path / "changed"
+    changed.mkdir()
     for file in folder.iterdir():
-        (released / file.name).write_bytes(file.read_bytes())
-    extra = {"model.layers.3.embed_tokens.weight": torch.zeros(96, 64),
-             "model.layers.3.shared_head.head.weight": torch.zeros(96, 64)}
-    from safetensors.torch import save_file
-    save_file(extra, released / "mtp_copies.safetensors")
-    index = released / "model.safetensors.index.json"
-    if index.exists():
-        import json
-        data = json.loads(index.read_text())
-        data["weight_map"].update(dict.fromkeys(extra, "mtp_copies.safetensors"))
-        index.write_text(json.dumps(data))
+        if file.suffix != ".safetensors":
+            (changed / file.name).write_bytes(file.read_bytes())
+            continue
+        tensors = load_file(file)
+        tensors.update({k: torch.zeros_like(v) for k, v in tensors.items()
+                        if k.endswith(("layers.3.embed_tokens.weight", "layers.4.shared_head.head.weight"))})
+        save_file(tensors, changed / file.name, metadata={"format": "pt"})
     tokens = random_tokens(96)
     with torch.no_grad():
-        assert torch.equal(load_model(released)(tokens), ours(tokens))
+        assert torch.equal(load_model(changed)(tokens), ours(tokens))
 
 
 def test_sizes_count_the_modules_and_the_release_is_685b():
@@ -209,7 +211,8 @@ def test_checkpoints_with_fewer_modules_are_refused_and_more_skipped():
     from torchmoe.config.errors import ConfigError
 
     def stored(mtp: int) -> dict:
-        return {name: SimpleNamespace(size=t.shape) for name, t in meta_state(FLAVORS["tiny"].replace(mtp_layers=mtp)).items()}
+        model = meta_state(FLAVORS["tiny"].replace(mtp_layers=mtp))
+        return {name: SimpleNamespace(size=t.shape) for name, t in model.items()}
 
     with pytest.raises(ConfigError, match=r"model.mtp_layers = 2: /ckpt holds 1 multi-token prediction modules"):
         require_fit("model.flavor", "tiny", FLAVORS["tiny"].replace(mtp_layers=2), stored(1), "/ckpt")

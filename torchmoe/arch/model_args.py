@@ -358,7 +358,8 @@ class ModelArgs:
         """Training FLOPs per token of the final norm and the output head (the embedding lookup is
         no matmul; a tied head still multiplies by the embedding), once more for each multi-token
         prediction module with its input projection (its block is a layer's)."""
-        return 6 * (self.vocab_size * self.dim + self.dim) * (1 + self.mtp_layers) + 6 * 2 * self.dim**2 * self.mtp_layers
+        head = 6 * (self.vocab_size * self.dim + self.dim)
+        return head * (1 + self.mtp_layers) + 6 * 2 * self.dim**2 * self.mtp_layers
 
     def flops_per_token(self, seq_len: int, *, causal: bool = False) -> int:
         """Training FLOPs per token (forward + backward) of the whole model, counting only the

@@ -67,7 +67,8 @@ def meta_state(args: ModelArgs) -> dict[str, torch.Tensor]:
 
 @functools.cache
 def _flavor_shapes(family: str, flavor: str, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in meta_state(FLAVORS[family][flavor].replace(mtp_layers=mtp_layers)).items()}
+    args = FLAVORS[family][flavor].replace(mtp_layers=mtp_layers)
+    return {name: tuple(t.shape) for name, t in meta_state(args).items()}
 
 
 def stored_mtp_layers(names: Iterable[str]) -> int:

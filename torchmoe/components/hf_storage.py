@@ -327,11 +327,12 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
 class _HFSavePlanner(DefaultSavePlanner):
     """Writes each of our tensors (a view in HF orientation) as chunks of its stored tensor:
     every write item is renamed to the HF name with its offsets moved by the slice's offset, or
-    split into one item per expert of a per-expert slice."""
+    split into one item per expert of a per-expert slice. The entries named in `copies` are
+    written from copies of their tensors (safetensors refuses two names over one memory)."""
 
-    def __init__(self, slices: dict[str, HFSlice]) -> None:
+    def __init__(self, slices: dict[str, HFSlice], copies: frozenset[str] = frozenset()) -> None:
         super().__init__()
-        self.slices = slices
+        self.slices, self.copies = slices, copies
         # (stored name, offsets) -> our item, and the expert of its chunk (None: the whole chunk).
         self._ours: dict[tuple[str, tuple[int, ...]], tuple[MetadataIndex, int | None]] = {}
 
@@ -362,6 +363,8 @@ class _HFSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         ours, expert = self._ours[(write_item.index.fqn, tuple(write_item.index.offset))]
         data = super().resolve_data(dataclasses.replace(write_item, index=ours))
+        if ours.fqn in self.copies:
+            return data.clone()
         # The views of transposed experts are strided; safetensors writes contiguous memory.
         return (data if expert is None else data[expert]).contiguous()
 
@@ -394,7 +397,8 @@ def _file_index(dtype: torch.dtype, max_shard_bytes: int, args: ModelArgs) -> di
     the current one would exceed `max_shard_bytes`. The same on every rank, whatever it holds."""
     index: dict[str, int] = {}
     file, used = 1, 0
-    for name, shape in ((name, shape) for s in _full_model_slices(args) for name, shape in s.stored().items()):
+    slices = [*_full_model_slices(args), *(copy for _, copy in hf_mapping(args).hf_copies(args))]
+    for name, shape in ((name, shape) for s in slices for name, shape in s.stored().items()):
         if name in index:  # w3's half of a fused tensor, after w1's
             continue
         size = math.prod(shape) * dtype.itemsize
@@ -452,10 +456,14 @@ def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir:
         warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face "
                       f"{mapping.title} and is dropped: expert selection there ignores it", stacklevel=2)
     views, slices = _hf_views(state, args)
+    copies = {f"{ours} as {copy.hf_name}": (ours, copy) for ours, copy in mapping.hf_copies(args) if ours in state}
+    for key, (ours, copy) in copies.items():  # the family's second places of a tensor
+        views[key], slices[key] = copy.view(state[ours]), copy
     dtype = next(iter(views.values())).dtype  # every parameter has the same (every pp stage has some)
     index = _file_index(dtype, max_shard_bytes, args)
     writer = _RankShardWriter(str(shards), fqn_to_index_mapping=index, save_distributed=True)
-    dcp.save(views, storage_writer=writer, planner=_HFSavePlanner(slices), process_group=process_group,
+    dcp.save(views, storage_writer=writer, planner=_HFSavePlanner(slices, frozenset(copies)),
+             process_group=process_group,
              no_dist=not _dist_on())
     # Each rank writes some of the output files.
     private.consolidate_safetensors(str(shards), str(out_dir), index, every_rank=_dist_on(), process_group=process_group)

@@ -41,6 +41,9 @@ class HFMapping:
         text_tensor_name: (a stored name, `ModelArgs`) -> the text model's name, or None for
             what is skipped (a multimodal checkpoint's vision tower, DeepSeek-V3's multi-token
             prediction layers).
+        hf_copies: `ModelArgs` -> (our state-dict name, `HFSlice`) of the tensors the family's
+            checkpoints store twice, the second place (DeepSeek-V3's MTP layers hold the
+            embedding and the head): written on save, not read on load.
     """
 
     title: str
@@ -50,6 +53,7 @@ class HFMapping:
     hf_config_from_args: Callable[[ModelArgs, torch.dtype], dict]
     hf_slice: Callable[[str, Sequence[int]], HFSlice | None]
     text_tensor_name: Callable[[str, ModelArgs], str | None]
+    hf_copies: Callable[[ModelArgs], list[tuple[str, HFSlice]]] = lambda args: []
 
 
 _MAPPINGS: dict[str, HFMapping] = {
@@ -59,7 +63,7 @@ _MAPPINGS: dict[str, HFMapping] = {
                        qwen3_hf.hf_config_from_args, qwen3_hf.hf_slice, qwen3_hf.text_tensor_name),
     "deepseek_v3": HFMapping("DeepSeek-V3", "DeepseekV3ForCausalLM", deepseek_v3_hf.MODEL_TYPES,
                              deepseek_v3_hf.args_from_hf_config, deepseek_v3_hf.hf_config_from_args,
-                             deepseek_v3_hf.hf_slice, deepseek_v3_hf.text_tensor_name),
+                             deepseek_v3_hf.hf_slice, deepseek_v3_hf.text_tensor_name, deepseek_v3_hf.hf_copies),
     "gpt_oss": HFMapping("gpt-oss", "GptOssForCausalLM", gpt_oss_hf.MODEL_TYPES, gpt_oss_hf.args_from_hf_config,
                          gpt_oss_hf.hf_config_from_args, gpt_oss_hf.hf_slice, gpt_oss_hf.text_tensor_name),
 }

@@ -22,9 +22,9 @@ torchmoe's ``mtp_layers`` (`models.decoder.mtp`): the block's tensors under the 
     HF  model.layers.{i}.shared_head.norm            ours mtp.{i}.norm
 
 The release also stores each MTP layer's ``embed_tokens`` and ``shared_head.head``: copies of the
-main model's embedding and head, which the modules share; loading reads the main ones, and saving
-does not write the copies. A model with fewer MTP layers than the checkpoint (transformers' causal
-LM has none) skips the rest.
+main model's embedding and head, which the modules share. Saving writes them (`hf_copies`: the
+engines serving the MTP weights read them there); loading reads the main ones. A model with fewer
+MTP layers than the checkpoint (transformers' causal LM has none) skips the rest.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from torchmoe.models.hf_config_spec import (
 )
 from torchmoe.models.hf_slices import HFSlice, per_expert_slice
 
-__all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slice", "text_tensor_name"]
+__all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_copies", "hf_slice", "text_tensor_name"]
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
@@ -248,6 +248,16 @@ def hf_slice(name: str, shape: Sequence[int]) -> HFSlice:
         if m := pattern.match(name):
             return HFSlice(target.format(**m.groupdict()), tuple(shape))
     raise HFConversionError(f"no Hugging Face name for {name!r}")
+
+
+def hf_copies(args: ModelArgs) -> list[tuple[str, HFSlice]]:
+    """Each MTP layer's copies of the embedding and the output head (the embedding when tied),
+    as the release stores them."""
+    head = "tok_embeddings.weight" if args.tie_word_embeddings else "output.weight"
+    shape = (args.vocab_size, args.dim)
+    return [pair for i in args.mtp_layer_ids for pair in (
+        ("tok_embeddings.weight", HFSlice(f"model.layers.{i}.embed_tokens.weight", shape)),
+        (head, HFSlice(f"model.layers.{i}.shared_head.head.weight", shape)))]
 
 
 def text_tensor_name(stored: str, args: ModelArgs) -> str | None:
