@@ -32,7 +32,7 @@ LLAMA4_ROPE_SCALING = {
 # its tensor check refuses).
 NOT_ARCHITECTURE = frozenset({"attn_backend", "use_grouped_mm", "load_balance_coeff", "aux_loss_coeff",
                               "z_loss_coeff", "moe_force_load_balance", "init_std", "max_seq_len",
-                              "active_counts_embedding", "mtp_layers", "mtp_loss_coeff"})
+                              "active_counts_embedding", "mtp_layers", "mtp_loss_coeff", "mtp_supported"})
 # Fields that spell a per-layer placement (compared as the placement they give).
 _PLACEMENT_SPELLINGS = frozenset({"moe_layers", "interleave_moe_layer_step", "no_rope_layers",
                                   "no_rope_layer_interval"})
@@ -136,6 +136,9 @@ class ModelArgs:
     # their mean loss joins the main loss times `mtp_loss_coeff` (`models.decoder.mtp`).
     mtp_layers: int = 0
     mtp_loss_coeff: float = 0.1
+    # Whether the family has a place for multi-token prediction modules (DeepSeek-V3's, in its
+    # Hugging Face form too): data the preflight reads instead of the family's name.
+    mtp_supported: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:

@@ -97,7 +97,7 @@ def _check_multi_token_prediction(args: ModelArgs, degrees: dict[str, int]) -> N
     if not args.mtp_layers:
         return
     what = f"model.mtp_layers = {args.mtp_layers}"
-    if args.family != "deepseek_v3":
+    if not args.mtp_supported:
         raise ConfigError("model.mtp_layers", args.mtp_layers, f"multi-token prediction is DeepSeek-V3's; the "
                           f"{args.family} family has no place for its layers (nor its Hugging Face form)",
                           'set model.mtp_layers = 0, or model.name = "deepseek_v3"')
