@@ -1,10 +1,15 @@
 """Fault tolerance on this machine (CPU, gloo): what torchft replica groups cost and how fast they
 recover. 2 groups x 2 ranks (FSDP 2 inside each) of the debugmodel flavor, a lighthouse here.
 
-    python scripts/bench_ft.py                  # ~3 min; writes outputs/bench_ft.json
+    python scripts/bench_ft.py                  # ~4 min; writes outputs/bench_ft.json
 
     overhead        median step seconds of the 2 groups against HSDP 2 x 2 in one torchrun world
-                    (same job, same rows), no failure
+                    (same job, same rows), no failure, with the quorum formed before each step
+                    (sync) and during its forward (async_quorum); the difference is the exposed
+                    cost of crossing groups
+    blocked         median seconds per step the training thread waited on work across groups
+                    (the metrics' ft_blocked_s: quorum, FSDP's all-reduce hooks, the small
+                    collective, the commit)
     failure_to_step seconds from `kill -9` of group 1 (in its step 6) to group 0's next step
                     (the failed step's retry without it)
     recovery        seconds from group 1's new launch to its first step with group 0, and the
@@ -41,9 +46,15 @@ def _step_seconds(records: list[dict], tokens_per_step: int) -> float:
 def overhead(tmp: Path) -> dict:
     run_train([*JOB, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=tmp / "hsdp", nproc=4)
     hsdp = _step_seconds(read_metrics(tmp / "hsdp"), 4 * 4 * 256)
-    groups = run_replica_groups([*JOB, *FT], tmp / "ft", "--min-replicas", "2")
-    ft = statistics.mean(_step_seconds(group.records(), 2 * 4 * 256) for group in groups)
-    return {"hsdp_2x2_step_s": hsdp, "ft_2x2_step_s": ft, "overhead": ft / hsdp - 1}
+    result = {"hsdp_2x2_step_s": hsdp}
+    for mode, flags in (("sync", []), ("async", ["--fault_tolerance.async_quorum", "true"])):
+        groups = run_replica_groups([*JOB, *FT, *flags], tmp / f"ft_{mode}", "--min-replicas", "2")
+        step = statistics.mean(_step_seconds(group.records(), 2 * 4 * 256) for group in groups)
+        blocked = statistics.mean(statistics.median(r["ft_blocked_s"] for r in group.records() if r["step"] > 2)
+                                  for group in groups)
+        result |= {f"ft_2x2_{mode}_step_s": step, f"ft_{mode}_overhead": step / hsdp - 1,
+                   f"ft_{mode}_blocked_s": blocked}
+    return result
 
 
 def failure(tmp: Path) -> dict:

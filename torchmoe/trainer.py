@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchmoe.arch.registry import model_args_from_config
+from torchmoe.arch.registry import FLAVORS, model_args_from_config
 from torchmoe.components.checkpoint import (
     CheckpointManager,
     ModelWrapper,
@@ -42,7 +41,6 @@ from torchmoe.components.checkpoint import (
     SaveFailed,
     checkpoint_timeout,
 )
-from torchmoe.components.data_position import DataPosition
 from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.garbage_collection import GarbageCollection
@@ -74,12 +72,14 @@ from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch, PeerFailed
-from torchmoe.distributed.fault_tolerance import ReplicaGroups, SemiSync, like, local_tensors
+from torchmoe.distributed.fault_tolerance import ReplicaGroups, connect
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
+from torchmoe.distributed.replica_state import GroupLayout, decode_position, encode_position, like, local_tensors
+from torchmoe.distributed.semi_sync import SemiSync
 from torchmoe.interruption import leaving_for_failure
 from torchmoe.models.decoder.mtp import mtp_targets
 from torchmoe.models.decoder.parallelize import parallelize_model
@@ -255,19 +255,31 @@ class Trainer:
         # The replica groups when they meet every step (fault tolerance without semi_sync_method).
         self.step_replicas: ReplicaGroups | None = None
         self.semi_sync: SemiSync | None = None
-        self.data_position: DataPosition | None = None
         self._recovered = False  # a peer's live state was taken since the batch was drawn
         self._quorum_joined = False  # the next attempt's quorum was joined already (`fit`)
+        # What a recovering group takes, as references (`_live_refs`); None: rebuild it.
+        self._live: dict | None = None
+        self._group_steps: torch.Tensor | None = None  # the sum of the group's step numbers (`_reduce_loss_and_flags`)
         if ft.enable:
-            self.data_position = DataPosition(self.dump_folder, rank=self.rank)
-            self.replicas = ReplicaGroups(ft, quorum_timeout_s=cfg.comm.init_timeout_seconds, state=self._live_state,
-                                          load=self._load_live_state)
+            self.replicas = ReplicaGroups(
+                connect(ft, quorum_timeout_s=cfg.comm.init_timeout_seconds, log_level=cfg.metrics.log_level), ft,
+                layout=self._group_layout(),
+                known_models=[self._model_text(name, flavor) for name, flavors in FLAVORS.items() for flavor in flavors],
+                position_width=len(encode_position(self.dataloader.state_dict())), state=self._live_state,
+                load=self._load_live_state, device=self.device)
             self.state["fault_tolerance"] = self.replicas
+            self.state["row_positions"] = RankLocal(self.replicas.positions, rank=self.rank)
             if ft.semi_sync_method:
-                self.semi_sync = SemiSync(self.replicas, ft, self._local_params, [m.expert_bias for m in self.moe_layers])
+                self.semi_sync = SemiSync(self.replicas, ft, self._local_named_params,
+                                          [m.expert_bias for m in self.moe_layers],
+                                          layer_ids=range(self.model_args.n_layers + self.model_args.mtp_layers))
                 self.state["semi_sync"] = RankLocal(self.semi_sync, rank=self.rank)
             else:
                 self.step_replicas = self.replicas
+                where = ("inside FSDP's backward" if self.replicas.attach(self.model_parts)
+                         else "after the backward (no FSDP in the group)")
+                if self.rank == 0:
+                    logger.info("gradients are averaged across replica groups %s", where)
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         # Sliced once: slicing a DeviceMesh builds a new one from its rank tensor every time.
         self.tp_mesh = self.mesh["tp"] if self.mesh is not None else None
@@ -523,18 +535,24 @@ class Trainer:
                 stepped, so the model still holds the previous step's weights).
         """
         global_loss, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
-        if self.step_replicas is not None:
-            # Averaged over the step's replica groups before clipping, so every group clips and
-            # steps alike (the loss too, for the record). From here on the rows may count.
-            self.data_position.save_pending(self.dataloader, step=self.step + 1)
-            self.step_replicas.average_([global_loss.view(1), *self._local_grads()])
         counts = self._moe_counts()
+        if self.step_replicas is not None:
+            # Across the step's replica groups before clipping, so every group clips and steps
+            # alike: the gradients (averaged in the backward, or here), the loss, the token
+            # counts, and where this group's rows stand after the step's batch.
+            global_loss, counts = self.step_replicas.reduce(global_loss, counts, self._local_grads,
+                                                            encode_position(self.dataloader.state_dict()))
         max_norm = self.cfg.training.max_norm
         with region("optimizer"):
             grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
                                         pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
-        loss, stop, norm, bad_bias = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
-                                                  bad_bias]).tolist()
+        steps = [self._group_steps] if self.replicas is not None and self.mesh is not None else []
+        loss, stop, norm, bad_bias, *group_steps = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
+                                                                bad_bias, *steps]).tolist()
+        if group_steps and group_steps[0] != self.step * self.world_size:
+            raise RuntimeError(f"this rank is at step {self.step} and other ranks of its replica group are not (a "
+                               "recovery failed on some of them): the group stops; launch it again and it takes "
+                               "the live state from a healthy group")
         lr = self.scheduler.get_last_lr()[0]
         if self.step_replicas is not None and not self.step_replicas.commit(self.step + 1):
             # A peer failed during the step, or too few groups took part: nothing is stepped.
@@ -566,9 +584,10 @@ class Trainer:
         return StepResult(loss, norm, lr, stop > 0, counts,
                           participants=self.step_replicas.participants if self.step_replicas is not None else 1)
 
-    def _local_params(self) -> list[torch.Tensor]:
-        """Every parameter as this rank holds it (a DTensor's local shard), in the model's order."""
-        return [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+    def _local_named_params(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter as this rank holds it (a DTensor's local shard) with its name, in the
+        model's order."""
+        return [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in self.model.named_parameters()]
 
     def _local_grads(self) -> list[torch.Tensor]:
         """Every parameter's gradient as this rank holds it (a DTensor's local shard), in the
@@ -594,14 +613,19 @@ class Trainer:
         bad_bias = (~torch.isfinite(torch.cat(biases))).any().float() if biases else torch.zeros_like(flag)
         if self.mesh is None:
             return local_loss, flag, bad_bias
-        buf = torch.stack([local_loss * self.loss_weight, flag, bad_bias])
+        # The step number rides along under fault tolerance: a recovery that failed on some ranks
+        # of a group (its sender died mid-transfer) leaves the others on the peer's step, and
+        # torchft cannot bring such a group back together.
+        step = [torch.tensor(float(self.step), device=self.device)] if self.replicas is not None else []
+        buf = torch.stack([local_loss * self.loss_weight, flag, bad_bias, *step])
         dist.all_reduce(buf)
+        if step:  # read with the step's other values (`train_step`)
+            self._group_steps = buf[3]
         return buf[0], buf[1], buf[2]
 
     def _moe_counts(self) -> torch.Tensor | None:
         """This step's (L_local, E) token counts of the local MoE layers, summed over every rank
-        that routes other tokens (and over the step's replica groups); None without local MoE
-        layers."""
+        that routes other tokens (within the replica group); None without local MoE layers."""
         if not self.moe_layers:  # a pipeline stage may have none
             return None
         counts = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # (L_local, E)
@@ -609,8 +633,6 @@ class Trainer:
             dist.all_reduce(counts, group=self.mesh["loss"].get_group())
         if self.mesh is not None and self.dims.ep_enabled and self.dims.tp_enabled:
             dist.all_reduce(counts, group=self.tp_mesh.get_group())
-        if self.step_replicas is not None:
-            self.step_replicas.sum_(counts)
         return counts
 
     def _update_moe_biases(self, counts: torch.Tensor | None) -> torch.Tensor | None:
@@ -632,33 +654,64 @@ class Trainer:
 
     # ---- fault tolerance ------------------------------------------------------------------------
 
-    def _live_state(self) -> dict:
-        """What a recovering replica group takes from this rank: weights, optimizer, schedule and
-        step, as plain tensors (`fault_tolerance.local_tensors`), and which groups each recent
-        step averaged (its rows stay its own: that says where they stand)."""
+    def _group_layout(self) -> GroupLayout:
+        """What every replica group must share with this one (`replica_state.GroupLayout`)."""
+        cfg = self.cfg
+        return GroupLayout(model=self._model_text(cfg.model.name, cfg.model.flavor),
+                           degrees=self.dims.degrees, ranks=self.world_size, seq_len=cfg.training.seq_len,
+                           local_batch_size=cfg.training.local_batch_size,
+                           global_batch_size=self.dataloader.global_batch_size)
+
+    def _model_text(self, name: str, flavor: str) -> str:
+        """Family `name`'s `flavor` with this run's dtype and MTP layers, as `GroupLayout.model`."""
+        mtp = f", {self.model_args.mtp_layers} MTP layers" if self.model_args.mtp_layers else ""
+        return f"{name}/{flavor}, {self.cfg.training.dtype}{mtp}"
+
+    def _live_refs(self) -> dict:
+        """References to this rank's weights and optimizer state as plain tensors (DTensors'
+        local shards: `replica_state.local_tensors`), built on the training thread. The tensors
+        are updated in place by every step, so the references stay valid until a load replaces
+        them or the optimizer creates its state (its first step): then `_live` is rebuilt."""
         # An optimizer that never stepped has no state to send; asking DCP for it would create
         # some (it takes a zero step to build the moments: Adam's step count would then be off by one).
         optimizer = local_tensors(self.state["optimizer"].state_dict()) if self.optimizer.state else {}
         return {"model": local_tensors(self.state["model"].state_dict()), "optimizer": optimizer,
-                "lr_scheduler": self.scheduler.state_dict(), "step": self.step,
-                "semi_sync": self.semi_sync.state_dict() if self.semi_sync is not None else {},
-                "contributors": dict(self.replicas.history)}
+                "optimizer_states": len(self.optimizer.state)}
 
-    def _load_live_state(self, state: dict) -> None:
-        """Take a healthy peer's `_live_state`, and move this group's rows to where they stood
-        after its last step that counted (`DataPosition`; the start position if none did)."""
+    def _refresh_live_refs(self) -> None:
+        """Rebuild `_live` when a load or the optimizer's first step replaced tensors it holds."""
+        if self._live is None or self._live["optimizer_states"] != len(self.optimizer.state):
+            self._live = self._live_refs()
+
+    def _live_state(self) -> dict:
+        """What a recovering replica group takes from this rank: weights, optimizer, schedule
+        and step. torchft may call this on its own thread during the forward, when nothing is
+        being updated: only references (`_live`) and small values are read."""
+        live = self._live
+        return {"model": live["model"], "optimizer": live["optimizer"],
+                "lr_scheduler": self.scheduler.state_dict(), "step": self.step,
+                "semi_sync": self.semi_sync.state_dict() if self.semi_sync is not None else {}}
+
+    def _load_live_state(self, state: dict, position: list[float] | None) -> None:
+        """Take a healthy peer's `_live_state`, and move this group's rows to `position`, where
+        they stood after its last step that counted (the start position if none did)."""
         self.state["model"].load_state_dict(like(self.state["model"].state_dict(), state["model"]))
         if state["optimizer"]:
             self.state["optimizer"].load_state_dict(like(self.state["optimizer"].state_dict(), state["optimizer"]))
         self.scheduler.load_state_dict(state["lr_scheduler"])
+        # The peer's optimizer state may carry the learning rate of the step its references were
+        # taken at; the schedule's says what it is now.
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
         if self.semi_sync is not None:
             self.semi_sync.load_state_dict(state["semi_sync"])
         logger.info("recovered the live state of step %d from a healthy replica group (this group was at step %d)",
                     state["step"], self.step)
         self.step = state["step"]
-        contributed = partial(self.replicas.contributed, state["contributors"])
-        if self.data_position.restore(self.dataloader, contributed) is None:
-            self.dataloader.load_state_dict(self._start_position)
+        loader = self.dataloader.state_dict()
+        self.dataloader.load_state_dict(decode_position(position, loader) if position is not None
+                                        else self._start_position)
+        self._live = None
         self._recovered = True
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -686,7 +739,8 @@ class Trainer:
         if self.replicas is not None:
             # The first quorum before the metrics file is opened: a group that is behind takes a
             # peer's live state now, and its records of the steps it committed before stay.
-            self.replicas.start_step()
+            self._refresh_live_refs()
+            self.replicas.begin_step()
             self._quorum_joined = True
             if self.semi_sync is not None:  # the groups meet again at the first sync
                 self.replicas.commit(self.step)
@@ -725,14 +779,15 @@ class Trainer:
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
                 result = self.last_result = self._committed_step()
                 self.step += 1
+                # This step's waits on other groups (its failed attempts' included).
+                ft_blocked_s = self.replicas.take_blocked_s() if self.replicas is not None else 0.0
                 extra = {}
-                if self.semi_sync is not None and self.semi_sync.due(self.step):
-                    self.data_position.save_pending(self.dataloader, step=self.step)
-                    extra = {"ft_synced": self.semi_sync.sync(self.step), "ft_participants": self.replicas.participants}
-                # A group's rows count as trained once its step is the quorum's: every step, or
-                # (semi-synchronous) at a sync that committed.
-                if self.data_position is not None and (self.semi_sync is None or extra.get("ft_synced")):
-                    self.data_position.save(self.dataloader, committed_step=self.step)
+                if self.semi_sync is not None:
+                    # A group's rows count as trained once a sync commits: its position rides in it.
+                    self._refresh_live_refs()
+                    synced = self.semi_sync.after_step(self.step, encode_position(self.dataloader.state_dict()))
+                    if synced is not None:
+                        extra = {**synced, "ft_participants": self.replicas.participants}
                 step_s = time.perf_counter() - t0
                 window.add(self.global_tokens, step_s)
                 if self.dims.ep_enabled:
@@ -761,7 +816,8 @@ class Trainer:
                         "tokens_per_sec": tokens_per_sec,
                         "tflops": flops_per_token * tokens_per_sec / self.dims.world_size / 1e12,
                         "memory_gib": peak_memory_gib(self.device),
-                        **({"ft_participants": result.participants} if self.step_replicas is not None else {}),
+                        **({"ft_participants": result.participants, "ft_blocked_s": ft_blocked_s}
+                           if self.step_replicas is not None else {}),
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)
                 else:  # the numbers the step read anyway, so that curves hold every step
@@ -829,7 +885,8 @@ class Trainer:
         batch = None
         while True:
             if self.step_replicas is not None and not self._quorum_joined:
-                self.step_replicas.start_step()
+                self._refresh_live_refs()
+                self.step_replicas.begin_step()
             self._quorum_joined = False
             if batch is None or self._recovered:
                 self._recovered = False

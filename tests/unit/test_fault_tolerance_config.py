@@ -1,6 +1,9 @@
 """`[fault_tolerance]` without a world: bad settings are one message each (exit 2), a group plans and
-writes under its own folder, `torchmoe lighthouse` refuses bad flags, a group's data position
-round-trips, and recovered state is checked against this rank's before it is taken.
+writes under its own folder, `torchmoe lighthouse` refuses bad flags, and `ReplicaGroups` on a
+fake torchft Manager (another group's tensors added in its collectives): the small per-step
+collective (loss averaged, counts summed, positions kept), row positions round-tripping through a
+loader, layouts compared (the later group stops naming both, the earlier fails only the step),
+and recovered state checked against this rank's before it is taken.
 
     python -m pytest -q tests/unit/test_fault_tolerance_config.py
 
@@ -17,11 +20,21 @@ import torch
 
 from tests.helpers import DEBUG_CONFIG
 from torchmoe import cli
-from torchmoe.components.data_position import DataPosition
 from torchmoe.config import load_job_config
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import FaultTolerance
 from torchmoe.data.dataloader import build_dataloader
 from torchmoe.data.tokenizer import build_tokenizer
-from torchmoe.distributed.fault_tolerance import LIGHTHOUSE_ENV, like, local_tensors
+from torchmoe.distributed.fault_tolerance import LIGHTHOUSE_ENV, ReplicaGroups
+from torchmoe.distributed.replica_state import (
+    GroupLayout,
+    RowPositions,
+    decode_position,
+    encode_position,
+    like,
+    local_tensors,
+)
+from torchmoe.distributed.semi_sync import SemiSync
 from torchmoe.models.llama4 import FLAVORS, Transformer
 
 FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
@@ -52,6 +65,8 @@ FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
     ([*FT, "--checkpoint.enable", "true", "--checkpoint.create_seed_checkpoint", "true"],
      "checkpoint.create_seed_checkpoint = true",
      "joins no replica group", "fault_tolerance.enable = false"),
+    ([*FT, "--fault_tolerance.async_quorum", "true", "--fault_tolerance.semi_sync_method", "diloco"],
+     "fault_tolerance.async_quorum = true", "meets at syncs", "set async_quorum = false"),
 ])
 def test_bad_settings_are_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], key: str,
                                       problem: str, fix: str) -> None:
@@ -96,34 +111,175 @@ def _loader(dp_rank: int = 1):
     return build_dataloader(cfg.training, build_tokenizer(""), dp_rank=dp_rank, dp_degree=4)
 
 
-def test_a_data_position_resumes_the_rows_after_the_last_step_that_counted(tmp_path: Path) -> None:
-    """Committed after 2 batches, then a 3rd drawn and marked pending: recovery resumes after the
-    2nd unless a peer's record says the 3rd step averaged this group's gradients."""
-    position = DataPosition(tmp_path, rank=3)
+def test_a_row_position_round_trips_through_the_table_and_resumes_the_rows_after_it() -> None:
+    """A loader's position after 2 batches, encoded, committed into the table, saved and loaded
+    into a fresh table (a resumed process), then decoded into a fresh loader: its next batch is
+    the 3rd."""
     loader = _loader()
-    assert position.restore(loader, lambda step: True) is None  # never committed: the loader stays
     for _ in range(2):
         loader.next_batch()
-    position.save(loader, committed_step=7)
-    loader.next_batch()
-    position.save_pending(loader, step=8)
-    loader.next_batch()  # drawn, never averaged
+    position = encode_position(loader.state_dict())
+    table = RowPositions(group_size=3, width=len(position))
+    assert table.get(1) is None  # nothing committed: the start position is used
+    table.commit({1: position})
+    again = RowPositions(group_size=3, width=len(position))
+    again.load_state_dict({"table": table.state_dict()["table"].clone()})
+    assert again.get(1) == position and again.get(0) is None
     fresh = _loader()
-    batches = [fresh.next_batch() for _ in range(4)]
-    for counted, step, expected in ((set(), 7, batches[2]), ({8}, 8, batches[3])):
-        again = _loader()
-        assert position.restore(again, counted.__contains__) == step
-        got = again.next_batch()
-        assert all(torch.equal(a, b) for pair in zip(got, expected) for a, b in zip(*pair)), step
+    fresh.load_state_dict(decode_position(again.get(1), fresh.state_dict()))
+    reference = _loader()
+    expected = [reference.next_batch() for _ in range(3)][-1]
+    got = fresh.next_batch()
+    assert all(torch.equal(a, b) for pair in zip(got, expected) for a, b in zip(*pair))
+    with pytest.raises(ValueError, match=r"shape \(2, 5\), this rank's is \(3, "):
+        again.load_state_dict({"table": torch.zeros(2, 5)})
 
 
-def test_an_unreadable_data_position_is_one_message(tmp_path: Path) -> None:
-    position = DataPosition(tmp_path, rank=0)
-    position.path.parent.mkdir(parents=True)
-    position.path.write_text("{not json")
-    with pytest.raises(Exception) as err:
-        position.restore(_loader(), lambda step: True)
-    assert "rank0.json is unreadable" in str(err.value) and "delete it" in str(err.value)
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+class _FakeManager:
+    """torchft's Manager as one rank of group `mine` sees it, with `other` the same rank of
+    another group: each collective adds what `other` contributes (a callable of the tensor this
+    rank sends); AVG divides by the participants."""
+
+    def __init__(self, other, *, participants: int = 2, commits: bool = True) -> None:
+        self.other, self.participants, self.commits = other, participants, commits
+        self.errors: list[Exception] = []
+        self.quorums = 0
+
+    def register_state_dict_fn(self, key, load, state) -> None:
+        self.load, self.state = load, state
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op=torch.distributed.ReduceOp.AVG) -> _Work:
+        if not self.errors:
+            tensor += self.other(tensor)
+            if reduce_op == torch.distributed.ReduceOp.AVG:
+                tensor /= self.participants
+        return _Work()
+
+    def errored(self):
+        return self.errors[0] if self.errors else None
+
+    def report_error(self, err: Exception) -> None:
+        self.errors.append(err)
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def should_commit(self) -> bool:
+        return self.commits and not self.errors
+
+
+LAYOUT = GroupLayout(model="llama4/tiny, float32", degrees={"pp": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1},
+                     ranks=2, seq_len=64, local_batch_size=2, global_batch_size=8)
+OTHER = GroupLayout(model="llama4/debugmodel, float32", degrees={"pp": 1, "dp_shard": 1, "cp": 1, "tp": 2, "ep": 1},
+                    ranks=2, seq_len=64, local_batch_size=2, global_batch_size=8)
+
+
+def _groups(manager: _FakeManager, *, replica_id: int = 0, group_size: int = 2, width: int = 3,
+            layout: GroupLayout = LAYOUT) -> ReplicaGroups:
+    cfg = FaultTolerance(enable=True, group_size=group_size, replica_id=replica_id)
+    return ReplicaGroups(manager, cfg, layout=layout, known_models=["llama4/tiny, float32", "llama4/debugmodel, float32"],
+                         position_width=width, state=lambda: {"w": 1}, load=lambda state, position: None,
+                         device=torch.device("cpu"))
+
+
+def _peer(layout: GroupLayout, group: int, *, committed: int = 0, position=(5.0, 6.0, 7.0), loss: float = 3.0,
+          counts=(1.0, 2.0), hook=(0.0, 0.0), groups: int = 2):
+    """What group `group` of `layout` sends in each of a step's collectives, by the tensor's form
+    (of `groups` groups; counts as many of `counts` as this rank sends)."""
+    def contribution(tensor: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(tensor)
+        if tensor.dtype == torch.int64:  # the layouts
+            out[group] = torch.tensor([1, committed, *layout.codes()])
+        elif tensor.numel() == 3:  # the gradients averaged after the backward: the other group's are zeros
+            pass
+        else:  # loss, counts, then one row per group: [present, hook calls, hook elements, *position]
+            n = tensor.numel() - groups * (3 + len(position))
+            out[:n] = torch.tensor([loss, *counts][:n], dtype=tensor.dtype)
+            rows = out[n:].view(-1, 3 + len(position))
+            rows[group] = torch.tensor([1.0, *hook, *position], dtype=tensor.dtype)
+        return out
+    return contribution
+
+
+def test_a_step_averages_the_loss_sums_the_counts_and_commits_every_groups_rows() -> None:
+    manager = _FakeManager(_peer(LAYOUT, 1))
+    groups = _groups(manager)
+    groups.begin_step()
+    grads = [torch.full((3,), 4.0)]
+    loss, counts = groups.reduce(torch.tensor(1.0), torch.tensor([3.0, 4.0]), lambda: grads, [1.0, 2.0, 3.0])
+    assert loss.item() == 2.0 and counts.tolist() == [4.0, 6.0]
+    assert grads[0].tolist() == [2.0, 2.0, 2.0]  # no FSDP attached: averaged after the backward
+    assert groups.positions.get(1) is None  # not before the commit
+    assert groups.commit(1)
+    assert groups.positions.get(0) == [1.0, 2.0, 3.0] and groups.positions.get(1) == [5.0, 6.0, 7.0]
+    assert manager.quorums == 1 and groups.committed_here == 1
+
+
+def test_a_step_that_does_not_commit_keeps_the_positions() -> None:
+    groups = _groups(_FakeManager(_peer(LAYOUT, 1), commits=False))
+    groups.begin_step()
+    groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
+    assert not groups.commit(1) and groups.positions.get(0) is None and groups.positions.get(1) is None
+
+
+def test_groups_whose_gradient_reductions_differ_stop() -> None:
+    groups = _groups(_FakeManager(_peer(LAYOUT, 1, hook=(3.0, 100.0))))
+    groups.begin_step()
+    with pytest.raises(RuntimeError, match="reduced 3 gradient buffers of 100 elements.*did not line up"):
+        groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
+
+
+def test_a_group_of_another_layout_stops_if_it_joined_later_else_fails_the_step() -> None:
+    # This group joined later (committed nothing here, the peer 5 steps): it stops, naming both.
+    groups = _groups(_FakeManager(_peer(OTHER, 1, committed=5)))
+    groups.begin_step()
+    with pytest.raises(ConfigError) as err:
+        groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
+    text = str(err.value)
+    assert "replica group 0" in text and "runs llama4/tiny, float32 on 2 ranks (pp 1, dp_shard 2" in text
+    assert "replica group 1 runs llama4/debugmodel, float32 on 2 ranks (pp 1, dp_shard 1, cp 1, tp 2" in text
+    assert "only fault_tolerance.replica_id differs" in text
+    # This group was here first: the step fails (tried again without the newcomer), nothing stops.
+    manager = _FakeManager(_peer(OTHER, 1, committed=0))
+    groups = _groups(manager)
+    groups.committed_here = 3
+    groups.begin_step()
+    groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
+    assert len(manager.errors) == 1 and not groups.commit(4)
+
+
+def test_two_launches_with_one_replica_id_stop() -> None:
+    groups = _groups(_FakeManager(_peer(LAYOUT, 0)))  # the other launch is replica group 0 too
+    groups.begin_step()
+    with pytest.raises(ConfigError, match="2 launches joined the job as replica group 0"):
+        groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
+
+
+def test_a_recovering_group_refuses_a_peer_of_another_layout_and_takes_its_own_rows() -> None:
+    taken = []
+    manager = _FakeManager(_peer(LAYOUT, 1))
+    cfg = FaultTolerance(enable=True, group_size=2, replica_id=1)
+    ReplicaGroups(manager, cfg, layout=LAYOUT, known_models=[], position_width=3, state=lambda: {},
+                  load=lambda state, position: taken.append((state, position)), device=torch.device("cpu"))
+    table = RowPositions(2, 3)
+    table.commit({1: [4.0, 5.0, 6.0]})
+    manager.load({"trainer": {"w": 2}, "layout": LAYOUT.codes(), "positions": table.state_dict()})
+    assert taken == [({"w": 2}, [4.0, 5.0, 6.0])]
+    with pytest.raises(ConfigError, match=r"but the groups it joins run a model of code 0x[0-9a-f]+ on 2 ranks"):
+        manager.load({"trainer": {}, "layout": OTHER.codes(), "positions": table.state_dict()})
+
+
+def test_a_layout_round_trips_through_its_codes() -> None:
+    assert GroupLayout.from_codes(OTHER.codes(), ["llama4/debugmodel, float32"]) == OTHER
+    assert GroupLayout.from_codes(OTHER.codes()).model.startswith("a model of code 0x")
 
 
 def test_a_peers_state_must_have_this_ranks_keys_and_shapes() -> None:
@@ -154,28 +310,35 @@ def test_a_forward_and_backward_leave_the_live_state_as_it_was() -> None:
 
 class _TwoGroups:
     """`ReplicaGroups` as this rank sees it when a second group holds `other`: averaging takes the
-    mean with the other group's tensors (in the order given), commit says `commits`."""
+    mean with the other group's tensors (in the order given), when its wait is called; commit
+    says `commits`."""
 
     def __init__(self, other: list[torch.Tensor], *, commits: bool = True) -> None:
         self.other, self.commits, self.quorums = other, commits, 0
 
-    def start_step(self) -> None:
+    def begin_step(self) -> None:
         self.quorums += 1
 
-    def average_(self, tensors: list[torch.Tensor]) -> None:
-        for mine, theirs in zip(tensors, self.other, strict=True):
-            mine.copy_((mine + theirs) / 2)
+    def start_average(self, tensors: list[torch.Tensor], *, quantize: bool = False):
+        theirs = list(self.other)
+
+        def wait() -> None:
+            for mine, other in zip(tensors, theirs, strict=True):
+                mine.copy_((mine + other) / 2)
+        return wait
+
+    def reduce(self, loss, counts, grads, position):
+        return loss, counts
 
     def commit(self, step: int) -> bool:
         return self.commits
 
 
-def _semi_sync(method: str, params: list[torch.Tensor], groups, bias: torch.Tensor, **keys):
-    from torchmoe.config.job_config import FaultTolerance
-    from torchmoe.distributed.fault_tolerance import SemiSync
-
+def _semi_sync(method: str, params: list[torch.Tensor], groups, bias: torch.Tensor, *, names=None, blocks=None,
+               **keys):
     cfg = FaultTolerance(enable=True, group_size=2, semi_sync_method=method, **keys)
-    return SemiSync(groups, cfg, lambda: params, [bias])
+    names = names or [f"layers.{i}.w" for i in range(len(params))]
+    return SemiSync(groups, cfg, lambda: list(zip(names, params)), [bias], layer_ids=range(blocks or len(params)))
 
 
 def test_diloco_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient() -> None:
@@ -196,7 +359,7 @@ def test_diloco_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient() -> 
             p.sub_(step)
         # The other group's pseudo-gradient (anchor - its θ), and its expert bias.
         groups.other = [*theirs, torch.ones(2)]
-        assert sync.sync(5)
+        assert sync.after_step(5, []) == {"ft_synced": True, "ft_fragment": 0}
         delta = [(m + t) / 2 for m, t in zip(mine, theirs)]  # mean of (anchor - θ_g)
         momentum = delta if momentum is None else [0.9 * m + d for m, d in zip(momentum, delta)]
         anchor = [a - 0.7 * (d + 0.9 * m) for a, d, m in zip(anchor, delta, momentum)]
@@ -214,11 +377,61 @@ def test_local_sgd_averages_parameters_and_biases_and_a_failed_sync_changes_noth
     params, bias = [torch.zeros(3), torch.ones(2)], torch.zeros(4)
     groups = _TwoGroups([torch.full((3,), 2.0), torch.full((2,), 3.0), torch.ones(4)], commits=False)
     sync = _semi_sync("local_sgd", params, groups, bias, sync_steps=5)
-    assert [sync.due(s) for s in (4, 5, 10)] == [False, True, True]
-    assert not sync.sync(5)
+    assert [sync.fragment_at(s) for s in (4, 5, 10)] == [None, 0, 0]
+    assert sync.after_step(4, []) is None
+    assert sync.after_step(5, []) == {"ft_synced": False, "ft_fragment": 0}
     assert torch.equal(params[0], torch.zeros(3)) and torch.equal(bias, torch.zeros(4))
     groups.commits = True
-    assert sync.sync(10)
+    assert sync.after_step(10, [])["ft_synced"]
     assert torch.equal(params[0], torch.ones(3)) and torch.equal(params[1], torch.full((2,), 2.0))
     assert torch.equal(bias, torch.full((4,), 0.5))
     assert sync.state_dict() == {"anchor": [], "momentum": []}
+
+
+def test_streaming_diloco_syncs_fragments_in_turn_with_delay_and_mixing_against_a_hand_computation() -> None:
+    """2 fragments (the embedding with block 0, block 1 with the head), sync_steps 4: fragment 0
+    syncs at steps 2 and 6, fragment 1 at 4 and 8; each pseudo-gradient is taken a step before
+    (delay 1), and a synced fragment's parameters become 0.75 x the outer step's + 0.25 x this
+    group's own (alpha 0.25). Outer SGD: lr 0.7, Nesterov momentum 0.9, per fragment."""
+    names = ["tok_embeddings.weight", "layers.0.w", "layers.1.w", "output.weight"]
+    gen = torch.Generator().manual_seed(1)
+    theta0 = [torch.randn(3, generator=gen) for _ in names]
+    params = [t.clone() for t in theta0]
+    groups = _TwoGroups([])
+    sync = _semi_sync("diloco", params, groups, torch.zeros(2), names=names, blocks=2, sync_steps=4, num_fragments=2,
+                      fragment_sync_delay=1, fragment_update_alpha=0.25, outer_lr=0.7, outer_momentum=0.9)
+    assert sync.fragments == [[0, 1], [2, 3]]
+    anchor, momentum = [t.clone() for t in theta0], [torch.zeros(3) for _ in names]
+    synced = []
+    for step in range(1, 9):
+        for p in params:  # this group's inner step
+            p.sub_(torch.randn(3, generator=gen) * 0.1)
+        if step % 2:  # a fragment's pseudo-gradient is taken: the other group's is `theirs`
+            fragment = [0, 1] if step % 4 == 1 else [2, 3]
+            theirs = [torch.randn(3, generator=gen) * 0.1 for _ in fragment]
+            groups.other = [*theirs, torch.ones(2)]
+            deltas = [((anchor[i] - params[i]) + t) / 2 for i, t in zip(fragment, theirs)]
+            assert sync.after_step(step, []) is None
+            continue
+        local = [p.clone() for p in params]
+        report = sync.after_step(step, [])
+        assert report == {"ft_synced": True, "ft_fragment": fragment[0] // 2}, step
+        synced.append((step, report["ft_fragment"]))
+        for i, delta in zip(fragment, deltas):
+            momentum[i] = 0.9 * momentum[i] + delta
+            anchor[i] = anchor[i] - 0.7 * (delta + 0.9 * momentum[i])
+            assert torch.allclose(sync.anchor[i], anchor[i], rtol=0, atol=1e-6), (step, i)
+            assert torch.allclose(params[i], 0.75 * anchor[i] + 0.25 * local[i], rtol=0, atol=1e-6), (step, i)
+        for i in {0, 1, 2, 3} - set(fragment):  # the other fragment is untouched
+            assert torch.equal(params[i], local[i]), (step, i)
+    assert synced == [(2, 0), (4, 1), (6, 0), (8, 1)]
+
+
+def test_fragments_split_the_blocks_in_contiguous_runs() -> None:
+    from torchmoe.distributed.semi_sync import fragments_of
+
+    names = ["tok_embeddings.weight", *(f"layers.{i}.attention._checkpoint_wrapped_module.wq.weight" for i in range(5)),
+             "mtp.5.enorm.weight", "layers.5.moe.router.weight", "norm.weight", "output.weight"]
+    assert fragments_of(names, range(6), 3) == [[0, 1, 2], [3, 4], [5, 6, 7, 8, 9]]
+    with pytest.raises(ConfigError, match="must be at most the model's 6 blocks"):
+        fragments_of(names, range(6), 7)

@@ -338,6 +338,8 @@ class FaultTolerance:
     """torchft's process group across groups: 'gloo' (host tensors; any device) or 'nccl' (CUDA)."""
     process_group_timeout_ms: int = 10000
     """Timeout of the collectives across groups, and of a step's quorum and commit: a group silent this long is dropped from the step."""
+    async_quorum: bool = False
+    """Form each step's quorum in the background during the forward instead of before it (every-step averaging only): the quorum's round trip to the lighthouse leaves the critical path; a recovering group then takes the live state at the step's commit, its batch of that step left out (drawn again next step)."""
     semi_sync_method: str = ""
     """'' = average gradients across groups every step; 'local_sgd' = groups step alone and average their parameters every sync_steps steps; 'diloco' = groups step alone and every sync_steps steps average the pseudo-gradient (parameters at the last sync minus now) and apply it with an outer SGD (outer_lr, outer_momentum, outer_nesterov)."""
     sync_steps: int = 5
@@ -348,6 +350,14 @@ class FaultTolerance:
     """diloco: momentum of the outer SGD."""
     outer_nesterov: bool = True
     """diloco: Nesterov momentum in the outer SGD."""
+    num_fragments: int = 1
+    """diloco: streaming DiLoCo when > 1: the blocks split into this many fragments (the embedding with the first, the head with the last), one syncing every sync_steps / num_fragments steps in turn, so each syncs every sync_steps and a sync moves a fraction of the model."""
+    fragment_sync_delay: int = 0
+    """Streaming DiLoCo: steps between taking a fragment's pseudo-gradient (starting its average) and applying it, 0 .. sync_steps / num_fragments - 1: the inner steps between overlap the transfer."""
+    fragment_update_alpha: float = 0.0
+    """Streaming DiLoCo: a synced fragment's parameters become (1 - alpha) * the outer step's + alpha * this group's own; 0 keeps every group's equal."""
+    should_quantize: bool = False
+    """local_sgd/diloco: send what a sync averages quantized to fp8 (torchft's quantized all-reduce: CUDA and process_group = 'nccl' only)."""
 
 
 @dataclass

@@ -330,7 +330,29 @@ def validate_fault_tolerance(ft: FaultTolerance) -> None:
         raise ConfigError("fault_tolerance.process_group_timeout_ms", ft.process_group_timeout_ms,
                           f"must lie in 1 .. {MAX_TIMEOUT_SECONDS * 1000} milliseconds",
                           "set a timeout in milliseconds, e.g. 10000")
+    if ft.async_quorum and ft.semi_sync_method:
+        raise ConfigError("fault_tolerance.async_quorum", True,
+                          f"is for groups that meet every step; semi_sync_method = {show_value(ft.semi_sync_method)} "
+                          "meets at syncs, whose quorum must form before the parameters are averaged",
+                          "set async_quorum = false, or semi_sync_method = \"\"")
     _at_least("fault_tolerance.sync_steps", ft.sync_steps, 1)
+    _at_least("fault_tolerance.num_fragments", ft.num_fragments, 1)
+    if ft.num_fragments > 1 and ft.semi_sync_method != "diloco":
+        raise ConfigError("fault_tolerance.num_fragments", ft.num_fragments,
+                          "splits DiLoCo's syncs (streaming DiLoCo), and semi_sync_method is "
+                          f"{show_value(ft.semi_sync_method)}", 'set semi_sync_method = "diloco", or num_fragments = 1')
+    if ft.sync_steps % ft.num_fragments:
+        raise ConfigError("fault_tolerance.sync_steps", ft.sync_steps,
+                          f"must be a multiple of num_fragments ({ft.num_fragments}): a fragment syncs every "
+                          "sync_steps / num_fragments steps", f"use a multiple of {ft.num_fragments}")
+    period = ft.sync_steps // ft.num_fragments
+    if not 0 <= ft.fragment_sync_delay < period:
+        raise ConfigError("fault_tolerance.fragment_sync_delay", ft.fragment_sync_delay,
+                          f"must lie in 0 .. sync_steps / num_fragments - 1 = {period - 1}: a fragment's sync "
+                          "completes before the next one starts", f"use 0 .. {period - 1}")
+    if not 0.0 <= ft.fragment_update_alpha <= 1.0:
+        raise ConfigError("fault_tolerance.fragment_update_alpha", ft.fragment_update_alpha, "must lie in [0, 1]",
+                          "use 0 (the outer step's parameters) .. 1 (this group's own)")
     _positive("fault_tolerance.outer_lr", ft.outer_lr)
     if not 0.0 <= ft.outer_momentum < 1.0:
         raise ConfigError("fault_tolerance.outer_momentum", ft.outer_momentum, "must lie in [0, 1)",

@@ -6,17 +6,26 @@
 
 Each replica group is a torchrun launch of its own that holds the whole model in the layout the
 config gives (FSDP, TP, EP, CP and PP stay inside it). What joins the groups is a torchft
-`Manager` on every rank: at the start of each step it asks the lighthouse for a quorum (the
-groups alive now), a group that is behind the quorum's step takes the live state from a healthy
-peer (its rank r from their rank r: the layouts are the same), and the step's collectives across
-groups run on torchft's process group, which turns a failed peer into a failed step instead of a
-hung job. A step is stepped by the optimizer only if `commit` says every group rank of every
-participant got through it and at least ``min_replica_size`` groups took part.
+`Manager` on every rank, owned here (`ReplicaGroups`); the trainer calls it at four points of a
+step:
 
-What crosses groups, each through `Manager.allreduce` between the same rank of every group:
-the gradients (averaged: every group normalises its loss by its own tokens, so the average is
-the global batch's mean over the groups that took part), the loss (averaged, for the record),
-and the MoE routers' token counts (summed, so every group updates its expert biases alike).
+1. `begin_step`: join the step's quorum (the groups alive now). Synchronous by default: a group
+   behind the quorum's step takes the live state from a healthy peer before its forward (its
+   rank r from their rank r). With ``async_quorum`` the quorum forms in the background during
+   the forward, and a recovering group takes the state at the commit, its batch left out.
+2. The gradients: with FSDP in the group (`attach`), each FSDP unit's reduce-scatter output is
+   averaged across groups inside FSDP's backward, through FSDP's all-reduce hook: on a GPU on
+   FSDP's all-reduce stream, overlapped with the backward of the units before it. Without FSDP
+   they are averaged after the backward in buckets (`reduce`).
+3. `reduce`: one small collective with the loss (averaged), the MoE routers' token counts
+   (summed, so every group updates its expert biases alike) and every group's row position.
+   The step's first collective across groups compares the groups' layouts (`GroupLayout`).
+4. `commit`: whether every rank of every participant got through the step and at least
+   ``min_replica_size`` groups took part: the optimizer may step. The positions of the groups in
+   the step become their committed positions (`RowPositions`).
+
+A failed peer turns the step's collectives into a failed commit instead of a hung job; the
+step is tried again.
 
 Recovery runs no code from the wire: torchft's HTTP transport unpickles what a peer sends
 (``weights_only=False``); `_TensorsOnlyTransport` loads it with ``weights_only=True``, and the
@@ -27,25 +36,27 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import FaultTolerance
+from torchmoe.distributed.replica_state import GroupLayout, RowPositions
 
 logger = logging.getLogger(__name__)
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-# Gradients cross groups in flat buffers of at most this many bytes: one collective per bucket
-# instead of one per parameter, without a second copy of every gradient at once.
+# Gradients averaged after the backward (groups without FSDP, semi-synchronous syncs) cross in
+# flat buffers of at most this many bytes: one collective per bucket instead of one per
+# parameter, without a second copy of every gradient at once.
 BUCKET_BYTES = 256 * 2**20
-# Committed steps whose contributing groups a group remembers (and sends a recovering peer).
-HISTORY = 1024
 
 
 def import_torchft(log_level: str = "info"):
@@ -79,125 +90,243 @@ def _tensors_only_transport(timeout: timedelta):
     return _TensorsOnlyTransport(timeout=timeout, num_chunks=0)
 
 
-def local_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
-    """`state` (a flat or nested dict) with every DTensor replaced by its local shard."""
-    return {k: local_tensors(v) if isinstance(v, Mapping) else v.to_local() if isinstance(v, DTensor) else v
-            for k, v in state.items()}
+def connect(cfg: FaultTolerance, *, quorum_timeout_s: float, log_level: str = "info"):
+    """This rank's torchft `Manager`, on the process group `cfg` names, reaching the lighthouse
+    at `TORCHFT_LIGHTHOUSE` (a `ConfigError` when unset).
 
-
-def like(template: Mapping[str, Any], received: Mapping[str, Any], path: str = "") -> dict[str, Any]:
-    """`received` (from `local_tensors` on a peer with the same layout) in `template`'s form: each
-    local shard wrapped as the DTensor `template` holds at its key.
-
-    Raises:
-        ValueError: the keys or shapes differ (the groups do not run the same layout).
+    Args:
+        quorum_timeout_s: how long a step's quorum may take to form (groups that are down are
+            waited for this long when fewer than min_replica_size are up).
     """
-    if set(template) != set(received):
-        missing, extra = sorted(set(template) - set(received)), sorted(set(received) - set(template))
-        raise ValueError(f"the peer's state differs at {path or 'the top'}: missing {missing[:3]}, extra {extra[:3]} "
-                         "(every replica group must run the same model and layout)")
-    out = {}
-    for key, mine in template.items():
-        theirs, where = received[key], f"{path}{key}"
-        if isinstance(mine, Mapping):
-            out[key] = like(mine, theirs, f"{where}.")
-        elif isinstance(mine, torch.Tensor):
-            local = mine.to_local() if isinstance(mine, DTensor) else mine
-            if not isinstance(theirs, torch.Tensor) or tuple(theirs.shape) != tuple(local.shape):
-                shape = tuple(theirs.shape) if isinstance(theirs, torch.Tensor) else type(theirs).__name__
-                raise ValueError(f"the peer's {where} is {shape}, this rank's {tuple(local.shape)} (every replica "
-                                 "group must run the same layout)")
-            theirs = theirs.to(local.device)
-            out[key] = DTensor.from_local(theirs, mine.device_mesh, mine.placements, shape=mine.shape,
-                                          stride=mine.stride(), run_check=False) if isinstance(mine, DTensor) else theirs
-        else:
-            out[key] = theirs
-    return out
+    torchft = import_torchft(log_level)
+    if not os.environ.get(LIGHTHOUSE_ENV):
+        raise ConfigError(LIGHTHOUSE_ENV, "", "is not set: fault_tolerance.enable needs a torchft lighthouse",
+                          f"start one (torchmoe lighthouse --min-replicas {cfg.min_replica_size}) and export "
+                          f"{LIGHTHOUSE_ENV}=http://HOST:PORT as it prints, for every group's launch")
+    timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
+    pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
+          else torchft.ProcessGroupNCCL(timeout=timeout))
+    return torchft.Manager(
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_replica_size,
+        use_async_quorum=cfg.async_quorum, replica_id=f"torchmoe_{cfg.replica_id}", timeout=timeout,
+        quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timeout,
+        checkpoint_transport=_tensors_only_transport(timeout))
 
 
 class ReplicaGroups:
-    """This rank's torchft `Manager` and the collectives across replica groups.
+    """Everything that crosses replica groups, on this rank's torchft `Manager` (`connect`).
 
     Args:
+        manager: the Manager (anything with its methods: the unit tests pass a fake).
         cfg: the `[fault_tolerance]` section (enabled).
-        quorum_timeout_s: how long a step's quorum may take to form (groups that are down are
-            waited for this long when fewer than min_replica_size are up).
-        state: what a recovering peer takes from this rank (`local_tensors` form).
-        load: applies such a state from a healthy peer to this rank.
+        layout: this group's `GroupLayout`; `known_models`: model texts to name a peer's by.
+        position_width: numbers in an encoded row position (`replica_state.encode_position`).
+        state: what a recovering peer takes from this rank (plain tensors and numbers), built
+            from references: torchft may call it on its own thread, during the forward.
+        load: applies such a state from a healthy peer, with this group's row position in it
+            (encoded; None when no step of it counted yet).
+        device: where the small per-step tensors live (the device the gradients are on).
     """
 
-    def __init__(self, cfg: FaultTolerance, *, quorum_timeout_s: float, state: Callable[[], dict[str, Any]],
-                 load: Callable[[dict[str, Any]], None]) -> None:
-        torchft = import_torchft()
-        if not os.environ.get(LIGHTHOUSE_ENV):
-            raise ConfigError(LIGHTHOUSE_ENV, "", "is not set: fault_tolerance.enable needs a torchft lighthouse",
-                              f"start one (torchmoe lighthouse --min-replicas {cfg.min_replica_size}) and export "
-                              f"{LIGHTHOUSE_ENV}=http://HOST:PORT as it prints, for every group's launch")
-        timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
-        pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
-              else torchft.ProcessGroupNCCL(timeout=timeout))
-        self.cfg = cfg
-        # The groups whose tensors the last `average_` summed, and per committed step (the last
-        # `HISTORY`) those of its average: whether a group's rows counted in a step it died in.
-        self.contributors: list[int] = []
-        self.history: dict[int, list[int]] = {}
-        self.manager = torchft.Manager(
-            pg=pg, load_state_dict=load, state_dict=state, min_replica_size=cfg.min_replica_size,
-            # The quorum (and any recovery) completes before the step's forward: a recovering
-            # group computes on the live weights, and every step's participants are known.
-            use_async_quorum=False, replica_id=f"torchmoe_{cfg.replica_id}", timeout=timeout,
-            quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timeout,
-            checkpoint_transport=_tensors_only_transport(timeout))
+    def __init__(self, manager, cfg: FaultTolerance, *, layout: GroupLayout, known_models: Sequence[str],
+                 position_width: int, state: Callable[[], dict[str, Any]],
+                 load: Callable[[dict[str, Any], list[float] | None], None], device: torch.device) -> None:
+        self.manager, self.cfg, self.layout, self.device = manager, cfg, layout, device
+        self.known_models = list(known_models)
+        self._user_state, self._user_load = state, load
+        self.positions = RowPositions(cfg.group_size, position_width)
+        # Per step: whether the layouts were compared, the gradient reductions FSDP's hooks ran
+        # (count and elements: every group's must line up), and the positions that ride along.
+        self._compared = False
+        self._hook_calls = self._hook_numel = 0
+        self._step_positions: dict[int, list[float]] = {}
+        self.attached = False  # gradients are averaged inside FSDP's backward (`attach`)
+        self.committed_here = 0  # steps this process committed: who joined later, on a layout clash
+        # Seconds the training thread waited on work across groups since `take_blocked_s`: on the
+        # host (CPU, gloo) every collective's; on a GPU the quorum, the small collective and the
+        # commit (FSDP's hooks only queue theirs on its all-reduce stream).
+        self._blocked_s = 0.0
+        manager.register_state_dict_fn("torchmoe", self._load, self._state)
 
-    def start_step(self) -> None:
-        """Join this step's quorum; a group behind the quorum's step recovers here (`load`)."""
+    # ---- the step's four points ------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Join this step's quorum. Synchronous (the default): a group behind the quorum's step
+        recovers here (`load`). Asynchronous: the quorum forms during the forward, and the
+        first collective of the step waits for it."""
+        self._compared = False
+        self._hook_calls = self._hook_numel = 0
+        self._step_positions = {}
+        began = time.perf_counter()
         self.manager.start_quorum()
+        self._blocked_s += time.perf_counter() - began
+
+    def attach(self, model_parts: Sequence[nn.Module]) -> bool:
+        """Average gradients across groups inside FSDP's backward: every FSDP unit's reduced
+        gradient shard, as FSDP produces it (after each micro-batch's reduce-scatter), through
+        FSDP's all-reduce hook. Returns whether it attached (every parameter of the parts is in
+        an FSDP unit: the root unit of each part holds what the others do not)."""
+        if not all(isinstance(part, FSDPModule) for part in model_parts):
+            return False
+        for part in model_parts:
+            for unit in part.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_all_reduce_hook(self._average_in_backward)
+        self.attached = True
+        return True
+
+    def _average_in_backward(self, reduced: torch.Tensor) -> None:
+        """FSDP's all-reduce hook: `reduced` (one unit's gradient shard, flat) averaged in place
+        across the quorum's groups; on a GPU this runs on FSDP's all-reduce stream."""
+        began = time.perf_counter()
+        self._compare_layouts()
+        self._hook_calls += 1
+        self._hook_numel += reduced.numel()
+        self.manager.allreduce(reduced).wait()
+        self._blocked_s += time.perf_counter() - began
+
+    def reduce(self, loss: torch.Tensor, counts: torch.Tensor | None, grads: Callable[[], list[torch.Tensor]],
+               position: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After the backward: average the gradients across groups unless FSDP's hooks did
+        (`grads` gives this rank's local gradients, in the model's order), then one small
+        collective: the loss averaged, the MoE token `counts` summed, and `position` (this
+        group's rows after the step's batch) with every other group's. Returns (loss, counts)."""
+        began = time.perf_counter()
+        self._compare_layouts()
+        if not self.attached:
+            self.average_(grads())
+        slot = [1.0, float(self._hook_calls), float(self._hook_numel), *position]
+        mine = self.cfg.replica_id
+        n_counts = counts.numel() if counts is not None else 0
+        table = torch.zeros(self.cfg.group_size, len(slot), dtype=torch.float64, device=self.device)
+        table[mine] = torch.tensor(slot, dtype=torch.float64)
+        head = torch.cat([loss.detach().double().view(1),
+                          *([counts.double().flatten()] if counts is not None else [])]).to(self.device)
+        flat = torch.cat([head, table.flatten()])
+        self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        rows = flat[1 + n_counts:].view(self.cfg.group_size, len(slot)).cpu()
+        present = {g: row for g, row in enumerate(rows.tolist()) if row[0] == 1.0}
+        for g, row in present.items():
+            if row[1:3] != slot[1:3]:
+                raise RuntimeError(f"replica group {g} reduced {int(row[1])} gradient buffers of {int(row[2]):,} "
+                                   f"elements in this step's backward, this group {self._hook_calls} of "
+                                   f"{self._hook_numel:,}: the groups' collectives did not line up")
+        self._step_positions = {g: row[3:] for g, row in present.items()}
+        participants = max(self.participants, 1)
+        loss_avg = (flat[0] / participants).to(loss.dtype)
+        summed = flat[1:1 + n_counts].view_as(counts).to(counts.dtype) if counts is not None else None
+        self._blocked_s += time.perf_counter() - began
+        return loss_avg, summed
+
+    def commit(self, step: int) -> bool:
+        """Whether every rank of every participant got through the step and enough groups took
+        part: the optimizer may step. A collective within the group: every rank calls it. On a
+        commit the step's groups' positions become their committed ones."""
+        began = time.perf_counter()
+        committed = self.manager.should_commit()
+        self._blocked_s += time.perf_counter() - began
+        if committed:
+            self.positions.commit(self._step_positions)
+            self.committed_here += 1
+        self._step_positions = {}
+        return committed
+
+    # ---- what crosses groups besides the step --------------------------------------------------
+
+    def average_(self, tensors: list[torch.Tensor]) -> None:
+        """Average `tensors` in place over the groups in the quorum (`start_average`, waited for).
+        After a peer failed mid-step the values are garbage and `commit` says so."""
+        self.start_average(tensors)()
+
+    def start_average(self, tensors: list[torch.Tensor], *, quantize: bool = False) -> Callable[[], None]:
+        """Start averaging `tensors` over the groups in the quorum, one flat bucket per dtype and
+        `BUCKET_BYTES` (`quantize`: torchft's quantized all-reduce, on CUDA); returns the wait,
+        which copies the averages back into `tensors`."""
+        began = time.perf_counter()
+        pending = []
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            work = self.manager.allreduce(flat, should_quantize=True) if quantize else self.manager.allreduce(flat)
+            pending.append((bucket, flat, work))
+        self._blocked_s += time.perf_counter() - began
+
+        def wait() -> None:
+            began = time.perf_counter()
+            for bucket, flat, work in pending:
+                work.wait()
+                for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
+                    t.copy_(piece.view_as(t))
+            self._blocked_s += time.perf_counter() - began
+        return wait
+
+    def _compare_layouts(self) -> None:
+        """The step's first collective across groups: every present group's `GroupLayout` and
+        how many steps this process committed. A group with another layout cannot train with the
+        others (their collectives would not line up, or would mix other rows): the one that
+        joined later stops with a `ConfigError` naming both layouts, and the others fail this
+        step (tried again without it). Two launches with the same replica_id stop alike."""
+        if self._compared:
+            return
+        self._compared = True
+        codes = self.layout.codes()
+        table = torch.zeros(self.cfg.group_size, 2 + len(codes), dtype=torch.int64, device=self.device)
+        table[self.cfg.replica_id] = torch.tensor([1, self.committed_here, *codes], dtype=torch.int64)
+        self.manager.allreduce(table, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if self.manager.errored():
+            return  # a peer failed: the values are garbage, and the commit fails anyway
+        mine = self.cfg.replica_id
+        for group, (present, committed, *theirs) in enumerate(table.cpu().tolist()):
+            if present == 0 or group == mine and present == 1:
+                continue
+            if present > 1:
+                raise ConfigError("fault_tolerance.replica_id", group, f"{present} launches joined the job as "
+                                  f"replica group {group}: their rows would be trained twice",
+                                  "give every launch its own replica_id, 0 .. group_size - 1")
+            if theirs == codes:
+                continue
+            other = GroupLayout.from_codes(theirs, self.known_models)
+            if committed >= self.committed_here:
+                raise ConfigError("fault_tolerance", f"replica group {mine}",
+                                  f"runs {self.layout.describe()}, but replica group {group} runs {other.describe()}: "
+                                  "every group must run the same model, layout and batch",
+                                  "launch every group with one config; only fault_tolerance.replica_id differs")
+            logger.error("replica group %d joined with %s, this group runs %s: it cannot train with the others; "
+                         "this step is tried again without it", group, other.describe(), self.layout.describe())
+            self.manager.report_error(RuntimeError(f"replica group {group} runs another layout"))
+
+    # ---- the live state a recovering group takes ------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        """torchft's state callback: the trainer's live state, this group's layout, and every
+        group's committed row position (this rank's rows of it)."""
+        return {"trainer": self._user_state(), "layout": self.layout.codes(),
+                "positions": self.positions.state_dict()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """torchft's load callback: refuses a peer of another layout (`ConfigError`, naming
+        both), else hands the trainer the state and this group's committed position."""
+        if list(state["layout"]) != self.layout.codes():
+            other = GroupLayout.from_codes(state["layout"], self.known_models)
+            raise ConfigError("fault_tolerance", f"replica group {self.cfg.replica_id}",
+                              f"runs {self.layout.describe()}, but the groups it joins run {other.describe()}: every "
+                              "group must run the same model, layout and batch",
+                              "launch this group with the others' config; only fault_tolerance.replica_id differs")
+        self.positions.load_state_dict(state["positions"])
+        self._user_load(state["trainer"], self.positions.get(self.cfg.replica_id))
+
+    def take_blocked_s(self) -> float:
+        """Seconds the training thread waited on work across groups since the last call."""
+        blocked, self._blocked_s = self._blocked_s, 0.0
+        return blocked
 
     @property
     def participants(self) -> int:
         """Replica groups in this step's quorum."""
         return self.manager.num_participants()
 
-    @property
-    def step(self) -> int:
-        """Steps committed by the quorum so far (what a recovered group resumes after)."""
-        return self.manager.current_step()
-
-    def average_(self, tensors: list[torch.Tensor]) -> None:
-        """Average `tensors` in place over the groups in the quorum (one flat bucket per dtype
-        and `BUCKET_BYTES`), and learn which groups took part (`contributors`: a one-hot of this
-        group's id rides along). After a peer failed mid-step the values are garbage and `commit`
-        says so."""
-        presence = torch.zeros(self.cfg.group_size, device=tensors[0].device if tensors else "cpu")
-        presence[self.cfg.replica_id] = 1.0
-        for bucket in _buckets([*tensors, presence]):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            self.manager.allreduce(flat).wait()
-            for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
-                t.copy_(piece.view_as(t))
-        self.contributors = [g for g, share in enumerate(presence.tolist()) if share > 0]
-
-    def sum_(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` in place over the groups in the quorum."""
-        self.manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-
-    def commit(self, step: int) -> bool:
-        """Whether every rank of every participant got through the step and enough groups took
-        part: the optimizer may step. A collective within the group: every rank calls it. A
-        committed `step` is remembered with its `contributors`."""
-        committed = self.manager.should_commit()
-        if committed:
-            self.history[step] = self.contributors
-            for old in sorted(self.history)[:-HISTORY]:
-                del self.history[old]
-        return committed
-
-    def contributed(self, history: dict[int, list[int]], step: int) -> bool:
-        """Whether this group's tensors are in committed `step` by `history` (a peer's)."""
-        return self.cfg.replica_id in history.get(step, ())
-
     def state_dict(self) -> dict[str, int]:
-        """The Manager's step and committed batches, for the group's own checkpoints."""
+        """The Manager's step and committed batches, for the group's own checkpoints (the
+        positions, one table per rank, are saved apart: `positions`)."""
         return self.manager.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -219,91 +348,3 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         out[-1].append(t)
         size += nbytes
     return out
-
-
-class SemiSync:
-    """Semi-synchronous training across replica groups (`semi_sync_method`): each group steps on its
-    own, and every `sync_steps` steps the groups meet in a quorum and
-
-    - ``local_sgd``: average their parameters (and the MoE expert biases, which route tokens: a
-      model is both);
-    - ``diloco``: average the pseudo-gradient ``Δ = anchor - θ`` (anchor: the parameters after the
-      last sync) and apply it to the anchor with an outer SGD,
-      ``m = μ m + Δ; θ = anchor - lr (Δ + μ m)`` with Nesterov (``- lr m`` without), as
-      `torch.optim.SGD` with dampening 0 does; expert biases are averaged as in local SGD.
-
-    A sync that does not commit (a peer failed, too few groups) changes nothing: the groups go on
-    from their own parameters and try again at the next sync. Works on every rank's local shards,
-    so any layout inside a group; the anchor and the outer momentum are state (`state_dict`).
-
-    Args:
-        groups: the replica groups (`ReplicaGroups`).
-        cfg: the `[fault_tolerance]` section.
-        params: gives this rank's parameter shards (DTensors' local tensors), always in one order
-            (asked at each sync: FSDP swaps the tensors a module holds between steps).
-        buffers: this rank's MoE expert biases, averaged at each sync.
-    """
-
-    def __init__(self, groups: ReplicaGroups, cfg: FaultTolerance, params: Callable[[], list[torch.Tensor]],
-                 buffers: list[torch.Tensor]) -> None:
-        self.groups, self.cfg, self.local_params, self.buffers = groups, cfg, params, buffers
-        self.diloco = cfg.semi_sync_method == "diloco"
-        self.anchor = [p.detach().clone() for p in params()] if self.diloco else []
-        # Zeros: the first outer step's m = μ·0 + Δ = Δ is torch SGD's first buffer; and the state
-        # has the same tensors before the first sync as after (what checkpoints load into).
-        self.momentum = [torch.zeros_like(a) for a in self.anchor]
-
-    def anchor_here(self) -> None:
-        """Start DiLoCo from the parameters as they are now (after loading initial weights)."""
-        if not self.diloco:
-            return
-        with torch.no_grad():
-            for anchor, param, m in zip(self.anchor, self.local_params(), self.momentum, strict=True):
-                anchor.copy_(param)
-                m.zero_()
-
-    def due(self, step: int) -> bool:
-        return step % self.cfg.sync_steps == 0
-
-    def sync(self, step: int) -> bool:
-        """Meet the other groups at `step` (a group that is behind recovers here) and
-        synchronise; whether the sync committed."""
-        self.groups.start_step()
-        params = self.local_params()
-        with torch.no_grad():
-            if self.diloco:
-                # The pseudo-gradient of this group, averaged over the groups in the quorum.
-                shared = [a - p for a, p in zip(self.anchor, params, strict=True)]
-            else:
-                shared = [p.clone() for p in params]
-            shared += [b.clone() for b in self.buffers]
-            self.groups.average_(shared)
-            if not self.groups.commit(step):
-                return False
-            values, biases = shared[:len(params)], shared[len(params):]
-            for buffer, average in zip(self.buffers, biases):
-                buffer.copy_(average)
-            if self.diloco:
-                self._outer_step(params, values)
-            else:
-                for param, average in zip(params, values):
-                    param.copy_(average)
-        return True
-
-    def _outer_step(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> None:
-        """θ = anchor - lr * (Δ + μ m) (Nesterov) with m = μ m + Δ; the anchor becomes θ."""
-        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
-        for m, d in zip(self.momentum, deltas):
-            m.mul_(mu).add_(d)
-        for param, anchor, delta, m in zip(params, self.anchor, deltas, self.momentum):
-            update = delta.add(m, alpha=mu) if self.cfg.outer_nesterov else m
-            anchor.sub_(update, alpha=lr)
-            param.copy_(anchor)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The anchor and the outer momentum (DiLoCo; empty for local SGD): this rank's shards."""
-        return {"anchor": list(self.anchor), "momentum": list(self.momentum)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for mine, saved in zip([*self.anchor, *self.momentum], [*state["anchor"], *state["momentum"]], strict=True):
-            mine.copy_(saved)

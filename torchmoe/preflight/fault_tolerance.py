@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from torchmoe.config.errors import ConfigError
+from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 
 
@@ -36,6 +36,11 @@ def check_fault_tolerance(cfg: JobConfig, degrees: dict[str, int], check_device:
     if ft.process_group == "nccl" and (cfg.training.device == "cpu" or (check_device and not torch.cuda.is_available())):
         raise ConfigError("fault_tolerance.process_group", "nccl", "NCCL moves CUDA tensors, and this run trains "
                           "on the CPU", 'use "gloo" (any device), or train on CUDA GPUs')
+    if ft.should_quantize and ft.semi_sync_method and (ft.process_group != "nccl" or cfg.training.device == "cpu"):
+        raise ConfigError("fault_tolerance.should_quantize", True,
+                          "quantizes on CUDA (torchft's triton kernels over NCCL), and this run's syncs cross groups "
+                          f"on {show_value(ft.process_group)} from {show_value(cfg.training.device)}",
+                          'set should_quantize = false, or train on CUDA GPUs with process_group = "nccl"')
     if check_device:
         from torchmoe.distributed.fault_tolerance import import_torchft
 
