@@ -276,8 +276,14 @@ class Trainer:
                 self.state["semi_sync"] = RankLocal(self.semi_sync, rank=self.rank)
             else:
                 self.step_replicas = self.replicas
-                where = ("inside FSDP's backward" if self.replicas.attach(self.model_parts)
-                         else "after the backward (no FSDP in the group)")
+                in_backward = ft.gradient_average == "backward" or (
+                    ft.gradient_average == "auto" and ft.process_group == "nccl")
+                if not in_backward:
+                    where = "after the backward"
+                elif self.replicas.attach(self.model_parts):
+                    where = "inside FSDP's backward"
+                else:
+                    where = "after the backward (no FSDP in the group)"
                 if self.rank == 0:
                     logger.info("gradients are averaged across replica groups %s", where)
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel

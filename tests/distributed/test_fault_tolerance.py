@@ -9,8 +9,8 @@ and the EP/PP suites), so groups of any layout must give HSDP's loss and gradien
 1e-5, step for step:
 
   - FSDP 2 inside each group (gradients averaged inside FSDP's backward, and no fsync or rename
-    in any step), then TP 2, EP 2 and PP 2 inside each (averaged after the backward, or in
-    FSDP's hooks for EP);
+    in any step), then TP 2, EP 2 and PP 2 inside each (averaged after the backward: gloo's
+    default);
   - 3 groups, two killed at once: the survivor goes on alone; a relaunch of one with another
     flavor stops with exit 2 naming both layouts; both relaunch, take the live state, and the
     three finish with equal weights and optimizer states, every row trained once;
@@ -102,7 +102,8 @@ def test_two_groups_train_what_hsdp_2x2_trains_with_no_file_sync_in_a_step(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FILE_SYNCS), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("TORCHMOE_FILE_SYNCS", str(calls))
     # --min-replicas 2: both groups are in the first quorum (a group up first would train alone).
-    groups = run_replica_groups([*JOB, *FT], tmp_path / "ft", "--min-replicas", "2")
+    groups = run_replica_groups([*JOB, *FT, "--fault_tolerance.gradient_average", "backward"], tmp_path / "ft",
+                                "--min-replicas", "2")
     for group in groups:
         records = group.records()
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -307,7 +308,7 @@ def test_streaming_diloco_syncs_one_fragment_at_a_time(tmp_path: Path) -> None:
     runs = _semi_sync_run(tmp_path, "streaming", ["--fault_tolerance.semi_sync_method", "diloco",
                                                   "--fault_tolerance.num_fragments", "2",
                                                   "--fault_tolerance.fragment_sync_delay", "1"],
-                          1, sync_steps=4, synced_at=(2, 4, 6, 8, 10))
+                          2, sync_steps=4, synced_at=(2, 4, 6, 8, 10))
     names = sorted(k for k in runs[0][2] if not k.endswith("expert_bias"))  # biases: averaged at every sync
     fragments = fragments_of([n.removeprefix("model.") for n in names], range(FLAVORS["llama4"]["tiny"].n_layers), 2)
     for step in (2, 4, 6, 8, 10):

@@ -194,17 +194,19 @@ def _peer(layout: GroupLayout, group: int, *, committed: int = 0, position=(5.0,
           counts=(1.0, 2.0), hook=(0.0, 0.0), groups: int = 2):
     """What group `group` of `layout` sends in each of a step's collectives, by the tensor's form
     (of `groups` groups; counts as many of `counts` as this rank sends)."""
+    header = [1, committed, *layout.codes()]
+
     def contribution(tensor: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(tensor)
-        if tensor.dtype == torch.int64:  # the layouts
-            out[group] = torch.tensor([1, committed, *layout.codes()])
-        elif tensor.numel() == 3:  # the gradients averaged after the backward: the other group's are zeros
+        width = len(header) + 2 + len(position)
+        if tensor.dtype == torch.int64:  # the layouts, at the first of FSDP's hooks
+            out[group] = torch.tensor(header)
+        elif tensor.numel() < groups * width:  # gradients: the other group's are zeros
             pass
-        else:  # loss, counts, then one row per group: [present, hook calls, hook elements, *position]
-            n = tensor.numel() - groups * (3 + len(position))
+        else:  # loss, counts, then one row per group: [*header, hook calls, hook elements, *position]
+            n = tensor.numel() - groups * width
             out[:n] = torch.tensor([loss, *counts][:n], dtype=tensor.dtype)
-            rows = out[n:].view(-1, 3 + len(position))
-            rows[group] = torch.tensor([1.0, *hook, *position], dtype=tensor.dtype)
+            out[n:].view(groups, width)[group] = torch.tensor([*header, *hook, *position], dtype=tensor.dtype)
         return out
     return contribution
 
@@ -435,3 +437,28 @@ def test_fragments_split_the_blocks_in_contiguous_runs() -> None:
     assert fragments_of(names, range(6), 3) == [[0, 1, 2], [3, 4], [5, 6, 7, 8, 9]]
     with pytest.raises(ConfigError, match="must be at most the model's 6 blocks"):
         fragments_of(names, range(6), 7)
+
+
+def test_in_fsdps_backward_the_first_hook_compares_layouts_before_any_gradient_crosses() -> None:
+    manager = _FakeManager(_peer(LAYOUT, 1, hook=(2.0, 6.0)))
+    groups = _groups(manager)
+    groups.attached = True  # as `attach` leaves it: FSDP's hooks call `_average_in_backward`
+    groups.begin_step()
+    shard = torch.full((4,), 2.0)
+    groups._average_in_backward(shard)  # the peer's shard is zeros here: the mean is half
+    groups._average_in_backward(torch.ones(2))
+    assert shard.tolist() == [1.0] * 4
+    loss, _ = groups.reduce(torch.tensor(1.0), None, lambda: pytest.fail("averaged twice"), [1.0, 2.0, 3.0])
+    assert loss.item() == 2.0 and groups.commit(1)
+    groups = _groups(_FakeManager(_peer(LAYOUT, 1, hook=(1.0, 4.0))))
+    groups.attached = True
+    groups.begin_step()
+    groups._average_in_backward(torch.ones(4))
+    groups._average_in_backward(torch.ones(2))
+    with pytest.raises(RuntimeError, match="replica group 1 reduced 1 gradient buffers of 4 elements.*this group 2 of 6"):
+        groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
+    other = _groups(_FakeManager(_peer(OTHER, 1, committed=5)))
+    other.attached = True
+    other.begin_step()
+    with pytest.raises(ConfigError, match="replica group 1 runs llama4/debugmodel"):
+        other._average_in_backward(torch.ones(3))

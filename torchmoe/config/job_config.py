@@ -338,6 +338,8 @@ class FaultTolerance:
     """torchft's process group across groups: 'gloo' (host tensors; any device) or 'nccl' (CUDA)."""
     process_group_timeout_ms: int = 10000
     """Timeout of the collectives across groups, and of a step's quorum and commit: a group silent this long is dropped from the step."""
+    gradient_average: str = "auto"
+    """Where gradients cross groups: 'backward' = each FSDP unit's as FSDP's backward reduces it (its all-reduce hook: on a GPU overlapped with the rest of the backward), 'after_backward' = all at once after the backward in buckets, 'auto' = 'backward' with process_group 'nccl', else 'after_backward' (gloo blocks the host in every collective, so one bucket costs less than one per unit). Without FSDP in the group always after the backward."""
     async_quorum: bool = False
     """Form each step's quorum in the background during the forward instead of before it (every-step averaging only): the quorum's round trip to the lighthouse leaves the critical path; a recovering group then takes the live state at the step's commit, its batch of that step left out (drawn again next step)."""
     semi_sync_method: str = ""

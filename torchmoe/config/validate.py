@@ -58,6 +58,7 @@ AC_MODES = ("none", "selective", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FT_PROCESS_GROUPS = ("gloo", "nccl")
 SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")
+GRADIENT_AVERAGES = ("auto", "backward", "after_backward")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TIMEOUT_SECONDS = 2**31 - 1
@@ -326,6 +327,7 @@ def validate_fault_tolerance(ft: FaultTolerance) -> None:
     preflight's (`preflight.fault_tolerance`)."""
     one_of("fault_tolerance.process_group", ft.process_group, FT_PROCESS_GROUPS)
     one_of("fault_tolerance.semi_sync_method", ft.semi_sync_method, SEMI_SYNC_METHODS)
+    one_of("fault_tolerance.gradient_average", ft.gradient_average, GRADIENT_AVERAGES)
     if not 1 <= ft.process_group_timeout_ms <= MAX_TIMEOUT_SECONDS * 1000:
         raise ConfigError("fault_tolerance.process_group_timeout_ms", ft.process_group_timeout_ms,
                           f"must lie in 1 .. {MAX_TIMEOUT_SECONDS * 1000} milliseconds",

@@ -13,13 +13,16 @@ step:
    behind the quorum's step takes the live state from a healthy peer before its forward (its
    rank r from their rank r). With ``async_quorum`` the quorum forms in the background during
    the forward, and a recovering group takes the state at the commit, its batch left out.
-2. The gradients: with FSDP in the group (`attach`), each FSDP unit's reduce-scatter output is
-   averaged across groups inside FSDP's backward, through FSDP's all-reduce hook: on a GPU on
-   FSDP's all-reduce stream, overlapped with the backward of the units before it. Without FSDP
-   they are averaged after the backward in buckets (`reduce`).
+2. The gradients: with FSDP in the group and the hooks chosen (`attach`; by default where the
+   process group is NCCL), each FSDP unit's reduce-scatter output is averaged across groups
+   inside FSDP's backward, through FSDP's all-reduce hook: on a GPU on FSDP's all-reduce stream,
+   overlapped with the backward of the units before it. Otherwise they are averaged after the
+   backward in buckets (`reduce`): on gloo a collective blocks the host, and one bucket costs
+   less than a blocking collective per unit.
 3. `reduce`: one small collective with the loss (averaged), the MoE routers' token counts
-   (summed, so every group updates its expert biases alike) and every group's row position.
-   The step's first collective across groups compares the groups' layouts (`GroupLayout`).
+   (summed, so every group updates its expert biases alike), every group's row position and
+   layout (`GroupLayout`: compared before any gradient crosses; with the hooks, in a collective
+   of their own at the first hook).
 4. `commit`: whether every rank of every participant got through the step and at least
    ``min_replica_size`` groups took part: the optimizer may step. The positions of the groups in
    the step become their committed positions (`RowPositions`).
@@ -187,31 +190,35 @@ class ReplicaGroups:
 
     def reduce(self, loss: torch.Tensor, counts: torch.Tensor | None, grads: Callable[[], list[torch.Tensor]],
                position: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """After the backward: average the gradients across groups unless FSDP's hooks did
-        (`grads` gives this rank's local gradients, in the model's order), then one small
-        collective: the loss averaged, the MoE token `counts` summed, and `position` (this
-        group's rows after the step's batch) with every other group's. Returns (loss, counts)."""
+        """After the backward: one small collective, with the loss (averaged), the MoE token
+        `counts` (summed), and per group its layout, its gradient reductions in the backward and
+        `position` (its rows after the step's batch); then, unless FSDP's hooks averaged the
+        gradients, their average (`grads` gives this rank's local gradients, in the model's
+        order). Returns (loss, counts)."""
         began = time.perf_counter()
-        self._compare_layouts()
-        if not self.attached:
-            self.average_(grads())
-        slot = [1.0, float(self._hook_calls), float(self._hook_numel), *position]
-        mine = self.cfg.replica_id
+        header = [1.0, float(self.committed_here), *map(float, self.layout.codes())]
+        slot = [*header, float(self._hook_calls), float(self._hook_numel), *position]
         n_counts = counts.numel() if counts is not None else 0
         table = torch.zeros(self.cfg.group_size, len(slot), dtype=torch.float64, device=self.device)
-        table[mine] = torch.tensor(slot, dtype=torch.float64)
+        table[self.cfg.replica_id] = torch.tensor(slot, dtype=torch.float64)
         head = torch.cat([loss.detach().double().view(1),
                           *([counts.double().flatten()] if counts is not None else [])]).to(self.device)
         flat = torch.cat([head, table.flatten()])
         self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        rows = flat[1 + n_counts:].view(self.cfg.group_size, len(slot)).cpu()
-        present = {g: row for g, row in enumerate(rows.tolist()) if row[0] == 1.0}
-        for g, row in present.items():
-            if row[1:3] != slot[1:3]:
-                raise RuntimeError(f"replica group {g} reduced {int(row[1])} gradient buffers of {int(row[2]):,} "
-                                   f"elements in this step's backward, this group {self._hook_calls} of "
-                                   f"{self._hook_numel:,}: the groups' collectives did not line up")
-        self._step_positions = {g: row[3:] for g, row in present.items()}
+        rows = flat[1 + n_counts:].view(self.cfg.group_size, len(slot)).cpu().tolist()
+        if not self._compared:  # no hook compared them (the gradients are averaged after this)
+            self._compared = True
+            self._check_layouts([[int(x) for x in row[:len(header)]] for row in rows])
+        if not self.manager.errored():  # else a peer failed: the values are garbage, and the commit fails
+            present = {g: row[len(header):] for g, row in enumerate(rows) if row[0] == 1.0}
+            for g, (calls, numel, *_) in present.items():
+                if (calls, numel) != (self._hook_calls, self._hook_numel):
+                    raise RuntimeError(f"replica group {g} reduced {int(calls)} gradient buffers of {int(numel):,} "
+                                       f"elements in this step's backward, this group {self._hook_calls} of "
+                                       f"{self._hook_numel:,}: the groups' collectives did not line up")
+            self._step_positions = {g: row[2:] for g, row in present.items()}
+        if not self.attached:
+            self.average_(grads())
         participants = max(self.participants, 1)
         loss_avg = (flat[0] / participants).to(loss.dtype)
         summed = flat[1:1 + n_counts].view_as(counts).to(counts.dtype) if counts is not None else None
@@ -260,11 +267,9 @@ class ReplicaGroups:
         return wait
 
     def _compare_layouts(self) -> None:
-        """The step's first collective across groups: every present group's `GroupLayout` and
-        how many steps this process committed. A group with another layout cannot train with the
-        others (their collectives would not line up, or would mix other rows): the one that
-        joined later stops with a `ConfigError` naming both layouts, and the others fail this
-        step (tried again without it). Two launches with the same replica_id stop alike."""
+        """With FSDP's hooks, the step's first collective across groups: every present group's
+        `GroupLayout` and how many steps this process committed (`_check_layouts`), before any
+        gradient crosses. (Without the hooks they ride in `reduce`'s collective.)"""
         if self._compared:
             return
         self._compared = True
@@ -272,10 +277,18 @@ class ReplicaGroups:
         table = torch.zeros(self.cfg.group_size, 2 + len(codes), dtype=torch.int64, device=self.device)
         table[self.cfg.replica_id] = torch.tensor([1, self.committed_here, *codes], dtype=torch.int64)
         self.manager.allreduce(table, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        self._check_layouts(table.cpu().tolist())
+
+    def _check_layouts(self, rows: list[list[int]]) -> None:
+        """`rows`: per group ``[present, steps committed here, *layout codes]``, summed over the
+        quorum. A group with another layout cannot train with the others (their collectives
+        would not line up, or would mix other rows): the one that joined later stops with a
+        `ConfigError` naming both layouts, and the others fail this step (tried again without
+        it). Two launches with the same replica_id stop alike."""
         if self.manager.errored():
             return  # a peer failed: the values are garbage, and the commit fails anyway
-        mine = self.cfg.replica_id
-        for group, (present, committed, *theirs) in enumerate(table.cpu().tolist()):
+        codes, mine = self.layout.codes(), self.cfg.replica_id
+        for group, (present, committed, *theirs) in enumerate(rows):
             if present == 0 or group == mine and present == 1:
                 continue
             if present > 1:
