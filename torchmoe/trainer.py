@@ -113,7 +113,7 @@ class StepResult:
     stop: bool  # some rank caught SIGTERM/SIGINT: every rank stops after this step
     tokens_per_expert: torch.Tensor | None  # (n_moe_layers, n_experts), summed over the batch
     committed: bool = True  # under fault tolerance: the quorum let the optimizer step
-    participants: int = 1  # replica groups that took part in the step (fault tolerance)
+    participants: int = 1  # replica groups whose gradients the step held (fault tolerance)
 
 
 def _init_distributed(device: torch.device, comm_cfg: Comm, parallelism_cfg: Parallelism, dump_folder: Path) -> int:
@@ -566,7 +566,7 @@ class Trainer:
             for moe in self.moe_layers:
                 moe.tokens_per_expert.zero_()
             return StepResult(loss, norm, lr, stop > 0, None, committed=False,
-                              participants=self.step_replicas.participants)
+                              participants=self.step_replicas.contributors)
         if bad_bias:  # set by the previous step's update, which no save has seen yet
             raise TrainingDiverged(f"an MoE expert bias is not finite after step {self.step}: stopping without "
                                    "saving; lower model.load_balance_coeff")
@@ -588,7 +588,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         counts = self._update_moe_biases(counts)
         return StepResult(loss, norm, lr, stop > 0, counts,
-                          participants=self.step_replicas.participants if self.step_replicas is not None else 1)
+                          participants=self.step_replicas.contributors if self.step_replicas is not None else 1)
 
     def _local_named_params(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter as this rank holds it (a DTensor's local shard) with its name, in the
@@ -698,12 +698,28 @@ class Trainer:
                 "lr_scheduler": self.scheduler.state_dict(), "step": self.step,
                 "semi_sync": self.semi_sync.state_dict() if self.semi_sync is not None else {}}
 
+    def _optimizer_template(self) -> dict:
+        """This rank's optimizer state dict (DCP's flattened form), with the state a peer sends:
+        an optimizer that never stepped gets it from DCP, which builds it by a zero step only
+        when no parameter holds a gradient. With the asynchronous quorum a recovery runs after
+        the backward, so the gradients wait aside meanwhile."""
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params]
+        if not self.optimizer.state:
+            for p in params:
+                p.grad = None
+        try:
+            return self.state["optimizer"].state_dict()
+        finally:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+
     def _load_live_state(self, state: dict, position: list[float] | None) -> None:
         """Take a healthy peer's `_live_state`, and move this group's rows to `position`, where
         they stood after its last step that counted (the start position if none did)."""
         self.state["model"].load_state_dict(like(self.state["model"].state_dict(), state["model"]))
         if state["optimizer"]:
-            self.state["optimizer"].load_state_dict(like(self.state["optimizer"].state_dict(), state["optimizer"]))
+            self.state["optimizer"].load_state_dict(like(self._optimizer_template(), state["optimizer"]))
         self.scheduler.load_state_dict(state["lr_scheduler"])
         # The peer's optimizer state may carry the learning rate of the step its references were
         # taken at; the schedule's says what it is now.
@@ -793,7 +809,7 @@ class Trainer:
                     self._refresh_live_refs()
                     synced = self.semi_sync.after_step(self.step, encode_position(self.dataloader.state_dict()))
                     if synced is not None:
-                        extra = {**synced, "ft_participants": self.replicas.participants}
+                        extra = {**synced, "ft_participants": self.replicas.contributors}
                 step_s = time.perf_counter() - t0
                 window.add(self.global_tokens, step_s)
                 if self.dims.ep_enabled:

@@ -264,6 +264,36 @@ def test_with_the_quorum_lost_the_survivor_waits_and_a_full_restart_resumes_exac
     assert "applying pending state dict" in log and "recovered the live state of step" in log
 
 
+def test_with_an_async_quorum_a_relaunched_group_recovers_at_a_commit(tmp_path: Path) -> None:
+    """async_quorum, min_replica_size 2: group 1 is killed and relaunched while group 0 waits; the
+    relaunched group takes group 0's state at a step's commit, that step's mean over group 0's
+    gradients alone. Both finish with equal weights and optimizer states, bit for bit, and their
+    recorded positions add up to the batches the committed steps held."""
+    out = tmp_path / "ft"
+    args = [*JOB, *FT, "--fault_tolerance.async_quorum", "true", "--fault_tolerance.min_replica_size", "2",
+            "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")
+    try:
+        first = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
+        first[1].wait_for(lambda r: bool(r) and r[-1]["step"] >= 4, "group 1 reaches step 4")
+        first[1].kill()
+        back = ReplicaGroup(1, args, out, lighthouse, tag="-restarted")
+        first[0].finish()
+        back.finish()
+    finally:
+        lighthouse.close()
+    recovered = re.findall(r"recovered the live state of step (\d+)", back.log.read_text())
+    assert recovered, back.log.read_text()[-3000:]
+    states = [_states(out / f"replica_{g}" / "checkpoint" / f"step-{STEPS}") for g in (0, 1)]
+    assert sorted(states[0]) == sorted(states[1]) and all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    tables = _row_tables(out, range(2), STEPS)
+    assert torch.equal(tables[0], tables[1]) and tables[0][0, 1] == STEPS
+    # A step's record counts the groups whose gradients it held: a recovering group's is out.
+    held = {r["step"]: r["ft_participants"] for g in (first[0], back) for r in g.records()}
+    assert sorted(held) == list(range(1, STEPS + 1))
+    assert tables[0][:, 1].sum().item() == sum(held.values()), (tables[0], held)
+
+
 def _semi_sync_run(tmp_path: Path, name: str, method: list[str], every: int, *, sync_steps: int = 5,
                    synced_at: tuple[int, ...] = (5, 10)) -> list[dict[int, dict]]:
     """2 groups of the tiny job, 10 steps, syncing every `sync_steps` by `method` (at

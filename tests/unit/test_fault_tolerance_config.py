@@ -462,3 +462,16 @@ def test_in_fsdps_backward_the_first_hook_compares_layouts_before_any_gradient_c
     other.begin_step()
     with pytest.raises(ConfigError, match="replica group 1 runs llama4/debugmodel"):
         other._average_in_backward(torch.ones(3))
+
+
+def test_a_group_recovering_at_the_commit_is_left_out_of_the_mean() -> None:
+    """Asynchronous quorum: a group that recovers at this step's commit is a participant whose
+    collectives sent zeros (torchft zeroes them), so its row is absent. The mean of the loss and
+    the gradients is over the one group that sent them, not torchft's two participants."""
+    manager = _FakeManager(lambda tensor: torch.zeros_like(tensor), participants=2)
+    groups = _groups(manager)
+    groups.begin_step()
+    grads = [torch.full((3,), 4.0)]
+    loss, counts = groups.reduce(torch.tensor(1.5), torch.tensor([3.0]), lambda: grads, [1.0, 2.0, 3.0])
+    assert loss.item() == 1.5 and counts.tolist() == [3.0] and grads[0].tolist() == [4.0, 4.0, 4.0]
+    assert groups.commit(1) and groups.positions.get(1) is None

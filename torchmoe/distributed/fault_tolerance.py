@@ -145,6 +145,7 @@ class ReplicaGroups:
         self._step_positions: dict[int, list[float]] = {}
         self.attached = False  # gradients are averaged inside FSDP's backward (`attach`)
         self.committed_here = 0  # steps this process committed: who joined later, on a layout clash
+        self.contributors = 0  # groups whose gradients the last `reduce` averaged
         # Seconds the training thread waited on work across groups since `take_blocked_s`: on the
         # host (CPU, gloo) every collective's; on a GPU the quorum, the small collective and the
         # commit (FSDP's hooks only queue theirs on its all-reduce stream).
@@ -219,8 +220,16 @@ class ReplicaGroups:
             self._step_positions = {g: row[2:] for g, row in present.items()}
         if not self.attached:
             self.average_(grads())
+        # torchft averages over the quorum's participants; a group that recovers at this step's
+        # commit (asynchronous quorum) sent zeros instead of its gradients. The mean is over the
+        # groups whose gradients are in it: the ones whose row came back present.
         participants = max(self.participants, 1)
-        loss_avg = (flat[0] / participants).to(loss.dtype)
+        contributors = max(len(self._step_positions), 1) if not self.manager.errored() else participants
+        self.contributors = contributors
+        if contributors != participants:
+            for grad in grads():
+                grad.mul_(participants / contributors)
+        loss_avg = (flat[0] / contributors).to(loss.dtype)
         summed = flat[1:1 + n_counts].view_as(counts).to(counts.dtype) if counts is not None else None
         self._blocked_s += time.perf_counter() - began
         return loss_avg, summed
