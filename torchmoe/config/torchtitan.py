@@ -115,8 +115,9 @@ def _attn_mask_type(value: str) -> dict[str, Any]:
 _TRACKING = "rank 0 writes the metrics of the whole job (losses and norms are global)"
 _LOADER = "torchmoe packs batches in the training process, a few documents ahead, without worker processes"
 _CP = "torchmoe's context parallelism has its own load balance (head and tail chunks per rank) and exchange"
-_FT = ("with fault_tolerance.enable, each replica group saves its data position after every committed step "
-       "(what a restarted group resumes its rows from); without it there is nothing to save")
+_FT = ("with fault_tolerance.enable, every replica group keeps every group's row position in memory (it rides in "
+       "each committed step and with the live state, and is saved with checkpoints): a restarted group resumes its "
+       "rows from it; without it there is nothing to save")
 _PLUGINS = "torchmoe has no plugin modules: its configs and models are its own"
 _MX = "MX formats are not supported (a model.converters entry for them is refused)"
 
