@@ -795,6 +795,7 @@ class Trainer:
             window = ThroughputWindow()
             began, first_step, stopped = time.perf_counter(), self.step, False
             first = True  # this process's first step (a recovering replica group's step number jumps)
+            validation_graphs, warned_recompiles = 0, False  # compile: graphs of validation's forwards
             compiled_before = DynamoCounts.now()
             while self.step < steps:
                 t0 = time.perf_counter()
@@ -822,10 +823,22 @@ class Trainer:
                         set_timeout(cfg.comm.train_timeout_seconds, [None, *self.mesh.groups()], self.device)
                     if cfg.compile.enable:
                         extra.update(self._compile_report(DynamoCounts.now().since(compiled_before), step_s))
+                        compiled_before, validation_graphs = DynamoCounts.now(), 0
+                elif cfg.compile.enable:
+                    # Graphs compiled by training steps after the first (a guard that fails from
+                    # step to step recompiles, until dynamo's limit leaves the code eager).
+                    extra["compile_recompiles"] = DynamoCounts.now().since(compiled_before).graphs - validation_graphs
+                    if extra["compile_recompiles"] and not warned_recompiles and self.rank == 0:
+                        warned_recompiles = True
+                        logger.warning("torch.compile compiled %d more graphs after the first step (a guard failed; "
+                                       "TORCH_LOGS=recompiles says which): those steps ran slower",
+                                       extra["compile_recompiles"])
                 first = False
                 validating = cfg.validation.enable and self.step % cfg.validation.freq == 0
                 if validating:  # after the step's timing and traffic: its numbers are the training's
+                    before_validation = DynamoCounts.now()
                     extra["validation_loss"] = self.validation_loss = self.validate()
+                    validation_graphs += DynamoCounts.now().since(before_validation).graphs  # no_grad: its own
                 if validating or metrics.should_log(self.step) or opening:
                     tokens_per_sec = window.take()
                     if cfg.training.dataset_mix:  # tokens fed by each source since the run began

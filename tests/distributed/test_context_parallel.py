@@ -122,6 +122,14 @@ def test_cp_layout_matches_single_process(layout, runs, references):
     assert_same_curve(metrics_by_step(runs.folder(layout)), references(seq_len, flags), layout, rtol=RTOL)
 
 
+def test_compiled_cp_compiles_once(runs):
+    """cp2_compile (halo layers): every graph is compiled in the first step. A Python counter or
+    cache the traced attention changed (bytes sent, position tables) was a guard failing at the
+    next step: a recompile per step, until dynamo's limit left the layer eager."""
+    got = metrics_by_step(runs.folder("cp2_compile"))
+    assert got[1]["compile_graphs"] >= 2 and [got[step]["compile_recompiles"] for step in range(2, 6)] == [0] * 4
+
+
 def test_a_masked_cp_tp_step_on_flash_reads_nothing_on_the_host(runs, references):
     """cp 2 x tp 2 with document masking, attention on CUDA flash's path (emulated on the CPU:
     every `varlen_attn` call's operands checked against what the CUDA kernel assumes, every other

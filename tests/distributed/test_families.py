@@ -135,6 +135,7 @@ def test_layout_matches_single_process(family, layout, runs, references):
         assert got[1]["ep_all_to_all_gib"] > 0
     if "compile" in layout:  # every block one graph (fullgraph=True would have refused a break)
         assert got[1]["compile_graph_breaks"] == 0 and got[1]["compile_graphs"] >= 2
+        assert [got[step]["compile_recompiles"] for step in range(2, 6)] == [0] * 4  # no guard failed later
 
 
 @pytest.mark.parametrize("family", sorted(f for f in FAMILIES if RESUMED in _layouts(f)))

@@ -64,6 +64,7 @@ def test_layout_matches_single_process(layout, runs, reference):
     assert_same_curve(got, reference, layout, rtol=RTOL)
     if "compile" in layout:  # every block one graph (fullgraph=True would have refused a break)
         assert got[1]["compile_graph_breaks"] == 0 and got[1]["compile_graphs"] >= 2
+        assert [got[step]["compile_recompiles"] for step in range(2, 6)] == [0] * 4  # no guard failed later
 
 
 BF16_LAYOUTS = {

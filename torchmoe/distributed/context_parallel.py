@@ -102,7 +102,7 @@ class ContextParallelAttention:
 
     Attributes:
         sent: key/value bytes this rank has sent in forward, per mode (backward sends the same
-            amount of gradients back), for tests and benchmarks.
+            amount of gradients back), for tests and benchmarks; counted when not compiled.
     """
 
     def __init__(self, layout: CPLayout, cp_mesh: DeviceMesh) -> None:
@@ -114,10 +114,23 @@ class ContextParallelAttention:
         # materialised.
         self._cache: dict = {}
 
+    def _count(self, mode: str, nbytes: int) -> None:
+        """Add `nbytes` to `sent[mode]`, in eager runs only: under torch.compile a Python counter
+        changed by the traced code is a guard on its value, failing at every call (a recompile
+        each time, until dynamo's limit sends the layer back to eager)."""
+        if not torch.compiler.is_compiling():
+            self.sent[mode] += nbytes
+
     def _cached(self, key, build):
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
+        """`build()`, kept for the next call in eager runs. Traced by torch.compile it is not
+        stored (its graph holds it): a cache filled by the first compiled step would fail that
+        step's guard (the key was missing) at the second, and compile the layer again."""
+        if key in self._cache:
+            return self._cache[key]
+        value = build()
+        if not torch.compiler.is_compiling():
+            self._cache[key] = value
+        return value
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """(L,) int64 global positions of the local tokens, L = seq_len / cp."""
@@ -161,7 +174,7 @@ class ContextParallelAttention:
         attends over its prefix (global) or over its chunks up to itself (gather), so no rank
         computes more than its causal share. kv: (2, B, Hkv, L, hd)."""
         layout, p = self.layout, self.layout.piece
-        self.sent[mode] += (layout.cp - 1) * _bytes(kv)
+        self._count(mode, (layout.cp - 1) * _bytes(kv))
         gathered = _GatherSequence.apply(kv, self.group)  # (2, B, Hkv, seq_len, hd), rank order
         order = self._cached(("order", kv.device), lambda: torch.argsort(torch.tensor(
             [pos for r in range(layout.cp) for pos in layout.positions(r)], device=kv.device)))
@@ -190,7 +203,7 @@ class ContextParallelAttention:
             h = layout.halo(piece, chunk) if piece else 0
             if h and layout.owner(piece - 1) != self.rank:
                 recvs.append((dist.get_global_rank(self.group, layout.owner(piece - 1)), h))
-        self.sent[HALO] += sum(length for _, _, length in sends) * _bytes(kv) // kv.shape[-2]
+        self._count(HALO, sum(length for _, _, length in sends) * _bytes(kv) // kv.shape[-2])
         kv, *halos = _ExchangeHalos.apply(kv, self.group, tuple(sends), tuple(recvs))
         received = iter(halos)
         outs = []
