@@ -98,8 +98,9 @@ def train_tiny_here(dump_folder: Path, args: list[str]) -> None:
 
 
 def seed_checkpoint(folder: Path, args: list[str] = ()) -> Path:
-    """Write a seed checkpoint of TINY_JOB (one process) and return its step-0 folder."""
-    train_tiny(folder, ["--checkpoint.create_seed_checkpoint", "true", *args])
+    """Write a seed checkpoint of TINY_JOB in this process (no step is computed: the weights do
+    not depend on the process's thread count) and return its step-0 folder."""
+    train_tiny_here(folder, ["--checkpoint.create_seed_checkpoint", "true", *args])
     return folder / "checkpoint" / "step-0"
 
 
@@ -110,13 +111,17 @@ class Job:
     checkpoint of another job), or None (no checkpoint: a fresh run, or one that loads
     `checkpoint.initial_load_path`). `preflight` False skips the checks before training that
     refuse what this machine cannot run usefully (FSDP CPU offload without an accelerator), to
-    run that code path anyway."""
+    run that code path anyway. `saves` False runs with `checkpoint.load_only` (the job loads
+    its start and writes no checkpoint, a DCP save of every rank it would not need): what
+    `TinyRuns` picks for a job no other job starts from, unless `saves` is True (a test reads
+    its checkpoints)."""
 
     nproc: int
     args: list[str]
     start: str | Path | tuple[str, int] | None = "seed"
     preflight: bool = True  # False: force a code path the preflight refuses on this machine
     flash: bool = False  # attention on CUDA flash's path, emulated, host reads counted (train_jobs.py)
+    saves: bool = False  # True: a test reads its checkpoints (a job another starts from saves anyway)
 
 
 class TinyRuns:
@@ -175,7 +180,10 @@ class TinyRuns:
 
     def _train(self, group: int | str) -> None:
         labels = [label for label in self.jobs if self._group(label) == group]
-        jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args], "dump_folder": str(self.root / label),
+        sources = {job.start[0] for job in self.jobs.values() if isinstance(job.start, tuple)}
+        jobs = [{"label": label, "args": [*TINY_JOB, *self.jobs[label].args, *(
+                    () if self.jobs[label].saves or label in sources else ("--checkpoint.load_only", "true"))],
+                 "dump_folder": str(self.root / label),
                  "start_from": str(start) if (start := self._start(label)) else None,
                  "preflight": self.jobs[label].preflight, "flash": self.jobs[label].flash} for label in labels]
         if self.jobs[labels[0]].nproc == 1:

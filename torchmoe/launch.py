@@ -73,8 +73,11 @@ def cli_command(args: Sequence[Arg], *, nproc: int = 1) -> list[str]:
     if nproc == 1:
         launcher = [sys.executable, "-m", "torchmoe"]
     else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    f"--master_port={free_port()}", "-m", "torchmoe"]
+        # --standalone: the rendezvous store binds a port the OS picks as it listens. A port
+        # found free beforehand (`free_port`) stays free only until then: seconds of imports
+        # later, one of gloo's many connections had taken it (EADDRINUSE).
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    "-m", "torchmoe"]
     return [*launcher, *map(str, args)]
 
 

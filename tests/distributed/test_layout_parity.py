@@ -88,7 +88,7 @@ def runs(seed, tmp_path_factory) -> TinyRuns:
         **{f"bf16_{name}": Job(nproc, [*flags, *bf16]) for name, (nproc, flags) in BF16_LAYOUTS.items()},
         "fsdp4_to_tp2_fsdp2": Job(4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
                                   start=("fsdp4", 3)),
-        "dp2": Job(2, ["--training.local_batch_size", "4", "--checkpoint.interval", "3"]),
+        "dp2": Job(2, ["--training.local_batch_size", "4", "--checkpoint.interval", "3"], saves=True),
         **{name: Job(nproc, flags, preflight=not name.endswith("offload")) for name, (nproc, flags) in CLIP.items()},
         **{name: Job(nproc, [*flags, *VALIDATION]) for name, (nproc, flags) in VALIDATION_LAYOUTS.items()},
     })

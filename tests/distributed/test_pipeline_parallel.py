@@ -118,8 +118,8 @@ def runs(seed, hf_seed, tmp_path_factory) -> TinyRuns:
         "pp1_to_pp2_interleaved": Job(2, ["--training.local_batch_size", "8", *_schedule("Interleaved1F1B"), *BALANCE],
                                       start=("pp1_save", 3)),
         # Hugging Face weights in and out, without the seed checkpoint.
-        "hf_one": Job(1, hf, start=None),
-        "hf_pp2_zbv": Job(2, [*hf, *_schedule("ZBVZeroBubble")], start=None),
+        "hf_one": Job(1, hf, start=None, saves=True),
+        "hf_pp2_zbv": Job(2, [*hf, *_schedule("ZBVZeroBubble")], start=None, saves=True),
     })
 
 

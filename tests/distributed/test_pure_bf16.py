@@ -37,7 +37,8 @@ LAYOUTS = {
 def runs(seed, tmp_path_factory) -> TinyRuns:
     return TinyRuns(seed, tmp_path_factory.mktemp("runs"), {
         "fp32": Job(1, [*WHOLE_BATCH, "--checkpoint.interval", "3"]),
-        **{f"bf16_{name}": Job(nproc, [*flags, *PURE_BF16]) for name, (nproc, flags) in LAYOUTS.items()},
+        **{f"bf16_{name}": Job(nproc, [*flags, *PURE_BF16], saves=name == "single")  # read by test_checkpoints_hold_bf16
+           for name, (nproc, flags) in LAYOUTS.items()},
         # Steps 4-5 after the dtype changed on resume (the AdamW moments are cast too).
         "fp32_to_bf16": Job(1, [*WHOLE_BATCH, *PURE_BF16], start=("fp32", 3)),
         "bf16_to_fp32": Job(1, WHOLE_BATCH, start=("bf16_single", 3)),
