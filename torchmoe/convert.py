@@ -48,7 +48,7 @@ from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import refuse_nonfinite
 from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit, stored_mtp_layers
 from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, require_hf_form, save_hf_weights
-from torchmoe.components.run_lock import LOCK_NAME, lock_folders
+from torchmoe.components.run_lock import LOCK_NAMES, lock_folders
 from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
@@ -95,7 +95,7 @@ def _owning(out_dir: Path) -> Iterator[None]:
     failed = False
     try:
         with path_faults("OUT_DIR", str(out_dir), _OUT_FIX):
-            if set(os.listdir(out_dir)) - {LOCK_NAME}:
+            if set(os.listdir(out_dir)) - set(LOCK_NAMES):
                 raise ConfigError("OUT_DIR", str(out_dir), "is not empty", _OUT_FIX)
         try:
             yield
@@ -105,7 +105,7 @@ def _owning(out_dir: Path) -> Iterator[None]:
                 for entry in os.scandir(out_dir):  # all this conversion's: the folder was empty
                     if entry.is_dir(follow_symlinks=False):
                         shutil.rmtree(entry.path)
-                    elif entry.name != LOCK_NAME:
+                    elif entry.name not in LOCK_NAMES:
                         os.unlink(entry.path)
             cause = os_cause(err) if not isinstance(err, ConfigError) else None
             if cause is None:

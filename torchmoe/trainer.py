@@ -66,7 +66,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.loader import write_config_toml
 from torchmoe.config.paths import job_paths, source_key, user_path_faults, written_folders
-from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
+from torchmoe.data.dataloader import CorpusEnd, DataLoader, build_corpus, build_dataloader, validation_data
 from torchmoe.data.file_index import INDEX_FOLDER
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
@@ -176,7 +176,7 @@ class Trainer:
         self.world_size = world_size
         # Before anything is written (or stale temporaries deleted) there; released if setup fails.
         nccl_traces = self.device.type == "cuda" and world_size > 1
-        self.folder_locks = lock_folders(written_folders(cfg, nccl_traces=nccl_traces))
+        self.folder_locks = lock_folders(written_folders(cfg, nccl_traces=nccl_traces), cfg.job.folder_lock)
         self.log_file: LogFile | None = None
         try:
             if cfg.metrics.enable_log_files:
@@ -202,6 +202,14 @@ class Trainer:
             cfg.training, tokenizer, dp_rank=group * self.dims.dp + dp_rank, dp_degree=groups * self.dims.dp,
             batch_mesh=None if ft.enable else batch_mesh, index_cache=self.dump_folder / INDEX_FOLDER,
         )
+        # The validation data opened now, under the start's timeout: a new corpus's index is built
+        # (by rank 0) before the first validation, whose collectives run under the training's.
+        self._validation_corpus = None
+        if cfg.validation.enable:
+            self._validation_corpus = build_corpus(validation_data(cfg.training, cfg.validation),
+                                                   key="validation.dataset_path",
+                                                   index_cache=self.dump_folder / INDEX_FOLDER)
+            self._validation_loader()
         # The loss is normalised by this group's tokens: averaged over the groups of a step, it
         # is the mean over their rows (without fault tolerance: the global batch's).
         self.global_tokens = self.dataloader.global_batch_size // groups * cfg.training.seq_len
@@ -439,9 +447,7 @@ class Trainer:
         out of data (one flag in an all-reduce), so all stop at the same batch.
         """
         val = self.cfg.validation
-        loader = build_dataloader(validation_data(self.cfg.training, val), self.tokenizer, dp_rank=self.dp_rank,
-                                  dp_degree=self.dims.dp, batch_mesh=self.batch_mesh, repeat=False,
-                                  key="validation.dataset_path", index_cache=self.dump_folder / INDEX_FOLDER)
+        loader = self._validation_loader()
         counts = [moe.tokens_per_expert.clone() for moe in self.moe_layers]
         total = torch.zeros((), device=self.device)
         batches = 0
@@ -470,6 +476,17 @@ class Trainer:
                               f"({loader.global_batch_size} rows of {val.seq_len + 1} tokens)",
                               "use more validation data, or a smaller validation.local_batch_size / seq_len")
         return total.item() / (batches * loader.global_batch_size * val.seq_len)
+
+    def _collective_timeout(self, seconds: int) -> None:
+        """Every group of the mesh (and the default one) times collectives out after `seconds`."""
+        set_timeout(seconds, [None, *self.mesh.groups()], self.device)
+
+    def _validation_loader(self) -> DataLoader:
+        """A loader of the validation data from its start (one pass); its corpus is built once."""
+        val = self.cfg.validation
+        return build_dataloader(validation_data(self.cfg.training, val), self.tokenizer, dp_rank=self.dp_rank,
+                                dp_degree=self.dims.dp, batch_mesh=self.batch_mesh, repeat=False,
+                                corpus=self._validation_corpus)
 
     def _local_columns(self, inputs: torch.Tensor,
                        labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]:
@@ -795,6 +812,7 @@ class Trainer:
             window = ThroughputWindow()
             began, first_step, stopped = time.perf_counter(), self.step, False
             first = True  # this process's first step (a recovering replica group's step number jumps)
+            first_validation = True
             validation_graphs, warned_recompiles = 0, False  # compile: graphs of validation's forwards
             compiled_before = DynamoCounts.now()
             while self.step < steps:
@@ -820,7 +838,7 @@ class Trainer:
                     if first_step > 0:  # the report marks where the curves continue a checkpoint
                         extra["resumed_from"] = first_step
                     if self.mesh is not None:  # loading, compile and warm-up are done
-                        set_timeout(cfg.comm.train_timeout_seconds, [None, *self.mesh.groups()], self.device)
+                        self._collective_timeout(cfg.comm.train_timeout_seconds)
                     if cfg.compile.enable:
                         extra.update(self._compile_report(DynamoCounts.now().since(compiled_before), step_s))
                         compiled_before, validation_graphs = DynamoCounts.now(), 0
@@ -836,9 +854,17 @@ class Trainer:
                 first = False
                 validating = cfg.validation.enable and self.step % cfg.validation.freq == 0
                 if validating:  # after the step's timing and traffic: its numbers are the training's
+                    # The first one compiles the model's forward without gradients, its ranks
+                    # apart by more than training's timeout allows: it runs under the start's.
+                    longer = first_validation and self.mesh is not None
+                    if longer:
+                        self._collective_timeout(cfg.comm.init_timeout_seconds)
                     before_validation = DynamoCounts.now()
                     extra["validation_loss"] = self.validation_loss = self.validate()
                     validation_graphs += DynamoCounts.now().since(before_validation).graphs  # no_grad: its own
+                    if longer:
+                        self._collective_timeout(cfg.comm.train_timeout_seconds)
+                    first_validation = False
                 if validating or metrics.should_log(self.step) or opening:
                     tokens_per_sec = window.take()
                     if cfg.training.dataset_mix:  # tokens fed by each source since the run began

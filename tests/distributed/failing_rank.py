@@ -18,8 +18,9 @@ run unchanged:
 - `hang_save`: this rank's first checkpoint write writes `OUT_DIR/blocked` and hangs (for a test
   that kills the rank in the middle of a save).
 - `slow`: not a failure but a slow peer: each of this rank's checkpoint writes (DCP's file writer)
-  first sleeps `SLOW_WRITE_S` seconds, and its `destroy_process_group` (the teardown after a
-  good run) `SLOW_TEARDOWN_S` seconds.
+  and its first validation (what compiling the forward without gradients, or indexing a new
+  corpus, costs a rank) first sleep `SLOW_WRITE_S` seconds, and its `destroy_process_group` (the
+  teardown after a good run) `SLOW_TEARDOWN_S` seconds.
 
 Before raising it writes `OUT_DIR/failed_at` (its `time.time()`). With `FAIL_ON_GO=1` it first
 writes `OUT_DIR/blocked` and waits for `OUT_DIR/go`, so that the test can act meanwhile.
@@ -102,11 +103,19 @@ def _slow_down(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
 
-    write_data, destroy = FileSystemWriter.write_data, dist.destroy_process_group
+    from torchmoe.trainer import Trainer
+
+    write_data, destroy, validate = FileSystemWriter.write_data, dist.destroy_process_group, Trainer.validate
+    validated = []
 
     def slow_write_data(self, plan, planner):
         time.sleep(float(os.environ["SLOW_WRITE_S"]))
         return write_data(self, plan, planner)
+
+    def slow_first_validation(self):
+        if not validated:
+            validated.append(time.sleep(float(os.environ["SLOW_WRITE_S"])))
+        return validate(self)
 
     def slow_destroy(*args, **kwargs):
         time.sleep(float(os.environ["SLOW_TEARDOWN_S"]))
@@ -114,6 +123,7 @@ def _slow_down(out: Path) -> None:
 
     FileSystemWriter.write_data = slow_write_data
     dist.destroy_process_group = slow_destroy
+    Trainer.validate = slow_first_validation
 
 
 BREAK = {"load": _break_load, "async_save": _break_async_save, "data": _break_data, "hang_save": _hang_in_save,

@@ -11,6 +11,7 @@ failure.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -158,11 +159,15 @@ SLOW_WRITE_S, SLOW_TEARDOWN_S, SLOW_TRAIN_TIMEOUT_S = 4, 6, 2
 @pytest.fixture(scope="module")
 def slow_peer_run(tmp_path_factory) -> tuple[Path, list[subprocess.Popen], list[str], list[float]]:
     """Two ranks started by hand (rank 0 hosts the store, as under srun), 3 steps with async
-    checkpoints of step 2 and step 3 and a 2 s training timeout. Rank 1 writes each checkpoint
-    4 s late and takes 6 s to tear its process groups down."""
+    checkpoints of step 2 and step 3, validation at step 2 and a 2 s training timeout. Rank 1
+    writes each checkpoint and starts its first validation 4 s late, and takes 6 s to tear its
+    process groups down."""
     out = tmp_path_factory.mktemp("slow_peer")
     procs = start_ranks(JOB, "slow", out, ["--training.steps", "3", "--checkpoint.interval", "2",
                                        "--checkpoint.async_mode", "async",
+                                       "--validation.enable", "true", "--validation.dataset", "python_docs",
+                                       "--validation.freq", "2",
+                                       "--validation.steps", "1", "--validation.seq_len", "64",
                                        "--comm.train_timeout_seconds", str(SLOW_TRAIN_TIMEOUT_S)],
                          SLOW_WRITE_S=str(SLOW_WRITE_S), SLOW_TEARDOWN_S=str(SLOW_TEARDOWN_S))
     outs, ends = wait_all(procs, timeout=300)
@@ -178,6 +183,16 @@ def test_a_checkpoint_write_slower_than_the_training_timeout_saves(slow_peer_run
     assert not any("could not be saved" in text for text in outs), outs
     assert sorted(p.name for p in (out / "checkpoint").glob("step-*")) == ["step-2", "step-3"], outs
     assert all((out / "checkpoint" / name / ".complete").is_file() for name in ("step-2", "step-3"))
+
+
+def test_a_first_validation_slower_than_the_training_timeout_runs(slow_peer_run) -> None:
+    """The first validation (a new loader, the forward compiled without gradients) runs under
+    the start's timeout: rank 0 waits for rank 1's late start in its collectives, past the 2 s
+    training timeout, and step 2 has its validation loss."""
+    out, procs, outs, _ = slow_peer_run
+    assert [p.returncode for p in procs] == [0, 0], outs
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "validation_loss" in r] == [2], records
 
 
 def test_a_slow_teardown_after_a_good_run_exits_0(slow_peer_run) -> None:

@@ -6,6 +6,7 @@ ahead (no empty paths, no history it did not continue, no symbolic links it did 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 
 from tests.helpers import DEBUG_CONFIG, REPO, assert_user_error
 from torchmoe import cli
-from torchmoe.components.run_lock import LOCK_NAME
+from torchmoe.components.run_lock import LOCK_NAME, OWNER_NAME
 from torchmoe.launch import read_metrics, run_train
 
 pytestmark = pytest.mark.integration
@@ -24,45 +25,85 @@ pytestmark = pytest.mark.integration
 TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.steps", "1", "--checkpoint.enable", "true"]
 
-# A process that holds a dump folder the way a run does, until killed.
+# A process that holds a dump folder the way a run does (with the lock `job.folder_lock` names),
+# until killed.
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from torchmoe.components.run_lock import lock_folders
+from torchmoe.components import run_lock
 from torchmoe.config.paths import UserPath
-lock = lock_folders([UserPath("job.dump_folder", sys.argv[1], sys.argv[1], "")])
+run_lock.HEARTBEAT_S = float(sys.argv[3])
+lock = run_lock.lock_folders([UserPath("job.dump_folder", sys.argv[1], sys.argv[1], "")], sys.argv[2])
 print("locked", flush=True)
 time.sleep(600)
 """
+NO_FLOCK = Path(__file__).parent / "no_flock"
 
 
-@pytest.fixture
-def holder(tmp_path):
-    """A live process holding `tmp_path / "run"` (killed with -9 at the end, like a lost job)."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path / "run")], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.stdout.readline().strip() == "locked"
-    yield proc
-    proc.kill()
-    proc.wait()
+def _file_system(monkeypatch, flock: str) -> None:
+    """This test's processes on a file system whose flock fails with `flock` (an errno's name:
+    `no_flock/sitecustomize.py`), or works ("flock")."""
+    if flock != "flock":
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(NO_FLOCK), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        monkeypatch.setenv("TORCHMOE_FLOCK_ERRNO", flock)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_second_run_on_a_held_dump_folder_is_refused(holder, tmp_path, nproc):
-    proc = run_train(TINY, dump_folder=tmp_path / "run", nproc=nproc, timeout=120, expect=None)
-    assert f"pid {holder.pid} on " in proc.stderr and "in use by another run" in proc.stderr
+def _hold(folder: Path, kind: str = "auto", heartbeat_s: float = 10.0) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), kind, str(heartbeat_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    assert proc.stdout.readline().strip() == "locked", proc.stderr.read()
+    return proc
+
+
+@pytest.mark.parametrize(("flock", "nproc"), [("flock", 1), ("flock", 2), ("ENOSYS", 1), ("ENOLCK", 2)])
+def test_a_second_run_on_a_held_dump_folder_is_refused(monkeypatch, tmp_path, flock, nproc):
+    """With flock, and where the file system refuses it (Lustre without `flock`: ENOSYS; NFSv3
+    without a lock daemon: ENOLCK; the holder then holds an owner file with a heartbeat)."""
+    _file_system(monkeypatch, flock)
+    holder = _hold(tmp_path / "run")
+    try:
+        proc = run_train(TINY, dump_folder=tmp_path / "run", nproc=nproc, timeout=120, expect=None)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"pid {holder.pid} on " in proc.stderr and "in use by another run" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoint").exists()  # refused before writing anything
+    assert (tmp_path / "run" / OWNER_NAME).is_file() == (flock != "flock")
     if nproc == 1:
         assert_user_error(proc, 'job.dump_folder = "', "fix: wait for it to end")
     else:  # every rank learns it from rank 0 and exits 2 (torchrun itself then exits 1)
         assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
 
 
-def test_a_killed_holder_leaves_no_stuck_lock(holder, tmp_path):
+@pytest.mark.parametrize("flock", ["flock", "ENOSYS"])
+def test_a_killed_holder_leaves_no_stuck_lock(monkeypatch, tmp_path, flock):
+    """flock: the kernel dropped it. A heartbeat's owner file, left behind by the killed holder
+    on this host, is taken over at once (its pid is gone) and removed when the run ends."""
+    _file_system(monkeypatch, flock)
+    holder = _hold(tmp_path / "run")
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
-    run_train(TINY, dump_folder=tmp_path / "run", timeout=120)  # the kernel dropped the lock
+    proc = run_train(TINY, dump_folder=tmp_path / "run", timeout=120)
     assert (tmp_path / "run" / "checkpoint" / "step-1" / ".complete").is_file()
+    if flock != "flock":
+        assert f"took over {tmp_path / 'run'} from pid {holder.pid} on " in proc.stderr, proc.stderr[-3000:]
+        assert "folder locks: owner files with a heartbeat" in proc.stderr and "Function not implemented" in proc.stderr
+        assert not (tmp_path / "run" / OWNER_NAME).exists()
+
+
+def test_a_holder_whose_lock_was_taken_over_stops_at_once(tmp_path):
+    """A heartbeat holder that finds its owner file another run's (it was suspended past the
+    stale time, say) ends at its next beat, exit 2, one line naming the new holder."""
+    holder = _hold(tmp_path / "run", "heartbeat", heartbeat_s=0.2)
+    owner = tmp_path / "run" / OWNER_NAME
+    record = json.loads(owner.read_text())
+    owner.write_text(json.dumps({**record, "pid": 4242, "host": "node-b", "token": "theirs"}))
+    _, err = holder.communicate(timeout=60)
+    assert holder.returncode == 2 and "Traceback" not in err, err
+    assert err.count("error:") == 1 and "the lock of" in err and "was taken over by another run, now held by " \
+        "pid 4242 on node-b" in err, err
+    assert json.loads(owner.read_text())["token"] == "theirs"  # the new holder's file is left alone
 
 
 def test_another_flavor_on_a_runs_checkpoints_names_the_flavor(tmp_path):

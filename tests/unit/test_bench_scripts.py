@@ -76,6 +76,7 @@ def test_data_bench_reports_prepare_reader_and_memory(tmp_path, monkeypatch) -> 
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench_data.py", "--text-mb", "0.2", "--vocab", "300", "--workers", "1",
                                       "--small-mb", "0.1", "--big-mb", "0.5", "--steps", "20", "--train-steps", "0", "--jsonl-documents", "2000",
+                                      "--index-mb", "0.5",
                                       "--tmp", str(tmp_path), "--out", str(out)])
     _script("bench_data").main()
     result = json.loads(out.read_text())
@@ -83,6 +84,11 @@ def test_data_bench_reports_prepare_reader_and_memory(tmp_path, monkeypatch) -> 
     assert result["loader"]["loader_tokens_per_sec"] > 0 and result["loader"]["rows"] == 8
     assert result["jsonl_resume"]["resume_s"] > 0 and result["jsonl_resume"]["resume_at_row_document"] > 20
     assert result["memory"]["small"]["tokens"] == 50_000 and result["memory"]["big"]["tokens"] == 250_000
+    first = result["first_open"]
+    assert [len(first[f"{mode}_{n}_ranks"]) for n in (1, 4) for mode in ("one_builder", "every_rank")] == [1, 1, 4, 4]
+    # One rank reads the corpus for all; each rank of the other mode reads it whole.
+    assert [r["read_mb"] >= first["file_mb"] * 0.9 for r in first["one_builder_4_ranks"]] == [True, False, False, False]
+    assert all(r["read_mb"] >= first["file_mb"] * 0.9 for r in first["every_rank_4_ranks"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # the corpora are deleted
 
 

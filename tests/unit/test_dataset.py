@@ -21,6 +21,7 @@ from torchmoe.data import (
 )
 from torchmoe.data import dataset as dataset_module
 from torchmoe.data import local_files, python_docs_files
+from torchmoe.data.file_index import line_spans
 
 
 def _write_jsonl(path: Path, texts: list[str | None], field: str = "text") -> None:
@@ -449,10 +450,11 @@ def test_line_index_finds_every_non_blank_line(tmp_path: Path, monkeypatch, chun
     monkeypatch.setattr(file_index, "_CHUNK", chunk)
     for data in (b"", b"\n", b"a\n\n  \nbb\n \tx\n\t\n", b"abc", b"line one\n   \n  two\nlast", b"\n\n\nx", b" y\r\n"):
         (tmp_path / "f.jsonl").write_bytes(data)
-        want, offset = [], 0
+        want, offset, start = [], 0, 0
         for number, line in enumerate(data.split(b"\n"), start=1):
             if line.strip():
-                want.append([offset, len(line), number])
+                want.append([offset, len(line), number, start])  # start: the lengths before it
+                start += len(line)
             offset += len(line) + 1
         assert file_index.line_spans(tmp_path / "f.jsonl").tolist() == want, data
 
@@ -480,3 +482,101 @@ def test_one_document_in_any_format_fills_the_rows(tmp_path: Path, suffix: str) 
     units = [u for j in range(16) for u in docs.split(j, 16)]
     assert len(units) == 16 and "".join(u.content for u in units) == text
     assert [u.starts for u in units] == [True] + [False] * 15 and [u.ends for u in units] == [False] * 15 + [True]
+
+
+def _reference_row(sizes: list[int], row: int, rows: int) -> list[tuple[int, int, int]]:
+    """Row `row` of `rows` by the rule of `documents.py`'s docstring, from every size at once:
+    (document, part, parts) of each unit in order."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    total = starts[-1]
+    lo, hi = -(-row * total // rows), -(-(row + 1) * total // rows) + (row == rows - 1)
+    units = []
+    for doc, size in enumerate(sizes):
+        count = -(-size * rows // total) if size * rows > total else 1
+        for part in range(count):
+            first = starts[doc] + -(-part * size // count)
+            if lo <= first < hi:
+                units.append((doc, part, count))
+    return units
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_rows_of_memory_mapped_indexes_follow_the_rule(tmp_path: Path, rows: int) -> None:
+    """Rows cut from the files' memory-mapped indexes (several .jsonl files, empty ones and empty
+    lines between, one line larger than many rows' share, a text file) hold exactly the units
+    the rule gives from every size at once; and the index is a memory map, not a copy."""
+    import numpy as np
+
+    rng = np.random.default_rng(rows)
+    files = []
+    for f, count in enumerate([5, 0, 40, 1, 17]):
+        lines = [json.dumps({"text": "x" * int(n)}) for n in rng.integers(0, 30, count)]
+        if f == 2:
+            lines[7] = json.dumps({"text": "y" * 3000})  # cut into parts in most row counts
+        (tmp_path / f"{f}.jsonl").write_text("\n".join(lines) + ("\n\n" if f % 2 else ""))
+        files.append(tmp_path / f"{f}.jsonl")
+    (tmp_path / "z.txt").write_text("text file\n" * 30)
+    files.append(tmp_path / "z.txt")
+    docs = FileDocuments(files, index_cache=tmp_path / "cache")
+    sizes = docs.sizes().tolist()
+    assert all(isinstance(table, np.memmap) for table in docs._tables[:-1])  # the text file's is one row
+    for row in range(rows):
+        got = docs.split(row, rows)
+        assert [(int(d), int(p), got._parts.get(int(d), 1)) for d, p in zip(got._doc, got._part)] == \
+            _reference_row(sizes, row, rows), row
+
+
+def _crafted_indexes(good, size: int) -> dict:
+    """Saved indexes a careless or hostile hand could leave: each is refused and built again."""
+    import numpy as np
+
+    shifted = good.copy()
+    shifted[:, 0] += size  # every line past the file's end
+    bad_starts = good.copy()
+    bad_starts[:, -1] = 0
+    swapped = good.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # out of file order
+    return {
+        "400 rows of a 10-line file": np.tile(good, (40, 1)),
+        "float64": good.astype(np.float64),
+        "int32": good.astype(np.int32),
+        "3 columns (the old format)": good[:, :3].copy(),
+        "1-D": good[:, 0].copy(),
+        "past the end": shifted,
+        "negative length": np.where(np.arange(good.size).reshape(good.shape) == 1, -5, good),
+        "wrong starts": bad_starts,
+        "out of order": swapped,
+        "an object array (a pickle)": np.array([{"code": 1}] * 3, dtype=object),
+    }
+
+
+def test_a_saved_index_that_does_not_fit_the_file_is_built_again(tmp_path: Path, monkeypatch) -> None:
+    """The index cache is a file anyone can write: a saved index is used only when it is a
+    regular file holding what this file's index holds; a FIFO, a link, a pickle, another dtype
+    or shape, lines outside the file or out of order are built again (never trained on, never
+    a traceback, never a hang), and loading one runs no code."""
+    import os
+
+    import numpy as np
+
+    lines = [f"doc {i}" for i in range(10)]
+    _write_jsonl(tmp_path / "d.jsonl", lines)
+    cache = tmp_path / "data_index"
+    assert list(FileDocuments([tmp_path / "d.jsonl"], index_cache=cache)) == lines
+    (path,) = cache.glob("*.npy")
+    good = np.load(path)
+    size = (tmp_path / "d.jsonl").stat().st_size
+    cases = {name: lambda p, a=array: np.save(p, a, allow_pickle=True) for name, array in
+             _crafted_indexes(good, size).items()}
+    cases["a FIFO"] = os.mkfifo
+    cases["a link to a good index elsewhere"] = lambda p: (np.save(tmp_path / "other.npy", good),
+                                                           os.symlink(tmp_path / "other.npy", p))
+    cases["not a .npy"] = lambda p: p.write_bytes(b"#!/bin/sh\nrm -rf /\n")
+    for name, craft in cases.items():
+        path.unlink()
+        craft(path)
+        built = []
+        monkeypatch.setattr(dataset_module, "line_spans", lambda file: built.append(file) or line_spans(file))
+        assert list(FileDocuments([tmp_path / "d.jsonl"], index_cache=cache)) == lines, name
+        assert built == [tmp_path / "d.jsonl"], name
+        assert path.is_file() and not path.is_symlink() and np.array_equal(np.load(path), good), name

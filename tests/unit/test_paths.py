@@ -91,3 +91,16 @@ def test_looking_before_writing_creates_and_changes_nothing(tmp_path: Path) -> N
     for check in (writable_file, writable_folder):
         with pytest.raises(FileNotFoundError):
             check(tmp_path / "link")
+
+
+def test_ranks_sharing_a_pid_check_one_folder_at_once(tmp_path: Path, monkeypatch) -> None:
+    """Ranks on two nodes (or in two pid namespaces) share pids: one rank's write probe, still
+    there, never fails another's check of the same shared folder."""
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    (tmp_path / ".torchmoe-write-check-4242").write_text("")  # the old name, pid alone
+    seen = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: seen.append(Path(path).name) or real_open(path, *a, **k))
+    assert writable_folder(tmp_path) == writable_folder(tmp_path) == tmp_path
+    assert len(set(seen)) == 2 and all("4242" in name for name in seen)  # a name of its own each time
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".torchmoe-write-check-4242"]

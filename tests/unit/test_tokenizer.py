@@ -154,3 +154,20 @@ def test_hf_pieces_are_the_whole_encoding(tmp_path: Path, pre_tokenizer: str, si
     pieces = list(hf.encode_pieces(_LONG, size))
     assert len(pieces) > 1
     assert [i for piece in pieces for i in piece] == hf.encode(_LONG)
+
+
+def test_a_tokenizer_is_read_once_per_process_for_its_files_as_they_are(tmp_path, monkeypatch) -> None:
+    """The checks before a run and the run build the same tokenizer: its files are read once
+    (not twice by each of 1,000 ranks); an edited file is read again."""
+    from tests.helpers import small_bpe
+    from torchmoe.data import tokenizer as tokenizer_module
+
+    path = small_bpe(tmp_path / "tokenizer.json")
+    built = []
+    real = tokenizer_module.HFTokenizer
+    monkeypatch.setattr(tokenizer_module, "HFTokenizer", lambda *a, **k: built.append(a) or real(*a, **k))
+    first = tokenizer_module.build_tokenizer(str(path))
+    assert tokenizer_module.build_tokenizer(str(path)) is first and len(built) == 1
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<|begin_of_text|>"}')  # a config appears
+    assert tokenizer_module.build_tokenizer(str(path)) is not first and len(built) == 2
+    assert tokenizer_module.build_tokenizer(str(path), key="validation.tokenizer") is not first  # messages name its key

@@ -148,6 +148,29 @@ def test_hf_assets_path_fills_what_is_not_given(tmp_path: Path) -> None:
     assert (cfg.model.tokenizer_path, cfg.checkpoint.initial_load_path) == ("hf/scout", "")
 
 
+@pytest.mark.parametrize("key", ["model.hf_assets_path", "model.tokenizer_path", "checkpoint.initial_load_path",
+                                 "training.dataset_path", "validation.dataset_path"])
+def test_a_read_path_from_a_file_is_unset_by_the_flag_none(tmp_path: Path, key: str) -> None:
+    """A torchtitan preset's folder (a checkout's ./tests/assets/tokenizer) cleared without editing
+    the file: `--KEY none` is the TOML's "" (unset), and what it filled in stays unfilled."""
+    section, leaf = key.split(".")
+    path = write_toml(tmp_path, f'[{section}]\n{leaf} = "./tests/assets/tokenizer"\n')
+    cfg = load_job_config(["--config", path, f"--{key}", "none"])
+    assert getattr(getattr(cfg, section), leaf) == ""
+    if key == "model.hf_assets_path":
+        assert cfg.model.tokenizer_path == ""  # not filled from the folder that was unset
+    assert getattr(getattr(load_job_config(["--config", path, f"--{key}", "./none"]), section), leaf) == "./none"
+
+
+def test_an_empty_read_path_flag_names_the_word_that_unsets_it(capsys, tmp_path: Path) -> None:
+    status = cli.main(["train", "--model.hf_assets_path", "", "--job.dump_folder", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert 'model.hf_assets_path = "": an empty path (an unset shell variable?)' in err
+    assert "fix: pass the path, or `--model.hf_assets_path none` to unset it (what \"\" means in a TOML file)" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_torchmoe_key_wins_over_a_mapped_one(tmp_path: Path) -> None:
     cfg = load_job_config(["--config", write_toml(tmp_path, "[training]\nseed = 1\n[debug]\nseed = 2\n")])
     assert cfg.training.seed == 1

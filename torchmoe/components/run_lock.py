@@ -1,29 +1,54 @@
-"""One run owns every folder it writes into: an advisory file lock on each, held for the run's lifetime.
+"""One run owns every folder it writes into: a lock on each, held for the run's lifetime.
 
-    lock = lock_folders(written)   # collective; ConfigError if another run holds one of them
-    ...                            # train, save, prune
-    lock.release()                 # or just exit: the kernel releases it
+    lock = lock_folders(written, kind)   # collective; ConfigError if another run holds one of them
+    ...                                  # train, save, prune
+    lock.release()                       # or just exit
 
 Two jobs (or the orphaned workers of a torchrun whose agent was killed with -9) writing one folder
 would prune each other's checkpoints in progress, resume from each other's saves, and interleave
-their metrics. Rank 0 takes an exclusive `flock` on `<folder>/.torchmoe.lock` of every folder the
-run writes into (the dump folder, and the checkpoint, TensorBoard, trace and snapshot folders it
-uses, which a key may put anywhere: an absolute checkpoint folder shared by two dump folders is
-caught), and writes who holds it (host, pid, start time, command) into the file; a second run (or
-`torchmoe convert` into such a folder) is refused with exit 2 naming that holder and the key whose
-folder it is. The lock is on the folder's real location, so two names for one folder (a symbolic
-link, a ``..``) are the same lock. The kernel drops a lock when the holding process ends, however
-it ends, so a crashed run never leaves one stuck.
+their metrics. Rank 0 locks every folder the run writes into (the dump folder, and the
+checkpoint, TensorBoard, trace and snapshot folders it uses, which a key may put anywhere: an
+absolute checkpoint folder shared by two dump folders is caught) and says who holds it (host,
+pid, start time, command); a second run (or `torchmoe convert` into such a folder) is refused with
+exit 2 naming that holder and the key whose folder it is. The lock is on the folder's real
+location, so two names for one folder (a symbolic link, a ``..``) are the same lock, and its
+file is never followed through a link.
+
+Two kinds of lock (`job.folder_lock`):
+
+- **flock** on ``<folder>/.torchmoe.lock``, which names the holder. The kernel (or the file
+  system's lock manager) drops it when the holder ends, however it ends: a crashed run never
+  leaves one stuck.
+- **heartbeat**: an owner file ``<folder>/.torchmoe.owner`` created exclusively (``O_EXCL``,
+  atomic on local, NFS, Lustre and GPFS file systems alike), naming the holder and a token of its
+  own, its modification time refreshed every `HEARTBEAT_S` by a thread of the holder and the
+  file removed when it ends. A file whose holder is dead is taken over: at once when the holder
+  ran on this host (its pid is gone, or is another process now), otherwise once its heartbeat is
+  older than `STALE_S` and stays still for two more beats (a clock apart between nodes cannot make
+  a live holder look dead). A holder whose file was taken over (it was suspended, or its node
+  cut off, past `STALE_S`) finds out at its next beat and ends at once, exit 2, before it
+  writes another byte into a folder another run owns.
+
+`auto` (the default) takes flock where it excludes across nodes, and the heartbeat where it
+cannot: a file system that refuses flock (Lustre mounted without ``flock``: ENOSYS; NFSv3 without
+a lock daemon: ENOLCK; EOPNOTSUPP), or a mount whose flock is node-local (`node_local_flock`:
+Lustre's ``localflock``, NFS's ``local_lock=``/``nolock``, BeeGFS, FUSE mounts). It says once
+which lock it uses, and why.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import socket
+import stat
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,17 +56,36 @@ import torch.distributed as dist
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_error
-from torchmoe.config.paths import UserPath
+from torchmoe.config.paths import UserPath, path_faults
 
-__all__ = ["LOCK_NAME", "FolderLocks", "lock_folders"]
+__all__ = ["FOLDER_LOCKS", "LOCK_NAME", "LOCK_NAMES", "OWNER_NAME", "FolderLocks", "lock_folders",
+           "node_local_flock"]
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".torchmoe.lock"
+OWNER_NAME = ".torchmoe.owner"
+LOCK_NAMES = (LOCK_NAME, OWNER_NAME)
+"""The files a folder's lock keeps in it."""
+FOLDER_LOCKS = ("auto", "flock", "heartbeat")
+"""`job.folder_lock`'s values."""
+
+HEARTBEAT_S = 10.0
+"""How often a heartbeat lock's holder refreshes its owner file."""
+STALE_S = 60.0
+"""How old a heartbeat must be for its holder to count as dead (another host's)."""
+
+_MOUNTINFO = Path("/proc/self/mountinfo")
+
+# flock's errors on a file system that has no (working) flock: its meaning, not a holder's.
+_NO_FLOCK = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
-# This process's locks: real folder -> [descriptor, holders]. A flock belongs to one open file, so
-# a second holder in the same process (one run locking a folder under two keys; tests, notebooks)
+# This process's locks: real folder -> [lock, holders]. A flock belongs to one open file, so a
+# second holder in the same process (one run locking a folder under two keys; tests, notebooks)
 # shares the first one's instead of being refused by its own process.
-_HELD: dict[Path, list[int]] = {}
+_HELD: dict[Path, list] = {}
+_said: set[str] = set()  # which lock kinds this process has said it uses
 
 
 class FolderLocks:
@@ -51,34 +95,141 @@ class FolderLocks:
         self._folders = folders
 
     def release(self, *, remove: bool = False) -> None:
-        """Drop the locks; `remove` also deletes each lock file this process no longer holds (for
+        """Drop the locks; `remove` also deletes each flock file this process no longer holds (for
         an output that should hold only what was written: `torchmoe convert`)."""
         for folder in self._folders:
             held = _HELD[folder]
             held[1] -= 1
             if held[1] == 0:
-                if remove:  # while still locked: whoever opens the old file next sees it gone (`_try_lock`)
-                    (folder / LOCK_NAME).unlink(missing_ok=True)
-                os.close(held[0])  # closing the descriptor drops the flock
+                held[0].release(remove=remove)
                 del _HELD[folder]
         self._folders = []
 
 
-def _acquire(folder: Path) -> tuple[Path | None, str | None]:
+class _Flock:
+    """An flock held on a folder's lock file (its open descriptor)."""
+
+    def __init__(self, folder: Path, fd: int) -> None:
+        self.path, self.fd = folder / LOCK_NAME, fd
+
+    def release(self, *, remove: bool) -> None:
+        if remove:  # while still locked: whoever opens the old file next sees it gone (`_flock`)
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)  # closing the descriptor drops the flock
+
+
+class _OwnerFile:
+    """A heartbeat lock held: the owner file this process created, beaten by `_Heartbeat`."""
+
+    def __init__(self, folder: Path, token: str) -> None:
+        self.folder, self.path, self.token = folder, folder / OWNER_NAME, token
+        _HEARTBEAT.add(self)
+
+    def beat(self) -> bool:
+        """Refresh the file's time, if it still is ours; False when another run took it over."""
+        owner = _read_owner(self.path)
+        if owner is None or owner[0].get("token") != self.token:
+            return False
+        os.utime(self.path, follow_symlinks=False)
+        return True
+
+    def release(self, *, remove: bool) -> None:
+        _HEARTBEAT.discard(self)
+        owner = _read_owner(self.path)
+        if owner is not None and owner[0].get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+
+
+class _Heartbeat:
+    """One daemon thread per process refreshing every held owner file every `HEARTBEAT_S`. A file
+    found taken over ends the process (exit 2, one line): it no longer owns that folder."""
+
+    def __init__(self) -> None:
+        self._held: set[_OwnerFile] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, owner: _OwnerFile) -> None:
+        with self._lock:
+            self._held.add(owner)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="torchmoe-folder-heartbeat", daemon=True)
+                self._thread.start()
+
+    def discard(self, owner: _OwnerFile) -> None:
+        with self._lock:
+            self._held.discard(owner)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            with self._lock:
+                held = list(self._held)
+            for owner in held:
+                try:
+                    ours = owner.beat()
+                except OSError as err:  # the file system is away: the next beat tries again
+                    logger.warning("could not refresh the lock of %s: %s", owner.folder, err)
+                    continue
+                if not ours:
+                    holder = _read_owner(owner.path)
+                    who = _describe(holder[0]) if holder else "nobody (its owner file is gone)"
+                    sys.stderr.write(f"error: the lock of {owner.folder} was taken over by another run, now held by "
+                                     f"{who}: this run's heartbeat stopped for longer than {STALE_S:.0f} s (was it "
+                                     "suspended, or its node cut off?); stopping before writing more into a folder "
+                                     "it no longer owns\n")
+                    sys.stderr.flush()
+                    os._exit(2)
+
+
+_HEARTBEAT = _Heartbeat()
+
+
+def _acquire(folder: Path, kind: str) -> tuple[Path | None, str | None]:
     """(the real folder, now held by this process, None), or (None, the other holder's description)."""
     folder.mkdir(parents=True, exist_ok=True)
     folder = folder.resolve()
     if folder not in _HELD:
-        fd, holder = _try_lock(folder)
-        if fd is None:
+        lock, holder = _take(folder, kind)
+        if lock is None:
             return None, holder
-        _HELD[folder] = [fd, 0]
+        _HELD[folder] = [lock, 0]
     _HELD[folder][1] += 1
     return folder, None
 
 
-def _try_lock(folder: Path) -> tuple[int | None, str | None]:
-    """(descriptor holding the lock, None), or (None, the holder's description)."""
+def _take(folder: Path, kind: str) -> tuple[_Flock | _OwnerFile | None, str | None]:
+    """Lock `folder` with `kind`'s lock (auto: flock where it excludes across nodes)."""
+    if kind == "auto":
+        local = node_local_flock(folder)
+        if local is None:
+            try:
+                return _flock(folder)
+            except OSError as err:
+                if err.errno not in _NO_FLOCK:
+                    raise os_error(err, folder / LOCK_NAME) from None
+                local = f"flock fails there: {os.strerror(err.errno)}"
+        _say("heartbeat", f"owner files with a heartbeat ({folder}: {local})")
+        return _owner_file(folder)
+    if kind == "heartbeat":
+        _say("heartbeat", "owner files with a heartbeat (job.folder_lock)")
+        return _owner_file(folder)
+    return _flock(folder)
+
+
+def _say(kind: str, what: str) -> None:
+    if kind not in _said:
+        _said.add(kind)
+        logger.info("folder locks: %s", what)
+
+
+def _me() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
+            "boot": _boot_id(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+
+
+def _flock(folder: Path) -> tuple[_Flock | None, str | None]:
+    """(the flock held, None), or (None, the holder's description). OSError: flock itself failed."""
     path = folder / LOCK_NAME
     while True:
         # O_NOFOLLOW: a symbolic link in its place (to another run's lock, or out of the folder) is refused.
@@ -88,7 +239,10 @@ def _try_lock(folder: Path) -> tuple[int | None, str | None]:
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode("utf-8", errors="replace")
             os.close(fd)
-            return None, _describe(holder)
+            return None, _describe_text(holder)
+        except OSError:
+            os.close(fd)
+            raise
         try:
             same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:
@@ -96,41 +250,196 @@ def _try_lock(folder: Path) -> tuple[int | None, str | None]:
         if same:
             break
         os.close(fd)  # a holder removed the file as it released it: lock the one that is there now
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-          "command": " ".join(sys.argv)}
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.pwrite(fd, json.dumps(_me()).encode(), 0)
     except OSError as err:  # a full disk: the lock holds, but who holds it cannot be said
         os.close(fd)
         raise os_error(err, path) from None
-    return fd, None
+    return _Flock(folder, fd), None
 
 
-def _describe(holder: str) -> str:
+def _owner_file(folder: Path) -> tuple[_OwnerFile | None, str | None]:
+    """(the owner file created, None), or (None, the live holder's description)."""
+    path = folder / OWNER_NAME
+    token = uuid.uuid4().hex
+    for _ in range(5):  # another run may take or free it between our steps: look again
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            owner = _read_owner(path)
+            if owner is None:
+                continue  # removed meanwhile
+            if not _dead(path, *owner):
+                return None, _describe(owner[0])
+            _remove_stale(path, owner[0])
+            continue
+        try:
+            os.write(fd, json.dumps({**_me(), "token": token}).encode())
+            os.fsync(fd)
+        except OSError as err:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise os_error(err, path) from None
+        os.close(fd)
+        return _OwnerFile(folder, token), None
+    owner = _read_owner(path)
+    return None, _describe(owner[0]) if owner else "a run that keeps taking and freeing it"
+
+
+def _read_owner(path: Path) -> tuple[dict, float] | None:
+    """The owner file's holder (what it says; {} while it is still being written or unreadable)
+    and its modification time; None when there is none. A link or anything but a regular file
+    in its place is a holder that says nothing (never followed, never removed)."""
     try:
-        h = json.loads(holder)
-        return f"pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"
-    except (ValueError, KeyError, TypeError):
+        st = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            return {"token": None, "odd": stat.filemode(st.st_mode)}, float("inf")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            text = os.read(fd, 65536).decode("utf-8", errors="replace")
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return None
+    try:
+        owner = json.loads(text)
+    except ValueError:
+        owner = {}
+    return (owner if isinstance(owner, dict) else {}), st.st_mtime
+
+
+def _dead(path: Path, owner: dict, mtime: float) -> bool:
+    """Whether the holder of `path` is gone: on this host (same boot), its pid no longer runs
+    the process that took the lock; elsewhere, its heartbeat is older than `STALE_S` and does
+    not move for two more beats."""
+    if "odd" in owner:
+        return False
+    if owner.get("host") == socket.gethostname() and owner.get("boot") == _boot_id() and isinstance(
+            owner.get("pid"), int):
+        started = _started(owner["pid"])
+        return started is None or started != owner.get("started")  # gone, or its pid reused since
+    if time.time() - mtime <= STALE_S:
+        return False
+    time.sleep(2 * HEARTBEAT_S)
+    again = _read_owner(path)
+    return again is not None and again[1] == mtime and again[0].get("token") == owner.get("token")
+
+
+def _remove_stale(path: Path, owner: dict) -> None:
+    """Remove a dead holder's owner file, unless it was replaced meanwhile (then it is put back)."""
+    aside = path.with_name(f"{OWNER_NAME}.stale-{uuid.uuid4().hex}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # another run removed it first
+    moved = _read_owner(aside)
+    if moved is not None and moved[0].get("token") != owner.get("token"):
+        try:  # a live holder's, taken after we looked: back in place (never over a newer one)
+            os.link(aside, path)
+        except FileExistsError:
+            pass
+    aside.unlink(missing_ok=True)
+    logger.warning("took over %s from %s, which no longer runs", path.parent, _describe(owner))
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` started (Linux's /proc, in clock ticks since boot), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def node_local_flock(folder: Path) -> str | None:
+    """Why flock on `folder`'s mount excludes only the processes of one node (the mount options
+    that say so), or None: Lustre's ``localflock``, NFS's ``local_lock=flock|all`` or ``nolock``,
+    BeeGFS (global locks off by default) and FUSE mounts (flock kept by the kernel, unless the
+    file system serves it: GlusterFS). From Linux's /proc/self/mountinfo; None where unknown."""
+    mount = _mount_of(folder)
+    if mount is None:
+        return None
+    point, fstype, options = mount
+    where = f"{fstype} mount {point}"
+    if fstype == "lustre" and "localflock" in options:
+        return f"{where} with localflock: locks per node"
+    if fstype in ("nfs", "nfs4") and ({"local_lock=flock", "local_lock=all", "nolock"} & options):
+        return f"{where} with {', '.join(sorted({'local_lock=flock', 'local_lock=all', 'nolock'} & options))}: " \
+               "locks per node"
+    if fstype == "beegfs":
+        return f"{where}: locks per node unless tuneUseGlobalFileLocks"
+    if fstype.startswith("fuse") and fstype != "fuse.glusterfs":
+        return f"{where}: flock kept per node"
+    return None
+
+
+def _mount_of(folder: Path) -> tuple[str, str, set[str]] | None:
+    """(mount point, file system type, mount and super options) of the mount holding `folder`."""
+    try:
+        lines = _MOUNTINFO.read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    real = str(folder.resolve())
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        point = fields[4].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):
+            options = set(fields[5].split(",")) | set(fields[sep + 3].split(",") if len(fields) > sep + 3 else ())
+            best = (point, fields[sep + 1], options)
+    return best
+
+
+def _describe_text(holder: str) -> str:
+    try:
+        return _describe(json.loads(holder))
+    except ValueError:
+        return _describe({})
+
+
+def _describe(h: object) -> str:
+    if isinstance(h, dict) and "odd" in h:
+        return f"something that is not a lock file (a {h['odd']} named {OWNER_NAME}: remove it)"
+    try:
+        return f"pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"  # type: ignore[index]
+    except (KeyError, TypeError):
         return "a process that has not yet said who it is"
 
 
-def lock_folders(folders: Sequence[UserPath]) -> FolderLocks:
-    """Take every folder of `folders` (each `path`, created if missing) for this run; collective
-    under a process group (rank 0 locks, every rank learns the outcome). Nothing is held when one
-    of them is refused.
+def lock_folders(folders: Sequence[UserPath], kind: str = "auto") -> FolderLocks:
+    """Take every folder of `folders` (each `path`, created if missing) for this run with `kind`'s
+    lock (`job.folder_lock`); collective under a process group (rank 0 locks, every rank learns
+    the outcome). Nothing is held when one of them is refused.
 
     Raises:
         ConfigError: another live process holds one of them (on every rank), naming its key.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     held: list[Path] = []
-    refused: tuple[str, str, str] | None = None
+    refused: tuple[str, str, str, str] | None = None  # a ConfigError's key, value, problem and fix
     if rank == 0:
         for folder in folders:
-            real, holder = _acquire(Path(folder.path))
+            try:
+                with path_faults(folder.key, folder.value, folder.fix):
+                    real, holder = _acquire(Path(folder.path), kind)
+            except ConfigError as err:  # said on every rank, not only here
+                real, refused = None, (err.key, err.value, err.problem, err.fix)
+            else:
+                if real is None:
+                    refused = (folder.key, folder.value, f"is in use by another run: {holder}",
+                               f"wait for it to end or stop it, or give this run a folder of its own for {folder.key}")
             if real is None:
-                refused = (folder.key, folder.value, holder)
                 FolderLocks(held).release()
                 held = []
                 break
@@ -140,7 +449,5 @@ def lock_folders(folders: Sequence[UserPath]) -> FolderLocks:
         dist.broadcast_object_list(box, src=0)
         refused = box[0]
     if refused is not None:
-        key, value, holder = refused
-        raise ConfigError(key, value, f"is in use by another run: {holder}",
-                          f"wait for it to end or stop it, or give this run a folder of its own for {key}")
+        raise ConfigError(*refused)
     return FolderLocks(held)

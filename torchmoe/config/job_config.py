@@ -20,6 +20,8 @@ class Job:
     """Memory per rank in GiB, checked against the planner's estimate (a real run is refused, the dry run warns); 0 = detect (the GPU's, else host RAM over its ranks; the dry run skips)."""
     print_config: bool = False
     """Print the resolved config (as TOML) when the run starts."""
+    folder_lock: str = "auto"
+    """How a run holds the folders it writes (docs/checkpoints.md): 'flock', 'heartbeat' (an owner file created exclusively, refreshed every 10 s, taken over once its holder is dead: for file systems without flock across nodes), or 'auto': flock, unless the file system refuses it or keeps it per node (Lustre's localflock, NFS's local_lock or nolock, BeeGFS, FUSE)."""
 
 
 @dataclass
@@ -249,7 +251,7 @@ class Float8:
 @dataclass
 class Comm:
     init_timeout_seconds: int = 300
-    """Timeout of collectives until the first training step ends (process-group setup, checkpoint or weight loading, the first step's compile)."""
+    """Timeout of collectives until the first training step ends (process-group setup, opening the data: rank 0 indexes a new corpus while the others wait; checkpoint or weight loading, the first step's compile), and of the first validation (its forward compiles anew)."""
     train_timeout_seconds: int = 100
     """Timeout of every collective after the first step: a rank stuck this long fails the job instead of hanging it."""
     trace_buf_size: int = 20000

@@ -252,6 +252,8 @@ def config_toml(cfg: JobConfig) -> str:
 
 
 # What each path the run reads means when it is not set.
+UNSET_WORD = "none"
+"""A read path's flag value that unsets it: ``--model.hf_assets_path none`` is a TOML's ``hf_assets_path = ""``."""
 _UNSET = {"model.hf_assets_path": "no Hugging Face folder", "model.tokenizer_path": "the byte tokenizer",
           "checkpoint.initial_load_path": "random initial weights", "training.dataset_path": "no dataset files",
           "validation.dataset_path": "no dataset files"}
@@ -425,9 +427,14 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
         values_set, note = _check_override(flag, values)
         _warn(notes, note)
         for dotted, value in values_set.items():
-            if dotted in READ_KEYS:  # "" means "not set", but no one sets that on purpose from a flag
-                nonempty_path(flag, value, f"pass the path, or leave --{dotted} out",
-                              means=f"{dotted} not set ({_UNSET[dotted]})")
+            if dotted in READ_KEYS:
+                # "" (a TOML's "not set") from a flag is what an unset shell variable gives, so a
+                # flag unsets the key with a word instead: `none` (a folder of that name is ./none).
+                if value == UNSET_WORD:
+                    value = ""
+                else:
+                    nonempty_path(flag, value, f"pass the path, or `{flag} {UNSET_WORD}` to unset it "
+                                  f"(what \"\" means in a TOML file)", means=f"{dotted} not set ({_UNSET[dotted]})")
             section, _, leaf = dotted.partition(".")
             updates.setdefault(section, {})[leaf] = value
             if set_keys is not None:

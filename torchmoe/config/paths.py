@@ -22,6 +22,8 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import socket
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -255,7 +257,9 @@ def writable_folder(folder: Path) -> Path:
             if os.path.islink(existing) or existing == existing.parent:
                 raise
             existing = existing.parent
-    probe = existing / f".torchmoe-write-check-{os.getpid()}"
+    # Unique across nodes too: ranks of one job on two nodes (or in two pid namespaces) share
+    # pids, and a pid alone let one rank's O_EXCL meet another's probe ("File exists").
+    probe = existing / f".torchmoe-write-check-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # "Not a directory" for a file
     except OSError as err:  # about the folder, not the probe's made-up name

@@ -135,6 +135,7 @@ def validate_paths(cfg: JobConfig) -> None:
 
 def validate_job(job: Job) -> None:
     _at_least("job.device_memory_gib", job.device_memory_gib, 0, "set the GiB per device, or 0 to detect")
+    one_of("job.folder_lock", job.folder_lock, ("auto", "flock", "heartbeat"))
 
 
 def validate_model(model: Model) -> None:

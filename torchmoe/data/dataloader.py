@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from torchmoe.config.job_config import Training, Validation
 
-__all__ = ["CorpusEnd", "PackedStream", "DataLoader", "build_dataloader", "validation_data"]
+__all__ = ["Corpus", "CorpusEnd", "PackedStream", "DataLoader", "build_corpus", "build_dataloader", "validation_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -526,6 +526,33 @@ def validation_data(training: Training, validation: Validation) -> Training:
                                global_batch_size=-1, seq_len=validation.seq_len)
 
 
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """The documents a `[training]` section names, with what `DataLoader` says of them: one
+    source, or a mixture's (`documents`, `sources`, `mix` and `names` as its arguments). Built
+    once, a corpus makes any number of loaders: its files' indexes are found when the first one
+    is made (by one rank, `file_index`) and kept."""
+
+    documents: Documents | list[Documents]
+    sources: tuple[str, str] | list[tuple[str, str]]
+    mix: MixSchedule | None = None
+    names: list[str] = dataclasses.field(default_factory=list)
+
+
+def build_corpus(training: Training, *, key: str = "training.dataset_path",
+                 index_cache: Path | None = None) -> Corpus:
+    """The corpus of `training` (one source, or its `dataset_mix`); `key` names the dataset's path
+    in messages (``validation.dataset_path`` for the validation data); `index_cache` keeps the
+    data files' document indexes between runs (`FileDocuments`)."""
+    mix = source_settings(training)
+    if not mix:
+        return Corpus(build_documents(training, key=key, index_cache=index_cache), _source(training, key))
+    return Corpus([build_documents(alone, key=KEY, index_cache=index_cache) for _, alone in mix],
+                  [(KEY, source.entry) for source, _ in mix],
+                  MixSchedule([source.weight for source, _ in mix], training.seed) if len(mix) > 1 else None,
+                  [source.name for source, _ in mix])
+
+
 def build_dataloader(
     training: Training,
     tokenizer: Tokenizer,
@@ -536,25 +563,18 @@ def build_dataloader(
     repeat: bool = True,
     key: str = "training.dataset_path",
     index_cache: Path | None = None,
+    corpus: Corpus | None = None,
 ) -> DataLoader:
     """The loader the `[training]` section describes; `global_batch_size = -1` means
-    `local_batch_size * dp_degree` (no gradient accumulation). `repeat` as in `DataLoader`; `key`
-    names the dataset's path in messages (``validation.dataset_path`` for the validation data);
-    `index_cache` keeps the data files' document indexes between runs (`FileDocuments`)."""
+    `local_batch_size * dp_degree` (no gradient accumulation). `repeat` as in `DataLoader`;
+    `corpus` the one `build_corpus(training, key=key, index_cache=index_cache)` gives, when it
+    was built before (under a process group: building one is collective)."""
     global_batch_size = training.global_batch_size
     if global_batch_size == -1:
         global_batch_size = training.local_batch_size * dp_degree
-    mix = source_settings(training)
-    if mix:
-        documents = [build_documents(alone, key=KEY, index_cache=index_cache) for _, alone in mix]
-        sources = [(KEY, source.entry) for source, _ in mix]
-        schedule = MixSchedule([source.weight for source, _ in mix], training.seed) if len(mix) > 1 else None
-        names = [source.name for source, _ in mix]
-    else:
-        documents, sources, schedule, names = build_documents(training, key=key, index_cache=index_cache), \
-            _source(training, key), None, []
+    corpus = corpus or build_corpus(training, key=key, index_cache=index_cache)
     return DataLoader(
-        documents,
+        corpus.documents,
         tokenizer,
         seq_len=training.seq_len,
         global_batch_size=global_batch_size,
@@ -564,9 +584,9 @@ def build_dataloader(
         batch_mesh=batch_mesh,
         add_bos=training.add_bos,
         repeat=repeat,
-        source=sources,
-        mix=schedule,
-        source_names=names,
+        source=corpus.sources,
+        mix=corpus.mix,
+        source_names=corpus.names,
     )
 
 

@@ -20,6 +20,7 @@ read alone by a seek, hub datasets by rows (`datasets` splits them, by shard whe
 
 from __future__ import annotations
 
+import bisect
 import glob
 import importlib.util
 import itertools
@@ -40,7 +41,7 @@ from torchmoe.config.errors import show_value
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, check_split, text_part
-from torchmoe.data.file_index import cached_index, line_spans
+from torchmoe.data.file_index import LINES, START, IndexKind, cached_index, line_spans, with_starts
 from torchmoe.data.token_shards import TokenShards
 
 if TYPE_CHECKING:
@@ -124,11 +125,18 @@ class FileDocuments(SizedDocuments):
         where = f", first {self.files[0]}" if self.files else ""
         return f"FileDocuments({len(self.files)} files{where})"
 
+    @property
+    def indexed(self) -> bool:
+        """Whether cutting the corpus into rows needs an index of some file's documents (a pass
+        over all its bytes): .jsonl, .json and .parquet files; text files need only their sizes."""
+        return any(_kind(file) != "text" for file in self.files)
+
     @cached_property
     def _tables(self) -> list[np.ndarray]:
-        """Per file, (n, 2+) int64: each document's (offset, size, ...): a .jsonl line's bytes
-        (and its line number), a .json or .parquet row's text bytes (offset: its row), a text
-        file's bytes."""
+        """Per file, (n, 3+) int64: each document's (offset, size, ..., start): a .jsonl line's
+        bytes (and its line number), a .json or .parquet row's text bytes (offset: its row), a
+        text file's bytes; start the sum of the sizes before it in the file (`with_starts`).
+        Memory-mapped from the index cache (`file_index`), built by one rank."""
         return [self._faults(file, self._table, file) for file in self.files]
 
     @cached_property
@@ -136,8 +144,44 @@ class FileDocuments(SizedDocuments):
         """(files + 1,) int64: index of each file's first document, and the count last."""
         return np.concatenate([[0], np.cumsum([len(t) for t in self._tables])]).astype(np.int64)
 
+    @cached_property
+    def _base(self) -> np.ndarray:
+        """(files + 1,) int64: where each file's documents start in the corpus, and its size last."""
+        ends = [int(t[-1, START] + t[-1, 1]) if len(t) else 0 for t in self._tables]
+        return np.concatenate([[0], np.cumsum(ends)]).astype(np.int64)
+
     def sizes(self) -> np.ndarray:
         return np.concatenate([t[:, 1] for t in self._tables]) if self.files else np.zeros(0, np.int64)
+
+    # The corpus's starts, from the files' own (no (N,) array in memory: a row reads its range's).
+
+    def count(self) -> int:
+        return int(self._first[-1])
+
+    def total_size(self) -> int:
+        return int(self._base[-1])
+
+    def first_from(self, offset: int) -> int:
+        # Every file before the last one starting before `offset` has all its documents before
+        # it, every file after that one none; in that one, a binary search of its own starts.
+        f = int(np.searchsorted(self._base, offset)) - 1
+        if f < 0:
+            return 0
+        if f >= len(self.files):
+            return self.count()
+        # bisect, not np.searchsorted: that copies a strided column whole (every page of the index)
+        return int(self._first[f]) + bisect.bisect_left(self._tables[f][:, START], offset - int(self._base[f]))
+
+    def starts_of(self, lo: int, hi: int) -> np.ndarray:
+        pieces, doc = [], lo
+        while doc < min(hi + 1, self.count()):
+            f = int(np.searchsorted(self._first, doc, side="right")) - 1
+            first, stop = int(self._first[f]), min(int(self._first[f + 1]), hi + 1)
+            pieces.append(int(self._base[f]) + np.asarray(self._tables[f][doc - first:stop - first, START]))
+            doc = stop
+        if hi == self.count():
+            pieces.append(np.array([self.total_size()], np.int64))
+        return np.concatenate(pieces).astype(np.int64)
 
     def read(self, index: int) -> str:
         f, row = self._find(index)
@@ -176,12 +220,12 @@ class FileDocuments(SizedDocuments):
     def _table(self, file: Path) -> np.ndarray:
         kind = _kind(file)
         if kind == "lines":
-            return cached_index(file, "lines-v1", lambda: line_spans(file), self.index_cache)
+            return cached_index(file, LINES, lambda: line_spans(file), self.index_cache)
         if kind in ("array", "parquet"):
-            build = lambda: _row_sizes(self._rows_of(file, kind))  # noqa: E731
-            return cached_index(file, f"{kind}:{self.text_field}", build, self.index_cache)
+            build = lambda: with_starts(_row_sizes(self._rows_of(file, kind)))  # noqa: E731
+            return cached_index(file, IndexKind(f"{kind}:{self.text_field}:v2", 3, rows=True), build, self.index_cache)
         with open(file, "rb") as f:  # opened, not only stat'ed: an unreadable file fails here, named
-            return np.array([[0, os.fstat(f.fileno()).st_size]], dtype=np.int64)
+            return np.array([[0, os.fstat(f.fileno()).st_size, 0]], dtype=np.int64)
 
     def _rows_of(self, file: Path, kind: str) -> Iterator[str]:
         """The text of every row of a .json array or .parquet file, in order."""
@@ -199,7 +243,7 @@ class FileDocuments(SizedDocuments):
         if kind == "text":
             return _utf8(file.read_bytes(), file, str(file), self.key)
         if kind == "lines":
-            offset, length, line_number = self._tables[f][row].tolist()
+            offset, length, line_number, _ = self._tables[f][row].tolist()
             with file.open("rb") as f:
                 f.seek(offset)
                 line = f.read(length)

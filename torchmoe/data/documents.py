@@ -112,27 +112,34 @@ class SizedDocuments(Documents):
         count = len(content)
         return content[part * count // parts:(part + 1) * count // parts]
 
+    # Where documents start in the corpus (the sum of the sizes before each), asked by a batch row
+    # for its own range only: a corpus too large to hold every start in memory answers from its
+    # files' memory-mapped indexes (`FileDocuments`); these defaults hold them all.
+
     @cached_property
-    def starts(self) -> np.ndarray:
+    def _starts(self) -> np.ndarray:
         """(N + 1,) int64: where each document begins in the corpus, and its total size last."""
         return np.concatenate([np.zeros(1, np.int64), np.cumsum(self.sizes(), dtype=np.int64)])
 
-    def cut_documents(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """The documents larger than a row's share of `rows` rows, and how many parts each is cut
-        into: ``ceil(size * rows / T)`` (so no part is larger than a share). Fewer than `rows`
-        documents; found once per row count (every row asks)."""
-        if rows not in self._cut:
-            sizes = np.diff(self.starts)
-            big = np.flatnonzero(sizes * rows > self.starts[-1])
-            self._cut[rows] = big, -(-sizes[big] * rows // self.starts[-1])
-        return self._cut[rows]
+    def count(self) -> int:
+        """The number of documents (N)."""
+        return len(self._starts) - 1
 
-    @cached_property
-    def _cut(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        return {}
+    def total_size(self) -> int:
+        """The corpus's size (T): the sum of every document's."""
+        return int(self._starts[-1])
+
+    def first_from(self, offset: int) -> int:
+        """The first document that starts at or after `offset` in the corpus (N when none does)."""
+        return int(np.searchsorted(self._starts[:-1], offset))
+
+    def starts_of(self, lo: int, hi: int) -> np.ndarray:
+        """(hi - lo + 1,) int64: where documents lo .. hi - 1 start in the corpus, and where
+        document hi - 1 ends (0 <= lo <= hi <= N)."""
+        return self._starts[lo:hi + 1]
 
     def iter_from(self, start: int = 0) -> Iterator[Content]:
-        return (self.read(i) for i in range(start, len(self.starts) - 1))
+        return (self.read(i) for i in range(start, self.count()))
 
     def split(self, index: int, count: int) -> RowCorpus:
         check_split(index, count)
@@ -148,26 +155,32 @@ class RowCorpus(Documents):
 
     def __init__(self, corpus: SizedDocuments, row: int, rows: int) -> None:
         self.corpus, self.row, self.rows = corpus, row, rows
-        starts = corpus.starts
-        total = int(starts[-1])
+        total = corpus.total_size()
         if total == 0:
-            n = len(starts) - 1
+            n = corpus.count()
             shown = ", ".join(corpus.locate(i) for i in range(min(n, 3))) + (", ..." if n > 3 else "")
             what = "no documents" if n == 0 else f"{n} document(s), all empty: {shown}"
             raise DataConfigError(*corpus.source, f"holds {what}", "point it at files that hold text")
         # A unit starting at s belongs to row floor(s * G / T): starts in [lo, hi). Empty documents
         # at the very end start at T: the last row takes them.
         lo, hi = -(-row * total // rows), -(-(row + 1) * total // rows) + (row == rows - 1)
-        big, big_parts = corpus.cut_documents(rows)
-        whole = np.arange(np.searchsorted(starts[:-1], lo), np.searchsorted(starts[:-1], hi))
-        whole = whole[~np.isin(whole, big)]
+        # Only the documents that reach into [lo, hi) are read: those starting in it, and the one
+        # running into it from before. A document larger than a row's share (size * G > T) is
+        # cut into ceil(size * G / T) parts (none larger than a share), each the row's whose range
+        # holds its first byte; the others are dealt out whole.
+        first, end = corpus.first_from(lo), corpus.first_from(hi)
+        near = max(first - 1, 0)
+        starts = corpus.starts_of(near, end)
+        ids, sizes = np.arange(near, end), np.diff(starts)
+        cut = sizes * rows > total
+        whole = ids[(ids >= first) & ~cut]
         docs, parts = [whole], [np.zeros(len(whole), np.int64)]
         self._parts: dict[int, int] = {}  # the documents of this row that are cut: their part count
-        for doc, count in zip(big.tolist(), big_parts.tolist()):
+        for doc, start, size in zip(ids[cut].tolist(), starts[:-1][cut].tolist(), sizes[cut].tolist()):
+            count = -(-size * rows // total)
             k = np.arange(count)
-            size = int(starts[doc + 1] - starts[doc])
-            first = int(starts[doc]) - (-k * size // count)  # ceil: part k of a whole corpus is row k's
-            mine = k[(first >= lo) & (first < hi)]
+            first_byte = start - (-k * size // count)  # ceil: part k of a whole corpus is row k's
+            mine = k[(first_byte >= lo) & (first_byte < hi)]
             if len(mine):
                 self._parts[doc] = count
                 docs.append(np.full(len(mine), doc))

@@ -1,71 +1,185 @@
-"""Where each document of a data file lies, found once per file and cached in the run's folder.
+"""Where each document of a data file lies: found once per corpus by one process, kept in the
+run's folder, and memory-mapped by every rank.
 
-    spans = cached_index(file, "lines", lambda: line_spans(file), dump / "data_index")
-    # (n, 3): offset, length, line number of each document (non-blank line)
+    spans = cached_index(file, LINES, lambda: line_spans(file), dump / "data_index")
+    # (n, 4) int64: offset, length, line number and start (`with_starts`) of each document
 
 A `.jsonl` file's documents are its non-blank lines; `line_spans` finds them with one pass of
 numpy over the bytes, after which any document is one seek away. The index is saved as a `.npy`
 file (never a pickle) named by the file's path, size, modification time and inode, so an edited
-file gets a new index. Every rank may build and save it at once: each writes a temporary file and
-renames it over the name, so the last rename wins with the same contents.
+file gets a new index.
+
+**One reader per corpus.** Under a process group (a training run: every rank reads the same
+files, in the same order) rank 0 alone reads a new file and writes its index; the other ranks
+wait for its word (one broadcast per file), then map the saved index: a first run on N ranks
+reads the corpus once, not N times, and each rank's pages of the index are only those its own
+rows touch (its range's documents, and a binary search's few pages). Where the index cannot be
+saved (a read-only dump folder) or the saved file is not visible to a rank (a dump folder that
+is not shared between nodes), that rank builds its own in memory, as without a process group.
+
+**Checked at the reader.** A saved index is a cache, and a file anyone can write: it is used only
+if it is a regular file (a FIFO would block the read) holding a 2-D int64 array of the kind's
+columns whose documents lie inside the data file as it is now, in order, each start the sum of
+the sizes before it (`_fits`); anything else is built again. The builder checks every row; the others check the header, and each document's
+bytes against the file's size when they read it (`FileDocuments`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
+import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
 from torchmoe.config.file_writes import write_file
 
-__all__ = ["INDEX_FOLDER", "cached_index", "line_spans"]
+__all__ = ["INDEX_FOLDER", "LINES", "START", "IndexKind", "cached_index", "line_spans", "with_starts"]
+
+logger = logging.getLogger(__name__)
 
 INDEX_FOLDER = "data_index"
 """The folder under job.dump_folder that keeps the data files' indexes."""
 
+START = -1
+"""The column of an index that holds each document's start: the sizes before it in its file."""
+
+
+
+@dataclass(frozen=True)
+class IndexKind:
+    """What an index holds: `name` tells the indexes of one file apart (and versions them),
+    `columns` its width; `rows` True when column 0 counts rows (a .json array's, a parquet
+    file's) rather than giving each document's byte offset."""
+
+    name: str
+    columns: int
+    rows: bool = False
+
+
+LINES = IndexKind("lines-v2", 4)
+"""A .jsonl file's: offset, length, line number and start of each non-blank line (`line_spans`)."""
+
 _CHUNK = 1 << 24
 _WHITESPACE = b" \t\n\r\x0b\x0c"
+# Rows checked at a time when the builder validates a saved index (a bounded slice in memory).
+_CHECK_ROWS = 1 << 20
 
 
-def cached_index(file: Path, kind: str, build: Callable[[], np.ndarray], cache: Path | None) -> np.ndarray:
-    """`build()` for `file`, loaded from `cache` when this version of the file was indexed before.
+def cached_index(file: Path, kind: IndexKind, build: Callable[[], np.ndarray], cache: Path | None) -> np.ndarray:
+    """`build()` for `file` (an (n, kind.columns) int64 table: offset, size, ..., start),
+    memory-mapped from `cache` when this version of the file was indexed before; under a process
+    group, built by rank 0 only (collective: every rank calls it for the same files in the same
+    order).
 
-    `kind` tells indexes of one file apart (it holds e.g. the text field). A cached index that
-    cannot be read is built again; one that cannot be written is only kept in memory (a
-    read-only dump folder must not stop training).
+    An index that cannot be written is only kept in memory (a read-only dump folder must not stop
+    training).
     """
     if cache is None:
         return build()
-    st = os.stat(file)
-    ident = f"{Path(file).resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{kind}"
-    path = cache / f"{hashlib.sha256(ident.encode()).hexdigest()[:32]}.npy"
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError):  # none yet, or cut short: build it again
-        pass
-    index = build()
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        write_file(path, _npy_bytes(index))
-    except OSError:
-        pass
+    path = _index_path(file, kind.name, cache)
+    size = os.stat(file).st_size
+    shared = dist.is_initialized() and dist.get_world_size() > 1
+    if not shared or dist.get_rank() == 0:
+        saved = False
+        try:
+            index = _load(path, kind, size, whole=True)
+            saved = index is not None
+            if index is None:
+                index = build()
+                saved = _save(path, index)
+                mapped = _load(path, kind, size, whole=False) if saved else None
+                index = index if mapped is None else mapped  # mapped like everyone's: the built table's memory goes
+        finally:  # a file that cannot be read: the others read it too, and say so themselves
+            if shared:
+                dist.broadcast_object_list([saved], src=0)
+        return index
+    box = [False]
+    dist.broadcast_object_list(box, src=0)  # rank 0 has read the file and saved (or not) its index
+    index = _load(path, kind, size, whole=False) if box[0] else None
+    if index is None:
+        if box[0]:
+            logger.warning("the index of %s saved by rank 0 at %s cannot be read here: indexing it on this rank "
+                           "too (job.dump_folder should be one folder that every node shares)", file, path)
+        index = build()
     return index
 
 
-def _npy_bytes(array: np.ndarray) -> bytes:
-    """`np.save`'s bytes of an array (no pickle)."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
+def _index_path(file: Path, kind: str, cache: Path) -> Path:
+    st = os.stat(file)
+    ident = f"{Path(file).resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{kind}"
+    return cache / f"{hashlib.sha256(ident.encode()).hexdigest()[:32]}.npy"
+
+
+def _load(path: Path, kind: IndexKind, file_size: int, *, whole: bool) -> np.ndarray | None:
+    """The index saved at `path`, memory-mapped, if it is a usable `kind` of index for a data file
+    of `file_size` bytes (`_fits`: every row when `whole`, else the header); None otherwise."""
+    try:
+        if not stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode):
+            return None  # a FIFO or device would block or never end; a link is not ours
+        index = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError):  # none yet, cut short, not a .npy
+        return None
+    return index if _fits(index, kind, file_size, whole=whole) else None
+
+
+def _fits(index: np.ndarray, kind: IndexKind, file_size: int, *, whole: bool) -> bool:
+    """Whether `index` is a `kind` of index of a file of `file_size` bytes: 2-D int64 of
+    `kind.columns`; with `whole` every row checked too: sizes not negative, each start the sum
+    of the sizes before it, and rows counted from 0 (`kind.rows`) or each document's bytes
+    inside the file, in file order."""
+    if index.dtype != np.int64 or index.ndim != 2 or index.shape[1] != kind.columns:
+        return False
+    if not whole:
+        return True
+    done, before, end = 0, 0, 0  # rows checked, the sum of their sizes, where the last one ends
+    for lo in range(0, len(index), _CHECK_ROWS):
+        rows = np.asarray(index[lo:lo + _CHECK_ROWS])
+        offsets, sizes, starts = rows[:, 0], rows[:, 1], rows[:, START]
+        if (sizes < 0).any() or not np.array_equal(starts, before + np.cumsum(sizes) - sizes):
+            return False
+        if kind.rows:
+            if not np.array_equal(offsets, np.arange(done, done + len(rows))):
+                return False
+        else:
+            ends = offsets + sizes
+            if (offsets < 0).any() or (ends > file_size).any() or offsets[0] < end or (offsets[1:] < ends[:-1]).any():
+                return False  # outside the file, or overlapping / out of order
+            end = int(ends[-1])
+        done, before = done + len(rows), before + int(sizes.sum())
+    return True
+
+
+def _save(path: Path, index: np.ndarray) -> bool:
+    """Write `index` to `path` (atomically); whether that worked."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        np.save(buffer, index, allow_pickle=False)
+        write_file(path, buffer.getvalue())
+        return True
+    except OSError as err:
+        logger.warning("the document index of this data file cannot be saved (%s): kept in memory only", err)
+        return False
+
+
+def with_starts(table: np.ndarray) -> np.ndarray:
+    """`table` ((n, c) int64, each document's size in column 1) with a last column: each
+    document's start, the sum of the sizes before it in the file."""
+    sizes = table[:, 1]
+    starts = np.cumsum(sizes) - sizes
+    return np.concatenate([table, starts[:, None]], axis=1).astype(np.int64)
 
 
 def line_spans(file: Path) -> np.ndarray:
-    """(n, 3) int64: offset, length (without the newline) and 1-based line number of each
-    non-blank line of `file`.
+    """(n, 4) int64: offset, length (without the newline), 1-based line number and start
+    (`with_starts`) of each non-blank line of `file`.
 
     A line is blank when it is empty or only whitespace; a last line without a newline counts.
     """
@@ -91,10 +205,10 @@ def line_spans(file: Path) -> np.ndarray:
         spans.append(np.array([[line_start, offset - line_start]], np.int64))
         firsts.append(np.array([line_first]))
     if not spans:
-        return np.zeros((0, 3), np.int64)
+        return np.zeros((0, 4), np.int64)
     table = np.concatenate(spans)
     table = np.concatenate([table, np.arange(1, len(table) + 1)[:, None]], axis=1).astype(np.int64)
-    return table[_not_blank(file, table, np.concatenate(firsts))]
+    return with_starts(table[_not_blank(file, table, np.concatenate(firsts))])
 
 
 def _not_blank(file: Path, table: np.ndarray, firsts: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -291,7 +292,36 @@ def _json_object(file: Path, tokenizer_path: str, key: str) -> dict[str, Any]:
 
 def build_tokenizer(tokenizer_path: str, *, key: str = "model.tokenizer_path") -> Tokenizer:
     """The tokenizer for `model.tokenizer_path`: bytes when empty, else a Hugging Face file;
-    `key` names the path in messages (`HFTokenizer`)."""
+    `key` names the path in messages (`HFTokenizer`). A Hugging Face one is built once per
+    process for its files as they are (the checks before a run and the run itself share it:
+    a 28 MB tokenizer.json read and parsed twice by each of 1,000 ranks is 56 GB)."""
     if not tokenizer_path:
         return ByteTokenizer()
-    return HFTokenizer(tokenizer_path, key=key)
+    try:
+        ident = (key, *_file_identities(Path(tokenizer_path)))
+    except OSError:  # the build says what the OS refuses
+        return HFTokenizer(tokenizer_path, key=key)
+    if ident not in _BUILT:
+        _BUILT.clear()  # one at a time: a process builds one run's tokenizer
+        _BUILT[ident] = HFTokenizer(tokenizer_path, key=key)
+    return _BUILT[ident]
+
+
+_BUILT: dict[tuple, Tokenizer] = {}
+
+
+def _file_identities(path: Path) -> tuple:
+    """What tells this version of a tokenizer's files from another: the path, and each file's
+    (name, size, modification and change times, inode), None for one that cannot be stat'ed (the
+    build then says why)."""
+    folder = path if path.is_dir() else path.parent
+    files = (path / "tokenizer.json" if path.is_dir() else path, folder / "special_tokens_map.json",
+             folder / "tokenizer_config.json")
+    idents = []
+    for file in files:
+        try:
+            st = os.stat(file)
+            idents.append((str(file), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+        except OSError:
+            idents.append((str(file), None))
+    return (os.path.abspath(path), *idents)

@@ -15,13 +15,13 @@ import torch
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.components.metrics import METRICS_FILE
 from torchmoe.components.run_info import RUN_INFO_FILE
-from torchmoe.components.run_lock import LOCK_NAME
+from torchmoe.components.run_lock import LOCK_NAMES
 from torchmoe.components.run_logs import LOG_FILE_NAME, LOG_FOLDER
 from torchmoe.components.wandb_logger import RUN_ID_FILE, WANDB_FOLDER
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
 from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_file, writable_folder, written_folders
-from torchmoe.data.dataset import DataConfigError, build_documents
+from torchmoe.data.dataset import DataConfigError, FileDocuments, build_documents
 from torchmoe.data.documents import SizedDocuments
 from torchmoe.data.file_index import INDEX_FOLDER
 from torchmoe.data.mixture import KEY as MIX_KEY
@@ -101,11 +101,14 @@ def check_dataset_rows(training: Training, global_batch_size: int, tokenizer: To
                        key: str = "training.dataset_path") -> None:
     """Every row of the global batch must get text to pack: files are cut into G ranges
     (`data.documents`), so each range must hold some; a hub dataset's row j reads its rows j,
-    j + G, ..., so it must hold G rows. Reads the first unit of each row only, so a dataset that
-    cannot be resolved, or undecodable or malformed documents there, fail here too (the
-    python_docs corpus is always there). `key` names the dataset's path
+    j + G, ..., so it must hold G rows. Reads the first unit of the first row (of a hub dataset,
+    its first G rows), so a dataset that cannot be resolved, or an undecodable or malformed
+    document there, fails here too (the python_docs corpus is always there); later documents
+    say the same when a rank reads them. `key` names the dataset's path
     (``validation.dataset_path`` for the validation data). Pre-tokenized shards must come from
-    `tokenizer`."""
+    `tokenizer`. Files whose documents need an index (.jsonl, .json, .parquet) are only listed
+    here: their rows are cut, and checked alike, when the run opens them (`DataLoader`), once one
+    rank has read them (every rank reading every byte here would read the corpus N times)."""
     if training.dataset_mix:
         if training.dataset_path:
             raise ConfigError("training.dataset_path", training.dataset_path,
@@ -118,9 +121,15 @@ def check_dataset_rows(training: Training, global_batch_size: int, tokenizer: To
         return
     docs = build_documents(training, key=key)
     docs.check_tokenizer(tokenizer)
+    if isinstance(docs, FileDocuments) and docs.indexed:
+        # Cut into rows when the run opens it: indexing reads every byte, which one rank does for
+        # all (`file_index`), not every rank here; each then checks its own rows (`RowCorpus`).
+        return
     if isinstance(docs, SizedDocuments):
-        for row in range(global_batch_size):
-            next(iter(docs.split(row, global_batch_size)), None)
+        # Every row must get a part (cutting needs only the sizes), but only the first row's first
+        # unit is read: each row's would be the whole corpus again, read by every rank at once.
+        rows = [docs.split(row, global_batch_size) for row in range(global_batch_size)]
+        next(iter(rows[0]), None)
         return
     count = sum(1 for _ in itertools.islice(docs.iter_from(0), global_batch_size))
     if count == 0:
@@ -148,7 +157,7 @@ def check_outputs(cfg: JobConfig, world_size: int, device: torch.device) -> None
     folders = written_folders(cfg, nccl_traces=device.type == "cuda" and world_size > 1)
     for folder in folders:
         _check_folder(folder.key, folder.value, Path(folder.path))
-    own = ["config.toml", METRICS_FILE, RUN_INFO_FILE, LOCK_NAME]
+    own = ["config.toml", METRICS_FILE, RUN_INFO_FILE, *LOCK_NAMES]
     if cfg.metrics.enable_wandb:  # W&B's run id and folder have fixed names in the dump folder
         own.append(RUN_ID_FILE)
         _check_folder("job.dump_folder", cfg.job.dump_folder, dump / WANDB_FOLDER)
@@ -190,7 +199,7 @@ def _refuse_links(key: str, value: str, folder: Path, written: Callable[[str], b
     through it (a shared checkpoint's marker). The folder itself may be a link: each folder is
     locked at its real location (`run_lock`). A folder that does not exist yet is fine."""
     try:
-        entries = [e for e in os.scandir(folder) if e.name == LOCK_NAME or written(e.name)]
+        entries = [e for e in os.scandir(folder) if e.name in LOCK_NAMES or written(e.name)]
     except (FileNotFoundError, NotADirectoryError):
         return  # created by the run (`_check_folder` said whether it can be)
     for entry in entries:
