@@ -214,3 +214,28 @@ def test_empty_corpus_is_one_message(tmp_path: Path) -> None:
     with pytest.raises(DataConfigError, match=r"INPUT = .*empty.jsonl\": holds no text \(1 documents, all empty\)"):
         prepare([str(tmp_path / "empty.jsonl")], tmp_path / "out", workers=1, show_progress=False)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_shard_index_found_good_is_not_hashed_again_until_it_changes(tmp_path: Path, monkeypatch) -> None:
+    """The checks before a run and the run open the same shards: each index file is hashed once
+    per process while it stays as it was (older than the clock's tick), and again once changed."""
+    import os
+    import time
+
+    from torchmoe.data import token_shards
+
+    folder = _prepared(tmp_path).folder
+    past = time.time() - 60
+    for path in folder.glob("*.npy"):
+        os.utime(path, (past, past))
+    hashed = []
+    real = token_shards.digest_file
+    monkeypatch.setattr(token_shards, "digest_file", lambda path: hashed.append(path) or real(path))
+    TokenShards(folder)
+    first = len(hashed)
+    assert first == 2 * len(json.loads((folder / MANIFEST).read_text())["shards"])  # docs and sizes of each
+    TokenShards(folder)
+    assert len(hashed) == first
+    _damage(folder, "flipped")  # same size, same inode: its times changed
+    with pytest.raises(DataConfigError, match="does not match the checksum"):
+        TokenShards(folder)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -190,12 +191,24 @@ def _is_shard_entry(entry: Any, index: int) -> bool:
 
 
 def check_digest(folder: Path, file: str, recorded: str, key: str) -> None:
-    """Raises a DataConfigError (about `key` = `folder`) unless `folder/file` has the `recorded` digest."""
+    """Raises a DataConfigError (about `key` = `folder`) unless `folder/file` has the `recorded`
+    digest. A file found good is not read again by this process while it stays as it was (the
+    checks before a run and the run open the same shards: every rank would hash every index
+    file twice)."""
+    st = os.stat(folder / file)
+    ident = (os.path.abspath(folder / file), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, recorded)
+    if ident in _VERIFIED:
+        return
     digest = digest_file(folder / file)
     if digest != recorded:
         raise DataConfigError(key, str(folder), f"{file} does not match the checksum in {MANIFEST} ({ALGORITHM} "
                               f"{digest}, recorded {recorded}): it changed on disk",
                               "prepare the data again with `torchmoe prepare-data`")
+    if time.time() - st.st_mtime > 2:  # "racy" otherwise: a change within the clock's tick keeps the times
+        _VERIFIED.add(ident)
+
+
+_VERIFIED: set[tuple] = set()  # files whose digest this process checked, as they were then
 
 
 def _load(folder: Path, file: str, dtype: np.dtype, count: int, key: str) -> np.ndarray:
