@@ -148,6 +148,7 @@ class _Heartbeat:
         self._held: set[_OwnerFile] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # a new holder: beat now, at the period set now
 
     def add(self, owner: _OwnerFile) -> None:
         with self._lock:
@@ -155,6 +156,7 @@ class _Heartbeat:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="torchmoe-folder-heartbeat", daemon=True)
                 self._thread.start()
+        self._wake.set()
 
     def discard(self, owner: _OwnerFile) -> None:
         with self._lock:
@@ -162,7 +164,8 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while True:
-            time.sleep(HEARTBEAT_S)
+            self._wake.wait(HEARTBEAT_S)
+            self._wake.clear()
             with self._lock:
                 held = list(self._held)
             for owner in held:
