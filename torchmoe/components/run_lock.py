@@ -342,6 +342,8 @@ def _remove_stale(path: Path, owner: dict) -> None:
             os.link(aside, path)
         except FileExistsError:
             pass
+        aside.unlink(missing_ok=True)
+        return  # nothing taken over: the caller looks again and finds that holder
     aside.unlink(missing_ok=True)
     logger.warning("took over %s from %s, which no longer runs", path.parent, _describe(owner))
 

@@ -83,8 +83,8 @@ def cached_index(file: Path, kind: IndexKind, build: Callable[[], np.ndarray], c
     """
     if cache is None:
         return build()
-    path = _index_path(file, kind.name, cache)
-    size = os.stat(file).st_size
+    st = os.stat(file)
+    path, size = _index_path(file, st, kind.name, cache), st.st_size
     shared = dist.is_initialized() and dist.get_world_size() > 1
     if not shared or dist.get_rank() == 0:
         saved = False
@@ -111,8 +111,9 @@ def cached_index(file: Path, kind: IndexKind, build: Callable[[], np.ndarray], c
     return index
 
 
-def _index_path(file: Path, kind: str, cache: Path) -> Path:
-    st = os.stat(file)
+def _index_path(file: Path, st: os.stat_result, kind: str, cache: Path) -> Path:
+    """Where the index of `file` (as `st` found it) is kept: named by its path, size,
+    modification time, inode and `kind`."""
     ident = f"{Path(file).resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{kind}"
     return cache / f"{hashlib.sha256(ident.encode()).hexdigest()[:32]}.npy"
 
