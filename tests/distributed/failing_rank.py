@@ -14,6 +14,11 @@ run unchanged:
   ends the run: the ranks agree to skip that checkpoint).
 - `data`: the data loader raises `DataConfigError` for step 3 (a corrupt shard only this rank
   reads) while the others train step 3.
+- `agreed`: every rank's `Trainer.load_initial_state` raises the same `ConfigError` (an error
+  every rank finds, as a refused run lock; with `AGREED_ERROR=unexpected` the same
+  `RuntimeError`), rank `FAIL_RANK` first and the others a second later; rank `FAIL_RANK` takes
+  `SLOW_REPORT_S` seconds to print it (a loaded node), so the others learn of its failure from
+  the record and could exit before it prints.
 - `none`: nothing (for a rank killed from outside).
 - `hang_save`: this rank's first checkpoint write writes `OUT_DIR/blocked` and hangs (for a test
   that kills the rank in the middle of a save).
@@ -88,6 +93,34 @@ def _break_data(out: Path) -> None:
     DataLoader.next_batch = failing_next_batch
 
 
+def _agreed_error(out: Path) -> None:
+    from torchmoe import cli
+    from torchmoe.config.errors import ConfigError
+    from torchmoe.trainer import Trainer
+
+    first = os.environ["RANK"] == os.environ.get("FAIL_RANK", "1")
+
+    def load_initial_state(self) -> None:
+        if first:
+            _about_to_fail(out)
+        else:
+            time.sleep(1.0)  # after the first rank's claim
+        if os.environ.get("AGREED_ERROR") == "unexpected":
+            raise RuntimeError("an unexpected error every rank meets")
+        raise ConfigError("job.dump_folder", self.cfg.job.dump_folder, "is held by another run (pid 4242)",
+                          "wait for it to finish")
+
+    def slowly(print_error):
+        def slow(*args, **kwargs) -> None:
+            time.sleep(float(os.environ["SLOW_REPORT_S"]))
+            print_error(*args, **kwargs)
+        return slow
+
+    Trainer.load_initial_state = load_initial_state
+    if first:  # the CLI prints a user error, the interpreter's hook an unexpected one's traceback
+        cli._report, sys.excepthook = slowly(cli._report), slowly(sys.excepthook)
+
+
 def _hang_in_save(out: Path) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -126,7 +159,7 @@ def _slow_down(out: Path) -> None:
     Trainer.validate = slow_first_validation
 
 
-BREAK = {"load": _break_load, "async_save": _break_async_save, "data": _break_data, "hang_save": _hang_in_save,
+BREAK = {"load": _break_load, "agreed": _agreed_error, "async_save": _break_async_save, "data": _break_data, "hang_save": _hang_in_save,
          "slow": _slow_down, "none": lambda out: None}
 
 if __name__ == "__main__":
@@ -136,7 +169,7 @@ if __name__ == "__main__":
         import torchmoe.distributed.failure as failure
 
         failure.POLL_S = float(os.environ["WATCH_POLL_S"])
-    if os.environ["RANK"] == os.environ.get("FAIL_RANK", "1"):
+    if os.environ["RANK"] == os.environ.get("FAIL_RANK", "1") or case == "agreed":
         BREAK[case](Path(out_dir))
 
     from torchmoe.cli import main

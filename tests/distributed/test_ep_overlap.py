@@ -6,9 +6,11 @@ graph breaks than the split-size read, nor recompiles after the first step.
 One torchrun world of 2 CPU/gloo ranks trains the tiny flavor on FSDP 2 x EP 2:
 
 - eager, one profiled step read by `scripts/bench_ep.py`'s `overlap_report`: every forward and
-  backward interval of the shared expert lies between an all-to-all's launch and its wait, and
-  gloo's thread runs an exchange while the shared expert computes. Before the overlap the shared
-  expert ran after the combine: no interval in a window, nothing hidden.
+  backward interval of the shared expert lies between an all-to-all's launch and its wait, so
+  that the exchange can run meanwhile. Before the overlap the shared expert ran after the
+  combine: no interval in a window. How much of the exchange it actually hides is a timing (a
+  tiny exchange on 2 loaded cores may finish before the shared expert starts: 0 ms was measured
+  in CI), so it is `scripts/bench_ep.py --overlap`'s number, not an assertion here.
 - compiled, 4 steps whose routing changes every step (at step 3 one rank receives no row in one
   layer): the MoE blocks break their graphs at the split sizes' host read and at the routed
   experts' FSDP hooks only (the byte counter's recomputation check was another break), and no
@@ -63,7 +65,7 @@ def _eager_overlap(out_dir: Path) -> dict:
         trainer.train_step(trainer.dataloader.next_batch())
     report = bench_ep.overlap_report(prof.events())
     return {"shared": len(report["shared"]), "shared_in_window": report["shared_in_window"],
-            "windows": len(report["windows"]), "hidden_ms": report["hidden_ms"]}
+            "windows": len(report["windows"])}
 
 
 class _BreakSites(logging.Handler):
@@ -127,11 +129,6 @@ def test_shared_expert_runs_inside_the_all_to_all_windows(measured):
         # Per layer: the w1, w3, w2 forwards and their 6 backward nodes (mm and weight transpose).
         assert eager["shared"] == 18, rank
         assert eager["shared_in_window"] == eager["shared"], rank
-
-
-def test_gloo_exchanges_while_the_shared_expert_computes(measured):
-    for rank, record in measured.items():
-        assert record["eager"]["hidden_ms"] > 0, rank
 
 
 def test_compiled_moe_blocks_break_only_at_the_split_read_and_fsdp_hooks(measured):

@@ -66,6 +66,25 @@ def test_hf_load_failing_on_one_rank_ends_both_under_torchrun(tmp_path: Path, hf
     assert _no_worker_traceback(out, 0) and _no_worker_traceback(out, 1), out
 
 
+@pytest.mark.parametrize("error", ["config", "unexpected"])
+def test_an_error_every_rank_finds_is_printed_by_the_first_before_any_rank_exits(tmp_path: Path, error: str) -> None:
+    """Both ranks raise the same error (a user error, as a refused folder lock, or an unexpected
+    one, printed with its traceback by the interpreter), rank 1 first, and rank 1 takes 2 s to
+    print it. Rank 0 learns of rank 1's failure from the record, not from a failed collective,
+    so nothing holds it: it must still wait for rank 1's message before it exits, or torchrun's
+    SIGTERM to rank 1 loses the message (a CI failure of the ENOLCK lock test)."""
+    proc = torchrun(JOB, "agreed", tmp_path, [], SLOW_REPORT_S="2", AGREED_ERROR=error)
+    (out,), (end,) = wait_all([proc], timeout=300)
+    assert proc.returncode == 1, out  # torchrun's status for a failed worker
+    assert _since_failure(tmp_path, end) < BOUND_S, out
+    assert PEER_LINE in out and _no_worker_traceback(out, 0), out
+    if error == "config":
+        assert out.count("error:") == 1 and "[rank 1] error: job.dump_folder" in out, out
+        assert "is held by another run (pid 4242)" in out and _no_worker_traceback(out, 1), out
+    else:
+        assert "[rank1]: RuntimeError: an unexpected error every rank meets" in out, out
+
+
 def test_async_save_failing_on_one_rank_is_skipped_by_both(tmp_path: Path) -> None:
     """Rank 1's background write of step-2 fails (a full disk): both ranks learn it from DCP,
     delete the temporary folder, say so once, train on and save step 4 (not a run failure)."""

@@ -30,10 +30,17 @@ or the TCPStore that rank 0 hosts under env:// rendezvous), on connections of it
 3. The failing rank waits (up to `ACK_WAIT_S`) until every peer has acked before it exits: the
    peers then know why their collectives fail when its exit closes its sockets, and have read
    the record before its exit takes the store with it (rank 0 under srun).
-4. Backstop: once a rank knows of a failure it exits within `EXIT_GRACE_S`, whatever its main
-   thread is blocked in (a gloo collective with another survivor, an async checkpoint's
-   future, interpreter exit joining a thread stuck in a collective): `os._exit` with the
-   failure's status, after printing the one line if the main thread never got to it.
+4. The failing rank marks its record reported once its error is printed (the CLI's handler, or
+   the interpreter's hook for an unexpected error's traceback), and every other rank waits for
+   that mark (up to `REPORT_WAIT_S`) before it exits. A launcher stops the rest of a job as soon
+   as one process exits: without the wait, a peer that learned of the failure from the record
+   (no collective blocked it: the ranks raised the same error, or NCCL's abort freed it) exits
+   first and torchrun's SIGTERM takes the failing rank's message with it.
+5. Backstop: once a rank knows of a failure it exits within `EXIT_GRACE_S` (plus the wait for
+   the report), whatever its main thread is blocked in (a gloo collective with another
+   survivor, an async checkpoint's future, interpreter exit joining a thread stuck in a
+   collective): `os._exit` with the failure's status, after printing the one line if the main
+   thread never got to it.
 
 A rank that dies without a word (`kill -9`, the OOM killer, a node gone) publishes nothing. Its
 peers' collectives with it fail on the lost connection ("Connection reset by peer": `lost_peer`
@@ -57,6 +64,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -68,9 +76,11 @@ from torchmoe.interruption import Interrupted
 POLL_S = 1.0  # how often the watch thread looks for a failure record
 ACK_WAIT_S = 5.0  # how long the failing rank waits for every peer to have read its record
 EXIT_GRACE_S = 5.0  # how long a rank that knows of a failure may take to exit before os._exit
+REPORT_WAIT_S = 5.0  # how long a peer waits for the failing rank to have printed its error
 
 # Set once this process has left a run for a failure (its own or a peer's): see `leave`.
 _FAILED = False
+_LEAVING: FailureWatch | None = None  # the watch of the run this process left for a failure
 
 
 def leave(status: int) -> None:
@@ -87,13 +97,15 @@ def leave_if_failed(status: int) -> None:
     and process groups) are still referenced: in the handler that reported the error, before
     unwinding frees them."""
     if _FAILED:
+        if _LEAVING is not None:
+            _LEAVING.settle_report()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
 
 
 _PREFIX = "torchmoe/failure/"
-_RECORD, _ACKS, _STOPPED = "record", "acks", "stopped"
+_RECORD, _ACKS, _STOPPED, _REPORTED, _SEEN = "record", "acks", "stopped", "reported", "seen"
 
 
 # Failure kinds: a rank's own error; a rank that lost its connection to a peer which died without
@@ -202,6 +214,8 @@ class FailureWatch:
         self._lock = threading.Lock()
         self._failure: Failure | None = None  # the failure this rank is leaving for
         self._backstop: threading.Timer | None = None
+        self._report_deadline: float | None = None  # when a peer stops waiting for the report
+        self._report_seen = threading.Event()  # the watch thread saw the failing rank's mark
         self._reported = threading.Event()  # the main thread has taken over the reporting
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="torchmoe-failure-watch", daemon=True)
@@ -233,8 +247,8 @@ class FailureWatch:
                 rank's collective failing, and is chained as its cause), or the store was lost.
         """
         self._reported.set()
-        global _FAILED
-        _FAILED = True
+        global _FAILED, _LEAVING
+        _FAILED, _LEAVING = True, self
         peer = lost_peer(err)
         # A collective whose peer process is gone is no error of this rank's: the peer died
         # without a word (it would have published its own error first), and every rank is told so.
@@ -247,6 +261,31 @@ class FailureWatch:
         self._arm_backstop(first)  # after the acks: the CLI must still get to print the error
         if first.rank != self.rank or first.kind != ERROR:
             raise PeerFailed(first, self.rank) from err
+        # An error the CLI does not catch is printed by the interpreter's hook, on the way out.
+        sys.excepthook = _then_mark_reported(sys.excepthook, self)
+
+    def settle_report(self) -> None:
+        """Before this process exits for a failure. The failing rank marks its error printed and
+        waits (up to REPORT_WAIT_S) until every peer's watch thread has seen the mark, so that
+        no peer touches the store after its exit (rank 0 without torchrun hosts it). A peer
+        waits (up to REPORT_WAIT_S from its first call) until its watch thread has seen it."""
+        failure = self.failure
+        if failure is None or failure.kind != ERROR:
+            return  # LOST_PEER and STORE: every rank prints the same line, nobody waits
+        if failure.rank != self.rank:
+            with self._lock:
+                if self._report_deadline is None:
+                    self._report_deadline = time.monotonic() + REPORT_WAIT_S
+                deadline = self._report_deadline
+            self._report_seen.wait(max(0.0, deadline - time.monotonic()))
+            return
+        deadline = time.monotonic() + REPORT_WAIT_S
+        try:
+            self._store.set(_REPORTED, "1")
+            while self._store.add(_SEEN, 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except dist.DistError:
+            pass  # the store's host left: nobody can read the mark
 
     def stop(self) -> None:
         """This rank finished normally: stop watching, then let rank 0 leave last (bounded), so
@@ -308,6 +347,7 @@ class FailureWatch:
         """The backstop: the process is still alive EXIT_GRACE_S after learning of `failure`."""
         if not self._reported.is_set():  # the main thread is stuck: say why this rank stops
             print(PeerFailed(failure, self.rank), file=sys.stderr)
+        self.settle_report()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(failure.status)
@@ -332,7 +372,28 @@ class FailureWatch:
                 # collectives among the live ranks still work): leave now, not after the grace.
                 self._exit_now(failure)
             self._arm_backstop(failure)  # the main thread may be stuck in a collective
+            if failure.kind == ERROR:
+                self._await_report()
             return
+
+    def _await_report(self) -> None:
+        """Wait (a blocking store wait, up to REPORT_WAIT_S past the backstop) for the failing
+        rank's mark that its error is printed, then say so to it and to the main thread."""
+        try:
+            self._watch_store.wait([_REPORTED], timedelta(seconds=EXIT_GRACE_S + REPORT_WAIT_S))
+            self._watch_store.add(_SEEN, 1)
+        except dist.DistError:
+            pass  # not marked in time, or the failing rank is gone: nothing more to wait for
+        self._report_seen.set()
+
+
+def _then_mark_reported(hook, watch: FailureWatch):
+    """`hook` (an excepthook), then `watch.settle_report()`: the failing rank's traceback is printed."""
+    def report(*exc_info) -> None:
+        hook(*exc_info)
+        sys.stderr.flush()
+        watch.settle_report()
+    return report
 
 
 def _store_lost(err: dist.DistError) -> Failure:
