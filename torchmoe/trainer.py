@@ -76,6 +76,7 @@ from torchmoe.distributed.fault_tolerance import ReplicaGroups, connect
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
+from torchmoe.distributed.one_reader import one_reads
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.distributed.replica_state import GroupLayout, decode_position, encode_position, like, local_tensors
@@ -352,16 +353,7 @@ class Trainer:
         Raises:
             ConfigError: on every rank, from `check_history`.
         """
-        refused: list[tuple | None] = [None]  # ConfigError's arguments: it does not pickle
-        if self.rank == 0 and not resumed:
-            try:
-                check_history(self.dump_folder, self.cfg)
-            except ConfigError as err:
-                refused = [(err.key, err.value, err.problem, err.fix)]
-        if dist.is_initialized():
-            dist.broadcast_object_list(refused, src=0)
-        if refused[0] is not None:
-            raise ConfigError(*refused[0])
+        one_reads(lambda: None if resumed else check_history(self.dump_folder, self.cfg))
         if self.rank == 0:
             write_config_toml(self.cfg, self.dump_folder / "config.toml")
             write_run_info(self.dump_folder, world_size=self.world_size)

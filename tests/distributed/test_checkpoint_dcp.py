@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,7 @@ from torchmoe.components.checkpoint import (
 )
 from torchmoe.components.checksums import SIDECAR, digest_file, verify
 from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
 from torchmoe.data import ByteTokenizer, DataLoader, InMemoryDocuments
@@ -113,6 +117,27 @@ def _assert_state_equal(got: dict, expected: dict) -> None:
             assert got[k] == expected[k], k
 
 
+_OPENING: list[tuple[Path, list[str]]] = []  # (folder, names opened in it) while counted
+
+
+def _count_open(event: str, args: tuple) -> None:
+    if event == "open" and _OPENING and isinstance(args[0], (str, Path)) and Path(args[0]).parent == _OPENING[-1][0]:
+        _OPENING[-1][1].append(Path(args[0]).name)
+
+
+@contextmanager
+def _opened_under(folder: Path) -> Iterator[list[str]]:
+    """The names of `folder`'s files this process opens meanwhile (Python's `open` audit event)."""
+    if not getattr(_count_open, "hooked", False):  # an audit hook stays for the process's life
+        sys.addaudithook(_count_open)
+        _count_open.hooked = True
+    _OPENING.append((folder, []))
+    try:
+        yield _OPENING[-1][1]
+    finally:
+        _OPENING.pop()
+
+
 def _cfg(**kw) -> CheckpointConfig:
     return CheckpointConfig(enable=True, interval=1, **kw)
 
@@ -133,7 +158,14 @@ def _worker(rank: int, dump: str) -> None:
         torch.save({"ref2": ref2, "ref3": ref3}, Path(dump) / "ref.pt")
 
     resumed = _Run(shard=True, rank=rank)
-    assert CheckpointManager(dump, _cfg(), total_steps=10).load_latest(resumed.state) == 3
+    with _opened_under(Path(dump) / "checkpoint" / "step-3") as opened:
+        assert CheckpointManager(dump, _cfg(), total_steps=10).load_latest(resumed.state) == 3
+    # Rank 0 reads the metadata and the recorded digests, and checks every data file's size, for
+    # both ranks (on a shared file system every rank doing so is N opens of N files at once).
+    if rank == 0:
+        assert opened.count(".metadata") == 1 and opened.count(SIDECAR) == 2, opened  # the metadata's, the files'
+    else:
+        assert ".metadata" not in opened and SIDECAR not in opened, opened
     got3 = resumed.full_state()
     assert resumed.loader == {"offset": 3 * (4 + rank)}
     assert torch.equal(resumed.data.state_dict()["rows"].full_tensor(), run.data.state_dict()["rows"].full_tensor())
@@ -170,6 +202,13 @@ def _worker(rank: int, dump: str) -> None:
     assert problem.startswith("__1_0.distcp does not match the checksum recorded when it was saved"), problem
     again = _Run(shard=True, rank=rank)
     assert CheckpointManager(dump, _cfg(), total_steps=10).load_latest(again.state) == 2
+
+    # A load_step with no checkpoint: rank 0 finds out and every rank raises its error (it
+    # crosses the broadcast whole; before, rank 1 failed to unpickle it: a TypeError traceback).
+    with pytest.raises(ConfigError) as refused:
+        CheckpointManager(dump, _cfg(load_step=9), total_steps=10).load_latest(again.state)
+    assert (refused.value.key, refused.value.value) == ("checkpoint.load_step", 9)
+    assert "no complete checkpoint step-9" in refused.value.problem and "(found: step-2, step-4)" in str(refused.value)
 
 
 def _entry(rank: int, dump: str) -> None:

@@ -62,15 +62,54 @@ def _worker(out_dir: Path) -> None:
         units = _units(docs, rows)
         record[when] = {"indexed": len(indexed) - calls, "read": _read_bytes() - before, "units": units,
                         "mapped": isinstance(docs._tables[0], np.memmap)}
+    record["shards"] = _token_shards(out_dir)
     write_rank_record(out_dir, record)
 
 
-def test_one_rank_indexes_a_new_corpus_and_every_rank_maps_it(tmp_path: Path) -> None:
+def _token_shards(out_dir: Path) -> dict:
+    """Token shards opened as a run opens them (`build_corpus`): the index files this rank
+    hashed; then with one of the files rank 1 hashes damaged, what each rank raises."""
+    import torch.distributed as dist
+
+    from torchmoe.config.job_config import Training
+    from torchmoe.data import token_shards
+    from torchmoe.data.dataloader import build_corpus
+    from torchmoe.data.errors import DataConfigError
+
+    hashed: list[str] = []
+    digest_file = token_shards.digest_file
+    token_shards.digest_file = lambda path: hashed.append(Path(path).name) or digest_file(path)
+    training = Training(dataset="tokens", dataset_path=str(out_dir / "shards"))
+    build_corpus(training)
+    record = {"hashed": sorted(hashed)}
+    if dist.get_rank() == 0:
+        sizes = out_dir / "shards" / token_shards.shard_file(token_shards.shard_name(1), "sizes")
+        sizes.write_bytes(sizes.read_bytes()[:-8] + b"\x07" * 8)  # the same size, another last value
+    dist.barrier()
+    token_shards._VERIFIED.clear()  # as a new process would
+    try:
+        build_corpus(training)
+    except DataConfigError as err:
+        record["raised"] = str(err)
+    return record
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+    from torchmoe.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("data_index")
+    _corpus(out)
+    prepare([str(out / "corpus.jsonl")], out / "shards", workers=1, shard_tokens=40_000, show_progress=False)
+    return out, run_rank_script(__file__, out, world=2, timeout=120)
+
+
+def test_one_rank_indexes_a_new_corpus_and_every_rank_maps_it(world) -> None:
     from torchmoe.data.dataset import FileDocuments
 
-    corpus = _corpus(tmp_path)
+    tmp_path, records = world
+    corpus = tmp_path / "corpus.jsonl"
     size = corpus.stat().st_size
-    records = run_rank_script(__file__, tmp_path, world=2, timeout=120)
     reference = _units(FileDocuments([corpus]), range(ROWS))  # one process, no cache: built in memory
     for when in ("first", "again"):
         assert [records[r][when]["indexed"] for r in (0, 1)] == [1 if when == "first" else 0, 0], records
@@ -80,6 +119,22 @@ def test_one_rank_indexes_a_new_corpus_and_every_rank_maps_it(tmp_path: Path) ->
     assert records[0]["first"]["read"] >= size > 20 * records[1]["first"]["read"], records
     assert size > 20 * records[0]["again"]["read"] and size > 20 * records[1]["again"]["read"], records
     assert len(list((tmp_path / "data_index").glob("*.npy"))) == 1
+
+
+def test_token_shards_are_hashed_once_in_all_and_a_damaged_one_stops_every_rank(world) -> None:
+    """Each index file (docs, sizes) of the shards is hashed by one rank: rank r hashes every
+    2nd shard from r (every rank hashing all of them reads them once per rank from the shared
+    file system). A file only rank 1 hashes, damaged, stops both ranks with its message."""
+    tmp_path, records = world
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    files = [[f for f in sorted(s["files"]) if not f.endswith("tokens.npy")] for s in manifest["shards"]]
+    assert len(files) >= 4, manifest["shards"]  # shards enough for both ranks
+    for rank in (0, 1):
+        assert records[rank]["shards"]["hashed"] == sorted(f for shard in files[rank::2] for f in shard), rank
+    for rank in (0, 1):
+        raised = records[rank]["shards"]["raised"]
+        assert raised.startswith(f'training.dataset_path = "{tmp_path / "shards"}": {files[1][1]} does not match '
+                                 "the checksum in manifest.json"), raised
 
 
 if __name__ == "__main__":

@@ -157,8 +157,8 @@ def _row_tables(out: Path, groups: range, step: int) -> list[torch.Tensor]:
 def test_two_of_three_groups_killed_at_once_rejoin(tmp_path: Path) -> None:
     out = tmp_path / "ft"
     # Room for the survivor to step alone while the relaunched groups start (alone here: 7 steps
-    # of about 2 s; they rejoined 15 s after the kill), and a few steps of all three after.
-    steps = 20
+    # of about 2 s; they rejoined 15 s after their launch), and a few steps of all three after.
+    steps = 24
     three = ["--fault_tolerance.group_size", "3", "--training.global_batch_size", "24", "--training.steps", str(steps)]
     args = [*JOB, *SLOW, *FT, *three, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     # A quorum waits up to 10 s for groups that are alive (heartbeating) but late: six ranks on
@@ -174,9 +174,11 @@ def test_two_of_three_groups_killed_at_once_rejoin(tmp_path: Path) -> None:
             group.kill()
         died = max(group.last_step() for group in first[1:]) + 1
         survivor = first[0]
-        back = [ReplicaGroup(g, args, out, lighthouse, tag="-restarted") for g in (1, 2)]
+        # Relaunched once the survivor has stepped alone: launched at once, they rejoined (on a
+        # loaded machine) before its next quorum, which then waited for them (a CI failure).
         survivor.wait_for(lambda r: any(x["step"] >= died and x["ft_participants"] == 1 for x in r),
                           "group 0 steps alone")
+        back = [ReplicaGroup(g, args, out, lighthouse, tag="-restarted") for g in (1, 2)]
         for group in back:
             group.wait_for(lambda r: r and r[-1]["step"] > died, f"group {group.metrics.parent.name} steps again")
         survivor.finish()
@@ -256,11 +258,15 @@ def test_with_the_quorum_lost_the_survivor_waits_and_a_full_restart_resumes_exac
     waited = elapsed[waited_at + 1] - elapsed[waited_at]
     print(f"group 0 waited {waited:.1f} s for the quorum (group 1 down {down:.0f} s, then starting again)")
     assert waited > down
+    committed = {r["step"]: r["ft_participants"] for r in again[0].records()}
     for group in again:
         resumed = re.findall(r"resuming at step (\d+)", group.log.read_text())
         assert resumed and int(resumed[0]) % 5 == 1 and int(resumed[0]) > 10, resumed
         records = group.records()  # the earlier launches' records after the checkpoint were dropped
-        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        # Killed with -9, group 1 may have committed the step it died in (with group 0) without
+        # writing its record; its relaunch took the state after it (a CI failure before this).
+        lost = {died} if group is again[1] and committed.get(died) == 2 else set()
+        assert [r["step"] for r in records] == [s for s in range(1, STEPS + 1) if s not in lost], (lost, records)
         assert all(r["ft_participants"] == 2 for r in records)  # never a step alone
         _assert_hsdp_curve(records, hsdp, str(group.metrics))
     # torchft's INFO, out of the console, is in every rank's log file: the restarted group's

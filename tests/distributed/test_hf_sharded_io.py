@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,45 @@ def _vm_kib(field: str) -> int:
     raise KeyError(field)
 
 
+_OPENS: list[tuple[Path, list[str]]] = []  # (folder, names opened under it) while a load is counted
+
+
+def _count_open(event: str, args: tuple) -> None:
+    if event == "open" and _OPENS and isinstance(args[0], (str, Path)):
+        folder, names = _OPENS[-1]
+        if Path(args[0]).parent == folder:
+            names.append(Path(args[0]).name)
+
+
+@contextmanager
+def _opens_under(folder: Path) -> Iterator[list[str]]:
+    """The names of `folder`'s files this process opens meanwhile: through Python's `open` (an
+    audit event) and through safetensors' `safe_open` (Rust's own open, which raises none), as
+    torch's reader and torchmoe call it."""
+    import safetensors
+
+    from torchmoe.components import hf_storage, mxfp4
+
+    if not getattr(_count_open, "hooked", False):  # an audit hook stays for the process's life
+        sys.addaudithook(_count_open)
+        _count_open.hooked = True
+    names: list[str] = []
+    real = safetensors.safe_open
+
+    def counted(filename, *args, **kwargs):
+        if Path(filename).parent == folder:
+            names.append(Path(filename).name)
+        return real(filename, *args, **kwargs)
+
+    _OPENS.append((folder, names))
+    safetensors.safe_open = hf_storage.safe_open = mxfp4.safe_open = counted
+    try:
+        yield names
+    finally:
+        safetensors.safe_open = hf_storage.safe_open = mxfp4.safe_open = real
+        _OPENS.pop()
+
+
 def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> dict:
     """Build the layout's trainer, load `hf_in` into it (measuring host memory), compare its
     shards with the full tensors, and save it back as a Hugging Face folder."""
@@ -110,7 +151,8 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     rss_before = _vm_kib("VmRSS")
-    trainer.load_initial_state()
+    with _opens_under(hf_in) as opened:
+        trainer.load_initial_state()
     peak_kib = _vm_kib("VmHWM") - rss_before
 
     # Each parameter (and the expert bias where the family's folder keeps it), gathered, against
@@ -137,7 +179,7 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
     trainer._save_hf()
     record = {"peak_load_bytes": peak_kib * 1024, "shard_bytes": shard_bytes,
               "full_bytes": sum(p.numel() * p.element_size() for p in params.values()) if not trainer.dims.pp_enabled
-              else None, "mismatched": mismatched}
+              else None, "mismatched": mismatched, "opened": opened}
     del trainer
     dist.barrier()
     return record
@@ -217,6 +259,20 @@ def test_load_gives_the_folders_tensors_and_save_writes_them_back(measured, labe
         assert torch.equal(got[name], tensor), (label, name)
     assert json.loads((saved / "config.json").read_text()) == json.loads((hf_in / "config.json").read_text())
     assert not (saved / ".rank-shards").exists()  # each rank's own files are gone once consolidated
+
+
+@pytest.mark.parametrize("label", [*LAYOUTS, *FAMILY_LAYOUTS])
+def test_only_rank_0_reads_the_folders_config_and_headers(measured, label):
+    """On a shared file system every rank opening every file of the folder is a storm of
+    requests for the same answer: rank 0 reads config.json and checks and reads every file's
+    header, and each rank opens only the files it reads slices of, once. (These folders hold
+    one safetensors file; before, every rank opened it three times before reading from it.)"""
+    records, _ = measured
+    # Checked, headers, read; with MTP also its names (for the layers the files hold: no index).
+    headers = 4 if "_mtp_" in label else 3
+    assert sorted(records[0][label]["opened"]) == ["config.json", *["model.safetensors"] * headers], label
+    for rank in range(1, WORLD):
+        assert records[rank][label]["opened"] == ["model.safetensors"], (label, rank)
 
 
 def test_load_memory_per_rank_stays_near_its_shard(measured):

@@ -85,3 +85,24 @@ def test_a_signal_after_a_failure_does_not_replace_it():
     leaving_for_failure()  # a Trainer.fit that failed in this process, outside the CLI
     with pytest.raises(Interrupted), interrupt_on_signals():
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))]
+
+
+def test_every_user_error_crosses_a_broadcast_whole() -> None:
+    """Rank 0 finds some errors for every rank (a load_step without its checkpoint, a refused
+    lock) and broadcasts them as objects: each kind must unpickle as itself, with its parts."""
+    import importlib
+    import pickle
+
+    for module in ("torchmoe.components.weight_files", "torchmoe.data.errors"):  # the subclasses' homes
+        importlib.import_module(module)
+    kinds = _subclasses(ConfigError)
+    assert len(kinds) >= 4, kinds
+    for kind in kinds:
+        err = kind("checkpoint.load_step", [9], "no complete checkpoint step-9", "name one of those steps")
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is kind and str(back) == str(err), kind
+        assert (back.key, back.value, back.problem, back.fix) == (err.key, err.value, err.problem, err.fix), kind

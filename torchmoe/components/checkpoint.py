@@ -101,6 +101,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import Comm as CommConfig
+from torchmoe.distributed.one_reader import one_reads
 from torchmoe.nn.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ def _dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None
         ConfigError: an object's `check_saved_shapes` refuses the checkpoint.
     """
     key, fix = "checkpoint.folder", "delete or move the broken step-N folder"  # the manager reports its own
-    metadata = read_dcp_metadata(key, path, fix)
+    metadata = read_dcp_metadata(key, path, fix, group)
     _check_saved_shapes(state, metadata)
     optional = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
     planner = _LoadPlanner(optional)
@@ -309,13 +310,15 @@ _DCP_FOLDER = "a DCP checkpoint folder: a step-N folder of a run, or the output 
 
 
 def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Module], *,
-                    key: str = "checkpoint.initial_load_path") -> None:
+                    key: str = "checkpoint.initial_load_path", metadata: Metadata | None = None) -> None:
     """Load only model weights (no optimizer, no step) from a DCP folder.
 
     Accepts a torchmoe `step-N/` folder (keys `model.<fqn>`) or a DCP folder of a bare model
     state dict (keys `<fqn>`), e.g. `checkpoint.initial_load_path`. Every parameter and
     persistent buffer of the model must be in it, of its shape and (for floating-point ones) in
-    floating point; extra keys are ignored (a pipeline stage loads only its own).
+    floating point; extra keys are ignored (a pipeline stage loads only its own). Collective
+    under a process group. `metadata`: the folder's, when the caller read it already
+    (`read_dcp_metadata`).
 
     Raises:
         ConfigError: (naming `key`, the option that named `path`) a file of the folder is
@@ -323,7 +326,7 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
     """
     path = Path(path)
     fix = f"point it at {_DCP_FOLDER}"
-    metadata = read_dcp_metadata(key, path, fix)
+    metadata = metadata if metadata is not None else read_dcp_metadata(key, path, fix)
     wrapper = ModelWrapper(model_parts)
     sd = wrapper.state_dict()
     stored = model_tensors(metadata)
@@ -688,21 +691,12 @@ class CheckpointManager:
         """
         if not self.cfg.enable:
             return None
-        # Rank 0 decides, so that every rank tries the same folders even on a filesystem whose
-        # directory listings lag between nodes.
-        candidates: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                candidates = [self._candidates()]
-            except ConfigError as err:  # every rank raises it
-                candidates = [err]
-        if _dist_on():
-            dist.broadcast_object_list(candidates, src=0, group=self.group)
-        if isinstance(candidates[0], ConfigError):
-            raise candidates[0]
+        # Rank 0 decides (every rank raises its ConfigError), so that every rank tries the same
+        # folders even on a filesystem whose directory listings lag between nodes.
+        candidates = one_reads(self._candidates, self.group)
         errors = []
         excluded = set(self.cfg.exclude_from_loading)
-        for step, path, model_only in candidates[0]:
+        for step, path, model_only in candidates:
             to_load = {"model": state["model"]} if model_only else state
             to_load = {name: part for name, part in to_load.items() if name not in excluded}
             t0 = time.perf_counter()

@@ -10,7 +10,7 @@ digest (`xxhash`, ~10 GB/s on one core) as it is written: each rank hashes its o
 writing them (no second read), the digests reach rank 0 with DCP's gathered write results, and
 rank 0 records them, with that of `.metadata`, in `.checksums.json` next to it, before the save
 finishes (so before a checkpoint folder is renamed into place). `verify` checks them before a
-load, each rank hashing a share of the files.
+load, each rank hashing a share of the files (rank 0 reads the sidecar for all).
 
 A folder without `.checksums.json` (written before torchmoe recorded checksums, or by another
 tool) loads unverified, with a log line that says so.
@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from torchmoe.config.digests import ALGORITHM, digest_file
 from torchmoe.config.paths import describe_os_error
+from torchmoe.distributed.one_reader import one_reads
 
 __all__ = ["ALGORITHM", "SIDECAR", "ChecksummingWriter", "digest_file", "metadata_fault", "verify"]
 
@@ -157,6 +158,16 @@ def _recorded(folder: Path) -> dict[str, str] | None:
     return files
 
 
+def _recorded_or_fault(folder: Path) -> tuple[dict[str, str] | None, str | None]:
+    """(`_recorded(folder)`, None), or (None, what is wrong with the sidecar)."""
+    try:
+        return _recorded(folder), None
+    except ValueError as err:
+        return None, str(err)
+    except OSError as err:
+        return None, describe_os_error(err)
+
+
 def _mismatch(name: str, digest: str, recorded: dict[str, str]) -> str | None:
     if name not in recorded:
         return f"{name} has no checksum in {SIDECAR}: the folder's files are not the ones it was saved with"
@@ -169,34 +180,31 @@ def _mismatch(name: str, digest: str, recorded: dict[str, str]) -> str | None:
 def metadata_fault(folder: Path, data: bytes) -> str | None:
     """Why `data`, the bytes of `folder/.metadata`, are not what was saved, or None (they are, or
     no checksums were recorded)."""
-    try:
-        recorded = _recorded(folder)
-    except (ValueError, OSError) as err:
-        return describe_os_error(err) if isinstance(err, OSError) else str(err)
-    return None if recorded is None else _mismatch(".metadata", xxhash.xxh3_64_hexdigest(data), recorded)
+    recorded, problem = _recorded_or_fault(folder)
+    if problem is not None or recorded is None:
+        return problem
+    return _mismatch(".metadata", xxhash.xxh3_64_hexdigest(data), recorded)
 
 
 def verify(folder: Path, names: list[str], group: dist.ProcessGroup | None = None) -> str | None:
     """Check the files `names` of `folder` against its recorded checksums: collective under a
-    process group (every rank hashes every world_size-th file, then all agree).
+    process group (rank 0 reads the checksums, every rank hashes every world_size-th file, then
+    all agree).
 
     Returns:
         What is wrong (a file that does not match), the same on every rank; None when every file
         matches or none were recorded (logged).
     """
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
-    problem = None
+    recorded, problem = one_reads(lambda: _recorded_or_fault(folder), group)  # rank 0 reads the sidecar
+    if recorded is None and problem is None and rank == 0:
+        logger.info("%s has no %s (saved before torchmoe recorded checksums, or by another tool): "
+                    "loading it unverified", folder, SIDECAR)
     try:
-        recorded = _recorded(folder)
-        if recorded is None and rank == 0:
-            logger.info("%s has no %s (saved before torchmoe recorded checksums, or by another tool): "
-                        "loading it unverified", folder, SIDECAR)
         for name in sorted(names)[rank::world] if recorded is not None else ():
             problem = _mismatch(name, digest_file(folder / name), recorded)
             if problem is not None:
                 break
-    except ValueError as err:
-        problem = str(err)
     except OSError as err:
         problem = describe_os_error(err)
     if dist.is_initialized():

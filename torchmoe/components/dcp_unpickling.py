@@ -38,7 +38,7 @@ from torch.futures import Future
 
 from torchmoe import _torch_private as private
 
-__all__ = ["RefusedPickle", "SafeLoadPlanner", "SafeReader", "unpickle_metadata"]
+__all__ = ["KnownMetadata", "RefusedPickle", "SafeLoadPlanner", "SafeReader", "unpickle_metadata"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
@@ -124,23 +124,30 @@ def _refused_global(err: pickle.UnpicklingError) -> str | None:
     return found.group(1) if found else None
 
 
-class SafeReader(FileSystemReader):
-    """torch's `FileSystemReader` for `path`, except that it never unpickles `.metadata` itself:
-    it hands DCP the `metadata` the caller read with `unpickle_metadata` (DCP's fallback to a
-    rank-local `__<rank>.metadata` when reading the global one fails is gone with it). Tensors it
-    reads as torch does, with `torch.load(weights_only=True)`; one that names another global is
-    a `RefusedPickle` of its file."""
+class KnownMetadata:
+    """For a DCP storage reader (listed before it among the bases): `read_metadata` hands DCP the
+    `metadata` given to the reader, read once by the caller (by one rank for all:
+    `distributed.one_reader`), instead of reading the folder again on every rank and every
+    call."""
 
     def __init__(self, path: str | Path, metadata: Metadata) -> None:
         super().__init__(str(path))
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # What torch's read_metadata does after unpickling: tag the metadata with this load's id.
+        # What torch's readers do after reading it: tag the metadata with this load's id.
         if self._metadata.storage_meta is None:
             self._metadata.storage_meta = StorageMeta()
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
+
+
+class SafeReader(KnownMetadata, FileSystemReader):
+    """torch's `FileSystemReader` for `path`, except that it never unpickles `.metadata` itself:
+    it hands DCP the `metadata` the caller read with `unpickle_metadata` (DCP's fallback to a
+    rank-local `__<rank>.metadata` when reading the global one fails is gone with it). Tensors it
+    reads as torch does, with `torch.load(weights_only=True)`; one that names another global is
+    a `RefusedPickle` of its file."""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # torch reads file by file; here one file per call, so that a refusal names its file.

@@ -56,11 +56,12 @@ from torchmoe import _torch_private as private
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components import mxfp4
 from torchmoe.components.checkpoint import _dist_on
-from torchmoe.components.dcp_unpickling import SafeLoadPlanner
+from torchmoe.components.dcp_unpickling import KnownMetadata, SafeLoadPlanner
 from torchmoe.components.finite import refuse_nonfinite, require_finite
 from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import write_file
+from torchmoe.distributed.one_reader import one_reads
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, show_json
@@ -189,13 +190,25 @@ def _stored_names(metadata: Metadata, slices: dict[str, HFSlice],
     return stored, packed
 
 
-def _stored_files(hf_dir: Path, names: set[str]) -> dict[str, Path]:
-    """The file of each stored name in `names` (from the files' headers)."""
-    files = {}
-    for file in sorted(hf_dir.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            files.update({key: file for key in f.keys() if key in names})
-    return files
+def _stored_files(metadata: Metadata, names: set[str]) -> dict[str, Path]:
+    """The file of each stored name in `names` (as the files' headers, read into `metadata`, say)."""
+    return {index.fqn: Path(info.relative_path) for index, info in metadata.storage_data.items() if index.fqn in names}
+
+
+class _KnownHFReader(KnownMetadata, HuggingFaceStorageReader):
+    """torch's `HuggingFaceStorageReader`, handed the metadata rank 0 read from every file's header."""
+
+
+def _read_hf_metadata(hf_dir: Path, key: str, fix: str) -> Metadata:
+    """The DCP metadata of the Hugging Face folder `hf_dir` (every safetensors file's header),
+    each file checked first (`_check_files`).
+
+    Raises:
+        UnreadableWeights: a file is missing, a folder, unreadable or damaged.
+    """
+    _check_files(hf_dir, key, fix)
+    with reading(key, hf_dir, fix, what="a *.safetensors file"):
+        return HuggingFaceStorageReader(str(hf_dir)).read_metadata()
 
 
 _INDEX = "model.safetensors.index.json"
@@ -301,18 +314,20 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
             `args` in floating point, or its weights hold NaN or inf (named as the files name them).
     """
     hf_dir = Path(hf_dir)
-    _check_files(hf_dir, key, fix)
+    # Rank 0 reads every file's header, once: on a shared file system each rank opening every
+    # file of the folder (three times: checked, then read by this function and by DCP) is a storm.
+    metadata = one_reads(lambda: _read_hf_metadata(hf_dir, key, fix))
     with reading(key, hf_dir, fix, what="a *.safetensors file"):  # HFConversionError is a fault too
-        reader = HuggingFaceStorageReader(str(hf_dir))
+        reader = _KnownHFReader(hf_dir, metadata)
         views, slices = _hf_views(state, args)
-        stored, packed = _stored_names(reader.read_metadata(), slices, args)
+        stored, packed = _stored_names(metadata, slices, args)
         # MXFP4-packed tensors (gpt-oss's released experts) are read and dequantised by this rank
         # itself (`components.mxfp4`); DCP reads every other tensor.
         unpacked = {name: s for name, s in slices.items() if s.hf_name not in packed}
         dcp.load({name: views[name] for name in unpacked}, storage_reader=reader,
                  planner=_HFLoadPlanner(unpacked, stored), no_dist=not _dist_on())
         if packed:
-            files = _stored_files(hf_dir, {stored[p] for name in packed for p in mxfp4.packed_names(name)})
+            files = _stored_files(metadata, {stored[p] for name in packed for p in mxfp4.packed_names(name)})
             for name, s in slices.items():
                 if s.hf_name in packed:
                     mxfp4.load_packed(views[name], [(files[stored[p]], stored[p])

@@ -23,6 +23,7 @@ from torchmoe.components.hf_storage import load_hf_weights, read_hf_args
 from torchmoe.components.weight_files import model_tensors, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+from torchmoe.distributed.one_reader import one_reads
 from torchmoe.models.registry import hf_mapping
 
 __all__ = ["load_initial_weights"]
@@ -52,15 +53,15 @@ def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, m
     if ckpt.initial_load_in_hf:
         _load_hf(path, flavor, args, model, key)
     else:
-        stored = model_tensors(read_dcp_metadata(key, path, _DCP_FIX))
-        require_fit("model.flavor", flavor, args, stored, f"{key} {path}")
-        load_model_only(path, [model], key=key)
+        metadata = read_dcp_metadata(key, path, _DCP_FIX)  # read by rank 0, once
+        require_fit("model.flavor", flavor, args, model_tensors(metadata), f"{key} {path}")
+        load_model_only(path, [model], key=key, metadata=metadata)
 
 
 def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: str) -> None:
     """Every rank reads the safetensors slices its shards cover, straight into its parameters."""
     fix = f"point it at a complete Hugging Face {hf_mapping(args).title} folder (config.json + *.safetensors)"
-    hf_args = read_hf_args(hf_dir, key=key, fix=fix)
+    hf_args = one_reads(lambda: read_hf_args(hf_dir, key=key, fix=fix))  # rank 0 reads config.json for all
     # A Hugging Face config must agree with the run's flavor in every field that decides the
     # tensors' shapes and what the model computes with them (the training settings are the run's).
     differ = args.architecture_differences(hf_args)

@@ -1,6 +1,6 @@
 """Reading model weights from folders a user names: whatever is wrong with a file is one `ConfigError`.
 
-    metadata = read_dcp_metadata(key, folder, fix)               # .metadata, checked
+    metadata = read_dcp_metadata(key, folder, fix)               # .metadata, checked (read by rank 0)
     problem = misfit(model.state_dict(), model_tensors(metadata), extra_ok=True)
     load_dcp(state, folder, metadata, key=key, fix=fix)          # checksums first; runs no code
     config = read_json_object(key, folder, "config.json", fix)
@@ -49,6 +49,7 @@ from torchmoe.components.dcp_unpickling import RefusedPickle, SafeLoadPlanner, S
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.paths import describe_os_error
 from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.distributed.one_reader import one_reads
 
 __all__ = ["UnreadableWeights", "UnsafeWeights", "describe", "load_dcp", "misfit", "model_prefix",
            "model_tensors", "non_float", "quiet_dcp_logs", "read_dcp_metadata", "read_fault", "read_json_object",
@@ -189,14 +190,22 @@ def read_json_object(key: str, folder: Path, name: str, fix: str) -> dict:
     return value
 
 
-def read_dcp_metadata(key: str, folder: Path, fix: str) -> Metadata:
+def read_dcp_metadata(key: str, folder: Path, fix: str, group: dist.ProcessGroup | None = None) -> Metadata:
     """The `.metadata` of the DCP checkpoint `folder`, unpickled safely (`unpickle_metadata`).
+    Collective under a process group (`group`, default the world): rank 0 reads the file, its
+    recorded checksum and the size of every data file, and the others receive the metadata
+    (`distributed.one_reader`: on a shared file system every rank reading it is a storm of
+    requests for the same answer).
 
     Raises:
         UnreadableWeights: it is missing, unreadable, damaged (by its recorded checksum too), or
             holds something else; a data file it points into is missing or too short.
         UnsafeWeights: it would run code.
     """
+    return one_reads(lambda: _read_dcp_metadata(key, folder, fix), group)
+
+
+def _read_dcp_metadata(key: str, folder: Path, fix: str) -> Metadata:
     if not (folder / ".metadata").exists():
         raise UnreadableWeights(key, str(folder), "not a DCP checkpoint (no .metadata)", fix)
     with reading(key, folder, fix, what=".metadata"):

@@ -40,3 +40,8 @@ class ConfigError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{key} = {show_value(value)}: {problem}\n  fix: {fix}")
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its four parts, not from the message (Exception's default): an error one
+        # rank found crosses a `broadcast_object_list` to the others, which raise it too.
+        return type(self), (self.key, self.value, self.problem, self.fix)

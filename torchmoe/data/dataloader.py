@@ -34,11 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from torchmoe.data.dataset import build_documents
 from torchmoe.data.documents import DataConfigError, Documents, Unit
 from torchmoe.data.mixture import KEY, MixSchedule, source_settings
+from torchmoe.data.token_shards import TokenShards
 from torchmoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -546,11 +548,39 @@ def build_corpus(training: Training, *, key: str = "training.dataset_path",
     data files' document indexes between runs (`FileDocuments`)."""
     mix = source_settings(training)
     if not mix:
-        return Corpus(build_documents(training, key=key, index_cache=index_cache), _source(training, key))
-    return Corpus([build_documents(alone, key=KEY, index_cache=index_cache) for _, alone in mix],
-                  [(KEY, source.entry) for source, _ in mix],
-                  MixSchedule([source.weight for source, _ in mix], training.seed) if len(mix) > 1 else None,
-                  [source.name for source, _ in mix])
+        corpus = Corpus(build_documents(training, key=key, index_cache=index_cache, check_digests=False),
+                        _source(training, key))
+    else:
+        corpus = Corpus([build_documents(alone, key=KEY, index_cache=index_cache, check_digests=False)
+                         for _, alone in mix],
+                        [(KEY, source.entry) for source, _ in mix],
+                        MixSchedule([source.weight for source, _ in mix], training.seed) if len(mix) > 1 else None,
+                        [source.name for source, _ in mix])
+    _check_digests_together(corpus.documents if isinstance(corpus.documents, list) else [corpus.documents])
+    return corpus
+
+
+def _check_digests_together(sources: list[Documents]) -> None:
+    """The token shards among `sources` checked against their manifests' digests, each rank of
+    a process group hashing a share of their files (alone: all of them), and the first fault
+    found raised on every rank. Collective under a process group when a source is token shards
+    (every rank has the same sources)."""
+    shards = [docs for docs in sources if isinstance(docs, TokenShards)]
+    if not shards:
+        return
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    fault: DataConfigError | None = None
+    try:
+        for docs in shards:
+            docs.check_digests(rank, world)
+    except DataConfigError as err:
+        fault = err
+    if world > 1:
+        faults: list[DataConfigError | None] = [None] * world
+        dist.all_gather_object(faults, fault)
+        fault = next((f for f in faults if f is not None), None)
+    if fault is not None:
+        raise fault
 
 
 def build_dataloader(

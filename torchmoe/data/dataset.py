@@ -636,10 +636,11 @@ def _files_under(folder: Path) -> list[Path]:
 
 
 def build_documents(training: Training, *, key: str = "training.dataset_path",
-                    index_cache: Path | None = None) -> Documents:
+                    index_cache: Path | None = None, check_digests: bool = True) -> Documents:
     """The document source that `training.dataset` names (see `Training` in job_config); `key`
     names its path in messages (``validation.dataset_path`` for the validation data);
-    `index_cache` keeps the files' document indexes (`FileDocuments`)."""
+    `index_cache` keeps the files' document indexes (`FileDocuments`); `check_digests=False`
+    leaves token shards' digests to the caller (`TokenShards.check_digests`)."""
     kind = training.dataset
     files = lambda path: FileDocuments(  # noqa: E731
         local_files(path, key=key, extensions=training.dataset_extensions), text_field=training.dataset_text_field,
@@ -653,7 +654,7 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
         if not training.dataset_path:
             raise DataConfigError(key, "", 'dataset = "tokens" needs a folder', "point it at the OUT_DIR of "
                                   "`torchmoe prepare-data`")
-        return TokenShards(training.dataset_path, key=key)
+        return TokenShards(training.dataset_path, key=key, check_digests=check_digests)
     if kind == "hf":
         return HFDocuments.from_spec(
             training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field, key=key

@@ -241,13 +241,16 @@ class TokenShards(SizedDocuments):
     Args:
         folder: the folder `torchmoe prepare-data` wrote.
         key: the setting that named it, for messages.
+        check_digests: hash the index files against the manifest here; False leaves that to
+            `check_digests`, which ranks share (a run's corpus: `dataloader.build_corpus`).
 
     Raises:
         DataConfigError: what is wrong with the folder, naming `key` and the file: missing (an
             unfinished run says so), unreadable (the OS's reason), damaged, truncated, changed.
     """
 
-    def __init__(self, folder: str | os.PathLike, *, key: str = "training.dataset_path") -> None:
+    def __init__(self, folder: str | os.PathLike, *, key: str = "training.dataset_path",
+                 check_digests: bool = True) -> None:
         self.folder = Path(folder)
         self.key = key
         self.source = (key, str(folder))
@@ -265,9 +268,6 @@ class TokenShards(SizedDocuments):
             self._offsets: list[np.ndarray] = []  # per shard: int64 (its documents + 1,)
             self._sizes: list[np.ndarray] = []  # per shard: int64 (its documents,)
             for s in shards:
-                for kind in ("docs", "sizes"):
-                    file = shard_file(s["name"], kind)
-                    check_digest(self.folder, file, s["files"][file], key)
                 self._offsets.append(_load(self.folder, shard_file(s["name"], "docs"), np.dtype(np.int64),
                                            s["documents"] + 1, key))
                 self._sizes.append(_load(self.folder, shard_file(s["name"], "sizes"), np.dtype(np.int64),
@@ -276,6 +276,24 @@ class TokenShards(SizedDocuments):
         # first[k]: the index of shard k's first document; first[-1]: the document count.
         self._first = np.zeros(len(shards) + 1, dtype=np.int64)
         np.cumsum([s["documents"] for s in shards], out=self._first[1:])
+        if check_digests:
+            self.check_digests()
+
+    def check_digests(self, share: int = 0, shares: int = 1) -> None:
+        """Check the index files (docs, sizes) of every `shares`-th shard from `share` on against
+        the manifest's digests: a rank of `shares` hashes its share of the folder (these files are
+        8 bytes a document each; every rank of a big run hashing all of them would read them all
+        from the shared file system once per rank).
+
+        Raises:
+            DataConfigError: a file changed on disk, or cannot be read (naming it).
+        """
+        fix = "point it at a folder written by `torchmoe prepare-data`, or prepare one"
+        with path_faults(self.key, str(self.folder), fix, error=DataConfigError):
+            for s in self.manifest["shards"][share::shares]:
+                for kind in ("docs", "sizes"):
+                    file = shard_file(s["name"], kind)
+                    check_digest(self.folder, file, s["files"][file], self.key)
 
     def __repr__(self) -> str:
         return f"TokenShards({str(self.folder)!r}, {self.num_documents} documents in {len(self._names)} shards)"

@@ -106,9 +106,10 @@ def check_dataset_rows(training: Training, global_batch_size: int, tokenizer: To
     document there, fails here too (the python_docs corpus is always there); later documents
     say the same when a rank reads them. `key` names the dataset's path
     (``validation.dataset_path`` for the validation data). Pre-tokenized shards must come from
-    `tokenizer`. Files whose documents need an index (.jsonl, .json, .parquet) are only listed
-    here: their rows are cut, and checked alike, when the run opens them (`DataLoader`), once one
-    rank has read them (every rank reading every byte here would read the corpus N times)."""
+    `tokenizer` (their digests are checked when the run opens them). Files whose documents need
+    an index (.jsonl, .json, .parquet) are only listed here: their rows are cut, and checked
+    alike, when the run opens them (`DataLoader`), once one rank has read them (every rank
+    reading every byte here would read the corpus N times)."""
     if training.dataset_mix:
         if training.dataset_path:
             raise ConfigError("training.dataset_path", training.dataset_path,
@@ -119,7 +120,9 @@ def check_dataset_rows(training: Training, global_batch_size: int, tokenizer: To
         return
     if training.dataset == "python_docs":
         return
-    docs = build_documents(training, key=key)
+    # Token shards' digests are checked when the run opens them, each rank hashing a share
+    # (`dataloader.build_corpus`): here every rank would hash every index file.
+    docs = build_documents(training, key=key, check_digests=False)
     docs.check_tokenizer(tokenizer)
     if isinstance(docs, FileDocuments) and docs.indexed:
         # Cut into rows when the run opens it: indexing reads every byte, which one rank does for
