@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
+from torchmoe.config.launch_env import launch_int
 from torchmoe.distributed.process_groups import backend_spec
 from torchmoe.nn.attention import causal_attention
 from torchmoe.nn.dispatch import TokenDispatcher
@@ -582,7 +583,7 @@ def calibrate(cfg: JobConfig, out: str | os.PathLike, *, budget_s: float = 90.0)
     if not budget_s > 0:
         raise ValueError(f"budget_s must be > 0, not {budget_s}")
     device = train_device(cfg.training.device)
-    created = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    created = launch_int("WORLD_SIZE", 1) > 1 and not dist.is_initialized()
     if created:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -591,7 +592,7 @@ def calibrate(cfg: JobConfig, out: str | os.PathLike, *, budget_s: float = 90.0)
     try:
         size = dist.get_world_size() if dist.is_initialized() else 1
         world = _World(rank=dist.get_rank() if dist.is_initialized() else 0, size=size,
-                       local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)), device=device)
+                       local_size=launch_int("LOCAL_WORLD_SIZE", size), device=device)
         doc = _measure(cfg, world, budget_s)
         if world.size > 1:  # rank 0's host name and date
             shared = [doc]

@@ -26,6 +26,7 @@ from rich.markup import escape
 
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.job_config import Parallelism
+from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import CONFIG_FLAGS, config_toml
 from torchmoe.config.paths import job_paths, replica_group_config, user_path_faults
 from torchmoe.interruption import Interrupted, interrupt_on_signals
@@ -102,10 +103,7 @@ def _split_train_flags(argv: Sequence[str]) -> TrainFlags:
 
 
 def _env_world_size() -> int | None:
-    text = os.environ.get("WORLD_SIZE")
-    if text is None:
-        return None
-    return _positive_int("WORLD_SIZE", text, "unset WORLD_SIZE or set it to the number of ranks")
+    return launch_int("WORLD_SIZE", 1) if "WORLD_SIZE" in os.environ else None
 
 
 def _degree_product(parallelism: Parallelism) -> int:

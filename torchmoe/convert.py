@@ -53,6 +53,7 @@ from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
+from torchmoe.config.launch_env import launch_int
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.config.validate import PARAM_DTYPES
 from torchmoe.models.decoder.model import Transformer
@@ -122,7 +123,7 @@ def _owning(out_dir: Path) -> Iterator[None]:
 
 def _world() -> DeviceMesh | None:
     """Join torchrun's world (gloo: conversion is host work) as a 1-D mesh; None in one process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launch_int("WORLD_SIZE", 1) == 1:
         return None
     if not dist.is_initialized():
         dist.init_process_group("gloo")

@@ -34,6 +34,7 @@ from torchmoe.components.trained_weights import trained_weights
 from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.flags import split_flags
+from torchmoe.config.launch_env import launch_int
 from torchmoe.config.paths import path_faults
 
 __all__ = ["EVAL_DESCRIPTION", "eval_config", "eval_main"]
@@ -87,7 +88,7 @@ def eval_config(cfg: JobConfig, *, weights: Path, in_hf: bool, split: str, batch
 def _work_folder() -> Path:
     """A scratch folder for the run's files, the same on every rank of a node: named by the
     launch's rendezvous (torchrun's variables) under several ranks, a fresh one alone."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launch_int("WORLD_SIZE", 1) == 1:
         return Path(tempfile.mkdtemp(prefix="torchmoe-eval-"))
     launch = "-".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
     return Path(tempfile.gettempdir()) / f"torchmoe-eval-{launch.replace(os.sep, '_')}"

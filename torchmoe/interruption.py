@@ -66,7 +66,7 @@ def _raise(signum: int, frame) -> None:
 
 def report(stop: Interrupted) -> None:
     """The one line: ``[rank r] interrupted by SIGTERM: stopped`` (no rank in a one-process run)."""
-    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None  # never raises
     line = f"[rank {rank}] {stop}: stopped" if rank is not None else f"{stop}: stopped"
     # One write with its newline: every rank shares the launcher's stderr, and print() writes the
     # text and the newline apart, so two ranks' lines could run together ("...stopped[rank 0] ...").
@@ -91,7 +91,7 @@ def interrupt_on_signals() -> Iterator[None]:
     """Inside, SIGTERM and SIGINT raise `Interrupted`; the previous handlers come back after (a
     test calling the CLI in its own process keeps its Ctrl-C). Main thread only: handlers can only
     be installed there, and `main()` called from another thread keeps what it has."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if os.environ.get("WORLD_SIZE", "1") != "1":  # never raises: the CLI checks the value (`launch_env`)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if threading.current_thread() is not threading.main_thread():
         yield

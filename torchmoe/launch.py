@@ -13,7 +13,6 @@ fp32 CPU runs reproducible bit for bit).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -24,6 +23,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from torchmoe.config.nesting import json_loads
 
 __all__ = ["LaunchError", "Lighthouse", "ReplicaGroup", "cli_command", "cli_env", "free_port", "metrics_by_step",
            "read_metrics", "run_cli", "run_replica_groups", "run_train"]
@@ -117,7 +118,7 @@ def run_train(args: Sequence[Arg], *, dump_folder: Arg, nproc: int = 1, threads:
 def read_metrics(dump_folder: Arg) -> list[dict]:
     """The records of `<dump_folder>/metrics.jsonl` in the order written (a resumed run appends)."""
     text = (Path(dump_folder) / "metrics.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines()]
+    return [json_loads(line) for line in text.splitlines()]
 
 
 def metrics_by_step(dump_folder: Arg) -> dict[int, dict]:
@@ -170,7 +171,7 @@ class ReplicaGroup:
         """The group's metrics records so far (whole lines only)."""
         if not self.metrics.exists():
             return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.endswith("}")]
+        return [json_loads(line) for line in self.metrics.read_text().splitlines() if line.endswith("}")]
 
     def last_step(self) -> int:
         records = self.records()

@@ -64,6 +64,7 @@ from torchmoe.components.run_logs import LogFile, setup_logging
 from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Comm, JobConfig, Parallelism
+from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import write_config_toml
 from torchmoe.config.paths import job_paths, source_key, user_path_faults, written_folders
 from torchmoe.data.dataloader import CorpusEnd, DataLoader, build_corpus, build_dataloader, validation_data
@@ -121,7 +122,7 @@ def _init_distributed(device: torch.device, comm_cfg: Comm, parallelism_cfg: Par
     """Join the launched world (torchrun sets WORLD_SIZE) with the `[comm]` init timeout, a gloo
     backend beside NCCL when host tensors are reduced (`process_groups.backend_spec`), and the
     NCCL flight recorder (its buffer, and where it dumps on a timeout); returns the world size."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launch_int("WORLD_SIZE", 1)
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)

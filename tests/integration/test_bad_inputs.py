@@ -78,6 +78,14 @@ def _dataset(tmp_path: Path, kind: str) -> str:
         path = tmp_path / "d.jsonl"
         path.write_text('{"text": "one"}\n{"text": "tw')
         return str(path)
+    if kind == "deeply_nested_jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text('{"text": "one"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+        return str(path)
+    if kind == "deeply_nested_json":
+        path = tmp_path / "d.json"
+        path.write_text("[" * 100_000 + "]" * 100_000)
+        return str(path)
     if kind == "not_utf8_jsonl":
         path = tmp_path / "d.jsonl"
         path.write_bytes(b'{"text": "\xff\xfe"}\n{"text": "ok"}\n')
@@ -135,6 +143,9 @@ DATASETS = {
     "empty_parquet_rows": ("training.dataset_path", "the 4 document(s) of a batch row hold no text: {0}/d.parquet "
                            "row 0, {0}/d.parquet row 1, {0}/d.parquet row 2, ... (empty or only whitespace)"),
     "truncated_jsonl": ("training.dataset_path", "d.jsonl:2 is not JSON"),
+    # Python's parsers recurse per level: a RecursionError traceback before.
+    "deeply_nested_jsonl": ("training.dataset_path", "d.jsonl:2 is not JSON (nested too deeply"),
+    "deeply_nested_json": ("training.dataset_path", "d.json\": is not JSON (nested too deeply"),
     "not_utf8_jsonl": ("training.dataset_path", "d.jsonl:1 is not UTF-8 text (byte 10 is 0xFF: invalid start byte)"),
     "bom_jsonl": ("training.dataset_path", "{}/d.jsonl:1 starts with the UTF-8 byte order mark (BOM, bytes EF BB "
                   "BF)\n  fix: save d.jsonl as UTF-8 without a BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' d.jsonl; or "
@@ -195,6 +206,8 @@ TOKENIZERS = {
               "UTF-16LE byte order mark (BOM, bytes FF FE)\n  fix: convert tokenizer.json to UTF-8, e.g. iconv -f "
               "UTF-16 -t UTF-8 tokenizer.json > tokenizer.json.utf8, then replace it"),
     "config_not_json": ("good", b'{"bos_token": ', "tokenizer_config.json is not JSON"),
+    "config_nested_too_deeply": ("good", b'{"bos_token": ' + b"[" * 100_000, "tokenizer_config.json is not JSON "
+                                 "(nested too deeply"),
     "config_not_utf8": ("good", b'{"bos_token": "\xe9"}', "tokenizer_config.json is not UTF-8 text (byte 15 is 0xE9: "
                         "invalid continuation byte)"),
     "config_bom": ("good", b'\xef\xbb\xbf{"eos_token": "<|end_of_text|>"}', "tokenizer_config.json starts with the "
@@ -523,3 +536,49 @@ def test_errors_from_outside_are_the_same(tmp_path: Path) -> None:
     proc = run_train([*TINY, "--training.dataset", "local", "--training.dataset_path", str(tmp_path / "*.txt")],
                      dump_folder=tmp_path / "run", timeout=120, expect=None)
     assert_user_error(proc, f"hold no text: {tmp_path / 'a.txt'} (empty or only whitespace)")
+
+
+# ---- what a parser or the launcher's environment cannot take -------------------------------------
+
+LAUNCH_ENV = {
+    "world_size_not_a_number": ({"WORLD_SIZE": "abc"}, 'WORLD_SIZE = "abc": is not a whole number >= 1'),
+    "world_size_negative": ({"WORLD_SIZE": "-2"}, 'WORLD_SIZE = "-2": is not a whole number >= 1'),
+    "world_size_zero": ({"WORLD_SIZE": "0"}, 'WORLD_SIZE = "0": is not a whole number >= 1'),
+    "local_world_size_not_a_number": ({"LOCAL_WORLD_SIZE": "eight"}, 'LOCAL_WORLD_SIZE = "eight": is not a whole'),
+}
+
+
+@pytest.mark.parametrize("kind", list(LAUNCH_ENV))
+def test_a_launcher_variable_set_by_hand_is_one_message(capsys, monkeypatch, tmp_path: Path, kind: str) -> None:
+    """A launcher's variable exported by hand with a value no launcher sets: one message naming
+    it (a ValueError traceback from wherever it was first read before)."""
+    env, problem = LAUNCH_ENV[kind]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    status, err = _main(capsys, tmp_path)
+    _assert_one_error(status, err, problem, f"fix: unset {next(iter(env))} to run in one process")
+
+
+PARSED = {
+    # Python's TOML parser recurses per level: a RecursionError traceback before.
+    "toml_nested_too_deeply": ("[training]\nsteps = " + "[" * 100_000 + "]" * 100_000 + "\n",
+                               "malformed TOML: nested too deeply (more levels of [ or { than the parser can follow) "
+                               "(at line 2)"),
+    "toml_nested_tables_too_deeply": ("[training]\nsteps = " + "{a = " * 50_000 + "1" + "}" * 50_000 + "\n",
+                                      "malformed TOML: nested too deeply"),
+    # The OS refuses a NUL in a path, Python with a ValueError: a traceback before.
+    "nul_in_a_path": ('[job]\ndump_folder = "out\\u0000x"\n',
+                      'job.dump_folder = "out\\u0000x": holds a NUL byte (\\u0000), which no path'),
+    "nul_in_a_list_of_paths": ('[training]\ndataset_mix = ["a.jsonl", "b\\u0000.jsonl"]\n',
+                               'training.dataset_mix = ["a.jsonl", "b\\u0000.jsonl"]: holds a NUL byte'),
+    "nul_in_a_name": ('[job]\ndescription = "a\\u0000b"\n', 'job.description = "a\\u0000b": holds a NUL byte'),
+}
+
+
+@pytest.mark.parametrize("kind", list(PARSED))
+def test_a_config_no_parser_or_os_can_take_is_one_message(capsys, tmp_path: Path, kind: str) -> None:
+    text, problem = PARSED[kind]
+    (tmp_path / "job.toml").write_text(text)
+    status = cli.main(["train", "--config", str(tmp_path / "job.toml"), "--job.dump_folder", str(tmp_path / "run")]
+                      if "dump_folder" not in text else ["train", "--config", str(tmp_path / "job.toml")])
+    _assert_one_error(status, capsys.readouterr().err, problem)

@@ -179,6 +179,8 @@ FAULTS = {
                                     (".metadata is damaged or truncated",)),
     "dcp-truncated-data": Fault("dcp", lambda d: _truncate(d / "__0_0.distcp"), ("__0_0.distcp is truncated (",)),
     "hf-truncated-config": Fault("hf", lambda d: _truncate(d / "config.json"), ("config.json is not JSON",)),
+    "hf-deeply-nested-config": Fault("hf", lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000),
+                                     ("config.json is not JSON (nested too deeply",)),
     "hf-truncated-weights": Fault("hf", lambda d: _truncate(d / "model.safetensors"),
                                   ("model.safetensors is damaged or truncated",)),
     "hf-empty-weights": Fault("hf", lambda d: (d / "model.safetensors").write_bytes(b""),

@@ -90,6 +90,7 @@ def test_a_changed_file_is_named_with_both_digests(saved: Path) -> None:
 
 @pytest.mark.parametrize(("record", "problem"), [
     (b"\x00garbage", ".checksums.json is damaged (not JSON)"),
+    (b"[" * 100_000 + b"]" * 100_000, ".checksums.json is damaged (not JSON)"),
     (b'{"algorithm": "md5", "files": {}}', ".checksums.json is damaged (no xxh3_64 digests)"),
     (b'{"algorithm": "xxh3_64", "files": {".metadata": "0"}}',
      "__0_0.distcp has no checksum in .checksums.json: the folder's files are not the ones it was saved with"),

@@ -90,6 +90,17 @@ def test_ring_collective_seconds() -> None:
     (lambda d: d.update(device="tpu"), 'device = "tpu": must be "cuda" or "cpu"'),
     (lambda d: d.update(compute_capability="9.0"), 'compute_capability = "9.0": must be [major, minor]'),
     (lambda d: d.update(compute_capability=[9, True]), "compute_capability = [9, true]"),
+    # Hostile numbers: before, a traceback (an integer beyond any float) or a plan of NaN and 1e300 s.
+    (lambda d: d.update(memory_gib=10**400), "memory_gib = 1000000000"),
+    (lambda d: d["links"]["inter_node"].update(bandwidth_gbs=5e-324),
+     "links.inter_node.bandwidth_gbs = 5e-324: must be a number >= 0.001 and <= 1e+12"),
+    (lambda d: d["links"]["intra_node"].update(latency_us=1e308),
+     "links.intra_node.latency_us = 1e+308: must be a number >= 0 and <= 1e+07"),
+    (lambda d: d["achieved_tflops"]["matmul"].update(bfloat16=1e-300), "achieved_tflops.matmul.bfloat16 = 1e-300"),
+    (lambda d: d.update(memory_bandwidth_gbs=float("inf")), "memory_bandwidth_gbs = Infinity"),
+    (lambda d: d.update(gpus_per_node=10**30), "gpus_per_node = 1000000000000000000000000000000: must be an integer "
+                                               "from 1 to 4096"),
+    (lambda d: d.update(kernel_overhead_us=-1), "kernel_overhead_us = -1"),
 ])
 def test_a_wrong_profile_field_is_named(tmp_path: Path, make, expect: str) -> None:
     doc = copy.deepcopy(BUILTIN_PROFILES["h100"])
@@ -107,6 +118,7 @@ def test_a_wrong_profile_field_is_named(tmp_path: Path, make, expect: str) -> No
     ("file/inside.json", "through", "Not a directory"),
     ("bom.json", b"\xef\xbb\xbf{}", "byte order mark"),
     ("broken.json", b"{", "not valid JSON"),
+    ("deep.json", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "not valid JSON: nested too deeply"),
     ("list.json", b"[]", "must be a JSON object"),
     ("h900", None, "unknown hardware profile"),
 ])

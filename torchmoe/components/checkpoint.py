@@ -101,6 +101,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import Comm as CommConfig
+from torchmoe.config.nesting import json_loads
 from torchmoe.distributed.one_reader import one_reads
 from torchmoe.nn.dtypes import torch_dtype
 
@@ -654,7 +655,7 @@ class CheckpointManager:
         found = []
         for step, path in reversed(self.complete_checkpoints()):
             try:
-                meta = json.loads((path / MARKER).read_text())
+                meta = json_loads((path / MARKER).read_text())
             except (OSError, ValueError) as e:
                 logger.warning("ignoring checkpoint %s: unreadable %s (%r)", path, MARKER, e)
                 continue

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from torchmoe.config.digests import ALGORITHM, digest_file
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import describe_os_error
 from torchmoe.distributed.one_reader import one_reads
 
@@ -149,7 +150,7 @@ def _recorded(folder: Path) -> dict[str, str] | None:
     if not path.exists():
         return None
     try:
-        record = json.loads(path.read_bytes().decode("utf-8"))
+        record = json_loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"{SIDECAR} is damaged (not JSON)") from None
     files = record.get("files") if isinstance(record, dict) else None

@@ -59,6 +59,7 @@ from torchmoe.config.file_writes import append, open_append, write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.job_config import Metrics as MetricsConfig
 from torchmoe.config.loader import differing_keys, load_toml_config
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import WRITE_FIX, path_fault
 
 logger = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ def _number(v: Any) -> Any:
 def parse_record(line: str) -> dict[str, Any] | None:
     """One metrics.jsonl line as its record; None for a line that is not one (torn by a kill)."""
     try:
-        record = json.loads(line)
+        record = json_loads(line)
     except ValueError:
         return None
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torchmoe.config.file_writes import write_file
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.text import utf8_text
 
 __all__ = ["RUN_INFO_FILE", "read_run_info", "write_run_info"]
@@ -43,7 +44,7 @@ def read_run_info(dump_folder: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     try:
-        info = json.loads(utf8_text(data, nul=False))
+        info = json_loads(utf8_text(data, nul=False))
     except json.JSONDecodeError as err:
         raise ValueError(f"is not JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
     size = info.get("world_size") if isinstance(info, dict) else None

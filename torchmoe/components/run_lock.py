@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_error
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import UserPath, path_faults
 
 __all__ = ["FOLDER_LOCKS", "LOCK_NAME", "LOCK_NAMES", "OWNER_NAME", "FolderLocks", "lock_folders",
@@ -306,7 +307,7 @@ def _read_owner(path: Path) -> tuple[dict, float] | None:
     except FileNotFoundError:
         return None
     try:
-        owner = json.loads(text)
+        owner = json_loads(text)
     except ValueError:
         owner = {}
     return (owner if isinstance(owner, dict) else {}), st.st_mtime
@@ -408,7 +409,7 @@ def _mount_of(folder: Path) -> tuple[str, str, set[str]] | None:
 
 def _describe_text(holder: str) -> str:
     try:
-        return _describe(json.loads(holder))
+        return _describe(json_loads(holder))
     except ValueError:
         return _describe({})
 

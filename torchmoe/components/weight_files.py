@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torchmoe.components import checksums
 from torchmoe.components.dcp_unpickling import RefusedPickle, SafeLoadPlanner, SafeReader, unpickle_metadata
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import describe_os_error
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.distributed.one_reader import one_reads
@@ -179,7 +180,7 @@ def read_json_object(key: str, folder: Path, name: str, fix: str) -> dict:
     with reading(key, folder, fix, what=name):
         data = path.read_bytes()
     try:
-        value = json.loads(utf8_text(data, nul=False))
+        value = json_loads(utf8_text(data, nul=False))
     except NotUTF8 as err:
         raise UnreadableWeights(key, str(folder), f"{name} {err.problem}", err.fix(path)) from None
     except json.JSONDecodeError as err:

@@ -27,6 +27,7 @@ from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, Pri
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
+from torchmoe.config.nesting import toml_loads
 from torchmoe.config.paths import READ_KEYS, nonempty_path, path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
@@ -118,6 +119,11 @@ def _toml_value(key: str, value: Any, typ: Any) -> Any:
         elif isinstance(value, str) and typ == list[str]:
             fix += f", e.g. {leaf} = {show_value([value])}"
         raise ConfigError(key, value, f"expected {_EXPECTED_TOML[typ]}, got {type(value).__name__}", fix)
+    texts = [value] if isinstance(value, str) else [x for v in value for x in (v if isinstance(v, list) else [v])] \
+        if isinstance(value, list) else []
+    if any("\x00" in text for text in texts):  # the OS refuses it in any path, Python with a ValueError
+        raise ConfigError(key, value, "holds a NUL byte (\\u0000), which no path, name or text setting can contain",
+                          f"remove it from {key.rpartition('.')[2]}")
     return float(value) if typ is float else value
 
 
@@ -215,7 +221,7 @@ def load_toml_config(path: str | Path, *, notes: list[str] | None = None, key: s
     with path_faults(key, str(path), f"pass a TOML job file this user can read; {shipped}"):
         raw = path.read_bytes()
     try:
-        data = tomllib.loads(utf8_text(raw, nul=False))
+        data = toml_loads(utf8_text(raw, nul=False))
     except NotUTF8 as err:
         raise ConfigError(key, str(path), err.problem, err.fix(path)) from None
     except tomllib.TOMLDecodeError as err:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from torchmoe.config.errors import show_value
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, check_split, text_part
@@ -251,7 +252,7 @@ class FileDocuments(SizedDocuments):
             # A long line is held as bytes, then as text, then parsed, never twice at once.
             text, line = _utf8(line, file, where, self.key, nul=False), None
             try:
-                parsed, text = json.loads(text), None
+                parsed, text = json_loads(text), None
             except json.JSONDecodeError as e:
                 raise DataConfigError(self.key, str(file), f"{where} is not JSON ({e.msg})",
                                       "fix or remove that line: .jsonl files hold one JSON object per line") from None
@@ -277,7 +278,7 @@ class FileDocuments(SizedDocuments):
         """The rows of a .json array file, parsed once and kept while it is read."""
         if self._open is None or self._open[0] != file:
             try:
-                rows = json.loads(_utf8(file.read_bytes(), file, str(file), self.key, nul=False))
+                rows = json_loads(_utf8(file.read_bytes(), file, str(file), self.key, nul=False))
             except json.JSONDecodeError as e:
                 raise DataConfigError(self.key, str(file), f"is not JSON ({e.msg} at line {e.lineno})",
                                       "fix the file: a JSON array of objects, or one object per line") from None

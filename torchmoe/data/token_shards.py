@@ -47,6 +47,7 @@ import numpy as np
 
 from torchmoe.config.digests import ALGORITHM, digest_file
 from torchmoe.config.file_writes import os_error, write_file
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.data.documents import DataConfigError, SizedDocuments
 from torchmoe.data.tokenizer import ByteTokenizer, Fingerprint, Tokenizer
@@ -154,7 +155,7 @@ def read_manifest(path: Path, key: str, value: str) -> dict[str, Any]:
     """
     fix = "prepare the data again with `torchmoe prepare-data`"
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json_loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataConfigError(key, value, f"{path.name} is not JSON ({e})", fix) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.errors import DataConfigError
@@ -278,7 +279,7 @@ def _json_object(file: Path, tokenizer_path: str, key: str) -> dict[str, Any]:
     with path_faults(key, tokenizer_path, fix, error=DataConfigError):
         data = file.read_bytes()
     try:
-        config = json.loads(utf8_text(data, nul=False))
+        config = json_loads(utf8_text(data, nul=False))
     except NotUTF8 as e:
         raise DataConfigError(key, tokenizer_path, f"{file} {e.problem}", e.fix(file)) from None
     except json.JSONDecodeError as e:

@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.nesting import json_loads
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.interruption import Interrupted
 
@@ -128,7 +129,7 @@ class Failure:
 
     @classmethod
     def decode(cls, data: bytes) -> Failure:
-        return cls(**json.loads(data))
+        return cls(**json_loads(data))
 
 
 class PeerFailed(RuntimeError):

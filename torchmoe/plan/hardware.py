@@ -53,6 +53,7 @@ from pathlib import Path
 
 from torchmoe import attention_kernel
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 
@@ -198,8 +199,19 @@ BUILTIN_PROFILES: dict[str, dict] = {
 # ---- reading and writing -----------------------------------------------------------------------
 
 
+# What a device or link can be, for a profile's numbers: outside, a number is a typo or crafted, and
+# planned with it a step takes 1e300 s or NaN (bandwidth 5e-324, latency 1e308). Rates from 1 GFLOP/s
+# (1 MB/s) up, below the point where their product with 1e12 leaves floats (an ideal profile, as the
+# tests use, may be near-infinitely fast); latencies up to 10 s.
+_RATE = {"low": 1e-3, "high": 1e12, "strict": False}  # TFLOP/s, GB/s
+_MICROSECONDS = {"high": 1e7, "strict": False}
+
+
 def _number(key: str, value: object, *, low: float = 0.0, high: float = math.inf, strict: bool = True) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+    except OverflowError:  # an integer beyond any float
+        ok = False
     if not ok or not (low < value if strict else low <= value) or value > high:
         bound = f"> {low:g}" if strict else f">= {low:g}"
         raise ProfileError(key, value, f"must be a number {bound}" + (f" and <= {high:g}" if high < math.inf else ""))
@@ -227,15 +239,15 @@ def _rates(table: dict, key: str) -> dict[str, float]:
     for dtype, value in table.items():
         if dtype not in known:
             raise ProfileError(f"{key}.{dtype}", value, f"unknown dtype; use one of {', '.join(known)}")
-        out[dtype] = _number(f"{key}.{dtype}", value)
+        out[dtype] = _number(f"{key}.{dtype}", value, **_RATE)
     if not out:
         raise ProfileError(key, table, "needs at least one dtype's rate")
     return out
 
 
 def _link_from(table: dict, key: str) -> Link:
-    return Link(_number(f"{key}.latency_us", table.get("latency_us"), strict=False),
-                _number(f"{key}.bandwidth_gbs", table.get("bandwidth_gbs")))
+    return Link(_number(f"{key}.latency_us", table.get("latency_us"), **_MICROSECONDS),
+                _number(f"{key}.bandwidth_gbs", table.get("bandwidth_gbs"), **_RATE))
 
 
 def profile_from_dict(data: object) -> HardwareProfile:
@@ -269,11 +281,11 @@ def profile_from_dict(data: object) -> HardwareProfile:
         if coll not in COLLECTIVES:
             raise ProfileError(f"collectives.{coll}", collectives[coll], f"unknown collective; use {', '.join(COLLECTIVES)}")
     gpn = data.get("gpus_per_node")
-    if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
-        raise ProfileError("gpus_per_node", gpn, "must be an integer >= 1")
+    if not isinstance(gpn, int) or isinstance(gpn, bool) or not 1 <= gpn <= 4096:
+        raise ProfileError("gpus_per_node", gpn, "must be an integer from 1 to 4096")
     head_dim = data.get("attention_head_dim", 0)
-    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 0:
-        raise ProfileError("attention_head_dim", head_dim, "must be an integer >= 0")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or not 0 <= head_dim <= 65536:
+        raise ProfileError("attention_head_dim", head_dim, "must be an integer from 0 to 65536")
     device = data.get("device", "cuda")
     if device not in ("cuda", "cpu"):
         raise ProfileError("device", device, 'must be "cuda" or "cpu"')
@@ -284,10 +296,10 @@ def profile_from_dict(data: object) -> HardwareProfile:
     source = data.get("source", "")
     return HardwareProfile(
         name=name, source=source if isinstance(source, str) else str(source),
-        memory_gib=_number("memory_gib", data.get("memory_gib")), gpus_per_node=gpn,
+        memory_gib=_number("memory_gib", data.get("memory_gib"), high=1e5), gpus_per_node=gpn,
         peak_tflops=_rates(_table(data, "peak_tflops"), "peak_tflops"), achieved_tflops=rates,
-        memory_bandwidth_gbs=_number("memory_bandwidth_gbs", data.get("memory_bandwidth_gbs")),
-        kernel_overhead_us=_number("kernel_overhead_us", data.get("kernel_overhead_us"), strict=False),
+        memory_bandwidth_gbs=_number("memory_bandwidth_gbs", data.get("memory_bandwidth_gbs"), **_RATE),
+        kernel_overhead_us=_number("kernel_overhead_us", data.get("kernel_overhead_us"), **_MICROSECONDS),
         overlap=_number("overlap", data.get("overlap"), high=1.0, strict=False),
         intra_node=_link_from(_table(links, "links.intra_node"), "links.intra_node"),
         inter_node=_link_from(_table(links, "links.inter_node"), "links.inter_node"),
@@ -333,7 +345,7 @@ def load_profile(name_or_path: str, *, key: str = "--hardware") -> HardwareProfi
     with path_faults(key, name_or_path, fix):
         raw = path.read_bytes()
     try:
-        data = json.loads(utf8_text(raw, nul=False))
+        data = json_loads(utf8_text(raw, nul=False))
     except NotUTF8 as err:
         raise ConfigError(key, name_or_path, err.problem, err.fix(path)) from None
     except json.JSONDecodeError as err:

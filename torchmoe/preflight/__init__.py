@@ -12,13 +12,12 @@ rank finds the same problem and rank 0 alone prints it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.job_config import JobConfig
+from torchmoe.config.launch_env import launch_int
 from torchmoe.config.paths import source_key
 from torchmoe.config.validate import resolve_degrees, validate_sections
 from torchmoe.data.dataloader import validation_data
@@ -119,5 +118,5 @@ def train_device(requested: str) -> torch.device:
     """The device this rank trains on for `training.device = requested` ("" picks CUDA when
     there is one): cuda:LOCAL_RANK or the CPU. `check_features` refused "cuda" without CUDA."""
     if requested == "cuda" or (not requested and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", launch_int("LOCAL_RANK", 0))
     return torch.device("cpu")

@@ -13,6 +13,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig, Model, Parallelism, Training
+from torchmoe.config.launch_env import launch_int
 from torchmoe.config.validate import divisors_text, one_of
 from torchmoe.plan.memory import estimate_memory
 from torchmoe.plan.parallel_dims import ParallelDims
@@ -182,7 +183,7 @@ def memory_limit_gib(configured_gib: float, device: torch.device) -> tuple[float
         return configured_gib, "job.device_memory_gib"
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / GIB, "the GPU"
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = launch_int("LOCAL_WORLD_SIZE", 1)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     return ram / ranks, f"this host's {ram:.1f} GiB RAM over {ranks} rank(s)"
 

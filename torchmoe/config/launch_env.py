@@ -1,0 +1,42 @@
+"""The numbers a launcher sets in the environment (torchrun, srun, a shell), read once and checked.
+
+    world = launch_int("WORLD_SIZE", 1)        # ConfigError naming it unless a whole number >= 1
+    local_rank = launch_int("LOCAL_RANK", 0)   # >= 0
+
+A variable exported by hand (``WORLD_SIZE=abc``, ``LOCAL_RANK=-1``) is the user's to fix: one
+message naming it, its value and what it must be, exit 2, instead of a `ValueError` traceback
+from wherever it is first read.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torchmoe.config.errors import ConfigError
+
+__all__ = ["launch_int"]
+
+# Each variable's least value, and what it counts.
+_VARIABLES = {
+    "WORLD_SIZE": (1, "the number of ranks"),
+    "LOCAL_WORLD_SIZE": (1, "the number of ranks on this node"),
+    "RANK": (0, "this process's rank, from 0"),
+    "LOCAL_RANK": (0, "this process's rank on its node, from 0"),
+}
+
+
+def launch_int(name: str, default: int) -> int:
+    """The launcher's variable `name` (one of WORLD_SIZE, LOCAL_WORLD_SIZE, RANK, LOCAL_RANK) as
+    an int; `default` when it is unset.
+
+    Raises:
+        ConfigError: it is set to anything but a whole number of at least its least value.
+    """
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    least, what = _VARIABLES[name]
+    if not (text.isascii() and text.isdecimal() and int(text) >= least):
+        raise ConfigError(name, text, f"is not a whole number >= {least} ({what}, set by the launcher)",
+                          f"unset {name} to run in one process, or launch with torchrun, which sets it")
+    return int(text)
