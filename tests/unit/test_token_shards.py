@@ -7,11 +7,13 @@ resumes to the same files, and what is wrong with a folder is one DataConfigErro
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from torchmoe.config.errors import ConfigError
 from torchmoe.data import build_tokenizer
 from torchmoe.data import prepare as prepare_module
 from torchmoe.data.dataset import DataConfigError
@@ -214,6 +216,36 @@ def test_empty_corpus_is_one_message(tmp_path: Path) -> None:
     with pytest.raises(DataConfigError, match=r"INPUT = .*empty.jsonl\": holds no text \(1 documents, all empty\)"):
         prepare([str(tmp_path / "empty.jsonl")], tmp_path / "out", workers=1, show_progress=False)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", ["a_line_not_json", "a_line_not_utf8"])
+def test_an_input_error_before_any_shard_leaves_nothing_and_the_fixed_command_runs(tmp_path: Path, bad: str) -> None:
+    """A bad line found before any shard is complete: nothing to resume, so nothing is left
+    (before, its progress.json made the fixed command, of other inputs, "another job's run")."""
+    corpus = tmp_path / "c.jsonl"
+    good = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:5])
+    corpus.write_bytes(good.encode() + (b'{"text": "cut\n' if bad == "a_line_not_json" else b'{"text": "\xff"}\n'))
+    with pytest.raises(DataConfigError, match=r"c\.jsonl:6 is not "):
+        prepare([str(corpus)], tmp_path / "out", workers=1, show_progress=False)
+    assert list((tmp_path / "out").iterdir()) == []
+    corpus.write_text(good)
+    assert prepare([str(corpus)], tmp_path / "out", workers=1, show_progress=False)["documents"] == 5
+
+
+@pytest.mark.parametrize(("workers", "problem"), [
+    ("100000000000000000000", "is more than 8 (4 tokenizing processes for each of the 2 cores"),
+    ("9", "is more than 8"),
+    ("1e20", "expected a positive integer"),
+    ("0", "expected a positive integer"),
+])
+def test_workers_are_bounded_by_the_cores(tmp_path: Path, monkeypatch, workers: str, problem: str) -> None:
+    """--workers beyond 4 a core is refused before anything is forked (a number of 20 digits forked
+    until the OS killed it)."""
+    monkeypatch.setattr(prepare_module, "default_workers", lambda: 2)
+    corpus = _corpus(tmp_path / "corpus")
+    with pytest.raises(ConfigError, match=f'--workers = "{workers}": {re.escape(problem)}'):
+        prepare_module.prepare_main([*corpus, str(tmp_path / "out"), "--workers", workers])
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_shard_index_found_good_is_not_hashed_again_until_it_changes(tmp_path: Path, monkeypatch) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -157,6 +158,10 @@ _worker: dict[str, Any] = {}
 
 def _start_worker(tokenizer_path: str, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the pool is the parallelism
+    # Ctrl-C reaches the whole process group: the main process reports it and ends the pool (its
+    # exit terminates the workers). A worker taking it too printed a KeyboardInterrupt traceback,
+    # and one that died in a task left the main process waiting for that task's result for ever.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker.update(tokenizer=build_tokenizer(tokenizer_path, key="--tokenizer"), dtype=np.dtype(dtype))
 
 
@@ -334,30 +339,16 @@ def prepare(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer_path
             return resumed
         writer = _ShardWriter(out, header, resumed)
         start = time.perf_counter()
-        done_documents = sum(s["documents"] for s in resumed)
-        new_tokens = 0
-        with _progress(show_progress, source.total_bytes, sum(s["text_bytes"] for s in resumed)) as (bar, task):
-            batches = _batches(source.documents.iter_from(done_documents))
-            # Files record each document's size as their rows measure it (a .jsonl line's bytes):
-            # the shards then split into the rows the raw files do. A hub stream has no sizes.
-            measured = source.documents.sizes() if isinstance(source.documents, SizedDocuments) else None
-            cursor = done_documents
-            for ids, counts, sizes in _encoded(batches, tokenizer, tokenizer_path, writer.dtype,
-                                               workers or default_workers()):
-                if measured is not None:
-                    sizes, cursor = measured[cursor:cursor + len(sizes)], cursor + len(sizes)
-                new_tokens += len(ids)
-                bar.update(task, advance=int(sizes.sum()), new_tokens=new_tokens,
-                           tokens=sum(s["tokens"] for s in writer.shards) + writer.tokens + len(ids))
-                for entry in writer.add(ids, counts, sizes):
-                    if bar.disable:
-                        rate = new_tokens / (time.perf_counter() - start)
-                        print(f"{entry['name']}: {entry['documents']:,} documents, {entry['tokens']:,} tokens "
-                              f"({rate / 1e6:.2f} M tokens/s)", file=sys.stderr)
-            if writer.pending_documents:
-                writer.flush()
-            if source.total_bytes is not None:
-                bar.update(task, completed=source.total_bytes)
+        try:
+            new_tokens = _write_shards(source, tokenizer, tokenizer_path, writer, workers or default_workers(),
+                                       show_progress, resumed)
+        except DataConfigError:
+            if not writer.shards:
+                # An input error before any shard was complete: nothing to resume, and the fixed
+                # command (other inputs) would be refused as another job's unfinished run.
+                (out / PROGRESS).unlink()
+                _remove_temporaries(out)
+            raise
         if sum(s["tokens"] for s in writer.shards) == 0:
             (out / PROGRESS).unlink()
             _remove_shards(out, writer.shards)
@@ -371,6 +362,37 @@ def prepare(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer_path
     print(f"wrote {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in {len(manifest['shards'])} "
           f"shards to {out_dir} ({new_tokens / elapsed / 1e6:.2f} M tokens/s)")
     return manifest
+
+
+def _write_shards(source: Any, tokenizer: Tokenizer, tokenizer_path: str, writer: _ShardWriter, workers: int,
+                  show_progress: bool, resumed: list[dict[str, Any]]) -> int:
+    """Tokenize `source`'s documents after those of the `resumed` shards into `writer`'s shards,
+    with a progress bar; returns the tokens added."""
+    done_documents = sum(s["documents"] for s in resumed)
+    new_tokens = 0
+    start = time.perf_counter()
+    with _progress(show_progress, source.total_bytes, sum(s["text_bytes"] for s in resumed)) as (bar, task):
+        batches = _batches(source.documents.iter_from(done_documents))
+        # Files record each document's size as their rows measure it (a .jsonl line's bytes):
+        # the shards then split into the rows the raw files do. A hub stream has no sizes.
+        measured = source.documents.sizes() if isinstance(source.documents, SizedDocuments) else None
+        cursor = done_documents
+        for ids, counts, sizes in _encoded(batches, tokenizer, tokenizer_path, writer.dtype, workers):
+            if measured is not None:
+                sizes, cursor = measured[cursor:cursor + len(sizes)], cursor + len(sizes)
+            new_tokens += len(ids)
+            bar.update(task, advance=int(sizes.sum()), new_tokens=new_tokens,
+                       tokens=sum(s["tokens"] for s in writer.shards) + writer.tokens + len(ids))
+            for entry in writer.add(ids, counts, sizes):
+                if bar.disable:
+                    rate = new_tokens / (time.perf_counter() - start)
+                    print(f"{entry['name']}: {entry['documents']:,} documents, {entry['tokens']:,} tokens "
+                          f"({rate / 1e6:.2f} M tokens/s)", file=sys.stderr)
+        if writer.pending_documents:
+            writer.flush()
+        if source.total_bytes is not None:
+            bar.update(task, completed=source.total_bytes)
+    return new_tokens
 
 
 def _remove_shards(out_dir: Path, shards: list[dict[str, Any]]) -> None:
@@ -402,10 +424,20 @@ def _parser() -> ArgumentParser:
     return parser
 
 
-def _positive(flag: str, text: str) -> int:
+def _positive(flag: str, text: str, *, most: int | None = None, why: str = "") -> int:
     if not (text.isascii() and text.isdecimal() and int(text) >= 1):
         raise ConfigError(flag, text, "expected a positive integer", f"pass e.g. {flag} 8")
+    if most is not None and int(text) > most:
+        raise ConfigError(flag, text, f"is more than {most} {why}", f"pass at most {flag} {most}")
     return int(text)
+
+
+def _workers(text: str) -> int:
+    """--workers: a positive integer, at most 4 processes per core here (tokenizing is bound by the
+    cores: more only thrash, and `--workers 100000000000000000000` forked until the OS killed it)."""
+    cores = default_workers()
+    return _positive("--workers", text, most=4 * cores,
+                     why=f"(4 tokenizing processes for each of the {cores} cores this process may run on)")
 
 
 def prepare_main(argv: Sequence[str]) -> int:
@@ -421,7 +453,7 @@ def prepare_main(argv: Sequence[str]) -> int:
         nonempty_path("INPUT", spec, "name a file, folder or glob, or hf:NAME[:CONFIG]")
     nonempty_path("OUT_DIR", out_dir, "name the folder to write the shards into")
     try:
-        prepare(inputs, out_dir, tokenizer_path=opts.tokenizer, workers=_positive("--workers", opts.workers),
+        prepare(inputs, out_dir, tokenizer_path=opts.tokenizer, workers=_workers(opts.workers),
                 shard_tokens=_positive("--shard-tokens", opts.shard_tokens), text_field=opts.text_field,
                 split=opts.split)
     except DataConfigError as err:
