@@ -36,7 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Each xdist worker computes on one thread: the workers share the machine's cores, and a
     second OpenMP thread per worker oversubscribes them, its spinning taking the cycles the other
     worker needs (the unit tier on 2 workers and 2 cores: 132 s with torch's 2 threads per
-    worker, 94 s with 1). The processes a test starts get one thread each too (`cli_env`)."""
+    worker, 82 s with 1). The processes a test starts get one thread each too (`cli_env`)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
