@@ -55,11 +55,16 @@ def test_ctrl_c_stops_every_process_with_one_line_and_the_same_command_resumes(t
     command = cli_command(["prepare-data", corpus, tokens, "--workers", "2", "--shard-tokens", "50000"])
     proc = subprocess.Popen(command, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # a group of its own, as a terminal's job
-    deadline = time.monotonic() + 120
-    while not list(tokens.glob("shard-*.tokens.npy")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tokens.glob("shard-*.tokens.npy")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:  # a command that hangs (the failure this test catches) takes its workers with it
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.strip().splitlines()[-1] == "interrupted by SIGINT: stopped", err
     # The workers are terminated with the pool; the fork server and multiprocessing's resource

@@ -139,3 +139,40 @@ def test_flock_that_fails_for_another_reason_is_a_path_error(tmp_path, monkeypat
     monkeypatch.setattr(fcntl, "flock", failing)
     with pytest.raises(ConfigError, match="Input/output error"):
         lock_folders([UserPath("job.dump_folder", str(tmp_path), str(tmp_path), "fix it")])
+
+
+def test_a_release_during_a_beat_never_reads_as_a_takeover(monkeypatch):
+    """The heartbeat thread beating while its holder releases (its file then removed): the
+    release waits for the beat, and the next beat no longer sees that holder. Before, a beat of a
+    holder released meanwhile found its file gone, took that for a takeover and ended the process
+    with exit 2 (a CI worker crashed so)."""
+    import threading
+
+    heartbeat = run_lock._Heartbeat()
+    exits: list[int] = []
+    monkeypatch.setattr(run_lock.os, "_exit", exits.append)
+    beating, go = threading.Event(), threading.Event()
+
+    class Owner:
+        folder = path = Path("/nonexistent")
+        released = False
+
+        def beat(self) -> bool:
+            beating.set()
+            go.wait(5)
+            return not self.released  # its file gone once released
+
+    owner = Owner()
+    heartbeat._held.add(owner)
+    beat = threading.Thread(target=heartbeat.beat_once)
+    beat.start()
+    assert beating.wait(5)
+    release = threading.Thread(target=lambda: (heartbeat.discard(owner), setattr(owner, "released", True)))
+    release.start()
+    release.join(0.3)
+    assert release.is_alive()  # waiting for the beat in progress
+    go.set()
+    beat.join(5)
+    release.join(5)
+    heartbeat.beat_once()  # the next beat: the released holder is not beaten
+    assert owner.released and exits == []

@@ -167,9 +167,15 @@ class _Heartbeat:
         while True:
             self._wake.wait(HEARTBEAT_S)
             self._wake.clear()
-            with self._lock:
-                held = list(self._held)
-            for owner in held:
+            # Beaten under the lock: a holder releasing meanwhile (`discard`, then its file
+            # removed) waits for the beat, so a file gone because it was released is never taken
+            # for one taken over (that ended a process after a good run: a CI worker crash).
+            self.beat_once()
+
+    def beat_once(self) -> None:
+        """Refresh every held owner file; exit 2 on one taken over."""
+        with self._lock:
+            for owner in self._held:
                 try:
                     ours = owner.beat()
                 except OSError as err:  # the file system is away: the next beat tries again
@@ -178,10 +184,10 @@ class _Heartbeat:
                 if not ours:
                     holder = _read_owner(owner.path)
                     who = _describe(holder[0]) if holder else "nobody (its owner file is gone)"
-                    sys.stderr.write(f"error: the lock of {owner.folder} was taken over by another run, now held by "
-                                     f"{who}: this run's heartbeat stopped for longer than {STALE_S:.0f} s (was it "
-                                     "suspended, or its node cut off?); stopping before writing more into a folder "
-                                     "it no longer owns\n")
+                    sys.stderr.write(f"error: the lock of {owner.folder} was taken over by another run, now held "
+                                     f"by {who}: this run's heartbeat stopped for longer than {STALE_S:.0f} s (was "
+                                     "it suspended, or its node cut off?); stopping before writing more into a "
+                                     "folder it no longer owns\n")
                     sys.stderr.flush()
                     os._exit(2)
 
