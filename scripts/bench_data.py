@@ -25,7 +25,7 @@ shards against what training consumes, and the reader's memory against the corpu
   `--rows` rows each near the end of its range: the seconds to the first batch (the line index
   built in one pass, then a seek per row).
 - first_open: a new `--index-mb` MB `.jsonl` file opened by a run's ranks, on 1 and 4 ranks
-  (torchrun, gloo; `--rows` rows per rank): per rank, the bytes read from files (Linux's `rchar`:
+  (the 4 under torchrun, gloo; `--rows` rows per rank): per rank, the bytes read from files (Linux's `rchar`:
   read calls; a memory map's pages are not counted), the memory added (VmRSS, and RssAnon: not
   backed by a file) and the seconds, from making the corpus to cutting its rows. `one_builder`: as a run opens it
   (its dump folder's index cache: rank 0 indexes, every rank maps the saved index); `every_rank`:
@@ -214,7 +214,7 @@ def _read_bytes() -> int:
 
 
 def index_child(corpus: str, cache: str, rows: int, out: str) -> None:
-    """One rank of `bench_first_open` (under torchrun): open `corpus` (indexes kept in `cache`,
+    """One rank of `bench_first_open` (alone, or under torchrun): open `corpus` (indexes kept in `cache`,
     or "" for none) and cut this rank's `rows` rows of the world's; write what it read and added."""
     import torch.distributed as dist
 
@@ -254,8 +254,10 @@ def bench_first_open(root: Path, mb: float, rows: int) -> dict:
             out = root / f"{mode}{world}"
             out.mkdir()
             cache = str(root / f"index{world}") if mode == "one_builder" else ""
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                   f"--master_port={free_port()}", __file__, "--index-child", str(corpus), "--index-cache", cache,
+            # One rank runs alone: torchrun's agent would only add a process to start.
+            launcher = [] if world == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                                              f"--master_port={free_port()}"]
+            cmd = [sys.executable, *launcher, __file__, "--index-child", str(corpus), "--index-cache", cache,
                    "--rows", str(rows), "--out", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO),
                                                                       "OMP_NUM_THREADS": "1"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 import pytest
@@ -40,6 +41,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    # The hundreds of processes the tests start each import torchmoe: with bytecode cached
+    # (`__pycache__`, git-ignored) the first compiles it and the rest read it, about 0.25 s of CPU
+    # less per process than compiling every module again where the machine sets
+    # PYTHONDONTWRITEBYTECODE (as this project's CI machine does).
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 
 
 @pytest.hookimpl(trylast=True)

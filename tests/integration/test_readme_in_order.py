@@ -35,7 +35,7 @@ README_COMMANDS = [
     "torchmoe eval --config configs/debug_model.toml --job.dump_folder outputs/debug-40 --split train --batches 4",
     "torchmoe train --config configs/llama4_16e.toml --dry-run --world-size 64",
     "torchrun --nproc_per_node=8 -m torchmoe train --config configs/debug_model.toml "
-    "--parallelism.tensor_parallel_degree 2 --parallelism.expert_parallel_degree 4 --training.steps 20 "
+    "--parallelism.tensor_parallel_degree 2 --parallelism.expert_parallel_degree 4 --training.steps 10 "
     "--job.dump_folder outputs/debug-8ranks",
     "torchmoe plan --config configs/debug_model.toml --gpus 4 --free all --out best.toml --json all.json",
     "torchmoe prepare-data tests/assets/short_documents.jsonl data/tokens",
@@ -80,6 +80,6 @@ def test_the_readme_runs_in_order(tmp_path: Path) -> None:
     assert out[README_COMMANDS[2]].stdout.startswith("def main(")
     assert out[README_COMMANDS[3]].stdout.startswith("train loss ")
     assert (tmp_path / "outputs" / "debug-40" / "checkpoint" / "step-40").is_dir()
-    for folder, steps in (("debug-8ranks", 20), ("debug-tokens", 40)):
+    for folder, steps in (("debug-8ranks", 10), ("debug-tokens", 40)):
         assert read_metrics(tmp_path / "outputs" / folder)[-1]["step"] == steps
     assert (tmp_path / "best.toml").is_file() and (tmp_path / "all.json").is_file()
