@@ -61,7 +61,9 @@ def torchtitan_reference() -> list[str]:
              "torchtitan v0.2.2's keys that torchmoe does not have under the same name (those it has are in the "
              "tables above). A refused key is an error (exit 2) at any value but torchtitan's default. A key "
              "without effect warns once when set to anything but torchtitan's default; one that only tunes a "
-             "feature switched on elsewhere never warns.", "",
+             "feature switched on elsewhere never warns. A mapped key and the torchmoe key it sets, both in one "
+             "file, must agree (`attn_mask_type = \"block_causal\"` beside `document_masking = false` is an error "
+             "naming both); a flag overrides either.", "",
              "| key | type | in torchmoe |", "|---|---|---|"]
     for key, entry in TORCHTITAN_KEYS.items():
         if isinstance(entry, Mapped):

@@ -50,15 +50,16 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from torchmoe.arch.registry import model_args_from_config
-from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.launch_env import launch_int
+from torchmoe.config.output_files import write_output
 from torchmoe.distributed.process_groups import backend_spec
 from torchmoe.nn.attention import causal_attention
 from torchmoe.nn.dispatch import TokenDispatcher
@@ -571,14 +572,15 @@ def _slug(name: str) -> str:
 
 def calibrate(cfg: JobConfig, out: str | os.PathLike, *, budget_s: float = 90.0) -> dict:
     """Measure this machine (under torchrun: all launched ranks together) and write its profile
-    JSON to `out` (rank 0, atomically: `write_file`). Returns the profile document (the same on
+    JSON to `out` (rank 0, atomically: `output_files.write_output`). Returns the profile document (the same on
     every rank; `plan.hardware.profile_from_dict` reads it).
 
     Args:
         cfg: the job whose shapes, compute dtype and device (``training.device``) are measured.
         budget_s: about how long the measurements may take (> 0); start-up comes on top.
     Raises:
-        OSError: rank 0 could not write `out`.
+        ConfigError: rank 0 could not write `out` (`--calibrate`'s fault: the OS refused it, or it
+            is no regular file, or inside a live run's folder).
     """
     if not budget_s > 0:
         raise ValueError(f"budget_s must be > 0, not {budget_s}")
@@ -599,7 +601,9 @@ def calibrate(cfg: JobConfig, out: str | os.PathLike, *, budget_s: float = 90.0)
             dist.broadcast_object_list(shared, src=0)
             doc = shared[0]
         if world.rank == 0:
-            write_file(out, json.dumps(doc, indent=2) + "\n")
+            # Looked at again first: the measurements took the budget's time.
+            write_output("--calibrate", Path(os.fspath(out)), json.dumps(doc, indent=2) + "\n",
+                         "pass a file path this user can write")
         return doc
     finally:
         if created:

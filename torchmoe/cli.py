@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
+from torchmoe.config.folder_owners import refuse_held
 from torchmoe.config.job_config import Parallelism
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import CONFIG_FLAGS, config_toml
@@ -188,6 +189,14 @@ def _train(argv: list[str]) -> int:
 def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set[str]) -> int:
     """Check `cfg` for `world_size` ranks, then plan it (`flags.dry_run`) or train it."""
     dry_run = flags.dry_run
+    if dry_run:
+        # Before the checks' write probes and any output: a bad profile, or a dump folder a live
+        # run holds (its dry_run.json would land among that run's files).
+        if flags.hardware:
+            from torchmoe.plan.hardware import load_profile
+
+            load_profile(flags.hardware)
+        refuse_held("job.dump_folder", cfg.job.dump_folder, cfg.job.dump_folder)
     from torchmoe.preflight import validate_job_config
 
     validate_job_config(cfg, world_size, check_device=not dry_run)
@@ -381,8 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _leave_if_failed(stop.exit_status)
         return stop.exit_status
     except ConfigError as err:
-        # Config errors are the same on every rank: one message from rank 0 is enough.
-        if rank in (None, "0"):
+        # Config errors are the same on every rank: one message from rank 0 is enough (a RANK
+        # refused is no rank's: the process it is wrong in says it).
+        if rank in (None, "0") or err.key == "RANK":
             _report(err, rank=None)
         _leave_if_failed(2)
         return 2

@@ -32,10 +32,9 @@ from pathlib import Path
 
 from torchmoe.components.trained_weights import trained_weights
 from torchmoe.config import ConfigError, JobConfig
-from torchmoe.config.file_writes import write_file
 from torchmoe.config.flags import split_flags
 from torchmoe.config.launch_env import launch_int
-from torchmoe.config.paths import path_faults
+from torchmoe.config.output_files import check_output_file, write_output
 
 __all__ = ["EVAL_DESCRIPTION", "eval_config", "eval_main"]
 
@@ -94,6 +93,9 @@ def _work_folder() -> Path:
     return Path(tempfile.gettempdir()) / f"torchmoe-eval-{launch.replace(os.sep, '_')}"
 
 
+_OUT_FIX = "pass the path of a .json file this user can write"
+
+
 def eval_main(argv: list[str], load_config: Callable[[list[str], str, str], JobConfig | int],
               check: Callable[[JobConfig], None], running: Callable[[], AbstractContextManager]) -> int:
     """`torchmoe eval`: print the loss and perplexity (rank 0), and write them to `--out`.
@@ -106,12 +108,10 @@ def eval_main(argv: list[str], load_config: Callable[[list[str], str, str], JobC
     cfg = load_config(rest, "torchmoe eval", EVAL_DESCRIPTION)
     if isinstance(cfg, int):
         return cfg
+    out = check_output_file("--out", str(found["--out"]), _OUT_FIX) if "--out" in found else None
     split = str(found.get("--split", "validation"))
     weights, in_hf = trained_weights(cfg, "--checkpoint", path=str(found.get("--checkpoint", "")),
                                      step=found.get("--step"))  # type: ignore[arg-type]
-    out = Path(str(found["--out"])) if "--out" in found else None
-    if out is not None and (out.is_dir() or out.is_symlink()):
-        raise ConfigError("--out", str(out), "is a folder or a symbolic link", "pass the path of a new .json file")
     work = _work_folder()
     try:
         ecfg = eval_config(cfg, weights=weights, in_hf=in_hf, split=split,
@@ -135,6 +135,5 @@ def eval_main(argv: list[str], load_config: Callable[[list[str], str, str], JobC
         print(f"{split} loss {loss:.6f} (perplexity {shown}) over {batches} of {val.dataset} "
               f"at seq_len {val.seq_len}; weights {weights}", file=sys.stdout, flush=True)
         if out is not None:
-            with path_faults("--out", str(out), "pass a file path this user can write"):
-                write_file(out, json.dumps(result, indent=2) + "\n")
+            write_output("--out", out, json.dumps(result, indent=2) + "\n", _OUT_FIX)
     return 0

@@ -28,9 +28,9 @@ from rich.table import Table
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.attention_kernel import MATH
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
-from torchmoe.config.file_writes import write_file
 from torchmoe.config.loader import write_config_toml
-from torchmoe.config.paths import path_faults, writable_file, writable_folder
+from torchmoe.config.output_files import check_output_file, write_output
+from torchmoe.config.paths import path_faults
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
@@ -121,15 +121,7 @@ def _seconds(key: str, text: str) -> float:
     return value
 
 
-def _check_output(key: str, value: str) -> Path:
-    """`value` as an output path, refused before any work if the OS would refuse writing it."""
-    path = Path(value)
-    with path_faults(key, value, "pass a file path this user can write, in a folder that exists or can be made"):
-        if path.is_dir():
-            raise IsADirectoryError(21, "Is a directory", value)
-        writable_folder(path.parent)
-        writable_file(path)
-    return path
+_OUT_FIX = "pass a file path this user can write, in a folder that exists or can be made"
 
 
 def plan_main(argv: Sequence[str]) -> int:
@@ -142,7 +134,17 @@ def plan_main(argv: Sequence[str]) -> int:
     cfg = load_job_config(config_argv, prog="torchmoe plan", set_keys=set_keys)
     validate_sections(cfg)
     if "--calibrate" in flags:
+        # Calibration measures this machine; a planning flag beside it would be ignored.
+        ignored = next((f for f in flags if f not in ("--calibrate", "--budget")), "--free" if free else None)
+        if ignored is not None:
+            raise ConfigError(ignored, flags.get(ignored, " ".join(free)), "has no effect with --calibrate, which "
+                              "measures this machine and plans nothing",
+                              f"leave it out; then plan with the profile: torchmoe plan --hardware "
+                              f"{flags['--calibrate']} --gpus N")
         return _calibrate(cfg, flags)
+    if "--budget" in flags:
+        raise ConfigError("--budget", flags["--budget"], "only times --calibrate",
+                          "leave it out, or measure this machine with --calibrate FILE")
     if "--gpus" not in flags:
         raise ConfigError("--gpus", "", "missing", "pass the number of GPUs to plan for, e.g. --gpus 512")
     gpus = _count("--gpus", flags["--gpus"])
@@ -151,7 +153,10 @@ def plan_main(argv: Sequence[str]) -> int:
         min(profile.gpus_per_node, gpus)
     top = _count("--top", flags.get("--top", "5"))
     margin = _fraction("--margin", flags.get("--margin", str(DEFAULT_MARGIN)))
-    outputs = {k: _check_output(k, flags[k]) for k in ("--out", "--json") if k in flags}
+    outputs = {k: check_output_file(k, flags[k], _OUT_FIX) for k in ("--out", "--json") if k in flags}
+    if len(set(map(os.path.realpath, outputs.values()))) < len(outputs):
+        raise ConfigError("--json", flags["--json"], "is the file --out names too: one would overwrite the other",
+                          "name two files, e.g. --out best.toml --json all.json")
     fixed = fixed_keys(cfg, set_keys, free)
     run_plan(cfg, gpus, profile_name=flags.get("--hardware", "h100"), gpus_per_node=gpn, fixed=fixed, top=top,
              margin=margin, out=outputs.get("--out"), json_out=outputs.get("--json"))
@@ -172,8 +177,8 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
                     check=lambda candidate, world: validate_layout(candidate, world))
     _print(console, cfg, gpus, profile.name, result, top)
     if json_out is not None:
-        with path_faults("--json", str(json_out), "pass a file path this user can write"):
-            write_file(json_out, json.dumps(_report(cfg, gpus, profile.name, result), indent=1) + "\n")
+        write_output("--json", json_out, json.dumps(_report(cfg, gpus, profile.name, result), indent=1) + "\n",
+                     _OUT_FIX)
         console.print(f"wrote {json_out} ({len(result.scored)} layouts)")
     best = result.best
     if best is None:
@@ -187,7 +192,8 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
                           "plan for more GPUs, a device with more memory, a shorter seq_len or smaller batch, "
                           "or --free the keys the config fixes")
     if out is not None:
-        with path_faults("--out", str(out), "pass a file path this user can write"):
+        check_output_file("--out", str(out), _OUT_FIX)  # again: the search took seconds
+        with path_faults("--out", str(out), _OUT_FIX):
             write_config_toml(best.cfg, out)
         console.print(f"wrote {out}: torchmoe train --config {out}" +
                       (f" (torchrun --nproc-per-node {gpus_per_node or profile.gpus_per_node} ...)" if gpus > 1 else ""))
@@ -281,7 +287,7 @@ def _knobs(layout: Layout) -> str:
 def _calibrate(cfg: JobConfig, flags: dict[str, str]) -> int:
     from torchmoe.calibrate import calibrate  # imported here: it builds kernels and process groups
 
-    out = _check_output("--calibrate", flags["--calibrate"])
+    out = check_output_file("--calibrate", flags["--calibrate"], _OUT_FIX)
     budget = _seconds("--budget", flags.get("--budget", "90"))
     profile = calibrate(cfg, out, budget_s=budget)
     if os.environ.get("RANK") in (None, "0"):

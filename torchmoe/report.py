@@ -26,7 +26,7 @@ import io
 import math
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,10 +39,10 @@ from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.metrics import METRICS_FILE, layer_imbalance, parse_record
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError, show_value
-from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
-from torchmoe.config.paths import nonempty_path, path_faults, writable_file, writable_folder
+from torchmoe.config.output_files import check_output_file, write_output
+from torchmoe.config.paths import nonempty_path, path_faults
 from torchmoe.config.validate import resolve_degrees, validate_sections
 from torchmoe.plan.dry_run import format_count, plan_job
 from torchmoe.plan.parallel_dims import MESH_DIMS
@@ -373,10 +373,7 @@ def _out_key(opts: argparse.Namespace) -> tuple[str, str]:
     return ("--out", opts.out) if opts.out else ("DUMP_FOLDER", opts.dump_folder)
 
 
-def _out_faults(opts: argparse.Namespace) -> AbstractContextManager[None]:
-    """What the OS refuses about the output file is a fault of `_out_key`."""
-    return path_faults(*_out_key(opts), "use a path where this user can create and write a file, or move what is "
-                       "in the way")
+_OUT_FIX = "use a path where this user can create and write a file, or move what is in the way"
 
 
 def _parser() -> ArgumentParser:
@@ -404,18 +401,13 @@ def report_main(argv: Sequence[str]) -> int:
     if importlib.util.find_spec("matplotlib") is None:  # the report extra
         raise ConfigError("torchmoe report", " ".join(argv), "needs the matplotlib package, which is not installed",
                           "pip install 'torchmoe[report]'")
+    # Before reading and drawing, which take seconds: the file is one the report may replace, its
+    # folder (or the nearest that exists: it is created) takes a new file, and no live run holds
+    # it (a running job's report goes elsewhere: --out).
+    key, value = _out_key(opts)
+    check_output_file(key, value, _OUT_FIX, out)
     run = load_run(dump_folder, opts.world_size)
-    # Before drawing, which takes seconds: the file, where it is, opens for writing, and its folder
-    # (or the nearest that exists: it is created) takes a new file.
-    with _out_faults(opts):
-        writable_file(out)  # first: what the OS says of a link to nothing
-        writable_folder(out.parent)
-        if out.is_symlink():
-            raise ConfigError(*_out_key(opts), f"{out} is a symbolic link (to {os.readlink(out)}): the report never "
-                              "writes through a link", "remove the link, or name another file with --out")
     png = _png(render(run))
-    with _out_faults(opts):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_file(out, png if out.suffix.lower() == ".png" else _html(run, png))
+    write_output(key, out, png if out.suffix.lower() == ".png" else _html(run, png), _OUT_FIX, value)
     print(f"wrote {out}")
     return 0

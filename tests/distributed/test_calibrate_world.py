@@ -29,13 +29,13 @@ def _worker(out_dir: Path) -> None:
     from torchmoe.config.loader import load_job_config
 
     writes = []
-    write_file = calibration.write_file
+    write_output = calibration.write_output
 
-    def counted(path, data):
+    def counted(key, path, data, fix):
         writes.append(str(path))
-        write_file(path, data)
+        write_output(key, path, data, fix)
 
-    calibration.write_file = counted
+    calibration.write_output = counted
     cfg = load_job_config(["--config", str(REPO / "configs" / "debug_model.toml")])
     doc = calibration.calibrate(cfg, out_dir / "profile.json", budget_s=4.0)
     record = {"doc": doc, "writes": writes, "group_left": not dist.is_initialized()}

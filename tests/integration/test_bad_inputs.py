@@ -545,6 +545,9 @@ LAUNCH_ENV = {
     "world_size_negative": ({"WORLD_SIZE": "-2"}, 'WORLD_SIZE = "-2": is not a whole number >= 1'),
     "world_size_zero": ({"WORLD_SIZE": "0"}, 'WORLD_SIZE = "0": is not a whole number >= 1'),
     "local_world_size_not_a_number": ({"LOCAL_WORLD_SIZE": "eight"}, 'LOCAL_WORLD_SIZE = "eight": is not a whole'),
+    # Read first by the process group's start before: a ValueError traceback.
+    "rank_not_a_number": ({"RANK": "abc", "WORLD_SIZE": "2"}, 'RANK = "abc": is not a whole number >= 0'),
+    "rank_negative": ({"RANK": "-1"}, 'RANK = "-1": is not a whole number >= 0'),
 }
 
 
@@ -557,6 +560,16 @@ def test_a_launcher_variable_set_by_hand_is_one_message(capsys, monkeypatch, tmp
         monkeypatch.setenv(name, value)
     status, err = _main(capsys, tmp_path)
     _assert_one_error(status, err, problem, f"fix: unset {next(iter(env))} to run in one process")
+
+
+def test_a_rank_outside_its_world_is_one_message(capsys, monkeypatch, tmp_path: Path) -> None:
+    """Every launcher variable there, but RANK 5 of 2 ranks: refused before the process group
+    would wait for a world it is no rank of."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "5", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+    status, err = _main(capsys, tmp_path)
+    _assert_one_error(status, err, "RANK = 5: is not below WORLD_SIZE (2)", "fix: launch with torchrun")
 
 
 PARSED = {
@@ -572,7 +585,24 @@ PARSED = {
     "nul_in_a_list_of_paths": ('[training]\ndataset_mix = ["a.jsonl", "b\\u0000.jsonl"]\n',
                                'training.dataset_mix = ["a.jsonl", "b\\u0000.jsonl"]: holds a NUL byte'),
     "nul_in_a_name": ('[job]\ndescription = "a\\u0000b"\n', 'job.description = "a\\u0000b": holds a NUL byte'),
+    # A path that prints like another: "runs/a" and "runs/a<U+200B>" are two folders (the run's
+    # files seemed lost). Shown escaped.
+    "zero_width_space_in_a_folder": ('[job]\ndump_folder = "runs/a\\u200b"\n', 'job.dump_folder = "runs/a\\u200B": '
+                                     "holds an invisible character, U+200B (ZERO WIDTH SPACE), at position 6"),
+    "direction_override_in_a_read_path": ('[model]\ntokenizer_path = "tok\\u202eenizer"\n',
+                                          'model.tokenizer_path = "tok\\u202Eenizer": holds an invisible character, '
+                                          "U+202E (RIGHT-TO-LEFT OVERRIDE), at position 3"),
+    "tab_in_a_list_of_paths": ('[training]\ndataset_mix = ["a.jsonl", "b\\t.jsonl"]\n',
+                               'training.dataset_mix = ["a.jsonl", "b\\t.jsonl"]: holds an invisible character, U+0009'),
 }
+
+
+def test_an_invisible_character_in_a_path_flag_is_one_message(capsys, tmp_path: Path) -> None:
+    status = cli.main(["train", "--config", DEBUG_CONFIG, "--checkpoint.folder", "ckpt\u200d",
+                       "--job.dump_folder", str(tmp_path / "run")])
+    _assert_one_error(status, capsys.readouterr().err, '--checkpoint.folder = "ckpt\\u200D": holds an invisible '
+                      "character, U+200D (ZERO WIDTH JOINER), at position 4", "fix: type the path again without it")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("kind", list(PARSED))

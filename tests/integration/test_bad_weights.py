@@ -132,6 +132,23 @@ def _nan_safetensors(folder: Path) -> None:
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
+def _fifo(path: Path) -> None:
+    """A named pipe in the file's place: an open to read waits for a writer for ever."""
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _data_file_outside(folder: Path) -> None:
+    """.metadata points at ../<the data file> (the file moved there, so it exists)."""
+    from torchmoe.components.dcp_unpickling import unpickle_metadata
+
+    metadata = unpickle_metadata((folder / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../" + info.relative_path
+    (folder / "__0_0.distcp").rename(folder.parent / "__0_0.distcp")
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
 def _index(text: str | bytes) -> Callable[[Path], None]:
     def write(folder: Path) -> None:
         path = folder / "model.safetensors.index.json"
@@ -225,6 +242,20 @@ FAULTS = {
     "hf-nan-weights": Fault("hf", _nan_safetensors, (
         "the weights hold NaN or inf in model.embed_tokens.weight, model.layers.1.feed_forward.experts.gate_up_proj:",
         "fix: point it at weights without NaN or inf")),
+    # not a regular file of the folder (crafted): a named pipe hung the read, a path left the folder
+    "dcp-fifo-metadata": Fault("dcp", lambda d: _fifo(d / ".metadata"), (".metadata is a named pipe, not a regular "
+                                                                         "file",)),
+    "dcp-fifo-data": Fault("dcp", lambda d: _fifo(d / "__0_0.distcp"), ("__0_0.distcp is a named pipe, not a "
+                                                                        "regular file",)),
+    "dcp-data-outside": Fault("dcp", _data_file_outside, (
+        ".metadata points at the data file '../__0_0.distcp', which is not a file of this folder",)),
+    "hf-fifo-config": Fault("hf", lambda d: _fifo(d / "config.json"), ("config.json is a named pipe, not a regular "
+                                                                       "file",)),
+    "hf-fifo-weights": Fault("hf", lambda d: _fifo(d / "model.safetensors"), ("model.safetensors is a named pipe, "
+                                                                              "not a regular file",)),
+    "hf-index-outside": Fault("hf", _index(json.dumps({"weight_map": {"model.norm.weight": "../model.safetensors"}})),
+                              ("model.safetensors.index.json lists files outside the folder, e.g. "
+                               "['../model.safetensors']",)),
     # another model (the other flavor's DCP case needs its own folder: `test_dcp_of_another_flavor`)
     "hf-llama3-config": Fault("hf", lambda d: (d / "config.json").write_text(json.dumps(
         {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64})),

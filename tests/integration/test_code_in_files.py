@@ -213,3 +213,47 @@ def test_dataset_loading_script_is_refused_and_runs_nothing(tmp_path: Path, monk
     assert (f'training.dataset_path = "{folder}": the hub dataset cannot be read (RuntimeError: Dataset scripts '
             "are no longer supported, but found evil.py)") in err, err
     assert not marker.exists()
+
+
+# ---- crafted plain values: refused where they are read -------------------------------------------------
+
+
+def _first(folder: Path, suffix: str) -> str:
+    return next(i.fqn for i in _metadata(folder).storage_data if i.fqn.endswith(suffix))
+
+
+# name: (the stored entry's name ends with, the value crafted into it, what the message says of it).
+VALUES = {
+    "betas_a_string": (".betas", "oops", "is a string ('oops'), where a tuple of 2 belongs"),
+    "lr_nan": ("param_groups.tok_embeddings.weight.lr", float("nan"), "is nan, not a finite number"),
+    "last_epoch_past_64_bits": ("lr_scheduler.last_epoch", 2**70, "is 1.18e+21, beyond 64 bits"),
+    "data_step_a_string": ("dataloader.step", "2", "is a string ('2'), where a number belongs"),
+    # In kind, out of range: refused by the state's owner.
+    "betas_past_one": (".betas", (0.9, 1.5), "is (0.9, 1.5), not two finite numbers in [0, 1)"),
+    "negative_peak_lr": ("lr_scheduler.base_lr", -0.1,
+                         "the LR schedule's base_lr (its peak LR) is -0.1, not a finite number >= 0"),
+    "negative_step_count": ("lr_scheduler._step_count", -3, "the LR schedule's _step_count is -3, not a step count"),
+}
+
+
+@pytest.mark.parametrize("case", list(VALUES))
+def test_a_crafted_value_is_refused_naming_it(case: str, run_dir: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A plain value of the right pickle but the wrong kind or range (its checksums forged):
+    before, `betas = "oops"` and a NaN LR trained on (a NaN loss from step 3), 2**70 overflowed
+    inside the schedule. Now the resume is exit 2 naming the step folder and the value, and
+    nothing trained (the step before would be tried: there is none)."""
+    suffix, value, says = VALUES[case]
+    dump = tmp_path / "run"
+    shutil.copytree(run_dir, dump)
+    step = dump / "checkpoint" / "step-2"
+    fqn = _first(step, suffix)
+    _store(step, fqn, value)
+    _forge_checksums(step)
+    status = _read("resume", dump, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    text = " ".join(err.split())
+    assert f'checkpoint.folder = "{step.parent}": no checkpoint there could be loaded: step-2: ' in text, err
+    assert says in text and fqn.split(".", 1)[1] in text, err
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2]

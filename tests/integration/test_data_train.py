@@ -52,6 +52,26 @@ def test_a_mixture_trains_and_counts_tokens_per_source(capsys, tmp_path: Path) -
     assert f"play {share}% code {100 - share}%" in out, out
 
 
+def test_a_resume_with_the_mixture_reordered_is_refused(capsys, tmp_path: Path) -> None:
+    """Each source's position is kept by its place in the list: the sources swapped (weights
+    and all) used to resume each from the other's position, silently. Refused naming both
+    places; the same mix resumes (2 -> 3 steps)."""
+    (tmp_path / "play.txt").write_text(_play(800))
+    (tmp_path / "code.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(800)))
+    play, code = f"play=0.75:local:{tmp_path / 'play.txt'}", f"code=0.25:local:{tmp_path / 'code.txt'}"
+    run = ["train", *TINY, "--training.local_batch_size", "8", "--checkpoint.enable", "true", "--job.dump_folder",
+           str(tmp_path / "run")]
+    assert cli.main([*run, "--training.dataset_mix", play, code]) == 0
+    capsys.readouterr()
+    assert cli.main([*run, "--training.dataset_mix", code, play, "--training.steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert ('training.dataset_mix = "code, play": the checkpoint was saved with other sources at position 0 (code), '
+            "1 (play)") in " ".join(err.split()), err
+    assert cli.main([*run, "--training.dataset_mix", play, code, "--training.steps", "3"]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--training.dataset_mix", "web=0:local:x.txt"], 'training.dataset_mix = "web=0:local:x.txt": the weight 0 is '
      "not a positive number"),

@@ -31,8 +31,9 @@ _HOLDER = """
 import sys, time
 from pathlib import Path
 from torchmoe.components import run_lock
+from torchmoe.config import folder_owners
 from torchmoe.config.paths import UserPath
-run_lock.HEARTBEAT_S = float(sys.argv[3])
+folder_owners.HEARTBEAT_S = float(sys.argv[3])
 lock = run_lock.lock_folders([UserPath("job.dump_folder", sys.argv[1], sys.argv[1], "")], sys.argv[2])
 print("locked", flush=True)
 time.sleep(600)
@@ -98,7 +99,11 @@ def test_a_holder_whose_lock_was_taken_over_stops_at_once(tmp_path):
     holder = _hold(tmp_path / "run", "heartbeat", heartbeat_s=0.2)
     owner = tmp_path / "run" / OWNER_NAME
     record = json.loads(owner.read_text())
-    owner.write_text(json.dumps({**record, "pid": 4242, "host": "node-b", "token": "theirs"}))
+    # Replaced whole, as a taking-over run's file appears: a truncate-and-write could be read
+    # empty by a beat between the two (a new holder that has not yet said who it is).
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text(json.dumps({**record, "pid": 4242, "host": "node-b", "token": "theirs"}))
+    os.replace(theirs, owner)
     _, err = holder.communicate(timeout=60)
     assert holder.returncode == 2 and "Traceback" not in err, err
     assert err.count("error:") == 1 and "the lock of" in err and "was taken over by another run, now held by " \
@@ -359,5 +364,6 @@ def test_a_dump_folder_that_is_a_link_is_the_folder_it_names(capsys, tmp_path) -
     (tmp_path / "precious.png").write_text("kept")
     (tmp_path / "real" / "elsewhere.png").symlink_to(tmp_path / "precious.png")
     _one_error(*_main(capsys, "report", tmp_path / "run", "--out", tmp_path / "real" / "elsewhere.png"),
-               f"elsewhere.png is a symbolic link (to {tmp_path / 'precious.png'}): the report never writes through")
+               f"elsewhere.png\": is a symbolic link (to {tmp_path / 'precious.png'}): an output never replaces a link "
+               "nor writes through one")
     assert (tmp_path / "precious.png").read_text() == "kept"

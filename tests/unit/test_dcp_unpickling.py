@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchmoe.components.checkpoint import CheckpointManager, ModelWrapper, OptimizerWrapper, RankLocal, RNGState
-from torchmoe.components.dcp_unpickling import _METADATA_GLOBALS, RefusedPickle, unpickle_metadata
+from torchmoe.components.dcp_unpickling import _METADATA_GLOBALS, RefusedPickle, unpickle_metadata, value_fault
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
@@ -153,3 +153,35 @@ def test_no_module_loads_files_any_other_way() -> None:
             if re.search(pattern, text):
                 found[pattern].add(str(path.relative_to(PACKAGE)))
     assert {p: found[p] for p in _GUARDED} == _GUARDED
+
+
+@pytest.mark.parametrize(("template", "stored", "fault"), [
+    ((0.9, 0.95), "oops", "a string ('oops'), where a tuple of 2 belongs"),
+    ((0.9, 0.95), (0.9,), "a tuple ((0.9,)), where a tuple of 2 belongs"),
+    ((0.9, 0.95), (0.9, float("inf")), "[1] inf, not a finite number"),
+    (3e-4, float("nan"), "nan, not a finite number"),
+    (3e-4, "3e-4", "a string ('3e-4'), where a number belongs"),
+    (7, 2**70, "1.18e+21, beyond 64 bits"),
+    (7, -2**63 - 1, "-9.22e+18, beyond 64 bits"),
+    (7, 10**5000, "an integer beyond 64 bits"),
+    (False, 0, "a number, where a boolean belongs"),
+    (7, True, "a boolean, where a number belongs"),
+    ("adamw", 3, "a number, where a string belongs"),
+    ([1, 2], [1, "x", 3], "[1] a string ('x'), where a number belongs"),
+    ({"a": 1}, {"a": None}, "['a'] None (None), where a number belongs"),
+], ids=lambda _: "")  # 10**5000 has no str() for an id
+def test_a_stored_value_unlike_its_place_is_named(template, stored, fault) -> None:
+    assert value_fault(template, stored) == fault
+
+
+@pytest.mark.parametrize(("template", "stored"), [
+    (0, 0.1),  # weight_decay = 0 in this run's TOML, 0.1 in the run that saved
+    (0.5, 3),
+    (None, "anything"),
+    (0.25, None),  # Python's RNG state: its cached gaussian, or None
+    ([1, 2], [5, 6, 7, 8]),  # rows per rank: another layout's count
+    ({"a": 1}, {"a": 2, "b": "x"}),
+    ((3, (1, 2, 3), None), (3, (4, 5, 6), 0.5)),  # random.getstate()
+])
+def test_a_stored_value_of_its_places_kind_is_taken(template, stored) -> None:
+    assert value_fault(template, stored) is None

@@ -83,13 +83,43 @@ def test_a_group_plans_its_own_layout_in_its_own_folder(tmp_path: Path) -> None:
     assert report["world_size"] == 2 and not (tmp_path / "dry_run.json").exists()
 
 
+@pytest.mark.parametrize(("lighthouse", "expected"), [
+    (None, f'{LIGHTHOUSE_ENV} = "": is not set: fault_tolerance.enable needs a torchft lighthouse'),
+    ("http://127.0.0.1:1", f'{LIGHTHOUSE_ENV} = "http://127.0.0.1:1": cannot be reached: Connection refused'),
+    ("localhost:29510", f'{LIGHTHOUSE_ENV} = "localhost:29510": is not an http://HOST:PORT address'),
+    ("http://localhost:port", f'{LIGHTHOUSE_ENV} = "http://localhost:port": is not an address'),
+])
 def test_training_without_a_lighthouse_is_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+                                                      monkeypatch: pytest.MonkeyPatch, lighthouse, expected) -> None:
+    """Unset, unreachable (a traceback after torchft's connect timeout before) or no address:
+    one message, within seconds, naming how to start one. (A group of one rank under torchrun:
+    its variables set here.)"""
+    from torchmoe.launch import free_port
+
+    if lighthouse is None:
+        monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LIGHTHOUSE_ENV, lighthouse)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert cli.main(["train", "--config", DEBUG_CONFIG, "--training.steps", "1", "--job.dump_folder", str(tmp_path),
                      *FT]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and f"{LIGHTHOUSE_ENV} = " in err and "torchmoe lighthouse" in err, err
+    assert err.count("error:") == 1 and expected in err and "torchmoe lighthouse" in err, err
+    assert "Traceback" not in err, err
+
+
+def test_a_replica_group_without_torchrun_is_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchft's manager reads MASTER_ADDR: a KeyError traceback before."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert cli.main(["train", "--config", DEBUG_CONFIG, "--training.steps", "1", "--job.dump_folder", str(tmp_path),
+                     *FT]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert "fault_tolerance.enable = true: runs each replica group as a torchrun launch" in err, err
+    assert "fix: launch each group with torchrun" in err, err
 
 
 @pytest.mark.parametrize(("flags", "expected"), [

@@ -57,6 +57,17 @@ def test_proportions_within_1_percent_over_10k_rows(weights: list[float], seed: 
         assert np.abs(window - np.array(weights) / sum(weights)).max() < 0.01, (start, window)
 
 
+@pytest.mark.parametrize("weights", [[1e308, 1e308], [1.5e308, 0.5e308, 1e308], [5e-324, 1e-323]])
+def test_weights_at_the_ends_of_the_float_range_keep_their_shares(weights: list[float]) -> None:
+    """Weights whose sum overflows (1e308 + 1e308 = inf sent every row to the last source) or that
+    are subnormal: the shares are still the weights' proportions."""
+    schedule = MixSchedule(weights, seed=0)
+    picks = np.concatenate([schedule.sources(step, range(G), G) for step in range(4_000 // G)])
+    expected = {2: [0.5, 0.5], 3: [0.5, 1 / 6, 1 / 3]}[len(weights)] if weights[0] > 1 else [1 / 3, 2 / 3]
+    share = np.bincount(picks, minlength=len(weights)) / len(picks)
+    assert np.abs(share - np.array(expected)).max() < 0.01, share
+
+
 def test_schedule_depends_on_step_row_and_seed_only() -> None:
     schedule = MixSchedule([0.6, 0.4], seed=3)
     for step in (0, 7, 10**6):
@@ -143,3 +154,21 @@ def test_build_dataloader_reads_every_source(tmp_path) -> None:
     single = build_dataloader(dataclasses.replace(training, dataset_mix=[f"x=3:local:{tmp_path}/x.txt"]),
                               ByteTokenizer())
     assert "source_rows" not in single.state_dict()  # one source: the state of a plain run
+
+
+def test_a_mixture_checkpoint_saved_before_source_ids_still_resumes() -> None:
+    """Its files lack `source_ids`: not asked of DCP (a missing key would fail the load), taken
+    as it is, and saved from the next checkpoint on."""
+    first = _mixed()
+    for _ in range(3):
+        _step([first])
+    old = {k: v for k, v in first.state_dict().items() if k != "source_ids"}
+    again = _mixed()
+    again.check_saved_shapes({k: v.shape for k, v in old.items() if isinstance(v, torch.Tensor)})
+    assert "source_ids" not in again.state_dict()
+    again.load_state_dict(old)
+    assert torch.equal(_step([again]), _step([first])) and "source_ids" in again.state_dict()
+    renamed = DataLoader(_corpora(), ByteTokenizer(), seq_len=8, global_batch_size=G, local_batch_size=G,
+                         mix=MixSchedule([0.5, 0.3, 0.2], 0), source_names=["a", "c", "b"])
+    with pytest.raises(ConfigError, match=r"saved with other sources at position 1 \(c\), 2 \(b\)"):
+        renamed.load_state_dict(first.state_dict())

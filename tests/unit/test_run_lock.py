@@ -13,6 +13,7 @@ import pytest
 
 from torchmoe.components import run_lock
 from torchmoe.components.run_lock import OWNER_NAME, lock_folders, node_local_flock
+from torchmoe.config import folder_owners
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.paths import UserPath
 
@@ -65,8 +66,8 @@ def _lock(folder: Path):
 @pytest.fixture
 def quick(monkeypatch):
     """Heartbeats every 0.05 s, stale after 1 s."""
-    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
-    monkeypatch.setattr(run_lock, "STALE_S", 1.0)
+    monkeypatch.setattr(folder_owners, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(folder_owners, "STALE_S", 1.0)
 
 
 def test_another_hosts_live_heartbeat_is_refused_naming_it(tmp_path, quick):
@@ -80,7 +81,7 @@ def test_another_hosts_stale_heartbeat_is_taken_over_after_it_stays_still(tmp_pa
     _owner(tmp_path, age_s=5.0)
     started = time.monotonic()
     locks = _lock(tmp_path)
-    assert time.monotonic() - started >= 2 * run_lock.HEARTBEAT_S  # watched for two beats first
+    assert time.monotonic() - started >= 2 * folder_owners.HEARTBEAT_S  # watched for two beats first
     mine = json.loads((tmp_path / OWNER_NAME).read_text())
     assert mine["pid"] == os.getpid() and mine["host"] == socket.gethostname() and mine["token"] != "theirs"
     assert "took over" in caplog.text and "pid 77 on node-b" in caplog.text
@@ -100,7 +101,7 @@ def test_a_stale_looking_heartbeat_that_moves_is_a_live_holder(tmp_path, quick, 
         os.utime(path, (time.time() - 4, time.time() - 4))
         sleep(seconds)
 
-    monkeypatch.setattr(run_lock.time, "sleep", beat_meanwhile)
+    monkeypatch.setattr(folder_owners.time, "sleep", beat_meanwhile)
     with pytest.raises(ConfigError, match="pid 77 on node-b"):
         _lock(tmp_path)
 
@@ -108,7 +109,7 @@ def test_a_stale_looking_heartbeat_that_moves_is_a_live_holder(tmp_path, quick, 
 def test_this_hosts_dead_or_reused_pid_is_taken_over_at_once(tmp_path):
     """On this host the pid tells (no waiting): a pid that runs no process, or that now runs
     another process than the one that took the lock (its start time differs)."""
-    host, boot = socket.gethostname(), run_lock._boot_id()
+    host, boot = socket.gethostname(), folder_owners.boot_id()
     for pid, started in ((2**22 + 12345, "1"), (os.getpid(), "0")):  # gone; ours, but not started then
         _owner(tmp_path, age_s=0.0, host=host, boot=boot, pid=pid, started=started)
         locks = _lock(tmp_path)

@@ -211,6 +211,39 @@ def test_damaged_folders_are_refused(tmp_path: Path, how: str, message: str) -> 
         TokenShards(folder)
 
 
+@pytest.mark.parametrize("token", [65535, "vocab"])
+def test_a_token_id_outside_the_vocabulary_is_refused_where_it_is_read(tmp_path: Path, token) -> None:
+    """tokens.npy carries no digest (it is the bulk): an id written into it by something else is
+    refused when its document is read, naming the shard and document, whether past any
+    embedding (65535: an IndexError mid-step before) or just past the tokenizer's vocabulary
+    (which trained silently before). The last id of the vocabulary is read."""
+    shards = _prepared(tmp_path)
+    vocab = shards.manifest["vocab_size"]
+    path = tmp_path / "out" / "shard-00001.tokens.npy"
+    tokens = np.load(path)
+    tokens[3] = vocab - 1
+    np.save(path, tokens)
+    within = int(np.searchsorted(shards._offsets[1], 3, side="right")) - 1  # the document holding token 3
+    document = int(shards._first[1]) + within
+    assert int(TokenShards(tmp_path / "out").tokens(document).max()) == vocab - 1
+    tokens[3] = 65535 if token == 65535 else vocab
+    np.save(path, tokens)
+    with pytest.raises(DataConfigError, match=rf'"{re.escape(str(tmp_path / "out"))}": shard-00001 document '
+                       rf"{within} holds token id {tokens[3]}, outside the vocabulary of {vocab} ids"):
+        TokenShards(tmp_path / "out").tokens(document)
+
+
+def test_a_manifest_vocabulary_changed_by_hand_is_refused(tmp_path: Path) -> None:
+    """The tokenizer's hash matches but the recorded vocabulary was raised (to let larger ids
+    through): refused against the tokenizer's own size."""
+    shards = _prepared(tmp_path)
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    (tmp_path / "out" / MANIFEST).write_text(json.dumps({**manifest, "vocab_size": 65536}))
+    with pytest.raises(DataConfigError, match="its manifest.json records a vocabulary of 65536 ids, but its "
+                       rf"tokenizer \(byte .*\) has {shards.manifest['vocab_size']}"):
+        TokenShards(tmp_path / "out").check_tokenizer(build_tokenizer(""))
+
+
 def test_empty_corpus_is_one_message(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     with pytest.raises(DataConfigError, match=r"INPUT = .*empty.jsonl\": holds no text \(1 documents, all empty\)"):
@@ -271,3 +304,53 @@ def test_a_shard_index_found_good_is_not_hashed_again_until_it_changes(tmp_path:
     _damage(folder, "flipped")  # same size, same inode: its times changed
     with pytest.raises(DataConfigError, match="does not match the checksum"):
         TokenShards(folder)
+
+
+def test_a_resume_refuses_a_pickled_shard_whose_digest_was_recorded(tmp_path: Path, monkeypatch) -> None:
+    """An unfinished run's shard replaced by an object array, its digest forged into
+    progress.json: the resume refuses it (it was taken, and the finished folder then refused by
+    every run that read it)."""
+    real_write = prepare_module.write_shard
+
+    def killed_after_one(folder, index, *args):
+        written = real_write(folder, index, *args)
+        if index == 1:
+            raise _Killed
+        return written
+
+    monkeypatch.setattr(prepare_module, "write_shard", killed_after_one)
+    with pytest.raises(_Killed):
+        _prepared(tmp_path, "killed")
+    monkeypatch.setattr(prepare_module, "write_shard", real_write)
+    folder = tmp_path / "killed"
+    np.save(folder / "shard-00000.sizes.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    progress = json.loads((folder / PROGRESS).read_text())
+    from torchmoe.config.digests import digest_file
+    progress["shards"][0]["files"]["shard-00000.sizes.npy"] = digest_file(folder / "shard-00000.sizes.npy")
+    (folder / PROGRESS).write_text(json.dumps(progress))
+    with pytest.raises(DataConfigError, match=r'OUT_DIR = ".*killed": shard-00000.sizes.npy is not a whole .npy '
+                       r"array \(Array can.t be memory-mapped: Python objects in dtype.\)"):
+        _prepared(tmp_path, "killed")
+    assert not (folder / MANIFEST).exists()
+
+
+@pytest.mark.parametrize("offsets", ["reversed", "past_the_end", "negative"])
+def test_offsets_that_are_no_range_of_the_tokens_are_refused_where_read(tmp_path: Path, offsets: str) -> None:
+    """docs.npy rewritten with its digest forged: a document whose offsets run backwards, past
+    the shard's tokens or below 0 read other tokens, or none, silently before."""
+    from torchmoe.config.digests import digest_file
+
+    shards = _prepared(tmp_path)
+    path = tmp_path / "out" / "shard-00000.docs.npy"
+    docs = np.load(path)
+    length = len(np.load(tmp_path / "out" / "shard-00000.tokens.npy"))
+    docs[2] = {"reversed": docs[1] - 1, "past_the_end": length + 5, "negative": -4}[offsets]
+    np.save(path, docs)
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    manifest["shards"][0]["files"]["shard-00000.docs.npy"] = digest_file(path)
+    (tmp_path / "out" / MANIFEST).write_text(json.dumps(manifest))
+    opened = TokenShards(tmp_path / "out")
+    assert opened.tokens(0).tolist() == shards.tokens(0).tolist()  # an untouched document reads as before
+    with pytest.raises(DataConfigError, match=r"shard-00000 document 1 spans tokens -?\d+ to -?\d+ in docs.npy, "
+                       rf"not a range of the shard's {length} tokens"):
+        opened.tokens(1)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import write_toml
 from torchmoe import cli
-from torchmoe.config import JobConfig, load_job_config
+from torchmoe.config import ConfigError, JobConfig, load_job_config
 from torchmoe.config.loader import tomllib
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS
 
@@ -171,11 +171,29 @@ def test_an_empty_read_path_flag_names_the_word_that_unsets_it(capsys, tmp_path:
     assert not (tmp_path / "run").exists()
 
 
-def test_a_torchmoe_key_wins_over_a_mapped_one(tmp_path: Path) -> None:
-    cfg = load_job_config(["--config", write_toml(tmp_path, "[training]\nseed = 1\n[debug]\nseed = 2\n")])
-    assert cfg.training.seed == 1
+@pytest.mark.parametrize(("text", "problem"), [
+    ("[training]\nseed = 1\n[debug]\nseed = 2\n",
+     "training.seed = 1: contradicts debug.seed = 2 in the same file, which sets training.seed to 2"),
+    # torchtitan's mask type and torchmoe's key: document masking was silently off before.
+    ('[model]\nattn_mask_type = "block_causal"\n[training]\ndocument_masking = false\n',
+     'training.document_masking = false: contradicts model.attn_mask_type = "block_causal" in the same file, '
+     "which sets training.document_masking to true"),
+])
+def test_a_torchmoe_key_contradicting_a_mapped_one_in_one_file_is_refused(tmp_path: Path, text: str,
+                                                                           problem: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_job_config(["--config", write_toml(tmp_path, text)])
+    assert str(err.value).startswith(problem) and "fix: keep one of the two keys" in str(err.value), err.value
+
+
+def test_a_flag_wins_over_a_mapped_key_and_agreeing_keys_are_one(tmp_path: Path) -> None:
+    cfg = load_job_config(["--config", write_toml(tmp_path, "[training]\nseed = 2\n[debug]\nseed = 2\n")])
+    assert cfg.training.seed == 2
     cfg = load_job_config(["--config", write_toml(tmp_path, "[debug]\nseed = 2\n"), "--training.seed", "3"])
     assert cfg.training.seed == 3
+    cfg = load_job_config(["--config", write_toml(tmp_path, '[model]\nattn_mask_type = "block_causal"\n'),
+                           "--training.document_masking", "false"])
+    assert cfg.training.document_masking is False
 
 
 @pytest.mark.parametrize(("text", "warning"), [

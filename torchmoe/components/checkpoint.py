@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -210,8 +211,31 @@ class OptimizerWrapper(Stateful):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raises:
+            ValueError: a hyperparameter no optimizer takes (a negative or non-finite LR, a beta
+                outside [0, 1), ...: a checkpoint altered or crafted), naming it.
+        """
+        for key, value in state_dict.items():
+            name = key.rsplit(".", 1)[-1]
+            if key.startswith("param_groups.") and name in _GROUP_RANGES:
+                values = (value,) if name != "betas" else value if isinstance(value, (tuple, list)) else ()
+                ok, what = _GROUP_RANGES[name]
+                if not values or not all(type(v) in (int, float) and math.isfinite(v) and ok(v) for v in values) \
+                        or (name == "betas" and len(values) != 2):
+                    raise ValueError(f"the optimizer's {key} is {value!r:.40}, not {what}")
         for part, opt in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
+
+
+# The ranges torch's AdamW and SGD accept (they raise a ValueError in their constructor, but
+# a param group loaded later is never checked): name -> (test, what it must be).
+_GROUP_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "lr": (lambda v: v >= 0, "a finite number >= 0"),
+    "betas": (lambda v: 0 <= v < 1, "two finite numbers in [0, 1)"),
+    "eps": (lambda v: v >= 0, "a finite number >= 0"),
+    "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
+    "momentum": (lambda v: v >= 0, "a finite number >= 0"),
+}
 
 
 class RNGState(Stateful):

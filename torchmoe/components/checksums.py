@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from torchmoe.config.digests import ALGORITHM, digest_file
+from torchmoe.config.file_kinds import read_regular
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import describe_os_error
 from torchmoe.distributed.one_reader import one_reads
@@ -143,14 +144,15 @@ def _recorded(folder: Path) -> dict[str, str] | None:
     """name -> digest from `folder`'s sidecar; None when there is none.
 
     Raises:
-        ValueError: (its message says what is wrong) the sidecar is not one this module wrote.
+        ValueError: (its message says what is wrong) the sidecar is not one this module wrote, or
+            not a regular file.
         OSError: it cannot be read.
     """
     path = folder / SIDECAR
     if not path.exists():
         return None
     try:
-        record = json_loads(path.read_bytes().decode("utf-8"))
+        record = json_loads(read_regular(path).decode("utf-8"))  # NotARegularFile: a ValueError
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"{SIDECAR} is damaged (not JSON)") from None
     files = record.get("files") if isinstance(record, dict) else None

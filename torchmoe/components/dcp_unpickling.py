@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import pickle
 import re
 from pathlib import Path
@@ -38,7 +39,8 @@ from torch.futures import Future
 
 from torchmoe import _torch_private as private
 
-__all__ = ["KnownMetadata", "RefusedPickle", "SafeLoadPlanner", "SafeReader", "unpickle_metadata"]
+__all__ = ["KnownMetadata", "RefusedPickle", "SafeLoadPlanner", "SafeReader", "StoredValueRefused", "unpickle_metadata",
+           "value_fault"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
@@ -167,6 +169,58 @@ class SafeReader(KnownMetadata, FileSystemReader):
         return done
 
 
+class StoredValueRefused(ValueError):
+    """A stored plain value unlike the one it would replace (`value_fault`), in one sentence."""
+
+
+_INT64 = 2**63
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", str: "a string", type(None): "None", tuple: "a tuple", list: "a list",
+            dict: "a dict"}.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def value_fault(template: Any, obj: Any) -> str | None:
+    """Why `obj`, loaded from a checkpoint, cannot replace `template`, the value of this run in
+    its place, or None: a boolean, string or number where `template` is one (any number for a
+    number: an int setting may have been a float in the run that saved), finite and within 64
+    bits; a tuple of as many items, each in kind; a list (of any length) or dict whose items
+    are in kind. Where
+    `template` is None (or a tensor, which DCP reads itself) anything plain will do; None is
+    taken for a float (Python's RNG state holds one or the other)."""
+    if template is None or isinstance(template, torch.Tensor):
+        return None
+    if isinstance(template, bool) or isinstance(obj, bool) or isinstance(template, str):
+        return None if type(obj) is type(template) else f"{_kind(obj)}, where {_kind(template)} belongs"
+    if isinstance(template, (int, float)):
+        if obj is None and isinstance(template, float):
+            return None
+        if not isinstance(obj, (int, float)):
+            return f"{_kind(obj)} ({obj!r:.40}), where a number belongs"
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return f"{obj}, not a finite number"
+        if isinstance(obj, int) and not -_INT64 <= obj < _INT64:
+            return f"{obj:.3g}, beyond 64 bits" if obj.bit_length() < 1000 else "an integer beyond 64 bits"
+        return None
+    if isinstance(template, tuple):  # a fixed record (Adam's betas, Python's RNG state)
+        if not isinstance(obj, (tuple, list)) or len(obj) != len(template):
+            return f"{_kind(obj)} ({obj!r:.40}), where a tuple of {len(template)} belongs"
+        return next((f"[{i}] {fault}" for i, (t, o) in enumerate(zip(template, obj))
+                     if (fault := value_fault(t, o)) is not None), None)
+    if isinstance(template, list):  # as long as the layout makes it (rows per rank): each item in kind
+        if not isinstance(obj, (tuple, list)):
+            return f"{_kind(obj)} ({obj!r:.40}), where a list belongs"
+        return next((f"[{i}] {fault}" for i, o in enumerate(obj) if template
+                     and (fault := value_fault(template[min(i, len(template) - 1)], o)) is not None), None)
+    if isinstance(template, dict):  # the keys its own owner checks; the values in kind
+        if not isinstance(obj, dict):
+            return f"{_kind(obj)} ({obj!r:.40}), where a dict belongs"
+        return next((f"[{k!r}] {fault}" for k in template.keys() & obj.keys()
+                     if (fault := value_fault(template[k], obj[k])) is not None), None)
+    return None
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that stored values that are not tensors are loaded with
     `torch.load(weights_only=True)`; one that names another global raises `RefusedPickle`."""
@@ -181,6 +235,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 raise  # damaged bytes: the caller's fault handling names them
             info = self.metadata.storage_data[read_item.storage_index]
             raise RefusedPickle(info.relative_path, offender, f"its value {fqn}") from None
+        # Of the kind of the value it replaces (this run's own, of the same code): a crafted or
+        # altered file can hold any plain value (`betas = "oops"`, a NaN, an int of 2**70).
+        fault = value_fault(self.state_dict.get(fqn), obj)
+        if fault is not None:
+            info = self.metadata.storage_data[read_item.storage_index]
+            raise StoredValueRefused(f"{info.relative_path}: its value {fqn} is {fault}: the file was altered "
+                                     "or crafted")
         # The rest is DefaultLoadPlanner.load_bytes (torch 2.13) with `obj` for its torch.load.
         if self.flatten_state_dict:
             private.set_state_dict_element(self.original_state_dict, self.mappings[fqn], obj)

@@ -110,8 +110,18 @@ class LayoutFreeLambdaLR(LambdaLR):
         return {"last_epoch": self.last_epoch, "_step_count": self._step_count, "base_lr": self.base_lrs[0]}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Raises:
+            ValueError: a position that is no step count, or a peak LR that is no finite number >= 0
+                (a checkpoint altered or crafted: one sentence, which the loader names the folder of).
+        """
         # Checkpoints written before this class hold LambdaLR's own state (a list of base LRs).
         base_lr = state_dict["base_lr"] if "base_lr" in state_dict else state_dict["base_lrs"][0]
+        for name in ("last_epoch", "_step_count"):
+            value = state_dict[name]
+            if type(value) is not int or not 0 <= value < 2**63:
+                raise ValueError(f"the LR schedule's {name} is {value!r:.40}, not a step count (an integer >= 0)")
+        if type(base_lr) not in (int, float) or not (math.isfinite(base_lr) and base_lr >= 0):
+            raise ValueError(f"the LR schedule's base_lr (its peak LR) is {base_lr!r:.40}, not a finite number >= 0")
         self.base_lrs = [base_lr] * len(self.optimizer.param_groups)
         self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
         # The next step trains at the resumed position's LR, whatever the optimizer's groups held.

@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import socket
-import stat
 import sys
 import threading
 import time
@@ -54,27 +53,28 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from torchmoe.config import folder_owners
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_error
-from torchmoe.config.nesting import json_loads
+from torchmoe.config.folder_owners import (
+    FOLDER_LOCKS,
+    LOCK_NAME,
+    LOCK_NAMES,
+    OWNER_NAME,
+    boot_id,
+    describe_holder,
+    describe_lock_text,
+    held_folder,
+    owner_dead,
+    read_owner,
+    started,
+)
 from torchmoe.config.paths import UserPath, path_faults
 
 __all__ = ["FOLDER_LOCKS", "LOCK_NAME", "LOCK_NAMES", "OWNER_NAME", "FolderLocks", "lock_folders",
            "node_local_flock"]
 
 logger = logging.getLogger(__name__)
-
-LOCK_NAME = ".torchmoe.lock"
-OWNER_NAME = ".torchmoe.owner"
-LOCK_NAMES = (LOCK_NAME, OWNER_NAME)
-"""The files a folder's lock keeps in it."""
-FOLDER_LOCKS = ("auto", "flock", "heartbeat")
-"""`job.folder_lock`'s values."""
-
-HEARTBEAT_S = 10.0
-"""How often a heartbeat lock's holder refreshes its owner file."""
-STALE_S = 60.0
-"""How old a heartbeat must be for its holder to count as dead (another host's)."""
 
 _MOUNTINFO = Path("/proc/self/mountinfo")
 
@@ -128,7 +128,7 @@ class _OwnerFile:
 
     def beat(self) -> bool:
         """Refresh the file's time, if it still is ours; False when another run took it over."""
-        owner = _read_owner(self.path)
+        owner = read_owner(self.path)
         if owner is None or owner[0].get("token") != self.token:
             return False
         os.utime(self.path, follow_symlinks=False)
@@ -136,7 +136,7 @@ class _OwnerFile:
 
     def release(self, *, remove: bool) -> None:
         _HEARTBEAT.discard(self)
-        owner = _read_owner(self.path)
+        owner = read_owner(self.path)
         if owner is not None and owner[0].get("token") == self.token:
             self.path.unlink(missing_ok=True)
 
@@ -165,7 +165,7 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(HEARTBEAT_S)
+            self._wake.wait(folder_owners.HEARTBEAT_S)
             self._wake.clear()
             # Beaten under the lock: a holder releasing meanwhile (`discard`, then its file
             # removed) waits for the beat, so a file gone because it was released is never taken
@@ -182,10 +182,11 @@ class _Heartbeat:
                     logger.warning("could not refresh the lock of %s: %s", owner.folder, err)
                     continue
                 if not ours:
-                    holder = _read_owner(owner.path)
-                    who = _describe(holder[0]) if holder else "nobody (its owner file is gone)"
+                    holder = read_owner(owner.path)
+                    who = describe_holder(holder[0]) if holder else "nobody (its owner file is gone)"
+                    stale = folder_owners.STALE_S
                     sys.stderr.write(f"error: the lock of {owner.folder} was taken over by another run, now held "
-                                     f"by {who}: this run's heartbeat stopped for longer than {STALE_S:.0f} s (was "
+                                     f"by {who}: this run's heartbeat stopped for longer than {stale:.0f} s (was "
                                      "it suspended, or its node cut off?); stopping before writing more into a "
                                      "folder it no longer owns\n")
                     sys.stderr.flush()
@@ -234,8 +235,8 @@ def _say(kind: str, what: str) -> None:
 
 
 def _me() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
-            "boot": _boot_id(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": started(os.getpid()),
+            "boot": boot_id(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
 
 
 def _flock(folder: Path) -> tuple[_Flock | None, str | None]:
@@ -245,14 +246,14 @@ def _flock(folder: Path) -> tuple[_Flock | None, str | None]:
         # O_NOFOLLOW: a symbolic link in its place (to another run's lock, or out of the folder) is refused.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", errors="replace")
-            os.close(fd)
-            return None, _describe_text(holder)
+            taken = _exclusive(fd)
         except OSError:
             os.close(fd)
             raise
+        if not taken:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", errors="replace")
+            os.close(fd)
+            return None, describe_lock_text(holder)
         try:
             same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:
@@ -269,6 +270,19 @@ def _flock(folder: Path) -> tuple[_Flock | None, str | None]:
     return _Flock(folder, fd), None
 
 
+def _exclusive(fd: int) -> bool:
+    """Whether this process now holds `fd`'s flock. A refusal is tried again twice, moments
+    apart: another command's `folder_owners.live_holder` holds a shared lock for an instant,
+    and only a run's lasting lock is a holder."""
+    for pause in (0.05, 0.2, 0.0):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(pause)
+    return False
+
+
 def _owner_file(folder: Path) -> tuple[_OwnerFile | None, str | None]:
     """(the owner file created, None), or (None, the live holder's description)."""
     path = folder / OWNER_NAME
@@ -277,11 +291,11 @@ def _owner_file(folder: Path) -> tuple[_OwnerFile | None, str | None]:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
-            owner = _read_owner(path)
+            owner = read_owner(path)
             if owner is None:
                 continue  # removed meanwhile
-            if not _dead(path, *owner):
-                return None, _describe(owner[0])
+            if not owner_dead(path, *owner):
+                return None, describe_holder(owner[0])
             _remove_stale(path, owner[0])
             continue
         try:
@@ -293,47 +307,8 @@ def _owner_file(folder: Path) -> tuple[_OwnerFile | None, str | None]:
             raise os_error(err, path) from None
         os.close(fd)
         return _OwnerFile(folder, token), None
-    owner = _read_owner(path)
-    return None, _describe(owner[0]) if owner else "a run that keeps taking and freeing it"
-
-
-def _read_owner(path: Path) -> tuple[dict, float] | None:
-    """The owner file's holder (what it says; {} while it is still being written or unreadable)
-    and its modification time; None when there is none. A link or anything but a regular file
-    in its place is a holder that says nothing (never followed, never removed)."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode):
-            return {"token": None, "odd": stat.filemode(st.st_mode)}, float("inf")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            text = os.read(fd, 65536).decode("utf-8", errors="replace")
-        finally:
-            os.close(fd)
-    except FileNotFoundError:
-        return None
-    try:
-        owner = json_loads(text)
-    except ValueError:
-        owner = {}
-    return (owner if isinstance(owner, dict) else {}), st.st_mtime
-
-
-def _dead(path: Path, owner: dict, mtime: float) -> bool:
-    """Whether the holder of `path` is gone: on this host (same boot), its pid no longer runs
-    the process that took the lock; elsewhere, its heartbeat is older than `STALE_S` and does
-    not move for two more beats."""
-    if "odd" in owner:
-        return False
-    if owner.get("host") == socket.gethostname() and owner.get("boot") == _boot_id() and isinstance(
-            owner.get("pid"), int):
-        started = _started(owner["pid"])
-        return started is None or started != owner.get("started")  # gone, or its pid reused since
-    if time.time() - mtime <= STALE_S:
-        return False
-    time.sleep(2 * HEARTBEAT_S)
-    again = _read_owner(path)
-    return again is not None and again[1] == mtime and again[0].get("token") == owner.get("token")
+    owner = read_owner(path)
+    return None, describe_holder(owner[0]) if owner else "a run that keeps taking and freeing it"
 
 
 def _remove_stale(path: Path, owner: dict) -> None:
@@ -343,7 +318,7 @@ def _remove_stale(path: Path, owner: dict) -> None:
         os.rename(path, aside)
     except FileNotFoundError:
         return  # another run removed it first
-    moved = _read_owner(aside)
+    moved = read_owner(aside)
     if moved is not None and moved[0].get("token") != owner.get("token"):
         try:  # a live holder's, taken after we looked: back in place (never over a newer one)
             os.link(aside, path)
@@ -352,22 +327,7 @@ def _remove_stale(path: Path, owner: dict) -> None:
         aside.unlink(missing_ok=True)
         return  # nothing taken over: the caller looks again and finds that holder
     aside.unlink(missing_ok=True)
-    logger.warning("took over %s from %s, which no longer runs", path.parent, _describe(owner))
-
-
-def _started(pid: int) -> str | None:
-    """When process `pid` started (Linux's /proc, in clock ticks since boot), None when it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
+    logger.warning("took over %s from %s, which no longer runs", path.parent, describe_holder(owner))
 
 
 def node_local_flock(folder: Path) -> str | None:
@@ -413,22 +373,6 @@ def _mount_of(folder: Path) -> tuple[str, str, set[str]] | None:
     return best
 
 
-def _describe_text(holder: str) -> str:
-    try:
-        return _describe(json_loads(holder))
-    except ValueError:
-        return _describe({})
-
-
-def _describe(h: object) -> str:
-    if isinstance(h, dict) and "odd" in h:
-        return f"something that is not a lock file (a {h['odd']} named {OWNER_NAME}: remove it)"
-    try:
-        return f"pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"  # type: ignore[index]
-    except (KeyError, TypeError):
-        return "a process that has not yet said who it is"
-
-
 def lock_folders(folders: Sequence[UserPath], kind: str = "auto") -> FolderLocks:
     """Take every folder of `folders` (each `path`, created if missing) for this run with `kind`'s
     lock (`job.folder_lock`); collective under a process group (rank 0 locks, every rank learns
@@ -442,15 +386,21 @@ def lock_folders(folders: Sequence[UserPath], kind: str = "auto") -> FolderLocks
     refused: tuple[str, str, str, str] | None = None  # a ConfigError's key, value, problem and fix
     if rank == 0:
         for folder in folders:
+            fix = f"wait for it to end or stop it, or give this run a folder of its own for {folder.key}"
             try:
                 with path_faults(folder.key, folder.value, folder.fix):
-                    real, holder = _acquire(Path(folder.path), kind)
+                    # Looked at first, creating nothing: the folder, or one above it (a folder
+                    # inside another run's, its checkpoint folder say, is that run's too).
+                    other = held_folder(Path(folder.path), mine=_HELD)
+                    real, holder = (None, None) if other else _acquire(Path(folder.path), kind)
             except ConfigError as err:  # said on every rank, not only here
                 real, refused = None, (err.key, err.value, err.problem, err.fix)
             else:
-                if real is None:
-                    refused = (folder.key, folder.value, f"is in use by another run: {holder}",
-                               f"wait for it to end or stop it, or give this run a folder of its own for {folder.key}")
+                if other is not None and other[0] != Path(folder.path).resolve():
+                    refused = (folder.key, folder.value, f"is inside {other[0]}, which another run holds: "
+                               f"{other[1]}", fix)
+                elif real is None:
+                    refused = (folder.key, folder.value, f"is in use by another run: {holder or other[1]}", fix)
             if real is None:
                 FolderLocks(held).release()
                 held = []

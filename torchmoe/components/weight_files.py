@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torchmoe.components import checksums
 from torchmoe.components.dcp_unpickling import RefusedPickle, SafeLoadPlanner, SafeReader, unpickle_metadata
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.file_kinds import NotARegularFile, read_regular, regular_fd
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import describe_os_error
 from torchmoe.config.text import NotUTF8, utf8_text
@@ -178,7 +179,7 @@ def read_json_object(key: str, folder: Path, name: str, fix: str) -> dict:
     if not path.exists():
         raise UnreadableWeights(key, str(folder), f"has no {name}", fix)
     with reading(key, folder, fix, what=name):
-        data = path.read_bytes()
+        data = read_regular(path)
     try:
         value = json_loads(utf8_text(data, nul=False))
     except NotUTF8 as err:
@@ -210,7 +211,7 @@ def _read_dcp_metadata(key: str, folder: Path, fix: str) -> Metadata:
     if not (folder / ".metadata").exists():
         raise UnreadableWeights(key, str(folder), "not a DCP checkpoint (no .metadata)", fix)
     with reading(key, folder, fix, what=".metadata"):
-        data = (folder / ".metadata").read_bytes()
+        data = read_regular(folder / ".metadata")
     problem = checksums.metadata_fault(folder, data)  # before unpickling it: damage is not a refusal
     if problem is not None:
         raise UnreadableWeights(key, str(folder), problem, fix)
@@ -231,10 +232,14 @@ def _data_files_fault(folder: Path, metadata: Metadata) -> str | None:
     loaded, not fail at all. Its size names it before any load."""
     ends = _data_ends(metadata)
     for name, end in sorted(ends.items()):
+        if name in ("", ".", "..") or os.path.basename(name) != name:  # DCP writes plain names only
+            return f".metadata points at the data file {name!r}, which is not a file of this folder: it was altered " \
+                   "or crafted"
         try:
-            with open(folder / name, "rb") as f:  # the OS says what else is wrong with it
-                size = os.fstat(f.fileno()).st_size
-        except OSError as err:
+            fd = regular_fd(folder / name)  # the OS says what else is wrong with it
+            size = os.fstat(fd).st_size
+            os.close(fd)
+        except (OSError, NotARegularFile) as err:
             return read_fault(err)
         if size < end:
             return f"{name} is truncated ({size} bytes; the checkpoint's data needs {end})"

@@ -10,7 +10,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Control characters, and those that print as nothing (zero-width, direction marks, a BOM).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u00ad\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]")
 _ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 
 
@@ -20,8 +21,8 @@ def show_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        # Control characters as TOML writes them: a NUL or an escape sequence shown raw would be
-        # invisible, or act on the terminal.
+        # Control and invisible characters as TOML writes them: a NUL, a zero-width space or an
+        # escape sequence shown raw would be invisible, or act on the terminal.
         return '"' + _CONTROL.sub(lambda m: _ESCAPES.get(m[0], f"\\u{ord(m[0]):04X}"), escaped) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(show_value(v) for v in value) + "]"

@@ -23,6 +23,8 @@ from pathlib import Path
 
 __all__ = ["append", "open_append", "os_cause", "os_error", "write_fault", "write_file"]
 
+_NAME_MAX = 255  # bytes in one name: Linux's file systems (ext4, xfs, btrfs, Lustre, NFS)
+
 
 def os_error(err: OSError, path: str | os.PathLike) -> OSError:
     """`err`, naming `path` when it names no file."""
@@ -40,7 +42,12 @@ def write_file(path: str | os.PathLike, data: str | bytes) -> None:
         OSError: what the OS says, naming `path` (or the temporary file's folder).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    suffix = f".tmp-{os.getpid()}"
+    # A legal name of up to NAME_MAX (255) bytes leaves no room for the suffix: the temporary
+    # name keeps as much of it as fits (whole characters). Else a legal output name failed on
+    # its temporary's, after the work that made the output was done.
+    stem = os.fsencode(path.name)[:_NAME_MAX - 1 - len(suffix)].decode(errors="ignore")
+    tmp = path.with_name(f".{stem}{suffix}")
     payload = data.encode("utf-8") if isinstance(data, str) else data
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:

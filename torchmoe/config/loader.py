@@ -16,6 +16,7 @@ import difflib
 import functools
 import logging
 import typing
+import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.nesting import toml_loads
-from torchmoe.config.paths import READ_KEYS, nonempty_path, path_faults
+from torchmoe.config.paths import PATH_KEYS, READ_KEYS, nonempty_path, path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, translate
@@ -124,7 +125,27 @@ def _toml_value(key: str, value: Any, typ: Any) -> Any:
     if any("\x00" in text for text in texts):  # the OS refuses it in any path, Python with a ValueError
         raise ConfigError(key, value, "holds a NUL byte (\\u0000), which no path, name or text setting can contain",
                           f"remove it from {key.rpartition('.')[2]}")
+    if key in _PATHS_INSIDE:
+        _refuse_invisible(key, value, texts)
     return float(value) if typ is float else value
+
+
+# The keys whose values are or hold paths (a mixture's entries end in one).
+_PATHS_INSIDE = (*PATH_KEYS, "training.dataset_mix")
+
+
+def _refuse_invisible(key: str, value: Any, texts: list[str]) -> None:
+    """A path holding a character that prints as nothing (a zero-width space, a direction mark,
+    a control character) names a folder that looks like another: ``runs/a\u200b`` is not
+    ``runs/a``, and a run writing there seems to have lost its files."""
+    for text in texts:
+        at = next((i for i, ch in enumerate(text) if unicodedata.category(ch) in ("Cf", "Cc")), None)
+        if at is not None:
+            ch = text[at]
+            name = unicodedata.name(ch, "a control character")
+            raise ConfigError(key, value, f"holds an invisible character, U+{ord(ch):04X} ({name}), at position "
+                              f"{at}: the path looks like one without it, and is another",
+                              "type the path again without it (a copy from a web page or chat can carry one)")
 
 
 def _flatten(prefix: str, table: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -161,15 +182,17 @@ def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = N
     """Build a `JobConfig` from parsed TOML; fields left out keep their defaults.
 
     torchtitan v0.2.2's keys are read through `torchmoe.config.torchtitan`: a key mapped there
-    sets its torchmoe keys (a torchmoe key given as well wins); a key without effect adds a
+    sets its torchmoe keys (a torchmoe key given as well must agree with it); a key without effect adds a
     warning line to `notes` (logged when `notes` is None) if its value asks for something.
 
     Raises:
-        ConfigError: an unknown section or key (with the closest valid name) or a wrong type.
+        ConfigError: an unknown section or key (with the closest valid name), a wrong type, or a
+            torchmoe key contradicting the torchtitan key mapped onto it.
     """
     fields = _config_fields()
     own: dict[str, Any] = {}
     mapped: dict[str, Any] = {}
+    sources: dict[str, tuple[str, Any]] = {}  # a mapped key -> the torchtitan key and value that set it
     for section, table in data.items():
         if section not in fields and section not in TORCHTITAN_SECTIONS:
             if not isinstance(table, Mapping):
@@ -193,6 +216,7 @@ def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = N
             elif dotted in TORCHTITAN_KEYS:
                 values, note = translate(dotted, _toml_value(dotted, value, TORCHTITAN_KEYS[dotted].typ))
                 mapped.update(values)
+                sources.update(dict.fromkeys(values, (dotted, value)))
                 _warn(notes, note)
             else:
                 match = _closest_key(dotted)
@@ -200,6 +224,13 @@ def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = N
                     k.partition(".")[2] for k in TORCHTITAN_KEYS if k.startswith(f"{section}.")]
                 fix = f"did you mean {match}?" if match else f"valid keys in [{section}]: {', '.join(valid)}"
                 raise ConfigError(dotted, value, f"unknown key in [{section}]", fix)
+    # One file asking for two things (torchtitan's attn_mask_type = "block_causal" and
+    # document_masking = false): which was meant cannot be known, and one was silently dropped.
+    clash = next((k for k in own if k in mapped and mapped[k] != own[k]), None)
+    if clash is not None:
+        other, said = sources[clash]
+        raise ConfigError(clash, own[clash], f"contradicts {other} = {show_value(said)} in the same file, which "
+                          f"sets {clash} to {show_value(mapped[clash])}", "keep one of the two keys")
     if set_keys is not None:
         set_keys.update(mapped, own)
     return _build({**mapped, **own})
@@ -331,6 +362,8 @@ def _check_override(flag: str, values: list[str]) -> tuple[dict[str, Any], str |
         fix = f"did you mean --{match}?" if match else _HELP_HINT
         raise ConfigError(flag, " ".join(values), "unknown option", fix)
     value = _parse_override(flag, name, typ, values)
+    if name in _PATHS_INSIDE:
+        _refuse_invisible(flag, value, value if isinstance(value, list) else [value])
     return translate(name, value) if torchtitan else ({name: value}, None)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import hashlib
 import logging
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -390,6 +391,11 @@ class DataLoader:
         self.mix = mix
         self.source_names = list(source_names) or ["data"]
         self._source_rows = torch.zeros(len(corpora), dtype=torch.long)  # rows each source filled, all ranks
+        # Each source's identity (its name, dataset and path), saved with a mixture's positions:
+        # the same sources in another order took each other's positions on resume.
+        self._source_ids = torch.tensor([_source_id(name, sources[min(s, len(sources) - 1)])
+                                         for s, name in enumerate(self.source_names)], dtype=torch.long)
+        self._saved_without_ids = False  # a mixture checkpoint from before they were saved
         self._step = 0
 
     @property
@@ -424,6 +430,8 @@ class DataLoader:
           `doc_index` of row j (a document or a part of one, `Documents.split`: its tokens, and
           EOS if it ends its document) in pass `epoch`.
         - `source_rows` (several sources only): int64 (S,), the rows each source has filled.
+        - `source_ids` (several sources only): int64 (S,), each source's identity (its name,
+          dataset and path): a resume with the sources renamed, repointed or reordered is refused.
         - `split`: `ROW_SPLIT`, the rule that cut the corpus into rows (a position means nothing
           under another).
 
@@ -442,6 +450,8 @@ class DataLoader:
         state = {"step": self._step, "rows": rows, "split": torch.tensor(ROW_SPLIT)}
         if self.mix is not None:
             state["source_rows"] = self._source_rows.clone()
+            if not self._saved_without_ids:
+                state["source_ids"] = self._source_ids.clone()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -469,8 +479,10 @@ class DataLoader:
             for streams, (epoch, doc_index, token_offset) in zip(self._streams, positions, strict=True):
                 streams[i].seek(epoch, doc_index, token_offset)
         if self.mix is not None:
+            self._check_source_ids(state.get("source_ids"))
             self._source_rows = state["source_rows"].clone()
         self._step = int(state["step"])
+        self._saved_without_ids = False  # saved from now on
 
     def tokens_by_source(self) -> dict[str, int]:
         """Tokens each source has fed (to every rank together) since the run began: name -> count."""
@@ -494,6 +506,24 @@ class DataLoader:
                     "first document), or start a new run in another job.dump_folder",
                 )  # fmt: skip
             self._check_shape(tuple(saved))
+            self._saved_without_ids = self.mix is not None and "source_ids" not in shapes
+
+    def _check_source_ids(self, saved: torch.Tensor | None) -> None:
+        """Refuse a mixture checkpoint whose sources were others, or in another order (their
+        positions would be read from each other's corpora); `saved` None: saved before the
+        identities were (taken as they are)."""
+        if saved is None or torch.equal(saved, self._source_ids):
+            return
+        moved = [i for i in range(len(self._source_ids)) if saved[i] != self._source_ids[i]]
+        names = ", ".join(f"{i} ({self.source_names[i]})" for i in moved)
+        raise DataConfigError(
+            "training.dataset_mix", ", ".join(self.source_names),
+            f"the checkpoint was saved with other sources at position {names}: each source's position is "
+            "kept by its place in the list, so a source renamed, repointed or moved would continue another's",
+            "resume with the mix the run was saved with (the same names, datasets and paths, in the same order); "
+            'or set checkpoint.exclude_from_loading = ["dataloader"] (every source starts again at its first '
+            "document)",
+        )  # fmt: skip
 
     def _check_shape(self, saved: tuple[int, int]) -> None:
         if saved[0] != self.global_batch_size:
@@ -512,6 +542,12 @@ class DataLoader:
                 "resume with the sources it was saved with; or set checkpoint.exclude_from_loading = "
                 '["dataloader"] (every source starts again at its first document)',
             )  # fmt: skip
+
+
+def _source_id(name: str, source: tuple[str, str] | None) -> int:
+    """A signed 64-bit identity of a mixture source: its name, dataset and path."""
+    text = "\0".join([name, *(source or ("", ""))]).encode("utf-8", errors="surrogateescape")
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
 def _has_text(content: str | np.ndarray) -> bool:

@@ -94,8 +94,10 @@ class MixSchedule:
     """
 
     def __init__(self, weights: list[float], seed: int) -> None:
-        total = sum(weights)
-        self.bounds = np.cumsum(np.array(weights, dtype=np.float64) / total)  # (S,) upper ends of the shares
+        # Scaled by the largest first: the sum of weights near the float maximum (1e308 + 1e308)
+        # is inf, which made every share 0 but the last.
+        scaled = np.array(weights, dtype=np.float64) / max(weights)
+        self.bounds = np.cumsum(scaled / scaled.sum())  # (S,) upper ends of the shares
         self.bounds[-1] = 1.0
         self.offset = (seed * _GOLDEN * _GOLDEN) % 1.0  # another irrational step, so seeds give far-apart offsets
 

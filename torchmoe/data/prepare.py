@@ -47,6 +47,7 @@ from rich.text import Text
 
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.folder_owners import refuse_held
 from torchmoe.config.paths import nonempty_path, path_faults
 from torchmoe.data.dataloader import PIECE_CHARS
 from torchmoe.data.dataset import DataConfigError, Documents, FileDocuments, HFDocuments, local_files
@@ -55,6 +56,7 @@ from torchmoe.data.token_shards import (
     MANIFEST,
     PROGRESS,
     check_digest,
+    load_shard,
     manifest_header,
     read_manifest,
     write_manifest,
@@ -269,6 +271,9 @@ def _resume_point(out_dir: Path, header: dict[str, Any]) -> list[dict[str, Any]]
         for shard in record["shards"]:  # each as written: a resumed run appends to them
             for file, digest in shard["files"].items():
                 check_digest(out_dir, file, digest, "OUT_DIR")
+            # Of the dtype and lengths recorded, never unpickled: a shard that is not (a pickle
+            # whose digest was recorded with it) is refused here, not by the run that reads it.
+            load_shard(out_dir, shard, np.dtype(record["dtype"]), "OUT_DIR")
         return record["shards"]
     out_dir.mkdir(parents=True, exist_ok=True)
     others = sorted(name for name in os.listdir(out_dir) if not _own_temporary(name))
@@ -326,12 +331,14 @@ def prepare(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer_path
     Raises:
         DataConfigError: bad inputs, tokenizer or OUT_DIR (what the OS refuses about it too), or a
             corpus without text.
+        ConfigError: OUT_DIR is a folder a live run holds, or inside one.
     """
     source = open_source(inputs, text_field=text_field, split=split)
     tokenizer = build_tokenizer(tokenizer_path, key="--tokenizer")
     header = manifest_header(tokenizer, source.description, shard_tokens)
     out = Path(out_dir)
     with path_faults("OUT_DIR", str(out_dir), _OUT_FIX, error=DataConfigError):
+        refuse_held("OUT_DIR", str(out_dir), out)  # a live run's folders, or inside one, are its own
         resumed = _resume_point(out, header)
         if isinstance(resumed, dict):
             print(f"{out_dir} already holds these shards: {resumed['documents']:,} documents, "

@@ -52,8 +52,9 @@ from torchmoe.config.paths import path_faults
 from torchmoe.data.documents import DataConfigError, SizedDocuments
 from torchmoe.data.tokenizer import ByteTokenizer, Fingerprint, Tokenizer
 
-__all__ = ["FORMAT", "KINDS", "MANIFEST", "PROGRESS", "VERSION", "TokenShards", "check_digest", "manifest_header",
-           "read_manifest", "shard_file", "shard_name", "token_dtype", "write_manifest", "write_shard"]
+__all__ = ["FORMAT", "KINDS", "MANIFEST", "PROGRESS", "VERSION", "TokenShards", "check_digest", "load_shard",
+           "manifest_header", "read_manifest", "shard_file", "shard_name", "token_dtype", "write_manifest",
+           "write_shard"]
 
 FORMAT = "torchmoe-token-shards"
 VERSION = 1
@@ -232,6 +233,21 @@ def _load(folder: Path, file: str, dtype: np.dtype, count: int, key: str) -> np.
     return array
 
 
+def load_shard(folder: Path, shard: dict[str, Any], dtype: np.dtype,
+               key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The files of the manifest entry `shard` in `folder`, memory-mapped and checked against
+    it: its docs offsets, int64 (documents + 1,); sizes, int64 (documents,); tokens, `dtype`
+    (tokens,). Never unpickles.
+
+    Raises:
+        DataConfigError: as `_load`'s, naming `key`.
+    """
+    int64 = np.dtype(np.int64)
+    return (_load(folder, shard_file(shard["name"], "docs"), int64, shard["documents"] + 1, key),
+            _load(folder, shard_file(shard["name"], "sizes"), int64, shard["documents"], key),
+            _load(folder, shard_file(shard["name"], "tokens"), dtype, shard["tokens"], key))
+
+
 class TokenShards(SizedDocuments):
     """A folder of pre-tokenized shards (module docstring), opened and checked: `manifest.json` (its
     format, version and fields), every shard's files (present, the small index files matching their
@@ -269,11 +285,10 @@ class TokenShards(SizedDocuments):
             self._offsets: list[np.ndarray] = []  # per shard: int64 (its documents + 1,)
             self._sizes: list[np.ndarray] = []  # per shard: int64 (its documents,)
             for s in shards:
-                self._offsets.append(_load(self.folder, shard_file(s["name"], "docs"), np.dtype(np.int64),
-                                           s["documents"] + 1, key))
-                self._sizes.append(_load(self.folder, shard_file(s["name"], "sizes"), np.dtype(np.int64),
-                                         s["documents"], key))
-                self._tokens.append(_load(self.folder, shard_file(s["name"], "tokens"), self.dtype, s["tokens"], key))
+                offsets, sizes, tokens = load_shard(self.folder, s, self.dtype, key)
+                self._offsets.append(offsets)
+                self._sizes.append(sizes)
+                self._tokens.append(tokens)
         # first[k]: the index of shard k's first document; first[-1]: the document count.
         self._first = np.zeros(len(shards) + 1, dtype=np.int64)
         np.cumsum([s["documents"] for s in shards], out=self._first[1:])
@@ -320,18 +335,42 @@ class TokenShards(SizedDocuments):
 
     def tokens(self, index: int) -> np.ndarray:
         """(token_count(index),) ids of document `index`, without BOS/EOS: a read-only view of the
-        memory-mapped shard (copy what outlives this object)."""
-        shard, doc = self._where(index)
-        offsets = self._offsets[shard]
-        return self._tokens[shard][offsets[doc]:offsets[doc + 1]]
+        memory-mapped shard (copy what outlives this object).
+
+        Raises:
+            DataConfigError: the document holds an id outside the manifest's vocabulary, or its
+                offsets in docs.npy are not a range of the shard's tokens (a shard written or
+                changed by something else, its digests forged: an id past the model's embedding
+                is an IndexError mid-step, one inside it trains a token no tokenizer makes, and
+                bad offsets read another document's tokens, or none, silently).
+        """
+        shard, start, end = self._range(index)
+        ids = self._tokens[shard][start:end]
+        if ids.size and int(ids.max()) >= self.manifest["vocab_size"]:
+            raise DataConfigError(self.key, str(self.folder), f"{self.locate(index)} holds token id {int(ids.max())}, "
+                                  f"outside the vocabulary of {self.manifest['vocab_size']} ids its manifest.json "
+                                  "records: the shard was not written by this prepare-data run",
+                                  "prepare the data again with `torchmoe prepare-data` into a new folder")
+        return ids
 
     def read(self, index: int) -> np.ndarray:
         return self.tokens(index)
 
     def token_count(self, index: int) -> int:
+        _, start, end = self._range(index)
+        return end - start
+
+    def _range(self, index: int) -> tuple[int, int, int]:
+        """(shard, start, end) of document `index` in its shard's tokens, checked: one document at
+        a time, as it is read (checking the whole docs.npy at open would read it on every rank)."""
         shard, doc = self._where(index)
-        offsets = self._offsets[shard]
-        return int(offsets[doc + 1] - offsets[doc])
+        start, end = (int(v) for v in self._offsets[shard][doc:doc + 2])
+        if not 0 <= start <= end <= len(self._tokens[shard]):
+            raise DataConfigError(self.key, str(self.folder), f"{self.locate(index)} spans tokens {start} to {end} "
+                                  f"in docs.npy, not a range of the shard's {len(self._tokens[shard])} tokens: the "
+                                  "shard was not written by this prepare-data run",
+                                  "prepare the data again with `torchmoe prepare-data` into a new folder")
+        return shard, start, end
 
     def locate(self, index: int) -> str:
         """Where document `index` is, for messages: ``shard-00003 document 17``."""
@@ -347,6 +386,10 @@ class TokenShards(SizedDocuments):
         made the shards (the same fingerprint hash)."""
         made, given = self.fingerprint(), tokenizer.fingerprint()
         if made.hash == given.hash:
+            if self.manifest["vocab_size"] != tokenizer.vocab_size:  # the hash matched, the number was changed
+                raise DataConfigError(self.key, str(self.folder), f"its manifest.json records a vocabulary of "
+                                      f"{self.manifest['vocab_size']} ids, but its tokenizer ({given}) has "
+                                      f"{tokenizer.vocab_size}", "prepare the data again into a new folder")
             return
         raise DataConfigError(
             "model.tokenizer_path", _setting(given), f"the shards in {self.folder} were tokenized with {made}, "

@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -93,6 +95,27 @@ def _tensors_only_transport(timeout: timedelta):
     return _TensorsOnlyTransport(timeout=timeout, num_chunks=0)
 
 
+def check_lighthouse(url: str, fix: str, timeout_s: float = 10.0) -> None:
+    """`url` is a lighthouse address that answers: http(s)://HOST:PORT, where a TCP connection
+    opens within `timeout_s` (torchft's own connect fails only after its timeout, with a Rust
+    error's traceback).
+
+    Raises:
+        ConfigError: naming `LIGHTHOUSE_ENV`, `url` and the OS's reason.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError as err:  # a port that is no number
+        raise ConfigError(LIGHTHOUSE_ENV, url, f"is not an address: {err}", fix) from None
+    if parts.scheme not in ("http", "https") or not host or port is None:
+        raise ConfigError(LIGHTHOUSE_ENV, url, "is not an http://HOST:PORT address", fix)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(LIGHTHOUSE_ENV, url, f"cannot be reached: {err.strerror or err}", fix) from None
+
+
 def connect(cfg: FaultTolerance, *, quorum_timeout_s: float, log_level: str = "info"):
     """This rank's torchft `Manager`, on the process group `cfg` names, reaching the lighthouse
     at `TORCHFT_LIGHTHOUSE` (a `ConfigError` when unset).
@@ -102,10 +125,12 @@ def connect(cfg: FaultTolerance, *, quorum_timeout_s: float, log_level: str = "i
             waited for this long when fewer than min_replica_size are up).
     """
     torchft = import_torchft(log_level)
-    if not os.environ.get(LIGHTHOUSE_ENV):
-        raise ConfigError(LIGHTHOUSE_ENV, "", "is not set: fault_tolerance.enable needs a torchft lighthouse",
-                          f"start one (torchmoe lighthouse --min-replicas {cfg.min_replica_size}) and export "
-                          f"{LIGHTHOUSE_ENV}=http://HOST:PORT as it prints, for every group's launch")
+    start = (f"start one (torchmoe lighthouse --min-replicas {cfg.min_replica_size}) and export "
+             f"{LIGHTHOUSE_ENV}=http://HOST:PORT as it prints, for every group's launch")
+    url = os.environ.get(LIGHTHOUSE_ENV, "")
+    if not url:
+        raise ConfigError(LIGHTHOUSE_ENV, "", "is not set: fault_tolerance.enable needs a torchft lighthouse", start)
+    check_lighthouse(url, start)
     timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
     pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
           else torchft.ProcessGroupNCCL(timeout=timeout))

@@ -3,6 +3,8 @@ cannot serve is refused before any group starts (`distributed.fault_tolerance` r
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from torchmoe.config.errors import ConfigError, show_value
@@ -41,6 +43,12 @@ def check_fault_tolerance(cfg: JobConfig, degrees: dict[str, int], check_device:
                           "quantizes on CUDA (torchft's triton kernels over NCCL), and this run's syncs cross groups "
                           f"on {show_value(ft.process_group)} from {show_value(cfg.training.device)}",
                           'set should_quantize = false, or train on CUDA GPUs with process_group = "nccl"')
+    if check_device and not all(name in os.environ for name in ("MASTER_ADDR", "MASTER_PORT")):
+        # torchft's Manager reads them (a KeyError: 'MASTER_ADDR' traceback before).
+        raise ConfigError("fault_tolerance.enable", True, "runs each replica group as a torchrun launch, and this "
+                          "process was not started by torchrun (MASTER_ADDR and MASTER_PORT are not set)",
+                          "launch each group with torchrun, also with one rank: TORCHFT_LIGHTHOUSE=http://HOST:PORT "
+                          "torchrun --nproc-per-node N -m torchmoe train ...")
     if check_device:
         from torchmoe.distributed.fault_tolerance import import_torchft
 

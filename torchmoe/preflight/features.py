@@ -13,6 +13,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.hf_storage import require_hf_form
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
+from torchmoe.config.launch_env import launch_int
 from torchmoe.plan.layout import param_specs
 from torchmoe.plan.parallel_dims import ParallelDims
 
@@ -143,13 +144,19 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 def check_launch(checkpoint: Checkpoint, world_size: int) -> None:
     """A multi-rank run must have been started by a launcher: WORLD_SIZE > 1 alone (exported in
-    a shell, say) would wait for peers that never come. A seed checkpoint is one process's job."""
+    a shell, say) would wait for peers that never come; a RANK no launcher sets (``abc``, or
+    not below WORLD_SIZE) would fail inside the process group's start. A seed checkpoint is one
+    process's job."""
+    rank = launch_int("RANK", 0)
     missing = [v for v in LAUNCH_VARS if v not in os.environ]
     if world_size > 1 and missing:
         raise ConfigError("WORLD_SIZE", world_size, f"is set, but not by torchrun: {', '.join(missing)} "
                           "missing from the environment",
                           f"launch with torchrun --nproc-per-node {world_size} -m torchmoe train ..., "
                           "or unset WORLD_SIZE to run in one process")
+    if world_size > 1 and rank >= world_size:
+        raise ConfigError("RANK", rank, f"is not below WORLD_SIZE ({world_size}): no rank of this world has it",
+                          "launch with torchrun, which numbers the ranks 0 .. WORLD_SIZE - 1")
     if checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError("checkpoint.create_seed_checkpoint", True,
                           f"a seed checkpoint is written by one process, but the world has {world_size} ranks",
