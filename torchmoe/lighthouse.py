@@ -20,12 +20,23 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.distributed.fault_tolerance import LIGHTHOUSE_ENV, import_torchft
 from torchmoe.interruption import Interrupted
 
+# What each number may be: beyond these a lighthouse serves nothing useful (a quorum that waits
+# for more groups than any job has, a tick of a day between quorums), and beyond 2**64 torchft's
+# core cannot even take it (an OverflowError it reported as a bind failure).
+BOUNDS = {
+    "min_replicas": (1, 100_000, "replica groups"),
+    "join_timeout_ms": (1, 86_400_000, "ms (a day)"),
+    "heartbeat_timeout_ms": (1, 86_400_000, "ms (a day)"),
+    "quorum_tick_ms": (1, 60_000, "ms (a minute)"),
+}
+
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="torchmoe lighthouse", description=__doc__.split("\n\n")[0])
     parser.add_argument("--min-replicas", type=int, default=1,
                         help="fewest replica groups in a quorum (fault_tolerance.min_replica_size); default 1")
-    parser.add_argument("--bind", default="[::]:29510", help='address to listen on (default "[::]:29510")')
+    parser.add_argument("--bind", default="[::]:29510",
+                        help='HOST:PORT to listen on, PORT 0 for any free one (default "[::]:29510")')
     parser.add_argument("--join-timeout-ms", type=int, default=60000,
                         help="how long a quorum waits for more groups to join once it could form (default 60000)")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
@@ -34,23 +45,38 @@ def _parser() -> ArgumentParser:
     return parser
 
 
+def _check_bind(bind: str) -> None:
+    """`bind` is HOST:PORT with a port a socket can have (torchft's own error for "[::]" or a
+    port of 99999 says only "invalid port value")."""
+    host, sep, port = bind.rpartition(":")
+    fix = 'pass HOST:PORT, e.g. --bind "[::]:29510" (every interface) or --bind "0.0.0.0:0" (any free port)'
+    if not sep or not host:
+        raise ConfigError("--bind", bind, "is not HOST:PORT (an IPv6 host goes in brackets: [::1]:29510)", fix)
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ConfigError("--bind", bind, f"has no port a socket can have ({port!r}: 0 .. 65535)", fix)
+
+
 def lighthouse_main(argv: Sequence[str]) -> int:
     """`torchmoe lighthouse ARGS`; returns the exit status (ConfigError propagates: exit 2)."""
     opts = parse_args(_parser(), argv)
     if opts is None:
         return 0
-    for key in ("min_replicas", "join_timeout_ms", "heartbeat_timeout_ms", "quorum_tick_ms"):
-        if getattr(opts, key) < 1:
-            flag = "--" + key.replace("_", "-")
-            raise ConfigError(flag, getattr(opts, key), "must be >= 1", f"pass a positive value, e.g. {flag} 1")
+    for key, (low, high, unit) in BOUNDS.items():
+        value, flag = getattr(opts, key), "--" + key.replace("_", "-")
+        if value < low:
+            raise ConfigError(flag, value, f"must be >= {low}", f"pass a positive value, e.g. {flag} 1")
+        if value > high:
+            raise ConfigError(flag, value, f"must be at most {high:,} {unit}",
+                              f"pass at most {high}; the default is {_parser().get_default(key)}")
+    _check_bind(opts.bind)
     import_torchft()
     from torchft.coordination import LighthouseServer
 
     try:
         server = LighthouseServer(bind=opts.bind, min_replicas=opts.min_replicas,
-                                          join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
-                                          heartbeat_timeout_ms=opts.heartbeat_timeout_ms)
-    except Exception as err:  # the Rust server's bind error (address in use, no such host) carries no type
+                                  join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
+                                  heartbeat_timeout_ms=opts.heartbeat_timeout_ms)
+    except RuntimeError as err:  # the Rust server's bind error (address in use, no such host)
         raise ConfigError("--bind", opts.bind, f"the lighthouse cannot listen there ({err})",
                           'pass a free HOST:PORT, e.g. --bind "[::]:29511"') from None
     port = server.address().rsplit(":", 1)[1]

@@ -73,7 +73,7 @@ from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch, PeerFailed
-from torchmoe.distributed.fault_tolerance import ReplicaGroups, connect
+from torchmoe.distributed.fault_tolerance import ReplicaGroups, connect, watch_lighthouse
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
@@ -271,12 +271,14 @@ class Trainer:
         self._live: dict | None = None
         self._group_steps: torch.Tensor | None = None  # the sum of the group's step numbers (`_reduce_loss_and_flags`)
         if ft.enable:
+            quorum_s = cfg.comm.init_timeout_seconds
             self.replicas = ReplicaGroups(
-                connect(ft, quorum_timeout_s=cfg.comm.init_timeout_seconds, log_level=cfg.metrics.log_level), ft,
+                connect(ft, quorum_timeout_s=quorum_s, log_level=cfg.metrics.log_level), ft,
                 layout=self._group_layout(),
                 known_models=[self._model_text(name, flavor) for name, flavors in FLAVORS.items() for flavor in flavors],
                 position_width=len(encode_position(self.dataloader.state_dict())), state=self._live_state,
-                load=self._load_live_state, device=self.device)
+                load=self._load_live_state, device=self.device, quorum_timeout_s=quorum_s,
+                watch=watch_lighthouse(ft, self.rank, self.world_size))
             self.state["fault_tolerance"] = self.replicas
             self.state["row_positions"] = RankLocal(self.replicas.positions, rank=self.rank)
             if ft.semi_sync_method:
@@ -769,8 +771,10 @@ class Trainer:
         steps = cfg.training.steps
         flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
         if self.replicas is not None:
-            # The first quorum before the metrics file is opened: a group that is behind takes a
-            # peer's live state now, and its records of the steps it committed before stay.
+            # The first quorum before the metrics logger starts: a group that is behind takes a
+            # peer's live state now, and the progress bar and ETA start at its step. (Its records
+            # of the steps it committed before stay either way: the file is cut only from the
+            # first step logged, as an asynchronous quorum recovers later, at a commit.)
             self._refresh_live_refs()
             self.replicas.begin_step()
             self._quorum_joined = True
@@ -1053,6 +1057,10 @@ class Trainer:
         if self.log_file is not None:
             self.log_file.close(error)
         self.folder_locks.release()
+        if self.replicas is not None:
+            # torchft's servers and threads: a quorum thread still retrying a lighthouse that is
+            # gone would hold the interpreter's exit until the quorum's timeout.
+            self.replicas.shutdown()
 
     def close(self, error: BaseException | None = None) -> None:
         """Leave together with every rank (the run ended the same way on all of them; `error`
@@ -1061,8 +1069,6 @@ class Trainer:
         while (NCCL at scale), and a watch still polling then would take the store host's exit
         (rank 0 under srun) for a failure."""
         self.release(error)
-        if self.replicas is not None:
-            self.replicas.shutdown()
         if self.failure_watch is not None:
             self.failure_watch.stop()
         if dist.is_initialized():

@@ -18,6 +18,7 @@ and the EP/PP suites), so groups of any layout must give HSDP's loss and gradien
     group 1 with another flavor stops with exit 2 naming both, and group 0 goes on waiting; then
     both are killed and relaunched from their checkpoints: the whole run is HSDP's, around both
     outages;
+  - the lighthouse restarted: the groups go on; gone for good: every group stops, exit 2;
   - local SGD and DiLoCo: equal weights exactly at the syncs.
 
 The kill test trains the debugmodel flavor (about 1 s a step here) so that the survivor is still
@@ -291,6 +292,7 @@ def test_with_an_async_quorum_a_relaunched_group_recovers_at_a_commit(tmp_path: 
         first = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
         first[1].wait_for(lambda r: bool(r) and r[-1]["step"] >= 4, "group 1 reaches step 4")
         first[1].kill()
+        lived = first[1].records()  # its first life's records (steps 1 .. 4 or more)
         back = ReplicaGroup(1, args, out, lighthouse, tag="-restarted")
         first[0].finish()
         back.finish()
@@ -298,6 +300,9 @@ def test_with_an_async_quorum_a_relaunched_group_recovers_at_a_commit(tmp_path: 
         lighthouse.close()
     recovered = re.findall(r"recovered the live state of step (\d+)", back.log.read_text())
     assert recovered, back.log.read_text()[-3000:]
+    # The relaunch starts at step 0 and recovers at a commit, later: its first life's records
+    # stay (the file was cut at its start before, and they were lost).
+    assert len(lived) >= 4 and back.records()[:len(lived)] == lived
     states = [_states(out / f"replica_{g}" / "checkpoint" / f"step-{STEPS}") for g in (0, 1)]
     assert sorted(states[0]) == sorted(states[1]) and all(torch.equal(states[0][k], states[1][k]) for k in states[0])
     tables = _row_tables(out, range(2), STEPS)
@@ -306,6 +311,45 @@ def test_with_an_async_quorum_a_relaunched_group_recovers_at_a_commit(tmp_path: 
     held = {r["step"]: r["ft_participants"] for g in (first[0], back) for r in g.records()}
     assert sorted(held) == list(range(1, STEPS + 1))
     assert tables[0][:, 1].sum().item() == sum(held.values()), (tables[0], held)
+
+
+def test_a_lighthouse_back_in_time_goes_unnoticed_and_one_gone_stops_every_group_at_once(tmp_path: Path) -> None:
+    """The lighthouse stopped at step 3 and started again at its address (away the 2-3 s of its
+    start): both groups go on, never a step alone (their manager servers try it again every
+    second). Stopped for good: every group stops with exit 2 and one message naming
+    TORCHFT_LIGHTHOUSE, within lighthouse_timeout_ms and a probe (torchft hung ~300 s, then a
+    TimeoutError traceback)."""
+    out = tmp_path / "ft"
+    timeout_s = 8.0
+    args = [*JOB, *FT, "--training.steps", "1000", "--fault_tolerance.lighthouse_timeout_ms", str(int(timeout_s * 1000))]
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")
+    port = lighthouse.url.rsplit(":", 1)[1]
+    groups = [ReplicaGroup(g, args, out, lighthouse) for g in (0, 1)]
+    try:
+        groups[0].wait_for(lambda r: bool(r) and r[-1]["step"] >= 3, "group 0 reaches step 3")
+        lighthouse.close()
+        lighthouse = Lighthouse(tmp_path / "lighthouse-again.log", "--min-replicas", "2", "--bind", f"[::]:{port}")
+        again = max(group.last_step() for group in groups) + 3
+        for group in groups:
+            group.wait_for(lambda r: r[-1]["step"] >= again, f"{group.metrics.parent.name} steps on")
+        lighthouse.close()
+        gone = time.monotonic()
+        codes = [group.proc.wait(timeout=120) for group in groups]
+        took = time.monotonic() - gone
+    finally:
+        lighthouse.close()
+        for group in groups:
+            if group.proc.poll() is None:
+                group.kill()
+    assert codes == [1, 1]  # torchrun's, for a worker that failed (with 2)
+    assert timeout_s - 1 < took < timeout_s + 10, took
+    for group in groups:
+        log = group.log.read_text()
+        assert "exitcode  : 2" in log and "Traceback" not in log.split("failed (exitcode: 2)")[0], log[-3000:]
+        assert log.count(f'error: TORCHFT_LIGHTHOUSE = "{lighthouse.url}": stopped answering during the run') == 1
+        records = group.records()
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= again
+        assert all(r["ft_participants"] == 2 for r in records)
 
 
 def _semi_sync_run(tmp_path: Path, name: str, method: list[str], every: int, *, sync_steps: int = 5,

@@ -53,6 +53,8 @@ FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
      "not an allowed value", 'did you mean "diloco"'),
     ([*FT, "--fault_tolerance.process_group_timeout_ms", "0"], "fault_tolerance.process_group_timeout_ms = 0",
      "milliseconds", "e.g. 10000"),
+    ([*FT, "--fault_tolerance.lighthouse_timeout_ms", "-1"], "fault_tolerance.lighthouse_timeout_ms = -1",
+     "milliseconds", "e.g. 10000"),
     ([*FT, "--fault_tolerance.outer_momentum", "1.0"], "fault_tolerance.outer_momentum = 1.0", "[0, 1)",
      "such as 0.9"),
     ([*FT, "--parallelism.data_parallel_replicate_degree", "2", "--world-size", "4"],
@@ -128,6 +130,14 @@ def test_a_replica_group_without_torchrun_is_one_message(tmp_path: Path, capsys:
     (["--bind", "no-such-host.invalid:1"], "--bind = \"no-such-host.invalid:1\": the lighthouse cannot listen there"),
     (["--min-replicas", "two"], "torchmoe lighthouse"),
     (["--port", "1"], "unrecognized arguments: --port 1"),
+    # Beyond what torchft's core takes (2**64): an OverflowError reported as a bind failure before.
+    (["--min-replicas", str(2**70)], f"--min-replicas = {2**70}: must be at most 100,000 replica groups"),
+    (["--join-timeout-ms", str(2**64)], f"--join-timeout-ms = {2**64}: must be at most 86,400,000 ms"),
+    (["--quorum-tick-ms", "3600000"], "--quorum-tick-ms = 3600000: must be at most 60,000 ms"),
+    (["--bind", "[::]"], '--bind = "[::]": has no port a socket can have'),
+    (["--bind", "0.0.0.0:99999"], '--bind = "0.0.0.0:99999": has no port a socket can have'),
+    (["--bind", "29510"], '--bind = "29510": is not HOST:PORT'),
+    (["--bind", ":29510"], '--bind = ":29510": is not HOST:PORT'),
 ])
 def test_lighthouse_bad_flags_are_one_message(capsys: pytest.CaptureFixture[str], flags: list[str],
                                              expected: str) -> None:
@@ -217,7 +227,7 @@ def _groups(manager: _FakeManager, *, replica_id: int = 0, group_size: int = 2, 
     cfg = FaultTolerance(enable=True, group_size=group_size, replica_id=replica_id)
     return ReplicaGroups(manager, cfg, layout=layout, known_models=["llama4/tiny, float32", "llama4/debugmodel, float32"],
                          position_width=width, state=lambda: {"w": 1}, load=lambda state, position: None,
-                         device=torch.device("cpu"))
+                         device=torch.device("cpu"), quorum_timeout_s=300.0)
 
 
 def _peer(layout: GroupLayout, group: int, *, committed: int = 0, position=(5.0, 6.0, 7.0), loss: float = 3.0,
@@ -295,12 +305,68 @@ def test_two_launches_with_one_replica_id_stop() -> None:
         groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
 
 
+class _QuorumNeverForms(_FakeManager):
+    """torchft's Manager when too few groups are up: the quorum times out (its client's timeout)."""
+
+    def start_quorum(self) -> None:
+        raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+
+
+def test_a_quorum_that_never_forms_is_one_message_naming_what_to_launch() -> None:
+    """min_replica_size 2 and one group up for the whole quorum timeout: a TimeoutError traceback
+    from torchft's thread before."""
+    cfg = FaultTolerance(enable=True, group_size=2, min_replica_size=2)
+    groups = ReplicaGroups(_QuorumNeverForms(_peer(LAYOUT, 1)), cfg, layout=LAYOUT, known_models=[],
+                           position_width=3, state=lambda: {}, load=lambda state, position: None,
+                           device=torch.device("cpu"), quorum_timeout_s=300.0)
+    with pytest.raises(ConfigError) as err:
+        groups.begin_step()
+    assert str(err.value) == (
+        'fault_tolerance.min_replica_size = 2: no quorum of that many replica groups formed within 300 s '
+        '(comm.init_timeout_seconds): fewer were up, or the lighthouse did not answer (status: Cancelled, message: '
+        '"Timeout expired")\n  fix: launch the missing groups (each resumes from its newest checkpoint, or takes a '
+        "peer's live state), or wait longer for them with a larger comm.init_timeout_seconds")
+
+
+def test_a_commit_that_times_out_is_not_taken_for_a_quorum() -> None:
+    class _CommitTimesOut(_FakeManager):
+        def should_commit(self) -> bool:
+            raise TimeoutError("commit")
+
+    groups = _groups(_CommitTimesOut(_peer(LAYOUT, 1)))
+    groups.begin_step()
+    groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
+    with pytest.raises(TimeoutError, match="commit"):
+        groups.commit(1)
+
+
+@pytest.mark.parametrize(("timeout_s", "retries"), [(300, 299), (10, 9), (1, 0), (0.5, 0)])
+def test_the_lighthouse_is_tried_again_every_second_within_the_quorum_timeout(
+        monkeypatch: pytest.MonkeyPatch, timeout_s: float, retries: int) -> None:
+    """torchft sleeps timeout / (retries + 1) between tries: 1 s (a restarted lighthouse is
+    reached within a second; with none, a failed request hung the group for the timeout)."""
+    import sys
+    import types
+
+    made = {}
+    fake = types.SimpleNamespace(ProcessGroupGloo=lambda timeout: "pg", Manager=lambda **kw: made.update(kw))
+    monkeypatch.setitem(sys.modules, "torchft", fake)
+    monkeypatch.setattr("torchmoe.distributed.fault_tolerance.check_lighthouse", lambda url, fix: None)
+    monkeypatch.setattr("torchmoe.distributed.fault_tolerance._tensors_only_transport", lambda timeout: None)
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://127.0.0.1:1")
+    from torchmoe.distributed.fault_tolerance import connect
+
+    connect(FaultTolerance(enable=True, group_size=2), quorum_timeout_s=timeout_s)
+    assert made["quorum_retries"] == retries and made["quorum_timeout"].total_seconds() == timeout_s
+
+
 def test_a_recovering_group_refuses_a_peer_of_another_layout_and_takes_its_own_rows() -> None:
     taken = []
     manager = _FakeManager(_peer(LAYOUT, 1))
     cfg = FaultTolerance(enable=True, group_size=2, replica_id=1)
     ReplicaGroups(manager, cfg, layout=LAYOUT, known_models=[], position_width=3, state=lambda: {},
-                  load=lambda state, position: taken.append((state, position)), device=torch.device("cpu"))
+                  load=lambda state, position: taken.append((state, position)), device=torch.device("cpu"),
+                  quorum_timeout_s=300.0)
     table = RowPositions(2, 3)
     table.commit({1: [4.0, 5.0, 6.0]})
     manager.load({"trainer": {"w": 2}, "layout": LAYOUT.codes(), "positions": table.state_dict()})

@@ -314,3 +314,48 @@ def test_records_a_full_disk_refuses_are_held_and_written_in_order(tmp_path: Pat
                               "device: the record of step 5 could not be written (training and its checkpoints "
                               "went on)\n  fix: free space on that filesystem (or use a folder on another one), then "
                               "run again")
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize(("first", "kept"), [
+    (1, []),  # a restart before the first checkpoint: the whole earlier life is logged again
+    (4, [1, 2, 3]),  # a resume of the step-3 checkpoint: steps 4 and 5 again, torn line gone
+    (9, [1, 2, 3, 4, 5]),  # a relaunched replica group that took a peer's state of step 8
+])
+def test_an_earlier_lifes_records_are_cut_from_the_first_step_logged(tmp_path: Path, first: int,
+                                                                     kept: list[int]) -> None:
+    """The cut waits for the first record: a replica group relaunched at step 0 takes a peer's
+    live state of step N, and its records before N are its history (cut at the start before)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    m = MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=20, console=_console()[0])
+    assert len(path.read_text().splitlines()) == 6  # nothing cut before a record
+    m.record_step(first, {"loss": 100.0})
+    m.log(first + 1, {"loss": 101.0})
+    m.close()
+    assert _losses(path) == [*map(float, kept), 100.0, 101.0]
+
+
+def test_an_earlier_lifes_records_are_cut_once_the_disk_takes_them(tmp_path: Path, monkeypatch) -> None:
+    """A full disk at the cut (its rewrite refused) holds the record like a refused append; the
+    next record the disk takes cuts, then writes both, in order."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 6)))
+    real_write_file, full = metrics_mod.write_file, {"on": True}
+
+    def write_file(*args, **kwargs):
+        if full["on"]:
+            raise OSError(28, "No space left on device")
+        return real_write_file(*args, **kwargs)
+
+    monkeypatch.setattr(metrics_mod, "write_file", write_file)
+    m = MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=20, console=_console()[0])
+    m.log(3, {"loss": 30.0})
+    assert _losses(path) == [1.0, 2.0, 3.0, 4.0, 5.0] and m._file.fault is not None
+    full["on"] = False
+    m.log(4, {"loss": 40.0})
+    m.close()
+    assert _losses(path) == [1.0, 2.0, 30.0, 40.0] and m._file.fault is None

@@ -19,10 +19,11 @@ run's compute dtype; null when the peak is unknown, e.g. on CPU), `memory_gib` (
 given, `tokens_per_expert` (a list per MoE layer); the first step of a run that resumed a
 checkpoint also `resumed_from` (the checkpoint's step). `elapsed_s` counts from the logger's
 start unless given. Non-finite numbers are written as null so the file stays strict JSON. A
-resumed run appends again from its checkpoint step, so a step can appear twice: the later line
-is the one that continues. Records are appended whole or not at all: one the filesystem refuses
-(a full disk) is held in memory and written once it can be (training goes on); a run that ends
-with records still held ends with exit 2 naming them.
+run that continues a dump folder's metrics.jsonl (a resumed checkpoint, a restart before the
+first one, a relaunched replica group) drops its records from the step it logs first on, and
+appends: each step is in the file once, its latest life's. Records are appended whole or not at
+all: one the filesystem refuses (a full disk) is held in memory and written once it can be
+(training goes on); a run that ends with records still held ends with exit 2 naming them.
 
 TensorBoard and W&B (`metrics.enable_tensorboard`, `metrics.enable_wandb`; see `wandb_logger`) get
 each record's numbers and every MoE layer's `layer_imbalance`; TensorBoard also the per-expert
@@ -218,19 +219,21 @@ def _lines(path: Path) -> list[str]:
         return []
 
 
-def _drop_records_after(path: Path, step: int) -> None:
-    """Remove from `path` the records of steps after `step` (and a line torn by a kill): a run
-    resuming at `step` logs them again, and metrics.jsonl holds each step once. Rewritten to a
-    temporary file and renamed, so a crash here loses nothing."""
+def _drop_records_from(path: Path, step: int) -> bool:
+    """Remove from `path` the records of `step` and after (and a line torn by a kill): an earlier
+    life of this run logged them, and this one is about to log them again (metrics.jsonl holds
+    each step once). Rewritten to a temporary file and renamed, so a crash here loses nothing.
+    Returns whether the file was rewritten."""
     kept, dropped = [], 0
     for line in _lines(path):
         record = parse_record(line)
-        if record is not None and record["step"] <= step:
+        if record is not None and record["step"] < step:
             kept.append(line)
         else:
             dropped += 1
     if dropped:
         write_file(path, "".join(f"{line}\n" for line in kept))
+    return bool(dropped)
 
 
 def check_history(dump_folder: Path, cfg: JobConfig) -> None:
@@ -261,13 +264,20 @@ class _RecordFile:
     """metrics.jsonl, appended one whole record at a time (`file_writes.append`). A record the
     filesystem refuses (a full disk) is held in memory, with those after it, and written in order
     with the next record the file takes again: training goes on, the file never holds a torn
-    record, and `fault` says why records are held (`MetricsLogger.require_written`)."""
+    record, and `fault` says why records are held (`MetricsLogger.require_written`).
+
+    An earlier life's records are cut when the first record comes, from its step on: only then
+    is the step this process continues from known. A relaunched replica group starts at step 0
+    and takes a peer's live state at step N; its records of steps before N, logged before it
+    died, are its history (cut at the start, they were lost).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd: int | None = open_append(path)
         self.held: list[tuple[int, bytes]] = []  # (step, its line), oldest first
         self.fault: OSError | None = None
+        self._cut = True  # the earlier life's records from the first record's step on are still there
 
     def add(self, step: int, line: str) -> None:
         self.held.append((step, line.encode("utf-8")))
@@ -275,18 +285,23 @@ class _RecordFile:
 
     def flush(self) -> None:
         """Write the held records, oldest first, until the file refuses one."""
-        while self.held and self.fd is not None:
-            step, line = self.held[0]
-            try:
-                append(self.fd, line, self.path)
-            except OSError as err:
-                if self.fault is None:
-                    logger.warning("%s: %s: the record of step %d and those after it are held in memory and "
-                                   "written once the file takes them; training goes on", self.path,
-                                   err.strerror, step)
-                self.fault = err
-                return
-            self.held.pop(0)
+        try:
+            if self._cut and self.held and self.fd is not None:
+                if _drop_records_from(self.path, self.held[0][0]):
+                    fd = open_append(self.path)  # the rewrite replaced the file this one appended to
+                    os.close(self.fd)
+                    self.fd = fd
+                self._cut = False
+            while self.held and self.fd is not None:
+                append(self.fd, self.held[0][1], self.path)
+                self.held.pop(0)
+        except OSError as err:
+            if self.fault is None:
+                logger.warning("%s: %s: the record of step %d and those after it are held in memory and "
+                               "written once the file takes them; training goes on", self.path,
+                               err.strerror, self.held[0][0])
+            self.fault = err
+            return
         if self.fault is not None and not self.held:
             logger.info("%s takes records again: the ones held back are written", self.path)
             self.fault = None
@@ -345,7 +360,6 @@ class MetricsLogger:
         if rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_records_after(self.path, start_step)
         if cfg.enable_wandb:  # first: when W&B refuses to start, nothing is open yet
             self._wandb = WandbRun(Path(dump_folder), cfg, run_config=run_config, resuming=start_step > 0)
         self._file = _RecordFile(self.path)

@@ -340,6 +340,8 @@ class FaultTolerance:
     """torchft's process group across groups: 'gloo' (host tensors; any device) or 'nccl' (CUDA)."""
     process_group_timeout_ms: int = 10000
     """Timeout of the collectives across groups, and of a step's quorum and commit: a group silent this long is dropped from the step."""
+    lighthouse_timeout_ms: int = 10000
+    """How long the lighthouse may not answer while a step waits on the groups: one restarted at its address within it goes unnoticed; past it every group stops with exit 2 naming TORCHFT_LIGHTHOUSE (launch them again once it is up: each resumes from its newest checkpoint)."""
     gradient_average: str = "auto"
     """Where gradients cross groups: 'backward' = each FSDP unit's as FSDP's backward reduces it (its all-reduce hook: on a GPU overlapped with the rest of the backward), 'after_backward' = all at once after the backward in buckets, 'auto' = 'backward' with process_group 'nccl', else 'after_backward' (gloo blocks the host in every collective, so one bucket costs less than one per unit). Without FSDP in the group always after the backward."""
     async_quorum: bool = False

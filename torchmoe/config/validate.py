@@ -329,10 +329,11 @@ def validate_fault_tolerance(ft: FaultTolerance) -> None:
     one_of("fault_tolerance.process_group", ft.process_group, FT_PROCESS_GROUPS)
     one_of("fault_tolerance.semi_sync_method", ft.semi_sync_method, SEMI_SYNC_METHODS)
     one_of("fault_tolerance.gradient_average", ft.gradient_average, GRADIENT_AVERAGES)
-    if not 1 <= ft.process_group_timeout_ms <= MAX_TIMEOUT_SECONDS * 1000:
-        raise ConfigError("fault_tolerance.process_group_timeout_ms", ft.process_group_timeout_ms,
-                          f"must lie in 1 .. {MAX_TIMEOUT_SECONDS * 1000} milliseconds",
-                          "set a timeout in milliseconds, e.g. 10000")
+    for key, example in (("process_group_timeout_ms", 10000), ("lighthouse_timeout_ms", 10000)):
+        value = getattr(ft, key)
+        if not 1 <= value <= MAX_TIMEOUT_SECONDS * 1000:
+            raise ConfigError(f"fault_tolerance.{key}", value, f"must lie in 1 .. {MAX_TIMEOUT_SECONDS * 1000} "
+                              "milliseconds", f"set a timeout in milliseconds, e.g. {example}")
     if ft.async_quorum and ft.semi_sync_method:
         raise ConfigError("fault_tolerance.async_quorum", True,
                           f"is for groups that meet every step; semi_sync_method = {show_value(ft.semi_sync_method)} "

@@ -250,9 +250,11 @@ class FailureWatch:
         self._reported.set()
         global _FAILED, _LEAVING
         _FAILED, _LEAVING = True, self
-        peer = lost_peer(err)
         # A collective whose peer process is gone is no error of this rank's: the peer died
         # without a word (it would have published its own error first), and every rank is told so.
+        # A user error is this rank's own, whatever OS reason its text quotes ("Connection
+        # refused" of a lighthouse that is gone).
+        peer = None if isinstance(err, ConfigError) else lost_peer(err)
         mine = Failure(self.rank, 1, f"rank {self.rank} lost its connection to {peer}", LOST_PEER) if peer else \
             Failure(self.rank, exit_status(err), f"{type(err).__name__}: {err}")
         first = self.failure or self._claim(mine)

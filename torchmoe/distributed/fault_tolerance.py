@@ -38,11 +38,13 @@ state sent holds only plain tensors (DTensors as their local shards, `local_tens
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -53,6 +55,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import FaultTolerance
+from torchmoe.distributed.lighthouse_watch import EXIT_AFTER_S, LighthouseWatch
 from torchmoe.distributed.replica_state import GroupLayout, RowPositions
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,10 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # flat buffers of at most this many bytes: one collective per bucket instead of one per
 # parameter, without a second copy of every gradient at once.
 BUCKET_BYTES = 256 * 2**20
+# How often a group's manager server tries the lighthouse again when a quorum request failed
+# (the lighthouse gone, or restarting): torchft spreads its retries evenly over the quorum's
+# timeout, and without any a failed request hung the group until that timeout.
+QUORUM_RETRY_S = 1.0
 
 
 def import_torchft(log_level: str = "info"):
@@ -122,7 +129,10 @@ def connect(cfg: FaultTolerance, *, quorum_timeout_s: float, log_level: str = "i
 
     Args:
         quorum_timeout_s: how long a step's quorum may take to form (groups that are down are
-            waited for this long when fewer than min_replica_size are up).
+            waited for this long when fewer than min_replica_size are up). Within it a failed
+            request to the lighthouse is tried again every `QUORUM_RETRY_S`: a lighthouse
+            restarted at its address is reached within a second (the groups' watch,
+            `watch_lighthouse`, stops them when it is away longer than lighthouse_timeout_ms).
     """
     torchft = import_torchft(log_level)
     start = (f"start one (torchmoe lighthouse --min-replicas {cfg.min_replica_size}) and export "
@@ -138,7 +148,19 @@ def connect(cfg: FaultTolerance, *, quorum_timeout_s: float, log_level: str = "i
         pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_replica_size,
         use_async_quorum=cfg.async_quorum, replica_id=f"torchmoe_{cfg.replica_id}", timeout=timeout,
         quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timeout,
+        quorum_retries=max(0, math.ceil(quorum_timeout_s / QUORUM_RETRY_S) - 1),
         checkpoint_transport=_tensors_only_transport(timeout))
+
+
+def watch_lighthouse(cfg: FaultTolerance, rank: int, world_size: int) -> LighthouseWatch | None:
+    """On the group's rank 0 (whose manager server talks to the lighthouse), the watch that stops
+    the group with one message once the lighthouse is gone for fault_tolerance.lighthouse_timeout_ms
+    (`lighthouse_watch`); None on the other ranks (the failure protocol stops them with it).
+    `world_size`: the group's ranks."""
+    if rank != 0:
+        return None
+    return LighthouseWatch(os.environ[LIGHTHOUSE_ENV], env=LIGHTHOUSE_ENV, timeout_s=cfg.lighthouse_timeout_ms / 1000,
+                           exit_after_s=EXIT_AFTER_S["with_peers" if world_size > 1 else "alone"])
 
 
 class ReplicaGroups:
@@ -154,12 +176,18 @@ class ReplicaGroups:
         load: applies such a state from a healthy peer, with this group's row position in it
             (encoded; None when no step of it counted yet).
         device: where the small per-step tensors live (the device the gradients are on).
+        quorum_timeout_s: what `connect` was given: a quorum not formed by then is a
+            `ConfigError` naming min_replica_size (torchft's own `TimeoutError` before).
+        watch: the lighthouse's watch (`watch_lighthouse`), around every wait on the groups.
     """
 
     def __init__(self, manager, cfg: FaultTolerance, *, layout: GroupLayout, known_models: Sequence[str],
                  position_width: int, state: Callable[[], dict[str, Any]],
-                 load: Callable[[dict[str, Any], list[float] | None], None], device: torch.device) -> None:
-        self.manager, self.cfg, self.layout, self.device = manager, cfg, layout, device
+                 load: Callable[[dict[str, Any], list[float] | None], None], device: torch.device,
+                 quorum_timeout_s: float, watch: LighthouseWatch | None = None) -> None:
+        self.manager, self.cfg, self.layout, self.device, self.watch = manager, cfg, layout, device, watch
+        self.quorum_timeout_s = quorum_timeout_s
+        self._shut_down = False
         self.known_models = list(known_models)
         self._user_state, self._user_load = state, load
         self.positions = RowPositions(cfg.group_size, position_width)
@@ -187,7 +215,8 @@ class ReplicaGroups:
         self._hook_calls = self._hook_numel = 0
         self._step_positions = {}
         began = time.perf_counter()
-        self.manager.start_quorum()
+        with self._waiting(quorum=True):
+            self.manager.start_quorum()
         self._blocked_s += time.perf_counter() - began
 
     def attach(self, model_parts: Sequence[nn.Module]) -> bool:
@@ -211,7 +240,8 @@ class ReplicaGroups:
         self._compare_layouts()
         self._hook_calls += 1
         self._hook_numel += reduced.numel()
-        self.manager.allreduce(reduced).wait()
+        with self._waiting(quorum=True):  # an asynchronous quorum is waited for in the first collective
+            self.manager.allreduce(reduced).wait()
         self._blocked_s += time.perf_counter() - began
 
     def reduce(self, loss: torch.Tensor, counts: torch.Tensor | None, grads: Callable[[], list[torch.Tensor]],
@@ -230,7 +260,8 @@ class ReplicaGroups:
         head = torch.cat([loss.detach().double().view(1),
                           *([counts.double().flatten()] if counts is not None else [])]).to(self.device)
         flat = torch.cat([head, table.flatten()])
-        self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        with self._waiting(quorum=True):
+            self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         rows = flat[1 + n_counts:].view(self.cfg.group_size, len(slot)).cpu().tolist()
         if not self._compared:  # no hook compared them (the gradients are averaged after this)
             self._compared = True
@@ -264,7 +295,8 @@ class ReplicaGroups:
         part: the optimizer may step. A collective within the group: every rank calls it. On a
         commit the step's groups' positions become their committed ones."""
         began = time.perf_counter()
-        committed = self.manager.should_commit()
+        with self._waiting():
+            committed = self.manager.should_commit()
         self._blocked_s += time.perf_counter() - began
         if committed:
             self.positions.commit(self._step_positions)
@@ -287,14 +319,16 @@ class ReplicaGroups:
         pending = []
         for bucket in _buckets(tensors):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            work = self.manager.allreduce(flat, should_quantize=True) if quantize else self.manager.allreduce(flat)
+            with self._waiting(quorum=True):
+                work = self.manager.allreduce(flat, should_quantize=True) if quantize else self.manager.allreduce(flat)
             pending.append((bucket, flat, work))
         self._blocked_s += time.perf_counter() - began
 
         def wait() -> None:
             began = time.perf_counter()
             for bucket, flat, work in pending:
-                work.wait()
+                with self._waiting():
+                    work.wait()
                 for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
                     t.copy_(piece.view_as(t))
             self._blocked_s += time.perf_counter() - began
@@ -310,7 +344,8 @@ class ReplicaGroups:
         codes = self.layout.codes()
         table = torch.zeros(self.cfg.group_size, 2 + len(codes), dtype=torch.int64, device=self.device)
         table[self.cfg.replica_id] = torch.tensor([1, self.committed_here, *codes], dtype=torch.int64)
-        self.manager.allreduce(table, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        with self._waiting(quorum=True):
+            self.manager.allreduce(table, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         self._check_layouts(table.cpu().tolist())
 
     def _check_layouts(self, rows: list[list[int]]) -> None:
@@ -361,6 +396,24 @@ class ReplicaGroups:
         self.positions.load_state_dict(state["positions"])
         self._user_load(state["trainer"], self.positions.get(self.cfg.replica_id))
 
+    @contextmanager
+    def _waiting(self, *, quorum: bool = False) -> Iterator[None]:
+        """Around a wait on the other groups: the lighthouse's watch may end it (`watch`). With
+        `quorum` (a wait that may be the step's quorum's: the start of a step, or with an
+        asynchronous quorum its first collective), torchft's `TimeoutError` for a quorum that
+        did not form is a `ConfigError` naming what to launch."""
+        try:
+            with self.watch.waiting() if self.watch is not None else nullcontext():
+                yield
+        except TimeoutError as err:
+            if not quorum:
+                raise
+            raise ConfigError("fault_tolerance.min_replica_size", self.cfg.min_replica_size,
+                              f"no quorum of that many replica groups formed within {self.quorum_timeout_s:g} s "
+                              f"(comm.init_timeout_seconds): fewer were up, or the lighthouse did not answer ({err})",
+                              "launch the missing groups (each resumes from its newest checkpoint, or takes a peer's "
+                              "live state), or wait longer for them with a larger comm.init_timeout_seconds") from None
+
     def take_blocked_s(self) -> float:
         """Seconds the training thread waited on work across groups since the last call."""
         blocked, self._blocked_s = self._blocked_s, 0.0
@@ -380,7 +433,12 @@ class ReplicaGroups:
         self.manager.load_state_dict(state)
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        """Stop the watch and torchft's manager (its servers and threads). Idempotent."""
+        if self.watch is not None:
+            self.watch.close()
+        if not self._shut_down:
+            self._shut_down = True
+            self.manager.shutdown(wait=False)
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
