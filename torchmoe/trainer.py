@@ -180,6 +180,7 @@ class Trainer:
         nccl_traces = self.device.type == "cuda" and world_size > 1
         self.folder_locks = lock_folders(written_folders(cfg, nccl_traces=nccl_traces), cfg.job.folder_lock)
         self.log_file: LogFile | None = None
+        self.replicas: ReplicaGroups | None = None  # set by `_build` under fault tolerance; `release` stops it
         try:
             if cfg.metrics.enable_log_files:
                 self.log_file = LogFile.attach(self.dump_folder, self.rank, cfg.metrics.log_level)
@@ -261,7 +262,6 @@ class Trainer:
         self.step = 0
         self.last_result: StepResult | None = None  # this process's newest step, for the closing line
         self.validation_loss: float | None = None  # the newest, for the closing line
-        self.replicas: ReplicaGroups | None = None
         # The replica groups when they meet every step (fault tolerance without semi_sync_method).
         self.step_replicas: ReplicaGroups | None = None
         self.semi_sync: SemiSync | None = None

@@ -21,8 +21,9 @@ and the EP/PP suites), so groups of any layout must give HSDP's loss and gradien
   - the lighthouse restarted: the groups go on; gone for good: every group stops, exit 2;
   - local SGD and DiLoCo: equal weights exactly at the syncs.
 
-The kill test trains the debugmodel flavor (about 1 s a step here) so that the survivor is still
-training when the relaunched groups, whose start takes seconds, rejoin.
+The kill test paces the tiny model's steps to 1.5 s (`paced_steps/sitecustomize.py`: the rest of
+each step slept) so that the survivor is still training when the relaunched groups, whose start
+takes seconds, rejoin; steps of a larger model lasted as long but took the suite's cores.
 """
 
 from __future__ import annotations
@@ -47,9 +48,7 @@ STEPS = 20
 JOB = ["--config", DEBUG_CONFIG, "--training.steps", str(STEPS), "--training.seq_len", "64",
        "--training.local_batch_size", "2", "--training.global_batch_size", "8", "--metrics.log_freq", "1",
        "--lr_scheduler.warmup_steps", "2"]
-# The kill test's job: the debugmodel flavor, whose steps are long enough (about 1 s for a group
-# alone here) that the survivor is still training when the relaunched groups rejoin.
-SLOW = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4"]
+PACED_STEPS = Path(__file__).parent / "paced_steps"
 # A killed peer fails the others' collectives at once (its connections close), so the timeout
 # only bounds waits on live peers: 30 s, as ranks of groups on two busy cores (the suite's other
 # worker running its own worlds) reached a sync's commit more than 5 s apart.
@@ -155,13 +154,15 @@ def _row_tables(out: Path, groups: range, step: int) -> list[torch.Tensor]:
             ["row_positions.rank0.table"] for g in groups]
 
 
-def test_two_of_three_groups_killed_at_once_rejoin(tmp_path: Path) -> None:
+def test_two_of_three_groups_killed_at_once_rejoin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "ft"
-    # Room for the survivor to step alone while the relaunched groups start (alone here: 7 steps
-    # of about 2 s; they rejoined 15 s after their launch), and a few steps of all three after.
+    # Room for the survivor to step alone while the relaunched groups start (they rejoined 15 s
+    # after their launch: 10 steps of 1.5 s), and a few steps of all three after.
     steps = 24
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PACED_STEPS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("TORCHMOE_TEST_STEP_S", "1.5")
     three = ["--fault_tolerance.group_size", "3", "--training.global_batch_size", "24", "--training.steps", str(steps)]
-    args = [*JOB, *SLOW, *FT, *three, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    args = [*JOB, *FT, *three, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     # A quorum waits up to 10 s for groups that are alive (heartbeating) but late: six ranks on
     # two cores skew by more than the default second, and a group left out of a step must take
     # the others' state in the next. A dead group stops heartbeating and is not waited for.

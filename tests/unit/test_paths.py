@@ -104,3 +104,27 @@ def test_ranks_sharing_a_pid_check_one_folder_at_once(tmp_path: Path, monkeypatc
     assert writable_folder(tmp_path) == writable_folder(tmp_path) == tmp_path
     assert len(set(seen)) == 2 and all("4242" in name for name in seen)  # a name of its own each time
     assert sorted(p.name for p in tmp_path.iterdir()) == [".torchmoe-write-check-4242"]
+
+
+def test_a_nodes_other_ranks_ask_the_kernel_instead_of_creating_a_probe(tmp_path: Path, monkeypatch) -> None:
+    """Under a launcher only LOCAL_RANK 0 creates a probe file (N ranks creating and deleting one
+    each in a shared folder were 2N writes under its lock); the others refuse the usual cases
+    alike, from `access` and a stat."""
+    from torchmoe.config.errors import ConfigError
+    from torchmoe.preflight.files import _check_folder
+
+    created = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: created.append(Path(path).name) or real_open(path, *a, **k))
+    for local_rank, probes in (("0", 1), ("3", 0)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        created.clear()
+        _check_folder("job.dump_folder", str(tmp_path / "run"), tmp_path / "run")
+        assert len([name for name in created if name.startswith(".torchmoe-write-check-")]) == probes
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"Not a directory"):
+        _check_folder("job.dump_folder", str(tmp_path / "file" / "run"), tmp_path / "file" / "run")
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only mount, or no permission
+    with pytest.raises(ConfigError, match=r"cannot create files in it: Permission denied"):
+        _check_folder("job.dump_folder", str(tmp_path / "run"), tmp_path / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -239,10 +239,12 @@ def key_value(cfg: JobConfig, key: str) -> str:
 # ---- looking before writing --------------------------------------------------------------------
 
 
-def writable_folder(folder: Path) -> Path:
+def writable_folder(folder: Path, *, create: bool = True) -> Path:
     """`folder`, or the nearest ancestor that exists (where the writer creates the rest), once this
     process has created a file in it; creates nothing that stays. Writes and deletes one empty file
-    to find out: permission bits do not tell (root, read-only mounts, ACLs).
+    to find out: permission bits do not tell (root, read-only mounts, ACLs). Without `create`
+    asks the kernel instead (`access`: permissions and read-only mounts; ACLs and an NFS server's
+    root squashing only the probe finds), for ranks whose node's first rank creates the file.
 
     Raises:
         OSError: what the OS says: a file in the way, a symbolic link to nothing (a writer's mkdir
@@ -261,11 +263,17 @@ def writable_folder(folder: Path) -> Path:
     # pids, and a pid alone let one rank's O_EXCL meet another's probe ("File exists").
     probe = existing / f".torchmoe-write-check-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # "Not a directory" for a file
+        if create:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # "Not a directory" for a file
+        elif not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        elif not os.access(existing, os.W_OK | os.X_OK):  # EROFS or EACCES, as the create's
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as err:  # about the folder, not the probe's made-up name
         raise OSError(err.errno, f"cannot create files in it: {err.strerror}{_kernel_file_system(existing)}",
                       str(existing)) from None
-    os.unlink(probe)
+    if create:
+        os.unlink(probe)
     return existing
 
 

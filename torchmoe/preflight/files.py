@@ -20,6 +20,7 @@ from torchmoe.components.run_logs import LOG_FILE_NAME, LOG_FOLDER
 from torchmoe.components.wandb_logger import RUN_ID_FILE, WANDB_FOLDER
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
+from torchmoe.config.launch_env import launch_int
 from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_file, writable_folder, written_folders
 from torchmoe.data.dataset import DataConfigError, FileDocuments, build_documents
 from torchmoe.data.documents import SizedDocuments
@@ -225,9 +226,13 @@ def check_dry_run_outputs(job: Job) -> None:
 
 def _check_folder(key: str, value: str, folder: Path) -> None:
     """`folder`, or the nearest ancestor that exists (the run creates the rest), must be a
-    folder this process can create files in (`writable_folder`)."""
+    folder this process can create files in (`writable_folder`). Under a launcher only the
+    node's first rank (LOCAL_RANK 0) creates its probe file; the node's other ranks, which share
+    its mounts, ask the kernel (`access`: permissions and read-only mounts, so that they refuse
+    alike in the usual cases). Every rank creating and deleting a file in one folder was 2N
+    writes under that folder's lock (Lustre, GPFS) as the job started."""
     with path_faults(key, value, WRITE_FIX):
-        writable_folder(folder)
+        writable_folder(folder, create=launch_int("LOCAL_RANK", 0) == 0)
 
 
 def _check_file(key: str, value: str, file: Path) -> None:
