@@ -60,6 +60,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -98,6 +99,13 @@ def leave_if_failed(status: int) -> None:
     and process groups) are still referenced: in the handler that reported the error, before
     unwinding frees them."""
     if _FAILED:
+        if threading.current_thread() is threading.main_thread():
+            # Leaving with `status` already: a peer that saw the report mark may exit first, and
+            # torchrun's SIGTERM to this rank, still waiting for the other peers' marks, ended it
+            # by the signal (exit -15 instead of its own status: a CI failure): the CLI's
+            # handlers, which would ignore it, are gone once its `interrupt_on_signals` has ended.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
         if _LEAVING is not None:
             _LEAVING.settle_report()
         sys.stdout.flush()

@@ -240,8 +240,7 @@ class ReplicaGroups:
         self._compare_layouts()
         self._hook_calls += 1
         self._hook_numel += reduced.numel()
-        with self._waiting(quorum=True):  # an asynchronous quorum is waited for in the first collective
-            self.manager.allreduce(reduced).wait()
+        self._all_reduce(reduced)
         self._blocked_s += time.perf_counter() - began
 
     def reduce(self, loss: torch.Tensor, counts: torch.Tensor | None, grads: Callable[[], list[torch.Tensor]],
@@ -260,8 +259,7 @@ class ReplicaGroups:
         head = torch.cat([loss.detach().double().view(1),
                           *([counts.double().flatten()] if counts is not None else [])]).to(self.device)
         flat = torch.cat([head, table.flatten()])
-        with self._waiting(quorum=True):
-            self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        self._all_reduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
         rows = flat[1 + n_counts:].view(self.cfg.group_size, len(slot)).cpu().tolist()
         if not self._compared:  # no hook compared them (the gradients are averaged after this)
             self._compared = True
@@ -344,8 +342,7 @@ class ReplicaGroups:
         codes = self.layout.codes()
         table = torch.zeros(self.cfg.group_size, 2 + len(codes), dtype=torch.int64, device=self.device)
         table[self.cfg.replica_id] = torch.tensor([1, self.committed_here, *codes], dtype=torch.int64)
-        with self._waiting(quorum=True):
-            self.manager.allreduce(table, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        self._all_reduce(table, reduce_op=torch.distributed.ReduceOp.SUM)
         self._check_layouts(table.cpu().tolist())
 
     def _check_layouts(self, rows: list[list[int]]) -> None:
@@ -395,6 +392,14 @@ class ReplicaGroups:
                               "launch this group with the others' config; only fault_tolerance.replica_id differs")
         self.positions.load_state_dict(state["positions"])
         self._user_load(state["trainer"], self.positions.get(self.cfg.replica_id))
+
+    def _all_reduce(self, tensor: torch.Tensor, **kwargs) -> None:
+        """`manager.allreduce(tensor, **kwargs)`, waited for. Its start waits for an asynchronous
+        quorum (`_waiting(quorum=True)`); its wait is the collective's."""
+        with self._waiting(quorum=True):
+            work = self.manager.allreduce(tensor, **kwargs)
+        with self._waiting():
+            work.wait()
 
     @contextmanager
     def _waiting(self, *, quorum: bool = False) -> Iterator[None]:
