@@ -28,9 +28,8 @@ from rich.table import Table
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.attention_kernel import MATH
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
-from torchmoe.config.loader import write_config_toml
+from torchmoe.config.loader import resolved_config_text
 from torchmoe.config.output_files import check_output_file, write_output
-from torchmoe.config.paths import path_faults
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
@@ -192,9 +191,8 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
                           "plan for more GPUs, a device with more memory, a shorter seq_len or smaller batch, "
                           "or --free the keys the config fixes")
     if out is not None:
-        check_output_file("--out", str(out), _OUT_FIX)  # again: the search took seconds
-        with path_faults("--out", str(out), _OUT_FIX):
-            write_config_toml(best.cfg, out)
+        # Looked at again before the write: the search took seconds.
+        write_output("--out", out, resolved_config_text(best.cfg, out), _OUT_FIX)
         console.print(f"wrote {out}: torchmoe train --config {out}" +
                       (f" (torchrun --nproc-per-node {gpus_per_node or profile.gpus_per_node} ...)" if gpus > 1 else ""))
     return result

@@ -60,7 +60,7 @@ from torchmoe.components.dcp_unpickling import KnownMetadata, SafeLoadPlanner
 from torchmoe.components.finite import refuse_nonfinite, require_finite
 from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.file_kinds import check_regular
+from torchmoe.config.file_kinds import check_regular, is_plain_name
 from torchmoe.config.file_writes import write_file
 from torchmoe.distributed.one_reader import one_reads
 from torchmoe.distributed.process_groups import device_backend
@@ -236,8 +236,7 @@ def _check_files(hf_dir: Path, key: str, fix: str) -> None:
         weight_map = read_json_object(key, hf_dir, _INDEX, fix).get("weight_map")
         if not isinstance(weight_map, dict):
             raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} has no \"weight_map\" object", fix)
-        outside = sorted({str(f) for f in weight_map.values() if os.path.basename(str(f)) != str(f)
-                          or str(f) in ("", ".", "..")})
+        outside = sorted({str(f) for f in weight_map.values() if not is_plain_name(str(f))})
         if outside:  # transformers writes plain names: the loader reads only the folder's own files
             raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} lists files outside the folder, e.g. "
                                     f"{outside[:3]}: it was altered or crafted", fix)

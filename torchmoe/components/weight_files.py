@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torchmoe.components import checksums
 from torchmoe.components.dcp_unpickling import RefusedPickle, SafeLoadPlanner, SafeReader, unpickle_metadata
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.file_kinds import NotARegularFile, read_regular, regular_fd
+from torchmoe.config.file_kinds import NotARegularFile, is_plain_name, read_regular, regular_fd
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import describe_os_error
 from torchmoe.config.text import NotUTF8, utf8_text
@@ -232,13 +232,15 @@ def _data_files_fault(folder: Path, metadata: Metadata) -> str | None:
     loaded, not fail at all. Its size names it before any load."""
     ends = _data_ends(metadata)
     for name, end in sorted(ends.items()):
-        if name in ("", ".", "..") or os.path.basename(name) != name:  # DCP writes plain names only
+        if not is_plain_name(name):
             return f".metadata points at the data file {name!r}, which is not a file of this folder: it was altered " \
                    "or crafted"
         try:
             fd = regular_fd(folder / name)  # the OS says what else is wrong with it
-            size = os.fstat(fd).st_size
-            os.close(fd)
+            try:
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
         except (OSError, NotARegularFile) as err:
             return read_fault(err)
         if size < end:

@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["NotARegularFile", "check_regular", "file_kind", "read_regular", "regular_fd"]
+__all__ = ["NotARegularFile", "check_regular", "file_kind", "is_plain_name", "read_regular", "regular_fd"]
 
 _KINDS = ((stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
           (stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link"))
@@ -24,6 +24,13 @@ _KINDS = ((stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"), (stat.S_
 
 class NotARegularFile(ValueError):
     """A file read as data is something else (a named pipe, a device, a socket), in one sentence."""
+
+
+def is_plain_name(name: str) -> bool:
+    """Whether `name`, read from a folder's own index (a DCP `.metadata`, an HF weight map),
+    names a file of that folder: no separator, not ``.`` or ``..`` (the writers record plain
+    names; anything else was altered or crafted to reach out of the folder)."""
+    return name not in ("", ".", "..") and os.path.basename(name) == name
 
 
 def file_kind(mode: int) -> str | None:

@@ -269,9 +269,13 @@ def write_config_toml(cfg: JobConfig, path: str | Path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = f"# Resolved torchmoe job config. Rerun it: python -m torchmoe train --config {path}\n\n"
-    write_file(path, header + config_toml(cfg))
+    write_file(path, resolved_config_text(cfg, path))
     return path
+
+
+def resolved_config_text(cfg: JobConfig, path: str | Path) -> str:
+    """`write_config_toml`'s text for a file at `path`: a header saying how to rerun it, then the TOML."""
+    return f"# Resolved torchmoe job config. Rerun it: python -m torchmoe train --config {path}\n\n" + config_toml(cfg)
 
 
 def differing_keys(a: JobConfig, b: JobConfig) -> list[str]:

@@ -27,6 +27,7 @@ from torchmoe.config.paths import path_faults, writable_file, writable_folder
 
 __all__ = ["check_output_file", "write_output"]
 
+
 def check_output_file(key: str, value: str, fix: str, path: Path | None = None) -> Path:
     """`value` as the file `key` names for a command to write (or `path`, the file `value` leads
     to: a folder's default file), refused before any work when the write would replace a link or
