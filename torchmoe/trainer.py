@@ -817,8 +817,8 @@ class Trainer:
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
                 result = self.last_result = self._committed_step()
                 self.step += 1
-                # This step's waits on other groups (its failed attempts' included).
-                ft_blocked_s = self.replicas.take_blocked_s() if self.replicas is not None else 0.0
+                # This step's waits on and traffic to other groups (its failed attempts' included).
+                ft_report = self.replicas.take_report() if self.replicas is not None else {}
                 extra = {}
                 if self.semi_sync is not None:
                     # A group's rows count as trained once a sync commits: its position rides in it.
@@ -874,7 +874,7 @@ class Trainer:
                         "tokens_per_sec": tokens_per_sec,
                         "tflops": flops_per_token * tokens_per_sec / self.dims.world_size / 1e12,
                         "memory_gib": peak_memory_gib(self.device),
-                        **({"ft_participants": result.participants, "ft_blocked_s": ft_blocked_s}
+                        **({"ft_participants": result.participants, **ft_report}
                            if self.step_replicas is not None else {}),
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)

@@ -199,10 +199,12 @@ class ReplicaGroups:
         self.attached = False  # gradients are averaged inside FSDP's backward (`attach`)
         self.committed_here = 0  # steps this process committed: who joined later, on a layout clash
         self.contributors = 0  # groups whose gradients the last `reduce` averaged
-        # Seconds the training thread waited on work across groups since `take_blocked_s`: on the
+        # Since `take_report`: seconds the training thread waited on work across groups (on the
         # host (CPU, gloo) every collective's; on a GPU the quorum, the small collective and the
-        # commit (FSDP's hooks only queue theirs on its all-reduce stream).
+        # commit: FSDP's hooks only queue theirs on its all-reduce stream), and the collectives
+        # across groups this rank started with the bytes it sent into them.
         self._blocked_s = 0.0
+        self._collectives = self._sent_bytes = 0
         manager.register_state_dict_fn("torchmoe", self._load, self._state)
 
     # ---- the step's four points ------------------------------------------------------------------
@@ -317,8 +319,7 @@ class ReplicaGroups:
         pending = []
         for bucket in _buckets(tensors):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            with self._waiting(quorum=True):
-                work = self.manager.allreduce(flat, should_quantize=True) if quantize else self.manager.allreduce(flat)
+            work = self._start(flat, **({"should_quantize": True} if quantize else {}))
             pending.append((bucket, flat, work))
         self._blocked_s += time.perf_counter() - began
 
@@ -394,12 +395,18 @@ class ReplicaGroups:
         self._user_load(state["trainer"], self.positions.get(self.cfg.replica_id))
 
     def _all_reduce(self, tensor: torch.Tensor, **kwargs) -> None:
-        """`manager.allreduce(tensor, **kwargs)`, waited for. Its start waits for an asynchronous
-        quorum (`_waiting(quorum=True)`); its wait is the collective's."""
-        with self._waiting(quorum=True):
-            work = self.manager.allreduce(tensor, **kwargs)
+        """`_start(tensor, **kwargs)`, waited for: the wait is the collective's."""
+        work = self._start(tensor, **kwargs)
         with self._waiting():
             work.wait()
+
+    def _start(self, tensor: torch.Tensor, **kwargs):
+        """`manager.allreduce(tensor, **kwargs)`, counted (`take_report`); its start waits for an
+        asynchronous quorum (`_waiting(quorum=True)`). Returns the collective's work."""
+        self._collectives += 1
+        self._sent_bytes += tensor.numel() * tensor.element_size()
+        with self._waiting(quorum=True):
+            return self.manager.allreduce(tensor, **kwargs)
 
     @contextmanager
     def _waiting(self, *, quorum: bool = False) -> Iterator[None]:
@@ -419,10 +426,13 @@ class ReplicaGroups:
                               "launch the missing groups (each resumes from its newest checkpoint, or takes a peer's "
                               "live state), or wait longer for them with a larger comm.init_timeout_seconds") from None
 
-    def take_blocked_s(self) -> float:
-        """Seconds the training thread waited on work across groups since the last call."""
-        blocked, self._blocked_s = self._blocked_s, 0.0
-        return blocked
+    def take_report(self) -> dict[str, float | int]:
+        """Since the last call: ``ft_blocked_s``, the seconds the training thread waited on work
+        across groups; ``ft_collectives``, the collectives across groups this rank started, and
+        ``ft_bytes``, the bytes it sent into them (its tensors' sizes)."""
+        report = {"ft_blocked_s": self._blocked_s, "ft_collectives": self._collectives, "ft_bytes": self._sent_bytes}
+        self._blocked_s, self._collectives, self._sent_bytes = 0.0, 0, 0
+        return report
 
     @property
     def participants(self) -> int:
