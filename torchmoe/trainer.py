@@ -283,7 +283,7 @@ class Trainer:
             self.state["row_positions"] = RankLocal(self.replicas.positions, rank=self.rank)
             if ft.semi_sync_method:
                 self.semi_sync = SemiSync(self.replicas, ft, self._local_named_params,
-                                          [m.expert_bias for m in self.moe_layers],
+                                          [(n, b) for n, b in self.model.named_buffers() if n.endswith("expert_bias")],
                                           layer_ids=range(self.model_args.n_layers + self.model_args.mtp_layers))
                 self.state["semi_sync"] = RankLocal(self.semi_sync, rank=self.rank)
             else:
@@ -522,7 +522,10 @@ class Trainer:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing
         first and all-reducing once is the same gradient, with one all-reduce per step instead
         of one per micro-batch. HSDP keeps its per-micro-batch reduce-scatter (deferring it would
-        hold unsharded gradients); under PP the pipeline stages manage their own syncs."""
+        hold unsharded gradients); under PP the pipeline stages manage their own syncs. Replica
+        groups (fault tolerance) are the replicate dimension: FSDP's hooks cross them alike."""
+        if self.step_replicas is not None:
+            self.step_replicas.set_requires_all_reduce(last)
         if self.schedule is not None or not self.dims.dp_replicate_enabled:
             return
         if self.dims.fsdp_enabled:
