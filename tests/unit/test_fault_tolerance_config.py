@@ -7,7 +7,9 @@ and recovered state checked against this rank's before it is taken.
 
     python -m pytest -q tests/unit/test_fault_tolerance_config.py
 
-(Groups training, failing and recovering: tests/distributed/test_fault_tolerance.py.)
+(FSDP's hooks and gradient accumulation: tests/unit/test_fault_tolerance_overlap.py; the
+semi-synchronous syncs: tests/unit/test_semi_sync.py; groups training, failing and recovering:
+tests/distributed/test_fault_tolerance.py.)
 """
 
 from __future__ import annotations
