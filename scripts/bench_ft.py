@@ -10,6 +10,8 @@ recover. 2 groups x 2 ranks (FSDP 2 inside each) of the debugmodel flavor, a lig
     blocked         median seconds per step the training thread waited on work across groups
                     (the metrics' ft_blocked_s: quorum, FSDP's all-reduce hooks, the small
                     collective, the commit)
+    traffic         median collectives across groups per step and MB a rank sent into them
+                    (the metrics' ft_collectives and ft_bytes)
     failure_to_step seconds from `kill -9` of group 1 (in its step 6) to group 0's next step
                     (the failed step's retry without it)
     recovery        seconds from group 1's new launch to its first step with group 0, and the
@@ -50,10 +52,12 @@ def overhead(tmp: Path) -> dict:
     for mode, flags in (("sync", []), ("async", ["--fault_tolerance.async_quorum", "true"])):
         groups = run_replica_groups([*JOB, *FT, *flags], tmp / f"ft_{mode}", "--min-replicas", "2")
         step = statistics.mean(_step_seconds(group.records(), 2 * 4 * 256) for group in groups)
-        blocked = statistics.mean(statistics.median(r["ft_blocked_s"] for r in group.records() if r["step"] > 2)
-                                  for group in groups)
+        blocked, collectives, sent = (
+            statistics.mean(statistics.median(r[key] for r in group.records() if r["step"] > 2) for group in groups)
+            for key in ("ft_blocked_s", "ft_collectives", "ft_bytes"))
         result |= {f"ft_2x2_{mode}_step_s": step, f"ft_{mode}_overhead": step / hsdp - 1,
-                   f"ft_{mode}_blocked_s": blocked}
+                   f"ft_{mode}_blocked_s": blocked, f"ft_{mode}_collectives": collectives,
+                   f"ft_{mode}_sent_mb": sent / 1e6}
     return result
 
 

@@ -283,7 +283,7 @@ class Trainer:
             self.state["row_positions"] = RankLocal(self.replicas.positions, rank=self.rank)
             if ft.semi_sync_method:
                 self.semi_sync = SemiSync(self.replicas, ft, self._local_named_params,
-                                          [m.expert_bias for m in self.moe_layers],
+                                          [(n, b) for n, b in self.model.named_buffers() if n.endswith("expert_bias")],
                                           layer_ids=range(self.model_args.n_layers + self.model_args.mtp_layers))
                 self.state["semi_sync"] = RankLocal(self.semi_sync, rank=self.rank)
             else:
@@ -522,7 +522,10 @@ class Trainer:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing
         first and all-reducing once is the same gradient, with one all-reduce per step instead
         of one per micro-batch. HSDP keeps its per-micro-batch reduce-scatter (deferring it would
-        hold unsharded gradients); under PP the pipeline stages manage their own syncs."""
+        hold unsharded gradients); under PP the pipeline stages manage their own syncs. Replica
+        groups (fault tolerance) are the replicate dimension: FSDP's hooks cross them alike."""
+        if self.step_replicas is not None:
+            self.step_replicas.set_requires_all_reduce(last)
         if self.schedule is not None or not self.dims.dp_replicate_enabled:
             return
         if self.dims.fsdp_enabled:
@@ -817,8 +820,8 @@ class Trainer:
                 ep_bytes = ep_bytes_moved(self.model) if self.dims.ep_enabled else 0
                 result = self.last_result = self._committed_step()
                 self.step += 1
-                # This step's waits on other groups (its failed attempts' included).
-                ft_blocked_s = self.replicas.take_blocked_s() if self.replicas is not None else 0.0
+                # This step's waits on and traffic to other groups (its failed attempts' included).
+                ft_report = self.replicas.take_report() if self.replicas is not None else {}
                 extra = {}
                 if self.semi_sync is not None:
                     # A group's rows count as trained once a sync commits: its position rides in it.
@@ -874,7 +877,7 @@ class Trainer:
                         "tokens_per_sec": tokens_per_sec,
                         "tflops": flops_per_token * tokens_per_sec / self.dims.world_size / 1e12,
                         "memory_gib": peak_memory_gib(self.device),
-                        **({"ft_participants": result.participants, "ft_blocked_s": ft_blocked_s}
+                        **({"ft_participants": result.participants, **ft_report}
                            if self.step_replicas is not None else {}),
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)

@@ -11,6 +11,9 @@ and the EP/PP suites), so groups of any layout must give HSDP's loss and gradien
   - FSDP 2 inside each group (gradients averaged inside FSDP's backward, and no fsync or rename
     in any step), then TP 2, EP 2 and PP 2 inside each (averaged after the backward: gloo's
     default);
+  - 2 micro-batches per step, FSDP 2 and FSDP 2 + EP 2 inside each group, averaged in FSDP's
+    backward: HSDP's curve, and one crossing of groups per FSDP unit and step (as HSDP's replicate
+    all-reduce), the model's gradient shard's bytes once;
   - 3 groups, two killed at once: the survivor goes on alone; both relaunch, take the live
     state, and the three finish with equal weights and optimizer states, every row trained once;
   - groups launched together with different layouts: both stop with exit 2;
@@ -32,6 +35,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -121,6 +125,55 @@ def test_two_groups_train_what_hsdp_2x2_trains_with_no_file_sync_in_a_step(
     assert len(starts) == 8 and sum(len(r["calls"]) for r in ranks) == 8, ranks
 
 
+# 2 micro-batches per step in every layout of 2 ranks per group with FSDP 2: 16 rows of 2 per rank.
+MICRO_BATCHES = ["--training.steps", "8", "--training.global_batch_size", "16"]
+# bf16 parameters, gradients and optimizer state; the gradients reduced in fp32 (the default).
+PURE_BF16 = ("--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def hsdp_micro_batches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str, ...]], dict[int, dict]]:
+    """The reference with 2 micro-batches per step, its replicate all-reduce in the last: HSDP
+    2 x 2 with more `flags` (run once per flags)."""
+    runs: dict[tuple[str, ...], dict[int, dict]] = {}
+
+    def reference(flags: tuple[str, ...]) -> dict[int, dict]:
+        if flags not in runs:
+            folder = tmp_path_factory.mktemp("hsdp_micro_batches")
+            run_train([*JOB, *MICRO_BATCHES, *flags, "--parallelism.data_parallel_replicate_degree", "2"],
+                      dump_folder=folder, nproc=4)
+            runs[flags] = metrics_by_step(folder)
+        return runs[flags]
+    return reference
+
+
+@pytest.mark.parametrize(("layout", "dtype"), [("fsdp2", ()), ("ep2", ()), ("fsdp2", PURE_BF16)],
+                         ids=["fsdp2", "ep2", "fsdp2-pure-bf16"])
+def test_micro_batches_cross_groups_once_per_step_with_hsdps_curve(
+        tmp_path: Path, hsdp_micro_batches, layout: str, dtype: tuple[str, ...]) -> None:
+    """FSDP's hooks cross groups in the last micro-batch's backward only, with the earlier ones'
+    sums: per step one collective per FSDP unit (the embedding, 4 blocks, the head; with EP 2
+    also the 2 MoE blocks' experts) and the small one after the backward, the layouts compared
+    once (step 1), and this rank's gradient shard sent once, in fp32 (2 micro-batches crossed
+    twice, with twice the bytes). With pure bf16 parameters reduced in fp32 the curve is HSDP's
+    too: the micro-batches' fp32 sum crosses and is rounded once (each micro-batch crossing and
+    adding into the bf16 gradient rounded it at each)."""
+    from torchmoe.models.llama4 import FLAVORS, Transformer
+
+    tiny = FLAVORS["tiny"]
+    units = 1 + tiny.n_layers + 1 + (sum(map(tiny.is_moe_layer, range(tiny.n_layers))) if layout == "ep2" else 0)
+    shard_bytes = sum(p.numel() for p in Transformer(tiny).parameters()) * 4 // 2  # fp32, over 2 ranks
+    flags = LAYOUTS.get(layout, [])
+    groups = run_replica_groups([*JOB, *FT, *MICRO_BATCHES, *flags, *dtype, "--fault_tolerance.gradient_average",
+                                 "backward"], tmp_path / "ft", "--min-replicas", "2")
+    for group in groups:
+        records = group.records()
+        assert [r["step"] for r in records] == list(range(1, 9))
+        _assert_hsdp_curve(records, hsdp_micro_batches(dtype), f"{layout} {dtype} {group.metrics}")
+        assert [r["ft_collectives"] for r in records] == [units + 2] + [units + 1] * 7
+        assert all(shard_bytes <= r["ft_bytes"] < shard_bytes + 4096 for r in records), records
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_groups_of_other_layouts_train_what_hsdp_trains(tmp_path: Path, hsdp: dict[int, dict], layout: str) -> None:
     groups = run_replica_groups([*JOB, *FT, *LAYOUTS[layout]], tmp_path / "ft", "--min-replicas", "2")
@@ -131,12 +184,16 @@ def test_groups_of_other_layouts_train_what_hsdp_trains(tmp_path: Path, hsdp: di
         _assert_hsdp_curve(records, hsdp, f"{layout} {group.metrics}")
 
 
-def test_groups_started_with_other_layouts_both_stop_naming_both(tmp_path: Path) -> None:
+@pytest.mark.parametrize("average", ["auto", "backward"])
+def test_groups_started_with_other_layouts_both_stop_naming_both(tmp_path: Path, average: str) -> None:
+    """`backward`: group 0 (FSDP 2) averages in FSDP's hooks and group 1 (TP 2, no FSDP) after the
+    backward; the layouts are compared in the first collective of both all the same."""
     out = tmp_path / "ft"
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", "--min-replicas", "2")
+    ft = [*FT, "--fault_tolerance.gradient_average", average]
     try:
-        groups = [ReplicaGroup(0, [*JOB, *FT], out, lighthouse),
-                  ReplicaGroup(1, [*JOB, *FT, *LAYOUTS["tp2"]], out, lighthouse)]
+        groups = [ReplicaGroup(0, [*JOB, *ft], out, lighthouse),
+                  ReplicaGroup(1, [*JOB, *ft, *LAYOUTS["tp2"]], out, lighthouse)]
         codes = [group.proc.wait(timeout=300) for group in groups]
     finally:
         lighthouse.close()
@@ -372,7 +429,7 @@ def test_local_sgd_and_diloco_groups_agree_exactly_at_sync_steps(tmp_path: Path)
     """Local SGD: the groups' weights are equal at steps 5 and 10 and differ between. DiLoCo with
     outer lr 1 and no momentum applies the averaged pseudo-gradient to the anchor, which is
     the average of the groups' weights: local SGD's, to rounding (the outer step with momentum
-    is checked against torch's SGD in tests/unit/test_fault_tolerance_config.py)."""
+    is checked against torch's SGD in tests/unit/test_semi_sync.py)."""
     local = _semi_sync_run(tmp_path, "local_sgd", ["--fault_tolerance.semi_sync_method", "local_sgd"], 1)
     for step in range(1, 11):
         equal = all(torch.equal(local[0][step][k], local[1][step][k]) for k in local[0][step])
@@ -388,9 +445,9 @@ def test_local_sgd_and_diloco_groups_agree_exactly_at_sync_steps(tmp_path: Path)
 
 def test_streaming_diloco_syncs_one_fragment_at_a_time(tmp_path: Path) -> None:
     """2 fragments, sync_steps 4, each pseudo-gradient started a step early: fragment 0 syncs at
-    steps 2, 6, 10 and fragment 1 at 4, 8. After each sync that fragment's weights are equal in
-    both groups to the bit and the other fragment's differ (the hand computation of the outer
-    step, delay and mixing is tests/unit/test_fault_tolerance_config.py's)."""
+    steps 2, 6, 10 and fragment 1 at 4, 8. After each sync that fragment's weights and expert
+    biases are equal in both groups to the bit and the other fragment's weights differ (the hand
+    computation of the outer step, delay and mixing is tests/unit/test_semi_sync.py's)."""
     from torchmoe.arch.registry import FLAVORS
     from torchmoe.distributed.semi_sync import fragments_of
 
@@ -398,10 +455,13 @@ def test_streaming_diloco_syncs_one_fragment_at_a_time(tmp_path: Path) -> None:
                                                   "--fault_tolerance.num_fragments", "2",
                                                   "--fault_tolerance.fragment_sync_delay", "1"],
                           2, sync_steps=4, synced_at=(2, 4, 6, 8, 10))
-    names = sorted(k for k in runs[0][2] if not k.endswith("expert_bias"))  # biases: averaged at every sync
+    names = sorted(runs[0][2])
     fragments = fragments_of([n.removeprefix("model.") for n in names], range(FLAVORS["llama4"]["tiny"].n_layers), 2)
+    # One MoE block in each fragment.
+    assert {sum(names[i].endswith("expert_bias") for i in indices) for indices in fragments} == {1}
     for step in (2, 4, 6, 8, 10):
         synced = (step // 2 - 1) % 2
         for fragment, indices in enumerate(fragments):
-            equal = [torch.equal(runs[0][step][names[i]], runs[1][step][names[i]]) for i in indices]
+            equal = [torch.equal(runs[0][step][names[i]], runs[1][step][names[i]]) for i in indices
+                     if fragment == synced or not names[i].endswith("expert_bias")]  # a bias may move alike
             assert all(equal) if fragment == synced else not any(equal), (step, fragment)

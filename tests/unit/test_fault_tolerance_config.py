@@ -7,7 +7,9 @@ and recovered state checked against this rank's before it is taken.
 
     python -m pytest -q tests/unit/test_fault_tolerance_config.py
 
-(Groups training, failing and recovering: tests/distributed/test_fault_tolerance.py.)
+(FSDP's hooks and gradient accumulation: tests/unit/test_fault_tolerance_overlap.py; the
+semi-synchronous syncs: tests/unit/test_semi_sync.py; groups training, failing and recovering:
+tests/distributed/test_fault_tolerance.py.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
+from tests.replica_fakes import LAYOUT, OTHER, FakeManager, peer, replica_groups
 from torchmoe import cli
 from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
@@ -34,7 +37,6 @@ from torchmoe.distributed.replica_state import (
     like,
     local_tensors,
 )
-from torchmoe.distributed.semi_sync import SemiSync
 from torchmoe.models.llama4 import FLAVORS, Transformer
 
 FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
@@ -175,85 +177,9 @@ def test_a_row_position_round_trips_through_the_table_and_resumes_the_rows_after
         again.load_state_dict({"table": torch.zeros(2, 5)})
 
 
-class _Work:
-    def wait(self) -> None:
-        pass
-
-
-class _FakeManager:
-    """torchft's Manager as one rank of group `mine` sees it, with `other` the same rank of
-    another group: each collective adds what `other` contributes (a callable of the tensor this
-    rank sends); AVG divides by the participants."""
-
-    def __init__(self, other, *, participants: int = 2, commits: bool = True) -> None:
-        self.other, self.participants, self.commits = other, participants, commits
-        self.errors: list[Exception] = []
-        self.quorums = 0
-
-    def register_state_dict_fn(self, key, load, state) -> None:
-        self.load, self.state = load, state
-
-    def start_quorum(self) -> None:
-        self.quorums += 1
-
-    def allreduce(self, tensor: torch.Tensor, reduce_op=torch.distributed.ReduceOp.AVG) -> _Work:
-        if not self.errors:
-            tensor += self.other(tensor)
-            if reduce_op == torch.distributed.ReduceOp.AVG:
-                tensor /= self.participants
-        return _Work()
-
-    def errored(self):
-        return self.errors[0] if self.errors else None
-
-    def report_error(self, err: Exception) -> None:
-        self.errors.append(err)
-
-    def num_participants(self) -> int:
-        return self.participants
-
-    def should_commit(self) -> bool:
-        return self.commits and not self.errors
-
-
-LAYOUT = GroupLayout(model="llama4/tiny, float32", degrees={"pp": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1},
-                     ranks=2, seq_len=64, local_batch_size=2, global_batch_size=8)
-OTHER = GroupLayout(model="llama4/debugmodel, float32", degrees={"pp": 1, "dp_shard": 1, "cp": 1, "tp": 2, "ep": 1},
-                    ranks=2, seq_len=64, local_batch_size=2, global_batch_size=8)
-
-
-def _groups(manager: _FakeManager, *, replica_id: int = 0, group_size: int = 2, width: int = 3,
-            layout: GroupLayout = LAYOUT) -> ReplicaGroups:
-    cfg = FaultTolerance(enable=True, group_size=group_size, replica_id=replica_id)
-    return ReplicaGroups(manager, cfg, layout=layout, known_models=["llama4/tiny, float32", "llama4/debugmodel, float32"],
-                         position_width=width, state=lambda: {"w": 1}, load=lambda state, position: None,
-                         device=torch.device("cpu"), quorum_timeout_s=300.0)
-
-
-def _peer(layout: GroupLayout, group: int, *, committed: int = 0, position=(5.0, 6.0, 7.0), loss: float = 3.0,
-          counts=(1.0, 2.0), hook=(0.0, 0.0), groups: int = 2):
-    """What group `group` of `layout` sends in each of a step's collectives, by the tensor's form
-    (of `groups` groups; counts as many of `counts` as this rank sends)."""
-    header = [1, committed, *layout.codes()]
-
-    def contribution(tensor: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(tensor)
-        width = len(header) + 2 + len(position)
-        if tensor.dtype == torch.int64:  # the layouts, at the first of FSDP's hooks
-            out[group] = torch.tensor(header)
-        elif tensor.numel() < groups * width:  # gradients: the other group's are zeros
-            pass
-        else:  # loss, counts, then one row per group: [*header, hook calls, hook elements, *position]
-            n = tensor.numel() - groups * width
-            out[:n] = torch.tensor([loss, *counts][:n], dtype=tensor.dtype)
-            out[n:].view(groups, width)[group] = torch.tensor([*header, *hook, *position], dtype=tensor.dtype)
-        return out
-    return contribution
-
-
 def test_a_step_averages_the_loss_sums_the_counts_and_commits_every_groups_rows() -> None:
-    manager = _FakeManager(_peer(LAYOUT, 1))
-    groups = _groups(manager)
+    manager = FakeManager(peer(LAYOUT, 1))
+    groups = replica_groups(manager)
     groups.begin_step()
     grads = [torch.full((3,), 4.0)]
     loss, counts = groups.reduce(torch.tensor(1.0), torch.tensor([3.0, 4.0]), lambda: grads, [1.0, 2.0, 3.0])
@@ -266,32 +192,36 @@ def test_a_step_averages_the_loss_sums_the_counts_and_commits_every_groups_rows(
 
 
 def test_a_step_that_does_not_commit_keeps_the_positions() -> None:
-    groups = _groups(_FakeManager(_peer(LAYOUT, 1), commits=False))
+    groups = replica_groups(FakeManager(peer(LAYOUT, 1), commits=False))
     groups.begin_step()
     groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
     assert not groups.commit(1) and groups.positions.get(0) is None and groups.positions.get(1) is None
 
 
 def test_groups_whose_gradient_reductions_differ_stop() -> None:
-    groups = _groups(_FakeManager(_peer(LAYOUT, 1, hook=(3.0, 100.0))))
+    groups = replica_groups(FakeManager(peer(LAYOUT, 1, hook=(3.0, 100.0))))
     groups.begin_step()
     with pytest.raises(RuntimeError, match="reduced 3 gradient buffers of 100 elements.*did not line up"):
         groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
 
 
-def test_a_group_of_another_layout_stops_if_it_joined_later_else_fails_the_step() -> None:
+@pytest.mark.parametrize("async_quorum", [False, True])
+def test_a_group_of_another_layout_stops_if_it_joined_later_else_fails_the_step(async_quorum: bool) -> None:
+    """Compared in the step's first collective (here `reduce`'s, without FSDP's hooks), in a
+    collective of its own."""
     # This group joined later (committed nothing here, the peer 5 steps): it stops, naming both.
-    groups = _groups(_FakeManager(_peer(OTHER, 1, committed=5)))
-    groups.begin_step()
+    groups = replica_groups(FakeManager(peer(OTHER, 1, committed=5)), async_quorum=async_quorum)
     with pytest.raises(ConfigError) as err:
+        groups.begin_step()
         groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
+    assert groups.take_report()["ft_collectives"] == 1
     text = str(err.value)
     assert "replica group 0" in text and "runs llama4/tiny, float32 on 2 ranks (pp 1, dp_shard 2" in text
     assert "replica group 1 runs llama4/debugmodel, float32 on 2 ranks (pp 1, dp_shard 1, cp 1, tp 2" in text
     assert "only fault_tolerance.replica_id differs" in text
     # This group was here first: the step fails (tried again without the newcomer), nothing stops.
-    manager = _FakeManager(_peer(OTHER, 1, committed=0))
-    groups = _groups(manager)
+    manager = FakeManager(peer(OTHER, 1, committed=0))
+    groups = replica_groups(manager, async_quorum=async_quorum)
     groups.committed_here = 3
     groups.begin_step()
     groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
@@ -299,13 +229,13 @@ def test_a_group_of_another_layout_stops_if_it_joined_later_else_fails_the_step(
 
 
 def test_two_launches_with_one_replica_id_stop() -> None:
-    groups = _groups(_FakeManager(_peer(LAYOUT, 0)))  # the other launch is replica group 0 too
+    groups = replica_groups(FakeManager(peer(LAYOUT, 0)))  # the other launch is replica group 0 too
     groups.begin_step()
     with pytest.raises(ConfigError, match="2 launches joined the job as replica group 0"):
         groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
 
 
-class _QuorumNeverForms(_FakeManager):
+class _QuorumNeverForms(FakeManager):
     """torchft's Manager when too few groups are up: the quorum times out (its client's timeout)."""
 
     def start_quorum(self) -> None:
@@ -316,7 +246,7 @@ def test_a_quorum_that_never_forms_is_one_message_naming_what_to_launch() -> Non
     """min_replica_size 2 and one group up for the whole quorum timeout: a TimeoutError traceback
     from torchft's thread before."""
     cfg = FaultTolerance(enable=True, group_size=2, min_replica_size=2)
-    groups = ReplicaGroups(_QuorumNeverForms(_peer(LAYOUT, 1)), cfg, layout=LAYOUT, known_models=[],
+    groups = ReplicaGroups(_QuorumNeverForms(peer(LAYOUT, 1)), cfg, layout=LAYOUT, known_models=[],
                            position_width=3, state=lambda: {}, load=lambda state, position: None,
                            device=torch.device("cpu"), quorum_timeout_s=300.0)
     with pytest.raises(ConfigError) as err:
@@ -329,11 +259,11 @@ def test_a_quorum_that_never_forms_is_one_message_naming_what_to_launch() -> Non
 
 
 def test_a_commit_that_times_out_is_not_taken_for_a_quorum() -> None:
-    class _CommitTimesOut(_FakeManager):
+    class _CommitTimesOut(FakeManager):
         def should_commit(self) -> bool:
             raise TimeoutError("commit")
 
-    groups = _groups(_CommitTimesOut(_peer(LAYOUT, 1)))
+    groups = replica_groups(_CommitTimesOut(peer(LAYOUT, 1)))
     groups.begin_step()
     groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
     with pytest.raises(TimeoutError, match="commit"):
@@ -362,7 +292,7 @@ def test_the_lighthouse_is_tried_again_every_second_within_the_quorum_timeout(
 
 def test_a_recovering_group_refuses_a_peer_of_another_layout_and_takes_its_own_rows() -> None:
     taken = []
-    manager = _FakeManager(_peer(LAYOUT, 1))
+    manager = FakeManager(peer(LAYOUT, 1))
     cfg = FaultTolerance(enable=True, group_size=2, replica_id=1)
     ReplicaGroups(manager, cfg, layout=LAYOUT, known_models=[], position_width=3, state=lambda: {},
                   load=lambda state, position: taken.append((state, position)), device=torch.device("cpu"),
@@ -406,166 +336,12 @@ def test_a_forward_and_backward_leave_the_live_state_as_it_was() -> None:
     assert any(name.endswith("expert_bias") for name in served)  # the router state still travels
 
 
-class _TwoGroups:
-    """`ReplicaGroups` as this rank sees it when a second group holds `other`: averaging takes the
-    mean with the other group's tensors (in the order given), when its wait is called; commit
-    says `commits`."""
-
-    def __init__(self, other: list[torch.Tensor], *, commits: bool = True) -> None:
-        self.other, self.commits, self.quorums = other, commits, 0
-
-    def begin_step(self) -> None:
-        self.quorums += 1
-
-    def start_average(self, tensors: list[torch.Tensor], *, quantize: bool = False):
-        theirs = list(self.other)
-
-        def wait() -> None:
-            for mine, other in zip(tensors, theirs, strict=True):
-                mine.copy_((mine + other) / 2)
-        return wait
-
-    def reduce(self, loss, counts, grads, position):
-        return loss, counts
-
-    def commit(self, step: int) -> bool:
-        return self.commits
-
-
-def _semi_sync(method: str, params: list[torch.Tensor], groups, bias: torch.Tensor, *, names=None, blocks=None,
-               **keys):
-    cfg = FaultTolerance(enable=True, group_size=2, semi_sync_method=method, **keys)
-    names = names or [f"layers.{i}.w" for i in range(len(params))]
-    return SemiSync(groups, cfg, lambda: list(zip(names, params)), [bias], layer_ids=range(blocks or len(params)))
-
-
-def test_diloco_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient() -> None:
-    """Two syncs of one rank against a hand computation and against torch's own SGD (lr 0.7,
-    momentum 0.9, Nesterov) stepped on the averaged pseudo-gradient, to 1e-6."""
-    gen = torch.Generator().manual_seed(0)
-    theta0 = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
-    params = [t.clone() for t in theta0]
-    groups = _TwoGroups([])
-    sync = _semi_sync("diloco", params, groups, torch.zeros(2), outer_lr=0.7, outer_momentum=0.9)
-    reference = [torch.nn.Parameter(t.clone()) for t in theta0]
-    outer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
-    anchor, momentum = [t.clone() for t in theta0], None
-    for _ in range(2):
-        mine = [torch.randn(p.shape, generator=gen) * 0.1 for p in params]  # this group's inner steps
-        theirs = [torch.randn(p.shape, generator=gen) * 0.1 for p in params]
-        for p, step in zip(params, mine):
-            p.sub_(step)
-        # The other group's pseudo-gradient (anchor - its θ), and its expert bias.
-        groups.other = [*theirs, torch.ones(2)]
-        assert sync.after_step(5, []) == {"ft_synced": True, "ft_fragment": 0}
-        delta = [(m + t) / 2 for m, t in zip(mine, theirs)]  # mean of (anchor - θ_g)
-        momentum = delta if momentum is None else [0.9 * m + d for m, d in zip(momentum, delta)]
-        anchor = [a - 0.7 * (d + 0.9 * m) for a, d, m in zip(anchor, delta, momentum)]
-        for ref, d in zip(reference, delta):
-            ref.grad = d.clone()
-        outer.step()
-        for got, hand, torch_sgd in zip(params, anchor, reference):
-            assert torch.allclose(got, hand, rtol=0, atol=1e-6)
-            assert torch.allclose(got, torch_sgd.detach(), rtol=0, atol=1e-6)
-        assert all(torch.equal(a, p) for a, p in zip(sync.anchor, params))  # the next sync's anchor
-    assert torch.equal(sync.buffers[0], torch.full((2,), 0.75)) and groups.quorums == 2  # 0 -> 0.5 -> 0.75
-
-
-def test_local_sgd_averages_parameters_and_biases_and_a_failed_sync_changes_nothing() -> None:
-    params, bias = [torch.zeros(3), torch.ones(2)], torch.zeros(4)
-    groups = _TwoGroups([torch.full((3,), 2.0), torch.full((2,), 3.0), torch.ones(4)], commits=False)
-    sync = _semi_sync("local_sgd", params, groups, bias, sync_steps=5)
-    assert [sync.fragment_at(s) for s in (4, 5, 10)] == [None, 0, 0]
-    assert sync.after_step(4, []) is None
-    assert sync.after_step(5, []) == {"ft_synced": False, "ft_fragment": 0}
-    assert torch.equal(params[0], torch.zeros(3)) and torch.equal(bias, torch.zeros(4))
-    groups.commits = True
-    assert sync.after_step(10, [])["ft_synced"]
-    assert torch.equal(params[0], torch.ones(3)) and torch.equal(params[1], torch.full((2,), 2.0))
-    assert torch.equal(bias, torch.full((4,), 0.5))
-    assert sync.state_dict() == {"anchor": [], "momentum": []}
-
-
-def test_streaming_diloco_syncs_fragments_in_turn_with_delay_and_mixing_against_a_hand_computation() -> None:
-    """2 fragments (the embedding with block 0, block 1 with the head), sync_steps 4: fragment 0
-    syncs at steps 2 and 6, fragment 1 at 4 and 8; each pseudo-gradient is taken a step before
-    (delay 1), and a synced fragment's parameters become 0.75 x the outer step's + 0.25 x this
-    group's own (alpha 0.25). Outer SGD: lr 0.7, Nesterov momentum 0.9, per fragment."""
-    names = ["tok_embeddings.weight", "layers.0.w", "layers.1.w", "output.weight"]
-    gen = torch.Generator().manual_seed(1)
-    theta0 = [torch.randn(3, generator=gen) for _ in names]
-    params = [t.clone() for t in theta0]
-    groups = _TwoGroups([])
-    sync = _semi_sync("diloco", params, groups, torch.zeros(2), names=names, blocks=2, sync_steps=4, num_fragments=2,
-                      fragment_sync_delay=1, fragment_update_alpha=0.25, outer_lr=0.7, outer_momentum=0.9)
-    assert sync.fragments == [[0, 1], [2, 3]]
-    anchor, momentum = [t.clone() for t in theta0], [torch.zeros(3) for _ in names]
-    synced = []
-    for step in range(1, 9):
-        for p in params:  # this group's inner step
-            p.sub_(torch.randn(3, generator=gen) * 0.1)
-        if step % 2:  # a fragment's pseudo-gradient is taken: the other group's is `theirs`
-            fragment = [0, 1] if step % 4 == 1 else [2, 3]
-            theirs = [torch.randn(3, generator=gen) * 0.1 for _ in fragment]
-            groups.other = [*theirs, torch.ones(2)]
-            deltas = [((anchor[i] - params[i]) + t) / 2 for i, t in zip(fragment, theirs)]
-            assert sync.after_step(step, []) is None
-            continue
-        local = [p.clone() for p in params]
-        report = sync.after_step(step, [])
-        assert report == {"ft_synced": True, "ft_fragment": fragment[0] // 2}, step
-        synced.append((step, report["ft_fragment"]))
-        for i, delta in zip(fragment, deltas):
-            momentum[i] = 0.9 * momentum[i] + delta
-            anchor[i] = anchor[i] - 0.7 * (delta + 0.9 * momentum[i])
-            assert torch.allclose(sync.anchor[i], anchor[i], rtol=0, atol=1e-6), (step, i)
-            assert torch.allclose(params[i], 0.75 * anchor[i] + 0.25 * local[i], rtol=0, atol=1e-6), (step, i)
-        for i in {0, 1, 2, 3} - set(fragment):  # the other fragment is untouched
-            assert torch.equal(params[i], local[i]), (step, i)
-    assert synced == [(2, 0), (4, 1), (6, 0), (8, 1)]
-
-
-def test_fragments_split_the_blocks_in_contiguous_runs() -> None:
-    from torchmoe.distributed.semi_sync import fragments_of
-
-    names = ["tok_embeddings.weight", *(f"layers.{i}.attention._checkpoint_wrapped_module.wq.weight" for i in range(5)),
-             "mtp.5.enorm.weight", "layers.5.moe.router.weight", "norm.weight", "output.weight"]
-    assert fragments_of(names, range(6), 3) == [[0, 1, 2], [3, 4], [5, 6, 7, 8, 9]]
-    with pytest.raises(ConfigError, match="must be at most the model's 6 blocks"):
-        fragments_of(names, range(6), 7)
-
-
-def test_in_fsdps_backward_the_first_hook_compares_layouts_before_any_gradient_crosses() -> None:
-    manager = _FakeManager(_peer(LAYOUT, 1, hook=(2.0, 6.0)))
-    groups = _groups(manager)
-    groups.attached = True  # as `attach` leaves it: FSDP's hooks call `_average_in_backward`
-    groups.begin_step()
-    shard = torch.full((4,), 2.0)
-    groups._average_in_backward(shard)  # the peer's shard is zeros here: the mean is half
-    groups._average_in_backward(torch.ones(2))
-    assert shard.tolist() == [1.0] * 4
-    loss, _ = groups.reduce(torch.tensor(1.0), None, lambda: pytest.fail("averaged twice"), [1.0, 2.0, 3.0])
-    assert loss.item() == 2.0 and groups.commit(1)
-    groups = _groups(_FakeManager(_peer(LAYOUT, 1, hook=(1.0, 4.0))))
-    groups.attached = True
-    groups.begin_step()
-    groups._average_in_backward(torch.ones(4))
-    groups._average_in_backward(torch.ones(2))
-    with pytest.raises(RuntimeError, match="replica group 1 reduced 1 gradient buffers of 4 elements.*this group 2 of 6"):
-        groups.reduce(torch.tensor(1.0), None, lambda: [], [1.0, 2.0, 3.0])
-    other = _groups(_FakeManager(_peer(OTHER, 1, committed=5)))
-    other.attached = True
-    other.begin_step()
-    with pytest.raises(ConfigError, match="replica group 1 runs llama4/debugmodel"):
-        other._average_in_backward(torch.ones(3))
-
-
 def test_a_group_recovering_at_the_commit_is_left_out_of_the_mean() -> None:
     """Asynchronous quorum: a group that recovers at this step's commit is a participant whose
     collectives sent zeros (torchft zeroes them), so its row is absent. The mean of the loss and
     the gradients is over the one group that sent them, not torchft's two participants."""
-    manager = _FakeManager(lambda tensor: torch.zeros_like(tensor), participants=2)
-    groups = _groups(manager)
+    manager = FakeManager(lambda tensor: torch.zeros_like(tensor), participants=2)
+    groups = replica_groups(manager)
     groups.begin_step()
     grads = [torch.full((3,), 4.0)]
     loss, counts = groups.reduce(torch.tensor(1.5), torch.tensor([3.0]), lambda: grads, [1.0, 2.0, 3.0])

@@ -16,13 +16,17 @@ step:
 2. The gradients: with FSDP in the group and the hooks chosen (`attach`; by default where the
    process group is NCCL), each FSDP unit's reduce-scatter output is averaged across groups
    inside FSDP's backward, through FSDP's all-reduce hook: on a GPU on FSDP's all-reduce stream,
-   overlapped with the backward of the units before it. Otherwise they are averaged after the
-   backward in buckets (`reduce`): on gloo a collective blocks the host, and one bucket costs
-   less than a blocking collective per unit.
+   overlapped with the backward of the units before it. Only the step's last micro-batch
+   crosses groups (`set_requires_all_reduce`, as HSDP's replicate all-reduce: the earlier ones
+   are summed per unit and cross with it). Otherwise they are averaged after the backward in
+   buckets (`reduce`): on gloo a collective blocks the host, and one bucket costs less than a
+   blocking collective per unit.
 3. `reduce`: one small collective with the loss (averaged), the MoE routers' token counts
    (summed, so every group updates its expert biases alike), every group's row position and
-   layout (`GroupLayout`: compared before any gradient crosses; with the hooks, in a collective
-   of their own at the first hook).
+   layout (`GroupLayout`). Before any gradient crosses, the layouts are compared in a collective
+   of their own once per quorum (a layout changes only with the groups in the quorum): the first
+   collective across groups of the quorum's first step, FSDP's first hook's or `reduce`'s, so
+   that groups of other layouts (one with FSDP's hooks, one without) make the same first one.
 4. `commit`: whether every rank of every participant got through the step and at least
    ``min_replica_size`` groups took part: the optimizer may step. The positions of the groups in
    the step become their committed positions (`RowPositions`).
@@ -37,6 +41,7 @@ state sent holds only plain tensors (DTensors as their local shards, `local_tens
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -192,17 +197,29 @@ class ReplicaGroups:
         self._user_state, self._user_load = state, load
         self.positions = RowPositions(cfg.group_size, position_width)
         # Per step: whether the layouts were compared, the gradient reductions FSDP's hooks ran
-        # (count and elements: every group's must line up), and the positions that ride along.
+        # across groups (count and elements: every group's must line up), and the positions that
+        # ride along.
         self._compared = False
         self._hook_calls = self._hook_numel = 0
         self._step_positions: dict[int, list[float]] = {}
+        # The quorum (`_quorum_id`) in which a committed step had every group's layout compared:
+        # they are compared again only in another quorum (or after a step that did not commit).
+        self._layouts_agreed_in: int | None = None
+        # Whether this backward's hooks cross groups (`set_requires_all_reduce`); the sum of each
+        # FSDP unit's reduced gradients of the step's earlier micro-batches (the unit's index:
+        # its sum); the hooks' buffers, held until their backward is over (`_hold`).
+        self._crossing = True
+        self._partial: dict[int, torch.Tensor] = {}
+        self._held: list[tuple[torch.Tensor, torch.Event | None]] = []
         self.attached = False  # gradients are averaged inside FSDP's backward (`attach`)
         self.committed_here = 0  # steps this process committed: who joined later, on a layout clash
         self.contributors = 0  # groups whose gradients the last `reduce` averaged
-        # Seconds the training thread waited on work across groups since `take_blocked_s`: on the
+        # Since `take_report`: seconds the training thread waited on work across groups (on the
         # host (CPU, gloo) every collective's; on a GPU the quorum, the small collective and the
-        # commit (FSDP's hooks only queue theirs on its all-reduce stream).
+        # commit: FSDP's hooks only queue theirs on its all-reduce stream), and the collectives
+        # across groups this rank started with the bytes it sent into them.
         self._blocked_s = 0.0
+        self._collectives = self._sent_bytes = 0
         manager.register_state_dict_fn("torchmoe", self._load, self._state)
 
     # ---- the step's four points ------------------------------------------------------------------
@@ -214,6 +231,8 @@ class ReplicaGroups:
         self._compared = False
         self._hook_calls = self._hook_numel = 0
         self._step_positions = {}
+        self._crossing, self._partial = True, {}
+        self._release_held()
         began = time.perf_counter()
         with self._waiting(quorum=True):
             self.manager.start_quorum()
@@ -222,26 +241,70 @@ class ReplicaGroups:
     def attach(self, model_parts: Sequence[nn.Module]) -> bool:
         """Average gradients across groups inside FSDP's backward: every FSDP unit's reduced
         gradient shard, as FSDP produces it (after each micro-batch's reduce-scatter), through
-        FSDP's all-reduce hook. Returns whether it attached (every parameter of the parts is in
-        an FSDP unit: the root unit of each part holds what the others do not)."""
+        FSDP's all-reduce hook (`_average_in_backward`). Returns whether it attached (every
+        parameter of the parts is in an FSDP unit: the root unit of each part holds what the
+        others do not)."""
         if not all(isinstance(part, FSDPModule) for part in model_parts):
             return False
-        for part in model_parts:
-            for unit in part.modules():
-                if isinstance(unit, FSDPModule):
-                    unit.set_all_reduce_hook(self._average_in_backward)
+        units = [unit for part in model_parts for unit in part.modules() if isinstance(unit, FSDPModule)]
+        for index, unit in enumerate(units):
+            unit.set_all_reduce_hook(functools.partial(self._average_in_backward, index))
         self.attached = True
         return True
 
-    def _average_in_backward(self, reduced: torch.Tensor) -> None:
-        """FSDP's all-reduce hook: `reduced` (one unit's gradient shard, flat) averaged in place
-        across the quorum's groups; on a GPU this runs on FSDP's all-reduce stream."""
+    def set_requires_all_reduce(self, requires: bool) -> None:
+        """Whether the next backward's gradients cross groups (FSDP's hooks; called before each
+        micro-batch's forward, True for the step's last only): the trainer's counterpart of
+        HSDP's ``set_requires_all_reduce``. It also lets go of the buffers the previous
+        backward's hooks held (`_hold`)."""
+        self._release_held()
+        self._crossing = requires
+
+    def _average_in_backward(self, unit: int, reduced: torch.Tensor) -> None:
+        """FSDP's all-reduce hook of FSDP unit `unit`: `reduced` (the unit's reduce-scatter
+        output, flat, in the reduce dtype) averaged in place across the quorum's groups; on a GPU
+        this runs on FSDP's all-reduce stream.
+
+        As HSDP's partial reduce output: an earlier micro-batch's is added to the unit's sum and
+        zeroed (FSDP adds the zeros to the gradient), and the last one's crosses with the sum
+        added, so the gradient is the average of the micro-batches' sum in the reduce dtype, cast
+        once: HSDP's numbers, one crossing per unit and step."""
+        if not self._crossing:
+            if unit in self._partial:
+                self._partial[unit] += reduced
+            else:
+                self._partial[unit] = reduced.clone()
+            reduced.zero_()
+            self._hold(reduced)
+            return
         began = time.perf_counter()
+        if unit in self._partial:
+            reduced += self._partial.pop(unit)
         self._compare_layouts()
         self._hook_calls += 1
         self._hook_numel += reduced.numel()
         self._all_reduce(reduced)
+        self._hold(reduced)
         self._blocked_s += time.perf_counter() - began
+
+    def _hold(self, buffer: torch.Tensor) -> None:
+        """Keep a hook's `buffer` alive until its backward is over, with an event after the
+        hook's work on this (FSDP's all-reduce) stream. FSDP allocated it on its reduce-scatter
+        stream and drops it after the hook (cast to the parameters' dtype, or added to their
+        gradient, on the all-reduce stream); nothing else holds it on the hook's path, so the
+        next unit's reduce-scatter could take the memory while this stream still reads it.
+        Torch's own HSDP all-reduce holds its buffer the same way (docs/fault-tolerance.md)."""
+        event = torch.accelerator.current_stream(buffer.device).record_event() if buffer.device.type != "cpu" else None
+        self._held.append((buffer, event))
+
+    def _release_held(self) -> None:
+        """Drop the held buffers (`_hold`), the current stream waiting for their events first.
+        Called after a backward, whose end made the current stream wait for FSDP's all-reduce
+        stream: the memory is free for the next backward's reduce-scatters."""
+        for buffer, event in self._held:
+            if event is not None:
+                torch.accelerator.current_stream(buffer.device).wait_event(event)
+        self._held = []
 
     def reduce(self, loss: torch.Tensor, counts: torch.Tensor | None, grads: Callable[[], list[torch.Tensor]],
                position: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -251,6 +314,11 @@ class ReplicaGroups:
         gradients, their average (`grads` gives this rank's local gradients, in the model's
         order). Returns (loss, counts)."""
         began = time.perf_counter()
+        self._compare_layouts()  # (when no hook crossed groups)
+        self._release_held()
+        if self._partial:
+            raise RuntimeError(f"FSDP units {sorted(self._partial)} reduced gradients in an earlier micro-batch of "
+                               "this step but none in its last: their sums never crossed replica groups")
         header = [1.0, float(self.committed_here), *map(float, self.layout.codes())]
         slot = [*header, float(self._hook_calls), float(self._hook_numel), *position]
         n_counts = counts.numel() if counts is not None else 0
@@ -260,10 +328,11 @@ class ReplicaGroups:
                           *([counts.double().flatten()] if counts is not None else [])]).to(self.device)
         flat = torch.cat([head, table.flatten()])
         self._all_reduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
+        # The step's one read of values across groups, after the backward: the checks below and
+        # the mean's divisor are needed on the host before the commit.
         rows = flat[1 + n_counts:].view(self.cfg.group_size, len(slot)).cpu().tolist()
-        if not self._compared:  # no hook compared them (the gradients are averaged after this)
-            self._compared = True
-            self._check_layouts([[int(x) for x in row[:len(header)]] for row in rows])
+        # Compared in every step, at no cost: the collective of their own runs once per quorum.
+        self._check_layouts([[int(x) for x in row[:len(header)]] for row in rows])
         if not self.manager.errored():  # else a peer failed: the values are garbage, and the commit fails
             present = {g: row[len(header):] for g, row in enumerate(rows) if row[0] == 1.0}
             for g, (calls, numel, *_) in present.items():
@@ -299,6 +368,8 @@ class ReplicaGroups:
         if committed:
             self.positions.commit(self._step_positions)
             self.committed_here += 1
+        # A step that did not commit may have failed in the comparison: the next one compares.
+        self._layouts_agreed_in = _quorum_id(self.manager) if committed else None
         self._step_positions = {}
         return committed
 
@@ -317,8 +388,7 @@ class ReplicaGroups:
         pending = []
         for bucket in _buckets(tensors):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            with self._waiting(quorum=True):
-                work = self.manager.allreduce(flat, should_quantize=True) if quantize else self.manager.allreduce(flat)
+            work = self._start(flat, **({"should_quantize": True} if quantize else {}))
             pending.append((bucket, flat, work))
         self._blocked_s += time.perf_counter() - began
 
@@ -333,12 +403,22 @@ class ReplicaGroups:
         return wait
 
     def _compare_layouts(self) -> None:
-        """With FSDP's hooks, the step's first collective across groups: every present group's
-        `GroupLayout` and how many steps this process committed (`_check_layouts`), before any
-        gradient crosses. (Without the hooks they ride in `reduce`'s collective.)"""
+        """The step's first collective across groups (at FSDP's first crossing hook, or at
+        `reduce`) when no committed step compared the layouts in this quorum: every present
+        group's `GroupLayout` and how many steps this process committed (`_check_layouts`),
+        before any gradient crosses. A layout changes only with the groups in the quorum, whose
+        every change gives it a new id (and reconfigures torchft's process group, a far larger
+        cost); every group of a quorum decides alike (the commit is theirs together). Not at
+        the quorum: a group whose peer failed to recover (another layout) would wait on a
+        collective across groups instead of seeing its own ranks fail. (`reduce`'s collective
+        carries the layouts in every step too.)"""
         if self._compared:
             return
         self._compared = True
+        with self._waiting(quorum=True):
+            self.manager.wait_quorum()
+        if _quorum_id(self.manager) == self._layouts_agreed_in:
+            return
         codes = self.layout.codes()
         table = torch.zeros(self.cfg.group_size, 2 + len(codes), dtype=torch.int64, device=self.device)
         table[self.cfg.replica_id] = torch.tensor([1, self.committed_here, *codes], dtype=torch.int64)
@@ -394,12 +474,18 @@ class ReplicaGroups:
         self._user_load(state["trainer"], self.positions.get(self.cfg.replica_id))
 
     def _all_reduce(self, tensor: torch.Tensor, **kwargs) -> None:
-        """`manager.allreduce(tensor, **kwargs)`, waited for. Its start waits for an asynchronous
-        quorum (`_waiting(quorum=True)`); its wait is the collective's."""
-        with self._waiting(quorum=True):
-            work = self.manager.allreduce(tensor, **kwargs)
+        """`_start(tensor, **kwargs)`, waited for: the wait is the collective's."""
+        work = self._start(tensor, **kwargs)
         with self._waiting():
             work.wait()
+
+    def _start(self, tensor: torch.Tensor, **kwargs):
+        """`manager.allreduce(tensor, **kwargs)`, counted (`take_report`); its start waits for an
+        asynchronous quorum (`_waiting(quorum=True)`). Returns the collective's work."""
+        self._collectives += 1
+        self._sent_bytes += tensor.numel() * tensor.element_size()
+        with self._waiting(quorum=True):
+            return self.manager.allreduce(tensor, **kwargs)
 
     @contextmanager
     def _waiting(self, *, quorum: bool = False) -> Iterator[None]:
@@ -419,10 +505,13 @@ class ReplicaGroups:
                               "launch the missing groups (each resumes from its newest checkpoint, or takes a peer's "
                               "live state), or wait longer for them with a larger comm.init_timeout_seconds") from None
 
-    def take_blocked_s(self) -> float:
-        """Seconds the training thread waited on work across groups since the last call."""
-        blocked, self._blocked_s = self._blocked_s, 0.0
-        return blocked
+    def take_report(self) -> dict[str, float | int]:
+        """Since the last call: ``ft_blocked_s``, the seconds the training thread waited on work
+        across groups; ``ft_collectives``, the collectives across groups this rank started, and
+        ``ft_bytes``, the bytes it sent into them (its tensors' sizes)."""
+        report = {"ft_blocked_s": self._blocked_s, "ft_collectives": self._collectives, "ft_bytes": self._sent_bytes}
+        self._blocked_s, self._collectives, self._sent_bytes = 0.0, 0, 0
+        return report
 
     @property
     def participants(self) -> int:
@@ -444,6 +533,14 @@ class ReplicaGroups:
         if not self._shut_down:
             self._shut_down = True
             self.manager.shutdown(wait=False)
+
+
+def _quorum_id(manager) -> int:
+    """The id of `manager`'s current quorum: torchft's lighthouse gives a new one whenever the
+    replica ids in the quorum change (a relaunched group joins with a new one). torchft's Manager
+    keeps it in ``_quorum_id`` (set by its quorum thread) and has no public accessor; pinned by
+    tests/unit/test_fault_tolerance_overlap.py."""
+    return manager._quorum_id
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

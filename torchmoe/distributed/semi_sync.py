@@ -1,7 +1,7 @@
 """Semi-synchronous training across replica groups (`fault_tolerance.semi_sync_method`): local
 SGD, DiLoCo and streaming DiLoCo on `ReplicaGroups`.
 
-    semi = SemiSync(groups, cfg, named_params=local_params, buffers=expert_biases, layer_ids=range(8))
+    semi = SemiSync(groups, cfg, named_params=local_params, named_biases=expert_biases, layer_ids=range(8))
     report = semi.after_step(step, position)     # a sync's {"ft_synced": ..., "ft_fragment": ...}, or None
 """
 
@@ -54,7 +54,8 @@ class SemiSync:
     - ``diloco``: average the pseudo-gradient ``Δ = anchor - θ`` (anchor: the parameters after the
       last sync) and apply it to the anchor with an outer SGD,
       ``m = μ m + Δ; θ = anchor - lr (Δ + μ m)`` with Nesterov (``- lr m`` without), as
-      `torch.optim.SGD` with dampening 0 does; expert biases are averaged as in local SGD.
+      `torch.optim.SGD` with dampening 0 does; expert biases are averaged (an outer step of lr 1
+      without momentum: they are no gradient's).
 
     Streaming DiLoCo (``num_fragments`` F > 1): the blocks are split into F fragments
     (`fragments_of`) and one fragment syncs every ``sync_steps / F`` steps, in turn, so each
@@ -62,6 +63,9 @@ class SemiSync:
     its pseudo-gradient is taken and its average started τ steps before its sync, and the outer
     step applies it then (the inner steps between overlap the transfer); the parameters become
     ``(1 - α) θ_outer + α θ_local`` (``fragment_update_alpha`` α; 0 keeps the groups equal).
+    A block's expert bias is its fragment's, under the same rule: taken τ steps before the
+    sync, averaged, and mixed ``(1 - α) average + α b_local`` with the bias as it is at the
+    sync; the other fragments' biases keep their own progress, as their parameters do.
     ``should_quantize`` sends the pseudo-gradients quantized (torchft's, on CUDA).
 
     A sync that does not commit (a peer failed, too few groups) changes nothing: the groups go on
@@ -74,17 +78,20 @@ class SemiSync:
         named_params: gives this rank's parameter shards (DTensors' local tensors) with their
             names, always in one order (asked at each sync: FSDP swaps the tensors a module holds
             between steps).
-        buffers: this rank's MoE expert biases, averaged at each sync.
+        named_biases: this rank's MoE expert biases with their names (``layers.<i>.…``: each
+            syncs with its block's fragment).
         layer_ids: the whole model's block indices, in order (where fragments split).
     """
 
     def __init__(self, groups: ReplicaGroups, cfg: FaultTolerance,
-                 named_params: Callable[[], list[tuple[str, torch.Tensor]]], buffers: list[torch.Tensor],
-                 layer_ids: Sequence[int]) -> None:
-        self.groups, self.cfg, self.named_params, self.buffers = groups, cfg, named_params, buffers
+                 named_params: Callable[[], list[tuple[str, torch.Tensor]]],
+                 named_biases: list[tuple[str, torch.Tensor]], layer_ids: Sequence[int]) -> None:
+        self.groups, self.cfg, self.named_params = groups, cfg, named_params
+        self.biases = [b for _, b in named_biases]
         self.diloco = cfg.semi_sync_method == "diloco"
         named = named_params()
         self.fragments = fragments_of([n for n, _ in named], layer_ids, cfg.num_fragments)
+        self.bias_fragments = fragments_of([n for n, _ in named_biases], layer_ids, cfg.num_fragments)
         self.period = cfg.sync_steps // cfg.num_fragments  # steps between two fragments' syncs
         self.anchor = [p.detach().clone() for _, p in named] if self.diloco else []
         # Zeros: the first outer step's m = μ·0 + Δ = Δ is torch SGD's first buffer; and the state
@@ -125,20 +132,22 @@ class SemiSync:
         return {"ft_synced": self._finish(step), "ft_fragment": fragment}
 
     def _start(self, fragment: int, position: list[float]) -> None:
-        """Meet the other groups (a group that is behind recovers here), take this fragment's
-        share (pseudo-gradient, or parameters for local SGD) and the expert biases, and start
-        averaging them."""
+        """Meet the other groups (a group that is behind recovers here) in the small collective
+        (`ReplicaGroups.reduce`: layouts compared and `position` carried before anything else
+        crosses), then take this fragment's share (pseudo-gradient, or parameters for local SGD)
+        and its expert biases, and start averaging them: nothing waits for that transfer until
+        `_finish` (a collective started after it would wait for it, on gloo and on a stream)."""
         self.groups.begin_step()
         params = self.local_params()
         with torch.no_grad():
+            device = params[0].device if params else torch.device("cpu")
+            self.groups.reduce(torch.zeros((), device=device), None, lambda: [], position)
             if self.diloco:
                 shared = [self.anchor[i] - params[i] for i in self.fragments[fragment]]
             else:
                 shared = [params[i].clone() for i in self.fragments[fragment]]
-            shared += [b.clone() for b in self.buffers]
+            shared += [self.biases[i].clone() for i in self.bias_fragments[fragment]]
             wait = self.groups.start_average(shared, quantize=self.cfg.should_quantize)
-            device = shared[0].device if shared else torch.device("cpu")
-            self.groups.reduce(torch.zeros((), device=device), None, lambda: [], position)
         self._pending = (fragment, shared, wait)
 
     def _finish(self, step: int) -> bool:
@@ -150,10 +159,10 @@ class SemiSync:
             return False
         params = self.local_params()
         indices = self.fragments[fragment]
-        values, biases = shared[:len(indices)], shared[len(indices):]
+        values, averages = shared[:len(indices)], shared[len(indices):]
         with torch.no_grad():
-            for buffer, average in zip(self.buffers, biases):
-                buffer.copy_(average)
+            for i, average in zip(self.bias_fragments[fragment], averages, strict=True):
+                _mix(self.biases[i], average, self.cfg.fragment_update_alpha if self.diloco else 0.0)
             if self.diloco:
                 self._outer_step([params[i] for i in indices], [self.anchor[i] for i in indices],
                                  [self.momentum[i] for i in indices], values)
@@ -172,10 +181,7 @@ class SemiSync:
         for param, anchor, delta, m in zip(params, anchors, deltas, momenta):
             update = delta.add(m, alpha=mu) if self.cfg.outer_nesterov else m
             anchor.sub_(update, alpha=lr)
-            if alpha == 0:  # exactly the anchor: every group's parameters equal to the bit
-                param.copy_(anchor)
-            else:
-                param.lerp_(anchor, 1.0 - alpha)
+            _mix(param, anchor, alpha)
 
     def state_dict(self) -> dict[str, Any]:
         """The anchor and the outer momentum (DiLoCo; empty for local SGD): this rank's shards."""
@@ -184,3 +190,12 @@ class SemiSync:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for mine, saved in zip([*self.anchor, *self.momentum], [*state["anchor"], *state["momentum"]], strict=True):
             mine.copy_(saved)
+
+
+def _mix(local: torch.Tensor, synced: torch.Tensor, alpha: float) -> None:
+    """``local = (1 - alpha) synced + alpha local``, in place; with alpha 0 exactly `synced`, so
+    every group's copy is equal to the bit."""
+    if alpha == 0:
+        local.copy_(synced)
+    else:
+        local.lerp_(synced, 1.0 - alpha)
