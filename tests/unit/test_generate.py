@@ -81,6 +81,24 @@ def test_each_layer_caches_per_position_what_its_attention_needs_only(dtype: tor
 
 
 @torch.no_grad()
+def test_a_layer_holds_only_the_positions_its_attention_still_sees() -> None:
+    """gpt-oss's window layers (8 positions) hold at most 16 positions after 61, its full layers
+    every one; Llama 4's chunked layers (16) what their chunk has seen, at most 2 chunks' worth,
+    its NoPE layers every position. The logits stay the full forward's (test above)."""
+    for family in ("gpt_oss", "llama4"):
+        args = FAMILY_ARGS[family]
+        model, cache = _model(args), KVCache()
+        model(torch.tensor([PROMPT]), cache=cache)
+        for token in range(40):
+            model(torch.tensor([[token]]), cache=cache)
+        held = {int(layer): kept[0].shape[-2] for layer, kept in cache._kept.items()}
+        for layer, positions in held.items():
+            window = args.layer_window(layer) or args.layer_chunk(layer)
+            assert positions <= 2 * max(window, 8) if window else positions >= 61, (family, layer, positions)
+        assert any(args.layer_window(i) or args.layer_chunk(i) for i in held), family  # not vacuous
+
+
+@torch.no_grad()
 def test_greedy_generation_is_the_argmax_of_the_full_forward_at_every_step(model: Transformer) -> None:
     got = generate_ids(model, PROMPT, Sampling(max_new_tokens=30), eos_id=-1)
     ids = list(PROMPT)
