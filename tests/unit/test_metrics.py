@@ -371,17 +371,21 @@ def _losses(path: Path) -> list[float]:
     (9, [1, 2, 3, 4, 5]),  # a relaunched replica group that took a peer's state of step 8
 ])
 def test_an_earlier_lifes_records_are_cut_from_the_first_step_logged(tmp_path: Path, first: int,
-                                                                     kept: list[int]) -> None:
+                                                                     kept: list[int], caplog) -> None:
     """The cut waits for the first record: a replica group relaunched at step 0 takes a peer's
-    live state of step N, and its records before N are its history (cut at the start before)."""
+    live state of step N, and its records before N are its history (cut at the start before).
+    The lines that are not records go too, with a warning naming them."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
     m = MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=20, console=_console()[0])
     assert len(path.read_text().splitlines()) == 6  # nothing cut before a record
-    m.record_step(first, {"loss": 100.0})
+    with caplog.at_level(logging.WARNING, logger="torchmoe"):
+        m.record_step(first, {"loss": 100.0})
     m.log(first + 1, {"loss": 101.0})
     m.close()
     assert _losses(path) == [*map(float, kept), 100.0, 101.0]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 1 line is not a record (line 6; torn by a kill, or edited): removed from the file"]
 
 
 def test_an_earlier_lifes_records_are_cut_once_the_disk_takes_them(tmp_path: Path, monkeypatch) -> None:

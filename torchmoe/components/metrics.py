@@ -214,29 +214,44 @@ def parse_record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
-def _lines(path: Path) -> list[str]:
-    """The lines of `path`; none when it does not exist."""
+def read_record_lines(path: Path) -> tuple[list[tuple[int, str, dict[str, Any]]], list[int]]:
+    """Each record of the metrics.jsonl at `path` as (line number, line, record), in file order,
+    and the numbers of the lines that are not records (torn by a kill, or edited); neither when
+    the file does not exist. Every reader says what it skipped (`not_records`)."""
     try:
-        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except FileNotFoundError:
-        return []
+        return [], []
+    records, skipped = [], []
+    for number, line in enumerate(lines, start=1):
+        record = parse_record(line)
+        if record is None:
+            skipped.append(number)
+        else:
+            records.append((number, line, record))
+    return records, skipped
+
+
+def not_records(path: Path, skipped: list[int]) -> str:
+    """"PATH: N lines are not records (lines a, b, ...)": the lines a reader of `path` skipped."""
+    shown = ", ".join(map(str, skipped[:10])) + (f" and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+    lines = "line is not a record (line" if len(skipped) == 1 else "lines are not records (lines"
+    return f"{path}: {len(skipped)} {lines} {shown}; torn by a kill, or edited)"
 
 
 def _drop_records_from(path: Path, step: int) -> bool:
-    """Remove from `path` the records of `step` and after (and a line torn by a kill): an earlier
-    life of this run logged them, and this one is about to log them again (metrics.jsonl holds
-    each step once). Rewritten to a temporary file and renamed, so a crash here loses nothing.
-    Returns whether the file was rewritten."""
-    kept, dropped = [], 0
-    for line in _lines(path):
-        record = parse_record(line)
-        if record is not None and record["step"] < step:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
+    """Remove from `path` the records of `step` and after (and the lines that are not records, saying
+    so): an earlier life of this run logged them, and this one is about to log them again
+    (metrics.jsonl holds each step once). Rewritten to a temporary file and renamed, so a crash
+    here loses nothing. Returns whether the file was rewritten."""
+    records, skipped = read_record_lines(path)
+    kept = [line for _, line, record in records if record["step"] < step]
+    if skipped:
+        logger.warning("%s: removed from the file", not_records(path, skipped))
+    if len(kept) < len(records) or skipped:
         write_file(path, "".join(f"{line}\n" for line in kept))
-    return bool(dropped)
+        return True
+    return False
 
 
 def check_history(dump_folder: Path, cfg: JobConfig) -> None:
@@ -247,7 +262,8 @@ def check_history(dump_folder: Path, cfg: JobConfig) -> None:
     Raises:
         ConfigError: metrics.jsonl holds records of a run with another (or no) config.toml.
     """
-    steps = [r["step"] for line in _lines(dump_folder / METRICS_FILE) if (r := parse_record(line)) is not None]
+    # Lines that are not records are said when the run cuts them (`_drop_records_from`).
+    steps = [record["step"] for _, _, record in read_record_lines(dump_folder / METRICS_FILE)[0]]
     if not steps:
         return
     try:
