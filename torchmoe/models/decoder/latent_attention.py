@@ -137,6 +137,13 @@ class LatentAttention(CausalAttention):
         (prefix,) = cache.append(name, kv, keep_from=0)
         # The keys serve as the values too: the latent part of the output is what the values
         # give; the rope part, attention over the rotated keys, is dropped.
+        if q.shape[2] == 1:
+            # One new position (decoding): its heads are queries of the one key head, folded
+            # into the query axis, over every key, none masked. A kernel that repeats key heads
+            # for grouped queries (CUDA's memory-efficient one) would copy the keys H times.
+            keys = torch.cat((prefix, kv), dim=-2)  # (B, 1, L + 1, r + rope)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, keys)[..., :rank]  # (B, 1, H, r)
+            return torch.einsum("bshr,hvr->bshv", out, w_value)
         out = causal_attention(q, kv, kv, start=start, prefix=(prefix, prefix))[..., :rank]  # (B, H, S, r)
         return torch.einsum("bhsr,hvr->bshv", out, w_value)
 
