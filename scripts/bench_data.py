@@ -24,12 +24,13 @@ shards against what training consumes, and the reader's memory against the corpu
 - jsonl_resume: a `.jsonl` file of `--jsonl-documents` documents of random words, resumed with 8 x
   `--rows` rows each near the end of its range: the seconds to the first batch (the line index
   built in one pass, then a seek per row).
-- first_open: a new `--index-mb` MB `.jsonl` file opened by a run's ranks, on 1 and 4 ranks
-  (the 4 under torchrun, gloo; `--rows` rows per rank): per rank, the bytes read from files (Linux's `rchar`:
-  read calls; a memory map's pages are not counted), the memory added (VmRSS, and RssAnon: not
-  backed by a file) and the seconds, from making the corpus to cutting its rows. `one_builder`: as a run opens it
-  (its dump folder's index cache: rank 0 indexes, every rank maps the saved index); `every_rank`:
-  each rank indexing the whole file into its own memory, as before (and as without an index cache).
+- first_open: a new corpus of `--index-mb` MB of `.jsonl` in `--index-files` files opened by a run's
+  ranks, on 1 and 4 ranks (the 4 under torchrun, gloo; `--rows` rows per rank): per rank, the bytes read
+  from files (Linux's `rchar`: read calls; a memory map's pages are not counted), the memory added
+  (VmRSS, and RssAnon: not backed by a file) and the seconds, from making the corpus to cutting its
+  rows. `shared`: as a run opens it (its dump folder's index cache: rank r indexes files r, r + N, ...,
+  every rank maps the saved indexes); `every_rank`: each rank indexing every file into its own memory
+  (as without an index cache).
 
 Writes JSON (default outputs/bench_data.json) and prints it.
 """
@@ -214,8 +215,9 @@ def _read_bytes() -> int:
 
 
 def index_child(corpus: str, cache: str, rows: int, out: str) -> None:
-    """One rank of `bench_first_open` (alone, or under torchrun): open `corpus` (indexes kept in `cache`,
-    or "" for none) and cut this rank's `rows` rows of the world's; write what it read and added."""
+    """One rank of `bench_first_open` (alone, or under torchrun): open the files of the folder `corpus`
+    (indexes kept in `cache`, or "" for none) and cut this rank's `rows` rows of the world's; write
+    what it read and added."""
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -223,7 +225,7 @@ def index_child(corpus: str, cache: str, rows: int, out: str) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     before, read, start = _status(), _read_bytes(), time.perf_counter()
-    docs = FileDocuments([Path(corpus)], index_cache=Path(cache) if cache else None)
+    docs = FileDocuments(sorted(Path(corpus).iterdir()), index_cache=Path(cache) if cache else None)
     units = sum(len(docs.split(row, rows * world)) for row in range(rank * rows, (rank + 1) * rows))
     after = _status()
     record = {"read_mb": round((_read_bytes() - read) / 1e6, 2), "rss_growth_mb": round((after["VmRSS"] - before["VmRSS"]) / 1e6, 1),
@@ -235,25 +237,27 @@ def index_child(corpus: str, cache: str, rows: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def bench_first_open(root: Path, mb: float, rows: int) -> dict:
+def bench_first_open(root: Path, mb: float, files: int, rows: int) -> dict:
     """`first_open` (see the module docstring): per world size and mode, each rank's record."""
     from torchmoe.launch import free_port
 
-    root.mkdir(parents=True)
-    corpus = root / "corpus.jsonl"
+    corpus = root / "corpus"
+    corpus.mkdir(parents=True)
     rng = np.random.default_rng(0)
     words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta"])
     line = [json.dumps({"text": " ".join(words[rng.integers(0, 6, rng.integers(5, 60))])}) + "\n" for _ in range(1000)]
     block = "".join(line)
-    with corpus.open("w") as f:
-        for _ in range(max(1, int(mb * 1e6 / len(block)))):
-            f.write(block)
-    result = {"file_mb": round(corpus.stat().st_size / 1e6, 1), "lines": sum(1 for _ in corpus.open("rb"))}
+    for part in range(files):
+        with (corpus / f"part{part:03d}.jsonl").open("w") as f:
+            for _ in range(max(1, int(mb * 1e6 / files / len(block)))):
+                f.write(block)
+    result = {"corpus_mb": round(sum(p.stat().st_size for p in corpus.iterdir()) / 1e6, 1), "files": files,
+              "lines": sum(1 for p in corpus.iterdir() for _ in p.open("rb"))}
     for world in (1, 4):
-        for mode in ("one_builder", "every_rank"):
+        for mode in ("shared", "every_rank"):
             out = root / f"{mode}{world}"
             out.mkdir()
-            cache = str(root / f"index{world}") if mode == "one_builder" else ""
+            cache = str(root / f"index{world}") if mode == "shared" else ""
             # One rank runs alone: torchrun's agent would only add a process to start.
             launcher = [] if world == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={world}",
                                               f"--master_port={free_port()}"]
@@ -285,7 +289,7 @@ def bench(opts: argparse.Namespace, root: Path) -> dict:
                                 loader_vs_training=round(result["loader"]["loader_tokens_per_sec"] / train))
     result["memory"] = bench_memory(small, big, opts.steps, opts.seq_len, opts.rows)
     result["jsonl_resume"] = bench_jsonl_resume(root / "jsonl", opts.rows * 8, opts.jsonl_documents)
-    result["first_open"] = bench_first_open(root / "first_open", opts.index_mb, opts.rows)
+    result["first_open"] = bench_first_open(root / "first_open", opts.index_mb, opts.index_files, opts.rows)
     return result
 
 
@@ -303,7 +307,8 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=12)
     parser.add_argument("--tmp", default=None, help="where the corpora go (default: the system's temporary folder)")
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench_data.json"))
-    parser.add_argument("--index-mb", type=float, default=200.0, help="the .jsonl file first_open opens")
+    parser.add_argument("--index-mb", type=float, default=200.0, help="the .jsonl corpus first_open opens")
+    parser.add_argument("--index-files", type=int, default=8, help="the files it is written in")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     parser.add_argument("--index-child", help=argparse.SUPPRESS)
     parser.add_argument("--index-cache", help=argparse.SUPPRESS)

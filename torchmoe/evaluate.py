@@ -12,15 +12,22 @@ so with no gradient accumulation `--batches 1` on a run's step-0 (seed) checkpoi
 run's logged step-1 loss. `--batches N` reads N batches (default: `validation.steps`; -1 is one
 pass over the data).
 
-It runs training's validation (`Trainer.validate`): same forward, masking and loss. The run's
-own files (config, locks, data indexes) go to a scratch folder that is removed afterwards: the
-checkpoint's run folder is only read. `--out FILE.json` writes the result.
+It runs training's validation (`Trainer.validate`): same forward, masking and loss. The data's
+indexes (`data.file_index`) are the run's own, in `job.dump_folder/data_index`, where its
+training and validation indexed the same files: on the file system every node shares (a
+node-local scratch folder had each node's ranks index the corpus again), and kept for the next
+eval, which indexes nothing where the files are unchanged. Only where this user cannot write there
+(another user's run) do they go to the scratch folder. The evaluation's other files (config,
+locks) go to a scratch folder that is removed afterwards: of the run's folder, only its index
+cache is written to (files named by each data file's identity, each written whole by a rename,
+so a live run indexing the same file at once is no harm). `--out FILE.json` writes the result.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -35,8 +42,12 @@ from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.flags import split_flags
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.output_files import check_output_file, write_output
+from torchmoe.config.paths import writable_folder
+from torchmoe.data.file_index import INDEX_FOLDER
 
 __all__ = ["EVAL_DESCRIPTION", "eval_config", "eval_main"]
+
+logger = logging.getLogger(__name__)
 
 _FLAGS = {"--checkpoint": str, "--step": int, "--split": str, "--batches": int, "--out": str}
 
@@ -93,6 +104,21 @@ def _work_folder() -> Path:
     return Path(tempfile.gettempdir()) / f"torchmoe-eval-{launch.replace(os.sep, '_')}"
 
 
+def _index_cache(run_folder: Path, work: Path) -> Path:
+    """Where the evaluation keeps its data's indexes: the run's own cache (`run_folder/data_index`,
+    module docstring), or `work`'s where this process cannot create files there. Under a launcher
+    only each node's first rank probes by creating a file; the others ask the kernel
+    (`writable_folder`)."""
+    cache = run_folder / INDEX_FOLDER
+    try:
+        writable_folder(cache, create=launch_int("LOCAL_RANK", 0) == 0)
+    except OSError as err:
+        logger.warning("the run's data index cache %s cannot be written (%s): the data is indexed into this "
+                       "evaluation's scratch folder, again at every eval", cache, err.strerror or err)
+        return work / INDEX_FOLDER
+    return cache
+
+
 _OUT_FIX = "pass the path of a .json file this user can write"
 
 
@@ -120,7 +146,7 @@ def eval_main(argv: list[str], load_config: Callable[[list[str], str, str], JobC
         from torchmoe.trainer import evaluate  # imported here: it pulls in the whole training stack
 
         with running():
-            loss = evaluate(ecfg)
+            loss = evaluate(ecfg, index_cache=_index_cache(Path(cfg.job.dump_folder), work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if os.environ.get("RANK") in (None, "0"):

@@ -180,6 +180,8 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
                      _OUT_FIX)
         console.print(f"wrote {json_out} ({len(result.scored)} layouts)")
     best = result.best
+    if best is None and (refusal := result.config_refusal()) is not None:
+        raise refusal  # as the dry run of the job would
     if best is None:
         if result.unfit:
             name = min(result.unfit, key=result.unfit.__getitem__)

@@ -25,6 +25,7 @@ import importlib.util
 import io
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
 from torchmoe.argparser import ArgumentParser, parse_args
-from torchmoe.components.metrics import METRICS_FILE, layer_imbalance, parse_record
+from torchmoe.components.metrics import METRICS_FILE, layer_imbalance, not_records, read_record_lines
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
@@ -75,24 +76,23 @@ class RunData:
         records: metrics.jsonl, one record per step in step order.
         facts: the header lines (model, layout, planner estimates, steps).
         moe_layers: the block index of each MoE layer (rows of `tokens_per_expert`).
+        skipped: what metrics.jsonl holds that is not a record, left out (`metrics.not_records`).
     """
 
     name: str
     records: list[dict[str, Any]]
     facts: list[str]
     moe_layers: list[int]
+    skipped: str | None = None
 
 
-def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+def read_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], list[int]]:
     """The records of a metrics.jsonl with their line numbers, one per step in step order; of a
-    step logged twice (a resumed run logs again from its checkpoint) the later line. A line that
-    is not a record (torn by a kill) is skipped."""
-    by_step: dict[int, tuple[int, dict[str, Any]]] = {}
-    for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-        record = parse_record(line)
-        if record is not None:
-            by_step[record["step"]] = (line_no, record)
-    return [by_step[s] for s in sorted(by_step)]
+    step logged twice (a resumed run logs again from its checkpoint) the later line. And the
+    numbers of the lines that are not records (torn by a kill, or edited), which are skipped."""
+    records, skipped = read_record_lines(path)
+    by_step = {record["step"]: (number, record) for number, _, record in records}
+    return [by_step[s] for s in sorted(by_step)], skipped
 
 
 def _short(value: Any) -> str:
@@ -171,7 +171,7 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
         for name in (METRICS_FILE, "config.toml"):
             if name not in names:
                 raise ConfigError("DUMP_FOLDER", str(folder), f"holds no {name}", fix)
-        records = read_records(folder / METRICS_FILE)
+        records, skipped = read_records(folder / METRICS_FILE)
         if world_size is None:
             size_key = "DUMP_FOLDER"
             try:
@@ -199,7 +199,8 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
     kept = [record for _, record in records]
     with _config_faults(folder):  # the planner's own checks (a pipeline split)
         facts = _run_facts(cfg, world_size, kept)
-    return RunData(folder.resolve().name, kept, facts, sorted(i for i in args.moe_layer_ids if args.is_moe_layer(i)))
+    return RunData(folder.resolve().name, kept, facts, sorted(i for i in args.moe_layer_ids if args.is_moe_layer(i)),
+                   not_records(folder / METRICS_FILE, skipped) if skipped else None)
 
 
 @contextmanager
@@ -407,6 +408,8 @@ def report_main(argv: Sequence[str]) -> int:
     key, value = _out_key(opts)
     check_output_file(key, value, _OUT_FIX, out)
     run = load_run(dump_folder, opts.world_size)
+    if run.skipped is not None:
+        print(f"warning: {run.skipped}: left out of the report", file=sys.stderr)
     png = _png(render(run))
     write_output(key, out, png if out.suffix.lower() == ".png" else _html(run, png), _OUT_FIX, value)
     print(f"wrote {out}")

@@ -159,9 +159,12 @@ class Trainer:
         cfg: the job.
         failure_watch: the multi-rank failure protocol's watch (see `train`), if any: signals
             that arrive once this rank is leaving for a failure are ignored.
+        index_cache: where the data files' indexes are kept (`data.file_index`); None: the dump
+            folder's `data_index`.
     """
 
-    def __init__(self, cfg: JobConfig, *, failure_watch: FailureWatch | None = None) -> None:
+    def __init__(self, cfg: JobConfig, *, failure_watch: FailureWatch | None = None,
+                 index_cache: Path | None = None) -> None:
         self.cfg = cfg
         self.failure_watch = failure_watch
         self.device = train_device(cfg.training.device)
@@ -175,6 +178,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
+        self.index_cache = index_cache or self.dump_folder / INDEX_FOLDER
         self.world_size = world_size
         # Before anything is written (or stale temporaries deleted) there; released if setup fails.
         nccl_traces = self.device.type == "cuda" and world_size > 1
@@ -203,15 +207,14 @@ class Trainer:
         groups, group = (ft.group_size, ft.replica_id) if ft.enable else (1, 0)
         self.dataloader = build_dataloader(
             cfg.training, tokenizer, dp_rank=group * self.dims.dp + dp_rank, dp_degree=groups * self.dims.dp,
-            batch_mesh=None if ft.enable else batch_mesh, index_cache=self.dump_folder / INDEX_FOLDER,
+            batch_mesh=None if ft.enable else batch_mesh, index_cache=self.index_cache,
         )
         # The validation data opened now, under the start's timeout: a new corpus's index is built
         # (by rank 0) before the first validation, whose collectives run under the training's.
         self._validation_corpus = None
         if cfg.validation.enable:
             self._validation_corpus = build_corpus(validation_data(cfg.training, cfg.validation),
-                                                   key="validation.dataset_path",
-                                                   index_cache=self.dump_folder / INDEX_FOLDER)
+                                                   key="validation.dataset_path", index_cache=self.index_cache)
             self._validation_loader()
         # The loss is normalised by this group's tokens: averaged over the groups of a step, it
         # is the mean over their rows (without fault tolerance: the global batch's).
@@ -1100,20 +1103,21 @@ def train(cfg: JobConfig) -> None:
     _with_trainer(cfg, body)
 
 
-def evaluate(cfg: JobConfig) -> float:
+def evaluate(cfg: JobConfig, *, index_cache: Path | None = None) -> float:
     """The mean token loss over `cfg`'s validation batches (`Trainer.validate`) of the weights its
     run starts from (`checkpoint.initial_load_path`), in its layout, without training: the
-    `torchmoe eval` command. Failures and errors as `train`'s."""
+    `torchmoe eval` command; the data's indexes kept in `index_cache` (`Trainer`). Failures and
+    errors as `train`'s."""
     def body(trainer: Trainer) -> float:
         trainer.load_initial_state()
         return trainer.validate()
 
-    return _with_trainer(cfg, body)
+    return _with_trainer(cfg, body, index_cache=index_cache)
 
 
-def _with_trainer(cfg: JobConfig, body: Callable[[Trainer], _T]) -> _T:
-    """`body(trainer)` for the job's Trainer, joined to the launched world, watched for failed
-    peers, its folders released whatever happens (`train`)."""
+def _with_trainer(cfg: JobConfig, body: Callable[[Trainer], _T], *, index_cache: Path | None = None) -> _T:
+    """`body(trainer)` for the job's Trainer (`index_cache` as its), joined to the launched world,
+    watched for failed peers, its folders released whatever happens (`train`)."""
     paths = job_paths(cfg)
     with user_path_faults(paths):  # the comm traces folder is created here
         world_size = _init_distributed(train_device(cfg.training.device), cfg.comm, cfg.parallelism,
@@ -1123,7 +1127,7 @@ def _with_trainer(cfg: JobConfig, body: Callable[[Trainer], _T]) -> _T:
     trainer: Trainer | None = None
     try:
         with user_path_faults(paths):
-            trainer = Trainer(cfg, failure_watch=watch)
+            trainer = Trainer(cfg, failure_watch=watch, index_cache=index_cache)
             result = body(trainer)
     except TrainingDiverged as err:
         trainer.close(err)  # every rank diverged at the same step (the loss is global)

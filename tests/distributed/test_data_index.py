@@ -1,5 +1,6 @@
-"""One reader per corpus: under a process group, rank 0 alone reads a new `.jsonl` file to index
-it; every rank memory-maps the saved index and cuts its own rows from it.
+"""One reader per file: under a process group, one rank alone reads a new `.jsonl` file to index
+it (rank r the files r, r + N, ... of a corpus of several), one collective tells the others;
+every rank memory-maps the saved indexes and cuts its own rows from them.
 
     python -m pytest -q tests/distributed/test_data_index.py
 
@@ -63,7 +64,67 @@ def _worker(out_dir: Path) -> None:
         record[when] = {"indexed": len(indexed) - calls, "read": _read_bytes() - before, "units": units,
                         "mapped": isinstance(docs._tables[0], np.memmap)}
     record["shards"] = _token_shards(out_dir)
+    record["many"] = _many_files(out_dir)
     write_rank_record(out_dir, record)
+
+
+def _many_files(out_dir: Path) -> dict:
+    """The folder of several files (`_folder`) opened twice as `_worker` opens one file: which
+    files this rank indexed (read whole), the collectives it made, its rows' units and the tokens
+    of its first two batches."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from torchmoe.data import dataset
+    from torchmoe.data.dataloader import DataLoader
+    from torchmoe.data.dataset import FileDocuments, local_files
+    from torchmoe.data.errors import DataConfigError
+    from torchmoe.data.tokenizer import ByteTokenizer
+
+    rank = dist.get_rank()
+    indexed: list[str] = []
+    calls = {"collectives": 0}
+    for name in ("line_spans", "_row_sizes", "_text_table"):  # each file's whole read
+        original = getattr(dataset, name)
+        setattr(dataset, name, lambda arg, original=original: indexed.append(str(getattr(arg, "name", "rows")))
+                or original(arg))
+    for name in ("all_gather_object", "broadcast_object_list", "broadcast", "all_reduce", "barrier"):
+        original = getattr(dist, name)
+        setattr(dist, name, lambda *a, original=original, **k: calls.update(collectives=calls["collectives"] + 1)
+                or original(*a, **k))
+    record = {}
+    for when in ("first", "again"):
+        indexed.clear()
+        calls["collectives"] = 0
+        docs = FileDocuments(local_files(str(out_dir / "many")), index_cache=out_dir / "many_index")
+        units = _units(docs, range(rank * ROWS // 2, (rank + 1) * ROWS // 2))
+        loader = DataLoader(docs, ByteTokenizer(), seq_len=64, global_batch_size=ROWS, local_batch_size=ROWS // 2,
+                            dp_rank=rank, dp_degree=2)
+        batches = [loader.next_batch()[0][0].tolist() for _ in range(2)]
+        record[when] = {"indexed": sorted(indexed), "collectives": calls["collectives"], "units": units,
+                        "batches": batches, "mapped": [isinstance(t, np.memmap) for t in docs._tables]}
+    broken = FileDocuments(local_files(str(out_dir / "broken")), index_cache=out_dir / "broken_index")
+    try:
+        broken.total_size()
+    except DataConfigError as err:  # b.json, which rank 1 indexes
+        record["raised"] = str(err)
+    return record
+
+
+def _folder(folder: Path) -> Path:
+    """A corpus of seven files of three kinds: five .jsonl, a .json array and a text file."""
+    many = folder / "many"
+    many.mkdir()
+    for f in range(5):
+        lines = [json.dumps({"text": f"file {f} line {i} " * (1 + (i + f) % 5)}) for i in range(300 + 40 * f)]
+        (many / f"part{f}.jsonl").write_text("\n".join(lines) + "\n")
+    (many / "array.json").write_text(json.dumps([{"text": f"row {i} " * (1 + i % 3)} for i in range(200)]))
+    (many / "notes.txt").write_text("plain text\n" * 500)
+    broken = folder / "broken"
+    broken.mkdir()
+    for name, text in (("a.jsonl", '{"text": "a"}\n'), ("b.json", '[{"text": "b"'), ("c.jsonl", '{"text": "c"}\n')):
+        (broken / name).write_text(text)
+    return many
 
 
 def _token_shards(out_dir: Path) -> dict:
@@ -100,6 +161,7 @@ def world(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
 
     out = tmp_path_factory.mktemp("data_index")
     _corpus(out)
+    _folder(out)
     prepare([str(out / "corpus.jsonl")], out / "shards", workers=1, shard_tokens=40_000, show_progress=False)
     return out, run_rank_script(__file__, out, world=2, timeout=120)
 
@@ -119,6 +181,47 @@ def test_one_rank_indexes_a_new_corpus_and_every_rank_maps_it(world) -> None:
     assert records[0]["first"]["read"] >= size > 20 * records[1]["first"]["read"], records
     assert size > 20 * records[0]["again"]["read"] and size > 20 * records[1]["again"]["read"], records
     assert len(list((tmp_path / "data_index").glob("*.npy"))) == 1
+
+
+def test_a_corpus_of_many_files_is_indexed_a_share_a_rank_in_one_collective(world) -> None:
+    """Rank r indexes files r, r + 2, ... of seven (sorted: array.json, notes.txt, part0-4.jsonl),
+    each file once in all, with one collective for the corpus (not one per file); the indexes
+    saved are those one process saves, byte for byte, and each rank's rows and batches are those
+    of one process. Opened again, no file is read (the text file opened by its rank) and the one
+    collective remains."""
+    from torchmoe.data.dataloader import DataLoader
+    from torchmoe.data.dataset import FileDocuments, local_files
+    from torchmoe.data.tokenizer import ByteTokenizer
+
+    tmp_path, records = world
+    files = local_files(str(tmp_path / "many"))
+    names = [f.name for f in files]
+    assert names[:2] == ["array.json", "notes.txt"], names
+    kinds = {"array.json": "rows", "notes.txt": "notes.txt"}  # what the counting stand-ins record
+    for rank in (0, 1):
+        first = records[rank]["many"]["first"]
+        assert first["indexed"] == sorted(kinds.get(n, n) for n in names[rank::2]), (rank, first["indexed"])
+        assert first["collectives"] == 1, first["collectives"]
+        again = records[rank]["many"]["again"]
+        # A text file's table (its size) is not kept: opened again, by its one rank only.
+        assert again["indexed"] == (["notes.txt"] if rank == 1 else []) and again["collectives"] == 1, again
+        assert records[rank]["many"]["again"]["mapped"] == [n != "notes.txt" for n in names]
+    alone = tmp_path / "alone_index"  # one process, no process group
+    docs = FileDocuments(files, index_cache=alone)
+    reference = _units(docs, range(ROWS))
+    loader = DataLoader(docs, ByteTokenizer(), seq_len=64, global_batch_size=ROWS, local_batch_size=ROWS)
+    batches = [loader.next_batch()[0][0].tolist() for _ in range(2)]
+    for when in ("first", "again"):
+        got = [records[r]["many"][when] for r in (0, 1)]
+        assert got[0]["units"] + got[1]["units"] == reference, when
+        assert [got[0]["batches"][b] + got[1]["batches"][b] for b in (0, 1)] == batches, when
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "many_index").glob("*.npy")}
+    assert len(saved) == 6 and saved == {p.name: p.read_bytes() for p in alone.glob("*.npy")}
+    # A file that cannot be indexed (b.json, rank 1's) stops both ranks with its own message.
+    broken = str(tmp_path / "broken" / "b.json")
+    for rank in (0, 1):
+        assert records[rank]["many"]["raised"] == f'training.dataset_path = "{broken}": is not JSON (Expecting \',\' ' \
+            "delimiter at line 1)\n  fix: fix the file: a JSON array of objects, or one object per line", rank
 
 
 def test_token_shards_are_hashed_once_in_all_and_a_damaged_one_stops_every_rank(world) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,50 @@ def test_eval_of_the_initial_weights_on_the_first_batch_is_the_first_steps_loss(
     assert result["perplexity"] == pytest.approx(math.exp(logged["loss"]), rel=1e-9)
     assert proc.stdout.startswith(f"train loss {result['loss']:.6f} ")
     assert _tree(run_dir) == before  # the run's folder is only read
+
+
+def test_eval_keeps_its_data_indexes_in_the_runs_cache_and_a_second_eval_indexes_nothing(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The indexes of the evaluated files go to the run's `data_index` (on the file system its
+    nodes share, as the dump folder is), not to the scratch folder (`TMPDIR`, node-local), which
+    is left empty; a second eval of the same files saves no index (every index file written is
+    recorded: `file_syncs/sitecustomize.py`) and gives the same loss."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(2):
+        lines = [json.dumps({"text": f"def f{f}_{i}(x):\n    return x * {i}\n"}) for i in range(400)]
+        (corpus / f"part{f}.jsonl").write_text("\n".join(lines) + "\n")
+    scratch, calls = tmp_path / "scratch", tmp_path / "calls"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parents[1] / "distributed" / "file_syncs"),
+                                                      *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cache = run_dir / "data_index"
+    results = []
+    for when in ("first", "again"):
+        (calls / when).mkdir(parents=True)
+        monkeypatch.setenv("TORCHMOE_FILE_SYNCS", str(calls / when))
+        out = tmp_path / f"{when}.json"
+        run_cli(["eval", *TINY, "--job.dump_folder", run_dir, "--split", "train", "--batches", "1", "--out", out,
+                 "--training.dataset", "local", "--training.dataset_path", corpus], timeout=180)
+        results.append(json.loads(out.read_text())["loss"])
+        saves = [c for f in (calls / when).glob("*.json") for c in json.loads(f.read_text())["calls"]
+                 if c["call"] == "replace" and "file_index.py:_save" in c["stack"]]
+        assert len(saves) == (2 if when == "first" else 0), (when, saves)
+        assert len(list(cache.glob("*.npy"))) == 2 and list(scratch.iterdir()) == [], when
+    assert results[0] == results[1]
+
+
+def test_eval_indexes_into_its_scratch_folder_where_the_runs_cache_cannot_be_written(tmp_path: Path, caplog) -> None:
+    from torchmoe.evaluate import _index_cache
+
+    run, work = tmp_path / "run", tmp_path / "work"
+    run.mkdir()
+    assert _index_cache(run, work) == run / "data_index" and list(run.iterdir()) == []  # the probe is gone
+    (run / "data_index").write_text("in the way")
+    assert _index_cache(run, work) == work / "data_index"
+    assert f"the run's data index cache {run / 'data_index'} cannot be written (cannot create files in it: Not a " \
+        "directory): the data is indexed into this evaluation's scratch folder, again at every eval" in caplog.text
 
 
 def test_eval_reads_the_runs_newest_checkpoint_by_default(capsys, run_dir: Path) -> None:

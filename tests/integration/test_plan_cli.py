@@ -88,6 +88,33 @@ def test_nothing_fits_is_one_message() -> None:
     assert_user_error(result, "--gpus = 8", "no layout of maverick fits 8 x h100", "does not fit")
 
 
+@pytest.mark.parametrize("flags", [
+    [],
+    ["--compile.enable", "true", "--compile.backend", "aot_eager"],
+    ["--compile.enable", "true", "--compile.components", "loss"],
+])
+def test_flex_attention_without_inductor_is_refused_alike_by_the_dry_run_and_the_planner(
+        flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """FlexAttention's eager path holds the whole score matrix: the dry run refuses the job, and the
+    planner, which no layout can help, with the same one message (not its "no layout fits")."""
+    job = ["--config", DEBUG_CONFIG, "--model.attn_backend", "flex", "--training.device", "cuda", *flags,
+           "--job.dump_folder", str(tmp_path)]
+    errors = []
+    for argv in (["train", *job, "--dry-run", "--world-size", "4"], ["plan", *job, "--gpus", "4"]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and "Traceback" not in err, err
+        errors.append(err[err.index("error:"):])
+    key, value, fix = {(): ("compile.enable", "false", "true"), ("aot_eager",): ("compile.backend", '"aot_eager"',
+                       '"inductor"'), ("loss",): ("compile.components", '["loss"]', '["model"]')}[tuple(flags[3:4])]
+    assert errors[0] == errors[1] == (
+        f'error: {key} = {value}: model.attn_backend = "flex" needs inductor to compile the blocks (compile.enable = '
+        'true, "model" in compile.components, compile.backend = "inductor"): FlexAttention\'s eager path holds every '
+        f'query-key score of a row in memory\n  fix: set {key} = {fix}, or use model.attn_backend = "sdpa"\n')
+    assert cli.main(["train", *job, "--compile.enable", "true", "--compile.backend", "inductor",
+                     "--compile.components", "model", "--dry-run", "--world-size", "4"]) == 0
+
+
 def test_dry_run_flags_only_with_dry_run() -> None:
     assert_user_error(_torchmoe("train", "--config", DEBUG_CONFIG, "--hardware", "h100"),
                       "--hardware = \"h100\"", "only plans", "--dry-run")

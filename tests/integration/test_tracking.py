@@ -192,6 +192,7 @@ def test_report_of_a_resumed_run_counts_each_step_once_and_marks_the_resume(run:
                                                   for r in lines))
     loaded = load_run(folder, world_size=None)
     assert [r["step"] for r in loaded.records] == [1, 2] and loaded.records[-1]["loss"] == 99.0
+    assert loaded.skipped == f"{folder / 'metrics.jsonl'}: 1 line is not a record (line 4; torn by a kill, or edited)"
     assert loaded.moe_layers == [1, 3]
     assert loaded.facts[1].startswith("1 rank: pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1, ep 1")
     assert loaded.facts[2].startswith("steps 1-2 of 2 logged, resumed at step 1; seq_len 32")
@@ -200,6 +201,18 @@ def test_report_of_a_resumed_run_counts_each_step_once_and_marks_the_resume(run:
         curve, mark = ax.lines
         assert list(curve.get_xdata()) == [1, 2] and list(mark.get_xdata()) == [1, 1]
         assert ax.get_legend_handles_labels()[1] == ["resumed at step 1"]
+
+
+def test_report_says_how_many_lines_it_leaves_out_and_which(run: Path, tmp_path: Path, capsys) -> None:
+    """Lines that are not records (an edit, a record without its step) are left out with one
+    warning naming their count and line numbers; the report is drawn from the others."""
+    folder = _copy(run, tmp_path)
+    rows = [json.dumps(r) for r in read_metrics(run)]
+    (folder / "metrics.jsonl").write_text("\n".join([rows[0], "not json", '{"loss": 1.0}', rows[1], "[]"]) + "\n")
+    status, err = _report(capsys, str(folder))
+    assert status == 0 and (folder / "report.png").read_bytes()[:8] == PNG_MAGIC, err
+    assert err == f"warning: {folder / 'metrics.jsonl'}: 3 lines are not records (lines 2, 3, 5; torn by a kill, or " \
+        "edited): left out of the report\n"
 
 
 def _copy(run: Path, tmp_path: Path, names: tuple[str, ...] = ("metrics.jsonl", "config.toml", "run_info.json"),

@@ -347,3 +347,56 @@ def test_a_group_recovering_at_the_commit_is_left_out_of_the_mean() -> None:
     loss, counts = groups.reduce(torch.tensor(1.5), torch.tensor([3.0]), lambda: grads, [1.0, 2.0, 3.0])
     assert loss.item() == 1.5 and counts.tolist() == [3.0] and grads[0].tolist() == [4.0, 4.0, 4.0]
     assert groups.commit(1) and groups.positions.get(1) is None
+
+
+def test_a_lost_peers_error_logged_by_torchft_is_one_warning_line() -> None:
+    """torchft's manager and process group log a failed collective with `logger.exception`: a lost
+    peer's (gloo's "Connection closed by peer", what a survivor of a killed group sees) becomes one
+    warning naming the peer; another error keeps its traceback."""
+    import io
+    import logging
+
+    from torchft.manager import _ManagerLogger
+
+    from torchmoe.distributed.fault_tolerance import import_torchft
+
+    import_torchft()
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    manager = _ManagerLogger(manager=type("M", (), {"current_step": lambda self: 4})(), replica_id="g0", group_rank=1)
+    process_group = logging.getLogger("torchft.process_group")
+    gone = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:36000. This is typically caused by a remote worker crashing. GLHF!")
+    for log in (manager._logger, process_group):
+        log.addHandler(handler)
+    try:
+        for error in (gone, ValueError("a bug")):
+            try:
+                raise error
+            except Exception as e:  # noqa: BLE001 - what torchft catches
+                manager.exception(f"got exception waiting for work {e}")
+                process_group.exception(f"got exception in future -- skipping remaining: {e}")
+    finally:
+        for log in (manager._logger, process_group):
+            log.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == [
+        "WARNING torchft.manager: [g0/1 - step 4] got exception waiting for work: the peer at 127.0.0.1:36000 "
+        "(Connection closed by peer) is gone (its replica group failed); this step is not committed",
+        "WARNING torchft.process_group: got exception in future -- skipping remaining: the peer at 127.0.0.1:36000 "
+        "(Connection closed by peer) is gone (its replica group failed); this step is not committed"]
+    assert lines[2] == "ERROR torchft.manager: [g0/1 - step 4] got exception waiting for work a bug"
+    assert lines[3] == "Traceback (most recent call last):" and "ValueError: a bug" in lines
+    # Without NCCL in the torch build, its flight recorder's note at every quorum is INFO (log files only).
+    records = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    manager._logger.addHandler(catch)
+    try:
+        manager._logger.warning("[g0/1 - step 4] Unable to reset NCCL flight recorder recording so traces will be "
+                                "incorrect.")  # what manager.warn logs (Logger.warn is deprecated)
+    finally:
+        manager._logger.removeHandler(catch)
+    nccl = torch.distributed.is_nccl_available()
+    assert [r.levelname for r in records] == ["WARNING" if nccl else "INFO"]

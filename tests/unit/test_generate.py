@@ -26,7 +26,7 @@ PROMPT = [5, 77, 300, 12, 9, 9, 140, 33, 2, 411, 256, 80, 81, 82, 7, 64, 65, 66,
 
 
 # Qwen3-MoE's tiny flavor: per-head QK norms before half-split RoPE, a dense first layer;
-# DeepSeek-V3's: latent attention (its padded values cached like any), YaRN, grouped routing;
+# DeepSeek-V3's: latent attention (its latent cached, attention computed from it), YaRN, grouped routing;
 # gpt-oss's: sinks and 8-position windows (the cache keeps what the window sees), biases.
 FAMILY_ARGS = {"llama4": ARGS, "qwen3": QWEN3_FLAVORS["tiny"], "deepseek_v3": DEEPSEEK_V3_FLAVORS["tiny"],
                "gpt_oss": GPT_OSS_FLAVORS["tiny"]}
@@ -58,6 +58,44 @@ def test_cached_decoding_gives_the_full_forwards_logits(model: Transformer) -> N
     cache = KVCache()
     cached = torch.cat([model(tokens[:, a:b], cache=cache) for a, b in ((0, 10), (10, 37), (37, 51))], dim=1)
     torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_layer_caches_per_position_what_its_attention_needs_only(dtype: torch.dtype) -> None:
+    """DeepSeek-V3's latent attention keeps kv_lora_rank + qk_rope_head_dim elements per position
+    and layer (the latent after its norm and the shared rotated key, as transformers does), not
+    per-head keys and zero-padded values (2 x heads x head_dim: 4.8x that here, 85x at 671B);
+    grouped-query attention its keys and values. In the compute dtype (bf16 under autocast)."""
+    for family in ("deepseek_v3", "llama4"):
+        args = FAMILY_ARGS[family]
+        model = _model(args)
+        model.autocast_dtype = None if dtype == torch.float32 else dtype
+        cache = KVCache()
+        model(torch.tensor([PROMPT]), cache=cache)
+        model(torch.tensor([[3]]), cache=cache)
+        per_layer = args.kv_lora_rank + args.qk_rope_head_dim if family == "deepseek_v3" else \
+            2 * args.n_kv_heads * args.head_dim
+        size = torch.finfo(dtype).bits // 8
+        assert cache.bytes_per_position() == {str(i): per_layer * size for i in range(args.n_layers)}, family
+
+
+@torch.no_grad()
+def test_a_layer_holds_only_the_positions_its_attention_still_sees() -> None:
+    """gpt-oss's window layers (8 positions) hold at most 16 positions after 61, its full layers
+    every one; Llama 4's chunked layers (16) what their chunk has seen, at most 2 chunks' worth,
+    its NoPE layers every position. The logits stay the full forward's (test above)."""
+    for family in ("gpt_oss", "llama4"):
+        args = FAMILY_ARGS[family]
+        model, cache = _model(args), KVCache()
+        model(torch.tensor([PROMPT]), cache=cache)
+        for token in range(40):
+            model(torch.tensor([[token]]), cache=cache)
+        held = {int(layer): kept[0].shape[-2] for layer, kept in cache._kept.items()}
+        for layer, positions in held.items():
+            window = args.layer_window(layer) or args.layer_chunk(layer)
+            assert positions <= 2 * max(window, 8) if window else positions >= 61, (family, layer, positions)
+        assert any(args.layer_window(i) or args.layer_chunk(i) for i in held), family  # not vacuous
 
 
 @torch.no_grad()

@@ -316,6 +316,51 @@ def test_records_a_full_disk_refuses_are_held_and_written_in_order(tmp_path: Pat
                               "run again")
 
 
+def test_records_held_past_the_bound_drop_the_oldest_and_the_file_says_how_many(tmp_path: Path, monkeypatch,
+                                                                                caplog) -> None:
+    """A disk full for steps 2-11 with room for 3 held records: the memory held stays within the
+    bound, steps 2-8 are dropped (oldest first), and once the disk takes records the file holds 1,
+    then 9 (marked: 7 records of steps 2-8 dropped), 10, 11, 12, the console saying so; full again
+    to the end, `require_written` names the dropped and the held."""
+    from torchmoe.components.metrics import _RecordFile
+
+    full = {"on": False}
+    real_write = file_writes.os.write
+    monkeypatch.setattr(file_writes.os, "write", lambda fd, data: real_write(fd, data) if not full["on"] else
+                        (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    line = len(json.dumps({"step": 10, "loss": 1.0, "elapsed_s": 1.0}) + "\n")
+    monkeypatch.setattr(_RecordFile, "HELD_BYTES", 3 * line + 2)  # steps 2-9 are a byte shorter than 10 and 11
+    m = MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=99, console=_console()[0])
+    with caplog.at_level(logging.INFO, logger="torchmoe"):
+        m.record_step(1, {"loss": 1.0, "elapsed_s": 1.0})
+        full["on"] = True
+        for step in range(2, 12):
+            m.record_step(step, {"loss": 1.0, "elapsed_s": 1.0})
+            assert m._file.held_bytes == sum(len(d) for _, d in m._file.held) <= _RecordFile.HELD_BYTES
+        assert [s for s, _ in m._file.held] == [9, 10, 11] and m._file.dropped == (7, 2, 8)
+        full["on"] = False
+        m.record_step(12, {"loss": 1.0, "elapsed_s": 1.0})
+        full["on"] = True
+        for step in range(13, 20):
+            m.record_step(step, {"loss": 1.0, "elapsed_s": 1.0})
+    records = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 9, 10, 11, 12]
+    assert records[1]["dropped_records"] == {"count": 7, "first_step": 2, "last_step": 8}
+    assert all("dropped_records" not in r for r in records[2:])
+    messages = [r.getMessage() for r in caplog.records if "metrics.jsonl" in r.getMessage()]
+    path = tmp_path / "metrics.jsonl"
+    assert messages[1:4] == [
+        f"{path}: the records held back pass 0 MiB: the oldest are dropped from the record of step 2 on (the file will "
+        "say how many once it takes records again)",
+        f"{path} takes records again: 7 records held back while it could not (steps 2-8) were dropped; the record of "
+        "step 9 says so",
+        f"{path} takes records again: the ones held back are written"]
+    with pytest.raises(ConfigError) as err:
+        m.require_written()
+    assert "the 4 records of steps 13-16 (dropped, past 0 MiB held) and the records of steps 17-19 could not be " \
+        "written" in str(err.value), str(err.value)
+
+
 def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
@@ -326,17 +371,21 @@ def _losses(path: Path) -> list[float]:
     (9, [1, 2, 3, 4, 5]),  # a relaunched replica group that took a peer's state of step 8
 ])
 def test_an_earlier_lifes_records_are_cut_from_the_first_step_logged(tmp_path: Path, first: int,
-                                                                     kept: list[int]) -> None:
+                                                                     kept: list[int], caplog) -> None:
     """The cut waits for the first record: a replica group relaunched at step 0 takes a peer's
-    live state of step N, and its records before N are its history (cut at the start before)."""
+    live state of step N, and its records before N are its history (cut at the start before).
+    The lines that are not records go too, with a warning naming them."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
     m = MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=20, console=_console()[0])
     assert len(path.read_text().splitlines()) == 6  # nothing cut before a record
-    m.record_step(first, {"loss": 100.0})
+    with caplog.at_level(logging.WARNING, logger="torchmoe"):
+        m.record_step(first, {"loss": 100.0})
     m.log(first + 1, {"loss": 101.0})
     m.close()
     assert _losses(path) == [*map(float, kept), 100.0, 101.0]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 1 line is not a record (line 6; torn by a kill, or edited): removed from the file"]
 
 
 def test_an_earlier_lifes_records_are_cut_once_the_disk_takes_them(tmp_path: Path, monkeypatch) -> None:

@@ -23,7 +23,10 @@ run that continues a dump folder's metrics.jsonl (a resumed checkpoint, a restar
 first one, a relaunched replica group) drops its records from the step it logs first on, and
 appends: each step is in the file once, its latest life's. Records are appended whole or not at
 all: one the filesystem refuses (a full disk) is held in memory and written once it can be
-(training goes on); a run that ends with records still held ends with exit 2 naming them.
+(training goes on), up to `_RecordFile.HELD_BYTES`: past that the oldest held are dropped,
+counted, and the first record written again says so (`dropped_records`: their count and first and
+last steps), as the console does; a run that ends with records still held ends with exit 2 naming
+them.
 
 TensorBoard and W&B (`metrics.enable_tensorboard`, `metrics.enable_wandb`; see `wandb_logger`) get
 each record's numbers and every MoE layer's `layer_imbalance`; TensorBoard also the per-expert
@@ -211,29 +214,44 @@ def parse_record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
-def _lines(path: Path) -> list[str]:
-    """The lines of `path`; none when it does not exist."""
+def read_record_lines(path: Path) -> tuple[list[tuple[int, str, dict[str, Any]]], list[int]]:
+    """Each record of the metrics.jsonl at `path` as (line number, line, record), in file order,
+    and the numbers of the lines that are not records (torn by a kill, or edited); neither when
+    the file does not exist. Every reader says what it skipped (`not_records`)."""
     try:
-        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except FileNotFoundError:
-        return []
+        return [], []
+    records, skipped = [], []
+    for number, line in enumerate(lines, start=1):
+        record = parse_record(line)
+        if record is None:
+            skipped.append(number)
+        else:
+            records.append((number, line, record))
+    return records, skipped
+
+
+def not_records(path: Path, skipped: list[int]) -> str:
+    """"PATH: N lines are not records (lines a, b, ...)": the lines a reader of `path` skipped."""
+    shown = ", ".join(map(str, skipped[:10])) + (f" and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+    lines = "line is not a record (line" if len(skipped) == 1 else "lines are not records (lines"
+    return f"{path}: {len(skipped)} {lines} {shown}; torn by a kill, or edited)"
 
 
 def _drop_records_from(path: Path, step: int) -> bool:
-    """Remove from `path` the records of `step` and after (and a line torn by a kill): an earlier
-    life of this run logged them, and this one is about to log them again (metrics.jsonl holds
-    each step once). Rewritten to a temporary file and renamed, so a crash here loses nothing.
-    Returns whether the file was rewritten."""
-    kept, dropped = [], 0
-    for line in _lines(path):
-        record = parse_record(line)
-        if record is not None and record["step"] < step:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
+    """Remove from `path` the records of `step` and after (and the lines that are not records, saying
+    so): an earlier life of this run logged them, and this one is about to log them again
+    (metrics.jsonl holds each step once). Rewritten to a temporary file and renamed, so a crash
+    here loses nothing. Returns whether the file was rewritten."""
+    records, skipped = read_record_lines(path)
+    kept = [line for _, line, record in records if record["step"] < step]
+    if skipped:
+        logger.warning("%s: removed from the file", not_records(path, skipped))
+    if len(kept) < len(records) or skipped:
         write_file(path, "".join(f"{line}\n" for line in kept))
-    return bool(dropped)
+        return True
+    return False
 
 
 def check_history(dump_folder: Path, cfg: JobConfig) -> None:
@@ -244,7 +262,8 @@ def check_history(dump_folder: Path, cfg: JobConfig) -> None:
     Raises:
         ConfigError: metrics.jsonl holds records of a run with another (or no) config.toml.
     """
-    steps = [r["step"] for line in _lines(dump_folder / METRICS_FILE) if (r := parse_record(line)) is not None]
+    # Lines that are not records are said when the run cuts them (`_drop_records_from`).
+    steps = [record["step"] for _, _, record in read_record_lines(dump_folder / METRICS_FILE)[0]]
     if not steps:
         return
     try:
@@ -264,7 +283,10 @@ class _RecordFile:
     """metrics.jsonl, appended one whole record at a time (`file_writes.append`). A record the
     filesystem refuses (a full disk) is held in memory, with those after it, and written in order
     with the next record the file takes again: training goes on, the file never holds a torn
-    record, and `fault` says why records are held (`MetricsLogger.require_written`).
+    record, and `fault` says why records are held (`MetricsLogger.require_written`). At most
+    `HELD_BYTES` are held: past that the oldest go, counted (`dropped`), and the first record the
+    file takes again carries their count and steps (`dropped_records`), so a disk full for days
+    costs a bounded memory and a known loss.
 
     An earlier life's records are cut when the first record comes, from its step on: only then
     is the step this process continues from known. A relaunched replica group starts at step 0
@@ -272,16 +294,37 @@ class _RecordFile:
     died, are its history (cut at the start, they were lost).
     """
 
+    HELD_BYTES = 64 << 20
+    """The records held at most, in bytes (a logged record with tokens_per_expert of 61 layers of
+    256 experts is about 100 KB: some 600 of those)."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd: int | None = open_append(path)
         self.held: list[tuple[int, bytes]] = []  # (step, its line), oldest first
+        self.held_bytes = 0
+        self.dropped: tuple[int, int, int] | None = None  # count, first and last step of the records dropped
         self.fault: OSError | None = None
         self._cut = True  # the earlier life's records from the first record's step on are still there
 
     def add(self, step: int, line: str) -> None:
-        self.held.append((step, line.encode("utf-8")))
+        data = line.encode("utf-8")
+        self.held.append((step, data))
+        self.held_bytes += len(data)
         self.flush()
+        while self.held_bytes > self.HELD_BYTES and len(self.held) > 1:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        """Drop the oldest held record (the file has refused it too long), counting it."""
+        step, data = self.held.pop(0)
+        self.held_bytes -= len(data)
+        count, first, _ = self.dropped or (0, step, step)
+        if count == 0:
+            logger.warning("%s: the records held back pass %d MiB: the oldest are dropped from the record of step %d "
+                           "on (the file will say how many once it takes records again)", self.path,
+                           self.HELD_BYTES >> 20, step)
+        self.dropped = (count + 1, first, step)
 
     def flush(self) -> None:
         """Write the held records, oldest first, until the file refuses one."""
@@ -293,8 +336,20 @@ class _RecordFile:
                     self.fd = fd
                 self._cut = False
             while self.held and self.fd is not None:
-                append(self.fd, self.held[0][1], self.path)
+                data = self.held[0][1]
+                if self.dropped is not None:  # the first record written after a loss says so
+                    count, first, last = self.dropped
+                    record = {**json_loads(data.decode("utf-8")), "dropped_records": {"count": count, "first_step": first,
+                                                                       "last_step": last}}
+                    append(self.fd, json.dumps(record, allow_nan=False).encode("utf-8") + b"\n", self.path)
+                    logger.warning("%s takes records again: %d records held back while it could not (steps %d-%d) "
+                                   "were dropped; the record of step %d says so", self.path, count, first, last,
+                                   self.held[0][0])
+                    self.dropped = None
+                else:
+                    append(self.fd, data, self.path)
                 self.held.pop(0)
+                self.held_bytes -= len(data)
         except OSError as err:
             if self.fault is None:
                 logger.warning("%s: %s: the record of step %d and those after it are held in memory and "
@@ -509,6 +564,10 @@ class MetricsLogger:
             return
         first, last = self._file.held[0][0], self._file.held[-1][0]
         which = f"record of step {first}" if first == last else f"records of steps {first}-{last}"
+        if self._file.dropped is not None:  # held past HELD_BYTES: the oldest went
+            count, since, before = self._file.dropped
+            which = f"{count} records of steps {since}-{before} (dropped, past {self._file.HELD_BYTES >> 20} MiB " \
+                    f"held) and the {which}"
         fault = path_fault("job.dump_folder", self.dump_folder, self._file.fault, WRITE_FIX)
         raise ConfigError(fault.key, fault.value, f"{fault.problem}: the {which} could not be written (training and "
                           "its checkpoints went on)", fault.fix)

@@ -37,7 +37,7 @@ class Model:
     print_after_conversion: bool = False
     """Print the model (rank 0's part) once it is parallelized and converted (float8)."""
     attn_backend: str = ""
-    """Attention kernel: 'sdpa' or 'flex'; empty = the flavor's default."""
+    """Attention kernel: 'sdpa' or 'flex' (CUDA, with compile.enable and the inductor backend: FlexAttention's eager path holds the whole score matrix); empty = the flavor's default."""
     use_grouped_mm: bool = True
     """Run routed experts with torch._grouped_mm (False: a per-expert loop, for debugging)."""
     load_balance_coeff: float = -1.0

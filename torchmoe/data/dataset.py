@@ -42,7 +42,7 @@ from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, check_split, text_part
-from torchmoe.data.file_index import LINES, START, IndexKind, cached_index, line_spans, with_starts
+from torchmoe.data.file_index import LINES, START, Indexing, IndexKind, line_spans, shared_indexes, with_starts
 from torchmoe.data.token_shards import TokenShards
 
 if TYPE_CHECKING:
@@ -137,8 +137,8 @@ class FileDocuments(SizedDocuments):
         """Per file, (n, 3+) int64: each document's (offset, size, ..., start): a .jsonl line's
         bytes (and its line number), a .json or .parquet row's text bytes (offset: its row), a
         text file's bytes; start the sum of the sizes before it in the file (`with_starts`).
-        Memory-mapped from the index cache (`file_index`), built by one rank."""
-        return [self._faults(file, self._table, file) for file in self.files]
+        Memory-mapped from the index cache, each file's built by one rank (`file_index`)."""
+        return shared_indexes(self.files, lambda file: self._faults(file, self._indexing, file), self.index_cache)
 
     @cached_property
     def _first(self) -> np.ndarray:
@@ -218,15 +218,15 @@ class FileDocuments(SizedDocuments):
                          error=DataConfigError):
             return fn(*args)
 
-    def _table(self, file: Path) -> np.ndarray:
+    def _indexing(self, file: Path) -> Indexing:
+        """How the table of `file` is found (`_tables`); its faults named as a `DataConfigError`."""
         kind = _kind(file)
         if kind == "lines":
-            return cached_index(file, LINES, lambda: line_spans(file), self.index_cache)
+            return Indexing(lambda: self._faults(file, line_spans, file), LINES)
         if kind in ("array", "parquet"):
             build = lambda: with_starts(_row_sizes(self._rows_of(file, kind)))  # noqa: E731
-            return cached_index(file, IndexKind(f"{kind}:{self.text_field}:v2", 3, rows=True), build, self.index_cache)
-        with open(file, "rb") as f:  # opened, not only stat'ed: an unreadable file fails here, named
-            return np.array([[0, os.fstat(f.fileno()).st_size, 0]], dtype=np.int64)
+            return Indexing(lambda: self._faults(file, build), IndexKind(f"{kind}:{self.text_field}:v2", 3, rows=True))
+        return Indexing(lambda: self._faults(file, _text_table, file))
 
     def _rows_of(self, file: Path, kind: str) -> Iterator[str]:
         """The text of every row of a .json array or .parquet file, in order."""
@@ -319,6 +319,12 @@ def _kind(file: Path) -> str:
     if file.suffix == ".parquet":
         return "parquet"
     return "text"
+
+
+def _text_table(file: Path) -> np.ndarray:
+    """(1, 3) int64: a text file's one document: offset 0, its size, start 0."""
+    with open(file, "rb") as f:  # opened, not only stat'ed: an unreadable file fails here, named
+        return np.array([[0, os.fstat(f.fileno()).st_size, 0]], dtype=np.int64)
 
 
 def _row_sizes(texts: Iterator[str]) -> np.ndarray:

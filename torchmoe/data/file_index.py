@@ -1,27 +1,32 @@
-"""Where each document of a data file lies: found once per corpus by one process, kept in the
-run's folder, and memory-mapped by every rank.
+"""Where each document of a data file lies: found once per corpus, shared out between the ranks,
+kept in the run's folder, and memory-mapped by every rank.
 
-    spans = cached_index(file, LINES, lambda: line_spans(file), dump / "data_index")
-    # (n, 4) int64: offset, length, line number and start (`with_starts`) of each document
+    tables = shared_indexes(files, indexing, dump / "data_index")   # collective under a group
+    # per file, (n, c) int64: offset, length, ..., and start (`with_starts`) of each document
 
 A `.jsonl` file's documents are its non-blank lines; `line_spans` finds them with one pass of
 numpy over the bytes, after which any document is one seek away. The index is saved as a `.npy`
 file (never a pickle) named by the file's path, size, modification time and inode, so an edited
 file gets a new index.
 
-**One reader per corpus.** Under a process group (a training run: every rank reads the same
-files, in the same order) rank 0 alone reads a new file and writes its index; the other ranks
-wait for its word (one broadcast per file), then map the saved index: a first run on N ranks
-reads the corpus once, not N times, and each rank's pages of the index are only those its own
-rows touch (its range's documents, and a binary search's few pages). Where the index cannot be
-saved (a read-only dump folder) or the saved file is not visible to a rank (a dump folder that
-is not shared between nodes), that rank builds its own in memory, as without a process group.
+**Each file read by one rank, one collective per corpus.** Under a process group (a training
+run: every rank reads the same files, in the same order) rank r alone reads files r, r + N,
+r + 2N, ... of the N ranks' corpus that have no index yet and writes their indexes; then one
+`all_gather_object` tells every rank which were saved (and carries the one-row tables of plain
+text files, which nobody else then opens), and each rank maps the saved indexes. A first run on N
+ranks reads the corpus once, not N times, in about 1/N of the time one rank would take, and
+waits on one collective, not one per file; each rank's pages of an index are only those its own
+rows touch (its range's documents, and a binary search's few pages). Where an index cannot be
+saved (a read-only dump folder), the saved file is not visible to a rank (a dump folder that is
+not shared between nodes) or its file could not be indexed (a user error), each rank builds its
+own in memory, as without a process group, and raises that error itself.
 
 **Checked at the reader.** A saved index is a cache, and a file anyone can write: it is used only
 if it is a regular file (a FIFO would block the read) holding a 2-D int64 array of the kind's
 columns whose documents lie inside the data file as it is now, in order, each start the sum of
-the sizes before it (`_fits`); anything else is built again. The builder checks every row; the others check the header, and each document's
-bytes against the file's size when they read it (`FileDocuments`).
+the sizes before it (`_fits`); anything else is built again. The builder checks every row; the
+others check the header, and each document's bytes against the file's size when they read it
+(`FileDocuments`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import io
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +45,8 @@ import torch.distributed as dist
 
 from torchmoe.config.file_writes import write_file
 
-__all__ = ["INDEX_FOLDER", "LINES", "START", "IndexKind", "cached_index", "line_spans", "with_starts"]
+__all__ = ["INDEX_FOLDER", "LINES", "START", "IndexKind", "Indexing", "cached_index", "line_spans", "shared_indexes",
+           "with_starts"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +55,6 @@ INDEX_FOLDER = "data_index"
 
 START = -1
 """The column of an index that holds each document's start: the sizes before it in its file."""
-
 
 
 @dataclass(frozen=True)
@@ -72,11 +77,84 @@ _WHITESPACE = b" \t\n\r\x0b\x0c"
 _CHECK_ROWS = 1 << 20
 
 
+@dataclass(frozen=True)
+class Indexing:
+    """How one file's table is found: `build()` gives it; `kind` keeps it in the index cache, or
+    None for a table too cheap to keep (a plain text file's one row), which crosses the ranks'
+    collective instead."""
+
+    build: Callable[[], np.ndarray]
+    kind: IndexKind | None = None
+
+
+def shared_indexes(files: Sequence[Path], indexing: Callable[[Path], Indexing], cache: Path | None) -> list[np.ndarray]:
+    """The table of each of `files` (`indexing(file)` says how it is found), kept in `cache`
+    (`cached_index`); under a process group each file indexed by one rank, rank r the files
+    r, r + N, ..., and one `all_gather_object` in all (module docstring). Collective under a
+    process group: every rank calls it for the same files.
+
+    Raises:
+        whatever `indexing` or a build raises for the first file that cannot be indexed, on
+        every rank (each builds that file itself to raise it).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return [_table(file, indexing(file), cache) for file in files]
+    rank = dist.get_rank()
+    found: dict[int, np.ndarray | bool] = {}  # file number -> a table that travels, or whether its index is saved
+    try:
+        for i in range(rank, len(files), world):
+            how = indexing(files[i])
+            if how.kind is None:
+                found[i] = how.build()
+            elif cache is not None:
+                found[i] = _saved_index(files[i], how, cache)
+    except Exception:  # noqa: BLE001 - a file that cannot be indexed: every rank meets it below, in order, and raises
+        pass  # the rest of this rank's share is left to each rank (the first fault comes first)
+    shares: list[dict[int, np.ndarray | bool] | None] = [None] * world
+    dist.all_gather_object(shares, found)
+    for share in shares:
+        found.update(share)
+    tables = []
+    for i, file in enumerate(files):
+        done = found.get(i)
+        if isinstance(done, np.ndarray):
+            tables.append(done)
+            continue
+        how = indexing(file)
+        mapped = _map_saved(file, how.kind, cache) if done else None
+        tables.append(mapped if mapped is not None else _table(file, how, cache))
+    return tables
+
+
+def _table(file: Path, how: Indexing, cache: Path | None) -> np.ndarray:
+    """The table of `file` found by this rank alone."""
+    return how.build() if how.kind is None else cached_index(file, how.kind, how.build, cache)
+
+
+def _saved_index(file: Path, how: Indexing, cache: Path) -> bool:
+    """Whether `file`'s index is saved in `cache` (checked whole), after building it if it was not."""
+    st = os.stat(file)
+    path = _index_path(file, st, how.kind.name, cache)
+    return _load(path, how.kind, st.st_size, whole=True) is not None or _save(path, how.build())
+
+
+def _map_saved(file: Path, kind: IndexKind, cache: Path) -> np.ndarray | None:
+    """`file`'s index that another rank saved in `cache`, memory-mapped; None (and a warning) when
+    it cannot be read here."""
+    st = os.stat(file)
+    path = _index_path(file, st, kind.name, cache)
+    index = _load(path, kind, st.st_size, whole=False)
+    if index is None:
+        logger.warning("the index of %s saved by another rank at %s cannot be read here: indexing it on this rank "
+                       "too (job.dump_folder should be one folder that every node shares)", file, path)
+    return index
+
+
 def cached_index(file: Path, kind: IndexKind, build: Callable[[], np.ndarray], cache: Path | None) -> np.ndarray:
     """`build()` for `file` (an (n, kind.columns) int64 table: offset, size, ..., start),
-    memory-mapped from `cache` when this version of the file was indexed before; under a process
-    group, built by rank 0 only (collective: every rank calls it for the same files in the same
-    order).
+    memory-mapped from `cache` when this version of the file was indexed before, else built and
+    saved there; by this process alone (`shared_indexes` shares a corpus between ranks).
 
     An index that cannot be written is only kept in memory (a read-only dump folder must not stop
     training).
@@ -85,29 +163,11 @@ def cached_index(file: Path, kind: IndexKind, build: Callable[[], np.ndarray], c
         return build()
     st = os.stat(file)
     path, size = _index_path(file, st, kind.name, cache), st.st_size
-    shared = dist.is_initialized() and dist.get_world_size() > 1
-    if not shared or dist.get_rank() == 0:
-        saved = False
-        try:
-            index = _load(path, kind, size, whole=True)
-            saved = index is not None
-            if index is None:
-                index = build()
-                saved = _save(path, index)
-                mapped = _load(path, kind, size, whole=False) if saved else None
-                index = index if mapped is None else mapped  # mapped like everyone's: the built table's memory goes
-        finally:  # a file that cannot be read: the others read it too, and say so themselves
-            if shared:
-                dist.broadcast_object_list([saved], src=0)
-        return index
-    box = [False]
-    dist.broadcast_object_list(box, src=0)  # rank 0 has read the file and saved (or not) its index
-    index = _load(path, kind, size, whole=False) if box[0] else None
+    index = _load(path, kind, size, whole=True)
     if index is None:
-        if box[0]:
-            logger.warning("the index of %s saved by rank 0 at %s cannot be read here: indexing it on this rank "
-                           "too (job.dump_folder should be one folder that every node shares)", file, path)
         index = build()
+        mapped = _load(path, kind, size, whole=False) if _save(path, index) else None
+        index = index if mapped is None else mapped  # mapped like everyone's: the built table's memory goes
     return index
 
 

@@ -62,6 +62,7 @@ from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import FaultTolerance
 from torchmoe.distributed.lighthouse_watch import EXIT_AFTER_S, LighthouseWatch
 from torchmoe.distributed.replica_state import GroupLayout, RowPositions
+from torchmoe.distributed.torchft_logs import quiet_lost_peers
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ QUORUM_RETRY_S = 1.0
 
 def import_torchft(log_level: str = "info"):
     """The torchft module, its Rust core logging at INFO for metrics.log_level "debug" and at
-    WARN otherwise, unless RUST_LOG says otherwise; a `ConfigError` naming the extra when it is
-    not installed."""
+    WARN otherwise, unless RUST_LOG says otherwise, and a lost peer's error one line
+    (`torchft_logs`); a `ConfigError` naming the extra when it is not installed."""
     # The core logs every quorum and commit at INFO (RUST_LOG unset): on 2 groups of 2 ranks that
     # was 96% of a run's console. Set before the core first logs, which reads it then; a user who
     # sets RUST_LOG (e.g. RUST_LOG=info to watch quorums) gets what they set.
@@ -89,6 +90,7 @@ def import_torchft(log_level: str = "info"):
     except ImportError as err:
         raise ConfigError("fault_tolerance.enable", True, f"needs torchft, which is not installed ({err})",
                           "pip install 'torchmoe[ft]' (it pins the torchft release tested with this torch)") from None
+    quiet_lost_peers()
     return torchft
 
 

@@ -113,11 +113,20 @@ class SearchResult:
     seconds: float = 0.0
     device_gib: float = 0.0
     refused: dict[str, str] = field(default_factory=dict)  # family -> first preflight refusal
+    refusals: dict[str, ConfigError] = field(default_factory=dict)  # family -> that refusal itself
     unfit: dict[str, float] = field(default_factory=dict)  # family -> GiB of its most frugal layout
 
     @property
     def best(self) -> Layout | None:
         return self.scored[0] if self.scored else None
+
+    def config_refusal(self) -> ConfigError | None:
+        """The one refusal every family met, when no layout was scored and each family was refused
+        alike (the same key and problem: the job's own setting, which no layout changes); else None."""
+        errors = [self.refusals.get(name) for name in self.pruned]
+        if self.scored or not errors or None in errors or len({(e.key, e.problem) for e in errors}) != 1:
+            return None
+        return errors[0]
 
 
 def family_name(degrees: dict[str, int]) -> str:
@@ -296,6 +305,7 @@ class _Family:
                                    candidate.training.seq_len)
         except ConfigError as err:
             self.result.refused.setdefault(self.name, f"{err.key} = {show_value(err.value)}: {err.problem}")
+            self.result.refusals.setdefault(self.name, err)
             return None
         gib = _memory_gib(candidate, self.dims)
         self.result.evaluated += 1

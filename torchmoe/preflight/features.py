@@ -51,6 +51,7 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
         # Its CPU kernel has no backward: training would fail at the first step.
         raise ConfigError("model.attn_backend", "flex", "FlexAttention cannot train on CPU (no backward kernel there)",
                           'use model.attn_backend = "sdpa" on CPU, or run on CUDA')
+    _check_flex_compiled(cfg, args)
     if cfg.parallelism.fsdp_cpu_offload:
         if not ParallelDims(**degrees, world_size=math.prod(degrees[d] for d in ("pp", "dp_replicate", "dp_shard",
                                                                                  "cp", "tp"))).fsdp_enabled:
@@ -71,6 +72,24 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                               f"set {key} = false, or run on a CUDA machine")
     if check_device:
         _check_packages(cfg.metrics)
+
+
+def _check_flex_compiled(cfg: JobConfig, args: ModelArgs) -> None:
+    """FlexAttention is fused only by inductor: without compiling the blocks that call it, its
+    eager path builds every (query, key) score of a row (B x H x S x S floats per layer, 64 GiB in
+    fp32 for one 8192-token row of 64 heads), where SDPA's fused kernels hold none."""
+    if args.attn_backend != "flex":
+        return
+    compiled = cfg.compile
+    missing = (("compile.enable", compiled.enable, "true") if not compiled.enable else
+               ("compile.components", compiled.components, '["model"]') if "model" not in compiled.components else
+               ("compile.backend", compiled.backend, '"inductor"') if compiled.backend != "inductor" else None)
+    if missing is not None:
+        key, value, wanted = missing
+        raise ConfigError(key, value, 'model.attn_backend = "flex" needs inductor to compile the blocks (compile.enable '
+                          '= true, "model" in compile.components, compile.backend = "inductor"): FlexAttention\'s '
+                          "eager path holds every query-key score of a row in memory",
+                          f'set {key} = {wanted}, or use model.attn_backend = "sdpa"')
 
 
 def _check_sink_attention(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
