@@ -45,7 +45,7 @@ from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.garbage_collection import GarbageCollection
 from torchmoe.components.hf_storage import save_hf_weights
-from torchmoe.components.initial_load import load_initial_weights
+from torchmoe.components.initial_load import hf_bias_drop, load_initial_weights
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
     METRICS_FILE,
@@ -1031,7 +1031,8 @@ class Trainer:
         state = get_model_state_dict(self.model)
 
         def write(folder: Path) -> None:
-            save_hf_weights(state, self.model_args, folder, process_group=self.checkpointer.group)
+            save_hf_weights(state, self.model_args, folder, process_group=self.checkpointer.group,
+                            bias_drop=hf_bias_drop(self.cfg.checkpoint))
             if self.rank == 0:  # the tokenizer beside the weights: the folder loads whole
                 copy_tokenizer_files(self.cfg.model.tokenizer_path, folder)
 
