@@ -454,7 +454,9 @@ def holds_expert_bias(args: ModelArgs) -> bool:
     """The family's Hugging Face model has a place for the expert bias (DeepSeek-V3's
     ``e_score_correction_bias``), or the model has no MoE layer to hold one."""
     layer = min(args.moe_layer_ids, default=None)
-    return layer is None or hf_mapping(args).hf_slice(f"layers.{layer}.moe.expert_bias", (args.num_experts,)) is not None
+    if layer is None:
+        return True
+    return hf_mapping(args).hf_slice(f"layers.{layer}.moe.expert_bias", (args.num_experts,)) is not None
 
 
 def dropped_bias_max(state: Mapping[str, torch.Tensor], args: ModelArgs, group: dist.ProcessGroup | None) -> float:

@@ -187,7 +187,7 @@ class Checkpoint:
     initial_load_in_hf: bool = False
     """initial_load_path is a Hugging Face folder of the model's family (config.json + safetensors)."""
     last_save_in_hf: bool = False
-    """Also write the final weights as a Hugging Face folder (step-N-hf/): the model trained, or the run is refused (exit 2) before it starts (or, for a non-zero expert bias a loaded checkpoint holds, before it writes anything)."""
+    """Also write the final weights as a Hugging Face folder (step-N-hf/). It is the model trained: an expert bias the family's folder cannot hold (llama4, qwen3, gpt_oss), trained or loaded, is refused (exit 2) before training unless hf_drop_expert_bias."""
     hf_drop_expert_bias: bool = False
     """Let last_save_in_hf write a family whose Hugging Face model has no place for the aux-loss-free expert bias (llama4, qwen3, gpt_oss) without it. The folder then selects other experts than the model trained, and its loss differs; false refuses such an export (exit 2)."""
     async_mode: str = "disabled"
