@@ -123,16 +123,16 @@ class TokenChoiceRouter(nn.Module):
 class Fp32Linear(nn.Linear):
     """An ``nn.Linear`` (parameters of the same names and shapes, so every layout, checkpoint and
     TP style treats it as one) that computes in fp32 whatever the dtypes of its input and
-    parameters (`_Fp32Linear`). Under bf16 the logits then keep fp32's precision, as transformers'
+    parameters (`_UpcastLinear`). Under bf16 the logits then keep fp32's precision, as transformers'
     DeepSeek-V3 router computes them: logits rounded to bf16 select another expert set for about
     3% of tokens (256 experts, hidden 1024)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) in any dtype -> (..., out) fp32."""
-        return _Fp32Linear.apply(x, self.weight, self.bias)
+        return _UpcastLinear.apply(x, self.weight, self.bias)
 
 
-class _Fp32Linear(torch.autograd.Function):
+class _UpcastLinear(torch.autograd.Function):
     """``x @ weight.T + bias`` on fp32 upcasts (autocast off), the gradients cast back to their
     operands' dtypes. Saves the operands themselves, not their fp32 copies: the MoE input is saved
     anyway (by the shared expert), the weight is a parameter, so routing in fp32 keeps no more
