@@ -48,6 +48,11 @@ TINY_JOB = [
 # on, so their gradients must be scaled and reduced exactly.
 BALANCE = ["--model.load_balance_coeff", "0.05", "--model.aux_loss_coeff", "0.01", "--model.z_loss_coeff", "0.001"]
 
+# A Llama 4 run that exports Hugging Face weights (checkpoint.last_save_in_hf) trains without the
+# aux-loss-free expert bias, Llama 4's default, which its Hugging Face model has no place for (a
+# run that trains it is refused: the folder would select other experts).
+HF_EXPORT = ["--model.load_balance_coeff", "0"]
+
 
 def assert_same_curve(got: dict[int, dict], reference: dict[int, dict], label: str, *, rtol: float = 1e-5) -> None:
     """`got` (step -> metrics record) continues `reference` step for step: loss, gradient norm

@@ -47,7 +47,13 @@ from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import refuse_nonfinite
 from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit, stored_mtp_layers
-from torchmoe.components.hf_storage import load_hf_weights, read_hf_args, require_hf_form, save_hf_weights
+from torchmoe.components.hf_storage import (
+    ExpertBiasDrop,
+    load_hf_weights,
+    read_hf_args,
+    require_hf_form,
+    save_hf_weights,
+)
 from torchmoe.components.run_lock import LOCK_NAMES, lock_folders
 from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
@@ -63,6 +69,8 @@ from torchmoe.nn.dtypes import torch_dtype
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
 
 _HF_FIX = "pass a Hugging Face checkpoint folder of a family torchmoe trains (config.json + *.safetensors)"
+_BIAS_DROP_FIX = ("pass --drop-expert-bias to write the model without its expert bias (the folder then selects "
+                  "other experts), or keep the DCP checkpoint: torchmoe trains, evaluates and generates from it")
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -187,10 +195,12 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *,
     return args.family, matching_flavor(args)
 
 
-def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: str = "llama4") -> torch.dtype:
+def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: str = "llama4",
+              drop_expert_bias: bool = False) -> torch.dtype:
     """Write the model weights of a DCP folder (a torchmoe `step-N/` or a bare model state dict)
     of family `name` as a Hugging Face folder of that family (`Llama4ForCausalLM`,
-    `Qwen3MoeForCausalLM`), keeping the checkpoint's parameter dtype.
+    `Qwen3MoeForCausalLM`), keeping the checkpoint's parameter dtype. A non-zero expert bias the
+    family's Hugging Face model has no place for is refused, or with `drop_expert_bias` left out.
 
     Returns:
         The dtype written.
@@ -198,8 +208,9 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
     Raises:
         ConfigError: an unknown family or flavor, a missing, non-DCP or damaged `ckpt_dir`, a checkpoint
             whose tensors do not fit `flavor` (the fix names a flavor that fits, if one does), are
-            not floating point or hold NaN or inf, or an `out_dir` that is not empty, held by a
-            live run, or cannot be written.
+            not floating point or hold NaN or inf, or hold an expert bias the folder cannot
+            (``--drop-expert-bias``), or an `out_dir` that is not empty, held by a live run, or
+            cannot be written.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if name not in FLAVORS:
@@ -225,7 +236,9 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
         prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
         load_dcp({prefix + k: v for k, v in state.items()}, ckpt_dir, metadata, key="CKPT_DIR", fix=fix)
         refuse_nonfinite(state, key="CKPT_DIR", path=ckpt_dir)
-        save_hf_weights(state, args, out_dir)  # checks them again, as every writer of weights does
+        # Checks them again, as every writer of weights does, and refuses a bias the folder cannot hold.
+        save_hf_weights(state, args, out_dir, bias_drop=ExpertBiasDrop(drop_expert_bias, "--drop-expert-bias",
+                                                                        _BIAS_DROP_FIX))
     return dtype
 
 
@@ -248,6 +261,10 @@ def _parser() -> ArgumentParser:
                        help=f"model family of the checkpoint (model.name): {', '.join(FLAVORS)} (default: llama4)")
     to_hf.add_argument("--flavor", required=True, help="model flavor of the checkpoint (model.flavor): "
                        + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in FLAVORS.items()))
+    to_hf.add_argument("--drop-expert-bias", action="store_true",
+                       help="write a checkpoint whose aux-loss-free expert bias is non-zero without it, where the "
+                            "family's Hugging Face model has no place for it (llama4, qwen3, gpt_oss): the folder "
+                            "then selects other experts than the checkpoint (default: refused)")
     to_hf.add_argument("--tokenizer", default="", metavar="PATH",
                        help="the tokenizer.json (or its folder) the model trained with: copied into OUT_DIR with its "
                             "tokenizer_config.json and special_tokens_map.json (default: none, the byte tokenizer)")
@@ -290,14 +307,15 @@ def _run(opts: argparse.Namespace) -> int:
             _say(f"note: no built-in flavor has this architecture; add one to torchmoe/arch/{name}.py "
                   "FLAVORS to train from it")
     else:
-        # The one warning here (a non-zero expert bias is dropped) is news for the user, so it is
-        # printed as one line rather than with the source line Python's format adds.
+        # The one warning here (a non-zero expert bias dropped, as --drop-expert-bias asked) is news
+        # for the user, so it is printed as one line rather than with the source line Python's format adds.
         tokenizer_fix = "pass the tokenizer.json the model trained with, or its folder"
         if opts.tokenizer:  # before anything is written
             with path_faults("--tokenizer", opts.tokenizer, tokenizer_fix):
                 os.stat(opts.tokenizer)
         with warnings.catch_warnings(record=True) as caught:
-            dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=opts.flavor, name=opts.model_name)
+            dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=opts.flavor, name=opts.model_name,
+                              drop_expert_bias=opts.drop_expert_bias)
         for w in caught:
             _say(f"warning: {w.message}", file=sys.stderr)
         copied = []

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import torch
 
-from torchmoe.components.hf_storage import DEFAULT_SHARD_BYTES, load_hf_weights, read_hf_args, save_hf_weights
+from torchmoe.components.hf_storage import (
+    DEFAULT_SHARD_BYTES,
+    ExpertBiasDrop,
+    load_hf_weights,
+    read_hf_args,
+    save_hf_weights,
+)
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.models.hf_config_spec import HFConversionError
 from torchmoe.models.registry import family_titles
@@ -51,9 +57,17 @@ def load_model(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) ->
     return model.eval()
 
 
-def save_model(model: Transformer, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+def save_model(model: Transformer, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+               drop_expert_bias: bool = False) -> None:
     """Write `model` as a Hugging Face folder of its family (``Llama4ForCausalLM``,
-    ``Qwen3MoeForCausalLM``): config.json plus safetensors files of at most `max_shard_bytes` with
-    model.safetensors.index.json. A non-zero expert bias is dropped with a warning (Hugging Face
-    has no place for it)."""
-    save_hf_weights(model.state_dict(), model.args, out_dir, max_shard_bytes=max_shard_bytes)
+    ``Qwen3MoeForCausalLM``, ...): config.json plus safetensors files of at most `max_shard_bytes`
+    with model.safetensors.index.json, which transformers loads as the same model.
+
+    Raises:
+        ConfigError: (naming ``drop_expert_bias``, before anything is written) the model holds a
+            non-zero aux-loss-free expert bias, which the Hugging Face models of Llama 4, Qwen3-MoE
+            and gpt-oss have no place for: the folder would select other experts. With
+            `drop_expert_bias` the model is written without it (a warning says so).
+    """
+    save_hf_weights(model.state_dict(), model.args, out_dir, max_shard_bytes=max_shard_bytes,
+                    bias_drop=ExpertBiasDrop(allowed=drop_expert_bias))

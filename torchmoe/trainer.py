@@ -45,7 +45,7 @@ from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.garbage_collection import GarbageCollection
 from torchmoe.components.hf_storage import save_hf_weights
-from torchmoe.components.initial_load import load_initial_weights
+from torchmoe.components.initial_load import hf_bias_drop, load_initial_weights
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
     METRICS_FILE,
@@ -109,13 +109,14 @@ _T = TypeVar("_T")
 
 @dataclass
 class StepResult:
-    loss: float
+    loss: float  # the main next-token loss, as validation and `eval` compute it
     grad_norm: float
     lr: float  # the learning rate this step used
     stop: bool  # some rank caught SIGTERM/SIGINT: every rank stops after this step
     tokens_per_expert: torch.Tensor | None  # (n_moe_layers, n_experts), summed over the batch
     committed: bool = True  # under fault tolerance: the quorum let the optimizer step
     participants: int = 1  # replica groups whose gradients the step held (fault tolerance)
+    mtp_loss: float | None = None  # the multi-token prediction modules' mean loss (in the objective x mtp_loss_coeff)
 
 
 def _init_distributed(device: torch.device, comm_cfg: Comm, parallelism_cfg: Parallelism, dump_folder: Path) -> int:
@@ -391,16 +392,23 @@ class Trainer:
         return self._summed_loss(logits, labels) / self.global_tokens
 
     def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor,
-                      documents: DocumentSegments | None) -> torch.Tensor:
-        """The model's forward on one micro-batch and its share of the global loss (`_loss`); with
+                      documents: DocumentSegments | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward on one micro-batch: (its share of the objective, for the backward;
+        the shares of the losses logged, detached). The objective is the main loss (`_loss`); with
         multi-token prediction modules, plus ``mtp_loss_coeff`` times their mean loss, each depth's
-        summed over its targets (`models.decoder.mtp`) over the same global token count."""
+        summed over its targets (`models.decoder.mtp`) over the same global token count. Logged:
+        the main loss alone (what validation and `eval` compute), then the modules' mean loss
+        (a plain (2,) tensor; without the modules the objective itself)."""
         if not self.model_args.mtp_layers:
-            return self._loss(self.model(inputs, documents), labels)
+            loss = self._loss(self.model(inputs, documents), labels)
+            return loss, loss.detach()
         logits, depths = self.model(inputs, documents, labels=labels)
+        main = self._summed_loss(logits, labels)
         mtp = sum(self._summed_loss(out, mtp_targets(labels, k)) for k, out in enumerate(depths, start=1))
         scale = self.model_args.mtp_loss_coeff / len(depths)
-        return (self._summed_loss(logits, labels) + scale * mtp) / self.global_tokens
+        whole = [t.detach().full_tensor() if isinstance(t, DTensor) else t.detach() for t in (main, mtp)]
+        logged = torch.stack([whole[0], whole[1] / len(depths)]) / self.global_tokens
+        return (main + scale * mtp) / self.global_tokens, logged
 
     def _summed_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The micro-batch's token losses summed (fp32 cross entropy); shapes as in `_loss`."""
@@ -411,14 +419,15 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------------
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate the gradients of this rank's micro-batches; returns this rank's share of
-        the global loss (a 0-dim tensor; summed over dp ranks it is the global mean).
+        """Accumulate the gradients of this rank's micro-batches; returns this rank's shares of
+        the global losses logged (`_forward_loss`: (main,), or (main, multi-token prediction);
+        summed over dp ranks each is the global mean).
 
         Args:
             micro_batches: (inputs, labels) pairs, each (local_batch_size, seq_len) int64.
         """
         self._set_aux_loss_scale(len(micro_batches))
-        local_loss = torch.zeros((), device=self.device)
+        local_loss = torch.zeros(1 + (self.model_args.mtp_layers > 0), device=self.device)
         # Every micro-batch's copy to the device starts now: later ones arrive during earlier ones' compute.
         with region("data"):
             micro_batches = [self._local_columns(inputs, labels) for inputs, labels in micro_batches]
@@ -428,8 +437,9 @@ class Trainer:
                 if self.schedule is not None:
                     losses = self._pipeline_step(inputs, labels, documents)
                 else:
-                    losses = [self._forward_loss(inputs, labels, documents)]
-                    losses[0].backward()
+                    objective, logged = self._forward_loss(inputs, labels, documents)
+                    objective.backward()
+                    losses = [logged]
             for loss in losses:
                 local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         return local_loss
@@ -558,7 +568,8 @@ class Trainer:
             TrainingDiverged: the global loss or gradient norm is not finite (nothing was
                 stepped, so the model still holds the previous step's weights).
         """
-        global_loss, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
+        global_losses, stop_flag, bad_bias = self._reduce_loss_and_flags(self.forward_backward(micro_batches))
+        global_loss, mtp = global_losses[0], list(global_losses[1:])  # under fault tolerance: the group's MTP loss
         counts = self._moe_counts()
         if self.step_replicas is not None:
             # Across the step's replica groups before clipping, so every group clips and steps
@@ -571,8 +582,9 @@ class Trainer:
             grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
                                         pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
         steps = [self._group_steps] if self.replicas is not None and self.mesh is not None else []
-        loss, stop, norm, bad_bias, *group_steps = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss),
-                                                                bad_bias, *steps]).tolist()
+        values = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss), bad_bias, *mtp, *steps]).tolist()
+        loss, stop, norm, bad_bias = values[:4]
+        mtp_loss, group_steps = (values[4] if mtp else None), values[4 + len(mtp):]
         if group_steps and group_steps[0] != self.step * self.world_size:
             raise RuntimeError(f"this rank is at step {self.step} and other ranks of its replica group are not (a "
                                "recovery failed on some of them): the group stops; launch it again and it takes "
@@ -584,7 +596,7 @@ class Trainer:
             for moe in self.moe_layers:
                 moe.tokens_per_expert.zero_()
             return StepResult(loss, norm, lr, stop > 0, None, committed=False,
-                              participants=self.step_replicas.contributors)
+                              participants=self.step_replicas.contributors, mtp_loss=mtp_loss)
         if bad_bias:  # set by the previous step's update, which no save has seen yet
             raise TrainingDiverged(f"an MoE expert bias is not finite after step {self.step}: stopping without "
                                    "saving; lower model.load_balance_coeff")
@@ -606,7 +618,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         counts = self._update_moe_biases(counts)
         return StepResult(loss, norm, lr, stop > 0, counts,
-                          participants=self.step_replicas.contributors if self.step_replicas is not None else 1)
+                          participants=self.step_replicas.contributors if self.step_replicas is not None else 1,
+                          mtp_loss=mtp_loss)
 
     def _local_named_params(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter as this rank holds it (a DTensor's local shard) with its name, in the
@@ -624,8 +637,9 @@ class Trainer:
         return grads
 
     def _reduce_loss_and_flags(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sum the loss over data-parallel ranks and agree on stopping and on the expert biases
-        being finite, in one all-reduce. Returns (loss, stop flag, non-finite bias flag).
+        """Sum the losses (`forward_backward`'s) over data-parallel ranks and agree on stopping and
+        on the expert biases being finite, in one all-reduce. Returns (losses, stop flag,
+        non-finite bias flag).
 
         Only the tp-coordinate-0 rank of each TP group contributes the loss (its TP peers hold
         the same value; under PP only ranks holding the last stage have a nonzero one); any rank
@@ -641,11 +655,12 @@ class Trainer:
         # of a group (its sender died mid-transfer) leaves the others on the peer's step, and
         # torchft cannot bring such a group back together.
         step = [torch.tensor(float(self.step), device=self.device)] if self.replicas is not None else []
-        buf = torch.stack([local_loss * self.loss_weight, flag, bad_bias, *step])
+        buf = torch.cat([local_loss * self.loss_weight, torch.stack([flag, bad_bias, *step])])
         dist.all_reduce(buf)
+        n = local_loss.numel()
         if step:  # read with the step's other values (`train_step`)
-            self._group_steps = buf[3]
-        return buf[0], buf[1], buf[2]
+            self._group_steps = buf[n + 2]
+        return buf[:n], buf[n], buf[n + 1]
 
     def _moe_counts(self) -> torch.Tensor | None:
         """This step's (L_local, E) token counts of the local MoE layers, summed over every rank
@@ -868,13 +883,15 @@ class Trainer:
                     if longer:
                         self._collective_timeout(cfg.comm.train_timeout_seconds)
                     first_validation = False
+                # The main loss (validation's and eval's), and apart the MTP modules' (in the objective).
+                losses = {"loss": result.loss, **({"mtp_loss": result.mtp_loss} if result.mtp_loss is not None else {})}
                 if validating or metrics.should_log(self.step) or opening:
                     tokens_per_sec = window.take()
                     if cfg.training.dataset_mix:  # tokens fed by each source since the run began
                         extra.update({f"tokens/{name}": count
                                       for name, count in self.dataloader.tokens_by_source().items()})
                     metrics.log(self.step, {**extra,
-                        "loss": result.loss,
+                        **losses,
                         "grad_norm": result.grad_norm,
                         "lr": result.lr,
                         "tokens_per_sec": tokens_per_sec,
@@ -885,8 +902,7 @@ class Trainer:
                     }, tokens_per_expert=result.tokens_per_expert)
                     reset_peak_memory(self.device)
                 else:  # the numbers the step read anyway, so that curves hold every step
-                    metrics.record_step(self.step, {"loss": result.loss, "grad_norm": result.grad_norm,
-                                                    "lr": result.lr})
+                    metrics.record_step(self.step, {**losses, "grad_norm": result.grad_norm, "lr": result.lr})
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
                     self._announce_stop()
                     if self.checkpointer.writes:
@@ -1037,7 +1053,8 @@ class Trainer:
         state = get_model_state_dict(self.model)
 
         def write(folder: Path) -> None:
-            save_hf_weights(state, self.model_args, folder, process_group=self.checkpointer.group)
+            save_hf_weights(state, self.model_args, folder, process_group=self.checkpointer.group,
+                            bias_drop=hf_bias_drop(self.cfg.checkpoint))
             if self.rank == 0:  # the tokenizer beside the weights: the folder loads whole
                 copy_tokenizer_files(self.cfg.model.tokenizer_path, folder)
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import BALANCE, TINY_JOB, Job, TinyRuns, assert_same_curve
+from tests.helpers import BALANCE, HF_EXPORT, TINY_JOB, Job, TinyRuns, assert_same_curve
 from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
@@ -92,7 +92,8 @@ LAYOUTS = {
 }
 
 
-HF_RUN = ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true", "--training.steps", "2",
+HF_RUN = ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true", *HF_EXPORT,
+          "--training.steps", "2",
           "--training.local_batch_size", "8"]
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import DEBUG_CONFIG, assert_user_error, small_bpe
+from tests.helpers import DEBUG_CONFIG, HF_EXPORT, assert_user_error, small_bpe
 from torchmoe import cli
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config import ConfigError, load_job_config, resolve_degrees
@@ -244,7 +244,7 @@ def test_good_tokenizer_with_its_config_trains(capsys, tmp_path: Path, tokenizer
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": {"content": "<|begin_of_text|>"}, "eos_token": "<|end_of_text|>", "pad_token": None}))
     status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(tmp_path / "tok"),
-                        "--checkpoint.last_save_in_hf", "true")
+                        "--checkpoint.last_save_in_hf", "true", *HF_EXPORT)
     assert status == 0, err
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
     # The Hugging Face export carries the tokenizer, byte for byte: the folder loads whole.
@@ -490,7 +490,8 @@ def test_world_size_without_torchrun_is_refused(capsys, tmp_path: Path, monkeypa
     # ...fused AdamW (the default) writes NaN weights: the check of the state before the save finds them.
     ("1", ["--optimizer.lr", "1e300"], "state is not finite after step 1 (NaN or inf in model.tok_embeddings.weight"),
     # ...and without checkpoints the last step's update reaches no save: the Hugging Face export checks it.
-    ("0", ["--optimizer.lr", "1e300", "--training.steps", "1", "--checkpoint.last_save_in_hf", "true"],
+    ("0", ["--optimizer.lr", "1e300", "--training.steps", "1", "--checkpoint.last_save_in_hf", "true",
+           *HF_EXPORT],
      "stopping without writing Hugging Face weights; lower optimizer.lr"),
 ], ids=["expert_bias_at_save", "expert_bias_next_step", "optimizer_overflow_foreach", "optimizer_overflow_fused",
         "export_after_the_last_step"])

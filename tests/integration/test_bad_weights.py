@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model
+from tests.helpers import DEBUG_CONFIG, HF_EXPORT, assert_user_error, empty_tiny_model
 from torchmoe import cli
 from torchmoe.components.checkpoint import MARKER, CheckpointManager, ModelWrapper
 from torchmoe.components.initial_load import load_initial_weights
@@ -514,7 +514,7 @@ def test_nan_initial_weights_are_refused_before_training_and_never_exported(
     _nan_safetensors(folder)
     run = tmp_path / "run"
     status = cli.main([*TRAIN, "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
-                       "true", "--checkpoint.last_save_in_hf", "true", "--job.dump_folder", str(run)])
+                       "true", "--checkpoint.last_save_in_hf", "true", *HF_EXPORT, "--job.dump_folder", str(run)])
     err = capsys.readouterr().err
     assert status == 2 and err.count("error:") == 1 and "Traceback" not in err, err
     _assert_message(err, "checkpoint.initial_load_path", str(folder), "model.embed_tokens.weight")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEBUG_CONFIG, empty_tiny_model
+from tests.helpers import DEBUG_CONFIG, HF_EXPORT, empty_tiny_model
 from torchmoe import cli
 from torchmoe.components.checkpoint import load_model_only
 from torchmoe.components.metrics import parse_record
@@ -114,7 +114,7 @@ def test_the_hugging_face_export_on_a_full_disk_leaves_nothing(capsys, small_dis
     """36 MB: the last checkpoint (30 MB) fits, its Hugging Face export (10 MB) does not."""
     dump = small_disk("36m") / "run"
     status, err = _train(capsys, dump, "--training.steps", "2", "--checkpoint.enable", "true",
-                         "--checkpoint.last_save_in_hf", "true")
+                         "--checkpoint.last_save_in_hf", "true", *HF_EXPORT)
     checkpoints = dump / "checkpoint"
     _one_error(status, err, f'checkpoint.folder = "{checkpoints}": checkpoint step-2-hf could not be saved ({FULL}',
                f"the newest checkpoint on disk is {checkpoints / 'step-2'}")
@@ -123,7 +123,7 @@ def test_the_hugging_face_export_on_a_full_disk_leaves_nothing(capsys, small_dis
 
 def test_the_hugging_face_export_without_checkpoints(capsys, small_disk) -> None:
     dump = small_disk("4m") / "run"
-    status, err = _train(capsys, dump, "--training.steps", "1", "--checkpoint.last_save_in_hf", "true")
+    status, err = _train(capsys, dump, "--training.steps", "1", "--checkpoint.last_save_in_hf", "true", *HF_EXPORT)
     _one_error(status, err, f"checkpoint step-1-hf could not be saved ({FULL}", "no checkpoint is on disk")
     assert not list((dump / "checkpoint").glob("step-*")) and not _leftovers(dump)
     assert _steps(dump) == [1]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEBUG_CONFIG, REPO, assert_user_error
+from tests.helpers import DEBUG_CONFIG, HF_EXPORT, REPO, assert_user_error
 from torchmoe import cli
 from torchmoe.components.run_lock import LOCK_NAME, OWNER_NAME
 from torchmoe.launch import read_metrics, run_train
@@ -323,7 +323,8 @@ LINKS = {  # the link, under tmp/run; the key named; flags; whether the target i
     "wandb_run_id": ("wandb_run_id", "job.dump_folder", ["--metrics.enable_wandb", "true"], False),
     "shared_checkpoint": ("checkpoint/step-1", "checkpoint.folder", [], True),
     "stale_temporary": ("checkpoint/step-1.tmp-0123abcd", "checkpoint.folder", [], True),
-    "hf_export": ("checkpoint/step-1-hf", "checkpoint.folder", ["--checkpoint.last_save_in_hf", "true"], True),
+    "hf_export": ("checkpoint/step-1-hf", "checkpoint.folder", ["--checkpoint.last_save_in_hf", "true", *HF_EXPORT],
+                  True),
     "trace_iteration": ("profile_traces/iteration_1", "profiling.save_traces_folder",
                         ["--profiling.enable_profiling", "true"], True),
     "dry_run_json": ("dry_run.json", "job.dump_folder", ["--dry-run"], False),

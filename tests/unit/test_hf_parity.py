@@ -209,9 +209,19 @@ def test_export_refuses_the_other_families_options(overrides, fields):
         hf_config_from_args(FLAVORS["tiny"].replace(**overrides), torch.float32)
 
 
-def test_nonzero_expert_bias_warns_on_export(tmp_path):
+def test_nonzero_expert_bias_is_refused_on_export_unless_dropped_by_name(tmp_path):
+    """Llama 4's Hugging Face model has no place for the expert bias: a non-zero one is refused
+    (nothing written), naming the argument that lets the export drop it; with it, a warning."""
+    from torchmoe.config import ConfigError
+
     model = Transformer(FLAVORS["tiny"])
     model.init_weights(seed=0)
+    save_model(model, tmp_path / "zero")  # a zero bias: nothing is lost
     model.moe_layers()[0].expert_bias[0] = 0.5
+    with pytest.raises(ConfigError) as err:
+        save_model(model, tmp_path / "out")
+    assert (err.value.key, err.value.value) == ("drop_expert_bias", False)
+    assert "expert_bias (max |bias| 0.5) has no place in Hugging Face Llama 4" in str(err.value)
+    assert not (tmp_path / "out").exists()
     with pytest.warns(UserWarning, match="expert_bias"):
-        save_model(model, tmp_path)
+        save_model(model, tmp_path / "out", drop_expert_bias=True)

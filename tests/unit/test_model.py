@@ -87,6 +87,24 @@ def test_build_model_args_overrides():
     assert build_model_args("llama4", "tiny").load_balance_coeff == FLAVORS["tiny"].load_balance_coeff
 
 
+@pytest.mark.parametrize(("name", "bias", "aux"), [("llama4", 1e-3, 0.0), ("deepseek_v3", 1e-3, 0.0),
+                                                    ("qwen3", None, 1e-3), ("gpt_oss", None, 1e-3)])
+def test_each_family_balances_by_its_recipe_by_default(name, bias, aux):
+    """A `[model]` section that leaves both keys at -1 trains each family's recipe: the
+    aux-loss-free bias where its Hugging Face model holds it or torchtitan trains it (DeepSeek-V3,
+    Llama 4), the released configs' balance loss where it has no place for it (Qwen3-MoE, gpt-oss);
+    every flavor of the family alike, and 0 turns either off."""
+    from torchmoe.arch.registry import FLAVORS as FAMILIES
+    from torchmoe.arch.registry import model_args_from_config
+    from torchmoe.config import load_job_config
+
+    for flavor in FAMILIES[name]:
+        args = model_args_from_config(load_job_config(["--model.name", name, "--model.flavor", flavor]).model)
+        assert (args.load_balance_coeff, args.aux_loss_coeff) == (bias, aux), flavor
+    off = build_model_args(name, "tiny", load_balance_coeff=0.0, aux_loss_coeff=0.0)
+    assert (off.load_balance_coeff, off.aux_loss_coeff) == (None, 0.0)
+
+
 def test_flex_attention_matches_sdpa():
     model = _meta_then_init("tiny", 0)
     flex = Transformer(FLAVORS["tiny"].replace(attn_backend="flex"))

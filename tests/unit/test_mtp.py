@@ -102,11 +102,11 @@ def _reference_loss(hf: DeepseekV3ForCausalLM, modules: list[dict], row: torch.T
 
 
 def _trainer_loss(model: Transformer, row: torch.Tensor) -> torch.Tensor:
-    """The trainer's loss of one micro-batch that is the whole global batch."""
+    """The trainer's objective of one micro-batch that is the whole global batch."""
     trainer = SimpleNamespace(model=model, model_args=model.args, global_tokens=row.shape[0] * (row.shape[1] - 1),
                               loss_parallel=False)
     trainer._summed_loss = lambda logits, labels: Trainer._summed_loss(trainer, logits, labels)
-    return Trainer._forward_loss(trainer, row[:, :-1], row[:, 1:], None)
+    return Trainer._forward_loss(trainer, row[:, :-1], row[:, 1:], None)[0]  # the objective
 
 
 def test_the_loss_and_its_gradients_are_the_reports_on_transformers_modules(models):
@@ -223,3 +223,55 @@ def test_checkpoints_with_fewer_modules_are_refused_and_more_skipped():
     with pytest.raises(ConfigError, match=r"model.mtp_layers = 1: does not match the run's checkpoints: they hold 0"):
         wrapper.check_saved_shapes({name: md.size for name, md in stored(0).items()})
     wrapper.check_saved_shapes({name: md.size for name, md in stored(2).items()})
+
+
+def test_the_logged_loss_is_the_main_loss_and_the_mtp_loss_is_logged_apart(tmp_path, capsys):
+    """Two modules, two micro-batches per step: the step's `loss` is the main next-token loss as
+    validation computes it on the same batch (the model without labels, the main head alone),
+    `mtp_loss` the modules' mean loss; the gradients are the objective's, main + coefficient x
+    that mean, unchanged. metrics.jsonl and the console carry both, on logged and other steps."""
+    import json
+
+    from tests.helpers import DEBUG_CONFIG, SHORT_DOCUMENTS
+    from torchmoe import cli
+    from torchmoe.config import load_job_config
+    from torchmoe.models.decoder.mtp import mtp_targets
+
+    flags = ["--config", DEBUG_CONFIG, "--model.name", "deepseek_v3", "--model.flavor", "tiny",
+             "--model.mtp_layers", "2", "--model.mtp_loss_coeff", str(COEFF), "--training.seq_len", "64",
+             "--training.local_batch_size", "4", "--training.global_batch_size", "8", *SHORT_DOCUMENTS]
+    trainer = Trainer(load_job_config([*flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "a")]))
+    micro_batches = trainer.dataloader.next_batch()
+    assert len(micro_batches) == 2
+    tokens = trainer.global_tokens
+    main, mtp = 0.0, 0.0
+    for inputs, labels in micro_batches:  # the objective by hand: its gradients, and its two parts
+        with torch.no_grad():
+            main += trainer._summed_loss(trainer.model(inputs), labels).item() / tokens  # as `validate` does
+        logits, depths = trainer.model(inputs, labels=labels)
+        depth_sums = [F.cross_entropy(out.flatten(0, 1), mtp_targets(labels, k).flatten(), reduction="sum")
+                      for k, out in enumerate(depths, start=1)]
+        objective = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") + COEFF * sum(
+            depth_sums) / len(depths)
+        (objective / tokens).backward()
+        mtp += sum(d.item() for d in depth_sums) / len(depths) / tokens
+    want = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    for moe in trainer.moe_layers:
+        moe.tokens_per_expert.zero_()
+    result = trainer.train_step(micro_batches)
+    assert result.loss == pytest.approx(main, rel=1e-6) and result.mtp_loss == pytest.approx(mtp, rel=1e-6)
+    assert mtp > 0 and abs(main - (main + COEFF * mtp)) > 1e-2  # the objective is far from the logged loss
+
+    trainer = Trainer(load_job_config([*flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "b")]))
+    trainer.forward_backward(trainer.dataloader.next_batch())
+    for name, p in trainer.model.named_parameters():
+        assert torch.allclose(p.grad, want[name], rtol=1e-6, atol=1e-9), name
+
+    assert cli.main(["train", *flags, "--training.steps", "4", "--metrics.log_freq", "3",
+                     "--job.dump_folder", str(tmp_path / "run")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and "tokens_per_sec" not in records[1]  # 2: not logged
+    assert all(r["mtp_loss"] > 0 and r["loss"] > 0 for r in records)
+    assert records[0]["loss"] == pytest.approx(result.loss, rel=1e-6)  # the same first batch and weights
+    assert f"loss {records[2]['loss']:.4f}  mtp {records[2]['mtp_loss']:.4f}" in capsys.readouterr().out

@@ -32,7 +32,7 @@ from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
 from torchmoe.nn.document_attention import document_segments, whole_row_calls
 from torchmoe.nn.experts import GroupedExperts
 from torchmoe.plan.dry_run import format_ranks, run_dry_run
-from torchmoe.plan.layout import param_specs, shard_numel
+from torchmoe.plan.layout import autocast_casts, param_specs, shard_numel
 from torchmoe.plan.memory import GIB, ActivationModel, estimate_memory, memory_per_pp_rank
 from torchmoe.plan.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims
 
@@ -221,7 +221,7 @@ def test_block_activations_match_saved_tensors(precision, seq, masking, family):
         # autocast's bf16 weight copies are saved too: the planner counts them once per forward,
         # as parameter copies (`fsdp_buffers`), not per token.
         copies = 2 * sum(s.numel for s in param_specs(args) if s.layer == int(i) and len(s.shape) >= 2
-                         and not s.fqn.endswith(("b13", "b2")))
+                         and autocast_casts(s.fqn, args) and not s.fqn.endswith(("b13", "b2")))
         estimated = act.block_full(int(i)) * batch * seq + (copies if autocast else 0)
         # Left out as negligible: NoPE layers' (seq,) temperature scale, MoE's (E,) int32 offsets,
         # and with masking the segment tables' int32 offsets (2 of at most 16 per row), which on

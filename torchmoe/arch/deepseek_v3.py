@@ -48,6 +48,7 @@ def deepseek_v3(*, dim: int, n_layers: int, n_heads: int, vocab_size: int, ffn_h
         top_k=top_k, num_shared_experts=num_shared_experts, score_func=score_func, score_before_experts=False,
         norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=routed_scaling_factor, tie_word_embeddings=tie_word_embeddings, mtp_supported=True,
+        router_gate_fp32=True,
     )
 
 

@@ -8,14 +8,16 @@ per head in every softmax (`attention_sinks`), the even layers attending over a 
 pairs; every layer is MoE, routed by a softmax over the top-k of biased logits (the same gates as
 softmax scores renormalised over the top k), to experts with biases and a clamped SwiGLU
 (`experts_style = "clamped_swiglu"`); no shared expert. The published active count leaves out the
-embedding table (`active_counts_embedding`).
+embedding table (`active_counts_embedding`). Load balancing: the auxiliary balance loss at the
+released configs' ``router_aux_loss_coef`` (0.001, torchmoe's sequence-wise form) and no
+aux-loss-free expert bias, which ``GptOssForCausalLM`` has no place for.
 
 Flavors carry torchtitan's names and shapes; ``20b`` and ``120b`` are the released config.json files.
 """
 
 from __future__ import annotations
 
-from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.model_args import RELEASED_AUX_LOSS_COEFF, ModelArgs
 
 # The released checkpoints' RoPE scaling (Hugging Face's `rope_parameters`).
 YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -40,7 +42,8 @@ def gpt_oss(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim:
         num_experts=num_experts, top_k=top_k, num_shared_experts=0, score_func="softmax",
         score_before_experts=False, norm_topk_prob=True, router_bias=True, experts_style="clamped_swiglu",
         swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, tie_word_embeddings=tie_word_embeddings,
-        active_counts_embedding=False,
+        active_counts_embedding=False, norm_weight_in_fp32=True, load_balance_coeff=None,
+        aux_loss_coeff=RELEASED_AUX_LOSS_COEFF,
     )
 
 

@@ -24,6 +24,11 @@ LLAMA4_ROPE_SCALING = {
 }
 
 
+# The auxiliary balance loss coefficient of the released Qwen3-MoE and gpt-oss configs
+# (``router_aux_loss_coef``): those families' default, in place of the expert bias their Hugging
+# Face models cannot hold.
+RELEASED_AUX_LOSS_COEFF = 1e-3
+
 # Fields that set how a model trains or runs, not what it computes from its weights (a checkpoint
 # and a run may differ in them), and the length limit (released configs advertise up to 10M
 # positions; RoPE extends past any table).
@@ -121,8 +126,18 @@ class ModelArgs:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # the gates' multiplier (after norm_topk_prob)
-    load_balance_coeff: float | None = 1e-3  # aux-loss-free bias update rate; None disables
-    aux_loss_coeff: float = 0.0  # sequence-wise load-balancing loss coefficient
+    # Where bf16 rounds, as the family's transformers modules round (equal in fp32): DeepSeek-V3's
+    # router runs its gate matmul in fp32 (inputs and weight upcast: DeepseekV3TopkRouter), the
+    # others' in the compute dtype; gpt-oss's RMSNorms (the blocks' two and the final one, all it
+    # has) multiply by their weight before the cast to the input's dtype (GptOssRMSNorm), the
+    # others' after it (`nn.rms_norm.RMSNorm`).
+    router_gate_fp32: bool = False
+    norm_weight_in_fp32: bool = False
+    # Load balancing, each family's recipe (the flavors' builders): the aux-loss-free bias's update
+    # rate (None disables; Llama 4 as torchtitan trains it, DeepSeek-V3), and the sequence-wise
+    # balance loss's coefficient (Qwen3-MoE and gpt-oss, whose Hugging Face models hold no bias).
+    load_balance_coeff: float | None = 1e-3
+    aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0  # router z-loss coefficient
     use_grouped_mm: bool = True  # torch._grouped_mm for routed experts (else a per-expert loop)
     moe_force_load_balance: bool = False  # round-robin routing instead of top-k (performance work)

@@ -8,11 +8,16 @@ router over all experts whose top-k scores scale the experts' outputs, renormali
 when `norm_topk_prob`; no shared expert. Layer ``i`` is an MoE layer unless it is listed in
 Hugging Face's ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``
 (`moe_layers` holds the result); dense layers use `ffn_hidden_dim` (HF ``intermediate_size``).
+
+Load balancing follows the released recipe, which Hugging Face's format can hold: an auxiliary
+balance loss at the configs' ``router_aux_loss_coef`` (0.001; torchmoe's is the sequence-wise form
+of `aux_loss_coeff`, where the Qwen3 report's is over the global batch) and no aux-loss-free
+expert bias, which ``Qwen3MoeForCausalLM`` has no place for (an export would route without it).
 """
 
 from __future__ import annotations
 
-from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.model_args import RELEASED_AUX_LOSS_COEFF, ModelArgs
 
 
 def qwen3_moe(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, vocab_size: int,
@@ -28,6 +33,7 @@ def qwen3_moe(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_di
         moe_hidden_dim=moe_hidden_dim, moe_layers=[i for i in range(n_layers) if i not in dense_layers],
         num_experts=num_experts, top_k=top_k, num_shared_experts=0, score_func="softmax",
         score_before_experts=False, norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie_word_embeddings,
+        load_balance_coeff=None, aux_loss_coeff=RELEASED_AUX_LOSS_COEFF,
     )
 
 

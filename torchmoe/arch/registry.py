@@ -26,19 +26,21 @@ FLAVORS: dict[str, dict[str, ModelArgs]] = {
 
 
 def build_model_args(name: str, flavor: str, *, attn_backend: str = "", use_grouped_mm: bool = True,
-                     load_balance_coeff: float = -1.0, aux_loss_coeff: float = 0.0,
+                     load_balance_coeff: float = -1.0, aux_loss_coeff: float = -1.0,
                      z_loss_coeff: float = 0.0, moe_force_load_balance: bool = False, mtp_layers: int = 0,
                      mtp_loss_coeff: float = 0.1) -> ModelArgs:
     """Family `name`'s flavor `flavor` with overrides applied; sentinel values keep the flavor's
     own (`model_args_from_config` passes a `[model]` section's). Raises KeyError for an unknown
     family or flavor (the config checks name both before a model is built)."""
-    overrides: dict = {"use_grouped_mm": use_grouped_mm, "aux_loss_coeff": aux_loss_coeff,
-                       "z_loss_coeff": z_loss_coeff, "moe_force_load_balance": moe_force_load_balance,
-                       "mtp_layers": mtp_layers, "mtp_loss_coeff": mtp_loss_coeff}
+    overrides: dict = {"use_grouped_mm": use_grouped_mm, "z_loss_coeff": z_loss_coeff,
+                       "moe_force_load_balance": moe_force_load_balance, "mtp_layers": mtp_layers,
+                       "mtp_loss_coeff": mtp_loss_coeff}
     if attn_backend:
         overrides["attn_backend"] = attn_backend
     if load_balance_coeff >= 0:
         overrides["load_balance_coeff"] = load_balance_coeff or None
+    if aux_loss_coeff >= 0:
+        overrides["aux_loss_coeff"] = aux_loss_coeff
     return FLAVORS[name][flavor].replace(**overrides)
 
 

@@ -70,7 +70,8 @@ from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.registry import hf_mapping, hf_mapping_for_config, hf_slices
 from torchmoe.nn.shards import local_shard
 
-__all__ = ["DEFAULT_SHARD_BYTES", "load_hf_weights", "read_hf_args", "require_hf_form", "save_hf_weights"]
+__all__ = ["DEFAULT_SHARD_BYTES", "ExpertBiasDrop", "dropped_bias_max", "holds_expert_bias", "load_hf_weights",
+           "read_hf_args", "require_hf_form", "save_hf_weights"]
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 # Each rank's own files while a save is in progress; removed once consolidated.
@@ -430,6 +431,44 @@ def _file_index(dtype: torch.dtype, max_shard_bytes: int, args: ModelArgs) -> di
     return index
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertBiasDrop:
+    """Whether a Hugging Face export may leave out a non-zero aux-loss-free expert bias, which the
+    Hugging Face models of Llama 4, Qwen3-MoE and gpt-oss have no place for (the folder then selects
+    other experts than the model trained, so its loss differs), and the setting that decides it.
+
+    Attributes:
+        allowed: the user asked for that lossy export by name.
+        key: the setting that asks for it (``checkpoint.hf_drop_expert_bias``, ``--drop-expert-bias``,
+            `torchmoe.hf.save_model`'s ``drop_expert_bias``).
+        fix: what a refusal suggests: asking for it, or keeping a model without the bias.
+    """
+
+    allowed: bool = False
+    key: str = "drop_expert_bias"
+    fix: str = ("pass drop_expert_bias=True to write the model without its expert bias (it then selects other "
+                "experts), or train with model.load_balance_coeff = 0")
+
+
+def holds_expert_bias(args: ModelArgs) -> bool:
+    """The family's Hugging Face model has a place for the expert bias (DeepSeek-V3's
+    ``e_score_correction_bias``), or the model has no MoE layer to hold one."""
+    layer = min(args.moe_layer_ids, default=None)
+    if layer is None:
+        return True
+    return hf_mapping(args).hf_slice(f"layers.{layer}.moe.expert_bias", (args.num_experts,)) is not None
+
+
+def dropped_bias_max(state: Mapping[str, torch.Tensor], args: ModelArgs, group: dist.ProcessGroup | None) -> float:
+    """The largest |expert_bias| of `state` that a Hugging Face folder of the family of `args`
+    would leave out (0 when it holds the bias, or the bias is zero); collective under a process
+    group: every rank gets the whole model's value."""
+    mapping = hf_mapping(args)
+    dropped = {name: t for name, t in state.items()
+               if name.endswith("expert_bias") and mapping.hf_slice(name, t.shape) is None}
+    return _max_abs_expert_bias(dropped, group)
+
+
 def _max_abs_expert_bias(state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None) -> float:
     """The largest |expert_bias| over the whole model (the biases of all ranks' stages)."""
     # Local shards: the all-reduce over every rank covers what each holds (DTensor shards or stages).
@@ -445,37 +484,45 @@ def _max_abs_expert_bias(state: Mapping[str, torch.Tensor], group: dist.ProcessG
 
 
 def save_hf_weights(state: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, *,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, process_group: dist.ProcessGroup | None = None) -> None:
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, process_group: dist.ProcessGroup | None = None,
+                    bias_drop: ExpertBiasDrop = ExpertBiasDrop()) -> None:
     """Write `state` as a Hugging Face folder of the family of `args` (``Llama4ForCausalLM``,
     ``Qwen3MoeForCausalLM``: `models.registry`): config.json,
     ``model-0000i-of-0000n.safetensors`` files of at most `max_shard_bytes` and
     model.safetensors.index.json. Each rank writes only its shards, then consolidates some of
     the output files. Collective under a process group; parameters keep their dtype.
 
-    The aux-loss-free expert bias has no Hugging Face counterpart: a non-zero bias is dropped
-    with a warning, since HF routing then selects experts without it.
+    The folder is the model `state` holds, or nothing is written: a non-zero aux-loss-free
+    expert bias that the family's Hugging Face model has no place for (Llama 4, Qwen3-MoE,
+    gpt-oss; the folder would select other experts) is refused unless `bias_drop` allows leaving
+    it out, which then warns.
 
     Args:
         state: our model state dict on this rank (sharded DTensors or plain tensors).
         args: the model's architecture (config.json, and the file split of the whole model).
         process_group: for the collectives (the default group when None); a training run passes
             its checkpoint group, whose timeout waits for the slowest rank's write.
+        bias_drop: whether the caller's user asked for the export without such a bias, by which setting.
 
     Raises:
         NonFiniteValues: (on every rank, before anything is written) a tensor holds NaN or inf.
+        ConfigError: (on every rank, before anything is written) naming `bias_drop.key`: the
+            bias is non-zero, has no place there, and `bias_drop` does not allow leaving it out.
     """
     out_dir = Path(out_dir)
     shards = out_dir / _SHARDS_DIR
     rank = dist.get_rank() if _dist_on() else 0
     require_finite(state, group=process_group)
     mapping = hf_mapping(args)
-    # Families whose Hugging Face model has no place for the bias (`hf_slice` None) lose it.
-    dropped = [name for name, t in state.items()
-               if name.endswith("expert_bias") and mapping.hf_slice(name, t.shape) is None]
-    bias_max = _max_abs_expert_bias({name: state[name] for name in dropped}, process_group)
+    bias_max = dropped_bias_max(state, args, process_group)
+    if bias_max > 0 and not bias_drop.allowed:
+        raise ConfigError(bias_drop.key, False, f"the model's expert_bias (max |bias| {bias_max:.3g}) has no place in "
+                          f"Hugging Face {mapping.title}: the folder would select other experts than the model "
+                          "does, and its loss would differ", bias_drop.fix)
     if bias_max > 0 and rank == 0:
         warnings.warn(f"expert_bias (max |bias| {bias_max:.3g}) is not representable in Hugging Face "
-                      f"{mapping.title} and is dropped: expert selection there ignores it", stacklevel=2)
+                      f"{mapping.title} and is dropped ({bias_drop.key}): expert selection there ignores it",
+                      stacklevel=2)
     views, slices = _hf_views(state, args)
     copies = {f"{ours} as {copy.hf_name}": (ours, copy) for ours, copy in mapping.hf_copies(args) if ours in state}
     for key, (ours, copy) in copies.items():  # the family's second places of a tensor

@@ -19,17 +19,20 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.checkpoint import load_model_only
 from torchmoe.components.flavor_fit import matching_flavor, require_fit
-from torchmoe.components.hf_storage import load_hf_weights, read_hf_args
+from torchmoe.components.hf_storage import ExpertBiasDrop, dropped_bias_max, load_hf_weights, read_hf_args
 from torchmoe.components.weight_files import model_tensors, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.distributed.one_reader import one_reads
 from torchmoe.models.registry import hf_mapping
 
-__all__ = ["load_initial_weights"]
+__all__ = ["hf_bias_drop", "load_initial_weights"]
 
 logger = logging.getLogger(__name__)
 
+_BIAS_DROP_FIX = ("set checkpoint.hf_drop_expert_bias = true to export the model without its expert bias (the "
+                  "folder then selects other experts), or checkpoint.last_save_in_hf = false: the run's DCP "
+                  "checkpoints keep it")
 _DCP_FIX = ("point it at a DCP checkpoint folder: a step-N folder of a run, or the output of "
             "`torchmoe convert hf-to-dcp`")
 
@@ -47,7 +50,9 @@ def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, m
             that filled it: `config.paths.source_key`).
 
     Raises:
-        ConfigError: the folder cannot be read, or holds weights of another model.
+        ConfigError: the folder cannot be read, or holds weights of another model; or with
+            `last_save_in_hf` (and not `hf_drop_expert_bias`), a non-zero expert bias that the
+            family's Hugging Face model has no place for.
     """
     path = Path(ckpt.initial_load_path)
     if ckpt.initial_load_in_hf:
@@ -56,6 +61,25 @@ def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, m
         metadata = read_dcp_metadata(key, path, _DCP_FIX)  # read by rank 0, once
         require_fit("model.flavor", flavor, args, model_tensors(metadata), f"{key} {path}")
         load_model_only(path, [model], key=key, metadata=metadata)
+        if ckpt.last_save_in_hf and not ckpt.hf_drop_expert_bias:
+            _require_exportable_bias(path, args, model, key)
+
+
+def hf_bias_drop(ckpt: CheckpointConfig) -> ExpertBiasDrop:
+    """Whether `last_save_in_hf` may write the model without an expert bias its family's Hugging
+    Face model has no place for (`checkpoint.hf_drop_expert_bias`)."""
+    return ExpertBiasDrop(ckpt.hf_drop_expert_bias, "checkpoint.hf_drop_expert_bias", _BIAS_DROP_FIX)
+
+
+def _require_exportable_bias(path: Path, args: ModelArgs, model: nn.Module, key: str) -> None:
+    """Before training: a DCP checkpoint's non-zero expert bias, which `last_save_in_hf` could not
+    write (the preflight refuses a run that trains one; this one is loaded), is refused now rather
+    than after the training (collective: every rank raises)."""
+    bias_max = dropped_bias_max(get_model_state_dict(model), args, None)
+    if bias_max > 0:
+        raise ConfigError(key, str(path), f"its model's expert_bias (max |bias| {bias_max:.3g}) has no place in "
+                          f"Hugging Face {hf_mapping(args).title}, and checkpoint.last_save_in_hf = true would write "
+                          "the trained model without it (selecting other experts)", _BIAS_DROP_FIX)
 
 
 def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: str) -> None:

@@ -11,7 +11,8 @@
     metrics.close()
 
 metrics.jsonl (DESIGN §3, a contract): rank 0 appends one JSON object per step. A step between
-logged ones (`record_step`) holds `step, loss, grad_norm, lr, elapsed_s`; a logged step (the
+logged ones (`record_step`) holds `step, loss, grad_norm, lr, elapsed_s` (and `mtp_loss` with
+DeepSeek-V3's multi-token prediction: `loss` is the main next-token loss alone); a logged step (the
 first of a process, every log_freq-th, a validated one, the last) also `tokens_per_sec`
 (global), `tflops` (achieved per rank), `mfu` (percent of the device's peak dense FLOP/s in the
 run's compute dtype; null when the peak is unknown, e.g. on CPU), `memory_gib` (peak per rank),
@@ -511,6 +512,7 @@ class MetricsLogger:
                 parts.append(f"[{style}]{fmt.format(r[key])}[/]")
 
         add("loss", "loss {:.4f}", "cyan")
+        add("mtp_loss", "mtp {:.4f}", "cyan")
         add("validation_loss", "val {:.4f}", "bold cyan")
         add("grad_norm", "grad {:.3f}", "magenta")
         add("lr", "lr {:.2e}", "white")

@@ -41,9 +41,9 @@ class Model:
     use_grouped_mm: bool = True
     """Run routed experts with torch._grouped_mm (False: a per-expert loop, for debugging)."""
     load_balance_coeff: float = -1.0
-    """Aux-loss-free expert-bias update rate; -1 = the flavor's default, 0 = disabled."""
-    aux_loss_coeff: float = 0.0
-    """Coefficient of the sequence-wise load-balancing auxiliary loss (0 = off)."""
+    """Aux-loss-free expert-bias update rate; -1 = the family's default (llama4, deepseek_v3: 0.001; qwen3, gpt_oss: off, as they were released: their Hugging Face models have no place for the bias), 0 = disabled."""
+    aux_loss_coeff: float = -1.0
+    """Coefficient of the sequence-wise load-balancing auxiliary loss; -1 = the family's default (qwen3, gpt_oss: 0.001, their released configs' router_aux_loss_coef; llama4, deepseek_v3: off), 0 = off."""
     z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (0 = off)."""
     mtp_layers: int = 0
@@ -187,7 +187,9 @@ class Checkpoint:
     initial_load_in_hf: bool = False
     """initial_load_path is a Hugging Face folder of the model's family (config.json + safetensors)."""
     last_save_in_hf: bool = False
-    """Also write the final weights as a Hugging Face folder (step-N-hf/)."""
+    """Also write the final weights as a Hugging Face folder (step-N-hf/). It is the model trained: an expert bias the family's folder cannot hold (llama4, qwen3, gpt_oss), trained or loaded, is refused (exit 2) before training unless hf_drop_expert_bias."""
+    hf_drop_expert_bias: bool = False
+    """Let last_save_in_hf write a family whose Hugging Face model has no place for the aux-loss-free expert bias (llama4, qwen3, gpt_oss) without it. The folder then selects other experts than the model trained, and its loss differs; false refuses such an export (exit 2)."""
     async_mode: str = "disabled"
     """'disabled', 'async' (write in a background thread after staging to CPU) or 'async_with_pinned_mem' (the same, staging into pinned memory on CUDA)."""
     last_save_model_only: bool = False

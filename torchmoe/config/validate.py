@@ -144,7 +144,9 @@ def validate_model(model: Model) -> None:
     if model.load_balance_coeff != -1.0:
         _at_least("model.load_balance_coeff", model.load_balance_coeff, 0,
                   "use 0 to disable, a positive rate, or -1 for the flavor's default")
-    _at_least("model.aux_loss_coeff", model.aux_loss_coeff, 0, "use 0 to disable or a positive coefficient")
+    if model.aux_loss_coeff != -1.0:
+        _at_least("model.aux_loss_coeff", model.aux_loss_coeff, 0,
+                  "use 0 to disable, a positive coefficient, or -1 for the family's default")
     _at_least("model.z_loss_coeff", model.z_loss_coeff, 0, "use 0 to disable or a positive coefficient")
     _at_least("model.mtp_layers", model.mtp_layers, 0, "use 0 to disable multi-token prediction, or a depth")
     _at_least("model.mtp_loss_coeff", model.mtp_loss_coeff, 0, "use a non-negative weight (DeepSeek-V3: 0.1)")

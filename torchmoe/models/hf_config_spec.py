@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["DECODER_FIELDS", "IGNORED_FIELDS", "ROPE_FIELDS", "HFConfigValueError", "HFConversionError", "POSITIVE",
            "Spec", "check_config", "check_fields", "check_heads", "check_layer_list", "check_top_k", "decoder_config",
-           "require_round_trip", "refuse_unknown_fields", "rope_or_yarn", "show_json"]
+           "require_round_trip", "refuse_unknown_fields", "rope_or_yarn", "show_json", "with_reference_defaults"]
 
 # Upper bounds: 8x the deepest released LLM's layers (126), 64x the largest vocabulary (262k), and
 # sizes no accelerator could hold a layer of. A value beyond them is a typo, refused before a model
@@ -153,6 +153,7 @@ IGNORED_FIELDS = frozenset({
     "pad_token_id", "use_cache", "output_router_logits", "initializer_range", "attention_dropout", "name_or_path",
     "_name_or_path", "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder",
     "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class", "use_bfloat16", "torchscript",
+    "chunk_size_feed_forward",
 })
 # A `rope_parameters` (or `rope_scaling`) object: plain RoPE or YaRN.
 ROPE_FIELDS: dict[str, Spec] = {
@@ -163,11 +164,14 @@ ROPE_FIELDS: dict[str, Spec] = {
 }
 
 
-def rope_or_yarn(cfg: dict, title: str, default_theta: float, released: str) -> tuple[float, dict | None]:
+def rope_or_yarn(cfg: dict, title: str, default_theta: float, released: str,
+                 default: dict | None = None) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) of a config: plain RoPE (None), or YaRN with the fields
-    `_yarn_frequencies` reads; `released` names the released values for a missing field's fix.
+    `_yarn_frequencies` reads; `released` names the released values for a missing field's fix;
+    `default` is the RoPE object transformers' config class sets when the file has none (gpt-oss's
+    YaRN; None: plain RoPE), `default_theta` its theta when neither says one.
     Raises `HFConversionError` for another rope_type, `HFConfigValueError` for a missing field."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or default or {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -184,6 +188,25 @@ def rope_or_yarn(cfg: dict, title: str, default_theta: float, released: str) -> 
     scaling.update({k: params[k] for k in ("mscale", "mscale_all_dim", "attention_factor", "truncate")
                     if params.get(k) is not None})
     return theta, scaling
+
+
+def with_reference_defaults(cfg: dict, defaults: dict[str, Any], check: Callable[[dict], None],
+                            prefix: str = "") -> dict:
+    """`cfg` with each field of `defaults` that it lacks set to `defaults`' value, the one
+    transformers' config class gives a missing field (a field that holds null keeps it:
+    transformers then derives a value, as the family's reading does), checked by `check`. A fault
+    of a field the file lacks says that the value is that default (`prefix`: where `cfg` is in
+    the file, as the fields' names spell it)."""
+    full = {**defaults, **cfg}
+    try:
+        check(full)
+    except HFConfigValueError as err:
+        name = err.field.removeprefix(prefix)
+        if name in defaults and name not in cfg:
+            raise HFConfigValueError(err.field, err.value, f"{err.problem} (transformers' default: the file does not "
+                                     "set it)", err.expected) from None
+        raise
+    return full
 
 
 def check_config(cfg: dict, fields: dict[str, Spec], rope_fields: dict[str, Spec]) -> None:

@@ -255,7 +255,7 @@ def unit_sizes(args: ModelArgs, dims: ParallelDims) -> dict[str, UnitSize]:
         for unit, specs in _units(args).items():
             shapes = tuple((s.shape, s.tp_dim, s.kind, s.fqn == "tok_embeddings.weight") for s in specs)
             if shapes not in by_shapes:
-                by_shapes[shapes] = _unit_size(specs, dims, args.tie_word_embeddings)
+                by_shapes[shapes] = _unit_size(specs, dims, args)
             out[unit] = by_shapes[shapes]
         return out
 
@@ -279,7 +279,16 @@ def _units(args: ModelArgs) -> dict[str, tuple[ParamSpec, ...]]:
 _UNITS: dict[str, dict[str, tuple[ParamSpec, ...]]] = {}
 
 
-def _unit_size(specs: tuple[ParamSpec, ...], dims: ParallelDims, tie_word_embeddings: bool) -> UnitSize:
+def autocast_casts(fqn: str, args: ModelArgs) -> bool:
+    """Autocast makes a compute-dtype copy of the matrix `fqn` of ``Transformer(args)`` in each
+    forward: not of an untied embedding (a lookup), nor of an fp32 router gate
+    (`router_gate_fp32`: it multiplies its fp32 weight itself)."""
+    if fqn == "tok_embeddings.weight":
+        return args.tie_word_embeddings
+    return not (args.router_gate_fp32 and fqn.endswith("moe.router.gate.weight"))
+
+
+def _unit_size(specs: tuple[ParamSpec, ...], dims: ParallelDims, args: ModelArgs) -> UnitSize:
     local = [0, 0]
     tensors = [0, 0]
     matmul = 0
@@ -287,6 +296,6 @@ def _unit_size(specs: tuple[ParamSpec, ...], dims: ParallelDims, tie_word_embedd
         n = math.prod(local_shape(spec, dims))
         local[spec.expert] += n
         tensors[spec.expert] += 1
-        if len(spec.shape) >= 2 and (tie_word_embeddings or spec.fqn != "tok_embeddings.weight"):
+        if len(spec.shape) >= 2 and autocast_casts(spec.fqn, args):
             matmul += n
     return UnitSize(sum(shard_numel(s, dims) for s in specs), (local[0], local[1]), (tensors[0], tensors[1]), matmul)

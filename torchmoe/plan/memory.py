@@ -53,7 +53,9 @@ bytes, ``r`` residual-stream bytes (``a``, or 4 under autocast), ``D`` dim,
 inputs are the all-gathered sequence (full ``D``).
 
     norm(n)   = (4 + r)*n + 4               fp32 upcast (the input itself when r = 4) + normalised
-                                            output (before the weight) + rstd;
+                                            output (before the weight) + rstd; (4 + 4)*n + 4 when
+                                            the weight multiplies before the cast (gpt-oss's
+                                            `norm_weight_in_fp32`: its fp32 operand is saved);
                 r*n + 4 with torch.compile   (fused: the input and rstd)
     x(n)      = a, or n*a under autocast    a matmul input read by n matmuls: autocast casts it
                                             for each (eager; compile may merge the casts)
@@ -69,7 +71,9 @@ inputs are the all-gathered sequence (full ``D``).
     dense FFN = norm(D)/tp + x(2)*D + 4*a*F/tp              w1/w3 input; w1 out, silu out, w3
                                                             out, product
     MoE       = norm(D)/tp + f*x(1 + 2s)*D                  ffn_norm, MoE input (router gate and,
-                                                            s = 1 with a shared expert, its w1/w3)
+                                                            s = 1 with a shared expert, its w1/w3;
+                                                            DeepSeek-V3's fp32 gate keeps the input
+                                                            itself, 4 bytes under autocast)
               + f*(4*E + 16*k)                              fp32 router scores, top-k indices
               + f*k * (4*D + 2*a*D + X + 12)                per routed copy: fp32 operand of the
                                                             gate multiply, the expert input and
@@ -267,7 +271,8 @@ class ActivationModel:
         return self.a * (readers if self.autocast else 1)
 
     def _norm(self, n: int) -> float:
-        return (self.r * n if self.compiled else (4 + self.r) * n) + 4
+        normalised = 4 if self.args.norm_weight_in_fp32 else self.r  # the weight multiply's other operand
+        return (self.r * n if self.compiled else (4 + normalised) * n) + 4
 
     def _moe_tokens(self) -> float:
         """Fraction of the block's tokens the MoE block runs on: its sequence shard under EP with
@@ -322,7 +327,10 @@ class ActivationModel:
             return self._norm(m.dim) / tp + self._matmul_input(2) * m.dim + 4 * a * m.ffn_hidden_dim / tp
         f, k = self._moe_tokens(), m.top_k
         readers = 1 + 2 * (m.num_shared_experts > 0)  # router gate, shared expert w1 and w3
-        total = self._norm(m.dim) / tp + self._matmul_input(readers) * m.dim * f + (4 * m.num_experts + 16 * k) * f
+        moe_input = self._matmul_input(readers)
+        if m.router_gate_fp32 and self.autocast:  # the fp32 gate keeps the fp32 input itself, no cast copy
+            moe_input = self._matmul_input(readers - 1) + 4
+        total = self._norm(m.dim) / tp + moe_input * m.dim * f + (4 * m.num_experts + 16 * k) * f
         if m.norm_topk_prob:  # the division's fp32 numerator (the k gates) and denominator
             total += (4 * k + 4) * f
         total += k * f * (4 * m.dim + 2 * a * m.dim + self._expert_activation() + 12)
@@ -347,7 +355,8 @@ class ActivationModel:
             return {**mms, "feed_forward.w1": ((dim, ffn), a * ffn / tp), "feed_forward.w3": ((dim, ffn), a * ffn / tp),
                     "feed_forward.w2": ((ffn, dim), a * dim)}
         f, etp = self._moe_tokens(), self.dims.etp
-        mms["moe.router.gate"] = ((dim, m.num_experts), f * a * m.num_experts)
+        logits = 4 if m.router_gate_fp32 else a
+        mms["moe.router.gate"] = ((dim, m.num_experts), f * logits * m.num_experts)
         if m.num_shared_experts:
             shared = m.moe_hidden_dim * m.num_shared_experts
             mms.update({"moe.shared_experts.w1": ((dim, shared), f * a * shared / etp),

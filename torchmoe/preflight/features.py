@@ -10,10 +10,11 @@ import os
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.components.hf_storage import require_hf_form
+from torchmoe.components.hf_storage import holds_expert_bias, require_hf_form
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.config.launch_env import launch_int
+from torchmoe.models.registry import hf_mapping
 from torchmoe.plan.layout import param_specs
 from torchmoe.plan.parallel_dims import ParallelDims
 
@@ -29,9 +30,8 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                           "selective AC is not supported with attn_backend \"flex\"",
                           'use activation_checkpoint.mode = "full", or model.attn_backend = "sdpa"')
     _check_forced_recompute(cfg.activation_checkpoint, args)
-    if cfg.checkpoint.enable and cfg.checkpoint.last_save_in_hf:  # found out before training, not after
-        require_hf_form("checkpoint.last_save_in_hf", True, args, cfg.model.flavor,
-                        "set checkpoint.last_save_in_hf = false: the run's DCP checkpoints keep the weights")
+    if cfg.checkpoint.last_save_in_hf:  # found out before training, not after
+        _check_hf_export(cfg.checkpoint, args, cfg.model.flavor)
     if cfg.training.document_masking and args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", "document masking runs the fused kernels per document "
                           "(nn.document_attention); FlexAttention is not wired to it",
@@ -90,6 +90,21 @@ def _check_flex_compiled(cfg: JobConfig, args: ModelArgs) -> None:
                           '= true, "model" in compile.components, compile.backend = "inductor"): FlexAttention\'s '
                           "eager path holds every query-key score of a row in memory",
                           f'set {key} = {wanted}, or use model.attn_backend = "sdpa"')
+
+
+def _check_hf_export(checkpoint: Checkpoint, args: ModelArgs, flavor: str) -> None:
+    """`checkpoint.last_save_in_hf` writes the model trained: its family's Hugging Face model
+    expresses the flavor, and holds the expert bias the run trains (unless the user let the
+    export drop it: `checkpoint.hf_drop_expert_bias`)."""
+    require_hf_form("checkpoint.last_save_in_hf", True, args, flavor,
+                    "set checkpoint.last_save_in_hf = false: the run's DCP checkpoints keep the weights")
+    if args.load_balance_coeff and not holds_expert_bias(args) and not checkpoint.hf_drop_expert_bias:
+        raise ConfigError("model.load_balance_coeff", args.load_balance_coeff, "trains the aux-loss-free expert "
+                          f"bias, which Hugging Face {hf_mapping(args).title} has no place for: "
+                          "checkpoint.last_save_in_hf = true would write a model that selects other experts than "
+                          "the one trained (another loss)", "set model.load_balance_coeff = 0 (balance with "
+                          "model.aux_loss_coeff instead), or checkpoint.hf_drop_expert_bias = true to export "
+                          "without the bias")
 
 
 def _check_sink_attention(cfg: JobConfig, args: ModelArgs, cp: int) -> None:

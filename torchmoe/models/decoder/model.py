@@ -44,8 +44,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention = LatentAttention(args, layer_id) if args.latent_attention else Attention(args, layer_id)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, weight_in_fp32=args.norm_weight_in_fp32)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, weight_in_fp32=args.norm_weight_in_fp32)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
             self.moe = MoE(args)
@@ -95,7 +95,7 @@ class Transformer(nn.Module):
         # The multi-token prediction modules' blocks follow the main model's (`models.decoder.mtp`):
         # every per-block parallelism (TP, EP, FSDP, AC, compile) wraps them as it wraps the others.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers + args.mtp_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, weight_in_fp32=args.norm_weight_in_fp32)
         # Tied embeddings reuse tok_embeddings.weight in forward rather than sharing a Parameter:
         # shared Parameters come apart under to_empty() and per-module sharding.
         self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)

@@ -52,6 +52,7 @@ from torchmoe.models.hf_config_spec import (
     refuse_unknown_fields,
     require_round_trip,
     rope_or_yarn,
+    with_reference_defaults,
 )
 from torchmoe.models.hf_slices import HFSlice, per_expert_slice
 
@@ -85,8 +86,16 @@ _FIELDS: dict[str, Spec] = {
 }
 # Fields that never change the causal LM's forward pass beyond `IGNORED_FIELDS`: expert placement
 # hints, the auxiliary loss the releases trained with.
-_IGNORED_FIELDS = IGNORED_FIELDS | {"auto_map", "pretraining_tp", "ep_size", "aux_loss_alpha", "seq_aux",
-                                    "chunk_size_feed_forward"}
+_IGNORED_FIELDS = IGNORED_FIELDS | {"auto_map", "pretraining_tp", "ep_size", "aux_loss_alpha", "seq_aux"}
+
+
+# transformers' DeepseekV3Config defaults of the fields whose absence is not null's meaning here
+# (null: no groups, no shared expert, a full-rank query; absent: the released model's values).
+# The other fields' defaults below are its too (tests/unit/test_hf_config_defaults.py, per field).
+# Not num_key_value_heads: its default (128) differs from the query heads of any other shape,
+# which transformers' latent attention cannot run (it repeats the heads 0 times).
+_ABSENT = {"n_group": 8, "topk_group": 4, "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536,
+           "num_nextn_predict_layers": 1}
 
 
 def _check(cfg: dict) -> None:
@@ -142,7 +151,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     field."""
     if cfg.get("model_type") not in MODEL_TYPES:
         raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not a DeepSeek-V3 model")
-    _check(cfg)
+    cfg = with_reference_defaults(cfg, _ABSENT, _check)
     _refuse_unsupported(cfg)
     theta, scaling = rope_or_yarn(cfg, "DeepSeek-V3", 10000.0, "factor 40, original_max_position_embeddings 4096")
     n_layers = cfg.get("num_hidden_layers", 61)
@@ -161,7 +170,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         max_seq_len=cfg.get("max_position_embeddings", 4096), norm_eps=cfg.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     ).replace(rope_style="interleaved" if cfg.get("rope_interleave", True) is not False else "half",
-              mtp_layers=cfg.get("num_nextn_predict_layers", 0))
+              mtp_layers=cfg["num_nextn_predict_layers"])
 
 
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:

@@ -43,6 +43,7 @@ from torchmoe.models.hf_config_spec import (
     refuse_unknown_fields,
     require_round_trip,
     rope_or_yarn,
+    with_reference_defaults,
 )
 from torchmoe.models.hf_slices import HFSlice
 
@@ -84,6 +85,15 @@ def _sliding_layers(cfg: dict, n_layers: int) -> list[int]:
     return [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
+# transformers' GptOssConfig defaults of the fields whose absence is not null's meaning here
+# (null: heads of hidden_size / heads, one key/value head per query head, no window; absent: the
+# released models' values), and the RoPE object it sets when a file has none. The other fields'
+# defaults below are its too (tests/unit/test_hf_config_defaults.py, per field).
+_ABSENT = {"head_dim": 64, "num_key_value_heads": 8, "sliding_window": 128}
+_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
 def _check(cfg: dict) -> None:
     check_config(cfg, _FIELDS, ROPE_FIELDS)
     check_heads(cfg, "", default_heads=64, default_hidden=2880)
@@ -109,9 +119,10 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     `HFConversionError` for a setting torchmoe cannot run: each names the field)."""
     if cfg.get("model_type") not in MODEL_TYPES:
         raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not a gpt-oss model")
-    _check(cfg)
+    cfg = with_reference_defaults(cfg, _ABSENT, _check)
     _refuse_unsupported(cfg)
-    theta, scaling = rope_or_yarn(cfg, "gpt-oss", 150000.0, "factor 32, original_max_position_embeddings 4096")
+    theta, scaling = rope_or_yarn(cfg, "gpt-oss", 150000.0, "factor 32, original_max_position_embeddings 4096",
+                                  default=_DEFAULT_ROPE)
     n_layers = cfg.get("num_hidden_layers", 36)
     heads = cfg.get("num_attention_heads", 64)
     hidden = cfg.get("hidden_size", 2880)

@@ -19,7 +19,13 @@ from collections.abc import Sequence
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, decoder_config, require_round_trip
+from torchmoe.models.hf_config_spec import (
+    HFConfigValueError,
+    HFConversionError,
+    decoder_config,
+    require_round_trip,
+    with_reference_defaults,
+)
 from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.llama4.hf_config_check import check_hf_config
 
@@ -44,6 +50,12 @@ _CONSUMED_FIELDS = {
     "attn_temperature_tuning", "floor_scale", "attn_scale", "interleave_moe_layer_step", "moe_layers",
     "tie_word_embeddings", "hidden_act", "attention_bias", "layer_types",
 }
+
+
+# transformers' Llama4TextConfig defaults of the fields whose absence is not null's meaning here
+# (null: heads of hidden_size / heads, one key/value head per query head; absent: the released
+# models' values). The other fields' defaults below are its too (tests/unit/test_hf_config_defaults.py).
+_ABSENT = {"head_dim": 128, "num_key_value_heads": 8}
 
 
 def text_config(config: dict) -> dict:
@@ -77,7 +89,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         raise HFConfigValueError("text_config", cfg, "not an object", "an object {...} holding the text model's config")
     if cfg.get("model_type", "llama4_text") != "llama4_text":
         raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not a Llama 4 text model")
-    check_hf_config(cfg, prefix)
+    cfg = with_reference_defaults(cfg, _ABSENT, lambda full: check_hf_config(full, prefix), prefix)
     if cfg.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
     if cfg.get("attention_bias", False):

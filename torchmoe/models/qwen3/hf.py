@@ -38,6 +38,7 @@ from torchmoe.models.hf_config_spec import (
     decoder_config,
     refuse_unknown_fields,
     require_round_trip,
+    with_reference_defaults,
 )
 from torchmoe.models.hf_slices import HFSlice, per_expert_slice
 
@@ -62,6 +63,12 @@ _ROPE_FIELDS: dict[str, Spec] = {"rope_type": Spec("str"), "type": Spec("str"), 
 # Fields that never change the forward pass beyond `IGNORED_FIELDS`: the auxiliary loss, the
 # window size while sliding windows are off.
 _IGNORED_FIELDS = IGNORED_FIELDS | {"router_aux_loss_coef", "sliding_window", "max_window_layers", "layer_types"}
+
+
+# transformers' Qwen3MoeConfig default of the field whose absence is not null's meaning here
+# (null: one key/value head per query head; absent: the released models' 4). The other fields'
+# defaults below are its too (tests/unit/test_hf_config_defaults.py, per field).
+_ABSENT = {"num_key_value_heads": 4}
 
 
 def _expert_count(cfg: dict) -> int:
@@ -101,7 +108,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     field."""
     if cfg.get("model_type") not in MODEL_TYPES:
         raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not a Qwen3-MoE model")
-    _check(cfg)
+    cfg = with_reference_defaults(cfg, _ABSENT, _check)
     if cfg.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
     if cfg.get("attention_bias", False):
