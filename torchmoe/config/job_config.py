@@ -115,7 +115,7 @@ class Training:
     dataset_text_field: str = "text"
     """Field holding the text in .jsonl/.json/.parquet rows and hub datasets."""
     seed: int = 0
-    """Seed for initialization and anything random in training."""
+    """Seed for initialization and anything random in training (0 or more)."""
     deterministic: bool = False
     """Use deterministic algorithms (slower; for debugging)."""
     add_bos: bool = False

@@ -29,6 +29,7 @@ from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.nesting import toml_loads
+from torchmoe.config.numbers import INT64_MAX, INT64_MIN, shown_text
 from torchmoe.config.paths import PATH_KEYS, READ_KEYS, nonempty_path, path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
@@ -390,8 +391,10 @@ def _parse_override(flag: str, name: str, typ: Any, values: list[str]) -> Any:
         section, _, leaf = name.partition(".")
         default = getattr(getattr(JobConfig(), section), leaf) if name not in TORCHTITAN_KEYS else None
         example = show_value(default if default is not None else typ(1))
-        raise ConfigError(flag, values[0], f"expected {expected}",
-                          f"pass {expected}, e.g. --{name} {example}") from None
+        # Digits past Python's digit limit (4,300) fail int() too: that integer is only too long.
+        problem = f"does not fit in 64 bits (allowed: {INT64_MIN} .. {INT64_MAX})" \
+            if typ is int and values[0].lstrip("+-").isdecimal() else f"expected {expected}"
+        raise ConfigError(flag, shown_text(values[0]), problem, f"pass {expected}, e.g. --{name} {example}") from None
 
 
 def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[str]]], bool]:

@@ -34,6 +34,7 @@ from torchmoe.config.job_config import (
     Training,
     Validation,
 )
+from torchmoe.config.numbers import INT64_MAX, INT64_MIN
 from torchmoe.config.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, nonempty_path
 
 OPTIMIZERS = ("AdamW", "Adam")
@@ -60,7 +61,6 @@ FT_PROCESS_GROUPS = ("gloo", "nccl")
 SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")
 GRADIENT_AVERAGES = ("auto", "backward", "after_backward")
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TIMEOUT_SECONDS = 2**31 - 1
 
 # (short name used in meshes and messages, Parallelism field), outermost mesh dim first.
@@ -178,6 +178,8 @@ def validate_training(training: Training) -> None:
                   "set a positive batch size, or -1 for local_batch_size * dp")
     _at_least("training.seq_len", training.seq_len, 1)
     _at_least("training.steps", training.steps, 1)
+    # torch.manual_seed takes -1 as 2**64 - 1: a negative seed has no meaning of its own.
+    _at_least("training.seed", training.seed, 0, "set a seed from 0 (the default) upward")
     if not math.isfinite(training.max_norm):  # <= 0 disables clipping; NaN would poison every gradient
         raise ConfigError("training.max_norm", training.max_norm, "must be a finite number",
                           "set a positive clipping norm, or 0 to disable clipping")
