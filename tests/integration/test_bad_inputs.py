@@ -541,13 +541,16 @@ def test_errors_from_outside_are_the_same(tmp_path: Path) -> None:
 # ---- what a parser or the launcher's environment cannot take -------------------------------------
 
 LAUNCH_ENV = {
-    "world_size_not_a_number": ({"WORLD_SIZE": "abc"}, 'WORLD_SIZE = "abc": is not a whole number >= 1'),
-    "world_size_negative": ({"WORLD_SIZE": "-2"}, 'WORLD_SIZE = "-2": is not a whole number >= 1'),
-    "world_size_zero": ({"WORLD_SIZE": "0"}, 'WORLD_SIZE = "0": is not a whole number >= 1'),
+    "world_size_not_a_number": ({"WORLD_SIZE": "abc"}, 'WORLD_SIZE = "abc": is not a whole number from 1 to 1048576'),
+    "world_size_negative": ({"WORLD_SIZE": "-2"}, 'WORLD_SIZE = "-2": is not a whole number from 1 to 1048576'),
+    "world_size_zero": ({"WORLD_SIZE": "0"}, 'WORLD_SIZE = "0": is not a whole number from 1 to 1048576'),
+    # Past Python's digit limit: its ValueError traceback before; shown cut.
+    "world_size_of_5001_digits": ({"WORLD_SIZE": "9" * 5001}, 'WORLD_SIZE = "99999999999999999999... (5,001 '
+                                  'characters)": is not a whole number from 1 to 1048576'),
     "local_world_size_not_a_number": ({"LOCAL_WORLD_SIZE": "eight"}, 'LOCAL_WORLD_SIZE = "eight": is not a whole'),
     # Read first by the process group's start before: a ValueError traceback.
-    "rank_not_a_number": ({"RANK": "abc", "WORLD_SIZE": "2"}, 'RANK = "abc": is not a whole number >= 0'),
-    "rank_negative": ({"RANK": "-1"}, 'RANK = "-1": is not a whole number >= 0'),
+    "rank_not_a_number": ({"RANK": "abc", "WORLD_SIZE": "2"}, 'RANK = "abc": is not a whole number from 0 to 1048575'),
+    "rank_negative": ({"RANK": "-1"}, 'RANK = "-1": is not a whole number from 0 to 1048575'),
 }
 
 

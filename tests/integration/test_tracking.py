@@ -360,5 +360,10 @@ def test_report_of_a_malformed_run_file_is_one_message(run: Path, tmp_path: Path
 
 
 def test_report_world_size_flag_out_of_range(run: Path, capsys) -> None:
-    _assert_one_error(*_report(capsys, str(run), "--world-size", "0"), "--world-size = 0: must be at least 1\n  "
-                      + _SIZE_FIX)
+    _assert_one_error(*_report(capsys, str(run), "--world-size", "0"), '--world-size = "0": must be an integer from '
+                      "1 to 1048576\n  " + _SIZE_FIX)
+    # 2**64 ranks planned for ever; 5,001 digits were Python's digit-limit traceback.
+    _assert_one_error(*_report(capsys, str(run), "--world-size", str(2**64)), f'--world-size = "{2**64}": must be '
+                      "an integer from 1 to 1048576\n  " + _SIZE_FIX)
+    _assert_one_error(*_report(capsys, str(run), "--world-size", "3" * 5001), '--world-size = "33333333333333333333... '
+                      '(5,001 characters)": must be an integer from 1 to 1048576\n  ' + _SIZE_FIX)
