@@ -198,6 +198,11 @@ FAULTS = {
     "hf-truncated-config": Fault("hf", lambda d: _truncate(d / "config.json"), ("config.json is not JSON",)),
     "hf-deeply-nested-config": Fault("hf", lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000),
                                      ("config.json is not JSON (nested too deeply",)),
+    # Python's digit limit: its ValueError traceback before; a NaN read as a value to check.
+    "hf-long-number-config": Fault("hf", lambda d: (d / "config.json").write_text('{"vocab_size": ' + "9" * 5001 + "}"),
+                                   ("config.json is not JSON (a number of more than 4,300 digits",)),
+    "hf-nan-config": Fault("hf", lambda d: (d / "config.json").write_text('{"rms_norm_eps": NaN}'),
+                           ("config.json is not JSON (NaN is no finite number",)),
     "hf-truncated-weights": Fault("hf", lambda d: _truncate(d / "model.safetensors"),
                                   ("model.safetensors is damaged or truncated",)),
     "hf-empty-weights": Fault("hf", lambda d: (d / "model.safetensors").write_bytes(b""),

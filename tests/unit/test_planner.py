@@ -119,6 +119,12 @@ def test_a_wrong_profile_field_is_named(tmp_path: Path, make, expect: str) -> No
     ("bom.json", b"\xef\xbb\xbf{}", "byte order mark"),
     ("broken.json", b"{", "not valid JSON"),
     ("deep.json", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "not valid JSON: nested too deeply"),
+    # Python's digit limit: a ValueError traceback before. NaN, Infinity and 1e400 (inf) are no JSON.
+    ("long.json", b'{"memory_gib": ' + b"1" * 5001 + b"}", "not valid JSON: a number of more than 4,300 digits, "
+                                                           "which no setting holds: line 1 column 16"),
+    ("nan.json", b'{"memory_gib": NaN}', "not valid JSON: NaN is no finite number"),
+    ("inf.json", b'{"overlap": -Infinity}', "not valid JSON: -Infinity is no finite number"),
+    ("huge.json", b'{"memory_gib": 1e400}', "not valid JSON: 1e400 is no finite number"),
     ("list.json", b"[]", "must be a JSON object"),
     ("h900", None, "unknown hardware profile"),
 ])
