@@ -132,6 +132,21 @@ def _nan_safetensors(folder: Path) -> None:
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
+def _absurd_dcp(folder: Path) -> None:
+    """Finite but beyond any trained model: a router bias of 1e9, a norm weight of -7e4."""
+    state = _state("tiny")
+    state["layers.1.moe.expert_bias"][2] = 1e9
+    state["norm.weight"][0] = -7e4
+    shutil.rmtree(folder)
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def _absurd_safetensors(folder: Path) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"][0, 0] = 3e38
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def _fifo(path: Path) -> None:
     """A named pipe in the file's place: an open to read waits for a writer for ever."""
     path.unlink()
@@ -247,6 +262,14 @@ FAULTS = {
     "hf-nan-weights": Fault("hf", _nan_safetensors, (
         "the weights hold NaN or inf in model.embed_tokens.weight, model.layers.1.feed_forward.experts.gate_up_proj:",
         "fix: point it at weights without NaN or inf")),
+    # finite, but beyond ±2^16 (components.finite.WEIGHT_BOUND): passed the finite check, and trained on
+    "dcp-absurd-weights": Fault("dcp", _absurd_dcp, (
+        "the weights hold values beyond ±65,536, which no trained model reaches (largest |value|: "
+        "layers.1.moe.expert_bias (1e+09), norm.weight (7e+04)): the files are damaged or crafted",
+        "fix: point it at weights within that bound")),
+    "hf-absurd-weights": Fault("hf", _absurd_safetensors, (
+        "beyond ±65,536, which no trained model reaches (largest |value|: model.layers.0.self_attn.o_proj.weight "
+        "(3e+38))",)),
     # not a regular file of the folder (crafted): a named pipe hung the read, a path left the folder
     "dcp-fifo-metadata": Fault("dcp", lambda d: _fifo(d / ".metadata"), (".metadata is a named pipe, not a regular "
                                                                          "file",)),
