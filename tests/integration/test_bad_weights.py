@@ -217,7 +217,9 @@ FAULTS = {
     "hf-long-number-config": Fault("hf", lambda d: (d / "config.json").write_text('{"vocab_size": ' + "9" * 5001 + "}"),
                                    ("config.json is not JSON (a number of more than 4,300 digits",)),
     "hf-nan-config": Fault("hf", lambda d: (d / "config.json").write_text('{"rms_norm_eps": NaN}'),
-                           ("config.json is not JSON (NaN is no finite number",)),
+                           ('its config.json sets "rms_norm_eps": NaN, not a finite number',)),
+    "hf-overflowing-config": Fault("hf", lambda d: (d / "config.json").write_text('{"rope_theta": 1e400}'),
+                                   ('its config.json sets "rope_theta": Infinity, not a finite number',)),
     "hf-truncated-weights": Fault("hf", lambda d: _truncate(d / "model.safetensors"),
                                   ("model.safetensors is damaged or truncated",)),
     "hf-empty-weights": Fault("hf", lambda d: (d / "model.safetensors").write_bytes(b""),
@@ -411,6 +413,20 @@ HF_VALUES = {
                           'for rope_type "llama3"'),
     "layer-types-ints": ("layer_types", [0, 1, 0, 1], "a list holding an integer, not a list of strings, or null",
                          "a list of strings, or null"),
+    # architectures that contradict model_type ("llama4_text") were ignored: which to believe is the user's call.
+    "architectures-of-another-family": ("architectures", ["Qwen3MoeForCausalLM"], "names Qwen3-MoE's "
+                                        "Qwen3MoeForCausalLM, but model_type 'llama4_text' is Llama 4's: one of the "
+                                        "two was edited", '["Llama4ForCausalLM"] for a Llama 4 checkpoint, or '
+                                        '"model_type" to "qwen3_moe" for a Qwen3-MoE one'),
+    "architectures-of-kimi": ("architectures", ["DeepseekV3ForCausalLM"], "names DeepSeek-V3's DeepseekV3ForCausalLM, "
+                              "but model_type 'llama4_text' is Llama 4's: one of the two was edited",
+                              '["Llama4ForCausalLM"] for a Llama 4 checkpoint, or "model_type" to "deepseek_v3" or '
+                              '"kimi_k2" for a DeepSeek-V3 one'),
+    "architectures-of-no-family": ("architectures", ["LlamaForCausalLM"], "names LlamaForCausalLM, no class of "
+                                   "model_type 'llama4_text' (Llama 4: Llama4ForCausalLM, "
+                                   "Llama4ForConditionalGeneration)", '["Llama4ForCausalLM"]'),
+    "architectures-not-a-list": ("architectures", "Llama4ForCausalLM", "is not a list of class names",
+                                 '["Llama4ForCausalLM"]'),
 }
 
 

@@ -55,15 +55,19 @@ def _no_constant(literal: str) -> float:
     raise _NotFinite(literal)  # NaN, Infinity, -Infinity: Python's extension of JSON
 
 
-def json_loads(text: str | bytes) -> Any:
-    """`json.loads(text)`, whose numbers are finite and of at most Python's digit limit.
+def json_loads(text: str | bytes, *, finite: bool = True) -> Any:
+    """`json.loads(text)`, whose numbers are of at most Python's digit limit, and finite unless
+    `finite` is False (for a reader that checks every number it uses by name, as
+    `models.hf_config_spec` does config.json's, which transformers writes with Python's json:
+    NaN and Infinity included).
 
     Raises:
-        json.JSONDecodeError: `text` is not JSON, is nested too deeply, or holds a number that
-            is NaN, infinite, beyond a float's range or longer than the digit limit.
+        json.JSONDecodeError: `text` is not JSON, is nested too deeply, or holds a number longer
+            than the digit limit, or (`finite`) NaN, infinite or beyond a float's range.
     """
+    hooks = {"parse_float": _finite, "parse_constant": _no_constant} if finite else {}
     try:
-        return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+        return json.loads(text, **hooks)
     except (RecursionError, ValueError) as err:
         if isinstance(err, json.JSONDecodeError):
             raise
