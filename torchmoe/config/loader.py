@@ -469,10 +469,19 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
     # Overrides are applied here rather than by tyro's argparse, which would take a value that
     # starts with "-" (a path, a description) for a flag and fail outside our one-message errors.
     updates: dict[str, dict[str, Any]] = {}
+    by_flag: dict[str, tuple[str, Any]] = {}  # key -> the flag that set it, and to what
     for flag, values in overrides:
         values_set, note = _check_override(flag, values)
         _warn(notes, note)
         for dotted, value in values_set.items():
+            # Two flags for one key (torchtitan's name and torchmoe's: --model.attn_mask_type
+            # block_causal --training.document_masking false): the later one won silently.
+            other, said = by_flag.get(dotted, (flag, value))
+            if other != flag and said != value:
+                raise ConfigError(flag, " ".join(values), f"contradicts {other} on the same command line, which sets "
+                                  f"{dotted} to {show_value(said)} (this flag sets it to {show_value(value)})",
+                                  "pass one of the two flags")
+            by_flag[dotted] = (flag, value)
             if dotted in READ_KEYS:
                 # "" (a TOML's "not set") from a flag is what an unset shell variable gives, so a
                 # flag unsets the key with a word instead: `none` (a folder of that name is ./none).
