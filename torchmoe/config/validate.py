@@ -183,7 +183,7 @@ def validate_training(training: Training) -> None:
     if not math.isfinite(training.max_norm):  # <= 0 disables clipping; NaN would poison every gradient
         raise ConfigError("training.max_norm", training.max_norm, "must be a finite number",
                           "set a positive clipping norm, or 0 to disable clipping")
-    _check_dataset("training", training.dataset, training.dataset_path)
+    check_dataset("training", training.dataset, training.dataset_path)
     for ext in training.dataset_extensions:
         if not re.fullmatch(r"\.[^./\\*?\[\]\s]+(\.[^./\\*?\[\]\s]+)*", ext):
             suffix = "." + ext.strip().strip("*").lstrip(".") if ext.strip().strip("*.") else ".txt"
@@ -204,7 +204,8 @@ def validate_training(training: Training) -> None:
     _at_least("training.gc_freq", training.gc_freq, 0, "collect every N steps, or 0 for Python's automatic collection")
 
 
-def _check_dataset(section: str, dataset: str, dataset_path: str) -> None:
+def check_dataset(section: str, dataset: str, dataset_path: str) -> None:
+    """`section`'s dataset is a kind torchmoe reads, with the path that kind needs."""
     one_of(f"{section}.dataset", dataset, DATASETS)
     if dataset in ("local", "tokens", "hf") and not dataset_path:
         what = {"local": "files (a file, folder or glob)", "tokens": "a folder written by `torchmoe prepare-data`",
@@ -214,7 +215,7 @@ def _check_dataset(section: str, dataset: str, dataset_path: str) -> None:
 
 
 def validate_validation(validation: Validation) -> None:
-    _check_dataset("validation", validation.dataset, validation.dataset_path)
+    check_dataset("validation", validation.dataset, validation.dataset_path)
     for key in ("local_batch_size", "seq_len", "freq"):
         _at_least(f"validation.{key}", getattr(validation, key), 1)
     if validation.steps != -1:
