@@ -150,15 +150,19 @@ def test_a_replica_group_without_torchrun_is_one_message(tmp_path: Path, capsys:
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--min-replicas", "0"], "--min-replicas = 0: must be >= 1"),
-    (["--heartbeat-timeout-ms", "-5"], "--heartbeat-timeout-ms = -5: must be >= 1"),
+    (["--min-replicas", "0"], '--min-replicas = "0": must be an integer from 1 to 100000\n  fix: pass 1 .. 100,000 '
+                              "replica groups; the default is 1"),
+    (["--heartbeat-timeout-ms", "-5"], '--heartbeat-timeout-ms = "-5": must be an integer from 1 to 86400000'),
     (["--bind", "no-such-host.invalid:1"], "--bind = \"no-such-host.invalid:1\": the lighthouse cannot listen there"),
-    (["--min-replicas", "two"], "torchmoe lighthouse"),
+    (["--min-replicas", "two"], '--min-replicas = "two": expected an integer'),
+    (["--min-replicas", "9" * 5001], '--min-replicas = "99999999999999999999... (5,001 characters)": must be an '
+                                     "integer from 1 to 100000"),
     (["--port", "1"], "unrecognized arguments: --port 1"),
     # Beyond what torchft's core takes (2**64): an OverflowError reported as a bind failure before.
-    (["--min-replicas", str(2**70)], f"--min-replicas = {2**70}: must be at most 100,000 replica groups"),
-    (["--join-timeout-ms", str(2**64)], f"--join-timeout-ms = {2**64}: must be at most 86,400,000 ms"),
-    (["--quorum-tick-ms", "3600000"], "--quorum-tick-ms = 3600000: must be at most 60,000 ms"),
+    (["--min-replicas", str(2**70)], f'--min-replicas = "{2**70}": must be an integer from 1 to 100000'),
+    (["--join-timeout-ms", str(2**64)], f'--join-timeout-ms = "{2**64}": must be an integer from 1 to 86400000\n  '
+                                        "fix: pass 1 .. 86,400,000 ms (a day); the default is 60000"),
+    (["--quorum-tick-ms", "3600000"], '--quorum-tick-ms = "3600000": must be an integer from 1 to 60000'),
     (["--bind", "[::]"], '--bind = "[::]": has no port a socket can have'),
     (["--bind", "0.0.0.0:99999"], '--bind = "0.0.0.0:99999": has no port a socket can have'),
     (["--bind", "29510"], '--bind = "29510": is not HOST:PORT'),
