@@ -135,6 +135,23 @@ def test_logits_that_overflow_are_one_message_not_nul_bytes(capsys, monkeypatch,
     assert "fix: generate in float32 (--training.mixed_precision_param float32)" in err, err
 
 
+@pytest.mark.parametrize("loss", [float("nan"), float("inf")])
+def test_a_loss_that_is_not_finite_is_one_message_and_writes_nothing(capsys, monkeypatch, run_dir: Path,
+                                                                     tmp_path: Path, loss: float) -> None:
+    """eval's result holds no NaN: the loss of weights whose computation overflows is refused,
+    and --out is not written (json.dumps would have written NaN into it)."""
+    from torchmoe import trainer
+
+    monkeypatch.setattr(trainer, "evaluate", lambda cfg: loss)
+    out = tmp_path / "eval.json"
+    status = cli.main(["eval", *TINY, "--job.dump_folder", str(run_dir), "--split", "train", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert f'--checkpoint = "{run_dir / "checkpoint" / "step-2"}": the loss is {loss}, computing in ' in err, err
+    assert "fix: evaluate in float32 (--training.mixed_precision_param float32)" in err, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("command", ["generate", "eval"])
 def test_without_a_job_file_nothing_runs(capsys, command: str) -> None:
     assert cli.main([command, "--prompt", "x"] if command == "generate" else [command]) == 2
