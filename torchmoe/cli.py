@@ -29,6 +29,7 @@ from torchmoe.config.folder_owners import refuse_held
 from torchmoe.config.job_config import Parallelism
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import CONFIG_FLAGS, config_toml
+from torchmoe.config.numbers import MAX_RANKS, parse_int
 from torchmoe.config.paths import job_paths, replica_group_config, user_path_faults
 from torchmoe.interruption import Interrupted, interrupt_on_signals
 from torchmoe.interruption import report as report_interruption
@@ -58,10 +59,8 @@ class Subcommand:
     run: Callable[[list[str]], int]
 
 
-def _positive_int(key: str, text: str, fix: str) -> int:
-    if not (text.isdecimal() and text.isascii() and int(text) >= 1):
-        raise ConfigError(key, text, "expected a positive integer", fix)
-    return int(text)
+def _ranks(key: str, text: str, fix: str) -> int:
+    return parse_int(key, text, low=1, high=MAX_RANKS, fix=fix)
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ def _split_train_flags(argv: Sequence[str]) -> TrainFlags:
             if flag == "--hardware":
                 found["hardware"] = value or "h100"
             else:
-                found[flag[2:].replace("-", "_")] = _positive_int(flag, value, f"pass a number of ranks, e.g. {flag} 8")
+                found[flag[2:].replace("-", "_")] = _ranks(flag, value, f"pass a number of ranks, e.g. {flag} 8")
         else:
             rest.append(token)
     flags = TrainFlags(**found, config_argv=tuple(rest))

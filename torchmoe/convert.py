@@ -45,7 +45,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.checksums import ChecksummingWriter
-from torchmoe.components.finite import refuse_nonfinite
+from torchmoe.components.finite import refuse_bad_values
 from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit, stored_mtp_layers
 from torchmoe.components.hf_storage import (
     ExpertBiasDrop,
@@ -178,7 +178,7 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *,
 
     Raises:
         ConfigError: `hf_dir` is missing, has a file that is missing, unreadable or damaged, is
-            not a supported checkpoint or holds NaN or inf;
+            not a supported checkpoint or holds NaN, inf or values beyond `WEIGHT_BOUND`;
             `out_dir` is not empty, held by a live run, or cannot be written.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
@@ -208,9 +208,9 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
     Raises:
         ConfigError: an unknown family or flavor, a missing, non-DCP or damaged `ckpt_dir`, a checkpoint
             whose tensors do not fit `flavor` (the fix names a flavor that fits, if one does), are
-            not floating point or hold NaN or inf, or hold an expert bias the folder cannot
-            (``--drop-expert-bias``), or an `out_dir` that is not empty, held by a live run, or
-            cannot be written.
+            not floating point or hold NaN, inf or values beyond `WEIGHT_BOUND`, or hold an
+            expert bias the folder cannot (``--drop-expert-bias``), or an `out_dir` that is not
+            empty, held by a live run, or cannot be written.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if name not in FLAVORS:
@@ -235,7 +235,7 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
         state = _empty_state(args, dtype, mesh)
         prefix = model_prefix(metadata)  # a step-N folder keeps the model under "model." next to optimizer state
         load_dcp({prefix + k: v for k, v in state.items()}, ckpt_dir, metadata, key="CKPT_DIR", fix=fix)
-        refuse_nonfinite(state, key="CKPT_DIR", path=ckpt_dir)
+        refuse_bad_values(state, key="CKPT_DIR", path=ckpt_dir)
         # Checks them again, as every writer of weights does, and refuses a bias the folder cannot hold.
         save_hf_weights(state, args, out_dir, bias_drop=ExpertBiasDrop(drop_expert_bias, "--drop-expert-bias",
                                                                         _BIAS_DROP_FIX))

@@ -37,10 +37,11 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from torchmoe.components.trained_weights import trained_weights
+from torchmoe.components.trained_weights import STEP, trained_weights
 from torchmoe.config import ConfigError, JobConfig
-from torchmoe.config.flags import split_flags
+from torchmoe.config.flags import Integer, split_flags
 from torchmoe.config.launch_env import launch_int
+from torchmoe.config.numbers import INT64_MAX
 from torchmoe.config.output_files import check_output_file, write_output
 from torchmoe.config.paths import writable_folder
 from torchmoe.data.file_index import INDEX_FOLDER
@@ -49,7 +50,9 @@ __all__ = ["EVAL_DESCRIPTION", "eval_config", "eval_main"]
 
 logger = logging.getLogger(__name__)
 
-_FLAGS = {"--checkpoint": str, "--step": int, "--split": str, "--batches": int, "--out": str}
+_FLAGS = {"--checkpoint": str, "--step": STEP, "--split": str, "--out": str,
+          "--batches": Integer(-1, INT64_MAX, "10", fix="pass a number of batches >= 1, e.g. --batches 10, or -1 "
+                               "for one pass")}
 
 EVAL_DESCRIPTION = (
     "The mean token loss (and perplexity) of trained weights: the job file's model, layout and data, with the weights "
@@ -149,6 +152,11 @@ def eval_main(argv: list[str], load_config: Callable[[list[str], str, str], JobC
             loss = evaluate(ecfg, index_cache=_index_cache(Path(cfg.job.dump_folder), work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if not math.isfinite(loss):  # the same on every rank (a global mean): nothing printed or written
+        raise ConfigError("--checkpoint", str(weights), f"the loss is {loss}, computing in "
+                          f"{ecfg.training.mixed_precision_param}: the weights (finite when loaded) overflow it",
+                          "evaluate in float32 (--training.mixed_precision_param float32), or weights of a run "
+                          "that had not diverged (an earlier --step)")
     if os.environ.get("RANK") in (None, "0"):
         val = ecfg.validation
         # exp overflows a float past a loss of ~709: the perplexity is then null, never inf.

@@ -9,9 +9,11 @@ model prefills it once, then decodes one token at a time over its cached keys an
 (`nn.kv_cache`), so each step costs one position, and the logits are those of the full forward.
 
 Sampling: `--temperature 0` (the default) is greedy; above 0 the logits are divided by it and
-`--top-p` keeps the smallest set of tokens whose probability reaches p (nucleus sampling), drawn
-from a generator seeded by `--seed`: the same seed, prompt and weights give the same text.
-Generation stops at the tokenizer's end-of-text id or after `--max-new-tokens`.
+`--top-p` keeps the smallest set of tokens whose probability reaches p (nucleus sampling; the
+most likely token always stays), drawn from a generator seeded by `--seed`: the same seed, prompt
+and weights give the same text. Generation stops at the tokenizer's end-of-text id or after
+`--max-new-tokens`. Logits that are NaN or inf (a computation that overflowed its dtype) stop it
+with an error: no token is chosen from them.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import torch
 
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.components.initial_load import load_initial_weights
-from torchmoe.components.trained_weights import trained_weights
+from torchmoe.components.trained_weights import STEP, trained_weights
 from torchmoe.config import ConfigError, JobConfig
-from torchmoe.config.flags import split_flags
+from torchmoe.config.flags import Integer, Number, split_flags
+from torchmoe.config.numbers import INT64_MAX, shown_text
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.dtypes import torch_dtype
@@ -37,7 +40,7 @@ from torchmoe.nn.kv_cache import KVCache
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.preflight import train_device
 
-__all__ = ["Sampling", "generate_ids", "generate_main", "load_trained_model", "next_token"]
+__all__ = ["NonFiniteLogits", "Sampling", "generate_ids", "generate_main", "load_trained_model", "next_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +55,28 @@ class Sampling:
     seed: int = 0
 
 
+class NonFiniteLogits(ValueError):
+    """The model's logits for generated token `index` (0-based) hold NaN or inf."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"the logits of generated token {index + 1} hold NaN or inf")
+        self.index = index
+
+
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: (B, V) of the last position -> the chosen ids (B,) int64."""
+    """logits: (B, V) of the last position, finite -> the chosen ids (B,) int64."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    # Shifted to a maximum of 0 before the division (softmax does not change): a temperature near
+    # 0 then sends the others to -inf, never the largest to inf (inf - inf is NaN in softmax).
+    logits = logits.float()
+    probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep a token while the tokens more likely than it hold less than top_p: the most
-        # likely one always stays.
+        # Keep a token while the tokens more likely than it hold less than top_p; the most likely
+        # one always stays (a top_p that float32 rounds to 0 would otherwise drop every token).
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= sampling.top_p
+        drop[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     # multinomial draws on the probabilities' device; the generator lives there too.
@@ -75,7 +90,12 @@ def generate_ids(model: Transformer, prompt: list[int], sampling: Sampling, *, e
     `sampling.max_new_tokens`; `on_token` sees each as it comes.
 
     The prompt is one prefill forward (1, len(prompt)); each later id is a forward of one
-    position over the cache."""
+    position over the cache.
+
+    Raises:
+        NonFiniteLogits: the model's logits hold NaN or inf (argmax would read NaN as the largest
+            and print token 0, multinomial would fail).
+    """
     device = model.output.weight.device
     generator = None
     if sampling.temperature > 0:
@@ -86,8 +106,13 @@ def generate_ids(model: Transformer, prompt: list[int], sampling: Sampling, *, e
     out: list[int] = []
     while len(out) < sampling.max_new_tokens:
         logits = model(tokens, cache=cache)[:, -1]  # (1, V)
-        chosen = next_token(logits, sampling, generator)  # (1,)
-        out.append(int(chosen[0]))  # a host read per token: the loop needs the id to stop
+        finite = torch.isfinite(logits).all()
+        chosen = next_token(torch.where(finite, logits, 0.0), sampling, generator)  # (1,)
+        # One host read per token (the loop needs the id to stop), whether the logits were finite with it.
+        token, ok = torch.stack((chosen[0], finite.long())).tolist()
+        if not ok:
+            raise NonFiniteLogits(len(out))
+        out.append(token)
         if on_token is not None:
             on_token(out[-1])
         if out[-1] == eos_id:
@@ -118,8 +143,13 @@ def load_trained_model(cfg: JobConfig, *, checkpoint: str = "", step: int | None
     return model.eval()
 
 
-_FLAGS = {"--checkpoint": str, "--step": int, "--prompt": str, "--max-new-tokens": int, "--temperature": float,
-          "--top-p": float, "--seed": int}
+# A temperature divides float32 logits: below float32's smallest normal number (a subnormal that
+# hardware may flush to 0, or 1e-320, which is 0 in float32) it would divide by zero.
+_TEMPERATURE = (float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max))
+
+_FLAGS = {"--checkpoint": str, "--step": STEP, "--prompt": str, "--max-new-tokens": Integer(1, INT64_MAX, "64"),
+          "--temperature": Number(0.0, _TEMPERATURE[1], "0.8"), "--top-p": Number(0.0, 1.0, "0.9", above_low=True),
+          "--seed": Integer(0, 2**64 - 1, "0")}  # torch.Generator's seeds: 64 bits, unsigned
 
 GENERATE_DESCRIPTION = (
     "Sample text from trained weights: the job file's model and tokenizer, with the weights of --checkpoint (a "
@@ -129,17 +159,13 @@ GENERATE_DESCRIPTION = (
 
 
 def _sampling(found: dict[str, object]) -> Sampling:
-    """The `Sampling` the flags ask for, each value checked."""
+    """The `Sampling` the flags ask for (each in its range: `_FLAGS`)."""
     sampling = Sampling(**{k[2:].replace("-", "_"): v for k, v in found.items()
                            if k in ("--max-new-tokens", "--temperature", "--top-p", "--seed")})
-    if sampling.max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens", sampling.max_new_tokens, "must be at least 1", "pass e.g. 64")
-    if not sampling.temperature >= 0 or sampling.temperature == float("inf"):
-        raise ConfigError("--temperature", sampling.temperature, "must be a finite number >= 0",
-                          "pass 0 for greedy decoding, or e.g. 0.8")
-    if not 0 < sampling.top_p <= 1:
-        raise ConfigError("--top-p", sampling.top_p, "must be in (0, 1]",
-                          "pass e.g. 0.9, or 1 to sample from all tokens")
+    if 0 < sampling.temperature < _TEMPERATURE[0]:
+        raise ConfigError("--temperature", sampling.temperature, f"is below {_TEMPERATURE[0]:.3g}, float32's "
+                          "smallest normal number, which the logits (float32) cannot be divided by",
+                          "pass 0 for greedy decoding (what a temperature near 0 means), or e.g. 0.8")
     return sampling
 
 
@@ -164,10 +190,14 @@ def generate_main(argv: list[str], load_config: Callable[[list[str], str, str], 
     model = load_trained_model(cfg, checkpoint=str(found.get("--checkpoint", "")),
                                step=found.get("--step"))  # type: ignore[arg-type]
     limit = model.args.max_seq_len
+    if len(prompt) >= limit:  # no --max-new-tokens fits: the prompt is what to change
+        raise ConfigError("--prompt", shown_text(str(found["--prompt"])),
+                          f"encodes to {len(prompt)} tokens, which leave no room for one more in the model's "
+                          f"{limit} positions (model.max_seq_len)", f"shorten it to at most {limit - 1} tokens")
     if len(prompt) + sampling.max_new_tokens > limit:
         raise ConfigError("--max-new-tokens", sampling.max_new_tokens,
                           f"with the prompt's {len(prompt)} tokens it passes the model's {limit} positions "
-                          "(model.max_seq_len)", f"pass at most {max(limit - len(prompt), 0)}, or a shorter prompt")
+                          "(model.max_seq_len)", f"pass at most {limit - len(prompt)}, or a shorter prompt")
     sys.stdout.write(str(found["--prompt"]))
     sys.stdout.flush()
     shown, ids = "", []
@@ -183,7 +213,22 @@ def generate_main(argv: list[str], load_config: Callable[[list[str], str, str], 
             sys.stdout.flush()
             shown = text
 
-    generate_ids(model, prompt, sampling, eos_id=tokenizer.eos_id, on_token=show)
+    try:
+        generate_ids(model, prompt, sampling, eos_id=tokenizer.eos_id, on_token=show)
+    except NonFiniteLogits as err:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        raise _overflowed(err, cfg, found) from None
     text = tokenizer.decode(ids)
     sys.stdout.write(text[len(shown):] + "\n" if text.startswith(shown) else "\n")
     return 0
+
+
+def _overflowed(err: NonFiniteLogits, cfg: JobConfig, found: dict[str, object]) -> ConfigError:
+    """What to do about weights (finite when loaded: `components.finite`) whose logits are not."""
+    dtype = compute_dtype(cfg.training)
+    fix = ("generate in float32 (--training.mixed_precision_param float32), whose range holds more"
+           if dtype != "float32" else "use weights of a run that had not diverged (an earlier --step)")
+    return ConfigError("--checkpoint", str(found.get("--checkpoint", "(the run's newest checkpoint)")),
+                       f"{err}, computing in {dtype}: the weights overflow it, and no token can be chosen", fix)
+

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.numbers import parse_int
 from torchmoe.distributed.fault_tolerance import LIGHTHOUSE_ENV, import_torchft
 from torchmoe.interruption import Interrupted
 
@@ -33,15 +34,15 @@ BOUNDS = {
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="torchmoe lighthouse", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--min-replicas", type=int, default=1,
+    parser.add_argument("--min-replicas", default="1",
                         help="fewest replica groups in a quorum (fault_tolerance.min_replica_size); default 1")
     parser.add_argument("--bind", default="[::]:29510",
                         help='HOST:PORT to listen on, PORT 0 for any free one (default "[::]:29510")')
-    parser.add_argument("--join-timeout-ms", type=int, default=60000,
+    parser.add_argument("--join-timeout-ms", default="60000",
                         help="how long a quorum waits for more groups to join once it could form (default 60000)")
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
+    parser.add_argument("--heartbeat-timeout-ms", default="5000",
                         help="a group silent this long is out of the next quorum (default 5000)")
-    parser.add_argument("--quorum-tick-ms", type=int, default=100, help="how often quorums are formed (default 100)")
+    parser.add_argument("--quorum-tick-ms", default="100", help="how often quorums are formed (default 100)")
     return parser
 
 
@@ -62,12 +63,9 @@ def lighthouse_main(argv: Sequence[str]) -> int:
     if opts is None:
         return 0
     for key, (low, high, unit) in BOUNDS.items():
-        value, flag = getattr(opts, key), "--" + key.replace("_", "-")
-        if value < low:
-            raise ConfigError(flag, value, f"must be >= {low}", f"pass a positive value, e.g. {flag} 1")
-        if value > high:
-            raise ConfigError(flag, value, f"must be at most {high:,} {unit}",
-                              f"pass at most {high}; the default is {_parser().get_default(key)}")
+        flag = "--" + key.replace("_", "-")
+        setattr(opts, key, parse_int(flag, getattr(opts, key), low=low, high=high,
+                                     fix=f"pass {low} .. {high:,} {unit}; the default is {_parser().get_default(key)}"))
     _check_bind(opts.bind)
     import_torchft()
     from torchft.coordination import LighthouseServer

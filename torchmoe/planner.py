@@ -29,6 +29,7 @@ from torchmoe.arch.registry import model_args_from_config
 from torchmoe.attention_kernel import MATH
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.loader import resolved_config_text
+from torchmoe.config.numbers import MAX_RANKS, parse_int, parse_number
 from torchmoe.config.output_files import check_output_file, write_output
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
@@ -94,30 +95,18 @@ def _split_flags(argv: Sequence[str]) -> tuple[dict[str, str], list[str], list[s
     return flags, free, rest
 
 
-def _count(key: str, text: str, low: int = 1) -> int:
-    if not (text.isascii() and text.isdecimal() and int(text) >= low):
-        raise ConfigError(key, text, f"expected an integer >= {low}", f"pass e.g. {key} 8")
-    return int(text)
+def _count(key: str, text: str, high: int = MAX_RANKS) -> int:
+    return parse_int(key, text, low=1, high=high, fix=f"pass e.g. {key} 8")
 
 
 def _fraction(key: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(key, text, "expected a number in [0, 1)", f"pass e.g. {key} 0.1")
-    return value
+    """A fraction of memory kept free: all of it (1) would leave nothing to plan with."""
+    return parse_number(key, text, low=0.0, high=0.99, fix=f"pass e.g. {key} 0.1")
 
 
 def _seconds(key: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0.0 or value != value or value == float("inf"):
-        raise ConfigError(key, text, "expected a positive number of seconds", f"pass e.g. {key} 60")
-    return value
+    """A time budget: at most a day (what calibration takes is minutes)."""
+    return parse_number(key, text, low=0.0, high=86_400.0, above_low=True, fix=f"pass e.g. {key} 60")
 
 
 _OUT_FIX = "pass a file path this user can write, in a folder that exists or can be made"
@@ -190,8 +179,8 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
             closest = next(iter(result.pruned.values()), "no layout is valid")
         raise ConfigError("--gpus", gpus, f"no layout of {cfg.model.flavor} fits {gpus} x {profile.name} "
                           f"({profile.memory_gib:g} GiB each, margin {margin:.0%}); {closest}",
-                          "plan for more GPUs, a device with more memory, a shorter seq_len or smaller batch, "
-                          "or --free the keys the config fixes")
+                          ("plan for more GPUs, " if gpus < MAX_RANKS else "") + "a device with more memory, a "
+                          "shorter seq_len or smaller batch, or --free the keys the config fixes")
     if out is not None:
         # Looked at again before the write: the search took seconds.
         write_output("--out", out, resolved_config_text(best.cfg, out), _OUT_FIX)

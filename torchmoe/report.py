@@ -42,6 +42,7 @@ from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
+from torchmoe.config.numbers import MAX_RANKS, parse_int
 from torchmoe.config.output_files import check_output_file, write_output
 from torchmoe.config.paths import nonempty_path, path_faults
 from torchmoe.config.validate import resolve_degrees, validate_sections
@@ -151,6 +152,9 @@ def _run_facts(cfg: JobConfig, world_size: int, records: list[dict[str, Any]]) -
     ]
 
 
+_SIZE_FIX = "pass --world-size N, the number of ranks the run was launched with"
+
+
 def load_run(folder: Path, world_size: int | None) -> RunData:
     """Read a dump folder for the report; `world_size` (if given: ``--world-size``) overrides
     run_info.json's.
@@ -163,9 +167,7 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
             config.toml's degrees.
     """
     fix = "pass the job.dump_folder of a `torchmoe train` run (this user must be able to read it)"
-    size_key, size_fix = "--world-size", "pass --world-size N, the number of ranks the run was launched with"
-    if world_size is not None and world_size < 1:
-        raise ConfigError(size_key, world_size, "must be at least 1", size_fix)
+    size_key, size_fix = "--world-size", _SIZE_FIX
     with path_faults("DUMP_FOLDER", str(folder), fix):
         names = os.listdir(folder)  # the OS says what is wrong with the folder, if anything
         for name in (METRICS_FILE, "config.toml"):
@@ -383,7 +385,7 @@ def _parser() -> ArgumentParser:
     parser.add_argument("dump_folder", metavar="DUMP_FOLDER", help="job.dump_folder of a run")
     parser.add_argument("--out", help=f"FILE.png, or FILE.html for a self-contained page with the "
                         f"final metrics (default: DUMP_FOLDER/{DEFAULT_OUT})")
-    parser.add_argument("--world-size", type=int, help=f"ranks the run was launched with (default: from "
+    parser.add_argument("--world-size", help=f"ranks the run was launched with (default: from "
                         f"{RUN_INFO_FILE}, which runs write)")
     return parser
 
@@ -407,7 +409,9 @@ def report_main(argv: Sequence[str]) -> int:
     # it (a running job's report goes elsewhere: --out).
     key, value = _out_key(opts)
     check_output_file(key, value, _OUT_FIX, out)
-    run = load_run(dump_folder, opts.world_size)
+    world_size = None if opts.world_size is None else \
+        parse_int("--world-size", opts.world_size, low=1, high=MAX_RANKS, fix=_SIZE_FIX)
+    run = load_run(dump_folder, world_size)
     if run.skipped is not None:
         print(f"warning: {run.skipped}: left out of the report", file=sys.stderr)
     png = _png(render(run))

@@ -82,6 +82,10 @@ def _dataset(tmp_path: Path, kind: str) -> str:
         path = tmp_path / "d.jsonl"
         path.write_text('{"text": "one"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
         return str(path)
+    if kind == "long_number_jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text('{"text": "one"}\n{"text": "two", "n": ' + "9" * 5001 + "}\n")
+        return str(path)
     if kind == "deeply_nested_json":
         path = tmp_path / "d.json"
         path.write_text("[" * 100_000 + "]" * 100_000)
@@ -146,6 +150,8 @@ DATASETS = {
     # Python's parsers recurse per level: a RecursionError traceback before.
     "deeply_nested_jsonl": ("training.dataset_path", "d.jsonl:2 is not JSON (nested too deeply"),
     "deeply_nested_json": ("training.dataset_path", "d.json\": is not JSON (nested too deeply"),
+    # Python's digit limit: its ValueError traceback before.
+    "long_number_jsonl": ("training.dataset_path", "d.jsonl:2 is not JSON (a number of more than 4,300 digits"),
     "not_utf8_jsonl": ("training.dataset_path", "d.jsonl:1 is not UTF-8 text (byte 10 is 0xFF: invalid start byte)"),
     "bom_jsonl": ("training.dataset_path", "{}/d.jsonl:1 starts with the UTF-8 byte order mark (BOM, bytes EF BB "
                   "BF)\n  fix: save d.jsonl as UTF-8 without a BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' d.jsonl; or "
@@ -208,6 +214,8 @@ TOKENIZERS = {
     "config_not_json": ("good", b'{"bos_token": ', "tokenizer_config.json is not JSON"),
     "config_nested_too_deeply": ("good", b'{"bos_token": ' + b"[" * 100_000, "tokenizer_config.json is not JSON "
                                  "(nested too deeply"),
+    "config_number_too_long": ("good", b'{"model_max_length": ' + b"9" * 5001 + b"}", "tokenizer_config.json is not "
+                               "JSON (a number of more than 4,300 digits"),
     "config_not_utf8": ("good", b'{"bos_token": "\xe9"}', "tokenizer_config.json is not UTF-8 text (byte 15 is 0xE9: "
                         "invalid continuation byte)"),
     "config_bom": ("good", b'\xef\xbb\xbf{"eos_token": "<|end_of_text|>"}', "tokenizer_config.json starts with the "
@@ -542,13 +550,16 @@ def test_errors_from_outside_are_the_same(tmp_path: Path) -> None:
 # ---- what a parser or the launcher's environment cannot take -------------------------------------
 
 LAUNCH_ENV = {
-    "world_size_not_a_number": ({"WORLD_SIZE": "abc"}, 'WORLD_SIZE = "abc": is not a whole number >= 1'),
-    "world_size_negative": ({"WORLD_SIZE": "-2"}, 'WORLD_SIZE = "-2": is not a whole number >= 1'),
-    "world_size_zero": ({"WORLD_SIZE": "0"}, 'WORLD_SIZE = "0": is not a whole number >= 1'),
+    "world_size_not_a_number": ({"WORLD_SIZE": "abc"}, 'WORLD_SIZE = "abc": is not a whole number from 1 to 1048576'),
+    "world_size_negative": ({"WORLD_SIZE": "-2"}, 'WORLD_SIZE = "-2": is not a whole number from 1 to 1048576'),
+    "world_size_zero": ({"WORLD_SIZE": "0"}, 'WORLD_SIZE = "0": is not a whole number from 1 to 1048576'),
+    # Past Python's digit limit: its ValueError traceback before; shown cut.
+    "world_size_of_5001_digits": ({"WORLD_SIZE": "9" * 5001}, 'WORLD_SIZE = "99999999999999999999... (5,001 '
+                                  'characters)": is not a whole number from 1 to 1048576'),
     "local_world_size_not_a_number": ({"LOCAL_WORLD_SIZE": "eight"}, 'LOCAL_WORLD_SIZE = "eight": is not a whole'),
     # Read first by the process group's start before: a ValueError traceback.
-    "rank_not_a_number": ({"RANK": "abc", "WORLD_SIZE": "2"}, 'RANK = "abc": is not a whole number >= 0'),
-    "rank_negative": ({"RANK": "-1"}, 'RANK = "-1": is not a whole number >= 0'),
+    "rank_not_a_number": ({"RANK": "abc", "WORLD_SIZE": "2"}, 'RANK = "abc": is not a whole number from 0 to 1048575'),
+    "rank_negative": ({"RANK": "-1"}, 'RANK = "-1": is not a whole number from 0 to 1048575'),
 }
 
 
@@ -580,6 +591,12 @@ PARSED = {
                                "(at line 2)"),
     "toml_nested_tables_too_deeply": ("[training]\nsteps = " + "{a = " * 50_000 + "1" + "}" * 50_000 + "\n",
                                       "malformed TOML: nested too deeply"),
+    # Python's digit limit (a ValueError traceback before); a hexadecimal one parses, but no message could show it.
+    "toml_integer_too_long": ("[training]\nseed = 7\nsteps = " + "9" * 5001 + "\n",
+                              "malformed TOML: a number of more than 4,300 digits, which no setting holds (at line 3)"),
+    "toml_hex_integer_too_long": ("[training]\nsteps = 0x" + "f" * 5000 + "\n",
+                                  "malformed TOML: a number of more than 4,300 digits, which no setting holds (at line "
+                                  "2)"),
     # The OS refuses a NUL in a path, Python with a ValueError: a traceback before.
     "nul_in_a_path": ('[job]\ndump_folder = "out\\u0000x"\n',
                       'job.dump_folder = "out\\u0000x": holds a NUL byte (\\u0000), which no path'),

@@ -132,6 +132,21 @@ def _nan_safetensors(folder: Path) -> None:
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
+def _absurd_dcp(folder: Path) -> None:
+    """Finite but beyond any trained model: a router bias of 1e9, a norm weight of -7e4."""
+    state = _state("tiny")
+    state["layers.1.moe.expert_bias"][2] = 1e9
+    state["norm.weight"][0] = -7e4
+    shutil.rmtree(folder)
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def _absurd_safetensors(folder: Path) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"][0, 0] = 3e38
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def _fifo(path: Path) -> None:
     """A named pipe in the file's place: an open to read waits for a writer for ever."""
     path.unlink()
@@ -198,6 +213,13 @@ FAULTS = {
     "hf-truncated-config": Fault("hf", lambda d: _truncate(d / "config.json"), ("config.json is not JSON",)),
     "hf-deeply-nested-config": Fault("hf", lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000),
                                      ("config.json is not JSON (nested too deeply",)),
+    # Python's digit limit: its ValueError traceback before; a NaN read as a value to check.
+    "hf-long-number-config": Fault("hf", lambda d: (d / "config.json").write_text('{"vocab_size": ' + "9" * 5001 + "}"),
+                                   ("config.json is not JSON (a number of more than 4,300 digits",)),
+    "hf-nan-config": Fault("hf", lambda d: (d / "config.json").write_text('{"rms_norm_eps": NaN}'),
+                           ('its config.json sets "rms_norm_eps": NaN, not a finite number',)),
+    "hf-overflowing-config": Fault("hf", lambda d: (d / "config.json").write_text('{"rope_theta": 1e400}'),
+                                   ('its config.json sets "rope_theta": Infinity, not a finite number',)),
     "hf-truncated-weights": Fault("hf", lambda d: _truncate(d / "model.safetensors"),
                                   ("model.safetensors is damaged or truncated",)),
     "hf-empty-weights": Fault("hf", lambda d: (d / "model.safetensors").write_bytes(b""),
@@ -242,6 +264,14 @@ FAULTS = {
     "hf-nan-weights": Fault("hf", _nan_safetensors, (
         "the weights hold NaN or inf in model.embed_tokens.weight, model.layers.1.feed_forward.experts.gate_up_proj:",
         "fix: point it at weights without NaN or inf")),
+    # finite, but beyond ±2^16 (components.finite.WEIGHT_BOUND): passed the finite check, and trained on
+    "dcp-absurd-weights": Fault("dcp", _absurd_dcp, (
+        "the weights hold values beyond ±65,536, which no trained model reaches (largest |value|: "
+        "layers.1.moe.expert_bias (1e+09), norm.weight (7e+04)): the files are damaged or crafted",
+        "fix: point it at weights within that bound")),
+    "hf-absurd-weights": Fault("hf", _absurd_safetensors, (
+        "beyond ±65,536, which no trained model reaches (largest |value|: model.layers.0.self_attn.o_proj.weight "
+        "(3e+38))",)),
     # not a regular file of the folder (crafted): a named pipe hung the read, a path left the folder
     "dcp-fifo-metadata": Fault("dcp", lambda d: _fifo(d / ".metadata"), (".metadata is a named pipe, not a regular "
                                                                          "file",)),
@@ -383,6 +413,20 @@ HF_VALUES = {
                           'for rope_type "llama3"'),
     "layer-types-ints": ("layer_types", [0, 1, 0, 1], "a list holding an integer, not a list of strings, or null",
                          "a list of strings, or null"),
+    # architectures that contradict model_type ("llama4_text") were ignored: which to believe is the user's call.
+    "architectures-of-another-family": ("architectures", ["Qwen3MoeForCausalLM"], "names Qwen3-MoE's "
+                                        "Qwen3MoeForCausalLM, but model_type 'llama4_text' is Llama 4's: one of the "
+                                        "two was edited", '["Llama4ForCausalLM"] for a Llama 4 checkpoint, or '
+                                        '"model_type" to "qwen3_moe" for a Qwen3-MoE one'),
+    "architectures-of-kimi": ("architectures", ["DeepseekV3ForCausalLM"], "names DeepSeek-V3's DeepseekV3ForCausalLM, "
+                              "but model_type 'llama4_text' is Llama 4's: one of the two was edited",
+                              '["Llama4ForCausalLM"] for a Llama 4 checkpoint, or "model_type" to "deepseek_v3" or '
+                              '"kimi_k2" for a DeepSeek-V3 one'),
+    "architectures-of-no-family": ("architectures", ["LlamaForCausalLM"], "names LlamaForCausalLM, no class of "
+                                   "model_type 'llama4_text' (Llama 4: Llama4ForCausalLM, "
+                                   "Llama4ForConditionalGeneration)", '["Llama4ForCausalLM"]'),
+    "architectures-not-a-list": ("architectures", "Llama4ForCausalLM", "is not a list of class names",
+                                 '["Llama4ForCausalLM"]'),
 }
 
 

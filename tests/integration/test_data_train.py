@@ -77,7 +77,8 @@ def test_a_resume_with_the_mixture_reordered_is_refused(capsys, tmp_path: Path) 
      "not a positive number"),
     (["--training.dataset_mix", "1:local:{tmp}/missing.txt"], 'training.dataset_mix = "{tmp}/missing.txt": No such '
      "file or directory"),
-    (["--training.dataset_mix", "1:nope:x"], 'training.dataset = "nope": unknown dataset'),
+    (["--training.dataset_mix", "1:nope:x"], 'training.dataset_mix = "1:nope:x": its DATASET "nope": not an allowed '
+     "value"),
     (["--training.dataset_mix", "1:local:{tmp}/play.txt", "--training.dataset_path", "{tmp}/play.txt"],
      "training.dataset_path = \"{tmp}/play.txt\": is set together with training.dataset_mix"),
 ])
@@ -88,6 +89,31 @@ def test_a_bad_mixture_is_one_message(capsys, tmp_path: Path, flags: list[str], 
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
     assert message.format(tmp=tmp_path) in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--training.dataset_mix", "web=0:local:x.txt"], 'training.dataset_mix = "web=0:local:x.txt": the weight 0 is '
+     "not a positive number"),
+    (["--training.dataset_mix", "1:nope:x"], 'training.dataset_mix = "1:nope:x": its DATASET "nope": not an allowed '
+     "value"),
+    (["--training.dataset_mix", "1:local"], 'training.dataset_mix = "1:local": its dataset "local" needs a path\n'
+     '  fix: write each entry as [NAME=]WEIGHT:DATASET[:PATH], e.g. "web=0.7:local:data/web/*.jsonl"; its PATH is '
+     "files (a file, folder or glob)"),
+    (["--training.dataset_mix", "a=1:local:x", "a=2:local:y"], "a second source named 'a'"),
+    (["--training.dataset_mix", "1:local:x", "--training.dataset_path", "y"],
+     'training.dataset_path = "y": is set together with training.dataset_mix'),
+])
+def test_the_dry_run_refuses_a_bad_mixture_as_the_run_does(capsys, tmp_path: Path, flags: list[str],
+                                                           message: str) -> None:
+    """What the entries say, checked without opening a source: a dry run passed them before, and
+    only the run refused them."""
+    errors = []
+    for dry in (["--dry-run"], []):
+        status = cli.main(["train", *TINY, *flags, *dry, "--job.dump_folder", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
+        errors.append(err)
+    assert errors[0] == errors[1] and message in errors[0], errors
 
 
 def test_training_from_shards_equals_training_from_the_text(capsys, tmp_path: Path) -> None:

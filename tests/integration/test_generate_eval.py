@@ -119,7 +119,24 @@ def test_generate_continues_the_prompt_reproducibly(capsys, run_dir: Path) -> No
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "--prompt", "x", "--max-new-tokens", "5000"], "model.max_seq_len"),
     (["generate", "--prompt", "x", "--seed", "two"], "--seed"),
+    # torch's seeds are 64 bits, unsigned: 2**64 overflowed with a traceback, -1 passed silently.
+    (["generate", "--prompt", "x", "--seed", str(2**64)], f'--seed = "{2**64}": must be an integer from 0 to '
+                                                          f"{2**64 - 1}\n  fix: pass e.g. --seed 0"),
+    (["generate", "--prompt", "x", "--seed", "-1"], '--seed = "-1": must be an integer from 0 to'),
+    # 1e-320 is 0 in float32: the division made every probability NaN (a multinomial traceback).
+    (["generate", "--prompt", "x", "--temperature", "1e-320"], "--temperature = 1e-320: is below 1.18e-38, float32's "
+                                                               "smallest normal number"),
+    (["generate", "--prompt", "x", "--temperature", "1e39"], '--temperature = "1e39": must lie in [0, 3.40282e+38]'),
+    (["generate", "--prompt", "x", "--top-p", "inf"], '--top-p = "inf": must be a finite number'),
+    (["generate", "--prompt", "x", "--max-new-tokens", "9" * 5001], '--max-new-tokens = "99999999999999999999... '
+                                                                    '(5,001 characters)": must be an integer from 1'),
+    # Longer than the context: no --max-new-tokens fits ("pass at most 0" before); the prompt is to blame.
+    (["generate", "--prompt", "y" * 3000], "--prompt = \"yyyyyyyyyyyyyyyyyyyy... (3,000 characters)\": encodes to "),
     (["generate", "--prompt", "x", "--step", "9"], "no complete checkpoint step-9 in"),
+    (["generate", "--prompt", "x", "--step", "-1"], '--step = "-1": must be an integer from 0 to 9223372036854775807\n'
+                                                   "  fix: name a saved step (a step-N folder), or leave --step out"),
+    (["eval", "--step", "-2"], '--step = "-2": must be an integer from 0 to'),
+    (["eval", "--batches", str(2**63)], f'--batches = "{2**63}": must be an integer from -1 to {2**63 - 1}'),
     (["eval", "--step", "1"], "found: step-2"),
     (["generate", "--prompt"], "--prompt"),
     (["eval", "--split", "test"], "--split"),
@@ -137,6 +154,47 @@ def test_bad_flags_are_one_message(capsys, run_dir: Path, flags: list[str], expe
     err = capsys.readouterr().err
     assert status == 2, err
     assert "Traceback" not in err and err.count("error:") == 1 and expected in err, err
+
+
+def test_logits_that_overflow_are_one_message_not_nul_bytes(capsys, monkeypatch, run_dir: Path) -> None:
+    """Weights whose computation overflows (logits of NaN and inf): greedy decoding printed token 0
+    (NUL bytes) with exit 0. Now exit 2, naming the weights, the compute dtype and the fix."""
+    from torchmoe import generate
+
+    load = generate.load_trained_model
+
+    def overflowing(*args, **kwargs):
+        model = load(*args, **kwargs)
+        forward = model.forward
+        model.forward = lambda tokens, cache=None: forward(tokens, cache=cache) * float("inf")
+        return model
+
+    monkeypatch.setattr(generate, "load_trained_model", overflowing)
+    status = cli.main(["generate", *TINY, "--job.dump_folder", str(run_dir), "--prompt", "ab", "--training.dtype",
+                       "bfloat16", "--training.mixed_precision_param", "bfloat16"])
+    out, err = capsys.readouterr()
+    assert status == 2 and "\x00" not in out and out == "ab\n", (out, err)
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    assert ('--checkpoint = "(the run\'s newest checkpoint)": the logits of generated token 1 hold NaN or inf, '
+            "computing in bfloat16: the weights overflow it") in err, err
+    assert "fix: generate in float32 (--training.mixed_precision_param float32)" in err, err
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf")])
+def test_a_loss_that_is_not_finite_is_one_message_and_writes_nothing(capsys, monkeypatch, run_dir: Path,
+                                                                     tmp_path: Path, loss: float) -> None:
+    """eval's result holds no NaN: the loss of weights whose computation overflows is refused,
+    and --out is not written (json.dumps would have written NaN into it)."""
+    from torchmoe import trainer
+
+    monkeypatch.setattr(trainer, "evaluate", lambda cfg: loss)
+    out = tmp_path / "eval.json"
+    status = cli.main(["eval", *TINY, "--job.dump_folder", str(run_dir), "--split", "train", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert f'--checkpoint = "{run_dir / "checkpoint" / "step-2"}": the loss is {loss}, computing in ' in err, err
+    assert "fix: evaluate in float32 (--training.mixed_precision_param float32)" in err, err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("command", ["generate", "eval"])

@@ -58,16 +58,23 @@ def test_calibrated_profile_plans(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("flags", "expected"), [
     ([], ("--gpus", "missing")),
-    (["--gpus", "0"], ("--gpus = \"0\"", "expected an integer >= 1")),
+    (["--gpus", "0"], ("--gpus = \"0\"", "must be an integer from 1 to 1048576")),
+    # 10^20 GPUs searched for ever; 1e20 is no integer; 5,001 digits were Python's digit-limit traceback.
+    (["--gpus", "100000000000000000000"], ("--gpus = \"100000000000000000000\"", "from 1 to 1048576")),
+    (["--gpus", "1e20"], ("--gpus = \"1e20\"", "expected an integer", "fix: pass e.g. --gpus 8")),
+    (["--gpus", "7" * 5001], ("--gpus = \"77777777777777777777... (5,001 characters)\"", "from 1 to 1048576")),
+    (["--gpus", "4", "--gpus-per-node", "-8"], ("--gpus-per-node = \"-8\"", "from 1 to 1048576")),
+    (["--gpus", "4", "--margin", "nan"], ("--margin = \"nan\"", "must be a finite number")),
     (["--gpus", "4", "--hardware", "h900"], ("--hardware = \"h900\"", "unknown hardware profile", "h100, h200")),
     (["--gpus", "4", "--free", "optimizer"], ("--free = \"optimizer\"", "names no key")),
     (["--gpus", "4", "--top", "x"], ("--top = \"x\"",)),
-    (["--gpus", "4", "--margin", "1.5"], ("--margin = \"1.5\"", "[0, 1)")),
+    (["--gpus", "4", "--margin", "1.5"], ("--margin = \"1.5\"", "[0, 0.99]")),
     (["--gpus", "4", "--out", "{folder}"], ("--out", "Is a directory")),
     (["--gpus", "4", "--json", "{through}"], ("--json", "Not a directory")),
     (["--gpus", "4", "--gpus", "8"], ("--gpus = \"8\"", "given more than once")),
     (["--calibrate", "{through}"], ("--calibrate", "Not a directory")),
-    (["--calibrate", "{tmp}/p.json", "--budget", "-3"], ("--budget = \"-3\"", "positive number")),
+    (["--calibrate", "{tmp}/p.json", "--budget", "-3"], ("--budget = \"-3\"", "must lie in (0, 86400]")),
+    (["--calibrate", "{tmp}/p.json", "--budget", "1e400"], ("--budget = \"1e400\"", "must be a finite number")),
 ])
 def test_bad_plan_input_is_one_message(tmp_path: Path, flags: list[str], expected: tuple[str, ...],
                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,7 +33,7 @@ def test_prepare_data_writes_shards_and_refuses_bad_input(tmp_path: Path) -> Non
     missing = run_cli(["prepare-data", tmp_path / "nothing", tmp_path / "out"], timeout=120, expect=None)
     assert_user_error(missing, f'INPUT = "{tmp_path / "nothing"}": No such file or directory')
     zero = run_cli(["prepare-data", corpus, tmp_path / "out", "--workers", "0"], timeout=120, expect=None)
-    assert_user_error(zero, '--workers = "0": expected a positive integer')
+    assert_user_error(zero, '--workers = "0": must be an integer from 1 to ')
 
 
 def test_ctrl_c_stops_every_process_with_one_line_and_the_same_command_resumes(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def _file_system(monkeypatch, flock: str) -> None:
         monkeypatch.setenv("TORCHMOE_FLOCK_ERRNO", flock)
 
 
-def _hold(folder: Path, kind: str = "auto", heartbeat_s: float = 10.0) -> subprocess.Popen:
+def _hold(folder: Path, kind: str = "auto", heartbeat_s: float = 2.0) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), kind, str(heartbeat_s)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
@@ -71,6 +71,11 @@ def test_a_second_run_on_a_held_dump_folder_is_refused(monkeypatch, tmp_path, fl
     assert f"pid {holder.pid} on " in proc.stderr and "in use by another run" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoint").exists()  # refused before writing anything
     assert (tmp_path / "run" / OWNER_NAME).is_file() == (flock != "flock")
+    # How to clear a lock no live run holds: the owner file to delete; a flock goes with its process.
+    clear = f"a lock that no live run holds is cleared by deleting {tmp_path / 'run' / OWNER_NAME}, once you are " \
+        f"sure no run uses {tmp_path / 'run'}" if flock != "flock" else "the kernel keeps this lock only while its " \
+        f"process lives: it goes when that process ends (deleting {tmp_path / 'run' / LOCK_NAME} would not stop it)"
+    assert clear in " ".join(proc.stderr.split()), proc.stderr[-3000:]
     if nproc == 1:
         assert_user_error(proc, 'job.dump_folder = "', "fix: wait for it to end")
     else:  # every rank learns it from rank 0 and exits 2 (torchrun itself then exits 1)

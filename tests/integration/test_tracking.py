@@ -342,13 +342,17 @@ REPORT_INPUTS = {
     "run_info_not_json": (lambda f: (f / "run_info.json").write_text('{"world_size": '),
                           _IN + "run_info.json is not JSON (Expecting value at line 1 column 16)\n  " + _SIZE_FIX),
     "run_info_string_size": (lambda f: (f / "run_info.json").write_text('{"world_size": "2"}'),
-                             _IN + 'run_info.json holds {{"world_size": "2"}}, not an object with a positive integer '
-                             "world_size\n  " + _SIZE_FIX),
+                             _IN + 'run_info.json holds {{"world_size": "2"}}, not an object with a world_size from 1 '
+                             "to 1048576\n  " + _SIZE_FIX),
     "run_info_zero_size": (lambda f: (f / "run_info.json").write_text('{"world_size": 0}'),
-                           _IN + 'run_info.json holds {{"world_size": 0}}, not an object with a positive integer '
-                           "world_size\n  " + _SIZE_FIX),
+                           _IN + 'run_info.json holds {{"world_size": 0}}, not an object with a world_size from 1 to '
+                           "1048576\n  " + _SIZE_FIX),
+    # A planner asked for 2**64 ranks searched for ever.
+    "run_info_huge_size": (lambda f: (f / "run_info.json").write_text('{"world_size": 18446744073709551616}'),
+                           _IN + 'run_info.json holds {{"world_size": 18446744073709551616}}, not an object with a '
+                           "world_size from 1 to 1048576\n  " + _SIZE_FIX),
     "run_info_a_list": (lambda f: (f / "run_info.json").write_text("[1]"),
-                        _IN + "run_info.json holds [1], not an object with a positive integer world_size\n  "
+                        _IN + "run_info.json holds [1], not an object with a world_size from 1 to 1048576\n  "
                         + _SIZE_FIX),
     "run_info_utf16": (lambda f: (f / "run_info.json").write_text('{"world_size": 1}', encoding="utf-16"),
                        _IN + "run_info.json is UTF-16LE text, not UTF-8: it starts with the UTF-16LE byte order mark "
@@ -373,5 +377,10 @@ def test_report_of_a_malformed_run_file_is_one_message(run: Path, tmp_path: Path
 
 
 def test_report_world_size_flag_out_of_range(run: Path, capsys) -> None:
-    _assert_one_error(*_report(capsys, str(run), "--world-size", "0"), "--world-size = 0: must be at least 1\n  "
-                      + _SIZE_FIX)
+    _assert_one_error(*_report(capsys, str(run), "--world-size", "0"), '--world-size = "0": must be an integer from '
+                      "1 to 1048576\n  " + _SIZE_FIX)
+    # 2**64 ranks planned for ever; 5,001 digits were Python's digit-limit traceback.
+    _assert_one_error(*_report(capsys, str(run), "--world-size", str(2**64)), f'--world-size = "{2**64}": must be '
+                      "an integer from 1 to 1048576\n  " + _SIZE_FIX)
+    _assert_one_error(*_report(capsys, str(run), "--world-size", "3" * 5001), '--world-size = "33333333333333333333... '
+                      '(5,001 characters)": must be an integer from 1 to 1048576\n  ' + _SIZE_FIX)

@@ -71,6 +71,14 @@ FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
      "joins no replica group", "fault_tolerance.enable = false"),
     ([*FT, "--fault_tolerance.async_quorum", "true", "--fault_tolerance.semi_sync_method", "diloco"],
      "fault_tolerance.async_quorum = true", "meets at syncs", "set async_quorum = false"),
+    # Only a real run's SemiSync refused these before: the dry run passed them (the tiny flavor has 4 blocks).
+    ([*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.num_fragments", "8",
+      "--fault_tolerance.sync_steps", "16"], "fault_tolerance.num_fragments = 8", "must be at most the model's 4 "
+     "blocks", "use 1 .. 4"),
+    ([*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.num_fragments", "6",
+      "--fault_tolerance.sync_steps", "12", "--model.name", "deepseek_v3", "--model.flavor", "tiny",
+      "--model.mtp_layers", "1"], "fault_tolerance.num_fragments = 6",
+     "must be at most the model's 5 blocks", "use 1 .. 5"),  # a multi-token prediction module is a block too
 ])
 def test_bad_settings_are_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], key: str,
                                       problem: str, fix: str) -> None:
@@ -78,6 +86,23 @@ def test_bad_settings_are_one_message(tmp_path: Path, capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert status == 2 and err.count("error:") == 1 and "Traceback" not in err, err
     assert f"{key}:" in err and problem in err and fix in err, err
+
+
+def test_the_dry_run_refuses_more_fragments_than_blocks_as_the_run_does(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Streaming DiLoCo's fragments over the tiny flavor's 4 blocks: only a real run's SemiSync
+    refused 5 before, the dry run planned it. Now both say the same, before anything starts."""
+    flags = [*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.num_fragments", "5",
+             "--fault_tolerance.sync_steps", "10"]
+    errors = []
+    for dry in (["--dry-run"], []):
+        status = cli.main(["train", "--config", DEBUG_CONFIG, *dry, "--job.dump_folder", str(tmp_path), *flags])
+        err = capsys.readouterr().err
+        assert status == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+        errors.append(err)
+    assert errors[0] == errors[1] and "fault_tolerance.num_fragments = 5: must be at most the model's 4 blocks" \
+        in errors[0], errors
+    assert not (tmp_path / "dry_run.json").exists()
 
 
 def test_a_group_plans_its_own_layout_in_its_own_folder(tmp_path: Path) -> None:
@@ -127,15 +152,19 @@ def test_a_replica_group_without_torchrun_is_one_message(tmp_path: Path, capsys:
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--min-replicas", "0"], "--min-replicas = 0: must be >= 1"),
-    (["--heartbeat-timeout-ms", "-5"], "--heartbeat-timeout-ms = -5: must be >= 1"),
+    (["--min-replicas", "0"], '--min-replicas = "0": must be an integer from 1 to 100000\n  fix: pass 1 .. 100,000 '
+                              "replica groups; the default is 1"),
+    (["--heartbeat-timeout-ms", "-5"], '--heartbeat-timeout-ms = "-5": must be an integer from 1 to 86400000'),
     (["--bind", "no-such-host.invalid:1"], "--bind = \"no-such-host.invalid:1\": the lighthouse cannot listen there"),
-    (["--min-replicas", "two"], "torchmoe lighthouse"),
+    (["--min-replicas", "two"], '--min-replicas = "two": expected an integer'),
+    (["--min-replicas", "9" * 5001], '--min-replicas = "99999999999999999999... (5,001 characters)": must be an '
+                                     "integer from 1 to 100000"),
     (["--port", "1"], "unrecognized arguments: --port 1"),
     # Beyond what torchft's core takes (2**64): an OverflowError reported as a bind failure before.
-    (["--min-replicas", str(2**70)], f"--min-replicas = {2**70}: must be at most 100,000 replica groups"),
-    (["--join-timeout-ms", str(2**64)], f"--join-timeout-ms = {2**64}: must be at most 86,400,000 ms"),
-    (["--quorum-tick-ms", "3600000"], "--quorum-tick-ms = 3600000: must be at most 60,000 ms"),
+    (["--min-replicas", str(2**70)], f'--min-replicas = "{2**70}": must be an integer from 1 to 100000'),
+    (["--join-timeout-ms", str(2**64)], f'--join-timeout-ms = "{2**64}": must be an integer from 1 to 86400000\n  '
+                                        "fix: pass 1 .. 86,400,000 ms (a day); the default is 60000"),
+    (["--quorum-tick-ms", "3600000"], '--quorum-tick-ms = "3600000": must be an integer from 1 to 60000'),
     (["--bind", "[::]"], '--bind = "[::]": has no port a socket can have'),
     (["--bind", "0.0.0.0:99999"], '--bind = "0.0.0.0:99999": has no port a socket can have'),
     (["--bind", "29510"], '--bind = "29510": is not HOST:PORT'),

@@ -138,3 +138,47 @@ def test_top_p_keeps_the_smallest_set_that_reaches_p() -> None:
     generator = torch.Generator().manual_seed(0)
     draws = [int(next_token(logits, Sampling(temperature=1.0, top_p=0.8), generator)) for _ in range(4000)]
     assert draws.count(2) / 4000 == pytest.approx(0.625, abs=0.03)
+
+
+def test_a_top_p_that_float32_rounds_to_zero_keeps_the_most_likely_token() -> None:
+    """top_p 1e-320 is 0 in float32: every token's mass reached it and was dropped (a multinomial
+    traceback). The most likely token always stays: the nucleus of a tiny p is greedy."""
+    logits = torch.log(torch.tensor([[0.3, 0.05, 0.5, 0.15]]))
+    generator = torch.Generator().manual_seed(0)
+    for top_p in (1e-320, 5e-324, 1e-45, 1e-30):
+        drawn = {int(next_token(logits, Sampling(temperature=1.0, top_p=top_p), generator)) for _ in range(50)}
+        assert drawn == {2}, top_p
+
+
+@pytest.mark.parametrize("temperature", [torch.finfo(torch.float32).tiny, 1e-30, 1e-6])
+def test_a_temperature_near_zero_is_greedy_not_nan(temperature: float) -> None:
+    """Logits shifted to a maximum of 0 before the division: a tiny temperature sends the others
+    to -inf (probability 0), never the largest to inf (inf - inf is NaN in softmax)."""
+    logits = torch.tensor([[300.0, -200.0, 299.999, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    drawn = {int(next_token(logits, Sampling(temperature=temperature), generator)) for _ in range(50)}
+    assert drawn == {0}
+
+
+def test_nan_logits_stop_generation_instead_of_choosing_a_token() -> None:
+    """argmax read a NaN as the largest (token 0, printed as a NUL byte, exit 0) and multinomial
+    failed on NaN probabilities: either way the logits themselves are refused, naming the token."""
+    from torchmoe.generate import NonFiniteLogits
+
+    model = _model(ARGS)
+    calls = []
+    forward = model.forward
+
+    def overflow_at_the_third(tokens, cache=None):
+        calls.append(tokens.shape[1])
+        logits = forward(tokens, cache=cache)
+        return logits * float("inf") if len(calls) == 3 else logits  # +-inf, and NaN where a logit is 0
+
+    model.forward = overflow_at_the_third
+    seen: list[int] = []
+    for sampling in (Sampling(max_new_tokens=10), Sampling(max_new_tokens=10, temperature=0.8, top_p=0.9)):
+        calls.clear()
+        seen.clear()
+        with pytest.raises(NonFiniteLogits, match="the logits of generated token 3 hold NaN or inf"):
+            generate_ids(model, PROMPT, sampling, eos_id=-1, on_token=seen.append)
+        assert len(seen) == 2  # the two before it, nothing chosen from the bad logits

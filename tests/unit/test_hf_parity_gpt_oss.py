@@ -4,6 +4,8 @@ detected from config.json's model_type; what the model cannot represent refused 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -160,20 +162,69 @@ def test_mxfp4_parts_of_the_wrong_shape_are_refused(tmp_path):
         load_model(tmp_path / "hf")
 
 
-def test_mxfp4_scales_that_overflow_are_refused_by_name(tmp_path):
-    """A scale of 255 (2^128) turns every non-zero value of its group into inf: nothing
-    non-finite is loaded, and the error names the packed tensor."""
+def _packed_folder(tmp_path, name: str, scale: int | None = None, nibble: int | None = None, **edits) -> None:
+    """A gpt-oss folder whose expert tensor `name` is MXFP4-packed, with its first scale byte set
+    to `scale` (and its first block's bytes to `nibble`), and the tensors of `edits` replaced."""
     hf = _hf_model(dict(intermediate_size=64))
     hf.save_pretrained(tmp_path / "hf")
     weights = load_file(tmp_path / "hf" / "model.safetensors")
-    name = "model.layers.1.mlp.experts.gate_up_proj"
     values = mxfp4_values(tuple(weights[name].transpose(1, 2).shape), torch.Generator().manual_seed(0))
     blocks, scales = mxfp4_pack(values)
-    scales[0, 0, 0] = 255
+    if scale is not None:
+        scales[0, 0, 0] = scale
+    if nibble is not None:
+        blocks[0, 0, 0] = nibble
     del weights[name]
     weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+    weights.update(edits)
     save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(UnreadableWeights, match=r"NaN or inf in model\.layers\.1\.mlp\.experts\.gate_up_proj"):
+
+
+_UP = "model.layers.1.mlp.experts.gate_up_proj"
+
+
+@pytest.mark.parametrize("nibble", [0x00, 0x11, 0x77])
+def test_a_scale_byte_of_0xff_is_nan_and_refused(tmp_path, nibble):
+    """E8M0's 0xFF is NaN in the OCP MX spec: its block is NaN, whatever its codes (ldexp read it as
+    2^128: codes of 0 loaded as 0, codes of 0.5 as a finite 1.7e38). Refused, naming the tensor."""
+    _packed_folder(tmp_path, _UP, scale=0xFF, nibble=nibble)
+    with pytest.raises(UnreadableWeights, match=r"the weights hold NaN or inf in model\.layers\.1\.mlp\.experts\."
+                                                r"gate_up_proj \(MXFP4 blocks and scales\)"):
+        load_model(tmp_path / "hf")
+    blocks = torch.full((1, 16), nibble, dtype=torch.uint8)
+    assert mxfp4.dequantize(blocks, torch.tensor([0xFF], dtype=torch.uint8)).isnan().all()
+
+
+@pytest.mark.parametrize(("scale", "nibble", "largest"), [(0xFE, 0x22, "1.7e+38"), (250, 0x77, "6.38e+37"),
+                                                     (141, 0x77, "9.83e+04")])
+def test_scales_that_give_absurd_weights_are_refused(tmp_path, scale, nibble, largest):
+    """Finite but absurd: a scale byte of 254 (codes of 1: 2^127) or 250 (codes of 6: 6e37)
+    passed the finite check; 141 is the first whose 6 x 2^14 passes the bound."""
+    _packed_folder(tmp_path, _UP, scale=scale, nibble=nibble)
+    message = f"beyond ±65,536, which no trained model reaches (largest |value|: {_UP} (MXFP4 blocks and scales) " \
+              f"({largest}))"
+    with pytest.raises(UnreadableWeights, match=re.escape(message)):
+        load_model(tmp_path / "hf")
+
+
+def test_the_largest_scale_under_the_bound_loads(tmp_path):
+    """A scale byte of 140 (6 x 2^13 = 49,152 at most) is within the bound: loaded as it is."""
+    _packed_folder(tmp_path, _UP, scale=140, nibble=0x77)
+    model = load_model(tmp_path / "hf")
+    assert model.layers["1"].moe.experts.w13.abs().max() == 6 * 2.0**13
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.0.self_attn.sinks", "model.layers.1.mlp.experts.down_proj_bias",
+                                    "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.router.bias"])
+def test_sinks_biases_and_norms_beyond_the_bound_are_refused(tmp_path, tensor):
+    """gpt-oss sinks of 3e38 were accepted; so were biases and norm weights as large."""
+    hf = _hf_model(dict(intermediate_size=64))
+    hf.save_pretrained(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    weights[tensor] = weights[tensor].clone()
+    weights[tensor].view(-1)[1] = -3e38
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnreadableWeights, match=rf"beyond ±65,536.*\(largest \|value\|: {tensor} \(3e\+38\)\)"):
         load_model(tmp_path / "hf")
 
 

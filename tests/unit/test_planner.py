@@ -98,6 +98,8 @@ def test_ring_collective_seconds() -> None:
      "links.intra_node.latency_us = 1e+308: must be a number >= 0 and <= 1e+07"),
     (lambda d: d["achieved_tflops"]["matmul"].update(bfloat16=1e-300), "achieved_tflops.matmul.bfloat16 = 1e-300"),
     (lambda d: d.update(memory_bandwidth_gbs=float("inf")), "memory_bandwidth_gbs = Infinity"),
+    (lambda d: d.update(memory_gib=float("nan")), "memory_gib = NaN"),
+    (lambda d: d.update(overlap=float("-inf")), "overlap = -Infinity"),
     (lambda d: d.update(gpus_per_node=10**30), "gpus_per_node = 1000000000000000000000000000000: must be an integer "
                                                "from 1 to 4096"),
     (lambda d: d.update(kernel_overhead_us=-1), "kernel_overhead_us = -1"),
@@ -119,6 +121,10 @@ def test_a_wrong_profile_field_is_named(tmp_path: Path, make, expect: str) -> No
     ("bom.json", b"\xef\xbb\xbf{}", "byte order mark"),
     ("broken.json", b"{", "not valid JSON"),
     ("deep.json", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "not valid JSON: nested too deeply"),
+    # Python's digit limit: a ValueError traceback before. NaN, Infinity and 1e400 (inf) are named by
+    # their field, as `test_a_wrong_profile_field_is_named`'s.
+    ("long.json", b'{"memory_gib": ' + b"1" * 5001 + b"}", "not valid JSON: a number of more than 4,300 digits, "
+                                                           "which no setting holds: line 1 column 16"),
     ("list.json", b"[]", "must be a JSON object"),
     ("h900", None, "unknown hardware profile"),
 ])

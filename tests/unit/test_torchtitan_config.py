@@ -178,12 +178,35 @@ def test_an_empty_read_path_flag_names_the_word_that_unsets_it(capsys, tmp_path:
     ('[model]\nattn_mask_type = "block_causal"\n[training]\ndocument_masking = false\n',
      'training.document_masking = false: contradicts model.attn_mask_type = "block_causal" in the same file, '
      "which sets training.document_masking to true"),
+    # torchtitan converts only what converters lists: float8 was on silently beside converters = [].
+    ('[model]\nconverters = []\n[float8]\nenable = true\n',
+     "float8.enable = true: contradicts model.converters = [] in the same file, which sets float8.enable to false"),
+    ('[model]\nconverters = ["quantize.linear.float8"]\n[float8]\nrouted_experts = true\n',
+     'float8.routed_experts = true: contradicts model.converters = ["quantize.linear.float8"] in the same file'),
 ])
 def test_a_torchmoe_key_contradicting_a_mapped_one_in_one_file_is_refused(tmp_path: Path, text: str,
                                                                            problem: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_job_config(["--config", write_toml(tmp_path, text)])
     assert str(err.value).startswith(problem) and "fix: keep one of the two keys" in str(err.value), err.value
+
+
+@pytest.mark.parametrize(("flags", "problem"), [
+    # The later of the two flags won: document masking off (or on) by the order of the flags.
+    (["--model.attn_mask_type", "block_causal", "--training.document_masking", "false"],
+     '--training.document_masking = "false": contradicts --model.attn_mask_type on the same command line, which sets '
+     "training.document_masking to true (this flag sets it to false)"),
+    (["--training.document_masking", "false", "--model.attn_mask_type=block_causal"],
+     '--model.attn_mask_type = "block_causal": contradicts --training.document_masking on the same command line'),
+    (["--debug.seed", "7", "--training.seed", "8"], "contradicts --debug.seed on the same command line, which sets "
+                                                    "training.seed to 7"),
+    (["--model.converters", "quantize.linear.float8", "--float8.enable", "false"],
+     "contradicts --model.converters on the same command line, which sets float8.enable to true"),
+])
+def test_two_flags_for_one_key_that_disagree_are_refused(flags: list[str], problem: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_job_config(flags)
+    assert problem in str(err.value) and "fix: pass one of the two flags" in str(err.value), err.value
 
 
 def test_a_flag_wins_over_a_mapped_key_and_agreeing_keys_are_one(tmp_path: Path) -> None:
@@ -194,6 +217,9 @@ def test_a_flag_wins_over_a_mapped_key_and_agreeing_keys_are_one(tmp_path: Path)
     cfg = load_job_config(["--config", write_toml(tmp_path, '[model]\nattn_mask_type = "block_causal"\n'),
                            "--training.document_masking", "false"])
     assert cfg.training.document_masking is False
+    # Two flags that agree, and one flag given twice (the last counts, as for any flag), are no clash.
+    assert load_job_config(["--debug.seed", "4", "--training.seed", "4"]).training.seed == 4
+    assert load_job_config(["--training.seed", "4", "--training.seed", "5"]).training.seed == 5
 
 
 @pytest.mark.parametrize(("text", "warning"), [

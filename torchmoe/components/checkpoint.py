@@ -86,7 +86,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
-from torchmoe.components.finite import NonFiniteValues, nonfinite_names, refuse_nonfinite, require_finite
+from torchmoe.components.finite import NonFiniteValues, nonfinite_names, refuse_bad_values, require_finite
 from torchmoe.components.flavor_fit import flavor_fix, flavors_fitting, stored_mtp_layers
 from torchmoe.components.weight_files import (
     UnreadableWeights,
@@ -347,7 +347,8 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
 
     Raises:
         ConfigError: (naming `key`, the option that named `path`) a file of the folder is
-            missing, unreadable or damaged, its tensors are not the model's, or they hold NaN or inf.
+            missing, unreadable or damaged, its tensors are not the model's, or they hold NaN, inf
+            or values beyond `finite.WEIGHT_BOUND`.
     """
     path = Path(path)
     fix = f"point it at {_DCP_FOLDER}"
@@ -362,7 +363,7 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
     load_dcp({"model": wrapper} if prefixed else sd, path, metadata, key=key, fix=fix)
     if not prefixed:  # DCP filled the tensors of `sd`; the wrapper puts them into the model
         wrapper.load_state_dict(sd)
-    refuse_nonfinite(wrapper, key=key, path=path)
+    refuse_bad_values(wrapper, key=key, path=path)
     logger.info("loaded model weights from %s", path)
 
 

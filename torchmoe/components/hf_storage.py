@@ -57,7 +57,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components import mxfp4
 from torchmoe.components.checkpoint import _dist_on
 from torchmoe.components.dcp_unpickling import KnownMetadata, SafeLoadPlanner
-from torchmoe.components.finite import refuse_nonfinite, require_finite
+from torchmoe.components.finite import refuse_bad_values, require_finite
 from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_kinds import check_regular, is_plain_name
@@ -318,7 +318,8 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
 
     Raises:
         ConfigError: a file is missing, unreadable or damaged, the checkpoint is not a model of
-            `args` in floating point, or its weights hold NaN or inf (named as the files name them).
+            `args` in floating point, or its weights hold NaN, inf or values beyond
+            `finite.WEIGHT_BOUND` (named as the files name them).
     """
     hf_dir = Path(hf_dir)
     # Rank 0 reads every file's header, once: on a shared file system each rank opening every
@@ -339,8 +340,9 @@ def load_hf_weights(state: Mapping[str, torch.Tensor], hf_dir: str | os.PathLike
                 if s.hf_name in packed:
                     mxfp4.load_packed(views[name], [(files[stored[p]], stored[p])
                                                     for p in mxfp4.packed_names(s.hf_name)])
-    refuse_nonfinite(views, key=key, path=hf_dir, names={name: stored.get(s.hf_name, s.label())
-                                                         for name, s in slices.items()})
+    refuse_bad_values(views, key=key, path=hf_dir, names={
+        name: f"{s.label()} (MXFP4 blocks and scales)" if s.hf_name in packed else stored.get(s.hf_name, s.label())
+        for name, s in slices.items()})
 
 
 # ---- saving ----------------------------------------------------------------------------------

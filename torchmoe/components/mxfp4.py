@@ -9,6 +9,12 @@ the last dim of the matrix ``[E, out, in]``; the unpacked tensor Hugging Face's 
 transpose ``[E, in, out]``. Loading reads only the blocks and scales of the box this rank's shard
 covers (the scale groups around it, when a shard's input range does not start on one), with
 safetensors' own slicing.
+
+A scale is an E8M0 byte: 2^(byte - 127), and 0xFF is NaN (the OCP MX spec): its whole block of 32
+values is NaN, as the spec says, and the loader refuses it by name like any NaN weight. Scales
+of 0xFE and below are finite however large (0xFE with a code of 6 is 6 x 2^127, 1e38): the
+loader's bound on every weight (`finite.WEIGHT_BOUND`, 2^16) refuses a scale byte above 140
+(6 x 2^13 = 49,152 is the most a block under it holds) wherever its block is not all zeros.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ __all__ = ["BLOCK", "check_packed", "dequantize", "load_packed", "packed_names"]
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # values sharing one scale: 16 bytes
 _SCALE_BIAS = 127
+_SCALE_NAN = 0xFF  # E8M0's one NaN; it has no inf
 
 
 def packed_names(name: str) -> tuple[str, str]:
@@ -35,11 +42,14 @@ def packed_names(name: str) -> tuple[str, str]:
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(..., G, 16) uint8 blocks and (..., G) uint8 scales -> (..., G * 32) fp32 values."""
+    """(..., G, 16) uint8 blocks and (..., G) uint8 scales -> (..., G * 32) fp32 values; a block
+    whose scale is 0xFF (NaN) is NaN."""
     lut = torch.tensor(_E2M1, dtype=torch.float32, device=blocks.device)
     pairs = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)  # (..., G, 16, 2)
     exponents = scales.to(torch.int32) - _SCALE_BIAS
-    values = torch.ldexp(pairs.reshape(*blocks.shape[:-1], BLOCK), exponents.unsqueeze(-1))
+    values = torch.ldexp(pairs.reshape(*blocks.shape[:-1], BLOCK), exponents.unsqueeze(-1))  # (..., G, 32)
+    # ldexp would read 0xFF as 2^128: 0.5 x 2^128 is a finite 1.7e38, and 0 x 2^128 is 0.
+    values = values.masked_fill((scales == _SCALE_NAN).unsqueeze(-1), float("nan"))
     return values.reshape(*scales.shape[:-1], -1)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.nesting import json_loads
+from torchmoe.config.numbers import MAX_RANKS
 from torchmoe.config.text import utf8_text
 
 __all__ = ["RUN_INFO_FILE", "read_run_info", "write_run_info"]
@@ -37,7 +38,7 @@ def read_run_info(dump_folder: Path) -> dict[str, Any] | None:
     Raises:
         OSError: the file is there but cannot be read (a folder, no permission).
         ValueError: it is not what `write_run_info` writes (one line: not UTF-8, not JSON, not an
-            object, or no positive integer world_size), e.g. edited or cut short.
+            object, or no world_size from 1 to MAX_RANKS), e.g. edited or cut short.
     """
     try:
         data = (dump_folder / RUN_INFO_FILE).read_bytes()
@@ -48,6 +49,6 @@ def read_run_info(dump_folder: Path) -> dict[str, Any] | None:
     except json.JSONDecodeError as err:
         raise ValueError(f"is not JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
     size = info.get("world_size") if isinstance(info, dict) else None
-    if type(size) is not int or size < 1:  # type: bool is an int
-        raise ValueError(f"holds {json.dumps(info)[:80]}, not an object with a positive integer world_size")
+    if type(size) is not int or not 1 <= size <= MAX_RANKS:  # type: bool is an int
+        raise ValueError(f"holds {json.dumps(info)[:80]}, not an object with a world_size from 1 to {MAX_RANKS}")
     return info

@@ -21,13 +21,16 @@ Two kinds of lock (`job.folder_lock`):
   leaves one stuck.
 - **heartbeat**: an owner file ``<folder>/.torchmoe.owner`` created exclusively (``O_EXCL``,
   atomic on local, NFS, Lustre and GPFS file systems alike), naming the holder and a token of its
-  own, its modification time refreshed every `HEARTBEAT_S` by a thread of the holder and the
-  file removed when it ends. A file whose holder is dead is taken over: at once when the holder
-  ran on this host (its pid is gone, or is another process now), otherwise once its heartbeat is
-  older than `STALE_S` and stays still for two more beats (a clock apart between nodes cannot make
-  a live holder look dead). A holder whose file was taken over (it was suspended, or its node
-  cut off, past `STALE_S`) finds out at its next beat and ends at once, exit 2, before it
-  writes another byte into a folder another run owns.
+  own, with a beat counter that a thread of the holder rewrites every `HEARTBEAT_S` (through the
+  descriptor that created it, with fsync), the file removed when it ends. Its holder lives while
+  the file changes under a reader's eyes, by the reader's own clock (`folder_owners.owner_alive`:
+  no other host's time stamp is ever compared with this one's, so a clock ahead or a file dated
+  in the future holds nothing for ever). A file whose holder is dead is taken over: at once when
+  the holder ran on this host (its pid is gone, or is another process now), otherwise once it
+  stayed unchanged for `STALE_S` while this run watched; a file holding no holder record alike.
+  A holder whose file was taken over (it was suspended, or its node cut off, past `STALE_S`)
+  finds out at its next beat and ends at once, exit 2, before it writes another byte into a
+  folder another run owns.
 
 `auto` (the default) takes flock where it excludes across nodes, and the heartbeat where it
 cannot: a file system that refuses flock (Lustre mounted without ``flock``: ENOSYS; NFSv3 without
@@ -61,11 +64,14 @@ from torchmoe.config.folder_owners import (
     LOCK_NAME,
     LOCK_NAMES,
     OWNER_NAME,
+    Holder,
+    Owner,
     boot_id,
     describe_holder,
-    describe_lock_text,
+    describe_owner,
+    flock_holder,
     held_folder,
-    owner_dead,
+    owner_alive,
     read_owner,
     started,
 )
@@ -120,25 +126,31 @@ class _Flock:
 
 
 class _OwnerFile:
-    """A heartbeat lock held: the owner file this process created, beaten by `_Heartbeat`."""
+    """A heartbeat lock held: the owner file this process created (`fd`, open to write), beaten by
+    `_Heartbeat`: its record's ``beat`` counts up."""
 
-    def __init__(self, folder: Path, token: str) -> None:
-        self.folder, self.path, self.token = folder, folder / OWNER_NAME, token
+    def __init__(self, folder: Path, fd: int, record: dict) -> None:
+        self.folder, self.path, self.fd, self.record = folder, folder / OWNER_NAME, fd, record
+        self.token = record["token"]
         _HEARTBEAT.add(self)
 
     def beat(self) -> bool:
-        """Refresh the file's time, if it still is ours; False when another run took it over."""
+        """Write the next beat, if the file still is ours; False when another run took it over.
+        Written through our own descriptor: a file taken over (renamed away, replaced) is never
+        written over, the new holder's is left alone."""
         owner = read_owner(self.path)
-        if owner is None or owner[0].get("token") != self.token:
+        if owner is None or owner.record.get("token") != self.token:
             return False
-        os.utime(self.path, follow_symlinks=False)
+        self.record["beat"] += 1
+        _write_record(self.fd, self.record)
         return True
 
     def release(self, *, remove: bool) -> None:
         _HEARTBEAT.discard(self)
         owner = read_owner(self.path)
-        if owner is not None and owner[0].get("token") == self.token:
+        if owner is not None and owner.record.get("token") == self.token:
             self.path.unlink(missing_ok=True)
+        os.close(self.fd)
 
 
 class _Heartbeat:
@@ -183,7 +195,7 @@ class _Heartbeat:
                     continue
                 if not ours:
                     holder = read_owner(owner.path)
-                    who = describe_holder(holder[0]) if holder else "nobody (its owner file is gone)"
+                    who = describe_owner(owner.path, holder).who if holder else "nobody (its owner file is gone)"
                     stale = folder_owners.STALE_S
                     sys.stderr.write(f"error: the lock of {owner.folder} was taken over by another run, now held "
                                      f"by {who}: this run's heartbeat stopped for longer than {stale:.0f} s (was "
@@ -196,8 +208,8 @@ class _Heartbeat:
 _HEARTBEAT = _Heartbeat()
 
 
-def _acquire(folder: Path, kind: str) -> tuple[Path | None, str | None]:
-    """(the real folder, now held by this process, None), or (None, the other holder's description)."""
+def _acquire(folder: Path, kind: str) -> tuple[Path | None, Holder | None]:
+    """(the real folder, now held by this process, None), or (None, the other holder)."""
     folder.mkdir(parents=True, exist_ok=True)
     folder = folder.resolve()
     if folder not in _HELD:
@@ -209,7 +221,7 @@ def _acquire(folder: Path, kind: str) -> tuple[Path | None, str | None]:
     return folder, None
 
 
-def _take(folder: Path, kind: str) -> tuple[_Flock | _OwnerFile | None, str | None]:
+def _take(folder: Path, kind: str) -> tuple[_Flock | _OwnerFile | None, Holder | None]:
     """Lock `folder` with `kind`'s lock (auto: flock where it excludes across nodes)."""
     if kind == "auto":
         local = node_local_flock(folder)
@@ -239,8 +251,8 @@ def _me() -> dict:
             "boot": boot_id(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
 
 
-def _flock(folder: Path) -> tuple[_Flock | None, str | None]:
-    """(the flock held, None), or (None, the holder's description). OSError: flock itself failed."""
+def _flock(folder: Path) -> tuple[_Flock | None, Holder | None]:
+    """(the flock held, None), or (None, the holder). OSError: flock itself failed."""
     path = folder / LOCK_NAME
     while True:
         # O_NOFOLLOW: a symbolic link in its place (to another run's lock, or out of the folder) is refused.
@@ -253,7 +265,7 @@ def _flock(folder: Path) -> tuple[_Flock | None, str | None]:
         if not taken:
             holder = os.pread(fd, 4096, 0).decode("utf-8", errors="replace")
             os.close(fd)
-            return None, describe_lock_text(holder)
+            return None, flock_holder(folder, holder)
         try:
             same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:
@@ -283,10 +295,19 @@ def _exclusive(fd: int) -> bool:
     return False
 
 
-def _owner_file(folder: Path) -> tuple[_OwnerFile | None, str | None]:
-    """(the owner file created, None), or (None, the live holder's description)."""
+def _write_record(fd: int, record: dict) -> None:
+    """`record` as the whole content of the owner file `fd`, on the disk (and the file server)
+    before this returns: a reader on another node opens the file and reads these bytes."""
+    data = json.dumps(record).encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))  # the counter only grows: a no-op, unless the record shrank
+    os.fsync(fd)
+
+
+def _owner_file(folder: Path) -> tuple[_OwnerFile | None, Holder | None]:
+    """(the owner file created, None), or (None, the live holder)."""
     path = folder / OWNER_NAME
-    token = uuid.uuid4().hex
+    record = {**_me(), "token": uuid.uuid4().hex, "beat": 0}
     for _ in range(5):  # another run may take or free it between our steps: look again
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -294,40 +315,49 @@ def _owner_file(folder: Path) -> tuple[_OwnerFile | None, str | None]:
             owner = read_owner(path)
             if owner is None:
                 continue  # removed meanwhile
-            if not owner_dead(path, *owner):
-                return None, describe_holder(owner[0])
-            _remove_stale(path, owner[0])
+            if owner.odd is not None:  # a link, a folder: never followed nor removed
+                return None, describe_owner(path, owner)
+            alive, latest = owner_alive(path, owner)
+            if alive and latest is not None:
+                return None, describe_owner(path, latest)
+            if latest is not None:
+                _remove_stale(path, latest)
             continue
         try:
-            os.write(fd, json.dumps({**_me(), "token": token}).encode())
-            os.fsync(fd)
+            _write_record(fd, record)
         except OSError as err:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise os_error(err, path) from None
-        os.close(fd)
-        return _OwnerFile(folder, token), None
+        return _OwnerFile(folder, fd, record), None
     owner = read_owner(path)
-    return None, describe_holder(owner[0]) if owner else "a run that keeps taking and freeing it"
+    return None, describe_owner(path, owner) if owner else Holder("a run that keeps taking and freeing it",
+                                                                  "try again in a moment")
 
 
-def _remove_stale(path: Path, owner: dict) -> None:
-    """Remove a dead holder's owner file, unless it was replaced meanwhile (then it is put back)."""
+def _remove_stale(path: Path, watched: Owner) -> None:
+    """Remove a dead holder's owner file, as watched, unless it changed since (a beat after we
+    looked, or another file in its place: then it is put back)."""
     aside = path.with_name(f"{OWNER_NAME}.stale-{uuid.uuid4().hex}")
     try:
         os.rename(path, aside)
     except FileNotFoundError:
         return  # another run removed it first
     moved = read_owner(aside)
-    if moved is not None and moved[0].get("token") != owner.get("token"):
-        try:  # a live holder's, taken after we looked: back in place (never over a newer one)
+    if moved is not None and moved.raw != watched.raw:
+        try:  # a live holder's, beating after we looked: back in place (never over a newer one)
             os.link(aside, path)
         except FileExistsError:
             pass
         aside.unlink(missing_ok=True)
         return  # nothing taken over: the caller looks again and finds that holder
     aside.unlink(missing_ok=True)
-    logger.warning("took over %s from %s, which no longer runs", path.parent, describe_holder(owner))
+    record = watched.record
+    local = record.get("host") == socket.gethostname() and record.get("boot") == boot_id()
+    why = "which no longer runs" if local and isinstance(record.get("pid"), int) and \
+        started(record["pid"]) != record.get("started") else \
+        f"whose owner file stayed unchanged for {folder_owners.STALE_S:.0f} s by this host's clock"
+    logger.warning("took over %s from %s, %s", path.parent, describe_holder(record), why)
 
 
 def node_local_flock(folder: Path) -> str | None:
@@ -396,11 +426,13 @@ def lock_folders(folders: Sequence[UserPath], kind: str = "auto") -> FolderLocks
             except ConfigError as err:  # said on every rank, not only here
                 real, refused = None, (err.key, err.value, err.problem, err.fix)
             else:
+                holder = holder or (other[1] if other is not None else None)
                 if other is not None and other[0] != Path(folder.path).resolve():
                     refused = (folder.key, folder.value, f"is inside {other[0]}, which another run holds: "
-                               f"{other[1]}", fix)
-                elif real is None:
-                    refused = (folder.key, folder.value, f"is in use by another run: {holder or other[1]}", fix)
+                               f"{other[1].who}", f"{fix}; {other[1].clear}")
+                elif real is None and holder is not None:
+                    refused = (folder.key, folder.value, f"is in use by another run: {holder.who}",
+                               f"{fix}; {holder.clear}")
             if real is None:
                 FolderLocks(held).release()
                 held = []

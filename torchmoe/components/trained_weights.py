@@ -15,9 +15,14 @@ from pathlib import Path
 
 from torchmoe.components.checkpoint import complete_checkpoints
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.flags import Integer
 from torchmoe.config.job_config import JobConfig
+from torchmoe.config.numbers import INT64_MAX
 
-__all__ = ["trained_weights"]
+__all__ = ["STEP", "trained_weights"]
+
+STEP = Integer(0, INT64_MAX, "100", fix="name a saved step (a step-N folder), or leave --step out for the newest")
+"""The `--step` flag of the commands that read trained weights."""
 
 
 def trained_weights(cfg: JobConfig, key: str, *, path: str, step: int | None) -> tuple[Path, bool]:

@@ -181,7 +181,9 @@ def read_json_object(key: str, folder: Path, name: str, fix: str) -> dict:
     with reading(key, folder, fix, what=name):
         data = read_regular(path)
     try:
-        value = json_loads(utf8_text(data, nul=False))
+        # Not `finite`: each number of config.json is checked by the field that reads it, which the
+        # message then names (transformers writes NaN and Infinity as Python's json does).
+        value = json_loads(utf8_text(data, nul=False), finite=False)
     except NotUTF8 as err:
         raise UnreadableWeights(key, str(folder), f"{name} {err.problem}", err.fix(path)) from None
     except json.JSONDecodeError as err:

@@ -3,32 +3,48 @@ commands that write a file or folder a user names (`torchmoe plan --out`, `repor
 --out`, `prepare-data OUT_DIR`, a dry run's ``dry_run.json``), so that none writes into a folder a
 live run holds.
 
-    holder = live_holder(folder)           # "pid 41 on node-a since ... (torchmoe train ...)" or None
-    held = held_folder(path)               # (the folder at or above `path` a live run holds, holder) or None
-    refuse_held(key, value, path)          # ConfigError naming the holder and the key
+    holder = live_holder(folder)           # Holder("pid 41 on node-a since ... (torchmoe train ...)", how to clear) or None
+    held = held_folder(path)               # (the folder at or above `path` a live run holds, its Holder) or None
+    refuse_held(key, value, path)          # ConfigError naming the holder, the key and how to clear the lock
 
 A folder is held when its ``.torchmoe.lock`` is flocked by another process, or its
-``.torchmoe.owner`` names a live holder (`owner_dead`). Nothing is created, taken or removed here;
+``.torchmoe.owner`` has a live holder (`owner_alive`). Nothing is created, taken or removed here;
 a file in a lock file's place that is not a regular file (a link) is never followed.
+
+**An owner file's holder lives when its file changes while the reader watches it, by the
+reader's own clock** (`time.monotonic`): the holder rewrites its beat counter every
+`HEARTBEAT_S`, and a reader that sees the same bytes for `STALE_S` calls it dead. No time stamp
+of another host is compared with this host's clock: a clock running ahead, or a crafted file
+dated in the future, would otherwise hold a folder for ever, and a modification time read
+through NFS's attribute cache can be older than the file (a live holder taken over). The bytes
+are read after `open`, which NFS revalidates (close-to-open consistency), and the holder
+writes them with `fsync`. A holder on this host (same boot) whose pid no longer runs the process
+that took the lock is dead at once; a file that holds no holder record (garbage, or an editor's
+copy) is judged by the same watch, and taken over when it stays still. Every refusal says how to
+clear a lock that no live run holds (`Holder.clear`).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import stat
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.nesting import json_loads
 
-__all__ = ["FOLDER_LOCKS", "HEARTBEAT_S", "LOCK_NAME", "LOCK_NAMES", "OWNER_NAME", "STALE_S", "boot_id",
-           "describe_holder", "describe_lock_text", "held_folder", "live_holder", "owner_dead", "read_owner",
-           "refuse_held", "started"]
+__all__ = ["FOLDER_LOCKS", "HEARTBEAT_S", "LOCK_NAME", "LOCK_NAMES", "OWNER_NAME", "STALE_S", "Holder", "Owner",
+           "boot_id", "describe_holder", "describe_lock_text", "describe_owner", "flock_holder", "held_folder",
+           "live_holder", "owner_alive", "read_owner", "refuse_held", "started"]
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".torchmoe.lock"
 OWNER_NAME = ".torchmoe.owner"
@@ -37,49 +53,97 @@ LOCK_NAMES = (LOCK_NAME, OWNER_NAME)
 FOLDER_LOCKS = ("auto", "flock", "heartbeat")
 """`job.folder_lock`'s values."""
 
-HEARTBEAT_S = 10.0
-"""How often a heartbeat lock's holder refreshes its owner file."""
+HEARTBEAT_S = 2.0
+"""How often a heartbeat lock's holder rewrites its owner file (its beat counter)."""
 STALE_S = 60.0
-"""How old a heartbeat must be for its holder to count as dead (another host's)."""
+"""How long a reader watches an owner file that does not change, by its own clock, before it
+calls the holder dead: a holder may miss beats for this long (a loaded node, a slow file system)."""
 
 
-def read_owner(path: Path) -> tuple[dict, float] | None:
-    """The owner file's holder (what it says; {} while it is still being written or unreadable)
-    and its modification time; None when there is none. A link or anything but a regular file
-    in its place is a holder that says nothing (never followed, never removed)."""
+@dataclass(frozen=True)
+class Owner:
+    """An owner file as read: its bytes, the holder record they hold ({} when they hold none:
+    being written, garbage), and `odd`, the kind of what is there when it is no regular file."""
+
+    raw: bytes
+    record: dict
+    odd: str | None = None
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a folder's lock (`who`), and how to clear the lock once no live run holds it
+    (`clear`, a phrase for a message's fix)."""
+
+    who: str
+    clear: str
+
+
+def read_owner(path: Path) -> Owner | None:
+    """The owner file `path` as it is now; None when there is none. A link or anything but a
+    regular file in its place is an `Owner` with `odd` set (never followed, never removed)."""
     try:
-        st = os.stat(path, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode):
-            return {"token": None, "odd": stat.filemode(st.st_mode)}, float("inf")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            text = os.read(fd, 65536).decode("utf-8", errors="replace")
-        finally:
-            os.close(fd)
     except FileNotFoundError:
         return None
+    except OSError as err:  # a link (ELOOP), or what cannot be opened to read: looked at, not followed
+        try:
+            mode = os.stat(path, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return None
+        if stat.S_ISREG(mode):
+            raise err from None
+        return Owner(b"", {}, stat.filemode(mode))
     try:
-        owner = json_loads(text)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # a named pipe opened without blocking, a device: never read
+            return Owner(b"", {}, stat.filemode(mode))
+        raw = os.read(fd, 65536)
+    finally:
+        os.close(fd)
+    try:
+        record = json_loads(raw.decode("utf-8", errors="replace"))
     except ValueError:
-        owner = {}
-    return (owner if isinstance(owner, dict) else {}), st.st_mtime
+        record = {}
+    return Owner(raw, record if isinstance(record, dict) else {})
 
 
-def owner_dead(path: Path, owner: dict, mtime: float) -> bool:
-    """Whether the holder of `path` is gone: on this host (same boot), its pid no longer runs
-    the process that took the lock; elsewhere, its heartbeat is older than `STALE_S` and does
-    not move for two more beats."""
-    if "odd" in owner:
-        return False
-    if owner.get("host") == socket.gethostname() and owner.get("boot") == boot_id() and isinstance(
-            owner.get("pid"), int):
-        now = started(owner["pid"])
-        return now is None or now != owner.get("started")  # gone, or its pid reused since
-    if time.time() - mtime <= STALE_S:
-        return False
-    time.sleep(2 * HEARTBEAT_S)
-    again = read_owner(path)
-    return again is not None and again[1] == mtime and again[0].get("token") == owner.get("token")
+def owner_alive(path: Path, seen: Owner) -> tuple[bool, Owner | None]:
+    """Whether the holder of the owner file `path` (read as `seen`) lives, and the file as last
+    read (None: it went away meanwhile, its holder released it). A holder on this host whose pid
+    no longer runs the process that took the lock is dead at once; any other lives when its
+    file's bytes change within `STALE_S` of this process's clock, and is dead when they do not
+    (a wait of up to `STALE_S`)."""
+    record = seen.record
+    if record.get("host") == socket.gethostname() and record.get("boot") == boot_id() and isinstance(
+            record.get("pid"), int):
+        now = started(record["pid"])
+        if now is None or now != record.get("started"):  # gone, or its pid reused since
+            return False, seen
+    # The watch starts when this process first saw these bytes (a run looks at a folder twice: as
+    # a folder it may not write into, then as one it locks), never at a time the file states.
+    key = os.path.abspath(path)
+    bytes_seen, since = _UNCHANGED.get(key, (None, 0.0))
+    if bytes_seen != seen.raw:
+        since = time.monotonic()
+        _UNCHANGED[key] = (seen.raw, since)
+    deadline = since + STALE_S
+    if time.monotonic() < deadline:
+        logger.info("watching %s for up to %.0f s: does its holder (%s) still beat?", path,
+                    deadline - time.monotonic(), describe_holder(record))
+    while time.monotonic() < deadline:
+        time.sleep(min(HEARTBEAT_S / 4, max(deadline - time.monotonic(), 0.0)))
+        now_seen = read_owner(path)
+        if now_seen is None:
+            return False, None
+        if now_seen.raw != seen.raw or now_seen.odd != seen.odd:
+            _UNCHANGED.pop(key, None)
+            return True, now_seen
+    return False, seen
+
+
+# Owner file (absolute path) -> (its bytes, when this process first saw them: `time.monotonic`).
+_UNCHANGED: dict[str, tuple[bytes, float]] = {}
 
 
 def started(pid: int) -> str | None:
@@ -107,19 +171,34 @@ def describe_lock_text(holder: str) -> str:
 
 def describe_holder(h: object) -> str:
     """One phrase for a lock's holder record: pid, host, since when and its command."""
-    if isinstance(h, dict) and "odd" in h:
-        return f"something that is not a lock file (a {h['odd']} named {OWNER_NAME}: remove it)"
     try:
         return f"pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"  # type: ignore[index]
     except (KeyError, TypeError):
-        return "a process that has not yet said who it is"
+        return "a process that has not said who it is (its owner file holds no holder record)"
 
 
-def live_holder(folder: Path) -> str | None:
-    """The live run holding `folder`'s lock (its description), or None; looked at without
-    taking the lock. The flock is probed with a shared lock for an instant: only a run's
-    exclusive one refuses it (`run_lock` looks twice before calling a folder held, so a probe
-    never refuses a run)."""
+def describe_owner(path: Path, owner: Owner) -> Holder:
+    """The `Holder` of the owner file `path`, read as `owner`."""
+    if owner.odd is not None:
+        return Holder(f"something that is not a lock file (a {owner.odd} named {OWNER_NAME}, which torchmoe never "
+                      "follows nor removes)", f"delete {path} once you are sure no run uses {path.parent}")
+    return Holder(describe_holder(owner.record), f"a lock that no live run holds is cleared by deleting {path}, once "
+                  f"you are sure no run uses {path.parent} (a dead holder's is also taken over by the next run "
+                  f"after {STALE_S:.0f} s without a beat)")
+
+
+def flock_holder(folder: Path, text: str) -> Holder:
+    """The `Holder` of `folder`'s flock, whose lock file reads `text`."""
+    who = describe_lock_text(text)
+    return Holder(who, "the kernel keeps this lock only while its process lives: it goes when that process ends "
+                  f"(deleting {folder / LOCK_NAME} would not stop it)")
+
+
+def live_holder(folder: Path) -> Holder | None:
+    """The live run holding `folder`'s lock, or None; looked at without taking the lock. The
+    flock is probed with a shared lock for an instant: only a run's exclusive one refuses it
+    (`run_lock` looks twice before calling a folder held, so a probe never refuses a run). An
+    owner file is watched (`owner_alive`: up to `STALE_S` when its holder is dead)."""
     try:
         fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:  # none (or a link in its place: never followed; a run refuses it at its start)
@@ -130,7 +209,7 @@ def live_holder(folder: Path) -> str | None:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    return describe_lock_text(os.pread(fd, 4096, 0).decode("utf-8", errors="replace"))
+                    return flock_holder(folder, os.pread(fd, 4096, 0).decode("utf-8", errors="replace"))
                 except OSError as err:  # no flock on this file system: its runs use the owner file
                     if err.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
                         raise
@@ -138,14 +217,17 @@ def live_holder(folder: Path) -> str | None:
             os.close(fd)  # drops the shared lock
     owner_path = folder / OWNER_NAME
     owner = read_owner(owner_path)
-    if owner is not None and not owner_dead(owner_path, *owner):
-        return describe_holder(owner[0])
-    return None
+    if owner is None:
+        return None
+    if owner.odd is not None:
+        return describe_owner(owner_path, owner)
+    alive, latest = owner_alive(owner_path, owner)
+    return describe_owner(owner_path, latest) if alive and latest is not None else None
 
 
-def held_folder(path: str | os.PathLike, mine: Collection[Path] = ()) -> tuple[Path, str] | None:
+def held_folder(path: str | os.PathLike, mine: Collection[Path] = ()) -> tuple[Path, Holder] | None:
     """The nearest folder at or above `path` (its real location: links and ``..`` resolved)
-    that a live run holds, with the holder's description; None when no live run holds any.
+    that a live run holds, with its holder; None when no live run holds any.
 
     Args:
         mine: real folders this process holds itself (skipped: not another run's).
@@ -170,5 +252,6 @@ def refuse_held(key: str, value: str, path: str | os.PathLike) -> None:
         return
     folder, holder = held
     where = "is" if folder == Path(path).resolve() else "is inside"
-    raise ConfigError(key, value, f"{where} {folder}, which a live run holds ({holder}): no command writes into "
-                      "another run's folders", "name a path outside that run's folders, or wait for the run to end")
+    raise ConfigError(key, value, f"{where} {folder}, which a live run holds ({holder.who}): no command writes into "
+                      "another run's folders", "name a path outside that run's folders, or wait for the run to end; "
+                      f"{holder.clear}")

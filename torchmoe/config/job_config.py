@@ -21,7 +21,7 @@ class Job:
     print_config: bool = False
     """Print the resolved config (as TOML) when the run starts."""
     folder_lock: str = "auto"
-    """How a run holds the folders it writes (docs/checkpoints.md): 'flock', 'heartbeat' (an owner file created exclusively, refreshed every 10 s, taken over once its holder is dead: for file systems without flock across nodes), or 'auto': flock, unless the file system refuses it or keeps it per node (Lustre's localflock, NFS's local_lock or nolock, BeeGFS, FUSE)."""
+    """How a run holds the folders it writes (docs/checkpoints.md): 'flock', 'heartbeat' (an owner file created exclusively, its beat counter rewritten every 2 s; taken over once it stays unchanged for 60 s by the reader's clock, or its holder's pid on this host is gone: for file systems without flock across nodes), or 'auto': flock, unless the file system refuses it or keeps it per node (Lustre's localflock, NFS's local_lock or nolock, BeeGFS, FUSE)."""
 
 
 @dataclass
@@ -115,7 +115,7 @@ class Training:
     dataset_text_field: str = "text"
     """Field holding the text in .jsonl/.json/.parquet rows and hub datasets."""
     seed: int = 0
-    """Seed for initialization and anything random in training."""
+    """Seed for initialization and anything random in training (0 or more)."""
     deterministic: bool = False
     """Use deterministic algorithms (slower; for debugging)."""
     add_bos: bool = False

@@ -1,6 +1,6 @@
 """The numbers a launcher sets in the environment (torchrun, srun, a shell), read once and checked.
 
-    world = launch_int("WORLD_SIZE", 1)        # ConfigError naming it unless a whole number >= 1
+    world = launch_int("WORLD_SIZE", 1)        # ConfigError naming it unless a whole number from 1 to MAX_RANKS
     local_rank = launch_int("LOCAL_RANK", 0)   # >= 0
 
 A variable exported by hand (``WORLD_SIZE=abc``, ``LOCAL_RANK=-1``) is the user's to fix: one
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.numbers import MAX_RANKS, parse_int, shown_text
 
 __all__ = ["launch_int"]
 
@@ -36,7 +37,10 @@ def launch_int(name: str, default: int) -> int:
     if text is None:
         return default
     least, what = _VARIABLES[name]
-    if not (text.isascii() and text.isdecimal() and int(text) >= least):
-        raise ConfigError(name, text, f"is not a whole number >= {least} ({what}, set by the launcher)",
-                          f"unset {name} to run in one process, or launch with torchrun, which sets it")
-    return int(text)
+    most = MAX_RANKS - (least == 0)  # a count of ranks, or a rank below it
+    try:
+        return parse_int(name, text, low=least, high=most, fix="")
+    except ConfigError:
+        raise ConfigError(name, shown_text(text), f"is not a whole number from {least} to {most} ({what}, set by "
+                          f"the launcher)", f"unset {name} to run in one process, or launch with torchrun, which "
+                          "sets it") from None

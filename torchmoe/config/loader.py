@@ -29,6 +29,7 @@ from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.nesting import toml_loads
+from torchmoe.config.numbers import INT64_MAX, INT64_MIN, shown_text
 from torchmoe.config.paths import PATH_KEYS, READ_KEYS, nonempty_path, path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
@@ -390,8 +391,10 @@ def _parse_override(flag: str, name: str, typ: Any, values: list[str]) -> Any:
         section, _, leaf = name.partition(".")
         default = getattr(getattr(JobConfig(), section), leaf) if name not in TORCHTITAN_KEYS else None
         example = show_value(default if default is not None else typ(1))
-        raise ConfigError(flag, values[0], f"expected {expected}",
-                          f"pass {expected}, e.g. --{name} {example}") from None
+        # Digits past Python's digit limit (4,300) fail int() too: that integer is only too long.
+        problem = f"does not fit in 64 bits (allowed: {INT64_MIN} .. {INT64_MAX})" \
+            if typ is int and values[0].lstrip("+-").isdecimal() else f"expected {expected}"
+        raise ConfigError(flag, shown_text(values[0]), problem, f"pass {expected}, e.g. --{name} {example}") from None
 
 
 def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[str]]], bool]:
@@ -466,10 +469,19 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
     # Overrides are applied here rather than by tyro's argparse, which would take a value that
     # starts with "-" (a path, a description) for a flag and fail outside our one-message errors.
     updates: dict[str, dict[str, Any]] = {}
+    by_flag: dict[str, tuple[str, Any]] = {}  # key -> the flag that set it, and to what
     for flag, values in overrides:
         values_set, note = _check_override(flag, values)
         _warn(notes, note)
         for dotted, value in values_set.items():
+            # Two flags for one key (torchtitan's name and torchmoe's: --model.attn_mask_type
+            # block_causal --training.document_masking false): the later one won silently.
+            other, said = by_flag.get(dotted, (flag, value))
+            if other != flag and said != value:
+                raise ConfigError(flag, " ".join(values), f"contradicts {other} on the same command line, which sets "
+                                  f"{dotted} to {show_value(said)} (this flag sets it to {show_value(value)})",
+                                  "pass one of the two flags")
+            by_flag[dotted] = (flag, value)
             if dotted in READ_KEYS:
                 # "" (a TOML's "not set") from a flag is what an unset shell variable gives, so a
                 # flag unsets the key with a word instead: `none` (a folder of that name is ./none).

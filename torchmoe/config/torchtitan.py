@@ -97,8 +97,10 @@ def _converters(names: list[str]) -> dict[str, Any]:
             raise ConfigError("model.converters", names, f"unknown converter {show_value(name)}",
                               'the converters torchmoe has are "quantize.linear.float8" (float8 linears) and '
                               '"quantize.grouped_mm.float8" (float8 routed experts)')
-    return {**({"float8.enable": True} if any(name in _FLOAT8_LINEAR for name in names) else {}),
-            **({"float8.routed_experts": True} if _FLOAT8_GROUPED in names else {})}
+    # Both keys, on or off: torchtitan converts only what the list names, so `converters = []` beside
+    # torchmoe's `[float8] enable = true` is a contradiction (refused), not float8 silently on.
+    return {"float8.enable": any(name in _FLOAT8_LINEAR for name in names),
+            "float8.routed_experts": _FLOAT8_GROUPED in names}
 
 
 _MASK_TYPES = {"causal": False, "block_causal": True}
@@ -131,8 +133,8 @@ TORCHTITAN_KEYS: dict[str, Mapped | Refused | NoEffect] = {
     # [model]
     "model.converters": Mapped(list[str], _converters, '`float8.enable` for "quantize.linear.float8" (or its old '
                                'name "float8"); `float8.routed_experts` for "quantize.grouped_mm.float8" '
-                               '(of the modules `quantize.grouped_mm.float8.fqns` names); the MX converters are '
-                               'refused'),
+                               '(of the modules `quantize.grouped_mm.float8.fqns` names); each false when the '
+                               'list lacks it; the MX converters are refused'),
     # torchtitan's model argument (its flavors set it; the job key where a job file names it)
     "model.attn_mask_type": Mapped(str, _attn_mask_type, '`training.document_masking`: false for "causal", '
                                    'true for "block_causal"; any other value is refused'),

@@ -34,6 +34,7 @@ from torchmoe.config.job_config import (
     Training,
     Validation,
 )
+from torchmoe.config.numbers import INT64_MAX, INT64_MIN
 from torchmoe.config.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, nonempty_path
 
 OPTIMIZERS = ("AdamW", "Adam")
@@ -60,7 +61,6 @@ FT_PROCESS_GROUPS = ("gloo", "nccl")
 SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")
 GRADIENT_AVERAGES = ("auto", "backward", "after_backward")
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TIMEOUT_SECONDS = 2**31 - 1
 
 # (short name used in meshes and messages, Parallelism field), outermost mesh dim first.
@@ -180,10 +180,12 @@ def validate_training(training: Training) -> None:
                   "set a positive batch size, or -1 for local_batch_size * dp")
     _at_least("training.seq_len", training.seq_len, 1)
     _at_least("training.steps", training.steps, 1)
+    # torch.manual_seed takes -1 as 2**64 - 1: a negative seed has no meaning of its own.
+    _at_least("training.seed", training.seed, 0, "set a seed from 0 (the default) upward")
     if not math.isfinite(training.max_norm):  # <= 0 disables clipping; NaN would poison every gradient
         raise ConfigError("training.max_norm", training.max_norm, "must be a finite number",
                           "set a positive clipping norm, or 0 to disable clipping")
-    _check_dataset("training", training.dataset, training.dataset_path)
+    check_dataset("training", training.dataset, training.dataset_path)
     for ext in training.dataset_extensions:
         if not re.fullmatch(r"\.[^./\\*?\[\]\s]+(\.[^./\\*?\[\]\s]+)*", ext):
             suffix = "." + ext.strip().strip("*").lstrip(".") if ext.strip().strip("*.") else ".txt"
@@ -204,7 +206,8 @@ def validate_training(training: Training) -> None:
     _at_least("training.gc_freq", training.gc_freq, 0, "collect every N steps, or 0 for Python's automatic collection")
 
 
-def _check_dataset(section: str, dataset: str, dataset_path: str) -> None:
+def check_dataset(section: str, dataset: str, dataset_path: str) -> None:
+    """`section`'s dataset is a kind torchmoe reads, with the path that kind needs."""
     one_of(f"{section}.dataset", dataset, DATASETS)
     if dataset in ("local", "tokens", "hf") and not dataset_path:
         what = {"local": "files (a file, folder or glob)", "tokens": "a folder written by `torchmoe prepare-data`",
@@ -214,7 +217,7 @@ def _check_dataset(section: str, dataset: str, dataset_path: str) -> None:
 
 
 def validate_validation(validation: Validation) -> None:
-    _check_dataset("validation", validation.dataset, validation.dataset_path)
+    check_dataset("validation", validation.dataset, validation.dataset_path)
     for key in ("local_batch_size", "seq_len", "freq"):
         _at_least(f"validation.{key}", getattr(validation, key), 1)
     if validation.steps != -1:

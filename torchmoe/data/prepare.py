@@ -48,6 +48,7 @@ from rich.text import Text
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.folder_owners import refuse_held
+from torchmoe.config.numbers import INT64_MAX, parse_int, shown_text
 from torchmoe.config.paths import nonempty_path, path_faults
 from torchmoe.data.dataloader import PIECE_CHARS
 from torchmoe.data.dataset import DataConfigError, Documents, FileDocuments, HFDocuments, local_files
@@ -432,11 +433,13 @@ def _parser() -> ArgumentParser:
 
 
 def _positive(flag: str, text: str, *, most: int | None = None, why: str = "") -> int:
-    if not (text.isascii() and text.isdecimal() and int(text) >= 1):
-        raise ConfigError(flag, text, "expected a positive integer", f"pass e.g. {flag} 8")
-    if most is not None and int(text) > most:
-        raise ConfigError(flag, text, f"is more than {most} {why}", f"pass at most {flag} {most}")
-    return int(text)
+    try:
+        return parse_int(flag, text, low=1, high=INT64_MAX if most is None else most, fix=f"pass e.g. {flag} 8")
+    except ConfigError:
+        if most is not None and text.isascii() and text.isdecimal() and text.lstrip("0"):  # too many
+            raise ConfigError(flag, shown_text(text), f"is more than {most} {why}", f"pass at most {flag} {most}") \
+                from None
+        raise
 
 
 def _workers(text: str) -> int:

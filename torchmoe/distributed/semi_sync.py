@@ -20,6 +20,20 @@ from torchmoe.distributed.fault_tolerance import ReplicaGroups
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|mtp)\.(\d+)\.")
 
 
+def check_fragments(n_fragments: int, n_blocks: int) -> None:
+    """`fault_tolerance.num_fragments` fits a model of `n_blocks` blocks (transformer blocks and
+    multi-token prediction modules): a fragment is one or more blocks. The preflight asks it
+    (the dry run too), and `fragments_of`.
+
+    Raises:
+        ConfigError: more fragments than blocks.
+    """
+    if n_fragments > n_blocks:
+        raise ConfigError("fault_tolerance.num_fragments", n_fragments,
+                          f"must be at most the model's {n_blocks} blocks: a fragment is one or more blocks",
+                          f"use 1 .. {n_blocks}")
+
+
 def fragments_of(names: Sequence[str], layer_ids: Sequence[int], n_fragments: int) -> list[list[int]]:
     """The indices of `names` (parameter names, in order) in each of `n_fragments` fragments: the
     blocks (`layer_ids`, the whole model's, in order) in contiguous runs of near-equal length,
@@ -29,10 +43,7 @@ def fragments_of(names: Sequence[str], layer_ids: Sequence[int], n_fragments: in
     Raises:
         ConfigError: more fragments than blocks.
     """
-    if n_fragments > len(layer_ids):
-        raise ConfigError("fault_tolerance.num_fragments", n_fragments,
-                          f"must be at most the model's {len(layer_ids)} blocks: a fragment is one or more blocks",
-                          f"use 1 .. {len(layer_ids)}")
+    check_fragments(n_fragments, len(layer_ids))
     position = {layer: i for i, layer in enumerate(layer_ids)}
     out: list[list[int]] = [[] for _ in range(n_fragments)]
     for index, name in enumerate(names):

@@ -19,7 +19,7 @@ import torch
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.models.deepseek_v3 import hf as deepseek_v3_hf
 from torchmoe.models.gpt_oss import hf as gpt_oss_hf
-from torchmoe.models.hf_config_spec import HFConversionError
+from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, show_json
 from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.llama4 import hf as llama4_hf
 from torchmoe.models.qwen3 import hf as qwen3_hf
@@ -44,6 +44,8 @@ class HFMapping:
         hf_copies: `ModelArgs` -> (our state-dict name, `HFSlice`) of the tensors the family's
             checkpoints store twice, the second place (DeepSeek-V3's MTP layers hold the
             embedding and the head): written on save, not read on load.
+        read_architectures: config.json ``architectures`` of the family's releases besides
+            `architecture` (Llama 4's multimodal class).
     """
 
     title: str
@@ -54,11 +56,13 @@ class HFMapping:
     hf_slice: Callable[[str, Sequence[int]], HFSlice | None]
     text_tensor_name: Callable[[str, ModelArgs], str | None]
     hf_copies: Callable[[ModelArgs], list[tuple[str, HFSlice]]] = lambda args: []
+    read_architectures: tuple[str, ...] = ()
 
 
 _MAPPINGS: dict[str, HFMapping] = {
     "llama4": HFMapping("Llama 4", "Llama4ForCausalLM", ("llama4", "llama4_text"), llama4_hf.args_from_hf_config,
-                        llama4_hf.hf_config_from_args, llama4_hf.hf_slice, llama4_hf.text_tensor_name),
+                        llama4_hf.hf_config_from_args, llama4_hf.hf_slice, llama4_hf.text_tensor_name,
+                        read_architectures=("Llama4ForConditionalGeneration",)),
     "qwen3": HFMapping("Qwen3-MoE", "Qwen3MoeForCausalLM", qwen3_hf.MODEL_TYPES, qwen3_hf.args_from_hf_config,
                        qwen3_hf.hf_config_from_args, qwen3_hf.hf_slice, qwen3_hf.text_tensor_name),
     "deepseek_v3": HFMapping("DeepSeek-V3", "DeepseekV3ForCausalLM", deepseek_v3_hf.MODEL_TYPES,
@@ -81,13 +85,41 @@ def hf_mapping(args: ModelArgs) -> HFMapping:
 
 def hf_mapping_for_config(config: dict) -> HFMapping:
     """The mapping of the family config.json's ``model_type`` names (Llama 4 where it names none,
-    as in torchmoe's first releases). Raises `HFConversionError` naming an unknown type."""
+    as in torchmoe's first releases), which its ``architectures`` (when given) must not contradict.
+
+    Raises:
+        HFConversionError: an unknown type.
+        HFConfigValueError: ``architectures`` names a class of another family (an edited or mixed
+            config.json: which of the two to believe is the user's to say) or of none.
+    """
     model_type = config.get("model_type", "llama4_text")
-    for mapping in _MAPPINGS.values():
-        if model_type in mapping.model_types:
-            return mapping
-    known = ", ".join(t for m in _MAPPINGS.values() for t in m.model_types)
-    raise HFConversionError(f"model_type {model_type!r} is not a family torchmoe trains (known: {known})")
+    mapping = next((m for m in _MAPPINGS.values() if model_type in m.model_types), None)
+    if mapping is None:
+        known = ", ".join(t for m in _MAPPINGS.values() for t in m.model_types)
+        raise HFConversionError(f"model_type {model_type!r} is not a family torchmoe trains (known: {known})")
+    architectures = config.get("architectures")
+    if architectures is None:
+        return mapping
+    if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        raise HFConfigValueError("architectures", architectures, "is not a list of class names",
+                                 f'["{mapping.architecture}"]')
+    strange = next((a for a in architectures if a not in _classes(mapping)), None)
+    if strange is None:
+        return mapping
+    owner = next((m for m in _MAPPINGS.values() if strange in _classes(m)), None)
+    if owner is None:
+        raise HFConfigValueError("architectures", architectures, f"names {strange}, no class of model_type "
+                                 f"{model_type!r} ({mapping.title}: {', '.join(_classes(mapping))})",
+                                 f'["{mapping.architecture}"]')
+    raise HFConfigValueError("architectures", architectures, f"names {owner.title}'s {strange}, but model_type "
+                             f"{model_type!r} is {mapping.title}'s: one of the two was edited",
+                             f'["{mapping.architecture}"] for a {mapping.title} checkpoint, or "model_type" to '
+                             f'{" or ".join(map(show_json, owner.model_types))} for a {owner.title} one')
+
+
+def _classes(mapping: HFMapping) -> tuple[str, ...]:
+    """The config.json ``architectures`` a checkpoint of `mapping`'s family may name."""
+    return (mapping.architecture, *mapping.read_architectures)
 
 
 def hf_slices(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, HFSlice]:

@@ -345,7 +345,8 @@ def load_profile(name_or_path: str, *, key: str = "--hardware") -> HardwareProfi
     with path_faults(key, name_or_path, fix):
         raw = path.read_bytes()
     try:
-        data = json_loads(utf8_text(raw, nul=False))
+        # Not `finite`: `profile_from_dict` checks every number it uses, naming its field.
+        data = json_loads(utf8_text(raw, nul=False), finite=False)
     except NotUTF8 as err:
         raise ConfigError(key, name_or_path, err.problem, err.fix(path)) from None
     except json.JSONDecodeError as err:

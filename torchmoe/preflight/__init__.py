@@ -25,6 +25,7 @@ from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.preflight.fault_tolerance import check_fault_tolerance
 from torchmoe.preflight.features import check_features, check_launch
 from torchmoe.preflight.files import (
+    check_dataset_mix,
     check_dataset_rows,
     check_dry_run_outputs,
     check_hf_assets,
@@ -99,11 +100,12 @@ def validate_layout(cfg: JobConfig, world_size: int, *, check_device: bool = Fal
     check_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
     check_force_load_balance(args, degrees, cfg.training.seq_len)
     check_batch(cfg.training, cfg.parallelism, degrees)
+    check_dataset_mix(cfg.training)
     check_pipeline(cfg, args, degrees, world_size)
     check_validation(cfg, args, degrees)
     check_features(cfg, args, degrees, check_device)
     check_float8(cfg, args, degrees, check_device)
-    check_fault_tolerance(cfg, degrees, check_device)
+    check_fault_tolerance(cfg, args, degrees, check_device)
     return degrees, args
 
 

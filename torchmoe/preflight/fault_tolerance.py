@@ -7,17 +7,21 @@ import os
 
 import torch
 
+from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
+from torchmoe.distributed.semi_sync import check_fragments
 
 
-def check_fault_tolerance(cfg: JobConfig, degrees: dict[str, int], check_device: bool) -> None:
+def check_fault_tolerance(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:
     """With fault_tolerance.enable: the replica groups are the replicate dimension, the global
-    batch splits over every group's dp ranks, the cross-group process group suits the device,
-    and (`check_device`) torchft is installed."""
+    batch splits over every group's dp ranks, streaming DiLoCo's fragments over the model's blocks,
+    the cross-group process group suits the device, and (`check_device`) torchft is installed."""
     ft = cfg.fault_tolerance
     if not ft.enable:
         return
+    if ft.semi_sync_method:  # what the run's `SemiSync` splits: the blocks and the MTP modules
+        check_fragments(ft.num_fragments, args.n_layers + args.mtp_layers)
     if degrees["dp_replicate"] != 1:
         raise ConfigError("parallelism.data_parallel_replicate_degree", degrees["dp_replicate"],
                           "must be 1 with fault_tolerance.enable: the replica groups are the replicate dimension "

@@ -22,6 +22,7 @@ from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_file, writable_folder, written_folders
+from torchmoe.config.validate import check_dataset
 from torchmoe.data.dataset import DataConfigError, FileDocuments, build_documents
 from torchmoe.data.documents import SizedDocuments
 from torchmoe.data.file_index import INDEX_FOLDER
@@ -98,6 +99,27 @@ def check_tokenizer(tokenizer: Tokenizer, model_vocab: int, model: Model, traini
                           "name one as bos_token in its tokenizer_config.json, or set add_bos = false")
 
 
+def check_dataset_mix(training: Training) -> None:
+    """`training.dataset_mix` as written, without opening a source (a dry run checks it too): each
+    entry's form, weight and name (`parse_mix`), its dataset kind and path, and no
+    `training.dataset_path` beside it."""
+    if not training.dataset_mix:
+        return
+    if training.dataset_path:
+        raise ConfigError("training.dataset_path", training.dataset_path,
+                          "is set together with training.dataset_mix, which names every source itself",
+                          "put this dataset in the mixture, or leave training.dataset_mix empty")
+    for source, alone in source_settings(training):
+        try:
+            check_dataset("training", alone.dataset, alone.dataset_path)
+        except ConfigError as err:
+            problem = err.problem.replace("dataset = ", "its dataset ") if err.key.endswith("_path") else \
+                f"its DATASET {show_value(alone.dataset)}: {err.problem}"
+            raise ConfigError(MIX_KEY, source.entry, problem,
+                              "write each entry as [NAME=]WEIGHT:DATASET[:PATH], e.g. \"web=0.7:local:data/web/*.jsonl\"; "
+                              + err.fix.replace("set dataset_path to", "its PATH is")) from None
+
+
 def check_dataset_rows(training: Training, global_batch_size: int, tokenizer: Tokenizer, *,
                        key: str = "training.dataset_path") -> None:
     """Every row of the global batch must get text to pack: files are cut into G ranges
@@ -111,11 +133,7 @@ def check_dataset_rows(training: Training, global_batch_size: int, tokenizer: To
     an index (.jsonl, .json, .parquet) are only listed here: their rows are cut, and checked
     alike, when the run opens them (`DataLoader`), once one rank has read them (every rank
     reading every byte here would read the corpus N times)."""
-    if training.dataset_mix:
-        if training.dataset_path:
-            raise ConfigError("training.dataset_path", training.dataset_path,
-                              "is set together with training.dataset_mix, which names every source itself",
-                              "put this dataset in the mixture, or leave training.dataset_mix empty")
+    if training.dataset_mix:  # its entries were checked before (`check_dataset_mix`)
         for _, alone in source_settings(training):
             check_dataset_rows(alone, global_batch_size, tokenizer, key=MIX_KEY)
         return
