@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
@@ -27,11 +28,14 @@ from rich.markup import escape
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.folder_owners import refuse_held
 from torchmoe.config.job_config import Parallelism
-from torchmoe.config.launch_env import launch_int
+from torchmoe.config.launch_env import launch_int, tell_launcher
 from torchmoe.config.loader import CONFIG_FLAGS, config_toml
 from torchmoe.config.paths import job_paths, replica_group_config, user_path_faults
 from torchmoe.interruption import Interrupted, interrupt_on_signals
 from torchmoe.interruption import report as report_interruption
+
+if TYPE_CHECKING:
+    from torchmoe.distributed.failure import PeerFailed
 
 TRAIN_DESCRIPTION = """\
 Train a Llama 4 MoE model from a TOML job file plus --section.key overrides
@@ -221,16 +225,14 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set
             try:
                 train(cfg)
             except PeerFailed as err:
-                # Another rank failed and reports its error itself: one line here, its status.
-                print(err, file=sys.stderr)
-                _leave_if_failed(err.exit_status)
-                return err.exit_status
+                return _stopped_by_peer(err)
             except TrainingDiverged as err:
                 # Not a bug but the run's outcome: one message (the loss is global, so every rank
                 # stops at the same step and rank 0 speaks for all), exit 1 rather than the 2 of
                 # a config error.
                 if os.environ.get("RANK") in (None, "0"):
                     _report(err, rank=None)
+                tell_launcher(f"error: {err}")
                 return 1
     except ConfigError as err:
         raise _RankSpecificError(err) from err
@@ -277,10 +279,17 @@ def _eval(argv: list[str]) -> int:
 
     try:
         return eval_main(argv, _checkpoint_job, check, running)
-    except PeerFailed as err:  # another rank failed and reports its error itself
-        print(err, file=sys.stderr)
-        _leave_if_failed(err.exit_status)
-        return err.exit_status
+    except PeerFailed as err:
+        return _stopped_by_peer(err)
+
+
+def _stopped_by_peer(err: PeerFailed) -> int:
+    """Another rank failed and reports its error itself: one line here, its exit status; torchrun's
+    summary of this rank names the failing rank's error too (`tell_launcher`)."""
+    print(err, file=sys.stderr)
+    tell_launcher(err.with_cause())
+    _leave_if_failed(err.exit_status)
+    return err.exit_status
 
 
 def _convert(argv: list[str]) -> int:
@@ -336,10 +345,13 @@ def _overview() -> str:
     return "\n".join(lines)
 
 
-def _report(err: Exception, rank: str | None) -> None:
-    prefix = escape(f"[rank {rank}] ") if rank is not None else ""  # "[rank 1]" is not markup
+def _report(err: Exception, rank: str | None) -> str:
+    """Print `err` as the one message of a user error; returns its text (without the colour)."""
+    prefix = f"[rank {rank}] " if rank is not None else ""
     # soft_wrap: never break the message (the arithmetic, paths) at the terminal width.
-    Console(stderr=True, soft_wrap=True, highlight=False).print(f"{prefix}[bold red]error:[/] {escape(str(err))}")
+    Console(stderr=True, soft_wrap=True, highlight=False).print(
+        f"{escape(prefix)}[bold red]error:[/] {escape(str(err))}")  # "[rank 1]" is not markup
+    return f"{prefix}error: {err}"
 
 
 def _versions() -> str:
@@ -386,18 +398,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         with interrupt_on_signals():
             return _dispatch(list(sys.argv[1:] if argv is None else argv))
     except Interrupted as stop:
-        report_interruption(stop)
+        tell_launcher(report_interruption(stop))
         _leave_if_failed(stop.exit_status)
         return stop.exit_status
     except ConfigError as err:
         # Config errors are the same on every rank: one message from rank 0 is enough (a RANK
-        # refused is no rank's: the process it is wrong in says it).
+        # refused is no rank's: the process it is wrong in says it). Every rank's entry in
+        # torchrun's summary holds it: whichever rank exits first is the one it shows last.
         if rank in (None, "0") or err.key == "RANK":
             _report(err, rank=None)
+        tell_launcher(f"error: {err}")
         _leave_if_failed(2)
         return 2
     except _RankSpecificError as wrapped:
-        _report(wrapped.err, rank=rank)
+        tell_launcher(_report(wrapped.err, rank=rank))
         _leave_if_failed(2)
         return 2
     except BrokenPipeError:
