@@ -73,7 +73,7 @@ def test_the_readme_runs_in_order(tmp_path: Path) -> None:
     rows = read_metrics(tmp_path / "outputs" / "debug")
     assert rows[0]["loss"] == pytest.approx(6.72, abs=0.05) and rows[-1]["step"] == 200
     assert rows[-1]["loss"] < 2.4, rows[-1]
-    assert first.stdout.startswith("tiny-flavor smoke run on CPU\ntraining tiny (2.4 M parameters")
+    assert first.stdout.startswith("tiny-flavor smoke run on CPU\ntraining llama4 tiny (2.4 M parameters")
     assert (first.stdout + first.stderr).count("attention kernel: cpu_flash (cpu, float32, head_dim 16)") == 1
     assert f"done: step 200/200, loss {rows[-1]['loss']:.4f}" in first.stdout
     # Sampling and evaluation read the 40-step run's checkpoint.

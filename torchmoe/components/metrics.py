@@ -239,25 +239,43 @@ def _drop_records_from(path: Path, step: int) -> bool:
 def check_history(dump_folder: Path, cfg: JobConfig) -> None:
     """A run that resumes no checkpoint (it starts at step 1) continues the metrics.jsonl of its
     dump folder, dropping its records, only where they are its own: a restart of the same run
-    before its first checkpoint, with the same config.toml. Any other run's history is never cut.
+    before its first checkpoint, with the same config.toml, that had not finished. A finished
+    run's history, and any other run's, is never cut unless `job.overwrite` asks for it.
 
     Raises:
-        ConfigError: metrics.jsonl holds records of a run with another (or no) config.toml.
+        ConfigError: metrics.jsonl holds records of a run with another (or no) config.toml, or of
+            this config's run that reached its last step, and `job.overwrite` is false.
     """
     steps = [r["step"] for line in _lines(dump_folder / METRICS_FILE) if (r := parse_record(line)) is not None]
     if not steps:
         return
     try:
-        differ = differing_keys(load_toml_config(dump_folder / "config.toml"), cfg)
+        differ = [k for k in differing_keys(load_toml_config(dump_folder / "config.toml"), cfg) if k != "job.overwrite"]
     except ConfigError as err:  # missing or unreadable: not this run's
         differ = [f"config.toml: {err.problem}"]
+    history = f"steps {min(steps)}-{max(steps)}"
+    if cfg.job.overwrite:
+        logger.warning("job.overwrite is true: the history in %s (%s) is replaced by this run's", dump_folder / METRICS_FILE,
+                       history)
+        return
+    fix = (f"give this run its own folder (--job.dump_folder {_free_sibling(cfg.job.dump_folder)}), or pass "
+           "--job.overwrite true to replace that history")
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise ConfigError("job.dump_folder", cfg.job.dump_folder,
-                          f"holds the metrics.jsonl of another run (steps {min(steps)}-{max(steps)}; its config "
-                          f"differs in {shown}), which this run, starting at step 1 without a checkpoint to resume, "
-                          "would cut", "give this run its own job.dump_folder, or move metrics.jsonl away to start "
-                          "over in this one")
+                          f"holds the metrics.jsonl of another run ({history}; its config differs in {shown}), "
+                          "which this run, starting at step 1 without a checkpoint to resume, would cut", fix)
+    if max(steps) >= cfg.training.steps:
+        raise ConfigError("job.dump_folder", cfg.job.dump_folder,
+                          f"holds a finished run of this config (metrics.jsonl: {history} of {cfg.training.steps}), "
+                          "whose history this run, starting again at step 1 without a checkpoint to resume "
+                          "(checkpoint.enable), would replace", fix)
+
+
+def _free_sibling(folder: str) -> str:
+    """`folder` with the first suffix -2, -3, ... that names nothing yet: a dump folder to suggest."""
+    base = folder.rstrip("/") or folder
+    return next(f"{base}-{n}" for n in range(2, 10**6) if not os.path.lexists(f"{base}-{n}"))
 
 
 class _RecordFile:
