@@ -61,7 +61,7 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.config.job_config import Metrics as MetricsConfig
 from torchmoe.config.loader import differing_keys, load_toml_config
 from torchmoe.config.nesting import json_loads
-from torchmoe.config.paths import WRITE_FIX, path_fault
+from torchmoe.config.paths import WRITE_FIX, free_folder_name, path_fault
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def check_history(dump_folder: Path, cfg: JobConfig) -> None:
         logger.warning("job.overwrite is true: the history in %s (%s) is replaced by this run's", dump_folder / METRICS_FILE,
                        history)
         return
-    fix = (f"give this run its own folder (--job.dump_folder {_free_sibling(cfg.job.dump_folder)}), or pass "
+    fix = (f"give this run its own folder (--job.dump_folder {free_folder_name(cfg.job.dump_folder)}), or pass "
            "--job.overwrite true to replace that history")
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
@@ -270,12 +270,6 @@ def check_history(dump_folder: Path, cfg: JobConfig) -> None:
                           f"holds a finished run of this config (metrics.jsonl: {history} of {cfg.training.steps}), "
                           "whose history this run, starting again at step 1 without a checkpoint to resume "
                           "(checkpoint.enable), would replace", fix)
-
-
-def _free_sibling(folder: str) -> str:
-    """`folder` with the first suffix -2, -3, ... that names nothing yet: a dump folder to suggest."""
-    base = folder.rstrip("/") or folder
-    return next(f"{base}-{n}" for n in range(2, 10**6) if not os.path.lexists(f"{base}-{n}"))
 
 
 class _RecordFile:
