@@ -30,8 +30,8 @@ from torchmoe.arch.registry import model_args_from_config
 from torchmoe.attention_kernel import MATH
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.loader import resolved_config_text
-from torchmoe.config.paths import free_folder_name
 from torchmoe.config.output_files import check_output_file, write_output
+from torchmoe.config.paths import free_folder_name
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
