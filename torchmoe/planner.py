@@ -308,6 +308,11 @@ def _calibrate(cfg: JobConfig, flags: dict[str, str]) -> int:
             f"wrote {escape(str(out))}: " + "; ".join(f"{op} " + ", ".join(f"{d} {v:.3g}" for d, v in r.items())
                                                     + " TFLOP/s" for op, r in rates.items())
             + f"; {len(profile.get('collectives', {}))} collectives; plan with --hardware {escape(str(out))}")
+        bounded = profile["measurements"].get("bounded")
+        if bounded:  # the machine was too busy to measure them: `calibrate` notes it in the profile
+            _report_console().print(f"[yellow]warning:[/] {', '.join(bounded)} measured outside what a profile "
+                                    "holds (compute twice), written as the nearest bound: calibrate again on an idle "
+                                    "machine for a profile that predicts it", soft_wrap=True)
     return 0
 
 
