@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -146,15 +147,19 @@ class _RankSpecificError(Exception):
         self.err = err
 
 
+_FILE_FIX = ("pass a job file: --config configs/debug_model.toml is the tiny job (CPU, 21 s); configs/ holds the "
+             "others (an empty .toml file trains the defaults)")
+
+
 def _job_config(config_argv: list[str], prog: str, description: str, *,
-                require_file: Callable[[JobConfig], str] | None = None,
+                require_file: Callable[[JobConfig], str] | None = None, fix: str = _FILE_FIX,
                 set_keys: set[str] | None = None) -> JobConfig | int:
     """The job file and overrides of `config_argv`, each section checked; an int when --help was
     printed (the exit status). Notes (torchtitan keys mapped) are printed once, by rank 0.
 
     Args:
         require_file: what the command would do with the defaults, when it needs a job file (a
-            missing --config is then a `ConfigError`).
+            missing --config is then a `ConfigError`, with `fix`).
         set_keys: filled with the keys the file and the flags set.
     """
     notes: list[str] = []
@@ -167,9 +172,7 @@ def _job_config(config_argv: list[str], prog: str, description: str, *,
             Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]warning:[/] {escape(note)}")
     validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
     if require_file is not None and not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
-        raise ConfigError("--config", "(not given)", f"without a job file torchmoe would {require_file(cfg)}",
-                          "pass a job file: --config configs/debug_model.toml is the tiny job (CPU, 21 s); "
-                          "configs/ holds the others (an empty .toml file trains the defaults)")
+        raise ConfigError("--config", "(not given)", f"without a job file torchmoe would {require_file(cfg)}", fix)
     return cfg
 
 
@@ -240,15 +243,44 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set
 
 
 def _needs_a_run(cfg: JobConfig) -> str:
-    return (f"read the newest checkpoint of its default run, {cfg.job.dump_folder}/, with its default model "
-            f"{cfg.model.flavor}")
+    return f"read the newest checkpoint of {cfg.job.dump_folder}/, which holds no run (no config.toml)"
 
 
-def _checkpoint_job(config_argv: list[str], prog: str, description: str) -> JobConfig | int:
-    """The job whose checkpoints `generate` and `eval` read: a replica group's own dump folder
-    under fault tolerance (`replica_group_config`)."""
-    cfg = _job_config(config_argv, prog, description, require_file=_needs_a_run)
-    return cfg if isinstance(cfg, int) else replica_group_config(cfg)
+_WEIGHTS_FIX = ("name the weights: --job.dump_folder of a run that saved checkpoints (its config.toml gives the "
+                "model), --checkpoint FOLDER (a run's step-N, or a Hugging Face folder), or a job file: --config FILE")
+
+
+def _checkpoint_job(config_argv: list[str], prog: str, description: str, *, checkpoint: str,
+                    step: int | None) -> tuple[JobConfig, Path, bool] | int:
+    """The job whose trained weights `generate` and `eval` read, the weights' folder and whether
+    it is a Hugging Face one (`trained_weights`); an int when --help was printed.
+
+    Without a job file the job is the run's own config.toml: that of the run whose step-N
+    `checkpoint` is, else that of `--job.dump_folder`. The model is the weights' own wherever
+    they tell it (`with_weights_model`: a run's config.toml, a Hugging Face config.json), but for
+    the `--model.*` flags given; a job file that says otherwise gets a warning. Under fault
+    tolerance the dump folder is the replica group's own (`replica_group_config`).
+    """
+    from torchmoe.components.trained_weights import run_config_file, trained_weights, with_weights_model
+
+    if not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
+        run = run_config_file(Path(checkpoint)) if checkpoint else None
+        if run is None and not checkpoint and not any(token in ("-h", "--help") for token in config_argv):
+            own = Path(load_job_config(config_argv, notes=[]).job.dump_folder) / "config.toml"
+            run = own if own.is_file() else None
+        if run is not None:
+            config_argv = ["--config", str(run), *config_argv]
+    cfg = _job_config(config_argv, prog, description, require_file=None if checkpoint else _needs_a_run,
+                      fix=_WEIGHTS_FIX)
+    if isinstance(cfg, int):
+        return cfg
+    cfg = replica_group_config(cfg)
+    folder, in_hf = trained_weights(cfg, "--checkpoint", path=checkpoint, step=step)
+    flags = {token[2:].partition("=")[0].replace("-", "_") for token in config_argv if token.startswith("--model.")}
+    cfg, note = with_weights_model(cfg, folder, in_hf, flag_keys=flags)
+    if note and os.environ.get("RANK") in (None, "0"):
+        Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]note:[/] {escape(note)}")
+    return cfg, folder, in_hf
 
 
 def _generate(argv: list[str]) -> int:

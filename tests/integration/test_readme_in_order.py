@@ -31,8 +31,8 @@ README_COMMANDS = [
     "torchmoe train --config configs/debug_model.toml",
     "torchmoe train --config configs/debug_model.toml --training.steps 40 --checkpoint.enable true "
     "--job.dump_folder outputs/debug-40",
-    "torchmoe generate --config configs/debug_model.toml --job.dump_folder outputs/debug-40 --prompt 'def main('",
-    "torchmoe eval --config configs/debug_model.toml --job.dump_folder outputs/debug-40 --split train --batches 4",
+    "torchmoe generate --job.dump_folder outputs/debug-40 --prompt 'def main('",
+    "torchmoe eval --job.dump_folder outputs/debug-40 --split train --batches 4",
     "torchmoe train --config configs/llama4_16e.toml --dry-run --world-size 64",
     "torchrun --nproc_per_node=8 -m torchmoe train --config configs/debug_model.toml "
     "--parallelism.tensor_parallel_degree 2 --parallelism.expert_parallel_degree 4 --training.steps 10 "
