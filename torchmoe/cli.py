@@ -39,8 +39,9 @@ if TYPE_CHECKING:
     from torchmoe.distributed.failure import PeerFailed
 
 TRAIN_DESCRIPTION = """\
-Train a Llama 4 MoE model from a TOML job file plus --section.key overrides
-(precedence: flag > TOML > default). Booleans take true/false; lists take several values.
+Train a mixture-of-experts model (model.name: llama4, qwen3, deepseek_v3, gpt_oss) from a TOML job
+file plus --section.key overrides (precedence: flag > TOML > default). Booleans take true/false;
+lists take several values.
 
   --config FILE    TOML job file, e.g. configs/debug_model.toml; the defaults shown below are
                    the values in effect with it.
@@ -355,7 +356,7 @@ def _lighthouse(argv: list[str]) -> int:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
+    "train": Subcommand("Train (or --dry-run plan) a mixture-of-experts model from a TOML job file.", _train),
     "plan": Subcommand("Choose the fastest layout that fits on N GPUs (or --calibrate this machine).", _plan),
     "generate": Subcommand("Sample text from a checkpoint (greedy, or temperature and top-p) with a KV cache.",
                            _generate),
@@ -374,6 +375,8 @@ def _overview() -> str:
     width = max(map(len, SUBCOMMANDS))
     lines = [f"usage: torchmoe {{{','.join(SUBCOMMANDS)}}} [OPTIONS]  (or --version)", "", "subcommands:"]
     lines += [f"  {name:<{width}}  {sub.summary}" for name, sub in SUBCOMMANDS.items()]
+    lines += ["", "`torchmoe SUBCOMMAND --help` lists its options (train, generate, eval: every config key with its "
+              "default); docs/cli.md has them all."]
     return "\n".join(lines)
 
 
@@ -405,8 +408,8 @@ def _dispatch(argv: list[str]) -> int:
         print(_versions())
         return 0
     if argv and argv[0] in ("-h", "--help"):
-        print(_overview() + "\n")
-        return SUBCOMMANDS["train"].run(["--help"])
+        print(_overview())
+        return 0
     if not argv or argv[0].startswith("-"):
         raise ConfigError("subcommand", argv[0] if argv else "", "missing subcommand",
                           f"run e.g. `torchmoe train --config configs/debug_model.toml`\n{_overview()}")

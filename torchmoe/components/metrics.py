@@ -472,10 +472,12 @@ class MetricsLogger:
         add("grad_norm", "grad {:.3f}", "magenta")
         add("lr", "lr {:.2e}", "white")
         add("tokens_per_sec", "{:,.0f} tok/s", "green")
-        add("tflops", "{:.1f} TFLOP/s", "green")
+        if r.get("tflops") is not None:  # GFLOP/s below 1 TFLOP/s: a CPU's rate read "0.0 TFLOP/s"
+            parts.append(f"[green]{_flops(r['tflops'])}[/]")
         add("mfu", "MFU {:.1f}%", "green")
         add("memory_gib", "mem {:.2f} GiB", "yellow")
-        add("moe_imbalance", "imb {:.2f}", "red")
+        # The busiest expert's tokens over the mean (1.00: balanced), averaged over the MoE layers.
+        add("moe_imbalance", "expert max/mean {:.2f}", "red")
         sources = {k[len("tokens/"):]: v for k, v in r.items() if k.startswith("tokens/")}
         if sources:  # a mixture: each source's share of the tokens so far
             total = sum(sources.values()) or 1
@@ -530,6 +532,11 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _flops(tflops: float) -> str:
+    """An achieved rate per rank for the console: TFLOP/s from 1 up, else GFLOP/s (3 digits)."""
+    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.3g} GFLOP/s"
 
 
 def _duration(seconds: float) -> str:
