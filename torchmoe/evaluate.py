@@ -109,12 +109,14 @@ def eval_main(argv: list[str], load_config: Callable[..., tuple[JobConfig, Path,
     `running()` holds the evaluation itself (the command line's report of errors that may differ
     between ranks)."""
     found, rest = split_flags(argv, _FLAGS)
+    wants_help = any(token in ("-h", "--help") for token in rest)
+    # Before the weights are looked for: a refused output wastes no reading.
+    out = check_output_file("--out", str(found["--out"]), _OUT_FIX) if "--out" in found and not wants_help else None
     loaded = load_config(rest, "torchmoe eval", EVAL_DESCRIPTION, checkpoint=str(found.get("--checkpoint", "")),
                          step=found.get("--step"))
     if isinstance(loaded, int):
         return loaded
     cfg, weights, in_hf = loaded
-    out = check_output_file("--out", str(found["--out"]), _OUT_FIX) if "--out" in found else None
     split = str(found.get("--split", "validation"))
     work = _work_folder()
     try:
