@@ -259,7 +259,7 @@ def _checkpoint_job(config_argv: list[str], prog: str, description: str, *, chec
     Without a job file the job is the run's own config.toml: that of the run whose step-N
     `checkpoint` is, else that of `--job.dump_folder`. The model is the weights' own wherever
     they tell it (`with_weights_model`: a run's config.toml, a Hugging Face config.json), but for
-    the `--model.*` flags given; a job file that says otherwise gets a warning. Under fault
+    the `--model.*` flags given; a job file that says otherwise gets one note. Under fault
     tolerance the dump folder is the replica group's own (`replica_group_config`).
     """
     from torchmoe.components.trained_weights import run_config_file, trained_weights, with_weights_model
