@@ -42,6 +42,7 @@ Time: each measurement runs once to warm up, once to count, then as many times a
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -71,6 +72,7 @@ from torchmoe.plan.hardware import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
     Link,
+    in_profile_range,
     profile_from_dict,
     profile_to_dict,
 )
@@ -443,6 +445,18 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+# A measured value's unit in a profile and its kind there (`plan.hardware.in_profile_range`); the
+# values not named are compute rates: FLOP/s, held in TFLOP/s.
+_UNITS = {"memory_bandwidth": (1e-9, "rate"), "kernel_overhead": (1e6, "microseconds")}
+
+
+def _profile_value(key: str, value: float) -> float:
+    """`value` (FLOP/s, bytes/s or seconds) moved into the range a profile holds for `key`."""
+    scale, kind = _UNITS.get(key, (1e-12, "rate"))
+    held = in_profile_range(value * scale, kind)
+    return value if held == value * scale else held / scale
+
+
 def _round(x: float) -> float:
     """Four significant digits: what one calibration can tell apart."""
     return float(f"{x:.4g}")
@@ -463,29 +477,44 @@ def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
               + _MESSAGE_SHARE * len(COLLECTIVES) * len(sizes) + _OVERLAP_SHARE * (world.size > 1))
     unit = budget_s * _TIMED_SHARE / shares
 
-    local: dict[str, float] = {}  # this rank's rates (FLOP/s, bytes/s) and seconds per kernel
-
-    def rate(key: str, built: tuple[Callable[[], object], float]) -> float:
-        seconds = _seconds(world, built[0], _COMPUTE_SHARE * unit)
-        local[key] = built[1] / seconds
-        return seconds
-
-    matmul_s = {}
+    # Each value's step (built when measured: one step's tensors at a time), in the order measured.
+    steps: dict[str, Callable[[], tuple[Callable[[], object], float]]] = {}
     for name in dtypes:
-        matmul_s[name] = rate(f"matmul.{name}", _matmul_step(shapes["matmul"], torch_dtype(name), dev))
+        steps[f"matmul.{name}"] = functools.partial(_matmul_step, shapes["matmul"], torch_dtype(name), dev)
     if float8:
-        rate("matmul.float8", _float8_step(shapes["matmul"], dev))
+        steps["matmul.float8"] = functools.partial(_float8_step, shapes["matmul"], dev)
     for name in dtypes:
-        rate(f"attention.{name}", _attention_step(shapes["attention"], torch_dtype(name), dev))
+        steps[f"attention.{name}"] = functools.partial(_attention_step, shapes["attention"], torch_dtype(name), dev)
     for name in dtypes:
-        rate(f"grouped_mm.{name}", _grouped_step(shapes["grouped_mm"], args.top_k, args.use_grouped_mm,
-                                                 torch_dtype(name), dev))
-    rate("memory_bandwidth", _stream_step(_STREAM_ELEMENTS[dev.type], dev))
-    tiny, kernels = _tiny_step(dev)
-    local["kernel_overhead"] = _seconds(world, tiny, _COMPUTE_SHARE * unit) / kernels
-    rates = world.mean(local)
+        steps[f"grouped_mm.{name}"] = functools.partial(_grouped_step, shapes["grouped_mm"], args.top_k,
+                                                        args.use_grouped_mm, torch_dtype(name), dev)
+    steps["memory_bandwidth"] = functools.partial(_stream_step, _STREAM_ELEMENTS[dev.type], dev)
+    steps["kernel_overhead"] = functools.partial(_tiny_step, dev)
+    per_step: dict[str, float] = {}  # this rank's seconds per step
+
+    def measure(keys: Sequence[str]) -> dict[str, float]:
+        """The mean over the ranks of each value: a rate (FLOP/s, bytes/s), or seconds per kernel."""
+        local = {}
+        for key in keys:
+            step, work = steps[key]()
+            per_step[key] = _seconds(world, step, _COMPUTE_SHARE * unit)
+            local[key] = per_step[key] / work if key == "kernel_overhead" else \
+                work / per_step[key] if per_step[key] > 0 else math.inf
+        return world.mean(local)
+
+    rates = measure(list(steps))
+    # A value no profile holds (a rate below 1 GFLOP/s on a loaded machine): measured once more,
+    # then moved to the nearest bound, and said so.
+    outside = [key for key, value in rates.items() if _profile_value(key, value) != value]
+    rates.update(measure(outside))
+    bounded = {key: value for key in outside if _profile_value(key, value := rates[key]) != value}
+    rates.update({key: _profile_value(key, value) for key, value in bounded.items()})
+    matmul_s = {name: per_step[f"matmul.{name}"] for name in dtypes}
 
     measurements: dict = {"world_size": world.size, "budget_s": budget_s, "shapes": shapes}
+    # What was measured of each value bounded, in the profile's unit (null: no time measurable).
+    out_of_range = {key: _round(v * _UNITS.get(key, (1e-12,))[0]) if math.isfinite(v) else None
+                    for key, v in bounded.items()}
     fits: dict[str, Link] = {}
     overlap = 1.0
     if world.size > 1:
@@ -500,11 +529,17 @@ def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
             name, nbytes = key.split(":")
             tables[name].append([int(nbytes), seconds])
         fits = {name: fit_link(name, world.size, table) for name, table in tables.items()}
+        out_of_range.update({f"collectives.{name}": {"latency_us": _round(link.latency_us),
+                                                     "bandwidth_gbs": _round(link.bandwidth_gbs)}
+                             for name, link in fits.items() if link.in_profile_range() != link})
+        fits = {name: link.in_profile_range() for name, link in fits.items()}
         matmul = _matmul_step(shapes["matmul"], torch_dtype(compute), dev)[0]
         slowest_matmul = world.slowest({"s": matmul_s[compute]})["s"]
         overlap, measurements["overlap"] = _overlap(world, matmul, slowest_matmul, fits["all_gather"], sizes,
                                                     _OVERLAP_SHARE * unit)
         measurements["collectives"] = tables
+    if out_of_range:
+        measurements["bounded"] = out_of_range
     measurements["elapsed_s"] = world.slowest({"s": time.perf_counter() - begin})["s"]
     return _document(world, rates, fits, overlap, job, shapes, measurements)
 
@@ -546,6 +581,9 @@ def _document(world: _World, rates: dict[str, float], fits: dict[str, Link], ove
         links = dict.fromkeys(("intra_node", "inter_node"), Link(overhead_us, bandwidth_gbs))
         notes.append("links: a stand-in (memory bandwidth, kernel overhead): one process measures no link, "
                      "calibrate under torchrun for real ones")
+    if measurements.get("bounded"):
+        notes.append(f"{', '.join(measurements['bounded'])} measured outside what a profile holds (compute twice: a "
+                     "loaded machine?), written as the nearest bound (measurements.bounded: what was measured)")
     shrunk = [op for op in shapes if shapes[op] != job[op]]
     if shrunk:
         notes.append(f"{', '.join(shrunk)} measured at smaller shapes than the job's (measurements.shapes)")

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
@@ -27,16 +29,20 @@ from rich.markup import escape
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.folder_owners import refuse_held
 from torchmoe.config.job_config import Parallelism
-from torchmoe.config.launch_env import launch_int
+from torchmoe.config.launch_env import launch_int, tell_launcher
 from torchmoe.config.loader import CONFIG_FLAGS, config_toml
 from torchmoe.config.numbers import MAX_RANKS, parse_int
 from torchmoe.config.paths import job_paths, replica_group_config, user_path_faults
 from torchmoe.interruption import Interrupted, interrupt_on_signals
 from torchmoe.interruption import report as report_interruption
 
+if TYPE_CHECKING:
+    from torchmoe.distributed.failure import PeerFailed
+
 TRAIN_DESCRIPTION = """\
-Train a Llama 4 MoE model from a TOML job file plus --section.key overrides
-(precedence: flag > TOML > default). Booleans take true/false; lists take several values.
+Train a mixture-of-experts model (model.name: llama4, qwen3, deepseek_v3, gpt_oss) from a TOML job
+file plus --section.key overrides (precedence: flag > TOML > default). Booleans take true/false;
+lists take several values.
 
   --config FILE    TOML job file, e.g. configs/debug_model.toml; the defaults shown below are
                    the values in effect with it.
@@ -141,15 +147,19 @@ class _RankSpecificError(Exception):
         self.err = err
 
 
+_FILE_FIX = ("pass a job file: --config configs/debug_model.toml is the tiny job (CPU, 21 s); configs/ holds the "
+             "others (an empty .toml file trains the defaults)")
+
+
 def _job_config(config_argv: list[str], prog: str, description: str, *,
-                require_file: Callable[[JobConfig], str] | None = None,
+                require_file: Callable[[JobConfig], str] | None = None, fix: str = _FILE_FIX,
                 set_keys: set[str] | None = None) -> JobConfig | int:
     """The job file and overrides of `config_argv`, each section checked; an int when --help was
     printed (the exit status). Notes (torchtitan keys mapped) are printed once, by rank 0.
 
     Args:
         require_file: what the command would do with the defaults, when it needs a job file (a
-            missing --config is then a `ConfigError`).
+            missing --config is then a `ConfigError`, with `fix`).
         set_keys: filled with the keys the file and the flags set.
     """
     notes: list[str] = []
@@ -162,9 +172,7 @@ def _job_config(config_argv: list[str], prog: str, description: str, *,
             Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]warning:[/] {escape(note)}")
     validate_sections(cfg)  # answers a typo at once: what follows imports torch and the model
     if require_file is not None and not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
-        raise ConfigError("--config", "(not given)", f"without a job file torchmoe would {require_file(cfg)}",
-                          "pass a job file: --config configs/debug_model.toml is the tiny job (CPU, 21 s); "
-                          "configs/ holds the others (an empty .toml file trains the defaults)")
+        raise ConfigError("--config", "(not given)", f"without a job file torchmoe would {require_file(cfg)}", fix)
     return cfg
 
 
@@ -220,16 +228,14 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set
             try:
                 train(cfg)
             except PeerFailed as err:
-                # Another rank failed and reports its error itself: one line here, its status.
-                print(err, file=sys.stderr)
-                _leave_if_failed(err.exit_status)
-                return err.exit_status
+                return _stopped_by_peer(err)
             except TrainingDiverged as err:
                 # Not a bug but the run's outcome: one message (the loss is global, so every rank
                 # stops at the same step and rank 0 speaks for all), exit 1 rather than the 2 of
                 # a config error.
                 if os.environ.get("RANK") in (None, "0"):
                     _report(err, rank=None)
+                tell_launcher(f"error: {err}")
                 return 1
     except ConfigError as err:
         raise _RankSpecificError(err) from err
@@ -237,15 +243,44 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set
 
 
 def _needs_a_run(cfg: JobConfig) -> str:
-    return (f"read the newest checkpoint of its default run, {cfg.job.dump_folder}/, with its default model "
-            f"{cfg.model.flavor}")
+    return f"read the newest checkpoint of {cfg.job.dump_folder}/, which holds no run (no config.toml)"
 
 
-def _checkpoint_job(config_argv: list[str], prog: str, description: str) -> JobConfig | int:
-    """The job whose checkpoints `generate` and `eval` read: a replica group's own dump folder
-    under fault tolerance (`replica_group_config`)."""
-    cfg = _job_config(config_argv, prog, description, require_file=_needs_a_run)
-    return cfg if isinstance(cfg, int) else replica_group_config(cfg)
+_WEIGHTS_FIX = ("name the weights: --job.dump_folder of a run that saved checkpoints (its config.toml gives the "
+                "model), --checkpoint FOLDER (a run's step-N, or a Hugging Face folder), or a job file: --config FILE")
+
+
+def _checkpoint_job(config_argv: list[str], prog: str, description: str, *, checkpoint: str,
+                    step: int | None) -> tuple[JobConfig, Path, bool] | int:
+    """The job whose trained weights `generate` and `eval` read, the weights' folder and whether
+    it is a Hugging Face one (`trained_weights`); an int when --help was printed.
+
+    Without a job file the job is the run's own config.toml: that of the run whose step-N
+    `checkpoint` is, else that of `--job.dump_folder`. The model is the weights' own wherever
+    they tell it (`with_weights_model`: a run's config.toml, a Hugging Face config.json), but for
+    the `--model.*` flags given; a job file that says otherwise gets one note. Under fault
+    tolerance the dump folder is the replica group's own (`replica_group_config`).
+    """
+    from torchmoe.components.trained_weights import run_config_file, trained_weights, with_weights_model
+
+    if not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
+        run = run_config_file(Path(checkpoint)) if checkpoint else None
+        if run is None and not checkpoint and not any(token in ("-h", "--help") for token in config_argv):
+            own = Path(load_job_config(config_argv, notes=[]).job.dump_folder) / "config.toml"
+            run = own if own.is_file() else None
+        if run is not None:
+            config_argv = ["--config", str(run), *config_argv]
+    cfg = _job_config(config_argv, prog, description, require_file=None if checkpoint else _needs_a_run,
+                      fix=_WEIGHTS_FIX)
+    if isinstance(cfg, int):
+        return cfg
+    cfg = replica_group_config(cfg)
+    folder, in_hf = trained_weights(cfg, "--checkpoint", path=checkpoint, step=step)
+    flags = {token[2:].partition("=")[0].replace("-", "_") for token in config_argv if token.startswith("--model.")}
+    cfg, note = with_weights_model(cfg, folder, in_hf, flag_keys=flags)
+    if note and os.environ.get("RANK") in (None, "0"):
+        Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]note:[/] {escape(note)}")
+    return cfg, folder, in_hf
 
 
 def _generate(argv: list[str]) -> int:
@@ -276,10 +311,17 @@ def _eval(argv: list[str]) -> int:
 
     try:
         return eval_main(argv, _checkpoint_job, check, running)
-    except PeerFailed as err:  # another rank failed and reports its error itself
-        print(err, file=sys.stderr)
-        _leave_if_failed(err.exit_status)
-        return err.exit_status
+    except PeerFailed as err:
+        return _stopped_by_peer(err)
+
+
+def _stopped_by_peer(err: PeerFailed) -> int:
+    """Another rank failed and reports its error itself: one line here, its exit status; torchrun's
+    summary of this rank names the failing rank's error too (`tell_launcher`)."""
+    print(err, file=sys.stderr)
+    tell_launcher(err.with_cause())
+    _leave_if_failed(err.exit_status)
+    return err.exit_status
 
 
 def _convert(argv: list[str]) -> int:
@@ -313,7 +355,7 @@ def _lighthouse(argv: list[str]) -> int:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "train": Subcommand("Train (or --dry-run plan) a Llama 4 MoE model from a TOML config.", _train),
+    "train": Subcommand("Train (or --dry-run plan) a mixture-of-experts model from a TOML job file.", _train),
     "plan": Subcommand("Choose the fastest layout that fits on N GPUs (or --calibrate this machine).", _plan),
     "generate": Subcommand("Sample text from a checkpoint (greedy, or temperature and top-p) with a KV cache.",
                            _generate),
@@ -332,13 +374,18 @@ def _overview() -> str:
     width = max(map(len, SUBCOMMANDS))
     lines = [f"usage: torchmoe {{{','.join(SUBCOMMANDS)}}} [OPTIONS]  (or --version)", "", "subcommands:"]
     lines += [f"  {name:<{width}}  {sub.summary}" for name, sub in SUBCOMMANDS.items()]
+    lines += ["", "`torchmoe SUBCOMMAND --help` lists its options (train, generate, eval: every config key with its "
+              "default); docs/cli.md has them all."]
     return "\n".join(lines)
 
 
-def _report(err: Exception, rank: str | None) -> None:
-    prefix = escape(f"[rank {rank}] ") if rank is not None else ""  # "[rank 1]" is not markup
+def _report(err: Exception, rank: str | None) -> str:
+    """Print `err` as the one message of a user error; returns its text (without the colour)."""
+    prefix = f"[rank {rank}] " if rank is not None else ""
     # soft_wrap: never break the message (the arithmetic, paths) at the terminal width.
-    Console(stderr=True, soft_wrap=True, highlight=False).print(f"{prefix}[bold red]error:[/] {escape(str(err))}")
+    Console(stderr=True, soft_wrap=True, highlight=False).print(
+        f"{escape(prefix)}[bold red]error:[/] {escape(str(err))}")  # "[rank 1]" is not markup
+    return f"{prefix}error: {err}"
 
 
 def _versions() -> str:
@@ -360,8 +407,8 @@ def _dispatch(argv: list[str]) -> int:
         print(_versions())
         return 0
     if argv and argv[0] in ("-h", "--help"):
-        print(_overview() + "\n")
-        return SUBCOMMANDS["train"].run(["--help"])
+        print(_overview())
+        return 0
     if not argv or argv[0].startswith("-"):
         raise ConfigError("subcommand", argv[0] if argv else "", "missing subcommand",
                           f"run e.g. `torchmoe train --config configs/debug_model.toml`\n{_overview()}")
@@ -385,18 +432,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         with interrupt_on_signals():
             return _dispatch(list(sys.argv[1:] if argv is None else argv))
     except Interrupted as stop:
-        report_interruption(stop)
+        tell_launcher(report_interruption(stop))
         _leave_if_failed(stop.exit_status)
         return stop.exit_status
     except ConfigError as err:
         # Config errors are the same on every rank: one message from rank 0 is enough (a RANK
-        # refused is no rank's: the process it is wrong in says it).
+        # refused is no rank's: the process it is wrong in says it). Every rank's entry in
+        # torchrun's summary holds it: whichever rank exits first is the one it shows last.
         if rank in (None, "0") or err.key == "RANK":
             _report(err, rank=None)
+        tell_launcher(f"error: {err}")
         _leave_if_failed(2)
         return 2
     except _RankSpecificError as wrapped:
-        _report(wrapped.err, rank=rank)
+        tell_launcher(_report(wrapped.err, rank=rank))
         _leave_if_failed(2)
         return 2
     except BrokenPipeError:

@@ -2,8 +2,8 @@
 
     torchmoe convert hf-to-dcp path/to/Llama-4-Scout-17B-16E-Instruct outputs/scout-dcp --dtype bfloat16
     torchmoe train --config configs/llama4_16e.toml --checkpoint.initial_load_path outputs/scout-dcp
-    torchmoe convert dcp-to-hf outputs/debug/checkpoint/step-200 outputs/debug-hf --flavor tiny
-    torchmoe convert dcp-to-hf outputs/qwen/checkpoint/step-200 outputs/qwen-hf --model-name qwen3 --flavor tiny
+    torchmoe convert dcp-to-hf outputs/debug/checkpoint/step-200 outputs/debug-hf   # the run's model and tokenizer
+    torchmoe convert dcp-to-hf outputs/qwen-dcp outputs/qwen-hf --model-name qwen3 --flavor tiny
 
     torchrun --nproc_per_node=8 -m torchmoe convert hf-to-dcp path/to/Llama-4-Maverick out/maverick-dcp
 
@@ -12,7 +12,9 @@
 which built-in family and flavor the weights belong to (the family is config.json's
 ``model_type``). `dcp-to-hf` reads a torchmoe `step-N/` folder (only its `model.*` entries) or such
 a bare model folder and writes a Hugging Face folder of the family (`Llama4ForCausalLM`,
-`Qwen3MoeForCausalLM`).
+`Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`, `GptOssForCausalLM`). The family, flavor and
+tokenizer are the run's (its config.toml) for a run's step-N folder, else the one built-in flavor
+the tensors fit; `--model-name`, `--flavor` and `--tokenizer` say otherwise.
 
 Both directions run in one process, or as a sharded job under torchrun (gloo: this is host
 work): every tensor with at least one row per rank is split by rows over the ranks, and each
@@ -42,11 +44,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.arch.registry import FLAVORS
+from torchmoe.arch.registry import FLAVORS, check_model
 from torchmoe.argparser import ArgumentParser, parse_args
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import refuse_bad_values
-from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit, stored_mtp_layers
+from torchmoe.components.flavor_fit import (
+    flavors_fitting,
+    matching_flavor,
+    meta_state,
+    require_fit,
+    stored_mtp_layers,
+)
 from torchmoe.components.hf_storage import (
     ExpertBiasDrop,
     load_hf_weights,
@@ -56,10 +64,12 @@ from torchmoe.components.hf_storage import (
 )
 from torchmoe.components.run_lock import LOCK_NAMES, lock_folders
 from torchmoe.components.tokenizer_files import copy_tokenizer_files
+from torchmoe.components.trained_weights import run_config_file
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.launch_env import launch_int
+from torchmoe.config.loader import load_toml_config
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.config.validate import PARAM_DTYPES
 from torchmoe.models.decoder.model import Transformer
@@ -213,10 +223,7 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
             empty, held by a live run, or cannot be written.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    if name not in FLAVORS:
-        raise ConfigError("--model-name", name, "unknown model family", f"use one of: {', '.join(FLAVORS)}")
-    if flavor not in FLAVORS[name]:
-        raise ConfigError("--flavor", flavor, f"unknown {name} flavor", f"use one of: {', '.join(FLAVORS[name])}")
+    check_model(name, flavor, name_key="--model-name", flavor_key="--flavor")
     require_hf_form("--flavor", flavor, FLAVORS[name][flavor], flavor, "keep the DCP checkpoint (torchmoe trains "
                     "and evaluates from it), or train a flavor the Hugging Face model can express")
     fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
@@ -224,7 +231,7 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
     metadata = read_dcp_metadata("CKPT_DIR", ckpt_dir, fix)
     stored = model_tensors(metadata)
     args = FLAVORS[name][flavor].replace(mtp_layers=stored_mtp_layers(stored))  # written as the release does
-    require_fit("--flavor", flavor, args, stored, str(ckpt_dir))
+    require_fit("--flavor", flavor, args, stored, str(ckpt_dir), family_key="--model-name")
     problem = non_float(meta_state(args), stored)
     if problem is not None:
         raise ConfigError("CKPT_DIR", str(ckpt_dir), problem, fix)
@@ -257,18 +264,57 @@ def _parser() -> ArgumentParser:
     to_hf = sub.add_parser("dcp-to-hf", help="torchmoe step-N (or bare model DCP) folder -> Hugging Face folder")
     to_hf.add_argument("ckpt_dir", metavar="CKPT_DIR", help="step-N checkpoint folder or bare model DCP folder")
     to_hf.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face folder to create (must not hold files)")
-    to_hf.add_argument("--model-name", default="llama4", metavar="NAME",
-                       help=f"model family of the checkpoint (model.name): {', '.join(FLAVORS)} (default: llama4)")
-    to_hf.add_argument("--flavor", required=True, help="model flavor of the checkpoint (model.flavor): "
-                       + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in FLAVORS.items()))
+    to_hf.add_argument("--model-name", default="", metavar="NAME",
+                       help=f"model family of the checkpoint (model.name): {', '.join(FLAVORS)} (default: the run's "
+                            "config.toml for a run's step-N, else the one family whose flavor its tensors fit)")
+    to_hf.add_argument("--flavor", default="", help="model flavor of the checkpoint (model.flavor; default as for "
+                       "--model-name): " + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in FLAVORS.items()))
     to_hf.add_argument("--drop-expert-bias", action="store_true",
                        help="write a checkpoint whose aux-loss-free expert bias is non-zero without it, where the "
                             "family's Hugging Face model has no place for it (llama4, qwen3, gpt_oss): the folder "
                             "then selects other experts than the checkpoint (default: refused)")
-    to_hf.add_argument("--tokenizer", default="", metavar="PATH",
+    to_hf.add_argument("--tokenizer", default=None, metavar="PATH",
                        help="the tokenizer.json (or its folder) the model trained with: copied into OUT_DIR with its "
-                            "tokenizer_config.json and special_tokens_map.json (default: none, the byte tokenizer)")
+                            "tokenizer_config.json and special_tokens_map.json (default: the run's model.tokenizer_path "
+                            "for a run's step-N, else none: the byte tokenizer)")
     return parser
+
+
+def _checkpoint_model(ckpt_dir: Path, name: str, flavor: str, tokenizer: str | None) -> tuple[str, str, str, str]:
+    """(family, flavor, tokenizer, where they came from) of the DCP checkpoint `ckpt_dir`: what the
+    flags give, the rest from the run's config.toml for a run's step-N folder (`run_config_file`),
+    else from its tensors' shapes when they fit exactly one built-in flavor (of `name`'s family
+    when given); the tokenizer from the run, else none (the byte tokenizer).
+
+    Raises:
+        ConfigError: the checkpoint does not tell (its tensors fit no flavor, or several that differ
+            in what they compute): naming ``--flavor`` (or ``--model-name``) and the flavors that fit.
+    """
+    if name and flavor:
+        return name, flavor, tokenizer or "", ""
+    if name and name not in FLAVORS:  # a family spelled otherwise: said before anything is read
+        check_model(name, flavor, name_key="--model-name", flavor_key="--flavor")
+    fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
+    _require_dir("CKPT_DIR", ckpt_dir, fix)
+    run = run_config_file(ckpt_dir)
+    if run is not None:
+        model = load_toml_config(run, key="CKPT_DIR").model
+        return (name or model.name, flavor or model.flavor, model.tokenizer_path if tokenizer is None else tokenizer,
+                f" from {run}")
+    shapes = {k: md.size for k, md in model_tensors(read_dcp_metadata("CKPT_DIR", ckpt_dir, fix)).items()}
+    everywhere = [(family, found) for family in FLAVORS for found in flavors_fitting(shapes, family)]
+    families = list(dict.fromkeys(family for family, _ in everywhere))
+    if flavor and not name and len(families) == 1:  # the tensors' family; the flavor's fit is the load's to check
+        return families[0], flavor, tokenizer or "", ""
+    fits = [(family, found) for family, found in everywhere if name in ("", family) and flavor in ("", found)]
+    if len(fits) == 1:
+        return (*fits[0], tokenizer or "", ", the one flavor its tensors fit")
+    # The setting that does not fit, else the one missing.
+    key, value = ("--model-name", name) if name and everywhere and not fits else ("--flavor", flavor or "(not given)")
+    shown = "; ".join(f"{family} {found}" for family, found in everywhere) or "none of the built-in flavors"
+    raise ConfigError(key, value, f"{ckpt_dir} holds no run's config.toml that names its model, and its tensors "
+                      f"fit {shown}", f"pass --model-name {everywhere[0][0]} --flavor {everywhere[0][1]}"
+                      if len(everywhere) == 1 else "pass --model-name and --flavor of the model it holds")
 
 
 def convert_main(argv: list[str]) -> int:
@@ -309,19 +355,21 @@ def _run(opts: argparse.Namespace) -> int:
     else:
         # The one warning here (a non-zero expert bias dropped, as --drop-expert-bias asked) is news
         # for the user, so it is printed as one line rather than with the source line Python's format adds.
+        name, flavor, tokenizer, source = _checkpoint_model(Path(opts.ckpt_dir), opts.model_name, opts.flavor,
+                                                            opts.tokenizer)
         tokenizer_fix = "pass the tokenizer.json the model trained with, or its folder"
-        if opts.tokenizer:  # before anything is written
-            with path_faults("--tokenizer", opts.tokenizer, tokenizer_fix):
-                os.stat(opts.tokenizer)
+        if tokenizer:  # before anything is written
+            with path_faults("--tokenizer", tokenizer, tokenizer_fix):
+                os.stat(tokenizer)
         with warnings.catch_warnings(record=True) as caught:
-            dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=opts.flavor, name=opts.model_name,
+            dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=flavor, name=name,
                               drop_expert_bias=opts.drop_expert_bias)
         for w in caught:
             _say(f"warning: {w.message}", file=sys.stderr)
         copied = []
         if not dist.is_initialized() or dist.get_rank() == 0:
-            with path_faults("--tokenizer", opts.tokenizer, tokenizer_fix):
-                copied = copy_tokenizer_files(opts.tokenizer, opts.out_dir)
-        _say(f"wrote Hugging Face folder {opts.out_dir} ({opts.flavor}, {str(dtype).removeprefix('torch.')}"
+            with path_faults("--tokenizer", tokenizer, tokenizer_fix):
+                copied = copy_tokenizer_files(tokenizer, opts.out_dir)
+        _say(f"wrote Hugging Face folder {opts.out_dir} ({name} {flavor}{source}, {str(dtype).removeprefix('torch.')}"
              + (f"; tokenizer: {', '.join(copied)})" if copied else ")"))
     return 0

@@ -1,12 +1,14 @@
 """`torchmoe eval`: the mean token loss of trained weights on a split, with training's own code.
 
-    torchmoe eval --config configs/debug_model.toml                      # newest checkpoint, [validation]
+    torchmoe eval --job.dump_folder outputs/debug-40                      # newest checkpoint, [validation]
     torchmoe eval --config configs/debug_model.toml --split train --batches 1 --step 0
-    torchrun --nproc_per_node 4 -m torchmoe eval --config job.toml --checkpoint outputs/x/checkpoint/step-800
+    torchrun --nproc_per_node 4 -m torchmoe eval --checkpoint outputs/x/checkpoint/step-800
 
-The job file gives the model, the layout (any layout training runs: the loss is the same in
-each) and the data; `--checkpoint` (or the newest checkpoint of the job's run, or `--step N`'s)
-the weights. `--split validation` (the default) reads the `[validation]` section; `--split train`
+`--checkpoint` (or the newest checkpoint of the job's run, or `--step N`'s) gives the weights,
+and with them the model where they tell it (a run's config.toml, a Hugging Face config.json:
+`components.trained_weights`); the job (the job file, or without one the weights' run's
+config.toml) gives the layout (any layout training runs: the loss is the same in each) and the
+data. `--split validation` (the default) reads the `[validation]` section; `--split train`
 reads `[training]`'s corpus from its start, in batches of its `local_batch_size` rows per rank,
 so with no gradient accumulation `--batches 1` on a run's step-0 (seed) checkpoint gives that
 run's logged step-1 loss. `--batches N` reads N batches (default: `validation.steps`; -1 is one
@@ -37,7 +39,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from torchmoe.components.trained_weights import STEP, trained_weights
+from torchmoe.components.trained_weights import STEP
 from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.flags import Integer, split_flags
 from torchmoe.config.launch_env import launch_int
@@ -55,9 +57,10 @@ _FLAGS = {"--checkpoint": str, "--step": STEP, "--split": str, "--out": str,
                                "for one pass")}
 
 EVAL_DESCRIPTION = (
-    "The mean token loss (and perplexity) of trained weights: the job file's model, layout and data, with the weights "
-    "of --checkpoint (a step-N folder, a DCP folder or a Hugging Face folder), or else the newest checkpoint of the "
-    "job's run (--step N picks one). Own flags: --split validation|train (validation: the [validation] section; "
+    "The mean token loss (and perplexity) of trained weights: those of --checkpoint (a step-N folder, a DCP folder or "
+    "a Hugging Face folder), or else the newest checkpoint of the run in --job.dump_folder (--step N picks one), with "
+    "the weights' own model and tokenizer (the run's config.toml, the folder's config.json) and the job's layout and "
+    "data (--config, optional with a run's weights: the run's config.toml is the job). Own flags: --split validation|train (validation: the [validation] section; "
     "train: [training]'s corpus from its start), --batches N (default validation.steps; -1: one pass), "
     "--out FILE.json. Every other flag overrides the job file as in `torchmoe train`; launch with torchrun for "
     "several ranks.")
@@ -125,22 +128,26 @@ def _index_cache(run_folder: Path, work: Path) -> Path:
 _OUT_FIX = "pass the path of a .json file this user can write"
 
 
-def eval_main(argv: list[str], load_config: Callable[[list[str], str, str], JobConfig | int],
+def eval_main(argv: list[str], load_config: Callable[..., tuple[JobConfig, Path, bool] | int],
               check: Callable[[JobConfig], None], running: Callable[[], AbstractContextManager]) -> int:
     """`torchmoe eval`: print the loss and perplexity (rank 0), and write them to `--out`.
 
-    `load_config(argv, prog, description)` parses the job file and its overrides as `train`
-    does (an int: --help was printed, the exit status); `check(cfg)` is train's check of a job
-    before it runs (preflight); `running()` holds the evaluation itself (the command line's
-    report of errors that may differ between ranks)."""
+    `load_config(argv, prog, description, checkpoint=..., step=...)` parses the job file and its
+    overrides as `train` does and finds the weights (`--checkpoint`, `--step`): (the job with the
+    weights' model, their folder, whether it is a Hugging Face one), or an int when --help was
+    printed (the exit status); `check(cfg)` is train's check of a job before it runs (preflight);
+    `running()` holds the evaluation itself (the command line's report of errors that may differ
+    between ranks)."""
     found, rest = split_flags(argv, _FLAGS)
-    cfg = load_config(rest, "torchmoe eval", EVAL_DESCRIPTION)
-    if isinstance(cfg, int):
-        return cfg
-    out = check_output_file("--out", str(found["--out"]), _OUT_FIX) if "--out" in found else None
+    wants_help = any(token in ("-h", "--help") for token in rest)
+    # Before the weights are looked for: a refused output wastes no reading.
+    out = check_output_file("--out", str(found["--out"]), _OUT_FIX) if "--out" in found and not wants_help else None
+    loaded = load_config(rest, "torchmoe eval", EVAL_DESCRIPTION, checkpoint=str(found.get("--checkpoint", "")),
+                         step=found.get("--step"))
+    if isinstance(loaded, int):
+        return loaded
+    cfg, weights, in_hf = loaded
     split = str(found.get("--split", "validation"))
-    weights, in_hf = trained_weights(cfg, "--checkpoint", path=str(found.get("--checkpoint", "")),
-                                     step=found.get("--step"))  # type: ignore[arg-type]
     work = _work_folder()
     try:
         ecfg = eval_config(cfg, weights=weights, in_hf=in_hf, split=split,

@@ -1,9 +1,11 @@
 """`torchmoe generate`: sample text from trained weights, one process, with a key/value cache.
 
-    torchmoe generate --config configs/debug_model.toml --prompt "def main(" --max-new-tokens 64
+    torchmoe generate --job.dump_folder outputs/debug-40 --prompt "def main(" --max-new-tokens 64
 
-The job file gives the model (flavor, tokenizer, device, compute dtype) and, with no
-`--checkpoint`, the run whose newest checkpoint to read (`components.trained_weights`). The
+The weights (`--checkpoint`, else the newest checkpoint of the job's run: `components.trained_weights`)
+give the model (family, flavor, tokenizer) where they tell it, a run's config.toml or a Hugging
+Face config.json; the job (the job file, or without one that run's config.toml) the rest (device,
+compute dtype). The
 prompt is encoded as training encodes a document (BOS first with `training.add_bos`); the
 model prefills it once, then decodes one token at a time over its cached keys and values
 (`nn.kv_cache`), so each step costs one position, and the logits are those of the full forward.
@@ -24,12 +26,13 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.components.initial_load import load_initial_weights
-from torchmoe.components.trained_weights import STEP, trained_weights
+from torchmoe.components.trained_weights import STEP
 from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.flags import Integer, Number, split_flags
 from torchmoe.config.numbers import INT64_MAX, shown_text
@@ -121,11 +124,10 @@ def generate_ids(model: Transformer, prompt: list[int], sampling: Sampling, *, e
     return out
 
 
-def load_trained_model(cfg: JobConfig, *, checkpoint: str = "", step: int | None = None) -> Transformer:
-    """The job's model on its training device in eval mode, holding the weights `checkpoint`
-    names (or the run's newest checkpoint, or step `step`: `components.trained_weights`),
-    computing in training's compute dtype."""
-    folder, in_hf = trained_weights(cfg, "--checkpoint", path=checkpoint, step=step)
+def load_trained_model(cfg: JobConfig, folder: Path, *, in_hf: bool) -> Transformer:
+    """The job's model on its training device in eval mode, holding the weights in `folder` (a
+    Hugging Face folder when `in_hf`, else a DCP one: `components.trained_weights`), computing in
+    training's compute dtype."""
     args = model_args_from_config(cfg.model)
     device = train_device(cfg.training.device)
     with torch.device("meta"):
@@ -152,10 +154,12 @@ _FLAGS = {"--checkpoint": str, "--step": STEP, "--prompt": str, "--max-new-token
           "--seed": Integer(0, 2**64 - 1, "0")}  # torch.Generator's seeds: 64 bits, unsigned
 
 GENERATE_DESCRIPTION = (
-    "Sample text from trained weights: the job file's model and tokenizer, with the weights of --checkpoint (a "
-    "step-N folder, a DCP folder or a Hugging Face folder), or else the newest checkpoint of the job's run "
-    "(--step N picks one). Own flags: --prompt TEXT (required), --max-new-tokens N (128), --temperature T (0: "
-    "greedy), --top-p P (1.0), --seed S (0). Every other flag overrides the job file as in `torchmoe train`.")
+    "Sample text from trained weights: those of --checkpoint (a step-N folder, a DCP folder or a Hugging Face "
+    "folder), or else the newest checkpoint of the run in --job.dump_folder (--step N picks one). The model and "
+    "tokenizer are the weights' own (the run's config.toml, the folder's config.json), else the job file's "
+    "(--config, optional with a run's weights). Own flags: --prompt TEXT (required), --max-new-tokens N (128), "
+    "--temperature T (0: greedy), --top-p P (1.0), --seed S (0). Every other flag overrides the job as in "
+    "`torchmoe train`.")
 
 
 def _sampling(found: dict[str, object]) -> Sampling:
@@ -169,15 +173,19 @@ def _sampling(found: dict[str, object]) -> Sampling:
     return sampling
 
 
-def generate_main(argv: list[str], load_config: Callable[[list[str], str, str], JobConfig | int]) -> int:
+def generate_main(argv: list[str], load_config: Callable[..., tuple[JobConfig, Path, bool] | int]) -> int:
     """`torchmoe generate`: print the prompt and what the model writes after it, as it comes.
 
-    `load_config(argv, prog, description)` parses the job file and its overrides as `train`
-    does (an int: --help was printed, the exit status)."""
+    `load_config(argv, prog, description, checkpoint=..., step=...)` parses the job file and its
+    overrides as `train` does and finds the weights (`--checkpoint`, `--step`): (the job with the
+    weights' model, their folder, whether it is a Hugging Face one), or an int when --help was
+    printed (the exit status)."""
     found, rest = split_flags(argv, _FLAGS)
-    cfg = load_config(rest, "torchmoe generate", GENERATE_DESCRIPTION)
-    if isinstance(cfg, int):
-        return cfg
+    loaded = load_config(rest, "torchmoe generate", GENERATE_DESCRIPTION, checkpoint=str(found.get("--checkpoint", "")),
+                         step=found.get("--step"))
+    if isinstance(loaded, int):
+        return loaded
+    cfg, folder, in_hf = loaded
     if "--prompt" not in found:
         raise ConfigError("--prompt", "(not given)", "is required",
                           'pass the text to continue, e.g. --prompt "def main("')
@@ -187,8 +195,7 @@ def generate_main(argv: list[str], load_config: Callable[[list[str], str, str], 
         + tokenizer.encode(str(found["--prompt"]))
     if not prompt:
         raise ConfigError("--prompt", "", "encodes to no tokens", 'pass text to continue, e.g. --prompt "The"')
-    model = load_trained_model(cfg, checkpoint=str(found.get("--checkpoint", "")),
-                               step=found.get("--step"))  # type: ignore[arg-type]
+    model = load_trained_model(cfg, folder, in_hf=in_hf)
     limit = model.args.max_seq_len
     if len(prompt) >= limit:  # no --max-new-tokens fits: the prompt is what to change
         raise ConfigError("--prompt", shown_text(str(found["--prompt"])),

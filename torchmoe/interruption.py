@@ -64,14 +64,16 @@ def _raise(signum: int, frame) -> None:
         raise Interrupted(signum)
 
 
-def report(stop: Interrupted) -> None:
-    """The one line: ``[rank r] interrupted by SIGTERM: stopped`` (no rank in a one-process run)."""
+def report(stop: Interrupted) -> str:
+    """Print the one line, ``[rank r] interrupted by SIGTERM: stopped`` (no rank in a one-process
+    run), and return it."""
     rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None  # never raises
     line = f"[rank {rank}] {stop}: stopped" if rank is not None else f"{stop}: stopped"
     # One write with its newline: every rank shares the launcher's stderr, and print() writes the
     # text and the newline apart, so two ranks' lines could run together ("...stopped[rank 0] ...").
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+    return line
 
 
 def _leave_if_interrupted(unraisable) -> None:

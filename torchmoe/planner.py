@@ -16,6 +16,7 @@ family that lost (and why), writes the winner as a full job TOML (`--out`: `torc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_se
 from torchmoe.config.loader import resolved_config_text
 from torchmoe.config.numbers import MAX_RANKS, parse_int, parse_number
 from torchmoe.config.output_files import check_output_file, write_output
+from torchmoe.config.paths import free_folder_name
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
@@ -167,7 +169,7 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
     if json_out is not None:
         write_output("--json", json_out, json.dumps(_report(cfg, gpus, profile.name, result), indent=1) + "\n",
                      _OUT_FIX)
-        console.print(f"wrote {json_out} ({len(result.scored)} layouts)")
+        console.print(f"wrote {json_out} ({len(result.scored)} layouts)", soft_wrap=True)
     best = result.best
     if best is None and (refusal := result.config_refusal()) is not None:
         raise refusal  # as the dry run of the job would
@@ -182,11 +184,23 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
                           ("plan for more GPUs, " if gpus < MAX_RANKS else "") + "a device with more memory, a "
                           "shorter seq_len or smaller batch, or --free the keys the config fixes")
     if out is not None:
+        job = _own_dump_folder(best.cfg, out)
         # Looked at again before the write: the search took seconds.
-        write_output("--out", out, resolved_config_text(best.cfg, out), _OUT_FIX)
+        write_output("--out", out, resolved_config_text(job, out), _OUT_FIX)
         console.print(f"wrote {out}: torchmoe train --config {out}" +
-                      (f" (torchrun --nproc-per-node {gpus_per_node or profile.gpus_per_node} ...)" if gpus > 1 else ""))
+                      (f" (torchrun --nproc-per-node {gpus_per_node or profile.gpus_per_node} ...)" if gpus > 1 else "")
+                      + f", writing to {job.job.dump_folder}", soft_wrap=True)  # paths unbroken
     return result
+
+
+def _own_dump_folder(cfg: JobConfig, out: Path) -> JobConfig:
+    """`cfg` with a dump folder its run may write: the source job's while nothing is there yet,
+    else a free one beside it named after `out` (``outputs/debug-best``), so that the command
+    printed is not refused for a folder another run holds or finished in."""
+    folder = cfg.job.dump_folder
+    if os.path.lexists(folder):
+        folder = free_folder_name(f"{folder.rstrip('/') or folder}-{out.stem}")
+    return dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, dump_folder=folder))
 
 
 def _report(cfg: JobConfig, gpus: int, profile: str, result: SearchResult) -> dict:
@@ -285,6 +299,11 @@ def _calibrate(cfg: JobConfig, flags: dict[str, str]) -> int:
             f"wrote {escape(str(out))}: " + "; ".join(f"{op} " + ", ".join(f"{d} {v:.3g}" for d, v in r.items())
                                                     + " TFLOP/s" for op, r in rates.items())
             + f"; {len(profile.get('collectives', {}))} collectives; plan with --hardware {escape(str(out))}")
+        bounded = profile["measurements"].get("bounded")
+        if bounded:  # the machine was too busy to measure them: `calibrate` notes it in the profile
+            _report_console().print(f"[yellow]warning:[/] {', '.join(bounded)} measured outside what a profile "
+                                    "holds (compute twice), written as the nearest bound: calibrate again on an idle "
+                                    "machine for a profile that predicts it", soft_wrap=True)
     return 0
 
 

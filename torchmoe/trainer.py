@@ -929,9 +929,11 @@ class Trainer:
         """The run's first console lines: its description, what trains where, where it writes."""
         cfg, counts = self.cfg, self.model_args.param_counts()
         tokens = self.dataloader.global_batch_size * cfg.training.seq_len
-        line = (f"training {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, "
-                f"{counts['active'] / 1e6:,.1f} M active) on {self.world_size} x {self.device.type}: steps {self.step + 1}-{cfg.training.steps}, "
-                f"{tokens:,} tokens each; writing to {self.dump_folder}")
+        steps = f"steps {self.step + 1}-{cfg.training.steps}, {tokens:,} tokens each" if self.step < cfg.training.steps \
+            else f"finished at step {self.step} already, nothing to train (raise training.steps to train on)"
+        line = (f"training {cfg.model.name} {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, "
+                f"{counts['active'] / 1e6:,.1f} M active) on {self.world_size} x {self.device.type}: {steps}; "
+                f"writing to {self.dump_folder}")
         return f"{cfg.job.description}\n{line}" if cfg.job.description else line
 
     def _say(self, metrics: MetricsLogger, text: str) -> None:

@@ -111,9 +111,9 @@ def _agreed_error(out: Path) -> None:
                           "wait for it to finish")
 
     def slowly(print_error):
-        def slow(*args, **kwargs) -> None:
+        def slow(*args, **kwargs):
             time.sleep(float(os.environ["SLOW_REPORT_S"]))
-            print_error(*args, **kwargs)
+            return print_error(*args, **kwargs)
         return slow
 
     Trainer.load_initial_state = load_initial_state

@@ -173,6 +173,23 @@ def test_bad_dataset_is_one_message(capsys, tmp_path: Path, kind: str) -> None:
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
 
 
+@pytest.mark.parametrize("kind", ["local", "tokens"])
+def test_a_corpus_of_the_other_kind_is_refused_before_the_model_is_built(capsys, tmp_path: Path, kind: str) -> None:
+    """The README's prepare-data folder given to "local", and its text to "tokens": one message
+    naming the kind that reads it, before the model is built (the run printed its opening line,
+    built the model and failed on manifest.json as a JSON corpus before)."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    assert cli.main(["prepare-data", str(source), str(tmp_path / "tokens")]) == 0
+    capsys.readouterr()
+    path, other = (tmp_path / "tokens", "tokens") if kind == "local" else (source, "local")
+    status = cli.main(["train", *TINY, "--job.dump_folder", str(tmp_path / "run"), "--training.dataset", kind,
+                       "--training.dataset_path", str(path)])
+    out, err = capsys.readouterr()
+    _assert_one_error(status, err, f'training.dataset_path = "{path}": ', f'set training.dataset = "{other}"')
+    assert out == "" and not (tmp_path / "run" / "config.toml").exists()  # no opening line: no model built
+
+
 HUB_DATASETS = {
     # `datasets.load_dataset` on a local folder: the same resolution and reading as the hub's.
     "no_such_dataset": (None, "FileNotFoundError"),

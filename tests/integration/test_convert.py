@@ -74,6 +74,20 @@ def test_dcp_to_hf_copies_the_tokenizer(hf_dir: Path, tmp_path: Path) -> None:
         assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "tok" / name).read_bytes()
 
 
+def test_dcp_to_hf_of_a_runs_step_copies_the_runs_tokenizer(step_dir: Path, tmp_path: Path) -> None:
+    """The tokenizer too is the run's (its config.toml's model.tokenizer_path) unless --tokenizer
+    names one: here a copy of the run whose config.toml names a BPE tokenizer."""
+    small_bpe(tmp_path / "tokenizer.json")
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "step-2").symlink_to(step_dir, target_is_directory=True)
+    config = (step_dir.parent.parent / "config.toml").read_text()
+    (run / "config.toml").write_text(config.replace('tokenizer_path = ""', f'tokenizer_path = "{tmp_path}"'))
+    proc = _ok("convert", "dcp-to-hf", run / "checkpoint" / "step-2", tmp_path / "hf")
+    assert f"(llama4 tiny from {run / 'config.toml'}, float32; tokenizer: tokenizer.json)" in proc.stdout, proc.stdout
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+
+
 def test_hf_to_dcp_bfloat16_trains_as_initial_load_path(hf_dir: Path, tmp_path: Path) -> None:
     _ok("convert", "hf-to-dcp", hf_dir, tmp_path / "dcp", "--dtype", "bfloat16")
     stored = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
@@ -88,7 +102,9 @@ def test_hf_to_dcp_bfloat16_trains_as_initial_load_path(hf_dir: Path, tmp_path: 
 
 
 def test_step_checkpoint_to_hf_matches_in_transformers(step_dir: Path, tmp_path: Path) -> None:
-    _ok("convert", "dcp-to-hf", step_dir, tmp_path / "hf", "--flavor", "tiny")
+    """A run's step-N with no --model-name or --flavor: the run's config.toml names its model."""
+    proc = _ok("convert", "dcp-to-hf", step_dir, tmp_path / "hf")
+    assert f"(llama4 tiny from {step_dir.parent.parent / 'config.toml'}, float32)" in proc.stdout, proc.stdout
     trained = empty_tiny_model()
     load_model_only(step_dir, [trained])
     hf = transformers.Llama4ForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
@@ -118,7 +134,7 @@ def test_in_process_errors(hf_dir: Path, step_dir: Path, tmp_path: Path) -> None
         hf_to_dcp(step_dir, tmp_path / "out")
     with pytest.raises(ConfigError, match=r"CKPT_DIR .*\(no \.metadata\)"):
         dcp_to_hf(hf_dir, tmp_path / "out", flavor="tiny")
-    with pytest.raises(ConfigError, match='--flavor = "huge": unknown llama4 flavor'):
+    with pytest.raises(ConfigError, match='--flavor = "huge": not a flavor of --model-name = "llama4"'):
         dcp_to_hf(step_dir, tmp_path / "out", flavor="huge")
 
 
@@ -138,9 +154,9 @@ def test_damaged_inputs_are_config_errors(tmp_path):
 def test_usage_errors_are_one_message(capsys) -> None:
     from torchmoe import cli
 
-    assert cli.main(["convert", "dcp-to-hf", "a", "b"]) == 2
+    assert cli.main(["convert", "dcp-to-hf", "a"]) == 2
     err = capsys.readouterr().err
-    assert 'torchmoe convert = "dcp-to-hf a b"' in err and "the following arguments are required: --flavor" in err
+    assert 'torchmoe convert = "dcp-to-hf a"' in err and "the following arguments are required: OUT_DIR" in err
     assert "fix: run `torchmoe convert dcp-to-hf --help` for the usage" in err and "Traceback" not in err
     assert cli.main(["convert", "--help"]) == 0 and "hf-to-dcp" in capsys.readouterr().out
 
@@ -179,10 +195,15 @@ def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.Capture
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
         (tmp_path / "hf" / "config.json").read_text())
-    # The family's flavors are its own: Llama 4's tiny does not fit these tensors, and says so.
-    with pytest.raises(ConfigError, match="--flavor") as err:
+    # Read as Llama 4 (the library's default family), the tensors are another family's: the family
+    # is named as the fault, not the flavor, with the family they are.
+    with pytest.raises(ConfigError, match='--model-name = "llama4"') as err:
         dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny")
-    assert "does not fit" in str(err.value)
+    assert f"holds a {family} model" in str(err.value) and f"pass --model-name {family} --flavor tiny" in str(err.value)
+    # Without --model-name and --flavor the command takes them from the tensors: the one flavor they fit.
+    assert convert_main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "inferred")]) == 0
+    assert f"({family} tiny, the one flavor its tensors fit, " in capsys.readouterr().out
+    assert load_file(tmp_path / "inferred" / "model.safetensors").keys() == original.keys()
     with pytest.raises(ConfigError, match="--model-name"):
         dcp_to_hf(tmp_path / "dcp", tmp_path / "wrong", flavor="tiny", name="llama3")
 

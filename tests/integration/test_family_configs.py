@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from torchmoe import cli
+from torchmoe.components.run_lock import LOCK_NAMES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -53,24 +54,91 @@ def test_each_config_trains_on_one_cpu_process_with_a_small_flavor(name: str, fl
     assert record["step"] == 1 and 0 < record["loss"] < 20 and record["grad_norm"] > 0
 
 
-def test_weights_of_another_family_name_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A Qwen3-MoE Hugging Face folder given to a Llama 4 run: one error (exit 2, nothing
-    written) that names the family the folder holds and the flags that train it."""
+@pytest.fixture(scope="module")
+def qwen3_weights(tmp_path_factory) -> tuple[Path, Path]:
+    """(a Hugging Face folder, a bare DCP folder: no run's config.toml) of Qwen3-MoE tiny weights."""
     from torchmoe.arch.qwen3 import FLAVORS
+    from torchmoe.convert import hf_to_dcp
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer
 
+    folder = tmp_path_factory.mktemp("qwen3")
     model = Transformer(FLAVORS["tiny"])
     model.init_weights(seed=1)
-    save_model(model, tmp_path / "qwen3")
-    assert cli.main(["train", "--config", str(CONFIGS / "debug_model.toml"), "--training.steps", "1",
-                     "--checkpoint.initial_load_path", str(tmp_path / "qwen3"), "--checkpoint.initial_load_in_hf",
-                     "true", "--job.dump_folder", str(tmp_path / "run")]) == 2
+    save_model(model, folder / "hf")
+    hf_to_dcp(folder / "hf", folder / "dcp")
+    return folder / "hf", folder / "dcp"
+
+
+LLAMA4_JOB = ["--config", str(CONFIGS / "debug_model.toml"), "--training.steps", "1"]
+# Qwen3-MoE weights where a Llama 4 model is expected: the family is wrong, not the flavor or the
+# folder. (command, its flags; {hf}/{dcp}: the folders, {tmp}: a scratch folder).
+OTHER_FAMILY = {
+    "train_from_hf": (["train", *LLAMA4_JOB, "--checkpoint.initial_load_path", "{hf}", "--checkpoint.initial_load_in_hf",
+                       "true", "--job.dump_folder", "{tmp}/run"],
+                      'model.name = "llama4": checkpoint.initial_load_path {hf} holds a Qwen3-MoE model (qwen3), not a '
+                      'Llama 4 one', "fix: pass --model.name qwen3 --model.flavor tiny"),
+    "train_from_dcp": (["train", *LLAMA4_JOB, "--checkpoint.initial_load_path", "{dcp}", "--job.dump_folder", "{tmp}/run"],
+                       'model.name = "llama4": checkpoint.initial_load_path {dcp} holds a qwen3 model (its tensors fit '
+                       "qwen3's tiny), not a llama4 one", "fix: pass --model.name qwen3 --model.flavor tiny"),
+    "generate_from_dcp": (["generate", *LLAMA4_JOB, "--checkpoint", "{dcp}", "--prompt", "x"],
+                          'model.name = "llama4": --checkpoint {dcp} holds a qwen3 model',
+                          "fix: pass --model.name qwen3 --model.flavor tiny"),
+    "convert_dcp": (["convert", "dcp-to-hf", "{dcp}", "{tmp}/out", "--model-name", "llama4", "--flavor", "tiny"],
+                    '--model-name = "llama4": {dcp} holds a qwen3 model', "fix: pass --model-name qwen3 --flavor tiny"),
+}
+
+
+@pytest.mark.parametrize("case", list(OTHER_FAMILY))
+def test_weights_of_another_family_name_it(tmp_path: Path, capsys: pytest.CaptureFixture[str], qwen3_weights,
+                                           case: str) -> None:
+    """Qwen3-MoE weights given to a Llama 4 job: one error (exit 2, nothing written) that names
+    model.name (the family, not the flavor), the family the weights hold and the flags for it."""
+    argv, *expected = OTHER_FAMILY[case]
+    names = {"hf": qwen3_weights[0], "dcp": qwen3_weights[1], "tmp": tmp_path}
+    assert cli.main([a.format(**names) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "Traceback" not in err, err
-    assert "differs from flavor 'tiny' in family" in err and "(a Qwen3-MoE model, not Llama 4)" in err, err
-    assert "fix: pass --model.name qwen3 --model.flavor tiny" in err, err
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert all(e.format(**names) in err for e in expected), err
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.name not in LOCK_NAMES]  # nothing written
+
+
+# A [model] section naming the family or the flavor the way another tool or family does: the
+# setting that is wrong is named, with what it means here.
+NAMES = {
+    ("qwen3_moe", "tiny"): ('model.name = "qwen3_moe"', 'did you mean "qwen3"? set model.name = "qwen3"'),
+    ("Qwen3MoeForCausalLM", "tiny"): ('model.name = "Qwen3MoeForCausalLM"', 'did you mean "qwen3"?'),
+    ("deepseekv3", "tiny"): ('model.name = "deepseekv3"', 'did you mean "deepseek_v3"?'),
+    ("gpt-oss", "tiny"): ('model.name = "gpt-oss"', 'did you mean "gpt_oss"?'),
+    ("llama4_text", "tiny"): ('model.name = "llama4_text"', 'did you mean "llama4"?'),
+    ("kimi_k2", "tiny"): ('model.name = "kimi_k2"', 'did you mean "deepseek_v3"?'),
+    ("llama3", "tiny"): ('model.name = "llama3"', "train this model family with torchtitan"),
+    ("scout", "tiny"): ('model.name = "scout"', '"scout" is a flavor of "llama4": set model.name = "llama4" and '
+                        'model.flavor = "scout"'),
+    ("qwen3", "scout"): ('model.flavor = "scout": not a flavor of model.name = "qwen3" but of "llama4"',
+                         'qwen3\'s flavors: "tiny", "debugmodel_moe", "30B-A3B", "235B-A22B"; or set model.name = '
+                         '"llama4" to train its "scout"'),
+    ("gpt_oss", "16B"): ('model.flavor = "16B": not a flavor of model.name = "gpt_oss" but of "deepseek_v3"',
+                         'or set model.name = "deepseek_v3" to train its "16B"'),
+    ("qwen3", "debugmodel"): ('not a flavor of model.name = "qwen3" but of "llama4" and "deepseek_v3" and "gpt_oss"',
+                              'did you mean "debugmodel_moe"?'),
+    ("gpt_oss", "20B"): ('model.flavor = "20B": not a flavor of model.name = "gpt_oss"', 'did you mean "20b"?'),
+}
+
+
+@pytest.mark.parametrize(("command", "name", "flavor"), [(c, *k) for k in NAMES for c in ("train", "generate")])
+def test_a_family_or_flavor_named_otherwise_is_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          run_dir: Path, command: str, name: str, flavor: str) -> None:
+    """train (checked before the model is built) and generate of a run's weights, with the flags
+    asked for by name (a KeyError traceback before)."""
+    job = ["--dry-run", "--job.dump_folder", str(tmp_path)] if command == "train" else \
+        ["--prompt", "x", "--job.dump_folder", str(run_dir)]
+    argv = [command, "--config", str(CONFIGS / "debug_model.toml"), "--model.name", name, "--model.flavor", flavor,
+            *job]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert all(text in err for text in NAMES[name, flavor]), err
 
 
 @pytest.mark.parametrize(("change", "message", "fix"), [

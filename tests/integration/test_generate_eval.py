@@ -111,6 +111,54 @@ def test_generate_continues_the_prompt_reproducibly(capsys, run_dir: Path) -> No
     assert capsys.readouterr().out == first
 
 
+# The weights named without a job file: the model (and the rest of the job) is the run's own
+# config.toml, or the Hugging Face folder's config.json; each as the job file's run gives it.
+SOURCES = {"run_folder": ["--job.dump_folder", "{run}"], "step_folder": ["--checkpoint", "{run}/checkpoint/step-2"]}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_a_runs_weights_need_no_job_file(capsys, run_dir: Path, source: str) -> None:
+    weights = [f.format(run=run_dir) for f in SOURCES[source]]
+    sample = ["--prompt", "def parse(", "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "5"]
+    assert cli.main(["generate", *TINY, "--job.dump_folder", str(run_dir), *sample]) == 0
+    expected = capsys.readouterr().out
+    assert cli.main(["generate", *weights, *sample]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected and "note:" not in err, err
+    assert cli.main(["eval", *TINY, "--job.dump_folder", str(run_dir), "--split", "train", "--batches", "1"]) == 0
+    expected = capsys.readouterr().out
+    assert cli.main(["eval", *weights, "--split", "train", "--batches", "1"]) == 0
+    assert capsys.readouterr().out == expected
+
+
+def test_a_job_file_of_another_model_takes_the_weights_model(capsys, run_dir: Path, hf_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """A job file of another flavor (bench256) or family (qwen3) beside tiny Llama 4 weights: the
+    model is the weights' (their run's config.toml, the folder's config.json), said in one note,
+    and the loss is the one the right job file gives; a --model.* flag is asked for by name and
+    kept (then it does not fit the weights: one error naming it)."""
+    text = Path(DEBUG_CONFIG).read_text()
+    jobs = {"bench256": text.replace('flavor = "tiny"', 'flavor = "bench256"'),
+            "qwen3": text.replace('name = "llama4"', 'name = "qwen3"')}
+    for name, job in jobs.items():
+        (tmp_path / f"{name}.toml").write_text(job)
+    batch = ["--training.seq_len", "64", "--split", "train", "--batches", "1"]
+    for weights, job, note in ((["--job.dump_folder", str(run_dir)], "bench256",
+                                f'from {run_dir / "config.toml"}: model.flavor = "tiny"'),
+                               (["--checkpoint", str(hf_dir), "--job.dump_folder", str(tmp_path / "none")], "qwen3",
+                                f'from {hf_dir / "config.json"}: model.name = "llama4"')):
+        assert cli.main(["eval", *TINY, *weights, *batch]) == 0
+        expected = capsys.readouterr().out
+        assert cli.main(["eval", "--config", str(tmp_path / f"{job}.toml"), *weights, *batch]) == 0
+        out, err = capsys.readouterr()
+        assert out == expected and out.startswith("train loss "), (out, err)
+        assert err.count("note:") == 1 and f"the model is the weights' own, {note}" in err, err
+    status = cli.main(["eval", "--config", str(tmp_path / "bench256.toml"), "--model.flavor", "bench256",
+                       "--job.dump_folder", str(run_dir), *batch])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("error:") == 1 and 'model.flavor = "bench256": does not fit' in err, err
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["generate"], "--prompt"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature"),

@@ -40,6 +40,22 @@ def test_plan_writes_a_toml_that_trains(tmp_path: Path) -> None:
     assert read_metrics(tmp_path / "run")[-1]["step"] == 1
 
 
+def test_the_toml_written_trains_beside_a_finished_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The job planned writes to a dump folder that holds a finished run (the README's order: the
+    Quick start's run, then `plan`): the TOML written gets a free folder beside it, named after
+    it, so that the command the plan prints trains (it was refused: that run's history)."""
+    run = tmp_path / "run"
+    job = ["--config", DEBUG_CONFIG, "--training.steps", "1", "--training.seq_len", "32", "--job.dump_folder", str(run)]
+    assert cli.main(["train", *job]) == 0
+    (tmp_path / "run-best").mkdir()  # taken too (another plan's run, say): the next name
+    best = tmp_path / "best.toml"
+    assert cli.main(["plan", *job, "--gpus", "1", "--hardware", "h100", "--out", str(best)]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {best}: torchmoe train --config {best}, writing to "
+                                            f"{run}-best-2\n")
+    assert cli.main(["train", "--config", str(best)]) == 0
+    assert [r["step"] for r in read_metrics(f"{run}-best-2")] == [1] and len(read_metrics(run)) == 1
+
+
 def test_calibrated_profile_plans(tmp_path: Path) -> None:
     """docs/planner.md's two commands: torchrun --nproc_per_node=2 -m torchmoe plan --calibrate cpu.json
     --config configs/debug_model.toml, then torchmoe plan --config configs/debug_model.toml --gpus 2

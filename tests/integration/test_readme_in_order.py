@@ -31,12 +31,12 @@ README_COMMANDS = [
     "torchmoe train --config configs/debug_model.toml",
     "torchmoe train --config configs/debug_model.toml --training.steps 40 --checkpoint.enable true "
     "--job.dump_folder outputs/debug-40",
-    "torchmoe generate --config configs/debug_model.toml --job.dump_folder outputs/debug-40 --prompt 'def main('",
-    "torchmoe eval --config configs/debug_model.toml --job.dump_folder outputs/debug-40 --split train --batches 4",
+    "torchmoe generate --job.dump_folder outputs/debug-40 --prompt 'def main('",
+    "torchmoe eval --job.dump_folder outputs/debug-40 --split train --batches 4",
     "torchmoe train --config configs/llama4_16e.toml --dry-run --world-size 64",
     "torchrun --nproc_per_node=8 -m torchmoe train --config configs/debug_model.toml "
     "--parallelism.tensor_parallel_degree 2 --parallelism.expert_parallel_degree 4 --training.steps 10 "
-    "--job.dump_folder outputs/debug-8ranks",
+    "--lr_scheduler.warmup_steps 2 --job.dump_folder outputs/debug-8ranks",
     "torchmoe plan --config configs/debug_model.toml --gpus 4 --free all --out best.toml --json all.json",
     "torchmoe prepare-data tests/assets/short_documents.jsonl data/tokens",
     "torchmoe train --config configs/debug_model.toml --training.dataset tokens --training.dataset_path data/tokens "
@@ -73,7 +73,7 @@ def test_the_readme_runs_in_order(tmp_path: Path) -> None:
     rows = read_metrics(tmp_path / "outputs" / "debug")
     assert rows[0]["loss"] == pytest.approx(6.72, abs=0.05) and rows[-1]["step"] == 200
     assert rows[-1]["loss"] < 2.4, rows[-1]
-    assert first.stdout.startswith("tiny-flavor smoke run on CPU\ntraining tiny (2.4 M parameters")
+    assert first.stdout.startswith("tiny-flavor smoke run on CPU\ntraining llama4 tiny (2.4 M parameters")
     assert (first.stdout + first.stderr).count("attention kernel: cpu_flash (cpu, float32, head_dim 16)") == 1
     assert f"done: step 200/200, loss {rows[-1]['loss']:.4f}" in first.stdout
     # Sampling and evaluation read the 40-step run's checkpoint.
@@ -82,4 +82,13 @@ def test_the_readme_runs_in_order(tmp_path: Path) -> None:
     assert (tmp_path / "outputs" / "debug-40" / "checkpoint" / "step-40").is_dir()
     for folder, steps in (("debug-8ranks", 10), ("debug-tokens", 40)):
         assert read_metrics(tmp_path / "outputs" / folder)[-1]["step"] == steps
+    # No run warns about the schedule the README gave it (the 8-rank run's warm-up was longer than it).
+    assert not [c for c, proc in out.items() if "warmup_steps" in proc.stderr]
+    # Run again, the first command refuses to replace its finished run, naming a free folder.
+    again = subprocess.run(_argv(README_COMMANDS[0]), cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 2 and "holds a finished run of this config" in again.stderr, again.stderr[-3000:]
+    assert "--job.dump_folder ./outputs/debug-2" in again.stderr and len(read_metrics(tmp_path / "outputs" / "debug")) == 200
+    # plan's job file writes beside that finished run, not into it.
+    assert "writing to ./outputs/debug-best" in out[README_COMMANDS[6]].stdout, out[README_COMMANDS[6]].stdout
     assert (tmp_path / "best.toml").is_file() and (tmp_path / "all.json").is_file()

@@ -234,19 +234,65 @@ def test_a_new_run_never_cuts_another_runs_metrics(capsys, tmp_path) -> None:
     status, err = _main(capsys, *base, "--training.steps", "1", "--checkpoint.enable", "false")
     _one_error(status, err, f'job.dump_folder = "{run}": holds the metrics.jsonl of another run (steps 1-3; its '
                "config differs in training.steps, checkpoint.enable), which this run, starting at step 1 without a "
-               "checkpoint to resume, would cut", "fix: give this run its own job.dump_folder")
+               "checkpoint to resume, would cut", f"fix: give this run its own folder (--job.dump_folder {run}-2), "
+               "or pass --job.overwrite true to replace that history")
     assert {name: (run / name).read_bytes() for name in before} == before
     assert _main(capsys, *base, "--training.steps", "5")[0] == 0  # resumes step-3 of the same history
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5]
 
 
 def test_a_restart_before_the_first_checkpoint_logs_its_steps_again(capsys, tmp_path) -> None:
-    """The same run again (its config.toml equal): its records are its own, logged again."""
-    argv = ["train", *TINY, "--job.dump_folder", tmp_path, "--training.steps", "2", "--checkpoint.interval", "10",
-            "--checkpoint.last_save_model_only", "true", "--metrics.log_freq", "1"]
-    for _ in range(2):  # the last save holds only weights: the second run starts at step 1 again
-        assert _main(capsys, *argv)[0] == 0
+    """The same run again (its config.toml equal) after it was killed before its first checkpoint
+    and its last step: its records are its own, logged again."""
+    argv = ["train", *TINY, "--job.dump_folder", tmp_path, "--training.steps", "2", "--checkpoint.enable", "false",
+            "--metrics.log_freq", "1"]
+    assert _main(capsys, *argv)[0] == 0
+    records = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "metrics.jsonl").write_text(records[0])  # killed after step 1: step 2 was never logged
+    assert _main(capsys, *argv)[0] == 0
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+# A finished run's history, rerun with the same config (the README's first command, twice): no
+# checkpoint at all, or only a last save that holds weights (nothing to resume).
+FINISHED = {"no_checkpoint": ["--checkpoint.enable", "false"],
+            "model_only_last_save": ["--checkpoint.interval", "10", "--checkpoint.last_save_model_only", "true"]}
+
+
+@pytest.mark.parametrize("case", list(FINISHED))
+def test_rerunning_a_finished_run_is_refused_unless_overwrite_is_asked_for(capsys, tmp_path, case) -> None:
+    run = tmp_path / "run"
+    argv = ["train", *TINY, "--job.dump_folder", run, "--training.steps", "2", "--metrics.log_freq", "1",
+            *FINISHED[case]]
+    assert _main(capsys, *argv)[0] == 0
+    (tmp_path / "run-2").mkdir()  # taken: the fix names the next free name
+    before = _files(run)
+    log = (run / "logs" / "rank0.log").read_text()
+    _one_error(*_main(capsys, *argv), f'job.dump_folder = "{run}": holds a finished run of this config '
+               "(metrics.jsonl: steps 1-2 of 2), whose history this run, starting again at step 1 without a "
+               "checkpoint to resume (checkpoint.enable), would replace",
+               f"fix: give this run its own folder (--job.dump_folder {run}-3), or pass --job.overwrite true")
+    assert _files(run) == before and (run / "logs" / "rank0.log").read_text() == log
+    # Asked for by name: the history is this run's, the earlier log kept above the new one's.
+    status, err = _main(capsys, *argv, "--job.overwrite", "true")
+    assert status == 0 and f"job.overwrite is true: the history in {run / 'metrics.jsonl'} (steps 1-2) is " \
+        "replaced by this run's" in err, err
+    assert [r["step"] for r in read_metrics(run)] == [1, 2] and read_metrics(run) != before["metrics.jsonl"]
+    assert (run / "logs" / "rank0.log").read_text().startswith(log)
+    # ... and the next rerun of the run that overwrote is refused alike (job.overwrite is no difference).
+    _one_error(*_main(capsys, *argv), "holds a finished run of this config")
+
+
+def test_rerunning_a_finished_run_with_a_checkpoint_trains_nothing_and_says_so(capsys, tmp_path) -> None:
+    argv = ["train", *TINY, "--job.dump_folder", tmp_path, "--training.steps", "2", "--checkpoint.interval", "2"]
+    assert _main(capsys, *argv)[0] == 0
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert cli.main([str(a) for a in argv]) == 0
+    out = capsys.readouterr().out
+    assert "training llama4 tiny (" in out and ": finished at step 2 already, nothing to train (raise " \
+        "training.steps to train on)" in out, out
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
 
 
 REFUSED_AT_LOAD = {

@@ -329,9 +329,9 @@ REPORT_INPUTS = {
         "config.toml are one run's (these counts fit flavor tiny)"),
     "config_unknown_flavor": (
         _edit_config('flavor = "tiny"', 'flavor = "llama3_8b"'),
-        _IN + 'its config.toml sets model.flavor = "llama3_8b": not an allowed value\n  fix: use one of "tiny", '
-        '"bench256", "scout", "maverick", "debugmodel", "debugmodel_irope", "17bx16e", "17bx16e_irope", "17bx128e", '
-        '"17bx128e_irope" (in {folder}/config.toml)'),
+        _IN + 'its config.toml sets model.flavor = "llama3_8b": not a flavor of model.name = "llama4"\n  fix: '
+        'llama4\'s flavors: "tiny", "bench256", "scout", "maverick", "debugmodel", "debugmodel_irope", "17bx16e", '
+        '"17bx16e_irope", "17bx128e", "17bx128e_irope" (in {folder}/config.toml)'),
     "config_bad_value": (_edit_config("seq_len = 32", "seq_len = 0"),
                          _IN + "its config.toml sets training.seq_len = 0: must be >= 1\n  fix: set it to 1 or more "
                          "(in {folder}/config.toml)"),

@@ -8,10 +8,12 @@ Its multi-rank half (collectives, overlap, one writer) is tests/distributed/test
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 import torch
+from rich.console import Console
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import REPO
@@ -27,7 +29,7 @@ from torchmoe.calibrate import (
     overlap_fraction,
 )
 from torchmoe.config.loader import load_job_config
-from torchmoe.plan.hardware import COLLECTIVES, load_profile
+from torchmoe.plan.hardware import COLLECTIVES, Link, load_profile
 
 DEBUG_JOB = ["--config", str(REPO / "configs" / "debug_model.toml")]
 SIZES = [4096 * 4**i for i in range(6)]  # 4 KiB .. 4 MiB, as the calibration sends on CPU
@@ -154,4 +156,76 @@ def test_one_process_calibration_writes_a_profile(tmp_path):
     assert profile.intra_node.bandwidth_gbs == profile.memory_bandwidth_gbs
     assert profile.intra_node.latency_us == profile.kernel_overhead_us
     assert "one process measures no link" in profile.source
-    assert 0 < profile.measurements["elapsed_s"] < 30
+    assert profile.measurements["elapsed_s"] > 0  # how long is the load's: no bound here
+
+
+# The order `calibrate` measures in, for the debug job (float32 compute) in one process.
+MEASURED = ["matmul.float32", "matmul.bfloat16", "attention.float32", "attention.bfloat16", "grouped_mm.float32",
+            "grouped_mm.bfloat16", "memory_bandwidth", "kernel_overhead"]
+
+
+def _noisy_calibration(monkeypatch, tmp_path, times: list[float]) -> tuple[dict, list[str]]:
+    """A one-process calibration whose measurements took `times` seconds per call, in the order
+    made (1 ms each after them): a loaded machine, injected. Returns the profile document and
+    what `torchmoe plan --calibrate` printed after writing it."""
+    import torchmoe.calibrate as calibration
+    from torchmoe import planner
+
+    calls = iter(times)
+    monkeypatch.setattr(calibration, "_seconds", lambda world, step, slot_s: next(calls, 1e-3))
+    printed = io.StringIO()
+    console = Console(file=printed, width=1000, highlight=False)
+    monkeypatch.setattr(planner, "_report_console", lambda: console)
+    out = tmp_path / "noisy.json"
+    assert planner.plan_main(["--calibrate", str(out), *DEBUG_JOB]) == 0
+    doc = json.loads(out.read_text())
+    load_profile(str(out))  # a profile the planner reads
+    return doc, printed.getvalue().splitlines()
+
+
+def test_a_rate_below_what_a_profile_holds_is_measured_again(monkeypatch, tmp_path):
+    """attention.bfloat16 took 1e6 s the first time (0 GFLOP/s: another process had the core),
+    1 ms the second: the profile holds the second, and nothing is bounded."""
+    times = [1e-3] * len(MEASURED)
+    times[MEASURED.index("attention.bfloat16")] = 1e6
+    doc, printed = _noisy_calibration(monkeypatch, tmp_path, times + [1e-3])
+    assert doc["achieved_tflops"]["attention"]["bfloat16"] == doc["achieved_tflops"]["attention"]["float32"] > 1e-3
+    assert "bounded" not in doc["measurements"] and "outside what a profile holds" not in doc["source"]
+    assert len(printed) == 1 and printed[0].startswith(f"wrote {tmp_path / 'noisy.json'}: "), printed
+
+
+@pytest.mark.parametrize(("key", "seconds", "written", "measured"), [
+    ("grouped_mm.float32", 1e6, ("achieved_tflops", "grouped_mm", "float32", 1e-3), None),  # ~0 FLOP/s twice
+    ("matmul.bfloat16", 0.0, ("achieved_tflops", "matmul", "bfloat16", 1e12), None),  # no time measurable
+    ("memory_bandwidth", 1e9, ("memory_bandwidth_gbs", None, None, 1e-3), None),  # 0.4 bytes/s
+    ("kernel_overhead", 3600.0, ("kernel_overhead_us", None, None, 1e7), 3600 / 64 * 1e6),  # an hour per call
+])
+def test_a_value_measured_outside_a_profile_twice_is_bounded_and_said(monkeypatch, tmp_path, key, seconds, written,
+                                                                      measured):
+    times = [1e-3] * len(MEASURED)
+    times[MEASURED.index(key)] = seconds
+    doc, printed = _noisy_calibration(monkeypatch, tmp_path, times + [seconds])
+    field, op, dtype, value = written
+    held = doc[field][op][dtype] if op else doc[field]
+    assert held == pytest.approx(value, rel=1e-12)
+    bounded = doc["measurements"]["bounded"]
+    assert list(bounded) == [key]
+    if measured is not None:
+        assert bounded[key] == pytest.approx(measured, rel=1e-3)
+    elif seconds == 0:
+        assert bounded[key] is None  # infinite: JSON holds no inf
+    else:
+        assert 0 < bounded[key] < 1e-3 * 1e-3
+    assert f"{key} measured outside what a profile holds (compute twice: a loaded machine?)" in doc["source"]
+    assert printed[-1].startswith(f"warning: {key} measured outside what a profile holds (compute twice), written "
+                                  "as the nearest bound: calibrate again on an idle machine"), printed
+
+
+def test_a_link_fit_outside_a_profile_is_bounded():
+    """Times of a link so slow its fit is 0.5 MB/s and 20 s of latency (a rank descheduled for
+    seconds): the fit is kept in the profile's range, so that the profile still loads."""
+    table = [(size, _model_seconds("all_gather", size, 2, 20.0, 5e5)) for size in SIZES]
+    fit = fit_link("all_gather", 2, table)
+    assert fit.latency_us > 1e7 and fit.bandwidth_gbs < 1e-3
+    assert fit.in_profile_range() == Link(1e7, 1e-3)
+    assert Link(37.0, 2.5).in_profile_range() == Link(37.0, 2.5)

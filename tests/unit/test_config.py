@@ -225,12 +225,13 @@ RULES = [
     # debug_model.toml computes in float32: over pure bf16 parameters that would only upcast them.
     ({"training.dtype": "bfloat16"}, 1, "training.mixed_precision_param", '"float32"',
      'mixed_precision_param = "bfloat16" for pure bf16', 'would compute in float32 from bf16 parameters'),
-    ({"model.flavor": "17bx16"}, 1, "model.flavor", '"17bx16"', 'did you mean "17bx16e"', "allowed"),
+    ({"model.flavor": "17bx16"}, 1, "model.flavor", '"17bx16"', 'did you mean "17bx16e"',
+     'not a flavor of model.name = "llama4"'),
     ({"optimizer.name": "adamw"}, 1, "optimizer.name", '"adamw"', 'did you mean "AdamW"', "allowed"),
     ({"optimizer.implementation": "triton"}, 1, "optimizer.implementation", '"triton"', '"foreach"', "allowed"),
     ({"checkpoint.async_mode": "asynch"}, 1, "checkpoint.async_mode", '"asynch"', 'did you mean "async"', "allowed"),
     # keys torchmoe shares with torchtitan v0.2.2
-    ({"model.name": "llama3"}, 1, "model.name", '"llama3"', "set model.name to one of them",
+    ({"model.name": "llama3"}, 1, "model.name", '"llama3"', "use one of them, with one of its flavors",
      'the mixture-of-experts families "llama4", "qwen3"'),
     ({"lr_scheduler.total_steps": 0}, 1, "lr_scheduler.total_steps", "0", "-1 for training.steps", ">= 1"),
     ({"training.gc_freq": -1}, 1, "training.gc_freq", "-1", "0 for Python's automatic", ">= 0"),

@@ -48,6 +48,20 @@ def test_command_runs_as_written(command: Command, run: docs_check.Run, tmp_path
             assert any(line == shown for line in printed), f"{command.where}: not printed (in order): {shown!r}"
 
 
+def test_no_training_command_shown_warms_up_past_its_last_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader who runs a training command as shown gets no warning about its own schedule (the
+    README's 8-rank example ran 10 steps of debug_model.toml's 20-step warmup and warned)."""
+    from torchmoe.config.loader import load_job_config
+
+    monkeypatch.chdir(docs_check.REPO)
+    trains = [(command, found.args) for command in COMMANDS if (found := docs_check.launch(command)) is not None
+              and found.args[:1] == ["train"] and "--dry-run" not in found.args and not command.output]
+    assert len(trains) >= 5  # not vacuous
+    for command, args in trains:
+        cfg = load_job_config(args[1:], notes=[])
+        assert cfg.lr_scheduler.warmup_steps < cfg.training.steps, command.where
+
+
 def test_links_name_pages_and_headings_that_exist() -> None:
     assert [p for page in PAGES for p in docs_check.link_problems(page, page.read_text())] == []
 

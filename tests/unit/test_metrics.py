@@ -69,7 +69,19 @@ def test_jsonl_has_the_contract_fields(tmp_path: Path) -> None:
 
     text = out.getvalue()
     assert "step  1/10" in text and "loss 7.5000" in text and "MFU 10.0%" in text
-    assert "12,346 tok/s" in text and "imb 2.50" in text and "eta" in text
+    assert "12,346 tok/s" in text and "98.9 TFLOP/s" in text and "expert max/mean 2.50" in text and "eta" in text
+
+
+@pytest.mark.parametrize(("tflops", "shown"), [(98.9, "98.9 TFLOP/s"), (1.0, "1.0 TFLOP/s"), (0.0853, "85.3 GFLOP/s"),
+                                               (0.00042, "0.42 GFLOP/s")])
+def test_the_console_shows_a_cpus_rate_in_gflops(tmp_path: Path, tflops: float, shown: str) -> None:
+    """A CPU's rate is tens of GFLOP/s: "0.0 TFLOP/s" on every line said nothing. The record keeps
+    TFLOP/s."""
+    console, out = _console()
+    with MetricsLogger(tmp_path, MetricsConfig(), rank=0, total_steps=3, console=console) as m:
+        record = m.log(1, {**_values(1.0), "tflops": tflops})
+    assert record["tflops"] == tflops
+    assert f"  {shown}  " in out.getvalue() and "0.0 TFLOP/s" not in out.getvalue(), out.getvalue()
 
 
 def test_mfu_is_null_without_a_known_peak(tmp_path: Path) -> None:

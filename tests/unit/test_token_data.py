@@ -99,3 +99,53 @@ def test_shards_of_another_tokenizer_are_refused_before_training(tmp_path: Path)
         build_dataloader(training, build_tokenizer(_tiny_bpe(tmp_path / "tok")))
     with pytest.raises(ConfigError, match=r'training.dataset_path = "": dataset = "tokens" needs a folder'):
         build_dataloader(Training(dataset="tokens"), build_tokenizer(""))
+
+
+# A path that holds another kind of corpus than training.dataset reads: (kind, path under the test's
+# folder: "shards" a prepare-data folder, "corpus" text; the message; the fix). The setting that
+# reads it is named, before anything is read.
+KIND_MISMATCHES = {
+    "shards_as_local": ("local", "shards", 'is a folder of token shards written by `torchmoe prepare-data` '
+                        '({tmp}/shards/manifest.json), which dataset "local" would read as text',
+                        'fix: set training.dataset = "tokens" (--training.dataset tokens)'),
+    "manifest_as_local": ("local", "shards/manifest.json", "is a file in a folder of token shards",
+                          "(--training.dataset tokens), and point it at {tmp}/shards"),
+    "shard_glob_as_local": ("local", "shards/*.npy", "is a file in a folder of token shards", "point it at"),
+    "shards_as_hf": ("hf", "shards", 'which dataset "hf" would read as text', 'set training.dataset = "tokens"'),
+    "unfinished_shards_as_local": ("local", "unfinished", "a folder of token shards", '"tokens"'),
+    "jsonl_as_tokens": ("tokens", "corpus/a.jsonl", 'holds text, not the token shards dataset "tokens" reads (no '
+                        "manifest.json)", 'set training.dataset = "local" (--training.dataset local) to read it as it '
+                        "is, or tokenize it once: torchmoe prepare-data {tmp}/corpus/a.jsonl data/tokens"),
+    "text_folder_as_tokens": ("tokens", "corpus", "holds text, not the token shards", "torchmoe prepare-data"),
+    "text_glob_as_tokens": ("tokens", "corpus/*.txt", "holds text, not the token shards", '"local"'),
+    "a_shard_as_tokens": ("tokens", "shards/shard-00000.tokens.npy", "is a file of the token shards in "
+                          "{tmp}/shards, not their folder", "fix: point it at the folder: {tmp}/shards"),
+}
+
+
+@pytest.mark.parametrize("case", list(KIND_MISMATCHES))
+def test_a_corpus_of_another_kind_names_the_kind_that_reads_it(tmp_path: Path, case: str) -> None:
+    kind, path, *expected = KIND_MISMATCHES[case]
+    _corpus(tmp_path / "corpus")
+    prepare([str(tmp_path / "corpus")], tmp_path / "shards", workers=1, show_progress=False)
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "unfinished" / "progress.json").write_text("{}")
+    training = Training(dataset=kind, dataset_path=str(tmp_path / path), seq_len=15, local_batch_size=8)
+    with pytest.raises(ConfigError) as err:
+        build_dataloader(training, build_tokenizer(""))
+    assert err.value.key == "training.dataset_path" and err.value.value == str(tmp_path / path)
+    assert all(text.format(tmp=tmp_path) in str(err.value) for text in expected), str(err.value)
+
+
+def test_a_mixture_and_validation_name_their_own_setting(tmp_path: Path) -> None:
+    from torchmoe.data.dataset import build_documents
+
+    _corpus(tmp_path / "corpus")
+    prepare([str(tmp_path / "corpus")], tmp_path / "shards", workers=1, show_progress=False)
+    with pytest.raises(ConfigError, match=r"fix: write its entry in training.dataset_mix as \[NAME=\]WEIGHT:tokens:PATH"):
+        build_documents(Training(dataset="local", dataset_path=str(tmp_path / "shards")), key="training.dataset_mix")
+    with pytest.raises(ConfigError, match='fix: set validation.dataset = "local"'):
+        build_documents(Training(dataset="tokens", dataset_path=str(tmp_path / "corpus")), key="validation.dataset_path")
+    # and what each kind reads is let through
+    assert build_documents(Training(dataset="tokens", dataset_path=str(tmp_path / "shards"))).num_documents == 60
+    build_documents(Training(dataset="local", dataset_path=str(tmp_path / "corpus")))

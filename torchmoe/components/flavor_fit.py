@@ -98,10 +98,12 @@ def flavor_fix(flag: str, fits: list[str]) -> str | None:
 
 
 def require_fit(key: str, flavor: str, args: ModelArgs, stored: Mapping[str, TensorStorageMetadata],
-                source: str) -> None:
+                source: str, *, family_key: str = "model.name") -> None:
     """Raise a `ConfigError` naming `key` (a flavor option: ``model.flavor``, ``--flavor``) when the
     `stored` model tensors of `source` are not those of a model of `args` (built from `flavor`);
-    the fix names the built-in flavors they fit, if any (`flavor_fix`). Multi-token prediction
+    the fix names the built-in flavors they fit, if any (`flavor_fix`). Tensors that fit no flavor
+    of the family but another family's are the family's fault: `family_key` (``model.name``,
+    ``--model-name``) is named, with the family and flavor they fit. Multi-token prediction
     modules the checkpoint holds beyond the model's are skipped; fewer are refused naming
     ``model.mtp_layers``."""
     held = stored_mtp_layers(stored)
@@ -111,7 +113,17 @@ def require_fit(key: str, flavor: str, args: ModelArgs, stored: Mapping[str, Ten
     problem = misfit(meta_state(args.replace(mtp_layers=held)), stored, extra_ok=False)
     if problem is None:
         return
-    fits = flavors_fitting({name: md.size for name, md in stored.items()}, args.family)
-    fix = flavor_fix(key if key.startswith("-") else f"--{key}", fits)
+    shapes = {name: md.size for name, md in stored.items()}
+    fits = flavors_fitting(shapes, args.family)
+    flag = lambda name: name if name.startswith("-") else f"--{name}"  # noqa: E731
+    if not fits:
+        other = next(((family, found) for family in FLAVORS if family != args.family
+                      for found in [flavors_fitting(shapes, family)] if found), None)
+        if other is not None:
+            family, found = other
+            raise ConfigError(family_key, args.family, f"{source} holds a {family} model (its tensors fit {family}'s "
+                              f"{', '.join(found)}), not a {args.family} one",
+                              f"pass {flag(family_key)} {family} {flag(key)} {found[0]}")
+    fix = flavor_fix(flag(key), fits)
     raise ConfigError(key, flavor, f"does not fit {source}: {problem}",
                       fix or "pass the flavor the checkpoint was trained with")

@@ -91,11 +91,12 @@ def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: 
     differ = args.architecture_differences(hf_args)
     if differ:
         fits = matching_flavor(hf_args)
-        other = hf_args.family != args.family
-        what = f" (a {hf_mapping(hf_args).title} model, not {hf_mapping(args).title})" if other else ""
-        name = f"--model.name {hf_args.family} " if other else ""
-        raise ConfigError(key, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}{what}",
-                          f"pass {name}--model.flavor {fits}" if fits else
-                          f"add a flavor with its architecture to torchmoe/arch/{hf_args.family}.py FLAVORS")
+        fix = f"pass --model.name {hf_args.family} --model.flavor {fits}" if fits else \
+            f"add a flavor with its architecture to torchmoe/arch/{hf_args.family}.py FLAVORS"
+        if hf_args.family != args.family:  # the family is what is wrong, not the flavor nor the folder
+            raise ConfigError("model.name", args.family, f"{key} {hf_dir} holds a {hf_mapping(hf_args).title} model "
+                              f"({hf_args.family}), not a {hf_mapping(args).title} one", fix)
+        raise ConfigError(key, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}",
+                          fix.replace(f"--model.name {hf_args.family} ", ""))
     load_hf_weights(get_model_state_dict(model), hf_dir, args, key=key, fix=fix)
     logger.info("loaded Hugging Face weights from %s", hf_dir)

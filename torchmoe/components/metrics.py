@@ -65,7 +65,7 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.config.job_config import Metrics as MetricsConfig
 from torchmoe.config.loader import differing_keys, load_toml_config
 from torchmoe.config.nesting import json_loads
-from torchmoe.config.paths import WRITE_FIX, path_fault
+from torchmoe.config.paths import WRITE_FIX, free_folder_name, path_fault
 
 logger = logging.getLogger(__name__)
 
@@ -258,26 +258,38 @@ def _drop_records_from(path: Path, step: int) -> bool:
 def check_history(dump_folder: Path, cfg: JobConfig) -> None:
     """A run that resumes no checkpoint (it starts at step 1) continues the metrics.jsonl of its
     dump folder, dropping its records, only where they are its own: a restart of the same run
-    before its first checkpoint, with the same config.toml. Any other run's history is never cut.
+    before its first checkpoint, with the same config.toml, that had not finished. A finished
+    run's history, and any other run's, is never cut unless `job.overwrite` asks for it.
 
     Raises:
-        ConfigError: metrics.jsonl holds records of a run with another (or no) config.toml.
+        ConfigError: metrics.jsonl holds records of a run with another (or no) config.toml, or of
+            this config's run that reached its last step, and `job.overwrite` is false.
     """
     # Lines that are not records are said when the run cuts them (`_drop_records_from`).
     steps = [record["step"] for _, _, record in read_record_lines(dump_folder / METRICS_FILE)[0]]
     if not steps:
         return
     try:
-        differ = differing_keys(load_toml_config(dump_folder / "config.toml"), cfg)
+        differ = [k for k in differing_keys(load_toml_config(dump_folder / "config.toml"), cfg) if k != "job.overwrite"]
     except ConfigError as err:  # missing or unreadable: not this run's
         differ = [f"config.toml: {err.problem}"]
+    history = f"steps {min(steps)}-{max(steps)}"
+    if cfg.job.overwrite:
+        logger.warning("job.overwrite is true: the history in %s (%s) is replaced by this run's", dump_folder / METRICS_FILE,
+                       history)
+        return
+    fix = (f"give this run its own folder (--job.dump_folder {free_folder_name(cfg.job.dump_folder)}), or pass "
+           "--job.overwrite true to replace that history")
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise ConfigError("job.dump_folder", cfg.job.dump_folder,
-                          f"holds the metrics.jsonl of another run (steps {min(steps)}-{max(steps)}; its config "
-                          f"differs in {shown}), which this run, starting at step 1 without a checkpoint to resume, "
-                          "would cut", "give this run its own job.dump_folder, or move metrics.jsonl away to start "
-                          "over in this one")
+                          f"holds the metrics.jsonl of another run ({history}; its config differs in {shown}), "
+                          "which this run, starting at step 1 without a checkpoint to resume, would cut", fix)
+    if max(steps) >= cfg.training.steps:
+        raise ConfigError("job.dump_folder", cfg.job.dump_folder,
+                          f"holds a finished run of this config (metrics.jsonl: {history} of {cfg.training.steps}), "
+                          "whose history this run, starting again at step 1 without a checkpoint to resume "
+                          "(checkpoint.enable), would replace", fix)
 
 
 class _RecordFile:
@@ -517,10 +529,12 @@ class MetricsLogger:
         add("grad_norm", "grad {:.3f}", "magenta")
         add("lr", "lr {:.2e}", "white")
         add("tokens_per_sec", "{:,.0f} tok/s", "green")
-        add("tflops", "{:.1f} TFLOP/s", "green")
+        if r.get("tflops") is not None:  # GFLOP/s below 1 TFLOP/s: a CPU's rate read "0.0 TFLOP/s"
+            parts.append(f"[green]{_flops(r['tflops'])}[/]")
         add("mfu", "MFU {:.1f}%", "green")
         add("memory_gib", "mem {:.2f} GiB", "yellow")
-        add("moe_imbalance", "imb {:.2f}", "red")
+        # The busiest expert's tokens over the mean (1.00: balanced), averaged over the MoE layers.
+        add("moe_imbalance", "expert max/mean {:.2f}", "red")
         sources = {k[len("tokens/"):]: v for k, v in r.items() if k.startswith("tokens/")}
         if sources:  # a mixture: each source's share of the tokens so far
             total = sum(sources.values()) or 1
@@ -579,6 +593,11 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _flops(tflops: float) -> str:
+    """An achieved rate per rank for the console: TFLOP/s from 1 up, else GFLOP/s (3 digits)."""
+    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.3g} GFLOP/s"
 
 
 def _duration(seconds: float) -> str:

@@ -20,6 +20,8 @@ class Job:
     """Memory per rank in GiB, checked against the planner's estimate (a real run is refused, the dry run warns); 0 = detect (the GPU's, else host RAM over its ranks; the dry run skips)."""
     print_config: bool = False
     """Print the resolved config (as TOML) when the run starts."""
+    overwrite: bool = False
+    """Let a run that resumes no checkpoint replace the history (metrics.jsonl) its dump folder holds of a finished run, or of a run with another config; false refuses it (exit 2), so that no history is lost without being asked for. Log files and TensorBoard events are appended to either way."""
     folder_lock: str = "auto"
     """How a run holds the folders it writes (docs/checkpoints.md): 'flock', 'heartbeat' (an owner file created exclusively, its beat counter rewritten every 2 s; taken over once it stays unchanged for 60 s by the reader's clock, or its holder's pid on this host is gone: for file systems without flock across nodes), or 'auto': flock, unless the file system refuses it or keeps it per node (Lustre's localflock, NFS's local_lock or nolock, BeeGFS, FUSE)."""
 

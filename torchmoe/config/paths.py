@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import itertools
 import os
 import socket
 import uuid
@@ -32,7 +33,7 @@ from pathlib import Path
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 
-__all__ = ["FULL_FIX", "PATH_KEYS", "READ_KEYS", "WRITE_FIX", "WRITTEN_FOLDER_KEYS", "UserPath", "describe_os_error",
+__all__ = ["FULL_FIX", "free_folder_name", "PATH_KEYS", "READ_KEYS", "WRITE_FIX", "WRITTEN_FOLDER_KEYS", "UserPath", "describe_os_error",
            "job_paths", "key_value", "nonempty_path", "path_fault", "path_faults", "replica_group_config", "source_key",
            "user_path_faults", "writable_file", "writable_folder", "written_folders"]
 
@@ -237,6 +238,15 @@ def key_value(cfg: JobConfig, key: str) -> str:
 
 
 # ---- looking before writing --------------------------------------------------------------------
+
+
+def free_folder_name(folder: str) -> str:
+    """`folder` when nothing has that name (nor a link), else the first of `folder`-2, -3, ... that
+    is free: a folder of its own to suggest for a run (a fix, `torchmoe plan --out`'s job)."""
+    base = folder.rstrip("/") or folder
+    if not os.path.lexists(base):
+        return folder
+    return next(f"{base}-{n}" for n in itertools.count(2) if not os.path.lexists(f"{base}-{n}"))
 
 
 def writable_folder(folder: Path, *, create: bool = True) -> Path:

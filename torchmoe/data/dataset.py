@@ -41,6 +41,7 @@ from torchmoe.config.errors import show_value
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.data.dataset_kinds import ALWAYS_READ, check_kind, is_text_file
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, check_split, text_part
 from torchmoe.data.file_index import LINES, START, Indexing, IndexKind, line_spans, shared_indexes, with_starts
 from torchmoe.data.token_shards import TokenShards
@@ -62,14 +63,6 @@ __all__ = [
     "build_documents",
 ]
 
-# Files whose rows are documents, and .txt files, are always read (a .txt file that is not UTF-8
-# gets the reader's message naming its encoding and the fix); any other file that is text is one
-# document.
-ROW_SUFFIXES = (".jsonl", ".json", ".parquet")
-ALWAYS_READ = (*ROW_SUFFIXES, ".txt")
-# Bytes read to tell text from binary: git's rule (a NUL byte in the first 8 KiB is binary),
-# plus that they decode as UTF-8.
-_SNIFF_BYTES = 8192
 LOCAL_FILES = "a .jsonl/.json/.parquet file of rows, or text files (.txt, code, any UTF-8 text)"
 # torchtitan v0.2.2's dataset names: c4 and c4_validation stream allenai/c4 ("en") from the hub,
 # c4_test reads its test corpus (a .json file of 2K documents) from a torchtitan checkout.
@@ -565,21 +558,6 @@ def _plain_utf8(path: Path) -> bool:
     return True
 
 
-def is_text_file(path: Path) -> bool:
-    """Whether `path` looks like text: its first 8 KiB hold no NUL byte and decode as UTF-8 (a
-    character cut by the 8 KiB boundary is fine). Raises OSError when it cannot be read."""
-    with path.open("rb") as f:
-        head = f.read(_SNIFF_BYTES)
-    if b"\0" in head:
-        return False
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as err:
-        # Only an incomplete character at the very end: the next bytes complete it.
-        return len(head) == _SNIFF_BYTES and err.start >= len(head) - 3 and err.reason == "unexpected end of data"
-    return True
-
-
 def local_files(dataset_path: str, *, key: str = "training.dataset_path",
                 extensions: Sequence[str] = ()) -> list[Path]:
     """The corpus files named by `dataset_path` (the setting `key`), sorted: `.jsonl`, `.json`,
@@ -649,6 +627,7 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
     `index_cache` keeps the files' document indexes (`FileDocuments`); `check_digests=False`
     leaves token shards' digests to the caller (`TokenShards.check_digests`)."""
     kind = training.dataset
+    check_kind(kind, training.dataset_path, key=key)  # shards read as text, text as shards: before any read
     files = lambda path: FileDocuments(  # noqa: E731
         local_files(path, key=key, extensions=training.dataset_extensions), text_field=training.dataset_text_field,
         key=key, value=path, index_cache=index_cache,

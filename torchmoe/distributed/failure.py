@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.launch_env import tell_launcher
 from torchmoe.config.nesting import json_loads
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.interruption import Interrupted
@@ -155,6 +156,13 @@ class PeerFailed(RuntimeError):
         else:
             text = f"[rank {rank}] stopped because rank {failure.rank} failed (its error is reported by rank {failure.rank})"
         super().__init__(text)
+
+    def with_cause(self) -> str:
+        """This rank's line and, for a rank's own error, that error: what torchrun's summary of
+        this rank says (`launch_env.tell_launcher`), which may be the last thing on the screen."""
+        if self.failure.kind != ERROR:
+            return str(self)
+        return f"{self}\nrank {self.failure.rank}'s error: {self.failure.message}"
 
 
 def exit_status(err: BaseException) -> int:
@@ -357,7 +365,9 @@ class FailureWatch:
     def _exit_now(self, failure: Failure) -> None:
         """The backstop: the process is still alive EXIT_GRACE_S after learning of `failure`."""
         if not self._reported.is_set():  # the main thread is stuck: say why this rank stops
-            print(PeerFailed(failure, self.rank), file=sys.stderr)
+            stopped = PeerFailed(failure, self.rank)
+            print(stopped, file=sys.stderr)
+            tell_launcher(stopped.with_cause())
         self.settle_report()
         sys.stdout.flush()
         sys.stderr.flush()

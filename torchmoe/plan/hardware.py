@@ -58,7 +58,7 @@ from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 
 __all__ = ["BUILTIN_PROFILES", "COLLECTIVES", "OP_CLASSES", "PROFILE_FORMAT", "HardwareProfile", "Link",
-           "load_profile", "profile_from_dict", "profile_to_dict"]
+           "in_profile_range", "load_profile", "profile_from_dict", "profile_to_dict"]
 
 PROFILE_FORMAT = "torchmoe-hardware-profile"
 PROFILE_VERSION = 1
@@ -86,6 +86,10 @@ class Link:
         steps = ranks - 1
         return (steps * self.latency_us * 1e-6
                 + _RING_FACTOR[collective] * steps / ranks * nbytes / (self.bandwidth_gbs * 1e9))
+
+    def in_profile_range(self) -> Link:
+        """This link with its latency and bandwidth moved into the ranges a profile holds."""
+        return Link(in_profile_range(self.latency_us, "microseconds"), in_profile_range(self.bandwidth_gbs, "rate"))
 
 
 @dataclass(frozen=True)
@@ -203,8 +207,17 @@ BUILTIN_PROFILES: dict[str, dict] = {
 # planned with it a step takes 1e300 s or NaN (bandwidth 5e-324, latency 1e308). Rates from 1 GFLOP/s
 # (1 MB/s) up, below the point where their product with 1e12 leaves floats (an ideal profile, as the
 # tests use, may be near-infinitely fast); latencies up to 10 s.
-_RATE = {"low": 1e-3, "high": 1e12, "strict": False}  # TFLOP/s, GB/s
-_MICROSECONDS = {"high": 1e7, "strict": False}
+RATE_RANGE = (1e-3, 1e12)  # TFLOP/s, GB/s
+MICROSECONDS_RANGE = (0.0, 1e7)
+_RATE = {"low": RATE_RANGE[0], "high": RATE_RANGE[1], "strict": False}
+_MICROSECONDS = {"high": MICROSECONDS_RANGE[1], "strict": False}
+
+
+def in_profile_range(value: float, kind: str) -> float:
+    """`value` moved into the range a profile holds for its `kind`: "rate" (TFLOP/s, GB/s) or
+    "microseconds" (latencies, kernel overhead). For a measurement that came out of it."""
+    low, high = RATE_RANGE if kind == "rate" else MICROSECONDS_RANGE
+    return min(max(value, low), high)
 
 
 def _number(key: str, value: object, *, low: float = 0.0, high: float = math.inf, strict: bool = True) -> float:

@@ -10,11 +10,11 @@ import os
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.arch.registry import FLAVORS
+from torchmoe.arch.registry import check_model
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig, Model, Parallelism, Training
 from torchmoe.config.launch_env import launch_int
-from torchmoe.config.validate import divisors_text, one_of
+from torchmoe.config.validate import divisors_text
 from torchmoe.plan.memory import estimate_memory
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import SPLIT_BACKWARD_SCHEDULES, check_microbatches, pipeline_layout
@@ -24,13 +24,8 @@ GIB = 2**30
 
 def check_flavor(model: Model) -> None:
     """`model.name` is a family torchmoe trains (`arch.registry.FLAVORS`) and `model.flavor` one
-    of its flavors."""
-    if model.name not in FLAVORS:  # e.g. a torchtitan file of a dense family: llama3
-        families = ", ".join(f'"{name}"' for name in FLAVORS)
-        raise ConfigError("model.name", model.name, f"torchmoe trains the mixture-of-experts families {families}",
-                          "set model.name to one of them with one of its flavors (docs/models.md), or train "
-                          "this model family with torchtitan")
-    one_of("model.flavor", model.flavor, tuple(FLAVORS[model.name]))
+    of its flavors (`arch.registry.check_model`)."""
+    check_model(model.name, model.flavor)
 
 
 def check_seq_len(args: ModelArgs, flavor: str, seq_len: int) -> None:
