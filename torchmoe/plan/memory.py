@@ -75,6 +75,9 @@ inputs are the all-gathered sequence (full ``D``).
                                                             DeepSeek-V3's fp32 gate keeps the input
                                                             itself, 4 bytes under autocast)
               + f*(4*E + 16*k)                              fp32 router scores, top-k indices
+              + f*4*(b + z)                                 the balance loss's per-token score sums
+                                                            (b = 1 when aux_loss_coeff > 0), the
+                                                            z-loss's log-sum-exp (z likewise)
               + f*k * (4*D + 2*a*D + X + 12)                per routed copy: fp32 operand of the
                                                             gate multiply, the expert input and
                                                             output (kept by the index_add back
@@ -333,6 +336,8 @@ class ActivationModel:
         total = self._norm(m.dim) / tp + moe_input * m.dim * f + (4 * m.num_experts + 16 * k) * f
         if m.norm_topk_prob:  # the division's fp32 numerator (the k gates) and denominator
             total += (4 * k + 4) * f
+        # The balance loss's per-token score sums (its divisor), the z-loss's log-sum-exp: fp32.
+        total += 4 * f * ((m.aux_loss_coeff > 0) + (m.z_loss_coeff > 0))
         total += k * f * (4 * m.dim + 2 * a * m.dim + self._expert_activation() + 12)
         return total + 4 * a * m.moe_hidden_dim * m.num_shared_experts / tp
 
