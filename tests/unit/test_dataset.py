@@ -184,7 +184,7 @@ def test_a_row_parses_and_opens_only_its_documents(tmp_path: Path, monkeypatch) 
     opened: list[str] = []
     groups: list[int] = []
     real_loads, real_read_bytes, real_group = json.loads, Path.read_bytes, pq.ParquetFile.read_row_group
-    monkeypatch.setattr(dataset_module.json, "loads", lambda line: parsed.append(line) or real_loads(line))
+    monkeypatch.setattr(dataset_module.json, "loads", lambda line, **kw: parsed.append(line) or real_loads(line, **kw))
     monkeypatch.setattr(Path, "read_bytes", lambda self: opened.append(self.name) or real_read_bytes(self))
     monkeypatch.setattr(pq.ParquetFile, "read_row_group",
                         lambda self, i, **kw: groups.append(i) or real_group(self, i, **kw))  # fmt: skip
