@@ -62,3 +62,14 @@ def torchrun(job: list[str], case: str, out: Path, args: list[str], **env: str) 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            WORKER, case, str(out), "--", "train", *job, *args, "--job.dump_folder", str(out)]
     return subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def torchrun_summary(out: str) -> tuple[str, str]:
+    """(what the ranks printed, torchrun's failure summary after it)."""
+    ranks, _, summary = out.partition("ChildFailedError:")
+    return ranks, summary
+
+
+def root_cause(out: str) -> str:
+    """The last entry of torchrun's summary, the bottom of the screen: its first failed rank."""
+    return torchrun_summary(out)[1].rpartition("Root Cause (first observed failure):")[2]

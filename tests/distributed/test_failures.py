@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.rank_processes import start_ranks, torchrun, wait_all
+from tests.distributed.rank_processes import root_cause, start_ranks, torchrun, torchrun_summary, wait_all
 from tests.helpers import TINY_JOB
 from torchmoe.launch import read_metrics, run_cli
 
@@ -33,17 +33,6 @@ PEER_LINE = "[rank 0] stopped because rank 1 failed (its error is reported by ra
 
 def _since_failure(out: Path, end: float) -> float:
     return end - float((out / "failed_at").read_text())
-
-
-def _summary(out: str) -> tuple[str, str]:
-    """(what the ranks printed, torchrun's failure summary after it)."""
-    ranks, _, summary = out.partition("ChildFailedError:")
-    return ranks, summary
-
-
-def _root_cause(out: str) -> str:
-    """The last entry of torchrun's summary, the bottom of the screen: its first failed rank."""
-    return _summary(out)[1].rpartition("Root Cause (first observed failure):")[2]
 
 
 def _no_worker_traceback(text: str, rank: int) -> bool:
@@ -72,14 +61,14 @@ def test_hf_load_failing_on_one_rank_ends_both_under_torchrun(tmp_path: Path, hf
     (out,), (end,) = wait_all([proc], timeout=300)
     assert proc.returncode == 1, out  # torchrun's status for a failed worker
     assert _since_failure(tmp_path, end) < BOUND_S, out
-    ranks, summary = _summary(out)
+    ranks, summary = torchrun_summary(out)
     assert ranks.count("error:") == 1 and "[rank 1] error: checkpoint.initial_load_path" in ranks, out
     assert "model-00002-of-00002.safetensors is missing" in ranks, out
     assert _no_worker_traceback(out, 0) and _no_worker_traceback(out, 1), out
     # torchrun's summary, the last lines on the screen, names the error under each rank: rank 1's
     # own, and rank 0's line with the error of rank 1 that stopped it ("exitcode: 2" alone before).
     assert summary.count("safetensors is missing") == 2 and "rank 1's error: ConfigError: " in summary, summary
-    assert "model-00002-of-00002.safetensors is missing" in _root_cause(out), out
+    assert "model-00002-of-00002.safetensors is missing" in root_cause(out), out
 
 
 @pytest.mark.parametrize("error", ["config", "unexpected"])
@@ -95,25 +84,25 @@ def test_an_error_every_rank_finds_is_printed_by_the_first_before_any_rank_exits
     assert _since_failure(tmp_path, end) < BOUND_S, out
     assert PEER_LINE in out and _no_worker_traceback(out, 0), out
     if error == "config":
-        assert _summary(out)[0].count("error:") == 1 and "[rank 1] error: job.dump_folder" in out, out
-        assert "is held by another run (pid 4242)" in _root_cause(out), out
+        assert torchrun_summary(out)[0].count("error:") == 1 and "[rank 1] error: job.dump_folder" in out, out
+        assert "is held by another run (pid 4242)" in root_cause(out), out
         assert "is held by another run (pid 4242)" in out and _no_worker_traceback(out, 1), out
     else:
         assert "[rank1]: RuntimeError: an unexpected error every rank meets" in out, out
 
 
-def test_an_error_before_the_process_group_ends_torchruns_summary(tmp_path: Path) -> None:
+def test_an_error_before_the_process_group_ends_torchrunstorchrun_summary(tmp_path: Path) -> None:
     """Every rank finds the same user error before any process group (degrees that do not fit
     the world): rank 0 prints it once, and torchrun's summary, which ends the screen, holds it for
     every failed rank, the root cause last, not only "exitcode: 2"."""
     proc = run_cli(["train", *TINY_JOB, "--parallelism.tensor_parallel_degree", "3", "--job.dump_folder", tmp_path],
                    nproc=2, timeout=300, expect=1)
     out = proc.stdout + proc.stderr
-    ranks = _summary(proc.stderr)[0]
+    ranks = torchrun_summary(proc.stderr)[0]
     message = "parallelism.data_parallel_shard_degree = -1: -1 fills the rest, but WORLD_SIZE(2)"
     assert ranks.count("error:") == 1 and message in ranks, out
     assert _no_worker_traceback(out, 0) and _no_worker_traceback(out, 1), out
-    root = [line.strip() for line in _root_cause(proc.stderr).strip().splitlines()]
+    root = [line.strip() for line in root_cause(proc.stderr).strip().splitlines()]
     assert root[-1] == "=" * 60 and root[-3].startswith(f"traceback : error: {message}"), out
     assert root[-2].startswith("fix: choose degrees whose product divides WORLD_SIZE(2)"), out
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed.rank_processes import root_cause, torchrun_summary
 from tests.helpers import DEBUG_CONFIG
 from torchmoe.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_replica_groups, run_train
 
@@ -65,6 +66,8 @@ LAYOUTS = {
     "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
 }
 FILE_SYNCS = Path(__file__).parent / "file_syncs"
+
+GROUPS_DIFFER = "every group must run the same model, layout and batch"
 
 
 def _states(folder: Path, prefixes: tuple[str, ...] = ("model.", "optimizer.")) -> dict[str, torch.Tensor]:
@@ -201,7 +204,10 @@ def test_groups_started_with_other_layouts_both_stop_naming_both(tmp_path: Path,
     for group in groups:
         log = group.log.read_text()
         assert "exitcode  : 2" in log and "Traceback" not in log.split("failed (exitcode: 2)")[0], log[-3000:]
-        assert log.count("every group must run the same model, layout and batch") == 1, log[-3000:]
+        # Said once by the rank that found it, and again last on the screen: torchrun's summary
+        # ends with the first failed rank's error file (every rank that stops writes the cause).
+        assert torchrun_summary(log)[0].count(GROUPS_DIFFER) == 1, log[-3000:]
+        assert GROUPS_DIFFER in root_cause(log), log[-3000:]
         assert "(pp 1, dp_shard 2, cp 1, tp 1, ep 1)" in log and "(pp 1, dp_shard 1, cp 1, tp 2, ep 1)" in log
 
 
@@ -314,7 +320,8 @@ def test_with_the_quorum_lost_the_survivor_waits_and_a_full_restart_resumes_exac
     assert waited_at <= died  # the step group 1 died in, at most (it may have committed it first)
     log = wrong.log.read_text()
     assert "exitcode  : 2" in log and "Traceback" not in log.split("failed (exitcode: 2)")[0], log[-3000:]
-    assert log.count("every group must run the same model, layout and batch") == 1, log[-3000:]
+    assert torchrun_summary(log)[0].count(GROUPS_DIFFER) == 1, log[-3000:]
+    assert GROUPS_DIFFER in root_cause(log), log[-3000:]
     assert "llama4/tiny, float32 on 2 ranks" in log and "llama4/debugmodel, float32 on 2 ranks" in log
     # The step after the kill waited for the restarted group: longer than it was down.
     waited = elapsed[waited_at + 1] - elapsed[waited_at]

@@ -235,7 +235,7 @@ def test_a_loss_that_is_not_finite_is_one_message_and_writes_nothing(capsys, mon
     and --out is not written (json.dumps would have written NaN into it)."""
     from torchmoe import trainer
 
-    monkeypatch.setattr(trainer, "evaluate", lambda cfg: loss)
+    monkeypatch.setattr(trainer, "evaluate", lambda cfg, **kw: loss)
     out = tmp_path / "eval.json"
     status = cli.main(["eval", *TINY, "--job.dump_folder", str(run_dir), "--split", "train", "--out", str(out)])
     err = capsys.readouterr().err
