@@ -75,6 +75,7 @@ from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch, PeerFailed
 from torchmoe.distributed.fault_tolerance import ReplicaGroups, connect, watch_lighthouse
 from torchmoe.distributed.float8 import precompute_float8_scales
+from torchmoe.distributed.interruption import leaving_for_failure
 from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
 from torchmoe.distributed.one_reader import one_reads
@@ -82,7 +83,6 @@ from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_meta
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.distributed.replica_state import GroupLayout, decode_position, encode_position, like, local_tensors
 from torchmoe.distributed.semi_sync import SemiSync
-from torchmoe.interruption import leaving_for_failure
 from torchmoe.models.decoder.mtp import mtp_targets
 from torchmoe.models.decoder.parallelize import parallelize_model
 from torchmoe.models.decoder.pipeline_stages import PipelineRankModel, split_into_stages
@@ -96,12 +96,12 @@ from torchmoe.nn.document_attention import (
     whole_row_calls,
 )
 from torchmoe.nn.dtypes import torch_dtype
+from torchmoe.nn.profiler_regions import region
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype, residual_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
 from torchmoe.preflight import train_device
-from torchmoe.regions import region
 
 logger = logging.getLogger(__name__)
 

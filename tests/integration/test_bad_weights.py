@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, assert_user_error, empty_tiny_model
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.components.checkpoint import MARKER, CheckpointManager, ModelWrapper
 from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.run_lock import LOCK_NAME

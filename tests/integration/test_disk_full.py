@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, empty_tiny_model
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.components.checkpoint import load_model_only
 from torchmoe.components.metrics import parse_record
 from torchmoe.config.paths import FULL_FIX

@@ -233,7 +233,7 @@ def test_the_logged_loss_is_the_main_loss_and_the_mtp_loss_is_logged_apart(tmp_p
     import json
 
     from tests.helpers import DEBUG_CONFIG, SHORT_DOCUMENTS
-    from torchmoe import cli
+    from torchmoe.commands import cli
     from torchmoe.config import load_job_config
     from torchmoe.models.decoder.mtp import mtp_targets
 
