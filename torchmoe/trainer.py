@@ -32,15 +32,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
-from torchmoe.components.checkpoint import (
-    CheckpointManager,
-    ModelWrapper,
-    OptimizerWrapper,
-    RankLocal,
-    RNGState,
-    SaveFailed,
-    checkpoint_timeout,
-)
+from torchmoe.components.checkpoint import CheckpointManager, SaveFailed, checkpoint_timeout
+from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
 from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.garbage_collection import GarbageCollection
