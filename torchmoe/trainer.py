@@ -41,14 +41,13 @@ from torchmoe.components.hf_storage import save_hf_weights
 from torchmoe.components.initial_load import hf_bias_drop, load_initial_weights
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
-    METRICS_FILE,
     MetricsLogger,
     ThroughputWindow,
-    check_history,
     device_peak_flops,
     peak_memory_gib,
     reset_peak_memory,
 )
+from torchmoe.components.metrics_records import METRICS_FILE, check_history
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.components.run_info import write_run_info

@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, empty_tiny_model
 from torchmoe.commands import cli
 from torchmoe.components.checkpoint_state import load_model_only
-from torchmoe.components.metrics import parse_record
+from torchmoe.components.metrics_records import parse_record
 from torchmoe.config.paths import FULL_FIX
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
