@@ -59,8 +59,9 @@ from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import write_config_toml
 from torchmoe.config.paths import job_paths, source_key, user_path_faults, written_folders
-from torchmoe.data.dataloader import CorpusEnd, DataLoader, build_corpus, build_dataloader, validation_data
+from torchmoe.data.dataloader import DataLoader, build_corpus, build_dataloader, validation_data
 from torchmoe.data.file_index import INDEX_FOLDER
+from torchmoe.data.packing import CorpusEnd
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved

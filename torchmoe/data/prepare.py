@@ -48,10 +48,10 @@ from rich.text import Text
 
 from torchmoe.config.folder_owners import refuse_held
 from torchmoe.config.paths import path_faults
-from torchmoe.data.dataloader import PIECE_CHARS
 from torchmoe.data.dataset import DataConfigError, Documents, FileDocuments, local_files
 from torchmoe.data.documents import SizedDocuments
 from torchmoe.data.hub_documents import HFDocuments
+from torchmoe.data.packing import PIECE_CHARS
 from torchmoe.data.token_shards import (
     MANIFEST,
     PROGRESS,
