@@ -188,8 +188,8 @@ def generate_main(argv: list[str]) -> int:
 
 def _generate(argv: list[str]) -> int:
     found, rest = split_flags(argv, _FLAGS)
-    loaded = checkpoint_job(rest, "torchmoe generate", GENERATE_DESCRIPTION, checkpoint=str(found.get("--checkpoint", "")),
-                            step=found.get("--step"))
+    loaded = checkpoint_job(rest, "torchmoe generate", GENERATE_DESCRIPTION,
+                            checkpoint=str(found.get("--checkpoint", "")), step=found.get("--step"))
     if isinstance(loaded, int):
         return loaded
     cfg, folder, in_hf = loaded
