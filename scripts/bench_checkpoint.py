@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from torchmoe.components.checkpoint import ModelWrapper, OptimizerWrapper
+from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.weight_files import load_dcp, read_dcp_metadata
 from torchmoe.models.llama4 import FLAVORS, Transformer

@@ -212,7 +212,7 @@ def _compiled_train(out: Path, timeout: int) -> Verdict:
 
 def _dry_run(args: list[str], dump: Path, world_size: int = 1) -> None:
     """`torchmoe train ARGS --dry-run` in this process (no GPU needed); raises if it refuses."""
-    from torchmoe.cli import main
+    from torchmoe.commands.cli import main
 
     text = io.StringIO()
     with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):

@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def _restore_torchmoe_logging():
-    """Tests and fixtures (module-scoped ones too) that build a Trainer or run `torchmoe.cli.main`
+    """Tests and fixtures (module-scoped ones too) that build a Trainer or run `torchmoe.commands.cli.main`
     in this process get torchmoe's logging setup (its own stderr handler, no propagation to the
     root logger, a rank's log file); undo it after every test, or pytest's log capture would miss
     the `torchmoe` records of later tests (a unit test's `caplog` after a trainer test, in any

@@ -204,7 +204,7 @@ def launch(command: Command) -> Launch | None:
 
 @dataclass(frozen=True)
 class Run:
-    """What the check runs for a command (rule 1 or 2): argv for `torchmoe.cli.main` (the dump
+    """What the check runs for a command (rule 1 or 2): argv for `torchmoe.commands.cli.main` (the dump
     folder is added by the runner), the exit status expected, and whether a test must run the
     command too (a one-process training run or a script's: rule 3)."""
 

@@ -97,7 +97,7 @@ def train_tiny_here(dump_folder: Path, args: list[str]) -> None:
     """`train_tiny` on one rank in this process: the same job without starting an interpreter
     (seconds a run). Its numbers match other runs of this process, not `train_tiny`'s (another
     thread count); its log lines reach this process's stderr."""
-    from torchmoe import cli
+    from torchmoe.commands import cli
 
     assert cli.main(["train", *TINY_JOB, *args, "--job.dump_folder", str(dump_folder)]) == 0
 
@@ -305,8 +305,8 @@ def emulated_flash(reads: HostReads | None = None):
     Yields the list of the calls' (q, k, v, cu_q, cu_k, max_q, max_k) shapes, for the test."""
     import torch
 
-    from torchmoe.attention_kernel import FLASH
     from torchmoe.nn import segment_attention
+    from torchmoe.nn.attention_kernel_choice import FLASH
 
     calls = []
 

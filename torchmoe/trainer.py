@@ -32,15 +32,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
-from torchmoe.components.checkpoint import (
-    CheckpointManager,
-    ModelWrapper,
-    OptimizerWrapper,
-    RankLocal,
-    RNGState,
-    SaveFailed,
-    checkpoint_timeout,
-)
+from torchmoe.components.checkpoint import CheckpointManager, SaveFailed, checkpoint_timeout
+from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
 from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.garbage_collection import GarbageCollection
@@ -48,14 +41,13 @@ from torchmoe.components.hf_storage import save_hf_weights
 from torchmoe.components.initial_load import hf_bias_drop, load_initial_weights
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.metrics import (
-    METRICS_FILE,
     MetricsLogger,
     ThroughputWindow,
-    check_history,
     device_peak_flops,
     peak_memory_gib,
     reset_peak_memory,
 )
+from torchmoe.components.metrics_records import METRICS_FILE, check_history
 from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.components.run_info import write_run_info
@@ -67,14 +59,16 @@ from torchmoe.config.job_config import Comm, JobConfig, Parallelism
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import write_config_toml
 from torchmoe.config.paths import job_paths, source_key, user_path_faults, written_folders
-from torchmoe.data.dataloader import CorpusEnd, DataLoader, build_corpus, build_dataloader, validation_data
+from torchmoe.data.dataloader import DataLoader, build_corpus, build_dataloader, validation_data
 from torchmoe.data.file_index import INDEX_FOLDER
+from torchmoe.data.packing import CorpusEnd
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.failure import FailureWatch, PeerFailed
 from torchmoe.distributed.fault_tolerance import ReplicaGroups, connect, watch_lighthouse
 from torchmoe.distributed.float8 import precompute_float8_scales
+from torchmoe.distributed.interruption import leaving_for_failure
 from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
 from torchmoe.distributed.one_reader import one_reads
@@ -82,7 +76,6 @@ from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_meta
 from torchmoe.distributed.process_groups import backend_spec, set_timeout
 from torchmoe.distributed.replica_state import GroupLayout, decode_position, encode_position, like, local_tensors
 from torchmoe.distributed.semi_sync import SemiSync
-from torchmoe.interruption import leaving_for_failure
 from torchmoe.models.decoder.mtp import mtp_targets
 from torchmoe.models.decoder.parallelize import parallelize_model
 from torchmoe.models.decoder.pipeline_stages import PipelineRankModel, split_into_stages
@@ -96,12 +89,12 @@ from torchmoe.nn.document_attention import (
     whole_row_calls,
 )
 from torchmoe.nn.dtypes import torch_dtype
+from torchmoe.nn.profiler_regions import region
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.memory import compute_dtype, residual_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import microbatches, pipeline_layout
 from torchmoe.preflight import train_device
-from torchmoe.regions import region
 
 logger = logging.getLogger(__name__)
 

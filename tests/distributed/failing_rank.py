@@ -94,7 +94,7 @@ def _break_data(out: Path) -> None:
 
 
 def _agreed_error(out: Path) -> None:
-    from torchmoe import cli
+    from torchmoe.commands import cli
     from torchmoe.config.errors import ConfigError
     from torchmoe.trainer import Trainer
 
@@ -172,6 +172,6 @@ if __name__ == "__main__":
     if os.environ["RANK"] == os.environ.get("FAIL_RANK", "1") or case == "agreed":
         BREAK[case](Path(out_dir))
 
-    from torchmoe.cli import main
+    from torchmoe.commands.cli import main
 
     sys.exit(main(cli_args))

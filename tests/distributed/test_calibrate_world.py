@@ -25,7 +25,7 @@ def _worker(out_dir: Path) -> None:
     """Runs on every rank: calibrate the debug job, counting this rank's file writes."""
     import torch.distributed as dist
 
-    import torchmoe.calibrate as calibration
+    import torchmoe.commands.calibrate as calibration
     from torchmoe.config.loader import load_job_config
 
     writes = []
@@ -84,14 +84,14 @@ def test_collectives_are_fitted_and_the_overlap_measured(records):
 # Ranks whose measurement fails unexpectedly, run as `python -m torchmoe` runs (`cli.run`).
 _FAILING_RANK = """
 import os, sys
-import torchmoe.calibrate
+import torchmoe.commands.calibrate
 
 def calibrate(*args, **kwargs):
     raise RuntimeError(f"rank {os.environ['RANK']} measured nothing")
 
-torchmoe.calibrate.calibrate = calibrate  # on both: a peer left waiting would take torchrun 30 s to stop
+torchmoe.commands.calibrate.calibrate = calibrate  # on both: a peer left waiting would take torchrun 30 s to stop
 sys.argv = ["torchmoe", "plan", "--calibrate", sys.argv[1], "--config", sys.argv[2], "--budget", "1"]
-from torchmoe.cli import run
+from torchmoe.commands.cli import run
 run()
 """
 

@@ -27,13 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from torchmoe.components.checkpoint import (
-    CheckpointManager,
-    ModelWrapper,
-    OptimizerWrapper,
-    RankLocal,
-    RNGState,
-)
+from torchmoe.components.checkpoint import CheckpointManager
+from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
 from torchmoe.components.checksums import SIDECAR, digest_file, verify
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.config.errors import ConfigError

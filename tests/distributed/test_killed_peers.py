@@ -1,6 +1,6 @@
 """A peer or the launcher killed, or a signal before training: the processes left end quietly and
 quickly, each with one line and no traceback (`torchmoe.distributed.failure`,
-`torchmoe.distributed.launcher`, `torchmoe.interruption`).
+`torchmoe.distributed.launcher`, `torchmoe.distributed.interruption`).
 
     python -m pytest -q tests/distributed/test_killed_peers.py
 

@@ -5,7 +5,7 @@ non-finite, and saves that fail mid-run.
 
     python -m pytest -q -m integration tests/integration/test_bad_inputs.py
 
-Most cases run `torchmoe.cli.main` in this process (what `torchmoe train` runs) and read what it
+Most cases run `torchmoe.commands.cli.main` in this process (what `torchmoe train` runs) and read what it
 printed; one runs the real command to see the same from outside. Weight files
 (`initial_load_path`, `convert`) are `test_bad_weights.py`.
 """
@@ -21,8 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, assert_user_error, small_bpe
-from torchmoe import cli
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.commands import cli
 from torchmoe.config import ConfigError, load_job_config, resolve_degrees
 from torchmoe.launch import read_metrics, run_train
 from torchmoe.preflight.layout import check_memory_fits

@@ -29,8 +29,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, assert_user_error, empty_tiny_model
-from torchmoe import cli
-from torchmoe.components.checkpoint import MARKER, CheckpointManager, ModelWrapper
+from torchmoe.commands import cli
+from torchmoe.components.checkpoint import MARKER, CheckpointManager
+from torchmoe.components.checkpoint_state import ModelWrapper
 from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.run_lock import LOCK_NAME
 from torchmoe.components.weight_files import quiet_dcp_logs

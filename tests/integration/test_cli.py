@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error, write_toml
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.launch import run_cli
 
 pytestmark = pytest.mark.integration

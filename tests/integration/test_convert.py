@@ -17,10 +17,10 @@ from torch.distributed.checkpoint import FileSystemReader
 transformers = pytest.importorskip("transformers")
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model, small_bpe  # noqa: E402
-from torchmoe.components.checkpoint import load_model_only  # noqa: E402
+from torchmoe.commands.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
+from torchmoe.components.checkpoint_state import load_model_only  # noqa: E402
 from torchmoe.components.checksums import SIDECAR, digest_file  # noqa: E402
 from torchmoe.config import ConfigError  # noqa: E402
-from torchmoe.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
 from torchmoe.launch import run_cli  # noqa: E402
 
 # In-process DCP calls here run without a process group, which DCP warns about on every call.
@@ -139,7 +139,7 @@ def test_in_process_errors(hf_dir: Path, step_dir: Path, tmp_path: Path) -> None
 
 
 def test_damaged_inputs_are_config_errors(tmp_path):
-    from torchmoe.convert import dcp_to_hf, hf_to_dcp
+    from torchmoe.commands.convert import dcp_to_hf, hf_to_dcp
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / ".metadata").write_text("garbage")
@@ -152,7 +152,7 @@ def test_damaged_inputs_are_config_errors(tmp_path):
 
 
 def test_usage_errors_are_one_message(capsys) -> None:
-    from torchmoe import cli
+    from torchmoe.commands import cli
 
     assert cli.main(["convert", "dcp-to-hf", "a"]) == 2
     err = capsys.readouterr().err
@@ -174,7 +174,7 @@ def test_family_folders_convert_both_ways(tmp_path: Path, capsys: pytest.Capture
     input-major, with biases): hf-to-dcp names the family and flavor to train it with, and
     dcp-to-hf --model-name writes back exactly its tensors and config."""
     from torchmoe.arch.registry import FLAVORS
-    from torchmoe.convert import convert_main
+    from torchmoe.commands.convert import convert_main
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer
 
@@ -215,7 +215,7 @@ def test_released_mxfp4_gpt_oss_folder_converts_to_training_weights(tmp_path: Pa
     unpacked twin the packed one was made from."""
     from tests.hf_parity import mxfp4_exact_experts, mxfp4_folder
     from torchmoe.arch.registry import FLAVORS
-    from torchmoe.convert import convert_main
+    from torchmoe.commands.convert import convert_main
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer
 

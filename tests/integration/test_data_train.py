@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.launch import read_metrics
 
 pytestmark = pytest.mark.integration

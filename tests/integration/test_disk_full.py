@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, empty_tiny_model
-from torchmoe import cli
-from torchmoe.components.checkpoint import load_model_only
-from torchmoe.components.metrics import parse_record
+from torchmoe.commands import cli
+from torchmoe.components.checkpoint_state import load_model_only
+from torchmoe.components.metrics_records import parse_record
 from torchmoe.config.paths import FULL_FIX
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.components.run_lock import LOCK_NAMES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -58,7 +58,7 @@ def test_each_config_trains_on_one_cpu_process_with_a_small_flavor(name: str, fl
 def qwen3_weights(tmp_path_factory) -> tuple[Path, Path]:
     """(a Hugging Face folder, a bare DCP folder: no run's config.toml) of Qwen3-MoE tiny weights."""
     from torchmoe.arch.qwen3 import FLAVORS
-    from torchmoe.convert import hf_to_dcp
+    from torchmoe.commands.convert import hf_to_dcp
     from torchmoe.hf import save_model
     from torchmoe.models.decoder.model import Transformer
 

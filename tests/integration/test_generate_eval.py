@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.launch import read_metrics, run_cli
 
 pytestmark = pytest.mark.integration
@@ -82,7 +82,7 @@ def test_eval_keeps_its_data_indexes_in_the_runs_cache_and_a_second_eval_indexes
 
 
 def test_eval_indexes_into_its_scratch_folder_where_the_runs_cache_cannot_be_written(tmp_path: Path, caplog) -> None:
-    from torchmoe.evaluate import _index_cache
+    from torchmoe.commands.eval import _index_cache
 
     run, work = tmp_path / "run", tmp_path / "work"
     run.mkdir()
@@ -207,7 +207,7 @@ def test_bad_flags_are_one_message(capsys, run_dir: Path, flags: list[str], expe
 def test_logits_that_overflow_are_one_message_not_nul_bytes(capsys, monkeypatch, run_dir: Path) -> None:
     """Weights whose computation overflows (logits of NaN and inf): greedy decoding printed token 0
     (NUL bytes) with exit 0. Now exit 2, naming the weights, the compute dtype and the fix."""
-    from torchmoe import generate
+    from torchmoe.commands import generate
 
     load = generate.load_trained_model
 

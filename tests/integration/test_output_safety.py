@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, REPO
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.config import file_writes
 
 pytestmark = pytest.mark.integration

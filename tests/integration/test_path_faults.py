@@ -9,7 +9,7 @@ take, meets each fault the OS reports about a path: missing, a folder where a fi
 path through a file, a name too long, a symbolic link to nothing, and no permission (the path,
 and a file inside it, as a non-root user). A fault that is none for a key is left out of its
 row: an output folder that is missing is created, a dataset or tokenizer path may be a file or
-a folder. The cases run `torchmoe.cli.main` in this process, the permission cases all in one
+a folder. The cases run `torchmoe.commands.cli.main` in this process, the permission cases all in one
 subprocess of a non-root user (`setpriv`, else a user namespace).
 """
 
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG, REPO
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.config import ConfigError, JobConfig, load_job_config, write_config_toml
 from torchmoe.config.errors import show_value
 from torchmoe.config.paths import job_paths
@@ -303,7 +303,7 @@ def _as_non_root() -> list[str] | None:
         if shutil.which(prefix[0]) is None:
             continue
         # Its interpreter must find the same packages (it may not read this one's install).
-        probe = subprocess.run([*prefix, sys.executable, "-c", "import os, pytest, torchmoe.cli; print(os.geteuid())"],
+        probe = subprocess.run([*prefix, sys.executable, "-c", "import os, pytest, torchmoe.commands.cli; print(os.geteuid())"],
                                cwd=REPO, capture_output=True, text=True, timeout=120)
         if probe.returncode == 0 and probe.stdout.strip() not in ("", "0"):
             return prefix

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.launch import read_metrics, run_cli
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, REPO, assert_user_error
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.components.run_lock import LOCK_NAME, OWNER_NAME
 from torchmoe.launch import read_metrics, run_train
 
@@ -214,7 +214,7 @@ def test_convert_into_a_live_runs_folder_is_refused(capsys, tmp_path, live_run, 
 
 
 def _dcp_of(hf_dir: Path, out: Path) -> Path:
-    from torchmoe.convert import hf_to_dcp
+    from torchmoe.commands.convert import hf_to_dcp
 
     hf_to_dcp(hf_dir, out)
     assert LOCK_NAME not in os.listdir(out)  # a finished conversion leaves only what it converted

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.config.loader import load_toml_config
 from torchmoe.launch import metrics_by_step
 

@@ -3,7 +3,7 @@
     python -m pytest -q -m integration tests/integration/test_tracking.py
 
 The run logs to W&B offline (WANDB_MODE=offline: no account, no network); what W&B recorded is
-read back from its run file. The report runs in this process (`torchmoe.cli.main`).
+read back from its run file. The report runs in this process (`torchmoe.commands.cli.main`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.components.metrics import moe_imbalance
 from torchmoe.launch import read_metrics, run_train
 
@@ -181,7 +181,7 @@ def test_report_of_a_resumed_run_counts_each_step_once_and_marks_the_resume(run:
                                                                           capsys) -> None:
     """A step logged again by a resumed run is drawn with its later record; the resume is a
     dotted line on each curve at the checkpoint's step, and a note in the header."""
-    from torchmoe.report import load_run, render
+    from torchmoe.commands.report import load_run, render
 
     folder = _copy(run, tmp_path)
     rows = read_metrics(run)

@@ -38,10 +38,11 @@ def corpus(tmp_path_factory) -> Path:
 def _reference(weights: Path, corpus: Path, steps: int) -> float:
     """Mean token loss of `weights` over the first `steps` validation batches (-1: all complete
     ones), packed by torchmoe's loader but scored here."""
-    from torchmoe.components.checkpoint import load_model_only
+    from torchmoe.components.checkpoint_state import load_model_only
     from torchmoe.config.job_config import Training, Validation
     from torchmoe.data import ByteTokenizer
-    from torchmoe.data.dataloader import CorpusEnd, build_dataloader, validation_data
+    from torchmoe.data.dataloader import build_dataloader, validation_data
+    from torchmoe.data.packing import CorpusEnd
 
     model = empty_tiny_model()
     load_model_only(str(weights), [model])
@@ -69,7 +70,7 @@ def test_validation_loss_is_the_mean_loss_of_the_weights_on_the_held_out_batches
     assert metrics[2]["validation_loss"] == pytest.approx(want, rel=1e-5)
     # one pass holds more than 2 batches: a limit would see other data
     assert want != pytest.approx(_reference(folder / "checkpoint" / "step-2", corpus, 2), rel=1e-6)
-    from torchmoe import cli
+    from torchmoe.commands import cli
 
     assert cli.main(["report", str(folder), "--out", str(tmp_path / "report.html")]) == 0
     page = (tmp_path / "report.html").read_text()
@@ -78,7 +79,7 @@ def test_validation_loss_is_the_mean_loss_of_the_weights_on_the_held_out_batches
 
 def test_too_little_validation_data_is_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tests.helpers import TINY_JOB
-    from torchmoe import cli
+    from torchmoe.commands import cli
 
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text("".join(json.dumps({"text": "x"}) + "\n" for _ in range(ROWS)))

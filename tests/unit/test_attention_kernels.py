@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torchmoe import attention_kernel
-from torchmoe.attention_kernel import CPU_FLASH, EFFICIENT, FLASH, MATH
-from torchmoe.nn import attention, attention_kernels
+from torchmoe.nn import attention
+from torchmoe.nn import attention_kernel_choice as attention_kernel
+from torchmoe.nn import attention_kernels
+from torchmoe.nn.attention_kernel_choice import CPU_FLASH, EFFICIENT, FLASH, MATH
 from torchmoe.nn.attention_kernels import KernelLayoutError, block_backward, block_forward, describe_kernel
 
 # (device, dtype, head_dim, capability) -> the kernel torch 2.13 can run there (sdp_utils.cpp).

@@ -1,4 +1,4 @@
-"""The machine calibration (`torchmoe.calibrate`): the link fit, the shapes it measures, float8's
+"""The machine calibration (`torchmoe.commands.calibrate`): the link fit, the shapes it measures, float8's
 GEMMs, and a one-process calibration read back as a profile.
 
     python -m pytest -q tests/unit/test_calibrate.py
@@ -17,17 +17,13 @@ from rich.console import Console
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import REPO
-from torchmoe.calibrate import (
-    _attention_step,
-    _grouped_step,
-    _job_shapes,
-    _matmul_step,
-    _stream_step,
-    calibrate,
-    fit_link,
-    float8_linear_matmuls,
-    overlap_fraction,
-)
+from torchmoe.commands.calibrate import _job_shapes, calibrate
+from torchmoe.commands.calibrate_steps import attention_step as _attention_step
+from torchmoe.commands.calibrate_steps import fit_link, float8_linear_matmuls
+from torchmoe.commands.calibrate_steps import grouped_step as _grouped_step
+from torchmoe.commands.calibrate_steps import matmul_step as _matmul_step
+from torchmoe.commands.calibrate_steps import overlap_fraction
+from torchmoe.commands.calibrate_steps import stream_step as _stream_step
 from torchmoe.config.loader import load_job_config
 from torchmoe.plan.hardware import COLLECTIVES, Link, load_profile
 
@@ -168,8 +164,8 @@ def _noisy_calibration(monkeypatch, tmp_path, times: list[float]) -> tuple[dict,
     """A one-process calibration whose measurements took `times` seconds per call, in the order
     made (1 ms each after them): a loaded machine, injected. Returns the profile document and
     what `torchmoe plan --calibrate` printed after writing it."""
-    import torchmoe.calibrate as calibration
-    from torchmoe import planner
+    import torchmoe.commands.calibrate as calibration
+    from torchmoe.commands import plan as planner
 
     calls = iter(times)
     monkeypatch.setattr(calibration, "_seconds", lambda world, step, slot_s: next(calls, 1e-3))

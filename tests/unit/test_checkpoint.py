@@ -11,16 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchmoe.components.checkpoint import (
-    MARKER,
-    CheckpointManager,
-    ModelWrapper,
-    OptimizerWrapper,
-    RankLocal,
-    RNGState,
-    SaveFailed,
-    load_model_only,
-)
+from torchmoe.components.checkpoint import MARKER, CheckpointManager, SaveFailed
+from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState, load_model_only
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig

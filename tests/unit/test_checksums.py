@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchmoe.components.checkpoint import CheckpointManager, ModelWrapper, OptimizerWrapper
+from torchmoe.components.checkpoint import CheckpointManager
+from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper
 from torchmoe.components.checksums import SIDECAR, digest_file, metadata_fault, verify
 from torchmoe.components.dcp_unpickling import unpickle_metadata
 from torchmoe.config.errors import ConfigError

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.helpers import write_toml
-from torchmoe import cli
 from torchmoe.arch.llama4 import FLAVORS
 from torchmoe.arch.model_args import ModelArgs
+from torchmoe.commands import cli
 from torchmoe.config import (
     ConfigError,
     JobConfig,

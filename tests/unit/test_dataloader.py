@@ -135,7 +135,7 @@ def test_long_documents_pack_in_pieces_as_they_would_whole(monkeypatch: pytest.M
     """Documents longer than PIECE_CHARS are tokenized piece by piece as they are packed: the same
     windows and positions as whole, BOS and EOS included, and a resume from any position (inside
     a piece, at a piece's end) continues identically."""
-    import torchmoe.data.dataloader as dataloader
+    import torchmoe.data.packing as dataloader
 
     docs = InMemoryDocuments(["ab" * 40, "x", "héllo → 你好 " * 9, "", "end" * 30])
     whole = PackedStream(docs, ByteTokenizer(), window=11, bos=300, read_ahead=2)

@@ -25,7 +25,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchmoe.components.checkpoint import CheckpointManager, ModelWrapper, OptimizerWrapper, RankLocal, RNGState
+from torchmoe.components.checkpoint import CheckpointManager
+from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
 from torchmoe.components.dcp_unpickling import _METADATA_GLOBALS, RefusedPickle, unpickle_metadata, value_fault
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig

@@ -11,7 +11,7 @@ import pytest
 
 from tests import docs_check
 from tests.docs_check import Command, coverage_problems, run_for
-from torchmoe import cli
+from torchmoe.commands import cli
 
 PAGES = docs_check.pages()
 COMMANDS: list[Command] = [c for page in PAGES for c in docs_check.commands(page.name, page.read_text())[0]]

@@ -1,5 +1,5 @@
 """What a rank says when a run ends for a failure, by kind, and how a collective's error is read
-as a peer gone (`torchmoe.distributed.failure`); signals before training (`torchmoe.interruption`).
+as a peer gone (`torchmoe.distributed.failure`); signals before training (`torchmoe.distributed.interruption`).
 
     python -m pytest -q tests/unit/test_failure_messages.py
 """
@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchmoe.config.errors import ConfigError
 from torchmoe.distributed.failure import LOST_PEER, STORE, Failure, PeerFailed, exit_status, lost_peer
-from torchmoe.interruption import Interrupted
+from torchmoe.distributed.interruption import Interrupted
 
 GLOO_RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.7]:41234: Connection "
               "reset by peer. This is typically caused by a remote worker hanging or bugs in the application.")
@@ -73,7 +73,7 @@ def test_a_signal_after_a_failure_does_not_replace_it():
     next `interrupt_on_signals` raises again (a job run before in this process does not leak)."""
     import os
 
-    from torchmoe.interruption import interrupt_on_signals, leaving_for_failure
+    from torchmoe.distributed.interruption import interrupt_on_signals, leaving_for_failure
 
     with pytest.raises(Interrupted), interrupt_on_signals():
         os.kill(os.getpid(), signal.SIGTERM)

@@ -22,7 +22,7 @@ import torch
 
 from tests.helpers import DEBUG_CONFIG
 from tests.replica_fakes import LAYOUT, OTHER, FakeManager, peer, replica_groups
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import FaultTolerance

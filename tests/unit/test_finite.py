@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchmoe.components.checkpoint import ModelWrapper
+from torchmoe.components.checkpoint_state import ModelWrapper
 from torchmoe.components.finite import NonFiniteValues, nonfinite_names
 
 

@@ -15,7 +15,7 @@ import torch
 from torchmoe.arch.deepseek_v3 import FLAVORS as DEEPSEEK_V3_FLAVORS
 from torchmoe.arch.gpt_oss import FLAVORS as GPT_OSS_FLAVORS
 from torchmoe.arch.qwen3 import FLAVORS as QWEN3_FLAVORS
-from torchmoe.generate import Sampling, generate_ids, next_token
+from torchmoe.commands.generate import Sampling, generate_ids, next_token
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.nn.kv_cache import KVCache
 
@@ -163,7 +163,7 @@ def test_a_temperature_near_zero_is_greedy_not_nan(temperature: float) -> None:
 def test_nan_logits_stop_generation_instead_of_choosing_a_token() -> None:
     """argmax read a NaN as the largest (token 0, printed as a NUL byte, exit 0) and multinomial
     failed on NaN probabilities: either way the logits themselves are refused, naming the token."""
-    from torchmoe.generate import NonFiniteLogits
+    from torchmoe.commands.generate import NonFiniteLogits
 
     model = _model(ARGS)
     calls = []

@@ -206,7 +206,7 @@ def test_checkpoints_with_fewer_modules_are_refused_and_more_skipped():
     """A run (or an initial load, or dcp-to-hf) reads a checkpoint's modules up to its own
     `mtp_layers`, skipping the rest; one that holds fewer is refused naming model.mtp_layers, and
     the flavor the tensors fit is found whatever modules they hold."""
-    from torchmoe.components.checkpoint import ModelWrapper
+    from torchmoe.components.checkpoint_state import ModelWrapper
     from torchmoe.components.flavor_fit import flavors_fitting, meta_state, require_fit
     from torchmoe.config.errors import ConfigError
 
@@ -233,7 +233,7 @@ def test_the_logged_loss_is_the_main_loss_and_the_mtp_loss_is_logged_apart(tmp_p
     import json
 
     from tests.helpers import DEBUG_CONFIG, SHORT_DOCUMENTS
-    from torchmoe import cli
+    from torchmoe.commands import cli
     from torchmoe.config import load_job_config
     from torchmoe.models.decoder.mtp import mtp_targets
 

@@ -17,6 +17,7 @@ import pytest
 from rich.console import Console
 
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.commands.plan import dry_run_advice, run_plan
 from torchmoe.config import ConfigError, load_job_config
 from torchmoe.config.loader import differing_keys
 from torchmoe.plan.hardware import BUILTIN_PROFILES, Link, load_profile, profile_from_dict, profile_to_dict
@@ -24,7 +25,6 @@ from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import bubble_fraction
 from torchmoe.plan.search import PLAN_KEYS, fixed_keys, free_keys, search
 from torchmoe.plan.step_time import predict, predict_layout
-from torchmoe.planner import dry_run_advice, run_plan
 from torchmoe.preflight import validate_job_config, validate_layout
 
 REPO = Path(__file__).resolve().parents[2]

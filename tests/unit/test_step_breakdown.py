@@ -17,7 +17,7 @@ from torchmoe.components.step_breakdown import CATEGORIES, attribute, format_bre
 from torchmoe.config.job_config import ActivationCheckpoint
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.models.llama4 import FLAVORS, Transformer
-from torchmoe.regions import region
+from torchmoe.nn.profiler_regions import region
 
 pytestmark = pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from torchmoe.commands import prepare_data
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.numbers import shown_text
 from torchmoe.data import build_tokenizer
@@ -279,7 +280,7 @@ def test_workers_are_bounded_by_the_cores(tmp_path: Path, monkeypatch, workers: 
     monkeypatch.setattr(prepare_module, "default_workers", lambda: 2)
     corpus = _corpus(tmp_path / "corpus")
     with pytest.raises(ConfigError, match=f'--workers = "{re.escape(shown_text(workers))}": {re.escape(problem)}'):
-        prepare_module.prepare_main([*corpus, str(tmp_path / "out"), "--workers", workers])
+        prepare_data.prepare_main([*corpus, str(tmp_path / "out"), "--workers", workers])
     assert not (tmp_path / "out").exists()
 
 

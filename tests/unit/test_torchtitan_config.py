@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import write_toml
-from torchmoe import cli
+from torchmoe.commands import cli
 from torchmoe.config import ConfigError, JobConfig, load_job_config
 from torchmoe.config.loader import tomllib
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS

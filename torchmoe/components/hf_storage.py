@@ -55,7 +55,7 @@ from torch.futures import Future
 from torchmoe import _torch_private as private
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components import mxfp4
-from torchmoe.components.checkpoint import _dist_on
+from torchmoe.components.checkpoint_state import dist_on as _dist_on
 from torchmoe.components.dcp_unpickling import KnownMetadata, SafeLoadPlanner
 from torchmoe.components.finite import refuse_bad_values, require_finite
 from torchmoe.components.weight_files import UnreadableWeights, read_json_object, reading

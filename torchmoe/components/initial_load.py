@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.components.checkpoint import load_model_only
+from torchmoe.components.checkpoint_state import load_model_only
 from torchmoe.components.flavor_fit import matching_flavor, require_fit
 from torchmoe.components.hf_storage import ExpertBiasDrop, dropped_bias_max, load_hf_weights, read_hf_args
 from torchmoe.components.weight_files import model_tensors, read_dcp_metadata

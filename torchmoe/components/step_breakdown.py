@@ -13,7 +13,7 @@ How time is counted: every microsecond of the training thread once. Each profile
 label) contributes its *self* time (its duration less its children's) to the category of the
 innermost event that names one, itself included:
 
-- a ``torchmoe/<region>`` label (`torchmoe.regions`: model parts whose op names are ambiguous,
+- a ``torchmoe/<region>`` label (`torchmoe.nn.profiler_regions`: model parts whose op names are ambiguous,
   such as a linear in attention or in an FFN; the data loader; gradient clipping);
 - an op or label that is unambiguous by name: SDPA/flash/flex attention kernels, grouped GEMMs
   (``torchmoe::grouped_mm``, ``torchmoe::grouped_mm_weight_grad``, ``aten::_grouped_mm``),
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from torchmoe.regions import PREFIX, REGIONS
+from torchmoe.nn.profiler_regions import PREFIX, REGIONS
 
 # key -> what the table calls it, in table order.
 CATEGORIES: dict[str, str] = {

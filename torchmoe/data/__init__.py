@@ -1,16 +1,10 @@
 """The data pipeline: tokenizers, document sources, and the packing, dp-sharded loader."""
 
-from torchmoe.data.dataloader import DataLoader, PackedStream, build_dataloader
-from torchmoe.data.dataset import (
-    FileDocuments,
-    HFDocuments,
-    HFSubCorpus,
-    InMemoryDocuments,
-    build_documents,
-    local_files,
-    python_docs_files,
-)
+from torchmoe.data.dataloader import DataLoader, build_dataloader
+from torchmoe.data.dataset import FileDocuments, InMemoryDocuments, build_documents, local_files, python_docs_files
 from torchmoe.data.documents import Documents, RowCorpus, SizedDocuments, Unit
+from torchmoe.data.hub_documents import HFDocuments, HFSubCorpus
+from torchmoe.data.packing import PackedStream
 from torchmoe.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [

@@ -73,8 +73,8 @@ from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.launch_env import tell_launcher
 from torchmoe.config.nesting import json_loads
+from torchmoe.distributed.interruption import Interrupted
 from torchmoe.distributed.process_groups import device_backend
-from torchmoe.interruption import Interrupted
 
 POLL_S = 1.0  # how often the watch thread looks for a failure record
 ACK_WAIT_S = 5.0  # how long the failing rank waits for every peer to have read its record

@@ -5,7 +5,7 @@ contract on every device.
 
 `block_forward` and `block_backward` are the only callers of torch's private attention kernels
 (`torchmoe._torch_private`; the public SDPA returns no log-sum-exp). Which kernel runs is
-`attention_kernel.choose`'s rule, asked once per device, dtype and head dim (`kernel_for`).
+`attention_kernel_choice.choose`'s rule, asked once per device, dtype and head dim (`kernel_for`).
 
 The layout contract. CUDA's kernels read their operands by raw offsets: flash's backward takes the
 log-sum-exp as a contiguous (B, H, S) tensor and checks neither its shape nor its strides (a
@@ -26,8 +26,8 @@ from collections import Counter
 import torch
 
 from torchmoe import _torch_private as private
-from torchmoe import attention_kernel
-from torchmoe.attention_kernel import CPU_FLASH, EFFICIENT, FLASH
+from torchmoe.nn import attention_kernel_choice
+from torchmoe.nn.attention_kernel_choice import CPU_FLASH, EFFICIENT, FLASH
 
 __all__ = ["CALLS", "KernelLayoutError", "accumulation_dtype", "block_backward", "block_forward", "heads_inner",
            "kernel_for", "require_layout"]
@@ -59,7 +59,7 @@ def require_layout(*, lse: torch.Tensor | None = None, lse_shape: tuple[int, ...
 
 
 def kernel_for(q: torch.Tensor) -> str:
-    """The kernel that runs attention for queries like `q` (`attention_kernel.choose`), decided
+    """The kernel that runs attention for queries like `q` (`attention_kernel_choice.choose`), decided
     once per device, dtype, head dim and torch's kernel switches."""
     return _kernel(q.device.type, q.device.index, _dtype_name(q.dtype), q.shape[-1], *_switches(q.device.type))
 
@@ -67,7 +67,7 @@ def kernel_for(q: torch.Tensor) -> str:
 def describe_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """The run log's line: the kernel attention runs on `device` in `dtype`, and why."""
     kernel = _kernel(device.type, device.index, _dtype_name(dtype), head_dim, *_switches(device.type))
-    return attention_kernel.describe(kernel, device.type, _dtype_name(dtype), head_dim, _capability(device.type,
+    return attention_kernel_choice.describe(kernel, device.type, _dtype_name(dtype), head_dim, _capability(device.type,
                                                                                                      device.index))
 
 
@@ -88,7 +88,7 @@ def _capability(device_type: str, index: int | None) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(device_type: str, index: int | None, dtype: str, head_dim: int, flash: bool, efficient: bool) -> str:
-    return attention_kernel.choose(device_type, dtype, head_dim, _capability(device_type, index),
+    return attention_kernel_choice.choose(device_type, dtype, head_dim, _capability(device_type, index),
                                    flash_enabled=flash, efficient_enabled=efficient)
 
 

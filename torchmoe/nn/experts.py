@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torchmoe import _torch_private as private
 from torchmoe.nn.init import ParamInit, TruncNormal
 from torchmoe.nn.moe_ops import grouped_mm
+from torchmoe.nn.profiler_regions import region
 from torchmoe.nn.shards import local_shard
-from torchmoe.regions import region
 
 __all__ = ["ClampedSwiGLUExperts", "FeedForward", "GroupedExperts", "RoutedExperts", "compute_dtype"]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.varlen import varlen_attn
 
-from torchmoe.attention_kernel import FLASH
+from torchmoe.nn.attention_kernel_choice import FLASH
 from torchmoe.nn.attention_kernels import (
     CALLS,
     accumulation_dtype,

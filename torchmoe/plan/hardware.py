@@ -20,7 +20,7 @@ A profile is a JSON document (the built-in ones are the same data, in `BUILTIN_P
       "device": "cuda",                    optional: the device type ("cuda", the default, or "cpu")
       "compute_capability": [9, 0],        optional: the GPU's (default 8.0); with the device and
                                            the job's dtype and head_dim it says which attention
-                                           kernel runs (`torchmoe.attention_kernel`)
+                                           kernel runs (`torchmoe.nn.attention_kernel_choice`)
       "memory_bandwidth_gbs": 2700,        achieved GB/s of elementwise kernels (norms, SwiGLU, AdamW)
       "kernel_overhead_us": 4,             fixed cost per kernel the device cannot hide (launch, dispatch)
       "overlap": 0.9,                      fraction of FSDP/DDP traffic that computing hides (0-1)
@@ -40,7 +40,7 @@ bandwidth B means a ring collective over n ranks of S bytes takes ``(n - 1) * la
 factor * S / B`` with factor ``(n - 1) / n`` (all-gather, reduce-scatter, all-to-all) or
 ``2 (n - 1) / n`` (all-reduce); point to point takes ``latency + S / B``.
 
-`torchmoe plan --calibrate OUT.json` (`torchmoe.calibrate`) measures the machine it runs on and
+`torchmoe plan --calibrate OUT.json` (`torchmoe.commands.calibrate`) measures the machine it runs on and
 writes such a file; ``--hardware OUT.json`` then plans with it.
 """
 
@@ -51,11 +51,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchmoe import attention_kernel
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.nn import attention_kernel_choice
 
 __all__ = ["BUILTIN_PROFILES", "COLLECTIVES", "OP_CLASSES", "PROFILE_FORMAT", "HardwareProfile", "Link",
            "in_profile_range", "load_profile", "profile_from_dict", "profile_to_dict"]
@@ -131,9 +131,9 @@ class HardwareProfile:
 
     def attention_kernel(self, dtype: str, head_dim: int) -> str:
         """The attention kernel a job in `dtype` with `head_dim`-wide heads runs on this device
-        (`attention_kernel.choose`; float8 jobs attend in bf16)."""
+        (`attention_kernel_choice.choose`; float8 jobs attend in bf16)."""
         dtype = "bfloat16" if dtype == "float8" else dtype
-        return attention_kernel.choose(self.device, dtype, head_dim, self.compute_capability)
+        return attention_kernel_choice.choose(self.device, dtype, head_dim, self.compute_capability)
 
     def peak(self, dtype: str) -> float:
         """Published dense peak FLOP/s in `dtype` (bfloat16's when the dtype has none listed)."""

@@ -63,10 +63,10 @@ from functools import cached_property, lru_cache
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import model_args_from_config
-from torchmoe.attention_kernel import FLASH, MATH
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
+from torchmoe.nn.attention_kernel_choice import FLASH, MATH
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import selected_by
 from torchmoe.plan.hardware import HardwareProfile
@@ -122,7 +122,7 @@ class StepPrediction:
         bubble: the pipeline's idle time.
         tokens: tokens the whole job trains on per step.
         world_size: ranks.
-        attention_kernel: the kernel attention runs (`torchmoe.attention_kernel`).
+        attention_kernel: the kernel attention runs (`torchmoe.nn.attention_kernel_choice`).
         model_flops_per_token: training FLOPs per token in the PaLM convention (what MFU divides).
         peak_flops: the profile's peak FLOP/s in the compute dtype.
     """

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from torchmoe.arch.registry import model_args_from_config
-from torchmoe.components.metrics import METRICS_FILE
+from torchmoe.components.metrics_records import METRICS_FILE
 from torchmoe.components.run_info import RUN_INFO_FILE
 from torchmoe.components.run_lock import LOCK_NAMES
 from torchmoe.components.run_logs import LOG_FILE_NAME, LOG_FOLDER

@@ -29,8 +29,8 @@ from torchmoe.nn.document_attention import DocumentSegments
 from torchmoe.nn.experts import FeedForward
 from torchmoe.nn.init import Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.nn.kv_cache import KVCache
+from torchmoe.nn.profiler_regions import region
 from torchmoe.nn.rms_norm import RMSNorm
-from torchmoe.regions import region
 
 # The RoPE table's cap (positions): released configs advertise up to 10M (gigabytes of table).
 _MAX_ROPE_CACHE = 65536

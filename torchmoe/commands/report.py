@@ -36,8 +36,9 @@ import torch
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
-from torchmoe.argparser import ArgumentParser, parse_args
-from torchmoe.components.metrics import METRICS_FILE, layer_imbalance, not_records, read_record_lines
+from torchmoe.commands.arguments import ArgumentParser, parse_args
+from torchmoe.components.metrics import layer_imbalance
+from torchmoe.components.metrics_records import METRICS_FILE, not_records, read_record_lines
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig

@@ -3,7 +3,7 @@ dim and the GPU's compute capability, as plain data (no torch), shared by the mo
 (`nn.attention_kernels`, which asks once per device, dtype and head dim) and the planner
 (`plan.step_time`, which prices the kernel that will run).
 
-    python -c "from torchmoe.attention_kernel import choose; print(choose('cuda', 'bfloat16', 128, (9, 0)))"
+    python -c "from torchmoe.nn.attention_kernel_choice import choose; print(choose('cuda', 'bfloat16', 128, (9, 0)))"
 
 The kernels, and what each accepts (torch 2.13's own checks, `sdp_utils.cpp`):
 

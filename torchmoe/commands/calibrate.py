@@ -1,6 +1,6 @@
 """Measure the machine this runs on as a hardware profile (`plan.hardware`'s schema) for the planner.
 
-    python -c "from torchmoe.calibrate import calibrate; from torchmoe.config.loader import load_job_config; \\
+    python -c "from torchmoe.commands.calibrate import calibrate; from torchmoe.config.loader import load_job_config; \\
         calibrate(load_job_config(['--config', 'configs/debug_model.toml']), 'cpu.json', budget_s=20)"
 
 `torchmoe plan --calibrate OUT.json` runs `calibrate`, in one process or under torchrun (every
@@ -10,7 +10,7 @@ machine: four ranks on two CPU cores each reach about half of one core. Threads 
 (torch's setting is left alone; `torchmoe.launch` runs ranks with one thread each).
 
 Compute runs at the job's shapes (``tokens = local_batch_size * seq_len``), forward + backward
-through autograd as training runs them, shrunk (`_shrink`, the order given per op) only where one
+through autograd as training runs them, shrunk (`calibrate_steps.shrink`, the order given per op) only where one
 step would exceed `_STEP_FLOPS` / `_STEP_BYTES` (a 17B model's shapes on a CPU); the shapes measured
 are in ``measurements.shapes``. FLOPs counted:
 
@@ -50,22 +50,31 @@ import platform
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.commands.calibrate_steps import (
+    World,
+    attention_step,
+    collective_step,
+    fit_link,
+    float8_step,
+    grouped_step,
+    matmul_step,
+    message_sizes,
+    overlap_fraction,
+    shrink,
+    stream_step,
+    tiny_step,
+)
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.output_files import write_output
 from torchmoe.distributed.process_groups import backend_spec
-from torchmoe.nn.attention import causal_attention
-from torchmoe.nn.dispatch import TokenDispatcher
 from torchmoe.nn.dtypes import torch_dtype
-from torchmoe.nn.experts import GroupedExperts
 from torchmoe.plan.hardware import (
     BUILTIN_PROFILES,
     COLLECTIVES,
@@ -79,7 +88,7 @@ from torchmoe.plan.hardware import (
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.preflight import train_device
 
-__all__ = ["calibrate", "fit_link", "float8_linear_matmuls", "overlap_fraction"]
+__all__ = ["calibrate"]
 
 # One compute step at most this many FLOPs and bytes of tensors (per rank): 20-100 ms on a CPU
 # core, tens of ms on a datacenter GPU. A 17B model's shapes are shrunk to it.
@@ -88,90 +97,15 @@ _STEP_BYTES = {"cpu": 2**28, "cuda": 2**33}
 # Elements of the elementwise measurement's tensors: 32 MiB (fp32) is past a CPU's last-level
 # cache share; 256 MiB past any GPU's L2.
 _STREAM_ELEMENTS = {"cpu": 2**23, "cuda": 2**26}
-_TINY_OPS = 32  # multiplications in the kernel-overhead chain
 _MAX_ITERS = 100  # timed repetitions of one measurement at most
 _BATCHES = 5  # ... timed in this many batches
-_MIN_MESSAGE = 4 * 2**10
-_MAX_MESSAGE = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
 _OVERLAP_ROUNDS = (3, 20)  # the fewest and most rounds of the overlap measurement
 # Shares of the budget: a compute measurement 1, a collective's message size 0.3, the overlap 3;
 # together 60% of it, the rest is warm-up, counting runs and start-up.
 _COMPUTE_SHARE, _MESSAGE_SHARE, _OVERLAP_SHARE, _TIMED_SHARE = 1.0, 0.3, 3.0, 0.6
 
 
-# ---- the link model's fit ----------------------------------------------------------------------------
-
-
-def fit_link(collective: str, ranks: int, table: Sequence[tuple[float, float]]) -> Link:
-    """The `Link` whose ``seconds(collective, bytes, ranks)`` best fits the measured
-    ``(bytes, seconds)`` rows of `table` (two distinct sizes at least): least squares of the
-    relative error (the sizes span three orders of magnitude: plain least squares would let the
-    largest messages' noise set the latency). Exact on times that follow the model.
-
-    The model is linear in (latency, 1 / bandwidth): ``t = a * latency + b(S) / bandwidth``, with
-    ``a`` and ``b`` read off `Link.seconds` itself (so the fit cannot drift from the planner's
-    formula). A negative latency is refitted as 0; times that do not grow with the size (no
-    measurable bandwidth) get the latency alone fitted, and the largest message's rate (latency
-    included: a lower bound) as the bandwidth.
-    """
-    a = Link(1e6, math.inf).seconds(collective, 1.0, ranks)  # seconds per second of latency
-    b = [Link(0.0, 1e-9).seconds(collective, size, ranks) for size, _ in table]  # seconds at 1 B/s
-    t = [seconds for _, seconds in table]
-    # Rows divided by t: minimise sum((a * lat + b_i * inv - t_i) / t_i)^2 over (lat, inv).
-    saa = sum((a / ti) ** 2 for ti in t)
-    sab = sum(a * bi / ti**2 for bi, ti in zip(b, t))
-    sbb = sum((bi / ti) ** 2 for bi, ti in zip(b, t))
-    sa = sum(a / ti for ti in t)
-    sb = sum(bi / ti for bi, ti in zip(b, t))
-    det = saa * sbb - sab**2
-    lat, inv = (sbb * sa - sab * sb) / det, (saa * sb - sab * sa) / det
-    if inv <= 0:  # all latency: the latency alone fits, and the largest message's rate bounds B from below
-        big = max(range(len(t)), key=lambda i: b[i])
-        return Link(sa / saa * 1e6, b[big] / t[big] / 1e9)
-    if lat < 0:
-        lat, inv = 0.0, sb / sbb
-    return Link(lat * 1e6, 1 / inv / 1e9)
-
-
-# ---- the ranks -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _World:
-    """The ranks measuring together (one: no process group)."""
-
-    rank: int
-    size: int
-    local_size: int
-    device: torch.device
-
-    def sync(self) -> None:
-        """Wait for the device's queued work (the host's clock times it)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def barrier(self) -> None:
-        """Every rank here, the device idle: what each measurement starts from."""
-        if self.size > 1:
-            dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.sync()
-
-    def reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
-        """`values` reduced elementwise over the ranks (`op` SUM or MAX)."""
-        if self.size == 1:
-            return list(values)
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=op)
-        return tensor.tolist()
-
-    def mean(self, values: dict[str, float]) -> dict[str, float]:
-        return dict(zip(values, (v / self.size for v in self.reduce(list(values.values()), dist.ReduceOp.SUM))))
-
-    def slowest(self, values: dict[str, float]) -> dict[str, float]:
-        return dict(zip(values, self.reduce(list(values.values()), dist.ReduceOp.MAX)))
-
-
-def _seconds(world: _World, step: Callable[[], object], slot_s: float) -> float:
+def _seconds(world: World, step: Callable[[], object], slot_s: float) -> float:
     """Seconds one call of `step` takes on this rank while every rank runs it: once to warm up
     (allocations, kernel choice), once to count, then as often as `slot_s` allows (every rank
     the same number of times: the slowest rank's count), in up to `_BATCHES` batches: the
@@ -195,151 +129,10 @@ def _seconds(world: _World, step: Callable[[], object], slot_s: float) -> float:
     return min(per_call)
 
 
-# ---- compute steps: (step, its work), on tensors made once --------------------------------------------
+# ---- the overlap of compute and communication --------------------------------------------------
 
 
-def _shrink(sizes: dict[str, int], order: Sequence[tuple[str, int]], fits: Callable[[dict[str, int]], bool]
-            ) -> dict[str, int]:
-    """`sizes` with the first size of `order` that stays at or above its floor halved, again and
-    again, until `fits` holds (or nothing can shrink)."""
-    sizes = dict(sizes)
-    while not fits(sizes):
-        name = next((name for name, floor in order if sizes[name] // 2 >= floor), None)
-        if name is None:
-            break
-        sizes[name] //= 2
-    return sizes
-
-
-def _randn(*shape: int, dtype: torch.dtype, device: torch.device, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(grad)
-
-
-def _matmul_step(s: dict[str, int], dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], object], float]:
-    """nn.Linear's forward and backward: x (tokens, in) @ w (out, in).T, and both gradients."""
-    x = _randn(s["tokens"], s["in"], dtype=dtype, device=device, grad=True)
-    w = _randn(s["out"], s["in"], dtype=dtype, device=device, grad=True)
-    g = _randn(s["tokens"], s["out"], dtype=dtype, device=device)
-    return (lambda: torch.autograd.grad(F.linear(x, w), (x, w), g)), 6.0 * s["tokens"] * s["in"] * s["out"]
-
-
-def _to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`t` scaled into `dtype`'s range by its absolute maximum (tensorwise dynamic scaling, as
-    float8 training casts), and the inverse scale (0-d fp32) that decodes it."""
-    scale = torch.finfo(dtype).max / t.abs().max().float().clamp(min=1e-12)
-    return (t.float() * scale).to(dtype), scale.reciprocal()
-
-
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    """`t` (2-D) with the same values laid out column by column (what a GEMM's second operand wants)."""
-    return t.t().contiguous().t()
-
-
-def float8_linear_matmuls(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The three GEMMs of a float8 linear's forward and backward, casts included: ``x @ w.T``,
-    ``g @ w`` and ``g.T @ x`` (e4m3 inputs and weights, e5m2 gradients, tensorwise scales).
-    x: (T, in), w: (out, in), g: (T, out) in bf16 -> (T, out), (T, in), (out, in) in bf16."""
-    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-    xq, sx = _to_float8(x, e4m3)
-    wq, sw = _to_float8(w, e4m3)
-    gq, sg = _to_float8(g, e5m2)
-
-    def mm(a, sa, b, sb):
-        return F.scaled_mm(a, b, sa, F.ScalingType.TensorWise, sb, F.ScalingType.TensorWise, output_dtype=x.dtype)
-
-    return (mm(xq, sx, wq.t(), sw), mm(gq, sg, _column_major(wq), sw),
-            mm(gq.t().contiguous(), sg, _column_major(xq), sx))
-
-
-def _float8_step(s: dict[str, int], device: torch.device) -> tuple[Callable[[], object], float]:
-    """`float8_linear_matmuls` at the matmul's shapes, each a multiple of 16 (the kernels' rule)."""
-    t, i, o = (max(16, s[k] // 16 * 16) for k in ("tokens", "in", "out"))
-    x, w, g = (_randn(*shape, dtype=torch.bfloat16, device=device) for shape in ((t, i), (o, i), (t, o)))
-    return (lambda: float8_linear_matmuls(x, w, g)), 6.0 * t * i * o
-
-
-def _attention_step(s: dict[str, int], dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], object], float]:
-    """`causal_attention` forward and backward: q (batch, kv_heads * heads_per_kv, seq, head_dim),
-    k and v (batch, kv_heads, seq, head_dim)."""
-    b, kv, group, n, head_dim = s["batch"], s["kv_heads"], s["heads_per_kv"], s["seq"], s["head_dim"]
-    q = _randn(b, kv * group, n, head_dim, dtype=dtype, device=device, grad=True)
-    k, v = (_randn(b, kv, n, head_dim, dtype=dtype, device=device, grad=True) for _ in range(2))
-    g = torch.randn_like(q)
-    flops = 12.0 * kv * group * head_dim * (n / 2) * b * n
-    return (lambda: torch.autograd.grad(causal_attention(q, k, v), (q, k, v), g)), flops
-
-
-def _grouped_step(s: dict[str, int], top_k: int, use_grouped_mm: bool, dtype: torch.dtype, device: torch.device
-                  ) -> tuple[Callable[[], object], float]:
-    """The routed experts as the MoE layer runs them (`TokenDispatcher.run_local_experts`: padded
-    expert blocks where the kernel wants them), forward and backward, rows spread evenly."""
-    e, rows_per, dim, hidden = s["experts"], s["rows_per_expert"], s["dim"], s["hidden"]
-    experts = GroupedExperts(dim, hidden, e, use_grouped_mm).to(device=device, dtype=dtype)
-    for w in experts.parameters():
-        torch.nn.init.normal_(w, std=0.02)
-    x = _randn(e * rows_per, dim, dtype=dtype, device=device, grad=True)
-    counts = torch.full((e,), rows_per, dtype=torch.int64, device=device)
-    g = torch.randn_like(x)
-    dispatcher = TokenDispatcher(e, top_k)
-    inputs = (x, *experts.parameters())
-    step = lambda: torch.autograd.grad(dispatcher.run_local_experts(x, counts, experts), inputs, g)
-    return step, 18.0 * dim * hidden * e * rows_per
-
-
-def _stream_step(n: int, device: torch.device) -> tuple[Callable[[], object], float]:
-    """``silu(x) * w`` and its gradient in x on n fp32 elements: 11 passes of 4n bytes."""
-    x = _randn(n, dtype=torch.float32, device=device, grad=True)
-    w, g = _randn(n, dtype=torch.float32, device=device), _randn(n, dtype=torch.float32, device=device)
-    return (lambda: torch.autograd.grad(F.silu(x) * w, x, g)), 11.0 * 4 * n
-
-
-def _tiny_step(device: torch.device) -> tuple[Callable[[], object], float]:
-    """`_TINY_OPS` multiplications of a 1-element tensor and their gradients: one kernel each."""
-    x = torch.ones(1, device=device, requires_grad=True)
-    g = torch.ones(1, device=device)
-
-    def step():
-        y = x
-        for _ in range(_TINY_OPS):
-            y = y * 1.0001
-        return torch.autograd.grad(y, x, g)
-
-    return step, 2.0 * _TINY_OPS
-
-
-# ---- collectives ---------------------------------------------------------------------------------
-
-
-def _message_sizes(device_type: str) -> list[int]:
-    sizes = [_MIN_MESSAGE]
-    while sizes[-1] * 4 <= _MAX_MESSAGE[device_type]:
-        sizes.append(sizes[-1] * 4)
-    return sizes
-
-
-def _collective_step(name: str, nbytes: int, world: _World) -> tuple[Callable[[], object], int]:
-    """One `name` collective of about `nbytes` (`Link.seconds`'s size: the all-gather's output,
-    the reduce-scatter's input, the buffer, the message) over float32 tensors, and its exact size."""
-    n = world.size
-    numel = max(n, nbytes // 4 // n * n)
-    # zeros: repeated all-reduces of them stay zeros (ones would grow to inf within ~100 calls)
-    full = torch.zeros(numel, device=world.device)
-    other = torch.empty_like(full)
-    shard = torch.zeros(numel // n, device=world.device)
-    steps = {
-        "all_gather": lambda: dist.all_gather_single(full, shard),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
-        "all_reduce": lambda: dist.all_reduce(full),
-        "all_to_all": lambda: dist.all_to_all_single(other, full),
-        # batched: NCCL pairs a send and a receive with the same peer only inside one group
-        "p2p": lambda: [work.wait() for work in dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, full, (world.rank + 1) % n), dist.P2POp(dist.irecv, other, (world.rank - 1) % n)])],
-    }
-    return steps[name], numel * 4
-
-
-def _overlap(world: _World, matmul: Callable[[], object], matmul_s: float, link: Link, sizes: list[int],
+def _overlap(world: World, matmul: Callable[[], object], matmul_s: float, link: Link, sizes: list[int],
              slot_s: float) -> tuple[float, dict]:
     """Overlap of matmuls with an asynchronous all-gather of about the same duration (`link`'s
     prediction; at most the largest message's), over rounds of: the matmuls alone, the all-gather
@@ -383,18 +176,11 @@ def _overlap(world: _World, matmul: Callable[[], object], matmul_s: float, link:
     return overlap, {**spent, "bytes": full.numel() * 4, "matmuls": count, "rounds": rounds}
 
 
-def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
-    """The share of the shorter of compute and communication that running both at once hid:
-    ``(compute_s + comm_s - both_s) / min(compute_s, comm_s)``, clipped to [0, 1] (timing noise
-    can put `both_s` below the longer one or above the sum)."""
-    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
-
-
 # ---- the profile -----------------------------------------------------------------------------------
 
 
 def _job_shapes(cfg: JobConfig, device_type: str) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """(the job's shapes per op, the shapes measured: `_shrink`ed to `_STEP_FLOPS` / `_STEP_BYTES`).
+    """(the job's shapes per op, the shapes measured: `shrink`ed to `_STEP_FLOPS` / `_STEP_BYTES`).
     Bytes are counted at 4 per element (tensors, their gradients, intermediates)."""
     args = model_args_from_config(cfg.model)
     batch, seq = cfg.training.local_batch_size, cfg.training.seq_len
@@ -424,9 +210,9 @@ def _job_shapes(cfg: JobConfig, device_type: str) -> tuple[dict[str, dict[str, i
     # before the sequence, experts (whole ones, two kept: still a grouped GEMM) before an
     # expert's shape.
     measured = {
-        "matmul": _shrink(job["matmul"], (("tokens", 128), ("out", 256), ("in", 256)), matmul_fits),
-        "attention": _shrink(job["attention"], (("batch", 1), ("kv_heads", 1), ("seq", 128)), attention_fits),
-        "grouped_mm": _shrink(job["grouped_mm"],
+        "matmul": shrink(job["matmul"], (("tokens", 128), ("out", 256), ("in", 256)), matmul_fits),
+        "attention": shrink(job["attention"], (("batch", 1), ("kv_heads", 1), ("seq", 128)), attention_fits),
+        "grouped_mm": shrink(job["grouped_mm"],
                               (("experts", 2), ("rows_per_expert", 16), ("hidden", 128), ("dim", 128)), grouped_fits),
     }
     return job, measured
@@ -462,7 +248,7 @@ def _round(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
+def _measure(cfg: JobConfig, world: World, budget_s: float) -> dict:
     """Every measurement, aggregated over the ranks, as a profile document."""
     begin = time.perf_counter()
     args = model_args_from_config(cfg.model)
@@ -472,7 +258,7 @@ def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
     dtypes = list(dict.fromkeys((compute, "float32", "bfloat16")))
     float8 = cuda and torch.cuda.get_device_capability(dev) >= (8, 9)
     job, shapes = _job_shapes(cfg, dev.type)
-    sizes = _message_sizes(dev.type) if world.size > 1 else []
+    sizes = message_sizes(dev.type) if world.size > 1 else []
     shares = (_COMPUTE_SHARE * (3 * len(dtypes) + float8 + 2)
               + _MESSAGE_SHARE * len(COLLECTIVES) * len(sizes) + _OVERLAP_SHARE * (world.size > 1))
     unit = budget_s * _TIMED_SHARE / shares
@@ -480,16 +266,16 @@ def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
     # Each value's step (built when measured: one step's tensors at a time), in the order measured.
     steps: dict[str, Callable[[], tuple[Callable[[], object], float]]] = {}
     for name in dtypes:
-        steps[f"matmul.{name}"] = functools.partial(_matmul_step, shapes["matmul"], torch_dtype(name), dev)
+        steps[f"matmul.{name}"] = functools.partial(matmul_step, shapes["matmul"], torch_dtype(name), dev)
     if float8:
-        steps["matmul.float8"] = functools.partial(_float8_step, shapes["matmul"], dev)
+        steps["matmul.float8"] = functools.partial(float8_step, shapes["matmul"], dev)
     for name in dtypes:
-        steps[f"attention.{name}"] = functools.partial(_attention_step, shapes["attention"], torch_dtype(name), dev)
+        steps[f"attention.{name}"] = functools.partial(attention_step, shapes["attention"], torch_dtype(name), dev)
     for name in dtypes:
-        steps[f"grouped_mm.{name}"] = functools.partial(_grouped_step, shapes["grouped_mm"], args.top_k,
+        steps[f"grouped_mm.{name}"] = functools.partial(grouped_step, shapes["grouped_mm"], args.top_k,
                                                         args.use_grouped_mm, torch_dtype(name), dev)
-    steps["memory_bandwidth"] = functools.partial(_stream_step, _STREAM_ELEMENTS[dev.type], dev)
-    steps["kernel_overhead"] = functools.partial(_tiny_step, dev)
+    steps["memory_bandwidth"] = functools.partial(stream_step, _STREAM_ELEMENTS[dev.type], dev)
+    steps["kernel_overhead"] = functools.partial(tiny_step, dev)
     per_step: dict[str, float] = {}  # this rank's seconds per step
 
     def measure(keys: Sequence[str]) -> dict[str, float]:
@@ -521,7 +307,7 @@ def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
         times = {}
         for name in COLLECTIVES:
             for size in sizes:
-                step, nbytes = _collective_step(name, size, world)
+                step, nbytes = collective_step(name, size, world)
                 times[f"{name}:{nbytes}"] = _seconds(world, step, _MESSAGE_SHARE * unit)
         times = world.slowest(times)
         tables: dict[str, list[list[float]]] = {name: [] for name in COLLECTIVES}
@@ -533,7 +319,7 @@ def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
                                                      "bandwidth_gbs": _round(link.bandwidth_gbs)}
                              for name, link in fits.items() if link.in_profile_range() != link})
         fits = {name: link.in_profile_range() for name, link in fits.items()}
-        matmul = _matmul_step(shapes["matmul"], torch_dtype(compute), dev)[0]
+        matmul = matmul_step(shapes["matmul"], torch_dtype(compute), dev)[0]
         slowest_matmul = world.slowest({"s": matmul_s[compute]})["s"]
         overlap, measurements["overlap"] = _overlap(world, matmul, slowest_matmul, fits["all_gather"], sizes,
                                                     _OVERLAP_SHARE * unit)
@@ -544,7 +330,7 @@ def _measure(cfg: JobConfig, world: _World, budget_s: float) -> dict:
     return _document(world, rates, fits, overlap, job, shapes, measurements)
 
 
-def _document(world: _World, rates: dict[str, float], fits: dict[str, Link], overlap: float,
+def _document(world: World, rates: dict[str, float], fits: dict[str, Link], overlap: float,
               job: dict, shapes: dict, measurements: dict) -> dict:
     """The profile document of the aggregated measurements (checked by `profile_from_dict`)."""
     dev = world.device
@@ -631,7 +417,7 @@ def calibrate(cfg: JobConfig, out: str | os.PathLike, *, budget_s: float = 90.0)
                                 device_id=device if device.type == "cuda" else None)
     try:
         size = dist.get_world_size() if dist.is_initialized() else 1
-        world = _World(rank=dist.get_rank() if dist.is_initialized() else 0, size=size,
+        world = World(rank=dist.get_rank() if dist.is_initialized() else 0, size=size,
                        local_size=launch_int("LOCAL_WORLD_SIZE", size), device=device)
         doc = _measure(cfg, world, budget_s)
         if world.size > 1:  # rank 0's host name and date

@@ -45,7 +45,7 @@ from torch.distributed.tensor import Shard
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, check_model
-from torchmoe.argparser import ArgumentParser, parse_args
+from torchmoe.commands.arguments import ArgumentParser, parse_args
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import refuse_bad_values
 from torchmoe.components.flavor_fit import (

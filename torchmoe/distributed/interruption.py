@@ -2,7 +2,7 @@
 or a death by signal.
 
     try:
-        with interrupt_on_signals():  # first thing in `torchmoe.cli.main`, before torch is imported
+        with interrupt_on_signals():  # first thing in `torchmoe.commands.cli.main`, before torch is imported
             ...                       # config, imports, dry run, building and loading the job
     except Interrupted as stop:       # the CLI: "[rank 1] interrupted by SIGTERM: stopped", exit 143
         ...

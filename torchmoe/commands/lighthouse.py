@@ -15,11 +15,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from torchmoe.argparser import ArgumentParser, parse_args
+from torchmoe.commands.arguments import ArgumentParser, parse_args
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.numbers import parse_int
 from torchmoe.distributed.fault_tolerance import LIGHTHOUSE_ENV, import_torchft
-from torchmoe.interruption import Interrupted
+from torchmoe.distributed.interruption import Interrupted
 
 # What each number may be: beyond these a lighthouse serves nothing useful (a quorum that waits
 # for more groups than any job has, a tick of a day between quorums), and beyond 2**64 torchft's

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.commands.exits import rank_specific_errors
+from torchmoe.commands.job import checkpoint_job
 from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.trained_weights import STEP
 from torchmoe.config import ConfigError, JobConfig
@@ -173,16 +175,21 @@ def _sampling(found: dict[str, object]) -> Sampling:
     return sampling
 
 
-def generate_main(argv: list[str], load_config: Callable[..., tuple[JobConfig, Path, bool] | int]) -> int:
-    """`torchmoe generate`: print the prompt and what the model writes after it, as it comes.
+def generate_main(argv: list[str]) -> int:
+    """`torchmoe generate`: print the prompt and what the model writes after it, as it comes;
+    returns the exit status.
 
-    `load_config(argv, prog, description, checkpoint=..., step=...)` parses the job file and its
-    overrides as `train` does and finds the weights (`--checkpoint`, `--step`): (the job with the
-    weights' model, their folder, whether it is a Hugging Face one), or an int when --help was
-    printed (the exit status)."""
+    The job file and its overrides are parsed as `train` parses them, and the weights found
+    (`--checkpoint`, `--step`: `job.checkpoint_job`). It runs in one process: its message is the
+    message (`RankSpecificError`)."""
+    with rank_specific_errors():
+        return _generate(argv)
+
+
+def _generate(argv: list[str]) -> int:
     found, rest = split_flags(argv, _FLAGS)
-    loaded = load_config(rest, "torchmoe generate", GENERATE_DESCRIPTION, checkpoint=str(found.get("--checkpoint", "")),
-                         step=found.get("--step"))
+    loaded = checkpoint_job(rest, "torchmoe generate", GENERATE_DESCRIPTION,
+                            checkpoint=str(found.get("--checkpoint", "")), step=found.get("--step"))
     if isinstance(loaded, int):
         return loaded
     cfg, folder, in_hf = loaded

@@ -10,7 +10,7 @@ Searches the layouts (`plan.search`) that training's own preflight accepts
 and ranks them by predicted step time (`plan.step_time`). Prints the top layouts, one line per
 family that lost (and why), writes the winner as a full job TOML (`--out`: `torchmoe train
 --config best.toml` runs it unchanged) and every scored layout as JSON (`--json`).
-`--calibrate OUT.json` instead measures this machine (`torchmoe.calibrate`) into a profile that
+`--calibrate OUT.json` instead measures this machine (`torchmoe.commands.calibrate`) into a profile that
 `--hardware OUT.json` reads. No process group and no GPU are needed to plan.
 """
 
@@ -27,12 +27,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from torchmoe.arch.registry import model_args_from_config
-from torchmoe.attention_kernel import MATH
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.loader import resolved_config_text
 from torchmoe.config.numbers import MAX_RANKS, parse_int, parse_number
 from torchmoe.config.output_files import check_output_file, write_output
 from torchmoe.config.paths import free_folder_name
+from torchmoe.nn.attention_kernel_choice import MATH
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
@@ -227,7 +227,7 @@ def _print(console: Console, cfg: JobConfig, gpus: int, profile: str, result: Se
     console.print(table)
     if result.best is not None:
         console.print("best: " + escape(" ".join(result.best.flags())))
-        console.print(f"attention kernel: {result.best.prediction.attention_kernel} (torchmoe/attention_kernel.py)")
+        console.print(f"attention kernel: {result.best.prediction.attention_kernel} (torchmoe/nn/attention_kernel_choice.py)")
     if result.pruned:
         console.print(f"[bold]families that lost ({len(result.pruned)}; each with its reason in --json)[/]")
         for line in _pruned_summary(result.pruned):
@@ -288,7 +288,7 @@ def _knobs(layout: Layout) -> str:
 
 
 def _calibrate(cfg: JobConfig, flags: dict[str, str]) -> int:
-    from torchmoe.calibrate import calibrate  # imported here: it builds kernels and process groups
+    from torchmoe.commands.calibrate import calibrate  # imported here: it builds kernels and process groups
 
     out = check_output_file("--calibrate", flags["--calibrate"], _OUT_FIX)
     budget = _seconds("--budget", flags.get("--budget", "90"))

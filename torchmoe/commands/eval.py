@@ -35,10 +35,10 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 
+from torchmoe.commands.exits import rank_specific_errors, stopped_by_peer
+from torchmoe.commands.job import checkpoint_job, resolve_world_size
 from torchmoe.components.trained_weights import STEP
 from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.flags import Integer, split_flags
@@ -128,22 +128,28 @@ def _index_cache(run_folder: Path, work: Path) -> Path:
 _OUT_FIX = "pass the path of a .json file this user can write"
 
 
-def eval_main(argv: list[str], load_config: Callable[..., tuple[JobConfig, Path, bool] | int],
-              check: Callable[[JobConfig], None], running: Callable[[], AbstractContextManager]) -> int:
-    """`torchmoe eval`: print the loss and perplexity (rank 0), and write them to `--out`.
+def eval_main(argv: list[str]) -> int:
+    """`torchmoe eval`: print the loss and perplexity (rank 0), and write them to `--out`; returns
+    the exit status.
 
-    `load_config(argv, prog, description, checkpoint=..., step=...)` parses the job file and its
-    overrides as `train` does and finds the weights (`--checkpoint`, `--step`): (the job with the
-    weights' model, their folder, whether it is a Hugging Face one), or an int when --help was
-    printed (the exit status); `check(cfg)` is train's check of a job before it runs (preflight);
-    `running()` holds the evaluation itself (the command line's report of errors that may differ
-    between ranks)."""
+    The job file and its overrides are parsed as `train` parses them, and the weights found
+    (`--checkpoint`, `--step`: `job.checkpoint_job`); the job is checked as `train` checks it
+    (preflight) before it runs. A rank stopped by another's failure prints one line."""
+    from torchmoe.distributed.failure import PeerFailed
+
+    try:
+        return _evaluate(argv)
+    except PeerFailed as err:
+        return stopped_by_peer(err)
+
+
+def _evaluate(argv: list[str]) -> int:
     found, rest = split_flags(argv, _FLAGS)
     wants_help = any(token in ("-h", "--help") for token in rest)
     # Before the weights are looked for: a refused output wastes no reading.
     out = check_output_file("--out", str(found["--out"]), _OUT_FIX) if "--out" in found and not wants_help else None
-    loaded = load_config(rest, "torchmoe eval", EVAL_DESCRIPTION, checkpoint=str(found.get("--checkpoint", "")),
-                         step=found.get("--step"))
+    loaded = checkpoint_job(rest, "torchmoe eval", EVAL_DESCRIPTION, checkpoint=str(found.get("--checkpoint", "")),
+                            step=found.get("--step"))
     if isinstance(loaded, int):
         return loaded
     cfg, weights, in_hf = loaded
@@ -152,10 +158,12 @@ def eval_main(argv: list[str], load_config: Callable[..., tuple[JobConfig, Path,
     try:
         ecfg = eval_config(cfg, weights=weights, in_hf=in_hf, split=split,
                            batches=found.get("--batches"), work_folder=work)  # type: ignore[arg-type]
-        check(ecfg)
+        from torchmoe.preflight import validate_job_config  # imported here: it pulls in torch
+
+        validate_job_config(ecfg, resolve_world_size(None, False, ecfg.parallelism), check_device=True)
         from torchmoe.trainer import evaluate  # imported here: it pulls in the whole training stack
 
-        with running():
+        with rank_specific_errors():
             loss = evaluate(ecfg, index_cache=_index_cache(Path(cfg.job.dump_folder), work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
