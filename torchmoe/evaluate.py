@@ -153,7 +153,7 @@ def eval_main(argv: list[str], load_config: Callable[..., tuple[JobConfig, Path,
         ecfg = eval_config(cfg, weights=weights, in_hf=in_hf, split=split,
                            batches=found.get("--batches"), work_folder=work)  # type: ignore[arg-type]
         check(ecfg)
-        from torchmoe.trainer import evaluate  # imported here: it pulls in the whole training stack
+        from torchmoe.training.session import evaluate  # imported here: it pulls in the whole training stack
 
         with running():
             loss = evaluate(ecfg, index_cache=_index_cache(Path(cfg.job.dump_folder), work))
