@@ -259,7 +259,7 @@ class Trainer:
                 report.begin()
                 result = self.last_result = self._committed_step()
                 self.step += 1
-                ft_report, extra = self.replicas.after_step(self.step, self.dataloader.state_dict()) \
+                ft_report, extra = self.replicas.after_step(self.step, self.dataloader.state_dict) \
                     if self.replicas is not None else ({}, {})
                 extra = report.timed(extra)
                 validated = cfg.validation.enable and self.step % cfg.validation.freq == 0

@@ -4,6 +4,8 @@ group takes from a healthy one (weights, optimizer, schedule, step, its rows' po
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -132,16 +134,16 @@ class Replicas:
         if self.semi_sync is not None:  # the groups meet again at the first sync
             self.groups.commit(step)
 
-    def after_step(self, step: int, position: list[float]) -> tuple[dict, dict]:
-        """After step `step` committed with this group's rows at `position`: (this step's waits
-        on and traffic to other groups, its failed attempts' included; the sync's metrics when
-        the semi-synchronous method synced at this step)."""
+    def after_step(self, step: int, position: Callable[[], dict]) -> tuple[dict, dict]:
+        """After step `step` committed, this group's rows where `position()` says (the data
+        loader's state): (this step's waits on and traffic to other groups, its failed attempts'
+        included; the sync's metrics when the semi-synchronous method synced at this step)."""
         report = self.groups.take_report()
         if self.semi_sync is None:
             return report, {}
         # A group's rows count as trained once a sync commits: its position rides in it.
         self.live.refresh()
-        synced = self.semi_sync.after_step(step, encode_position(position))
+        synced = self.semi_sync.after_step(step, encode_position(position()))
         return report, ({**synced, "ft_participants": self.groups.contributors} if synced is not None else {})
 
 

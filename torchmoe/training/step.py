@@ -60,13 +60,13 @@ class StepRunner:
         schedule: the pipeline schedule under PP, else None.
         replicas: the replica groups under fault tolerance, else None; `step_replicas` the same
             when they meet every step (no semi-synchronous method), else None.
-        position: this group's row position in the data after the step's batch.
+        position: where this group's rows stand after the step's batch (the data loader's state).
     """
 
     def __init__(self, cfg: JobConfig, built: BuiltModel, objective: Objective, optimization: Optimization,
                  balance: MoeBalance, *, dims: ParallelDims, mesh: ParallelMesh | None, device: torch.device,
                  world_size: int, schedule, replicas: ReplicaGroups | None, step_replicas: ReplicaGroups | None,
-                 position: Callable[[], list[float]]) -> None:
+                 position: Callable[[], dict]) -> None:
         self.cfg, self.built, self.model = cfg, built, built.model
         self.objective, self.balance = objective, balance
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
