@@ -125,7 +125,7 @@ def _overlap_worker(out_dir: Path, flavor: str, steps: int, seq_len: int, batch:
     import torch.distributed as dist
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     dist.init_process_group("gloo")
     cfg = load_job_config(["--config", str(REPO / "configs" / "debug_model.toml"), "--model.flavor", flavor,

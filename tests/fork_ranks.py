@@ -55,7 +55,7 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location("rank_script", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    importlib.import_module("torchmoe.trainer")  # what every rank script runs, imported once for all ranks
+    importlib.import_module("torchmoe.training.session")  # what every rank script runs, imported once for all ranks
 
     assert threading.active_count() == 1, "forking with threads running is unsafe"
     port = free_port()  # rank 0 binds it for the store

@@ -51,7 +51,7 @@ def _about_to_fail(out: Path) -> None:
 
 def _break_load(out: Path) -> None:
     from torchmoe.config.errors import ConfigError
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     def load_initial_state(self) -> None:
         _about_to_fail(out)
@@ -96,7 +96,7 @@ def _break_data(out: Path) -> None:
 def _agreed_error(out: Path) -> None:
     from torchmoe.commands import cli
     from torchmoe.config.errors import ConfigError
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     first = os.environ["RANK"] == os.environ.get("FAIL_RANK", "1")
 
@@ -136,7 +136,7 @@ def _slow_down(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     write_data, destroy, validate = FileSystemWriter.write_data, dist.destroy_process_group, Trainer.validate
     validated = []

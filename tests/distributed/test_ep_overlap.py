@@ -55,7 +55,7 @@ def _eager_overlap(out_dir: Path) -> dict:
     import torch
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     bench_ep = _bench_ep()
     trainer = Trainer(load_job_config([*JOB, "--job.dump_folder", str(out_dir / "eager")]))
@@ -92,7 +92,7 @@ def _compiled_steps(out_dir: Path) -> dict:
     from torch._dynamo.utils import counters
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     torch._logging.set_logs(graph_breaks=True)
     sites = _BreakSites()

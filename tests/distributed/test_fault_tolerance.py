@@ -124,7 +124,7 @@ def test_two_groups_train_what_hsdp_2x2_trains_with_no_file_sync_in_a_step(
     ranks = [r for r in (json.loads(f.read_text()) for f in calls.glob("*.json")) if r["rank"] is not None]
     assert sorted(r["rank"] for r in ranks) == ["0", "0", "1", "1"]  # every rank of both groups
     # Rank 0 of each group writes its config.toml and run info at the start; nothing else.
-    starts = [c for r in ranks for c in r["calls"] if "trainer.py:_write_run_files" in c["stack"]]
+    starts = [c for r in ranks for c in r["calls"] if "run_files.py:write_run_files" in c["stack"]]
     assert len(starts) == 8 and sum(len(r["calls"]) for r in ranks) == 8, ranks
 
 

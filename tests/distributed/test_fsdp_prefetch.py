@@ -33,7 +33,7 @@ def _log_fsdp_events(out_dir: Path) -> list[list[str]]:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     trainer = Trainer(load_job_config([*FLAGS, "--job.dump_folder", str(out_dir / "run")]))
     events: list[list[str]] = []

@@ -38,7 +38,7 @@ def _measure(label: str, out_dir: Path, *, defer: bool) -> tuple[dict, dict]:
     import torch.distributed as dist
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     cfg = load_job_config([*BASE, *LAYOUTS[label], "--job.dump_folder", str(out_dir / label)])
     trainer = Trainer(cfg)

@@ -141,7 +141,7 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
     from torchmoe.components import mxfp4
     from torchmoe.config.loader import load_job_config
     from torchmoe.models.registry import hf_mapping
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     cfg = load_job_config([*BASE, *flags, "--checkpoint.initial_load_path", str(hf_in),
                            "--job.dump_folder", str(out_dir / label)])

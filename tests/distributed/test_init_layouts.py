@@ -68,7 +68,7 @@ def _compare(label: str, out_dir: Path) -> dict:
 
     from torchmoe.config.loader import load_job_config
     from torchmoe.models.llama4 import FLAVORS, Transformer
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     flags, _ = LAYOUTS[label]
     cfg = load_job_config([*BASE, *flags, "--job.dump_folder", str(out_dir / label)])

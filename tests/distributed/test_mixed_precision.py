@@ -50,7 +50,7 @@ def _measure(label: str, precision: str, out_dir: Path) -> dict:
     import torch.distributed as dist
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     cfg = load_job_config([*BASE, *LAYOUTS[label], *PRECISIONS[precision][0],
                            "--job.dump_folder", str(out_dir / f"{label}_{precision}")])

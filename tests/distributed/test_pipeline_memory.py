@@ -91,7 +91,7 @@ def _measure(schedule: str, out_dir: Path) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     from torchmoe.config.loader import load_job_config
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     cfg = load_job_config([*_flags(schedule), "--job.dump_folder", str(out_dir / schedule)])
     trainer = Trainer(cfg)

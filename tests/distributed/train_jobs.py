@@ -41,7 +41,7 @@ def _run(job: dict, world_size: int) -> None:
 
     from torchmoe.config.loader import load_job_config
     from torchmoe.preflight import validate_job_config
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     dump_folder = Path(job["dump_folder"])
     started = time.perf_counter()

@@ -233,7 +233,7 @@ def test_a_loss_that_is_not_finite_is_one_message_and_writes_nothing(capsys, mon
                                                                      tmp_path: Path, loss: float) -> None:
     """eval's result holds no NaN: the loss of weights whose computation overflows is refused,
     and --out is not written (json.dumps would have written NaN into it)."""
-    from torchmoe import trainer
+    from torchmoe.training import session as trainer
 
     monkeypatch.setattr(trainer, "evaluate", lambda cfg, **kw: loss)
     out = tmp_path / "eval.json"

@@ -30,7 +30,7 @@ PLAN = ["plan", "--config", DEBUG_CONFIG, "--gpus", "2"]
 _RUN = """
 import sys, time
 from torchmoe.config import load_job_config
-from torchmoe.trainer import Trainer
+from torchmoe.training.loop import Trainer
 trainer = Trainer(load_job_config(["--config", sys.argv[2], "--checkpoint.enable", "true",
                                    "--job.dump_folder", sys.argv[1]]))
 print("locked", flush=True)

@@ -343,12 +343,12 @@ def test_permission_denied_is_one_message(non_root_results, spec: PathKey, kind:
 def test_a_fault_after_the_checks_is_named_too(fixtures: Fixtures, monkeypatch: pytest.MonkeyPatch) -> None:
     """What no check could foresee (the file changed since) is caught by the net, which names the
     key whose path holds the file: here the run's config.toml, refused as the run writes it."""
-    import torchmoe.trainer
+    import torchmoe.training.run_files
 
     def refuse(cfg: JobConfig, path: Path) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
-    monkeypatch.setattr(torchmoe.trainer, "write_config_toml", refuse)
+    monkeypatch.setattr(torchmoe.training.run_files, "write_config_toml", refuse)
     dump = Path(tempfile.mkdtemp(dir=fixtures.work)) / "run"
     status, err = run_cli(["train", *TINY, "--job.dump_folder", str(dump)])
     assert_path_fault(status, err, KEYS[1], dump / "config.toml", "permission_denied")

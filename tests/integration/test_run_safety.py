@@ -135,7 +135,7 @@ def test_another_flavor_on_a_runs_checkpoints_names_the_flavor(tmp_path):
 _RUN = """
 import sys, time
 from torchmoe.config import load_job_config
-from torchmoe.trainer import Trainer
+from torchmoe.training.loop import Trainer
 trainer = Trainer(load_job_config(sys.argv[1:]))
 print("locked", flush=True)
 time.sleep(600)

@@ -17,7 +17,7 @@ import torch.distributed.distributed_c10d as c10d
 from torchmoe.components.checkpoint import checkpoint_timeout
 from torchmoe.config.job_config import Checkpoint, Comm, Parallelism
 from torchmoe.distributed.process_groups import backend_spec, device_backend, set_timeout
-from torchmoe.trainer import _init_distributed
+from torchmoe.training.world import init_distributed as _init_distributed
 
 
 @pytest.mark.parametrize(("device", "offload", "spec"), [

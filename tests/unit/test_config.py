@@ -616,7 +616,7 @@ def test_real_run_refuses_mismatched_world_size(monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize(("module", "attr", "args"), [
     ("torchmoe.plan.dry_run", "run_dry_run", ["--dry-run"]),
-    ("torchmoe.trainer", "train", []),
+    ("torchmoe.training.session", "train", []),
 ])
 def test_config_error_inside_the_run_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                              module: str, attr: str, args: list[str]) -> None:

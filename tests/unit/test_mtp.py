@@ -28,7 +28,8 @@ from torchmoe.arch.deepseek_v3 import FLAVORS  # noqa: E402
 from torchmoe.hf import load_model, save_model  # noqa: E402
 from torchmoe.models.decoder.model import Transformer  # noqa: E402
 from torchmoe.models.deepseek_v3.hf import args_from_hf_config  # noqa: E402
-from torchmoe.trainer import Trainer  # noqa: E402
+from torchmoe.training.loop import Trainer  # noqa: E402
+from torchmoe.training.objective import Objective  # noqa: E402
 
 # The parity tests' random config (the released form: groups, a query bottleneck, YaRN), with two
 # modules: depth 2 reads depth 1's hidden states.
@@ -103,10 +104,8 @@ def _reference_loss(hf: DeepseekV3ForCausalLM, modules: list[dict], row: torch.T
 
 def _trainer_loss(model: Transformer, row: torch.Tensor) -> torch.Tensor:
     """The trainer's objective of one micro-batch that is the whole global batch."""
-    trainer = SimpleNamespace(model=model, model_args=model.args, global_tokens=row.shape[0] * (row.shape[1] - 1),
-                              loss_parallel=False)
-    trainer._summed_loss = lambda logits, labels: Trainer._summed_loss(trainer, logits, labels)
-    return Trainer._forward_loss(trainer, row[:, :-1], row[:, 1:], None)[0]  # the objective
+    objective = Objective(model.args, tokens=row.shape[0] * (row.shape[1] - 1), tp_mesh=None)
+    return objective.forward(model, row[:, :-1], row[:, 1:], None)[0]  # the objective
 
 
 def test_the_loss_and_its_gradients_are_the_reports_on_transformers_modules(models):

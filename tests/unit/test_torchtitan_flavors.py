@@ -199,7 +199,7 @@ def test_flops_per_token_match_torchtitans(flavor):
 def test_debugmodel_irope_trains_a_step_on_cpu(tmp_path):
     """One forward and backward of torchtitan's debugmodel_irope on 1 x 512 tokens (two 256-token
     blocks on the RoPE layers) in the trainer; the planner's parameter bytes are the model's."""
-    from torchmoe.trainer import Trainer
+    from torchmoe.training.loop import Trainer
 
     cfg = load_job_config(["--config", str(REPO / "configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path),
                            "--model.flavor", "debugmodel_irope", "--training.seq_len", "512",

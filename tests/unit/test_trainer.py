@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.helpers import compute_dtypes
+from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.config import load_job_config
-from torchmoe.trainer import Trainer, TrainingDiverged
+from torchmoe.training.loop import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -161,7 +161,7 @@ def _evaluate(argv: list[str]) -> int:
         from torchmoe.preflight import validate_job_config  # imported here: it pulls in torch
 
         validate_job_config(ecfg, resolve_world_size(None, False, ecfg.parallelism), check_device=True)
-        from torchmoe.trainer import evaluate  # imported here: it pulls in the whole training stack
+        from torchmoe.training.session import evaluate  # imported here: it pulls in the whole training stack
 
         with rank_specific_errors():
             loss = evaluate(ecfg, index_cache=_index_cache(Path(cfg.job.dump_folder), work))

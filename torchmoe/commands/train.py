@@ -131,7 +131,7 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set
                                set_keys=set_keys)
         else:
             from torchmoe.distributed.failure import PeerFailed
-            from torchmoe.trainer import TrainingDiverged, train
+            from torchmoe.training.session import TrainingDiverged, train
 
             try:
                 train(cfg)

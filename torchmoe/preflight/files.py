@@ -175,7 +175,7 @@ def check_outputs(cfg: JobConfig, world_size: int, device: torch.device) -> None
     folders in it, and the `step-N` names the run will save under; and no name the run writes or
     deletes may be a symbolic link (`_refuse_links`)."""
     dump = Path(cfg.job.dump_folder)
-    # Where the NCCL flight recorder dumps too (`trainer._init_distributed`).
+    # Where the NCCL flight recorder dumps too (`training.world.init_distributed`).
     folders = written_folders(cfg, nccl_traces=device.type == "cuda" and world_size > 1)
     for folder in folders:
         _check_folder(folder.key, folder.value, Path(folder.path))

@@ -5,7 +5,7 @@ relaunched groups come back (their start takes seconds): sleeping steps of the t
 that long without taking the cores from the suite's other worker, as a larger model's steps did.
 Without the variable it does nothing.
 
-`torchmoe.trainer` is patched as it is imported (an import hook: this runs at interpreter start,
+`torchmoe.training.loop` is patched as it is imported (an import hook: this runs at interpreter start,
 before torchmoe is imported)."""
 
 import importlib.abc
@@ -31,7 +31,7 @@ def _pace(module) -> None:
 
 class _PaceTrainer(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "torchmoe.trainer":
+        if name != "torchmoe.training.loop":
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)

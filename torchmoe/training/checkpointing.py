@@ -1,0 +1,129 @@
+"""Checkpoints as training writes them: after each step when due (or when a signal stops the
+run), the Hugging Face export at the end, the seed checkpoint, and what a failed save means."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.components.checkpoint import CheckpointManager, SaveFailed
+from torchmoe.components.divergence import TrainingDiverged
+from torchmoe.components.finite import NonFiniteValues
+from torchmoe.components.hf_storage import save_hf_weights
+from torchmoe.components.initial_load import hf_bias_drop, load_initial_weights
+from torchmoe.components.tokenizer_files import copy_tokenizer_files
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import JobConfig
+from torchmoe.config.paths import source_key
+from torchmoe.training.log import logger
+
+
+class Checkpoints:
+    """This rank's side of the run's checkpoints.
+
+    Args:
+        cfg: the job (`[checkpoint]`, the model's files).
+        manager: the checkpoint folder's manager.
+        state: what a checkpoint holds (`CheckpointManager.save`'s `state`).
+        model, model_args: this rank's model and what it is.
+        rank: this process's rank.
+    """
+
+    def __init__(self, cfg: JobConfig, manager: CheckpointManager, state: dict, model: nn.Module,
+                 model_args: ModelArgs, *, rank: int) -> None:
+        self.cfg, self.manager, self.state = cfg, manager, state
+        self.model, self.model_args = model, model_args
+        self.rank = rank
+
+    def load_initial_weights(self) -> None:
+        """The weights of `checkpoint.initial_load_path`, if set (else the model keeps its init)."""
+        if self.cfg.checkpoint.initial_load_path:
+            load_initial_weights(self.cfg.checkpoint, self.cfg.model.flavor, self.model_args, self.model,
+                                 key=source_key(self.cfg, "checkpoint.initial_load_path"))
+
+    def after_step(self, step: int, *, stopping: bool) -> None:
+        """After step `step`: save when due (or `stopping` for a signal), if the state is finite
+        on every rank (else `TrainingDiverged`: the save checks it); else make a finished async
+        save visible.
+
+        A save that fails mid-run (disk full, permissions changed) is reported and training
+        goes on: the state in memory is intact and the next interval tries again. When it was
+        the run's last save, the run ends with that error (`ConfigError`: exit 2), naming the
+        checkpoint it can resume from.
+        """
+        last = stopping or step == self.cfg.training.steps
+        due = stopping or self.manager.should_save(step)
+        if due:
+            try:  # an earlier async save still in flight: its failure is not this step's
+                self.manager.wait()
+            except SaveFailed as err:
+                self.save_failed(err, last=False)
+        try:
+            if stopping:
+                self.manager.save(step, self.state)
+            else:
+                self.manager.maybe_save(step, self.state)
+            if due and last:
+                self.manager.wait()  # an async last save must be on disk before the run ends
+        except SaveFailed as err:
+            self.save_failed(err, last=last)
+        except NonFiniteValues as err:  # the save checked every rank's state: nothing was written
+            raise diverged(err, "saving", step) from None
+
+    def save_failed(self, err: SaveFailed, *, last: bool) -> None:
+        """Report a failed save: fatal (`ConfigError`) when it was the run's last, else one line."""
+        newest = self.manager.complete_checkpoints()
+        resume = f"the newest checkpoint on disk is {newest[-1][1]}" if newest else "no checkpoint is on disk"
+        if last:
+            raise ConfigError("checkpoint.folder", str(self.manager.folder), f"{err}; {resume}",
+                              "free space or fix permissions there, then run again to resume") from None
+        if self.rank == 0:  # every rank has the same error (the save agreed on it): one line
+            logger.error("%s; training goes on (the state in memory is intact, the next save is attempted at its "
+                         "interval); %s", err, resume)
+
+    def close_on_exit(self, exc_type, exc, tb) -> bool:
+        """Leaving the loop: finish the async save in flight when every rank leaves together
+        (done, stopped by a signal, or diverged: the loss is global, so all ranks stop at the
+        same step). After any other error this rank leaves alone, and waiting for the save is a
+        collective its peers never join."""
+        if exc is None or isinstance(exc, TrainingDiverged):
+            self.manager.close()
+        return False  # never swallows the exception
+
+    def save_hf(self, step: int) -> None:
+        """Write the weights as a Hugging Face folder, each rank writing its own shards, with the
+        tokenizer's files (`components.tokenizer_files`; none for the byte tokenizer); not
+        when they are non-finite (`TrainingDiverged`: the last step's update, unchecked by a save
+        when checkpointing is off). Visible only once complete (`CheckpointManager.save_export`);
+        a failed write is the run's last error (`save_failed`)."""
+        state = get_model_state_dict(self.model)
+
+        def write(folder: Path) -> None:
+            save_hf_weights(state, self.model_args, folder, process_group=self.manager.group,
+                            bias_drop=hf_bias_drop(self.cfg.checkpoint))
+            if self.rank == 0:  # the tokenizer beside the weights: the folder loads whole
+                copy_tokenizer_files(self.cfg.model.tokenizer_path, folder)
+
+        try:
+            out = self.manager.save_export(step, write)
+        except NonFiniteValues as err:
+            raise diverged(err, "writing Hugging Face weights", step) from None
+        except SaveFailed as err:  # a full disk: nothing of the export is left
+            self.save_failed(err, last=True)  # raises: the run's last write
+        logger.info("saved Hugging Face weights to %s", out)
+
+    def save_seed(self) -> None:
+        """Write step-0 with the weights as they are."""
+        path = self.manager.save_seed_checkpoint(self.state)
+        logger.info("seed checkpoint written to %s", path)
+
+
+def diverged(err: NonFiniteValues, doing: str, step: int) -> TrainingDiverged:
+    """The state became non-finite in training by step `step` (what is loaded is checked:
+    `components.finite`); the fix names the setting behind the tensors `err` names."""
+    fix = "lower model.load_balance_coeff" if any("expert_bias" in n for n in err.names) else "lower optimizer.lr"
+    return TrainingDiverged(f"the model or optimizer state is not finite after step {step} ({err}): "
+                            f"stopping without {doing}; {fix}")

@@ -1,0 +1,66 @@
+"""The run's story on the console: its opening lines, its closing line, and what the first step
+compiled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.components.checkpoint import CheckpointManager
+from torchmoe.components.metrics import MetricsLogger
+from torchmoe.components.metrics_records import METRICS_FILE
+from torchmoe.components.run_logs import LogFile
+from torchmoe.config.job_config import JobConfig
+from torchmoe.distributed.compile import DynamoCounts
+from torchmoe.training.log import logger
+from torchmoe.training.step import StepResult
+
+
+def say(metrics: MetricsLogger, log_file: LogFile | None, text: str) -> None:
+    """`text` on rank 0's console (`MetricsLogger.say`) and in this rank's log file."""
+    metrics.say(text)
+    if log_file is not None:
+        log_file.note(text)
+
+
+def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_size: int, world_size: int,
+            device_type: str, dump_folder: Path) -> str:
+    """The run's first console lines: its description, what trains where, where it writes."""
+    counts = model_args.param_counts()
+    tokens = global_batch_size * cfg.training.seq_len
+    steps = f"steps {step + 1}-{cfg.training.steps}, {tokens:,} tokens each" if step < cfg.training.steps \
+        else f"finished at step {step} already, nothing to train (raise training.steps to train on)"
+    line = (f"training {cfg.model.name} {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, "
+            f"{counts['active'] / 1e6:,.1f} M active) on {world_size} x {device_type}: {steps}; "
+            f"writing to {dump_folder}")
+    return f"{cfg.job.description}\n{line}" if cfg.job.description else line
+
+
+def closing(cfg: JobConfig, result: StepResult | None, *, step: int, first_step: int, seconds: float,
+            global_batch_size: int, validation_loss: float | None, checkpoints: CheckpointManager,
+            log_file: LogFile | None, dump_folder: Path) -> str:
+    """The run's last console line: how far it got (to `step`, from `first_step`, with `result`
+    its newest step), its loss, time and throughput, and where its metrics, log files and newest
+    checkpoint are."""
+    if result is None:
+        return f"no step trained; {dump_folder} holds what the run wrote"
+    trained = step - first_step
+    tokens = trained * global_batch_size * cfg.training.seq_len
+    saved = checkpoints.complete_checkpoints() if checkpoints.folder.is_dir() else []
+    where = f"metrics in {dump_folder / METRICS_FILE}" + \
+        (f", logs in {log_file.path.parent}" if log_file is not None else "") + \
+        (f", newest checkpoint {saved[-1][1]}" if saved else "")
+    return (f"{'done' if step == cfg.training.steps else 'stopped'}: step {step}/"
+            f"{cfg.training.steps}, loss {result.loss:.4f}"
+            + (f", validation loss {validation_loss:.4f}" if validation_loss is not None else "")
+            + f"; {trained} steps in {seconds:,.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s); {where}")
+
+
+def compile_report(compiled: DynamoCounts, step_s: float, *, rank: int) -> dict[str, float]:
+    """Log what the first step compiled; the metrics record's keys for it. Under EP each MoE
+    block breaks once, at the split sizes' host read (`distributed/compile.py`)."""
+    if rank == 0:
+        logger.info("torch.compile: %d graphs, %d graph breaks; the first step took %.1f s, compilation "
+                    "included", compiled.graphs, compiled.graph_breaks, step_s)
+    return {"compile_graphs": compiled.graphs, "compile_graph_breaks": compiled.graph_breaks,
+            "first_step_s": step_s}

@@ -1,0 +1,81 @@
+"""A micro-batch as this rank trains on it: its columns, on its device, with the document
+segment tables its attention calls read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.distributed.mesh import ParallelMesh
+from torchmoe.nn.document_attention import (
+    AttentionCall,
+    DocumentSegments,
+    document_segments,
+    document_starts,
+    whole_row_calls,
+)
+from torchmoe.plan.context import CPLayout
+from torchmoe.plan.parallel_dims import ParallelDims
+
+# Places a (B, seq_len) micro-batch's (inputs, labels) as this rank trains on them (`LocalColumns`):
+# (inputs, labels, document segment tables or None).
+PlaceColumns = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]]
+
+
+class LocalColumns:
+    """Turns a (B, seq_len) micro-batch into this rank's part of it (`__call__`).
+
+    Args:
+        model_args: the model (its attention chunk sizes).
+        dims, mesh: the layout (its context-parallel degree and this rank's cp coordinate).
+        seq_len: training's sequence length (validation's equals it under CP: `preflight`).
+        eos_id: the tokenizer's end of sequence, which separates documents; None: no document
+            masking (`training.document_masking` is false).
+        device: where the batch trains.
+    """
+
+    def __init__(self, model_args: ModelArgs, dims: ParallelDims, mesh: ParallelMesh | None, *, seq_len: int,
+                 eos_id: int | None, device: torch.device) -> None:
+        self.chunks = model_args.attention_chunks()
+        self.cp = dims.cp
+        self.cp_rank = mesh["cp"].get_local_rank() if dims.cp_enabled else 0
+        self.eos_id = eos_id
+        self.device = device
+        # Context parallelism: the columns of each sequence this rank trains on (its head-tail pieces).
+        self.positions = torch.tensor(CPLayout(seq_len, self.cp).positions(self.cp_rank)) \
+            if dims.cp_enabled else None
+
+    def __call__(self, inputs: torch.Tensor,
+                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]:
+        """This rank's columns of a (B, seq_len) micro-batch (its CP pieces; all without CP), on
+        its device, and with document masking the segment tables of every attention call this
+        rank's layers make (`nn.document_attention.document_segments`), else None. The tables
+        come from the whole rows' token ids, on the host, before they travel (a piece's first
+        document may begin in an earlier piece): no layer reads a device value for them. Every
+        rank of a pipeline derives them from the same batch, so stages without the token ids get
+        each micro-batch's own.
+
+        To a GPU the copy is asynchronous: from pinned host memory, with ``non_blocking``, so the
+        host goes on queueing work while the batch travels (the stream orders its use)."""
+        documents = None
+        if self.eos_id is not None:
+            documents = document_segments(document_starts(inputs, self.eos_id),
+                                          self.attention_calls(inputs.shape[-1]), self.device)
+        columns = (inputs, labels)
+        if self.positions is not None:
+            columns = tuple(t[:, self.positions] for t in columns)
+        if self.device.type == "cuda":
+            inputs, labels = (t.pin_memory().to(self.device, non_blocking=True) for t in columns)
+        else:
+            inputs, labels = (t.to(self.device) for t in columns)
+        return inputs, labels, documents
+
+    def attention_calls(self, seq_len: int) -> list[AttentionCall]:
+        """The kinds of attention call this rank's layers make on rows of `seq_len` tokens: one
+        per chunk size of the model, per local CP piece under CP."""
+        if self.cp == 1:
+            return whole_row_calls(self.chunks, seq_len)
+        layout = CPLayout(seq_len, self.cp)
+        return [AttentionCall(*call) for call in layout.attention_calls(self.cp_rank, self.chunks)]

@@ -1,0 +1,46 @@
+"""The optimizer and its learning-rate schedule: the one place that says which parameters train
+and how each group of them is updated.
+
+A trainable subset (LoRA: the adapters, not the frozen base) is a predicate over the named
+parameters: the others get no gradient and no optimizer state. The parameter groups are
+`components.optimizer.build_optimizer`'s, each named by what sets it apart (weight decay or not,
+mesh); an optimizer that updates some groups its own way (Muon: the hidden matrices, AdamW the
+rest) is built here from those named groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.components.optimizer import build_optimizer
+from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+from torchmoe.config.job_config import Optimizer as OptimizerConfig
+
+TrainableSubset = Callable[[str, nn.Parameter], bool]  # (full parameter name, parameter) -> trains?
+
+
+def every_parameter(name: str, param: nn.Parameter) -> bool:
+    """Full training: every parameter trains (pretraining's subset)."""
+    return True
+
+
+@dataclass
+class Optimization:
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler  # stepped after each optimizer step
+
+
+def build_optimization(model: nn.Module, optimizer_cfg: OptimizerConfig, lr_cfg: LRSchedulerConfig, steps: int,
+                       *, trainable: TrainableSubset = every_parameter) -> Optimization:
+    """The optimizer over the parameters of `model` that `trainable` keeps (the others are frozen:
+    ``requires_grad`` false), and its schedule over `steps` steps."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(trainable(name, param))
+    optimizer = build_optimizer(model, optimizer_cfg)
+    return Optimization(optimizer, build_lr_scheduler(optimizer, lr_cfg, steps))

@@ -1,0 +1,96 @@
+"""The validation loss: the model as it is over the `[validation]` batches, without gradients."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.job_config import JobConfig
+from torchmoe.data.dataloader import DataLoader, build_corpus, build_dataloader, validation_data
+from torchmoe.data.packing import CorpusEnd
+from torchmoe.distributed.mesh import ParallelMesh
+from torchmoe.training.micro_batches import PlaceColumns
+from torchmoe.training.objective import Objective, loss_weight
+
+
+class Validation:
+    """The validation data of a run, opened at the start, and its loss (`loss`).
+
+    With `validation.enable` the data is opened now, under the start's timeout: a new corpus's
+    index is built (by rank 0) before the first validation, whose collectives run under the
+    training's. Without it (`torchmoe eval`), each `loss` opens it.
+
+    Args:
+        cfg: the job (`[validation]`, and `[training]` whose data settings validation shares).
+        tokenizer: the run's tokenizer.
+        dp_rank, dp_degree, batch_mesh: this rank's rows of each batch (as training's).
+        index_cache: where the data files' indexes are kept.
+    """
+
+    def __init__(self, cfg: JobConfig, tokenizer, *, dp_rank: int, dp_degree: int, batch_mesh, index_cache: Path
+                 ) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.dp_rank, self.dp_degree, self.batch_mesh = dp_rank, dp_degree, batch_mesh
+        self.corpus = None
+        if cfg.validation.enable:
+            self.corpus = build_corpus(validation_data(cfg.training, cfg.validation), key="validation.dataset_path",
+                                       index_cache=index_cache)
+            self.loader()
+
+    def loader(self) -> DataLoader:
+        """A loader of the validation data from its start (one pass), over the corpus opened at the
+        start if it was."""
+        return build_dataloader(validation_data(self.cfg.training, self.cfg.validation), self.tokenizer,
+                                dp_rank=self.dp_rank, dp_degree=self.dp_degree, batch_mesh=self.batch_mesh,
+                                repeat=False, corpus=self.corpus)
+
+    @torch.no_grad()
+    def loss(self, model: nn.Module, moe_layers: list[nn.Module], columns: PlaceColumns, objective: Objective,
+             mesh: ParallelMesh | None, device: torch.device) -> float:
+        """The mean token loss of `model` as it is over the validation batches: `steps` batches,
+        or with -1 every complete batch of one pass over the data, the same batches each time.
+        Runs the training layout's forward (each micro-batch placed by `columns`, its loss
+        `objective.summed`) without gradients; the routed-token counts of `moe_layers` that the
+        next bias update reads are left as they were.
+
+        Every rank draws its rows of each batch; they agree before each forward whether one ran
+        out of data (one flag in an all-reduce), so all stop at the same batch.
+        """
+        val = self.cfg.validation
+        loader = self.loader()
+        counts = [moe.tokens_per_expert.clone() for moe in moe_layers]
+        weight = loss_weight(mesh)
+        total = torch.zeros((), device=device)
+        batches = 0
+        while val.steps == -1 or batches < val.steps:
+            try:
+                micro_batches, ended = loader.next_batch(), 0.0
+            except CorpusEnd:
+                micro_batches, ended = [], 1.0
+            flag = torch.tensor(ended, device=device)
+            if mesh is not None:
+                dist.all_reduce(flag)
+            if flag.item():
+                break
+            for inputs, labels in micro_batches:
+                inputs, labels, documents = columns(inputs, labels)
+                with loss_parallel() if objective.tp_mesh is not None else nullcontext():
+                    loss = objective.summed(model(inputs, documents), labels)
+                total += weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
+            batches += 1
+        for moe, saved in zip(moe_layers, counts):
+            moe.tokens_per_expert.copy_(saved)
+        if mesh is not None:
+            dist.all_reduce(total)
+        if not batches:
+            raise ConfigError("validation.dataset", val.dataset, "holds less than one batch "
+                              f"({loader.global_batch_size} rows of {val.seq_len + 1} tokens)",
+                              "use more validation data, or a smaller validation.local_batch_size / seq_len")
+        return total.item() / (batches * loader.global_batch_size * val.seq_len)
