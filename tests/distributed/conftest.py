@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import BALANCE, seed_checkpoint, start_from, train_tiny
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from torchmoe.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_replica_groups, run_train
+from tests.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_replica_groups, run_train
 
 pytestmark = pytest.mark.distributed
 

@@ -1,6 +1,6 @@
 """Run the CLI in a subprocess: one process or a torchrun world; read its metrics.
 
-    from torchmoe.launch import read_metrics, run_train
+    from tests.launch import read_metrics, run_train
     run_train(["--config", "configs/debug_model.toml", "--training.steps", "5"], dump_folder="outputs/t", nproc=2)
     read_metrics("outputs/t")[-1]["loss"]
 
