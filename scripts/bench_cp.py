@@ -29,10 +29,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package
 
 
 def _run(seq: int, cp: int, steps: int) -> dict:
-    from torchmoe.launch import read_metrics, run_train
+    from tests.launch import read_metrics, run_train
 
     with tempfile.TemporaryDirectory() as tmp:
         run_train(["--config", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", str(seq),
@@ -83,7 +84,7 @@ def _bytes_worker(seqs: list[int], out: str) -> None:
 
 
 def bench_bytes(seqs: list[int]) -> dict:
-    from torchmoe.launch import free_port
+    from tests.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bytes.json"

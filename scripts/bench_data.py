@@ -54,9 +54,10 @@ from torchmoe.config.job_config import Training
 from torchmoe.data import ByteTokenizer, FileDocuments, build_dataloader, python_docs_files
 from torchmoe.data.prepare import default_workers, prepare
 from torchmoe.data.token_shards import MANIFEST, manifest_header, write_manifest, write_shard
-from torchmoe.launch import read_metrics, run_train
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package
+from tests.launch import read_metrics, run_train  # noqa: E402
 
 
 def python_docs_text(mb: float) -> list[str]:
@@ -239,7 +240,7 @@ def index_child(corpus: str, cache: str, rows: int, out: str) -> None:
 
 def bench_first_open(root: Path, mb: float, files: int, rows: int) -> dict:
     """`first_open` (see the module docstring): per world size and mode, each rank's record."""
-    from torchmoe.launch import free_port
+    from tests.launch import free_port
 
     corpus = root / "corpus"
     corpus.mkdir(parents=True)

@@ -29,10 +29,12 @@ from pathlib import Path
 
 import torch
 
-from torchmoe.launch import cli_env, free_port, read_metrics, run_train
 from torchmoe.models.llama4 import FLAVORS
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package
+from tests.launch import cli_env, free_port, read_metrics, run_train  # noqa: E402
+
 LAYOUTS = {
     # name: (ranks, ep, tp, flags)
     "ep2": (2, 2, 1, ["--parallelism.expert_parallel_degree", "2"]),

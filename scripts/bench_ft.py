@@ -25,13 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from torchmoe.launch import Lighthouse, ReplicaGroup, read_metrics, run_replica_groups, run_train
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package
+from tests.launch import Lighthouse, ReplicaGroup, read_metrics, run_replica_groups, run_train  # noqa: E402
+
 STEPS = 20
 JOB = ["--config", str(REPO / "configs" / "debug_model.toml"), "--model.flavor", "debugmodel",
        "--training.seq_len", "256", "--training.local_batch_size", "4", "--training.steps", str(STEPS),

@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from torchmoe.config import load_job_config
-from torchmoe.launch import read_metrics, run_cli, run_train
 from torchmoe.plan.hardware import load_profile
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.search import search
@@ -43,6 +43,9 @@ from torchmoe.plan.step_time import predict_layout
 from torchmoe.preflight import validate_layout
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package
+from tests.launch import read_metrics, run_cli, run_train  # noqa: E402
+
 # Per flavor: sequence length and global batch (sequences per step) of the measured job.
 JOBS = {"tiny": (1024, 8), "debugmodel": (1024, 4)}
 STEPS, WARMUP = 8, 2

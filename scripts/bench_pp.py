@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 from torchmoe.config.job_config import Parallelism
-from torchmoe.launch import read_metrics, run_train
 from torchmoe.models.llama4 import FLAVORS
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import (
@@ -39,6 +39,9 @@ from torchmoe.plan.pipeline import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package
+from tests.launch import read_metrics, run_train  # noqa: E402
+
 PP = 2
 MICROBATCHES = 8
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,10 +34,11 @@ from pathlib import Path
 import torch
 
 from torchmoe.components.step_breakdown import format_breakdown
-from torchmoe.launch import read_metrics, run_train
 from torchmoe.models.llama4 import FLAVORS
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package
+from tests.launch import read_metrics, run_train  # noqa: E402
 
 # name: (ranks, local batch for the default global batch of 8, parallelism flags)
 LAYOUTS: dict[str, tuple[int, int, list[str]]] = {

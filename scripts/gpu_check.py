@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.helpers, for the parity jobs' common arguments
 
 from tests.helpers import TINY_JOB  # noqa: E402
-from torchmoe.launch import cli_env, metrics_by_step  # noqa: E402
+from tests.launch import cli_env, metrics_by_step  # noqa: E402
 
 # bf16 against fp32 over 50 steps of the debugmodel flavor. On an H200 (2026-12-04) the first 12
 # steps' losses agreed within 5.5e-4; then routing ties flip, single steps part (one bf16 spike:

@@ -29,7 +29,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from torchmoe.launch import free_port
+from tests.launch import free_port
 
 _PR_SET_PDEATHSIG = 1
 

@@ -2,7 +2,7 @@
 tiny job of the distributed parity tests (and running many of them in one torchrun world), and an
 empty CPU tiny model.
 
-Running the CLI itself is `torchmoe.launch`.
+Running the CLI itself is `tests.launch`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torchmoe.launch import cli_env, run_train
+from tests.launch import cli_env, run_train
 
 if TYPE_CHECKING:
     from torchmoe.models.llama4 import Transformer

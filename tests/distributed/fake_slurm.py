@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tests.helpers import REPO
-from torchmoe.launch import cli_env, free_port
+from tests.launch import cli_env, free_port
 
 # `scontrol show hostnames`: one localhost per node of the job, in one write (the script reads
 # the first with `| head -n 1` under pipefail: a later write into the closed pipe would fail it).

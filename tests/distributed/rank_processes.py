@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from tests.helpers import REPO
-from torchmoe.launch import cli_env, free_port
+from tests.launch import cli_env, free_port
 
 WORKER = str(Path(__file__).with_name("failing_rank.py"))
 

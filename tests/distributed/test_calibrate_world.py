@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, run_rank_script
-from torchmoe.launch import cli_env, free_port
+from tests.launch import cli_env, free_port
 
 WORLD = 2
 

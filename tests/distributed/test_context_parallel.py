@@ -41,7 +41,7 @@ from tests.helpers import (
     run_rank_script,
     write_rank_record,
 )
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchmoe.launch import free_port
+from tests.launch import free_port
 
 pytestmark = pytest.mark.distributed
 EP, NUM_EXPERTS, TOP_K, DIM = 2, 8, 2, 16

@@ -21,7 +21,7 @@ import pytest
 
 from tests.distributed.rank_processes import root_cause, start_ranks, torchrun, torchrun_summary, wait_all
 from tests.helpers import TINY_JOB
-from torchmoe.launch import read_metrics, run_cli
+from tests.launch import read_metrics, run_cli
 
 pytestmark = pytest.mark.distributed
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import BALANCE, Job, TinyRuns, assert_same_curve, seed_checkpoint
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5

@@ -43,7 +43,7 @@ import torch
 
 from tests.distributed.rank_processes import root_cause, torchrun_summary
 from tests.helpers import DEBUG_CONFIG
-from torchmoe.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_replica_groups, run_train
+from tests.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_replica_groups, run_train
 
 pytestmark = pytest.mark.distributed
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import BALANCE, Job, TinyRuns, assert_same_curve
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5

@@ -297,7 +297,7 @@ def test_convert_runs_as_a_sharded_torchrun_job(measured, tmp_path):
     turns back into exactly the input tensors; each rank writes only its own part."""
     import torch
 
-    from torchmoe.launch import run_cli
+    from tests.launch import run_cli
 
     _, out = measured
     hf_in = out / "hf_tiny"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_rank_script, write_rank_record
-from torchmoe.launch import metrics_by_step, run_train
+from tests.launch import metrics_by_step, run_train
 
 pytestmark = pytest.mark.distributed
 

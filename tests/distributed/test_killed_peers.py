@@ -21,7 +21,7 @@ import pytest
 
 from tests.distributed.rank_processes import start_ranks, torchrun, wait_all
 from tests.helpers import DEBUG_CONFIG, TINY_JOB
-from torchmoe.launch import cli_command, cli_env, free_port, read_metrics
+from tests.launch import cli_command, cli_env, free_port, read_metrics
 
 pytestmark = pytest.mark.distributed
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.distributed import fake_slurm
 from tests.helpers import DEBUG_CONFIG, TINY_JOB, Job, TinyRuns, assert_same_curve, start_from, train_tiny
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import BALANCE, HF_EXPORT, TINY_JOB, Job, TinyRuns, assert_same_curve
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
@@ -100,7 +100,7 @@ HF_RUN = ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_
 @pytest.fixture(scope="module")
 def hf_seed(seed, tmp_path_factory) -> Path:
     """The seed checkpoint's weights as a Hugging Face folder."""
-    from torchmoe.launch import run_cli
+    from tests.launch import run_cli
 
     folder = tmp_path_factory.mktemp("hf_seed")
     run_cli(["convert", "dcp-to-hf", seed, folder / "hf", "--flavor", "tiny"], timeout=120)

@@ -15,7 +15,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import Job, TinyRuns
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from torchmoe.launch import metrics_by_step, run_train
+from tests.launch import metrics_by_step, run_train
 from torchmoe.models.llama4 import FLAVORS, MoE
 from torchmoe.nn.init import init_parameters
 

@@ -24,7 +24,7 @@ def hf_dir(tmp_path_factory) -> Path:
 def run_dir(tmp_path_factory) -> Path:
     """The dump folder of a 2-step tiny run (seq 64) with its step-2 checkpoint."""
     from tests.helpers import DEBUG_CONFIG
-    from torchmoe.launch import run_cli
+    from tests.launch import run_cli
 
     folder = tmp_path_factory.mktemp("run")
     run_cli(["train", "--config", DEBUG_CONFIG, "--training.seq_len", "64", "--training.steps", "2",

@@ -21,10 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, assert_user_error, small_bpe
+from tests.launch import read_metrics, run_train
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.commands import cli
 from torchmoe.config import ConfigError, load_job_config, resolve_degrees
-from torchmoe.launch import read_metrics, run_train
 from torchmoe.preflight.layout import check_memory_fits
 
 pytestmark = pytest.mark.integration

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, assert_user_error, empty_tiny_model
+from tests.launch import read_metrics, run_cli
 from torchmoe.commands import cli
 from torchmoe.components.checkpoint import MARKER, CheckpointManager
 from torchmoe.components.checkpoint_state import ModelWrapper
@@ -37,7 +38,6 @@ from torchmoe.components.run_lock import LOCK_NAME
 from torchmoe.components.weight_files import quiet_dcp_logs
 from torchmoe.config import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
-from torchmoe.launch import read_metrics, run_cli
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.models.llama4.hf import hf_config_from_args
 

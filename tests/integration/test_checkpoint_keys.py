@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import start_from, train_tiny_here
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.integration
 

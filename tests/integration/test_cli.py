@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error, write_toml
+from tests.launch import run_cli
 from torchmoe.commands import cli
-from torchmoe.launch import run_cli
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG
+from tests.launch import read_metrics
 from torchmoe.commands import cli
-from torchmoe.launch import read_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import seed_checkpoint, start_from, train_tiny_here
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytest.importorskip("torchao.float8")
 pytestmark = pytest.mark.integration

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG
+from tests.launch import read_metrics, run_cli
 from torchmoe.commands import cli
-from torchmoe.launch import read_metrics, run_cli
 
 pytestmark = pytest.mark.integration
 

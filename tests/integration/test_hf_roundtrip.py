@@ -16,9 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.helpers import DEBUG_CONFIG, empty_tiny_model  # noqa: E402
+from tests.launch import read_metrics, run_train  # noqa: E402
 from torchmoe.components.checkpoint_state import load_model_only  # noqa: E402
 from torchmoe.hf import load_model, save_model  # noqa: E402
-from torchmoe.launch import read_metrics, run_train  # noqa: E402
 from torchmoe.models.llama4 import Transformer  # noqa: E402
 
 # Three logged steps of the tiny flavor on 8 x 64 tokens. The aux-loss-free expert bias stays zero

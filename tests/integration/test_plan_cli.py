@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error
+from tests.launch import read_metrics, run_cli
 from torchmoe.commands import cli
-from torchmoe.launch import read_metrics, run_cli
 
 pytestmark = pytest.mark.integration
 

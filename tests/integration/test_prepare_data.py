@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_user_error
+from tests.launch import run_cli
 from torchmoe.data.token_shards import TokenShards
-from torchmoe.launch import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def test_ctrl_c_stops_every_process_with_one_line_and_the_same_command_resumes(t
     import subprocess
     import time
 
-    from torchmoe.launch import cli_command, cli_env
+    from tests.launch import cli_command, cli_env
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(f'{{"text": "{"word " * (50 + i % 50)}{i}"}}\n' for i in range(60_000)))

@@ -21,7 +21,7 @@ import pytest
 
 from tests.docs_check import commands
 from tests.helpers import REPO
-from torchmoe.launch import cli_env, free_port, read_metrics
+from tests.launch import cli_env, free_port, read_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, REPO, assert_user_error
+from tests.launch import read_metrics, run_train
 from torchmoe.commands import cli
 from torchmoe.components.run_lock import LOCK_NAME, OWNER_NAME
-from torchmoe.launch import read_metrics, run_train
 
 pytestmark = pytest.mark.integration
 

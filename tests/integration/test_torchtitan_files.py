@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.launch import metrics_by_step
 from torchmoe.commands import cli
 from torchmoe.config.loader import load_toml_config
-from torchmoe.launch import metrics_by_step
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
+from tests.launch import read_metrics, run_train
 from torchmoe.commands import cli
 from torchmoe.components.metrics import moe_imbalance
-from torchmoe.launch import read_metrics, run_train
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, start_from
+from tests.launch import cli_command, cli_env, read_metrics, run_train
 from torchmoe.config import load_job_config
-from torchmoe.launch import cli_command, cli_env, read_metrics, run_train
 
 # The tiny flavor on one global batch of 8 x 64 tokens per step, every step logged, warmup 2 so the LR
 # changes across the compared steps, checkpoints on (every step-N folder below is complete).

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import empty_tiny_model, train_tiny_here
-from torchmoe.launch import metrics_by_step
+from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.integration
 

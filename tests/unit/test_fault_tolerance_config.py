@@ -123,7 +123,7 @@ def test_training_without_a_lighthouse_is_one_message(tmp_path: Path, capsys: py
     """Unset, unreachable (a traceback after torchft's connect timeout before) or no address:
     one message, within seconds, naming how to start one. (A group of one rank under torchrun:
     its variables set here.)"""
-    from torchmoe.launch import free_port
+    from tests.launch import free_port
 
     if lighthouse is None:
         monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)

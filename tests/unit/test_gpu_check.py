@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from torchmoe.launch import cli_env
+from tests.launch import cli_env
 
 STEPS = ["gpu_tier", "sdpa_kernels", "scout_bench", "compiled_train", "nccl_parity"]
 

@@ -1,4 +1,4 @@
-"""`torchmoe.launch`'s process handling: what a replica group's `kill` reaches.
+"""`tests.launch`'s process handling: what a replica group's `kill` reaches.
 
     python -m pytest -q tests/unit/test_launch.py
 """
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchmoe.launch import descendants, free_port
+from tests.launch import descendants, free_port
 
 # A launcher that starts a worker in a session of its own (as torchrun does), which starts
 # another process; all of them wait.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import fake_slurm
-from torchmoe.launch import free_port
+from tests.launch import free_port
 
 # srun's stand-in: one line per node with the command it would start there.
 PRINTING_SRUN = """#!/bin/bash

@@ -7,7 +7,7 @@
 launched rank measures; rank 0 writes the file). Every rank runs the same measurements at the same
 time (a barrier before each), so a rate includes the contention between the ranks that share the
 machine: four ranks on two CPU cores each reach about half of one core. Threads are training's
-(torch's setting is left alone; `torchmoe.launch` runs ranks with one thread each).
+(torch's setting is left alone; the tests' launcher runs ranks with one thread each).
 
 Compute runs at the job's shapes (``tokens = local_batch_size * seq_len``), forward + backward
 through autograd as training runs them, shrunk (`calibrate_steps.shrink`, the order given per op) only where one

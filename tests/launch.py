@@ -1,6 +1,6 @@
 """Run the CLI in a subprocess: one process or a torchrun world; read its metrics.
 
-    from torchmoe.launch import read_metrics, run_train
+    from tests.launch import read_metrics, run_train
     run_train(["--config", "configs/debug_model.toml", "--training.steps", "5"], dump_folder="outputs/t", nproc=2)
     read_metrics("outputs/t")[-1]["loss"]
 
@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from tests import fork_server
 from torchmoe.config.nesting import json_loads
 
 __all__ = ["LaunchError", "Lighthouse", "ReplicaGroup", "cli_command", "cli_env", "free_port", "metrics_by_step",
@@ -94,14 +95,19 @@ def cli_env(*, threads: int | None = 1) -> dict[str, str]:
 
 def run_cli(args: Sequence[Arg], *, nproc: int = 1, threads: int | None = 1, timeout: float | None = None,
             expect: int | None = 0) -> subprocess.CompletedProcess[str]:
-    """Run `torchmoe ARGS` (see `cli_command`, `cli_env`) and capture its output as text.
+    """Run `torchmoe ARGS` (see `cli_command`, `cli_env`) and capture its output as text. In the
+    test session one process runs as a child of the warm fork server where it can
+    (`tests.fork_server`), else in a subprocess.
 
     Args:
         expect: the exit status to require, else `LaunchError`; None accepts any.
         timeout: seconds before `subprocess.TimeoutExpired`; None waits for ever.
     """
-    proc = subprocess.run(cli_command(args, nproc=nproc), env=cli_env(threads=threads), capture_output=True,
-                          text=True, timeout=timeout)
+    argv, env = cli_command(args, nproc=nproc), cli_env(threads=threads)
+    server = fork_server.active() if nproc == 1 else None
+    proc = server.run(argv, env, timeout=timeout) if server is not None and server.serves(argv, env) else None
+    if proc is None:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     if expect is not None and proc.returncode != expect:
         raise LaunchError(proc)
     return proc
