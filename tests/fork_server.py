@@ -219,7 +219,7 @@ def _serve(sock: socket.socket) -> dict | None:
     request (with the descriptors it got in "fds")."""
     import torch  # noqa: F401 - the import every command pays, paid once here
 
-    _warm(["torchmoe.interruption"])
+    _warm(["torchmoe.distributed.interruption"])
     while True:
         got = _recv(sock, nfds=3)
         if got is None:
