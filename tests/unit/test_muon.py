@@ -6,6 +6,8 @@ expert's, MLA's projections; the Muon/AdamW split by role; the state dict.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -231,7 +233,7 @@ def test_state_dict_round_trip_continues_exactly() -> None:
     twin = _model("gpt_oss")
     twin.load_state_dict(model.state_dict())
     twin_opt = build_optimizer(twin, cfg)
-    twin_opt.load_state_dict(opt.state_dict())
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # no tensor shared with `opt`
     assert twin_opt._adamw.state is twin_opt.state
     assert [g["lr"] for g in twin_opt.param_groups] == [0.02, 1e-3, 1e-3]
     for m, o in ((model, opt), (twin, twin_opt)):

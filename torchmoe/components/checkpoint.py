@@ -88,6 +88,7 @@ from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.finite import NonFiniteValues, nonfinite_names, refuse_bad_values, require_finite
 from torchmoe.components.flavor_fit import flavor_fix, flavors_fitting, stored_mtp_layers
+from torchmoe.components.optimizer_state import refuse_other_state
 from torchmoe.components.weight_files import (
     UnreadableWeights,
     describe,
@@ -209,6 +210,10 @@ class OptimizerWrapper(Stateful):
         for part, opt in zip(self.model_parts, self.optimizers):
             sd.update(get_optimizer_state_dict(part, opt, options=self._OPTIONS))
         return sd
+
+    def check_saved_shapes(self, shapes: dict[str, torch.Size]) -> None:
+        """Refuse a checkpoint of another optimizer (`optimizer_state.refuse_other_state`)."""
+        refuse_other_state(self.state_dict(), shapes)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raises:
