@@ -243,3 +243,19 @@ def test_state_dict_round_trip_continues_exactly() -> None:
         o.step()
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_only_shards_that_split_matrices_are_gathered() -> None:
+    """FSDP's rows, TP's columns or rows and FSDP on the experts' hidden dim are gathered; a
+    shard of an expert stack's dim 0 (EP, FSDP of whole experts, strided or not) is not."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from torchmoe import _torch_private as private
+    from torchmoe.components.muon_distributed import whole_matrix_placements
+
+    strided = private.strided_shard_type()(0, split_factor=2)
+    assert whole_matrix_placements((strided, Shard(0)), 2) == (Replicate(), Replicate())
+    assert whole_matrix_placements((Replicate(), Shard(1)), 2) == (Replicate(), Replicate())
+    assert whole_matrix_placements((strided, Shard(0)), 3) == (strided, Shard(0))
+    assert whole_matrix_placements((Shard(1), Shard(0)), 3) == (Replicate(), Shard(0))
+    assert whole_matrix_placements((Shard(0), Shard(2)), 3) == (Shard(0), Replicate())
