@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+
 from torch import nn
 
 from torchmoe.config.errors import ConfigError
