@@ -113,3 +113,15 @@ def test_another_split_is_refused(tmp_path: Path) -> None:
                        r"exp_avg_sq, step\n  fix: resume with the optimizer.muon_router, muon_params and "
                        r"adamw_params the checkpoints were saved with"):
         _manager(tmp_path).load_latest(_Run(OptimizerConfig(**{**vars(MUON), "adamw_params": ["proj.*"]})).state)
+
+
+def test_a_crafted_ns_steps_is_refused() -> None:
+    """Newton-Schulz runs ns_steps iterations per matrix: a checkpoint's count outside
+    torch.optim.Muon's range (a run that would never finish its step) is refused on load."""
+    run = _Run(MUON)
+    run.step(1)
+    state = run.state["optimizer"].state_dict()
+    state["param_groups.proj.weight.ns_steps"] = 10**9
+    with pytest.raises(ValueError, match=r"^the optimizer's param_groups.proj.weight.ns_steps is 1000000000, "
+                                         r"not a whole number in 1 \.\. 99$"):
+        run.state["optimizer"].load_state_dict(state)

@@ -232,14 +232,15 @@ class OptimizerWrapper(Stateful):
             set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
 
 
-# The ranges torch's AdamW and SGD accept (they raise a ValueError in their constructor, but
-# a param group loaded later is never checked): name -> (test, what it must be).
+# The ranges torch's AdamW, SGD and Muon accept (they raise a ValueError in their constructor,
+# but a param group loaded later is never checked): name -> (test, what it must be).
 _GROUP_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lr": (lambda v: v >= 0, "a finite number >= 0"),
     "betas": (lambda v: 0 <= v < 1, "two finite numbers in [0, 1)"),
     "eps": (lambda v: v >= 0, "a finite number >= 0"),
     "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
     "momentum": (lambda v: v >= 0, "a finite number >= 0"),
+    "ns_steps": (lambda v: type(v) is int and 1 <= v < 100, "a whole number in 1 .. 99"),
 }
 
 
