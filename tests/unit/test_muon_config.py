@@ -68,3 +68,10 @@ def test_bad_muon_settings_are_one_message(key: str, value: object, message: str
     with pytest.raises(ConfigError) as err:
         validate_sections(cfg)
     assert str(err.value) == message
+
+
+def test_a_key_of_another_section_is_suggested_before_a_muon_key() -> None:
+    """`optimizer.steps` is training.steps put in the wrong section, not a misspelled ns_steps."""
+    with pytest.raises(ConfigError) as err:
+        load_job_config(["--optimizer.steps", "5"])
+    assert err.value.fix == "did you mean --training.steps?"

@@ -81,18 +81,19 @@ def _all_keys() -> list[str]:
 def _closest_key(name: str) -> str | None:
     """The valid ``section.key`` a misspelled ``name`` most likely meant, or None.
 
-    Tries, in order: a close spelling within the same section; the same key under another section
-    (``optimizer.steps`` -> ``training.steps``, or a bare ``steps``); a close spelling anywhere.
+    Tries, in order: the same key under another section (``optimizer.steps`` -> ``training.steps``,
+    not ``optimizer.ns_steps``; or a bare ``steps``); a close spelling within the same section; a
+    close spelling anywhere.
     """
     keys = _all_keys()
     section, _, leaf = name.rpartition(".")
+    for key in keys:
+        if key.rpartition(".")[2] == leaf:
+            return key
     in_section = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
     match = difflib.get_close_matches(leaf, in_section, n=1, cutoff=0.6)
     if match:
         return f"{section}.{match[0]}"
-    for key in keys:
-        if key.rpartition(".")[2] == leaf:
-            return key
     match = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
     return match[0] if match else None
 
