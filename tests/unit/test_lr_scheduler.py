@@ -145,3 +145,24 @@ def test_state_resumes_into_another_number_of_param_groups() -> None:
         resumed.step()  # to training step 6's LR, as the saved run's next step would be
         assert resumed.last_epoch == 5 and resumed.base_lrs == [0.1] * 3
         assert [g["lr"] for g in three.param_groups] == [0.1 * lr_factor(6, warmup_steps=2, total_steps=10)] * 3
+
+
+def test_resume_keeps_each_groups_peak_for_muon() -> None:
+    """Muon's groups peak at optimizer.lr, its AdamW groups at adamw_lr: a resume keeps both
+    exactly (0.02 * (1.3e-3 / 0.02) would not be 1.3e-3), and a checkpoint whose peak differs
+    from the run's scales both alike."""
+    cfg = LRSchedulerConfig(warmup_steps=2)
+    weights = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+
+    def optimizer() -> torch.optim.SGD:
+        return torch.optim.SGD([{"params": weights[:1], "lr": 0.02}, {"params": weights[1:], "lr": 1.3e-3}], lr=0.1)
+
+    saved = build_lr_scheduler(optimizer(), cfg, 10)
+    for _ in range(3):
+        saved.step()
+    resumed = build_lr_scheduler(optimizer(), cfg, 10)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.base_lrs == [0.02, 1.3e-3] and resumed.get_last_lr() == saved.get_last_lr()
+    doubled = build_lr_scheduler(optimizer(), cfg, 10)
+    doubled.load_state_dict({**saved.state_dict(), "base_lr": 0.04})
+    assert doubled.base_lrs == pytest.approx([0.04, 2.6e-3], rel=1e-15)

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchmoe.components.dcp_unpickling import SafeLoadPlanner
 from torchmoe.components.finite import refuse_bad_values
 from torchmoe.components.flavor_fit import flavor_fix, flavors_fitting, stored_mtp_layers
+from torchmoe.components.optimizer_state import refuse_other_state
 from torchmoe.components.weight_files import load_dcp, misfit, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 
@@ -150,6 +151,10 @@ class OptimizerWrapper(Stateful):
             sd.update(get_optimizer_state_dict(part, opt, options=self._OPTIONS))
         return sd
 
+    def check_saved_shapes(self, shapes: dict[str, torch.Size]) -> None:
+        """Refuse a checkpoint of another optimizer (`optimizer_state.refuse_other_state`)."""
+        refuse_other_state(self.state_dict(), shapes)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raises:
             ValueError: a hyperparameter no optimizer takes (a negative or non-finite LR, a beta
@@ -167,14 +172,15 @@ class OptimizerWrapper(Stateful):
             set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
 
 
-# The ranges torch's AdamW and SGD accept (they raise a ValueError in their constructor, but
-# a param group loaded later is never checked): name -> (test, what it must be).
+# The ranges torch's AdamW, SGD and Muon accept (they raise a ValueError in their constructor,
+# but a param group loaded later is never checked): name -> (test, what it must be).
 _GROUP_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lr": (lambda v: v >= 0, "a finite number >= 0"),
     "betas": (lambda v: 0 <= v < 1, "two finite numbers in [0, 1)"),
     "eps": (lambda v: v >= 0, "a finite number >= 0"),
     "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
     "momentum": (lambda v: v >= 0, "a finite number >= 0"),
+    "ns_steps": (lambda v: type(v) is int and 1 <= v < 100, "a whole number in 1 .. 99"),
 }
 
 

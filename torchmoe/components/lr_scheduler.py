@@ -102,8 +102,9 @@ class LayoutFreeLambdaLR(LambdaLR):
     The optimizer has one param group per (weight decay, mesh) (`optimizer.build_optimizer`), so
     their number differs between layouts (FSDP alone: 2; with expert parallelism the experts'
     mesh adds one), and LambdaLR's own state holds one base LR per group. Every group has the
-    job's peak LR, so the state is the schedule's position and that one LR, and a run resumes
-    under any layout.
+    job's peak LR (with Muon: Muon's groups optimizer.lr, AdamW's adamw_lr, in a fixed ratio), so
+    the state is the schedule's position and the first group's LR, and a run resumes under any
+    layout.
     """
 
     def state_dict(self) -> dict:
@@ -122,7 +123,10 @@ class LayoutFreeLambdaLR(LambdaLR):
                 raise ValueError(f"the LR schedule's {name} is {value!r:.40}, not a step count (an integer >= 0)")
         if type(base_lr) not in (int, float) or not (math.isfinite(base_lr) and base_lr >= 0):
             raise ValueError(f"the LR schedule's base_lr (its peak LR) is {base_lr!r:.40}, not a finite number >= 0")
-        self.base_lrs = [base_lr] * len(self.optimizer.param_groups)
+        # The saved peak is the first group's; the others keep their ratio to it (Muon's AdamW
+        # groups: adamw_lr / lr), untouched when the peak is this run's, so that they are exact.
+        if base_lr != self.base_lrs[0]:
+            self.base_lrs = [base_lr * (lr / self.base_lrs[0]) for lr in self.base_lrs]
         self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
         # The next step trains at the resumed position's LR, whatever the optimizer's groups held.
         for group, lr_lambda, lr in zip(self.optimizer.param_groups, self.lr_lambdas, self.base_lrs):

@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchmoe import _torch_private as private
+from torchmoe.components.muon import Muon
+from torchmoe.components.muon_groups import muon_split
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.nn.shards import local_shard
 
@@ -57,7 +59,8 @@ def _no_decay(name: str, param: nn.Parameter) -> bool:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """Build Adam/AdamW over the trainable parameters of `model`.
+    """Build Adam/AdamW over the trainable parameters of `model`, or Muon (`muon.Muon`: its
+    matrices per `muon_groups.muon_split`, AdamW with adamw_lr / adamw_weight_decay for the rest).
 
     Param groups: one per (decay or not, mesh); norm scales and the token embedding get no weight
     decay unless `cfg.decay_all_params` (torchtitan's behaviour). foreach and fused kernels batch all tensors of a
@@ -75,15 +78,23 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         parameters' device type or dtype has no fused kernel.
     """
     name = cfg.name.lower()
+    muon = name == "muon"
+    split = muon_split(model, cfg) if muon else {}
+    weight_decay = cfg.adamw_weight_decay if muon and cfg.adamw_weight_decay != -1 else cfg.weight_decay
+    muon_params: list[nn.Parameter] = []
     groups: dict[tuple[bool, Hashable], list[nn.Parameter]] = {}
     for pname, p in model.named_parameters():
-        if p.requires_grad:
+        if not p.requires_grad:
+            continue
+        if split.get(pname, ("adamw",))[0] == "muon":
+            muon_params.append(p)
+        else:
             no_decay = not cfg.decay_all_params and _no_decay(pname, p)
             groups.setdefault((no_decay, _mesh_key(p)), []).append(p)
-    if not groups:
+    if not groups and not muon_params:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     param_groups = [
-        {"params": params, "weight_decay": 0.0 if no_decay else cfg.weight_decay}
+        {"params": params, "weight_decay": 0.0 if no_decay else weight_decay}
         for (no_decay, _), params in groups.items()
     ]
     params = [p for g in param_groups for p in g["params"]]
@@ -104,15 +115,27 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         foreach=implementation == "foreach",
         fused=implementation == "fused",
     )
-    cls = _OPTIMIZERS[name]
+    build = functools.partial(_build_muon, muon_params, cfg) if muon else _OPTIMIZERS[name]
     try:
-        return cls(param_groups, **kwargs)
+        return build(param_groups, **kwargs)
     except RuntimeError as e:
         if implementation != "fused":
             raise
-        logger.warning("fused %s failed to build (%s); using 'foreach' instead", cls.__name__, e)
+        logger.warning("fused %s failed to build (%s); using 'foreach' instead", cfg.name, e)
         kwargs.update(foreach=True, fused=False)
-        return cls(param_groups, **kwargs)
+        return build(param_groups, **kwargs)
+
+
+def _build_muon(muon_params: list[nn.Parameter], cfg: OptimizerConfig, adamw_groups: list[dict],
+                **adamw: object) -> Muon:
+    """Muon over `muon_params` (one group), torch's AdamW (`adamw` kwargs, lr = adamw_lr) over
+    `adamw_groups`. Muon's per-parameter loop takes any mix of meshes, so it needs one group."""
+    adamw["lr"] = cfg.adamw_lr if cfg.adamw_lr != -1 else cfg.lr
+    groups = [{"params": muon_params, "algorithm": "muon"}] if muon_params else []
+    groups += [{**g, "algorithm": "adamw"} for g in adamw_groups]
+    return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                ns_coefficients=tuple(cfg.ns_coefficients), eps=cfg.ns_eps, ns_steps=cfg.ns_steps,
+                adjust_lr_fn=cfg.adjust_lr, ns_dtype=cfg.ns_dtype, adamw=adamw)
 
 
 def _fused_supported(params: list[nn.Parameter]) -> bool:

@@ -59,21 +59,45 @@ class Model:
 @dataclass
 class Optimizer:
     name: str = "AdamW"
-    """Optimizer: 'AdamW' or 'Adam'."""
+    """Optimizer: 'AdamW', 'Adam', or 'Muon' (docs/muon.md: Muon for the hidden matrices, AdamW with beta1, beta2, eps, adamw_lr and adamw_weight_decay for the rest)."""
     lr: float = 8e-4
-    """Peak learning rate."""
+    """Peak learning rate (with Muon: Muon's, scaled per matrix by adjust_lr)."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (with Muon: of the AdamW parameters)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay; norms, biases and embeddings are excluded."""
+    """Decoupled weight decay; norms, biases and embeddings are excluded (with Muon: Muon's, applied as p *= 1 - lr * weight_decay, torch.optim.Muon's default 0.1)."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """Adam beta1 (with Muon: of the AdamW parameters)."""
     beta2: float = 0.95
-    """Adam beta2."""
+    """Adam beta2 (with Muon: of the AdamW parameters)."""
     implementation: str = "fused"
     """'fused' (one kernel per parameter group; on CPU 5x faster than foreach), 'foreach' or 'for-loop'; fused falls back to foreach, with a warning, where the device type has no fused kernel."""
     decay_all_params: bool = False
     """Apply weight_decay to every parameter, as torchtitan does; false exempts norm scales and the token embedding."""
+    momentum: float = 0.95
+    """Muon: momentum of the momentum buffer (torch.optim.Muon's momentum)."""
+    nesterov: bool = True
+    """Muon: orthogonalise the Nesterov update lerp(grad, buffer, momentum) instead of the buffer (torch.optim.Muon's nesterov)."""
+    ns_steps: int = 5
+    """Muon: Newton-Schulz iterations per step (torch.optim.Muon's ns_steps, 1 to 99)."""
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    """Muon: the quintic Newton-Schulz coefficients (a, b, c) (torch.optim.Muon's ns_coefficients)."""
+    ns_eps: float = 1e-7
+    """Muon: the Newton-Schulz input is divided by max(its Frobenius norm, ns_eps) (torch.optim.Muon's eps; optimizer.eps is AdamW's)."""
+    ns_dtype: str = "bfloat16"
+    """Muon: dtype of the Newton-Schulz iterations: 'bfloat16' (torch.optim.Muon's) or 'float32' (slower; the step no longer amplifies the ~1e-7 differences between layouts' gradients, for exact layout parity)."""
+    adjust_lr: str = "original"
+    """Muon: the per-matrix LR scale of an (out, in) matrix (torch.optim.Muon's adjust_lr_fn): 'original' (sqrt(max(1, out / in)), Keller Jordan's) or 'match_rms_adamw' (0.2 * sqrt(max(out, in)), Moonshot's: Muon then takes AdamW's lr and weight_decay)."""
+    muon_router: bool = False
+    """Muon: optimize the MoE routers' gate matrices with Muon; false leaves them to AdamW."""
+    muon_params: list[str] = field(default_factory=list)
+    """Muon: glob patterns of parameter names (e.g. "layers.*.moe.router.gate.weight") optimized by Muon whatever their role; each must be a matrix or a stack of routed experts' matrices."""
+    adamw_params: list[str] = field(default_factory=list)
+    """Muon: glob patterns of parameter names (e.g. "layers.0.*") left to AdamW whatever their role."""
+    adamw_lr: float = -1.0
+    """Muon: peak learning rate of the AdamW parameters; -1 = optimizer.lr."""
+    adamw_weight_decay: float = -1.0
+    """Muon: decoupled weight decay of the AdamW parameters (norms, biases and embeddings excluded unless decay_all_params); -1 = optimizer.weight_decay."""
 
 
 @dataclass

@@ -54,6 +54,7 @@ _EXPECTED_TOML = {
     float: "a number",
     str: "a string (in double quotes)",
     list[str]: 'a list of strings, e.g. ["output", "router"]',
+    list[float]: "a list of numbers, e.g. [3.4445, -4.775, 2.0315]",
     list[list[str]]: 'a list of lists of strings, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]',
 }
 
@@ -80,18 +81,19 @@ def _all_keys() -> list[str]:
 def _closest_key(name: str) -> str | None:
     """The valid ``section.key`` a misspelled ``name`` most likely meant, or None.
 
-    Tries, in order: a close spelling within the same section; the same key under another section
-    (``optimizer.steps`` -> ``training.steps``, or a bare ``steps``); a close spelling anywhere.
+    Tries, in order: the same key under another section (``optimizer.steps`` -> ``training.steps``,
+    not ``optimizer.ns_steps``; or a bare ``steps``); a close spelling within the same section; a
+    close spelling anywhere.
     """
     keys = _all_keys()
     section, _, leaf = name.rpartition(".")
+    for key in keys:
+        if key.rpartition(".")[2] == leaf:
+            return key
     in_section = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
     match = difflib.get_close_matches(leaf, in_section, n=1, cutoff=0.6)
     if match:
         return f"{section}.{match[0]}"
-    for key in keys:
-        if key.rpartition(".")[2] == leaf:
-            return key
     match = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
     return match[0] if match else None
 
@@ -107,6 +109,8 @@ def _toml_value(key: str, value: Any, typ: Any) -> Any:
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
         str: isinstance(value, str),
         list[str]: isinstance(value, list) and all(isinstance(v, str) for v in value),
+        list[float]: isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                     for v in value),
         list[list[str]]: isinstance(value, list) and all(
             isinstance(v, list) and all(isinstance(x, str) for x in v) for v in value),
     }[typ]
@@ -123,12 +127,12 @@ def _toml_value(key: str, value: Any, typ: Any) -> Any:
         raise ConfigError(key, value, f"expected {_EXPECTED_TOML[typ]}, got {type(value).__name__}", fix)
     texts = [value] if isinstance(value, str) else [x for v in value for x in (v if isinstance(v, list) else [v])] \
         if isinstance(value, list) else []
-    if any("\x00" in text for text in texts):  # the OS refuses it in any path, Python with a ValueError
+    if any(isinstance(text, str) and "\x00" in text for text in texts):  # the OS refuses it in any path, Python with a ValueError
         raise ConfigError(key, value, "holds a NUL byte (\\u0000), which no path, name or text setting can contain",
                           f"remove it from {key.rpartition('.')[2]}")
     if key in _PATHS_INSIDE:
         _refuse_invisible(key, value, texts)
-    return float(value) if typ is float else value
+    return float(value) if typ is float else [float(v) for v in value] if typ == list[float] else value
 
 
 # The keys whose values are or hold paths (a mixture's entries end in one).
@@ -378,6 +382,13 @@ def _parse_override(flag: str, name: str, typ: Any, values: list[str]) -> Any:
         return [item.strip() for v in values for item in v.split(",") if item.strip()]
     if typ == list[list[str]]:  # one value per inner list, its items comma-separated
         return [[item.strip() for item in v.split(",") if item.strip()] for v in values]
+    if typ == list[float]:  # several values, or one comma-separated
+        items = [item.strip() for v in values for item in v.split(",") if item.strip()]
+        try:
+            return [float(item) for item in items]
+        except ValueError:
+            raise ConfigError(flag, " ".join(values), "expected numbers",
+                              f"pass numbers, e.g. --{name} 3.4445 -4.775 2.0315") from None
     if typ is bool and not values:  # a bare boolean flag means true
         return True
     if len(values) != 1:

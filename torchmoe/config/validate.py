@@ -37,7 +37,9 @@ from torchmoe.config.job_config import (
 from torchmoe.config.numbers import INT64_MAX, INT64_MIN
 from torchmoe.config.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, nonempty_path
 
-OPTIMIZERS = ("AdamW", "Adam")
+OPTIMIZERS = ("AdamW", "Adam", "Muon")
+MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
+NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 DECAY_TYPES = ("linear", "sqrt", "cosine")
 DATASETS = ("python_docs", "local", "tokens", "hf", "c4", "c4_test", "c4_validation")
@@ -161,6 +163,33 @@ def validate_optimizer(optimizer: Optimizer) -> None:
         if not 0.0 <= beta < 1.0:
             raise ConfigError(key, beta, "must lie in [0, 1)", "typical values are beta1 = 0.9, beta2 = 0.95")
     one_of("optimizer.implementation", optimizer.implementation, OPTIMIZER_IMPLEMENTATIONS)
+    if optimizer.name == "Muon":
+        _validate_muon(optimizer)
+
+
+def _validate_muon(optimizer: Optimizer) -> None:
+    """The Muon keys (the ranges torch.optim.Muon accepts) and the AdamW twins of lr and weight_decay."""
+    _at_least("optimizer.momentum", optimizer.momentum, 0, "typical: 0.95 (torch.optim.Muon's default)")
+    if not 1 <= optimizer.ns_steps < 100:
+        raise ConfigError("optimizer.ns_steps", optimizer.ns_steps, "must lie in 1 .. 99 (torch.optim.Muon's range)",
+                          "use 5, torch.optim.Muon's default")
+    coefficients = optimizer.ns_coefficients
+    if len(coefficients) != 3 or not all(math.isfinite(c) for c in coefficients):
+        raise ConfigError("optimizer.ns_coefficients", coefficients, "must be three finite numbers (a, b, c)",
+                          "use [3.4445, -4.775, 2.0315], torch.optim.Muon's default")
+    _positive("optimizer.ns_eps", optimizer.ns_eps)
+    one_of("optimizer.ns_dtype", optimizer.ns_dtype, NS_DTYPES)
+    one_of("optimizer.adjust_lr", optimizer.adjust_lr, MUON_ADJUST_LR)
+    if optimizer.adamw_lr != -1:
+        _positive("optimizer.adamw_lr", optimizer.adamw_lr)
+    if optimizer.adamw_weight_decay != -1:
+        _at_least("optimizer.adamw_weight_decay", optimizer.adamw_weight_decay, 0,
+                  "use 0 to disable, or -1 for optimizer.weight_decay")
+    for key in ("optimizer.muon_params", "optimizer.adamw_params"):
+        for pattern in getattr(optimizer, key.rpartition(".")[2]):
+            if not pattern.strip():
+                raise ConfigError(key, pattern, "is an empty pattern", "remove it, or name parameters, e.g. "
+                                  '"layers.*.moe.router.gate.weight"')
 
 
 def validate_lr_scheduler(sched: LRScheduler) -> None:
