@@ -193,7 +193,8 @@ def test_lora_section_refuses_bad_values():
         'lora.targets = "atention": not an allowed value\n  fix: did you mean "attention"? Allowed: "attention", '
         '"mlp", "shared_experts", "experts", "router"')
     assert _error(targets=[]).startswith("lora.targets = []: names nothing to adapt")
-    assert _error(targets=["mlp", "mlp"]) == "lora.targets = [\"mlp\", \"mlp\"]: names a target twice\n  fix: list each target once"
+    assert _error(targets=["mlp", "mlp"]) == ('lora.targets = ["mlp", "mlp"]: names a target twice\n'
+                                              "  fix: list each target once")
     assert _error(rank=0) == "lora.rank = 0: must be an integer >= 1\n  fix: set a rank such as 16"
     assert _error(alpha=0.0).startswith("lora.alpha = 0.0: must be a finite number > 0")
     assert _error(dropout=1.0).startswith("lora.dropout = 1.0: must lie in [0, 1)")
@@ -208,3 +209,22 @@ def test_lora_section_refuses_bad_values():
     with pytest.raises(ConfigError, match="^parallelism.tensor_parallel_degree = 2: tensor parallel does not shard "
                                           "LoRA adapters yet"):
         validate_sections(cfg)
+
+
+def test_preflight_refuses_what_a_lora_run_cannot_do():
+    """The dry run refuses an adapter export of a family without a PEFT mapping (Llama 4, the
+    debug config's), and a LoRA training run, which the trainer does not build yet."""
+    from pathlib import Path
+
+    from torchmoe.config import load_job_config
+    from torchmoe.preflight import validate_job_config
+
+    debug = str(Path(__file__).resolve().parents[2] / "configs" / "debug_model.toml")
+    cfg = load_job_config(["--config", debug, "--lora.enable", "true"])
+    with pytest.raises(ConfigError) as e:
+        validate_job_config(cfg, 1, check_device=False)
+    assert str(e.value) == ('lora.export = "adapter": torchmoe has no PEFT mapping for Llama 4\n  fix: set '
+                            'lora.export = "merged" (the model with each adapter folded into its weight)')
+    cfg.lora.export = "merged"
+    with pytest.raises(ConfigError, match=r"^lora.enable = true: torchmoe train does not build adapters yet"):
+        validate_job_config(cfg, 1, check_device=False)

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from torchmoe.config.job_config import Float8
-from torchmoe.plan.float8 import float8_linear_eligible, selected_by
 from torchmoe.nn.lora import has_adapter
+from torchmoe.plan.float8 import float8_linear_eligible, selected_by
 
 # torch._scaled_grouped_mm's CUDA kernels exist for these compute capabilities (major, minor or None: any).
 _GROUPED_CAPABILITIES = ((9, 0), (10, None))

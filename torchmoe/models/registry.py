@@ -21,8 +21,8 @@ from torchmoe.models.deepseek_v3 import hf as deepseek_v3_hf
 from torchmoe.models.gpt_oss import hf as gpt_oss_hf
 from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, show_json
 from torchmoe.models.hf_slices import HFSlice
-from torchmoe.models.peft_targets import PeftTarget
 from torchmoe.models.llama4 import hf as llama4_hf
+from torchmoe.models.peft_targets import PeftTarget
 from torchmoe.models.qwen3 import hf as qwen3_hf
 
 __all__ = ["HFMapping", "family_titles", "hf_mapping", "hf_mapping_for_config", "hf_slices"]

@@ -7,7 +7,8 @@ routed experts stored as stacked weights, run by one grouped GEMM per projection
 The per-expert loop (``use_grouped_mm = False``) is kept as the reference the grouped path is
 tested against. Experts given LoRA adapters (`nn.lora.add_expert_adapters`) add each adapter to
 its projection's output, by the same grouped GEMMs in high precision (never float8: the rank is
-small, and the adapters are what trains). Which tokens reach which expert is the router's and the dispatcher's (`nn.dispatch`).
+small, and the adapters are what trains). Which tokens reach which expert is the router's and the
+dispatcher's (`nn.dispatch`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ from torch import nn
 from torchmoe.nn.init import Constant, ParamInit, Uniform
 
 __all__ = ["ADAPTER_PREFIX", "add_expert_adapters", "add_linear_adapter", "adapter_param_inits", "freeze_base",
-           "grouped_lora", "has_adapter", "is_adapter_name", "linear_delta", "trainable_parameters"]
+           "expert_delta", "grouped_lora", "has_adapter", "is_adapter_name", "linear_delta",
+           "trainable_parameters"]
 
 ADAPTER_PREFIX = "lora_"
 # torch.compile's module wrapper puts its module under this name (activation checkpointing's

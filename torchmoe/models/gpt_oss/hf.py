@@ -45,8 +45,8 @@ from torchmoe.models.hf_config_spec import (
     rope_or_yarn,
     with_reference_defaults,
 )
-from torchmoe.models.peft_targets import PeftTarget, peft_target_for
 from torchmoe.models.hf_slices import HFSlice
+from torchmoe.models.peft_targets import PeftTarget, peft_target_for
 
 __all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slice", "peft_target", "text_tensor_name"]
 
