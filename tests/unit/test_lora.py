@@ -178,6 +178,71 @@ def test_gpt_oss_experts_adapt_the_interleaved_gate_up_rows():
     assert experts.lora_w13_b.shape == (ARGS.num_experts, 2 * GPT_OSS["tiny"].moe_hidden_dim, 2)
 
 
+
+def test_compiled_adapted_blocks_have_no_graph_break_and_match_eager():
+    """Every block compiled whole (fullgraph, aot_eager: dynamo and AOT autograd, no code
+    generation) with its adapters' hooks and grouped GEMMs: no graph break, eager's loss and
+    adapter gradients."""
+    from torch._dynamo.utils import counters
+
+    from torchmoe.config.job_config import Compile
+    from torchmoe.distributed.compile import DynamoCounts, apply_compile
+
+    torch._dynamo.reset()
+    tokens = _tokens()
+
+    def step(model):
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+        loss.backward()
+        return loss.detach(), {n.replace("._orig_mod", ""): p.grad for n, p in model.named_parameters()
+                               if p.grad is not None}
+
+    eager = _model()
+    _randomize_adapters(eager)
+    ref_loss, ref_grads = step(eager)
+    model = _model()
+    _randomize_adapters(model)
+    apply_compile(model, Compile(enable=True, backend="aot_eager"), fullgraph=True)
+    before = DynamoCounts.now()
+    loss, grads = step(model)
+    assert DynamoCounts.now().since(before) == DynamoCounts(graphs=2, graph_breaks=0), dict(counters["graph_break"])
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert grads.keys() == ref_grads.keys() and all(is_adapter_name(n) for n in grads)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_float8_keeps_adapted_linears_and_runs_expert_adapters_in_high_precision():
+    """The float8 linear swap (which would drop a linear's adapters) leaves adapted linears as
+    they are; float8 routed experts run only their own three GEMMs in float8, the adapters' in
+    high precision (a stand-in for torchao's kernel computes the same product here)."""
+    pytest.importorskip("torchao.float8")
+    from torchmoe.config.job_config import Float8
+    from torchmoe.distributed.float8 import convert_float8_linears
+
+    model = _model(targets=["attention", "experts"])
+    _randomize_adapters(model)
+    converted = convert_float8_linears(model, Float8(enable=True, emulate=True))
+    assert converted == ["layers.0.feed_forward.w1", "layers.0.feed_forward.w2", "layers.0.feed_forward.w3",
+                         "layers.1.moe.shared_experts.w1", "layers.1.moe.shared_experts.w2",
+                         "layers.1.moe.shared_experts.w3"]
+    assert type(model.layers["0"].attention.wq_a) is torch.nn.Linear and model.layers["0"].attention.wq_a.lora_a.numel()
+    experts = model.layers["1"].moe.experts
+    x, counts = _routed(ARGS.num_experts, ARGS.dim, seed=3)
+    with torch.no_grad():
+        reference = experts(x, counts)
+        calls = []
+
+        def float8_stand_in(rows, w, offsets):
+            calls.append(tuple(w.shape))
+            return experts._high_precision_mm(rows, w, counts, offsets)
+
+        experts.float8_grouped_mm = float8_stand_in
+        got = experts(x, counts)
+    e, hidden, dim = ARGS.num_experts, ARGS.moe_hidden_dim, ARGS.dim
+    assert calls == [(e, hidden, dim), (e, hidden, dim), (e, dim, hidden)]  # w1, w3, w2: not the adapters
+    assert torch.equal(got[:int(counts.sum())], reference[:int(counts.sum())])
+
 # ---- the lora section ---------------------------------------------------------------------------
 
 def _error(**lora) -> str:
