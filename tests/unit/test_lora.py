@@ -172,10 +172,13 @@ def test_grouped_expert_adapters_equal_a_per_expert_loop(style):
 
 
 def test_gpt_oss_experts_adapt_the_interleaved_gate_up_rows():
-    model = Transformer(GPT_OSS["tiny"])
+    """gpt-oss's w13 holds gate and up rows interleaved: its adapter's B covers all of them."""
+    args = GPT_OSS["tiny"]
+    model = Transformer(args)
     apply_lora(model, LoRA(enable=True, targets=["experts"], rank=2, alpha=2.0))
     experts = model.layers["0"].moe.experts
-    assert experts.lora_w13_b.shape == (ARGS.num_experts, 2 * GPT_OSS["tiny"].moe_hidden_dim, 2)
+    assert experts.lora_w13_b.shape == (args.num_experts, 2 * args.moe_hidden_dim, 2)
+    assert experts.lora_w2_a.shape == (args.num_experts, 2, args.moe_hidden_dim)
 
 
 
