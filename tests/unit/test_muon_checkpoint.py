@@ -13,7 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchmoe.components.checkpoint import CheckpointManager, ModelWrapper, OptimizerWrapper
+from torchmoe.components.checkpoint import CheckpointManager
+from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.optimizer import build_optimizer
 from torchmoe.config.errors import ConfigError

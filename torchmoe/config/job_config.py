@@ -277,6 +277,24 @@ class Float8:
 
 
 @dataclass
+class LoRA:
+    enable: bool = False
+    """Train low-rank adapters (LoRA) on the targets below instead of the whole model: every other parameter is frozen (no gradient, no optimizer state)."""
+    targets: list[str] = field(default_factory=lambda: ["attention", "experts"])
+    """What gets adapters, from "attention" (every projection, MLA's included), "mlp" (dense layers), "shared_experts", "experts" (the routed experts: one pair per expert) and "router" (the gate)."""
+    rank: int = 16
+    """r: the adapters' rank."""
+    alpha: float = 32.0
+    """The adapters' output is scaled by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input while training (PEFT's lora_dropout); PEFT's routed-expert and router adapters take none."""
+    adapter: str = ""
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, of this rank, alpha and these targets) whose adapters the run starts from instead of PEFT's init: to continue training an adapter."""
+    export: str = "adapter"
+    """What a Hugging Face export writes: "adapter" (adapter_config.json + adapter_model.safetensors, which peft.PeftModel.from_pretrained loads onto the transformers model) or "merged" (the model with W + alpha / rank * B @ A)."""
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = 300
     """Timeout of collectives until the first training step ends (process-group setup, opening the data: rank 0 indexes a new corpus while the others wait; checkpoint or weight loading, the first step's compile), and of the first validation (its forward compiles anew)."""
@@ -408,6 +426,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    lora: LoRA = field(default_factory=LoRA)
     comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)

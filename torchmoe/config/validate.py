@@ -25,6 +25,7 @@ from torchmoe.config.job_config import (
     Float8,
     Job,
     JobConfig,
+    LoRA,
     LRScheduler,
     Metrics,
     Model,
@@ -59,6 +60,10 @@ CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
 COMPILE_COMPONENTS = ("model", "loss")
 AC_MODES = ("none", "selective", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+LORA_TARGETS = ("attention", "mlp", "shared_experts", "experts", "router")
+LORA_EXPORTS = ("adapter", "merged")
+# Targets whose PEFT form is a parameter adapter (`target_parameters`), which takes no dropout.
+LORA_PARAMETER_TARGETS = ("experts", "router")
 FT_PROCESS_GROUPS = ("gloo", "nccl")
 SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")
 GRADIENT_AVERAGES = ("auto", "backward", "after_backward")
@@ -356,6 +361,33 @@ def validate_float8(float8: Float8) -> None:
                           "set enable_fsdp_float8_all_gather = false or recipe_name = \"tensorwise\"")
 
 
+def validate_lora(lora: LoRA, parallelism: Parallelism) -> None:
+    if not lora.enable:
+        return
+    if not lora.targets:
+        raise ConfigError("lora.targets", lora.targets, "names nothing to adapt",
+                          f"list one or more of {', '.join(show_value(t) for t in LORA_TARGETS)}")
+    for target in lora.targets:
+        one_of("lora.targets", target, LORA_TARGETS)
+    if len(set(lora.targets)) != len(lora.targets):
+        raise ConfigError("lora.targets", lora.targets, "names a target twice", "list each target once")
+    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 1:
+        raise ConfigError("lora.rank", lora.rank, "must be an integer >= 1", "set a rank such as 16")
+    _positive("lora.alpha", lora.alpha)
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError("lora.dropout", lora.dropout, "must lie in [0, 1)", "set a value such as 0.05, or 0")
+    one_of("lora.export", lora.export, LORA_EXPORTS)
+    parameter_targets = [t for t in lora.targets if t in LORA_PARAMETER_TARGETS]
+    if lora.dropout and lora.export == "adapter" and parameter_targets:
+        raise ConfigError("lora.dropout", lora.dropout, f"PEFT's adapters on {' and '.join(parameter_targets)} "
+                          "(target_parameters) take no dropout, so the adapter export could not say how they "
+                          "trained", 'set lora.dropout = 0, or lora.export = "merged"')
+    if parallelism.tensor_parallel_degree > 1:
+        raise ConfigError("parallelism.tensor_parallel_degree", parallelism.tensor_parallel_degree,
+                          "tensor parallel does not shard LoRA adapters yet",
+                          "set tensor_parallel_degree = 1 with lora.enable (use FSDP, EP, PP or CP)")
+
+
 def validate_fault_tolerance(ft: FaultTolerance) -> None:
     """The `[fault_tolerance]` keys among themselves (torchtitan's files set them with enable
     false too, so the names and ranges are checked either way); the layout's side is the
@@ -450,6 +482,7 @@ def validate_sections(cfg: JobConfig) -> None:
     validate_activation_checkpoint(cfg.activation_checkpoint)
     validate_compile(cfg.compile)
     validate_float8(cfg.float8)
+    validate_lora(cfg.lora, cfg.parallelism)
     validate_metrics(cfg.metrics)
     validate_profiling(cfg.profiling, cfg.training.steps)
     validate_validation(cfg.validation)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from torchmoe.config.job_config import Float8
+from torchmoe.nn.lora import has_adapter
 from torchmoe.plan.float8 import float8_linear_eligible, selected_by
 
 # torch._scaled_grouped_mm's CUDA kernels exist for these compute capabilities (major, minor or None: any).
@@ -113,7 +114,8 @@ def convert_float8_linears(model: nn.Module, cfg: Float8) -> list[str]:
     converted: list[str] = []
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        if isinstance(module, nn.Linear) and float8_linear_eligible(fqn, module.out_features, module.in_features,
+        # A linear with LoRA adapters stays high precision: the swap would drop its adapters.
+        if isinstance(module, nn.Linear) and not has_adapter(module) and float8_linear_eligible(fqn, module.out_features, module.in_features,
                                                                     cfg.filter_fqns):
             converted.append(fqn)
             return True

@@ -22,6 +22,7 @@ from torchmoe.models.gpt_oss import hf as gpt_oss_hf
 from torchmoe.models.hf_config_spec import HFConfigValueError, HFConversionError, show_json
 from torchmoe.models.hf_slices import HFSlice
 from torchmoe.models.llama4 import hf as llama4_hf
+from torchmoe.models.peft_targets import PeftTarget
 from torchmoe.models.qwen3 import hf as qwen3_hf
 
 __all__ = ["HFMapping", "family_titles", "hf_mapping", "hf_mapping_for_config", "hf_slices"]
@@ -46,6 +47,9 @@ class HFMapping:
             embedding and the head): written on save, not read on load.
         read_architectures: config.json ``architectures`` of the family's releases besides
             `architecture` (Llama 4's multimodal class).
+        peft_target: (our adapted weight or routed-expert adapter, shape) -> where PEFT adapts
+            it on the transformers model (`models.peft_targets`); None where torchmoe has no
+            PEFT mapping for the family (Llama 4).
     """
 
     title: str
@@ -57,6 +61,7 @@ class HFMapping:
     text_tensor_name: Callable[[str, ModelArgs], str | None]
     hf_copies: Callable[[ModelArgs], list[tuple[str, HFSlice]]] = lambda args: []
     read_architectures: tuple[str, ...] = ()
+    peft_target: Callable[[str, Sequence[int]], PeftTarget] | None = None
 
 
 _MAPPINGS: dict[str, HFMapping] = {
@@ -64,12 +69,15 @@ _MAPPINGS: dict[str, HFMapping] = {
                         llama4_hf.hf_config_from_args, llama4_hf.hf_slice, llama4_hf.text_tensor_name,
                         read_architectures=("Llama4ForConditionalGeneration",)),
     "qwen3": HFMapping("Qwen3-MoE", "Qwen3MoeForCausalLM", qwen3_hf.MODEL_TYPES, qwen3_hf.args_from_hf_config,
-                       qwen3_hf.hf_config_from_args, qwen3_hf.hf_slice, qwen3_hf.text_tensor_name),
+                       qwen3_hf.hf_config_from_args, qwen3_hf.hf_slice, qwen3_hf.text_tensor_name,
+                       peft_target=qwen3_hf.peft_target),
     "deepseek_v3": HFMapping("DeepSeek-V3", "DeepseekV3ForCausalLM", deepseek_v3_hf.MODEL_TYPES,
                              deepseek_v3_hf.args_from_hf_config, deepseek_v3_hf.hf_config_from_args,
-                             deepseek_v3_hf.hf_slice, deepseek_v3_hf.text_tensor_name, deepseek_v3_hf.hf_copies),
+                             deepseek_v3_hf.hf_slice, deepseek_v3_hf.text_tensor_name, deepseek_v3_hf.hf_copies,
+                             peft_target=deepseek_v3_hf.peft_target),
     "gpt_oss": HFMapping("gpt-oss", "GptOssForCausalLM", gpt_oss_hf.MODEL_TYPES, gpt_oss_hf.args_from_hf_config,
-                         gpt_oss_hf.hf_config_from_args, gpt_oss_hf.hf_slice, gpt_oss_hf.text_tensor_name),
+                         gpt_oss_hf.hf_config_from_args, gpt_oss_hf.hf_slice, gpt_oss_hf.text_tensor_name,
+                         peft_target=gpt_oss_hf.peft_target),
 }
 
 

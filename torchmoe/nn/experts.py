@@ -5,7 +5,10 @@ routed experts stored as stacked weights, run by one grouped GEMM per projection
     python -m pytest -q tests/unit/test_moe.py
 
 The per-expert loop (``use_grouped_mm = False``) is kept as the reference the grouped path is
-tested against. Which tokens reach which expert is the router's and the dispatcher's (`nn.dispatch`).
+tested against. Experts given LoRA adapters (`nn.lora.add_expert_adapters`) add each adapter to
+its projection's output, by the same grouped GEMMs in high precision (never float8: the rank is
+small, and the adapters are what trains). Which tokens reach which expert is the router's and the
+dispatcher's (`nn.dispatch`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from torchmoe import _torch_private as private
 from torchmoe.nn.init import ParamInit, TruncNormal
+from torchmoe.nn.lora import ADAPTER_PREFIX, grouped_lora
 from torchmoe.nn.moe_ops import grouped_mm
 from torchmoe.nn.profiler_regions import region
 from torchmoe.nn.shards import local_shard
@@ -60,9 +64,12 @@ class RoutedExperts(nn.Module):
     expert-major by one grouped GEMM per projection (or the per-expert reference loop).
 
     `tp_dims`: parameter name -> the dim MoE tensor parallel shards (`ExpertTensorParallel`).
+    `lora_projections`: adapter name -> the weights whose rows its output covers, in order (as
+    Hugging Face fuses them: one adapter on the fused gate/up projection, A shared by both).
     """
 
     tp_dims: dict[str, int] = {}
+    lora_projections: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, num_experts: int, use_grouped_mm: bool) -> None:
         super().__init__()
@@ -71,6 +78,21 @@ class RoutedExperts(nn.Module):
         # Set by `distributed.float8.convert_float8_experts`: (rows, w, offsets) -> rows @ w[e].T
         # per expert block, in float8.
         self.float8_grouped_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Set by `nn.lora.add_expert_adapters` (with its parameters): adapters are on.
+        self.lora_scaling: float | None = None
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each adapter's (out, in): the rows of its weights together, and their columns."""
+        return {proj: (sum(getattr(self, w).shape[1] for w in weights), getattr(self, weights[0]).shape[2])
+                for proj, weights in self.lora_projections.items()}
+
+    def _adapter(self, proj: str, x: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+        """Adapter `proj` on x (rows, in) sorted expert-major -> (rows, out), or None without adapters."""
+        if self.lora_scaling is None:
+            return None
+        a, b = (local_shard(getattr(self, f"{ADAPTER_PREFIX}{proj}_{side}")) for side in "ab")
+        x, a, b = _in_compute_dtype(x, a, b)
+        return grouped_lora(x, a, b, self.lora_scaling, self.lora_dropout, self._high_precision_mm, counts, offsets)
 
     def _mm(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``rows @ w[e].T`` for each expert's block of rows: one grouped GEMM (float8 when
@@ -80,6 +102,11 @@ class RoutedExperts(nn.Module):
         offsets: (E,) int32 block ends -> (R, N); rows past the last block are unspecified."""
         if self.float8_grouped_mm is not None:
             return self.float8_grouped_mm(rows, w, offsets)
+        return self._high_precision_mm(rows, w, counts, offsets)
+
+    def _high_precision_mm(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                           offsets: torch.Tensor) -> torch.Tensor:
+        """`_mm` without float8: rows (R, K), w (E, N, K) -> (R, N)."""
         if not self.use_grouped_mm:
             out = rows.new_zeros(rows.shape[0], w.shape[1])
             start = 0
@@ -101,6 +128,7 @@ class GroupedExperts(RoutedExperts):
     """
 
     tp_dims = {"w1": 1, "w2": 2, "w3": 1}
+    lora_projections = {"w13": ("w1", "w3"), "w2": ("w2",)}
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool) -> None:
         super().__init__(num_experts, use_grouped_mm)
@@ -123,8 +151,13 @@ class GroupedExperts(RoutedExperts):
             x, w1, w2, w3 = _in_compute_dtype(x, *(local_shard(w) for w in (self.w1, self.w2, self.w3)))
             counts = num_tokens_per_expert
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert
-            h = F.silu(self._mm(x, w1, counts, offsets)) * self._mm(x, w3, counts, offsets)  # (rows, hidden)
-            return self._mm(h, w2, counts, offsets)  # (rows, dim)
+            gate, up = self._mm(x, w1, counts, offsets), self._mm(x, w3, counts, offsets)  # (rows, hidden)
+            if (delta := self._adapter("w13", x, counts, offsets)) is not None:  # (rows, 2 * hidden)
+                gate, up = gate + delta[:, :gate.shape[1]], up + delta[:, gate.shape[1]:]
+            h = F.silu(gate) * up
+            out = self._mm(h, w2, counts, offsets)  # (rows, dim)
+            delta = self._adapter("w2", h, counts, offsets)
+            return out if delta is None else out + delta
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"w1": TruncNormal(0.02), "w2": TruncNormal(init_std), "w3": TruncNormal(init_std)}
@@ -146,6 +179,7 @@ class ClampedSwiGLUExperts(RoutedExperts):
     """
 
     tp_dims = {"w13": 1, "b13": 1, "w2": 2, "b2": 1}
+    lora_projections = {"w13": ("w13",), "w2": ("w2",)}
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool, *, limit: float,
                  alpha: float) -> None:
@@ -167,9 +201,13 @@ class ClampedSwiGLUExperts(RoutedExperts):
             rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
             expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=counts.shape[0] - 1)
             h = self._mm(x, w13, counts, offsets) + b13[expert]  # (rows, 2 * hidden)
+            if (delta := self._adapter("w13", x, counts, offsets)) is not None:
+                h = h + delta
             gate, up = h[:, 0::2].clamp(max=self.limit), h[:, 1::2].clamp(-self.limit, self.limit)
             act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # (rows, hidden)
-            return self._mm(act, w2, counts, offsets) + b2[expert]
+            out = self._mm(act, w2, counts, offsets) + b2[expert]
+            delta = self._adapter("w2", act, counts, offsets)
+            return out if delta is None else out + delta
 
     def _down_bias(self) -> torch.Tensor:
         """This rank's (E_local, dim) share of b2: its own columns, zero elsewhere (all of b2 on

@@ -4,7 +4,7 @@ full weights, bit for bit in fp32, on CPU or CUDA.
     python -c "import torch; from torchmoe.models.llama4 import FLAVORS, Transformer; \\
         m = Transformer(FLAVORS['tiny']); m.init_weights(seed=0); print(m.output.weight.std())"
 
-A model declares per parameter how its values are drawn (`TruncNormal`, `Normal`, `Constant`),
+A model declares per parameter how its values are drawn (`TruncNormal`, `Normal`, `Constant`, `Uniform`),
 keyed by the parameter's name; `init_parameters` applies the declarations. The full values of a
 parameter depend on (seed, its name, its distribution) alone:
 
@@ -76,8 +76,19 @@ class Constant:
     value: float
 
 
+@dataclass(frozen=True)
+class Uniform:
+    """``uniform_(-bound, bound)``: PEFT's LoRA A init, ``kaiming_uniform_(a=sqrt(5))``, is
+    ``Uniform(1 / sqrt(fan_in))``."""
+
+    bound: float
+
+    def sample_(self, out: torch.Tensor, generator: torch.Generator) -> None:
+        out.uniform_(-self.bound, self.bound, generator=generator)
+
+
 ONES = Constant(1.0)
-ParamInit = TruncNormal | Normal | Constant
+ParamInit = TruncNormal | Normal | Constant | Uniform
 
 
 def prefixed(prefix: str, inits: dict[str, ParamInit]) -> dict[str, ParamInit]:
@@ -99,10 +110,16 @@ def init_parameters(module: nn.Module, inits: dict[str, ParamInit], *, seed: int
     if undeclared:
         names = [n for n, p in module.named_parameters() if id(p) in undeclared]
         raise ValueError(f"parameters without a declared initialisation: {names}")
+    fill_parameters(module, inits, seed=seed)
+
+
+def fill_parameters(module: nn.Module, inits: dict[str, ParamInit], *, seed: int) -> None:
+    """Fill the parameters `inits` names (some of `module`'s, e.g. its LoRA adapters after the
+    base weights were loaded) as `init_parameters` does, in place."""
     with torch.no_grad():
-        for name, param in params.items():
-            local, global_shape, offset = shard_box(param)
-            fill_shard_(local, inits[name], seed=seed, name=name, global_shape=global_shape, offset=offset)
+        for name, init in inits.items():
+            local, global_shape, offset = shard_box(module.get_parameter(name))
+            fill_shard_(local, init, seed=seed, name=name, global_shape=global_shape, offset=offset)
 
 
 def shard_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:

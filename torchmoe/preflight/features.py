@@ -38,6 +38,8 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                           'use model.attn_backend = "sdpa", or training.document_masking = false')
     _check_sink_attention(cfg, args, degrees["cp"])
     _check_multi_token_prediction(args, degrees)
+    if cfg.lora.enable:
+        _check_lora(cfg, args)
     if degrees["cp"] > 1 and args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", "context parallelism runs SDPA with masks over global "
                           "positions; FlexAttention is not wired to it", 'use model.attn_backend = "sdpa"')
@@ -72,6 +74,19 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
                               f"set {key} = false, or run on a CUDA machine")
     if check_device:
         _check_packages(cfg.metrics)
+
+
+def _check_lora(cfg: JobConfig, args: ModelArgs) -> None:
+    """What a LoRA run cannot do: export adapters of a family torchmoe has no PEFT mapping for,
+    and (until the trainer builds adapters and hands only them to the optimizer) train at all:
+    refused rather than training the whole model unasked."""
+    mapping = hf_mapping(args)
+    if cfg.lora.export == "adapter" and mapping.peft_target is None:
+        raise ConfigError("lora.export", "adapter", f"torchmoe has no PEFT mapping for {mapping.title}",
+                          'set lora.export = "merged" (the model with each adapter folded into its weight)')
+    raise ConfigError("lora.enable", True, "torchmoe train does not build adapters yet (it would train the whole "
+                      "model): adapters are built, exported and imported through the Python API "
+                      "(docs/fine_tuning.md, LoRA)", "set lora.enable = false")
 
 
 def _check_flex_compiled(cfg: JobConfig, args: ModelArgs) -> None:

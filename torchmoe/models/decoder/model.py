@@ -29,6 +29,7 @@ from torchmoe.nn.document_attention import DocumentSegments
 from torchmoe.nn.experts import FeedForward
 from torchmoe.nn.init import Normal, ParamInit, TruncNormal, init_parameters, prefixed
 from torchmoe.nn.kv_cache import KVCache
+from torchmoe.nn.lora import adapter_param_inits
 from torchmoe.nn.profiler_regions import region
 from torchmoe.nn.rms_norm import RMSNorm
 
@@ -209,6 +210,7 @@ class Transformer(nn.Module):
             inits["output.weight"] = TruncNormal(std, a=-3 * std, b=3 * std)
         for name, module in (self.mtp or {}).items():
             inits.update(prefixed(f"mtp.{name}", module.param_inits()))
+        inits.update(adapter_param_inits(self))  # LoRA's, when `models.decoder.lora` added them
         return inits
 
     def init_buffers(self, device: torch.device | str) -> None:

@@ -46,8 +46,9 @@ from torchmoe.models.hf_config_spec import (
     with_reference_defaults,
 )
 from torchmoe.models.hf_slices import HFSlice
+from torchmoe.models.peft_targets import PeftTarget, peft_target_for
 
-__all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slice", "text_tensor_name"]
+__all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slice", "peft_target", "text_tensor_name"]
 
 MODEL_TYPES = ("gpt_oss",)
 
@@ -201,3 +202,9 @@ def hf_slice(name: str, shape: Sequence[int]) -> HFSlice | None:
 def text_tensor_name(stored: str, args: ModelArgs) -> str | None:
     """A gpt-oss checkpoint holds the text model only: every stored name is its own."""
     return stored
+
+
+def peft_target(name: str, shape: Sequence[int]) -> PeftTarget:
+    """Where PEFT adapts our adapted weight or routed-expert adapter `name` (`peft_target_for`;
+    the experts' module is marked ``is_transposed``, which PEFT reads)."""
+    return peft_target_for(name, shape, hf_slice, {})
