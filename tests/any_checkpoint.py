@@ -4,7 +4,8 @@ what the tests of "any released checkpoint" start from (`components.folder_model
     folder = save_checkpoint("qwen3", tmp_path / "qwen3")   # config.json + model.safetensors
     hf = reference_model("qwen3")                            # the same weights, in transformers
 
-Each family's config is a variant the shipped flavors lack: Qwen3-MoE with 6 heads of 8 over a
+Each family's config is a variant the shipped flavors lack: Llama 4 with 3 layers of 6 heads,
+chunked attention and a NoPE last layer; Qwen3-MoE with 6 heads of 8 over a
 48-wide model, 3 layers and a dense first one; gpt-oss with another layer count and a window
 pattern that is not the released even/odd one; DeepSeek-V3 in Moonlight's form (a full-rank
 query, one expert group, a dense first layer, plain RoPE at theta 50000, the remote-code fields
@@ -23,6 +24,11 @@ from tests.hf_parity import perturb_constant_inits
 VOCAB = 512
 
 CONFIGS: dict[str, dict] = {
+    "llama4": dict(model_type="llama4_text", vocab_size=VOCAB, hidden_size=48, intermediate_size=24,
+                   intermediate_size_mlp=40, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                   head_dim=8, num_local_experts=6, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                   attention_chunk_size=16, no_rope_layer_interval=3, floor_scale=8, attn_scale=0.1,
+                   max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     "qwen3": dict(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=48, intermediate_size=40,
                   moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
                   head_dim=8, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],

@@ -36,8 +36,8 @@ import torch
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
-from torchmoe.components.folder_model import with_folder_model
 from torchmoe.argparser import ArgumentParser, parse_args
+from torchmoe.components.folder_model import with_folder_model
 from torchmoe.components.metrics import METRICS_FILE, layer_imbalance, not_records, read_record_lines
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.errors import ConfigError, show_value
