@@ -69,3 +69,16 @@ def test_tensor_parallelism_is_checked_against_the_folder_s_heads(folders: dict[
     err = " ".join(capsys.readouterr().err.split())
     assert ("error: parallelism.tensor_parallel_degree = 4: must divide the qwen3 flavor's n_heads (6); 6 % 4 = 2 "
             "fix: use a tensor_parallel_degree that divides every sharded dim of qwen3: 1, 2") in err, err
+
+
+def test_eval_and_generate_read_the_folder_s_model(folders: dict[str, Path], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`eval` and `generate --checkpoint` on the folder, with a job file of another model (the
+    Llama 4 defaults): the folder decides, its loss is the one printed."""
+    job = tmp_path / "job.toml"
+    job.write_text('[training]\nlocal_batch_size = 2\nseq_len = 64\ndataset = "python_docs"\n')
+    weights = ["--config", str(job), "--checkpoint", str(folders["deepseek_v3"])]
+    assert cli.main(["eval", *weights, "--split", "train", "--batches", "1"]) == 0
+    assert cli.main(["generate", *weights, "--prompt", "def f(", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "train loss " in out and f"weights {folders['deepseek_v3']}" in out, out
