@@ -124,7 +124,7 @@ def plan_main(argv: Sequence[str]) -> int:
     set_keys: set[str] = set()
     cfg = load_job_config(config_argv, prog="torchmoe plan", set_keys=set_keys)
     validate_sections(cfg)
-    cfg = with_folder_model(cfg, set_keys=set_keys)  # a run from a Hugging Face folder: its config.json
+    cfg = with_folder_model(cfg, set_keys=set_keys, absent_ok=True)  # from a Hugging Face folder: its config.json
     if "--calibrate" in flags:
         # Calibration measures this machine; a planning flag beside it would be ignored.
         ignored = next((f for f in flags if f not in ("--calibrate", "--budget")), "--free" if free else None)

@@ -113,10 +113,16 @@ def test_what_the_job_leaves_unset_or_names_rightly_is_no_contradiction(folders:
     assert _resolved(folder, "--model.name", "qwen3", "--model.flavor", "30B-A3B", check=False).model.name == "gpt_oss"
 
 
-def test_a_job_from_scratch_keeps_its_flavor(folders: dict[str, Path]) -> None:
-    """Without initial_load_in_hf the flavor sizes the run (a DCP folder or none)."""
+def test_a_job_from_scratch_keeps_its_flavor(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Without initial_load_in_hf the flavor sizes the run (a DCP folder or none); so does a plan
+    (`absent_ok`) for a folder this machine lacks, which a run refuses."""
     cfg = load_job_config(["--model.name", "qwen3", "--checkpoint.initial_load_path", str(folders["qwen3"])])
     assert with_folder_model(cfg) is cfg and model_args_from_config(cfg.model).dim == 128
+    cfg = load_job_config(["--model.name", "qwen3", "--checkpoint.initial_load_in_hf", "true",
+                           "--checkpoint.initial_load_path", str(tmp_path / "elsewhere")])
+    assert with_folder_model(cfg, absent_ok=True) is cfg
+    with pytest.raises(ConfigError, match="has no config.json"):
+        with_folder_model(cfg)
 
 
 _GENERIC_FIX = ("use a checkpoint of a family torchmoe trains (Llama 4, Qwen3-MoE, DeepSeek-V3, gpt-oss) in a form it "

@@ -39,7 +39,8 @@ __all__ = ["folder_flavor", "with_folder_model"]
 logger = logging.getLogger(__name__)
 
 
-def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None, key: str = "") -> JobConfig:
+def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None, key: str = "",
+                      absent_ok: bool = False) -> JobConfig:
     """`cfg` with its `[model]` built from the Hugging Face folder a run starts from
     (``checkpoint.initial_load_in_hf`` with ``checkpoint.initial_load_path``); `cfg` itself
     otherwise, or when that is done already.
@@ -50,6 +51,8 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
             folder decides without a check (`eval`, `generate`).
         key: the setting that named the folder, for messages (default: the one that did,
             ``checkpoint.initial_load_path`` or ``model.hf_assets_path``).
+        absent_ok: a folder without config.json on this machine leaves `cfg` as it is (its
+            flavor): the dry run and the planner plan a job for machines that hold the folder.
 
     Raises:
         ConfigError: config.json is missing or holds what the family cannot represent (naming
@@ -61,6 +64,9 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
         return cfg
     key = key or source_key(cfg, "checkpoint.initial_load_path")
     folder = Path(ckpt.initial_load_path)
+    if absent_ok and not (folder / "config.json").is_file():
+        logger.warning("%s %s holds no config.json here: planning model.flavor %s", key, folder, cfg.model.flavor)
+        return cfg
     fix = (f"use a checkpoint of a family torchmoe trains ({family_titles()}) in a form it computes exactly "
            "(docs/models.md lists, family by family, the config.json settings it reads and those it refuses)")
     args = read_hf_args(folder, key=key, fix=fix)
