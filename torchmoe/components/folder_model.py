@@ -99,7 +99,7 @@ def _require_family(model: Model, args: ModelArgs, key: str, folder: Path) -> No
     fix = (f"pass --model.name {args.family} --model.flavor {fits}" if fits else
            f"pass --model.name {args.family}, or leave model.name out of the job: the folder decides the model")
     title = hf_mapping(args).title
-    other = hf_mapping(FLAVORS[model.name]["tiny"]).title if model.name in FLAVORS else model.name
+    other = hf_mapping(next(iter(FLAVORS[model.name].values()))).title if model.name in FLAVORS else model.name
     raise ConfigError("model.name", model.name, f"{key} {folder} holds a {title} model ({args.family}), not a "
                       f"{other} one", fix)
 
