@@ -190,7 +190,7 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
     cfg = load_toml_config(folder / "config.toml", key="DUMP_FOLDER")
     with _config_faults(folder):  # checked as `train` checks its sections
         validate_sections(cfg)
-        cfg = with_folder_model(cfg)  # a run from a Hugging Face folder: its config.json's model
+        cfg = with_folder_model(cfg, absent_ok=True)  # a run from a Hugging Face folder: its config.json's model
         check_flavor(cfg.model)
     try:
         resolve_degrees(cfg.parallelism, world_size)
