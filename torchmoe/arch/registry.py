@@ -9,14 +9,12 @@ The one place a family's name is looked up: every other module reads `ModelArgs`
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from torchmoe.arch import deepseek_v3, gpt_oss, llama4, qwen3
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.errors import ConfigError, show_value
-
-if TYPE_CHECKING:
-    from torchmoe.config.job_config import Model
+from torchmoe.config.job_config import Model
 
 # model.name -> flavor name -> architecture. The names are torchtitan's, so its users find them.
 FLAVORS: dict[str, dict[str, ModelArgs]] = {
@@ -100,6 +98,21 @@ def check_model(name: str, flavor: str, *, name_key: str = "model.name", flavor_
     raise ConfigError(flavor_key, flavor, problem, fix)
 
 
+@dataclass
+class FolderModel(Model):
+    """A `[model]` section whose architecture is a Hugging Face folder's config.json, not a flavor
+    (`components.folder_model.with_folder_model` makes it for a run that starts from one).
+
+    Attributes:
+        architecture: what config.json describes; the section's training settings
+            (`attn_backend`, the balance losses, `mtp_layers`...) apply to it as to a flavor.
+        source: the folder, for messages.
+    """
+
+    architecture: ModelArgs | None = None
+    source: str = ""
+
+
 def build_model_args(name: str, flavor: str, *, attn_backend: str = "", use_grouped_mm: bool = True,
                      load_balance_coeff: float = -1.0, aux_loss_coeff: float = -1.0,
                      z_loss_coeff: float = 0.0, moe_force_load_balance: bool = False, mtp_layers: int = 0,
@@ -107,6 +120,16 @@ def build_model_args(name: str, flavor: str, *, attn_backend: str = "", use_grou
     """Family `name`'s flavor `flavor` with overrides applied; sentinel values keep the flavor's
     own (`model_args_from_config` passes a `[model]` section's). Raises KeyError for an unknown
     family or flavor (the config checks name both before a model is built)."""
+    return _with_overrides(FLAVORS[name][flavor], attn_backend=attn_backend, use_grouped_mm=use_grouped_mm,
+                           load_balance_coeff=load_balance_coeff, aux_loss_coeff=aux_loss_coeff,
+                           z_loss_coeff=z_loss_coeff, moe_force_load_balance=moe_force_load_balance,
+                           mtp_layers=mtp_layers, mtp_loss_coeff=mtp_loss_coeff)
+
+
+def _with_overrides(base: ModelArgs, *, attn_backend: str, use_grouped_mm: bool, load_balance_coeff: float,
+                    aux_loss_coeff: float, z_loss_coeff: float, moe_force_load_balance: bool, mtp_layers: int,
+                    mtp_loss_coeff: float) -> ModelArgs:
+    """`base` (a flavor's or a folder's architecture) with a `[model]` section's training settings."""
     overrides: dict = {"use_grouped_mm": use_grouped_mm, "z_loss_coeff": z_loss_coeff,
                        "moe_force_load_balance": moe_force_load_balance, "mtp_layers": mtp_layers,
                        "mtp_loss_coeff": mtp_loss_coeff}
@@ -116,19 +139,21 @@ def build_model_args(name: str, flavor: str, *, attn_backend: str = "", use_grou
         overrides["load_balance_coeff"] = load_balance_coeff or None
     if aux_loss_coeff >= 0:
         overrides["aux_loss_coeff"] = aux_loss_coeff
-    return FLAVORS[name][flavor].replace(**overrides)
+    return base.replace(**overrides)
 
 
-def model_args_from_config(model_cfg: "Model") -> ModelArgs:
-    """The `ModelArgs` a `[model]` config section describes.
+def model_args_from_config(model_cfg: Model) -> ModelArgs:
+    """The `ModelArgs` a `[model]` config section describes: its flavor's, or for a `FolderModel`
+    the folder's config.json's, with the section's training settings.
 
     Raises:
         ConfigError: the family or the flavor is not one torchmoe has (`check_model`).
     """
-    check_model(model_cfg.name, model_cfg.flavor)
-    return build_model_args(model_cfg.name, model_cfg.flavor, attn_backend=model_cfg.attn_backend,
-                            use_grouped_mm=model_cfg.use_grouped_mm,
-                            load_balance_coeff=model_cfg.load_balance_coeff,
-                            aux_loss_coeff=model_cfg.aux_loss_coeff, z_loss_coeff=model_cfg.z_loss_coeff,
-                            moe_force_load_balance=model_cfg.moe_force_load_balance,
-                            mtp_layers=model_cfg.mtp_layers, mtp_loss_coeff=model_cfg.mtp_loss_coeff)
+    base = getattr(model_cfg, "architecture", None)
+    if base is None:
+        check_model(model_cfg.name, model_cfg.flavor)
+        base = FLAVORS[model_cfg.name][model_cfg.flavor]
+    return _with_overrides(base, attn_backend=model_cfg.attn_backend, use_grouped_mm=model_cfg.use_grouped_mm,
+                           load_balance_coeff=model_cfg.load_balance_coeff, aux_loss_coeff=model_cfg.aux_loss_coeff,
+                           z_loss_coeff=model_cfg.z_loss_coeff, moe_force_load_balance=model_cfg.moe_force_load_balance,
+                           mtp_layers=model_cfg.mtp_layers, mtp_loss_coeff=model_cfg.mtp_loss_coeff)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from torchmoe.commands.exits import rank_specific_errors, stopped_by_peer
 from torchmoe.commands.job import checkpoint_job, resolve_world_size
+from torchmoe.components.folder_model import with_folder_model
 from torchmoe.components.trained_weights import STEP
 from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.flags import Integer, split_flags
@@ -98,7 +99,8 @@ def eval_config(cfg: JobConfig, *, weights: Path, in_hf: bool, split: str, batch
     metrics = dataclasses.replace(cfg.metrics, enable_tensorboard=False, enable_wandb=False, enable_log_files=False)
     # One launch: a fault-tolerant run's replica group evaluates alone, joining no lighthouse.
     ft = dataclasses.replace(cfg.fault_tolerance, enable=False)
-    return dataclasses.replace(cfg, validation=val, checkpoint=checkpoint, job=job, metrics=metrics, fault_tolerance=ft)
+    run = dataclasses.replace(cfg, validation=val, checkpoint=checkpoint, job=job, metrics=metrics, fault_tolerance=ft)
+    return with_folder_model(run, key="--checkpoint")  # a Hugging Face folder's model: its config.json
 
 
 def _work_folder() -> Path:

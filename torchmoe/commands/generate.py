@@ -33,6 +33,7 @@ import torch
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.commands.exits import rank_specific_errors
 from torchmoe.commands.job import checkpoint_job
+from torchmoe.components.folder_model import with_folder_model
 from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.trained_weights import STEP
 from torchmoe.config import ConfigError, JobConfig
@@ -130,13 +131,14 @@ def load_trained_model(cfg: JobConfig, folder: Path, *, in_hf: bool) -> Transfor
     """The job's model on its training device in eval mode, holding the weights in `folder` (a
     Hugging Face folder when `in_hf`, else a DCP one: `components.trained_weights`), computing in
     training's compute dtype."""
+    ckpt = dataclasses.replace(cfg.checkpoint, initial_load_path=str(folder), initial_load_in_hf=in_hf)
+    cfg = with_folder_model(dataclasses.replace(cfg, checkpoint=ckpt), key="--checkpoint")  # HF: its config.json
     args = model_args_from_config(cfg.model)
     device = train_device(cfg.training.device)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.training.seed, buffer_device=device)  # the buffers; weights come next
-    ckpt = dataclasses.replace(cfg.checkpoint, initial_load_path=str(folder), initial_load_in_hf=in_hf)
     with warnings.catch_warnings():
         # DCP says it assumes one process when no process group exists: here that is the intent.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

@@ -27,6 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.components.folder_model import with_folder_model
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.loader import resolved_config_text
 from torchmoe.config.numbers import MAX_RANKS, parse_int, parse_number
@@ -123,6 +124,7 @@ def plan_main(argv: Sequence[str]) -> int:
     set_keys: set[str] = set()
     cfg = load_job_config(config_argv, prog="torchmoe plan", set_keys=set_keys)
     validate_sections(cfg)
+    cfg = with_folder_model(cfg, set_keys=set_keys, absent_ok=True)  # from a Hugging Face folder: its config.json
     if "--calibrate" in flags:
         # Calibration measures this machine; a planning flag beside it would be ignored.
         ignored = next((f for f in flags if f not in ("--calibrate", "--budget")), "--free" if free else None)

@@ -37,6 +37,7 @@ import torch
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
 from torchmoe.commands.arguments import ArgumentParser, parse_args
+from torchmoe.components.folder_model import with_folder_model
 from torchmoe.components.metrics import layer_imbalance
 from torchmoe.components.metrics_records import METRICS_FILE, not_records, read_record_lines
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
@@ -190,6 +191,7 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
     cfg = load_toml_config(folder / "config.toml", key="DUMP_FOLDER")
     with _config_faults(folder):  # checked as `train` checks its sections
         validate_sections(cfg)
+        cfg = with_folder_model(cfg, absent_ok=True)  # a run from a Hugging Face folder: its config.json's model
         check_flavor(cfg.model)
     try:
         resolve_degrees(cfg.parallelism, world_size)

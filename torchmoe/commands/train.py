@@ -112,8 +112,10 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set
 
             load_profile(flags.hardware)
         refuse_held("job.dump_folder", cfg.job.dump_folder, cfg.job.dump_folder)
+    from torchmoe.components.folder_model import with_folder_model
     from torchmoe.preflight import validate_job_config
 
+    cfg = with_folder_model(cfg, set_keys=set_keys, absent_ok=dry_run)  # from a Hugging Face folder: its config.json
     validate_job_config(cfg, world_size, check_device=not dry_run)
     if cfg.job.print_config and os.environ.get("RANK") in (None, "0"):
         print(f"# the resolved job config\n{config_toml(cfg)}", flush=True)

@@ -92,7 +92,8 @@ def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: 
     if differ:
         fits = matching_flavor(hf_args)
         fix = f"pass --model.name {hf_args.family} --model.flavor {fits}" if fits else \
-            f"add a flavor with its architecture to torchmoe/arch/{hf_args.family}.py FLAVORS"
+            "build the model from the folder's config.json (components.folder_model.with_folder_model, which " \
+            "torchmoe train, eval and generate run for a Hugging Face folder)"
         if hf_args.family != args.family:  # the family is what is wrong, not the flavor nor the folder
             raise ConfigError("model.name", args.family, f"{key} {hf_dir} holds a {hf_mapping(hf_args).title} model "
                               f"({hf_args.family}), not a {hf_mapping(args).title} one", fix)

@@ -31,7 +31,7 @@ class Model:
     name: str = "llama4"
     """Model family (docs/models.md): 'llama4' (Llama 4), 'qwen3' (Qwen3-MoE), 'deepseek_v3' (DeepSeek-V3, Kimi K2) or 'gpt_oss' (gpt-oss)."""
     flavor: str = "tiny"
-    """Model flavor (docs/models.md, "Flavors"). qwen3: tiny, debugmodel_moe, 30B-A3B, 235B-A22B. deepseek_v3: tiny, debugmodel, 16B, 236B, 671B. gpt_oss: tiny, debugmodel, 20b, 120b. llama4: torchmoe's tiny (2.4 M parameters, the default), bench256, scout and maverick (those two: the Hugging Face releases), or torchtitan v0.2.2's debugmodel, debugmodel_irope, 17bx16e, 17bx16e_irope, 17bx128e, 17bx128e_irope."""
+    """Model flavor (docs/models.md, "Flavors"): it sizes runs from scratch; a run from a Hugging Face folder (checkpoint.initial_load_in_hf) builds the model its config.json describes, and a flavor set beside it must have that architecture. qwen3: tiny, debugmodel_moe, 30B-A3B, 235B-A22B. deepseek_v3: tiny, debugmodel, 16B, 236B, 671B. gpt_oss: tiny, debugmodel, 20b, 120b. llama4: torchmoe's tiny (2.4 M parameters, the default), bench256, scout and maverick (those two: the Hugging Face releases), or torchtitan v0.2.2's debugmodel, debugmodel_irope, 17bx16e, 17bx16e_irope, 17bx128e, 17bx128e_irope."""
     tokenizer_path: str = ""
     """Hugging Face tokenizer.json (or a folder holding one); empty = built-in byte tokenizer."""
     hf_assets_path: str = ""
@@ -211,7 +211,7 @@ class Checkpoint:
     initial_load_path: str = ""
     """Load weights from this checkpoint (DCP folder, or HF folder with initial_load_in_hf) when no checkpoint exists yet."""
     initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face folder of the model's family (config.json + safetensors)."""
+    """initial_load_path is a Hugging Face folder (config.json + safetensors) of a family torchmoe trains, of any size: its config.json decides the model (docs/models.md, "Any released checkpoint")."""
     last_save_in_hf: bool = False
     """Also write the final weights as a Hugging Face folder (step-N-hf/). It is the model trained: an expert bias the family's folder cannot hold (llama4, qwen3, gpt_oss), trained or loaded, is refused (exit 2) before training unless hf_drop_expert_bias."""
     hf_drop_expert_bias: bool = False

@@ -290,8 +290,10 @@ def differing_keys(a: JobConfig, b: JobConfig) -> list[str]:
 
 
 def config_toml(cfg: JobConfig) -> str:
-    """`cfg` as TOML text, every key written out."""
-    return tomli_w.dumps(dataclasses.asdict(cfg))
+    """`cfg` as TOML text, every key written out (the schema's: a section's subclass, such as a
+    model built from a Hugging Face folder, writes the keys that rebuild it)."""
+    return tomli_w.dumps({section: {key: getattr(getattr(cfg, section), key) for key in keys}
+                          for section, keys in _config_fields().items()})
 
 
 # ---- command-line overrides ------------------------------------------------------------------

@@ -10,7 +10,7 @@ import os
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.arch.registry import check_model
+from torchmoe.arch.registry import FolderModel, check_model
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig, Model, Parallelism, Training
 from torchmoe.config.launch_env import launch_int
@@ -24,8 +24,10 @@ GIB = 2**30
 
 def check_flavor(model: Model) -> None:
     """`model.name` is a family torchmoe trains (`arch.registry.FLAVORS`) and `model.flavor` one
-    of its flavors (`arch.registry.check_model`)."""
-    check_model(model.name, model.flavor)
+    of its flavors (`arch.registry.check_model`); a model built from a Hugging Face folder has
+    the folder's architecture instead (`arch.registry.FolderModel`)."""
+    if not isinstance(model, FolderModel):
+        check_model(model.name, model.flavor)
 
 
 def check_seq_len(args: ModelArgs, flavor: str, seq_len: int) -> None:

@@ -1,0 +1,169 @@
+"""Any released checkpoint of a family torchmoe trains, not only the shipped flavors: a run from a
+Hugging Face folder builds the model its config.json describes (`components.folder_model`).
+
+    python -m pytest -q tests/unit/test_any_checkpoint.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.any_checkpoint import CONFIGS, VOCAB, reference_model, save_checkpoint
+from tests.hf_parity import max_rel_err, random_tokens
+from torchmoe.arch.registry import FolderModel, model_args_from_config
+from torchmoe.components.flavor_fit import matching_flavor
+from torchmoe.components.folder_model import with_folder_model
+from torchmoe.components.initial_load import load_initial_weights
+from torchmoe.config import ConfigError, load_job_config
+from torchmoe.models.decoder.model import Transformer
+
+FAMILIES = sorted(CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("any")
+    return {family: save_checkpoint(family, root / family) for family in FAMILIES}
+
+
+def _resolved(folder: Path, *flags: str, check: bool = True):
+    """The job of `flags` starting from `folder`, its model built from it (`check`: as `torchmoe
+    train` builds it, the keys the flags set checked against the folder)."""
+    set_keys: set[str] = set()
+    cfg = load_job_config(["--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", str(folder),
+                           *flags], set_keys=set_keys)
+    return with_folder_model(cfg, set_keys=set_keys if check else None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_folder_builds_the_model_with_transformers_logits(family: str, folders: dict[str, Path]) -> None:
+    """The folder's config.json, of sizes no flavor has, is the model: its family and
+    architecture, the weights loaded as `torchmoe train` loads them, transformers' logits (fp32)."""
+    cfg = _resolved(folders[family])
+    assert isinstance(cfg.model, FolderModel) and cfg.model.name == family and cfg.model.flavor == family
+    args = model_args_from_config(cfg.model)
+    assert matching_flavor(args) is None
+    assert args.architecture_differences(cfg.model.architecture) == []
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)  # the buffers; then every weight from the folder
+    load_initial_weights(cfg.checkpoint, cfg.model.flavor, args, model)
+    tokens = random_tokens(VOCAB)
+    with torch.no_grad():
+        want = reference_model(family)(tokens).logits
+        got = model.eval()(tokens)
+    assert max_rel_err(want, got) <= 1e-5
+
+
+def test_the_folder_says_what_it_holds(folders: dict[str, Path]) -> None:
+    """Moonlight's form (a full-rank query, one group, plain RoPE, a dense first layer), gpt-oss
+    with another window pattern, Qwen3-MoE with other head counts: each read as the file says."""
+    ds = model_args_from_config(_resolved(folders["deepseek_v3"]).model)
+    assert (ds.q_lora_rank, ds.n_group, ds.topk_group, ds.rope_scaling, ds.rope_theta) == (0, 1, 1, None, 50000.0)
+    assert (sorted(ds.moe_layer_ids), ds.num_shared_experts, ds.routed_scaling_factor) == ([1, 2], 2, 2.446)
+    oss = model_args_from_config(_resolved(folders["gpt_oss"]).model)
+    assert (oss.n_layers, oss.sliding_layers, oss.sliding_window, oss.rope_scaling["factor"]) == (3, [1, 2], 4, 2.0)
+    qwen = model_args_from_config(_resolved(folders["qwen3"]).model)
+    assert (qwen.dim, qwen.n_heads, qwen.n_kv_heads, qwen.head_dim, qwen.num_experts) == (48, 6, 2, 8, 6)
+    assert (sorted(qwen.moe_layer_ids), qwen.ffn_hidden_dim, qwen.moe_hidden_dim) == ([1, 2], 40, 24)
+
+
+def test_the_job_s_training_settings_apply_to_the_folder_s_model(folders: dict[str, Path]) -> None:
+    """`[model]` keys that are not the architecture (the balance losses, the kernel) still apply."""
+    args = model_args_from_config(_resolved(folders["qwen3"], "--model.aux_loss_coeff", "0.25",
+                                            "--model.z_loss_coeff", "0.5").model)
+    assert (args.aux_loss_coeff, args.z_loss_coeff, args.dim) == (0.25, 0.5, 48)
+
+
+def test_a_flavor_that_contradicts_the_folder_is_refused(folders: dict[str, Path]) -> None:
+    """The job names a flavor whose architecture is not the folder's: exit 2 naming model.flavor,
+    what differs and the fix (not a guess at which of the two the user meant)."""
+    folder = folders["qwen3"]
+    with pytest.raises(ConfigError) as caught:
+        _resolved(folder, "--model.name", "qwen3", "--model.flavor", "30B-A3B")
+    err = caught.value
+    assert (err.key, err.value) == ("model.flavor", "30B-A3B")
+    assert err.problem == (f"contradicts checkpoint.initial_load_path {folder}: its config.json differs from the "
+                           "flavor in dim 48 (the flavor: 2048), n_layers 3 (the flavor: 48), n_heads 6 (the flavor: "
+                           "32), n_kv_heads 2 (the flavor: 4) and 9 more")
+    assert err.fix == ("leave model.flavor out of the job: the folder decides the model, model.flavor sizes runs from "
+                       f"scratch; or point checkpoint.initial_load_path at a checkpoint of flavor 30B-A3B")
+
+
+def test_a_family_that_contradicts_the_folder_is_refused(folders: dict[str, Path]) -> None:
+    folder = folders["qwen3"]
+    with pytest.raises(ConfigError) as caught:
+        _resolved(folder, "--model.name", "gpt_oss")
+    err = caught.value
+    assert (err.key, err.value) == ("model.name", "gpt_oss")
+    assert err.problem == f"checkpoint.initial_load_path {folder} holds a Qwen3-MoE model (qwen3), not a gpt-oss one"
+    assert err.fix == "pass --model.name qwen3, or leave model.name out of the job: the folder decides the model"
+
+
+def test_what_the_job_leaves_unset_or_names_rightly_is_no_contradiction(folders: dict[str, Path]) -> None:
+    """The defaults (llama4, tiny) are no claim; the folder's own name as the flavor (what the
+    run's config.toml writes) and its family are the folder's; eval and generate do not check."""
+    folder = folders["gpt_oss"]
+    for flags in ([], ["--model.name", "gpt_oss", "--model.flavor", "gpt_oss"]):
+        assert _resolved(folder, *flags).model.name == "gpt_oss"
+    assert _resolved(folder, "--model.name", "qwen3", "--model.flavor", "30B-A3B", check=False).model.name == "gpt_oss"
+
+
+def test_a_job_from_scratch_keeps_its_flavor(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Without initial_load_in_hf the flavor sizes the run (a DCP folder or none); so does a plan
+    (`absent_ok`) for a folder this machine lacks, which a run refuses."""
+    cfg = load_job_config(["--model.name", "qwen3", "--checkpoint.initial_load_path", str(folders["qwen3"])])
+    assert with_folder_model(cfg) is cfg and model_args_from_config(cfg.model).dim == 128
+    cfg = load_job_config(["--model.name", "qwen3", "--checkpoint.initial_load_in_hf", "true",
+                           "--checkpoint.initial_load_path", str(tmp_path / "elsewhere")])
+    assert with_folder_model(cfg, absent_ok=True) is cfg
+    with pytest.raises(ConfigError, match="has no config.json"):
+        with_folder_model(cfg)
+
+
+_GENERIC_FIX = ("use a checkpoint of a family torchmoe trains (Llama 4, Qwen3-MoE, DeepSeek-V3, gpt-oss) in a form it "
+                "computes exactly (docs/models.md lists, family by family, the config.json settings it reads and "
+                "those it refuses)")
+
+# (family, config.json edits, the message's problem, its fix: None for `_GENERIC_FIX`)
+REFUSED = {
+    "qwen3_rope_type": ("qwen3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+                        "its config.json cannot be used: rope_type 'linear' is not supported for Qwen3-MoE (only "
+                        "'default')", None),
+    "qwen3_attention_bias": ("qwen3", {"attention_bias": True}, "its config.json cannot be used: attention_bias = true "
+                             "is not supported: Qwen3-MoE projections have no bias", None),
+    "qwen3_hidden_act": ("qwen3", {"hidden_act": "gelu"}, "its config.json cannot be used: hidden_act 'gelu' is not "
+                         "supported (only 'silu')", None),
+    "qwen3_unknown_field": ("qwen3", {"attn_logit_softcapping": 30.0}, "its config.json cannot be used: unsupported "
+                            "Qwen3MoeConfig fields: attn_logit_softcapping", None),
+    "qwen3_odd_head_dim": ("qwen3", {"head_dim": 7}, 'its config.json sets "head_dim": 7, gives heads of 7 dimensions: '
+                           "RoPE needs an even number", 'set "head_dim" in {folder}/config.json to an even integer'),
+    "deepseek_scoring": ("deepseek_v3", {"scoring_func": "softmax"}, "its config.json cannot be used: scoring_func "
+                         "'softmax' is not supported (DeepseekV3ForCausalLM runs 'sigmoid')", None),
+    "deepseek_kv_heads": ("deepseek_v3", {"num_key_value_heads": 1}, 'its config.json sets "num_key_value_heads": 1, '
+                          "differs from num_attention_heads (3): latent attention has one key and value per query head",
+                          'set "num_key_value_heads" in {folder}/config.json to 3, or null'),
+    "gpt_oss_quantized": ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, "its config.json cannot be "
+                          "used: quantization_config.quant_method 'fp8' is not supported: torchmoe dequantises the "
+                          "released MXFP4 experts ('mxfp4') on load; convert other quantized weights to bf16 first",
+                          None),
+    "gpt_oss_rope_type": ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+                          "its config.json cannot be used: rope_type 'dynamic' is not supported for gpt-oss ('default' "
+                          "or 'yarn')", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_what_the_family_cannot_represent_is_one_error_naming_the_field(case: str, tmp_path: Path) -> None:
+    family, edits, problem, fix = REFUSED[case]
+    folder = save_checkpoint(family, tmp_path / "hf", **edits)
+    with pytest.raises(ConfigError) as caught:
+        _resolved(folder)
+    err = caught.value
+    assert (err.key, err.value) == ("checkpoint.initial_load_path", str(folder))
+    assert err.problem == problem, err.problem
+    assert err.fix == (_GENERIC_FIX if fix is None else fix.format(folder=folder))

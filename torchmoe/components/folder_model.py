@@ -1,0 +1,124 @@
+"""A run that starts from a Hugging Face folder builds the model its config.json describes.
+
+    cfg = with_folder_model(cfg, set_keys=set_keys)   # torchmoe train / plan, before the preflight
+    cfg = with_folder_model(cfg, key="--checkpoint")  # eval / generate on a Hugging Face folder
+
+With ``checkpoint.initial_load_in_hf``, the folder decides the model: any checkpoint of a family
+torchmoe trains, of any size, not only the shipped flavors (`model.flavor` sizes runs from
+scratch). The `[model]` section becomes an `arch.registry.FolderModel` holding the folder's
+architecture, which every later step (preflight, dry run, planner, trainer) reads through
+`model_args_from_config`, as it reads a flavor's.
+
+The job may still name the model; what it names must be the folder's, or the run is refused
+(exit 2) rather than guessed at: `model.name` set to another family, or `model.flavor` set to a
+flavor whose architecture is not the folder's (a demanding user who wrote ``30B-A3B`` and points
+at another checkpoint has the wrong folder or the wrong job). Left at their defaults, they are no
+claim and the folder's family and architecture are used. `eval` and `generate --checkpoint`
+judge the weights they are pointed at, with the run's job file for context: there the folder
+decides without a check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection
+from pathlib import Path
+
+from torchmoe.arch.model_args import ModelArgs
+from torchmoe.arch.registry import FLAVORS, FolderModel, check_model
+from torchmoe.components.flavor_fit import matching_flavor
+from torchmoe.components.hf_storage import read_hf_args
+from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.job_config import JobConfig, Model
+from torchmoe.config.paths import source_key
+from torchmoe.models.registry import family_titles, hf_mapping
+
+__all__ = ["folder_flavor", "with_folder_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None, key: str = "",
+                      absent_ok: bool = False) -> JobConfig:
+    """`cfg` with its `[model]` built from the Hugging Face folder a run starts from
+    (``checkpoint.initial_load_in_hf`` with ``checkpoint.initial_load_path``); `cfg` itself
+    otherwise, or when that is done already.
+
+    Args:
+        set_keys: the keys the job file and the flags set (`config.load_job_config`'s): a
+            `model.name` or `model.flavor` among them must agree with the folder. None: the
+            folder decides without a check (`eval`, `generate`).
+        key: the setting that named the folder, for messages (default: the one that did,
+            ``checkpoint.initial_load_path`` or ``model.hf_assets_path``).
+        absent_ok: a folder without config.json on this machine leaves `cfg` as it is (its
+            flavor): the dry run and the planner plan a job for machines that hold the folder.
+
+    Raises:
+        ConfigError: config.json is missing or holds what the family cannot represent (naming
+            the field, its value and the fix: `components.hf_storage.read_hf_args`), or a set
+            `model.name` / `model.flavor` contradicts it.
+    """
+    ckpt = cfg.checkpoint
+    if not (ckpt.initial_load_in_hf and ckpt.initial_load_path) or isinstance(cfg.model, FolderModel):
+        return cfg
+    key = key or source_key(cfg, "checkpoint.initial_load_path")
+    folder = Path(ckpt.initial_load_path)
+    if absent_ok and not (folder / "config.json").is_file():
+        logger.warning("%s %s holds no config.json here: planning model.flavor %s", key, folder, cfg.model.flavor)
+        return cfg
+    fix = (f"use a checkpoint of a family torchmoe trains ({family_titles()}) in a form it computes exactly "
+           "(docs/models.md lists, family by family, the config.json settings it reads and those it refuses)")
+    args = read_hf_args(folder, key=key, fix=fix)
+    given = set_keys or ()
+    if "model.name" in given:
+        _require_family(cfg.model, args, key, folder)
+    label = folder_flavor(args, folder)
+    if "model.flavor" in given and cfg.model.flavor != label:
+        check_model(args.family, cfg.model.flavor)  # a flavor of the folder's family, or the error says whose
+        _require_flavor(cfg.model.flavor, args, key, folder)
+    fields = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(Model)}
+    model = FolderModel(**{**fields, "name": args.family, "flavor": label}, architecture=args, source=str(folder))
+    logger.info("model: %s from %s/config.json (%.1f M parameters)", hf_mapping(args).title, folder,
+                args.param_counts()["total"] / 1e6)
+    return dataclasses.replace(cfg, model=model)
+
+
+def folder_flavor(args: ModelArgs, folder: Path) -> str:
+    """What messages and the run's config.toml call the folder's model in `model.flavor`: the
+    shipped flavor with its architecture, else the folder's name (which a rerun of that
+    config.toml then names, and `with_folder_model` accepts as the folder's own)."""
+    return matching_flavor(args) or folder.resolve().name
+
+
+def _require_family(model: Model, args: ModelArgs, key: str, folder: Path) -> None:
+    """A set `model.name` must be the folder's family."""
+    if model.name == args.family:
+        return
+    fits = matching_flavor(args)
+    fix = (f"pass --model.name {args.family} --model.flavor {fits}" if fits else
+           f"pass --model.name {args.family}, or leave model.name out of the job: the folder decides the model")
+    title = hf_mapping(args).title
+    other = hf_mapping(next(iter(FLAVORS[model.name].values()))).title if model.name in FLAVORS else model.name
+    raise ConfigError("model.name", model.name, f"{key} {folder} holds a {title} model ({args.family}), not a "
+                      f"{other} one", fix)
+
+
+def _require_flavor(flavor: str, args: ModelArgs, key: str, folder: Path) -> None:
+    """A set `model.flavor` must have the folder's architecture: it is a claim about the folder."""
+    shipped = FLAVORS[args.family][flavor]
+    differ = shipped.architecture_differences(args)
+    if not differ:
+        return
+    shown = ", ".join(f"{name} {_value(args, name)} (the flavor: {_value(shipped, name)})" for name in differ[:4])
+    more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+    fits = matching_flavor(args)
+    fix = (f"set model.flavor = {show_value(fits)} (the folder's flavor)" if fits else
+           "leave model.flavor out of the job: the folder decides the model, model.flavor sizes runs from scratch")
+    raise ConfigError("model.flavor", flavor, f"contradicts {key} {folder}: its config.json differs from the "
+                      f"flavor in {shown}{more}", f"{fix}; or point {key} at a checkpoint of flavor {flavor}")
+
+
+def _value(args: ModelArgs, name: str) -> object:
+    value = getattr(args, name)
+    return sorted(value) if isinstance(value, frozenset) else value
