@@ -20,6 +20,8 @@ from tests.helpers import DEBUG_CONFIG, HF_EXPORT, empty_tiny_model
 from torchmoe.commands import cli
 from torchmoe.components.checkpoint_state import load_model_only
 from torchmoe.components.metrics_records import parse_record
+from torchmoe.config import load_job_config
+from torchmoe.config.loader import config_toml
 from torchmoe.config.paths import FULL_FIX
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -55,6 +57,13 @@ def _fill(disk: Path, leave: int) -> None:
     """Take all of `disk` but `leave` bytes."""
     st = os.statvfs(disk)
     (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - leave))
+
+
+def _start_pages(dump: Path, *flags: str) -> int:
+    """The pages a run's start writes in `dump`: the lock's and run_info.json's one each, and
+    config.toml's (the resolved job, longer than a page as sections are added)."""
+    cfg = load_job_config([*TINY, "--job.dump_folder", str(dump), *flags])
+    return 2 - (-len(config_toml(cfg).encode()) // os.sysconf("SC_PAGESIZE"))
 
 
 def _train(capsys: pytest.CaptureFixture[str], dump: Path, *flags: str) -> tuple[int, str]:
@@ -135,10 +144,10 @@ def test_metrics_the_disk_refuses_are_held_and_named_at_the_end(capsys, small_di
     saves, the log's lines are dropped (said once), and the run ends with exit 2 naming the
     records that could not be written."""
     disk = small_disk("1m")
-    _fill(disk, 3 * os.sysconf("SC_PAGESIZE"))
     dump = disk / "run"
-    status, err = _train(capsys, dump, "--training.steps", "3", "--checkpoint.enable", "true",
-                         "--checkpoint.folder", str(tmp_path / "ckpt"))
+    flags = ("--training.steps", "3", "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "ckpt"))
+    _fill(disk, _start_pages(dump, *flags) * os.sysconf("SC_PAGESIZE"))
+    status, err = _train(capsys, dump, *flags)
     _one_error(status, err, f'job.dump_folder = "{dump}": {dump / "metrics.jsonl"}: {FULL}: the records of steps '
                "1-3 could not be written (training and its checkpoints went on)", f"fix: {FULL_FIX}")
     assert f"metrics.jsonl: {FULL}: the record of step 1 and those after it are held in memory" in err

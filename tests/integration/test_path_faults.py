@@ -270,7 +270,13 @@ def fixtures(hf_dir: Path) -> Iterator[Fixtures]:
     write_config_toml(load_job_config(TINY), run / "config.toml")
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
     (run / "run_info.json").write_text('{"world_size": 1}\n')
-    yield Fixtures(base, run, hf_dir)
+    # A copy another user can read: the session's own lies under pytest's base folder, which only
+    # its owner may enter, so a non-root command met "Permission denied" on it before its OUT_DIR.
+    hf = base / "hf"
+    shutil.copytree(hf_dir, hf)
+    for path in (hf, *hf.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    yield Fixtures(base, run, hf)
     shutil.rmtree(base)  # root removes it whatever the modes inside
 
 

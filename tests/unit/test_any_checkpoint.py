@@ -121,6 +121,9 @@ def test_a_job_from_scratch_keeps_its_flavor(folders: dict[str, Path], tmp_path:
     cfg = load_job_config(["--model.name", "qwen3", "--checkpoint.initial_load_in_hf", "true",
                            "--checkpoint.initial_load_path", str(tmp_path / "elsewhere")])
     assert with_folder_model(cfg, absent_ok=True) is cfg
+    with pytest.raises(ConfigError, match="No such file or directory"):  # the OS's word for the path, first
+        with_folder_model(cfg)
+    (tmp_path / "elsewhere").mkdir()
     with pytest.raises(ConfigError, match="has no config.json"):
         with_folder_model(cfg)
 

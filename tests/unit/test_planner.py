@@ -311,6 +311,20 @@ def test_best_toml_and_json_reproduce_the_layouts(tmp_path: Path) -> None:
         assert entry["tokens_per_s_per_gpu"] == layout.prediction.tokens_per_s_per_gpu
 
 
+@pytest.mark.parametrize("held", [None, "data_index", "metrics.jsonl", "checkpoint"])
+def test_best_toml_moves_only_from_a_folder_a_run_holds(tmp_path: Path, held: str | None) -> None:
+    """The job's dump folder stays the plan's while no run's history or checkpoints are there (the
+    data indexes any run of the corpus shares are no run's); else a free folder beside it."""
+    dump = tmp_path / "run"
+    if held is not None:
+        (dump / held).mkdir(parents=True)
+    cfg = load_job_config(["--config", DEBUG, "--job.dump_folder", str(dump)])
+    out = tmp_path / "best.toml"
+    run_plan(cfg, 4, gpus_per_node=4, out=out, console=Console(file=io.StringIO()))
+    moved = held in ("metrics.jsonl", "checkpoint")
+    assert load_job_config(["--config", str(out)]).job.dump_folder == str(tmp_path / "run-best" if moved else dump)
+
+
 # ---- the dry run's warnings ------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from rich.table import Table
 
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.components.folder_model import with_folder_model
+from torchmoe.components.metrics_records import METRICS_FILE
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
 from torchmoe.config.loader import resolved_config_text
 from torchmoe.config.numbers import MAX_RANKS, parse_int, parse_number
@@ -196,11 +197,14 @@ def run_plan(cfg: JobConfig, gpus: int, *, profile_name: str = "h100", gpus_per_
 
 
 def _own_dump_folder(cfg: JobConfig, out: Path) -> JobConfig:
-    """`cfg` with a dump folder its run may write: the source job's while nothing is there yet,
+    """`cfg` with a dump folder its run may write: the source job's while no run is there yet,
     else a free one beside it named after `out` (``outputs/debug-best``), so that the command
-    printed is not refused for a folder another run holds or finished in."""
+    printed is not refused for a folder another run holds or finished in. A folder that holds no
+    run's history or checkpoints (only the shared data indexes, say) is the job's still."""
     folder = cfg.job.dump_folder
-    if os.path.lexists(folder):
+    dump = Path(folder)
+    if os.path.lexists(folder) and (not dump.is_dir() or any(
+            os.path.lexists(dump / name) for name in (METRICS_FILE, cfg.checkpoint.folder))):
         folder = free_folder_name(f"{folder.rstrip('/') or folder}-{out.stem}")
     return dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, dump_folder=folder))
 

@@ -22,19 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Collection
 from pathlib import Path
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.arch.registry import FLAVORS, FolderModel, check_model
+from torchmoe.arch.registry import FLAVORS, FolderModel, check_model, model_args_from_config
 from torchmoe.components.flavor_fit import matching_flavor
 from torchmoe.components.hf_storage import read_hf_args
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig, Model
-from torchmoe.config.paths import source_key
+from torchmoe.config.paths import path_faults, source_key
 from torchmoe.models.registry import family_titles, hf_mapping
 
-__all__ = ["folder_flavor", "with_folder_model"]
+__all__ = ["folder_flavor", "hf_folder", "with_folder_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
     if absent_ok and not (folder / "config.json").is_file():
         logger.warning("%s %s holds no config.json here: planning model.flavor %s", key, folder, cfg.model.flavor)
         return cfg
+    if not folder.is_dir():  # the OS says first what is wrong with the path
+        with path_faults(key, str(folder), f"point it at {_wanted(cfg.model)}, or leave it empty to start from "
+                         "random weights"):
+            os.listdir(folder)
     fix = (f"use a checkpoint of a family torchmoe trains ({family_titles()}) in a form it computes exactly "
            "(docs/models.md lists, family by family, the config.json settings it reads and those it refuses)")
     args = read_hf_args(folder, key=key, fix=fix)
@@ -82,6 +87,20 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
     logger.info("model: %s from %s/config.json (%.1f M parameters)", hf_mapping(args).title, folder,
                 args.param_counts()["total"] / 1e6)
     return dataclasses.replace(cfg, model=model)
+
+
+def hf_folder(model: Model) -> str:
+    """What a Hugging Face start of `model`'s family needs, for messages' fixes."""
+    return f"a Hugging Face {hf_mapping(model_args_from_config(model)).title} folder (config.json + *.safetensors)"
+
+
+def _wanted(model: Model) -> str:
+    """`hf_folder` of the job's model, or of any family where the job names none torchmoe builds
+    (a flavor named after a folder that is gone)."""
+    try:
+        return hf_folder(model)
+    except ConfigError:
+        return "a Hugging Face checkpoint folder (config.json + *.safetensors)"
 
 
 def folder_flavor(args: ModelArgs, folder: Path) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.components.folder_model import hf_folder
 from torchmoe.components.metrics_records import METRICS_FILE
 from torchmoe.components.run_info import RUN_INFO_FILE
 from torchmoe.components.run_lock import LOCK_NAMES
@@ -66,8 +67,7 @@ def check_initial_load_path(cfg: JobConfig) -> None:
     if not ckpt.initial_load_path or (resumes(cfg) and not ckpt.create_seed_checkpoint):  # a seed run never resumes
         return
     key = source_key(cfg, "checkpoint.initial_load_path")
-    family = hf_mapping(model_args_from_config(cfg.model)).title
-    hf = f"a Hugging Face {family} folder (config.json + *.safetensors)"
+    hf = hf_folder(cfg.model)
     dcp = "a DCP checkpoint folder: a step-N folder of a run, or the output of `torchmoe convert hf-to-dcp`"
     want = hf if ckpt.initial_load_in_hf else dcp
     with path_faults(key, ckpt.initial_load_path, f"point it at {want}, or leave it empty to start from random "
