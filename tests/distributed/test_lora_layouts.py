@@ -24,7 +24,17 @@ pytestmark = pytest.mark.distributed
 
 WORLD = 2
 RTOL = 1e-5
-LAYOUTS = {"fsdp2": dict(dp_shard=2, ep=1), "ep2_fsdp2": dict(dp_shard=2, ep=2)}
+# Degrees (dp_shard, tp, ep) and the activation checkpointing mode of each layout. tp2: sequence
+# parallel with MoE TP (routed experts' hidden units sharded); ep2_tp2: EP borrowing tp's ranks.
+LAYOUTS = {
+    "fsdp2": dict(dp_shard=2, tp=1, ep=1, ac="none"),
+    "ep2_fsdp2": dict(dp_shard=2, tp=1, ep=2, ac="none"),
+    "fsdp2_ac_full": dict(dp_shard=2, tp=1, ep=1, ac="full"),
+    "tp2": dict(dp_shard=1, tp=2, ep=1, ac="none"),
+    "ep2_tp2": dict(dp_shard=1, tp=2, ep=2, ac="none"),
+}
+# Grouped GEMMs need 16-byte row strides (4 fp32 elements); the TP adapters never split r.
+RANK = 4
 
 
 def _model():
@@ -39,7 +49,7 @@ def _model():
     args = dataclasses.replace(FLAVORS["tiny"], n_layers=2, moe_layers=[1], vocab_size=96)
     model = Transformer(args)
     model.init_weights(seed=0)
-    apply_lora(model, LoRA(enable=True, targets=["attention", "mlp", "shared_experts", "experts", "router"], rank=4,
+    apply_lora(model, LoRA(enable=True, targets=["attention", "mlp", "shared_experts", "experts", "router"], rank=RANK,
                            alpha=8.0))
     init_adapters(model, seed=0)
     generator = torch.Generator().manual_seed(1)
@@ -88,24 +98,34 @@ def _worker(out_dir: Path) -> None:
     ref = _adapter_grads(ref_model)
     ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref.values()]))
     record = {"ref_loss": ref_loss.item(), "ref_norm": ref_norm.item()}
-    for label, degrees in LAYOUTS.items():
-        dims = ParallelDims(pp=1, dp_replicate=1, cp=1, tp=1, world_size=WORLD, **degrees)
+    for label, layout in LAYOUTS.items():
+        dp, tp = layout["dp_shard"], layout["tp"]
+        dims = ParallelDims(pp=1, dp_replicate=1, cp=1, dp_shard=dp, tp=tp, ep=layout["ep"], world_size=WORLD)
         cfg = JobConfig()
-        cfg.parallelism.data_parallel_shard_degree = degrees["dp_shard"]
-        cfg.parallelism.expert_parallel_degree = degrees["ep"]
+        cfg.parallelism.data_parallel_shard_degree = dp
+        cfg.parallelism.tensor_parallel_degree = tp
+        cfg.parallelism.expert_parallel_degree = layout["ep"]
+        cfg.parallelism.disable_loss_parallel = True
+        cfg.activation_checkpoint.mode = layout["ac"]
         cfg.training.mixed_precision_param = "float32"
         model = parallelize_model(_model(), dims, build_mesh(dims, "cpu"), cfg, "cpu")
-        # The trainer's normalisation: each rank's token sum over the global tokens, gradients
-        # summed over the ranks (FSDP's divide factor 1).
-        local = _loss(model, tokens[2 * rank:2 * rank + 2]) / WORLD
+        # The trainer's normalisation: each data rank's token sum over the global tokens,
+        # gradients summed over the data ranks (FSDP's divide factor 1); TP ranks share a batch.
+        rows = len(tokens) // dp
+        start = rank // tp * rows
+        local = _loss(model, tokens[start:start + rows]) / dp
         local.backward()
         loss = local.detach().clone()
-        dist.all_reduce(loss)
+        if dp > 1:
+            dist.all_reduce(loss)
         grads = _adapter_grads(model)
+        trainable = sorted(n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters()
+                           if p.requires_grad)
         frozen_grads = sum(p.grad is not None for n, p in model.named_parameters() if not p.requires_grad)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         record[label] = {
             "loss": loss.item(), "norm": norm.item(), "frozen_grads": frozen_grads,
+            "only_adapters_train": trainable == sorted(ref),
             "names_equal": sorted(grads) == sorted(ref),
             "max_rel_err": max(((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref),
         }
@@ -124,5 +144,5 @@ def test_lora_layout_matches_single_process(layout, records):
         assert got["loss"] == pytest.approx(record["ref_loss"], rel=RTOL), rank
         assert got["norm"] == pytest.approx(record["ref_norm"], rel=RTOL), rank
         assert got["names_equal"] and got["max_rel_err"] <= RTOL, (rank, got)
-        assert got["frozen_grads"] == 0
+        assert got["frozen_grads"] == 0 and got["only_adapters_train"], (rank, got)
 
