@@ -15,7 +15,8 @@ frozen parameter gets a gradient.
 Layouts: FSDP 2; DDP 2 (replicated: HSDP's outer dim); EP 2 x FSDP over the experts' ranks; TP 2
 with sequence parallel and MoE TP (each adapter placed after its weight's style, the routed
 experts' adapters after their hidden units: `distributed.tensor_parallel`); EP 2 spanning TP 2;
-CP 2; and full activation checkpointing with every block compiled (aot_eager, no graph break).
+CP 2; PP 2 (1F1B, two micro-batches); and full activation checkpointing with every block
+compiled (aot_eager, no graph break).
 gpt-oss runs the TP layouts, where its experts' adapters differ from DeepSeek's (B of the fused
 gate/up sharded with its rows, not replicated).
 """
@@ -41,6 +42,7 @@ LAYOUTS = {
     "tp2": dict(tp=2),
     "ep2_tp2": dict(tp=2, ep=2),
     "cp2": dict(cp=2),
+    "pp2": dict(pp=2),
     "fsdp2_ac_compile": dict(dp_shard=2, ac="full", compile=True),
 }
 FAMILY_LAYOUTS = {"deepseek_v3": list(LAYOUTS), "gpt_oss": ["tp2", "ep2_tp2"]}
@@ -116,8 +118,8 @@ def _run_layout(family: str, layout: dict, tokens) -> dict:
     from torchmoe.models.decoder.parallelize import parallelize_model
     from torchmoe.plan.parallel_dims import ParallelDims
 
-    degrees = {key: layout.get(key, 1) for key in ("dp_replicate", "dp_shard", "cp", "tp", "ep")}
-    dims = ParallelDims(pp=1, world_size=WORLD, **degrees)
+    degrees = {key: layout.get(key, 1) for key in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    dims = ParallelDims(world_size=WORLD, **degrees)
     cfg = JobConfig()
     par = cfg.parallelism
     par.data_parallel_replicate_degree, par.data_parallel_shard_degree = degrees["dp_replicate"], degrees["dp_shard"]
@@ -129,6 +131,8 @@ def _run_layout(family: str, layout: dict, tokens) -> dict:
     cfg.training.seq_len = SEQ
     cfg.training.mixed_precision_param = "float32"
     counters.clear()
+    if dims.pp_enabled:
+        return _run_pipeline(family, dims, cfg, tokens)
     model = parallelize_model(_model(family), dims, build_mesh(dims, "cpu"), cfg, "cpu")
     # The trainer's balance-loss scale (`training.moe_balance`): each rank routes 1 / token_shards
     # of the batch's tokens (gpt-oss has a balance loss).
@@ -157,6 +161,56 @@ def _run_layout(family: str, layout: dict, tokens) -> dict:
         "frozen_grads": sum(p.grad is not None for p in model.parameters() if not p.requires_grad),
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],
+    }
+
+
+def _run_pipeline(family: str, dims, cfg, tokens) -> dict:
+    """PP 2 (block 0 and the embedding on rank 0, block 1 and the head on rank 1), 1F1B over two
+    micro-batches of two rows, as the trainer builds it (`distributed.pipeline_parallel`)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from torchmoe.distributed.mesh import build_mesh
+    from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
+    from torchmoe.models.decoder.parallelize import parallelize_model
+    from torchmoe.models.decoder.pipeline_stages import split_into_stages
+    from torchmoe.plan.pipeline import PipelineLayout
+
+    rank, microbatches = dist.get_rank(), 2
+    mesh = build_mesh(dims, "cpu")
+    pipe = PipelineLayout(num_stages=2, layers=[[0], [1]], ranks=[[0], [1]])
+    model = _model(family)
+    (stage,) = split_into_stages(model, pipe, rank)
+    stage = parallelize_model(stage, dims, mesh, cfg, "cpu")
+    for moe in stage.moe_layers():
+        moe.aux_loss_grad_scale = 1.0 / microbatches
+    labels = tokens[:, 1:]
+
+    def loss_fn(logits, target):  # the micro-batch's share of the global mean
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum") / labels.numel()
+
+    metas = lambda s: stage_io_metas(pipe, s, microbatch=len(tokens) // microbatches, seq_len=SEQ, seq_shards=1,
+                                     dim=model.tok_embeddings.weight.shape[1], vocab_local=96,
+                                     hidden_dtype=torch.float32, logits_dtype=torch.float32)
+    schedule = build_schedule([stage], pipe, mesh["pp"], "1F1B", n_microbatches=microbatches, loss_fn=loss_fn,
+                              io_metas=metas, device=torch.device("cpu"))
+    losses: list = []
+    if rank == 0:
+        schedule.step(tokens[:, :-1])
+    else:
+        schedule.step(target=labels, losses=losses)
+    loss = torch.stack(losses).sum() if losses else torch.zeros(())
+    dist.all_reduce(loss)
+    stage_grads = _adapter_grads(stage)
+    parts: list = [None] * WORLD
+    dist.all_gather_object(parts, stage_grads)
+    grads = {name: g for part in parts for name, g in part.items()}
+    dist.all_gather_object(parts, [n for n, p in stage.named_parameters() if p.requires_grad])
+    return {
+        "loss": loss.item(), "norm": _norm(grads), "grads": grads, "trainable": sorted(n for part in parts for n in part),
+        "frozen_grads": sum(p.grad is not None for p in stage.parameters() if not p.requires_grad),
+        "graph_breaks": 0, "graphs": 0,
     }
 
 
