@@ -47,7 +47,8 @@ LAYOUTS = {
 }
 FAMILY_LAYOUTS = {"deepseek_v3": list(LAYOUTS), "gpt_oss": ["tp2", "ep2_tp2"]}
 # Two blocks: DeepSeek-V3's first dense, gpt-oss's first over a sliding window.
-SIZES = {"deepseek_v3": dict(n_layers=2, moe_layers=[1]), "gpt_oss": dict(n_layers=2, moe_layers=[0, 1], sliding_layers=[0])}
+SIZES = {"deepseek_v3": dict(n_layers=2, moe_layers=[1]),
+         "gpt_oss": dict(n_layers=2, moe_layers=[0, 1], sliding_layers=[0])}
 TARGETS = ["attention", "mlp", "shared_experts", "experts", "router"]
 # Grouped GEMMs need 16-byte row strides (4 fp32 elements); no TP adapter is split on r.
 RANK = 4
@@ -208,7 +209,8 @@ def _run_pipeline(family: str, dims, cfg, tokens) -> dict:
     grads = {name: g for part in parts for name, g in part.items()}
     dist.all_gather_object(parts, [n for n, p in stage.named_parameters() if p.requires_grad])
     return {
-        "loss": loss.item(), "norm": _norm(grads), "grads": grads, "trainable": sorted(n for part in parts for n in part),
+        "loss": loss.item(), "norm": _norm(grads), "grads": grads,
+        "trainable": sorted(n for part in parts for n in part),
         "frozen_grads": sum(p.grad is not None for p in stage.parameters() if not p.requires_grad),
         "graph_breaks": 0, "graphs": 0,
     }

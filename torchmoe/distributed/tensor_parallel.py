@@ -1,7 +1,8 @@
 """Tensor-parallel styles beyond torch's own, for MoE models: parameters replicated on the mesh
 (`ReplicateParallel`: router gates, shared experts under EP), routed experts sharded on their hidden
-dim (`ExpertTensorParallel`), LoRA adapters placed as their base weight (`adapters_following_weights`),
-and the per-module choice between torchao's float8 styles and plain ones (`LinearStyles`). Which module of a model gets which style is the model's TP plan
+dim (`ExpertTensorParallel`), LoRA adapters placed after their base weight
+(`adapters_following_weights`), and the per-module choice between torchao's float8 styles and
+plain ones (`LinearStyles`). Which module of a model gets which style is the model's TP plan
 (`torchmoe.models.decoder.tensor_parallel`).
 
 Float8 TP (``float8=True``: float8 linears with the tensorwise recipe): every ``Float8Linear``
