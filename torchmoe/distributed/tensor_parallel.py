@@ -145,8 +145,9 @@ def adapters_following_weights(root: nn.Module, mesh: DeviceMesh) -> Iterator[No
     The adapter's forward hook (`nn.lora.add_linear_adapter`, registered before the style's hooks)
     runs on the style's DTensors, so the adapter's output has the base output's layout:
       - column-wise W ``Shard(0)``: A replicated, B ``Shard(0)``; ``x A^T`` (tokens, r) is computed
-        on every rank (no communication), its output sharded as W x. The backward's partial
-        gradient of ``x A^T`` is all-reduced: (tokens, r) elements, r/out of the base's.
+        on every rank (no communication), its output sharded as W x. A's gradient, a partial sum
+        over the output shards, is summed over tp: (r, in) per step; the input's gradient joins
+        the base's partial one.
       - row-wise W ``Shard(1)``: A ``Shard(1)``, B replicated; ``B A_local x_local`` is a partial
         sum added to the base's partial output before the style reduces it, so the forward adds
         no communication; B's gradient, a partial sum, is all-reduced: (out, r) per step.
