@@ -273,10 +273,8 @@ def test_lora_section_refuses_bad_values():
     cfg = JobConfig()
     cfg.lora = LoRA(enable=True, dropout=0.1, targets=["attention", "experts"], export="merged")
     validate_sections(cfg)
-    cfg.parallelism.tensor_parallel_degree = 2
-    with pytest.raises(ConfigError, match="^parallelism.tensor_parallel_degree = 2: tensor parallel does not shard "
-                                          "LoRA adapters yet"):
-        validate_sections(cfg)
+    cfg.parallelism.tensor_parallel_degree = 2  # adapters follow their weights' TP styles
+    validate_sections(cfg)
 
 
 def test_preflight_refuses_what_a_lora_run_cannot_do():

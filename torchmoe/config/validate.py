@@ -361,7 +361,7 @@ def validate_float8(float8: Float8) -> None:
                           "set enable_fsdp_float8_all_gather = false or recipe_name = \"tensorwise\"")
 
 
-def validate_lora(lora: LoRA, parallelism: Parallelism) -> None:
+def validate_lora(lora: LoRA) -> None:
     if not lora.enable:
         return
     if not lora.targets:
@@ -382,10 +382,6 @@ def validate_lora(lora: LoRA, parallelism: Parallelism) -> None:
         raise ConfigError("lora.dropout", lora.dropout, f"PEFT's adapters on {' and '.join(parameter_targets)} "
                           "(target_parameters) take no dropout, so the adapter export could not say how they "
                           "trained", 'set lora.dropout = 0, or lora.export = "merged"')
-    if parallelism.tensor_parallel_degree > 1:
-        raise ConfigError("parallelism.tensor_parallel_degree", parallelism.tensor_parallel_degree,
-                          "tensor parallel does not shard LoRA adapters yet",
-                          "set tensor_parallel_degree = 1 with lora.enable (use FSDP, EP, PP or CP)")
 
 
 def validate_fault_tolerance(ft: FaultTolerance) -> None:
@@ -482,7 +478,7 @@ def validate_sections(cfg: JobConfig) -> None:
     validate_activation_checkpoint(cfg.activation_checkpoint)
     validate_compile(cfg.compile)
     validate_float8(cfg.float8)
-    validate_lora(cfg.lora, cfg.parallelism)
+    validate_lora(cfg.lora)
     validate_metrics(cfg.metrics)
     validate_profiling(cfg.profiling, cfg.training.steps)
     validate_validation(cfg.validation)

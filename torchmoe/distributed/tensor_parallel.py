@@ -1,7 +1,8 @@
 """Tensor-parallel styles beyond torch's own, for MoE models: parameters replicated on the mesh
 (`ReplicateParallel`: router gates, shared experts under EP), routed experts sharded on their hidden
-dim (`ExpertTensorParallel`), and the per-module choice between torchao's float8 styles and plain
-ones (`LinearStyles`). Which module of a model gets which style is the model's TP plan
+dim (`ExpertTensorParallel`), LoRA adapters placed after their base weight
+(`adapters_following_weights`), and the per-module choice between torchao's float8 styles and
+plain ones (`LinearStyles`). Which module of a model gets which style is the model's TP plan
 (`torchmoe.models.decoder.tensor_parallel`).
 
 Float8 TP (``float8=True``: float8 linears with the tensorwise recipe): every ``Float8Linear``
@@ -12,6 +13,9 @@ the row-wise projections' output gradients move 1-byte elements.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,8 +23,9 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from torchmoe.distributed.float8 import is_float8_linear
+from torchmoe.nn.lora import ADAPTER_PREFIX, has_adapter
 
-__all__ = ["ExpertTensorParallel", "LinearStyles", "ReplicateParallel", "sum_gradient"]
+__all__ = ["ExpertTensorParallel", "LinearStyles", "ReplicateParallel", "adapters_following_weights", "sum_gradient"]
 
 
 def sum_gradient(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -71,9 +76,14 @@ class ExpertTensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name, mod, mesh):
-            for pname, dim in mod.tp_dims.items():
-                param = getattr(mod, pname)
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
+            if name:  # a submodule (the adapters' dropout) holds no parameter
+                return
+            # Adapters (`nn.lora.add_expert_adapters`) on the dims `lora_tp_dims` names, the rest
+            # replicated: `RoutedExperts` sums their partial gradients over the mesh.
+            dims = {**mod.tp_dims, **(mod.lora_tp_dims if mod.lora_scaling is not None else {})}
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                placement = Shard(dims[pname]) if pname in dims else Replicate()
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement])))
 
         def input_fn(mod, inputs, mesh):
             x, *rest = inputs
@@ -115,3 +125,54 @@ class LinearStyles:
             return self._prepare(input_layouts=input_layouts, desired_input_layouts=desired,
                                  fwd_config_submodule_fqn=consumers[0])
         return PrepareModuleInput(input_layouts=input_layouts, desired_input_layouts=desired)
+
+
+# Base weight placement (nn.Linear's (out, in)) -> the placements of its adapter's A (r, in) and
+# B (out, r): the sharded dim of W stays sharded (B's rows, A's columns), the rank dim never is.
+_ADAPTER_PLACEMENTS: dict[Placement, tuple[Placement, Placement]] = {
+    Shard(0): (Replicate(), Shard(0)),  # column-wise: x A^T on every rank, B's rows give this rank's outputs
+    Shard(1): (Shard(1), Replicate()),  # row-wise: x_local A_local^T is a partial sum, like W x_local
+    Replicate(): (Replicate(), Replicate()),
+}
+
+
+@contextmanager
+def adapters_following_weights(root: nn.Module, mesh: DeviceMesh) -> Iterator[None]:
+    """Tensor-parallelise `root` inside this context: every LoRA-adapted ``nn.Linear`` under it
+    gets its adapter placed after its weight's style, whatever the style does with extra
+    parameters (torch's column-wise style would shard A's rank dim).
+
+    The adapter's forward hook (`nn.lora.add_linear_adapter`, registered before the style's hooks)
+    runs on the style's DTensors, so the adapter's output has the base output's layout:
+      - column-wise W ``Shard(0)``: A replicated, B ``Shard(0)``; ``x A^T`` (tokens, r) is computed
+        on every rank (no communication), its output sharded as W x. A's gradient, a partial sum
+        over the output shards, is summed over tp: (r, in) per step; the input's gradient joins
+        the base's partial one.
+      - row-wise W ``Shard(1)``: A ``Shard(1)``, B replicated; ``B A_local x_local`` is a partial
+        sum added to the base's partial output before the style reduces it, so the forward adds
+        no communication; B's gradient, a partial sum, is all-reduced: (out, r) per step.
+      - replicated W: both replicated.
+    Neither shards the rank, so r need not divide the TP degree. A Linear the plan leaves alone
+    keeps plain adapters.
+    """
+    # Set aside: the adapter's parameters and its dropout module (torch's row-wise style would
+    # look for a weight on every submodule of the linear).
+    held: dict[nn.Linear, tuple[dict[str, nn.Parameter], dict[str, nn.Module]]] = {}
+    for module in root.modules():
+        if isinstance(module, nn.Linear) and has_adapter(module):
+            params = {n: p for n, p in module.named_parameters(recurse=False) if n.startswith(ADAPTER_PREFIX)}
+            children = {n: m for n, m in module.named_children() if n.startswith(ADAPTER_PREFIX)}
+            held[module] = (params, children)
+            for n in (*params, *children):
+                delattr(module, n)
+    yield
+    for module, (params, children) in held.items():
+        weight = module.weight
+        for n, param in params.items():
+            if isinstance(weight, DTensor):
+                a, b = _ADAPTER_PLACEMENTS[weight.placements[0]]
+                param = nn.Parameter(distribute_tensor(param.detach(), mesh, [a if n.endswith("_a") else b]),
+                                     requires_grad=param.requires_grad)
+            module.register_parameter(n, param)
+        for n, child in children.items():
+            module.add_module(n, child)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchmoe import _torch_private as private
 from torchmoe.nn.init import ParamInit, TruncNormal
@@ -66,10 +66,14 @@ class RoutedExperts(nn.Module):
     `tp_dims`: parameter name -> the dim MoE tensor parallel shards (`ExpertTensorParallel`).
     `lora_projections`: adapter name -> the weights whose rows its output covers, in order (as
     Hugging Face fuses them: one adapter on the fused gate/up projection, A shared by both).
+    `lora_tp_dims`: adapter name -> the dim MoE tensor parallel shards, as its weights' hidden
+    units; the other adapters are replicated, and their gradient, a partial sum over this rank's
+    hidden units, is summed over the mesh (`_adapter_factor`).
     """
 
     tp_dims: dict[str, int] = {}
     lora_projections: dict[str, tuple[str, ...]] = {}
+    lora_tp_dims: dict[str, int] = {}
 
     def __init__(self, num_experts: int, use_grouped_mm: bool) -> None:
         super().__init__()
@@ -90,7 +94,7 @@ class RoutedExperts(nn.Module):
         """Adapter `proj` on x (rows, in) sorted expert-major -> (rows, out), or None without adapters."""
         if self.lora_scaling is None:
             return None
-        a, b = (local_shard(getattr(self, f"{ADAPTER_PREFIX}{proj}_{side}")) for side in "ab")
+        a, b = (_adapter_factor(getattr(self, f"{ADAPTER_PREFIX}{proj}_{side}")) for side in "ab")
         x, a, b = _in_compute_dtype(x, a, b)
         return grouped_lora(x, a, b, self.lora_scaling, self.lora_dropout, self._high_precision_mm, counts, offsets)
 
@@ -129,6 +133,10 @@ class GroupedExperts(RoutedExperts):
 
     tp_dims = {"w1": 1, "w2": 2, "w3": 1}
     lora_projections = {"w13": ("w1", "w3"), "w2": ("w2",)}
+    # The fused gate/up adapter's B rows are [w1's; w3's]: no contiguous shard matches w1's and
+    # w3's, so B is replicated and each rank takes its hidden units' rows of the output
+    # (rows x r x 2 hidden multiply-adds a projection, a fraction r / dim of the base's).
+    lora_tp_dims = {"lora_w2_a": 2}
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool) -> None:
         super().__init__(num_experts, use_grouped_mm)
@@ -152,8 +160,10 @@ class GroupedExperts(RoutedExperts):
             counts = num_tokens_per_expert
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert
             gate, up = self._mm(x, w1, counts, offsets), self._mm(x, w3, counts, offsets)  # (rows, hidden)
-            if (delta := self._adapter("w13", x, counts, offsets)) is not None:  # (rows, 2 * hidden)
-                gate, up = gate + delta[:, :gate.shape[1]], up + delta[:, gate.shape[1]:]
+            if (delta := self._adapter("w13", x, counts, offsets)) is not None:  # (rows, 2 * all hidden)
+                hidden, start, local = delta.shape[1] // 2, _hidden_offset(self.w1), gate.shape[1]
+                gate = gate + delta[:, start:start + local]
+                up = up + delta[:, hidden + start:hidden + start + local]
             h = F.silu(gate) * up
             out = self._mm(h, w2, counts, offsets)  # (rows, dim)
             delta = self._adapter("w2", h, counts, offsets)
@@ -180,6 +190,7 @@ class ClampedSwiGLUExperts(RoutedExperts):
 
     tp_dims = {"w13": 1, "b13": 1, "w2": 2, "b2": 1}
     lora_projections = {"w13": ("w13",), "w2": ("w2",)}
+    lora_tp_dims = {"lora_w13_b": 1, "lora_w2_a": 2}
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool, *, limit: float,
                  alpha: float) -> None:
@@ -222,6 +233,22 @@ class ClampedSwiGLUExperts(RoutedExperts):
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         return {"w13": TruncNormal(0.02), "b13": TruncNormal(init_std), "w2": TruncNormal(init_std),
                 "b2": TruncNormal(init_std)}
+
+
+def _adapter_factor(p: torch.Tensor) -> torch.Tensor:
+    """What this rank computes with of an expert adapter `p`: its local shard. A replicated one
+    (MoE tensor parallel's A of the gate/up adapter, B of the down one) meets this rank's hidden
+    units only, so its local gradient is a partial sum: marked ``Partial``, summed over the mesh."""
+    if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements):
+        return p.to_local(grad_placements=[Partial()] * len(p.placements))
+    return local_shard(p)
+
+
+def _hidden_offset(w: torch.Tensor) -> int:
+    """The first hidden unit this rank holds of expert weight `w` (E, hidden, dim)."""
+    if not isinstance(w, DTensor):
+        return 0
+    return private.local_shape_and_offset(w.shape, w.device_mesh, w.placements)[1][1]
 
 
 def _in_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -45,6 +45,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     materialised) and return it. `mesh` may be None only when the world is a single rank;
     `device` is what the job trains on (what float8 is checked against)."""
     par = cfg.parallelism
+    # Styles re-register the parameters they shard as new (trainable) ones: LoRA's frozen base
+    # stays frozen.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     if cfg.float8.enable or cfg.float8.routed_experts:
         apply_float8(model, cfg.float8, device)
 
@@ -59,6 +62,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
 
     if dims.cp_enabled:
         apply_cp(model, mesh["cp"], cfg.training.seq_len)
+
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
     apply_ac(model, cfg.activation_checkpoint)
 

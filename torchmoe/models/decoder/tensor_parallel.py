@@ -16,6 +16,9 @@ Float8 TP (tensorwise recipe): the ``Float8Linear`` modules take torchao's float
 (w1/w3) are gathered in float8 when all their readers are float8. The MoE input stays high
 precision (the router and routed experts read it); shared experts cast their replicated copy
 locally.
+
+LoRA: a linear's adapter follows its weight's style (`adapters_following_weights`); routed
+experts' adapters follow their weights (`RoutedExperts.lora_tp_dims`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchmoe.distributed.tensor_parallel import ExpertTensorParallel, LinearStyles, ReplicateParallel
+from torchmoe.distributed.tensor_parallel import (
+    ExpertTensorParallel,
+    LinearStyles,
+    ReplicateParallel,
+    adapters_following_weights,
+)
 from torchmoe.models.decoder.attention import Attention
 from torchmoe.models.decoder.latent_attention import LatentAttention
 
@@ -121,7 +129,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
             plan["moe"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
                 output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
-        parallelize_module(block, tp_mesh, plan)
+        with adapters_following_weights(block, tp_mesh):
+            parallelize_module(block, tp_mesh, plan)
         applied.update({f"layers.{name}.{fqn}": style for fqn, style in plan.items()})
     return applied
 
