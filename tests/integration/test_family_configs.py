@@ -7,6 +7,7 @@ parameter counts, and trains on one CPU process with a flavor of its family as t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def test_each_config_plans_its_gpu_job(name: str, world_size: int, expected: str
 
 @pytest.mark.parametrize(("name", "flavor", "masking", "flags"), DEBUG_FLAVORS)
 def test_each_config_trains_on_one_cpu_process_with_a_small_flavor(name: str, flavor: str, masking: bool,
-                                                                   flags: list[str], tmp_path: Path) -> None:
+                                                                   flags: list[str], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """The file as shipped (bf16 autocast, full AC, its optimizer: AdamW, or Muon with bf16
     Newton-Schulz, its data and tokenizer) on one process with a flavor of its family as the one
     change (and the Muon file's EP set to 1): one step of 256 tokens, no compile and no
@@ -56,6 +58,10 @@ def test_each_config_trains_on_one_cpu_process_with_a_small_flavor(name: str, fl
                      *flags, "--job.dump_folder", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 1 and 0 < record["loss"] < 20 and record["grad_norm"] > 0
+    # A Muon file's opening lines show the split (`Optimization.description`); AdamW's show none.
+    muon = 'name = "Muon"' in (CONFIGS / name).read_text()
+    split = re.findall(r"^(Muon|AdamW): \d+ tensors, [\d,]+ elements$", capsys.readouterr().out, re.MULTILINE)
+    assert split == (["Muon", "AdamW"] if muon else [])
 
 
 @pytest.fixture(scope="module")
