@@ -48,6 +48,17 @@ TINY_JOB = [
 # on, so their gradients must be scaled and reduced exactly.
 BALANCE = ["--model.load_balance_coeff", "0.05", "--model.aux_loss_coeff", "0.01", "--model.z_loss_coeff", "0.001"]
 
+# Muon's parity runs (the layout suites' `muon_*` jobs, `muon_reference`): Moonlight's recipe
+# (AdamW's lr and weight decay for Muon's matrices through match_rms_adamw, the routers' gates
+# under Muon too) over 20 steps, Newton-Schulz in float32. Why float32: the layouts' gradients
+# differ from the single process's by summation order (~1e-7 relative); cast to bfloat16 before
+# the NS, such a difference flips an element's rounding now and then, a 2^-9 (2e-3) change that
+# the NS spreads over the whole matrix: in bf16, EP 2 ended 5.3e-4 off in the loss and 1.8e-3 in
+# the gradient norm (CP 2: 4.9e-5 in the norm). In float32 the NS's own rounding stays at ~1e-7
+# and the curves agree as AdamW's do (<= 2.1e-7).
+MUON = ["--optimizer.name", "Muon", "--optimizer.ns_dtype", "float32", "--optimizer.adjust_lr", "match_rms_adamw",
+        "--optimizer.muon_router", "true", "--training.steps", "20"]
+
 # A Llama 4 run that exports Hugging Face weights (checkpoint.last_save_in_hf) trains without the
 # aux-loss-free expert bias, Llama 4's default, which its Hugging Face model has no place for (a
 # run that trains it is refused: the folder would select other experts).

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BALANCE, seed_checkpoint, start_from, train_tiny
+from tests.helpers import BALANCE, MUON, seed_checkpoint, start_from, train_tiny
 from tests.launch import metrics_by_step
 
 
@@ -47,3 +47,15 @@ def balance_reference(seed, tmp_path_factory) -> dict[int, dict]:
         train_tiny(start_from(seed, folder), ["--training.local_batch_size", "8", *BALANCE])
 
     return metrics_by_step(shared_folder(tmp_path_factory, "single_balance", train))
+
+
+@pytest.fixture(scope="session")
+def muon_reference(seed, tmp_path_factory) -> Path:
+    """The dump folder of the single-process Muon run every layout suite's `muon_*` jobs
+    reproduce: `balance_reference`'s job with `MUON` (20 steps), saving at step 10 too (for the
+    resume tests). Run once per session."""
+    def train(folder: Path) -> None:
+        train_tiny(start_from(seed, folder), ["--training.local_batch_size", "8", *BALANCE, *MUON,
+                                              "--checkpoint.interval", "10"])
+
+    return shared_folder(tmp_path_factory, "single_muon", train)

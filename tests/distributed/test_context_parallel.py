@@ -33,6 +33,7 @@ import pytest
 
 from tests.helpers import (
     BALANCE,
+    MUON,
     SHORT_DOCUMENTS,
     Job,
     TinyRuns,
@@ -113,6 +114,8 @@ def runs(seed, tmp_path_factory) -> TinyRuns:
         **{name: Job(nproc, [*_seq(seq_len), *flags]) for name, (nproc, seq_len, flags) in LAYOUTS.items()},
         "cp2_to_cp1": Job(1, [*_seq(384), "--training.local_batch_size", "8"], start=("cp2_halo", 3)),
         "cp2_tp2_docs_flash": Job(4, [*_seq(256), *LAYOUTS["cp2_tp2_docs"][2]], flash=True),
+        # Muon at the tiny job's 64 tokens (pieces of 16: the chunked layers gather).
+        "muon_cp2": Job(2, [*CP2, "--training.local_batch_size", "8", *BALANCE, *MUON]),
     })
 
 
@@ -309,3 +312,10 @@ def test_saved_bytes_per_block_match_the_planner(model_checks, seq_len):
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+def test_muon_under_cp_matches_single_process(runs, muon_reference):
+    """Muon (`tests.helpers.MUON`) on cp 2 (parameters replicated over cp, gradients reduced
+    over it): the single process's Muon curve over 20 steps."""
+    assert_same_curve(metrics_by_step(runs.folder("muon_cp2")), metrics_by_step(muon_reference), "muon cp2",
+                      rtol=RTOL)

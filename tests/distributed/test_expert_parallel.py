@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BALANCE, Job, TinyRuns, assert_same_curve, seed_checkpoint
+from tests.helpers import BALANCE, MUON, Job, TinyRuns, assert_same_curve, seed_checkpoint
 from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
@@ -59,6 +59,7 @@ def runs(seed, bench_seed, tmp_path_factory) -> TinyRuns:
         "bench256_fsdp2_ep2_selective_ac": Job(2, [*BENCH, "--training.local_batch_size", "4",
                                                    "--parallelism.expert_parallel_degree", "2",
                                                    "--activation_checkpoint.mode", "selective"], start=bench_seed),
+        **{name: Job(nproc, [*flags, *BALANCE, *MUON]) for name, (nproc, flags) in MUON_LAYOUTS.items()},
     })
 
 
@@ -87,3 +88,20 @@ def test_bench256_fsdp2_ep2_selective_ac_on_two_ranks(runs):
     process's norm was off by 1.4e-4.)"""
     assert_same_curve(metrics_by_step(runs.folder("bench256_fsdp2_ep2_selective_ac")),
                       metrics_by_step(runs.folder("bench256_single")), "bench256 fsdp2 x ep2 sac", rtol=RTOL)
+
+
+# Muon (`tests.helpers.MUON`) in this module's world of 2, against the single process's Muon run:
+# routed experts split between whole experts by EP (never gathered: each expert's matrices are
+# whole on its rank), the rest under FSDP; and EP over TP (TP's splits gathered per matrix).
+MUON_LAYOUTS = {
+    "muon_ep2": (2, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    "muon_tp2_ep2_spanning_tp": (2, ["--parallelism.tensor_parallel_degree", "2",
+                                     "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "8"]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(MUON_LAYOUTS))
+def test_muon_ep_layout_matches_single_process(layout, runs, muon_reference):
+    got = metrics_by_step(runs.folder(layout))
+    assert_same_curve(got, metrics_by_step(muon_reference), layout, rtol=RTOL)
+    assert got[1]["ep_all_to_all_gib"] > 0

@@ -22,7 +22,8 @@ and the EP/PP suites), so groups of any layout must give HSDP's loss and gradien
     both are killed and relaunched from their checkpoints: the whole run is HSDP's, around both
     outages;
   - the lighthouse restarted: the groups go on; gone for good: every group stops, exit 2;
-  - local SGD and DiLoCo: equal weights exactly at the syncs.
+  - local SGD and DiLoCo: equal weights exactly at the syncs;
+  - Muon in groups of FSDP 2: HSDP's Muon curve.
 
 The kill test paces the tiny model's steps to 1.5 s (`paced_steps/sitecustomize.py`: the rest of
 each step slept) so that the survivor is still training when the relaunched groups, whose start
@@ -42,7 +43,7 @@ import pytest
 import torch
 
 from tests.distributed.rank_processes import root_cause, torchrun_summary
-from tests.helpers import DEBUG_CONFIG
+from tests.helpers import DEBUG_CONFIG, MUON
 from tests.launch import Lighthouse, ReplicaGroup, metrics_by_step, run_replica_groups, run_train
 
 pytestmark = pytest.mark.distributed
@@ -84,13 +85,25 @@ def _states(folder: Path, prefixes: tuple[str, ...] = ("model.", "optimizer.")) 
 
 
 @pytest.fixture(scope="module")
-def hsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """The reference: the same job as HSDP 2 x 2 in one torchrun world of 4 ranks."""
-    folder = tmp_path_factory.mktemp("hsdp")
-    run_train([*JOB, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=folder, nproc=4)
-    reference = metrics_by_step(folder)
-    assert sorted(reference) == list(range(1, STEPS + 1))
+def hsdp_with(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str, ...]], dict[int, dict]]:
+    """The reference: the same job with more `flags` as HSDP 2 x 2 in one torchrun world of 4
+    ranks (run once per flags)."""
+    runs: dict[tuple[str, ...], dict[int, dict]] = {}
+
+    def reference(flags: tuple[str, ...]) -> dict[int, dict]:
+        if flags not in runs:
+            folder = tmp_path_factory.mktemp("hsdp")
+            run_train([*JOB, *flags, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=folder, nproc=4)
+            runs[flags] = metrics_by_step(folder)
+            assert sorted(runs[flags]) == list(range(1, STEPS + 1))
+        return runs[flags]
     return reference
+
+
+@pytest.fixture(scope="module")
+def hsdp(hsdp_with) -> dict[int, dict]:
+    """The reference of the plain job (AdamW)."""
+    return hsdp_with(())
 
 
 def _assert_hsdp_curve(records: list[dict], reference: dict[int, dict], label: str) -> None:
@@ -185,6 +198,18 @@ def test_groups_of_other_layouts_train_what_hsdp_trains(tmp_path: Path, hsdp: di
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))
         assert all(r["ft_participants"] == 2 for r in records)
         _assert_hsdp_curve(records, hsdp, f"{layout} {group.metrics}")
+
+
+def test_muon_groups_train_what_hsdp_trains(tmp_path: Path, hsdp_with) -> None:
+    """Muon (`tests.helpers.MUON`: 20 steps, Newton-Schulz in float32) in groups of FSDP 2: the
+    gradients averaged across groups, then each group gathers its matrices whole and takes the
+    single process's step. HSDP 2 x 2's Muon curve, step for step."""
+    groups = run_replica_groups([*JOB, *FT, *MUON], tmp_path / "ft", "--min-replicas", "2")
+    for group in groups:
+        records = group.records()
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert all(r["ft_participants"] == 2 for r in records)
+        _assert_hsdp_curve(records, hsdp_with(tuple(MUON)), f"muon {group.metrics}")
 
 
 @pytest.mark.parametrize("average", ["auto", "backward"])

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import BALANCE, HF_EXPORT, TINY_JOB, Job, TinyRuns, assert_same_curve
+from tests.helpers import BALANCE, HF_EXPORT, MUON, TINY_JOB, Job, TinyRuns, assert_same_curve
 from tests.launch import metrics_by_step
 
 pytestmark = pytest.mark.distributed
@@ -121,6 +121,8 @@ def runs(seed, hf_seed, tmp_path_factory) -> TinyRuns:
         # Hugging Face weights in and out, without the seed checkpoint.
         "hf_one": Job(1, hf, start=None, saves=True),
         "hf_pp2_zbv": Job(2, [*hf, *_schedule("ZBVZeroBubble")], start=None, saves=True),
+        # Muon over two stages per rank (ZBV's V), each stage's matrices whole on its rank.
+        "muon_pp2_zbv": Job(2, ["--training.local_batch_size", "8", *_schedule("ZBVZeroBubble"), *BALANCE, *MUON]),
     })
 
 
@@ -162,3 +164,9 @@ def test_hugging_face_load_and_save_under_pp(runs):
     # fraction of lr (1e-3 at step 2). Observed: 1 element of 2.4 M off by 2.8e-6, the rest < 1e-6.
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_muon_under_pp_matches_single_process(runs, muon_reference):
+    """Muon (`tests.helpers.MUON`) on pp 2, ZBV: the single process's Muon curve over 20 steps."""
+    assert_same_curve(metrics_by_step(runs.folder("muon_pp2_zbv")), metrics_by_step(muon_reference), "muon pp2 zbv",
+                      rtol=RTOL)

@@ -7,6 +7,7 @@ parameter counts, and trains on one CPU process with a flavor of its family as t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,16 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # DeepSeek-V2-Lite's 15.7B, whose shapes torchtitan's DeepSeek-V3 16B has)
 PLANS = [("qwen3_30b_a3b.toml", 64, "parameters: total 30.53 B, active 3.35 B"),
          ("deepseek_v3_16b.toml", 64, "parameters: total 15.71 B, active 2.66 B"),
+         ("deepseek_v3_16b_muon.toml", 64, "parameters: total 15.71 B, active 2.66 B"),
          ("gpt_oss_20b.toml", 16, "parameters: total 20.91 B, active 3.61 B")]
 # (file, a flavor of its family small enough for the suite: torchtitan's Qwen3 debugmodel_moe takes
 # ~37 s here in CI, its 316 M parameters' initialisation and AdamW state; docs/models.md has its
 # runs. DeepSeek-V3's debugmodel (33 M) and gpt-oss's (81 M) are the ones the files' comments
-# name; document masking where the family runs it: gpt-oss refuses it.)
-DEBUG_FLAVORS = [("qwen3_30b_a3b.toml", "tiny", True), ("deepseek_v3_16b.toml", "debugmodel", True),
-                 ("gpt_oss_20b.toml", "debugmodel", False)]
+# name; document masking where the family runs it: gpt-oss refuses it; the Muon file's EP 8 set to
+# 1, as its comment says, for one process.)
+DEBUG_FLAVORS = [("qwen3_30b_a3b.toml", "tiny", True, []), ("deepseek_v3_16b.toml", "debugmodel", True, []),
+                 ("deepseek_v3_16b_muon.toml", "debugmodel", True, ["--parallelism.expert_parallel_degree", "1"]),
+                 ("gpt_oss_20b.toml", "debugmodel", False, [])]
 
 
 @pytest.mark.parametrize(("name", "world_size", "expected"), PLANS)
@@ -39,19 +43,25 @@ def test_each_config_plans_its_gpu_job(name: str, world_size: int, expected: str
     assert "fits:" in out and "error:" not in err, err
 
 
-@pytest.mark.parametrize(("name", "flavor", "masking"), DEBUG_FLAVORS)
+@pytest.mark.parametrize(("name", "flavor", "masking", "flags"), DEBUG_FLAVORS)
 def test_each_config_trains_on_one_cpu_process_with_a_small_flavor(name: str, flavor: str, masking: bool,
-                                                                   tmp_path: Path) -> None:
-    """The file as shipped (bf16 autocast, full AC, AdamW, its data and tokenizer) on one process
-    with a flavor of its family as the one change: one step of 256 tokens, no compile and no
+                                                                   flags: list[str], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The file as shipped (bf16 autocast, full AC, its optimizer: AdamW, or Muon with bf16
+    Newton-Schulz, its data and tokenizer) on one process with a flavor of its family as the one
+    change (and the Muon file's EP set to 1): one step of 256 tokens, no compile and no
     checkpoint, for time; with document masking, whose varlen kernel is no autocast op (Qwen3's
     q/k norms handed it fp32 queries beside bf16 values under autocast: a crash)."""
     assert cli.main(["train", "--config", str(CONFIGS / name), "--model.flavor", flavor, "--training.steps", "1",
                      "--training.seq_len", "256", "--compile.enable", "false", "--checkpoint.enable", "false",
                      "--training.document_masking", str(masking).lower(), "--metrics.log_freq", "1",
-                     "--job.dump_folder", str(tmp_path)]) == 0
+                     *flags, "--job.dump_folder", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 1 and 0 < record["loss"] < 20 and record["grad_norm"] > 0
+    # A Muon file's opening lines show the split (`Optimization.description`); AdamW's show none.
+    muon = 'name = "Muon"' in (CONFIGS / name).read_text()
+    split = re.findall(r"^(Muon|AdamW): \d+ tensors, [\d,]+ elements$", capsys.readouterr().out, re.MULTILINE)
+    assert split == (["Muon", "AdamW"] if muon else [])
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ expert's, MLA's projections; the Muon/AdamW split by role; the state dict.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,3 +260,21 @@ def test_only_shards_that_split_matrices_are_gathered() -> None:
     assert whole_matrix_placements((strided, Shard(0)), 3) == (strided, Shard(0))
     assert whole_matrix_placements((Shard(1), Shard(0)), 3) == (Replicate(), Shard(0))
     assert whole_matrix_placements((Shard(0), Shard(2)), 3) == (Shard(0), Replicate())
+
+
+def test_opening_lines_show_the_split() -> None:
+    """The optimizer's named place (`training.optimization`) hands the run's opening its split:
+    Muon's lines follow the run's line; AdamW's optimization has none."""
+    from torchmoe.config.job_config import JobConfig
+    from torchmoe.training.console import opening
+    from torchmoe.training.optimization import build_optimization
+
+    model, cfg = _model("qwen3"), JobConfig()
+    cfg.optimizer = OptimizerConfig(name="Muon")
+    muon = build_optimization(model, cfg.optimizer, cfg.lr_scheduler, steps=5)
+    assert muon.description == describe_split(model, cfg.optimizer)
+    assert muon.description[0] == f"Muon: 28 tensors, {4 * 128 * 384 + 3 * 256 * 128 + 9 * 8 * 64 * 128:,} elements"
+    lines = opening(cfg, FLAVORS["qwen3"]["tiny"], step=0, global_batch_size=8, world_size=1, device_type="cpu",
+                    dump_folder=Path("out"), optimizer_lines=muon.description).splitlines()
+    assert lines[1:] == muon.description and lines[0].startswith("training ")
+    assert build_optimization(model, OptimizerConfig(name="AdamW"), cfg.lr_scheduler, steps=5).description == []

@@ -3,6 +3,7 @@ compiled."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from torchmoe.arch.model_args import ModelArgs
@@ -24,8 +25,9 @@ def say(metrics: MetricsLogger, log_file: LogFile | None, text: str) -> None:
 
 
 def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_size: int, world_size: int,
-            device_type: str, dump_folder: Path) -> str:
-    """The run's first console lines: its description, what trains where, where it writes."""
+            device_type: str, dump_folder: Path, optimizer_lines: Sequence[str] = ()) -> str:
+    """The run's first console lines: its description, what trains where, where it writes, then
+    `optimizer_lines` (`Optimization.description`: which parameters which algorithm updates)."""
     counts = model_args.param_counts()
     tokens = global_batch_size * cfg.training.seq_len
     steps = f"steps {step + 1}-{cfg.training.steps}, {tokens:,} tokens each" if step < cfg.training.steps \
@@ -33,7 +35,7 @@ def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_si
     line = (f"training {cfg.model.name} {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, "
             f"{counts['active'] / 1e6:,.1f} M active) on {world_size} x {device_type}: {steps}; "
             f"writing to {dump_folder}")
-    return f"{cfg.job.description}\n{line}" if cfg.job.description else line
+    return "\n".join([*([cfg.job.description] if cfg.job.description else []), line, *optimizer_lines])
 
 
 def closing(cfg: JobConfig, result: StepResult | None, *, step: int, first_step: int, seconds: float,

@@ -133,6 +133,7 @@ class Trainer:
         self.moe_layers = self.balance.layers
         optimization = build_optimization(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
+        self.optimizer_lines = optimization.description  # for the opening lines
         self.checkpointer = CheckpointManager(self.dump_folder, cfg.checkpoint, total_steps=cfg.training.steps,
                                               timeout=checkpoint_timeout(cfg.checkpoint, cfg.comm))
         self.state = {
@@ -285,7 +286,8 @@ class Trainer:
                                 run_config=asdict(cfg))
         self._say(metrics, opening(cfg, self.model_args, step=self.step,
                                    global_batch_size=self.dataloader.global_batch_size, world_size=self.world_size,
-                                   device_type=self.device.type, dump_folder=self.dump_folder))
+                                   device_type=self.device.type, dump_folder=self.dump_folder,
+                                   optimizer_lines=self.optimizer_lines))
         if self.step > 0:
             logger.info("resuming at step %d", self.step + 1)
         if self.rank == 0:  # decided once per device, dtype and head dim (`nn.attention_kernels`)

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.components.muon_groups import describe_split
 from torchmoe.components.optimizer import build_optimizer
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
@@ -34,13 +35,18 @@ def every_parameter(name: str, param: nn.Parameter) -> bool:
 class Optimization:
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler  # stepped after each optimizer step
+    # The run's opening lines on which parameters which algorithm updates (Muon's split into
+    # Muon and AdamW tensors); none for an optimizer that updates every parameter alike.
+    description: list[str]
 
 
 def build_optimization(model: nn.Module, optimizer_cfg: OptimizerConfig, lr_cfg: LRSchedulerConfig, steps: int,
                        *, trainable: TrainableSubset = every_parameter) -> Optimization:
     """The optimizer over the parameters of `model` that `trainable` keeps (the others are frozen:
-    ``requires_grad`` false), and its schedule over `steps` steps."""
+    ``requires_grad`` false), its schedule over `steps` steps, and its opening lines (Muon: the
+    split's tensor and element counts per algorithm and role, `muon_groups.describe_split`)."""
     for name, param in model.named_parameters():
         param.requires_grad_(trainable(name, param))
     optimizer = build_optimizer(model, optimizer_cfg)
-    return Optimization(optimizer, build_lr_scheduler(optimizer, lr_cfg, steps))
+    description = describe_split(model, optimizer_cfg) if optimizer_cfg.name.lower() == "muon" else []
+    return Optimization(optimizer, build_lr_scheduler(optimizer, lr_cfg, steps), description)
