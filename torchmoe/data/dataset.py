@@ -10,6 +10,7 @@ The sources, chosen by `training.dataset`:
   other text file (`.txt`, source code, Markdown, no suffix: UTF-8 without NUL bytes) as one
   document each.
 - `hf`: a Hugging Face hub dataset, streamed.
+- `chat`: conversations (`chat.py`), rendered by the model's chat template and packed whole.
 - torchtitan's names: `c4` / `c4_validation` (allenai/c4 "en", streamed) and `c4_test` (its test
   corpus, `tests/assets/c4_test` of a torchtitan checkout); `dataset_path` moves either.
 Every source yields the same documents in the same order on every pass and every rank; the
@@ -641,6 +642,13 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
             raise DataConfigError(key, "", 'dataset = "tokens" needs a folder', "point it at the OUT_DIR of "
                                   "`torchmoe prepare-data`")
         return TokenShards(training.dataset_path, key=key, check_digests=check_digests)
+    if kind == "chat":
+        from torchmoe.data.chat import ChatCorpus  # lazily: the chat modules read files with this module's helpers
+        from torchmoe.data.chat_files import chat_rows
+
+        rows = chat_rows(training.dataset_path, key=key, extensions=training.dataset_extensions,
+                         split=training.dataset_split)
+        return ChatCorpus(rows, loss_on=training.loss_on, overlong=training.chat_overlong)
     if kind == "hf":
         return HFDocuments.from_spec(
             training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field, key=key
@@ -658,5 +666,5 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
             )  # fmt: skip
         return files(path)
     raise DataConfigError(
-        "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local', 'tokens' or 'hf'"
+        "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local', 'tokens', 'hf' or 'chat'"
     )
