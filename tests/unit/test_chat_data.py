@@ -17,6 +17,8 @@ from tests.chat_fixtures import (
     CHATML_MARKED,
     CHATML_SPECIALS,
     CONVERSATIONS,
+    DEEPSEEK,
+    DEEPSEEK_SPECIALS,
     HARMONY,
     HARMONY_SPECIALS,
     QWEN3_REASONING,
@@ -120,6 +122,15 @@ def test_prefix_unstable_template_is_refused_naming_row_and_turn(folders):
         "{% generation %} ... {% endgeneration %} (chat_template.jinja beside tokenizer.json)")
     ids, mask = _render(folders["qwen3"], REASONING, "last")  # the suggested fix works
     assert _masked_text(folders["qwen3"], ids, mask) == "<think>\nr2\n</think>\n\nd<|im_end|>\n"
+
+
+def test_a_generation_prompt_the_turn_does_not_begin_with_is_refused(tmp_path):
+    """DeepSeek-R1's prompt opens a <think> block that its rendered turns do not hold."""
+    folder = tokenizer_folder(tmp_path, DEEPSEEK.replace("{% if add_generation_prompt %}<Assistant>",
+                                                         "{% if add_generation_prompt %}<Assistant><think>\n"),
+                              [*DEEPSEEK_SPECIALS, "<think>"], eos="<eos>", bos="<bos>")
+    with pytest.raises(DataConfigError, match=r"chat.jsonl:7, turn 3 \(messages\[3\], the assistant's\)"):
+        _render(folder, CONVERSATIONS[2][:1] * 3 + CONVERSATIONS[2][1:], "last")
 
 
 def test_harmony_last_turn_end_is_refused_for_earlier_turns_only(folders):
@@ -336,3 +347,13 @@ def test_byte_tokenizer_and_bad_settings_are_refused(tmp_path):
         validate_training(_training(path, chat_overlong="cut"))
     with pytest.raises(ConfigError, match=r'training.dataset_path = "": dataset = "chat" needs a path'):
         validate_training(_training(""))
+
+
+def test_every_token_is_a_target_but_none_across_a_conversation_boundary(folders, tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in [ROWS[2], ROWS[2]]))
+    loader = _loader(folders["chatml"], str(tmp_path / "a.jsonl"), local_batch_size=1, seq_len=60, loss_on="all")
+    ((inputs, labels),) = loader.next_batch()
+    n = len(ChatTemplate.load(folders["chatml"]).tokens(CONVERSATIONS[2]))
+    assert n == 25 and inputs[0, :n].tolist() == inputs[0, n:2 * n].tolist()
+    assert labels[0, :n - 1].tolist() == inputs[0, 1:n].tolist() == labels[0, n:2 * n - 1].tolist()
+    assert labels[0, n - 1] == IGNORE and (labels[0, 2 * n - 1:] == IGNORE).all()
