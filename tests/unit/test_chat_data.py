@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from tests.chat_fixtures import (
 )
 from torchmoe.config import JobConfig
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.loader import load_job_config
 from torchmoe.config.validate import validate_training
 from torchmoe.data import build_dataloader, build_tokenizer
 from torchmoe.data.chat_files import chat_rows, conversation
@@ -38,6 +40,7 @@ from torchmoe.data.micro_batches import IGNORE
 from torchmoe.nn.document_attention import document_starts
 
 SOURCE = ("training.dataset_path", "chat.jsonl")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -357,3 +360,31 @@ def test_every_token_is_a_target_but_none_across_a_conversation_boundary(folders
     assert n == 25 and inputs[0, :n].tolist() == inputs[0, n:2 * n].tolist()
     assert labels[0, :n - 1].tolist() == inputs[0, 1:n].tolist() == labels[0, n:2 * n - 1].tolist()
     assert labels[0, n - 1] == IGNORE and (labels[0, 2 * n - 1:] == IGNORE).all()
+
+
+def test_document_masking_of_chat_data_is_refused_until_the_trainer_takes_its_starts(folders, tmp_path):
+    path = _write("jsonl", tmp_path / "d")
+    with pytest.raises(DataConfigError, match=r"training.document_masking = true: would cut chat data's conversations"):
+        _loader(folders["chatml"], path, document_masking=True)
+
+
+def test_the_fine_tuning_page_settings_read_its_chat_file(folders, tmp_path, monkeypatch):
+    """docs/fine_tuning.md: its command's settings, its two rows and a Qwen3-like template."""
+    page = (REPO / "docs" / "fine_tuning.md").read_text()
+    rows = [line for line in page.split("```json\n")[1].split("```")[0].splitlines() if line]
+    command = page.split("```bash\n")[1].split("```")[0].replace("\\\n", " ").split()
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(folders["qwen3"], "models/Qwen3-30B-A3B")
+    Path("data").mkdir()
+    Path("data/chat.jsonl").write_text("\n".join(rows))
+    args = command[command.index("train") + 1:]
+    args[args.index("--config") + 1] = str(REPO / args[args.index("--config") + 1])
+    training = load_job_config(args, notes=[]).training
+    assert (training.dataset, training.loss_on) == ("chat", "last")
+    loader = build_dataloader(dataclasses.replace(training, seq_len=64, local_batch_size=2, global_batch_size=-1),
+                              build_tokenizer("models/Qwen3-30B-A3B"))
+    template = ChatTemplate.load(Path("models/Qwen3-30B-A3B"))
+    (batch,) = loader.next_batch()
+    assert ["".join(template.tokenizer.convert_ids_to_tokens([int(t) for t in row if t != IGNORE]))
+            for row in batch[1]] == \
+        ["<think>\n\n</think>\n\n4<|im_end|>\n", "<think>\n\n</think>\n\nOslo<|im_end|>\n"]
