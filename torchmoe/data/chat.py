@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchmoe.config.validate import CHAT_OVERLONG
-from torchmoe.data.chat_files import ChatRows, conversation
+from torchmoe.data.chat_files import ChatRows, chat_rows, conversation
 from torchmoe.data.chat_masks import Rendered, render
 from torchmoe.data.chat_template import ChatTemplate
 from torchmoe.data.documents import Documents
@@ -42,13 +41,12 @@ from torchmoe.data.errors import CorpusEnd, DataConfigError
 from torchmoe.data.micro_batches import IGNORE, ChatWindows
 
 if TYPE_CHECKING:
+    from torchmoe.config.job_config import Training
     from torchmoe.data.tokenizer import Tokenizer
 
-__all__ = ["OVERLONG", "ChatCorpus", "ChatRange", "ChatStats", "ChatStream"]
+__all__ = ["ChatCorpus", "ChatRange", "ChatStats", "ChatStream", "chat_corpus"]
 
 logger = logging.getLogger(__name__)
-
-OVERLONG = CHAT_OVERLONG  # training.chat_overlong's values
 
 
 @dataclasses.dataclass
@@ -124,7 +122,8 @@ class ChatCorpus(Documents):
                                   "rendered by the model's chat template, and the built-in byte tokenizer has none",
                                   "set model.tokenizer_path to the model's tokenizer folder (tokenizer.json beside "
                                   "its tokenizer_config.json or chat_template.jinja)")
-        self.template = ChatTemplate.load(path.parent)
+        if self.template is None or self.template.folder != path.parent:  # each validation's loader asks again
+            self.template = ChatTemplate.load(path.parent)
 
     def split(self, index: int, count: int) -> ChatRange:
         """Conversations [index*N/count, (index+1)*N/count): batch row `index` of `count`.
@@ -276,3 +275,22 @@ class ChatStream:
         self._epoch += 1
         self._next = 0
         self._pass_targets = 0
+
+
+def chat_corpus(training: Training, *, key: str = "training.dataset_path") -> ChatCorpus:
+    """The chat corpus of `training` (`dataset = "chat"`); `key` names its path in messages.
+
+    Raises:
+        DataConfigError: document masking is asked for (the trainer tells documents by EOS, which
+            templates write inside conversations), or the path holds no chat rows.
+    """
+    if training.document_masking:
+        raise DataConfigError(
+            "training.document_masking", True, "would cut chat data's conversations at every EOS their template "
+            "writes between turns: the trainer tells documents by EOS and does not take the chat loader's own "
+            "document starts (MicroBatch.starts) yet",
+            "set training.document_masking = false (a row's conversations then also see the earlier ones in it)",
+        )  # fmt: skip
+    rows = chat_rows(training.dataset_path, key=key, extensions=training.dataset_extensions,
+                     split=training.dataset_split)
+    return ChatCorpus(rows, loss_on=training.loss_on, overlong=training.chat_overlong)

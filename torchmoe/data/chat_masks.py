@@ -26,11 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from torchmoe.config.validate import LOSS_ON
 from torchmoe.data.chat_template import ChatTemplate, TemplateRefused
 from torchmoe.data.errors import DataConfigError
 
-__all__ = ["LOSS_ON", "Conversation", "Rendered", "render"]  # LOSS_ON: training.loss_on's values
+__all__ = ["Conversation", "Rendered", "render"]
 
 _MARKERS = "a chat template that marks the assistant's text with {% generation %} ... {% endgeneration %} " \
     "(chat_template.jinja beside tokenizer.json)"

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from torchmoe.data.dataset import build_documents
 from torchmoe.data.chat import ChatCorpus
+from torchmoe.data.dataset import build_documents
 from torchmoe.data.documents import DataConfigError, Documents, Unit
 from torchmoe.data.errors import CorpusEnd
 from torchmoe.data.micro_batches import MicroBatch, micro_batches

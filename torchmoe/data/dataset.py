@@ -643,19 +643,9 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
                                   "`torchmoe prepare-data`")
         return TokenShards(training.dataset_path, key=key, check_digests=check_digests)
     if kind == "chat":
-        from torchmoe.data.chat import ChatCorpus  # lazily: the chat modules read files with this module's helpers
-        from torchmoe.data.chat_files import chat_rows
+        from torchmoe.data.chat import chat_corpus  # lazily: the chat modules read files with this module's helpers
 
-        if training.document_masking:  # the trainer tells documents by EOS, which templates write inside conversations
-            raise DataConfigError(
-                "training.document_masking", True, "would cut chat data's conversations at every EOS their template "
-                "writes between turns: the trainer tells documents by EOS and does not take the chat loader's own "
-                "document starts (MicroBatch.starts) yet",
-                "set training.document_masking = false (a row's conversations then also see the earlier ones in it)",
-            )  # fmt: skip
-        rows = chat_rows(training.dataset_path, key=key, extensions=training.dataset_extensions,
-                         split=training.dataset_split)
-        return ChatCorpus(rows, loss_on=training.loss_on, overlong=training.chat_overlong)
+        return chat_corpus(training, key=key)
     if kind == "hf":
         return HFDocuments.from_spec(
             training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field, key=key
