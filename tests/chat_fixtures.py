@@ -58,7 +58,7 @@ HARMONY = (
 )
 
 
-def tokenizer_folder(folder: Path, template: str | None, specials: list[str], *, eos: str, bos: str | None = None,
+def tokenizer_folder(folder: Path, template: str | list[dict[str, str]] | None, specials: list[str], *, eos: str, bos: str | None = None,
                      jinja_file: str | None = None, prepend_bos: bool = False) -> Path:
     """A tokenizer folder: a character-level BPE (printable ASCII and newline, with a few merges)
     plus `specials`, its tokenizer_config.json naming `eos` (and `bos`) and holding `template`,

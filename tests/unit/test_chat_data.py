@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tests.chat_fixtures import (
     CHATML,
@@ -71,7 +72,7 @@ def _masked_text(folder: Path, ids: list[int], mask: list[int]) -> str:
 def test_marker_masks_are_transformers_assistant_masks(folders, family, conv):
     messages = CONVERSATIONS[conv]
     ids, mask = _render(folders[family], messages)
-    expected = ChatTemplate.load(folders[family]).tokenizer.apply_chat_template(
+    expected = AutoTokenizer.from_pretrained(folders[family]).apply_chat_template(
         messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert ids == expected["input_ids"]
     assert mask == expected["assistant_masks"]
@@ -146,9 +147,17 @@ def test_harmony_last_turn_end_is_refused_for_earlier_turns_only(folders):
     assert _masked_text(folders["harmony"], ids, mask) == "<|channel|>final<|message|>four<|return|>"
 
 
-def test_markers_from_chat_template_jinja_win_over_tokenizer_config(tmp_path):
+def test_templates_are_chosen_as_transformers_chooses_them(tmp_path):
+    """chat_template.jinja wins over tokenizer_config.json's; of named templates, tool_use for tools."""
     folder = tokenizer_folder(tmp_path, CHATML, CHATML_SPECIALS, eos="<|im_end|>", jinja_file=CHATML_MARKED)
     assert ChatTemplate.load(folder).has_markers()
+    assert ChatTemplate.load(folder).template(None) == AutoTokenizer.from_pretrained(folder).chat_template
+    named = tokenizer_folder(tmp_path / "named", [{"name": "default", "template": CHATML},
+                                                  {"name": "tool_use", "template": CHATML_MARKED}],
+                             CHATML_SPECIALS, eos="<|im_end|>")
+    tools = [{"name": "get_weather"}]
+    assert ChatTemplate.load(named).template(tools) == AutoTokenizer.from_pretrained(named).get_chat_template(None, tools)
+    assert ChatTemplate.load(named).has_markers(tools) and not ChatTemplate.load(named).has_markers()
     assert not ChatTemplate.load(tokenizer_folder(tmp_path / "plain", CHATML, CHATML_SPECIALS,
                                                   eos="<|im_end|>")).has_markers()
 
