@@ -397,3 +397,25 @@ def test_the_fine_tuning_page_settings_read_its_chat_file(folders, tmp_path, mon
     assert ["".join(template.tokenizer.convert_ids_to_tokens([int(t) for t in row if t != IGNORE]))
             for row in batch[1]] == \
         ["<think>\n\n</think>\n\n4<|im_end|>\n", "<think>\n\n</think>\n\nOslo<|im_end|>\n"]
+
+
+def test_the_packed_loss_is_transformers_loss_with_the_same_tokens_ignored(folders, tmp_path):
+    """A tiny random Qwen3-MoE from transformers: the summed cross entropy of a packed row over its
+    `supervised` count is the model's own loss on the conversation alone, labels -100 off the mask."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)).eval()
+    (tmp_path / "a.jsonl").write_text(json.dumps(ROWS[0]))
+    (batch,) = _loader(folders["chatml_marked"], str(tmp_path / "a.jsonl"), local_batch_size=1, seq_len=100).next_batch()
+    inputs, labels = batch
+    hf = AutoTokenizer.from_pretrained(folders["chatml_marked"]).apply_chat_template(
+        CONVERSATIONS[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
+    with torch.no_grad():
+        want = model(hf["input_ids"], labels=hf["input_ids"].masked_fill(hf["assistant_masks"] == 0, IGNORE)).loss
+        logits = model(inputs).logits
+    got = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / batch.supervised
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert batch.supervised == int(hf["assistant_masks"][0, 1:].sum())
