@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.data.dataloader import DataLoader, build_corpus, build_dataloader, validation_data
-from torchmoe.data.packing import CorpusEnd
+from torchmoe.data.errors import CorpusEnd
 from torchmoe.distributed.mesh import ParallelMesh
 from torchmoe.training.micro_batches import PlaceColumns
 from torchmoe.training.objective import Objective, loss_weight
