@@ -371,12 +371,6 @@ def test_every_token_is_a_target_but_none_across_a_conversation_boundary(folders
     assert labels[0, n - 1] == IGNORE and (labels[0, 2 * n - 1:] == IGNORE).all()
 
 
-def test_document_masking_of_chat_data_is_refused_until_the_trainer_takes_its_starts(folders, tmp_path):
-    path = _write("jsonl", tmp_path / "d")
-    with pytest.raises(DataConfigError, match=r"training.document_masking = true: would cut chat data's conversations"):
-        _loader(folders["chatml"], path, document_masking=True)
-
-
 def test_the_fine_tuning_page_settings_read_its_chat_file(folders, tmp_path, monkeypatch):
     """docs/fine_tuning.md: its command's settings, its two rows and a Qwen3-like template."""
     page = (REPO / "docs" / "fine_tuning.md").read_text()

@@ -281,16 +281,8 @@ def chat_corpus(training: Training, *, key: str = "training.dataset_path") -> Ch
     """The chat corpus of `training` (`dataset = "chat"`); `key` names its path in messages.
 
     Raises:
-        DataConfigError: document masking is asked for (the trainer tells documents by EOS, which
-            templates write inside conversations), or the path holds no chat rows.
+        DataConfigError: the path holds no chat rows.
     """
-    if training.document_masking:
-        raise DataConfigError(
-            "training.document_masking", True, "would cut chat data's conversations at every EOS their template "
-            "writes between turns: the trainer tells documents by EOS and does not take the chat loader's own "
-            "document starts (MicroBatch.starts) yet",
-            "set training.document_masking = false (a row's conversations then also see the earlier ones in it)",
-        )  # fmt: skip
     rows = chat_rows(training.dataset_path, key=key, extensions=training.dataset_extensions,
                      split=training.dataset_split)
     return ChatCorpus(rows, loss_on=training.loss_on, overlong=training.chat_overlong)
