@@ -47,11 +47,11 @@ from torchmoe.preflight import train_device
 from torchmoe.training.checkpointing import Checkpoints
 from torchmoe.training.console import chat_report, closing, opening, say
 from torchmoe.training.log import logger
-from torchmoe.training.placement import LocalColumns
 from torchmoe.training.model_build import build_model, build_pipeline_schedule
 from torchmoe.training.moe_balance import MoeBalance
 from torchmoe.training.objective import Objective
 from torchmoe.training.optimization import build_optimization
+from torchmoe.training.placement import LocalColumns
 from torchmoe.training.progress import Progress
 from torchmoe.training.replicas import LiveState, Replicas, join_replica_groups
 from torchmoe.training.run_files import write_run_files

@@ -31,11 +31,11 @@ from torchmoe.distributed.replica_state import encode_position
 from torchmoe.nn.document_attention import DocumentSegments
 from torchmoe.nn.profiler_regions import region
 from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.training.placement import PlaceColumns
 from torchmoe.training.model_build import BuiltModel
 from torchmoe.training.moe_balance import MoeBalance
 from torchmoe.training.objective import Objective, loss_weight
 from torchmoe.training.optimization import Optimization
+from torchmoe.training.placement import PlaceColumns
 
 MicroBatches = list[MicroBatch]  # (inputs, labels), each (B, seq_len) int64, with their starts and target count
 

@@ -16,8 +16,8 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.data.dataloader import DataLoader, build_corpus, build_dataloader, validation_data
 from torchmoe.data.errors import CorpusEnd
 from torchmoe.distributed.mesh import ParallelMesh
-from torchmoe.training.placement import PlaceColumns
 from torchmoe.training.objective import Objective, loss_weight
+from torchmoe.training.placement import PlaceColumns
 
 
 class Validation:
