@@ -99,18 +99,22 @@ class ChatTemplate:
     def tokens(self, messages: Messages, tools: list[Any] | None = None, *,
                add_generation_prompt: bool = False) -> list[int]:
         """The token ids of the rendering of `messages` (and the generation prompt after them)."""
-        return self._apply(messages, tools, add_generation_prompt=add_generation_prompt)["input_ids"]
+        return self._apply(messages, tools, tokenize=True, return_dict=True,
+                           add_generation_prompt=add_generation_prompt)["input_ids"]
+
+    def text(self, messages: Messages, tools: list[Any] | None = None, *, add_generation_prompt: bool = False) -> str:
+        """The rendering of `messages` (and the generation prompt after them) as text."""
+        return self._apply(messages, tools, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def marked(self, messages: Messages, tools: list[Any] | None = None) -> tuple[list[int], list[int]]:
         """The token ids of `messages` and the template's assistant mask: 1 for every token that
         overlaps a {% generation %} span (transformers' `return_assistant_tokens_mask`)."""
-        out = self._apply(messages, tools, return_assistant_tokens_mask=True)
+        out = self._apply(messages, tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         return out["input_ids"], out["assistant_masks"]
 
-    def _apply(self, messages: Messages, tools: list[Any] | None, **kwargs: Any) -> dict[str, Any]:
+    def _apply(self, messages: Messages, tools: list[Any] | None, **kwargs: Any) -> Any:
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=True, return_dict=True,
-                                                      **kwargs)
+            return self.tokenizer.apply_chat_template(list(messages), tools=tools, **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja's and the template's own errors are the row's to fix
             raise TemplateRefused(f"{type(e).__name__}: {e}") from None
 
