@@ -120,3 +120,20 @@ def test_document_masking_takes_the_chat_rows_document_starts(world, tmp_path):
     assert count == sum(mb.supervised for mb in batch)
     assert max(len(set(mb.starts[r].tolist())) for mb in batch for r in range(2)) >= 2  # rows pack conversations
     assert trainer.train_step(batch).loss == pytest.approx(total / count, rel=1e-5)
+
+
+def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_path):
+    """Validation (and so `torchmoe eval`) on chat data: the mean over the targets of its
+    batches, transformers' with the same labels ignored (1e-5), not over every token."""
+    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
+                       "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
+                       "--validation.seq_len", "48", "--validation.steps", "2")
+    loader = trainer.validation.loader()
+    batches = [mb for _ in range(2) for mb in loader.next_batch()]
+    hf = reference_model("qwen3")
+    with torch.no_grad():
+        logits = torch.cat([hf(inputs).logits for inputs, _ in batches])
+    labels = torch.cat([labels for _, labels in batches])
+    assert (labels == IGNORE).any()
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+    assert trainer.validate() == pytest.approx(want.item(), rel=1e-5)
