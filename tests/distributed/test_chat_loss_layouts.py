@@ -1,7 +1,8 @@
 """The masked (chat SFT) loss in other layouts on the single process's step: FSDP over 2 ranks
 (each rank's rows hold a different count of targets: the normaliser is the global one) and CP 2
-(each rank's half of the columns, the count over whole rows): the first two steps' loss and
-gradient norm within 1e-5.
+(each rank's half of the columns, the count over whole rows) and PP 2 (the schedule's loss over
+the same count, each row a pipeline micro-batch): the first two steps' loss and gradient norm
+within 1e-5.
 
     python -m pytest -q tests/distributed/test_chat_loss_layouts.py
 """
@@ -20,7 +21,8 @@ from tests.helpers import run_rank_script, write_rank_record
 
 pytestmark = pytest.mark.distributed
 LAYOUTS = {"fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-           "cp2": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]}
+           "cp2": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+           "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]}
 STEPS = ["--training.steps", "2"]
 
 
