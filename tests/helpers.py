@@ -294,9 +294,9 @@ def counting_model_reads(trainer, reads: HostReads):
         with reads.counting():
             return forward_backward(micro_batches)
 
-    def uncounted(inputs, labels):
+    def uncounted(inputs, labels, starts=None):
         with reads.pause():
-            return local_columns(inputs, labels)
+            return local_columns(inputs, labels, starts)
 
     trainer.forward_backward, trainer._local_columns = counted, uncounted
     try:

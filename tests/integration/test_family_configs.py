@@ -274,3 +274,50 @@ def test_multi_token_prediction_plans_its_module(tmp_path: Path, capsys: pytest.
     assert mtp["params_active"] == plain["params_active"] and plain["params_mtp"] == 0
     assert mtp["flops_per_token"] > plain["flops_per_token"]
     assert mtp["memory_per_rank_gib"]["total"] > plain["memory_per_rank_gib"]["total"]
+
+
+# (fine-tuning file, the tiny checkpoint's family, its tokenizer fixture, the flags beyond the
+# folder and the chat file: LoRA off while `torchmoe train` refuses it; one process's layout).
+SFT_CONFIGS = [("qwen3_30b_a3b_lora_sft.toml", "qwen3", "chatml", ["--lora.enable", "false"]),
+               ("gpt_oss_20b_sft.toml", "gpt_oss", "harmony", []),
+               ("deepseek_v3_lora_sft.toml", "deepseek_v3", "deepseek",
+                ["--lora.enable", "false", "--parallelism.pipeline_parallel_degree", "1",
+                 "--parallelism.expert_parallel_degree", "1"])]
+
+
+def _tiny_folder(family: str, tokenizer: str, folder: Path) -> Path:
+    """A tiny random checkpoint of `family` by transformers, with a chat fixture's tokenizer in it."""
+    import shutil
+
+    from tests.any_checkpoint import save_checkpoint
+    from tests.chat_fixtures import HARMONY, HARMONY_SPECIALS, chatml, deepseek, tokenizer_folder
+
+    made = {"chatml": lambda f: chatml(f, marked=False), "deepseek": lambda f: deepseek(f, marked=True),
+            "harmony": lambda f: tokenizer_folder(f, HARMONY, HARMONY_SPECIALS, eos="<|return|>")}[tokenizer]
+    tok = made(folder / "tokenizer")
+    save_checkpoint(family, folder / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / name, folder / "model" / name)
+    return folder / "model"
+
+
+@pytest.mark.parametrize(("name", "family", "tokenizer", "flags"), SFT_CONFIGS)
+def test_each_fine_tuning_config_trains_on_one_cpu_process_from_a_tiny_checkpoint(
+        name: str, family: str, tokenizer: str, flags: list[str], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The fine-tuning file as shipped (its chat data settings, loss mask, masking, bf16, full AC)
+    on one process with a tiny checkpoint folder of its family and a small chat file as the
+    changes: two steps of 256 tokens (no compile, no checkpoint, for time); the closing line
+    reports the chat rows."""
+    from tests.chat_jobs import write_chat_file
+
+    folder = _tiny_folder(family, tokenizer, tmp_path / "tiny")
+    data = write_chat_file(tmp_path / "chat.jsonl")
+    assert cli.main(["train", "--config", str(CONFIGS / name), "--model.hf_assets_path", str(folder),
+                     "--training.dataset_path", str(data), *flags, "--training.steps", "2",
+                     "--training.seq_len", "256", "--training.local_batch_size", "1", "--training.global_batch_size",
+                     "2", "--compile.enable", "false", "--checkpoint.enable", "false", "--metrics.log_freq", "1",
+                     "--job.dump_folder", str(tmp_path / "run")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(0 < r["loss"] < 20 and r["grad_norm"] > 0 for r in records)
+    assert "chat data on this rank: data: " in capsys.readouterr().err

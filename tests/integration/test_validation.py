@@ -42,7 +42,7 @@ def _reference(weights: Path, corpus: Path, steps: int) -> float:
     from torchmoe.config.job_config import Training, Validation
     from torchmoe.data import ByteTokenizer
     from torchmoe.data.dataloader import build_dataloader, validation_data
-    from torchmoe.data.packing import CorpusEnd
+    from torchmoe.data.errors import CorpusEnd
 
     model = empty_tiny_model()
     load_model_only(str(weights), [model])

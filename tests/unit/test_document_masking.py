@@ -239,7 +239,7 @@ def test_a_masked_step_on_flash_reads_nothing_on_the_host(tmp_path: Path, monkey
     segment tables built once per micro-batch (not per layer); and no host read at all in the
     model's forward and backward, in any step."""
     built = []
-    monkeypatch.setattr("torchmoe.training.micro_batches.document_segments",
+    monkeypatch.setattr("torchmoe.training.placement.document_segments",
                         lambda *args: built.append(1) or document_segments(*args))
     flags = ("--training.global_batch_size", "8")  # two micro-batches of 4 rows
     reference = _trainer(tmp_path / "host", *flags)

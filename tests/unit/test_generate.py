@@ -182,3 +182,34 @@ def test_nan_logits_stop_generation_instead_of_choosing_a_token() -> None:
         with pytest.raises(NonFiniteLogits, match="the logits of generated token 3 hold NaN or inf"):
             generate_ids(model, PROMPT, sampling, eos_id=-1, on_token=seen.append)
         assert len(seen) == 2  # the two before it, nothing chosen from the bad logits
+
+
+def test_chat_renders_the_prompt_through_the_template_with_the_generation_prompt(tmp_path, capsys, monkeypatch):
+    """`generate --chat`: the prompt the model prefills is transformers' rendering of the user
+    message with the generation prompt (nothing added), and it is what is printed first."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.any_checkpoint import save_checkpoint
+    from tests.chat_fixtures import CHATML_MARKED, chatml
+    from torchmoe.commands import cli
+    from torchmoe.commands import generate as command
+
+    folder, tokenizer = save_checkpoint("qwen3", tmp_path / "hf"), chatml(tmp_path / "tok", marked=True)
+    prompts = []
+    real = command.generate_ids
+    monkeypatch.setattr(command, "generate_ids", lambda model, prompt, *a, **kw: prompts.append(prompt) or
+                        real(model, prompt, *a, **kw))
+    assert cli.main(["generate", "--checkpoint", str(folder), "--model.tokenizer_path", str(tokenizer),
+                     "--prompt", "hi there", "--chat", "--max-new-tokens", "2"]) == 0
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer / "tokenizer.json"), chat_template=CHATML_MARKED)
+    want = hf.apply_chat_template([{"role": "user", "content": "hi there"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=True)["input_ids"]
+    assert prompts == [want]
+    assert capsys.readouterr().out.startswith("<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n")
+    # A folder without a template: exit 2, naming it.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text((tokenizer / "tokenizer.json").read_text())
+    assert cli.main(["generate", "--checkpoint", str(folder), "--model.tokenizer_path", str(bare),
+                     "--prompt", "hi", "--chat"]) == 2
+    assert "its tokenizer has no chat template" in capsys.readouterr().err

@@ -205,8 +205,7 @@ def test_debugmodel_irope_trains_a_step_on_cpu(tmp_path):
                            "--model.flavor", "debugmodel_irope", "--training.seq_len", "512",
                            "--training.local_batch_size", "1", "--training.steps", "1"])
     trainer = Trainer(cfg)
-    [(inputs, labels)] = trainer.dataloader.next_batch()
-    loss = trainer.forward_backward([(inputs, labels)])
+    loss = trainer.forward_backward(trainer.dataloader.next_batch())
     # At initialisation the loss is near ln(vocab) = ln(2048) = 7.62.
     assert 6.5 < loss.item() < 9.0
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in trainer.model.parameters())

@@ -14,6 +14,7 @@ import torch
 from tests.helpers import compute_dtypes
 from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.config import load_job_config
+from torchmoe.data.micro_batches import MicroBatch
 from torchmoe.training.loop import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,12 +38,12 @@ def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 def test_accumulated_gradients_equal_one_big_batch(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path)
     [(inputs, labels)] = trainer.dataloader.next_batch()  # (8, 64) each
-    split = list(zip(inputs.split(2), labels.split(2)))  # 4 micro-batches of 2 sequences
+    split = [MicroBatch(x, y) for x, y in zip(inputs.split(2), labels.split(2))]  # 4 micro-batches of 2 sequences
 
     loss_split = trainer.forward_backward(split)
     grads_split = _grads(trainer)
     trainer.optimizer.zero_grad(set_to_none=True)
-    loss_whole = trainer.forward_backward([(inputs, labels)])
+    loss_whole = trainer.forward_backward([MicroBatch(inputs, labels)])
     grads_whole = _grads(trainer)
 
     assert loss_split.item() == pytest.approx(loss_whole.item(), rel=1e-6)

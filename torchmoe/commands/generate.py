@@ -6,7 +6,9 @@ The weights (`--checkpoint`, else the newest checkpoint of the job's run: `compo
 give the model (family, flavor, tokenizer) where they tell it, a run's config.toml or a Hugging
 Face config.json; the job (the job file, or without one that run's config.toml) the rest (device,
 compute dtype). The
-prompt is encoded as training encodes a document (BOS first with `training.add_bos`); the
+prompt is encoded as training encodes a document (BOS first with `training.add_bos`), or with
+`--chat` as a user message rendered through the tokenizer's chat template with the generation
+prompt after it (the template's tokens only: `data.chat_template`), as chat SFT trained; the
 model prefills it once, then decodes one token at a time over its cached keys and values
 (`nn.kv_cache`), so each step costs one position, and the logits are those of the full forward.
 
@@ -39,6 +41,7 @@ from torchmoe.components.trained_weights import STEP
 from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.flags import Integer, Number, split_flags
 from torchmoe.config.numbers import INT64_MAX, shown_text
+from torchmoe.data.chat_template import ChatTemplate, TemplateRefused
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.dtypes import torch_dtype
@@ -46,7 +49,7 @@ from torchmoe.nn.kv_cache import KVCache
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.preflight import train_device
 
-__all__ = ["NonFiniteLogits", "Sampling", "generate_ids", "generate_main", "load_trained_model", "next_token"]
+__all__ = ["NonFiniteLogits", "Sampling", "chat_prompt", "generate_ids", "generate_main", "load_trained_model", "next_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +164,8 @@ GENERATE_DESCRIPTION = (
     "Sample text from trained weights: those of --checkpoint (a step-N folder, a DCP folder or a Hugging Face "
     "folder), or else the newest checkpoint of the run in --job.dump_folder (--step N picks one). The model and "
     "tokenizer are the weights' own (the run's config.toml, the folder's config.json), else the job file's "
-    "(--config, optional with a run's weights). Own flags: --prompt TEXT (required), --max-new-tokens N (128), "
+    "(--config, optional with a run's weights). Own flags: --prompt TEXT (required), --chat (the prompt is a user "
+    "message, rendered through the tokenizer's chat template with the generation prompt), --max-new-tokens N (128), "
     "--temperature T (0: greedy), --top-p P (1.0), --seed S (0). Every other flag overrides the job as in "
     "`torchmoe train`.")
 
@@ -189,7 +193,8 @@ def generate_main(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
-    found, rest = split_flags(argv, _FLAGS)
+    chat = "--chat" in argv  # a switch, without a value
+    found, rest = split_flags([token for token in argv if token != "--chat"], _FLAGS)
     loaded = checkpoint_job(rest, "torchmoe generate", GENERATE_DESCRIPTION,
                             checkpoint=str(found.get("--checkpoint", "")), step=found.get("--step"))
     if isinstance(loaded, int):
@@ -200,8 +205,12 @@ def _generate(argv: list[str]) -> int:
                           'pass the text to continue, e.g. --prompt "def main("')
     sampling = _sampling(found)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path, key="model.tokenizer_path")
-    prompt = ([tokenizer.bos_id] if cfg.training.add_bos and tokenizer.bos_id is not None else []) \
-        + tokenizer.encode(str(found["--prompt"]))
+    text = str(found["--prompt"])
+    if chat:
+        prompt, text = chat_prompt(Path(cfg.model.tokenizer_path), text)
+    else:
+        prompt = ([tokenizer.bos_id] if cfg.training.add_bos and tokenizer.bos_id is not None else []) \
+            + tokenizer.encode(text)
     if not prompt:
         raise ConfigError("--prompt", "", "encodes to no tokens", 'pass text to continue, e.g. --prompt "The"')
     model = load_trained_model(cfg, folder, in_hf=in_hf)
@@ -214,7 +223,7 @@ def _generate(argv: list[str]) -> int:
         raise ConfigError("--max-new-tokens", sampling.max_new_tokens,
                           f"with the prompt's {len(prompt)} tokens it passes the model's {limit} positions "
                           "(model.max_seq_len)", f"pass at most {limit - len(prompt)}, or a shorter prompt")
-    sys.stdout.write(str(found["--prompt"]))
+    sys.stdout.write(text)
     sys.stdout.flush()
     shown, ids = "", []
 
@@ -238,6 +247,23 @@ def _generate(argv: list[str]) -> int:
     text = tokenizer.decode(ids)
     sys.stdout.write(text[len(shown):] + "\n" if text.startswith(shown) else "\n")
     return 0
+
+
+def chat_prompt(folder: Path, message: str) -> tuple[list[int], str]:
+    """`message` as a user turn rendered through the chat template of the tokenizer in `folder`,
+    the generation prompt after it (what the assistant's answer follows): (its token ids, its text).
+
+    Raises:
+        ConfigError: the folder has no chat template, or the template refuses the message.
+    """
+    template = ChatTemplate.load(folder)
+    try:
+        messages = [{"role": "user", "content": message}]
+        return (template.tokens(messages, add_generation_prompt=True),
+                template.text(messages, add_generation_prompt=True))
+    except TemplateRefused as err:
+        raise ConfigError("--prompt", shown_text(message), f"the chat template of {folder} refuses it as a user "
+                          f"message ({err})", "leave out --chat to continue the text as it is") from None
 
 
 def _overflowed(err: NonFiniteLogits, cfg: JobConfig, found: dict[str, object]) -> ConfigError:

@@ -129,23 +129,27 @@ class Training:
     max_norm: float = 1.0
     """Gradient clipping by total norm (<= 0 disables clipping)."""
     dataset: str = "python_docs"
-    """'python_docs' (offline text shipped with Python), 'local' (files at dataset_path), 'tokens' (pre-tokenized shards of `torchmoe prepare-data` at dataset_path, memory-mapped), 'hf' (hub dataset named by dataset_path, streamed), or torchtitan's 'c4' / 'c4_validation' (allenai/c4 'en', streamed) and 'c4_test' (its test corpus, ./tests/assets/c4_test)."""
+    """'python_docs' (offline text shipped with Python), 'local' (files at dataset_path), 'tokens' (pre-tokenized shards of `torchmoe prepare-data` at dataset_path, memory-mapped), 'hf' (hub dataset named by dataset_path, streamed), 'chat' (conversations at dataset_path, rendered by the chat template beside model.tokenizer_path's tokenizer.json: see docs/fine_tuning.md), or torchtitan's 'c4' / 'c4_validation' (allenai/c4 'en', streamed) and 'c4_test' (its test corpus, ./tests/assets/c4_test)."""
     dataset_path: str = ""
-    """For 'local': a file, folder or glob of .jsonl/.json/.parquet rows or text files (.txt, code, any UTF-8 text; hidden and binary files passed over); for 'hf': 'name' or 'name:config'; for the c4 names: another location of the same data."""
+    """For 'local': a file, folder or glob of .jsonl/.json/.parquet rows or text files (.txt, code, any UTF-8 text; hidden and binary files passed over); for 'chat': a file, folder or glob of .jsonl/.json/.parquet rows {"messages": [...]} or {"prompt": ..., "completion": ...}, or a folder written by datasets' save_to_disk; for 'hf': 'name' or 'name:config'; for the c4 names: another location of the same data."""
     dataset_extensions: list[str] = field(default_factory=list)
     """For 'local' folders and globs (training, validation and mixture sources): read only files with these extensions, e.g. [".py", ".md"] (compared without case); empty = every text file. A file named alone is read whatever its extension."""
     dataset_mix: list[str] = field(default_factory=list)
     """A weighted mixture of sources instead of dataset/dataset_path: entries '[NAME=]WEIGHT:DATASET[:PATH]', e.g. ["web=0.7:local:data/web/*.jsonl", "code=0.3:tokens:data/code"]; weights are normalised, each row of each step reads one source (the same for every layout and seed), metrics count tokens per source (tokens/NAME). Empty = one source."""
     dataset_split: str = "train"
-    """Split of a Hugging Face hub dataset."""
+    """Split of a Hugging Face hub dataset (and of a DatasetDict saved to disk, for 'chat')."""
     dataset_text_field: str = "text"
     """Field holding the text in .jsonl/.json/.parquet rows and hub datasets."""
+    loss_on: str = "assistant"
+    """For 'chat' data: which tokens the loss is taken on: 'assistant' (every assistant turn; of a prompt/completion row, the completion's), 'last' (each conversation's last assistant turn) or 'all' (every token). Taken from the template's {% generation %} markers, else from rendering each turn's prefix; a template that renders prefixes otherwise is refused (exit 2, naming the row and turn), never trained on every token."""
+    chat_overlong: str = "truncate"
+    """For 'chat' data: a conversation longer than seq_len + 1 tokens (seq_len targets, a packed row's) is cut to that length ('truncate') or left out ('drop'); both are counted (DataLoader.chat_stats) and the first of each is logged."""
     seed: int = 0
     """Seed for initialization and anything random in training (0 or more)."""
     deterministic: bool = False
     """Use deterministic algorithms (slower; for debugging)."""
     add_bos: bool = False
-    """Start every document with the tokenizer's BOS token, as torchtitan does; false: only the EOS after each document separates them."""
+    """Start every document with the tokenizer's BOS token, as torchtitan does; false: only the EOS after each document separates them. Not for 'chat' data, whose tokens are exactly the chat template's."""
     document_masking: bool = False
     """Attention never crosses a document boundary inside a packed row (torchtitan's model.attn_mask_type = "block_causal"): a document starts at the row's first token and after every EOS. Positions stay global (RoPE counts from the row start, as in torchtitan). Runs each document's (and chunk's) causal attention as its own fused-kernel call, no mask tensor; not with model.attn_backend = "flex"."""
     gc_freq: int = 50

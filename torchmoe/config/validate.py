@@ -43,7 +43,9 @@ MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr
 NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 DECAY_TYPES = ("linear", "sqrt", "cosine")
-DATASETS = ("python_docs", "local", "tokens", "hf", "c4", "c4_test", "c4_validation")
+DATASETS = ("python_docs", "local", "tokens", "hf", "chat", "c4", "c4_test", "c4_validation")
+LOSS_ON = ("assistant", "last", "all")  # training.loss_on (`data.chat_masks`)
+CHAT_OVERLONG = ("truncate", "drop")  # training.chat_overlong (`data.chat`)
 PARAM_DTYPES = ("bfloat16", "float32")
 LOG_LEVELS = ("warning", "info", "debug")  # metrics.log_level
 REDUCE_DTYPES = ("float32", "bfloat16")
@@ -220,6 +222,12 @@ def validate_training(training: Training) -> None:
         raise ConfigError("training.max_norm", training.max_norm, "must be a finite number",
                           "set a positive clipping norm, or 0 to disable clipping")
     check_dataset("training", training.dataset, training.dataset_path)
+    one_of("training.loss_on", training.loss_on, LOSS_ON)
+    one_of("training.chat_overlong", training.chat_overlong, CHAT_OVERLONG)
+    if training.add_bos and training.dataset == "chat":  # a template that writes BOS would get two
+        raise ConfigError("training.add_bos", True, 'would put BOS before chat data (training.dataset = "chat"), '
+                          "whose tokens are exactly its chat template's rendering (which writes BOS where the "
+                          "model wants one)", "set training.add_bos = false")
     for ext in training.dataset_extensions:
         if not re.fullmatch(r"\.[^./\\*?\[\]\s]+(\.[^./\\*?\[\]\s]+)*", ext):
             suffix = "." + ext.strip().strip("*").lstrip(".") if ext.strip().strip("*.") else ".txt"
@@ -243,9 +251,10 @@ def validate_training(training: Training) -> None:
 def check_dataset(section: str, dataset: str, dataset_path: str) -> None:
     """`section`'s dataset is a kind torchmoe reads, with the path that kind needs."""
     one_of(f"{section}.dataset", dataset, DATASETS)
-    if dataset in ("local", "tokens", "hf") and not dataset_path:
+    if dataset in ("local", "tokens", "hf", "chat") and not dataset_path:
         what = {"local": "files (a file, folder or glob)", "tokens": "a folder written by `torchmoe prepare-data`",
-                "hf": "the hub dataset ('name' or 'name:config')"}[dataset]
+                "hf": "the hub dataset ('name' or 'name:config')",
+                "chat": "chat rows (.jsonl/.json/.parquet files, a folder or glob of them, or a saved dataset)"}[dataset]
         raise ConfigError(f"{section}.dataset_path", dataset_path, f"dataset = {show_value(dataset)} needs a path",
                           f"set dataset_path to {what}")
 

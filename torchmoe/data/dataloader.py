@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from torchmoe.data.chat import ChatCorpus
 from torchmoe.data.dataset import build_documents
 from torchmoe.data.documents import DataConfigError, Documents
+from torchmoe.data.micro_batches import MicroBatch, micro_batches
 from torchmoe.data.mixture import KEY, MixSchedule, source_settings
 from torchmoe.data.packing import PackedStream
 from torchmoe.data.token_shards import TokenShards
@@ -140,6 +142,9 @@ class DataLoader:
                                       "name one as bos_token in tokenizer_config.json, or set add_bos = false")
         self._streams = [  # [source][row of this rank]
             [
+                corpus.stream(row, global_batch_size, window=seq_len + 1, pad_id=tokenizer.eos_id, repeat=repeat,
+                              source=sources[min(s, len(sources) - 1)])  # whole conversations, no BOS added
+                if isinstance(corpus, ChatCorpus) else
                 PackedStream(
                     corpus.split(row, global_batch_size), tokenizer,
                     window=seq_len + 1, read_ahead=max(1, read_ahead // per_rank), bos=bos, repeat=repeat,
@@ -150,6 +155,9 @@ class DataLoader:
             for s, corpus in enumerate(corpora)
         ]
         self.mix = mix
+        self.eos_id = tokenizer.eos_id
+        self._chat = {name: corpus.stats for name, corpus in zip(list(source_names) or ["data"], corpora)
+                      if isinstance(corpus, ChatCorpus)}
         self.source_names = list(source_names) or ["data"]
         self._source_rows = torch.zeros(len(corpora), dtype=torch.long)  # rows each source filled, all ranks
         # Each source's identity (its name, dataset and path), saved with a mixture's positions:
@@ -164,23 +172,29 @@ class DataLoader:
         """Micro-batches per optimizer step on each rank: G / (local_batch_size * D)."""
         return self.global_batch_size // (self.local_batch_size * self.dp_degree)
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batch(self) -> list[MicroBatch]:
         """This rank's micro-batches for the next optimizer step.
 
         Returns:
             `grad_accum_steps` pairs `(inputs, labels)`, each (local_batch_size, seq_len) int64,
-            with `labels[:, t] == inputs[:, t + 1]` inside a sequence.
+            with `labels[:, t] == inputs[:, t + 1]` inside a text sequence; each a `MicroBatch`
+            that also carries its count of targets and, with chat rows, its document starts
+            (`micro_batches`).
         """
         if self.mix is None:
-            windows = torch.cat([stream.take(1) for stream in self._streams[0]])  # (G/D, seq_len + 1)
+            rows = [stream.take(1) for stream in self._streams[0]]  # G/D rows of seq_len + 1 tokens
             self._source_rows[0] += self.global_batch_size
         else:
             picks = self.mix.sources(self._step, self.rows, self.global_batch_size)
-            windows = torch.cat([self._streams[s][i].take(1) for i, s in enumerate(picks.tolist())])
+            rows = [self._streams[s][i].take(1) for i, s in enumerate(picks.tolist())]
             self._source_rows += torch.from_numpy(self.mix.counts(self._step, self.global_batch_size))
         self._step += 1
-        # clone: contiguous inputs and labels (each a strided view of the windows).
-        return [(mb[:, :-1].clone(), mb[:, 1:].clone()) for mb in windows.split(self.local_batch_size)]
+        return micro_batches(rows, self.local_batch_size, self.eos_id)
+
+    def chat_stats(self) -> dict[str, dict[str, int]]:
+        """Per chat source (by name), what this rank's rows did with its conversations since the
+        process started: packed, truncated, dropped, unsupervised and target tokens (`ChatStats`)."""
+        return {name: stats.as_dict() for name, stats in self._chat.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last `next_batch`.

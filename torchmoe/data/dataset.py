@@ -10,6 +10,7 @@ The sources, chosen by `training.dataset`:
   other text file (`.txt`, source code, Markdown, no suffix: UTF-8 without NUL bytes) as one
   document each.
 - `hf`: a Hugging Face hub dataset, streamed (`hub_documents.py`).
+- `chat`: conversations (`chat.py`), rendered by the model's chat template and packed whole.
 - torchtitan's names: `c4` / `c4_validation` (allenai/c4 "en", streamed) and `c4_test` (its test
   corpus, `tests/assets/c4_test` of a torchtitan checkout); `dataset_path` moves either.
 Every source yields the same documents in the same order on every pass and every rank; the
@@ -489,6 +490,10 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
             raise DataConfigError(key, "", 'dataset = "tokens" needs a folder', "point it at the OUT_DIR of "
                                   "`torchmoe prepare-data`")
         return TokenShards(training.dataset_path, key=key, check_digests=check_digests)
+    if kind == "chat":
+        from torchmoe.data.chat import chat_corpus  # lazily: the chat modules read files with this module's helpers
+
+        return chat_corpus(training, key=key)
     if kind == "hf":
         return HFDocuments.from_spec(
             training.dataset_path, split=training.dataset_split, text_field=training.dataset_text_field, key=key
@@ -506,5 +511,5 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
             )  # fmt: skip
         return files(path)
     raise DataConfigError(
-        "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local', 'tokens' or 'hf'"
+        "training.dataset", kind, "unknown dataset", "use 'python_docs', 'local', 'tokens', 'hf' or 'chat'"
     )

@@ -1,10 +1,10 @@
-"""The data pipeline's error: a data or tokenizer setting that cannot work."""
+"""The data pipeline's errors: a data or tokenizer setting that cannot work, and the end of a corpus."""
 
 from __future__ import annotations
 
 from torchmoe.config.errors import ConfigError
 
-__all__ = ["DataConfigError"]
+__all__ = ["CorpusEnd", "DataConfigError"]
 
 
 class DataConfigError(ConfigError, ValueError):
@@ -13,3 +13,7 @@ class DataConfigError(ConfigError, ValueError):
     The CLI reports it like any `ConfigError` (one message, exit status 2); it is also a
     `ValueError` for code that uses the data pipeline as a library.
     """
+
+
+class CorpusEnd(Exception):
+    """A stream built with ``repeat=False`` reached the end of its corpus (validation's one pass)."""

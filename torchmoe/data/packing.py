@@ -18,15 +18,12 @@ import numpy as np
 import torch
 
 from torchmoe.data.documents import DataConfigError, Documents, Unit
+from torchmoe.data.errors import CorpusEnd
 from torchmoe.data.tokenizer import Tokenizer
 
 __all__ = ["CorpusEnd", "PIECE_CHARS", "PackedStream"]
 
 logger = logging.getLogger(__name__)
-
-
-class CorpusEnd(Exception):
-    """A stream built with ``repeat=False`` reached the end of its corpus (validation's one pass)."""
 
 
 # A document longer than this many characters is tokenized in pieces of about this size, as it is

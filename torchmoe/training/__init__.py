@@ -5,7 +5,7 @@ Highest first (the import-linter contract "the training loop sits above its part
 - `session`: joins the launched world and runs a `Trainer` (`train`, `evaluate`);
 - `loop`: the `Trainer`, which builds the parts and steps them (`Trainer.fit`);
 - the parts, each one job: `model_build` (the model and its parallelism), `objective` (the loss),
-  `optimization` (optimizer, schedule, the trainable subset), `micro_batches` (a batch's local
+  `optimization` (optimizer, schedule, the trainable subset), `placement` (a batch's local
   columns), `step` (forward, backward, reduction, clipping, the optimizer step), `moe_balance`
   (routed-token counts and expert biases), `replicas` (the live state replica groups exchange),
   `checkpointing`, `validation`, `step_report` (each step's metrics) and `console`;

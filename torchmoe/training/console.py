@@ -58,6 +58,18 @@ def closing(cfg: JobConfig, result: StepResult | None, *, step: int, first_step:
             + f"; {trained} steps in {seconds:,.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s); {where}")
 
 
+def chat_report(stats: dict[str, dict[str, int]]) -> str | None:
+    """A line of what this rank's chat rows did with their conversations (`DataLoader.chat_stats`:
+    per chat source, packed, truncated, dropped, without targets, target tokens), so no
+    truncation or drop is silent; None without chat data."""
+    if not stats:
+        return None
+    parts = [f"{name}: {s['packed']:,} conversations packed ({s['truncated']:,} truncated), {s['dropped']:,} "
+             f"dropped as longer than a row, {s['unsupervised']:,} without targets, {s['targets']:,} target tokens"
+             for name, s in stats.items()]
+    return "chat data on this rank: " + "; ".join(parts)
+
+
 def compile_report(compiled: DynamoCounts, step_s: float, *, rank: int) -> dict[str, float]:
     """Log what the first step compiled; the metrics record's keys for it. Under EP each MoE
     block breaks once, at the split sizes' host read (`distributed/compile.py`)."""

@@ -45,13 +45,13 @@ from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import microbatches
 from torchmoe.preflight import train_device
 from torchmoe.training.checkpointing import Checkpoints
-from torchmoe.training.console import closing, opening, say
+from torchmoe.training.console import chat_report, closing, opening, say
 from torchmoe.training.log import logger
-from torchmoe.training.micro_batches import LocalColumns
 from torchmoe.training.model_build import build_model, build_pipeline_schedule
 from torchmoe.training.moe_balance import MoeBalance
 from torchmoe.training.objective import Objective
 from torchmoe.training.optimization import build_optimization
+from torchmoe.training.placement import LocalColumns
 from torchmoe.training.progress import Progress
 from torchmoe.training.replicas import LiveState, Replicas, join_replica_groups
 from torchmoe.training.run_files import write_run_files
@@ -122,6 +122,8 @@ class Trainer:
         # The loss is normalised by this group's tokens: averaged over the groups of a step, it
         # is the mean over their rows (without fault tolerance: the global batch's).
         self.global_tokens = self.dataloader.global_batch_size // groups * cfg.training.seq_len
+        # Chat data masks labels: each step then counts its own targets (`StepRunner.global_targets`).
+        self.masked_labels = bool(self.dataloader.chat_stats())
         # What the matmuls compute in, in every layout (FSDP/DDP cast the parameters to it, other
         # layouts autocast): the planner's dtype, and the peak MFU is measured against.
         self.compute_dtype = torch_dtype(compute_dtype(cfg.training))
@@ -169,7 +171,8 @@ class Trainer:
         self.steps = StepRunner(
             cfg, built, self.objective, optimization, self.balance, dims=self.dims, mesh=self.mesh,
             device=self.device, world_size=self.world_size, schedule=schedule, step_replicas=self.step_replicas,
-            replicas=self.replicas.groups if self.replicas is not None else None, position=self.dataloader.state_dict)
+            replicas=self.replicas.groups if self.replicas is not None else None, position=self.dataloader.state_dict,
+            count_targets=self.masked_labels, batch_group=batch_mesh.get_group() if batch_mesh is not None else None)
         self._sync_replicas = self.steps.sync_gradients
 
     @property
@@ -275,6 +278,9 @@ class Trainer:
             cfg, self.last_result, step=self.step, first_step=first_step, seconds=time.perf_counter() - began,
             global_batch_size=self.dataloader.global_batch_size, validation_loss=self.validation_loss,
             checkpoints=self.checkpointer, log_file=self.log_file, dump_folder=self.dump_folder))
+        chat = chat_report(self.dataloader.chat_stats())
+        if chat is not None:
+            logger.info("%s", chat)
         if not stopped:
             metrics.require_written()  # last: records held back by a full disk did not stop training
 

@@ -4,8 +4,10 @@ Every loss is a sum of token losses (fp32 cross entropy; a label of -100 is igno
 global batch's supervised-token count, so summing micro-batches and data-parallel ranks gives
 exactly the global mean, for any dp degree and gradient accumulation. Pretraining supervises
 every label: the count is the constant rows x seq_len (`Trainer`). A loss over masked labels
-(chat SFT) sets `Objective.tokens` each step to the count the host read with the batch, summed
-over ranks in one all-reduce: the device never reads it.
+(chat SFT) sets `Objective.tokens` each step to the count the host made with the batch, summed
+over the data-parallel ranks in one all-reduce before the first forward
+(`step.StepRunner.global_targets`): a device tensor, which the host never reads. The pipeline
+schedule's loss is `loss`, so it divides by the same count.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ class Objective:
 
     Args:
         model_args: the model (its multi-token prediction modules and their coefficient).
-        tokens: the global batch's supervised-token count every loss is normalised by.
+        tokens: the global batch's supervised-token count every loss is normalised by: a
+            constant, or (masked labels) each step's count as a 0-dim device tensor.
         tp_mesh: with loss parallel, the TP mesh whose ranks hold the logits' vocabulary shards;
             None: the logits are whole.
     """
 
-    def __init__(self, model_args: ModelArgs, *, tokens: int, tp_mesh: DeviceMesh | None) -> None:
+    def __init__(self, model_args: ModelArgs, *, tokens: int | torch.Tensor, tp_mesh: DeviceMesh | None) -> None:
         self.mtp_layers = model_args.mtp_layers
         self.mtp_loss_coeff = model_args.mtp_loss_coeff
         self.tokens = tokens

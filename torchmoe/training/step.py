@@ -4,7 +4,8 @@ the MoE bias update.
 
 What knows about ranks here: the loss (the objective normalises by the global batch's token
 count, so any dp degree and gradient accumulation give the same gradients), one all-reduce per
-step of the loss and the stop flag, and the MoE token counts (`moe_balance`).
+step of the loss and the stop flag, and the MoE token counts (`moe_balance`). With masked labels
+(chat data) the count is the step's: one small all-reduce of it before the first forward.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.optimizer import clip_grad_norm_
 from torchmoe.config.job_config import JobConfig
+from torchmoe.data.micro_batches import MicroBatch
 from torchmoe.distributed.fault_tolerance import ReplicaGroups
 from torchmoe.distributed.float8 import precompute_float8_scales
 from torchmoe.distributed.mesh import ParallelMesh
@@ -29,13 +31,13 @@ from torchmoe.distributed.replica_state import encode_position
 from torchmoe.nn.document_attention import DocumentSegments
 from torchmoe.nn.profiler_regions import region
 from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.training.micro_batches import PlaceColumns
 from torchmoe.training.model_build import BuiltModel
 from torchmoe.training.moe_balance import MoeBalance
 from torchmoe.training.objective import Objective, loss_weight
 from torchmoe.training.optimization import Optimization
+from torchmoe.training.placement import PlaceColumns
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]  # (inputs, labels) pairs, each (B, seq_len) int64
+MicroBatches = list[MicroBatch]  # (inputs, labels), each (B, seq_len) int64, with their starts and target count
 
 
 @dataclass
@@ -61,12 +63,15 @@ class StepRunner:
         replicas: the replica groups under fault tolerance, else None; `step_replicas` the same
             when they meet every step (no semi-synchronous method), else None.
         position: where this group's rows stand after the step's batch (the data loader's state).
+        count_targets: the labels are masked (chat data): each step's loss is normalised by the
+            step's own count of targets, summed over `batch_group` (the data-parallel ranks; None
+            in one process); else by the objective's constant count.
     """
 
     def __init__(self, cfg: JobConfig, built: BuiltModel, objective: Objective, optimization: Optimization,
                  balance: MoeBalance, *, dims: ParallelDims, mesh: ParallelMesh | None, device: torch.device,
                  world_size: int, schedule, replicas: ReplicaGroups | None, step_replicas: ReplicaGroups | None,
-                 position: Callable[[], dict]) -> None:
+                 position: Callable[[], dict], count_targets: bool = False, batch_group=None) -> None:
         self.cfg, self.built, self.model = cfg, built, built.model
         self.objective, self.balance = objective, balance
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
@@ -75,6 +80,7 @@ class StepRunner:
         self.replicas, self.step_replicas = replicas, step_replicas
         self.position = position
         self.loss_weight = loss_weight(mesh)
+        self.count_targets, self.batch_group = count_targets, batch_group
 
     def forward_backward(self, micro_batches: MicroBatches, columns: PlaceColumns,
                          sync_gradients: Callable[..., None]) -> torch.Tensor:
@@ -84,9 +90,11 @@ class StepRunner:
         multi-token prediction); summed over dp ranks each is the global mean)."""
         self.balance.set_aux_loss_scale(len(micro_batches))
         local_loss = torch.zeros(1 + (self.objective.mtp_layers > 0), device=self.device)
+        if self.count_targets:
+            self.objective.tokens = self.global_targets(micro_batches)
         # Every micro-batch's copy to the device starts now: later ones arrive during earlier ones' compute.
         with region("data"):
-            micro_batches = [columns(inputs, labels) for inputs, labels in micro_batches]
+            micro_batches = [columns(*batch, batch.starts) for batch in micro_batches]
         for i, (inputs, labels, documents) in enumerate(micro_batches):
             sync_gradients(last=i == len(micro_batches) - 1)
             with loss_parallel() if self.objective.tp_mesh is not None else nullcontext():
@@ -99,6 +107,18 @@ class StepRunner:
             for loss in losses:
                 local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         return local_loss
+
+    def global_targets(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The step's targets (labels that are not ignored) over the data-parallel ranks: the sum
+        of the counts the host made with each micro-batch (over whole rows, so under CP every
+        piece divides by the same count), all-reduced once, as a 0-dim float64 tensor on the
+        device, which no host reads. At least 1: a step without targets has zero loss and zero
+        gradients (every token loss is ignored), not 0 / 0."""
+        count = torch.tensor(sum(batch.supervised for batch in micro_batches), dtype=torch.int64,
+                             device=self.device)
+        if self.batch_group is not None:
+            dist.all_reduce(count, group=self.batch_group)
+        return count.clamp(min=1).double()
 
     def sync_gradients(self, *, last: bool) -> None:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing

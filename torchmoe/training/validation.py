@@ -14,10 +14,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.data.dataloader import DataLoader, build_corpus, build_dataloader, validation_data
-from torchmoe.data.packing import CorpusEnd
+from torchmoe.data.errors import CorpusEnd
 from torchmoe.distributed.mesh import ParallelMesh
-from torchmoe.training.micro_batches import PlaceColumns
 from torchmoe.training.objective import Objective, loss_weight
+from torchmoe.training.placement import PlaceColumns
 
 
 class Validation:
@@ -61,14 +61,16 @@ class Validation:
         next bias update reads are left as they were.
 
         Every rank draws its rows of each batch; they agree before each forward whether one ran
-        out of data (one flag in an all-reduce), so all stop at the same batch.
+        out of data (one flag in an all-reduce), so all stop at the same batch. The mean is over
+        the batches' targets (labels not ignored: all of them but with chat data), counted on the
+        host with each micro-batch over whole rows and summed over the data-parallel ranks.
         """
         val = self.cfg.validation
         loader = self.loader()
         counts = [moe.tokens_per_expert.clone() for moe in moe_layers]
         weight = loss_weight(mesh)
         total = torch.zeros((), device=device)
-        batches = 0
+        batches, targets = 0, 0
         while val.steps == -1 or batches < val.steps:
             try:
                 micro_batches, ended = loader.next_batch(), 0.0
@@ -79,18 +81,22 @@ class Validation:
                 dist.all_reduce(flag)
             if flag.item():
                 break
-            for inputs, labels in micro_batches:
-                inputs, labels, documents = columns(inputs, labels)
+            for batch in micro_batches:
+                targets += batch.supervised
+                inputs, labels, documents = columns(*batch, batch.starts)
                 with loss_parallel() if objective.tp_mesh is not None else nullcontext():
                     loss = objective.summed(model(inputs, documents), labels)
                 total += weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
             batches += 1
         for moe, saved in zip(moe_layers, counts):
             moe.tokens_per_expert.copy_(saved)
+        count = torch.tensor(targets, dtype=torch.int64, device=device)
         if mesh is not None:
             dist.all_reduce(total)
+            dist.all_reduce(count, group=mesh["batch"].get_group())
         if not batches:
             raise ConfigError("validation.dataset", val.dataset, "holds less than one batch "
                               f"({loader.global_batch_size} rows of {val.seq_len + 1} tokens)",
                               "use more validation data, or a smaller validation.local_batch_size / seq_len")
-        return total.item() / (batches * loader.global_batch_size * val.seq_len)
+        # No targets at all: no token loss either (0, not 0 / 0).
+        return total.item() / max(int(count.item()), 1)

@@ -19,9 +19,10 @@ from torchmoe.nn.document_attention import (
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.parallel_dims import ParallelDims
 
-# Places a (B, seq_len) micro-batch's (inputs, labels) as this rank trains on them (`LocalColumns`):
-# (inputs, labels, document segment tables or None).
-PlaceColumns = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]]
+# Places a (B, seq_len) micro-batch's (inputs, labels, document starts or None) as this rank trains
+# on them (`LocalColumns`): (inputs, labels, document segment tables or None).
+PlaceColumns = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                        tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]]
 
 
 class LocalColumns:
@@ -47,12 +48,14 @@ class LocalColumns:
         self.positions = torch.tensor(CPLayout(seq_len, self.cp).positions(self.cp_rank)) \
             if dims.cp_enabled else None
 
-    def __call__(self, inputs: torch.Tensor,
-                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]:
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]:
         """This rank's columns of a (B, seq_len) micro-batch (its CP pieces; all without CP), on
         its device, and with document masking the segment tables of every attention call this
         rank's layers make (`nn.document_attention.document_segments`), else None. The tables
-        come from the whole rows' token ids, on the host, before they travel (a piece's first
+        come from the batch's own (B, seq_len) document `starts` where it has them (chat rows,
+        whose templates may write EOS inside a conversation: `data.micro_batches.MicroBatch`),
+        else from the whole rows' token ids, on the host, before they travel (a piece's first
         document may begin in an earlier piece): no layer reads a device value for them. Every
         rank of a pipeline derives them from the same batch, so stages without the token ids get
         each micro-batch's own.
@@ -61,7 +64,9 @@ class LocalColumns:
         host goes on queueing work while the batch travels (the stream orders its use)."""
         documents = None
         if self.eos_id is not None:
-            documents = document_segments(document_starts(inputs, self.eos_id),
+            if starts is None:
+                starts = document_starts(inputs, self.eos_id)
+            documents = document_segments(starts,
                                           self.attention_calls(inputs.shape[-1]), self.device)
         columns = (inputs, labels)
         if self.positions is not None:
