@@ -1,0 +1,108 @@
+"""`torchmoe train` with `[lora]` from a tiny random Qwen3-MoE folder made by transformers
+(`tests/any_checkpoint.py`): the base stays frozen (no gradient, no optimizer state), checkpoints
+hold the adapters alone and resume exactly, the exported adapter loads in
+``peft.PeftModel.from_pretrained`` with torchmoe's logits, and imports (`lora.adapter`) to go on.
+
+    python -m pytest -q tests/integration/test_lora_training.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+peft = pytest.importorskip("peft")
+
+from tests.any_checkpoint import reference_model, save_checkpoint  # noqa: E402
+from tests.helpers import start_from  # noqa: E402
+from tests.hf_parity import max_rel_err, random_tokens  # noqa: E402
+from torchmoe.commands import cli  # noqa: E402
+from torchmoe.components.checkpoint_state import read_dcp_metadata  # noqa: E402
+from torchmoe.components.peft_adapter import load_peft_adapter  # noqa: E402
+from torchmoe.config.job_config import LoRA  # noqa: E402
+from torchmoe.hf import load_model  # noqa: E402
+from torchmoe.models.decoder.lora import apply_lora  # noqa: E402
+from torchmoe.nn.lora import is_adapter_name  # noqa: E402
+
+TARGETS = ["attention", "experts", "router"]
+LORA = LoRA(enable=True, targets=TARGETS, rank=8, alpha=16.0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint("qwen3", tmp_path_factory.mktemp("lora") / "qwen3")
+
+
+def _train(folder: Path, dump: Path, steps: int, *extra: str) -> list[dict]:
+    """`torchmoe train` of LoRA on `folder` in this process, checkpointing every 2 steps and
+    exporting at the end; its metrics records."""
+    job = dump.parent / f"{dump.name}.toml"
+    job.write_text(f'[training]\nlocal_batch_size = 2\nseq_len = 32\nsteps = {steps}\ndataset = "python_docs"\n'
+                   f'[optimizer]\nlr = 0.01\n[lr_scheduler]\nwarmup_steps = 1\n'
+                   f'[checkpoint]\nenable = true\ninterval = 2\ninitial_load_in_hf = true\nlast_save_in_hf = true\n'
+                   f'initial_load_path = "{folder}"\n'
+                   f'[lora]\nenable = true\ntargets = {json.dumps(TARGETS)}\nrank = 8\nalpha = 16.0\n'
+                   '[compile]\nenable = false\n[metrics]\nlog_freq = 1\nenable_tensorboard = false\n')
+    assert cli.main(["train", "--config", str(job), "--job.dump_folder", str(dump), *extra]) == 0
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    dump = tmp_path_factory.mktemp("run") / "run"
+    return dump, _train(folder, dump, 4)
+
+
+def test_checkpoints_hold_the_adapters_and_their_optimizer_state_alone(run):
+    dump, records = run
+    keys = read_dcp_metadata("folder", dump / "checkpoint" / "step-4", "").state_dict_metadata
+    model = [k[len("model."):] for k in keys if k.startswith("model.")]
+    moments = [k for k in keys if k.startswith("optimizer.state.") and k.endswith(".exp_avg")]
+    assert model and all(is_adapter_name(k) for k in model), model
+    # every adapter, nothing else: 3 layers x (wq, wk, wv, wo) x (A, B) + 2 MoE layers x (w13, w2, gate) x (A, B)
+    assert len(model) == 3 * 4 * 2 + 2 * 3 * 2
+    assert sorted(k[len("optimizer.state."):-len(".exp_avg")] for k in moments) == sorted(model)
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in records)
+
+
+def test_the_base_stays_frozen_and_the_adapters_train(run, folder):
+    dump, _ = run
+    adapter = dump / "checkpoint" / "step-4-hf"
+    trained = load_file(adapter / "adapter_model.safetensors")
+    assert any(k.endswith("lora_B.weight") and t.abs().max() > 0 for k, t in trained.items())  # B left zero
+    hf = reference_model("qwen3")
+    ours = load_model(folder)
+    apply_lora(ours, LORA)
+    load_peft_adapter(ours, adapter, LORA)
+    tokens = random_tokens(512)
+    merged = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    with torch.no_grad():
+        got, ref = ours(tokens), merged(tokens).logits
+        base = merged.get_base_model()
+        with merged.disable_adapter():
+            untouched = base(tokens).logits
+    assert max_rel_err(ref, got) <= 1e-5
+    assert max_rel_err(untouched, got) > 1e-3  # the adapters changed the model
+    with torch.no_grad():  # the frozen base is the folder's, bit for bit
+        assert max_rel_err(untouched, reference_model("qwen3")(tokens).logits) == 0
+
+
+def test_resume_is_exact(run, folder, tmp_path):
+    """A resume from the run's step-2 checkpoint (adapters only; the base loads from the folder
+    again) to step 4: the curve of the uninterrupted run, bit for bit."""
+    dump, whole = run
+    resumed = _train(folder, start_from(dump / "checkpoint" / "step-2", tmp_path / "resumed"), 4)
+    assert [(r["loss"], r["grad_norm"]) for r in resumed if r["step"] > 2] == \
+        [(r["loss"], r["grad_norm"]) for r in whole if r["step"] > 2]
+
+
+def test_an_imported_adapter_continues_training(run, folder, tmp_path):
+    """`lora.adapter` = the exported adapter: the new run's first loss is the loss the trained
+    adapters give (below the first run's first), not PEFT's init's."""
+    dump, first = run
+    go_on = _train(folder, tmp_path / "on", 1, "--lora.adapter", str(dump / "checkpoint" / "step-4-hf"))
+    assert go_on[0]["loss"] < first[0]["loss"] - 1e-3
