@@ -109,3 +109,14 @@ def test_an_imported_adapter_continues_training(run, folder, tmp_path):
     dump, first = run
     go_on = _train(folder, tmp_path / "on", 1, "--lora.adapter", str(dump / "checkpoint" / "step-4-hf"))
     assert go_on[0]["loss"] < first[0]["loss"] - 1e-3
+
+
+def test_convert_refuses_a_lora_checkpoint_naming_the_export(run, tmp_path, capsys):
+    dump, _ = run
+    step = dump / "checkpoint" / "step-4"
+    assert cli.main(["convert", "dcp-to-hf", str(step), str(tmp_path / "out")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"error: CKPT_DIR = \"{step}\": is a LoRA run's checkpoint: it holds the adapters, not the frozen base "
+            "(the run's checkpoint.initial_load_path) fix: export it from the run: checkpoint.last_save_in_hf = true "
+            "writes lora.export (the PEFT adapter, or the merged model) at the run's last step") in err, err
+    assert not (tmp_path / "out").exists()
