@@ -67,7 +67,6 @@ from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.components.trained_weights import run_config_file
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
-from torchmoe.nn.lora import is_adapter_name
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import load_toml_config
@@ -76,6 +75,7 @@ from torchmoe.config.validate import PARAM_DTYPES
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.models.registry import family_titles
 from torchmoe.nn.dtypes import torch_dtype
+from torchmoe.nn.lora import is_adapter_name
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
 
