@@ -21,6 +21,7 @@ from transformers import Qwen3MoeForCausalLM  # noqa: E402
 from tests.any_checkpoint import reference_model, save_checkpoint  # noqa: E402
 from tests.helpers import start_from  # noqa: E402
 from tests.hf_parity import max_rel_err, random_tokens  # noqa: E402
+from tests.launch import run_train  # noqa: E402
 from torchmoe.commands import cli  # noqa: E402
 from torchmoe.components.checkpoint_state import read_dcp_metadata  # noqa: E402
 from torchmoe.components.peft_adapter import load_peft_adapter  # noqa: E402
@@ -120,3 +121,28 @@ def test_convert_refuses_a_lora_checkpoint_naming_the_export(run, tmp_path, caps
             "(the run's checkpoint.initial_load_path) fix: export it from the run: checkpoint.last_save_in_hf = true "
             "writes lora.export (the PEFT adapter, or the merged model) at the run's last step") in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.distributed
+def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
+    """2 gloo ranks, the experts split by EP and the rest sharded by FSDP: the export gathers
+    each adapter whole to rank 0, and PEFT loads it with torchmoe's logits."""
+    job = tmp_path / "job.toml"
+    dump = tmp_path / "ep"
+    job.write_text(f'[training]\nlocal_batch_size = 2\nseq_len = 32\nsteps = 2\ndataset = "python_docs"\n'
+                   f'[optimizer]\nlr = 0.01\n[lr_scheduler]\nwarmup_steps = 1\n'
+                   f'[checkpoint]\nenable = false\ninitial_load_in_hf = true\nlast_save_in_hf = true\n'
+                   f'initial_load_path = "{folder}"\n'
+                   f'[lora]\nenable = true\ntargets = {json.dumps(TARGETS)}\nrank = 8\nalpha = 16.0\n'
+                   '[parallelism]\ndata_parallel_shard_degree = 2\nexpert_parallel_degree = 2\n'
+                   '[compile]\nenable = false\n[metrics]\nlog_freq = 1\nenable_tensorboard = false\n')
+    run_train(["--config", str(job)], dump_folder=dump, nproc=2, timeout=300)
+    adapter = dump / "checkpoint" / "step-2-hf"
+    ours = load_model(folder)
+    apply_lora(ours, LORA)
+    load_peft_adapter(ours, adapter, LORA)
+    assert all(t.abs().max() > 0 for k, t in load_file(adapter / "adapter_model.safetensors").items())
+    tokens = random_tokens(512)
+    peft_model = peft.PeftModel.from_pretrained(reference_model("qwen3"), adapter).eval()
+    with torch.no_grad():
+        assert max_rel_err(peft_model(tokens).logits, ours(tokens)) <= 1e-5
