@@ -21,7 +21,7 @@ from transformers import Qwen3MoeForCausalLM  # noqa: E402
 from tests.any_checkpoint import reference_model, save_checkpoint  # noqa: E402
 from tests.helpers import start_from  # noqa: E402
 from tests.hf_parity import max_rel_err, random_tokens  # noqa: E402
-from tests.launch import run_train  # noqa: E402
+from tests.launch import read_metrics, run_train  # noqa: E402
 from torchmoe.commands import cli  # noqa: E402
 from torchmoe.components.checkpoint_state import read_dcp_metadata  # noqa: E402
 from torchmoe.components.peft_adapter import load_peft_adapter  # noqa: E402
@@ -126,7 +126,8 @@ def test_convert_refuses_a_lora_checkpoint_naming_the_export(run, tmp_path, caps
 @pytest.mark.distributed
 def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
     """2 gloo ranks, the experts split by EP and the rest sharded by FSDP: the export gathers
-    each adapter whole to rank 0, and PEFT loads it with torchmoe's logits."""
+    each adapter whole to rank 0, and PEFT loads it with torchmoe's logits; imported again
+    (`lora.adapter`, each rank taking its shards), the next run starts from the trained loss."""
     job = tmp_path / "job.toml"
     dump = tmp_path / "ep"
     job.write_text(f'[training]\nlocal_batch_size = 2\nseq_len = 32\nsteps = 2\ndataset = "python_docs"\n'
@@ -146,3 +147,6 @@ def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
     peft_model = peft.PeftModel.from_pretrained(reference_model("qwen3"), adapter).eval()
     with torch.no_grad():
         assert max_rel_err(peft_model(tokens).logits, ours(tokens)) <= 1e-5
+    run_train(["--config", str(job), "--lora.adapter", str(adapter)], dump_folder=tmp_path / "on", nproc=2, timeout=300)
+    first, go_on = read_metrics(dump)[0], read_metrics(tmp_path / "on")[0]
+    assert go_on["loss"] < first["loss"] - 1e-3
