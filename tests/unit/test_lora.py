@@ -279,7 +279,8 @@ def test_lora_section_refuses_bad_values():
 
 def test_preflight_refuses_what_a_lora_run_cannot_do():
     """The dry run refuses an adapter export of a family without a PEFT mapping (Llama 4, the
-    debug config's), and a LoRA training run, which the trainer does not build yet."""
+    debug config's), or of a target PEFT cannot hold (DeepSeek-V3's shared experts), before training;
+    the merged export of either passes."""
     from pathlib import Path
 
     from torchmoe.config import load_job_config
@@ -292,5 +293,12 @@ def test_preflight_refuses_what_a_lora_run_cannot_do():
     assert str(e.value) == ('lora.export = "adapter": torchmoe has no PEFT mapping for Llama 4\n  fix: set '
                             'lora.export = "merged" (the model with each adapter folded into its weight)')
     cfg.lora.export = "merged"
-    with pytest.raises(ConfigError, match=r"^lora.enable = true: torchmoe train does not build adapters yet"):
+    validate_job_config(cfg, 1, check_device=False)
+    cfg = load_job_config(["--config", debug, "--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
+                           "--lora.enable", "true", "--lora.targets", "attention,shared_experts"])
+    with pytest.raises(ConfigError) as e:
         validate_job_config(cfg, 1, check_device=False)
+    assert str(e.value).startswith('lora.export = "adapter": ') and "shared_experts" in str(e.value), e.value
+    assert str(e.value).endswith('fix: set lora.export = "merged" (the model with each adapter folded into its weight)')
+    cfg.lora.export = "merged"
+    validate_job_config(cfg, 1, check_device=False)

@@ -75,6 +75,7 @@ from torchmoe.config.validate import PARAM_DTYPES
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.models.registry import family_titles
 from torchmoe.nn.dtypes import torch_dtype
+from torchmoe.nn.lora import is_adapter_name
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
 
@@ -317,6 +318,18 @@ def _checkpoint_model(ckpt_dir: Path, name: str, flavor: str, tokenizer: str | N
                       if len(everywhere) == 1 else "pass --model-name and --flavor of the model it holds")
 
 
+def _refuse_adapters_alone(ckpt_dir: Path) -> None:
+    """A LoRA run's checkpoint holds its adapters, not the frozen base (the run's
+    checkpoint.initial_load_path): no model to convert alone; the run's own export writes it."""
+    fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
+    _require_dir("CKPT_DIR", ckpt_dir, fix)
+    if any(is_adapter_name(k) for k in model_tensors(read_dcp_metadata("CKPT_DIR", ckpt_dir, fix))):
+        raise ConfigError("CKPT_DIR", str(ckpt_dir), "is a LoRA run's checkpoint: it holds the adapters, not the "
+                          "frozen base (the run's checkpoint.initial_load_path)", "export it from the run: "
+                          "checkpoint.last_save_in_hf = true writes lora.export (the PEFT adapter, or the merged "
+                          "model) at the run's last step")
+
+
 def convert_main(argv: list[str]) -> int:
     """`torchmoe convert ...`; returns the exit status (user errors raise `ConfigError`)."""
     opts = parse_args(_parser(), argv)
@@ -355,6 +368,7 @@ def _run(opts: argparse.Namespace) -> int:
     else:
         # The one warning here (a non-zero expert bias dropped, as --drop-expert-bias asked) is news
         # for the user, so it is printed as one line rather than with the source line Python's format adds.
+        _refuse_adapters_alone(Path(opts.ckpt_dir))
         name, flavor, tokenizer, source = _checkpoint_model(Path(opts.ckpt_dir), opts.model_name, opts.flavor,
                                                             opts.tokenizer)
         tokenizer_fix = "pass the tokenizer.json the model trained with, or its folder"

@@ -84,16 +84,19 @@ class ModelWrapper(Stateful):
     state dicts merge into one dict keyed like the unsplit model's.
     """
 
-    def __init__(self, model_parts: nn.Module | list[nn.Module], *, flavor: str = "", family: str = "llama4") -> None:
+    def __init__(self, model_parts: nn.Module | list[nn.Module], *, flavor: str = "", family: str = "llama4",
+                 keep: Callable[[str], bool] | None = None) -> None:
         self.model_parts = as_list(model_parts)
         # Named in the error for a checkpoint of another model, with the family's flavors it fits.
         self.flavor, self.family = flavor, family
+        # The tensors this state holds, by name (LoRA: the adapters alone); None: every one.
+        self.keep = keep
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         for part in self.model_parts:
             sd.update(get_model_state_dict(part))
-        return sd
+        return sd if self.keep is None else {name: t for name, t in sd.items() if self.keep(name)}
 
     def check_saved_shapes(self, shapes: dict[str, torch.Size]) -> None:
         """Refuse a checkpoint of another model (another flavor): its checkpoints are valid, so
@@ -281,7 +284,8 @@ _DCP_FOLDER = "a DCP checkpoint folder: a step-N folder of a run, or the output 
 
 
 def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Module], *,
-                    key: str = "checkpoint.initial_load_path", metadata: Metadata | None = None) -> None:
+                    key: str = "checkpoint.initial_load_path", metadata: Metadata | None = None,
+                    keep: Callable[[str], bool] | None = None) -> None:
     """Load only model weights (no optimizer, no step) from a DCP folder.
 
     Accepts a torchmoe `step-N/` folder (keys `model.<fqn>`) or a DCP folder of a bare model
@@ -289,7 +293,8 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
     persistent buffer of the model must be in it, of its shape and (for floating-point ones) in
     floating point; extra keys are ignored (a pipeline stage loads only its own). Collective
     under a process group. `metadata`: the folder's, when the caller read it already
-    (`read_dcp_metadata`).
+    (`read_dcp_metadata`); `keep`: the tensors to load, by name (`ModelWrapper`; LoRA's base
+    loads without its adapters).
 
     Raises:
         ConfigError: (naming `key`, the option that named `path`) a file of the folder is
@@ -299,7 +304,7 @@ def load_model_only(path: str | os.PathLike, model_parts: nn.Module | list[nn.Mo
     path = Path(path)
     fix = f"point it at {_DCP_FOLDER}"
     metadata = metadata if metadata is not None else read_dcp_metadata(key, path, fix)
-    wrapper = ModelWrapper(model_parts)
+    wrapper = ModelWrapper(model_parts, keep=keep)
     sd = wrapper.state_dict()
     stored = model_tensors(metadata)
     problem = misfit(sd, stored, extra_ok=True) or non_float(sd, stored)

@@ -11,6 +11,7 @@ folder, ``model.flavor`` for weights of another flavor (naming the flavor they f
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
@@ -39,7 +40,7 @@ _DCP_FIX = ("point it at a DCP checkpoint folder: a step-N folder of a run, or t
 
 
 def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, model: nn.Module, *,
-                         key: str = "checkpoint.initial_load_path") -> None:
+                         key: str = "checkpoint.initial_load_path", keep: Callable[[str], bool] | None = None) -> None:
     """Load the model weights of `ckpt.initial_load_path` into `model` (this rank's part: shards
     or pipeline stages, under the full model's names). Collective under a process group.
 
@@ -48,6 +49,8 @@ def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, m
         flavor: model.flavor, which `args` (the whole model's architecture) was built from.
         key: the setting that named the folder, for messages (``model.hf_assets_path`` where
             that filled it: `config.paths.source_key`).
+        keep: the tensors of `model` the folder fills, by name (LoRA: the base, not the adapters
+            it never held); None: every one.
 
     Raises:
         ConfigError: the folder cannot be read, or holds weights of another model; or with
@@ -56,11 +59,11 @@ def load_initial_weights(ckpt: CheckpointConfig, flavor: str, args: ModelArgs, m
     """
     path = Path(ckpt.initial_load_path)
     if ckpt.initial_load_in_hf:
-        _load_hf(path, flavor, args, model, key)
+        _load_hf(path, flavor, args, model, key, keep)
     else:
         metadata = read_dcp_metadata(key, path, _DCP_FIX)  # read by rank 0, once
         require_fit("model.flavor", flavor, args, model_tensors(metadata), f"{key} {path}")
-        load_model_only(path, [model], key=key, metadata=metadata)
+        load_model_only(path, [model], key=key, metadata=metadata, keep=keep)
         if ckpt.last_save_in_hf and not ckpt.hf_drop_expert_bias:
             _require_exportable_bias(path, args, model, key)
 
@@ -82,7 +85,8 @@ def _require_exportable_bias(path: Path, args: ModelArgs, model: nn.Module, key:
                           "the trained model without it (selecting other experts)", _BIAS_DROP_FIX)
 
 
-def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: str) -> None:
+def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: str,
+             keep: Callable[[str], bool] | None) -> None:
     """Every rank reads the safetensors slices its shards cover, straight into its parameters."""
     fix = f"point it at a complete Hugging Face {hf_mapping(args).title} folder (config.json + *.safetensors)"
     hf_args = one_reads(lambda: read_hf_args(hf_dir, key=key, fix=fix))  # rank 0 reads config.json for all
@@ -99,5 +103,8 @@ def _load_hf(hf_dir: Path, flavor: str, args: ModelArgs, model: nn.Module, key: 
                               f"({hf_args.family}), not a {hf_mapping(args).title} one", fix)
         raise ConfigError(key, str(hf_dir), f"its config differs from flavor {flavor!r} in {', '.join(differ)}",
                           fix.replace(f"--model.name {hf_args.family} ", ""))
-    load_hf_weights(get_model_state_dict(model), hf_dir, args, key=key, fix=fix)
+    state = get_model_state_dict(model)
+    if keep is not None:
+        state = {name: t for name, t in state.items() if keep(name)}
+    load_hf_weights(state, hf_dir, args, key=key, fix=fix)
     logger.info("loaded Hugging Face weights from %s", hf_dir)

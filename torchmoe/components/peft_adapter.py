@@ -39,7 +39,8 @@ from torchmoe.models.registry import hf_mapping
 from torchmoe.nn.experts import RoutedExperts
 from torchmoe.nn.lora import ADAPTER_PREFIX
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_peft_adapter", "save_merged_model", "save_peft_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_peft_adapter", "require_peft_form", "save_merged_model",
+           "save_peft_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -70,6 +71,12 @@ def _pairs(model: torch.nn.Module) -> list[tuple[PeftTarget, torch.nn.Parameter,
     except HFConversionError as e:
         raise ConfigError("lora.export", "adapter", str(e), _MERGED_FIX) from None
     return pairs
+
+
+def require_peft_form(model: torch.nn.Module) -> None:
+    """Refuse (before training) adapters of `model` that PEFT cannot hold (`ConfigError` naming
+    lora.export and the target, offering the merged export). Shapes only: a meta model does."""
+    _pairs(model)
 
 
 def _keys(pairs: list[tuple[PeftTarget, ...]]) -> list[str]:

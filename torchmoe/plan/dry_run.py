@@ -29,6 +29,7 @@ from torchmoe.config.validate import resolve_degrees
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
+from torchmoe.plan.lora import adapter_specs
 from torchmoe.plan.memory import (
     GIB,
     MemoryEstimate,
@@ -285,7 +286,7 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
     params_local = max(sum(math.prod(local_shape(s, dims)) for s in local) for local in per_pp_rank)
     expert_params_per_rank = max(sum(shard_numel(s, dims) for s in local if s.expert) for local in per_pp_rank)
     memory = max(memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
-                                    compiled=cfg.compile.enable), key=lambda e: e.total)
+                                    compiled=cfg.compile.enable, lora=cfg.lora), key=lambda e: e.total)
     device_gib = cfg.job.device_memory_gib if cfg.job.device_memory_gib > 0 else machine_device_gib
     tp_gathers = tp_gather_bytes(cfg, dims, args, pipe)
     plan = describe_plan(cfg, dims, args, pipe, tp_gathers)
@@ -302,6 +303,7 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
         "expert_state_per_rank_gib": expert_params_per_rank * state_bytes_per_param(cfg.training) / GIB,
         "flops_per_token": args.flops_per_token(cfg.training.seq_len),
         "memory_per_rank_gib": memory.gib(),
+        "lora": lora_report(cfg, args, dims, memory) if cfg.lora.enable else None,
         "memory_pp_rank": memory.pp_rank,
         "device_memory_gib": device_gib,
         "plan": plan,
@@ -391,7 +393,21 @@ def _print_report(console: Console, cfg: JobConfig, job: JobPlan, compute_bytes:
     if memory.host:
         table.add_row("host (CPU offload)", f"{gib['host']:.{digits}f}", style="dim")
     console.print(table)
+    lora = report["lora"]
+    if lora is not None:
+        console.print(f"LoRA: {format_count(lora['adapter_params'])} adapter parameters train; the frozen base has no "
+                      f"gradients and no optimizer state: {lora['saved_gib']:.2f} GiB less per rank than training "
+                      f"every parameter ({lora['full_fine_tuning_gib']:.2f} GiB)")
     _print_memory_verdict(console, gib["total"], job.device_gib)
+
+
+def lora_report(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, memory: MemoryEstimate) -> dict:
+    """LoRA's adapters and what freezing the base saves on the fullest rank: the memory the same
+    layout needs to train every parameter, beside this run's."""
+    full = memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
+                              compiled=cfg.compile.enable)[memory.pp_rank]
+    return {"adapter_params": sum(math.prod(s.shape) for s in adapter_specs(args, cfg.lora)),
+            "full_fine_tuning_gib": full.gib()["total"], "saved_gib": (full.total - memory.total) / GIB}
 
 
 def _print_pipeline(console: Console, pipeline: dict) -> None:

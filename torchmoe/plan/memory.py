@@ -122,16 +122,17 @@ from dataclasses import dataclass
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.dtypes import DTYPE_BYTES
-from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
+from torchmoe.config.job_config import ActivationCheckpoint, LoRA, Parallelism, Training
 from torchmoe.plan.context import HALO, LOCAL, CPLayout
-from torchmoe.plan.layout import COLWISE, UnitSize, attention_linears, unit_sizes
+from torchmoe.plan.layout import COLWISE, UnitSize, attention_linears, shard_numel, unit_sizes
+from torchmoe.plan.lora import adapter_specs
 from torchmoe.plan.memo import memoised
 from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
 )
 from torchmoe.plan.pipeline import microbatches as pipeline_microbatches
-from torchmoe.plan.pipeline import peak_activations_in_flight, pipeline_layout, rank_units
+from torchmoe.plan.pipeline import peak_activations_in_flight, pipeline_layout, rank_param_specs, rank_units
 
 GIB = 1024**3
 _OPTIMIZER_STATES = 2  # AdamW and Adam: exp_avg, exp_avg_sq
@@ -517,7 +518,7 @@ _STATES: dict[tuple, tuple[int, int]] = {}
 
 def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: Training,
                        ac_cfg: ActivationCheckpoint, parallelism_cfg: Parallelism, *,
-                       compiled: bool = False) -> list[MemoryEstimate]:
+                       compiled: bool = False, lora: LoRA | None = None) -> list[MemoryEstimate]:
     """The estimate for one rank of each pp rank (index = pp rank).
 
     Args:
@@ -528,6 +529,8 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
         parallelism_cfg: pipeline schedule and micro-batch size, FSDP reshard policy, CPU offload,
             loss parallel.
         compiled: blocks run under torch.compile (fused norms save less).
+        lora: `[lora]`: when enabled the base is frozen (no gradients, no optimizer state) and
+            the adapters (`plan.lora.adapter_specs`) are stored beside it and train.
     """
     pipe = pipeline_layout(model_args, dims, parallelism_cfg, training_cfg.seq_len)
     a = compute_dtype_bytes(training_cfg)
@@ -545,7 +548,11 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     estimates = []
     for pp_rank in range(dims.pp):
         numel, fsdp_buffers = _rank_state(model_args, dims, pipe, pp_rank, training_cfg, parallelism_cfg)
-        states = {"params": p * numel, "grads": p * numel, "optimizer": p * _OPTIMIZER_STATES * numel}
+        trained = numel
+        if lora is not None and lora.enable:
+            trained = sum(shard_numel(s, dims) for s in rank_param_specs(adapter_specs(model_args, lora), pipe, pp_rank))
+            numel += trained
+        states = {"params": p * numel, "grads": p * trained, "optimizer": p * _OPTIMIZER_STATES * trained}
         host = 0
         if parallelism_cfg.fsdp_cpu_offload and dims.fsdp_enabled:
             host = sum(states.values())
@@ -563,7 +570,7 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
 
 def estimate_memory(model_args: ModelArgs, degrees: Mapping[str, int], training_cfg: Training,
                     ac_cfg: ActivationCheckpoint, parallelism_cfg: Parallelism, *,
-                    compiled: bool = False) -> dict[str, float]:
+                    compiled: bool = False, lora: LoRA | None = None) -> dict[str, float]:
     """Peak memory of the fullest rank, in GiB.
 
     Args:
@@ -572,10 +579,12 @@ def estimate_memory(model_args: ModelArgs, degrees: Mapping[str, int], training_
         training_cfg, ac_cfg, parallelism_cfg: the `[training]`, `[activation_checkpoint]` and
             `[parallelism]` sections.
         compiled: ``[compile] enable``.
+        lora: ``[lora]`` (`memory_per_pp_rank`).
     Returns:
         ``params, grads, optimizer, fsdp_buffers, activations, host, total`` in GiB (``host``:
         CPU-offloaded state, not part of ``total``).
     """
     dims = ParallelDims(**degrees, world_size=math.prod(degrees[d] for d in MESH_DIMS))
-    estimates = memory_per_pp_rank(model_args, dims, training_cfg, ac_cfg, parallelism_cfg, compiled=compiled)
+    estimates = memory_per_pp_rank(model_args, dims, training_cfg, ac_cfg, parallelism_cfg, compiled=compiled,
+                                   lora=lora)
     return max(estimates, key=lambda e: e.total).gib()

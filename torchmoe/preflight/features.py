@@ -11,9 +11,12 @@ import torch
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.hf_storage import holds_expert_bias, require_hf_form
+from torchmoe.components.peft_adapter import require_peft_form
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.config.launch_env import launch_int
+from torchmoe.models.decoder.lora import apply_lora
+from torchmoe.models.llama4 import Transformer
 from torchmoe.models.registry import hf_mapping
 from torchmoe.plan.layout import param_specs
 from torchmoe.plan.parallel_dims import ParallelDims
@@ -77,16 +80,15 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
 
 
 def _check_lora(cfg: JobConfig, args: ModelArgs) -> None:
-    """What a LoRA run cannot do: export adapters of a family torchmoe has no PEFT mapping for,
-    and (until the trainer builds adapters and hands only them to the optimizer) train at all:
-    refused rather than training the whole model unasked."""
-    mapping = hf_mapping(args)
-    if cfg.lora.export == "adapter" and mapping.peft_target is None:
-        raise ConfigError("lora.export", "adapter", f"torchmoe has no PEFT mapping for {mapping.title}",
-                          'set lora.export = "merged" (the model with each adapter folded into its weight)')
-    raise ConfigError("lora.enable", True, "torchmoe train does not build adapters yet (it would train the whole "
-                      "model): adapters are built, exported and imported through the Python API "
-                      "(docs/fine_tuning.md, LoRA)", "set lora.enable = false")
+    """What a LoRA run cannot export, refused before training: adapters of a family torchmoe has
+    no PEFT mapping for, or on a target PEFT cannot hold (checked on the adapted model's shapes,
+    built on the meta device)."""
+    if cfg.lora.export != "adapter":
+        return
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_lora(model, cfg.lora)
+    require_peft_form(model)  # raises the ConfigError naming lora.export and the target
 
 
 def _check_flex_compiled(cfg: JobConfig, args: ModelArgs) -> None:

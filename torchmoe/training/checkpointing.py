@@ -18,6 +18,7 @@ from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import source_key
+from torchmoe.training.adapters import base_weights, checkpointed, export_hf, import_adapter
 from torchmoe.training.log import logger
 
 
@@ -38,11 +39,19 @@ class Checkpoints:
         self.model, self.model_args = model, model_args
         self.rank = rank
 
-    def load_initial_weights(self) -> None:
-        """The weights of `checkpoint.initial_load_path`, if set (else the model keeps its init)."""
+    def load_initial_weights(self, *, resumed: bool) -> None:
+        """The weights of `checkpoint.initial_load_path`, if set (else the model keeps its init):
+        for a new run; for a `resumed` one only where its checkpoints lack them (LoRA's frozen
+        base, `adapters.checkpointed`). A new LoRA run then takes its adapters from `lora.adapter`
+        if set."""
+        lora = self.cfg.lora
+        if resumed and checkpointed(lora) is None:
+            return
         if self.cfg.checkpoint.initial_load_path:
             load_initial_weights(self.cfg.checkpoint, self.cfg.model.flavor, self.model_args, self.model,
-                                 key=source_key(self.cfg, "checkpoint.initial_load_path"))
+                                 key=source_key(self.cfg, "checkpoint.initial_load_path"), keep=base_weights(lora))
+        if not resumed:
+            import_adapter(lora, self.model_args, self.model)
 
     def after_step(self, step: int, *, stopping: bool) -> None:
         """After step `step`: save when due (or `stopping` for a signal), if the state is finite
@@ -94,16 +103,21 @@ class Checkpoints:
         return False  # never swallows the exception
 
     def save_hf(self, step: int) -> None:
-        """Write the weights as a Hugging Face folder, each rank writing its own shards, with the
+        """Write the weights as a Hugging Face folder, each rank writing its own shards (under
+        LoRA: what `lora.export` names, gathered to rank 0: `adapters.export_hf`), with the
         tokenizer's files (`components.tokenizer_files`; none for the byte tokenizer); not
         when they are non-finite (`TrainingDiverged`: the last step's update, unchecked by a save
         when checkpointing is off). Visible only once complete (`CheckpointManager.save_export`);
         a failed write is the run's last error (`save_failed`)."""
-        state = get_model_state_dict(self.model)
+        lora = self.cfg.lora
 
         def write(folder: Path) -> None:
-            save_hf_weights(state, self.model_args, folder, process_group=self.manager.group,
-                            bias_drop=hf_bias_drop(self.cfg.checkpoint))
+            if lora.enable:  # the adapters in PEFT's format, or merged into the weights (`lora.export`)
+                export_hf(self.model, self.model_args, lora, folder, rank=self.rank,
+                          bias_drop=hf_bias_drop(self.cfg.checkpoint))
+            else:
+                save_hf_weights(get_model_state_dict(self.model), self.model_args, folder,
+                                process_group=self.manager.group, bias_drop=hf_bias_drop(self.cfg.checkpoint))
             if self.rank == 0:  # the tokenizer beside the weights: the folder loads whole
                 copy_tokenizer_files(self.cfg.model.tokenizer_path, folder)
 

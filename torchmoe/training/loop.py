@@ -44,6 +44,7 @@ from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import microbatches
 from torchmoe.preflight import train_device
+from torchmoe.training.adapters import checkpointed, trainable
 from torchmoe.training.checkpointing import Checkpoints
 from torchmoe.training.console import chat_report, closing, opening, say
 from torchmoe.training.log import logger
@@ -133,13 +134,15 @@ class Trainer:
         self.balance = MoeBalance(self.model, self.model_args, self.dims, self.mesh,
                                   pp_microbatches=self.pp_microbatches, device=self.device)
         self.moe_layers = self.balance.layers
-        optimization = build_optimization(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        optimization = build_optimization(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps,
+                                          trainable=trainable(cfg.lora))
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
         self.optimizer_lines = optimization.description  # for the opening lines
         self.checkpointer = CheckpointManager(self.dump_folder, cfg.checkpoint, total_steps=cfg.training.steps,
                                               timeout=checkpoint_timeout(cfg.checkpoint, cfg.comm))
         self.state = {
-            "model": ModelWrapper([self.model], flavor=cfg.model.flavor, family=cfg.model.name),
+            "model": ModelWrapper([self.model], flavor=cfg.model.flavor, family=cfg.model.name,
+                                  keep=checkpointed(cfg.lora)),
             "optimizer": OptimizerWrapper([self.model], [self.optimizer]),
             "lr_scheduler": self.scheduler,
             "dataloader": RankLocal(self.dataloader, rank=self.rank) if ft.enable else self.dataloader,
@@ -185,13 +188,13 @@ class Trainer:
         self.progress.step = value
 
     def load_initial_state(self) -> None:
-        """Resume from the newest complete checkpoint, else load `initial_load_path` if set; then,
+        """Resume from the newest complete checkpoint, else load `initial_load_path` if set (also
+        at a resume whose checkpoints lack the frozen base: `Checkpoints.load_initial_weights`); then,
         the run being known to go ahead, write its files (`run_files.write_run_files`)."""
         resumed = self.checkpointer.load_latest(self.state)
         if resumed is not None:
             self.step = resumed
-        else:
-            self.checkpoints.load_initial_weights()
+        self.checkpoints.load_initial_weights(resumed=resumed is not None)
         if self.replicas is not None:
             # Where this group's rows start when a recovery finds no position it committed.
             self.replicas.live.start_position = self.dataloader.state_dict()

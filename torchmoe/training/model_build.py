@@ -15,6 +15,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.mesh import ParallelMesh
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
+from torchmoe.models.decoder.lora import apply_lora
 from torchmoe.models.decoder.parallelize import parallelize_model
 from torchmoe.models.decoder.pipeline_stages import PipelineRankModel, split_into_stages
 from torchmoe.models.llama4 import Transformer
@@ -50,11 +51,13 @@ def build_model(cfg: JobConfig, model_args: ModelArgs, dims: ParallelDims, mesh:
                 device: torch.device, rank: int) -> BuiltModel:
     """This rank's stages of the model `model_args` describes, parallelized for `dims`, their
     parameters in `training.dtype` and initialised from `training.seed` (the same values under
-    every layout), in training mode."""
+    every layout), in training mode; with `[lora]`, adapters on its targets (PEFT's init)."""
     # The parameters' dtype (`training.dtype`): every parameter is created in the default
     # dtype, while the buffers that must stay fp32 (RoPE table, router state) say so.
     with torch.device("meta"), default_dtype(torch_dtype(cfg.training.dtype)):
         model = Transformer(model_args)
+    if cfg.lora.enable:  # before the split and parallelize: every layout sees the adapters as parameters
+        apply_lora(model, cfg.lora)
     pipe = pipeline_layout(model_args, dims, cfg.parallelism, cfg.training.seq_len)
     pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
     stages = split_into_stages(model, pipe, pp_rank) if dims.pp_enabled else [model]
