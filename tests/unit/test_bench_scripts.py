@@ -10,6 +10,11 @@ import pytest
 import torch
 
 from tests.helpers import REPO
+from torchmoe.arch.registry import FLAVORS
+from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.plan.layout import param_specs
+from torchmoe.plan.muon import optimizer_state_elements
+from torchmoe.plan.parallel_dims import ParallelDims
 
 
 def _script(name: str):
@@ -120,3 +125,19 @@ def test_sink_attention_bench_reports_every_variant() -> None:
     assert set(result) == {"causal", "sinks", "sinks_window", "math_window"}
     assert all(r["ms"] > 0 for r in result.values())
     assert result["sinks_window"]["saved_mib"] < result["math_window"]["saved_mib"] / 2
+
+
+def test_muon_bench_reports_exact_state_bytes(tmp_path, monkeypatch) -> None:
+    """The optimizer-step part on a tiny flavor: Muon's state is the momentum buffers of its
+    matrices and AdamW's two moments for the rest, below AdamW's two states everywhere."""
+    out = tmp_path / "muon.json"
+    monkeypatch.setattr(sys, "argv", ["bench_muon.py", "--parts", "step", "--families", "deepseek_v3",
+                                      "--flavor", "tiny", "--steps", "1", "--out", str(out)])
+    _script("bench_muon").main()
+    adamw, muon = json.loads(out.read_text())["step"]
+    assert (adamw["optimizer"], muon["optimizer"]) == ("AdamW", "Muon")
+    assert adamw["state_bytes"] == 2 * 4 * adamw["params"]
+    one = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, world_size=1)
+    specs = param_specs(FLAVORS["deepseek_v3"]["tiny"])
+    assert muon["state_bytes"] == 4 * optimizer_state_elements(specs, one, OptimizerConfig(name="Muon"))
+    assert muon["step_s"] > 0 and adamw["step_s"] > 0

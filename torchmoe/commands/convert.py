@@ -321,8 +321,9 @@ def _checkpoint_model(ckpt_dir: Path, name: str, flavor: str, tokenizer: str | N
 def _refuse_adapters_alone(ckpt_dir: Path) -> None:
     """A LoRA run's checkpoint holds its adapters, not the frozen base (the run's
     checkpoint.initial_load_path): no model to convert alone; the run's own export writes it."""
+    if not ckpt_dir.is_dir():  # what is wrong with the path, and with the flavor asked for, is said later
+        return
     fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
-    _require_dir("CKPT_DIR", ckpt_dir, fix)
     if any(is_adapter_name(k) for k in model_tensors(read_dcp_metadata("CKPT_DIR", ckpt_dir, fix))):
         raise ConfigError("CKPT_DIR", str(ckpt_dir), "is a LoRA run's checkpoint: it holds the adapters, not the "
                           "frozen base (the run's checkpoint.initial_load_path)", "export it from the run: "

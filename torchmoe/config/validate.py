@@ -488,6 +488,12 @@ def validate_sections(cfg: JobConfig) -> None:
     validate_compile(cfg.compile)
     validate_float8(cfg.float8)
     validate_lora(cfg.lora)
+    if cfg.lora.enable and cfg.optimizer.name == "Muon":
+        # Muon orthogonalises whole weight matrices; an adapter's rank-r factors are no such
+        # matrix, and PEFT's recipe trains them with AdamW.
+        raise ConfigError("optimizer.name", "Muon", "with lora.enable = true: Muon is for training whole weight "
+                          "matrices, not LoRA's low-rank adapters", 'set optimizer.name = "AdamW" for LoRA, or '
+                          "lora.enable = false to train every weight with Muon")
     validate_metrics(cfg.metrics)
     validate_profiling(cfg.profiling, cfg.training.steps)
     validate_validation(cfg.validation)

@@ -36,8 +36,10 @@ from torchmoe.plan.memory import (
     autocast_enabled,
     compute_dtype_bytes,
     memory_per_pp_rank,
+    param_dtype_bytes,
     state_bytes_per_param,
 )
+from torchmoe.plan.muon import muon_cost, optimizer_state_elements
 from torchmoe.plan.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
@@ -46,6 +48,7 @@ from torchmoe.plan.pipeline import (
     microbatches,
     pipeline_layout,
     rank_param_specs,
+    rank_units,
     stage_costs,
 )
 from torchmoe.plan.tp_comm import TPGatherBytes, float8_linear_names, tp_gather_bytes
@@ -177,7 +180,7 @@ def _ranges(ids: list[int]) -> str:
 
 def _data_parallel_detail(cfg: JobConfig, dims: ParallelDims) -> str:
     t = cfg.training
-    states = f"{t.dtype} weights, gradients and AdamW state"
+    states = f"{t.dtype} weights, gradients and {cfg.optimizer.name} state"
     if dims.fsdp_enabled:
         kind = f"HSDP (replicate over dp_replicate={dims.dp_replicate}, shard within)" if dims.hsdp_enabled else "FSDP"
         return (f"{kind}: dense params over dp_shard_cp={dims.dp_shard_cp}, routed experts over "
@@ -285,8 +288,12 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
     params_per_rank = max(sum(shard_numel(s, dims) for s in local) for local in per_pp_rank)
     params_local = max(sum(math.prod(local_shape(s, dims)) for s in local) for local in per_pp_rank)
     expert_params_per_rank = max(sum(shard_numel(s, dims) for s in local if s.expert) for local in per_pp_rank)
+    # Weights and gradients, and the optimizer's states (AdamW: two; Muon: its momentum buffer).
+    expert_state_elements = max(2 * sum(shard_numel(s, dims) for s in local if s.expert)
+                                + optimizer_state_elements([s for s in local if s.expert], dims, cfg.optimizer)
+                                for local in per_pp_rank)
     memory = max(memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
-                                    compiled=cfg.compile.enable, lora=cfg.lora), key=lambda e: e.total)
+                                    compiled=cfg.compile.enable, lora=cfg.lora, optimizer_cfg=cfg.optimizer), key=lambda e: e.total)
     device_gib = cfg.job.device_memory_gib if cfg.job.device_memory_gib > 0 else machine_device_gib
     tp_gathers = tp_gather_bytes(cfg, dims, args, pipe)
     plan = describe_plan(cfg, dims, args, pipe, tp_gathers)
@@ -299,8 +306,7 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
         "params_mtp": counts["mtp"],  # the multi-token prediction modules', part of the total
         "params_per_rank": params_per_rank,
         "expert_params_per_rank": expert_params_per_rank,
-        # Weights, gradients and two AdamW states in training.dtype: 16 bytes per stored element in fp32.
-        "expert_state_per_rank_gib": expert_params_per_rank * state_bytes_per_param(cfg.training) / GIB,
+        "expert_state_per_rank_gib": expert_state_elements * param_dtype_bytes(cfg.training) / GIB,
         "flops_per_token": args.flops_per_token(cfg.training.seq_len),
         "memory_per_rank_gib": memory.gib(),
         "lora": lora_report(cfg, args, dims, memory) if cfg.lora.enable else None,
@@ -310,10 +316,20 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
         "pipeline": pipeline_report(cfg, dims, args, pipe) if dims.pp_enabled else None,
         "context_parallel": context_report(cfg, dims, args) if dims.cp_enabled else None,
         "tensor_parallel": tp_report(cfg, tp_gathers) if dims.tp_enabled else None,
+        "muon": muon_report(cfg, dims, args, pipe) if cfg.optimizer.name == "Muon" else None,
         "coordinates": {str(r): {d: layout[d].coordinate(r) for d in MESH_DIMS} for r in ranks},
         "groups": {str(r): {name: group_json(layout[name].members(r)) for name in ALL_NAMES} for r in ranks},
     }
     return JobPlan(report, dims, layout, ranks, params_local, memory, device_gib)
+
+
+def muon_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict:
+    """Muon's step on the pp rank with the most Newton-Schulz work (`plan.muon`): its FLOPs and
+    the bytes its per-matrix gathers receive, per rank and step."""
+    costs = [muon_cost(args, dims, cfg.optimizer, rank_units(pipe, r)) for r in range(dims.pp)]
+    cost = max(costs, key=lambda c: c.ns_flops)
+    return {"ns_dtype": cfg.optimizer.ns_dtype, "ns_flops_per_step": cost.ns_flops,
+            "gather_bytes_received_per_step": cost.received_bytes, "muon_params_stored": cost.muon_stored}
 
 
 def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = None,
@@ -376,8 +392,13 @@ def _print_report(console: Console, cfg: JobConfig, job: JobPlan, compute_bytes:
         + f", active {format_count(report['params_active'])}; per rank {format_count(report['params_per_rank'])} "
         f"stored ({format_count(job.params_local)} after TP/EP, before FSDP sharding)")
     console.print(f"routed experts per rank: {format_count(report['expert_params_per_rank'])} stored; with their "
-                  f"gradients and AdamW state {report['expert_state_per_rank_gib']:.2f} GiB (included below)")
+                  f"gradients and {cfg.optimizer.name} state {report['expert_state_per_rank_gib']:.2f} GiB (included below)")
     console.print(f"FLOPs per token (fwd+bwd, seq_len {cfg.training.seq_len}): {report['flops_per_token']:.4g}")
+    if report["muon"]:
+        mu = report["muon"]
+        console.print(f"Muon per rank and step: Newton-Schulz {mu['ns_flops_per_step'] / 1e9:.4g} GFLOP "
+                      f"({mu['ns_dtype']}), gathers receive {mu['gather_bytes_received_per_step'] / 2**20:.4g} MiB; "
+                      f"{format_count(mu['muon_params_stored'])} stored elements with one state (momentum_buffer)")
 
     gib = memory.gib()
     console.print(f"memory per rank (estimate for the fullest pp rank, {memory.pp_rank}; compute dtype {dtype}, "

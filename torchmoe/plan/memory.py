@@ -28,6 +28,8 @@ those layouts then compute like FSDP's, with a bf16 residual stream and no param
     params       = p x sharded elements
     grads        = p x sharded elements          (sharded after reduce-scatter, cast back to p)
     optimizer    = 2p x sharded elements         (AdamW/Adam: exp_avg and exp_avg_sq)
+                   Muon: p x its parameters' sharded elements (momentum_buffer) + 2p x the rest's
+                   (AdamW's two moments; `plan.muon`)
     fsdp_buffers = compute-dtype copies of parameters: under FSDP
                    reshard after forward:  max_i (U_i + max(U_i-1, U_i+1) + G_i)
                    kept unsharded (PP's default, or "never"): sum_i U_i + max_i G_i
@@ -122,11 +124,12 @@ from dataclasses import dataclass
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.dtypes import DTYPE_BYTES
-from torchmoe.config.job_config import ActivationCheckpoint, LoRA, Parallelism, Training
+from torchmoe.config.job_config import ActivationCheckpoint, LoRA, Optimizer, Parallelism, Training
 from torchmoe.plan.context import HALO, LOCAL, CPLayout
-from torchmoe.plan.layout import COLWISE, UnitSize, attention_linears, shard_numel, unit_sizes
+from torchmoe.plan.layout import COLWISE, UnitSize, attention_linears, param_specs, shard_numel, unit_sizes
 from torchmoe.plan.lora import adapter_specs
 from torchmoe.plan.memo import memoised
+from torchmoe.plan.muon import ADAMW_STATES, optimizer_state_elements
 from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
@@ -135,7 +138,6 @@ from torchmoe.plan.pipeline import microbatches as pipeline_microbatches
 from torchmoe.plan.pipeline import peak_activations_in_flight, pipeline_layout, rank_param_specs, rank_units
 
 GIB = 1024**3
-_OPTIMIZER_STATES = 2  # AdamW and Adam: exp_avg, exp_avg_sq
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def param_dtype_bytes(training_cfg: Training) -> int:
 
 def state_bytes_per_param(training_cfg: Training) -> int:
     """Bytes one stored parameter element costs with its gradient and the two AdamW moments."""
-    return (2 + _OPTIMIZER_STATES) * param_dtype_bytes(training_cfg)
+    return (2 + ADAMW_STATES) * param_dtype_bytes(training_cfg)
 
 
 def autocast_enabled(dims: ParallelDims, training_cfg: Training) -> bool:
@@ -501,24 +503,32 @@ def _activation_bytes_of(act: ActivationModel, pipe: PipelineLayout, pp_rank: in
 
 
 def _rank_state(model_args: ModelArgs, dims: ParallelDims, pipe: PipelineLayout, pp_rank: int,
-                training_cfg: Training, parallelism_cfg: Parallelism) -> tuple[int, int]:
-    """(stored parameter elements, FSDP/autocast parameter-copy bytes) of one rank of `pp_rank`."""
-    def compute() -> tuple[int, int]:
+                training_cfg: Training, parallelism_cfg: Parallelism,
+                optimizer_cfg: Optimizer | None) -> tuple[int, int, int]:
+    """(stored parameter elements, optimizer-state elements, FSDP/autocast parameter-copy bytes)
+    of one rank of `pp_rank`."""
+    def compute() -> tuple[int, int, int]:
         sizes = unit_sizes(model_args, dims)
-        local = [sizes[unit] for unit in rank_units(pipe, pp_rank)]
-        return sum(u.stored for u in local), _param_copy_bytes(local, dims, training_cfg, parallelism_cfg)
+        units = rank_units(pipe, pp_rank)
+        local = [sizes[unit] for unit in units]
+        specs = [s for s in param_specs(model_args) if s.fsdp_unit in set(units)]
+        return (sum(u.stored for u in local), optimizer_state_elements(specs, dims, optimizer_cfg),
+                _param_copy_bytes(local, dims, training_cfg, parallelism_cfg))
 
+    split = None if optimizer_cfg is None or optimizer_cfg.name != "Muon" else (
+        optimizer_cfg.muon_router, tuple(optimizer_cfg.muon_params), tuple(optimizer_cfg.adamw_params))
     key = (repr(model_args), dims, pipe.key, pp_rank, training_cfg.dtype, training_cfg.mixed_precision_param,
-           training_cfg.mixed_precision_reduce, parallelism_cfg.fsdp_reshard_after_forward)
+           training_cfg.mixed_precision_reduce, parallelism_cfg.fsdp_reshard_after_forward, split)
     return memoised(_STATES, key, compute)
 
 
-_STATES: dict[tuple, tuple[int, int]] = {}
+_STATES: dict[tuple, tuple[int, int, int]] = {}
 
 
 def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: Training,
                        ac_cfg: ActivationCheckpoint, parallelism_cfg: Parallelism, *,
-                       compiled: bool = False, lora: LoRA | None = None) -> list[MemoryEstimate]:
+                       compiled: bool = False, lora: LoRA | None = None,
+                       optimizer_cfg: Optimizer | None = None) -> list[MemoryEstimate]:
     """The estimate for one rank of each pp rank (index = pp rank).
 
     Args:
@@ -531,6 +541,8 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
         compiled: blocks run under torch.compile (fused norms save less).
         lora: `[lora]`: when enabled the base is frozen (no gradients, no optimizer state) and
             the adapters (`plan.lora.adapter_specs`) are stored beside it and train.
+        optimizer_cfg: the optimizer's state per element (Muon: one state for its matrices);
+            None counts AdamW's two.
     """
     pipe = pipeline_layout(model_args, dims, parallelism_cfg, training_cfg.seq_len)
     a = compute_dtype_bytes(training_cfg)
@@ -547,12 +559,14 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
     p = param_dtype_bytes(training_cfg)
     estimates = []
     for pp_rank in range(dims.pp):
-        numel, fsdp_buffers = _rank_state(model_args, dims, pipe, pp_rank, training_cfg, parallelism_cfg)
+        numel, state, fsdp_buffers = _rank_state(model_args, dims, pipe, pp_rank, training_cfg, parallelism_cfg,
+                                                 optimizer_cfg)
         trained = numel
-        if lora is not None and lora.enable:
+        if lora is not None and lora.enable:  # AdamW's two states for the adapters (Muon refuses LoRA)
             trained = sum(shard_numel(s, dims) for s in rank_param_specs(adapter_specs(model_args, lora), pipe, pp_rank))
             numel += trained
-        states = {"params": p * numel, "grads": p * trained, "optimizer": p * _OPTIMIZER_STATES * trained}
+            state = ADAMW_STATES * trained
+        states = {"params": p * numel, "grads": p * trained, "optimizer": p * state}
         host = 0
         if parallelism_cfg.fsdp_cpu_offload and dims.fsdp_enabled:
             host = sum(states.values())
@@ -570,7 +584,8 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
 
 def estimate_memory(model_args: ModelArgs, degrees: Mapping[str, int], training_cfg: Training,
                     ac_cfg: ActivationCheckpoint, parallelism_cfg: Parallelism, *,
-                    compiled: bool = False, lora: LoRA | None = None) -> dict[str, float]:
+                    compiled: bool = False, lora: LoRA | None = None,
+                    optimizer_cfg: Optimizer | None = None) -> dict[str, float]:
     """Peak memory of the fullest rank, in GiB.
 
     Args:
@@ -580,11 +595,12 @@ def estimate_memory(model_args: ModelArgs, degrees: Mapping[str, int], training_
             `[parallelism]` sections.
         compiled: ``[compile] enable``.
         lora: ``[lora]`` (`memory_per_pp_rank`).
+        optimizer_cfg: the `[optimizer]` section (None: AdamW's two states).
     Returns:
         ``params, grads, optimizer, fsdp_buffers, activations, host, total`` in GiB (``host``:
         CPU-offloaded state, not part of ``total``).
     """
     dims = ParallelDims(**degrees, world_size=math.prod(degrees[d] for d in MESH_DIMS))
     estimates = memory_per_pp_rank(model_args, dims, training_cfg, ac_cfg, parallelism_cfg, compiled=compiled,
-                                   lora=lora)
+                                   lora=lora, optimizer_cfg=optimizer_cfg)
     return max(estimates, key=lambda e: e.total).gib()

@@ -239,7 +239,8 @@ def _choices(cfg: JobConfig, degrees: dict[str, int], fixed: set[str], profile: 
 def _memory_gib(cfg: JobConfig, dims: ParallelDims) -> float:
     args = model_args_from_config(cfg.model)
     return max(e.total for e in memory_per_pp_rank(args, dims, cfg.training, cfg.activation_checkpoint,
-                                                   cfg.parallelism, compiled=cfg.compile.enable, lora=cfg.lora)) / GIB
+                                                   cfg.parallelism, compiled=cfg.compile.enable, lora=cfg.lora,
+                                                   optimizer_cfg=cfg.optimizer)) / GIB
 
 
 def _loss_reason(layout: Layout) -> str:

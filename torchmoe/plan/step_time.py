@@ -35,7 +35,10 @@ its elementwise passes and kernels count as full AC's). Beside the FLOPs:
                  counted from the eager model; a third under torch.compile, which fuses the
                  elementwise chains) x the profile's fixed cost per kernel
     optimizer    AdamW reads the parameter, gradient and two moments and writes three back:
-                 7 x state bytes of the rank's shards over the memory bandwidth
+                 7 x state bytes of the rank's shards over the memory bandwidth. Muon
+                 (`plan.muon`): for its parameters 11 passes with nesterov (momentum lerp 3,
+                 nesterov lerp 3, weight decay 2, update 3), 8 without, plus its Newton-Schulz
+                 FLOPs at the matmul rate of ns_dtype; AdamW's 7 for the rest
 
 Communication, from bytes over the bandwidth of the link each group crosses (`Link.seconds`:
 the inter-node link when the group of rank 0 along that dim spans nodes of `gpus_per_node`
@@ -47,6 +50,8 @@ ranks, as torchmoe places ranks row-major with tp innermost):
           forward's again when recomputed): exposed
     cp    the key/value all-gathers or halos (`dry_run.context_report`'s bytes): exposed
     pp    each stage's activation and its gradient per micro-batch: exposed
+    muon  Muon's per-matrix all-gathers of its update in ns_dtype (`plan.muon`), after the
+          backward with nothing left to hide behind: exposed
     fsdp  all-gathers of every FSDP unit in compute dtype (again in backward when resharding
           after forward, per micro-batch under PP) and reduce-scatters of its gradients; DDP and
           HSDP all-reduce gradients over dp_replicate. Prefetching hides them behind compute:
@@ -80,6 +85,7 @@ from torchmoe.plan.memory import (
     param_dtype_bytes,
     residual_dtype_bytes,
 )
+from torchmoe.plan.muon import muon_cost
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
@@ -105,6 +111,10 @@ _COMPILED_KERNELS = 1 / 3
 _ELEMENTWISE_PASSES = 4
 # AdamW: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq.
 _OPTIMIZER_PASSES = 7
+# Muon: the momentum lerp (read buffer and gradient, write buffer), the nesterov lerp (read both,
+# write the update), the weight decay (read, write) and the update (read parameter and result,
+# write parameter); 8 without nesterov.
+_MUON_PASSES = {True: 11, False: 8}
 # The math definition's fp32 score matrix: written and exponentiated in forward; recomputed,
 # exponentiated, multiplied into the score gradient and read twice more in backward.
 _MATH_SCORE_PASSES = 8
@@ -117,7 +127,7 @@ class StepPrediction:
     Attributes:
         compute: the busy time by part (matmul, attention, grouped_mm, elementwise, kernels,
             optimizer), recomputation included.
-        comm: exposed communication by technique (tp, ep, cp, pp, fsdp, ddp).
+        comm: exposed communication by technique (tp, ep, cp, pp, fsdp, ddp; muon under Muon).
         comm_total: the same traffic before overlap, for the report.
         bubble: the pipeline's idle time.
         tokens: tokens the whole job trains on per step.
@@ -297,13 +307,32 @@ def _compute(ctx: _Context, pp_rank: int, tokens: float, n_mb: int, act: Activat
     if cfg.compile.enable:
         kernels *= _COMPILED_KERNELS
     params = _rank_params(ctx, pp_rank)
-    parts["optimizer"] = (_OPTIMIZER_PASSES * param_dtype_bytes(cfg.training) * params.stored
-                          / (prof.memory_bandwidth_gbs * 1e9))
+    parts["optimizer"] = _optimizer_seconds(ctx, pp_rank, params.stored)
     kernels += KERNELS["param"] * params.tensors
     if ctx.dims.fsdp_enabled:
         kernels += KERNELS["fsdp_unit"] * (params.units[False] + params.units[True]) * n_mb
     parts["kernels"] = kernels * prof.kernel_overhead_us * 1e-6
     return parts
+
+
+def _optimizer_seconds(ctx: _Context, pp_rank: int, stored: int) -> float:
+    """Seconds of the optimizer step of `pp_rank`'s `stored` elements: elementwise passes, and
+    under Muon its Newton-Schulz matmuls."""
+    opt, bandwidth = ctx.cfg.optimizer, ctx.profile.memory_bandwidth_gbs * 1e9
+    p = param_dtype_bytes(ctx.cfg.training)
+    if opt.name != "Muon":
+        return _OPTIMIZER_PASSES * p * stored / bandwidth
+    cost = muon_cost(ctx.args, ctx.dims, opt, rank_units(ctx.pipe, pp_rank))
+    passes = _MUON_PASSES[opt.nesterov] * cost.muon_stored + _OPTIMIZER_PASSES * (stored - cost.muon_stored)
+    return p * passes / bandwidth + cost.ns_flops / ctx.profile.rate("matmul", opt.ns_dtype)
+
+
+def _muon_comm(ctx: _Context, pp_rank: int) -> float:
+    """Seconds of Muon's gathers on `pp_rank`: one all-gather per parameter and split dim."""
+    by_dim: dict[tuple[str, int], list[int]] = {}
+    for dim, ranks, nbytes in muon_cost(ctx.args, ctx.dims, ctx.cfg.optimizer, rank_units(ctx.pipe, pp_rank)).gathers:
+        by_dim.setdefault((dim, ranks), []).append(nbytes)
+    return sum(ctx.seconds("all_gather", dim, sum(sizes), len(sizes), ranks) for (dim, ranks), sizes in by_dim.items())
 
 
 @dataclass(frozen=True)
@@ -430,6 +459,8 @@ def predict_layout(cfg: JobConfig, dims: ParallelDims, profile: HardwareProfile,
         name = "fsdp" if dims.fsdp_enabled else "ddp"
         comm = {**critical, name: exposed}
         total = {**critical, name: overlappable}
+        if cfg.optimizer.name == "Muon":  # after the pipeline drains: not stretched by the bubble
+            comm["muon"] = total["muon"] = _muon_comm(ctx, pp_rank)
         pred = StepPrediction(
             compute=compute, comm=comm, comm_total=total, bubble=busy * bubble / (1 - bubble),
             tokens=accumulation * t.local_batch_size * dims.dp * t.seq_len, world_size=dims.world_size,

@@ -193,7 +193,7 @@ def check_memory_fits(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], 
         training = cfg.training if local_batch_size == cfg.training.local_batch_size else \
             _with_local_batch(cfg.training, local_batch_size)
         return estimate_memory(args, degrees, training, cfg.activation_checkpoint, cfg.parallelism,
-                               compiled=cfg.compile.enable, lora=cfg.lora)["total"]
+                               compiled=cfg.compile.enable, lora=cfg.lora, optimizer_cfg=cfg.optimizer)["total"]
 
     limit, source = memory_limit_gib(cfg.job.device_memory_gib, device)
     need = total(cfg.training.local_batch_size)

@@ -1,0 +1,135 @@
+"""The planner's Muon (`plan/muon.py`): its state against the real optimizer's on each family's
+debug flavor, its Newton-Schulz FLOPs against torch's FLOP counter on `newton_schulz`, its gathers
+against the hand formula, and the memory estimate and step time that use them.
+
+    python -m pytest -q tests/unit/test_muon_plan.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from torchmoe.arch.registry import FLAVORS, model_args_from_config
+from torchmoe.components.muon import newton_schulz
+from torchmoe.components.muon_groups import muon_split
+from torchmoe.components.optimizer import build_optimizer
+from torchmoe.config import load_job_config
+from torchmoe.config.job_config import ActivationCheckpoint
+from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.config.job_config import Parallelism, Training
+from torchmoe.models.decoder.model import Transformer
+from torchmoe.plan.hardware import load_profile
+from torchmoe.plan.layout import param_specs
+from torchmoe.plan.memory import estimate_memory
+from torchmoe.plan.muon import is_muon, muon_cost, ns_flops, optimizer_state_elements
+from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
+from torchmoe.plan.step_time import predict
+
+DEBUG = {"llama4": "debugmodel", "qwen3": "debugmodel_moe", "deepseek_v3": "debugmodel", "gpt_oss": "debugmodel"}
+ONE = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, world_size=1)
+
+
+def _dims(**degrees: int) -> ParallelDims:
+    full = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1) | degrees
+    return ParallelDims(**full, world_size=math.prod(full[d] for d in MESH_DIMS))
+
+
+@pytest.mark.parametrize("family", sorted(DEBUG))
+def test_state_and_split_match_the_real_optimizer(family: str) -> None:
+    """After one step, the bytes of the real optimizer's states (momentum_buffer; exp_avg and
+    exp_avg_sq) equal the planner's count, and its Muon parameters are the trainer's."""
+    args = FLAVORS[family][DEBUG[family]]
+    with torch.device("meta"):  # shapes and dtypes are all the count needs
+        model = Transformer(args)
+    cfg = OptimizerConfig(name="Muon", muon_router=family == "qwen3")  # both router rules, one each
+    optimizer = build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    measured = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+                   for key, t in state.items() if key != "step")
+    specs = param_specs(args)
+    assert measured == 4 * optimizer_state_elements(specs, ONE, cfg)
+    split = muon_split(model, cfg)
+    assert {s.fqn for s in specs if is_muon(s, cfg)} == {n for n, (a, _) in split.items() if a == "muon"}
+    adamw_states = 2 * sum(s.numel for s in specs)
+    assert optimizer_state_elements(specs, ONE, OptimizerConfig(name="AdamW")) == adamw_states
+    assert optimizer_state_elements(specs, ONE, cfg) < adamw_states
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48), (3, 40, 24)])
+def test_ns_flops_match_the_flop_counter(shape: tuple[int, ...]) -> None:
+    """4 r^2 c + 2 r^3 per quintic step (r, c: the short and long side), per matrix of a stack."""
+    update = torch.randn(shape)
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(update, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+    experts = shape[0] if len(shape) == 3 else 1
+    assert counter.get_total_flops() == experts * ns_flops(*shape[-2:], 5)
+    assert ns_flops(48, 80, 5) == 5 * (4 * 48 * 48 * 80 + 2 * 48 ** 3)
+
+
+def test_gathers_fsdp2_ep2() -> None:
+    """FSDP 4 with EP 2 (4 ranks) on DeepSeek's debug flavor: every dense Muon matrix gathered
+    whole over dp_shard_cp, b (n-1)/n P bytes; each rank's experts are whole: no gather, NS on its
+    own 2."""
+    args = FLAVORS["deepseek_v3"]["debugmodel"]
+    dims = _dims(dp_shard=4, ep=2)
+    cfg = OptimizerConfig(name="Muon")
+    cost = muon_cost(args, dims, cfg)
+    specs = [s for s in param_specs(args) if is_muon(s, cfg)]
+    dense = sum(s.numel for s in specs if not s.expert)
+    # 8 experts, 4 per EP rank, efsdp = 4 / 2 = 2: FSDP shards whole experts, 2 per rank.
+    assert (args.num_experts, dims.efsdp) == (8, 2)
+    expected_received = 2 * (1 - 1 / 4) * dense
+    expected_flops = sum(ns_flops(*s.shape[-2:], 5) * (2 if s.expert else 1) for s in specs)
+    assert cost.received_bytes == pytest.approx(expected_received, rel=1e-12)
+    assert cost.ns_flops == expected_flops
+    assert muon_cost(args, ONE, cfg).received_bytes == 0
+
+
+def test_tp_gathers_after_fsdp() -> None:
+    """FSDP 2 x TP 2: a column-wise matrix is gathered over dp_shard_cp (its TP-local half), then
+    over tp (whole), and each rank receives 3/4 of it; fp32 NS doubles the bytes."""
+    args = FLAVORS["llama4"]["debugmodel"]
+    cfg = OptimizerConfig(name="Muon", ns_dtype="float32")
+    cost = muon_cost(args, _dims(dp_shard=2, tp=2), cfg, units=["layers.0"])
+    wq = next(s for s in param_specs(args) if s.fqn == "layers.0.attention.wq.weight")
+    assert cost.gathers[0] == ("dp_shard_cp", 2, 4 * wq.numel // 2)
+    assert cost.gathers[1] == ("tp", 2, 4 * wq.numel)
+
+
+def test_memory_estimate_counts_one_state_for_muon() -> None:
+    """The estimate's optimizer bytes: Muon's count, below AdamW's two states."""
+    args = FLAVORS["deepseek_v3"]["debugmodel"]
+    degrees = dict(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2)
+    training = Training(local_batch_size=1, seq_len=64)
+    muon = OptimizerConfig(name="Muon")
+    gib = {name: estimate_memory(args, degrees, training, ActivationCheckpoint(), Parallelism(), optimizer_cfg=cfg)
+           for name, cfg in (("muon", muon), ("adamw", OptimizerConfig()))}
+    dims = _dims(dp_shard=2, ep=2)
+    expected = 4 * optimizer_state_elements(param_specs(args), dims, muon) / 1024 ** 3
+    assert gib["muon"]["optimizer"] == pytest.approx(expected, rel=1e-12)
+    assert gib["muon"]["optimizer"] < gib["adamw"]["optimizer"]
+    assert gib["muon"]["params"] == gib["adamw"]["params"]
+
+
+def test_step_time_adds_the_ns_and_the_gathers() -> None:
+    """Under Muon the step's optimizer time grows by the NS FLOPs at the matmul rate (and the
+    Muon passes) and an exposed "muon" gather term appears; AdamW has none."""
+    profile = load_profile("h100")
+    base = ["--config", "configs/debug_model.toml", "--parallelism.data_parallel_shard_degree", "4"]
+    adamw = predict(load_job_config(base), 4, profile)
+    muon_cfg = load_job_config(base + ["--optimizer.name", "Muon"])
+    muon = predict(muon_cfg, 4, profile)
+    assert "muon" not in adamw.comm and muon.comm["muon"] > 0
+    args = model_args_from_config(muon_cfg.model)
+    dims = _dims(dp_shard=4)
+    cost = muon_cost(args, dims, muon_cfg.optimizer)
+    bandwidth = profile.memory_bandwidth_gbs * 1e9
+    p = 4 if muon_cfg.training.dtype == "float32" else 2
+    expected = (cost.ns_flops / profile.rate("matmul", "bfloat16") + p * (11 - 7) * cost.muon_stored / bandwidth)
+    assert muon.compute["optimizer"] - adamw.compute["optimizer"] == pytest.approx(expected, rel=1e-9)
