@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from torchmoe.models.hf_config_spec import HFConversionError
 from torchmoe.models.hf_slices import HFSlice
 
-__all__ = ["EXPERT_PARAMETERS", "PeftTarget", "peft_target_for"]
+__all__ = ["EXPERT_PARAMETERS", "PeftTarget", "dense_mlp_refused", "peft_target_for"]
 
 # Our routed-expert adapter -> the transformers experts' parameter it adapts (every mapped family).
 EXPERT_PARAMETERS = {"w13": "gate_up_proj", "w2": "down_proj"}
@@ -69,3 +69,14 @@ def peft_target_for(name: str, shape: Sequence[int], hf_slice: Callable[[str, Se
         raise HFConversionError(f"no Hugging Face module for the adapted weight {name!r}")
     module = hf.hf_name.removesuffix(".weight")
     return PeftTarget(module, "weight") if _ROUTER.match(name) else PeftTarget(module)
+
+
+def dense_mlp_refused(title: str) -> dict[re.Pattern[str], str]:
+    """`peft_target_for`'s refusals for a family whose routed experts transformers 4 named like its
+    dense MLP: PEFT (0.21) on transformers 5 reads a target module named gate_proj, up_proj or
+    down_proj of such a model type as a routed expert and moves it onto the fused experts, so
+    adapters on the dense MLP and the shared experts cannot be written in its format."""
+    return {re.compile(r"\.(feed_forward|moe\.shared_experts)\.w[123]\.weight$"): (
+        f"PEFT (transformers 5) reads target modules named gate_proj/up_proj/down_proj of {title} as routed "
+        "experts, so it cannot load adapters on the dense MLP (lora.targets \"mlp\") or the shared experts "
+        "(\"shared_experts\")")}

@@ -41,7 +41,7 @@ from torchmoe.models.hf_config_spec import (
     with_reference_defaults,
 )
 from torchmoe.models.hf_slices import HFSlice, per_expert_slice
-from torchmoe.models.peft_targets import PeftTarget, peft_target_for
+from torchmoe.models.peft_targets import PeftTarget, dense_mlp_refused, peft_target_for
 
 __all__ = ["MODEL_TYPES", "args_from_hf_config", "hf_config_from_args", "hf_slice", "peft_target", "text_tensor_name"]
 
@@ -195,13 +195,7 @@ def text_tensor_name(stored: str, args: ModelArgs) -> str | None:
     return stored
 
 
-# PEFT (0.21) on transformers 5 reads a target module named gate_proj, up_proj or down_proj as a
-# transformers 4 routed expert of this model type and moves it onto the fused experts: adapters
-# on the dense MLP and the shared experts cannot be written in its format.
-_PEFT_REFUSED = {re.compile(r"\.(feed_forward|moe\.shared_experts)\.w[123]\.weight$"): (
-    "PEFT (transformers 5) reads target modules named gate_proj/up_proj/down_proj of Qwen3-MoE as routed "
-    "experts, so it cannot load adapters on the dense MLP (lora.targets \"mlp\") or the shared experts "
-    "(\"shared_experts\")")}
+_PEFT_REFUSED = dense_mlp_refused("Qwen3-MoE")
 
 
 def peft_target(name: str, shape: Sequence[int]) -> PeftTarget:
