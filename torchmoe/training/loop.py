@@ -358,7 +358,7 @@ class Trainer:
     def create_seed_checkpoint(self) -> None:
         """Write step-0 with the initial weights: `initial_load_path`'s when set, else freshly
         initialised ones (one process: `preflight.check_launch`)."""
-        self.checkpoints.load_initial_weights()
+        self.checkpoints.load_initial_weights(resumed=False)
         self._write_run_files(resumed=False)
         self.checkpoints.save_seed()
 
