@@ -162,4 +162,7 @@ def test_the_families_curves_differ(references):
         for b in families[i + 1:]:
             first, other = references[a], references[b]
             assert abs(first[1]["grad_norm"] - other[1]["grad_norm"]) > 1e-2 * first[1]["grad_norm"], (a, b)
-            assert abs(first[5]["loss"] - other[5]["loss"]) > 1e-2, (a, b)
+            # 100x the parity tolerance. The MTP term is logged apart (`mtp_loss`), so DeepSeek-V3
+            # and its MTP variant differ in the main loss only by MTP's gradient on the shared
+            # trunk: 8.4e-3 at step 5.
+            assert abs(first[5]["loss"] - other[5]["loss"]) > 1e-3 * first[5]["loss"], (a, b)
