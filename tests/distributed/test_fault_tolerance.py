@@ -439,7 +439,9 @@ def test_a_lighthouse_back_in_time_goes_unnoticed_and_one_gone_stops_every_group
     for group in groups:
         log = group.log.read_text()
         assert "exitcode  : 2" in log and "Traceback" not in log.split("failed (exitcode: 2)")[0], log[-3000:]
-        assert log.count(f'error: TORCHFT_LIGHTHOUSE = "{lighthouse.url}": stopped answering during the run') == 1
+        gone = f'error: TORCHFT_LIGHTHOUSE = "{lighthouse.url}": stopped answering during the run'
+        # Said once by the rank, and again last on the screen as torchrun's root cause.
+        assert torchrun_summary(log)[0].count(gone) == 1 and gone in root_cause(log), log[-3000:]
         records = group.records()
         assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= again
         assert all(r["ft_participants"] == 2 for r in records)
