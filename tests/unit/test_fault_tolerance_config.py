@@ -397,6 +397,10 @@ def test_a_lost_peers_error_logged_by_torchft_is_one_warning_line() -> None:
     process_group = logging.getLogger("torchft.process_group")
     gone = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                         "[127.0.0.1]:36000. This is typically caused by a remote worker crashing. GLHF!")
+    # A group killed while the survivors configure the new quorum's process group: its key never
+    # comes (seen in CI: the kill fell inside a quorum change); a store timeout on another key is not it.
+    never = torch.distributed.DistStoreError("wait timeout after 30000ms, keys: /torchft/4/0/1")
+    other_store = torch.distributed.DistStoreError("wait timeout after 30000ms, keys: /my_job/ready")
     for log in (manager._logger, process_group):
         log.addHandler(handler)
     try:
@@ -406,6 +410,11 @@ def test_a_lost_peers_error_logged_by_torchft_is_one_warning_line() -> None:
             except Exception as e:  # noqa: BLE001 - what torchft catches
                 manager.exception(f"got exception waiting for work {e}")
                 process_group.exception(f"got exception in future -- skipping remaining: {e}")
+        for error in (never, other_store):
+            try:
+                raise error
+            except Exception as e:  # noqa: BLE001 - what torchft catches
+                manager.exception(f"got exception in pg configure: {e}")
     finally:
         for log in (manager._logger, process_group):
             log.removeHandler(handler)
@@ -417,6 +426,12 @@ def test_a_lost_peers_error_logged_by_torchft_is_one_warning_line() -> None:
         "(Connection closed by peer) is gone (its replica group failed); this step is not committed"]
     assert lines[2] == "ERROR torchft.manager: [g0/1 - step 4] got exception waiting for work a bug"
     assert lines[3] == "Traceback (most recent call last):" and "ValueError: a bug" in lines
+    configure = lines.index("WARNING torchft.manager: [g0/1 - step 4] got exception in pg configure: a peer of the "
+                            "new quorum never joined it (no /torchft/4/0/1 in the store after 30000 ms: its replica "
+                            "group failed); this step is not committed")
+    assert lines[configure + 1] == ("ERROR torchft.manager: [g0/1 - step 4] got exception in pg configure: wait timeout "
+                                    "after 30000ms, keys: /my_job/ready")
+    assert lines[configure + 2] == "Traceback (most recent call last):"
     # Without NCCL in the torch build, its flight recorder's note at every quorum is INFO (log files only).
     records = []
     catch = logging.Handler()

@@ -7,8 +7,11 @@ closed by peer" (NCCL's own words on CUDA). torchft expects it: it logs the erro
 exception in future -- skipping remaining"), fails the step's commit, and the quorum goes on
 without the dead group. The traceback it prints, on every rank of every surviving group, says
 nothing the next line does not ("step N was not committed ...; trying it again"), and looks like
-the run failing. Such a record becomes one warning naming the peer (`failure.lost_peer`); a record
-of any other exception keeps its traceback, as does everything else torchft logs.
+the run failing. Such a record becomes one warning naming the peer (`failure.lost_peer`). So does
+its sibling at a quorum change: a group killed while the survivors build the new quorum's process
+group never writes its address to the store, and torchft logs "got exception in pg configure" with
+the store's wait timeout (a key under ``/torchft/``) and its traceback; the step is not committed
+either. A record of any other exception keeps its traceback, as does everything else torchft logs.
 
 On a torch build without NCCL (CPU-only) torchft's manager warns at every quorum change, on every
 rank, that it cannot reset NCCL's flight recorder: a group that no NCCL runs in has none to
@@ -18,6 +21,7 @@ reset. That warning goes to the log files (INFO), not to the console.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch.distributed
 
@@ -32,6 +36,20 @@ _REPORTERS = ("torchft.manager", "torchft.process_group")
 
 
 _NO_FLIGHT_RECORDER = "Unable to reset NCCL flight recorder"
+# torch's store error when a peer never set the key a new process group waits for (torchft's keys).
+_NEVER_JOINED = re.compile(r"wait timeout after (\d+) ?ms, keys: (/torchft/\S+)")
+
+
+def _gone(error: BaseException) -> str | None:
+    """What a lost peer's `error` says, as the warning words it; None for any other error."""
+    peer = lost_peer(error)
+    if peer is not None:
+        return f"the peer at {peer} is gone (its replica group failed)"
+    never = _NEVER_JOINED.search(str(error)) if isinstance(error, torch.distributed.DistStoreError) else None
+    if never is not None:
+        return (f"a peer of the new quorum never joined it (no {never.group(2)} in the store after {never.group(1)} ms: "
+                f"its replica group failed)")
+    return None
 
 
 class _LostPeerLine(logging.Filter):
@@ -43,12 +61,12 @@ class _LostPeerLine(logging.Filter):
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
             return True
         error = record.exc_info[1] if record.exc_info else None
-        peer = lost_peer(error) if error is not None else None
-        if peer is None:
+        gone = _gone(error) if error is not None else None
+        if gone is None:
             return True
         # torchft formats the exception into its message: keep what comes before it.
         head = record.getMessage().split(str(error))[0].rstrip(" :")
-        record.msg = f"{head}: the peer at {peer} is gone (its replica group failed); this step is not committed"
+        record.msg = f"{head}: {gone}; this step is not committed"
         record.args, record.exc_info, record.exc_text, record.stack_info = (), None, None, None
         record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
         return True
