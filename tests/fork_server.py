@@ -1,8 +1,9 @@
 """A warm interpreter for the tests' `python -m torchmoe ...` runs: one parent per pytest worker
 that has imported torch and torchmoe's stack once, forking a child per command.
 
-    server = ForkServer.start(base_env)      # the parent: `python tests/fork_server.py FD`
+    server = ForkServer.start(base_env)      # the parent: `python tests/fork_server.py FD LISTENER_FD`
     proc = server.run(argv, env, timeout=60)  # a subprocess.CompletedProcess, as subprocess.run
+    # torchrun's workers: `python -u tests/warm_rank.py ARGS`, with RANKS_VAR=server.ranks
 
 A fresh `python -m torchmoe` spends about 3.2 s of CPU importing torch and the stack before it
 does anything; a forked child starts with them imported. The child then becomes what a fresh
@@ -17,11 +18,27 @@ What it cannot be, and what therefore goes to a real subprocess (`serves` says n
 whose environment differs from the parent's in a variable a module may read as it is imported
 (only `RUNTIME_VARS` may differ: torchmoe's own, the launcher's rank variables, read when the
 command runs); and anything that needs a fresh interpreter (what a command imports, import-time
-warnings: those tests start `python -m torchmoe` themselves). torchrun worlds never come here.
+warnings: those tests start `python -m torchmoe` themselves).
+
+torchrun's workers come here too, through a listening socket of their own (abstract, named
+`ForkServer.ranks`, bound before the parent starts so that no worker finds it missing): in the
+test session `tests.launch.cli_command` makes each worker `tests/warm_rank.py`, a small process
+that asks for a child standing for `python -u -m torchmoe ARGS` with its environment and its
+stdin, stdout and stderr, forwards torchrun's signals to it and exits as it did (the same status,
+or the same signal). The parent serves them and the test session at once (one loop over its
+sockets, its children's pidfds and their report pipes), and kills a worker's child when the
+worker's connection closes: a test that SIGKILLs a replica group's processes ends its ranks as
+before. A worker's child runs in a session of its own, as torchrun starts each worker. What still
+gets real workers: an environment that differs in more than `RUNTIME_VARS` (the worker then execs
+`python -u -m torchmoe` itself), and the tests that look at the rank processes themselves
+(`cli_command(..., warm=False)`).
 
 Safety of forking: the parent runs no torch op, starts no thread and no process group; it checks
 that it has one OS thread (so no OpenMP or intra-op pool either) before every fork, and stops
-serving (the caller falls back to subprocesses) if an import ever started one.
+serving (the caller falls back to subprocesses) if an import ever started one. It freezes its
+objects before each fork (`gc.freeze`, as Python's documentation advises for a server that forks):
+the child's garbage collections (every run starts with a full one) skip what it inherited, instead
+of walking hundreds of thousands of objects and copying every page that holds one.
 
 Which modules the parent imports is learnt, not listed: each child reports the `torch` and
 `torchmoe` modules it imported, and the parent imports them before the next fork. The entry
@@ -31,6 +48,7 @@ point is only ever reached by its module name, `torchmoe.__main__`.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import io
 import json
@@ -49,7 +67,11 @@ from pathlib import Path
 # child may have its own. Any other difference from the parent's environment (PYTHONPATH, TORCH_*,
 # HF_*, WANDB_*, OMP_NUM_THREADS, ...) could change what an import did, so it gets a subprocess.
 RUNTIME_VARS = ("TORCHMOE_", "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_", "TORCHFT_LIGHTHOUSE", "SLURM_", "PYTEST_", "COLUMNS", "LINES")
+                "MASTER_PORT", "TORCHELASTIC_", "TORCHFT_LIGHTHOUSE", "SLURM_", "PYTEST_", "COLUMNS", "LINES",
+                # the rest of what torchrun sets for a worker (NCCL's variable is read as its group starts)
+                "GROUP_WORLD_SIZE", "ROLE_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# The variable that tells a torchrun worker of the test session where to ask for its child (`warm_rank.py`).
+RANKS_VAR = "TORCHMOE_TEST_WARM_RANKS"
 _WARM_PREFIXES = ("torch", "torchmoe")  # modules the parent may import ahead (learnt from its children)
 _PR_SET_PDEATHSIG = 1
 _MAX_MSG = 1 << 20
@@ -87,8 +109,9 @@ def _differs(env: Mapping[str, str], base: Mapping[str, str]) -> list[str]:
 class ForkServer:
     """The client side: a parent process over a socket pair, one command at a time."""
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, base_env: dict[str, str]) -> None:
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, base_env: dict[str, str], ranks: str) -> None:
         self.proc, self.sock, self.base_env = proc, sock, base_env
+        self.ranks = ranks  # the abstract socket torchrun's workers ask on (`warm_rank.py`, `RANKS_VAR`)
         self.forked, self.child_cpu = 0, 0.0  # children run, and their CPU seconds (for measurements)
 
     @classmethod
@@ -96,10 +119,17 @@ class ForkServer:
         """The parent, with environment `base_env` (what the children's may differ from only in
         `RUNTIME_VARS`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], env=dict(base_env),
-                                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        ranks = f"torchmoe-fork-server-{os.getpid()}-{os.urandom(4).hex()}"
+        # Listening before the parent starts: a worker that asks at once is queued, not refused.
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + ranks)  # abstract: no file to clean up, gone with its last holder
+        listener.listen(64)
+        fds = [theirs.fileno(), listener.fileno()]
+        proc = subprocess.Popen([sys.executable, __file__, *map(str, fds)], env=dict(base_env), pass_fds=fds,
+                                stdin=subprocess.DEVNULL)
         theirs.close()
-        return cls(proc, ours, dict(base_env))
+        listener.close()
+        return cls(proc, ours, dict(base_env), ranks)
 
     def serves(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether `argv` is `python -m torchmoe ...` with an environment a child can have."""
@@ -214,37 +244,117 @@ def _warm(modules: Sequence[str]) -> None:
                 pass
 
 
-def _serve(sock: socket.socket) -> dict | None:
-    """Serve commands until the client closes the socket (then None); in a forked child, its
-    request (with the descriptors it got in "fds")."""
+class _Child:
+    """A running child as the parent tracks it: its client's connection, and the names of the
+    modules it imported, read from its report pipe as it writes them (a long report must not
+    block it)."""
+
+    def __init__(self, pid: int, conn: socket.socket, report: int) -> None:
+        self.pid, self.conn, self.report, self.modules = pid, conn, report, b""
+
+    def read_report(self, events, *, to_end: bool) -> None:
+        """What the report pipe holds; closed at its end, or (`to_end`, the child has exited)
+        whatever is there (a process the child started may hold the pipe open)."""
+        if self.report < 0:
+            return
+        os.set_blocking(self.report, not to_end)
+        try:
+            while data := os.read(self.report, 1 << 16):
+                self.modules += data
+                if not to_end:
+                    return
+        except BlockingIOError:
+            pass
+        events.unregister(self.report)
+        os.close(self.report)
+        self.report = -1
+
+
+def _close_all(events) -> None:
+    """In a forked child: the parent's sockets, pidfds and pipes closed, and its selector."""
+    for key in list(events.get_map().values()):
+        key.fileobj.close() if isinstance(key.fileobj, socket.socket) else os.close(key.fileobj)
+    events.close()
+
+
+def _serve(sock: socket.socket, ranks: socket.socket) -> dict | None:
+    """Serve commands until the test session's client closes its socket (then None); in a forked
+    child, its request (with the descriptors it got in "fds").
+
+    Two kinds of client, served at once: the test session's (`ForkServer.run`, one command at a
+    time over `sock`) and torchrun's workers (`warm_rank.py`, one connection each on the
+    listening socket `ranks`). A worker's connection closing while its child runs means the worker
+    was killed: so is its child, as the rank it stands for would have been."""
+    import selectors
+
     import torch  # noqa: F401 - the import every command pays, paid once here
 
     _warm(["torchmoe.distributed.interruption"])
+    base_env = dict(os.environ)
+    events = selectors.DefaultSelector()
+    events.register(sock, selectors.EVENT_READ)
+    events.register(ranks, selectors.EVENT_READ)
+    running: dict[socket.socket, _Child] = {}  # a client's connection -> its child
     while True:
-        got = _recv(sock, nfds=3)
-        if got is None:
-            return None
-        request, fds = got
-        if _threads() != 1:
-            sys.stderr.write(f"fork server: {_threads()} threads after warm imports; not forking\n")
-            return None  # the client sees the end of stream and falls back to subprocesses
-        sys.stdout.flush()
-        sys.stderr.flush()
-        report_r, report_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            os.close(report_r)
-            return {**request, "fds": fds, "report": report_w}
-        os.close(report_w)
-        for fd in fds:
-            os.close(fd)
-        _send(sock, {"pid": pid})
-        with os.fdopen(report_r) as report:
-            modules = report.read().split()
-        _, status, usage = os.wait4(pid, 0)
-        _send(sock, {"status": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime})
-        _warm(modules)
+        for key, _ in events.select():
+            if key.fileobj is ranks:
+                events.register(ranks.accept()[0], selectors.EVENT_READ)
+                continue
+            if isinstance(key.data, _Child):
+                child = key.data
+                if key.fileobj == child.report:
+                    child.read_report(events, to_end=False)
+                    continue
+                events.unregister(key.fileobj)  # the child's pidfd: it exited
+                os.close(key.fileobj)
+                child.read_report(events, to_end=True)
+                _, status, usage = os.wait4(child.pid, 0)
+                if running.get(child.conn) is child:
+                    del running[child.conn]
+                try:
+                    _send(child.conn, {"status": os.waitstatus_to_exitcode(status),
+                                       "cpu": usage.ru_utime + usage.ru_stime})
+                except OSError:  # a killed worker's connection
+                    pass
+                _warm(child.modules.decode().split())
+                continue
+            conn = key.fileobj
+            got = _recv(conn, nfds=3)
+            if got is None:  # the client is gone
+                events.unregister(conn)
+                conn.close()
+                if conn is sock:
+                    return None
+                if conn in running:  # its torchrun worker was killed: so is the rank
+                    os.kill(running.pop(conn).pid, signal.SIGKILL)
+                continue
+            request, fds = got
+            refused = _differs(request["env"], base_env) if conn is not sock else []
+            if refused or _threads() != 1:
+                for fd in fds:
+                    os.close(fd)
+                if conn is sock:  # the client sees the end of stream and falls back to subprocesses
+                    sys.stderr.write(f"fork server: {_threads()} threads after warm imports; not forking\n")
+                    return None
+                _send(conn, {"refused": refused or ["a thread in the fork server"]})  # the worker execs python
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            gc.freeze()  # what the parent imported: no child's collection walks (and so copies) it
+            report_r, report_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(report_r)
+                worker = conn is not sock
+                _close_all(events)
+                return {**request, "fds": fds, "report": report_w, "worker": worker}
+            os.close(report_w)
+            for fd in fds:
+                os.close(fd)
+            running[conn] = child = _Child(pid, conn, report_r)
+            events.register(os.pidfd_open(pid), selectors.EVENT_READ, child)
+            events.register(report_r, selectors.EVENT_READ, child)
+            _send(conn, {"pid": pid})
 
 
 def _std_stream(fd: int, *, unbuffered: bool, stderr: bool) -> io.TextIOWrapper:
@@ -261,13 +371,15 @@ def _become(request: dict) -> None:
     """Turn this forked child into `python -m torchmoe ARGV` started with the request's
     stdin/stdout/stderr, environment and cwd."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # no orphan if the parent dies
+    if request["worker"]:
+        os.setsid()  # a session of its own, as torchrun starts each worker
     for target, fd in enumerate(request["fds"]):
         os.dup2(fd, target)
         os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    unbuffered = request.get("unbuffered", False) or bool(os.environ.get("PYTHONUNBUFFERED"))  # `python -u`
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     sys.stdout = sys.__stdout__ = _std_stream(1, unbuffered=unbuffered, stderr=False)
     sys.stderr = sys.__stderr__ = _std_stream(2, unbuffered=unbuffered, stderr=True)
@@ -286,8 +398,7 @@ def _become(request: dict) -> None:
 
 
 def main() -> dict | None:
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    return _serve(sock)
+    return _serve(socket.socket(fileno=int(sys.argv[1])), socket.socket(fileno=int(sys.argv[2])))
 
 
 if __name__ == "__main__":

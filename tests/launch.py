@@ -21,14 +21,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tests import fork_server
 from torchmoe.config.nesting import json_loads
 
 __all__ = ["LaunchError", "Lighthouse", "ReplicaGroup", "cli_command", "cli_env", "free_port", "metrics_by_step",
-           "read_metrics", "run_cli", "run_replica_groups", "run_train"]
+           "read_metrics", "run_cli", "run_command", "run_replica_groups", "run_train", "torchrun_worker"]
 
 Arg = str | os.PathLike
 # Set by torchrun for its workers; a launcher that inherited them would look like one.
@@ -70,26 +70,42 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def cli_command(args: Sequence[Arg], *, nproc: int = 1) -> list[str]:
-    """argv of `torchmoe ARGS`: `python -m torchmoe ...`, or under torchrun with `nproc` ranks."""
+_WARM_RANK = Path(__file__).with_name("warm_rank.py")
+
+
+def cli_command(args: Sequence[Arg], *, nproc: int = 1, warm: bool = True) -> list[str]:
+    """argv of `torchmoe ARGS`: `python -m torchmoe ...`, or under torchrun with `nproc` ranks.
+
+    In the test session (`warm`, a fork server running) torchrun's workers are `tests/warm_rank.py`,
+    each a child of the warm interpreter that stands for `python -u -m torchmoe` (with `cli_env`'s
+    environment, which says where the server listens). `warm=False` for a test that looks at the
+    rank processes themselves (their command lines, their signal handlers)."""
     if nproc == 1:
-        launcher = [sys.executable, "-m", "torchmoe"]
-    else:
-        # --standalone: the rendezvous store binds a port the OS picks as it listens. A port
-        # found free beforehand (`free_port`) stays free only until then: seconds of imports
-        # later, one of gloo's many connections had taken it (EADDRINUSE).
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    "-m", "torchmoe"]
-    return [*launcher, *map(str, args)]
+        return [sys.executable, "-m", "torchmoe", *map(str, args)]
+    # --standalone: the rendezvous store binds a port the OS picks as it listens. A port found
+    # free beforehand (`free_port`) stays free only until then: seconds of imports later, one of
+    # gloo's many connections had taken it (EADDRINUSE).
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            *torchrun_worker(warm=warm), *map(str, args)]
+
+
+def torchrun_worker(*, warm: bool = True) -> list[str]:
+    """What torchrun runs as each worker for `torchmoe ARGS` (ARGS follow): `-m torchmoe`, or in
+    the test session (`warm`, a fork server running) `tests/warm_rank.py` (see `cli_command`)."""
+    return [str(_WARM_RANK)] if warm and fork_server.active() is not None else ["-m", "torchmoe"]
 
 
 def cli_env(*, threads: int | None = 1) -> dict[str, str]:
     """This process's environment minus torchrun's worker variables, with `OMP_NUM_THREADS=threads`
-    per rank (None keeps the caller's setting) and unbuffered output."""
+    per rank (None keeps the caller's setting) and unbuffered output; in the test session, where
+    torchrun's warm workers find the fork server (`cli_command`)."""
     env = {k: v for k, v in os.environ.items() if k not in _WORKER_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
+    server = fork_server.active()
+    if server is not None:
+        env[fork_server.RANKS_VAR] = server.ranks
     return env
 
 
@@ -103,13 +119,21 @@ def run_cli(args: Sequence[Arg], *, nproc: int = 1, threads: int | None = 1, tim
         expect: the exit status to require, else `LaunchError`; None accepts any.
         timeout: seconds before `subprocess.TimeoutExpired`; None waits for ever.
     """
-    argv, env = cli_command(args, nproc=nproc), cli_env(threads=threads)
-    server = fork_server.active() if nproc == 1 else None
+    proc = run_command(cli_command(args, nproc=nproc), cli_env(threads=threads), timeout=timeout)
+    if expect is not None and proc.returncode != expect:
+        raise LaunchError(proc)
+    return proc
+
+
+def run_command(argv: Sequence[str], env: Mapping[str, str], *, timeout: float | None = None,
+                ) -> subprocess.CompletedProcess[str]:
+    """`argv` (a `cli_command`) with `env`, in this process's cwd, its output captured as text:
+    by the warm fork server where it serves a one-process `python -m torchmoe`, else in a
+    subprocess."""
+    server = fork_server.active()
     proc = server.run(argv, env, timeout=timeout) if server is not None and server.serves(argv, env) else None
     if proc is None:
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
-    if expect is not None and proc.returncode != expect:
-        raise LaunchError(proc)
     return proc
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from tests.docs_check import commands
 from tests.helpers import REPO
-from tests.launch import cli_env, free_port, read_metrics
+from tests.launch import cli_env, free_port, read_metrics, run_command, torchrun_worker
 
 pytestmark = pytest.mark.integration
 
@@ -47,23 +47,33 @@ OTHERS = ("pip ", "python3 -m pytest", "torchmoe lighthouse", "TORCHFT_LIGHTHOUS
 
 def _argv(command: str) -> list[str]:
     """`command` as this interpreter runs it: `torchmoe` is `python -m torchmoe`, `torchrun` is
-    `python -m torch.distributed.run` on a free port."""
+    `python -m torch.distributed.run` on a free port, its workers the test session's
+    (`tests.launch.torchrun_worker`)."""
     words = shlex.split(command)
     if words[0] == "torchmoe":
         return [sys.executable, "-m", "torchmoe", *words[1:]]
     assert words[0] == "torchrun", command
-    return [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}", *words[1:]]
+    at = words.index("-m")
+    assert words[at + 1] == "torchmoe", command
+    return [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}", *words[1:at],
+            *torchrun_worker(), *words[at + 2:]]
 
 
-def test_the_readme_runs_in_order(tmp_path: Path) -> None:
+def _run(command: str) -> subprocess.CompletedProcess[str]:
+    """`command` run in the current folder as `tests.launch.run_cli` runs a command."""
+    return run_command(_argv(command), cli_env(), timeout=600)
+
+
+def test_the_readme_runs_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shown = [c.text for c in commands("README.md", (REPO / "README.md").read_text())[0]]
     assert [c for c in shown if not c.startswith(OTHERS)] == README_COMMANDS
     shutil.copytree(REPO / "configs", tmp_path / "configs")
     (tmp_path / "tests" / "assets").mkdir(parents=True)
     shutil.copy(REPO / "tests" / "assets" / "short_documents.jsonl", tmp_path / "tests" / "assets")
+    monkeypatch.chdir(tmp_path)
     out: dict[str, subprocess.CompletedProcess[str]] = {}
     for command in README_COMMANDS:
-        proc = subprocess.run(_argv(command), cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+        proc = _run(command)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         out[command] = proc
 
@@ -85,8 +95,7 @@ def test_the_readme_runs_in_order(tmp_path: Path) -> None:
     # No run warns about the schedule the README gave it (the 8-rank run's warm-up was longer than it).
     assert not [c for c, proc in out.items() if "warmup_steps" in proc.stderr]
     # Run again, the first command refuses to replace its finished run, naming a free folder.
-    again = subprocess.run(_argv(README_COMMANDS[0]), cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                           timeout=600)
+    again = _run(README_COMMANDS[0])
     assert again.returncode == 2 and "holds a finished run of this config" in again.stderr, again.stderr[-3000:]
     assert "--job.dump_folder ./outputs/debug-2" in again.stderr and len(read_metrics(tmp_path / "outputs" / "debug")) == 200
     # plan's job file writes beside that finished run, not into it.
