@@ -131,6 +131,7 @@ def test_grouped_expert_adapters_equal_a_per_expert_loop(style):
     ``x @ (W_e + scaling * B_e A_e).T`` (the fused gate/up adapter's rows split into w1 and w3)."""
     torch.manual_seed(0)
     dim, hidden, e, rank = 16, 8, 8, 4
+    scaling = 6.0 / rank
     if style == "swiglu":
         experts = GroupedExperts(dim, hidden, e, use_grouped_mm=True)
     else:
@@ -154,21 +155,57 @@ def test_grouped_expert_adapters_equal_a_per_expert_loop(style):
         start += n
         a13, b13 = ref_params["lora_w13_a"][i], ref_params["lora_w13_b"][i]
         a2, b2 = ref_params["lora_w2_a"][i], ref_params["lora_w2_b"][i]
-        delta13 = 1.5 * xe @ a13.T @ b13.T  # scaling = 6 / 4
+        delta13 = scaling * xe @ a13.T @ b13.T  # scaling = 6 / 4
         if style == "swiglu":
             h = torch.nn.functional.silu(xe @ ref_params["w1"][i].T + delta13[:, :hidden]) * (
                 xe @ ref_params["w3"][i].T + delta13[:, hidden:])
-            rows.append(h @ ref_params["w2"][i].T + 1.5 * h @ a2.T @ b2.T)
+            rows.append(h @ ref_params["w2"][i].T + scaling * h @ a2.T @ b2.T)
         else:
             h = xe @ ref_params["w13"][i].T + ref_params["b13"][i] + delta13
             gate, up = h[:, 0::2].clamp(max=0.7), h[:, 1::2].clamp(-0.7, 0.7)
             act = (up + 1) * gate * torch.sigmoid(gate * 1.702)
-            rows.append(act @ ref_params["w2"][i].T + ref_params["b2"][i] + 1.5 * act @ a2.T @ b2.T)
+            rows.append(act @ ref_params["w2"][i].T + ref_params["b2"][i] + scaling * act @ a2.T @ b2.T)
     ref = torch.cat(rows)
     ref.square().sum().backward()
     torch.testing.assert_close(out[:valid], ref, rtol=1e-5, atol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-5)
+
+
+def _adapted_experts_run(style: str, rank: int, grouped: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The routed rows' output and every adapter gradient of seeded experts with rank-`rank`
+    adapters, on the grouped GEMMs or the per-expert loop."""
+    torch.manual_seed(0)
+    if style == "swiglu":
+        experts = GroupedExperts(16, 8, 8, use_grouped_mm=grouped)
+    else:
+        experts = ClampedSwiGLUExperts(16, 8, 8, use_grouped_mm=grouped, limit=0.7, alpha=1.702)
+    add_expert_adapters(experts, experts.lora_shapes(), rank, alpha=6.0, dropout=0.0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    experts.to(dtype)
+    x, counts = _routed(8, 16, seed=1)
+    out = experts(x.to(dtype), counts)[:int(counts.sum())]
+    out.float().square().sum().backward()
+    return [out, *(p.grad for name, p in sorted(experts.named_parameters()) if is_adapter_name(name))]
+
+
+@pytest.mark.parametrize(("rank", "dtype"), [(1, torch.float32), (3, torch.float32), (5, torch.float32),
+                                             (2, torch.bfloat16), (4, torch.bfloat16), (6, torch.bfloat16)])
+@pytest.mark.parametrize("style", ["swiglu", "clamped_swiglu"])
+def test_a_rank_off_the_grouped_gemms_16_byte_rows_is_padded_exactly(style, rank, dtype):
+    """The grouped GEMM reads rows on 16-byte strides: an adapter of rank 3 in fp32 (12-byte
+    rows) or 4 in bf16 (8 bytes) crashed it. Padded with zeros, its output and gradients are the
+    per-expert loop's: bit for bit in fp32; in bf16 within bf16's rounding (the grouped kernel
+    accumulates in fp32, the loop's matmuls round each product)."""
+    grouped = _adapted_experts_run(style, rank, True, dtype)
+    loop = _adapted_experts_run(style, rank, False, dtype)
+    assert len(grouped) == 5
+    for got, want in zip(grouped, loop):
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2 * float(want.abs().max()))
 
 
 def test_gpt_oss_experts_adapt_the_interleaved_gate_up_rows():
