@@ -166,7 +166,8 @@ class Lighthouse:
 
     def __init__(self, log: Arg, *flags: str) -> None:
         defaults = ["--bind", "[::]:0", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "1000"]
-        self.proc = subprocess.Popen(cli_command(["lighthouse", *defaults, *flags]), env=cli_env(),
+        # A warm worker stands for it in the test session, as for a torchrun rank (`torchrun_worker`).
+        self.proc = subprocess.Popen([sys.executable, *torchrun_worker(), "lighthouse", *defaults, *flags], env=cli_env(),
                                      stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
         line = self.proc.stdout.readline()  # "lighthouse listening on http://HOST:PORT ..."
         port = re.search(r"http://\S+:(\d+) ", line)
