@@ -120,7 +120,7 @@ def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: flo
     pad = -a.shape[1] % (16 // x.element_size())
     if pad:
         a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))  # (E, r + pad, in), (E, out, r + pad)
-    low = mm(dropout(x), a, counts, offsets)  # (R, r)
+    low = mm(dropout(x), a, counts, offsets)  # (R, r + pad)
     return mm(low, b, counts, offsets) * scaling
 
 
