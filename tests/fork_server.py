@@ -21,8 +21,8 @@ command runs); and anything that needs a fresh interpreter (what a command impor
 warnings: those tests start `python -m torchmoe` themselves).
 
 torchrun's workers come here too, through a listening socket of their own (abstract, named
-`ForkServer.ranks`, bound before the parent starts so that no worker finds it missing): in the
-test session `tests.launch.cli_command` makes each worker `tests/warm_rank.py`, a small process
+`ForkServer.ranks`, bound before the parent starts so that no worker finds it missing):
+`tests.launch.cli_command(..., warm=True)` makes each worker `tests/warm_rank.py`, a small process
 that asks for a child standing for `python -u -m torchmoe ARGS` with its environment and its
 stdin, stdout and stderr, forwards torchrun's signals to it and exits as it did (the same status,
 or the same signal). The parent serves them and the test session at once (one loop over its
@@ -30,8 +30,8 @@ sockets, its children's pidfds and their report pipes), and kills a worker's chi
 worker's connection closes: a test that SIGKILLs a replica group's processes ends its ranks as
 before. A worker's child runs in a session of its own, as torchrun starts each worker. What still
 gets real workers: an environment that differs in more than `RUNTIME_VARS` (the worker then execs
-`python -u -m torchmoe` itself), and the tests that look at the rank processes themselves
-(`cli_command(..., warm=False)`).
+`python -u -m torchmoe` itself), and every torchrun run that does not ask for them (docs/testing.md
+says why).
 
 Safety of forking: the parent runs no torch op, starts no thread and no process group; it checks
 that it has one OS thread (so no OpenMP or intra-op pool either) before every fork, and stops

@@ -73,13 +73,13 @@ def _ephemeral_low() -> int:
 _WARM_RANK = Path(__file__).with_name("warm_rank.py")
 
 
-def cli_command(args: Sequence[Arg], *, nproc: int = 1, warm: bool = True) -> list[str]:
+def cli_command(args: Sequence[Arg], *, nproc: int = 1, warm: bool = False) -> list[str]:
     """argv of `torchmoe ARGS`: `python -m torchmoe ...`, or under torchrun with `nproc` ranks.
 
-    In the test session (`warm`, a fork server running) torchrun's workers are `tests/warm_rank.py`,
-    each a child of the warm interpreter that stands for `python -u -m torchmoe` (with `cli_env`'s
-    environment, which says where the server listens). `warm=False` for a test that looks at the
-    rank processes themselves (their command lines, their signal handlers)."""
+    `warm` (in the test session, a fork server running): torchrun's workers are
+    `tests/warm_rank.py`, each a child of the warm interpreter that stands for `python -u -m
+    torchmoe` (with `cli_env`'s environment, which says where the server listens). Off by default:
+    ranks that start within milliseconds of each other broke two tests' timing (docs/testing.md)."""
     if nproc == 1:
         return [sys.executable, "-m", "torchmoe", *map(str, args)]
     # --standalone: the rendezvous store binds a port the OS picks as it listens. A port found
@@ -89,9 +89,9 @@ def cli_command(args: Sequence[Arg], *, nproc: int = 1, warm: bool = True) -> li
             *torchrun_worker(warm=warm), *map(str, args)]
 
 
-def torchrun_worker(*, warm: bool = True) -> list[str]:
-    """What torchrun runs as each worker for `torchmoe ARGS` (ARGS follow): `-m torchmoe`, or in
-    the test session (`warm`, a fork server running) `tests/warm_rank.py` (see `cli_command`)."""
+def torchrun_worker(*, warm: bool = False) -> list[str]:
+    """What torchrun runs as each worker for `torchmoe ARGS` (ARGS follow): `-m torchmoe`, or with
+    `warm` in the test session (a fork server running) `tests/warm_rank.py` (see `cli_command`)."""
     return [str(_WARM_RANK)] if warm and fork_server.active() is not None else ["-m", "torchmoe"]
 
 
@@ -166,8 +166,7 @@ class Lighthouse:
 
     def __init__(self, log: Arg, *flags: str) -> None:
         defaults = ["--bind", "[::]:0", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "1000"]
-        # A warm worker stands for it in the test session, as for a torchrun rank (`torchrun_worker`).
-        self.proc = subprocess.Popen([sys.executable, *torchrun_worker(), "lighthouse", *defaults, *flags], env=cli_env(),
+        self.proc = subprocess.Popen(cli_command(["lighthouse", *defaults, *flags]), env=cli_env(),
                                      stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
         line = self.proc.stdout.readline()  # "lighthouse listening on http://HOST:PORT ..."
         port = re.search(r"http://\S+:(\d+) ", line)

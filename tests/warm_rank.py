@@ -1,7 +1,7 @@
 """A torchrun worker of the test session: `python -u tests/warm_rank.py ARGS` stands for
 `python -u -m torchmoe ARGS`, whose process the pytest worker's fork server forks from its warm
 interpreter (`tests/fork_server.py`) instead of importing torch and the stack again (about 3 s of
-CPU a rank; `tests.launch.cli_command` puts it under torchrun in the test session).
+CPU a rank; `tests.launch.cli_command(..., warm=True)` puts it under torchrun).
 
 This process stays torchrun's worker: the child writes to its stdin, stdout and stderr, runs with
 its environment and cwd in a session of its own, and this process exits as the child did (the

@@ -174,9 +174,7 @@ def test_a_signal_before_training_is_one_line_and_128_plus_its_number(tmp_path: 
 def test_sigterm_to_torchrun_before_training_ends_every_worker_in_one_line(tmp_path: Path) -> None:
     """torchrun forwards SIGTERM to its workers; before training (here: while they import and
     build) each says so in one line and exits 143, and the launcher follows."""
-    # warm=False: the test finds the ranks by their command lines and reads their signal handlers.
-    proc = subprocess.Popen(cli_command(["train", *JOB, "--job.dump_folder", tmp_path], nproc=2, warm=False),
-                            env=cli_env(),
+    proc = subprocess.Popen(cli_command(["train", *JOB, "--job.dump_folder", tmp_path], nproc=2), env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marker = f"--job.dump_folder {tmp_path}"
     _until(lambda: len(_rank_pids(marker)) == 2 and all(map(_handlers_installed, _rank_pids(marker).values())), [proc],

@@ -21,7 +21,7 @@ import pytest
 
 from tests.docs_check import commands
 from tests.helpers import REPO
-from tests.launch import cli_env, free_port, read_metrics, run_command, torchrun_worker
+from tests.launch import cli_env, free_port, read_metrics, run_command
 
 pytestmark = pytest.mark.integration
 
@@ -47,16 +47,12 @@ OTHERS = ("pip ", "python3 -m pytest", "torchmoe lighthouse", "TORCHFT_LIGHTHOUS
 
 def _argv(command: str) -> list[str]:
     """`command` as this interpreter runs it: `torchmoe` is `python -m torchmoe`, `torchrun` is
-    `python -m torch.distributed.run` on a free port, its workers the test session's
-    (`tests.launch.torchrun_worker`)."""
+    `python -m torch.distributed.run` on a free port."""
     words = shlex.split(command)
     if words[0] == "torchmoe":
         return [sys.executable, "-m", "torchmoe", *words[1:]]
     assert words[0] == "torchrun", command
-    at = words.index("-m")
-    assert words[at + 1] == "torchmoe", command
-    return [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}", *words[1:at],
-            *torchrun_worker(), *words[at + 2:]]
+    return [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}", *words[1:]]
 
 
 def _run(command: str) -> subprocess.CompletedProcess[str]:

@@ -41,7 +41,7 @@ def _children_of_server(server: fork_server.ForkServer) -> set[int]:
 def test_a_warm_worker_says_and_exits_what_a_fresh_interpreter_does() -> None:
     """The same stdout, stderr and status as `python -u -m torchmoe ARGS`."""
     _server()
-    assert torchrun_worker() == [WARM_RANK]
+    assert torchrun_worker(warm=True) == [WARM_RANK]
     env = cli_env()
     warm = subprocess.run([sys.executable, "-u", WARM_RANK, *BAD_FLAG], env=env, capture_output=True, text=True,
                           timeout=120)
