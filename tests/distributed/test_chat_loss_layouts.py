@@ -1,14 +1,28 @@
-"""The masked (chat SFT) loss in other layouts on the single process's step: FSDP over 2 ranks
-(each rank's rows hold a different count of targets: the normaliser is the global one) and CP 2
-(each rank's half of the columns, the count over whole rows) and PP 2 (the schedule's loss over
-the same count, each row a pipeline micro-batch): the first two steps' loss and gradient norm
-within 1e-5.
+"""Chat SFT through the whole trainer, in every layout, on the single process's curve: full
+fine-tuning (the masked loss) and LoRA with adapters on every target Qwen3-MoE has (attention,
+the dense MLP, the routed experts, the router), three steps each, loss and gradient norm within
+1e-5 in fp32.
 
     python -m pytest -q tests/distributed/test_chat_loss_layouts.py
+
+Each row of the global batch holds a different count of supervised tokens (some none), so every
+layout must divide by the global batch's count, not its own share's:
+- FSDP 2 and HSDP 2 x 2: each rank's rows;
+- TP 2 with sequence parallel and MoE TP, and EP 2 over the TP ranks: every rank the whole batch,
+  the loss over a sharded vocabulary;
+- EP 2 x FSDP 2: each rank's rows, its experts' tokens from both;
+- CP 2: each rank's head-tail pieces of every row, the count over whole rows;
+- PP 2: the schedule's loss over the same count, each row a pipeline micro-batch.
+
+One forked world per size (2 and 4 ranks) runs every layout of that size, both jobs each, one
+after the other in the same process group; the references run in the test process. LoRA's first
+step is the base's (B starts at zero), so its curve is three steps long: the second and third
+see the adapters the layout trained.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,27 +34,46 @@ from tests.chat_jobs import chat_job, write_chat_file
 from tests.helpers import run_rank_script, write_rank_record
 
 pytestmark = pytest.mark.distributed
-LAYOUTS = {"fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-           "cp2": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
-           "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]}
-STEPS = ["--training.steps", "2"]
+RTOL = 1e-5
+NO_FSDP = ["--parallelism.data_parallel_shard_degree", "1"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# name: (world, flags)
+LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "tp2_sp": (2, [*TP2, *NO_FSDP]),
+    "ep2_fsdp2": (2, [*EP2, "--parallelism.data_parallel_shard_degree", "2"]),
+    "ep2_over_tp2": (2, [*TP2, *EP2, *NO_FSDP]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2", *NO_FSDP]),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", *NO_FSDP]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2"]),
+}
+JOBS = {
+    "full": ["--training.steps", "3"],
+    "lora": ["--training.steps", "3", "--lora.enable", "true", "--lora.rank", "4", "--lora.alpha", "8",
+             "--lora.targets", json.dumps(["attention", "mlp", "experts", "router"]), "--optimizer.lr", "0.01"],
+}
 
 
 def _run(root: Path, dump: Path, *flags: str) -> list[tuple[float, float]]:
+    """Three steps of the chat job with `flags`: [(loss, grad norm)] a step."""
     from torchmoe.training.loop import Trainer
 
-    trainer = Trainer(chat_job(root / "qwen3", root / "chatml", root / "chat.jsonl", dump, *STEPS, *flags))
+    trainer = Trainer(chat_job(root / "qwen3", root / "chatml", root / "chat.jsonl", dump, *flags))
     try:
         trainer.load_initial_state()
-        results = [trainer.train_step(trainer.dataloader.next_batch()) for _ in range(2)]
+        results = [trainer.train_step(trainer.dataloader.next_batch()) for _ in range(3)]
         return [(r.loss, r.grad_norm) for r in results]
     finally:
-        trainer.release()  # the process group stays for `write_rank_record`
+        trainer.release()  # the process group stays for the next job and `write_rank_record`
 
 
 def _worker(out_dir: Path) -> None:
-    root, layout = out_dir.parent / "inputs", out_dir.name
-    write_rank_record(out_dir, {"steps": _run(root, out_dir / "dump", *LAYOUTS[layout])})
+    root, world = out_dir.parent / "inputs", int(out_dir.name.removeprefix("world"))
+    write_rank_record(out_dir, {f"{layout}/{job}": _run(root, out_dir / layout / job, *flags, *job_flags)
+                                for layout, (size, flags) in LAYOUTS.items() if size == world
+                                for job, job_flags in JOBS.items()})
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +85,32 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def single(root: Path) -> dict[str, list[tuple[float, float]]]:
+    return {job: _run(root, root.parent / "single" / job, *flags) for job, flags in JOBS.items()}
+
+
+@pytest.fixture(scope="module")
+def worlds(root: Path) -> dict[int, dict[int, dict]]:
+    """world size -> rank -> that rank's curves, "<layout>/<job>" -> [(loss, grad norm)]."""
+    sizes = sorted({size for size, _ in LAYOUTS.values()})
+    return {size: run_rank_script(__file__, root.parent / f"world{size}", world=size, timeout=600)
+            for size in sizes}
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_the_masked_loss_is_the_single_process_s_in_every_layout(root: Path, layout: str) -> None:
-    want = _run(root, root.parent / "single")
-    got = run_rank_script(__file__, root.parent / layout, world=2, timeout=300)
-    for rank in (0, 1):
-        for (loss, norm), (want_loss, want_norm) in zip(got[rank]["steps"], want, strict=True):
-            assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=1e-5), \
-                (rank, got[rank]["steps"], want)
+def test_chat_sft_is_the_single_process_s_in_every_layout(single, worlds, layout: str, job: str) -> None:
+    want = single[job]
+    assert len({norm for _, norm in want}) == 3 and all(norm > 0 for _, norm in want)  # three real steps
+    if job == "lora":  # B starts at zero: LoRA's first step is the base's forward, on the same batch
+        assert want[0][0] == pytest.approx(single["full"][0][0], rel=1e-6)
+    ranks = worlds[LAYOUTS[layout][0]]
+    for rank, record in ranks.items():
+        got = record[f"{layout}/{job}"]
+        for (loss, norm), (want_loss, want_norm) in zip(got, want, strict=True):
+            assert loss == pytest.approx(want_loss, rel=RTOL) and norm == pytest.approx(want_norm, rel=RTOL), \
+                (rank, got, want)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from torchmoe.config import (
     resolve_degrees,
     write_config_toml,
 )
+from torchmoe.config.errors import show_value
 from torchmoe.config.job_config import Parallelism
 from torchmoe.preflight import validate_job_config
 
@@ -110,6 +111,31 @@ def test_list_flags() -> None:
         ["output", "router", "gate"]
     assert load_job_config(["--float8.filter_fqns=output"]).float8.filter_fqns == ["output"]
     assert load_job_config(["--float8.filter_fqns"]).float8.filter_fqns == []
+
+
+@pytest.mark.parametrize(("flag", "value", "field", "want"), [
+    ("--lora.targets", '["attention", "experts"]', ("lora", "targets"), ["attention", "experts"]),
+    ("--lora.targets", "[ 'mlp' ]", ("lora", "targets"), ["mlp"]),
+    ("--float8.filter_fqns", "[]", ("float8", "filter_fqns"), []),
+    ("--optimizer.ns_coefficients", "[3, -4.5, 2.0]", ("optimizer", "ns_coefficients"), [3.0, -4.5, 2.0]),
+    ("--parallelism.module_fqns_per_model_part", '[["tok_embeddings", "layers.0"], ["layers.1", "output"]]',
+     ("parallelism", "module_fqns_per_model_part"), [["tok_embeddings", "layers.0"], ["layers.1", "output"]]),
+])
+def test_a_list_flag_takes_the_toml_array_a_config_file_holds(flag, value, field, want) -> None:
+    """Not split at its commas into bracketed, quoted names (which named no LoRA target)."""
+    got = getattr(getattr(load_job_config([flag, value]), field[0]), field[1])
+    assert got == want and all(type(a) is type(b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize(("flag", "value", "problem"), [
+    ("--lora.targets", '["attention", 1]', "expected an array of strings"),
+    ("--lora.targets", '["attention"', "not a TOML array"),
+    ("--optimizer.ns_coefficients", "[3, true, 2]", "expected an array of numbers"),
+    ("--parallelism.module_fqns_per_model_part", '["layers.0"]', "expected an array of arrays of strings"),
+])
+def test_a_bad_toml_array_flag_names_the_flag_and_the_forms(flag, value, problem) -> None:
+    _raises(load_job_config, [flag, value], key=flag, value=show_value(value), problem=problem,
+            fix="pass a TOML array, e.g.")
 
 
 def test_help_shows_docstrings_and_toml_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

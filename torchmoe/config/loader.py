@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import functools
 import logging
+import tomllib
 import typing
 import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
@@ -378,8 +379,39 @@ def _check_override(flag: str, values: list[str]) -> tuple[dict[str, Any], str |
     return translate(name, value) if torchtitan else ({name: value}, None)
 
 
+# A list flag also takes the value as the job's TOML writes it (``["attention", "experts"]``):
+# what a user copies from a config file, and which a comma split would take for a list of
+# bracketed, quoted names.
+_LIST_TYPES = {list[str]: ("strings", '["a", "b"]'), list[float]: ("numbers", "[3.4445, -4.775, 2.0315]"),
+               list[list[str]]: ("arrays of strings", '[["a", "b"], ["c"]]')}
+
+
+def _toml_array(flag: str, name: str, typ: Any, value: str) -> list:
+    """`value`, a TOML array, as the list flag `flag`'s `typ` value."""
+    what, example = _LIST_TYPES[typ]
+    fix = f"pass a TOML array, e.g. --{name} '{example}', or the values comma-separated"
+    try:
+        items = toml_loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(flag, value, f"not a TOML array ({err})", fix) from None
+    if not isinstance(items, list) or not all(_is_item(typ, i) for i in items):
+        raise ConfigError(flag, value, f"expected an array of {what}", fix)
+    return [float(i) for i in items] if typ == list[float] else items
+
+
+def _is_item(typ: Any, item: Any) -> bool:
+    """Whether `item` of a TOML array is one of list type `typ`'s elements."""
+    if typ == list[str]:
+        return isinstance(item, str)
+    if typ == list[float]:
+        return isinstance(item, (int, float)) and not isinstance(item, bool)
+    return isinstance(item, list) and all(isinstance(s, str) for s in item)
+
+
 def _parse_override(flag: str, name: str, typ: Any, values: list[str]) -> Any:
     """The command-line `values` of `flag` as a `typ` value."""
+    if typ in _LIST_TYPES and len(values) == 1 and values[0].lstrip().startswith("["):
+        return _toml_array(flag, name, typ, values[0])
     if typ == list[str]:  # several values, or one comma-separated (torchtitan's form)
         return [item.strip() for v in values for item in v.split(",") if item.strip()]
     if typ == list[list[str]]:  # one value per inner list, its items comma-separated
