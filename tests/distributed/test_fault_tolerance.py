@@ -85,25 +85,26 @@ def _states(folder: Path, prefixes: tuple[str, ...] = ("model.", "optimizer.")) 
 
 
 @pytest.fixture(scope="module")
-def hsdp_with(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str, ...]], dict[int, dict]]:
-    """The reference: the same job with more `flags` as HSDP 2 x 2 in one torchrun world of 4
-    ranks (run once per flags)."""
+def hsdp_with(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[int, dict]]:
+    """The reference: the job (`JOB` unless `job` says another) with more `flags` as HSDP 2 x 2
+    in one torchrun world of 4 ranks (run once per job and flags)."""
     runs: dict[tuple[str, ...], dict[int, dict]] = {}
 
-    def reference(flags: tuple[str, ...]) -> dict[int, dict]:
-        if flags not in runs:
+    def reference(flags: tuple[str, ...], job: tuple[str, ...] = tuple(JOB)) -> dict[int, dict]:
+        if job + flags not in runs:
             folder = tmp_path_factory.mktemp("hsdp")
-            run_train([*JOB, *flags, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=folder, nproc=4)
-            runs[flags] = metrics_by_step(folder)
-            assert sorted(runs[flags]) == list(range(1, STEPS + 1))
-        return runs[flags]
+            run_train([*job, *flags, "--parallelism.data_parallel_replicate_degree", "2"], dump_folder=folder, nproc=4)
+            runs[job + flags] = metrics_by_step(folder)
+        return runs[job + flags]
     return reference
 
 
 @pytest.fixture(scope="module")
 def hsdp(hsdp_with) -> dict[int, dict]:
     """The reference of the plain job (AdamW)."""
-    return hsdp_with(())
+    reference = hsdp_with(())
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    return reference
 
 
 def _assert_hsdp_curve(records: list[dict], reference: dict[int, dict], label: str) -> None:
@@ -210,6 +211,35 @@ def test_muon_groups_train_what_hsdp_trains(tmp_path: Path, hsdp_with) -> None:
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))
         assert all(r["ft_participants"] == 2 for r in records)
         _assert_hsdp_curve(records, hsdp_with(tuple(MUON)), f"muon {group.metrics}")
+
+
+def test_chat_groups_whose_targets_differ_train_what_hsdp_trains(tmp_path: Path, hsdp_with) -> None:
+    """Chat SFT (the masked loss) from a tiny Qwen3-MoE checkpoint, in groups of FSDP 2: each
+    group's rows hold another count of supervised tokens, so each group divides by the mean of
+    the groups' counts (one collective before the forward), not its own: the average of their
+    gradients is then the mean over all their targets, HSDP 2 x 2's curve step for step (each
+    group dividing by its own count is a mean of means: 1.5e-4 off in the loss at step 1)."""
+    from tests.any_checkpoint import save_checkpoint
+    from tests.chat_fixtures import chatml
+    from tests.chat_jobs import write_chat_file
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "chat.toml").write_text("[training]\ndataset = \"chat\"\n")
+    job = ("--config", str(inputs / "chat.toml"), "--checkpoint.initial_load_in_hf", "true",
+           "--checkpoint.initial_load_path", str(save_checkpoint("qwen3", inputs / "qwen3")),
+           "--model.tokenizer_path", str(chatml(inputs / "chatml", marked=True)), "--training.dataset_path", str(write_chat_file(inputs / "chat.jsonl")), "--training.steps", "4",
+           "--training.seq_len", "48", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+           "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "0",
+           "--metrics.log_freq", "1", "--checkpoint.enable", "false")
+    reference = hsdp_with((), job)
+    groups = run_replica_groups([*job, *FT, "--fault_tolerance.gradient_average", "backward"], tmp_path / "ft",
+                                "--min-replicas", "2")
+    for group in groups:
+        records = group.records()
+        assert [r["step"] for r in records] == [1, 2, 3, 4]
+        assert all(r["ft_participants"] == 2 for r in records)
+        _assert_hsdp_curve(records, reference, f"chat {group.metrics}")
 
 
 @pytest.mark.parametrize("average", ["auto", "backward"])

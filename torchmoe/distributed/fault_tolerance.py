@@ -214,6 +214,9 @@ class ReplicaGroups:
         self._partial: dict[int, torch.Tensor] = {}
         self._held: list[tuple[torch.Tensor, torch.Event | None]] = []
         self.attached = False  # gradients are averaged inside FSDP's backward (`attach`)
+        # This step's loss is normalised by the quorum's mean count of targets (`mean_targets`):
+        # the average of the groups' gradients is then the whole quorum's mean as it stands.
+        self._targets_crossed = False
         self.committed_here = 0  # steps this process committed: who joined later, on a layout clash
         self.contributors = 0  # groups whose gradients the last `reduce` averaged
         # Since `take_report`: seconds the training thread waited on work across groups (on the
@@ -234,6 +237,7 @@ class ReplicaGroups:
         self._hook_calls = self._hook_numel = 0
         self._step_positions = {}
         self._crossing, self._partial = True, {}
+        self._targets_crossed = False
         self._release_held()
         began = time.perf_counter()
         with self._waiting(quorum=True):
@@ -308,6 +312,21 @@ class ReplicaGroups:
                 torch.accelerator.current_stream(buffer.device).wait_event(event)
         self._held = []
 
+    def mean_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """The mean over the quorum's participants of the groups' counts of targets (`targets`:
+        this group's, a 0-dim float64 tensor on the device, equal on its ranks), where a group
+        recovering at this step's commit counts zero, as its gradients do (torchft sends its
+        zeros): a masked loss (chat data) each group normalises by it has, averaged over the
+        groups, the mean over all their targets (`reduce` then neither rescales the gradients
+        nor divides the loss by the contributors). 1 where no group has a target (every token
+        loss is zero). One collective before the forward: with an asynchronous quorum the
+        forward waits for the quorum."""
+        total = targets.detach().clone().view(1)
+        self._all_reduce(total, reduce_op=torch.distributed.ReduceOp.SUM)
+        self._targets_crossed = True
+        mean = total[0] / max(self.participants, 1)
+        return torch.where(mean > 0, mean, torch.ones_like(mean))
+
     def reduce(self, loss: torch.Tensor, counts: torch.Tensor | None, grads: Callable[[], list[torch.Tensor]],
                position: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After the backward: one small collective, with the loss (averaged), the MoE token
@@ -351,10 +370,13 @@ class ReplicaGroups:
         participants = max(self.participants, 1)
         contributors = max(len(self._step_positions), 1) if not self.manager.errored() else participants
         self.contributors = contributors
-        if contributors != participants:
-            for grad in grads():
-                grad.mul_(participants / contributors)
-        loss_avg = (flat[0] / contributors).to(loss.dtype)
+        if self._targets_crossed:  # the normaliser already left the non-contributors' targets out
+            loss_avg = (flat[0] / participants).to(loss.dtype)
+        else:
+            if contributors != participants:
+                for grad in grads():
+                    grad.mul_(participants / contributors)
+            loss_avg = (flat[0] / contributors).to(loss.dtype)
         summed = flat[1:1 + n_counts].view_as(counts).to(counts.dtype) if counts is not None else None
         self._blocked_s += time.perf_counter() - began
         return loss_avg, summed

@@ -113,11 +113,16 @@ class StepRunner:
         of the counts the host made with each micro-batch (over whole rows, so under CP every
         piece divides by the same count), all-reduced once, as a 0-dim float64 tensor on the
         device, which no host reads. At least 1: a step without targets has zero loss and zero
-        gradients (every token loss is ignored), not 0 / 0."""
+        gradients (every token loss is ignored), not 0 / 0. Replica groups that meet every step
+        (their gradients averaged) divide by the mean of their counts instead
+        (`ReplicaGroups.mean_targets`): the average is then the quorum's mean over its targets,
+        however they fall between the groups."""
         count = torch.tensor(sum(batch.supervised for batch in micro_batches), dtype=torch.int64,
                              device=self.device)
         if self.batch_group is not None:
             dist.all_reduce(count, group=self.batch_group)
+        if self.step_replicas is not None:  # replica groups meeting every step: the quorum's mean count
+            return self.step_replicas.mean_targets(count.double())
         return count.clamp(min=1).double()
 
     def sync_gradients(self, *, last: bool) -> None:
