@@ -57,8 +57,7 @@ def base_fingerprint(model: torch.nn.Module, names: Iterable[str],
     t0 = time.perf_counter()
     wanted = set(names)
     state = {name: t for name, t in get_model_state_dict(model).items() if name in wanted}
-    whole: dict[str, str] = {}  # held whole: every rank that holds it has the same value
-    parts: dict[str, tuple[str, torch.Tensor]] = {}  # a DTensor's shards: summed over the ranks
+    kinds: dict[str, tuple[str, bool]] = {}  # name -> (dtype, whether a DTensor: its shards' sums add up)
     sums = []
     for name, tensor in state.items():
         local = _counted(tensor)
@@ -66,29 +65,26 @@ def base_fingerprint(model: torch.nn.Module, names: Iterable[str],
             continue
         bits = local.detach().view(_BITS[local.element_size()])
         sums.append(bits.sum(dtype=torch.int64))
-        parts[name] = (str(tensor.dtype).removeprefix("torch."), isinstance(tensor, DTensor))
+        kinds[name] = (str(tensor.dtype).removeprefix("torch."), isinstance(tensor, DTensor))
     values = torch.stack(sums).tolist() if sums else []  # one device-to-host copy
-    mine = {name: (dtype, sharded, value) for (name, (dtype, sharded)), value in zip(parts.items(), values)}
+    mine = {name: (*kind, value) for (name, kind), value in zip(kinds.items(), values)}
     everyone = [mine]
     if dist_on():
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
-    sharded_sums: dict[str, tuple[str, int]] = {}
+    found: dict[str, tuple[str, int]] = {}
     for held in everyone:
         for name, (dtype, sharded, value) in held.items():
-            if not sharded:
-                whole[name] = f"{dtype}:{value}"
-                continue
-            _, total = sharded_sums.get(name, (dtype, 0))
-            sharded_sums[name] = (dtype, (total + value + 2**63) % 2**64 - 2**63)  # wraps as int64 does
-    whole.update({name: f"{dtype}:{value}" for name, (dtype, value) in sharded_sums.items()})
-    logger.info("fingerprinted the base weights (%d tensors) in %.3f s", len(whole), time.perf_counter() - t0)
-    return dict(sorted(whole.items()))
+            # A tensor held whole has the same value on every rank that holds it.
+            total = found.get(name, (dtype, 0))[1] if sharded else 0
+            found[name] = (dtype, (total + value + 2**63) % 2**64 - 2**63)  # wraps as int64 does
+    logger.info("fingerprinted the base weights (%d tensors) in %.3f s", len(found), time.perf_counter() - t0)
+    return {name: f"{dtype}:{value}" for name, (dtype, value) in sorted(found.items())}
 
 
 class BaseFingerprint(Stateful):
-    """The base's fingerprint in a checkpoint (`state["base"]`): what `record` set is saved, what a
-    resume loaded is `recorded` (None before one did), for `check` to compare."""
+    """The base's fingerprint in a checkpoint (`state["base"]`): what `check` took last is saved,
+    what a resume loaded is `recorded` (None before one did), for `check` to compare."""
 
     def __init__(self) -> None:
         self.current: dict[str, str] = {}
