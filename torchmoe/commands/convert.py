@@ -4,6 +4,7 @@
     torchmoe train --config configs/llama4_16e.toml --checkpoint.initial_load_path outputs/scout-dcp
     torchmoe convert dcp-to-hf outputs/debug/checkpoint/step-200 outputs/debug-hf   # the run's model and tokenizer
     torchmoe convert dcp-to-hf outputs/qwen-dcp outputs/qwen-hf --model-name qwen3 --flavor tiny
+    torchmoe convert dcp-to-hf outputs/lora/checkpoint/step-200 outputs/lora-hf --lora-export merged
 
     torchrun --nproc_per_node=8 -m torchmoe convert hf-to-dcp path/to/Llama-4-Maverick out/maverick-dcp
 
@@ -15,6 +16,12 @@ a bare model folder and writes a Hugging Face folder of the family (`Llama4ForCa
 `Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`, `GptOssForCausalLM`). The family, flavor and
 tokenizer are the run's (its config.toml) for a run's step-N folder, else the one built-in flavor
 the tensors fit; `--model-name`, `--flavor` and `--tokenizer` say otherwise.
+
+A LoRA run's step-N folder holds the adapters, not the frozen base: `dcp-to-hf` puts the run's
+base (its saved `base/`, else its `checkpoint.initial_load_path`, checked against the fingerprint
+the checkpoint recorded) and the step's adapters together and writes what the run's `lora.export`
+says, or `--lora-export` (`training/adapter_checkpoint.py`), in one process (refused under
+torchrun with more than one).
 
 Both directions run in one process, or as a sharded job under torchrun (gloo: this is host
 work): every tensor with at least one row per rank is split by rows over the ranks, and each
@@ -28,6 +35,7 @@ checkpoint, an unsupported Hugging Face config, an output folder that cannot be 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -68,14 +76,16 @@ from torchmoe.components.trained_weights import run_config_file
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
+from torchmoe.config.job_config import JobConfig
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import load_toml_config
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
-from torchmoe.config.validate import PARAM_DTYPES
+from torchmoe.config.validate import LORA_EXPORTS, PARAM_DTYPES
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.models.registry import family_titles
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.nn.lora import is_adapter_name
+from torchmoe.training.adapter_checkpoint import export_checkpoint
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
 
@@ -278,6 +288,11 @@ def _parser() -> ArgumentParser:
                        help="the tokenizer.json (or its folder) the model trained with: copied into OUT_DIR with its "
                             "tokenizer_config.json and special_tokens_map.json (default: the run's model.tokenizer_path "
                             "for a run's step-N, else none: the byte tokenizer)")
+    to_hf.add_argument("--lora-export", choices=LORA_EXPORTS, default=None,
+                       help="for a LoRA run's step-N: write the PEFT adapter (adapter_config.json + "
+                            "adapter_model.safetensors) or the merged model (default: the run's lora.export); "
+                            "the base is the run's saved copy (lora.checkpoint_base), else its "
+                            "checkpoint.initial_load_path")
     return parser
 
 
@@ -318,17 +333,40 @@ def _checkpoint_model(ckpt_dir: Path, name: str, flavor: str, tokenizer: str | N
                       if len(everywhere) == 1 else "pass --model-name and --flavor of the model it holds")
 
 
-def _refuse_adapters_alone(ckpt_dir: Path) -> None:
-    """A LoRA run's checkpoint holds its adapters, not the frozen base (the run's
-    checkpoint.initial_load_path): no model to convert alone; the run's own export writes it."""
+def _lora_run(ckpt_dir: Path, export: str | None) -> tuple[JobConfig, Path] | None:
+    """(the run's job, its config.toml) when `ckpt_dir` is a LoRA run's checkpoint (its model
+    tensors are adapters), with `export` (``--lora-export``) for its `lora.export` if given and
+    its `job.dump_folder` where the checkpoint lies; else None.
+
+    Raises:
+        ConfigError: it lies outside its run's folder (no config.toml that names it), or the
+            conversion runs under torchrun with more than one process.
+    """
     if not ckpt_dir.is_dir():  # what is wrong with the path, and with the flavor asked for, is said later
-        return
+        return None
     fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
-    if any(is_adapter_name(k) for k in model_tensors(read_dcp_metadata("CKPT_DIR", ckpt_dir, fix))):
-        raise ConfigError("CKPT_DIR", str(ckpt_dir), "is a LoRA run's checkpoint: it holds the adapters, not the "
-                          "frozen base (the run's checkpoint.initial_load_path)", "export it from the run: "
-                          "checkpoint.last_save_in_hf = true writes lora.export (the PEFT adapter, or the merged "
-                          "model) at the run's last step")
+    if not any(is_adapter_name(k) for k in model_tensors(read_dcp_metadata("CKPT_DIR", ckpt_dir, fix))):
+        return None
+    run = run_config_file(ckpt_dir)
+    if run is None:
+        raise ConfigError("CKPT_DIR", str(ckpt_dir), "is a LoRA run's checkpoint (its adapters, not the frozen base) "
+                          "outside its run's folder: no config.toml there says which base and adapters it has",
+                          "pass the step-N folder where the run saved it (<job.dump_folder>/<checkpoint.folder>/)")
+    if launch_int("WORLD_SIZE", 1) > 1:  # the model is put together whole in one process, as the run's export does
+        raise ConfigError("CKPT_DIR", str(ckpt_dir), "is a LoRA run's checkpoint, which convert writes in one "
+                          "process", "run `torchmoe convert` without torchrun")
+    cfg = load_toml_config(run, key="CKPT_DIR")
+    lora = dataclasses.replace(cfg.lora, export=export or cfg.lora.export)
+    return dataclasses.replace(cfg, lora=lora, job=dataclasses.replace(cfg.job, dump_folder=str(run.parent))), run
+
+
+def _lora_to_hf(cfg: JobConfig, ckpt_dir: Path, out_dir: Path, *, drop_expert_bias: bool) -> None:
+    """Write the LoRA checkpoint `ckpt_dir` of the run `cfg` as its `lora.export` says
+    (`training.adapter_checkpoint.export_checkpoint`), owning `out_dir` as `dcp_to_hf` does."""
+    _require_writable_out(out_dir)
+    with _owning(out_dir):
+        export_checkpoint(cfg, ckpt_dir, out_dir,
+                          bias_drop=ExpertBiasDrop(drop_expert_bias, "--drop-expert-bias", _BIAS_DROP_FIX))
 
 
 def convert_main(argv: list[str]) -> int:
@@ -369,22 +407,32 @@ def _run(opts: argparse.Namespace) -> int:
     else:
         # The one warning here (a non-zero expert bias dropped, as --drop-expert-bias asked) is news
         # for the user, so it is printed as one line rather than with the source line Python's format adds.
-        _refuse_adapters_alone(Path(opts.ckpt_dir))
-        name, flavor, tokenizer, source = _checkpoint_model(Path(opts.ckpt_dir), opts.model_name, opts.flavor,
-                                                            opts.tokenizer)
+        lora_run = _lora_run(Path(opts.ckpt_dir), opts.lora_export)
+        if lora_run is not None:
+            cfg, run = lora_run
+            name, flavor, source = cfg.model.name, cfg.model.flavor, f" from {run}"
+            tokenizer = cfg.model.tokenizer_path if opts.tokenizer is None else opts.tokenizer
+        else:
+            name, flavor, tokenizer, source = _checkpoint_model(Path(opts.ckpt_dir), opts.model_name, opts.flavor,
+                                                                opts.tokenizer)
         tokenizer_fix = "pass the tokenizer.json the model trained with, or its folder"
         if tokenizer:  # before anything is written
             with path_faults("--tokenizer", tokenizer, tokenizer_fix):
                 os.stat(tokenizer)
         with warnings.catch_warnings(record=True) as caught:
-            dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=flavor, name=name,
-                              drop_expert_bias=opts.drop_expert_bias)
+            if lora_run is not None:
+                _lora_to_hf(cfg, Path(opts.ckpt_dir), Path(opts.out_dir), drop_expert_bias=opts.drop_expert_bias)
+                form = f"the LoRA run's {'PEFT adapter' if cfg.lora.export == 'adapter' else 'merged model'}"
+            else:
+                dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=flavor, name=name,
+                                  drop_expert_bias=opts.drop_expert_bias)
+                form = str(dtype).removeprefix("torch.")
         for w in caught:
             _say(f"warning: {w.message}", file=sys.stderr)
         copied = []
         if not dist.is_initialized() or dist.get_rank() == 0:
             with path_faults("--tokenizer", tokenizer, tokenizer_fix):
                 copied = copy_tokenizer_files(tokenizer, opts.out_dir)
-        _say(f"wrote Hugging Face folder {opts.out_dir} ({name} {flavor}{source}, {str(dtype).removeprefix('torch.')}"
+        _say(f"wrote Hugging Face folder {opts.out_dir} ({name} {flavor}{source}, {form}"
              + (f"; tokenizer: {', '.join(copied)})" if copied else ")"))
     return 0

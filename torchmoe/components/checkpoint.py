@@ -74,8 +74,10 @@ from torchmoe.nn.dtypes import torch_dtype
 logger = logging.getLogger(__name__)
 
 MARKER = ".complete"
+BASE_DIR = "base"
+"""A LoRA run's frozen base, saved once next to its step-N folders (`lora.checkpoint_base`)."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_DIR = re.compile(r"^step-\d+(-hf)?\.tmp-(\w+)$")  # a save's, or a Hugging Face export's
+_TMP_DIR = re.compile(r"^(step-\d+(-hf)?|base)\.tmp-(?P<id>\w+)$")  # a save's, a Hugging Face export's, the base's
 
 
 def _rank() -> int:
@@ -99,6 +101,12 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
         if m and not path.is_symlink() and (path / MARKER).is_file():
             found.append((int(m.group(1)), path))
     return sorted(found)
+
+
+def saved_base(folder: Path) -> Path | None:
+    """`folder`'s complete `base/` (holding the completion marker, not a link), or None."""
+    base = folder / BASE_DIR
+    return base if not base.is_symlink() and (base / MARKER).is_file() else None
 
 
 def checkpoint_timeout(checkpoint_cfg: CheckpointConfig, comm_cfg: CommConfig) -> timedelta:
@@ -244,7 +252,7 @@ class CheckpointManager:
             error = write_fault(e)
         # dcp.save returns only after rank 0 has gathered every rank's write results and written
         # .metadata, so every shard is on disk: rank 0 may make the folder visible now.
-        self._finish(step, tmp, meta, error)
+        self._finish(f"step-{step}", tmp, meta, error)
 
     def _stager(self) -> DefaultStager | None:
         """DCP's copy to host memory before the background write: into pinned memory (a faster
@@ -262,6 +270,30 @@ class CheckpointManager:
         """
         self.save(0, {"model": state["model"]}, model_only=True)
         return self.folder / "step-0"
+
+    def save_base(self, state: dict[str, Any], files: tuple[Path, ...] = ()) -> Path:
+        """Write `base/` (a LoRA run's frozen base: `state` = {"model": its ModelWrapper}) with
+        copies of `files` (the Hugging Face folder's config.json, which describes the model), as
+        a step-N folder is written: checksummed, visible by a rename once complete, replacing an
+        earlier run's. Returns the folder.
+
+        Raises:
+            SaveFailed: writing it failed (a full disk): nothing of it is left.
+        """
+        tmp = self.folder / f"{BASE_DIR}.tmp-{self.id}"
+        meta = {"step": None, "model_only": True, "world_size": self.world_size, "keys": sorted(state),
+                "saved_at": time.time()}
+        logger.info("saving the frozen base to %s", self.folder / BASE_DIR)
+        error = None
+        try:
+            dcp.save(state, storage_writer=ChecksummingWriter(tmp), process_group=self.group, no_dist=not dist_on())
+            if self.rank == 0:
+                for file in files:
+                    shutil.copyfile(file, tmp / file.name)
+        except (Exception, CheckpointException) as e:
+            error = write_fault(e)
+        self._finish(BASE_DIR, tmp, meta, error)
+        return self.folder / BASE_DIR
 
     def save_export(self, step: int, write: Callable[[Path], None]) -> Path:
         """Write `step-<step>-hf/` as `write(folder)` does (collective: every rank calls it with the
@@ -301,7 +333,7 @@ class CheckpointManager:
             pending.future.result()
         except (Exception, CheckpointException) as e:
             error = write_fault(e)
-        self._finish(pending.step, pending.tmp, pending.meta, error, finalized=pending.finalized)
+        self._finish(f"step-{pending.step}", pending.tmp, pending.meta, error, finalized=pending.finalized)
 
     def close(self) -> None:
         """Finish any async save; call once at the end of training, when every rank gets there.
@@ -309,9 +341,9 @@ class CheckpointManager:
         that fails just drops the save in flight; the next run deletes its temporary folder)."""
         self.wait()
 
-    def _finish(self, step: int, tmp: Path, meta: dict[str, Any], error: str | None, *,
+    def _finish(self, name: str, tmp: Path, meta: dict[str, Any], error: str | None, *,
                 finalized: bool = False) -> None:
-        """After the shards of `step` are written (or not): rank 0 makes it visible, and every
+        """After the shards of `name` (step-N, base) are written (or not): rank 0 makes it visible, and every
         rank learns whether that worked (in place of a barrier: rank 0's marker or rename can
         fail alone). A failure deletes the temporary folder and raises `SaveFailed` on all ranks.
 
@@ -320,38 +352,38 @@ class CheckpointManager:
         """
         if error is None and self.rank == 0 and not finalized:
             try:
-                self._finalize(step, tmp, meta)
+                self._finalize(name, tmp, meta)
             except OSError as e:
                 error = write_fault(e)
         error = _job_error(_gather(error, self.group))
         if error is None:
             return
         self._discard(tmp)  # a failed save (full disk) leaves nothing behind to fail again
-        raise SaveFailed(f"step-{step}", error)
+        raise SaveFailed(name, error)
 
     def _poll(self) -> None:
         p = self._pending
         # Only successful saves are finalized here; errors surface in wait() on every rank.
         if self.rank == 0 and p is not None and not p.finalized and p.future.done():
             if p.future.exception() is None:
-                self._finalize(p.step, p.tmp, p.meta)
+                self._finalize(f"step-{p.step}", p.tmp, p.meta)
                 p.finalized = True
 
-    def _finalize(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
-        """Rank 0: marker, atomic rename to step-N/, then prune old checkpoints."""
+    def _finalize(self, name: str, tmp: Path, meta: dict[str, Any]) -> None:
+        """Rank 0: marker, atomic rename to `name`/ (step-N, base), then prune old checkpoints."""
         marker = tmp / MARKER
         with open(marker, "w") as f:
             json.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())
-        final = self.folder / f"step-{step}"
+        final = self.folder / name
         if final.exists() and not final.is_symlink():  # a link: the rename fails ("Not a directory")
             # A folder of the same step without a marker (never loaded) or an older save of
             # this step (e.g. a seed checkpoint written again): replaced by the new one.
             _remove_checkpoint(final)
         os.rename(tmp, final)
         _fsync_dir(self.folder)
-        logger.info("checkpoint step-%d is complete: %s", step, final)
+        logger.info("checkpoint %s is complete: %s", name, final)
         if not meta["model_only"]:  # a seed checkpoint never prunes: not itself, not the others
             self._prune()
 
@@ -367,7 +399,7 @@ class CheckpointManager:
         """Rank 0: delete the temporary folders of other runs' saves (killed or failed)."""
         for path in self.folder.iterdir():
             m = _TMP_DIR.match(path.name)
-            if m and m.group(2) != self.id and path.is_dir() and not path.is_symlink():
+            if m and m.group("id") != self.id and path.is_dir() and not path.is_symlink():
                 logger.info("deleting incomplete checkpoint %s left by an earlier run", path)
                 shutil.rmtree(path, ignore_errors=True)
 

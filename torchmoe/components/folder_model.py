@@ -28,6 +28,7 @@ from pathlib import Path
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, FolderModel, check_model, model_args_from_config
+from torchmoe.components.checkpoint import saved_base
 from torchmoe.components.flavor_fit import matching_flavor
 from torchmoe.components.hf_storage import read_hf_args
 from torchmoe.config.errors import ConfigError, show_value
@@ -65,6 +66,12 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
         return cfg
     key = key or source_key(cfg, "checkpoint.initial_load_path")
     folder = Path(ckpt.initial_load_path)
+    saved = saved_base(Path(cfg.job.dump_folder) / ckpt.folder)
+    if not (folder / "config.json").is_file() and saved is not None and (saved / "config.json").is_file():
+        # A LoRA run's own copy of the base (`lora.checkpoint_base`) holds the folder's config.json:
+        # its resume needs the folder no more (the trainer loads the base from there too).
+        logger.info("%s %s holds no config.json here: the model is the run's saved base's, %s", key, folder, saved)
+        folder = saved
     if absent_ok and not (folder / "config.json").is_file():
         logger.warning("%s %s holds no config.json here: planning model.flavor %s", key, folder, cfg.model.flavor)
         return cfg
@@ -78,7 +85,7 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
     given = set_keys or ()
     if "model.name" in given:
         _require_family(cfg.model, args, key, folder)
-    label = folder_flavor(args, folder)
+    label = folder_flavor(args, Path(ckpt.initial_load_path))  # the run's name for it, wherever config.json was
     if "model.flavor" in given and cfg.model.flavor != label:
         check_model(args.family, cfg.model.flavor)  # a flavor of the folder's family, or the error says whose
         _require_flavor(cfg.model.flavor, args, key, folder)

@@ -296,6 +296,8 @@ class LoRA:
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, of this rank, alpha and these targets) whose adapters the run starts from instead of PEFT's init: to continue training an adapter."""
     export: str = "adapter"
     """What a Hugging Face export writes: "adapter" (adapter_config.json + adapter_model.safetensors, which peft.PeftModel.from_pretrained loads onto the transformers model) or "merged" (the model with W + alpha / rank * B @ A)."""
+    checkpoint_base: bool = False
+    """Save the frozen base weights once into the checkpoint folder (<checkpoint.folder>/base/, a DCP folder written when the run starts) and resume from there rather than from checkpoint.initial_load_path, so the run, and `torchmoe convert` of its checkpoints, no longer need that folder. Without it a checkpoint holds the adapters and their optimizer state alone, and a resume loads the base again from initial_load_path; in both cases a base other than the one the run trained on is refused (a fingerprint of the base, recorded in every checkpoint)."""
 
 
 @dataclass

@@ -34,8 +34,9 @@ from torchmoe.models.registry import hf_mapping
 from torchmoe.plan.dry_run import DRY_RUN_FILE
 
 _STEP_NAME = re.compile(r"step-(\d+)(-hf)?")
-# Every name the checkpoint manager writes, renames or prunes: step-N, its -hf export, their temporaries.
-_STEP_ENTRY = re.compile(r"step-\d+(-hf)?(\.tmp-\w+)?")
+# Every name the checkpoint manager writes, renames or prunes: step-N, its -hf export, a LoRA run's
+# base, their temporaries.
+_STEP_ENTRY = re.compile(r"(step-\d+(-hf)?|base)(\.tmp-\w+)?")
 
 
 # ---- what the run reads ----------------------------------------------------------------------

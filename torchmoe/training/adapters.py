@@ -6,8 +6,10 @@ hold, the adapters' start (PEFT's init, or an imported adapter), and the Hugging
 The adapters are added on the meta model before the parallelize pipeline
 (`model_build.build_model`), so FSDP, EP, PP and compile see them as ordinary parameters. The
 base is frozen: the optimizer, the gradient norm and clipping see the adapters alone. A
-checkpoint holds the adapters and their optimizer state; the base is what the run started from
-(`checkpoint.initial_load_path`, else the seed's init), loaded again at each resume.
+checkpoint holds the adapters, their optimizer state and the base's fingerprint
+(`components.base_fingerprint`); the base is what the run started from
+(`checkpoint.initial_load_path`, else the seed's init), loaded again at each resume, from the run's
+own copy (`<checkpoint.folder>/base/`) with `lora.checkpoint_base`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.hf_storage import ExpertBiasDrop
 from torchmoe.components.peft_adapter import load_peft_adapter, save_merged_model, save_peft_adapter
-from torchmoe.config.job_config import LoRA
+from torchmoe.config.job_config import JobConfig, LoRA
+from torchmoe.config.paths import source_key
 from torchmoe.models.decoder.lora import apply_lora
 from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.lora import is_adapter_name
@@ -49,6 +52,30 @@ def base_weights(lora: LoRA) -> Callable[[str], bool] | None:
     return (lambda name: not is_adapter_name(name)) if lora.enable else None
 
 
+def base_parameters(args: ModelArgs, lora: LoRA) -> list[str]:
+    """The names of the frozen base's parameters (what its fingerprint covers: not the buffers,
+    such as the expert bias, which are not the base the user gave), from a meta model."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_lora(model, lora)
+    return [name for name, _ in model.named_parameters() if not is_adapter_name(name)]
+
+
+def base_source(cfg: JobConfig, base: Path | None) -> tuple[str, str, str]:
+    """(setting, path, fix) of where a LoRA run's frozen base comes from, for the message that
+    refuses another base than its checkpoints': the run's saved copy `base` if not None, else
+    `checkpoint.initial_load_path`, else the seed's random init."""
+    if base is not None:
+        return ("checkpoint.folder", str(base), f"move {base} away (the base then loads from "
+                "checkpoint.initial_load_path, checked the same way), or start a new run in another job.dump_folder")
+    if cfg.checkpoint.initial_load_path:
+        return (source_key(cfg, "checkpoint.initial_load_path"), cfg.checkpoint.initial_load_path,
+                "restore the folder the run started from there, or start a new run in another job.dump_folder "
+                "(lora.checkpoint_base = true keeps a copy of the base with the checkpoints)")
+    return ("training.seed", str(cfg.training.seed), "set the seed the run started with (its random init is the "
+            "base), or start a new run in another job.dump_folder")
+
+
 def import_adapter(lora: LoRA, args: ModelArgs, model: nn.Module) -> None:
     """A new run's adapters from `lora.adapter` (a PEFT adapter folder), if set; else they keep
     PEFT's init, drawn with the model's (`Transformer.init_weights`) and left alone by the base's
@@ -57,7 +84,7 @@ def import_adapter(lora: LoRA, args: ModelArgs, model: nn.Module) -> None:
         return
     state = get_model_state_dict(model)  # sharing the parameters' storage
     dtype = next(t.dtype for name, t in state.items() if is_adapter_name(name))
-    full = _plain_model(args, lora, dtype)
+    full = plain_model(args, lora, dtype)
     load_peft_adapter(full, lora.adapter, lora)
     values = full.state_dict()
     with torch.no_grad():
@@ -91,7 +118,7 @@ def export_hf(model: nn.Module, args: ModelArgs, lora: LoRA, folder: Path, *, ra
     state = gathered_state(model, keep)
     if rank != 0:
         return
-    plain = _plain_model(args, lora, next(iter(state.values())).dtype)
+    plain = plain_model(args, lora, next(iter(state.values())).dtype)
     plain.load_state_dict(state, strict=lora.export != "adapter")
     if lora.export == "adapter":
         save_peft_adapter(plain, folder, lora)
@@ -99,7 +126,7 @@ def export_hf(model: nn.Module, args: ModelArgs, lora: LoRA, folder: Path, *, ra
         save_merged_model(plain, folder, drop_expert_bias=bias_drop.allowed)
 
 
-def _plain_model(args: ModelArgs, lora: LoRA, dtype: torch.dtype) -> Transformer:
+def plain_model(args: ModelArgs, lora: LoRA, dtype: torch.dtype) -> Transformer:
     """An unsharded CPU model of `args` with `lora`'s adapters, its tensors uninitialised."""
     # Parameters in the run's dtype, as the trainer builds them (buffers keep their own).
     with torch.device("meta"), default_dtype(dtype):

@@ -9,7 +9,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.components.checkpoint import CheckpointManager, SaveFailed
+from torchmoe.components.base_fingerprint import base_fingerprint
+from torchmoe.components.checkpoint import CheckpointManager, SaveFailed, saved_base
+from torchmoe.components.checkpoint_state import ModelWrapper, load_model_only
 from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.finite import NonFiniteValues
 from torchmoe.components.hf_storage import save_hf_weights
@@ -18,7 +20,14 @@ from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import source_key
-from torchmoe.training.adapters import base_weights, checkpointed, export_hf, import_adapter
+from torchmoe.training.adapters import (
+    base_parameters,
+    base_source,
+    base_weights,
+    checkpointed,
+    export_hf,
+    import_adapter,
+)
 from torchmoe.training.log import logger
 
 
@@ -42,16 +51,35 @@ class Checkpoints:
     def load_initial_weights(self, *, resumed: bool) -> None:
         """The weights of `checkpoint.initial_load_path`, if set (else the model keeps its init):
         for a new run; for a `resumed` one only where its checkpoints lack them (LoRA's frozen
-        base, `adapters.checkpointed`). A new LoRA run then takes its adapters from `lora.adapter`
-        if set."""
-        lora = self.cfg.lora
+        base, `adapters.checkpointed`), from the run's own copy of the base when it saved one
+        (`lora.checkpoint_base`). A LoRA run then checks the base's fingerprint against its
+        checkpoint's (`check_base`), a new one takes its adapters from `lora.adapter` if set, and
+        with `lora.checkpoint_base` the base is saved once."""
+        lora, ckpt = self.cfg.lora, self.cfg.checkpoint
         if resumed and checkpointed(lora) is None:
             return
-        if self.cfg.checkpoint.initial_load_path:
-            load_initial_weights(self.cfg.checkpoint, self.cfg.model.flavor, self.model_args, self.model,
+        base = saved_base(self.manager.folder) if resumed and lora.enable else None
+        if base is not None:  # checksummed when saved and checked as it loads: the run's own copy
+            load_model_only(base, [self.model], key="checkpoint.folder", keep=base_weights(lora))
+        elif ckpt.initial_load_path:
+            load_initial_weights(ckpt, self.cfg.model.flavor, self.model_args, self.model,
                                  key=source_key(self.cfg, "checkpoint.initial_load_path"), keep=base_weights(lora))
+        if not lora.enable:
+            return
+        self.check_base(base)
         if not resumed:
             import_adapter(lora, self.model_args, self.model)
+        if lora.checkpoint_base and base is None and self.manager.writes and not ckpt.create_seed_checkpoint:
+            config = (Path(ckpt.initial_load_path) / "config.json",) if ckpt.initial_load_in_hf else ()
+            self.manager.save_base({"model": ModelWrapper([self.model], keep=base_weights(lora))}, files=config)
+
+    def check_base(self, base: Path | None) -> None:
+        """Record the fingerprint of the base as loaded (from the run's `base` copy, if not None),
+        which a resumed run's checkpoint must have recorded too (`ConfigError`, naming where the
+        base came from, when it is another base)."""
+        found = base_fingerprint(self.model, base_parameters(self.model_args, self.cfg.lora), self.manager.group)
+        key, path, fix = base_source(self.cfg, base)
+        self.state["base"].check(found, key=key, path=path, fix=fix)
 
     def after_step(self, step: int, *, stopping: bool) -> None:
         """After step `step`: save when due (or `stopping` for a signal), if the state is finite

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.components.base_fingerprint import BaseFingerprint
 from torchmoe.components.checkpoint import CheckpointManager, checkpoint_timeout
 from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
 from torchmoe.components.garbage_collection import GarbageCollection
@@ -148,6 +149,8 @@ class Trainer:
             "dataloader": RankLocal(self.dataloader, rank=self.rank) if ft.enable else self.dataloader,
             "rng": RankLocal(RNGState(), rank=self.rank),
         }
+        if cfg.lora.enable:  # the frozen base's fingerprint, which a resume checks (`Checkpoints.check_base`)
+            self.state["base"] = BaseFingerprint()
         self.checkpoints = Checkpoints(cfg, self.checkpointer, self.state, self.model, self.model_args, rank=self.rank)
         self.progress = Progress()
         self.last_result: StepResult | None = None  # this process's newest step, for the closing line
