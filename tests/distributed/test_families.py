@@ -22,7 +22,8 @@ key's), the sinks split with the heads, MoE TP with gates on partial expert outp
 gradients summed over tp) and gpt-oss's down-projection bias added once over the ranks' partial
 sums (each rank its own columns), EP, EP
 spanning TP, CP (MLA's values padded to the heads' width), PP, AC and compile; and a checkpoint
-saved under one layout and resumed under another. Bound: 1e-5 relative, as for Llama 4.
+saved under one layout and resumed under another; QK-Clip (DeepSeek-V3's MLA, gpt-oss's GQA) under
+them. Bound: 1e-5 relative, as for Llama 4.
 
 The families' multi-rank runs are trained in one torchrun world per rank count
 (`tests.helpers.TinyRuns`).
@@ -79,6 +80,17 @@ LAYOUTS = {
 }
 
 
+# QK-Clip (`components.qk_clip`) with a threshold the tiny flavors' heads cross in every step (their
+# largest logits grow from 0.11 to 0.28 in DeepSeek-V3's five steps, 0.31 to 0.69 in gpt-oss's): the
+# maxima are reduced over every rank and each rank scales its shard of the rows, under MLA (every
+# layout QK-Clip admits: CP is refused) and GQA with biases (where the heads are split: TP, PP).
+QK_CLIP = {
+    "deepseek_v3": (["--optimizer.qk_clip_threshold", "0.1"],
+                    ["tp2_moe_tp_fsdp2_full_ac", "hsdp2x2_ep2_selective_ac", "fsdp2_tp2_ep4", "tp2_ep2_spanning_tp",
+                     "pp2_interleaved1f1b", "fsdp2_compile"]),
+    "gpt_oss": (["--optimizer.qk_clip_threshold", "0.3"], ["tp2_moe_tp_fsdp2_full_ac", "pp2_interleaved1f1b"]),
+}
+
 # Layouts a family refuses (exit 2, `test_family_configs`): gpt-oss's sinks and windows attend
 # over whole rows; multi-token prediction reads tokens past a rank's piece of the row (CP) and
 # runs the embedding after the last block (PP). DeepSeek-V3 without it trains only those.
@@ -112,6 +124,11 @@ def runs(seeds, tmp_path_factory) -> TinyRuns:
             jobs[f"{family}_tp2_moe_tp_to_ep2"] = Job(2, [*flags, "--parallelism.expert_parallel_degree", "2",
                                                           "--training.local_batch_size", "4"],
                                                       start=(f"{family}_{RESUMED}", 3))
+    for family, (clip, layouts) in QK_CLIP.items():
+        flags = [*FAMILIES[family], *clip]
+        jobs[f"qk_clip_{family}_single"] = Job(1, [*flags, "--training.local_batch_size", "8"], start=seeds[family])
+        jobs.update({f"qk_clip_{family}_{name}": Job(LAYOUTS[name][0], [*LAYOUTS[name][1], *flags], start=seeds[family])
+                     for name in layouts})
     jobs.update({
         "debugmodel_single": Job(1, DEBUGMODEL, start=None),
         "debugmodel_tp2_moe_tp": Job(2, [*DEBUGMODEL, "--parallelism.tensor_parallel_degree", "2"], start=None),
@@ -144,6 +161,21 @@ def test_resumes_across_layouts(family, runs, references):
     continue the single process's curve."""
     resumed = metrics_by_step(runs.folder(f"{family}_tp2_moe_tp_to_ep2"))
     assert_same_curve(resumed, {s: references[family][s] for s in (4, 5)}, f"{family} tp2 -> ep2", rtol=RTOL)
+
+
+@pytest.mark.parametrize(("family", "layout"), [(f, name) for f, (_, names) in sorted(QK_CLIP.items())
+                                                 for name in names])
+def test_qk_clip_matches_single_process(family, layout, runs, references):
+    """The clipped curve (its largest logit and clipped heads too) in every layout; clipping
+    did happen, and changed the curve."""
+    reference = metrics_by_step(runs.folder(f"qk_clip_{family}_single"))
+    assert all(record["qk_clipped_heads"] > 0 for record in reference.values()), reference
+    assert abs(reference[5]["loss"] - references[family][5]["loss"]) > 10 * RTOL * reference[5]["loss"]
+    got = metrics_by_step(runs.folder(f"qk_clip_{family}_{layout}"))
+    assert_same_curve(got, reference, f"qk_clip {family} {layout}", rtol=RTOL)
+    for step, record in reference.items():
+        assert got[step]["qk_max_logit"] == pytest.approx(record["qk_max_logit"], rel=RTOL), (layout, step)
+        assert got[step]["qk_clipped_heads"] == record["qk_clipped_heads"], (layout, step)
 
 
 def test_deepseeks_full_rank_query_under_tp(runs):

@@ -98,6 +98,8 @@ class Optimizer:
     """Muon: peak learning rate of the AdamW parameters; -1 = optimizer.lr."""
     adamw_weight_decay: float = -1.0
     """Muon: decoupled weight decay of the AdamW parameters (norms, biases and embeddings excluded unless decay_all_params); -1 = optimizer.weight_decay."""
+    qk_clip_threshold: float = 0.0
+    """QK-Clip (Kimi K2's MuonClip; with any optimizer): after each step, every attention head whose largest pre-softmax logit in the step exceeded this (tau) has its query and key weights scaled so those logits would have been tau (MLA's rotated query by gamma, its unrotated query and key by sqrt(gamma), the shared rotated key not at all); layers with QK-norm (Qwen3, Llama 4's RoPE layers) are left alone. 0 = off; Kimi K2 used 100. docs/muon.md."""
 
 
 @dataclass

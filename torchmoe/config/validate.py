@@ -170,6 +170,8 @@ def validate_optimizer(optimizer: Optimizer) -> None:
         if not 0.0 <= beta < 1.0:
             raise ConfigError(key, beta, "must lie in [0, 1)", "typical values are beta1 = 0.9, beta2 = 0.95")
     one_of("optimizer.implementation", optimizer.implementation, OPTIMIZER_IMPLEMENTATIONS)
+    _at_least("optimizer.qk_clip_threshold", optimizer.qk_clip_threshold, 0,
+              "use 0 to turn QK-Clip off, or a logit above which heads are clipped (Kimi K2: 100)")
     if optimizer.name == "Muon":
         _validate_muon(optimizer)
 

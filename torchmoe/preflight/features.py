@@ -12,6 +12,7 @@ import torch
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.hf_storage import holds_expert_bias, require_hf_form
 from torchmoe.components.peft_adapter import require_peft_form
+from torchmoe.components.qk_clip import watch_attention_logits
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.config.launch_env import launch_int
@@ -43,6 +44,8 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
     _check_multi_token_prediction(args, degrees)
     if cfg.lora.enable:
         _check_lora(cfg, args)
+    if cfg.optimizer.qk_clip_threshold > 0:
+        _check_qk_clip(cfg, args, degrees["cp"])
     if degrees["cp"] > 1 and args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", "context parallelism runs SDPA with masks over global "
                           "positions; FlexAttention is not wired to it", 'use model.attn_backend = "sdpa"')
@@ -141,6 +144,28 @@ def _check_sink_attention(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
     if args.attn_backend == "flex":
         raise ConfigError("model.attn_backend", "flex", f"{what}; FlexAttention's block masks do not carry the sinks",
                           'use model.attn_backend = "sdpa"')
+
+
+def _check_qk_clip(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
+    """QK-Clip (`components.qk_clip`) measures every head's logits over whole rows and scales
+    the weights that make them, the same in every replica."""
+    key, value = "optimizer.qk_clip_threshold", cfg.optimizer.qk_clip_threshold
+    with torch.device("meta"):
+        watched = watch_attention_logits(Transformer(args), args.n_heads)
+    if not watched:
+        raise ConfigError(key, value, f"{cfg.model.name}'s attention normalises every layer's queries and keys "
+                          "(QK-norm), which bounds its logits: QK-Clip has nothing to clip", "set it to 0")
+    if cp > 1:
+        raise ConfigError(key, value, "context parallelism splits each row's queries and keys between ranks, and "
+                          "QK-Clip's logit maxima are measured over whole rows on one rank",
+                          "set parallelism.context_parallel_degree = 1, or optimizer.qk_clip_threshold = 0")
+    if cfg.fault_tolerance.enable:
+        raise ConfigError(key, value, "replica groups would each clip by their own rows' logits, and their weights "
+                          "would drift apart", "set fault_tolerance.enable = false (HSDP replicates the same way), "
+                          "or optimizer.qk_clip_threshold = 0")
+    if cfg.lora.enable:
+        raise ConfigError(key, value, "LoRA freezes the query and key weights QK-Clip scales (the adapters' "
+                          "product would be left unclipped)", "set it to 0 for LoRA")
 
 
 def _check_multi_token_prediction(args: ModelArgs, degrees: dict[str, int]) -> None:

@@ -136,7 +136,8 @@ class Trainer:
                                   pp_microbatches=self.pp_microbatches, device=self.device)
         self.moe_layers = self.balance.layers
         optimization = build_optimization(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps,
-                                          trainable=trainable(cfg.lora))
+                                          trainable=trainable(cfg.lora), watched=built.watched,
+                                          n_heads=self.model_args.n_heads, device=self.device)
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
         self.optimizer_lines = optimization.description  # for the opening lines
         self.checkpointer = CheckpointManager(self.dump_folder, cfg.checkpoint, total_steps=cfg.training.steps,

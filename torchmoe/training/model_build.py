@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from torchmoe.arch.model_args import ModelArgs
+from torchmoe.components.qk_clip import watch_attention_logits
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.mesh import ParallelMesh
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
@@ -34,6 +35,8 @@ class BuiltModel:
     parts: list[nn.Module]  # the stages this rank runs, each parallelized (the whole model without PP)
     pipe: PipelineLayout  # which layers each stage holds, and which pp rank runs it
     pp_rank: int
+    # QK-Clip: the attention layers (the whole model's names) that record their logits; [] when off.
+    watched: list[str] = field(default_factory=list)
 
 
 @contextmanager
@@ -58,6 +61,8 @@ def build_model(cfg: JobConfig, model_args: ModelArgs, dims: ParallelDims, mesh:
         model = Transformer(model_args)
     if cfg.lora.enable:  # before the split and parallelize: every layout sees the adapters as parameters
         apply_lora(model, cfg.lora)
+    # Before the split too: every rank names the same layers, whichever stages it holds.
+    watched = watch_attention_logits(model, model_args.n_heads) if cfg.optimizer.qk_clip_threshold > 0 else []
     pipe = pipeline_layout(model_args, dims, cfg.parallelism, cfg.training.seq_len)
     pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
     stages = split_into_stages(model, pipe, pp_rank) if dims.pp_enabled else [model]
@@ -74,7 +79,7 @@ def build_model(cfg: JobConfig, model_args: ModelArgs, dims: ParallelDims, mesh:
     whole = PipelineRankModel(parts) if dims.pp_enabled else parts[0]
     if cfg.model.print_after_conversion and rank == 0:
         logger.info("the model (rank 0's part) after parallelize and conversion:\n%s", whole)
-    return BuiltModel(whole, parts, pipe, pp_rank)
+    return BuiltModel(whole, parts, pipe, pp_rank, watched)
 
 
 def build_pipeline_schedule(built: BuiltModel, cfg: JobConfig, model_args: ModelArgs, dims: ParallelDims,

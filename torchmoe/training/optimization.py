@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torchmoe.components.lr_scheduler import build_lr_scheduler
 from torchmoe.components.muon_groups import describe_split
 from torchmoe.components.optimizer import build_optimizer
+from torchmoe.components.qk_clip import QKClip
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 
@@ -38,15 +39,21 @@ class Optimization:
     # The run's opening lines on which parameters which algorithm updates (Muon's split into
     # Muon and AdamW tensors); none for an optimizer that updates every parameter alike.
     description: list[str]
+    # QK-Clip (`optimizer.qk_clip_threshold`): the attention weights rescaled after each step; None: off.
+    qk_clip: QKClip | None = None
 
 
 def build_optimization(model: nn.Module, optimizer_cfg: OptimizerConfig, lr_cfg: LRSchedulerConfig, steps: int,
-                       *, trainable: TrainableSubset = every_parameter) -> Optimization:
+                       *, trainable: TrainableSubset = every_parameter, watched: list[str] | None = None,
+                       n_heads: int = 0, device: torch.device | None = None) -> Optimization:
     """The optimizer over the parameters of `model` that `trainable` keeps (the others are frozen:
-    ``requires_grad`` false), its schedule over `steps` steps, and its opening lines (Muon: the
-    split's tensor and element counts per algorithm and role, `muon_groups.describe_split`)."""
+    ``requires_grad`` false), its schedule over `steps` steps, its opening lines (Muon: the
+    split's tensor and element counts per algorithm and role, `muon_groups.describe_split`), and
+    QK-Clip over the `watched` attention layers (`BuiltModel.watched`, of `n_heads` heads) when
+    ``optimizer.qk_clip_threshold`` is set."""
     for name, param in model.named_parameters():
         param.requires_grad_(trainable(name, param))
     optimizer = build_optimizer(model, optimizer_cfg)
     description = describe_split(model, optimizer_cfg) if optimizer_cfg.name.lower() == "muon" else []
-    return Optimization(optimizer, build_lr_scheduler(optimizer, lr_cfg, steps), description)
+    qk_clip = QKClip(model, watched, optimizer_cfg.qk_clip_threshold, n_heads, device) if watched else None
+    return Optimization(optimizer, build_lr_scheduler(optimizer, lr_cfg, steps), description, qk_clip)

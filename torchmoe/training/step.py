@@ -50,6 +50,7 @@ class StepResult:
     committed: bool = True  # under fault tolerance: the quorum let the optimizer step
     participants: int = 1  # replica groups whose gradients the step held (fault tolerance)
     mtp_loss: float | None = None  # the multi-token prediction modules' mean loss (in the objective x mtp_loss_coeff)
+    qk_clip: dict[str, float] | None = None  # QK-Clip's metrics (`QKClip.reduce`), when it is on
 
 
 class StepRunner:
@@ -75,6 +76,7 @@ class StepRunner:
         self.cfg, self.built, self.model = cfg, built, built.model
         self.objective, self.balance = objective, balance
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
+        self.qk_clip = optimization.qk_clip
         self.dims, self.mesh, self.device, self.world_size = dims, mesh, device, world_size
         self.schedule = schedule
         self.replicas, self.step_replicas = replicas, step_replicas
@@ -89,6 +91,8 @@ class StepRunner:
         this rank's shares of the global losses logged (`Objective.forward`: (main,), or (main,
         multi-token prediction); summed over dp ranks each is the global mean)."""
         self.balance.set_aux_loss_scale(len(micro_batches))
+        if self.qk_clip is not None:
+            self.qk_clip.begin_step()
         local_loss = torch.zeros(1 + (self.objective.mtp_layers > 0), device=self.device)
         if self.count_targets:
             self.objective.tokens = self.global_targets(micro_batches)
@@ -178,9 +182,12 @@ class StepRunner:
             grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf"),
                                         pp_mesh=self.mesh["pp"] if self.dims.pp_enabled else None)
         steps = [group_steps] if group_steps is not None else []
-        values = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss), bad_bias, *mtp, *steps]).tolist()
+        clip = self.qk_clip.reduce() if self.qk_clip is not None else {}
+        values = torch.stack([global_loss, stop_flag, grad_norm.to(global_loss), bad_bias, *mtp, *steps,
+                              *(v.to(global_loss) for v in clip.values())]).tolist()
         loss, stop, norm, bad_bias = values[:4]
-        mtp_loss, group_steps = (values[4] if mtp else None), values[4 + len(mtp):]
+        mtp_loss, group_steps = (values[4] if mtp else None), values[4 + len(mtp):4 + len(mtp) + len(steps)]
+        clipped = dict(zip(clip, values[len(values) - len(clip):])) if clip else None
         if group_steps and group_steps[0] != step * self.world_size:
             raise RuntimeError(f"this rank is at step {step} and other ranks of its replica group are not (a "
                                "recovery failed on some of them): the group stops; launch it again and it takes "
@@ -203,7 +210,7 @@ class StepRunner:
         counts = self.balance.update_biases(counts)
         return StepResult(loss, norm, lr, stop > 0, counts,
                           participants=self.step_replicas.contributors if self.step_replicas is not None else 1,
-                          mtp_loss=mtp_loss)
+                          mtp_loss=mtp_loss, qk_clip=clipped)
 
     def _optimizer_step(self, step: int) -> None:
         """Step the optimizer (then the float8 scales and the schedule) and drop the gradients."""
@@ -216,6 +223,8 @@ class StepRunner:
                 raise
             raise TrainingDiverged(f"the optimizer update overflows at step {step + 1} ({err}): stopping "
                                    "without saving; lower optimizer.lr") from None
+        if self.qk_clip is not None:  # the updated weights, by the step's logits (Kimi K2's order)
+            self.qk_clip.apply()
         precompute_float8_scales([self.model], self.cfg.float8)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

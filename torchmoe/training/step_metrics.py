@@ -106,8 +106,10 @@ class StepMetrics:
     def write(self, step: int, result: StepResult, extra: dict, ft_report: dict, *, validated: bool) -> None:
         """Log step `step`'s record when it validated, is due (`metrics.log_freq`) or is the
         first; else record the numbers it read anyway, so that curves hold every step."""
-        # The main loss (validation's and eval's), and apart the MTP modules' (in the objective).
-        losses = {"loss": result.loss, **({"mtp_loss": result.mtp_loss} if result.mtp_loss is not None else {})}
+        # The main loss (validation's and eval's), apart the MTP modules' (in the objective), and
+        # QK-Clip's largest logit and clipped heads: in every step's record.
+        losses = {"loss": result.loss, **({"mtp_loss": result.mtp_loss} if result.mtp_loss is not None else {}),
+                  **(result.qk_clip or {})}
         if not (validated or self.metrics.should_log(step) or self.opening):
             self.metrics.record_step(step, {**losses, "grad_norm": result.grad_norm, "lr": result.lr})
             return

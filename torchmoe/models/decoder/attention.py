@@ -17,6 +17,7 @@ from torchmoe.nn.attention import causal_attention
 from torchmoe.nn.document_attention import DocumentSegments, document_attention
 from torchmoe.nn.init import Constant, ParamInit, TruncNormal, prefixed
 from torchmoe.nn.kv_cache import KVCache
+from torchmoe.nn.logit_max import head_logit_max, window_starts
 from torchmoe.nn.rms_norm import RMSNorm
 from torchmoe.nn.shards import local_shard
 from torchmoe.nn.sink_attention import cached_sink_attention, sink_attention
@@ -41,9 +42,30 @@ class CausalAttention(nn.Module):
         # Set by context parallelism (`distributed/context_parallel.py`): the local tokens' global
         # positions and the attention over the context they need.
         self.context_parallel = None
+        # QK-Clip (`watch_logits`): (H,) fp32, each head's largest logit in training forwards
+        # since the step began, this rank's heads at `head_offset` (tensor parallel: its slice).
+        self.register_buffer("logit_max", None, persistent=False)
+        self.head_offset = 0
+        self.logit_index = -1  # this layer's row in QK-Clip's table (`watch_logits`)
+
+    def watch_logits(self, n_heads: int, index: int) -> None:
+        """Record each of the `n_heads` heads' largest pre-softmax logit of every training
+        forward into ``logit_max`` (QK-Clip: `components.qk_clip`, whose table of every rank's
+        maxima holds this layer at row `index`); on the meta device as the model is built,
+        before it is split and parallelized."""
+        self.register_buffer("logit_max", torch.full((n_heads,), float("-inf")), persistent=False)
+        self.logit_index = index
+
+    def _observe_logits(self, q: torch.Tensor, k: torch.Tensor, documents: DocumentSegments | None) -> None:
+        """Fold this forward's largest logit of each local head into ``logit_max``."""
+        starts = window_starts(q.shape[2], q.device, chunk=self.chunk_size, window=self.window, documents=documents)
+        local = self.logit_max[self.head_offset:self.head_offset + q.shape[1]]
+        local.copy_(torch.maximum(local, head_logit_max(q, k, starts)))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: DocumentSegments | None) -> torch.Tensor:
+        if self.logit_max is not None and self.training:
+            self._observe_logits(q, k, documents)
         if self.sinks is not None or self.window is not None:
             if documents is not None or self.context_parallel is not None:
                 # The preflight refuses these (exit 2); a caller that skips it must not get
@@ -149,6 +171,27 @@ class Attention(CausalAttention):
         else:
             out = self._attend(q, k, v, documents)  # (B, H, S, hd)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    @property
+    def logits_unbounded(self) -> bool:
+        """Whether the logits are free to grow with the weights: no QK-norm (Llama 4's L2 norm on
+        RoPE layers, Qwen3's RMSNorm) bounds them. QK-Clip watches only such layers."""
+        return self.q_norm is None and self.qk_norm is None
+
+    def qk_clip_factors(self, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-row factors that multiply each head's logits by `gamma` (H,) (QK-Clip,
+        `components.qk_clip`): {parameter name: (rows,)}. A key head with one query head (MHA)
+        takes sqrt(gamma) on both sides, as Kimi K2 splits it; a key head shared by a group of
+        query heads (GQA) is left alone and each query head takes its whole gamma, so that no
+        other head's weights or logits change. Biases are scaled with their rows."""
+        group = self.n_heads // self.n_kv_heads
+        key = gamma.sqrt() if group == 1 else torch.ones(self.n_kv_heads, device=gamma.device)
+        query = (gamma / key.repeat_interleave(group)).repeat_interleave(self.head_dim)
+        key = key.repeat_interleave(self.head_dim)
+        factors = {"wq.weight": query, "wk.weight": key}
+        if self.wq.bias is not None:
+            factors.update({"wq.bias": query, "wk.bias": key})
+        return factors
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """Projections into heads at std 0.02; the output projection and the sinks at the block's

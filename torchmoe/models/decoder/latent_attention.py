@@ -147,6 +147,19 @@ class LatentAttention(CausalAttention):
         out = causal_attention(q, kv, kv, start=start, prefix=(prefix, prefix))[..., :rank]  # (B, H, S, r)
         return torch.einsum("bhsr,hvr->bshv", out, w_value)
 
+    # No QK-norm: the logits grow with the weights (QK-Clip watches every MLA layer).
+    logits_unbounded = True
+
+    def qk_clip_factors(self, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-row factors that multiply each head's logits by `gamma` (H,), as Kimi K2 clips
+        MLA: each head's unrotated query and key rows (wq or wq_b; wkv_b's key rows) by
+        sqrt(gamma), its rotated query rows by gamma, and the rotated key, one head shared by
+        all (wkv_a), not at all; the value rows stay. {parameter name: (rows,)}."""
+        heads, root = gamma.shape[0], gamma.sqrt().unsqueeze(1)
+        query = torch.cat([root.expand(heads, self.nope_dim), gamma.unsqueeze(1).expand(heads, self.rope_dim)], dim=1)
+        kv = torch.cat([root.expand(heads, self.nope_dim), torch.ones(heads, self.v_dim, device=gamma.device)], dim=1)
+        return {"wq.weight" if self.wq is not None else "wq_b.weight": query.reshape(-1), "wkv_b.weight": kv.reshape(-1)}
+
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """Projections into the latents and heads at std 0.02, the output projection at the
         block's depth-scaled std, norms at 1."""

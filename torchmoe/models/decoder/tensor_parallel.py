@@ -102,6 +102,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
             "attention.wo": styles.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
         }
+        # This rank's heads are the tp_rank-th slice (QK-Clip records their logits there).
+        block.attention.head_offset = tp_mesh.get_local_rank() * model.args.n_heads // tp_mesh.size()
         if isinstance(block.attention, LatentAttention):
             block.attention.rope_key_gradient_mesh = tp_mesh
             plan.update(_latent_attention_plan(block.attention, styles))
