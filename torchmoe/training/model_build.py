@@ -22,7 +22,7 @@ from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.plan.memory import residual_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.plan.pipeline import PipelineLayout, pipeline_layout
+from torchmoe.plan.pipeline import PipelineLayout, job_pipeline_layout
 from torchmoe.training.log import logger
 
 
@@ -58,7 +58,7 @@ def build_model(cfg: JobConfig, model_args: ModelArgs, dims: ParallelDims, mesh:
         model = Transformer(model_args)
     if cfg.lora.enable:  # before the split and parallelize: every layout sees the adapters as parameters
         apply_lora(model, cfg.lora)
-    pipe = pipeline_layout(model_args, dims, cfg.parallelism, cfg.training.seq_len)
+    pipe = job_pipeline_layout(model_args, dims, cfg.parallelism, cfg.training, cfg.optimizer)
     pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
     stages = split_into_stages(model, pipe, pp_rank) if dims.pp_enabled else [model]
     parts = [parallelize_model(part, dims, mesh, cfg, device) for part in stages]
