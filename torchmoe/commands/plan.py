@@ -38,7 +38,7 @@ from torchmoe.nn.attention_kernel_choice import MATH
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.plan.pipeline import bubble_fraction, microbatches, pipeline_layout
+from torchmoe.plan.pipeline import bubble_fraction, job_pipeline_layout, microbatches
 from torchmoe.plan.search import DEFAULT_MARGIN, PLAN_KEYS, Layout, SearchResult, fixed_keys, search
 from torchmoe.plan.step_time import predict
 from torchmoe.preflight import validate_layout
@@ -335,7 +335,8 @@ def dry_run_advice(cfg: JobConfig, world_size: int, *, hardware: str = "", gpus_
     lines = []
     if cfg.parallelism.pipeline_parallel_degree > 1:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        pipe = pipeline_layout(model_args_from_config(cfg.model), dims, cfg.parallelism, cfg.training.seq_len)
+        pipe = job_pipeline_layout(model_args_from_config(cfg.model), dims, cfg.parallelism, cfg.training,
+                                   cfg.optimizer)
         n = microbatches(cfg.training, cfg.parallelism)[0]
         bubble = bubble_fraction(cfg.parallelism.pipeline_parallel_schedule, dims.pp, pipe.num_stages, n)
         if bubble > BUBBLE_WARNING:

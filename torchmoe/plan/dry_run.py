@@ -39,14 +39,14 @@ from torchmoe.plan.memory import (
     param_dtype_bytes,
     state_bytes_per_param,
 )
-from torchmoe.plan.muon import muon_cost, optimizer_state_elements
+from torchmoe.plan.muon import muon_cost, ns_flops_per_token, optimizer_state_elements, step_peak_bytes
 from torchmoe.plan.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
     bubble_fraction,
+    job_pipeline_layout,
     layer_costs,
     microbatches,
-    pipeline_layout,
     rank_param_specs,
     rank_units,
     stage_costs,
@@ -205,10 +205,12 @@ def _pipeline_detail(cfg: JobConfig, dims: ParallelDims, pipe: PipelineLayout) -
 
 
 def pipeline_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict:
-    """Per stage: its blocks, pp rank, FLOPs per token and per-rank state bytes; their max/mean
-    imbalance; the schedule's bubble. What `dry_run.json` holds under ``pipeline``."""
+    """Per stage: its blocks, pp rank, FLOPs per token (under Muon with its NS per token, as the
+    split counts them) and per-rank state bytes; their max/mean imbalance; the schedule's
+    bubble. What `dry_run.json` holds under ``pipeline``."""
     flops, state, ends = layer_costs(args, dims, cfg.training.seq_len,
-                                     state_bytes_per_param=state_bytes_per_param(cfg.training))
+                                     state_bytes_per_param=state_bytes_per_param(cfg.training),
+                                     optimizer_flops=ns_flops_per_token(args, dims, cfg.training, cfg.optimizer))
     costs = stage_costs(pipe.layers, flops, state, ends)
     rank_of = {s: r for r, stages in enumerate(pipe.ranks) for s in stages}
     n, _ = microbatches(cfg.training, cfg.parallelism)
@@ -283,7 +285,7 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
 
     counts = args.param_counts()
     specs = param_specs(args)
-    pipe = pipeline_layout(args, dims, cfg.parallelism, cfg.training.seq_len)
+    pipe = job_pipeline_layout(args, dims, cfg.parallelism, cfg.training, cfg.optimizer)
     per_pp_rank = [rank_param_specs(specs, pipe, r) for r in range(dims.pp)]
     params_per_rank = max(sum(shard_numel(s, dims) for s in local) for local in per_pp_rank)
     params_local = max(sum(math.prod(local_shape(s, dims)) for s in local) for local in per_pp_rank)
@@ -324,12 +326,16 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
 
 
 def muon_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, pipe: PipelineLayout) -> dict:
-    """Muon's step on the pp rank with the most Newton-Schulz work (`plan.muon`): its FLOPs and
-    the bytes its per-matrix gathers receive, per rank and step."""
+    """Muon's step on the pp rank with the most Newton-Schulz work (`plan.muon`): its FLOPs, the
+    bytes its per-matrix gathers receive, per rank and step, and its transient peak (the most of
+    any pp rank: the gathered matrix and NS temporaries of the largest, in the memory estimate)."""
     costs = [muon_cost(args, dims, cfg.optimizer, rank_units(pipe, r)) for r in range(dims.pp)]
     cost = max(costs, key=lambda c: c.ns_flops)
+    peak = max(step_peak_bytes(args, dims, cfg.optimizer, param_dtype_bytes(cfg.training), rank_units(pipe, r))
+               for r in range(dims.pp))
     return {"ns_dtype": cfg.optimizer.ns_dtype, "ns_flops_per_step": cost.ns_flops,
-            "gather_bytes_received_per_step": cost.received_bytes, "muon_params_stored": cost.muon_stored}
+            "gather_bytes_received_per_step": cost.received_bytes, "muon_params_stored": cost.muon_stored,
+            "step_peak_bytes": peak}
 
 
 def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = None,
@@ -398,7 +404,8 @@ def _print_report(console: Console, cfg: JobConfig, job: JobPlan, compute_bytes:
         mu = report["muon"]
         console.print(f"Muon per rank and step: Newton-Schulz {mu['ns_flops_per_step'] / 1e9:.4g} GFLOP "
                       f"({mu['ns_dtype']}), gathers receive {mu['gather_bytes_received_per_step'] / 2**20:.4g} MiB; "
-                      f"{format_count(mu['muon_params_stored'])} stored elements with one state (momentum_buffer)")
+                      f"{format_count(mu['muon_params_stored'])} stored elements with one state (momentum_buffer); "
+                      f"step transients (gathered matrix + NS) peak at {mu['step_peak_bytes'] / 2**20:.4g} MiB")
 
     gib = memory.gib()
     console.print(f"memory per rank (estimate for the fullest pp rank, {memory.pp_rank}; compute dtype {dtype}, "
@@ -410,6 +417,8 @@ def _print_report(console: Console, cfg: JobConfig, job: JobPlan, compute_bytes:
     digits = 2 if gib["total"] >= 1 else 4
     for part in ("params", "grads", "optimizer", "fsdp_buffers", "activations"):
         table.add_row(part, f"{gib[part]:.{digits}f}")
+    if memory.optimizer_step:  # after backward: the total counts the larger of it and the two above
+        table.add_row("optimizer_step (after backward)", f"{gib['optimizer_step']:.{digits}f}")
     table.add_row("total", f"{gib['total']:.{digits}f}", style="bold")
     if memory.host:
         table.add_row("host (CPU offload)", f"{gib['host']:.{digits}f}", style="dim")

@@ -8,8 +8,9 @@
 Everything is counted per rank, after every sharding (see `plan.layout` for the rules), from
 `ModelArgs` alone. With PP each pp rank holds different blocks and micro-batches, so every pp rank
 is estimated and the fullest one reported. The total is a sum of peaks (parameters, optimizer
-state, gradients, transient FSDP buffers and peak activations), an upper bound: sharded
-gradients of late blocks appear only as early blocks' activations are freed.
+state, gradients, and the larger of transient FSDP buffers + peak activations and the optimizer
+step's transients, which follow their release: Muon's, `plan.muon.step_peak_bytes`), an upper
+bound: sharded gradients of late blocks appear only as early blocks' activations are freed.
 
 Dtypes. Parameters, their gradients and AdamW's two moments are kept sharded in
 ``training.dtype``: p = 4 bytes each for fp32 (the "master" copy of mixed precision), 2 for pure
@@ -129,13 +130,14 @@ from torchmoe.plan.context import HALO, LOCAL, CPLayout
 from torchmoe.plan.layout import COLWISE, UnitSize, attention_linears, param_specs, shard_numel, unit_sizes
 from torchmoe.plan.lora import adapter_specs
 from torchmoe.plan.memo import memoised
-from torchmoe.plan.muon import ADAMW_STATES, optimizer_state_elements
+from torchmoe.plan.muon import ADAMW_STATES, optimizer_state_elements, step_peak_bytes
 from torchmoe.plan.parallel_dims import MESH_DIMS, ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
+    job_pipeline_layout,
 )
 from torchmoe.plan.pipeline import microbatches as pipeline_microbatches
-from torchmoe.plan.pipeline import peak_activations_in_flight, pipeline_layout, rank_param_specs, rank_units
+from torchmoe.plan.pipeline import peak_activations_in_flight, rank_param_specs, rank_units
 
 GIB = 1024**3
 
@@ -150,15 +152,16 @@ class MemoryEstimate:
     optimizer: int
     fsdp_buffers: int
     activations: int
-    host: int  # params + grads + optimizer state offloaded to CPU memory (not in `total`)
+    host: int  # params, grads, optimizer state (and its step) offloaded to CPU memory (not in `total`)
+    optimizer_step: int = 0  # the step's transient peak, once backward has freed the two above
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations
+        return self.params + self.grads + self.optimizer + max(self.fsdp_buffers + self.activations, self.optimizer_step)
 
     def gib(self) -> dict[str, float]:
-        """The breakdown in GiB: params, grads, optimizer, fsdp_buffers, activations, host, total."""
-        fields = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "host", "total")
+        """The breakdown in GiB: the fields, and the total."""
+        fields = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "optimizer_step", "host", "total")
         return {f: getattr(self, f) / GIB for f in fields}
 
 
@@ -544,7 +547,7 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
         optimizer_cfg: the optimizer's state per element (Muon: one state for its matrices);
             None counts AdamW's two.
     """
-    pipe = pipeline_layout(model_args, dims, parallelism_cfg, training_cfg.seq_len)
+    pipe = job_pipeline_layout(model_args, dims, parallelism_cfg, training_cfg, optimizer_cfg)
     a = compute_dtype_bytes(training_cfg)
     act = ActivationModel(model_args, dims, a, compiled, seq_len=training_cfg.seq_len,
                           loss_parallel=dims.tp_enabled and not parallelism_cfg.disable_loss_parallel,
@@ -566,7 +569,8 @@ def memory_per_pp_rank(model_args: ModelArgs, dims: ParallelDims, training_cfg: 
             trained = sum(shard_numel(s, dims) for s in rank_param_specs(adapter_specs(model_args, lora), pipe, pp_rank))
             numel += trained
             state = ADAMW_STATES * trained
-        states = {"params": p * numel, "grads": p * trained, "optimizer": p * state}
+        states = {"params": p * numel, "grads": p * trained, "optimizer": p * state,
+                  "optimizer_step": step_peak_bytes(model_args, dims, optimizer_cfg, p, rank_units(pipe, pp_rank))}
         host = 0
         if parallelism_cfg.fsdp_cpu_offload and dims.fsdp_enabled:
             host = sum(states.values())

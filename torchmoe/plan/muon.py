@@ -26,22 +26,45 @@ Pure arithmetic over `ModelArgs` and the layout (no torch), mirroring `component
   ``b x (n - 1) / n x P`` bytes received (b: bytes of ns_dtype), first over its FSDP dim
   (dp_shard_cp, or efsdp for experts sharded on their hidden dim), then over tp (etp for the
   MoE block's own matrices and the experts).
+- The step's transient memory (`step_peak_bytes`): `components.muon` orthogonalises one
+  parameter at a time (an expert stack in one batched NS), so the peak is that of its largest
+  parameter. Its NS holds at once, at the last matmul of an iteration (X' = a X + H X), the
+  whole input, X and X' (r x c each), G and H (r x r each) and the norm, all in ns_dtype:
+
+      peak(param) = p x stored                 the Nesterov update (grad.lerp(buf)), with nesterov
+                  + b x count x r x c          a DTensor's whole input, held by `orthogonalize`
+                                               through the NS: the gathered copy, or the cast to
+                                               ns_dtype (0 when neither: it aliases the update; 0
+                                               for a plain tensor, whose cast NS frees once it
+                                               has normalised it)
+                  + b x count x (2 r c + 2 r^2 + 1)   NS's X, X', G, H and each matrix's norm
+                  + b x the previous parameter's stored elements   its result (``ortho``), which
+                                               the step's loop holds until the next one's returns
+
+  (p: bytes of the parameters' dtype; count: whole matrices, `_matrices`). The gather before it
+  holds less (the ns_dtype shard and the whole output, one more whole copy for a shard of a
+  matrix's dim 1) and so does the slice after it (input, result and a contiguous copy).
+- For the pipeline split (`ns_flops_per_token`): each FSDP unit's NS FLOPs per step on one rank,
+  spread over the step's local tokens in `ModelArgs.layer_flops_per_token`'s units (whole-model
+  FLOPs per token, of which a rank runs 1/tp): ``ns x tp / tokens``.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.config.job_config import Training
 from torchmoe.plan.layout import ParamSpec, expert_fsdp_shard_dim, local_shape, param_specs, shard_numel
 from torchmoe.plan.parallel_dims import ParallelDims
 
-__all__ = ["MuonCost", "is_muon", "muon_cost", "ns_flops", "optimizer_state_elements"]
+__all__ = ["MuonCost", "is_muon", "muon_cost", "ns_flops", "ns_flops_per_token", "optimizer_state_elements",
+           "step_peak_bytes"]
 
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq
 MUON_STATES = 1  # momentum_buffer
@@ -114,15 +137,24 @@ def _matrices(spec: ParamSpec, dims: ParallelDims) -> tuple[int, tuple[str, int]
     return experts, ("efsdp", dims.efsdp), tp_gather
 
 
+def _is_dtensor(spec: ParamSpec, dims: ParallelDims) -> bool:
+    """Whether the trainer makes `spec` a DTensor: FSDP/HSDP or DDP (FSDP's ``replicate``), TP,
+    or EP's experts."""
+    return dims.mp_policy_enabled or dims.tp_enabled or (spec.expert and dims.ep_enabled)
+
+
+def _muon_specs(args: ModelArgs, cfg: OptimizerConfig, units: Iterable[str] | None) -> Iterator[ParamSpec]:
+    """Muon's parameters among the FSDP `units` (``ParamSpec.fsdp_unit`` names; None: every unit)."""
+    keep = None if units is None else set(units)
+    return (s for s in param_specs(args) if (keep is None or s.fsdp_unit in keep) and is_muon(s, cfg))
+
+
 def muon_cost(args: ModelArgs, dims: ParallelDims, cfg: OptimizerConfig, units: Iterable[str] | None = None) -> MuonCost:
     """Muon's NS FLOPs, stored elements and gathers on one rank holding the FSDP `units`
     (``ParamSpec.fsdp_unit`` names; None: every unit)."""
-    keep = None if units is None else set(units)
     b = DTYPE_BYTES[cfg.ns_dtype]
     flops, stored, gathers = 0, 0, []
-    for spec in param_specs(args):
-        if (keep is not None and spec.fsdp_unit not in keep) or not is_muon(spec, cfg):
-            continue
+    for spec in _muon_specs(args, cfg, units):
         count, fsdp, tp = _matrices(spec, dims)
         rows, cols = spec.shape[-2:]
         flops += count * ns_flops(rows, cols, cfg.ns_steps)
@@ -133,3 +165,44 @@ def muon_cost(args: ModelArgs, dims: ParallelDims, cfg: OptimizerConfig, units: 
         if tp:
             gathers.append((tp[0], tp[1], b * whole))
     return MuonCost(flops, stored, tuple(gathers))
+
+
+def step_peak_bytes(args: ModelArgs, dims: ParallelDims, cfg: OptimizerConfig | None, param_bytes: int,
+                    units: Iterable[str] | None = None) -> int:
+    """Peak transient bytes of Muon's step on one rank holding `units` (module docstring): its
+    largest parameter's Nesterov update, whole ns_dtype input and NS temporaries; 0 without Muon
+    (`cfg` None: AdamW).
+
+    Args:
+        param_bytes: bytes per element of the parameters (and so of their gradients and buffers).
+    """
+    if cfg is None or cfg.name != "Muon":
+        return 0
+    b = DTYPE_BYTES[cfg.ns_dtype]
+    peak = previous = 0
+    for spec in _muon_specs(args, cfg, units):
+        count, fsdp, tp = _matrices(spec, dims)
+        r, c = sorted(spec.shape[-2:])
+        # A DTensor's gather or cast makes a whole input `orthogonalize` holds through the NS.
+        fresh = _is_dtensor(spec, dims) and (fsdp is not None or tp is not None or b != param_bytes)
+        update = param_bytes * shard_numel(spec, dims) if cfg.nesterov else 0
+        peak = max(peak, previous + update + b * count * ((fresh + 2) * r * c + 2 * r * r + 1))
+        previous = b * shard_numel(spec, dims)  # its result, still bound while the next one's NS runs
+    return peak
+
+
+def ns_flops_per_token(args: ModelArgs, dims: ParallelDims, training_cfg: Training,
+                       cfg: OptimizerConfig | None) -> dict[str, int]:
+    """Per FSDP unit, its NS FLOPs per step on one rank over the step's local tokens, in whole-model
+    FLOPs per token like `ModelArgs.layer_flops_per_token` (a rank runs 1/tp of those): what the
+    pipeline split adds to each unit's time. Empty without Muon (`cfg` None: AdamW)."""
+    if cfg is None or cfg.name != "Muon":
+        return {}
+    t = training_cfg
+    accumulation = t.global_batch_size // (t.local_batch_size * dims.dp) if t.global_batch_size > 0 else 1
+    tokens = accumulation * t.local_batch_size * t.seq_len // dims.cp
+    flops: dict[str, int] = {}
+    for spec in _muon_specs(args, cfg, None):
+        count = _matrices(spec, dims)[0]
+        flops[spec.fsdp_unit] = flops.get(spec.fsdp_unit, 0) + count * ns_flops(*spec.shape[-2:], cfg.ns_steps)
+    return {unit: f * dims.tp // tokens for unit, f in flops.items()}

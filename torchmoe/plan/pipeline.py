@@ -11,7 +11,10 @@ The split. With neither explicit stages (`module_fqns_per_model_part`) nor a fix
 built from `ModelArgs` and the layout alone (no model is built):
 
     time(stage)   = training FLOPs per token of its blocks (`ModelArgs.layer_flops_per_token`),
-                    plus the output head's on the last stage (the embedding lookup costs no FLOPs)
+                    plus the output head's on the last stage (the embedding lookup costs no FLOPs),
+                    plus under Muon its matrices' Newton-Schulz FLOPs per step on one rank over
+                    the step's tokens (`plan.muon.ns_flops_per_token`): a stage of larger or more
+                    Muon matrices takes fewer blocks
     memory(stage) = bytes of parameters + gradients + AdamW state one rank holds for its blocks
                     after TP/EP/FSDP sharding (`plan.layout.shard_numel`), plus the embedding on
                     the first stage and the final norm + head on the last
@@ -34,6 +37,7 @@ free communication.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,9 +45,10 @@ import numpy as np
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.job_config import Parallelism, Training
+from torchmoe.config.job_config import Optimizer, Parallelism, Training
 from torchmoe.plan.layout import ParamSpec, unit_sizes
 from torchmoe.plan.memo import memoised
+from torchmoe.plan.muon import ns_flops_per_token
 from torchmoe.plan.parallel_dims import ParallelDims
 
 # torch.distributed.pipelining's schedules (torchtitan's names) and how they place stages.
@@ -162,20 +167,28 @@ class StageCosts:
 
 
 def layer_costs(args: ModelArgs, dims: ParallelDims, seq_len: int, *,
-                state_bytes_per_param: int = STATE_BYTES_PER_PARAM) -> tuple[list[int], list[int], dict[str, int]]:
+                state_bytes_per_param: int = STATE_BYTES_PER_PARAM,
+                optimizer_flops: Mapping[str, int] | None = None) -> tuple[list[int], list[int], dict[str, int]]:
     """FLOPs per token and per-rank state bytes of every block, and of the ends, at
     `state_bytes_per_param` bytes per stored parameter element.
 
+    Args:
+        optimizer_flops: the optimizer step's matmul FLOPs per token of each FSDP unit
+            (`plan.muon.ns_flops_per_token`: Muon's Newton-Schulz), added to its FLOPs.
     Returns:
         (flops per block, state bytes per block, ``{"first_bytes", "last_bytes", "last_flops"}``):
         the embedding's bytes (first stage), the final norm + head's bytes and FLOPs (last stage).
     """
     units = unit_sizes(args, dims)
+    step = optimizer_flops or {}
     blocks = range(args.n_layers + args.mtp_layers)  # the multi-token prediction blocks last
     state = [state_bytes_per_param * units[f"layers.{i}"].stored for i in blocks]
     ends = {"first_bytes": state_bytes_per_param * units["tok_embeddings"].stored,
-            "last_bytes": state_bytes_per_param * units["head"].stored, "last_flops": args.head_flops_per_token()}
-    flops = [args.layer_flops_per_token(i, seq_len) for i in blocks]
+            "last_bytes": state_bytes_per_param * units["head"].stored,
+            "last_flops": args.head_flops_per_token() + step.get("head", 0)}
+    flops = [args.layer_flops_per_token(i, seq_len) + step.get(f"layers.{i}", 0) for i in blocks]
+    # The embedding's step (Muon only when a glob makes it so) runs where block 0 runs: stage 0.
+    flops[0] += step.get("tok_embeddings", 0)
     return flops, state, ends
 
 
@@ -326,7 +339,7 @@ def _check_stage_count(num_stages: int, pp: int, n_layers: int, par: Parallelism
 
 
 def pipeline_layout(args: ModelArgs, dims: ParallelDims, parallelism_cfg: Parallelism,
-                    seq_len: int) -> PipelineLayout:
+                    seq_len: int, *, optimizer_flops: Mapping[str, int] | None = None) -> PipelineLayout:
     """The stage split and placement a job runs (also without PP: one stage with every block).
 
     Args:
@@ -334,6 +347,9 @@ def pipeline_layout(args: ModelArgs, dims: ParallelDims, parallelism_cfg: Parall
         dims: the resolved layout (sharding enters the memory cost).
         parallelism_cfg: schedule, `pipeline_parallel_layers_per_stage`, `module_fqns_per_model_part`.
         seq_len: tokens per sequence (attention FLOPs grow with it).
+        optimizer_flops: the optimizer step's FLOPs per token of each FSDP unit, which the split
+            balances with the blocks' (`plan.muon.ns_flops_per_token`; None or empty: AdamW's,
+            elementwise, left out).
     Raises:
         ConfigError: a stage count or explicit split the schedule cannot run.
     """
@@ -349,18 +365,28 @@ def pipeline_layout(args: ModelArgs, dims: ParallelDims, parallelism_cfg: Parall
         size = parallelism_cfg.pipeline_parallel_layers_per_stage
         layers = [list(range(s * size, min((s + 1) * size, args.n_layers))) for s in range(num_stages)]
     else:
-        layers = _cost_split(args, dims, seq_len, num_stages)
+        layers = _cost_split(args, dims, seq_len, num_stages, optimizer_flops or {})
     return PipelineLayout(num_stages, layers, stage_ranks(pp, num_stages, parallelism_cfg.pipeline_parallel_schedule))
 
 
-def _cost_split(args: ModelArgs, dims: ParallelDims, seq_len: int, num_stages: int) -> list[list[int]]:
+def job_pipeline_layout(args: ModelArgs, dims: ParallelDims, parallelism_cfg: Parallelism, training_cfg: Training,
+                        optimizer_cfg: Optimizer | None) -> PipelineLayout:
+    """`pipeline_layout` of a job, with its optimizer step in the split (Muon's NS; None: AdamW):
+    what the trainer runs and the planner prints."""
+    return pipeline_layout(args, dims, parallelism_cfg, training_cfg.seq_len,
+                           optimizer_flops=ns_flops_per_token(args, dims, training_cfg, optimizer_cfg))
+
+
+def _cost_split(args: ModelArgs, dims: ParallelDims, seq_len: int, num_stages: int,
+                optimizer_flops: Mapping[str, int]) -> list[list[int]]:
     """`split_by_cost` over `layer_costs`, memoised: the layout search asks for the same split
     for every variant of a layout."""
     def split() -> list[list[int]]:
-        flops, state, ends = layer_costs(args, dims, seq_len)
+        flops, state, ends = layer_costs(args, dims, seq_len, optimizer_flops=optimizer_flops)
         return split_by_cost(flops, state, num_stages, ends)
 
-    return [list(stage) for stage in memoised(_SPLITS, (repr(args), dims, seq_len, num_stages), split)]
+    key = (repr(args), dims, seq_len, num_stages, tuple(sorted(optimizer_flops.items())))
+    return [list(stage) for stage in memoised(_SPLITS, key, split)]
 
 
 _SPLITS: dict[tuple, list[list[int]]] = {}

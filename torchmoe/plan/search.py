@@ -46,7 +46,7 @@ from torchmoe.config.job_config import JobConfig
 from torchmoe.plan.hardware import HardwareProfile
 from torchmoe.plan.memory import GIB, compute_dtype, memory_per_pp_rank
 from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.plan.pipeline import SCHEDULE_STYLES, pipeline_layout
+from torchmoe.plan.pipeline import SCHEDULE_STYLES, job_pipeline_layout
 from torchmoe.plan.step_time import StepPrediction, predict_layout
 
 __all__ = ["DEFAULT_MARGIN", "PLAN_KEYS", "Layout", "SearchResult", "free_keys", "search"]
@@ -302,8 +302,8 @@ class _Family:
         try:
             if self.check is not None:
                 self.check(candidate, self.world_size)
-            pipe = pipeline_layout(model_args_from_config(candidate.model), self.dims, candidate.parallelism,
-                                   candidate.training.seq_len)
+            pipe = job_pipeline_layout(model_args_from_config(candidate.model), self.dims, candidate.parallelism,
+                                       candidate.training, candidate.optimizer)
         except ConfigError as err:
             self.result.refused.setdefault(self.name, f"{err.key} = {show_value(err.value)}: {err.problem}")
             self.result.refusals.setdefault(self.name, err)

@@ -90,8 +90,8 @@ from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import (
     PipelineLayout,
     bubble_fraction,
+    job_pipeline_layout,
     microbatches,
-    pipeline_layout,
     rank_units,
 )
 from torchmoe.plan.tp_comm import float8_linear_names, tp_gather_bytes
@@ -435,7 +435,7 @@ def predict_layout(cfg: JobConfig, dims: ParallelDims, profile: HardwareProfile,
                    *, args: ModelArgs | None = None, pipe: PipelineLayout | None = None) -> StepPrediction:
     """The step of `cfg` on the resolved layout `dims` (a config that passed the preflight)."""
     args = args or model_args_from_config(cfg.model)
-    pipe = pipe or pipeline_layout(args, dims, cfg.parallelism, cfg.training.seq_len)
+    pipe = pipe or job_pipeline_layout(args, dims, cfg.parallelism, cfg.training, cfg.optimizer)
     ctx = _Context(cfg, args, dims, pipe, profile, gpus_per_node)
     t = cfg.training
     accumulation = t.global_batch_size // (t.local_batch_size * dims.dp) if t.global_batch_size > 0 else 1

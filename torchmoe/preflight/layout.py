@@ -17,7 +17,7 @@ from torchmoe.config.launch_env import launch_int
 from torchmoe.config.validate import divisors_text
 from torchmoe.plan.memory import estimate_memory
 from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.plan.pipeline import SPLIT_BACKWARD_SCHEDULES, check_microbatches, pipeline_layout
+from torchmoe.plan.pipeline import SPLIT_BACKWARD_SCHEDULES, check_microbatches, job_pipeline_layout
 
 GIB = 2**30
 
@@ -131,7 +131,7 @@ def check_pipeline(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], wor
     if degrees["pp"] == 1:
         return
     par = cfg.parallelism
-    pipe = pipeline_layout(args, ParallelDims(**degrees, world_size=world_size), par, cfg.training.seq_len)
+    pipe = job_pipeline_layout(args, ParallelDims(**degrees, world_size=world_size), par, cfg.training, cfg.optimizer)
     check_microbatches(cfg.training, par, degrees["pp"], pipe.num_stages)
     if args.tie_word_embeddings:
         raise ConfigError("parallelism.pipeline_parallel_degree", degrees["pp"],

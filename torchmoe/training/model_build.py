@@ -23,7 +23,7 @@ from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.plan.memory import residual_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
-from torchmoe.plan.pipeline import PipelineLayout, pipeline_layout
+from torchmoe.plan.pipeline import PipelineLayout, job_pipeline_layout
 from torchmoe.training.log import logger
 
 
@@ -63,7 +63,7 @@ def build_model(cfg: JobConfig, model_args: ModelArgs, dims: ParallelDims, mesh:
         apply_lora(model, cfg.lora)
     # Before the split too: every rank names the same layers, whichever stages it holds.
     watched = watch_attention_logits(model, model_args.n_heads) if cfg.optimizer.qk_clip_threshold > 0 else []
-    pipe = pipeline_layout(model_args, dims, cfg.parallelism, cfg.training.seq_len)
+    pipe = job_pipeline_layout(model_args, dims, cfg.parallelism, cfg.training, cfg.optimizer)
     pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
     stages = split_into_stages(model, pipe, pp_rank) if dims.pp_enabled else [model]
     parts = [parallelize_model(part, dims, mesh, cfg, device) for part in stages]
