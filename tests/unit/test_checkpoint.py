@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from torchmoe.components.base_fingerprint import BaseFingerprint
 from torchmoe.components.checkpoint import MARKER, CheckpointManager, SaveFailed
 from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState, load_model_only
 from torchmoe.components.lr_scheduler import build_lr_scheduler
@@ -92,6 +93,28 @@ def test_round_trip_continues_the_exact_loss_curve(tmp_path: Path) -> None:
     assert [resumed.step() for _ in range(3)] == expected
     for a, b in zip(resumed.model.state_dict().values(), run.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_entry_added_after_a_checkpoint_was_written_is_optional_to_load(tmp_path: Path, caplog) -> None:
+    """A LoRA checkpoint of the version before base fingerprints (`state["base"]`) resumes: the
+    entry it lacks keeps its fresh value, with a warning; one it holds is loaded; a required
+    entry it lacks still fails the load."""
+    run = _Run()
+    run.step()
+    _manager(tmp_path).save(1, run.state)
+    newer = _Run(seed=5)
+    fingerprint = BaseFingerprint()
+    assert _manager(tmp_path).load_latest({**newer.state, "base": fingerprint}) == 1
+    assert fingerprint.recorded is None and "holds no base (written by an older version)" in caplog.text
+    assert newer.loader == run.loader
+    fingerprint.check({"w": "float32:7"}, key="k", path="p", fix="f")
+    _manager(tmp_path).save(2, {**newer.state, "base": fingerprint})
+    again = BaseFingerprint()
+    assert _manager(tmp_path).load_latest({**_Run().state, "base": again}) == 2
+    assert again.recorded == {"w": "float32:7"}
+    _manager(tmp_path / "old").save(1, run.state)
+    with pytest.raises(ConfigError, match="the checkpoint has no such tensor"):
+        _manager(tmp_path / "old").load_latest({**_Run().state, "extra": ModelWrapper(_Net())})
 
 
 def test_persistent_buffers_only(tmp_path: Path) -> None:

@@ -86,6 +86,10 @@ class BaseFingerprint(Stateful):
     """The base's fingerprint in a checkpoint (`state["base"]`): what `check` took last is saved,
     what a resume loaded is `recorded` (None before one did), for `check` to compare."""
 
+    # Checkpoints of LoRA runs from before fingerprints (torchmoe of 2026-12-06) hold none: they
+    # resume, unchecked (`CheckpointManager.load_latest`).
+    optional_in_checkpoints = True
+
     def __init__(self) -> None:
         self.current: dict[str, str] = {}
         self.recorded: dict[str, str] | None = None

@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torchmoe.components.checkpoint_state import dcp_load, dist_on
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import NonFiniteValues, nonfinite_names, require_finite
-from torchmoe.components.weight_files import UnreadableWeights, describe
+from torchmoe.components.weight_files import UnreadableWeights, describe, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
@@ -450,6 +450,18 @@ class CheckpointManager:
                               "name one of those steps, or -1 for the newest")
         return chosen
 
+    def _present(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
+        """`state` less its optional entries the checkpoint at `path` lacks (`_optional_absent`):
+        a checkpoint of an older version resumes, what it lacks keeping its fresh value."""
+        if not any(getattr(part, "optional_in_checkpoints", False) for part in state.values()):
+            return state
+        metadata = read_dcp_metadata("checkpoint.folder", path, "", self.group)
+        absent = _optional_absent(state, metadata.state_dict_metadata)
+        if absent and self.rank == 0:
+            logger.warning("checkpoint %s holds no %s (written by an older version): resuming without it",
+                           path, ", ".join(absent))
+        return {name: part for name, part in state.items() if name not in absent}
+
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the newest complete checkpoint into `state`; returns its step, None if none.
 
@@ -475,6 +487,7 @@ class CheckpointManager:
             t0 = time.perf_counter()
             error = None
             try:
+                to_load = self._present(to_load, path)
                 dcp_load(to_load, path, self.group)
                 bad = nonfinite_names(to_load)  # never saved so: damaged on disk, or by another program
                 if bad:
@@ -508,6 +521,14 @@ class CheckpointManager:
                               "no checkpoint there could be loaded:" + "".join(f"\n  {e}" for e in errors),
                               "delete or move the broken step-N folders to start over")
         return None
+
+
+def _optional_absent(state: dict[str, Any], keys: Any) -> list[str]:
+    """The entries of `state` that may be missing from a checkpoint (``optional_in_checkpoints``:
+    added after checkpoints of older versions were written) and that `keys` (its metadata's
+    state_dict_metadata) lacks."""
+    return [name for name, part in state.items() if getattr(part, "optional_in_checkpoints", False)
+            and not any(key == name or key.startswith(f"{name}.") for key in keys)]
 
 
 def _gather(error: str | None, group: dist.ProcessGroup | None) -> list[str | None]:
