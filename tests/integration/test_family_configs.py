@@ -231,6 +231,33 @@ def test_gpt_oss_refuses_what_its_attention_cannot_run(flags: list[str], message
     assert message in " ".join(err.split()) and fix in err, err
 
 
+@pytest.mark.parametrize(("config", "flags", "message", "fix"), [
+    ("qwen3_30b_a3b.toml", [],
+     "optimizer.qk_clip_threshold = 100.0: qwen3's attention normalises every layer's queries and keys (QK-norm), "
+     "which bounds its logits: QK-Clip has nothing to clip", "fix: set it to 0"),
+    ("deepseek_v3_16b_muon.toml", ["--parallelism.context_parallel_degree", "2"],
+     "optimizer.qk_clip_threshold = 100.0: context parallelism splits each row's queries and keys between ranks",
+     "fix: set parallelism.context_parallel_degree = 1, or optimizer.qk_clip_threshold = 0"),
+    ("deepseek_v3_16b_muon.toml", ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"],
+     "optimizer.qk_clip_threshold = 100.0: replica groups would each clip by their own rows' logits",
+     "fix: set fault_tolerance.enable = false"),
+    ("deepseek_v3_lora_sft.toml", ["--world-size", "128", "--model.flavor", "671B"],
+     "optimizer.qk_clip_threshold = 100.0: LoRA freezes the query and key weights",
+     "fix: set it to 0 for LoRA"),
+    ("deepseek_v3_16b.toml", ["--optimizer.qk_clip_threshold", "-1"], "optimizer.qk_clip_threshold = -1.0: must be >= 0",
+     "fix: use 0 to turn QK-Clip off"),
+])
+def test_qk_clip_refuses_what_it_cannot_clip(config: str, flags: list[str], message: str, fix: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Planned as for a GPU job (`--dry-run`, 64 ranks unless said): refused before any process group or model."""
+    world = [] if "--world-size" in flags else ["--world-size", "64"]
+    assert cli.main(["train", "--config", str(CONFIGS / config), "--optimizer.qk_clip_threshold", "100", *flags,
+                     "--dry-run", *world, "--job.dump_folder", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert message in " ".join(err.split()) and fix in err, err
+
+
 @pytest.mark.parametrize(("flags", "message", "fix"), [
     (["--model.mtp_layers", "1", "--parallelism.context_parallel_degree", "2",
       "--parallelism.data_parallel_shard_degree", "1"],
