@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 
 import pytest
@@ -141,3 +142,27 @@ def test_muon_bench_reports_exact_state_bytes(tmp_path, monkeypatch) -> None:
     specs = param_specs(FLAVORS["deepseek_v3"]["tiny"])
     assert muon["state_bytes"] == 4 * optimizer_state_elements(specs, one, OptimizerConfig(name="Muon"))
     assert muon["step_s"] > 0 and adamw["step_s"] > 0
+
+
+def test_lora_bench_runs_torchmoe_without_trl(tmp_path, monkeypatch) -> None:
+    """A tiny torchmoe LoRA row in its subprocess: finite positive throughput and memory, one
+    whole conversation per row, the JSON saying TRL is missing (as where it is not installed).
+    TRL reads the rows in torchmoe's step order: step s holds conversation j*steps + s of row j."""
+    bench = _script("bench_lora")
+    assert bench.step_order(3, 2) == [0, 3, 1, 4, 2, 5]
+    monkeypatch.setattr(bench, "trl_missing", lambda: "not installed (pip install trl)")
+    out = tmp_path / "lora.json"
+    monkeypatch.setattr(sys, "argv", ["bench_lora.py", "--rows", "torchmoe_lora", "trl_peft_lora", "--seq", "96",
+                                      "--batch", "2", "--steps", "2", "--warmup", "1", "--hidden", "32",
+                                      "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                                      "--experts", "4", "--top-k", "2", "--moe-hidden", "16", "--threads", "1",
+                                      "--out", str(out)])
+    bench.main()
+    result = json.loads(out.read_text())
+    assert result["trl"] == "not installed (pip install trl)" and list(result["rows"]) == ["torchmoe_lora"]
+    row = result["rows"]["torchmoe_lora"]
+    numbers = [row[k] for k in ("tokens_per_sec", "supervised_tokens_per_sec", "peak_rss_mb", "final_loss")]
+    assert all(math.isfinite(x) and x > 0 for x in numbers), row
+    assert row["tokens_per_step"] == [2 * 96] * 2 and row["steps"] == 2 and row["timed_steps"] == 1
+    assert 0 < row["trainable_params"] < row["total_params"]
+    assert row["chat_stats"]["data"]["packed"] == 4 and row["chat_stats"]["data"]["truncated"] == 0
