@@ -206,14 +206,15 @@ class StepRunner:
             if not math.isfinite(value):
                 raise TrainingDiverged(f"{name} is {value} at step {step + 1}: stopping without saving; "
                                        "lower optimizer.lr or check the data")
-        self._optimizer_step(step)
+        self._optimizer_step(step, clip=bool(clipped and clipped["qk_clipped_heads"]))
         counts = self.balance.update_biases(counts)
         return StepResult(loss, norm, lr, stop > 0, counts,
                           participants=self.step_replicas.contributors if self.step_replicas is not None else 1,
                           mtp_loss=mtp_loss, qk_clip=clipped)
 
-    def _optimizer_step(self, step: int) -> None:
-        """Step the optimizer (then the float8 scales and the schedule) and drop the gradients."""
+    def _optimizer_step(self, step: int, *, clip: bool = False) -> None:
+        """Step the optimizer (then, with `clip`, QK-Clip's scaling of the heads the step found
+        above its threshold; the float8 scales and the schedule) and drop the gradients."""
         try:
             self.optimizer.step()
         except RuntimeError as err:
@@ -223,7 +224,7 @@ class StepRunner:
                 raise
             raise TrainingDiverged(f"the optimizer update overflows at step {step + 1} ({err}): stopping "
                                    "without saving; lower optimizer.lr") from None
-        if self.qk_clip is not None:  # the updated weights, by the step's logits (Kimi K2's order)
+        if clip:  # the updated weights, by the step's logits (Kimi K2's order)
             self.qk_clip.apply()
         precompute_float8_scales([self.model], self.cfg.float8)
         self.scheduler.step()
