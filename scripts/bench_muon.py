@@ -43,7 +43,7 @@ from tests.launch import read_metrics, run_train  # noqa: E402
 
 DEBUG = {"llama4": "debugmodel", "qwen3": "debugmodel_moe", "deepseek_v3": "debugmodel", "gpt_oss": "debugmodel"}
 OPTIMIZERS = {"AdamW": [], "Muon": ["--optimizer.name", "Muon", "--optimizer.adjust_lr", "match_rms_adamw"]}
-LR_SWEEP = {"AdamW": (1e-3, 3e-3, 1e-2), "Muon": (1e-3, 3e-3, 1e-2)}
+LR_SWEEP = {"AdamW": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "Muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)}
 DEBUG_BATCH_TOKENS = 8 * 128  # configs/debug_model.toml: local_batch_size x seq_len
 LAYOUT_FLAGS = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"]
 
