@@ -276,6 +276,14 @@ class ModelArgs:
         None (the whole causal context, or its chunk)."""
         return self.sliding_window if self.sliding_layers and layer_id in self.sliding_layers else None
 
+    def logits_unbounded(self, layer_id: int) -> bool:
+        """Whether layer `layer_id`'s attention logits are free to grow with its weights: no
+        QK-norm bounds them (Qwen3's per-head RMSNorm, Llama 4's L2 norm on RoPE layers; MLA has
+        none). QK-Clip watches only such layers (`components.qk_clip`)."""
+        if self.latent_attention:
+            return True
+        return not self.qk_rms_norm and not (self.use_qk_norm and self.rope_layers[layer_id])
+
     def attention_chunks(self) -> tuple[int | None, ...]:
         """Every distinct `layer_chunk` of the model, in layer order: the kinds of attention call
         its layers make (document masking builds a segment table for each)."""

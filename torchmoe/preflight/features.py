@@ -12,7 +12,6 @@ import torch
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.hf_storage import holds_expert_bias, require_hf_form
 from torchmoe.components.peft_adapter import require_peft_form
-from torchmoe.components.qk_clip import watch_attention_logits
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.config.launch_env import launch_int
@@ -150,9 +149,7 @@ def _check_qk_clip(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
     """QK-Clip (`components.qk_clip`) measures every head's logits over whole rows and scales
     the weights that make them, the same in every replica."""
     key, value = "optimizer.qk_clip_threshold", cfg.optimizer.qk_clip_threshold
-    with torch.device("meta"):
-        watched = watch_attention_logits(Transformer(args), args.n_heads)
-    if not watched:
+    if not any(args.logits_unbounded(layer) for layer in range(args.n_layers)):
         raise ConfigError(key, value, f"{cfg.model.name}'s attention normalises every layer's queries and keys "
                           "(QK-norm), which bounds its logits: QK-Clip has nothing to clip", "set it to 0")
     if cp > 1:

@@ -79,14 +79,18 @@ def export_checkpoint(cfg: JobConfig, step_dir: Path, out_dir: Path, *, bias_dro
                              keep=base_weights(lora))
     else:  # the base is the seed's random init, as the run drew it (`model_build.build_model`)
         model.init_weights(seed=cfg.training.seed)
-    _check_base(cfg, model, args, step_dir, base)
+    recorded = any(key.startswith("base.") for key in metadata.state_dict_metadata)
+    _check_base(cfg, model, args, step_dir, base, recorded=recorded)
     load_model_only(step_dir, [model], key="CKPT_DIR", keep=is_adapter_name)
     export_hf(model, args, lora, out_dir, rank=0, bias_drop=bias_drop)
 
 
-def _check_base(cfg: JobConfig, model: nn.Module, args: ModelArgs, step_dir: Path, base: Path | None) -> None:
-    """The base in `model` must be the one `step_dir` recorded (`Checkpoints.check_base`, at a resume)."""
-    recorded = BaseFingerprint()
-    dcp_load({"base": recorded}, step_dir, None)
+def _check_base(cfg: JobConfig, model: nn.Module, args: ModelArgs, step_dir: Path, base: Path | None, *,
+                recorded: bool) -> None:
+    """The base in `model` must be the one `step_dir` recorded (`Checkpoints.check_base`, at a
+    resume), if it `recorded` one (a checkpoint of the version before fingerprints did not)."""
+    fingerprint = BaseFingerprint()
+    if recorded:
+        dcp_load({"base": fingerprint}, step_dir, None)
     key, path, fix = base_source(cfg, base)
-    recorded.check(base_fingerprint(model, base_parameters(args, cfg.lora)), key=key, path=path, fix=fix)
+    fingerprint.check(base_fingerprint(model, base_parameters(args, cfg.lora)), key=key, path=path, fix=fix)

@@ -47,6 +47,8 @@ class CausalAttention(nn.Module):
         self.register_buffer("logit_max", None, persistent=False)
         self.head_offset = 0
         self.logit_index = -1  # this layer's row in QK-Clip's table (`watch_logits`)
+        # No QK-norm bounds this layer's logits (`ModelArgs.logits_unbounded`): QK-Clip watches it.
+        self.logits_unbounded = args.logits_unbounded(layer_id)
 
     def watch_logits(self, n_heads: int, index: int) -> None:
         """Record each of the `n_heads` heads' largest pre-softmax logit of every training
@@ -171,12 +173,6 @@ class Attention(CausalAttention):
         else:
             out = self._attend(q, k, v, documents)  # (B, H, S, hd)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
-
-    @property
-    def logits_unbounded(self) -> bool:
-        """Whether the logits are free to grow with the weights: no QK-norm (Llama 4's L2 norm on
-        RoPE layers, Qwen3's RMSNorm) bounds them. QK-Clip watches only such layers."""
-        return self.q_norm is None and self.qk_norm is None
 
     def qk_clip_factors(self, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
         """The per-row factors that multiply each head's logits by `gamma` (H,) (QK-Clip,

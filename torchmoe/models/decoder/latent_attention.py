@@ -147,9 +147,6 @@ class LatentAttention(CausalAttention):
         out = causal_attention(q, kv, kv, start=start, prefix=(prefix, prefix))[..., :rank]  # (B, H, S, r)
         return torch.einsum("bhsr,hvr->bshv", out, w_value)
 
-    # No QK-norm: the logits grow with the weights (QK-Clip watches every MLA layer).
-    logits_unbounded = True
-
     def qk_clip_factors(self, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
         """The per-row factors that multiply each head's logits by `gamma` (H,), as Kimi K2 clips
         MLA: each head's unrotated query and key rows (wq or wq_b; wkv_b's key rows) by
