@@ -172,25 +172,26 @@ def test_convert_of_a_lora_checkpoint_writes_the_runs_own_export(run, merged_run
 
 
 def test_a_checkpoint_of_the_version_before_fingerprints_resumes_and_converts(folder, run, tmp_path, monkeypatch,
-                                                                             caplog):
-    """Checkpoints of LoRA runs written before base fingerprints hold no `base` entry: the run
-    saves steps 2 (and 4) so; the same command, run again for 4 steps, resumes from step 2 with a
-    warning, its steps 3-4 the uninterrupted run's, and convert of that step-2 writes its adapter."""
+                                                                             capsys):
+    """Checkpoints of LoRA runs written before base fingerprints hold no `base` entry: `run` saved
+    so; a run resumed from its step-2 warns and gives the uninterrupted run's steps 3-4, and
+    convert of that step-2 writes its adapter."""
     from torchmoe.components.checkpoint import CheckpointManager
 
     save = CheckpointManager.save
     monkeypatch.setattr(CheckpointManager, "save", lambda self, step, state, **kw: save(
         self, step, {name: part for name, part in state.items() if name != "base"}, **kw))
-    dump = tmp_path / "old"
-    _train(folder, dump, 2)
+    old = tmp_path / "old"
+    _train(folder, old, 4)
     monkeypatch.setattr(CheckpointManager, "save", save)
-    assert "base" not in {k.split(".")[0] for k in read_dcp_metadata("f", dump / "checkpoint" / "step-2", "")
-                          .state_dict_metadata}
-    records = _train(folder, dump, 4, "--checkpoint.last_save_in_hf", "false")
-    assert "holds no base (written by an older version): resuming without it" in caplog.text
-    resumed = {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
-    assert [resumed[s] for s in (3, 4)] == [(r["loss"], r["grad_norm"]) for r in run[1][2:]]
-    assert cli.main(["convert", "dcp-to-hf", str(dump / "checkpoint" / "step-2"), str(tmp_path / "adapter")]) == 0
+    step_2 = old / "checkpoint" / "step-2"
+    assert "base" not in {k.split(".")[0] for k in read_dcp_metadata("f", step_2, "").state_dict_metadata}
+    capsys.readouterr()
+    records = _train(folder, start_from(step_2, tmp_path / "resumed"), 4)
+    err = capsys.readouterr().err
+    assert "holds no base (written by an older version): resuming without it" in " ".join(err.split()), err
+    assert [(r["loss"], r["grad_norm"]) for r in records] == [(r["loss"], r["grad_norm"]) for r in run[1][2:]]
+    assert cli.main(["convert", "dcp-to-hf", str(step_2), str(tmp_path / "adapter")]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 

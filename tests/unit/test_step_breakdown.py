@@ -125,7 +125,9 @@ def test_selective_ac_recomputation_keeps_its_labels() -> None:
 
 def test_one_known_region_is_all_of_it() -> None:
     """A matmul chain labelled as an FFN, forward and backward (the backward unlabelled, as the
-    engine runs it), is the FFN's time to rounding."""
+    engine runs it), is the FFN's: every aten op of it, forward and backward. Its share of the
+    step is 0.9997 on a quiet machine; the rest is the gaps between ops, which a loaded machine
+    (the suite's other worker) stretches (0.91 seen), so the share is bounded loosely."""
     x = torch.randn(256, 512)
     w1, w2 = torch.randn(512, 512, requires_grad=True), torch.randn(512, 512, requires_grad=True)
     grad = torch.ones(256, 512)
@@ -138,9 +140,11 @@ def test_one_known_region_is_all_of_it() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             step()
+    ops = Counter(category for e, category, _ in attribute(prof.events()) if e.name.startswith("aten::"))
+    assert set(ops) == {"ffn"} and sum(ops.values()) >= 3 * 6, ops  # mm, silu, mm and their backwards
     table = step_breakdown(prof.events())
     assert table.steps == 1
-    assert table.share("ffn") > 0.99, table.to_dict()
+    assert table.share("ffn") > 0.5, table.to_dict()
 
 
 def test_attention_kernel_by_name_without_labels() -> None:
