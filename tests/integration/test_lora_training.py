@@ -195,6 +195,30 @@ def test_a_checkpoint_of_the_version_before_fingerprints_resumes_and_converts(fo
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_convert_refuses_under_torchrun_and_an_adapter_peft_cannot_hold(run, tmp_path, monkeypatch, capsys):
+    """A LoRA step-N converts in one process: under torchrun (WORLD_SIZE 2) exit 2 says so. A run
+    whose targets PEFT cannot hold (Qwen3's dense MLP under transformers 5; here the run's
+    config.toml says `mlp`) is refused for the adapter export before anything is read, naming
+    --lora-export and offering the merged model. Neither writes anything."""
+    dump, _ = run
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["convert", "dcp-to-hf", str(dump / "checkpoint" / "step-4"), str(tmp_path / "ws2")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "is a LoRA run's checkpoint, which convert writes in one process" in err, err
+    assert "fix: run `torchmoe convert` without torchrun" in err and not (tmp_path / "ws2").exists()
+    monkeypatch.delenv("WORLD_SIZE")
+    other = tmp_path / "mlp_run"
+    shutil.copytree(dump, other, ignore=shutil.ignore_patterns("step-4-hf", "*.lock", "logs"))
+    config = other / "config.toml"
+    config.write_text(config.read_text().replace('targets = [\n', 'targets = [\n    "mlp",\n', 1))
+    assert '"mlp"' in config.read_text()
+    assert cli.main(["convert", "dcp-to-hf", str(other / "checkpoint" / "step-4"), str(tmp_path / "a")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("error:") == 1 and 'error: --lora-export = "adapter": PEFT' in err, err
+    assert "fix: pass --lora-export merged" in err, err
+    assert not (tmp_path / "a").exists()
+
+
 def test_checkpoint_base_saves_the_base_once_and_resumes_without_the_folder(based, run, tmp_path):
     """With `lora.checkpoint_base` the checkpoint folder holds base/ once (the base's tensors and
     the folder's config.json, no adapter); a resume from step-2 after the folder was moved away
