@@ -5,7 +5,7 @@
 One torchrun world of 4 CPU/gloo ranks. For HSDP 2 x 2 and DDP 4, each rank builds the real
 `Trainer` (global batch 8, local batch 1: 2 micro-batches per step), runs one `forward_backward`
 and counts the `all_reduce` calls it makes; then the same with the per-micro-batch sync of
-before (`_sync_replicas` switched off). Deferring halves the all-reduces and leaves every
+before (`StepRunner.sync_gradients` switched off). Deferring halves the all-reduces and leaves every
 gradient the same (fp32, summation order only): each rank compares its two runs' full gradients
 itself and reports the parameters that differ.
 """
@@ -43,7 +43,7 @@ def _measure(label: str, out_dir: Path, *, defer: bool) -> tuple[dict, dict]:
     cfg = load_job_config([*BASE, *LAYOUTS[label], "--job.dump_folder", str(out_dir / label)])
     trainer = Trainer(cfg)
     if not defer:
-        trainer._sync_replicas = lambda *, last: None
+        trainer.steps.sync_gradients = lambda *, last: None
     batch = trainer.dataloader.next_batch()
     calls = 0
     original = dist.all_reduce

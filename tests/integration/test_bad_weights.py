@@ -192,7 +192,7 @@ FAULTS = {
     "hf-missing-config": Fault("hf", lambda d: (d / "config.json").unlink(), ("has no config.json",)),
     "hf-missing-weights": Fault("hf", lambda d: (d / "model.safetensors").unlink(), ("holds no *.safetensors files",)),
     "hf-missing-indexed-file": Fault("hf", _index(_MISSING_SHARD), (
-        "model.safetensors.index.json lists 1 files that are not there", "model-00002-of-00002.safetensors")),
+        "model.safetensors.index.json lists 1 file that is not there", "model-00002-of-00002.safetensors")),
     # a folder where a file should be
     "dcp-folder-metadata": Fault("dcp", lambda d: _replace_by_folder(d / ".metadata"),
                                  (".metadata: Is a directory",)),

@@ -304,12 +304,11 @@ def test_multi_token_prediction_plans_its_module(tmp_path: Path, capsys: pytest.
 
 
 # (fine-tuning file, the tiny checkpoint's family, its tokenizer fixture, the flags beyond the
-# folder and the chat file: LoRA off while `torchmoe train` refuses it; one process's layout).
-SFT_CONFIGS = [("qwen3_30b_a3b_lora_sft.toml", "qwen3", "chatml", ["--lora.enable", "false"]),
+# folder and the chat file: one process's layout).
+SFT_CONFIGS = [("qwen3_30b_a3b_lora_sft.toml", "qwen3", "chatml", []),
                ("gpt_oss_20b_sft.toml", "gpt_oss", "harmony", []),
                ("deepseek_v3_lora_sft.toml", "deepseek_v3", "deepseek",
-                ["--lora.enable", "false", "--parallelism.pipeline_parallel_degree", "1",
-                 "--parallelism.expert_parallel_degree", "1"])]
+                ["--parallelism.pipeline_parallel_degree", "1", "--parallelism.expert_parallel_degree", "1"])]
 
 
 def _tiny_folder(family: str, tokenizer: str, folder: Path) -> Path:
@@ -348,3 +347,39 @@ def test_each_fine_tuning_config_trains_on_one_cpu_process_from_a_tiny_checkpoin
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(0 < r["loss"] < 20 and r["grad_norm"] > 0 for r in records)
     assert "chat data on this rank: data: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("family", "tokenizer"), [("qwen3", "chatml"), ("gpt_oss", "harmony"),
+                                                   ("deepseek_v3", "deepseek"), ("llama4", "chatml")])
+def test_the_cpu_fine_tuning_recipe_runs_with_the_folder_and_the_chat_file_as_its_only_changes(
+        family: str, tokenizer: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/lora_sft_cpu.toml as its comment runs it: the folder and the chat file are the only
+    changes (and, for time, two steps instead of 50); the model is the folder's, LoRA trains, the
+    opening line is the recipe's own, and the export is a Hugging Face folder."""
+    from tests.chat_jobs import write_chat_file
+
+    folder = _tiny_folder(family, tokenizer, tmp_path / "tiny")
+    data = write_chat_file(tmp_path / "chat.jsonl")
+    run = tmp_path / "run"
+    assert cli.main(["train", "--config", str(CONFIGS / "lora_sft_cpu.toml"), "--model.hf_assets_path", str(folder),
+                     "--training.dataset_path", str(data), "--training.steps", "2", "--job.dump_folder",
+                     str(run)]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(0 < r["loss"] < 20 and r["grad_norm"] > 0 for r in records)
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shown = capsys.readouterr()
+    lines = (shown.out + shown.err).splitlines()
+    assert "chat SFT with LoRA on a CPU" in lines
+    assert any(re.fullmatch(rf"training {family} \S+ \(.*\) on 1 x cpu: steps 1-2, 4,096 tokens each; .*", line)
+               for line in lines)
+    # What the opening says trains is what the checkpoint holds: the adapters, counted there.
+    saved = FileSystemReader(str(run / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
+    adapters = sum(math.prod(m.size) for key, m in saved.items() if key.startswith("model.") and ".lora_" in key)
+    said = next(line for line in lines if line.startswith("LoRA rank 8 (alpha 16) on attention, experts: "))
+    count = re.search(r": ([\d.]+) (K|M) adapter parameters train; the base's .* are frozen$", said)
+    assert count is not None and adapters > 0
+    assert float(count[1]) * {"K": 1e3, "M": 1e6}[count[2]] == pytest.approx(adapters, rel=5e-3)
+    assert (run / "checkpoint" / "step-2-hf" / "config.json").is_file()

@@ -5,6 +5,7 @@ The rules are docs/testing.md's "The docs check" (`tests/docs_check.py` reads th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,29 @@ def test_a_link_to_a_missing_heading_is_found(tmp_path: Path) -> None:
     page.write_text("# A\n\n## Two words\n\nsee [b](#two-words), [c](#three), [d](b.md)\n")
     assert docs_check.link_problems(page, page.read_text()) == ["a.md:5: #three: no such heading",
                                                                "a.md:5: b.md: no such file"]
+
+
+# A test file (and test) a page, a docstring, a script or a config names to run: the file exists
+# and, where a `::name` follows, so does that test (docs/testing.md's placeholder excepted).
+_TEST_REFERENCE = re.compile(r"tests/[\w/]+\.py(?:::\w+)?")
+_PLACEHOLDER = "tests/x.py::test_name"
+
+
+def _test_references() -> set[tuple[str, str]]:
+    """(where, reference) of every tests/... path in the package, docs, scripts, configs and README."""
+    files = [*Path("torchmoe").rglob("*.py"), *Path("scripts").rglob("*.py"), *Path("configs").glob("*.toml"),
+             *Path("docs").glob("*.md"), Path("README.md"), Path("pyproject.toml")]
+    return {(str(f), m) for f in files for m in _TEST_REFERENCE.findall(f.read_text()) if m != _PLACEHOLDER}
+
+
+def test_every_test_a_page_or_docstring_names_exists() -> None:
+    references = _test_references()
+    missing = []
+    for where, ref in sorted(references):
+        path, _, name = ref.partition("::")
+        if not Path(path).is_file():
+            missing.append(f"{where}: {ref} (no such file)")
+        elif name and not re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b", Path(path).read_text(), re.M):
+            missing.append(f"{where}: {ref} (no such test)")
+    assert missing == []
+    assert len(references) >= 50  # not vacuous: this many references are checked

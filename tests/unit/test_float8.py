@@ -386,3 +386,21 @@ def test_float8_tp_composes_with_the_parallelize_pipeline(fake_world, world, fla
     assert out.shape == ((ROWS, SEQ // tp, args.dim) if dims.pp_enabled else (ROWS, SEQ, args.vocab_size // tp))
     assert ran == {id(module) for module in float8}
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_torchao_is_imported_only_for_float8_and_quietly() -> None:
+    """A run without float8 never imports torchao (asking whether a linear is a float8 one imports
+    nothing); a float8 run's check imports it without the CUDA-extension and Enum warnings that a
+    bare `import torchao` logs beside a CPU build of torch (torchao 0.18 with torch 2.13)."""
+    import subprocess
+    import sys
+
+    probe = ("import logging, sys, torch; logging.basicConfig()\n"
+             "from torchmoe.config.job_config import Float8\n"
+             "from torchmoe.distributed.float8 import float8_unavailable, is_float8_linear\n"
+             "assert not is_float8_linear(torch.nn.Linear(2, 2)) and 'torchao' not in sys.modules\n"
+             "{}\n")
+    checked = probe.format("assert float8_unavailable(Float8(enable=True, emulate=True), 'cpu') is None")
+    run = subprocess.run([sys.executable, "-c", checked], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert [n for n in ("Failed to load", "is an Enum subclass") if n in run.stderr] == []

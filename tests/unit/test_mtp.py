@@ -246,7 +246,7 @@ def test_the_logged_loss_is_the_main_loss_and_the_mtp_loss_is_logged_apart(tmp_p
     main, mtp = 0.0, 0.0
     for inputs, labels in micro_batches:  # the objective by hand: its gradients, and its two parts
         with torch.no_grad():
-            main += trainer._summed_loss(trainer.model(inputs), labels).item() / tokens  # as `validate` does
+            main += trainer.objective.summed(trainer.model(inputs), labels).item() / tokens  # as `validate` does
         logits, depths = trainer.model(inputs, labels=labels)
         depth_sums = [F.cross_entropy(out.flatten(0, 1), mtp_targets(labels, k).flatten(), reduction="sum")
                       for k, out in enumerate(depths, start=1)]

@@ -48,6 +48,7 @@ from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.nn.kv_cache import KVCache
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.preflight import train_device
+from torchmoe.training.cpu_threads import cpu_threads
 
 __all__ = ["NonFiniteLogits", "Sampling", "chat_prompt", "generate_ids", "generate_main", "load_trained_model", "next_token"]
 
@@ -138,6 +139,8 @@ def load_trained_model(cfg: JobConfig, folder: Path, *, in_hf: bool) -> Transfor
     cfg = with_folder_model(dataclasses.replace(cfg, checkpoint=ckpt), key="--checkpoint")  # HF: its config.json
     args = model_args_from_config(cfg.model)
     device = train_device(cfg.training.device)
+    if device.type == "cpu":
+        cpu_threads()  # the CPUs this process has to itself, as training chooses them
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchmoe.components.checkpoint_state import dist_on
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.wording import counted
 
 __all__ = ["BaseFingerprint", "base_fingerprint"]
 
@@ -78,7 +79,7 @@ def base_fingerprint(model: torch.nn.Module, names: Iterable[str],
             # A tensor held whole has the same value on every rank that holds it.
             total = found.get(name, (dtype, 0))[1] if sharded else 0
             found[name] = (dtype, (total + value + 2**63) % 2**64 - 2**63)  # wraps as int64 does
-    logger.info("fingerprinted the base weights (%d tensors) in %.3f s", len(found), time.perf_counter() - t0)
+    logger.info("fingerprinted the base weights (%s) in %.3f s", counted(len(found), "tensor"), time.perf_counter() - t0)
     return {name: f"{dtype}:{value}" for name, (dtype, value) in sorted(found.items())}
 
 

@@ -62,6 +62,7 @@ from torchmoe.components.weight_files import UnreadableWeights, read_json_object
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_kinds import check_regular, is_plain_name
 from torchmoe.config.file_writes import write_file
+from torchmoe.config.wording import counted
 from torchmoe.distributed.one_reader import one_reads
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.models.decoder.model import Transformer
@@ -243,7 +244,7 @@ def _check_files(hf_dir: Path, key: str, fix: str) -> None:
                                     f"{outside[:3]}: it was altered or crafted", fix)
         absent = sorted({f for f in weight_map.values() if not (hf_dir / str(f)).is_file()})
         if absent:
-            raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} lists {len(absent)} files that are not there, "
+            raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} lists {counted(len(absent), 'file')} that {'is' if len(absent) == 1 else 'are'} not there, "
                                     f"e.g. {absent[:3]}: an incomplete download?", fix)
 
 

@@ -2,7 +2,7 @@
 pre-softmax logit in the step exceeded ``optimizer.qk_clip_threshold`` (tau) has its query and key
 weights scaled so that those logits would have been tau.
 
-    python -m pytest -q tests/unit/test_qk_clip.py tests/distributed/test_qk_clip_layouts.py
+    python -m pytest -q tests/unit/test_qk_clip.py tests/distributed/test_families.py -k qk_clip
 
 The layers whose logits no QK-norm bounds (`watch_attention_logits`: every MLA layer, Llama 4's
 NoPE layers, gpt-oss's, Llama 4 without QK-norm) record each head's largest logit of every training

@@ -39,6 +39,7 @@ from torchmoe.config.errors import show_value
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.config.wording import counted
 from torchmoe.data.dataset_kinds import ALWAYS_READ, check_kind, is_text_file
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, text_part
 from torchmoe.data.file_index import LINES, START, Indexing, IndexKind, line_spans, shared_indexes, with_starts
@@ -114,7 +115,7 @@ class FileDocuments(SizedDocuments):
 
     def __repr__(self) -> str:
         where = f", first {self.files[0]}" if self.files else ""
-        return f"FileDocuments({len(self.files)} files{where})"
+        return f"FileDocuments({counted(len(self.files), 'file')}{where})"
 
     @property
     def indexed(self) -> bool:
@@ -450,7 +451,7 @@ def local_files(dataset_path: str, *, key: str = "training.dataset_path",
         raise DataConfigError(key, dataset_path, f"{what} no corpus files" +
                               (f" ({len(binary)} not text, e.g. {binary[0]})" if binary else ""), fix)
     if binary:
-        logger.info("%s: passed over %d files that are not text (e.g. %s)", key, len(binary), binary[0])
+        logger.info("%s: passed over %s that are not text (e.g. %s)", key, counted(len(binary), "file"), binary[0])
     return files
 
 

@@ -16,10 +16,13 @@ preflight turns into a config error before anything is built.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
-from collections.abc import Callable
+import logging
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -81,10 +84,28 @@ def _capability_problem(device: torch.device, ok: Callable[[tuple[int, int]], bo
 
 
 def _torchao_has(module: str) -> bool:
+    """torchao is installed with `module` (finding a submodule imports its parents: torchao)."""
+    with _quiet_torchao_import():
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # torchao itself is missing
+            return False
+
+
+@contextlib.contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    """Hold back what importing torchao logs that nobody can act on: a warning for each CUDA
+    extension a CPU build of torch cannot load ("Failed to load ..._C_mxfp8...so") and torch's
+    deprecation of each Enum torchao registers with pytree. Errors still show."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # torchao itself is missing
-        return False
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def apply_float8(model: nn.Module, cfg: Float8, device: torch.device | str) -> None:
@@ -126,12 +147,10 @@ def convert_float8_linears(model: nn.Module, cfg: Float8) -> list[str]:
 
 
 def is_float8_linear(module: nn.Module) -> bool:
-    """`module` is a torchao ``Float8Linear`` (False without torchao: nothing can be one)."""
-    if not _torchao_has("torchao.float8"):
-        return False
-    from torchao.float8.float8_linear import Float8Linear
-
-    return isinstance(module, Float8Linear)
+    """`module` is a torchao ``Float8Linear`` (False while torchao's float8 linears are not
+    imported: nothing can be one then, and the check imports nothing)."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    return float8_linear is not None and isinstance(module, float8_linear.Float8Linear)
 
 
 def convert_float8_experts(model: nn.Module, moe_fqns: list[str]) -> list[str]:

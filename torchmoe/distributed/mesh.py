@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.wording import counted
 from torchmoe.plan.parallel_dims import ALL_NAMES, FLAT_VIEWS, MESH_DIMS, DimLayout, ParallelDims
 
 __all__ = ["ParallelMesh", "build_mesh"]
@@ -33,7 +34,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
     if dist.is_initialized() and dist.get_world_size() != dims.world_size:
         raise ConfigError("parallelism", dims.degrees,
                           f"degrees multiply to {dims.world_size} but the launched world has "
-                          f"{dist.get_world_size()} ranks",
+                          f"{counted(dist.get_world_size(), 'rank')}",
                           "launch as many ranks as the degrees multiply to")
     world = init_device_mesh(device_type, tuple(getattr(dims, d) for d in MESH_DIMS),
                              mesh_dim_names=MESH_DIMS)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchmoe.config.wording import counted
+
 # The degrees a layout is made of, in the order its codes carry them.
 DEGREES = ("pp", "dp_shard", "cp", "tp", "ep")
 
@@ -67,7 +69,7 @@ class GroupLayout:
 
     def describe(self) -> str:
         degrees = ", ".join(f"{d} {self.degrees[d]}" for d in DEGREES)
-        return (f"{self.model} on {self.ranks} ranks ({degrees}), seq_len {self.seq_len}, local batch "
+        return (f"{self.model} on {counted(self.ranks, 'rank')} ({degrees}), seq_len {self.seq_len}, local batch "
                 f"{self.local_batch_size}, global batch {self.global_batch_size}")
 
 

@@ -2,7 +2,7 @@
 the two orders of the weight's multiply and the cast back to the input's dtype that the families'
 reference modules use (equal in fp32; in bf16 they round differently).
 
-    python -m pytest -q tests/unit/test_rms_norm_order.py
+    python -m pytest -q tests/unit/test_bf16_numerics.py -k norm
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.validate import resolve_degrees
+from torchmoe.config.wording import counted
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
 from torchmoe.plan.layout import ParamSpec, local_shape, param_specs, shard_numel
@@ -362,7 +363,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, *, console: Console | None = No
 
 def _print_report(console: Console, cfg: JobConfig, job: JobPlan, compute_bytes: int) -> None:
     dims, layout, ranks, report, memory = job.dims, job.layout, job.ranks, job.report, job.memory
-    console.rule(f"[bold]dry run: {cfg.model.flavor} on {dims.world_size} ranks")
+    console.rule(f"[bold]dry run: {cfg.model.flavor} on {counted(dims.world_size, 'rank')}")
 
     mesh = Table(title="mesh (ranks row-major over pp, dp_replicate, dp_shard, cp, tp)", title_justify="left")
     for col in ("name", "size", "made of"):

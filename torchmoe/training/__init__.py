@@ -8,6 +8,7 @@ Highest first (the import-linter contract "the training loop sits above its part
   `optimization` (optimizer, schedule, the trainable subset), `placement` (a batch's local
   columns), `step` (forward, backward, reduction, clipping, the optimizer step), `moe_balance`
   (routed-token counts and expert biases), `replicas` (the live state replica groups exchange),
-  `checkpointing`, `validation`, `step_report` (each step's metrics) and `console`;
+  `adapters` and `adapter_checkpoint` (LoRA's trainable subset, loads, checkpoints and export),
+  `checkpointing`, `validation`, `step_metrics` (each step's record) and `console`;
 - below them: `run_files`, `world`, `progress` and `log`.
 """

@@ -1,7 +1,7 @@
 """LoRA in the trainer (`[lora]`): which parameters train and which tensors checkpoints and loads
 hold, the adapters' start (PEFT's init, or an imported adapter), and the Hugging Face export.
 
-    python -m pytest -q tests/unit/test_lora_training.py
+    python -m pytest -q tests/integration/test_lora_training.py tests/unit/test_lora.py
 
 The adapters are added on the meta model before the parallelize pipeline
 (`model_build.build_model`), so FSDP, EP, PP and compile see them as ordinary parameters. The

@@ -3,6 +3,7 @@ compiled."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from torchmoe.components.metrics_records import METRICS_FILE
 from torchmoe.components.run_logs import LogFile
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.compile import DynamoCounts
+from torchmoe.plan.dry_run import format_count
+from torchmoe.plan.lora import adapter_specs
 from torchmoe.training.log import logger
 from torchmoe.training.step import StepResult
 
@@ -25,9 +28,11 @@ def say(metrics: MetricsLogger, log_file: LogFile | None, text: str) -> None:
 
 
 def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_size: int, world_size: int,
-            device_type: str, dump_folder: Path, optimizer_lines: Sequence[str] = ()) -> str:
+            device_type: str, dump_folder: Path, optimizer_lines: Sequence[str] = (),
+            threads: tuple[int, str] | None = None) -> str:
     """The run's first console lines: its description, what trains where, where it writes, then
-    `optimizer_lines` (`Optimization.description`: which parameters which algorithm updates)."""
+    a CPU run's threads and why (`cpu_threads.cpu_threads`), and `optimizer_lines`
+    (`Optimization.description`: which parameters which algorithm updates)."""
     counts = model_args.param_counts()
     tokens = global_batch_size * cfg.training.seq_len
     steps = f"steps {step + 1}-{cfg.training.steps}, {tokens:,} tokens each" if step < cfg.training.steps \
@@ -35,7 +40,19 @@ def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_si
     line = (f"training {cfg.model.name} {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, "
             f"{counts['active'] / 1e6:,.1f} M active) on {world_size} x {device_type}: {steps}; "
             f"writing to {dump_folder}")
-    return "\n".join([*([cfg.job.description] if cfg.job.description else []), line, *optimizer_lines])
+    cpu = [f"CPU threads: {threads[0]} ({threads[1]})"] if threads is not None else []
+    return "\n".join([*([cfg.job.description] if cfg.job.description else []), line, *cpu, *_lora_line(cfg, model_args),
+                      *optimizer_lines])
+
+
+def _lora_line(cfg: JobConfig, model_args: ModelArgs) -> list[str]:
+    """Under LoRA, what trains: the adapters (as the planner counts them), the base frozen."""
+    if not cfg.lora.enable:
+        return []
+    lora = cfg.lora
+    adapters = sum(math.prod(spec.shape) for spec in adapter_specs(model_args, lora))
+    return [f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {', '.join(lora.targets)}: {format_count(adapters)} "
+            f"adapter parameters train; the base's {format_count(model_args.param_counts()['total'])} are frozen"]
 
 
 def closing(cfg: JobConfig, result: StepResult | None, *, step: int, first_step: int, seconds: float,

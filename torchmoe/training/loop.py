@@ -48,6 +48,7 @@ from torchmoe.preflight import train_device
 from torchmoe.training.adapters import checkpointed, trainable
 from torchmoe.training.checkpointing import Checkpoints
 from torchmoe.training.console import chat_report, closing, opening, say
+from torchmoe.training.cpu_threads import cpu_threads
 from torchmoe.training.log import logger
 from torchmoe.training.model_build import build_model, build_pipeline_schedule
 from torchmoe.training.moe_balance import MoeBalance
@@ -79,6 +80,8 @@ class Trainer:
         self.cfg = cfg
         self.failure_watch = failure_watch
         self.device = train_device(cfg.training.device)
+        # Before the first op: a CPU run computes with the CPUs it has to itself (`cpu_threads`).
+        self.threads = cpu_threads() if self.device.type == "cpu" else None
         world_size = init_distributed(self.device, cfg.comm, cfg.parallelism, Path(cfg.job.dump_folder))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         setup_logging(self.rank, cfg.metrics.log_level)
@@ -167,7 +170,6 @@ class Trainer:
         loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         self.objective = Objective(self.model_args, tokens=self.global_tokens,
                                    tp_mesh=self.mesh["tp"] if loss_parallel else None)
-        self._summed_loss = self.objective.summed
         self._local_columns = LocalColumns(
             self.model_args, self.dims, self.mesh, seq_len=cfg.training.seq_len, device=self.device,
             eos_id=self.tokenizer.eos_id if cfg.training.document_masking else None)
@@ -180,7 +182,6 @@ class Trainer:
             device=self.device, world_size=self.world_size, schedule=schedule, step_replicas=self.step_replicas,
             replicas=self.replicas.groups if self.replicas is not None else None, position=self.dataloader.state_dict,
             count_targets=self.masked_labels, batch_group=batch_mesh.get_group() if batch_mesh is not None else None)
-        self._sync_replicas = self.steps.sync_gradients
 
     @property
     def step(self) -> int:
@@ -212,7 +213,7 @@ class Trainer:
 
     def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
         """Accumulate the gradients of this rank's micro-batches (`StepRunner.forward_backward`)."""
-        return self.steps.forward_backward(micro_batches, self._local_columns, self._sync_replicas)
+        return self.steps.forward_backward(micro_batches, self._local_columns)
 
     def train_step(self, micro_batches: MicroBatches) -> StepResult:
         """`forward_backward`, then agree on the loss and on stopping, clip, step, and update the
@@ -300,7 +301,7 @@ class Trainer:
         self._say(metrics, opening(cfg, self.model_args, step=self.step,
                                    global_batch_size=self.dataloader.global_batch_size, world_size=self.world_size,
                                    device_type=self.device.type, dump_folder=self.dump_folder,
-                                   optimizer_lines=self.optimizer_lines))
+                                   optimizer_lines=self.optimizer_lines, threads=self.threads))
         if self.step > 0:
             logger.info("resuming at step %d", self.step + 1)
         if self.rank == 0:  # decided once per device, dtype and head dim (`nn.attention_kernels`)

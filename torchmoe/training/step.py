@@ -84,8 +84,7 @@ class StepRunner:
         self.loss_weight = loss_weight(mesh)
         self.count_targets, self.batch_group = count_targets, batch_group
 
-    def forward_backward(self, micro_batches: MicroBatches, columns: PlaceColumns,
-                         sync_gradients: Callable[..., None]) -> torch.Tensor:
+    def forward_backward(self, micro_batches: MicroBatches, columns: PlaceColumns) -> torch.Tensor:
         """Accumulate the gradients of this rank's micro-batches, each placed by `columns`, the
         gradient reduction across replicas set by `sync_gradients(last=...)` before each; returns
         this rank's shares of the global losses logged (`Objective.forward`: (main,), or (main,
@@ -100,7 +99,7 @@ class StepRunner:
         with region("data"):
             micro_batches = [columns(*batch, batch.starts) for batch in micro_batches]
         for i, (inputs, labels, documents) in enumerate(micro_batches):
-            sync_gradients(last=i == len(micro_batches) - 1)
+            self.sync_gradients(last=i == len(micro_batches) - 1)
             with loss_parallel() if self.objective.tp_mesh is not None else nullcontext():
                 if self.schedule is not None:
                     losses = self._pipeline_step(inputs, labels, documents)
