@@ -5,7 +5,8 @@ the MoE bias update.
 What knows about ranks here: the loss (the objective normalises by the global batch's token
 count, so any dp degree and gradient accumulation give the same gradients), one all-reduce per
 step of the loss and the stop flag, and the MoE token counts (`moe_balance`). With masked labels
-(chat data) the count is the step's: one small all-reduce of it before the first forward.
+(chat data) the count is the step's: one small all-reduce of it, and of the step's data tokens
+(not padding: the MoE z-loss's normaliser), before the first forward.
 """
 
 from __future__ import annotations
