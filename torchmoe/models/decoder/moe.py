@@ -25,8 +25,10 @@ is the one it always was, bit for bit.
 
 ``moe_force_load_balance`` replaces the selection by a round-robin over each call's tokens
 (`round_robin_experts`). Everything downstream sees that selection: the token counts (so the
-bias update sees equal loads and leaves the bias as it is), the dispatch, and the sequence-wise
-balance loss (its per-expert fractions are then uniform; its gradient still reaches the scores).
+bias update sees equal loads and leaves the bias as it is; with padding, which the round-robin
+places too, the data's loads are only nearly equal), the dispatch, and the
+sequence-wise balance loss (its per-expert fractions are then uniform; its gradient still
+reaches the scores).
 """
 
 from __future__ import annotations
