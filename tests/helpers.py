@@ -294,9 +294,9 @@ def counting_model_reads(trainer, reads: HostReads):
         with reads.counting():
             return forward_backward(micro_batches)
 
-    def uncounted(inputs, labels, starts=None):
+    def uncounted(inputs, labels, starts=None, real=None):
         with reads.pause():
-            return local_columns(inputs, labels, starts)
+            return local_columns(inputs, labels, starts, real)
 
     trainer.forward_backward, trainer._local_columns = counted, uncounted
     try:

@@ -1,7 +1,10 @@
 """Chat SFT through the whole trainer, in every layout, on the single process's curve: full
-fine-tuning (the masked loss) and LoRA with adapters on every target Qwen3-MoE has (attention,
-the dense MLP, the routed experts, the router), three steps each, loss and gradient norm within
-1e-5 in fp32.
+fine-tuning (the masked loss, with the expert bias, the balance loss and the z-loss on) and
+LoRA with adapters on every target Qwen3-MoE has (attention, the dense MLP, the routed experts,
+the router), three steps each, loss and gradient norm within 1e-5 in fp32; and full
+fine-tuning's routing statistics, which leave the windows' padding out: every step's per-expert
+loads exactly, and the expert biases after the three steps, those of a brute-force count over
+the data tokens of the single process's routers (`tests.chat_jobs.RouterTaps`).
 
     python -m pytest -q tests/distributed/test_chat_loss_layouts.py
 
@@ -13,6 +16,10 @@ layout must divide by the global batch's count, not its own share's:
 - EP 2 x FSDP 2: each rank's rows, its experts' tokens from both;
 - CP 2: each rank's head-tail pieces of every row, the count over whole rows;
 - PP 2: the schedule's loss over the same count, each row a pipeline micro-batch.
+The padding (a window's rest after its last conversation, 0-52% of a row here) falls unevenly
+on the ranks of every layout that splits rows (CP's pieces, the TP ranks EP borrows, PP's
+micro-batches): the data mask must travel with the tokens, and the z-loss take the step's count
+of data tokens, for the statistics and the curve to be the single process's.
 
 One forked world per size (2 and 4 ranks) runs every layout of that size, both jobs each, one
 after the other in the same process group; the references run in the test process. LoRA's first
@@ -22,16 +29,18 @@ see the adapters the layout trained.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.any_checkpoint import save_checkpoint
 from tests.chat_fixtures import chatml
-from tests.chat_jobs import chat_job, write_chat_file
-from tests.helpers import run_rank_script, write_rank_record
+from tests.chat_jobs import RouterTaps, chat_job, data_mask, write_chat_file
+from tests.helpers import BALANCE, run_rank_script, write_rank_record
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
@@ -50,21 +59,31 @@ LAYOUTS = {
                     "--parallelism.data_parallel_shard_degree", "2"]),
 }
 JOBS = {
-    "full": ["--training.steps", "3"],
+    "full": ["--training.steps", "3", *BALANCE],
     "lora": ["--training.steps", "3", "--lora.enable", "true", "--lora.rank", "4", "--lora.alpha", "8",
              "--lora.targets", json.dumps(["attention", "mlp", "experts", "router"]), "--optimizer.lr", "0.01"],
 }
 
 
-def _run(root: Path, dump: Path, *flags: str) -> list[tuple[float, float]]:
-    """Three steps of the chat job with `flags`: [(loss, grad norm)] a step."""
+def _run(root: Path, dump: Path, *flags: str, taps: list | None = None) -> dict:
+    """Three steps of the chat job with `flags`: {"curve": [(loss, grad norm)] a step, "loads":
+    [(n_moe_layers, n_experts) token counts] a step, "biases": this rank's MoE blocks' expert
+    biases after them}. `taps`: append the steps' `RouterTaps` and each step's micro-batches."""
     from torchmoe.training.loop import Trainer
 
     trainer = Trainer(chat_job(root / "qwen3", root / "chatml", root / "chat.jsonl", dump, *flags))
     try:
         trainer.load_initial_state()
-        results = [trainer.train_step(trainer.dataloader.next_batch()) for _ in range(3)]
-        return [(r.loss, r.grad_norm) for r in results]
+        batches = [trainer.dataloader.next_batch() for _ in range(3)]
+        tapped = RouterTaps(trainer.model)
+        with tapped if taps is not None else contextlib.nullcontext():
+            results = [trainer.train_step(batch) for batch in batches]
+        if taps is not None:
+            taps += [tapped, batches]
+        return {"curve": [(r.loss, r.grad_norm) for r in results],
+                "loads": [r.tokens_per_expert.tolist() for r in results],
+                "biases": {name: block.moe.expert_bias.tolist() for name, block in trainer.model.layers.items()
+                           if block.moe_enabled}}
     finally:
         trainer.release()  # the process group stays for the next job and `write_rank_record`
 
@@ -86,8 +105,14 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(root: Path) -> dict[str, list[tuple[float, float]]]:
-    return {job: _run(root, root.parent / "single" / job, *flags) for job, flags in JOBS.items()}
+def taps(root: Path) -> list:
+    return []
+
+
+@pytest.fixture(scope="module")
+def single(root: Path, taps: list) -> dict[str, dict]:
+    return {job: _run(root, root.parent / "single" / job, *flags, taps=taps if job == "full" else None)
+            for job, flags in JOBS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +126,47 @@ def worlds(root: Path) -> dict[int, dict[int, dict]]:
 @pytest.mark.parametrize("job", sorted(JOBS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_chat_sft_is_the_single_process_s_in_every_layout(single, worlds, layout: str, job: str) -> None:
-    want = single[job]
+    want = single[job]["curve"]
     assert len({norm for _, norm in want}) == 3 and all(norm > 0 for _, norm in want)  # three real steps
     if job == "lora":  # B starts at zero: LoRA's first step is the base's forward, on the same batch
-        assert want[0][0] == pytest.approx(single["full"][0][0], rel=1e-6)
+        assert want[0][0] == pytest.approx(single["full"]["curve"][0][0], rel=1e-6)
     ranks = worlds[LAYOUTS[layout][0]]
     for rank, record in ranks.items():
-        got = record[f"{layout}/{job}"]
+        got = record[f"{layout}/{job}"]["curve"]
         for (loss, norm), (want_loss, want_norm) in zip(got, want, strict=True):
             assert loss == pytest.approx(want_loss, rel=RTOL) and norm == pytest.approx(want_norm, rel=RTOL), \
                 (rank, got, want)
+
+
+def test_the_single_process_routing_statistics_are_a_count_over_the_data_tokens(root, single, taps) -> None:
+    """The reference the layouts are held to: each step's loads are the single process's routers'
+    top-k counted over the data tokens (each row's trailing EOS run is padding), and its biases
+    the updates from those counts; counted over every token, the loads differ."""
+    from torchmoe.data.tokenizer import build_tokenizer
+
+    tapped, batches = taps
+    eos, bias = build_tokenizer(str(root / "chatml")).eos_id, {}
+    coeff = float(BALANCE[BALANCE.index("--model.load_balance_coeff") + 1])
+    for step, (batch, loads) in enumerate(zip(batches, single["full"]["loads"], strict=True)):
+        stats = tapped.statistics([data_mask(inputs, eos) for inputs, _ in batch], top_k=2, step=step)
+        assert loads == [layer["counts"].tolist() for layer in stats.values()], step
+        assert loads != [layer["all_counts"].tolist() for layer in stats.values()], step
+        for name, layer in stats.items():
+            delta = coeff * torch.sign(layer["counts"].mean() - layer["counts"])
+            bias[name] = bias.get(name, torch.zeros_like(delta)) + (delta - delta.mean())  # update_expert_bias's
+    assert single["full"]["biases"] == {name: b.tolist() for name, b in bias.items()}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_routing_statistics_leave_padding_out_in_every_layout(single, worlds, layout: str) -> None:
+    """Every rank's per-expert loads of each step (summed over the ranks that route other tokens,
+    gathered over the pipeline's stages) are the single process's exactly, and each rank's
+    blocks hold its biases: padding counted on any rank would move both."""
+    want = single["full"]
+    for rank, record in worlds[LAYOUTS[layout][0]].items():
+        got = record[f"{layout}/full"]
+        assert got["loads"] == want["loads"], (layout, rank)
+        assert got["biases"] and got["biases"] == {name: want["biases"][name] for name in got["biases"]}, (layout, rank)
 
 
 if __name__ == "__main__":

@@ -166,3 +166,14 @@ def test_lora_bench_runs_torchmoe_without_trl(tmp_path, monkeypatch) -> None:
     assert row["tokens_per_step"] == [2 * 96] * 2 and row["steps"] == 2 and row["timed_steps"] == 1
     assert 0 < row["trainable_params"] < row["total_params"]
     assert row["chat_stats"]["data"]["packed"] == 4 and row["chat_stats"]["data"]["truncated"] == 0
+
+
+def test_padding_load_bench_counts_padding_both_ways() -> None:
+    """Rows packed as chat data packs them, one forward with the data's mask and one counting
+    every token: the padding (all of it on the same experts, as EOS under document masking) makes
+    the busiest expert busier and turns some experts' bias update."""
+    result = _script("bench_padding_load").measure(experts=16, top_k=4, layers=1, rows=3, seq=256, median=100.0,
+                                                   sigma=0.8, seed=0)
+    assert 0 < result["padding_pct"] < 100
+    assert result["max_over_mean_padding_counted"][0] > result["max_over_mean_data"][0]
+    assert result["bias_update_turns"][0] > 0

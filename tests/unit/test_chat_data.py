@@ -272,6 +272,9 @@ def test_rows_are_packed_whole_with_exact_labels_starts_and_counts(folders, tmp_
     assert labels[0, :n0 - 1].tolist() == hf_labels[1:]
     assert labels[0, n0 - 1] == IGNORE and (labels[0, n0 + n1 - 1:] == IGNORE).all()
     assert batch.starts[0].tolist() == [0] * n0 + [n0] * n1 + [n0 + n1] * (240 - n0 - n1)
+    # The conversations' tokens are data, targets or not; the padding is not.
+    assert batch.real[0].tolist() == [True] * (n0 + n1) + [False] * (240 - n0 - n1)
+    assert batch.real_tokens == int(batch.real.sum()) == sum(len(r.ids) for r in rendered)
     assert batch.supervised == int((labels != IGNORE).sum()) == sum(sum(r.mask[1:]) for r in rendered)
     assert loader.chat_stats() == {"data": {"packed": 4, "truncated": 0, "dropped": 0, "unsupervised": 0,
                                             "targets": batch.supervised}}
@@ -340,10 +343,12 @@ def test_mixture_with_text_keeps_text_rows_as_they_were(folders, tmp_path):
             continue
         assert torch.equal(labels[r, :-1], inputs[r, 1:])
         assert torch.equal(batch.starts[r], document_starts(inputs[r:r + 1], tokenizer.eos_id)[0])
+        assert batch.real[r].all()  # a text row holds no padding
     assert 0 < chat_rows_seen < 4
     assert batch.supervised == int((labels != IGNORE).sum())
     (plain,) = build_dataloader(text_only, tokenizer).next_batch()
-    assert plain.starts is None and plain.supervised == 4 * 48  # pretraining batches are as they were
+    # Pretraining batches are as they were: no starts, no mask (every token data), every label a target.
+    assert plain.starts is None and plain.real is None and plain.supervised == plain.real_tokens == 4 * 48
 
 
 def test_byte_tokenizer_and_bad_settings_are_refused(tmp_path):

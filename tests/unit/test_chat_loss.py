@@ -1,6 +1,7 @@
 """Chat SFT's loss through the trainer: the mean over the global batch's targets, as transformers
 computes it with the same tokens ignored, whatever the micro-batching; a row without targets
-adds nothing; document masking takes the chat rows' own document starts.
+adds nothing; document masking takes the chat rows' own document starts; the windows' padding
+takes no part in the MoE routers' statistics, balance losses or bias updates.
 
     python -m pytest -q tests/unit/test_chat_loss.py
 """
@@ -15,7 +16,9 @@ import torch.nn.functional as F
 
 from tests.any_checkpoint import reference_model, save_checkpoint
 from tests.chat_fixtures import CHATML_SPECIALS, HARMONY, HARMONY_SPECIALS, chatml, deepseek, tokenizer_folder
-from tests.chat_jobs import chat_job, write_chat_file
+from tests.chat_jobs import RouterTaps, chat_job, data_mask, write_chat_file
+from tests.helpers import BALANCE
+from tests.launch import metrics_by_step
 from torchmoe.data.micro_batches import IGNORE, MicroBatch
 from torchmoe.training.loop import Trainer
 
@@ -70,11 +73,13 @@ def test_first_step_loss_is_transformers_loss_with_the_same_labels_ignored(world
     assert batch[0].supervised != batch[1].supervised
 
 
-def test_gradient_accumulation_gives_the_one_micro_batch_step(world, tmp_path):
-    """Global batch 4: one micro-batch of 4 rows or two of 2 (different target counts each):
-    the same loss, gradients and norm (1e-5)."""
-    one = _trainer(world, "qwen3", "chatml", tmp_path / "one", "--training.local_batch_size", "4")
-    two = _trainer(world, "qwen3", "chatml", tmp_path / "two")
+@pytest.mark.parametrize("balance", [[], BALANCE], ids=["default", "balance"])
+def test_gradient_accumulation_gives_the_one_micro_batch_step(world, tmp_path, balance):
+    """Global batch 4: one micro-batch of 4 rows or two of 2 (different target counts and data
+    tokens each): the same loss, gradients and norm (1e-5), with the router's balance loss and
+    z-loss on too (each over the data tokens: a mean per micro-batch would differ)."""
+    one = _trainer(world, "qwen3", "chatml", tmp_path / "one", "--training.local_batch_size", "4", *balance)
+    two = _trainer(world, "qwen3", "chatml", tmp_path / "two", *balance)
     results = [t.train_step(t.dataloader.next_batch()) for t in (one, two)]
     assert results[1].loss == pytest.approx(results[0].loss, rel=1e-5)
     assert results[1].grad_norm == pytest.approx(results[0].grad_norm, rel=1e-5)
@@ -83,10 +88,10 @@ def test_gradient_accumulation_gives_the_one_micro_batch_step(world, tmp_path):
 def test_a_micro_batch_without_targets_adds_nothing_and_a_step_without_any_is_zero(world, tmp_path):
     """A micro-batch whose labels are all ignored leaves the step's loss and gradients as they
     are without it; a step whose global count is 0 has loss 0 and zero gradients (no NaN). (The
-    router's load-balancing loss, off here, is over every token, targets or not.)"""
+    router's load-balancing loss, off here, is over every data token, targets or not.)"""
     trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--model.aux_loss_coeff", "0")
     first, second = trainer.dataloader.next_batch()
-    empty = MicroBatch(second[0], torch.full_like(second[1], IGNORE), second.starts, 0)
+    empty = MicroBatch(second[0], torch.full_like(second[1], IGNORE), second.starts, 0, second.real)
     alone = trainer.forward_backward([first])
     want = _grads(trainer)
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -137,3 +142,50 @@ def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_pa
     assert (labels == IGNORE).any()
     want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
     assert trainer.validate() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_padding_takes_no_part_in_the_routers_statistics(world, tmp_path):
+    """Two steps of Qwen3-MoE chat SFT with the expert bias, the balance loss and the z-loss on,
+    the windows' padding 25-50% of some rows: against a brute-force count over the data tokens
+    (the trailing EOS run of each row is padding; the routers' own top-k, scores and logits
+    tapped), each step's per-expert load in metrics.jsonl and its moe_imbalance, the expert biases
+    after the steps, and each layer's balance loss (per row over its data tokens, the mean over
+    the global batch's rows) and z-loss (the mean over the step's data tokens) as the step's
+    micro-batches attach them. Counted over every token the loads differ: the fix is needed."""
+    coeff = {name: float(BALANCE[BALANCE.index(f"--model.{name}") + 1])
+             for name in ("load_balance_coeff", "aux_loss_coeff", "z_loss_coeff")}
+    trainer = _trainer(world, "qwen3", "chatml", tmp_path, *BALANCE, "--training.steps", "2")
+    eos, top_k = trainer.tokenizer.eos_id, trainer.model_args.top_k
+    steps: list[list[MicroBatch]] = []
+    draw = trainer.dataloader.next_batch
+    trainer.dataloader.next_batch = lambda: steps.append(draw()) or steps[-1]
+    moes = {name: block.moe for name, block in trainer.model.layers.items() if block.moe_enabled}
+    attached: dict[str, list[float]] = {name: [] for name in moes}  # each call's share of the step's aux losses
+    for name, moe in moes.items():
+        moe.register_forward_hook(lambda m, args, out, name=name: attached[name].append(
+            float(m.last_aux_loss) * m.aux_loss_grad_scale))
+    biases = {name: torch.zeros(trainer.model_args.num_experts) for name in moes}
+    with RouterTaps(trainer.model) as taps:
+        trainer.fit()
+    records = metrics_by_step(tmp_path)
+    for step, batch in enumerate(steps, start=1):
+        masks = [data_mask(inputs, eos) for inputs, _ in batch]
+        assert all(torch.equal(mb.real, mask) for mb, mask in zip(batch, masks))  # the loader's mask is the data
+        stats = taps.statistics(masks, top_k, step - 1)
+        record = records[step]
+        counts = torch.stack([layer["counts"] for layer in stats.values()])
+        assert record["tokens_per_expert"] == counts.tolist(), step
+        assert record["moe_imbalance"] == pytest.approx((counts.max(1).values / counts.mean(1)).mean().item(),
+                                                        rel=1e-6)
+        padded = torch.stack([layer["all_counts"] for layer in stats.values()])
+        assert not torch.equal(padded, counts) and (padded.sum(1) > counts.sum(1)).all()  # without the fix
+        rows, data = sum(mask.shape[0] for mask in masks), sum(int(mask.sum()) for mask in masks)
+        assert 0 < data < rows * masks[0].shape[1]
+        for name, layer in stats.items():
+            want = coeff["aux_loss_coeff"] * layer["balance"] / rows + coeff["z_loss_coeff"] * layer["squares"] / data
+            got = sum(attached[name][(step - 1) * len(batch):step * len(batch)])
+            assert got == pytest.approx(want.item(), rel=1e-5), (step, name)
+            delta = coeff["load_balance_coeff"] * torch.sign(layer["counts"].mean() - layer["counts"])
+            biases[name] += delta - delta.mean()
+    for name, bias in biases.items():
+        torch.testing.assert_close(trainer.model.layers[name].moe.expert_bias, bias, rtol=1e-6, atol=1e-7)

@@ -214,7 +214,7 @@ def test_step_one_loss_is_the_cross_entropy_of_each_document_alone(tmp_path: Pat
     with torch.no_grad():
         logits = _per_document_logits(trainer.model, inputs, eos)
         # Token by token first (a boundary off by one moves the mean loss by less than 1e-5).
-        local_inputs, _, documents = trainer._local_columns(inputs, labels)
+        local_inputs, _, documents, _ = trainer._local_columns(inputs, labels)
         torch.testing.assert_close(trainer.model(local_inputs, documents), logits, rtol=1e-5, atol=1e-5)
     expected = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     assert trainer.train_step(batch).loss == pytest.approx(expected.item(), rel=1e-5)

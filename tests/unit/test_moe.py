@@ -1,4 +1,4 @@
-"""MoE layer: grouped GEMM vs loop, router, load balancing, auxiliary losses."""
+"""MoE layer: grouped GEMM vs loop, router, load balancing, auxiliary losses, padding."""
 
 from __future__ import annotations
 
@@ -198,21 +198,75 @@ def _recompute_aux(moe: MoE, x: torch.Tensor, coeff: str) -> torch.Tensor:
     return 0.5 * (f * probs.mean(1)).sum(-1).mean()
 
 
+def _padded_batch(lengths: list[int], seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, 128) tokens whose rows hold `lengths` data tokens, then padding: one vector for
+    every padding token (as EOS's embedding), so all of it picks the same experts; (B, S) mask."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(len(lengths), seq_len, 128, generator=gen)
+    real = torch.arange(seq_len) < torch.tensor(lengths)[:, None]
+    return torch.where(real[..., None], x, torch.randn(128, generator=gen)), real
+
+
+@pytest.mark.parametrize("coeff", ["aux_loss_coeff", "z_loss_coeff"])
+def test_padding_takes_no_part_in_the_counts_the_bias_update_or_the_aux_losses(coeff):
+    """Three rows of 32 tokens holding 32, 20 and 5 data tokens (the last a planted row of
+    mostly padding): the routed-token counts are the router's top-k over the data tokens alone,
+    the bias update follows them, and each auxiliary loss (its value and its gradient) is the
+    brute-force one over the data tokens (the balance loss each row's over its own data, the
+    z-loss the mean over the data tokens). Counted over every token, the padding's experts
+    would get 39 copies more each, and the bias update would turn for some experts."""
+    moe = _moe(top_k=2, load_balance_coeff=0.1, **{coeff: 0.5})
+    x, real = _padded_batch([32, 20, 5])
+    data = x[real]  # (57, dim)
+    _, selected, _, _ = moe.router(data, None)
+    want = torch.bincount(selected.flatten(), minlength=moe.num_experts).float()
+    lengths = real.sum(1).tolist()
+
+    def brute(m: MoE) -> torch.Tensor:
+        if coeff == "z_loss_coeff":
+            return _recompute_aux(m, data[None], coeff)
+        return sum(_recompute_aux(m, x[b:b + 1, :n], coeff) for b, n in enumerate(lengths)) / 3  # rows alone
+
+    moe(x, real=real).sum().backward()
+    assert torch.equal(moe.tokens_per_expert, want)
+    assert moe.last_aux_loss.item() == pytest.approx(brute(moe).item(), rel=1e-6)
+    ref = _moe(top_k=2, **{coeff: 0.5})
+    ref.load_state_dict(moe.state_dict())
+    ref.aux_loss_grad_scale = 0.0  # attach nothing; add the brute-force loss by hand instead
+    (ref(x, real=real).sum() + brute(ref)).backward()
+    torch.testing.assert_close(moe.router.gate.weight.grad, ref.router.gate.weight.grad)
+
+    update_expert_bias([moe])
+    delta = 0.1 * torch.sign(want.mean() - want)
+    assert torch.equal(moe.expert_bias, delta - delta.mean())
+    unmasked = _moe(top_k=2)
+    unmasked.load_state_dict(moe.state_dict())
+    unmasked.expert_bias.zero_()
+    with torch.no_grad():
+        unmasked(x)
+    extra = unmasked.tokens_per_expert - want
+    assert sorted(extra.tolist())[-2:] == [39.0, 39.0]  # the 39 padding tokens all pick the same two
+    assert (torch.sign(unmasked.tokens_per_expert.mean() - unmasked.tokens_per_expert) != torch.sign(delta)).any()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all_data", "padded"])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_grouped_path_makes_no_host_sync(grouped):
+def test_grouped_path_makes_no_host_sync(grouped, padded):
     """On the meta device every read of a tensor value on the host (`.item()`, `.tolist()`, a
     data-dependent output size) raises, so a forward+backward that runs there has no host-device
-    synchronisation. bf16: the meta kernel of _grouped_mm accepts only bf16."""
+    synchronisation, with a mask of the data tokens too. bf16: the meta kernel of _grouped_mm
+    accepts only bf16."""
     with torch.device("meta"):
         moe = MoE(FLAVORS["tiny"].replace(use_grouped_mm=grouped, aux_loss_coeff=0.1, z_loss_coeff=0.1))
         moe = moe.to(torch.bfloat16)
         x = torch.randn(2, 32, 128, dtype=torch.bfloat16, requires_grad=True)
+        real = {"real": torch.ones(2, 32, dtype=torch.bool)} if padded else {}
     if grouped:
-        moe(x).sum().backward()
+        moe(x, **real).sum().backward()
         assert moe.experts.w1.grad.device.type == "meta"
     else:  # the loop reference reads the counts on the host: the check can fail
         with pytest.raises((RuntimeError, NotImplementedError)):
-            moe(x).sum().backward()
+            moe(x, **real).sum().backward()
 
 
 def test_cuda_block_padding_gives_the_same_outputs():

@@ -54,17 +54,19 @@ def test_grouped_mm_and_its_gradients_match_per_group_matmuls() -> None:
     assert w.grad[1].abs().sum() == 0  # the empty group gets no gradient
 
 
-def _model(ac_mode: str) -> Transformer:
+def _model(ac_mode: str, args=ARGS) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = Transformer(args)
     model.init_weights(seed=0)
     apply_ac(model, ActivationCheckpoint(mode=ac_mode))
     return model
 
 
-def _step(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """Loss, gradients by name and the MoE layer's routed-token counts after one forward+backward."""
-    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+def _step(model: Transformer, tokens: torch.Tensor,
+          real: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Loss, gradients by name and the MoE layer's routed-token counts after one forward+backward
+    (`real`: the mask of the data tokens, or None)."""
+    loss = torch.nn.functional.cross_entropy(model(tokens, real=real).flatten(0, 1), tokens.roll(-1, 1).flatten())
     loss.backward()
     grads = {n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): p.grad
              for n, p in model.named_parameters()}
@@ -75,16 +77,21 @@ def _step(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[
 # ops and SAC's policy); the others run under aot_eager (dynamo and AOT autograd without code
 # generation: seconds instead of a minute). The distributed tier compiles FSDP, TP, EP and CP
 # layouts with inductor.
-@pytest.mark.parametrize("ac_mode, backend", [("selective", "inductor"), ("none", "aot_eager"), ("full", "aot_eager")])
-def test_compiled_blocks_have_no_graph_break_and_match_eager(ac_mode: str, backend: str) -> None:
+# The padded case: a chat batch's mask of its data tokens (the second row's last 12 are padding),
+# with the balance loss and z-loss over the data tokens on.
+@pytest.mark.parametrize("ac_mode, backend, padded", [("selective", "inductor", False), ("none", "aot_eager", False),
+                                                      ("full", "aot_eager", False), ("none", "aot_eager", True)])
+def test_compiled_blocks_have_no_graph_break_and_match_eager(ac_mode: str, backend: str, padded: bool) -> None:
     torch._dynamo.reset()
     tokens = torch.randint(0, ARGS.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    ref_loss, ref_grads, ref_counts = _step(_model(ac_mode), tokens)
+    real = torch.arange(32) < torch.tensor([[32], [20]]) if padded else None
+    args = ARGS.replace(aux_loss_coeff=0.01, z_loss_coeff=0.001) if padded else ARGS
+    ref_loss, ref_grads, ref_counts = _step(_model(ac_mode, args), tokens, real)
 
-    model = _model(ac_mode)
+    model = _model(ac_mode, args)
     apply_compile(model, Compile(enable=True, backend=backend), fullgraph=True)
     before = DynamoCounts.now()
-    loss, grads, counts = _step(model, tokens)
+    loss, grads, counts = _step(model, tokens, real)
     compiled = DynamoCounts.now().since(before)
 
     assert compiled == DynamoCounts(graphs=2, graph_breaks=0), dict(counters["graph_break"])
@@ -93,4 +100,5 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(ac_mode: str, backe
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     # Counted once per forward: activation checkpointing's recomputation adds nothing.
-    assert torch.equal(counts, ref_counts) and counts.sum() == tokens.numel() * ARGS.top_k
+    data = tokens.numel() if real is None else int(real.sum())
+    assert torch.equal(counts, ref_counts) and counts.sum() == data * ARGS.top_k

@@ -3,16 +3,17 @@
     corpus = ChatCorpus(chat_rows("data/chat.jsonl"), loss_on="assistant", overlong="truncate")
     corpus.check_tokenizer(tokenizer)            # loads the chat template beside tokenizer.json
     stream = corpus.stream(row, rows, window=seq_len + 1, pad_id=tokenizer.eos_id)
-    stream.take(1)                               # ChatWindows: inputs, labels, starts, each (1, seq_len)
+    stream.take(1)                               # ChatWindows: inputs, labels, starts, real, each (1, seq_len)
 
 Batch row j of G packs conversations [j*N/G, (j+1)*N/G) of the N rows, in order, pass after pass:
 each one's tokens exactly as the template renders them (`chat_masks.render`: no BOS or EOS
 added), whole, never cut between two rows of a batch. A window holds `seq_len + 1` tokens (a
 conversation of n tokens has n - 1 targets, so one of seq_len + 1 tokens fits a row); a
 conversation that does not fit the rest of a window starts the next one, and the rest is padding
-(EOS ids, no targets, a document of its own). The labels are the next token where that token is a
-target of the same conversation (`training.loss_on`), else -100: a conversation's first token is
-never a target, so nothing is learned across a boundary.
+(EOS ids, no targets, a document of its own, and no data: `ChatWindows.real` is False there, so
+the MoE routers leave it out of their statistics). The labels are the next token where that
+token is a target of the same conversation (`training.loss_on`), else -100: a conversation's
+first token is never a target, so nothing is learned across a boundary.
 
 A conversation longer than `seq_len + 1` tokens is cut to that length or dropped
 (`training.chat_overlong`); both are counted (`ChatStats`, `DataLoader.chat_stats`) and the first of
@@ -193,11 +194,12 @@ class ChatStream:
         self._pass_targets: int | None = 0 if index == 0 else None  # conversations with a target this pass
 
     def take(self, n: int) -> ChatWindows:
-        """The next `n` windows: inputs, labels and document starts, each (n, window - 1) int64."""
+        """The next `n` windows: inputs, labels and document starts, each (n, window - 1) int64,
+        and which inputs are data (bool: the padding is not)."""
         windows = [self._window() for _ in range(n)]
         return ChatWindows(*(torch.stack(column) for column in zip(*windows, strict=True)))
 
-    def _window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ids: list[int] = []
         targets: list[int] = []
         starts: list[int] = []
@@ -210,15 +212,16 @@ class ChatStream:
             starts += [len(ids)] * len(rendered.ids)
             ids += rendered.ids
             targets += rendered.mask
-        rest = self.window - len(ids)
-        starts += [len(ids)] * rest  # the padding is a document of its own
+        real = len(ids)
+        rest = self.window - real
+        starts += [real] * rest  # the padding is a document of its own
         ids += [self.pad_id] * rest
         targets += [0] * rest
         tokens, target, start = (torch.tensor(v, dtype=torch.long) for v in (ids, targets, starts))
         # A label is the next token where it is a target of the same document: a document's first
         # token (and padding) never is.
         keep = target[1:].bool() & (start[1:] == start[:-1])
-        return tokens[:-1], torch.where(keep, tokens[1:], IGNORE), start[:-1]
+        return tokens[:-1], torch.where(keep, tokens[1:], IGNORE), start[:-1], torch.arange(self.window - 1) < real
 
     def _next_conversation(self, *, handed_out: bool) -> Rendered | None:
         """The next conversation that fits a window (cut or dropped as `overlong` says); None at

@@ -21,7 +21,9 @@ instead would balance the two windows (both exchanges move the same bytes) but c
 shapes, hence the rounding. With all three in the dispatch window, 2 gloo ranks hid about half
 as much shared-expert compute behind the exchanges (docs/parallelism.md, "The parallelize order", step 3).
 
-Dropless: every routed copy is sent, however unbalanced the routing. With TP, EP borrows the TP
+Dropless: every routed copy of a data token is sent, however unbalanced the routing; padding's
+(`MoE.forward`'s mask) are not sent at all, so that a chat batch's padding, which all picks the
+same experts, neither crosses the network nor piles up on their ranks. With TP, EP borrows the TP
 ranks: each rank dispatches the tokens of its own sequence shard (no all-gather in the MoE
 block), and the router gate and shared experts, replicated over ``tp``, see token-sharded inputs
 so their gradients are summed over ``tp``.
@@ -37,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchmoe import _torch_private as private
 from torchmoe.distributed.async_all_to_all import PendingAllToAll, launch_all_to_all, wait_all_to_all
-from torchmoe.nn.dispatch import Routed, TokenDispatcher
+from torchmoe.nn.dispatch import Routed, TokenDispatcher, copies_per_expert
 from torchmoe.nn.moe_ops import count_exchanged_bytes
 
 
@@ -83,9 +85,14 @@ class AllToAllDispatcher(TokenDispatcher):
         return int(self.exchanged_bytes[1])
 
     def dispatch(self, tokens: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor,
-                 counts: torch.Tensor, score_before_experts: bool) -> Routed:
-        """Sort the routed copies and launch their all-to-all to the experts' ranks."""
+                 counts: torch.Tensor, score_before_experts: bool, real: torch.Tensor | None = None) -> Routed:
+        """Sort the routed copies and launch their all-to-all to the experts' ranks. Padding
+        (`real` False) goes nowhere: its copies sort after every expert's and are cut off once
+        the split sizes are on the host, so its routed output is zero (`TokenDispatcher.dispatch`)."""
         group = self.ep_mesh.get_group()
+        if real is not None:
+            counts = copies_per_expert(selected, self.num_experts, real)  # the data's copies only
+            selected = selected.masked_fill(~real.unsqueeze(-1), self.num_experts)  # padding sorts last
         # recv_counts[src, e]: rows source rank src sends for our local expert e; in flight
         # during the sort.
         recv_counts = private.all_to_all_counts(counts, group)
@@ -94,6 +101,9 @@ class AllToAllDispatcher(TokenDispatcher):
         send_splits = counts.view(self.ep, self.local_experts).sum(1)
         splits = torch.cat([send_splits, recv_counts.sum(1)]).tolist()  # the host sync (see module doc)
         send, recv = splits[: self.ep], splits[self.ep :]
+        if real is not None:  # the data's copies, which lead the sorted ones
+            rows = sum(send)
+            routed.token_of, routed.gates, routed.rows = (t[:rows] for t in (routed.token_of, routed.gates, routed.rows))
         self._count_bytes(routed.rows, send)
         routed.exchange = Exchange(send, recv, recv_counts, launch_all_to_all(routed.rows, recv, send, group))
         return routed

@@ -16,7 +16,7 @@ from torch import nn
 
 from torchmoe.nn.experts import compute_dtype
 
-__all__ = ["Routed", "TokenDispatcher", "pad_expert_blocks"]
+__all__ = ["Routed", "TokenDispatcher", "copies_per_expert", "pad_expert_blocks"]
 
 # On CUDA, grouped GEMM kernels want every expert's row block to start at a multiple of 16 rows
 # (bf16 tensor-core tiles), and float8 grouped GEMMs need it on any device; else no padding.
@@ -28,12 +28,13 @@ class Routed:
     """A micro-batch's routed copies between the phases of a `TokenDispatcher`.
 
     Attributes:
-        token_of: (T*k,) source token of each copy; the copies are sorted expert-major.
-        gates: (T*k, 1) fp32 gate value of each copy.
+        token_of: (R,) source token of each copy; the copies are sorted expert-major. R = T*k,
+            or under expert parallelism with padding the data's copies only.
+        gates: (R, 1) fp32 gate value of each copy.
         gate_outputs: the gates scale the experts' outputs (``score_before_experts`` off); else
             they scaled the rows before the experts.
         num_tokens: T.
-        rows: (T*k, dim) in the compute dtype: the copies after `dispatch`, their experts'
+        rows: (R, dim) in the compute dtype: the copies after `dispatch`, their experts'
             outputs after `run_experts` (expert parallelism leaves the copies there: the
             outputs arrive through `exchange`).
         counts: (E,) int64 copies per expert.
@@ -48,6 +49,15 @@ class Routed:
     rows: torch.Tensor
     counts: torch.Tensor
     exchange: object | None = None
+
+
+def copies_per_expert(selected: torch.Tensor, num_experts: int, real: torch.Tensor | None = None) -> torch.Tensor:
+    """(E,) int64 routed copies per expert of `selected` ((T, k) expert ids); with `real` ((T,)
+    bool) of the tokens where it is True only. scatter_add rather than bincount: bincount sizes
+    its output from the data (a host sync)."""
+    flat = selected.reshape(-1)  # (T*k,) token-major
+    ones = torch.ones_like(flat) if real is None else real.repeat_interleave(selected.shape[-1]).long()
+    return torch.zeros(num_experts, dtype=torch.int64, device=selected.device).scatter_add_(0, flat, ones)
 
 
 class TokenDispatcher:
@@ -65,12 +75,17 @@ class TokenDispatcher:
         self.top_k = top_k
 
     def dispatch(self, tokens: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor,
-                 counts: torch.Tensor, score_before_experts: bool) -> Routed:
+                 counts: torch.Tensor, score_before_experts: bool, real: torch.Tensor | None = None) -> Routed:
         """Sort each token's top-k copies expert-major and cast them to the compute dtype.
 
         Args:
             tokens: (T, dim); top_scores, selected: (T, k); counts: (E,) int64 routed copies per
-                expert.
+                expert (every token's).
+            real: (T,) bool, False where the token is padding, whose output no loss reads (it
+                ends its row: no data attends to it), so it needs no expert; None: every token
+                is data. On one rank padding is routed as any token all the same: the shapes
+                stay static (T * k rows), with no host read, and under MoE TP every rank routes
+                the whole sequence alike; expert parallelism leaves it out of the all-to-all.
         """
         flat_expert = selected.reshape(-1)  # (T*k,) expert of each routed copy
         order = torch.argsort(flat_expert, stable=True)  # routed copies sorted expert-major

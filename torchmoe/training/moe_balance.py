@@ -44,12 +44,17 @@ class MoeBalance:
         and tp when EP spans it (each TP rank then routes its own sequence shard)."""
         return self.dims.dp * self.dims.cp * (self.dims.tp if self.dims.ep_enabled else 1)
 
-    def set_aux_loss_scale(self, micro_batches: int) -> None:
-        # Auxiliary losses are means per micro-batch (of the pipeline too) and token shard;
-        # gradients are summed over shards and micro-batches, so each contributes
-        # 1 / (micro-batches * shards).
+    def set_aux_loss_scale(self, micro_batches: int, real_tokens: torch.Tensor | None = None) -> None:
+        """Scale this step's auxiliary losses: they are means per micro-batch (of the pipeline
+        too) and token shard, and their gradients are summed over shards and micro-batches, so
+        each contributes 1 / (micro-batches * shards). With padding, `real_tokens` (the step's
+        data tokens over the data-parallel ranks, a 0-dim device tensor) over as many parts is
+        the z-loss's normaliser (`MoE.z_loss_tokens`): its sum over all of them is then the mean
+        over the step's data tokens, however they fall between micro-batches and shards."""
+        parts = micro_batches * self.pp_microbatches * self.token_shards
         for moe in self.layers:
-            moe.aux_loss_grad_scale = 1.0 / (micro_batches * self.pp_microbatches * self.token_shards)
+            moe.aux_loss_grad_scale = 1.0 / parts
+            moe.z_loss_tokens = (real_tokens / parts).float() if real_tokens is not None else None
 
     def bad_bias(self, like: torch.Tensor) -> torch.Tensor:
         """1.0 when some local expert bias is not finite, else 0.0 (on the device, like `like`)."""

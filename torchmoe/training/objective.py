@@ -58,18 +58,19 @@ class Objective:
         token losses over the global batch's supervised-token count."""
         return self.summed(logits, labels) / self.tokens
 
-    def forward(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                documents: DocumentSegments | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's forward on one (B, S) micro-batch: (its share of the objective, for the
+    def forward(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, documents: DocumentSegments | None,
+                real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward on one (B, S) micro-batch, `real` its mask of the tokens that are
+        data (None: all; `Transformer.forward`): (its share of the objective, for the
         backward; the shares of the losses logged, detached). The objective is the main loss
         (`loss`); with multi-token prediction modules, plus ``mtp_loss_coeff`` times their mean
         loss, each depth's summed over its targets (`models.decoder.mtp`) over the same token
         count. Logged: the main loss alone (what validation and `eval` compute), then the
         modules' mean loss (a plain (2,) tensor; without the modules the objective itself)."""
         if not self.mtp_layers:
-            loss = self.loss(model(inputs, documents), labels)
+            loss = self.loss(model(inputs, documents, real=real), labels)
             return loss, loss.detach()
-        logits, depths = model(inputs, documents, labels=labels)
+        logits, depths = model(inputs, documents, labels=labels, real=real)
         main = self.summed(logits, labels)
         mtp = sum(self.summed(out, mtp_targets(labels, k)) for k, out in enumerate(depths, start=1))
         scale = self.mtp_loss_coeff / len(depths)

@@ -1,5 +1,6 @@
 """A micro-batch as this rank trains on it: its columns, on its device, with the document
-segment tables its attention calls read."""
+segment tables its attention calls read and which of its tokens are data (not padding) for the
+MoE routers."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from torchmoe.nn.document_attention import (
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.parallel_dims import ParallelDims
 
-# Places a (B, seq_len) micro-batch's (inputs, labels, document starts or None) as this rank trains
-# on them (`LocalColumns`): (inputs, labels, document segment tables or None).
-PlaceColumns = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
-                        tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]]
+# Places a (B, seq_len) micro-batch's (inputs, labels, document starts or None, data mask or None)
+# as this rank trains on them (`LocalColumns`): (inputs, labels, document segment tables or None,
+# data mask or None).
+PlaceColumns = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                        tuple[torch.Tensor, torch.Tensor, DocumentSegments | None, torch.Tensor | None]]
 
 
 class LocalColumns:
@@ -48,11 +50,15 @@ class LocalColumns:
         self.positions = torch.tensor(CPLayout(seq_len, self.cp).positions(self.cp_rank)) \
             if dims.cp_enabled else None
 
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor,
-                 starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, DocumentSegments | None]:
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, starts: torch.Tensor | None = None,
+                 real: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, DocumentSegments | None, torch.Tensor | None]:
         """This rank's columns of a (B, seq_len) micro-batch (its CP pieces; all without CP), on
-        its device, and with document masking the segment tables of every attention call this
-        rank's layers make (`nn.document_attention.document_segments`), else None. The tables
+        its device: its inputs, labels and (B, seq_len) bool mask of the tokens that are data
+        (`data.micro_batches.MicroBatch.real`: None where all are), which the MoE layers take as
+        the tokens take their columns (`models.decoder.moe.MoE.forward`); and with document
+        masking the segment tables of every attention call this rank's layers make
+        (`nn.document_attention.document_segments`), else None. The tables
         come from the batch's own (B, seq_len) document `starts` where it has them (chat rows,
         whose templates may write EOS inside a conversation: `data.micro_batches.MicroBatch`),
         else from the whole rows' token ids, on the host, before they travel (a piece's first
@@ -68,14 +74,14 @@ class LocalColumns:
                 starts = document_starts(inputs, self.eos_id)
             documents = document_segments(starts,
                                           self.attention_calls(inputs.shape[-1]), self.device)
-        columns = (inputs, labels)
+        columns = (inputs, labels) if real is None else (inputs, labels, real)
         if self.positions is not None:
             columns = tuple(t[:, self.positions] for t in columns)
         if self.device.type == "cuda":
-            inputs, labels = (t.pin_memory().to(self.device, non_blocking=True) for t in columns)
+            placed = [t.pin_memory().to(self.device, non_blocking=True) for t in columns]
         else:
-            inputs, labels = (t.to(self.device) for t in columns)
-        return inputs, labels, documents
+            placed = [t.to(self.device) for t in columns]
+        return placed[0], placed[1], documents, placed[2] if real is not None else None
 
     def attention_calls(self, seq_len: int) -> list[AttentionCall]:
         """The kinds of attention call this rank's layers make on rows of `seq_len` tokens: one

@@ -5,7 +5,8 @@ the MoE bias update.
 What knows about ranks here: the loss (the objective normalises by the global batch's token
 count, so any dp degree and gradient accumulation give the same gradients), one all-reduce per
 step of the loss and the stop flag, and the MoE token counts (`moe_balance`). With masked labels
-(chat data) the count is the step's: one small all-reduce of it before the first forward.
+(chat data) the count is the step's: one small all-reduce of it, and of the step's data tokens
+(not padding: the MoE z-loss's normaliser), before the first forward.
 """
 
 from __future__ import annotations
@@ -89,44 +90,49 @@ class StepRunner:
         gradient reduction across replicas set by `sync_gradients(last=...)` before each; returns
         this rank's shares of the global losses logged (`Objective.forward`: (main,), or (main,
         multi-token prediction); summed over dp ranks each is the global mean)."""
-        self.balance.set_aux_loss_scale(len(micro_batches))
         if self.qk_clip is not None:
             self.qk_clip.begin_step()
         local_loss = torch.zeros(1 + (self.objective.mtp_layers > 0), device=self.device)
+        real_tokens = None
         if self.count_targets:
-            self.objective.tokens = self.global_targets(micro_batches)
+            self.objective.tokens, real_tokens = self.global_targets(micro_batches)
+        self.balance.set_aux_loss_scale(len(micro_batches), real_tokens)
         # Every micro-batch's copy to the device starts now: later ones arrive during earlier ones' compute.
         with region("data"):
-            micro_batches = [columns(*batch, batch.starts) for batch in micro_batches]
-        for i, (inputs, labels, documents) in enumerate(micro_batches):
+            micro_batches = [columns(*batch, batch.starts, batch.real) for batch in micro_batches]
+        for i, (inputs, labels, documents, real) in enumerate(micro_batches):
             self.sync_gradients(last=i == len(micro_batches) - 1)
             with loss_parallel() if self.objective.tp_mesh is not None else nullcontext():
                 if self.schedule is not None:
-                    losses = self._pipeline_step(inputs, labels, documents)
+                    losses = self._pipeline_step(inputs, labels, documents, real)
                 else:
-                    objective, logged = self.objective.forward(self.model, inputs, labels, documents)
+                    objective, logged = self.objective.forward(self.model, inputs, labels, documents, real)
                     objective.backward()
                     losses = [logged]
             for loss in losses:
                 local_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         return local_loss
 
-    def global_targets(self, micro_batches: MicroBatches) -> torch.Tensor:
-        """The step's targets (labels that are not ignored) over the data-parallel ranks: the sum
-        of the counts the host made with each micro-batch (over whole rows, so under CP every
-        piece divides by the same count), all-reduced once, as a 0-dim float64 tensor on the
-        device, which no host reads. At least 1: a step without targets has zero loss and zero
-        gradients (every token loss is ignored), not 0 / 0. Replica groups that meet every step
-        (their gradients averaged) divide by the mean of their counts instead
+    def global_targets(self, micro_batches: MicroBatches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's targets (labels that are not ignored) and its data tokens (not padding:
+        `MicroBatch.real_tokens`) over the data-parallel ranks: the sums of the counts the host
+        made with each micro-batch (over whole rows, so under CP every piece divides by the same
+        count), all-reduced together once, as 0-dim float64 tensors on the device, which no host
+        reads. At least 1: a step without targets has zero loss and zero gradients (every token
+        loss is ignored), not 0 / 0. Replica groups that meet every step (their gradients
+        averaged) divide the loss by the mean of their counts of targets instead
         (`ReplicaGroups.mean_targets`): the average is then the quorum's mean over its targets,
-        however they fall between the groups."""
-        count = torch.tensor(sum(batch.supervised for batch in micro_batches), dtype=torch.int64,
-                             device=self.device)
+        however they fall between the groups. The data tokens normalise the MoE z-loss
+        (`MoeBalance.set_aux_loss_scale`), each group's by its own, as pretraining's."""
+        counts = torch.tensor([sum(batch.supervised for batch in micro_batches),
+                               sum(batch.real_tokens for batch in micro_batches)], dtype=torch.int64,
+                              device=self.device)
         if self.batch_group is not None:
-            dist.all_reduce(count, group=self.batch_group)
+            dist.all_reduce(counts, group=self.batch_group)
+        targets, real_tokens = counts.clamp(min=1).double().unbind()
         if self.step_replicas is not None:  # replica groups meeting every step: the quorum's mean count
-            return self.step_replicas.mean_targets(count.double())
-        return count.clamp(min=1).double()
+            return self.step_replicas.mean_targets(counts[0].double()), real_tokens
+        return targets, real_tokens
 
     def sync_gradients(self, *, last: bool) -> None:
         """Reduce gradients across dp_replicate only in the last micro-batch's backward: summing
@@ -143,17 +149,18 @@ class StepRunner:
         else:  # DDP
             self.model.set_requires_gradient_sync(last)
 
-    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor,
-                       documents: DocumentSegments | None) -> list[torch.Tensor]:
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor, documents: DocumentSegments | None,
+                       real: torch.Tensor | None) -> list[torch.Tensor]:
         """Forward and backward of one local batch through the pipeline schedule; returns the
         pipeline micro-batches' losses on the rank holding the last stage, else nothing. The
-        document segment tables go to every stage as a keyword argument, which the schedule
-        splits into micro-batches along the rows as it splits the inputs (they are a pytree)."""
+        document segment tables and the mask of the tokens that are data go to every stage as
+        keyword arguments, which the schedule splits into micro-batches along the rows as it
+        splits the inputs (the tables are a pytree)."""
         losses: list[torch.Tensor] = []
         pipe, pp_rank = self.built.pipe, self.built.pp_rank
         first, last = pipe.has_first_stage(pp_rank), pipe.has_last_stage(pp_rank)
         args = (inputs,) if first else ()
-        kwargs = {"documents": documents} if documents is not None else {}
+        kwargs = {name: value for name, value in (("documents", documents), ("real", real)) if value is not None}
         self.schedule.step(*args, target=labels if last else None, losses=losses if last else None,
                            return_outputs=False, **kwargs)
         return losses

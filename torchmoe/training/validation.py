@@ -83,9 +83,9 @@ class Validation:
                 break
             for batch in micro_batches:
                 targets += batch.supervised
-                inputs, labels, documents = columns(*batch, batch.starts)
+                inputs, labels, documents, real = columns(*batch, batch.starts, batch.real)
                 with loss_parallel() if objective.tp_mesh is not None else nullcontext():
-                    loss = objective.summed(model(inputs, documents), labels)
+                    loss = objective.summed(model(inputs, documents, real=real), labels)
                 total += weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
             batches += 1
         for moe, saved in zip(moe_layers, counts):

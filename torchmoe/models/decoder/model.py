@@ -56,9 +56,9 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: DocumentSegments | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, S, dim), freqs_cis: (S, hd/2) complex, documents and cache: as
-        `Attention.forward`'s -> (B, S, dim)."""
+        `Attention.forward`'s, real: as `MoE.forward`'s -> (B, S, dim)."""
         normed = self.attention_norm(x)
         with region("attention"):
             if cache is None:
@@ -71,7 +71,8 @@ class TransformerBlock(nn.Module):
         # What the MoE layer runs outside its experts' own regions (routed and shared) is routing,
         # dispatch and combine.
         with region("router"):
-            return h + self.moe(normed)
+            # The mask as a keyword only when there is one: TP's input styles place a tensor, not None.
+            return h + (self.moe(normed) if real is None else self.moe(normed, real=real))
 
     def param_inits(self) -> dict[str, ParamInit]:
         ffn_name = "moe" if self.moe_enabled else "feed_forward"
@@ -116,7 +117,7 @@ class Transformer(nn.Module):
         return min(self.args.max_seq_len, _MAX_ROPE_CACHE)
 
     def forward(self, tokens: torch.Tensor, documents: DocumentSegments | None = None,
-                cache: KVCache | None = None, labels: torch.Tensor | None = None):
+                cache: KVCache | None = None, labels: torch.Tensor | None = None, real: torch.Tensor | None = None):
         """tokens: (B, S) int64 ids (or (B, S, dim) hidden states on later pipeline stages)
         -> logits (B, S, vocab) (or hidden states when this stage has no output head).
 
@@ -128,6 +129,10 @@ class Transformer(nn.Module):
         starts, built on the host). Positions stay global: RoPE counts from the row start
         either way.
 
+        real: (B, S) bool, True where the token is data and False where it is padding, which then
+        takes no part in the MoE routers' statistics, balance losses or dispatch (`MoE.forward`);
+        None: every token is data (pretraining's rows, generation).
+
         cache: decoding (`nn.kv_cache.KVCache`): `tokens` are the positions after the cached
         ones; every layer appends its keys and values, and the logits equal the full forward's
         at those positions.
@@ -135,19 +140,19 @@ class Transformer(nn.Module):
         Under ``autocast_dtype`` the logits come out in it and the hidden states in fp32 (the
         residual stream is a sum autocast leaves in fp32); the loss upcasts the logits."""
         if self.autocast_dtype is None:
-            return self._forward(tokens, documents, cache, labels)
+            return self._forward(tokens, documents, cache, labels, real)
         with torch.autocast(tokens.device.type, dtype=self.autocast_dtype):
-            return self._forward(tokens, documents, cache, labels)
+            return self._forward(tokens, documents, cache, labels, real)
 
     def _forward(self, tokens: torch.Tensor, documents: DocumentSegments | None, cache: KVCache | None,
-                 labels: torch.Tensor | None):
+                 labels: torch.Tensor | None, real: torch.Tensor | None):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         start = cache.length if cache is not None else 0
         freqs_cis = self._rotations(start + h.shape[1])[start:]
         for name, layer in self.layers.items():
             if int(name) >= self.args.n_layers:  # the multi-token prediction blocks
                 break
-            h = layer(h, freqs_cis, documents) if cache is None else layer(h, freqs_cis, cache=cache)
+            h = layer(h, freqs_cis, documents, real=real) if cache is None else layer(h, freqs_cis, cache=cache)
         if cache is not None:
             cache.advance(h.shape[1])
         if self.norm is None:  # not the last pipeline stage
@@ -159,7 +164,7 @@ class Transformer(nn.Module):
         depths = []
         for depth, (name, module) in enumerate((self.mtp or {}).items(), start=1):
             h = module.combine(self.tok_embeddings(mtp_inputs(labels, depth)), h)
-            h = self.layers[name](h, freqs_cis, documents)
+            h = self.layers[name](h, freqs_cis, documents, real=real)
             depths.append(self._head(module.norm(h)))
         return logits, depths
 

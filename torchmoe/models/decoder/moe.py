@@ -15,10 +15,20 @@ Load balancing is DeepSeek-V3's auxiliary-loss-free expert bias: the bias only c
 experts are *selected*, never the gate values, and is updated once per optimizer step from the
 token counts accumulated in ``tokens_per_expert`` over all micro-batches (see `update_expert_bias`).
 
+Padding is not data: with a mask of the tokens that are (`MoE.forward`'s ``real``, chat data's
+windows end in padding), padding takes no part in the token counts (the bias update, the load
+metrics), the balance loss or the z-loss, and expert parallelism does not send it to any expert
+(its routed output is then zero: no loss reads it, and no data token attends to it, as it ends
+its row). A conversation's tokens are data whether or not they are targets: the router routes
+them at inference too. Without a mask (pretraining's rows, which hold no padding) every formula
+is the one it always was, bit for bit.
+
 ``moe_force_load_balance`` replaces the selection by a round-robin over each call's tokens
 (`round_robin_experts`). Everything downstream sees that selection: the token counts (so the
-bias update sees equal loads and leaves the bias as it is), the dispatch, and the sequence-wise
-balance loss (its per-expert fractions are then uniform; its gradient still reaches the scores).
+bias update sees equal loads and leaves the bias as it is; with padding, which the round-robin
+places too, the data's loads are only nearly equal), the dispatch, and the
+sequence-wise balance loss (its per-expert fractions are then uniform; its gradient still
+reaches the scores).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.distributed.tensor_parallel import sum_gradient
-from torchmoe.nn.dispatch import TokenDispatcher
+from torchmoe.nn.dispatch import TokenDispatcher, copies_per_expert
 from torchmoe.nn.experts import ClampedSwiGLUExperts, FeedForward, GroupedExperts
 from torchmoe.nn.init import Constant, ParamInit, TruncNormal, prefixed
 from torchmoe.nn.moe_ops import accumulate_token_counts
@@ -224,6 +234,11 @@ class MoE(nn.Module):
         # main loss's normalisation; the last values are kept for metrics.
         self.aux_loss_grad_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
+        # With padding: the data tokens each micro-batch's shard holds on average this step, a 0-dim
+        # device tensor the trainer sets (`training.moe_balance`); the z-loss's sum over a shard's
+        # data tokens divided by it and scaled by `aux_loss_grad_scale` is then its mean over the
+        # step's data tokens, in every layout. None: each call's own data tokens.
+        self.z_loss_tokens: torch.Tensor | None = None
         # Groups whose ranks each route a slice of every sequence: tp under expert parallelism
         # spanning TP, cp under context parallelism.
         self.sequence_shard_groups: list[dist.ProcessGroup] = []
@@ -233,63 +248,96 @@ class MoE(nn.Module):
         # partial sums over each rank's hidden units: the gates' gradients are summed over it.
         self.gate_gradient_mesh: DeviceMesh | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, S, dim) -> (B, S, dim)."""
+    def forward(self, x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, S, dim) -> (B, S, dim).
+
+        real: (B, S) bool, True where the token is data and False where it is padding (module
+        docstring), placed as `x` is: this rank's columns under CP, its sequence shard where EP
+        spans TP (the TP plan's input style cuts it), whole under MoE TP (whose input is
+        gathered); a host value made with the batch, so nothing here reads the device. None:
+        every token is data."""
         bsz, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)  # (T, dim)
+        data = real.reshape(-1) if real is not None else None  # (T,)
         # The bias is applied even when balancing is off (it is then zero, or a trained model's).
         top_scores, selected, scores, logits = self.router(tokens, self.expert_bias)
         if self.gate_gradient_mesh is not None:
             top_scores = sum_gradient(top_scores, self.gate_gradient_mesh)
-        flat_expert = selected.reshape(-1)  # (T*k,)
-        # scatter_add rather than bincount: bincount sizes its output from the data (a host sync).
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
+        counts = copies_per_expert(selected, self.num_experts)  # (E,) every token's copies: the experts' rows
+        load = counts if data is None else copies_per_expert(selected, self.num_experts, data)  # the data's
         with torch.no_grad():
-            accumulate_token_counts(self.tokens_per_expert, counts.float())
+            accumulate_token_counts(self.tokens_per_expert, load.float())
 
         # The shared expert needs no routed token: its two halves run between the dispatcher's
         # phases, while under expert parallelism the routed rows travel to their experts' ranks
         # (after `dispatch`) and the experts' outputs travel back (after `run_experts`).
         shared = self.shared_experts
-        routed = self.dispatcher.dispatch(tokens, top_scores, selected, counts, self.score_before_experts)
+        routed = self.dispatcher.dispatch(tokens, top_scores, selected, counts, self.score_before_experts, data)
         hidden = shared.hidden(tokens) if shared is not None else None
         self.dispatcher.run_experts(routed, self.experts)
         out = shared.project(hidden) if shared is not None else torch.zeros_like(tokens)
         out = out + self.dispatcher.combine(routed)
-        out = self._attach_aux_losses(out, scores, selected, logits, bsz, seq_len)
+        out = self._attach_aux_losses(out, scores, selected, logits, bsz, seq_len, real)
         return out.reshape(bsz, seq_len, dim)
 
-    def _attach_aux_losses(self, out, scores, selected, logits, bsz, seq_len) -> torch.Tensor:
-        """Sequence-wise balance loss (DeepSeek-V3) and router z-loss (ST-MoE), if enabled.
+    def _attach_aux_losses(self, out: torch.Tensor, scores: torch.Tensor, selected: torch.Tensor,
+                           logits: torch.Tensor, bsz: int, seq_len: int, real: torch.Tensor | None) -> torch.Tensor:
+        """Sequence-wise balance loss (DeepSeek-V3) and router z-loss (ST-MoE), if enabled, over
+        the data tokens (`real`, (B, S) bool; None: all).
 
-        balance = coeff * mean_b sum_e f_be * P_be, with f_be = E / (k * S) * tokens of sequence b
-        routed to e and P_be = mean over the sequence of the normalised scores of e.
-        z = coeff * mean_t logsumexp(logits_t)^2.
+        balance = coeff * mean_b sum_e f_be * P_be, with f_be = E / (k * S_b) * tokens of sequence b
+        routed to e and P_be = the sum over the sequence of the normalised scores of e / S_b, S_b
+        being its data tokens (a sequence without any adds 0).
+        z = coeff * mean_t logsumexp(logits_t)^2, t over the data tokens (with padding: of the
+        step, `z_loss_tokens`).
         """
         if not (self.aux_loss_coeff or self.z_loss_coeff) or not torch.is_grad_enabled():
             return out
         aux = out.new_zeros((), dtype=torch.float32)
         if self.aux_loss_coeff:
-            probs = (scores / scores.sum(-1, keepdim=True)).view(bsz, seq_len, -1)  # (B, S, E)
-            prob_sums = probs.sum(1)  # (B, E)
-            hits = torch.zeros(bsz, self.num_experts, device=out.device)
-            hits.scatter_add_(1, selected.view(bsz, -1), torch.ones_like(selected.view(bsz, -1), dtype=hits.dtype))
-            full_len = seq_len
-            for group in self.sequence_shard_groups:
-                # Each rank holds a slice of every sequence: sum the per-sequence statistics over
-                # the slices so the loss is the full sequences' (the differentiable all-reduce
-                # sums the identical per-rank gradients back; the trainer scales each by 1 /
-                # the number of slices).
-                prob_sums = dist_nn.all_reduce(prob_sums, group=group)
-                dist.all_reduce(hits, group=group)
-                full_len *= dist.get_world_size(group)
-            f = hits * self.num_experts / (self.top_k * full_len)  # (B, E)
-            aux = aux + self.aux_loss_coeff * (f * prob_sums / full_len).sum(-1).mean()
+            aux = aux + self.aux_loss_coeff * self._balance_loss(scores, selected, bsz, seq_len, real)
         if self.z_loss_coeff:
-            aux = aux + self.z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
+            squares = torch.logsumexp(logits, dim=-1).pow(2)  # (T,)
+            if real is None:
+                aux = aux + self.z_loss_coeff * squares.mean()
+            else:
+                tokens = self.z_loss_tokens if self.z_loss_tokens is not None else real.sum().clamp(min=1)
+                aux = aux + self.z_loss_coeff * torch.where(real.reshape(-1), squares, 0).sum() / tokens
         self.last_aux_loss = aux.detach()
         return _AttachAuxLoss.apply(out, aux, self.aux_loss_grad_scale)
+
+    def _balance_loss(self, scores: torch.Tensor, selected: torch.Tensor, bsz: int, seq_len: int,
+                      real: torch.Tensor | None) -> torch.Tensor:
+        """The sequence-wise balance loss without its coefficient (`_attach_aux_losses`).
+
+        scores: (B * S, E) fp32, selected: (B * S, k), real: (B, S) bool or None."""
+        probs = (scores / scores.sum(-1, keepdim=True)).view(bsz, seq_len, -1)  # (B, S, E)
+        copies = selected.view(bsz, -1)  # (B, S * k)
+        if real is None:
+            weights = torch.ones_like(copies, dtype=torch.float32)
+        else:
+            probs = probs * real.unsqueeze(-1)
+            weights = real.repeat_interleave(self.top_k, dim=1).float()  # each copy's token is data
+        prob_sums = probs.sum(1)  # (B, E)
+        hits = torch.zeros(bsz, self.num_experts, device=scores.device)
+        hits.scatter_add_(1, copies, weights)
+        if real is not None:  # each sequence's data tokens, summed over its slices with the hits
+            hits = torch.cat([hits, real.sum(1, keepdim=True, dtype=hits.dtype)], dim=1)  # (B, E + 1)
+        full_len = seq_len
+        for group in self.sequence_shard_groups:
+            # Each rank holds a slice of every sequence: sum the per-sequence statistics over
+            # the slices so the loss is the full sequences' (the differentiable all-reduce
+            # sums the identical per-rank gradients back; the trainer scales each by 1 /
+            # the number of slices).
+            prob_sums = dist_nn.all_reduce(prob_sums, group=group)
+            dist.all_reduce(hits, group=group)
+            full_len *= dist.get_world_size(group)
+        if real is None:
+            f = hits * self.num_experts / (self.top_k * full_len)  # (B, E)
+            return (f * prob_sums / full_len).sum(-1).mean()
+        hits, lengths = hits[:, :-1], hits[:, -1:].clamp(min=1)  # (B, E), (B, 1): a sequence without data adds 0
+        f = hits * self.num_experts / (self.top_k * lengths)
+        return (f * prob_sums / lengths).sum(-1).mean()
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """Router and routed/shared experts; `init_std` is the block's depth-scaled std."""

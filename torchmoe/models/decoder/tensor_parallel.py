@@ -6,7 +6,8 @@ sequence dim over ``tp``; each attention / FFN / MoE block all-gathers its input
 computes on a slice of the heads or hidden units, and reduce-scatters its output back.
 
 MoE TP (``tp > 1`` and ``ep == 1``): the MoE block's input is all-gathered (``Shard(1)`` ->
-``Replicate()``) and its output, a partial sum over the local hidden units of every expert, is
+``Replicate()``; the mask of the tokens that are data, `MoE.forward`'s ``real``, is whole on every
+rank already) and its output, a partial sum over the local hidden units of every expert, is
 reduce-scattered (``Partial()`` -> ``Shard(1)``). Routed and shared experts are column-wise on
 w1/w3 and row-wise on w2; the router gate is replicated on the same mesh so every parameter is a
 DTensor on ``tp`` (uniform clipping, optimizer and FSDP handling).
@@ -127,9 +128,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, moe_
             plan.update(_moe_tp_plan(block.moe.shared_experts is not None, styles))
         else:
             # Experts are expert-parallel: the MoE block sees its own sequence shard as a local
-            # tensor and returns one (EP dispatches tokens itself).
+            # tensor and returns one (EP dispatches tokens itself); the mask of the tokens that
+            # are data, whole on every rank, is cut to the same shard.
             plan["moe"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+                input_kwarg_layouts={"real": Replicate()}, desired_input_kwarg_layouts={"real": Shard(1)},
                 output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
         with adapters_following_weights(block, tp_mesh):
             parallelize_module(block, tp_mesh, plan)
