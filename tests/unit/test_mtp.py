@@ -81,12 +81,16 @@ def _reference_modules(folder, hf: DeepseekV3ForCausalLM) -> list[dict]:
     return out
 
 
-def _reference_loss(hf: DeepseekV3ForCausalLM, modules: list[dict], row: torch.Tensor) -> torch.Tensor:
+def _reference_loss(hf: DeepseekV3ForCausalLM, modules: list[dict], row: torch.Tensor,
+                    supervised: torch.Tensor | None = None) -> torch.Tensor:
     """The report's objective over rows (B, S + 1): the mean next-token loss plus COEFF times the
-    mean over depths k of the summed loss of predicting x_{t+k+1} at t <= S - 1 - k, over B * S."""
+    mean over depths k of the summed loss of predicting x_{t+k+1} at t <= S - 1 - k, over B * S.
+    `supervised` (B, S) bool: which next tokens are targets (chat data's mask); depth k then
+    predicts x_{t+k+1} at t only where x_{t+1} .. x_{t+k+1} all are (counted by a loop here)."""
     b, s = row.shape[0], row.shape[1] - 1
     hidden = hf.model(row[:, :s]).last_hidden_state  # the final norm's output
-    total = F.cross_entropy(hf.lm_head(hidden).flatten(0, 1), row[:, 1:].flatten(), reduction="sum")
+    labels = row[:, 1:] if supervised is None else row[:, 1:].masked_fill(~supervised, -100)
+    total = F.cross_entropy(hf.lm_head(hidden).flatten(0, 1), labels.flatten(), reduction="sum")
     positions = torch.arange(s).unsqueeze(0)
     rotations = hf.model.rotary_emb(hidden, positions)
     causal = torch.full((s, s), float("-inf")).triu(1)[None, None]
@@ -98,14 +102,22 @@ def _reference_loss(hf: DeepseekV3ForCausalLM, modules: list[dict], row: torch.T
         hidden = module["layer"](combined, attention_mask=causal, position_ids=positions,
                                  position_embeddings=rotations)
         logits = hf.lm_head(module["norm"](hidden))
-        mtp = mtp + F.cross_entropy(logits[:, :s - k].flatten(0, 1), row[:, k + 1:].flatten(), reduction="sum")
+        targets = row[:, k + 1:].clone()
+        if supervised is not None:
+            for i in range(b):
+                for t in range(s - k):
+                    if not all(supervised[i, t + j] for j in range(k + 1)):
+                        targets[i, t] = -100
+        mtp = mtp + F.cross_entropy(logits[:, :s - k].flatten(0, 1), targets.flatten(), reduction="sum")
     return (total + COEFF * mtp / len(modules)) / (b * s)
 
 
-def _trainer_loss(model: Transformer, row: torch.Tensor) -> torch.Tensor:
-    """The trainer's objective of one micro-batch that is the whole global batch."""
+def _trainer_loss(model: Transformer, row: torch.Tensor, supervised: torch.Tensor | None = None) -> torch.Tensor:
+    """The trainer's objective of one micro-batch that is the whole global batch (its labels
+    masked where `supervised` (B, S) is False, as chat data's are)."""
     objective = Objective(model.args, tokens=row.shape[0] * (row.shape[1] - 1), tp_mesh=None)
-    return objective.forward(model, row[:, :-1], row[:, 1:], None)[0]  # the objective
+    labels = row[:, 1:] if supervised is None else row[:, 1:].masked_fill(~supervised, -100)
+    return objective.forward(model, row[:, :-1], labels, None)[0]  # the objective
 
 
 def test_the_loss_and_its_gradients_are_the_reports_on_transformers_modules(models):
@@ -133,6 +145,31 @@ def test_the_loss_and_its_gradients_are_the_reports_on_transformers_modules(mode
     params = dict(ours.named_parameters())
     for name, theirs in pairs:
         assert max_rel_err(theirs.grad, params[name].grad) <= 1e-5, name
+
+
+def test_masked_labels_train_each_depth_within_the_supervised_spans(models):
+    """Chat data's labels (-100 outside the targets, and between conversations): the modules embed
+    the row's tokens (a masked label is no token), and depth k predicts x_{t+k+1} at t only where
+    every label from t to t+k is a target, as a loop over the positions counts; loss within 1e-6
+    and the modules' gradients within 1e-5 of transformers' modules, fp32."""
+    ours, folder, hf = models
+    modules = _reference_modules(folder, hf)
+    row = random_tokens(96, 33)  # (2, 33)
+    supervised = torch.zeros(2, 32, dtype=torch.bool)
+    supervised[0, 3:11] = supervised[0, 12:13] = supervised[0, 20:32] = True  # spans of 8, 1 and 12 targets, a one-label gap
+    supervised[1, 5:9] = supervised[1, 9:13] = True  # two spans that meet: one chain of 8
+    supervised[1, 30:] = True  # a span the row cuts
+    ours.zero_grad(set_to_none=True)
+    got = _trainer_loss(ours.train(), row, supervised)
+    want = _reference_loss(hf.train(), modules, row, supervised)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    got.backward()
+    want.backward()
+    params, n = dict(ours.named_parameters()), hf.config.num_hidden_layers
+    for k, module in enumerate(modules):
+        assert max_rel_err(module["eh_proj"].weight.grad, params[f"mtp.{n + k}.eh_proj.weight"].grad) <= 1e-5
+        assert max_rel_err(module["layer"].self_attn.o_proj.weight.grad,
+                           params[f"layers.{n + k}.attention.wo.weight"].grad) <= 1e-5
 
 
 def test_without_labels_the_model_is_the_causal_lm(models):

@@ -163,7 +163,7 @@ class Transformer(nn.Module):
             return logits
         depths = []
         for depth, (name, module) in enumerate((self.mtp or {}).items(), start=1):
-            h = module.combine(self.tok_embeddings(mtp_inputs(labels, depth)), h)
+            h = module.combine(self.tok_embeddings(mtp_inputs(tokens, depth)), h)
             h = self.layers[name](h, freqs_cis, documents, real=real)
             depths.append(self._head(module.norm(h)))
         return logits, depths

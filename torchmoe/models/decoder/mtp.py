@@ -17,7 +17,8 @@ serve the released MTP weights (vLLM, SGLang) feed the module. The embedding com
 concatenation, as the released ``eh_proj`` is laid out.
 
 The loss (`mtp_targets`): depth k's targets are the labels shifted left by k, the last k positions
-of a row having none (``IGNORE``); its summed cross entropy over the global batch's token count is
+of a row having none (``IGNORE``), nor a position whose next k labels are not all targets (chat
+data: another conversation, or past the supervised span); its summed cross entropy over the global batch's token count is
 the report's ``L^k`` (normalised by T, the row length), and the objective is ``L_main +
 mtp_loss_coeff * mean_k L^k``. Context parallelism (a row's tokens split over ranks) and pipeline
 parallelism (the modules need the first stage's embedding on the last stage) are refused.
@@ -62,15 +63,23 @@ class MTPModule(nn.Module):
                 "eh_proj.weight": TruncNormal(std, a=-3 * std, b=3 * std), **prefixed("norm", self.norm.param_inits())}
 
 
-def mtp_inputs(labels: torch.Tensor, depth: int) -> torch.Tensor:
-    """Depth `depth`'s input tokens (B, S): position t's is x_{t+depth}, the labels shifted left by
-    depth - 1 (labels (B, S): x_{t+1} at t); the last depth - 1 positions, past the row, get
-    token 0 (their outputs have no target)."""
-    shift = depth - 1
-    return torch.cat([labels[:, shift:], labels.new_zeros(labels.shape[0], shift)], dim=1)
+def mtp_inputs(tokens: torch.Tensor, depth: int) -> torch.Tensor:
+    """Depth `depth`'s input tokens (B, S): position t's is x_{t+depth}, the row's tokens (B, S)
+    shifted left by depth; the last depth positions, whose outputs have no target (`mtp_targets`)
+    and which no earlier position attends to, get token 0. From the tokens, not the labels: a
+    masked label (chat data's -100) is no token."""
+    return torch.cat([tokens[:, depth:], tokens.new_zeros(tokens.shape[0], depth)], dim=1)
 
 
 def mtp_targets(labels: torch.Tensor, depth: int) -> torch.Tensor:
-    """Depth `depth`'s targets (B, S): x_{t+depth+1} at t, the labels shifted left by depth; the
-    last depth positions `IGNORE`."""
-    return torch.cat([labels[:, depth:], labels.new_full((labels.shape[0], depth), IGNORE)], dim=1)
+    """Depth `depth`'s targets (B, S): x_{t+depth+1} at t, the labels shifted left by depth, where
+    the labels of positions t .. t+depth are all targets; else `IGNORE` (the last depth positions
+    too). Labels (chat data) are targets only within one conversation's supervised span, so a
+    position never predicts a token of another conversation, nor past a span's end; pretraining's
+    labels are all targets, and its depth-k targets are the labels shifted."""
+    shifted = torch.cat([labels[:, depth:], labels.new_full((labels.shape[0], depth), IGNORE)], dim=1)
+    ignored = labels == IGNORE
+    chain = ignored.clone()
+    for k in range(1, depth):  # any ignored label among t .. t+depth-1 (t+depth is the target itself)
+        chain[:, :-k] |= ignored[:, k:]
+    return shifted.masked_fill(chain, IGNORE)
