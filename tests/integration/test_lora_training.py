@@ -139,6 +139,29 @@ def test_an_imported_adapter_continues_training(run, folder, tmp_path):
     assert go_on[0]["loss"] < first[0]["loss"] - 1e-3
 
 
+def test_a_damaged_or_contradicting_adapter_is_exit_2(run, folder, tmp_path, capsys):
+    """`lora.adapter` held to the base's rules on the command line: a truncated
+    adapter_model.safetensors, or an adapter_config.json whose target_modules leave out a module it
+    holds tensors for, is exit 2 with one message naming lora.adapter and the file, no traceback,
+    before any step."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run[0] / "checkpoint" / "step-4-hf", damaged)
+    weights = damaged / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    contradicting = tmp_path / "contradicting"
+    shutil.copytree(run[0] / "checkpoint" / "step-4-hf", contradicting)
+    config = json.loads((contradicting / "adapter_config.json").read_text())
+    config["target_modules"].remove("model.layers.2.self_attn.o_proj")
+    (contradicting / "adapter_config.json").write_text(json.dumps(config))
+    for adapter, problem in ((damaged, "adapter_model.safetensors is damaged or truncated"),
+                             (contradicting, "it holds tensors for model.layers.2.self_attn.o_proj, which its "
+                                             "adapter_config.json's target_modules does not name")):
+        assert _status(folder, tmp_path / adapter.name / "run", 2, "--lora.adapter", str(adapter)) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.count("error:") == 1 and f'error: lora.adapter = "{adapter}": {problem}' in err, err
+        assert "Traceback" not in err and not (tmp_path / adapter.name / "run" / "metrics.jsonl").exists()
+
+
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face (or PEFT adapter) folder's safetensors files, by name."""
     return {k: t for f in sorted(folder.glob("*.safetensors")) for k, t in load_file(f).items()}

@@ -39,9 +39,10 @@ from safetensors.torch import load_file
 
 from torchmoe.components.finite import WEIGHT_BOUND, refuse_bad_values
 from torchmoe.components.weight_files import read_json_object, reading
-from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_kinds import check_regular
 from torchmoe.config.job_config import LoRA
+from torchmoe.models.hf_config_spec import show_json
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "check_product", "check_targets", "read_adapter_config",
            "read_adapter_tensors"]
@@ -96,20 +97,20 @@ def read_adapter_config(folder: Path, cfg: LoRA, *, key: str) -> dict:
     config = read_json_object(key, folder, ADAPTER_CONFIG, FOLDER_FIX)
     said = f"its {ADAPTER_CONFIG} has"
     if config.get("peft_type") != "LORA":
-        raise _refuse(key, folder, f"{said} peft_type = {show_value(config.get('peft_type'))}: not a LoRA adapter",
+        raise _refuse(key, folder, f"{said} peft_type = {show_json(config.get('peft_type'))}: not a LoRA adapter",
                       "pass a LoRA adapter (peft_type LORA)")
     if config.get("task_type") not in (None, "CAUSAL_LM"):
-        raise _refuse(key, folder, f"{said} task_type = {show_value(config['task_type'])}: an adapter of another "
+        raise _refuse(key, folder, f"{said} task_type = {show_json(config['task_type'])}: an adapter of another "
                       "model than the causal LM torchmoe trains", "pass an adapter of the causal LM (task_type CAUSAL_LM)")
     for field, want in (("r", cfg.rank), ("lora_alpha", cfg.alpha)):
         got = config.get(field)
         if not _same(got, want):
-            raise _refuse(key, folder, f"{said} {field} = {show_value(got)}, the run {show_value(want)}",
+            raise _refuse(key, folder, f"{said} {field} = {show_json(got)}, the run {show_json(want)}",
                           f"set lora.rank/lora.alpha to the adapter's, or pass an adapter of rank {cfg.rank} and "
                           f"alpha {cfg.alpha}")
     init = config.get("init_lora_weights", True)
     if not any(_same(init, ok) for ok in _BASE_KEEPING_INITS):
-        raise _refuse(key, folder, f"{said} init_lora_weights = {show_value(init)}: that initialisation changes the "
+        raise _refuse(key, folder, f"{said} init_lora_weights = {show_json(init)}: that initialisation changes the "
                       "base's weights (PEFT subtracts the adapter's start from them), so the adapter belongs to a "
                       "base torchmoe does not have", "convert it to a plain LoRA adapter first (PEFT's save_pretrained "
                       "with path_initial_model_for_weight_conversion), or pass one of init_lora_weights = true")
@@ -119,8 +120,8 @@ def read_adapter_config(folder: Path, cfg: LoRA, *, key: str) -> dict:
             continue
         what = "torchmoe computes the adapter without it" if field in _DEFAULTS else \
             "a field torchmoe does not know, so it cannot say the adapter computes what torchmoe does"
-        raise _refuse(key, folder, f"{said} {field} = {show_value(value)}: {what}",
-                      f"pass an adapter with {field} = {show_value(want)} (PEFT's default; plain LoRA)")
+        raise _refuse(key, folder, f"{said} {field} = {show_json(value)}: {what}",
+                      f"pass an adapter with {field} = {show_json(want)} (PEFT's default; plain LoRA)")
     return config
 
 
@@ -152,11 +153,11 @@ def _listed(config: Mapping[str, Any], field: str, key: str, folder: Path) -> li
     if value is None:
         return []
     if isinstance(value, str):
-        raise _refuse(key, folder, f"its {ADAPTER_CONFIG} has {field} = {show_value(value)}: a pattern, which "
+        raise _refuse(key, folder, f"its {ADAPTER_CONFIG} has {field} = {show_json(value)}: a pattern, which "
                       "torchmoe does not evaluate (a crafted pattern can take forever to match)",
                       f"list the names in {field}, as PEFT's save_pretrained writes a list it was given")
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _refuse(key, folder, f"its {ADAPTER_CONFIG} has {field} = {show_value(value)}: not a list of names")
+        raise _refuse(key, folder, f"its {ADAPTER_CONFIG} has {field} = {show_json(value)}: not a list of names")
     return value
 
 
@@ -172,11 +173,11 @@ def _layers(config: Mapping[str, Any], key: str, folder: Path) -> Collection[int
     if layers is None or layers == []:
         return None
     if pattern not in (None, "", [], "layers", ["layers"]):
-        raise _refuse(key, folder, f"its {ADAPTER_CONFIG} has layers_pattern = {show_value(pattern)}: the "
+        raise _refuse(key, folder, f"its {ADAPTER_CONFIG} has layers_pattern = {show_json(pattern)}: the "
                       "layers of the models torchmoe trains are model.layers.N")
     layers = [layers] if type(layers) is int else layers
     if not isinstance(layers, list) or not all(type(i) is int for i in layers):
-        raise _refuse(key, folder, f"its {ADAPTER_CONFIG} has layers_to_transform = {show_value(layers)}: not "
+        raise _refuse(key, folder, f"its {ADAPTER_CONFIG} has layers_to_transform = {show_json(layers)}: not "
                       "a layer index or a list of them")
     return set(layers)
 
