@@ -470,6 +470,25 @@ def test_an_adapter_export_of_trained_biases_is_refused(deepseek, deepseek_run, 
     assert "fix: pass --lora-export merged" in err and not (tmp_path / "adapter").exists()
 
 
+def test_a_resume_on_a_base_with_other_expert_biases_is_refused(deepseek, deepseek_run, tmp_path, capsys):
+    """The base's fingerprint covers the expert biases it starts from: a resume of the biased run's
+    step-2 whose folder now holds one e_score_correction_bias element one ulp off is exit 2 naming
+    the folder and the bias, before any step (the trained biases, restored after the base loads,
+    would hide it otherwise)."""
+    changed = tmp_path / "changed"
+    shutil.copytree(deepseek, changed)
+    weights = load_file(changed / "model.safetensors")
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    weights[name][3] = torch.nextafter(weights[name][3], torch.tensor(float("inf")))
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    resumed = start_from(deepseek_run[0] / "checkpoint" / "step-2", tmp_path / "resumed")
+    assert _status(changed, resumed, 4, *BIASES["deepseek_v3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f'error: checkpoint.initial_load_path = "{changed}": holds other base weights than the run\'s checkpoints '
+            "were trained on (1 of ") in err and "tensors differ, e.g. layers.2.moe.expert_bias)" in err, err
+    assert not (resumed / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "llama4"])
 def test_lora_leaves_the_base_biases_by_default(family, deepseek, llama4, tmp_path):
     """Under LoRA model.load_balance_coeff = -1 (its default) trains no bias: the checkpoint holds
