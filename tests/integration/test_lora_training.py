@@ -425,14 +425,17 @@ def test_trained_expert_biases_are_checkpointed_and_resume_exactly(family, deeps
     _same_bits(_biases(resumed / "checkpoint" / "step-4"), at_4)
 
 
-def test_the_merged_export_routes_as_trained(deepseek, deepseek_run):
+def test_the_merged_export_routes_as_trained(deepseek, deepseek_run, tmp_path):
     """DeepSeek-V3's merged export holds the trained biases as e_score_correction_bias: transformers
     loads it with the logits of torchmoe's trained model (its base, step-4's adapters and biases);
-    with the base's biases (what the export held before they were checkpointed) the logits differ."""
+    with the base's biases (what the export held before they were checkpointed) the logits differ.
+    convert of step-4 writes that export again, bit for bit."""
     from transformers import DeepseekV3ForCausalLM
 
     dump, _ = deepseek_run
     export = dump / "checkpoint" / "step-4-hf"
+    assert cli.main(["convert", "dcp-to-hf", str(dump / "checkpoint" / "step-4"), str(tmp_path / "merged")]) == 0
+    _same_bits(_tensors(tmp_path / "merged"), _tensors(export))
     hf = DeepseekV3ForCausalLM.from_pretrained(export).eval()
     trained = _biases(dump / "checkpoint" / "step-4")
     for name, bias in trained.items():
