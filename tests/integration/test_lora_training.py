@@ -425,6 +425,25 @@ def test_trained_expert_biases_are_checkpointed_and_resume_exactly(family, deeps
     _same_bits(_biases(resumed / "checkpoint" / "step-4"), at_4)
 
 
+def test_trained_biases_on_the_seeds_base_resume_exactly(tmp_path):
+    """A base that is the seed's init (no initial_load_path: Llama 4's tiny flavor), its expert
+    biases zero: a resume from step 2 sets the trained biases aside, fingerprints the base as the
+    run began (zero biases), and puts them back: steps 3-4 and the step-4 biases bit for bit."""
+    from tests.helpers import train_tiny_here
+
+    flags = ["--training.steps", "4", "--checkpoint.interval", "2", "--lora.enable", "true", "--lora.export",
+             "merged", "--model.load_balance_coeff", "0.003"]
+    train_tiny_here(tmp_path / "run", flags)
+    ckpt = tmp_path / "run" / "checkpoint"
+    assert any(t.abs().max() > 0 for t in _biases(ckpt / "step-2").values())
+    resumed = start_from(ckpt / "step-2", tmp_path / "resumed")
+    train_tiny_here(resumed, flags)
+    whole, again = read_metrics(tmp_path / "run"), read_metrics(resumed)
+    assert [(r["loss"], r["grad_norm"]) for r in again if r["step"] > 2] == \
+        [(r["loss"], r["grad_norm"]) for r in whole if r["step"] > 2]
+    _same_bits(_biases(resumed / "checkpoint" / "step-4"), _biases(ckpt / "step-4"))
+
+
 def test_the_merged_export_routes_as_trained(deepseek, deepseek_run, tmp_path):
     """DeepSeek-V3's merged export holds the trained biases as e_score_correction_bias: transformers
     loads it with the logits of torchmoe's trained model (its base, step-4's adapters and biases);
