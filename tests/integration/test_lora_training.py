@@ -3,7 +3,11 @@
 hold the adapters alone and resume exactly (from the folder, or from the run's own copy of the base
 with `lora.checkpoint_base`; never on another base), the exported adapter loads in
 ``peft.PeftModel.from_pretrained`` with torchmoe's logits, imports (`lora.adapter`) to go on, and
-`torchmoe convert` of a step-N folder writes the run's own export.
+`torchmoe convert` of a step-N folder writes the run's own export. The expert biases (tiny
+DeepSeek-V3 and Llama 4 folders): left as the base's by default; when the run trains them,
+checkpointed, resumed bit for bit, fingerprinted as the base's and held by the merged export,
+the adapter export refused. A resume with other [lora] settings, and a damaged or contradicting
+`lora.adapter`, are exit 2 naming the key.
 
     python -m pytest -q tests/integration/test_lora_training.py
 """
@@ -428,11 +432,12 @@ def test_trained_expert_biases_are_checkpointed_and_resume_exactly(family, deeps
 def test_trained_biases_on_the_seeds_base_resume_exactly(tmp_path):
     """A base that is the seed's init (no initial_load_path: Llama 4's tiny flavor), its expert
     biases zero: a resume from step 2 sets the trained biases aside, fingerprints the base as the
-    run began (zero biases), and puts them back: steps 3-4 and the step-4 biases bit for bit."""
+    run began (zero biases), and puts them back: step 3 and its biases bit for bit."""
     from tests.helpers import train_tiny_here
 
-    flags = ["--training.steps", "4", "--checkpoint.interval", "2", "--lora.enable", "true", "--lora.export",
-             "merged", "--model.load_balance_coeff", "0.003"]
+    flags = ["--training.steps", "3", "--checkpoint.interval", "2", "--training.global_batch_size", "2",
+             "--training.local_batch_size", "2", "--training.seq_len", "32", "--lora.enable", "true",
+             "--lora.export", "merged", "--model.load_balance_coeff", "0.003"]
     train_tiny_here(tmp_path / "run", flags)
     ckpt = tmp_path / "run" / "checkpoint"
     assert any(t.abs().max() > 0 for t in _biases(ckpt / "step-2").values())
@@ -441,7 +446,7 @@ def test_trained_biases_on_the_seeds_base_resume_exactly(tmp_path):
     whole, again = read_metrics(tmp_path / "run"), read_metrics(resumed)
     assert [(r["loss"], r["grad_norm"]) for r in again if r["step"] > 2] == \
         [(r["loss"], r["grad_norm"]) for r in whole if r["step"] > 2]
-    _same_bits(_biases(resumed / "checkpoint" / "step-4"), _biases(ckpt / "step-4"))
+    _same_bits(_biases(resumed / "checkpoint" / "step-3"), _biases(ckpt / "step-3"))
 
 
 def test_the_merged_export_routes_as_trained(deepseek, deepseek_run, tmp_path):
