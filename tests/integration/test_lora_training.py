@@ -3,7 +3,11 @@
 hold the adapters alone and resume exactly (from the folder, or from the run's own copy of the base
 with `lora.checkpoint_base`; never on another base), the exported adapter loads in
 ``peft.PeftModel.from_pretrained`` with torchmoe's logits, imports (`lora.adapter`) to go on, and
-`torchmoe convert` of a step-N folder writes the run's own export.
+`torchmoe convert` of a step-N folder writes the run's own export. The expert biases (tiny
+DeepSeek-V3 and Llama 4 folders): left as the base's by default; when the run trains them,
+checkpointed, resumed bit for bit, fingerprinted as the base's and held by the merged export,
+the adapter export refused. A resume with other [lora] settings, and a damaged or contradicting
+`lora.adapter`, are exit 2 naming the key.
 
     python -m pytest -q tests/integration/test_lora_training.py
 """
@@ -137,6 +141,29 @@ def test_an_imported_adapter_continues_training(run, folder, tmp_path):
     dump, first = run
     go_on = _train(folder, tmp_path / "on", 1, "--lora.adapter", str(dump / "checkpoint" / "step-4-hf"))
     assert go_on[0]["loss"] < first[0]["loss"] - 1e-3
+
+
+def test_a_damaged_or_contradicting_adapter_is_exit_2(run, folder, tmp_path, capsys):
+    """`lora.adapter` held to the base's rules on the command line: a truncated
+    adapter_model.safetensors, or an adapter_config.json whose target_modules leave out a module it
+    holds tensors for, is exit 2 with one message naming lora.adapter and the file, no traceback,
+    before any step."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run[0] / "checkpoint" / "step-4-hf", damaged)
+    weights = damaged / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    contradicting = tmp_path / "contradicting"
+    shutil.copytree(run[0] / "checkpoint" / "step-4-hf", contradicting)
+    config = json.loads((contradicting / "adapter_config.json").read_text())
+    config["target_modules"].remove("model.layers.2.self_attn.o_proj")
+    (contradicting / "adapter_config.json").write_text(json.dumps(config))
+    for adapter, problem in ((damaged, "adapter_model.safetensors is damaged or truncated"),
+                             (contradicting, "it holds tensors for model.layers.2.self_attn.o_proj, which its "
+                                             "adapter_config.json's target_modules does not name")):
+        assert _status(folder, tmp_path / adapter.name / "run", 2, "--lora.adapter", str(adapter)) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.count("error:") == 1 and f'error: lora.adapter = "{adapter}": {problem}' in err, err
+        assert "Traceback" not in err and not (tmp_path / adapter.name / "run" / "metrics.jsonl").exists()
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -324,3 +351,264 @@ def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
     run_train(["--config", str(job), "--lora.adapter", str(adapter)], dump_folder=tmp_path / "on", nproc=2, timeout=300)
     first, go_on = read_metrics(dump)[0], read_metrics(tmp_path / "on")[0]
     assert go_on["loss"] < first["loss"] - 1e-3
+
+
+# ---- the expert biases: left as the base's by default, else trained, checkpointed and exported ----
+
+# A run that trains the expert biases beside the adapters (model.load_balance_coeff set; under
+# LoRA they stay the base's otherwise) at a rate that moves them visibly every step, exports the
+# merged model (which holds them; PEFT's format has no place for them), and drops out 10% of each
+# adapter's input (whose draws a resume must continue: the RNG state). Llama 4's rate is lower: its
+# top-1 choice over the tiny folder's router logits flips whole experts at 0.05 a step, and steps
+# 1 and 2 then cancel (step 2's biases the base's, where a resume that lost them would not show).
+BIASES = {"deepseek_v3": ["--model.load_balance_coeff", "0.05", "--lora.export", "merged", "--lora.dropout", "0.1"],
+          "llama4": ["--model.load_balance_coeff", "0.003", "--lora.export", "merged", "--lora.dropout", "0.1",
+                     "--checkpoint.last_save_in_hf", "false"]}  # Llama 4's Hugging Face model has no place for them
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny DeepSeek-V3 folder (Moonlight's form), its e_score_correction_bias drawn off zero."""
+    return save_checkpoint("deepseek_v3", tmp_path_factory.mktemp("lora") / "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint("llama4", tmp_path_factory.mktemp("lora") / "llama4")
+
+
+def _biases(step: Path) -> dict[str, torch.Tensor]:
+    """The expert biases a step-N folder holds, by name (without the "model." prefix)."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = read_dcp_metadata("folder", step, "").state_dict_metadata
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in stored.items()
+             if k.endswith("expert_bias")}
+    dcp.load(state, checkpoint_id=step, no_dist=True)
+    return {k.removeprefix("model."): t for k, t in state.items()}
+
+
+def _trained_model(folder: Path, step: Path, targets: list[str]) -> torch.nn.Module:
+    """torchmoe's model as the run of `folder` trained it to `step`: the folder's base, the step's
+    adapters and the expert biases it holds (eval mode: no dropout)."""
+    from torchmoe.components.checkpoint_state import load_model_only
+
+    model = load_model(folder)
+    apply_lora(model, LoRA(enable=True, targets=targets, rank=8, alpha=16.0))
+    biases = _biases(step)
+    load_model_only(step, [model], key="step", keep=lambda n: is_adapter_name(n) or n in biases)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def deepseek_run(deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    dump = tmp_path_factory.mktemp("ds") / "run"
+    return dump, _train(deepseek, dump, 4, *BIASES["deepseek_v3"])
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama4"])
+def test_trained_expert_biases_are_checkpointed_and_resume_exactly(family, deepseek, llama4, deepseek_run, tmp_path):
+    """A run that trains the expert biases (DeepSeek-V3; Llama 4 without the Hugging Face export,
+    which has no place for them), resumed from its step-2 checkpoint: the uninterrupted run's steps
+    3-4, loss and gradient norm bit for bit, and its step-4 biases bit for bit, which moved from
+    step 2's, themselves off the base's."""
+    folder, extra = (deepseek if family == "deepseek_v3" else llama4), BIASES[family]
+    if family == "deepseek_v3":
+        dump, whole = deepseek_run
+    else:
+        dump, whole = tmp_path / "run", _train(folder, tmp_path / "run", 4, *extra)
+    ckpt = dump / "checkpoint"
+    at_2, at_4 = _biases(ckpt / "step-2"), _biases(ckpt / "step-4")
+    base = load_model(folder).state_dict()
+    assert sorted(at_2) == sorted(at_4) == sorted(n for n in base if n.endswith("expert_bias")) and at_4
+    assert all(not torch.equal(at_2[n], base[n]) and not torch.equal(at_4[n], at_2[n]) for n in at_4)
+    resumed = start_from(ckpt / "step-2", tmp_path / "resumed")
+    again = _train(folder, resumed, 4, *extra)
+    assert [(r["loss"], r["grad_norm"]) for r in again if r["step"] > 2] == \
+        [(r["loss"], r["grad_norm"]) for r in whole if r["step"] > 2]
+    _same_bits(_biases(resumed / "checkpoint" / "step-4"), at_4)
+
+
+def test_trained_biases_on_the_seeds_base_resume_exactly(tmp_path):
+    """A base that is the seed's init (no initial_load_path: Llama 4's tiny flavor), its expert
+    biases zero: a resume from step 2 sets the trained biases aside, fingerprints the base as the
+    run began (zero biases), and puts them back: step 3 and its biases bit for bit."""
+    from tests.helpers import train_tiny_here
+
+    flags = ["--training.steps", "3", "--checkpoint.interval", "2", "--training.global_batch_size", "2",
+             "--training.local_batch_size", "2", "--training.seq_len", "32", "--lora.enable", "true",
+             "--lora.export", "merged", "--model.load_balance_coeff", "0.003"]
+    train_tiny_here(tmp_path / "run", flags)
+    ckpt = tmp_path / "run" / "checkpoint"
+    assert any(t.abs().max() > 0 for t in _biases(ckpt / "step-2").values())
+    resumed = start_from(ckpt / "step-2", tmp_path / "resumed")
+    train_tiny_here(resumed, flags)
+    whole, again = read_metrics(tmp_path / "run"), read_metrics(resumed)
+    assert [(r["loss"], r["grad_norm"]) for r in again if r["step"] > 2] == \
+        [(r["loss"], r["grad_norm"]) for r in whole if r["step"] > 2]
+    _same_bits(_biases(resumed / "checkpoint" / "step-3"), _biases(ckpt / "step-3"))
+
+
+def test_the_merged_export_routes_as_trained(deepseek, deepseek_run, tmp_path):
+    """DeepSeek-V3's merged export holds the trained biases as e_score_correction_bias: transformers
+    loads it with the logits of torchmoe's trained model (its base, step-4's adapters and biases);
+    with the base's biases (what the export held before they were checkpointed) the logits differ.
+    convert of step-4 writes that export again, bit for bit."""
+    from transformers import DeepseekV3ForCausalLM
+
+    dump, _ = deepseek_run
+    export = dump / "checkpoint" / "step-4-hf"
+    assert cli.main(["convert", "dcp-to-hf", str(dump / "checkpoint" / "step-4"), str(tmp_path / "merged")]) == 0
+    _same_bits(_tensors(tmp_path / "merged"), _tensors(export))
+    hf = DeepseekV3ForCausalLM.from_pretrained(export).eval()
+    trained = _biases(dump / "checkpoint" / "step-4")
+    for name, bias in trained.items():
+        i = name.split(".")[1]
+        assert torch.equal(hf.model.layers[int(i)].mlp.gate.e_score_correction_bias, bias), name
+    tokens = random_tokens(512)
+    ours = _trained_model(deepseek, dump / "checkpoint" / "step-4", TARGETS)
+    with torch.no_grad():
+        got = ours(tokens)
+        assert max_rel_err(hf(tokens).logits, got) <= 1e-5
+        base = load_model(deepseek).state_dict()
+        ours.load_state_dict({n: base[n] for n in trained}, strict=False)
+        assert max_rel_err(ours(tokens), got) > 1e-4
+
+
+def test_an_adapter_export_of_trained_biases_is_refused(deepseek, deepseek_run, tmp_path, capsys):
+    """PEFT's adapter format has no place for trained biases: a run that would train them and
+    export the adapter is refused before training, naming model.load_balance_coeff; convert of a
+    step that holds them into an adapter, naming --lora-export. Neither writes anything."""
+    dump, _ = deepseek_run
+    assert _status(deepseek, tmp_path / "refused", 4, "--model.load_balance_coeff", "0.05") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("error:") == 1 and (
+        "error: model.load_balance_coeff = 0.05: trains the expert biases beside the adapters, and lora.export = "
+        "\"adapter\" would write them without: PEFT's adapter format holds adapters on a base it leaves as it is, "
+        "and has no place for the biases: on its base the adapter would select the base's experts, not the trained "
+        "ones fix: set lora.export = \"merged\" (the model with each adapter folded into its weight, and the biases "
+        "as trained), or leave model.load_balance_coeff unset (-1: under LoRA the biases stay the base's)") in err, err
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+    step = dump / "checkpoint" / "step-4"
+    assert cli.main(["convert", "dcp-to-hf", str(step), str(tmp_path / "adapter"), "--lora-export", "adapter"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f'error: --lora-export = "adapter": {step} holds the expert biases its run trained (e.g. '
+            "layers.1.moe.expert_bias): PEFT's adapter format holds adapters on a base it leaves as it is") in err, err
+    assert "fix: pass --lora-export merged" in err and not (tmp_path / "adapter").exists()
+
+
+def test_a_resume_on_a_base_with_other_expert_biases_is_refused(deepseek, deepseek_run, tmp_path, capsys):
+    """The base's fingerprint covers the expert biases it starts from: a resume of the biased run's
+    step-2 whose folder now holds one e_score_correction_bias element one ulp off is exit 2 naming
+    the folder and the bias, before any step (the trained biases, restored after the base loads,
+    would hide it otherwise)."""
+    changed = tmp_path / "changed"
+    shutil.copytree(deepseek, changed)
+    weights = load_file(changed / "model.safetensors")
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    weights[name][3] = torch.nextafter(weights[name][3], torch.tensor(float("inf")))
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    resumed = start_from(deepseek_run[0] / "checkpoint" / "step-2", tmp_path / "resumed")
+    assert _status(changed, resumed, 4, *BIASES["deepseek_v3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f'error: checkpoint.initial_load_path = "{changed}": holds other base weights than the run\'s checkpoints '
+            "were trained on (1 of ") in err and "tensors differ, e.g. layers.2.moe.expert_bias)" in err, err
+    assert not (resumed / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama4"])
+def test_lora_leaves_the_base_biases_by_default(family, deepseek, llama4, tmp_path):
+    """Under LoRA model.load_balance_coeff = -1 (its default) trains no bias: the checkpoint holds
+    the adapters alone, the model routes with the base's biases, and the export is the trained model.
+    DeepSeek-V3: PEFT loads the adapter export (which names its base) on the folder's model with
+    torchmoe's logits, and the merged model holds the base's e_score_correction_bias bit for bit;
+    Llama 4 (the adapter export has no PEFT mapping): the merged export, refused before when the
+    bias trained, loads in transformers with torchmoe's logits."""
+    folder = deepseek if family == "deepseek_v3" else llama4
+    dump = tmp_path / "run"
+    _train(folder, dump, 2, *(["--lora.export", "merged"] if family == "llama4" else []))
+    step = dump / "checkpoint" / "step-2"
+    stored = read_dcp_metadata("folder", step, "").state_dict_metadata
+    assert not any(k.endswith("expert_bias") for k in stored)
+    tokens = random_tokens(512)
+    ours = _trained_model(folder, step, TARGETS)
+    export = dump / "checkpoint" / "step-2-hf"
+    if family == "deepseek_v3":
+        assert json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"] == str(folder)
+        hf = peft.PeftModel.from_pretrained(reference_model(family), export).eval()
+        assert cli.main(["convert", "dcp-to-hf", str(step), str(tmp_path / "merged"), "--lora-export", "merged"]) == 0
+        base = load_file(folder / "model.safetensors")
+        merged = _tensors(tmp_path / "merged")
+        biases = [k for k in base if k.endswith("e_score_correction_bias")]
+        assert biases and all(torch.equal(merged[k], base[k]) for k in biases)
+    else:
+        from transformers import Llama4ForCausalLM
+
+        hf = Llama4ForCausalLM.from_pretrained(export).eval()
+    with torch.no_grad():
+        assert max_rel_err(hf(tokens).logits, ours(tokens)) <= 1e-5
+
+
+# ---- a resume is what was trained, or refused: the settings that decide what the adapters mean ----
+
+_NEW_RUN = "or start a new run in another job.dump_folder"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lora.targets", "attention", "experts"],  # the router's trained adapters would be dropped
+     'lora.targets = ["attention", "experts"]: the run\'s checkpoints were trained with lora.targets = ["attention", '
+     '"experts", "router"] (they hold adapters such as layers.0.attention.wk.lora_a): they hold adapters on those '
+     'modules alone fix: set lora.targets = ["attention", "experts", "router"] as the run trained, ' + _NEW_RUN),
+    (["--lora.targets", "attention", "experts", "router", "mlp", "--lora.export", "merged"],  # the dense layer's
+     'lora.targets = ["attention", "experts", "router", "mlp"]: the run\'s checkpoints were trained with lora.targets '
+     '= ["attention", "experts", "router"]'),
+    (["--lora.rank", "4"],
+     "lora.rank = 4: the run's checkpoints were trained with lora.rank = 8 (layers.0.attention.wq.lora_a is (8, 48)): "
+     "their adapters have that rank fix: set lora.rank = 8 as the run trained, " + _NEW_RUN),
+    (["--lora.alpha", "8"],
+     "lora.alpha = 8.0: the run's checkpoints were trained with lora.alpha = 16.0: their adapters are scaled by "
+     "alpha / rank, so another alpha makes another model of the same tensors (and the adapter export would claim "
+     "it) fix: set lora.alpha = 16.0 as the run trained, " + _NEW_RUN),
+    (["--lora.dropout", "0.1", "--lora.export", "merged"],
+     "lora.dropout = 0.1: the run's checkpoints were trained with lora.dropout = 0.0: the resumed run would not be "
+     "the one trained (and the adapter export would claim its dropout) fix: set lora.dropout = 0.0 as the run "
+     f"trained, {_NEW_RUN} whose lora.adapter is an adapter export of this run (its adapters, trained on with the "
+     "new dropout)"),
+    (["--model.load_balance_coeff", "0.01", "--lora.export", "merged", "--checkpoint.hf_drop_expert_bias", "true"],
+     "model.load_balance_coeff = 0.01: the run's checkpoints hold no expert bias (the run left them at the base's), "
+     "which this run would train from the base's in mid-run fix: set model.load_balance_coeff to -1 (unset) or 0, "
+     "as the run had it, " + _NEW_RUN),
+    (["--lora.enable", "false"],
+     "lora.enable = false: the run's checkpoints are a LoRA run's (they hold adapters, e.g. "
+     "layers.0.attention.wk.lora_a, not the base): a full fine-tuning run cannot continue them fix: set lora.enable "
+     "= true with the run's [lora] settings (its config.toml); to fine-tune the whole trained model, write it merged "
+     "(torchmoe convert dcp-to-hf STEP OUT --lora-export merged) and start a new run from that folder in another "
+     "job.dump_folder"),
+], ids=["fewer_targets", "more_targets", "rank", "alpha", "dropout", "balance", "enable"])
+def test_a_resume_with_other_lora_settings_is_refused(run, folder, flags, message, tmp_path, capsys):
+    """Resuming the run's step-2 with a setting that decides what its adapters mean changed: exit 2
+    before any step, naming the key, the run's value, the checkpoint's and the fix (never "model.flavor",
+    never a resume that drops, rescales or reshapes what was trained)."""
+    resumed = start_from(run[0] / "checkpoint" / "step-2", tmp_path / "resumed")
+    assert _status(folder, resumed, 4, *flags) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("error:") == 1 and f"error: {message}" in err, err
+    assert "Traceback" not in err and not (resumed / "metrics.jsonl").exists()
+
+
+def test_a_resume_with_another_export_goes_on_and_a_full_checkpoint_is_no_lora_run(run, folder, tmp_path, capsys):
+    """lora.export only says what the export writes: the run's step-2 resumed with the merged export
+    gives the uninterrupted run's steps 3-4. A full fine-tuning run's checkpoint resumed under LoRA is
+    exit 2 naming lora.enable."""
+    whole = run[1]
+    resumed = _train(folder, start_from(run[0] / "checkpoint" / "step-2", tmp_path / "merged"), 4,
+                     "--lora.export", "merged")
+    assert [(r["loss"], r["grad_norm"]) for r in resumed if r["step"] > 2] == \
+        [(r["loss"], r["grad_norm"]) for r in whole if r["step"] > 2]
+    full = tmp_path / "full"
+    _train(folder, full, 1, "--lora.enable", "false", "--checkpoint.last_save_in_hf", "false")
+    assert _status(folder, full, 2) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("error: lora.enable = true: the run's checkpoints are a full fine-tuning run's (the whole model, no "
+            "adapters): a LoRA run cannot continue them fix: set lora.enable = false, or start a new run in another "
+            "job.dump_folder (checkpoint.initial_load_path = a step-N of this run adapts what it trained)") in err, err

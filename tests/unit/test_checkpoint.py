@@ -117,6 +117,23 @@ def test_an_entry_added_after_a_checkpoint_was_written_is_optional_to_load(tmp_p
         _manager(tmp_path / "old").load_latest({**_Run().state, "extra": ModelWrapper(_Net())})
 
 
+def test_a_base_fingerprint_covers_the_expert_biases_where_the_checkpoint_recorded_them() -> None:
+    """A fingerprint recorded with the base's expert biases refuses a base whose bias changed; one
+    recorded before they were covered (parameters alone) compares the parameters, still all of them."""
+    found = {"w": "float32:7", "layers.1.moe.expert_bias": "float32:3"}
+    covered = BaseFingerprint()
+    covered.recorded = {"w": "float32:7", "layers.1.moe.expert_bias": "float32:4"}
+    with pytest.raises(ConfigError, match=r"\(1 of 2 tensors differ, e.g. layers.1.moe.expert_bias\)"):
+        covered.check(found, key="k", path="p", fix="f")
+    older = BaseFingerprint()
+    older.recorded = {"w": "float32:7"}
+    older.check(found, key="k", path="p", fix="f")
+    assert older.current == found  # what the next checkpoint records: the biases too
+    older.recorded = {"w": "float32:8"}
+    with pytest.raises(ConfigError, match=r"\(1 of 1 tensors differ, e.g. w\)"):
+        older.check(found, key="k", path="p", fix="f")
+
+
 def test_persistent_buffers_only(tmp_path: Path) -> None:
     run = _Run()
     _manager(tmp_path).save(1, run.state)

@@ -65,6 +65,30 @@ def test_every_target_is_adapted_and_the_base_is_frozen():
     assert experts.lora_scaling == 2.0
 
 
+def test_multi_token_prediction_modules_stay_frozen_and_their_block_unadapted():
+    """With DeepSeek-V3's MTP module (its block is the model's layers.2) every target adapts the
+    main decoder's layers alone: Hugging Face's causal LM, which PEFT adapts, has no MTP layer."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(ARGS, mtp_layers=1))
+    apply_lora(model, LoRA(enable=True, targets=ALL_TARGETS, rank=4, alpha=8.0))
+    trained = [n for n, _ in trainable_parameters(model)]
+    assert trained and all(n.startswith(("layers.0.", "layers.1.")) for n in trained), trained
+    assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith(("layers.2.", "mtp.")))
+
+
+@pytest.mark.parametrize("set_to,trains", [(-1.0, None), (0.0, None), (0.002, 0.002)])
+def test_lora_leaves_the_expert_bias_to_the_base_unless_it_is_set(set_to, trains):
+    """model.load_balance_coeff under LoRA: -1 (the family's default, 0.001 for DeepSeek-V3 and
+    Llama 4 in full fine-tuning) and 0 train no bias; a rate set trains it."""
+    from torchmoe.arch.registry import model_args_from_config
+    from torchmoe.config.job_config import Model
+
+    for name in ("deepseek_v3", "llama4"):
+        cfg = Model(name=name, flavor="tiny", load_balance_coeff=set_to)
+        assert model_args_from_config(cfg, lora=True).load_balance_coeff == trains
+        assert model_args_from_config(cfg).load_balance_coeff == (0.001 if set_to < 0 else trains)
+
+
 def test_init_is_pefts_and_leaves_the_forward_as_the_base():
     """B = 0: the adapted model computes its base model's logits bit for bit; A is uniform in
     ±1/sqrt(in) (PEFT's kaiming_uniform_(a=sqrt(5))), drawn by init_weights and init_adapters alike."""

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -181,3 +181,163 @@ def test_import_refuses_another_rank(tmp_path):
     other, other_cfg = _adapted(hf, tmp_path / "hf2", PEFT_TARGETS, rank=8, alpha=6.0)
     with pytest.raises(ConfigError, match=r"its adapter_config.json has r = 4, the run 8"):
         load_peft_adapter(other, tmp_path / "adapter", other_cfg)
+
+
+# ---- an imported adapter folder is held to the base's rules ----
+
+_Q = "base_model.model.model.layers.0.self_attn.q_proj."  # the first layer's query adapter, as PEFT names it
+_ATTENTION = [f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(a Qwen3-MoE model adapted on PEFT's targets, its [lora], its adapter export): every case
+    edits a copy of the export."""
+    root = tmp_path_factory.mktemp("adapter")
+    ours, cfg = _adapted(_hf("qwen3"), root / "hf", PEFT_TARGETS)
+    save_peft_adapter(ours, root / "adapter", cfg, base="/models/qwen3")
+    return ours, cfg, root / "adapter"
+
+
+def _edited(exported, tmp_path, config: dict | None = None, tensors: dict | None = None):
+    """A copy of the export whose adapter_config.json takes `config`'s fields (None: deleted) and
+    whose tensors take `tensors` (name -> a function of the tensor)."""
+    _, _, folder = exported
+    out = tmp_path / "edited"
+    out.mkdir()
+    fields = json.loads((folder / "adapter_config.json").read_text())
+    for field, value in (config or {}).items():
+        fields[field] = value
+    (out / "adapter_config.json").write_text(json.dumps(fields))
+    stored = load_file(folder / "adapter_model.safetensors")
+    for name, edit in (tensors or {}).items():
+        stored[name] = edit(stored[name].clone())
+    save_file(stored, out / "adapter_model.safetensors")
+    return out
+
+
+def _set(value: float, at: tuple[int, int] = (1, 2)):
+    def edit(t: torch.Tensor) -> torch.Tensor:
+        t[at] = value
+        return t
+    return edit
+
+
+_FOLDER_FIX = "fix: pass a folder written by PEFT's save_pretrained or torchmoe's adapter export, as it wrote it"
+_PLAIN_FIX = "(PEFT's default; plain LoRA)"
+
+
+@pytest.mark.parametrize("config,tensors,message", [
+    ({}, {f"{_Q}lora_A.weight": _set(float("nan"))},
+     f"the weights hold NaN or inf in {_Q}lora_A.weight: they came in with the weights"),
+    ({}, {f"{_Q}lora_B.weight": _set(float("-inf"))}, f"the weights hold NaN or inf in {_Q}lora_B.weight"),
+    ({}, {f"{_Q}lora_B.weight": _set(1e30)},
+     f"the weights hold values beyond ±65,536, which no trained model reaches (largest |value|: {_Q}lora_B.weight "
+     "(1e+30))"),
+    # each factor within the bound, their product (what the adapter adds to the weight) beyond it
+    ({}, {f"{_Q}lora_A.weight": lambda t: t.fill_(300.0), f"{_Q}lora_B.weight": lambda t: t.fill_(300.0)},
+     f"its {_Q}lora_A/B.weight add up to 5.4e+05 to a weight (alpha / r * B @ A), beyond ±65,536"),
+    ({}, {f"{_Q}lora_B.weight": lambda t: t.to(torch.int32)},
+     f"its tensor {_Q}lora_B.weight is stored as int32, not as floating-point weights (a cast would make other "
+     f"numbers of it) {_FOLDER_FIX}"),
+    ({"fan_in_fan_out": True}, {}, "its adapter_config.json has fan_in_fan_out = true: torchmoe computes the adapter "
+     f"without it fix: pass an adapter with fan_in_fan_out = false {_PLAIN_FIX}"),
+    ({"bias": "all"}, {}, 'its adapter_config.json has bias = "all": torchmoe computes the adapter without it'),
+    ({"modules_to_save": ["lm_head"]}, {}, 'its adapter_config.json has modules_to_save = ["lm_head"]: torchmoe '
+     f"computes the adapter without it fix: pass an adapter with modules_to_save = null {_PLAIN_FIX}"),
+    ({"use_dora": True}, {}, "its adapter_config.json has use_dora = true"),
+    ({"use_rslora": True}, {}, "its adapter_config.json has use_rslora = true"),
+    ({"lora_bias": True}, {}, "its adapter_config.json has lora_bias = true"),
+    ({"rank_pattern": {"q_proj": 8}}, {}, 'its adapter_config.json has rank_pattern = {"q_proj": 8}'),
+    ({"trainable_token_indices": [1, 2]}, {}, "its adapter_config.json has trainable_token_indices = [1, 2]"),
+    ({"kasa_config": {"x": 1}}, {}, 'its adapter_config.json has kasa_config = {"x": 1}'),
+    ({"future_field": 3}, {}, "its adapter_config.json has future_field = 3: a field torchmoe does not know, so it "
+     "cannot say the adapter computes what torchmoe does"),
+    ({"peft_type": "IA3"}, {}, 'its adapter_config.json has peft_type = "IA3": not a LoRA adapter fix: pass a LoRA '
+     "adapter (peft_type LORA)"),
+    ({"task_type": "SEQ_CLS"}, {}, 'its adapter_config.json has task_type = "SEQ_CLS": an adapter of another model'),
+    ({"r": "4"}, {}, 'its adapter_config.json has r = "4", the run 4'),
+    ({"lora_alpha": 12}, {}, "its adapter_config.json has lora_alpha = 12, the run 6.0"),
+    ({"init_lora_weights": "pissa"}, {}, 'its adapter_config.json has init_lora_weights = "pissa": that '
+     "initialisation changes the base's weights"),
+    ({"target_modules": _ATTENTION[1:]}, {}, "it holds tensors for model.layers.0.self_attn.q_proj, which its "
+     f"adapter_config.json's target_modules does not name (PEFT would not load them) {_FOLDER_FIX}"),
+    ({"target_modules": [*_ATTENTION, "model.layers.0.mlp.gate_proj"]}, {}, "its adapter_config.json's "
+     "target_modules names model.layers.0.mlp.gate_proj, for which it holds no tensors (PEFT would put a new adapter "
+     "there)"),
+    ({"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]}, {}, "its adapter_config.json's "
+     "target_modules names model.layers.0.mlp.gate_proj, for which it holds no tensors"),
+    ({"target_modules": r".*\.(q|k|v|o)_proj"}, {}, "its adapter_config.json has target_modules = "
+     '".*\\\\.(q|k|v|o)_proj": a pattern, which torchmoe does not evaluate'),
+    ({"exclude_modules": ["model.layers.0.self_attn.q_proj"]}, {}, "it holds tensors for "
+     "model.layers.0.self_attn.q_proj, which its adapter_config.json's target_modules does not name"),
+    ({"layers_to_transform": [1]}, {}, "it holds tensors for model.layers.0.self_attn.k_proj, which its "
+     "adapter_config.json's target_modules does not name"),
+    ({"target_parameters": ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"]}, {},
+     "it holds tensors for model.layers.1.mlp.experts.down_proj, which its adapter_config.json's target_parameters "
+     "does not name"),
+], ids=["nan", "inf", "1e30", "product", "int32", "fan_in_fan_out", "bias_all", "modules_to_save", "dora", "rslora",
+        "lora_bias", "rank_pattern", "trainable_tokens", "unknown_config", "unknown_field", "peft_type", "task_type",
+        "r_string", "alpha", "pissa", "fewer_modules", "more_modules", "suffix_more", "pattern", "exclude",
+        "layers_to_transform", "fewer_parameters"])
+def test_an_adapter_folder_is_refused_by_name(exported, config, tensors, message, tmp_path):
+    """What would load another adapter than the file's tensors say, or values no training makes:
+    one ConfigError naming lora.adapter, the folder and what is wrong, before any adapter changes."""
+    ours, cfg, _ = exported
+    folder = _edited(exported, tmp_path, config, tensors)
+    before = {name: p.clone() for name, p in ours.named_parameters() if is_adapter_name(name)}
+    with pytest.raises(ConfigError) as e:
+        load_peft_adapter(ours, folder, cfg)
+    text = " ".join(str(e.value).split())
+    assert e.value.key == "lora.adapter" and e.value.value == str(folder)
+    assert message in text, text
+    if "holds tensors for" not in message and "names" not in message:  # refused before any tensor is copied
+        assert all(torch.equal(p, before[name]) for name, p in ours.named_parameters() if is_adapter_name(name))
+
+
+@pytest.mark.parametrize("config", [
+    {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},  # PEFT's suffix form, naming the same modules
+    {"init_lora_weights": "gaussian", "lora_dropout": 0.3, "inference_mode": False, "revision": "main"},
+    {"layers_to_transform": [0, 1], "layers_pattern": "layers", "exclude_modules": ["model.layers.1.mlp.gate"]},
+    {"future_field": None, "base_model_name_or_path": "elsewhere", "peft_version": "9.9"},
+], ids=["suffixes", "init_and_metadata", "every_layer", "defaults"])
+def test_an_adapter_folder_that_says_the_same_loads(exported, config, tmp_path):
+    """Fields that name the same modules another way, or that only describe the file or its
+    training, load the adapter's tensors bit for bit."""
+    ours, cfg, export = exported
+    fresh, _ = _adapted(_hf("qwen3"), tmp_path / "hf", PEFT_TARGETS, seed=7)
+    load_peft_adapter(fresh, _edited(exported, tmp_path, config), cfg)
+    saved = dict(ours.named_parameters())
+    assert all(torch.equal(p, saved[n]) for n, p in fresh.named_parameters() if is_adapter_name(n))
+    assert json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"] == "/models/qwen3"
+
+
+def test_a_damaged_adapter_folder_is_one_message(exported, tmp_path):
+    """A truncated adapter_model.safetensors, a malformed or non-object adapter_config.json, a
+    missing file, a named pipe in a file's place: ConfigError naming the folder and the file, as a
+    damaged base folder gets, never a traceback or a hang."""
+    import os
+
+    ours, cfg, _ = exported
+
+    def refused(folder) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_peft_adapter(ours, folder, cfg)
+        assert e.value.key == "lora.adapter" and e.value.value == str(folder)
+        return " ".join(str(e.value).split())
+
+    folder = _edited(exported, tmp_path)
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    assert "adapter_model.safetensors is damaged or truncated" in refused(folder)
+    weights.unlink()
+    assert f"has no adapter_model.safetensors {_FOLDER_FIX}" in refused(folder)
+    os.mkfifo(weights)
+    assert "adapter_model.safetensors" in refused(folder) and "named pipe" in refused(folder)
+    (folder / "adapter_config.json").write_text('{"r": 4,')
+    assert "adapter_config.json is not JSON (Expecting property name enclosed in double quotes at line 1 column 9)" \
+        in refused(folder)
+    (folder / "adapter_config.json").write_text("[4]")
+    assert "adapter_config.json holds an array, not a JSON object" in refused(folder)
+    (folder / "adapter_config.json").unlink()
+    assert "has no adapter_config.json" in refused(folder)

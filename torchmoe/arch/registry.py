@@ -142,9 +142,12 @@ def _with_overrides(base: ModelArgs, *, attn_backend: str, use_grouped_mm: bool,
     return base.replace(**overrides)
 
 
-def model_args_from_config(model_cfg: Model) -> ModelArgs:
+def model_args_from_config(model_cfg: Model, *, lora: bool = False) -> ModelArgs:
     """The `ModelArgs` a `[model]` config section describes: its flavor's, or for a `FolderModel`
-    the folder's config.json's, with the section's training settings.
+    the folder's config.json's, with the section's training settings. With `lora` (the run trains
+    adapters on a frozen base: `lora.enable`) the expert bias is part of that base: it stays the
+    base's unless the section sets `load_balance_coeff` itself (its -1 means off, not the family's
+    default).
 
     Raises:
         ConfigError: the family or the flavor is not one torchmoe has (`check_model`).
@@ -153,7 +156,9 @@ def model_args_from_config(model_cfg: Model) -> ModelArgs:
     if base is None:
         check_model(model_cfg.name, model_cfg.flavor)
         base = FLAVORS[model_cfg.name][model_cfg.flavor]
+    balance = model_cfg.load_balance_coeff
     return _with_overrides(base, attn_backend=model_cfg.attn_backend, use_grouped_mm=model_cfg.use_grouped_mm,
-                           load_balance_coeff=model_cfg.load_balance_coeff, aux_loss_coeff=model_cfg.aux_loss_coeff,
+                           load_balance_coeff=0.0 if lora and balance < 0 else balance,
+                           aux_loss_coeff=model_cfg.aux_loss_coeff,
                            z_loss_coeff=model_cfg.z_loss_coeff, moe_force_load_balance=model_cfg.moe_force_load_balance,
                            mtp_layers=model_cfg.mtp_layers, mtp_loss_coeff=model_cfg.mtp_loss_coeff)

@@ -1,6 +1,6 @@
-"""A fingerprint of a LoRA run's frozen base weights, recorded in every checkpoint and compared at
-resume, so that adapters are never continued (or exported) on a base other than the one they
-were trained on.
+"""A fingerprint of a LoRA run's frozen base (its parameters and the persistent buffers it starts
+from: the expert biases), recorded in every checkpoint and compared at resume, so that adapters
+are never continued (or exported) on a base other than the one they were trained on.
 
     fingerprint = BaseFingerprint()                       # state["base"]: saved with each checkpoint
     fingerprint.check(base_fingerprint(model, names, group), key=..., path=...)  # at start / resume
@@ -38,6 +38,10 @@ __all__ = ["BaseFingerprint", "base_fingerprint"]
 logger = logging.getLogger(__name__)
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# The base's buffers a fingerprint covers beside its parameters (the expert biases the base starts
+# from). Checkpoints of LoRA runs from before they were covered (torchmoe of 2026-12-07) recorded
+# parameters alone: against those, the buffers go uncompared.
+_BUFFERS = ("expert_bias",)
 
 
 def _counted(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -108,9 +112,12 @@ class BaseFingerprint(Stateful):
         Raises:
             ConfigError: (naming `key` and `path`, where the base came from) it differs.
         """
-        if self.recorded is not None and found != self.recorded:
-            differ = sorted(name for name in found.keys() | self.recorded.keys()
-                            if found.get(name) != self.recorded.get(name))
+        compared = found
+        if self.recorded is not None and not any(name.endswith(_BUFFERS) for name in self.recorded):
+            compared = {name: value for name, value in found.items() if not name.endswith(_BUFFERS)}
+        if self.recorded is not None and compared != self.recorded:
+            differ = sorted(name for name in compared.keys() | self.recorded.keys()
+                            if compared.get(name) != self.recorded.get(name))
             raise ConfigError(key, path, f"holds other base weights than the run's checkpoints were trained on "
                               f"({len(differ)} of {len(self.recorded)} tensors differ, e.g. {differ[0]}): "
                               "the adapters belong to another base", fix)

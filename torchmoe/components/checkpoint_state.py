@@ -85,12 +85,15 @@ class ModelWrapper(Stateful):
     """
 
     def __init__(self, model_parts: nn.Module | list[nn.Module], *, flavor: str = "", family: str = "llama4",
-                 keep: Callable[[str], bool] | None = None) -> None:
+                 keep: Callable[[str], bool] | None = None,
+                 check: Callable[[dict[str, torch.Size]], None] | None = None) -> None:
         self.model_parts = as_list(model_parts)
         # Named in the error for a checkpoint of another model, with the family's flavors it fits.
         self.flavor, self.family = flavor, family
-        # The tensors this state holds, by name (LoRA: the adapters alone); None: every one.
+        # The tensors this state holds, by name (LoRA: the adapters and the biases it trains); None: every one.
         self.keep = keep
+        # Refuses saved tensors by the setting that decides them (LoRA's: `adapter_settings`), before the flavor's check.
+        self.check = check
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {}
@@ -101,7 +104,10 @@ class ModelWrapper(Stateful):
     def check_saved_shapes(self, shapes: dict[str, torch.Size]) -> None:
         """Refuse a checkpoint of another model (another flavor): its checkpoints are valid, so
         the fix is the flavor they fit (`fit.flavors_fitting`: the whole model's saved tensors,
-        whatever stages this rank holds), not deleting them (see `_check_saved_shapes`)."""
+        whatever stages this rank holds), not deleting them (see `_check_saved_shapes`); first
+        `check`'s refusal, if given."""
+        if self.check is not None:
+            self.check(shapes)
         state = self.state_dict()
         have, held = stored_mtp_layers(state), stored_mtp_layers(shapes)
         if have > held:  # multi-token prediction modules the checkpoints lack (more are skipped)

@@ -26,9 +26,17 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from torchmoe.components.hf_storage import ExpertBiasDrop, save_hf_weights
+from torchmoe.components.peft_adapter_checks import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    check_product,
+    check_targets,
+    read_adapter_config,
+    read_adapter_tensors,
+)
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import LoRA
@@ -37,15 +45,16 @@ from torchmoe.models.hf_config_spec import HFConversionError
 from torchmoe.models.peft_targets import PeftTarget
 from torchmoe.models.registry import hf_mapping
 from torchmoe.nn.experts import RoutedExperts
-from torchmoe.nn.lora import ADAPTER_PREFIX
+from torchmoe.nn.lora import ADAPTER_PREFIX, is_adapter_name
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_peft_adapter", "require_peft_form", "save_merged_model",
-           "save_peft_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BIASES_WITHOUT_PLACE", "load_peft_adapter", "require_peft_form",
+           "save_merged_model", "save_peft_adapter"]
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _MERGED_FIX = 'set lora.export = "merged" (the model with each adapter folded into its weight)'
+BIASES_WITHOUT_PLACE = ("PEFT's adapter format holds adapters on a base it leaves as it is, and has no place for "
+                        "the biases: on its base the adapter would select the base's experts, not the trained ones")
+"""Why an adapter export of a LoRA run that trained the expert biases is refused (preflight, convert)."""
 
 
 def _pairs(model: torch.nn.Module) -> list[tuple[PeftTarget, torch.nn.Parameter, torch.nn.Parameter, bool]]:
@@ -114,18 +123,21 @@ def _from_peft(lora_a: torch.Tensor, lora_b: torch.Tensor, a: torch.Tensor, b: t
     return lora_a.reshape(a.shape), lora_b.reshape(b.shape[1], r, e).permute(2, 0, 1)
 
 
-def _config(pairs, cfg: LoRA) -> dict:
+def _config(pairs, cfg: LoRA, base: str | None) -> dict:
     modules = sorted({t.name for t, *_ in pairs if t.parameter is None})
     parameters = sorted({t.name for t, *_ in pairs if t.parameter is not None})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "r": cfg.rank,
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.rank,
             "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": modules or None,
             "target_parameters": parameters or None, "bias": "none", "use_rslora": False, "use_dora": False,
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
             "rank_pattern": {}, "alpha_pattern": {}}
 
 
-def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, cfg: LoRA) -> None:
-    """Write `model`'s adapters (added by `apply_lora` with `cfg`) as a PEFT adapter folder.
+def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, cfg: LoRA, *,
+                      base: str | None = None) -> None:
+    """Write `model`'s adapters (added by `apply_lora` with `cfg`) as a PEFT adapter folder, whose
+    ``base_model_name_or_path`` is `base` (the Hugging Face folder the run started from; None:
+    it started from no Hugging Face folder).
 
     Raises:
         ConfigError: (naming lora.export, before anything is written) PEFT cannot hold one of
@@ -139,38 +151,28 @@ def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, cfg: L
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    write_file(out_dir / ADAPTER_CONFIG, json.dumps(_config(pairs, cfg), indent=2) + "\n")
+    write_file(out_dir / ADAPTER_CONFIG, json.dumps(_config(pairs, cfg, base), indent=2) + "\n")
 
 
 def load_peft_adapter(model: torch.nn.Module, folder: str | os.PathLike, cfg: LoRA) -> None:
     """Copy a PEFT adapter folder's tensors into `model`'s adapters (added by `apply_lora` with
-    `cfg`), in place.
+    `cfg`), in place, once the folder is held to the base's rules (`peft_adapter_checks`).
 
     Raises:
-        ConfigError: (naming the folder) a file is missing, the adapter's rank, alpha or form
-            differs from `cfg`, or it lacks a tensor `model` adapts or holds one it does not.
+        ConfigError: (naming lora.adapter and the folder) a file is missing, unreadable, damaged or
+            malformed; its adapter_config.json is not a LoRA adapter of `cfg`'s rank and alpha, says
+            the adapter computes something else than torchmoe does, or contradicts its tensors; a
+            tensor is not floating-point, not finite, beyond the bound weights are held to (its
+            product with its pair too), of another shape than `model`'s, missing (lora.targets
+            adapts it) or extra.
     """
-    folder = Path(folder)
-    key = "lora.adapter"
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (folder / name).is_file():
-            raise ConfigError(key, str(folder), f"has no {name}", "pass a folder written by PEFT's save_pretrained "
-                              "or torchmoe's adapter export")
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    expected = {"peft_type": "LORA", "r": cfg.rank, "lora_alpha": cfg.alpha, "use_rslora": False, "use_dora": False,
-                "rank_pattern": {}, "alpha_pattern": {}}
-    for field, want in expected.items():
-        got = config.get(field, want if field not in ("peft_type", "r", "lora_alpha") else None)
-        if got != want and not (isinstance(want, float) and isinstance(got, (int, float)) and float(got) == want):
-            raise ConfigError(key, str(folder), f"its {ADAPTER_CONFIG} has {field} = {got!r}, the run {want!r}",
-                              f"set lora.rank/lora.alpha to the adapter's, or pass an adapter of rank {cfg.rank} "
-                              f"and alpha {cfg.alpha} without rank/alpha patterns, rslora or DoRA")
-    stored = load_file(folder / ADAPTER_WEIGHTS)
+    folder, key = Path(folder), "lora.adapter"
+    config = read_adapter_config(folder, cfg, key=key)
+    stored = read_adapter_tensors(folder, key=key)
     pairs = _pairs(model)
-    wanted = {}
+    wanted = set()
     for stem, (_, a, b, experts) in zip(_keys(pairs), pairs):
-        wanted[f"{stem}lora_A.weight"] = None
-        wanted[f"{stem}lora_B.weight"] = None
+        wanted.update((f"{stem}lora_A.weight", f"{stem}lora_B.weight"))
         if f"{stem}lora_A.weight" not in stored or f"{stem}lora_B.weight" not in stored:
             raise ConfigError(key, str(folder), f"has no tensor {stem}lora_A/B.weight, which lora.targets adapts",
                               "set lora.targets to the adapter's targets")
@@ -179,16 +181,36 @@ def load_peft_adapter(model: torch.nn.Module, folder: str | os.PathLike, cfg: Lo
             raise ConfigError(key, str(folder), f"{stem}lora_A/B.weight have shapes {tuple(new_a.shape)} and "
                               f"{tuple(new_b.shape)}, the model's adapter {tuple(a.shape)} and {tuple(b.shape)}",
                               "pass an adapter of this model")
+        check_product(stem, new_a, new_b, cfg.alpha / cfg.rank, key=key, folder=folder)
         with torch.no_grad():
             a.copy_(new_a)
             b.copy_(new_b)
-    extra = sorted(set(stored) - set(wanted))
+    extra = sorted(set(stored) - wanted)
     if extra:
         raise ConfigError(key, str(folder), f"holds {len(extra)} tensor(s) lora.targets does not adapt, e.g. "
                           f"{extra[0]}", "add their targets to lora.targets")
+    check_targets(config, {t.module for t, *_ in pairs if t.parameter is None},
+                  {t.name for t, *_ in pairs if t.parameter is not None}, _hf_names(model), key=key, folder=folder)
 
 
-def save_merged_model(model: torch.nn.Module, out_dir: str | os.PathLike, *, drop_expert_bias: bool = False) -> None:
+def _hf_names(model: torch.nn.Module) -> set[str]:
+    """Every tensor name of the transformers model of `model`'s family that holds one of ours."""
+    mapping = hf_mapping(model.args)
+    names = set()
+    for name, tensor in model.state_dict().items():
+        try:
+            hf = None if is_adapter_name(name) else mapping.hf_slice(name, tensor.shape)
+        except HFConversionError:  # a tensor of ours the family's model has no place for
+            continue
+        if hf is not None:
+            names.add(hf.hf_name)
+    return names
+
+
+def save_merged_model(model: torch.nn.Module, out_dir: str | os.PathLike, *,
+                      bias_drop: ExpertBiasDrop = ExpertBiasDrop()) -> None:
     """Write `model` with every adapter folded in (``W + scaling * B @ A``) as a Hugging Face
-    folder of its family, as `torchmoe.hf.save_model` writes a model without adapters."""
-    save_hf_weights(merged_state_dict(model), model.args, out_dir, bias_drop=ExpertBiasDrop(allowed=drop_expert_bias))
+    folder of its family, as `torchmoe.hf.save_model` writes a model without adapters (its
+    expert biases too: one the family's folder has no place for is refused unless `bias_drop`
+    allows leaving it out)."""
+    save_hf_weights(merged_state_dict(model), model.args, out_dir, bias_drop=bias_drop)

@@ -43,7 +43,7 @@ class Model:
     use_grouped_mm: bool = True
     """Run routed experts with torch._grouped_mm (False: a per-expert loop, for debugging)."""
     load_balance_coeff: float = -1.0
-    """Aux-loss-free expert-bias update rate; -1 = the family's default (llama4, deepseek_v3: 0.001; qwen3, gpt_oss: off, as they were released: their Hugging Face models have no place for the bias), 0 = disabled."""
+    """Aux-loss-free expert-bias update rate; -1 = the family's default (llama4, deepseek_v3: 0.001; qwen3, gpt_oss: off, as they were released: their Hugging Face models have no place for the bias; under LoRA off: the biases stay the base's), 0 = disabled. Set under LoRA, the biases train with the adapters and are checkpointed with them; the adapter export, which has no place for them, is then refused."""
     aux_loss_coeff: float = -1.0
     """Coefficient of the sequence-wise load-balancing auxiliary loss; -1 = the family's default (qwen3, gpt_oss: 0.001, their released configs' router_aux_loss_coef; llama4, deepseek_v3: off), 0 = off."""
     z_loss_coeff: float = 0.0
@@ -285,7 +285,7 @@ class Float8:
 @dataclass
 class LoRA:
     enable: bool = False
-    """Train low-rank adapters (LoRA) on the targets below instead of the whole model: every other parameter is frozen (no gradient, no optimizer state)."""
+    """Train low-rank adapters (LoRA) on the targets below instead of the whole model: every other parameter is frozen (no gradient, no optimizer state), and the expert biases stay the base's unless model.load_balance_coeff is set. A resume with another targets, rank, alpha, dropout (or enable) than its checkpoints were trained with is refused."""
     targets: list[str] = field(default_factory=lambda: ["attention", "experts"])
     """What gets adapters, from "attention" (every projection, MLA's included), "mlp" (dense layers), "shared_experts", "experts" (the routed experts: one pair per expert) and "router" (the gate)."""
     rank: int = 16
@@ -295,9 +295,9 @@ class LoRA:
     dropout: float = 0.0
     """Dropout on each adapter's input while training (PEFT's lora_dropout); PEFT's routed-expert and router adapters take none."""
     adapter: str = ""
-    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, of this rank, alpha and these targets) whose adapters the run starts from instead of PEFT's init: to continue training an adapter."""
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, of this rank, alpha and these targets, plain LoRA: no DoRA, rslora, patterns, modules_to_save, bias...) whose adapters a new run starts from instead of PEFT's init: to continue training an adapter. Its tensors must be floating-point, finite and within the bound base weights are held to, and its adapter_config.json must name exactly the modules they adapt. A resumed run continues its checkpoint's adapters and does not read it."""
     export: str = "adapter"
-    """What a Hugging Face export writes: "adapter" (adapter_config.json + adapter_model.safetensors, which peft.PeftModel.from_pretrained loads onto the transformers model) or "merged" (the model with W + alpha / rank * B @ A)."""
+    """What a Hugging Face export writes: "adapter" (adapter_config.json, naming the Hugging Face folder the run started from, + adapter_model.safetensors, which peft.PeftModel.from_pretrained loads onto the transformers model) or "merged" (the model with W + alpha / rank * B @ A, and the expert biases as trained). A resume may change it."""
     checkpoint_base: bool = False
     """Save the frozen base weights once into the checkpoint folder (<checkpoint.folder>/base/, a DCP folder written when the run starts) and resume from there rather than from checkpoint.initial_load_path, so the run, and `torchmoe convert` of its checkpoints, no longer need that folder. Without it a checkpoint holds the adapters and their optimizer state alone, and a resume loads the base again from initial_load_path; in both cases a base other than the one the run trained on is refused (a fingerprint of the base, recorded in every checkpoint)."""
 

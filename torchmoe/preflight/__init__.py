@@ -95,7 +95,7 @@ def validate_layout(cfg: JobConfig, world_size: int, *, check_device: bool = Fal
     validate_sections(cfg)
     check_flavor(cfg.model)
     degrees = resolve_degrees(cfg.parallelism, world_size)
-    args = model_args_from_config(cfg.model)
+    args = model_args_from_config(cfg.model, lora=cfg.lora.enable)
     check_seq_len(args, cfg.model.flavor, cfg.training.seq_len)
     check_model_split(args, cfg.model.flavor, degrees, cfg.training.seq_len)
     check_force_load_balance(args, degrees, cfg.training.seq_len)

@@ -11,7 +11,7 @@ import torch
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.components.hf_storage import holds_expert_bias, require_hf_form
-from torchmoe.components.peft_adapter import require_peft_form
+from torchmoe.components.peft_adapter import BIASES_WITHOUT_PLACE, require_peft_form
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.config.launch_env import launch_int
@@ -84,13 +84,20 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
 def _check_lora(cfg: JobConfig, args: ModelArgs) -> None:
     """What a LoRA run cannot export, refused before training: adapters of a family torchmoe has
     no PEFT mapping for, or on a target PEFT cannot hold (checked on the adapted model's shapes,
-    built on the meta device)."""
+    built on the meta device), or expert biases the run trains (`model.load_balance_coeff` set),
+    which PEFT's format has no place for."""
     if cfg.lora.export != "adapter":
         return
     with torch.device("meta"):
         model = Transformer(args)
     apply_lora(model, cfg.lora)
     require_peft_form(model)  # raises the ConfigError naming lora.export and the target
+    if args.load_balance_coeff and args.moe_layer_ids:
+        raise ConfigError("model.load_balance_coeff", cfg.model.load_balance_coeff, "trains the expert biases beside "
+                          f'the adapters, and lora.export = "adapter" would write them without: {BIASES_WITHOUT_PLACE}',
+                          'set lora.export = "merged" (the model with each adapter folded into its weight, and the '
+                          "biases as trained), or leave model.load_balance_coeff unset (-1: under LoRA the biases "
+                          "stay the base's)")
 
 
 def _check_flex_compiled(cfg: JobConfig, args: ModelArgs) -> None:

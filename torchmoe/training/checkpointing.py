@@ -20,13 +20,17 @@ from torchmoe.components.tokenizer_files import copy_tokenizer_files
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import source_key
+from torchmoe.nn.lora import is_adapter_name
 from torchmoe.training.adapters import (
-    base_parameters,
     base_source,
+    base_tensors,
     base_weights,
     checkpointed,
     export_hf,
+    hf_base,
     import_adapter,
+    put_back,
+    set_aside,
 )
 from torchmoe.training.log import logger
 
@@ -56,9 +60,13 @@ class Checkpoints:
         checkpoint's (`check_base`), a new one takes its adapters from `lora.adapter` if set, and
         with `lora.checkpoint_base` the base is saved once."""
         lora, ckpt = self.cfg.lora, self.cfg.checkpoint
-        if resumed and checkpointed(lora) is None:
+        held = checkpointed(lora, self.model_args)
+        if resumed and held is None:
             return
         base = saved_base(self.manager.folder) if resumed and lora.enable else None
+        # What the resumed checkpoint holds of the base's tensors (the expert biases the run
+        # trains): the base loads over them, to be fingerprinted as it is, then they come back.
+        trained = set_aside(self.model, lambda name: held(name) and not is_adapter_name(name)) if resumed else {}
         if base is not None:  # checksummed when saved and checked as it loads: the run's own copy
             load_model_only(base, [self.model], key="checkpoint.folder", keep=base_weights(lora))
         elif ckpt.initial_load_path:
@@ -67,6 +75,7 @@ class Checkpoints:
         if not lora.enable:
             return
         self.check_base(base)
+        put_back(self.model, trained)
         if not resumed:
             import_adapter(lora, self.model_args, self.model)
         if lora.checkpoint_base and base is None and self.manager.writes and not ckpt.create_seed_checkpoint:
@@ -77,7 +86,7 @@ class Checkpoints:
         """Record the fingerprint of the base as loaded (from the run's `base` copy, if not None),
         which a resumed run's checkpoint must have recorded too (`ConfigError`, naming where the
         base came from, when it is another base)."""
-        found = base_fingerprint(self.model, base_parameters(self.model_args, self.cfg.lora), self.manager.group)
+        found = base_fingerprint(self.model, base_tensors(self.model_args, self.cfg.lora), self.manager.group)
         key, path, fix = base_source(self.cfg, base)
         self.state["base"].check(found, key=key, path=path, fix=fix)
 
@@ -142,7 +151,7 @@ class Checkpoints:
         def write(folder: Path) -> None:
             if lora.enable:  # the adapters in PEFT's format, or merged into the weights (`lora.export`)
                 export_hf(self.model, self.model_args, lora, folder, rank=self.rank,
-                          bias_drop=hf_bias_drop(self.cfg.checkpoint))
+                          bias_drop=hf_bias_drop(self.cfg.checkpoint), base=hf_base(self.cfg))
             else:
                 save_hf_weights(get_model_state_dict(self.model), self.model_args, folder,
                                 process_group=self.manager.group, bias_drop=hf_bias_drop(self.cfg.checkpoint))

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.components.adapter_settings import AdapterSettings
 from torchmoe.components.base_fingerprint import BaseFingerprint
 from torchmoe.components.checkpoint import CheckpointManager, checkpoint_timeout
 from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
@@ -45,7 +46,7 @@ from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import microbatches
 from torchmoe.preflight import train_device
-from torchmoe.training.adapters import checkpointed, trainable
+from torchmoe.training.adapters import checkpointed, saved_tensors_check, trainable
 from torchmoe.training.checkpointing import Checkpoints
 from torchmoe.training.console import chat_report, closing, opening, say
 from torchmoe.training.cpu_threads import cpu_threads
@@ -110,7 +111,7 @@ class Trainer:
     def _build(self, cfg: JobConfig) -> None:
         """Everything but the folders: data, model, optimizer, checkpoints, the step (`__init__`)."""
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path, key=source_key(cfg, "model.tokenizer_path"))
-        self.model_args = model_args_from_config(cfg.model)
+        self.model_args = model_args_from_config(cfg.model, lora=cfg.lora.enable)
         batch_mesh = self.mesh["batch"] if self.mesh is not None else None
         dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
         ft = cfg.fault_tolerance
@@ -147,14 +148,16 @@ class Trainer:
                                               timeout=checkpoint_timeout(cfg.checkpoint, cfg.comm))
         self.state = {
             "model": ModelWrapper([self.model], flavor=cfg.model.flavor, family=cfg.model.name,
-                                  keep=checkpointed(cfg.lora)),
+                                  keep=checkpointed(cfg.lora, self.model_args),
+                                  check=saved_tensors_check(cfg, self.model_args)),
             "optimizer": OptimizerWrapper([self.model], [self.optimizer]),
             "lr_scheduler": self.scheduler,
             "dataloader": RankLocal(self.dataloader, rank=self.rank) if ft.enable else self.dataloader,
             "rng": RankLocal(RNGState(), rank=self.rank),
         }
-        if cfg.lora.enable:  # the frozen base's fingerprint, which a resume checks (`Checkpoints.check_base`)
-            self.state["base"] = BaseFingerprint()
+        if cfg.lora.enable:  # what the adapters mean, and the frozen base's fingerprint, which a resume checks
+            self.state["lora"] = AdapterSettings(cfg.lora, cfg.model.load_balance_coeff)
+            self.state["base"] = BaseFingerprint()  # `Checkpoints.check_base`
         self.checkpoints = Checkpoints(cfg, self.checkpointer, self.state, self.model, self.model_args, rank=self.rank)
         self.progress = Progress()
         self.last_result: StepResult | None = None  # this process's newest step, for the closing line

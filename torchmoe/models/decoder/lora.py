@@ -36,13 +36,15 @@ from torchmoe.nn.lora import (
     linear_delta,
 )
 
-__all__ = ["adapted_modules", "apply_lora", "init_adapters", "merged_state_dict"]
+__all__ = ["adapted_modules", "apply_lora", "init_adapters", "merged_state_dict", "target_of"]
 
 
 def _target_modules(model: nn.Module, targets: list[str]) -> dict[str, nn.Module]:
     """Name (in `model`) -> module of every module `targets` names, in layer order."""
     found: dict[str, nn.Module] = {}
     for layer_name, layer in model.layers.items():
+        if int(layer_name) >= model.args.n_layers:  # a multi-token prediction module's block: frozen
+            continue
         prefix = f"layers.{layer_name}"
         if "attention" in targets:
             found.update({f"{prefix}.attention.{n}": m for n, m in layer.attention.named_modules()
@@ -59,6 +61,17 @@ def _target_modules(model: nn.Module, targets: list[str]) -> dict[str, nn.Module
         if "experts" in targets:
             found[f"{prefix}.moe.experts"] = moe.experts
     return found
+
+
+# Where each target's modules sit in a block (`_target_modules`), for naming the target of an adapter.
+_TARGET_PLACES = {"attention": ".attention.", "mlp": ".feed_forward.", "shared_experts": ".moe.shared_experts.",
+                  "experts": ".moe.experts.", "router": ".moe.router."}
+
+
+def target_of(name: str) -> str:
+    """The `lora.targets` entry that adapts the module holding the adapter parameter `name`
+    (``layers.1.moe.experts.lora_w13_a`` -> "experts")."""
+    return next(target for target, place in _TARGET_PLACES.items() if place in name)
 
 
 def apply_lora(model: nn.Module, cfg: LoRA) -> list[str]:
