@@ -113,14 +113,8 @@ def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: flo
     Returns:
         (R, out); rows past the last block are unspecified.
     """
-    # The grouped GEMM reads its operands' rows on 16-byte strides, and r is the inner dimension
-    # of the second one: a rank whose rows are not (3 in fp32, 4 in bf16) is padded with zero rows
-    # of A_e and zero columns of B_e. They add nothing to the output, and the pad's backward
-    # drops their gradients: the same result and gradients as rank r.
-    pad = -a.shape[1] % (16 // x.element_size())
-    if pad:
-        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))  # (E, r + pad, in), (E, out, r + pad)
-    low = mm(dropout(x), a, counts, offsets)  # (R, r + pad)
+    # Any r, in and out: `mm` keeps the grouped GEMM's layout contract (`nn.grouped_gemm`).
+    low = mm(dropout(x), a, counts, offsets)  # (R, r)
     return mm(low, b, counts, offsets) * scaling
 
 
