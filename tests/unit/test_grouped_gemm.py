@@ -42,7 +42,10 @@ def _assert_equal_to_reference(got: torch.Tensor, want: torch.Tensor, padded: bo
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[tuple[tuple, tuple]]:
-    """Every call of torch's grouped GEMM, its operands held to CUDA's layout contract."""
+    """Every call of torch's grouped GEMM, its operands held to CUDA's layout contract, and the
+    output rows it leaves unspecified (past the last group: CUDA leaves them uninitialised)
+    filled with 0.5, a value inside every activation's range (a NaN or a huge value would be
+    clamped out by gpt-oss's activation and pass no gradient on): no gradient may read them."""
     calls = []
     real = private.grouped_mm
 
@@ -51,7 +54,10 @@ def kernel_calls(monkeypatch) -> list[tuple[tuple, tuple]]:
             assert in_contract(t), (name, tuple(t.shape), t.stride())
             assert t.data_ptr() % STRIDE_BYTES == 0, (name, t.data_ptr())  # CUDA's check, not CPU's
         calls.append((tuple(a.shape), tuple(b.shape)))
-        return real(a, b, offsets)
+        out = real(a, b, offsets)
+        if b.dim() == 3:  # (rows, N): rows past offsets[-1] belong to no group
+            out[offsets[-1]:] = 0.5
+        return out
 
     monkeypatch.setattr(private, "grouped_mm", checked)
     return calls
@@ -175,22 +181,76 @@ SHAPES = [(30, 20, None), (36, 12, 3), (20, 36, 5), (30, 10, None), (32, 16, 4)]
 def test_experts_of_any_shape_equal_the_per_expert_loop(dtype, kind, dim, hidden, rank, kernel_calls) -> None:
     """SwiGLU experts (w1, w3, w2) and gpt-oss's clamped ones (interleaved w13 with its bias,
     w2 with its bias), with their adapters where a rank is given: the output and the gradients
-    of the input, every weight, bias and adapter."""
+    of the input, every weight, bias and adapter. Rows past the last block (whose GEMM outputs
+    are left over here) reach no gradient: gpt-oss's biases gave them the last expert's, and its b13
+    gradient took their values."""
     grouped, looped = (_experts(kind, dim, hidden, rank, g, dtype) for g in (True, False))
     counts = torch.tensor(COUNTS)
-    x = _draw((21, dim), dtype, 1)
+    x = _draw((24, dim), dtype, 1)  # 3 rows past the last block, as the dispatcher pads on CUDA
     xg, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = grouped(xg, counts)
     grad = _draw(tuple(out.shape), dtype, 2)
+    grad[21:] = 0  # the dispatcher drops the padding rows' outputs
     out.backward(grad)
     looped(xl, counts).backward(grad)
     multiple = stride_multiple(dtype)
     padded = any(d % multiple for d in (dim, hidden, 2 * hidden, rank or multiple))
-    _assert_equal_to_reference(out, looped(x, counts), padded, "out")
-    _assert_equal_to_reference(xg.grad, xl.grad, padded, "x.grad")
+    _assert_equal_to_reference(out[:21], looped(x, counts)[:21], padded, "out")
+    _assert_equal_to_reference(xg.grad[:21], xl.grad[:21], padded, "x.grad")
     reference = dict(looped.named_parameters())
     for name, p in grouped.named_parameters():
         _assert_equal_to_reference(p.grad, reference[name].grad, padded, name)
     # Every projection and adapter ran the grouped GEMM (the custom op's backward: 2 more each).
     forward = (3 if kind == "swiglu" else 2) + (4 if rank else 0)
     assert len(kernel_calls) >= forward
+
+
+# ---- float8 experts (torchao's kernel is CUDA-only: a stand-in holds its asserts) -------------------
+
+
+def _torchao_stand_in(calls: list):
+    """`_to_fp8_rowwise_then_scaled_grouped_mm` as torchao asserts its operands (A (M, K) row-major,
+    B_t (E, K, N) column-major, K and N multiples of 16, groups of 16 rows), computed without float8."""
+
+    def grouped_mm(a, b_t, offsets, *, out_dtype, pad_token_groups_for_grouped_mm):
+        assert a.size(-1) % 16 == 0 and b_t.size(-2) % 16 == 0 and b_t.size(-1) % 16 == 0, (a.shape, b_t.shape)
+        assert a.stride(-1) == 1 and b_t.stride(-2) == 1, (a.stride(), b_t.stride())
+        assert offsets.dtype == torch.int32 and not pad_token_groups_for_grouped_mm
+        calls.append((tuple(a.shape), tuple(b_t.shape)))
+        return private.grouped_mm(a, b_t, offsets)
+
+    return grouped_mm
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "clamped"])
+@pytest.mark.parametrize("dim, hidden", [(30, 20), (36, 10), (32, 16)])
+def test_float8_experts_pad_any_shape_to_torchao_s_tiles(kind, dim, hidden, monkeypatch) -> None:
+    """Float8 experts (`distributed.float8._float8_grouped_mm`, rows padded to 16 per expert by
+    the dispatcher) hand torchao K and N padded to 16; the output and every gradient equal the
+    per-expert loop. fp32 within 1e-5: zero columns change the contraction's length, and CPU's
+    BLAS blocks it otherwise (observed at most 3e-7)."""
+    import torchmoe.distributed.float8 as float8
+    from torchmoe.nn.dispatch import TokenDispatcher
+
+    calls: list = []
+    monkeypatch.setattr(float8, "_torchao_grouped_mm", lambda: _torchao_stand_in(calls))
+    grouped, looped = (_experts(kind, dim, hidden, None, g, torch.float32) for g in (True, False))
+    grouped.float8_grouped_mm = float8._float8_grouped_mm
+    counts = torch.tensor(COUNTS)
+    x = _draw((21, dim), torch.float32, 1)
+    xg, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dispatcher = TokenDispatcher(num_experts=4, top_k=1)
+    out = dispatcher.run_local_experts(xg, counts, grouped)
+    ref = dispatcher.run_local_experts(xl, counts, looped)
+    grad = _draw(tuple(out.shape), torch.float32, 2)
+    out.backward(grad)
+    ref.backward(grad)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(xg.grad, xl.grad, **tol)
+    reference = dict(looped.named_parameters())
+    for name, p in grouped.named_parameters():
+        torch.testing.assert_close(p.grad, reference[name].grad, **tol, msg=name)
+    tile = lambda d: -(-d // 16) * 16  # noqa: E731
+    widths = [hidden, hidden] if kind == "swiglu" else [2 * hidden]
+    assert [b[1:] for _, b in calls] == [(tile(dim), tile(n)) for n in widths] + [(tile(hidden), tile(dim))]

@@ -211,9 +211,12 @@ class ClampedSwiGLUExperts(RoutedExperts):
                                                     local_shard(self.w2), self._down_bias())
             counts = num_tokens_per_expert
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            # Each row's expert, by device-side search (rows past the last block take the last).
+            # Each row's expert, by device-side search. Rows past the last block (the dispatcher's
+            # padding on CUDA and for float8) get index E, a zero bias: the GEMMs leave their
+            # values and gradients unspecified (uninitialised memory), which must reach no bias.
             rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
-            expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=counts.shape[0] - 1)
+            expert = torch.searchsorted(offsets, rows, right=True)  # (rows,) in [0, E]
+            b13, b2 = F.pad(b13, (0, 0, 0, 1)), F.pad(b2, (0, 0, 0, 1))  # (E + 1, ...)
             h = self._mm(x, w13, counts, offsets) + b13[expert]  # (rows, 2 * hidden)
             if (delta := self._adapter("w13", x, counts, offsets)) is not None:
                 h = h + delta
