@@ -79,6 +79,8 @@ def _operands(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "a slice off the 16-byte grid": base[:, 1:17],
         "an expanded gradient (strides 0)": _draw((1, 16), dtype, 7).expand(5, 16),
         "every other column": base[:, ::2],
+        "a rank-1 adapter's B_e transposed (E, 1, N=20), strides (N, 1, 1)": _draw((3, 20, 1), dtype, 8).transpose(-2, -1),
+        "one column (R, 1), strides (1, 1)": _draw((9, 1), dtype, 10),
     }
 
 
@@ -102,21 +104,27 @@ def test_kernel_layout_keeps_the_values_and_meets_the_contract(dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_contract_is_torch_s_own_check(dtype: torch.dtype) -> None:
-    """`in_contract` says what torch's kernel says of a first operand's strides: it accepts those
-    `in_contract` accepts and raises "strides should be multiple of 16 bytes" (or "Invalid
-    strides") on the others, the address aside (CPU's kernel does not check it; CUDA's does)."""
+    """`in_contract` says what torch's kernel says of an operand's strides (as the first operand
+    of a (rows, K) x (E, K, N) product, and as its second): it accepts those `in_contract`
+    accepts, raises "strides should be multiple of 16 bytes" (or "Invalid strides") on the
+    others, and accepts every `kernel_layout`; the address aside (CPU's kernel does not check
+    it; CUDA's does)."""
     for name, t in _operands(dtype).items():
-        a = t if t.dim() == 2 else t[0]
-        b = _draw((a.shape[1], 16), dtype, 9)  # (K, N=16): in the contract
-        offsets = torch.tensor([a.shape[0]], dtype=torch.int32)
-        if a.storage_offset() * a.element_size() % STRIDE_BYTES:
-            assert not in_contract(a), name
-            continue
-        if in_contract(a):
-            private.grouped_mm(a, b.unsqueeze(0), offsets)
-        else:
-            with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes|Invalid strides"):
-                private.grouped_mm(a, b.unsqueeze(0), offsets)
+        if t.storage_offset() * t.element_size() % STRIDE_BYTES:
+            assert not in_contract(t), name
+            t = t.clone()  # the strides alone
+        for operand in (t, kernel_layout(t)):
+            runs = {"rows": lambda m: private.grouped_mm(m, _draw((1, m.shape[1], 16), dtype, 9),
+                                                         torch.tensor([m.shape[0]], dtype=torch.int32)),
+                    "weights": lambda m: private.grouped_mm(kernel_layout(_draw((4, m.shape[0]), dtype, 9)), m.unsqueeze(0),
+                                                            torch.tensor([4], dtype=torch.int32))}
+            matrix = operand if operand.dim() == 2 else operand[0]
+            for role, run in runs.items():
+                if in_contract(matrix):
+                    run(matrix)
+                else:
+                    with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes|Invalid strides"):
+                        run(matrix)
 
 
 def test_stride_multiples_and_which_experts_run_torch_s_op_as_they_are() -> None:

@@ -37,9 +37,8 @@ Every shipped flavor's dims meet the contract, and nothing is copied for them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["STRIDE_BYTES", "fits_kernel", "in_contract", "kernel_layout", "stride_multiple"]
+__all__ = ["STRIDE_BYTES", "fits_kernel", "in_contract", "kernel_layout", "stride_multiple", "strides_in_contract"]
 
 # The byte multiple CUDA's grouped GEMMs read rows (and start addresses) on.
 STRIDE_BYTES = 16
@@ -51,17 +50,22 @@ def stride_multiple(dtype: torch.dtype) -> int:
 
 
 def in_contract(t: torch.Tensor) -> bool:
-    """t's last two dims are a row- or column-major matrix the kernel reads as it is: the other
-    dim's stride a multiple of `stride_multiple` and at least that dim's length, and the first
-    element at a multiple of `STRIDE_BYTES` from its storage's start (storage allocations are
-    aligned; read from the offset, the check runs on meta and traced tensors too)."""
+    """t's last two dims are a matrix the kernel reads as it is (`strides_in_contract`), and its
+    first element lies a multiple of `STRIDE_BYTES` from its storage's start (storage
+    allocations are aligned; read from the offset, the check runs on meta tensors too)."""
+    return t.storage_offset() * t.element_size() % STRIDE_BYTES == 0 and strides_in_contract(t)
+
+
+def strides_in_contract(t: torch.Tensor) -> bool:
+    """t's last two dims are a row- or column-major matrix whose other dim's stride is a multiple
+    of `stride_multiple` and at least that dim's length (torch's own check, which torch.compile
+    traces as shape guards)."""
     stride, shape, multiple = t.stride(), t.shape, stride_multiple(t.dtype)
-    if t.storage_offset() * t.element_size() % STRIDE_BYTES:
-        return False
-    if stride[-1] == 1 and stride[-2] >= max(1, shape[-1]):
-        return stride[-2] % multiple == 0
+    # torch's order: a dim of length 1 makes both readings possible, and column-major wins.
     if stride[-2] == 1 and stride[-1] >= max(1, shape[-2]):
         return stride[-1] % multiple == 0
+    if stride[-1] == 1 and stride[-2] >= max(1, shape[-1]):
+        return stride[-2] % multiple == 0
     return False
 
 
@@ -74,11 +78,18 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     if t.stride(-2) == 1 and t.stride(-1) != 1:
         return kernel_layout(t.transpose(-2, -1)).transpose(-2, -1)
     n = t.shape[-1]
-    return F.pad(t, (0, -n % stride_multiple(t.dtype)))[..., :n]
+    # A new buffer, not F.pad or clone: those keep a size-1 dim's odd strides (a (E, 1, N) view
+    # of strides (N, 1, 1) stays one), which the kernel reads as column-major.
+    padded = t.new_zeros(*t.shape[:-1], n + -n % stride_multiple(t.dtype))[..., :n]
+    return padded.copy_(t)
 
 
 def fits_kernel(rows: torch.Tensor, w: torch.Tensor) -> bool:
     """torch's own grouped GEMM runs ``rows @ w[e].T`` (rows (R, K), w (E, N, K)) forward and
-    backward on the operands as they are: both in the contract, and N a stride multiple too, as
-    the backward multiplies the output's gradient, which arrives as a contiguous (R, N)."""
-    return in_contract(rows) and in_contract(w.transpose(-2, -1)) and w.shape[1] % stride_multiple(w.dtype) == 0
+    backward on the operands as they are: both strided as the contract wants, and N a stride
+    multiple too, as the backward multiplies the output's gradient, which arrives as a contiguous
+    (R, N). Strides only, as torch.compile traces them (it cannot trace a storage offset): the
+    experts' operands are tensors of their own (the dispatcher's buffer, an activation, a
+    parameter's local shard or FSDP's all-gathered copy), never views at an offset."""
+    return (strides_in_contract(rows) and strides_in_contract(w.transpose(-2, -1))
+            and w.shape[1] % stride_multiple(w.dtype) == 0)
