@@ -137,3 +137,25 @@ def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_pa
     assert (labels == IGNORE).any()
     want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
     assert trainer.validate() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_validation_runs_the_model_in_eval_mode(world, tmp_path):
+    """Validation (and so `torchmoe eval`) of a LoRA run with dropout 0.5 and adapters that
+    matter (B drawn off zero): no dropout mask is drawn (the RNG stays where training left it), the
+    loss is the model's with its dropout at 0 (bit for bit), and training mode is back after it."""
+    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
+                       "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
+                       "--validation.seq_len", "48", "--validation.steps", "2", "--lora.enable", "true",
+                       "--lora.targets", "attention", "--lora.dropout", "0.5")
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    state = torch.get_rng_state()
+    loss = trainer.validate()
+    assert torch.equal(torch.get_rng_state(), state) and trainer.model.training
+    dropouts = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0.5 for m in dropouts)
+    for m in dropouts:
+        m.p = 0.0
+    assert trainer.validate() == loss
