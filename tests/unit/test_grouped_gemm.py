@@ -79,7 +79,8 @@ def _operands(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "a slice off the 16-byte grid": base[:, 1:17],
         "an expanded gradient (strides 0)": _draw((1, 16), dtype, 7).expand(5, 16),
         "every other column": base[:, ::2],
-        "a rank-1 adapter's B_e transposed (E, 1, N=20), strides (N, 1, 1)": _draw((3, 20, 1), dtype, 8).transpose(-2, -1),
+        "a rank-1 adapter's B_e transposed (E, 1, N=20), strides (N, 1, 1)":
+            _draw((3, 20, 1), dtype, 8).transpose(-2, -1),
         "one column (R, 1), strides (1, 1)": _draw((9, 1), dtype, 10),
     }
 
@@ -116,8 +117,8 @@ def test_the_contract_is_torch_s_own_check(dtype: torch.dtype) -> None:
         for operand in (t, kernel_layout(t)):
             runs = {"rows": lambda m: private.grouped_mm(m, _draw((1, m.shape[1], 16), dtype, 9),
                                                          torch.tensor([m.shape[0]], dtype=torch.int32)),
-                    "weights": lambda m: private.grouped_mm(kernel_layout(_draw((4, m.shape[0]), dtype, 9)), m.unsqueeze(0),
-                                                            torch.tensor([4], dtype=torch.int32))}
+                    "weights": lambda m: private.grouped_mm(kernel_layout(_draw((4, m.shape[0]), dtype, 9)),
+                                                            m.unsqueeze(0), torch.tensor([4], dtype=torch.int32))}
             matrix = operand if operand.dim() == 2 else operand[0]
             for role, run in runs.items():
                 if in_contract(matrix):

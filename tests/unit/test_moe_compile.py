@@ -36,7 +36,8 @@ def test_custom_ops_pass_torch_opcheck() -> None:
     torch.library.opcheck(accumulate_token_counts, (torch.zeros(4), torch.ones(4)))
     # Dims off the kernel's 16-byte rows (K = 10, N = 6; 30 and 20 in bf16): padded inside the op.
     for dtype, (k, n) in ((torch.float32, (10, 6)), (torch.bfloat16, (30, 20))):
-        xo, wo = torch.randn(20, k, dtype=dtype, requires_grad=True), torch.randn(3, n, k, dtype=dtype, requires_grad=True)
+        xo = torch.randn(20, k, dtype=dtype, requires_grad=True)
+        wo = torch.randn(3, n, k, dtype=dtype, requires_grad=True)
         torch.library.opcheck(grouped_mm, (xo, wo, offsets))
         torch.library.opcheck(grouped_mm_weight_grad, (torch.randn(20, n, dtype=dtype), xo.detach(), offsets))
 

@@ -78,8 +78,10 @@ def _family_model(family: str, lora: bool) -> nn.Module:
     args = importlib.import_module(f"torchmoe.arch.{family}").FLAVORS["tiny"]
     model = Transformer(args.replace(mtp_layers=1) if family == "deepseek_v3" else args)
     if lora:
-        targets = ["attention", "experts", "router"] + (["shared_experts"] if family in ("llama4", "deepseek_v3") else [])
-        apply_lora(model, LoRA(enable=True, targets=targets + (["mlp"] if family != "gpt_oss" else []), rank=4))
+        targets = ["attention", "experts", "router"]
+        targets += ["shared_experts"] if family in ("llama4", "deepseek_v3") else []
+        targets += ["mlp"] if family != "gpt_oss" else []
+        apply_lora(model, LoRA(enable=True, targets=targets, rank=4))
     return model
 
 
