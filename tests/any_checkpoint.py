@@ -48,6 +48,15 @@ CONFIGS: dict[str, dict] = {
                         max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
 }
 
+# Each family's config with expert shapes no 16-byte row holds in bf16 (8 elements) and some not
+# in fp32 (4): the experts' hidden size and the model dim (`nn.grouped_gemm`). transformers runs them.
+ODD_SHAPES: dict[str, dict] = {
+    "llama4": dict(hidden_size=30, intermediate_size=20),
+    "qwen3": dict(hidden_size=30, moe_intermediate_size=20),
+    "gpt_oss": dict(hidden_size=36, intermediate_size=20),
+    "deepseek_v3": dict(hidden_size=36, moe_intermediate_size=12),
+}
+
 # What Moonlight's config.json says beyond transformers' DeepseekV3Config (its remote code's
 # fields, the older RoPE spelling), with the values of the release.
 _MOONLIGHT_FIELDS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "ep_size": 1,
@@ -56,15 +65,19 @@ _MOONLIGHT_FIELDS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_
                      "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
 
 
-def reference_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """The transformers model of `family`'s config, fp32, its constant inits perturbed (and
-    gpt-oss's biases and sinks drawn large enough to matter)."""
+def reference_model(family: str, seed: int = 0, **sizes: int) -> torch.nn.Module:
+    """The transformers model of `family`'s config (`sizes` replacing its fields, e.g. its
+    `ODD_SHAPES`), fp32, its constant inits perturbed (and gpt-oss's biases and sinks drawn large
+    enough to matter)."""
     import transformers
 
-    cfg = dict(CONFIGS[family])
+    cfg = {**CONFIGS[family], **sizes}
     config_class = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(seed)
-    model = perturb_constant_inits(transformers.AutoModelForCausalLM.from_config(config_class).eval())
+    # transformers' default experts call torch's grouped GEMM, which raises on rows of other
+    # than 16 bytes ("strides should be multiple of 16 bytes"); its per-expert loop runs any size.
+    loop = {"experts_implementation": "eager"} if sizes else {}
+    model = perturb_constant_inits(transformers.AutoModelForCausalLM.from_config(config_class, **loop).eval())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if family == "gpt_oss" and name.endswith(("bias", "sinks")):
@@ -72,10 +85,11 @@ def reference_model(family: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def save_checkpoint(family: str, folder: Path, seed: int = 0, **edits: object) -> Path:
-    """`reference_model(family, seed)` saved by transformers to `folder`, its config.json then
-    given `edits` (a key set to None is written as null); DeepSeek-V3's in Moonlight's spelling."""
-    reference_model(family, seed).save_pretrained(folder)
+def save_checkpoint(family: str, folder: Path, seed: int = 0, sizes: dict[str, int] | None = None,
+                    **edits: object) -> Path:
+    """`reference_model(family, seed, **sizes)` saved by transformers to `folder`, its config.json
+    then given `edits` (a key set to None is written as null); DeepSeek-V3's in Moonlight's spelling."""
+    reference_model(family, seed, **(sizes or {})).save_pretrained(folder)
     path = folder / "config.json"
     config = json.loads(path.read_text())
     if family == "deepseek_v3":

@@ -19,6 +19,12 @@ CP 2; PP 2 (1F1B, two micro-batches); and full activation checkpointing with eve
 compiled (aot_eager, no graph break).
 gpt-oss runs the TP layouts, where its experts' adapters differ from DeepSeek's (B of the fused
 gate/up sharded with its rows, not replicated).
+
+A gpt-oss of expert shapes no 16-byte row holds (`nn.grouped_gemm`: a model dim of 36, the
+experts' hidden size 20, so 10 per rank under MoE TP 2, adapters of rank 3) runs EP 2 under FSDP,
+TP 2 and EP 2 spanning TP 2: in fp32 as above, and in bf16 compute (which crashed: "strides
+should be multiple of 16 bytes"), where each layout's loss and adapter gradients are those of the
+same layout on the per-expert loop (``use_grouped_mm = False``), bit for bit.
 """
 
 from __future__ import annotations
@@ -45,17 +51,22 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "fsdp2_ac_compile": dict(dp_shard=2, ac="full", compile=True),
 }
-FAMILY_LAYOUTS = {"deepseek_v3": list(LAYOUTS), "gpt_oss": ["tp2", "ep2_tp2"]}
-# Two blocks: DeepSeek-V3's first dense, gpt-oss's first over a sliding window.
-SIZES = {"deepseek_v3": dict(n_layers=2, moe_layers=[1]),
-         "gpt_oss": dict(n_layers=2, moe_layers=[0, 1], sliding_layers=[0])}
+ODD = "gpt_oss_odd_shapes"
+FAMILY_LAYOUTS = {"deepseek_v3": list(LAYOUTS), "gpt_oss": ["tp2", "ep2_tp2"], ODD: ["ep2_fsdp2", "tp2", "ep2_tp2"]}
+# Layouts run in bf16 compute too, against the per-expert loop.
+BF16_LAYOUTS = {ODD: ["ep2_fsdp2", "tp2", "ep2_tp2"]}
+# Each model: its family, its sizes (two blocks: DeepSeek-V3's first dense, gpt-oss's first over a
+# sliding window) and its adapters' rank (no TP adapter is split on it).
+MODELS = {"deepseek_v3": ("deepseek_v3", dict(n_layers=2, moe_layers=[1]), 4),
+          "gpt_oss": ("gpt_oss", dict(n_layers=2, moe_layers=[0, 1], sliding_layers=[0]), 4),
+          ODD: ("gpt_oss", dict(n_layers=2, moe_layers=[0, 1], sliding_layers=[0], dim=36, moe_hidden_dim=20), 3)}
 TARGETS = ["attention", "mlp", "shared_experts", "experts", "router"]
-# Grouped GEMMs need 16-byte row strides (4 fp32 elements); no TP adapter is split on r.
-RANK = 4
 SEQ = 24  # tokens a row feeds the model: 4 head-tail pieces of 6 under CP 2
 
 
-def _model(family: str):
+def _model(name: str, grouped: bool = True):
+    """`MODELS[name]` with adapters on every target, non-zero; `grouped`: the experts' grouped
+    GEMMs, else their per-expert loop."""
     import importlib
 
     import torch
@@ -65,11 +76,12 @@ def _model(family: str):
     from torchmoe.models.decoder.model import Transformer
     from torchmoe.nn.lora import is_adapter_name
 
+    family, sizes, rank = MODELS[name]
     flavors = importlib.import_module(f"torchmoe.arch.{family}").FLAVORS
-    args = dataclasses.replace(flavors["tiny"], vocab_size=96, **SIZES[family])
+    args = dataclasses.replace(flavors["tiny"], vocab_size=96, use_grouped_mm=grouped, **sizes)
     model = Transformer(args)
     model.init_weights(seed=0)
-    apply_lora(model, LoRA(enable=True, targets=TARGETS, rank=RANK, alpha=8.0))
+    apply_lora(model, LoRA(enable=True, targets=TARGETS, rank=rank, alpha=8.0))
     init_adapters(model, seed=0)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -109,7 +121,7 @@ def _norm(grads: dict) -> float:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
 
 
-def _run_layout(family: str, layout: dict, tokens) -> dict:
+def _run_layout(family: str, layout: dict, tokens, *, dtype: str = "float32", grouped: bool = True) -> dict:
     import torch
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -130,11 +142,11 @@ def _run_layout(family: str, layout: dict, tokens) -> dict:
     cfg.activation_checkpoint.mode = layout.get("ac", "none")
     cfg.compile.enable, cfg.compile.backend = layout.get("compile", False), "aot_eager"
     cfg.training.seq_len = SEQ
-    cfg.training.mixed_precision_param = "float32"
+    cfg.training.mixed_precision_param = dtype
     counters.clear()
     if dims.pp_enabled:
         return _run_pipeline(family, dims, cfg, tokens)
-    model = parallelize_model(_model(family), dims, build_mesh(dims, "cpu"), cfg, "cpu")
+    model = parallelize_model(_model(family, grouped), dims, build_mesh(dims, "cpu"), cfg, "cpu")
     # The trainer's balance-loss scale (`training.moe_balance`): each rank routes 1 / token_shards
     # of the batch's tokens (gpt-oss has a balance loss).
     token_shards = dims.dp * dims.cp * (dims.tp if dims.ep_enabled else 1)
@@ -236,6 +248,14 @@ def _worker(out_dir: Path) -> None:
             got["only_adapters_train"] = got.pop("trainable") == sorted(ref)
             got["max_rel_err"] = max(((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
             record[family][label] = got
+        for label in BF16_LAYOUTS.get(family, []):
+            grouped, looped = (_run_layout(family, LAYOUTS[label], tokens, dtype="bfloat16", grouped=g)
+                               for g in (True, False))
+            record[family][f"bf16_{label}"] = {
+                "losses": [grouped["loss"], looped["loss"]],
+                "grads_equal": sorted(grouped["grads"]) == sorted(looped["grads"]) and all(
+                    torch.equal(g, looped["grads"][n]) for n, g in grouped["grads"].items()),
+                "adapters": len(grouped["grads"]), "finite": bool(torch.isfinite(torch.tensor(grouped["norm"])))}
     write_rank_record(out_dir, record)
 
 
@@ -254,3 +274,12 @@ def test_lora_layout_matches_single_process(family, layout, records):
         assert got["frozen_grads"] == 0 and got["only_adapters_train"], (rank, got)
         if LAYOUTS[layout].get("compile"):  # each block one graph (two blocks, forward graphs counted)
             assert got["graph_breaks"] == 0 and got["graphs"] >= 2, (rank, got)
+
+
+@pytest.mark.parametrize("family,layout", [(f, lay) for f, layouts in BF16_LAYOUTS.items() for lay in layouts])
+def test_odd_expert_shapes_run_every_layout_in_bf16_as_the_per_expert_loop(family, layout, records):
+    for rank, record in records.items():
+        got = record[family][f"bf16_{layout}"]
+        grouped, looped = got["losses"]
+        assert grouped == looped and got["grads_equal"] and got["finite"], (rank, got)
+        assert got["adapters"] > 0 and grouped == pytest.approx(record[family]["ref_loss"], rel=2e-2), (rank, got)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.any_checkpoint import CONFIGS, reference_model, save_checkpoint
+from tests.any_checkpoint import CONFIGS, ODD_SHAPES, reference_model, save_checkpoint
 from torchmoe.commands import cli
 
 FAMILIES = sorted(CONFIGS)
@@ -82,3 +82,27 @@ def test_eval_and_generate_read_the_folder_s_model(folders: dict[str, Path], tmp
     assert cli.main(["generate", *weights, "--prompt", "def f(", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "train loss " in out and f"weights {folders['deepseek_v3']}" in out, out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_a_folder_of_any_expert_shape_trains_evaluates_and_generates_in_bf16(family: str, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder whose experts' hidden size is 20 under a model dim of 30 or 36 (`ODD_SHAPES`),
+    in bf16 compute (the default): `train`, `eval` and `generate` crashed ("strides should be
+    multiple of 16 bytes"). The step-1 loss is `eval`'s loss of the same batch on the folder, and
+    `eval` and `generate` print what the per-expert loop (`--model.use_grouped_mm false`) prints."""
+    folder = save_checkpoint(family, tmp_path / family, sizes=ODD_SHAPES[family])
+    job = _job(folder, tmp_path)
+    assert cli.main(["train", *job, "--job.dump_folder", str(tmp_path / "run")]) == 0
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 1 and 0 < record["loss"] < 20 and record["grad_norm"] > 0
+    capsys.readouterr()
+    printed = {}
+    for loop in ([], ["--model.use_grouped_mm", "false"]):
+        weights = [*job, "--checkpoint", str(folder), *loop]
+        assert cli.main(["eval", *weights, "--split", "train", "--batches", "1"]) == 0
+        assert cli.main(["generate", *weights, "--prompt", "def f(", "--max-new-tokens", "8"]) == 0
+        printed[bool(loop)] = capsys.readouterr().out
+    assert printed[False] == printed[True], printed
+    loss = float(printed[False].split("train loss ")[1].split()[0])
+    assert loss == pytest.approx(record["loss"], abs=1e-4), (loss, record["loss"])  # eval prints 6 decimals

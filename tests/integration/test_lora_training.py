@@ -135,6 +135,24 @@ def test_resume_is_exact(run, folder, tmp_path):
         [(r["loss"], r["grad_norm"]) for r in whole if r["step"] > 2]
 
 
+def test_dropout_masks_come_from_the_seeded_rng_and_resume_exactly(run, folder, tmp_path):
+    """`lora.dropout = 0.1` (with the merged export: PEFT's expert and router adapters take no
+    dropout): its masks are drawn (step 1's gradient norm is not the dropout-free run's, though
+    its loss is: B starts at zero, so no adapter output reaches it), from the RNG `training.seed`
+    seeds (a second run of 2 steps repeats the first 2, bit for bit) and checkpoints keep (a
+    resume from step 2 is the uninterrupted curve, bit for bit)."""
+    _, plain = run
+    flags = ("--lora.dropout", "0.1", "--lora.export", "merged")
+    dropped = _train(folder, tmp_path / "dropout", 4, *flags)
+    assert dropped[0]["loss"] == plain[0]["loss"] and dropped[0]["grad_norm"] != plain[0]["grad_norm"]
+    again = _train(folder, tmp_path / "again", 2, *flags)
+    resumed = _train(folder, start_from(tmp_path / "dropout" / "checkpoint" / "step-2", tmp_path / "resumed"), 4,
+                     *flags)
+    curve = [(r["step"], r["loss"], r["grad_norm"]) for r in dropped]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in again] == curve[:2]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed if r["step"] > 2] == curve[2:]
+
+
 def test_an_imported_adapter_continues_training(run, folder, tmp_path):
     """`lora.adapter` = the exported adapter: the new run's first loss is the loss the trained
     adapters give (below the first run's first), not PEFT's init's."""

@@ -99,3 +99,43 @@ def test_early_stop_ends_the_recomputation(early_stop, forwards):
     tokens = torch.randint(0, ARGS.vocab_size, (1, 17))
     F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     assert len(calls) == forwards
+
+
+def _adapted(dropout: float) -> Transformer:
+    """`_model` with LoRA adapters on every target, B drawn off zero (so that every adapter's
+    output, and with it its dropout mask, reaches the loss)."""
+    from torchmoe.config.job_config import LoRA
+    from torchmoe.models.decoder.lora import apply_lora, init_adapters
+
+    model = Transformer(ARGS.replace(n_layers=2))  # a dense block, an MoE block
+    model.init_weights(seed=0)
+    apply_lora(model, LoRA(enable=True, targets=["attention", "shared_experts", "experts", "router"], rank=4,
+                           alpha=8.0, dropout=dropout))
+    init_adapters(model, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_b"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+@pytest.mark.parametrize("ac", [ActivationCheckpoint(mode="full"), ActivationCheckpoint(mode="selective"),
+                                ActivationCheckpoint(mode="selective", selective_ac_option="2")])
+def test_recomputation_replays_the_adapters_dropout(ac):
+    """LoRA's dropout (0.3 on every adapter's input) under activation checkpointing: the backward
+    differentiates the masks the forward applied, so the loss and every gradient are the
+    un-checkpointed model's under the same seed. Blocks were wrapped without preserve_rng_state:
+    their recomputation drew other masks. (The masks are drawn: dropout 0 gives other gradients.)"""
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    reference, model = _adapted(0.3), _adapted(0.3)
+    apply_ac(model, ac)
+    torch.manual_seed(5)
+    ref_loss, ref_grads = _loss_and_grads(reference, tokens)
+    torch.manual_seed(5)
+    loss, grads = _loss_and_grads(model, tokens)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for got, want in zip(grads, ref_grads):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    _, undropped = _loss_and_grads(_adapted(0.0), tokens)
+    assert any(w is not None and (w - u).abs().max() > 1e-4 for w, u in zip(ref_grads, undropped))

@@ -189,3 +189,25 @@ def test_padding_takes_no_part_in_the_routers_statistics(world, tmp_path):
             biases[name] += delta - delta.mean()
     for name, bias in biases.items():
         torch.testing.assert_close(trainer.model.layers[name].moe.expert_bias, bias, rtol=1e-6, atol=1e-7)
+
+
+def test_validation_runs_the_model_in_eval_mode(world, tmp_path):
+    """Validation (and so `torchmoe eval`) of a LoRA run with dropout 0.5 and adapters that
+    matter (B drawn off zero): no dropout mask is drawn (the RNG stays where training left it), the
+    loss is the model's with its dropout at 0 (bit for bit), and training mode is back after it."""
+    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
+                       "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
+                       "--validation.seq_len", "48", "--validation.steps", "2", "--lora.enable", "true",
+                       "--lora.targets", "attention", "--lora.dropout", "0.5")
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    state = torch.get_rng_state()
+    loss = trainer.validate()
+    assert torch.equal(torch.get_rng_state(), state) and trainer.model.training
+    dropouts = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0.5 for m in dropouts)
+    for m in dropouts:
+        m.p = 0.0
+    assert trainer.validate() == loss

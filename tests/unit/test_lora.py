@@ -149,10 +149,21 @@ def _routed(num_experts: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.
     return torch.randn(int(counts.sum()) + 2, dim, generator=generator), counts  # 2 rows past the last block
 
 
+def _masks(seed: int, p: float, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Dropout masks drawn as torch's dropout draws them from the seeded global RNG, in order:
+    ``dropout(ones)`` (0 or 1 / (1 - p)) of each shape; all ones for p = 0."""
+    torch.manual_seed(seed)
+    return [torch.nn.functional.dropout(torch.ones(shape), p) for shape in shapes]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.4])
 @pytest.mark.parametrize("style", ["swiglu", "clamped_swiglu"])
-def test_grouped_expert_adapters_equal_a_per_expert_loop(style):
-    """The grouped GEMMs' outputs and adapter gradients equal a per-expert Python loop over
-    ``x @ (W_e + scaling * B_e A_e).T`` (the fused gate/up adapter's rows split into w1 and w3)."""
+def test_grouped_expert_adapters_equal_a_per_expert_loop(style, dropout):
+    """The grouped GEMMs' outputs, input gradient and adapter gradients equal a per-expert Python
+    loop over ``x @ W_e.T + scaling * B_e A_e dropout(x)`` (the fused gate/up adapter's rows split
+    into w1 and w3): dropout on each adapter's input only (the routed rows for w13, the hidden
+    activation for w2), never on the experts' own path, one mask entry per routed copy, the
+    masks fixed here and drawn as torch's dropout draws them from the seeded RNG."""
     torch.manual_seed(0)
     dim, hidden, e, rank = 16, 8, 8, 4
     scaling = 6.0 / rank
@@ -162,38 +173,111 @@ def test_grouped_expert_adapters_equal_a_per_expert_loop(style):
         experts = ClampedSwiGLUExperts(dim, hidden, e, use_grouped_mm=True, limit=0.7, alpha=1.702)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    add_expert_adapters(experts, experts.lora_shapes(), rank, alpha=6.0, dropout=0.0)
+    add_expert_adapters(experts, experts.lora_shapes(), rank, alpha=6.0, dropout=dropout)
     for name, p in experts.named_parameters():
         if is_adapter_name(name):
             torch.nn.init.normal_(p, std=0.3)
     x, counts = _routed(e, dim, seed=1)
+    x.requires_grad_()
+    torch.manual_seed(7)
     out = experts(x, counts)
     valid = int(counts.sum())
     out[:valid].square().sum().backward()
     grads = {n: p.grad.clone() for n, p in experts.named_parameters() if is_adapter_name(n)}
 
+    mask13, mask2 = _masks(7, dropout, tuple(x.shape), (x.shape[0], hidden))
+    ref_x = x.detach().clone().requires_grad_()
     ref_params = {n: p.detach().clone().requires_grad_(is_adapter_name(n)) for n, p in experts.named_parameters()}
     rows, start = [], 0
     for i, n in enumerate(counts.tolist()):
-        xe = x[start:start + n]
+        xe, m13, m2 = ref_x[start:start + n], mask13[start:start + n], mask2[start:start + n]
         start += n
         a13, b13 = ref_params["lora_w13_a"][i], ref_params["lora_w13_b"][i]
         a2, b2 = ref_params["lora_w2_a"][i], ref_params["lora_w2_b"][i]
-        delta13 = scaling * xe @ a13.T @ b13.T  # scaling = 6 / 4
+        delta13 = scaling * (xe * m13) @ a13.T @ b13.T  # scaling = 6 / 4
         if style == "swiglu":
             h = torch.nn.functional.silu(xe @ ref_params["w1"][i].T + delta13[:, :hidden]) * (
                 xe @ ref_params["w3"][i].T + delta13[:, hidden:])
-            rows.append(h @ ref_params["w2"][i].T + scaling * h @ a2.T @ b2.T)
+            rows.append(h @ ref_params["w2"][i].T + scaling * (h * m2) @ a2.T @ b2.T)
         else:
             h = xe @ ref_params["w13"][i].T + ref_params["b13"][i] + delta13
             gate, up = h[:, 0::2].clamp(max=0.7), h[:, 1::2].clamp(-0.7, 0.7)
             act = (up + 1) * gate * torch.sigmoid(gate * 1.702)
-            rows.append(act @ ref_params["w2"][i].T + ref_params["b2"][i] + scaling * act @ a2.T @ b2.T)
+            rows.append(act @ ref_params["w2"][i].T + ref_params["b2"][i] + scaling * (act * m2) @ a2.T @ b2.T)
     ref = torch.cat(rows)
     ref.square().sum().backward()
-    torch.testing.assert_close(out[:valid], ref, rtol=1e-5, atol=1e-5)
+
+    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        # Masks scale kept entries by 1 / (1 - p): gradients reach 4e3 here, and their fp32 sums
+        # (grouped GEMM against loop) differ in the last bits of the largest; with dropout, within
+        # 1e-5 of each tensor's largest value (observed 5e-7).
+        scale = 1.0 if dropout == 0 else float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=what)
+
+    close(out[:valid], ref, "out")
+    close(x.grad[:valid], ref_x.grad[:valid], "x.grad")
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-5)
+        close(grad, ref_params[name].grad, name)
+    assert dropout == 0 or (mask13 == 0).any() and (mask2 == 0).any()
+
+
+def test_linear_adapter_dropout_is_on_its_input_only_and_off_in_eval():
+    """A linear adapter computes ``W x + b + scaling * B A dropout(x)`` (PEFT's lora_dropout): in
+    training, the output and the gradients of x, A and B are those of a fixed mask on the
+    adapter's input (the base path undropped); in eval the adapter sees x itself, and nothing is
+    drawn from the RNG."""
+    from torchmoe.nn.lora import add_linear_adapter
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(12, 10)
+    add_linear_adapter(linear, rank=3, alpha=6.0, dropout=0.4)
+    with torch.no_grad():
+        linear.lora_a.normal_(0, 0.3), linear.lora_b.normal_(0, 0.3)
+    x = torch.randn(5, 12, requires_grad=True)
+    torch.manual_seed(7)
+    y = linear(x)
+    y.square().sum().backward()
+
+    (mask,) = _masks(7, 0.4, tuple(x.shape))
+    params = {n: p.detach().clone().requires_grad_() for n, p in linear.named_parameters()}
+    ref_x = x.detach().clone().requires_grad_()
+
+    def reference(m: torch.Tensor) -> torch.Tensor:
+        return ref_x @ params["weight"].T + params["bias"] + 2.0 * (ref_x * m) @ params["lora_a"].T @ params["lora_b"].T
+
+    ref = reference(mask)
+    ref.square().sum().backward()
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)
+    for name in ("lora_a", "lora_b"):
+        torch.testing.assert_close(getattr(linear, name).grad, params[name].grad, rtol=1e-6, atol=1e-6)
+    assert (mask == 0).any()
+    linear.eval()
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x), reference(torch.ones_like(mask)), rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("style", ["swiglu", "clamped_swiglu"])
+def test_expert_adapters_draw_no_dropout_in_eval(style):
+    """In eval the routed experts' adapters see their inputs undropped: the output of dropout
+    0.4 is the output of dropout 0, and nothing is drawn from the RNG."""
+    outputs = []
+    for dropout in (0.4, 0.0):
+        torch.manual_seed(0)
+        experts = (GroupedExperts(16, 8, 8, use_grouped_mm=True) if style == "swiglu" else
+                   ClampedSwiGLUExperts(16, 8, 8, use_grouped_mm=True, limit=0.7, alpha=1.702))
+        add_expert_adapters(experts, experts.lora_shapes(), 4, alpha=6.0, dropout=dropout)
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.normal_(0, 0.3)
+        x, counts = _routed(8, 16, seed=1)
+        state = torch.get_rng_state()
+        with torch.no_grad():
+            outputs.append(experts.eval()(x, counts)[:int(counts.sum())])
+        assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(*outputs)
 
 
 def _adapted_experts_run(style: str, rank: int, grouped: bool, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -63,7 +63,9 @@ class _TorchReference:
                 self.optimizers += [torch.optim.Muon([m], **_torch_kwargs(cfg)) for m in mats]
             else:
                 self.params[name] = [nn.Parameter(p.detach().clone())]
-                (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(self.params[name][0])
+                # Biases (gpt-oss's 2-D expert biases too), norms, sinks and the embedding: no decay.
+                no_decay_name = p.ndim < 2 or name.endswith((".b13", ".b2")) or "tok_embeddings" in name
+                (no_decay if no_decay_name else decay).append(self.params[name][0])
         self.optimizers.append(torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True))

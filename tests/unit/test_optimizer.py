@@ -57,6 +57,66 @@ def test_decay_all_params_decays_norms_and_embeddings_as_torchtitan() -> None:
                                           "proj.bias"}}
 
 
+def _no_decay_by_name(name: str) -> bool:
+    """The docs' rule (config.md, muon.md), written from the names alone: biases (``bias``,
+    gpt-oss's per-expert ``b13`` and ``b2`` of shape (experts, out)), norms (every ``*norm``
+    module's weight), attention sinks and the token embedding get no weight decay."""
+    owner, _, leaf = name.rpartition(".")
+    return (leaf in ("bias", "b13", "b2", "sinks") or owner.rpartition(".")[2].endswith("norm")
+            or name == "tok_embeddings.weight")
+
+
+def _family_model(family: str, lora: bool) -> nn.Module:
+    """`family`'s tiny model (DeepSeek-V3's with a multi-token-prediction layer); `lora`: with
+    adapters on every target it has, the base frozen."""
+    import importlib
+
+    from torchmoe.config.job_config import LoRA
+    from torchmoe.models.decoder.lora import apply_lora
+    from torchmoe.models.decoder.model import Transformer
+
+    args = importlib.import_module(f"torchmoe.arch.{family}").FLAVORS["tiny"]
+    model = Transformer(args.replace(mtp_layers=1) if family == "deepseek_v3" else args)
+    if lora:
+        targets = ["attention", "experts", "router"]
+        targets += ["shared_experts"] if family in ("llama4", "deepseek_v3") else []
+        targets += ["mlp"] if family != "gpt_oss" else []
+        apply_lora(model, LoRA(enable=True, targets=targets, rank=4))
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama4", "qwen3", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])
+def test_weight_decay_follows_each_parameter_s_role_in_every_family(family: str, name: str) -> None:
+    """Every family's parameters, as AdamW (and Muon's AdamW part) groups them: the no-decay group
+    is exactly the biases of every shape (gpt-oss's 2-D expert biases b13, b2 decayed before),
+    norms, sinks and the token embedding; the rest decays (Muon's matrices with Muon's own
+    decay); the routers' expert-bias buffers are in no group."""
+    model = _family_model(family, lora=False)
+    opt = build_optimizer(model, OptimizerConfig(name=name, weight_decay=0.05))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decays = {names[id(p)]: g["weight_decay"] > 0 for g in opt.param_groups for p in g["params"]}
+    assert sorted(decays) == sorted(names.values())  # every parameter, once; no buffer
+    assert {n for n, d in decays.items() if not d} == {n for n in names.values() if _no_decay_by_name(n)}
+    if family == "gpt_oss":
+        assert not decays["layers.0.moe.experts.b13"] and not decays["layers.0.moe.experts.b2"]
+    if family == "deepseek_v3":
+        assert not decays["mtp.4.enorm.weight"] and decays["mtp.4.eh_proj.weight"]
+
+
+@pytest.mark.parametrize("family", ["llama4", "qwen3", "deepseek_v3", "gpt_oss"])
+def test_lora_adapters_decay_as_peft_s_do(family: str) -> None:
+    """A LoRA run's optimizer holds the adapters alone, and weight decay applies to every one of
+    them, linear and routed experts' alike (transformers' Trainer, which PEFT trains under,
+    exempts only biases and norms)."""
+    model = _family_model(family, lora=True)
+    opt = build_optimizer(model, OptimizerConfig(weight_decay=0.05))
+    groups = _groups(opt, model)
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(n.rpartition(".")[2].startswith("lora_") for n in adapters)
+    assert groups == {0.05: adapters}
+
+
 @pytest.mark.parametrize(
     "implementation, foreach, fused",
     [("for-loop", False, False), ("foreach", True, False), ("fused", False, True)],

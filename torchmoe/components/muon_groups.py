@@ -1,4 +1,5 @@
-"""Which parameters Muon optimizes and which it leaves to AdamW, by their role in the model.
+"""Which parameters Muon optimizes and which it leaves to AdamW, by their role in the model
+(`param_roles`, the roles weight decay follows too).
 
     split = muon_split(model, cfg.optimizer)     # name -> (algorithm, role)
     for line in describe_split(model, cfg.optimizer): logger.info(line)
@@ -22,32 +23,12 @@ import re
 
 from torch import nn
 
+from torchmoe.components.param_roles import GATES, parameter_roles
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
-from torchmoe.models.decoder.moe import TokenChoiceRouter
 from torchmoe.nn.experts import RoutedExperts
 
 __all__ = ["describe_split", "muon_split"]
-
-# The decoder's output head: the one top-level module every family names so.
-_HEAD = "output"
-
-
-def _role(name: str, param: nn.Parameter, owner: nn.Module, gates: set[int]) -> tuple[bool, str]:
-    """(whether the parameter's role makes it a Muon matrix, the role's name)."""
-    leaf = name.rpartition(".")[2]
-    if isinstance(owner, RoutedExperts):
-        # (experts, out, in) matrices; (experts, out) is a bias per expert.
-        return (True, "routed experts") if param.ndim == 3 else (False, "routed-expert biases")
-    if isinstance(owner, nn.Linear) and leaf == "weight":
-        if id(owner) in gates:
-            return False, "router gates"
-        if name.rpartition(".")[0] == _HEAD:
-            return False, "output head"
-        return True, "linear weights"
-    if isinstance(owner, nn.Embedding):
-        return False, "embeddings"
-    return False, "biases" if leaf == "bias" else "norms, sinks and other vectors"
 
 
 def muon_split(model: nn.Module, cfg: OptimizerConfig) -> dict[str, tuple[str, str]]:
@@ -57,14 +38,11 @@ def muon_split(model: nn.Module, cfg: OptimizerConfig) -> dict[str, tuple[str, s
         ConfigError: a name matched by both pattern lists, or a ``muon_params`` match that has
             no matrices (a vector, or routed experts' biases).
     """
-    modules = dict(model.named_modules())
-    gates = set() if cfg.muon_router else {id(m.gate) for m in modules.values() if isinstance(m, TokenChoiceRouter)}
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
     split: dict[str, tuple[str, str]] = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        owner = modules[name.rpartition(".")[0]]
-        muon, role = _role(name, param, owner, gates)
+    for name, kind in parameter_roles(model).items():
+        param, owner = params[name], modules[name.rpartition(".")[0]]
+        muon, role = kind.muon or (kind == GATES and cfg.muon_router), kind.name
         forced_muon = [p for p in cfg.muon_params if fnmatch.fnmatchcase(name, p)]
         forced_adamw = [p for p in cfg.adamw_params if fnmatch.fnmatchcase(name, p)]
         if forced_muon and forced_adamw:

@@ -25,15 +25,13 @@ from torch.distributed.tensor import DTensor
 from torchmoe import _torch_private as private
 from torchmoe.components.muon import Muon
 from torchmoe.components.muon_groups import muon_split
+from torchmoe.components.param_roles import parameter_roles
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.nn.shards import local_shard
 
 logger = logging.getLogger(__name__)
 
 _OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
-# Parameters whose names contain one of these never get weight decay: decaying the token
-# embedding pulls rare tokens' rows toward zero for no regularization benefit.
-_NO_DECAY_NAMES = ("tok_embeddings",)
 
 
 def _mesh_key(t: torch.Tensor, *, placements: bool = False) -> Hashable:
@@ -52,18 +50,13 @@ def _mesh_identity(mesh: DeviceMesh) -> tuple:
     return mesh.device_type, tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names
 
 
-def _no_decay(name: str, param: nn.Parameter) -> bool:
-    # 1-D (and 0-D) parameters are norm scales and biases. The MoE expert-bias used for
-    # aux-loss-free balancing is a buffer, not a parameter, so the optimizer never sees it.
-    return param.ndim < 2 or any(n in name for n in _NO_DECAY_NAMES)
-
-
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """Build Adam/AdamW over the trainable parameters of `model`, or Muon (`muon.Muon`: its
     matrices per `muon_groups.muon_split`, AdamW with adamw_lr / adamw_weight_decay for the rest).
 
-    Param groups: one per (decay or not, mesh); norm scales and the token embedding get no weight
-    decay unless `cfg.decay_all_params` (torchtitan's behaviour). foreach and fused kernels batch all tensors of a
+    Param groups: one per (decay or not, mesh); biases of any shape, norms, sinks and the token
+    embedding get no weight decay unless `cfg.decay_all_params` (torchtitan's behaviour), by
+    their role (`param_roles`, which Muon's split follows too). foreach and fused kernels batch all tensors of a
     param group into one op, and DTensor refuses one op over tensors on different meshes (or a
     mix of DTensors and plain tensors), so parameters are grouped by mesh; each group's kernel
     then only sees tensors of one mesh. With plain tensors this is just the usual two groups.
@@ -80,6 +73,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     name = cfg.name.lower()
     muon = name == "muon"
     split = muon_split(model, cfg) if muon else {}
+    roles = parameter_roles(model)
     weight_decay = cfg.adamw_weight_decay if muon and cfg.adamw_weight_decay != -1 else cfg.weight_decay
     muon_params: list[nn.Parameter] = []
     groups: dict[tuple[bool, Hashable], list[nn.Parameter]] = {}
@@ -89,7 +83,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         if split.get(pname, ("adamw",))[0] == "muon":
             muon_params.append(p)
         else:
-            no_decay = not cfg.decay_all_params and _no_decay(pname, p)
+            no_decay = not cfg.decay_all_params and not roles[pname].decays
             groups.setdefault((no_decay, _mesh_key(p)), []).append(p)
     if not groups and not muon_params:
         raise ValueError("build_optimizer: the model has no trainable parameters")

@@ -65,7 +65,7 @@ class Optimizer:
     eps: float = 1e-8
     """Adam epsilon (with Muon: of the AdamW parameters)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay; norms, biases and embeddings are excluded (with Muon: Muon's, applied as p *= 1 - lr * weight_decay, torch.optim.Muon's default 0.1)."""
+    """Decoupled weight decay; biases of every shape (gpt-oss's per-expert b13, b2 too), norms, attention sinks and the token embedding are exempt, by role, and LoRA adapters decay as under PEFT (components/param_roles.py) (with Muon: Muon's, applied as p *= 1 - lr * weight_decay, torch.optim.Muon's default 0.1)."""
     beta1: float = 0.9
     """Adam beta1 (with Muon: of the AdamW parameters)."""
     beta2: float = 0.95
@@ -73,7 +73,7 @@ class Optimizer:
     implementation: str = "fused"
     """'fused' (one kernel per parameter group; on CPU 5x faster than foreach), 'foreach' or 'for-loop'; fused falls back to foreach, with a warning, where the device type has no fused kernel."""
     decay_all_params: bool = False
-    """Apply weight_decay to every parameter, as torchtitan does; false exempts norm scales and the token embedding."""
+    """Apply weight_decay to every parameter, as torchtitan does; false exempts biases, norms, attention sinks and the token embedding."""
     momentum: float = 0.95
     """Muon: momentum of the momentum buffer (torch.optim.Muon's momentum)."""
     nesterov: bool = True
@@ -97,7 +97,7 @@ class Optimizer:
     adamw_lr: float = -1.0
     """Muon: peak learning rate of the AdamW parameters; -1 = optimizer.lr."""
     adamw_weight_decay: float = -1.0
-    """Muon: decoupled weight decay of the AdamW parameters (norms, biases and embeddings excluded unless decay_all_params); -1 = optimizer.weight_decay."""
+    """Muon: decoupled weight decay of the AdamW parameters (biases, norms, sinks and the token embedding exempt unless decay_all_params); -1 = optimizer.weight_decay."""
     qk_clip_threshold: float = 0.0
     """QK-Clip (Kimi K2's MuonClip; with any optimizer): after each step, every attention head whose largest pre-softmax logit in the step exceeded this (tau) has its query and key weights scaled so those logits would have been tau (MLA's rotated query by gamma, its unrotated query and key by sqrt(gamma), the shared rotated key not at all); layers with QK-norm (Qwen3, Llama 4's RoPE layers) are left alone. 0 = off; Kimi K2 used 100. docs/muon.md."""
 

@@ -183,8 +183,9 @@ TORCHTITAN_KEYS: dict[str, Mapped | Refused | NoEffect] = {
                                                     "(use selective or full)"),
     "activation_checkpoint.visualize_memory_budget_pareto": NoEffect(bool, False, "the memory_budget mode is "
                                                                      "not supported"),
-    "activation_checkpoint.preserve_rng_state": NoEffect(bool, True, "nothing in the model draws random "
-                                                         "numbers in the forward (no dropout)"),
+    "activation_checkpoint.preserve_rng_state": NoEffect(bool, True, "a block's recomputation replays its "
+                                                         "forward's random draws exactly when it makes any "
+                                                         "(LoRA's dropout), and saves no RNG state otherwise"),
     "activation_checkpoint.determinism_check": NoEffect(str, "default", "torch's default check is used"),
     "activation_checkpoint.debug": NoEffect(bool, False, "torch's checkpoint debug mode is not exposed"),
     # [quantize.*] (float8 linears are torchmoe's [float8])

@@ -101,6 +101,14 @@ def forced_recompute_shapes(block: nn.Module, prefix: str, fqns: list[str]) -> f
     return frozenset(shapes)
 
 
+def draws_random_numbers(block: nn.Module) -> bool:
+    """`block`'s forward draws from the RNG: it holds a dropout of p > 0 (LoRA's adapter dropout).
+    Its recomputation must then replay the forward's draws (torch's ``preserve_rng_state``: the
+    RNG state saved and restored around it, a few bytes per block), or the backward differentiates
+    another dropout mask than the forward applied. Blocks that draw nothing skip the saving."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())
+
+
 def apply_ac(model: nn.Module, ac_cfg: ActivationCheckpoint) -> None:
     """Wrap the blocks of `model` (a `Transformer` or pipeline stage) in place, as `ac_cfg` says:
     'full' recomputes whole blocks; 'selective' either runs the per-op policy ('op': save
@@ -109,8 +117,9 @@ def apply_ac(model: nn.Module, ac_cfg: ActivationCheckpoint) -> None:
     if ac_cfg.mode == "none":
         return
     option, forced = ac_cfg.selective_ac_option, ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns
-    wrap = functools.partial(private.checkpoint_wrapper, preserve_rng_state=False, early_stop=ac_cfg.early_stop)
     for i, (name, block) in enumerate(list(model.layers.items())):
+        wrap = functools.partial(private.checkpoint_wrapper, preserve_rng_state=draws_random_numbers(block),
+                                 early_stop=ac_cfg.early_stop)
         if ac_cfg.mode == "full":
             wrapped = wrap(block)
         elif option == "op":

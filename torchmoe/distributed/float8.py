@@ -8,7 +8,8 @@
   Rowwise recipes keep TP communication in high precision (plain styles).
 - **Routed experts** (`float8.routed_experts`): the grouped GEMMs of the ``RoutedExperts``
   modules `float8.moe_fqns` names run as torchao's float8 rowwise grouped GEMM, on expert row
-  blocks padded to 16 rows (`moe.pad_expert_blocks`).
+  blocks padded to 16 rows (`nn.dispatch.pad_expert_blocks`), and on K and N padded to 16 where
+  a checkpoint's dims are not (`_float8_grouped_mm`).
 
 What the installed torchao and the device can run is checked by `float8_unavailable`, which the
 preflight turns into a config error before anything is built.
@@ -25,11 +26,12 @@ import sys
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchmoe.config.job_config import Float8
 from torchmoe.nn.lora import has_adapter
-from torchmoe.plan.float8 import float8_linear_eligible, selected_by
+from torchmoe.plan.float8 import FLOAT8_TILE, float8_linear_eligible, selected_by
 
 # torch._scaled_grouped_mm's CUDA kernels exist for these compute capabilities (major, minor or None: any).
 _GROUPED_CAPABILITIES = ((9, 0), (10, None))
@@ -169,9 +171,21 @@ def convert_float8_experts(model: nn.Module, moe_fqns: list[str]) -> list[str]:
 def _float8_grouped_mm(rows: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``rows @ w[e].T`` for each expert's row block in float8. rows: (R, K) bf16 row-major, each
     block a multiple of 16 rows; w: (E, N, K) (nn.Linear layout, so ``w.transpose(-2, -1)`` is the
-    (E, K, N) per-expert column-major operand torchao wants); offsets: (E,) int32 block ends -> (R, N)."""
-    return _torchao_grouped_mm()(rows, w.transpose(-2, -1), offsets, out_dtype=torch.bfloat16,
-                                 pad_token_groups_for_grouped_mm=False)
+    (E, K, N) per-expert column-major operand torchao wants); offsets: (E,) int32 block ends -> (R, N).
+
+    torchao asserts K and N multiples of `FLOAT8_TILE` (its float8 operands' 16-byte rows): any
+    other K or N (a checkpoint's hidden size, a MoE TP shard of it, the model dim) is padded with
+    zero columns of rows and w and zero rows of w, whose output columns are dropped. Zeros change
+    no row's or column's float8 scale (an absolute maximum) and add nothing to a product, and the
+    pad's backward drops their gradients. torchao saves its operands for the backward: for such
+    shapes only, the padded copy of w lives until then."""
+    n = w.shape[1]
+    k_pad, n_pad = -rows.shape[1] % FLOAT8_TILE, -n % FLOAT8_TILE
+    if k_pad or n_pad:
+        rows, w = F.pad(rows, (0, k_pad)), F.pad(w, (0, k_pad, 0, n_pad))  # (R, K'), (E, N', K')
+    out = _torchao_grouped_mm()(rows, w.transpose(-2, -1), offsets, out_dtype=torch.bfloat16,
+                                pad_token_groups_for_grouped_mm=False)
+    return out[:, :n] if n_pad else out
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchmoe import _torch_private as private
+from torchmoe.nn.grouped_gemm import fits_kernel
 from torchmoe.nn.init import ParamInit, TruncNormal
 from torchmoe.nn.lora import ADAPTER_PREFIX, grouped_lora
 from torchmoe.nn.moe_ops import grouped_mm
@@ -100,10 +101,12 @@ class RoutedExperts(nn.Module):
 
     def _mm(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``rows @ w[e].T`` for each expert's block of rows: one grouped GEMM (float8 when
-        `float8_grouped_mm` is set; torch's ``_grouped_mm`` in bf16, which the compiler lowers to
-        its kernels; else the ``torchmoe::grouped_mm`` custom op, which it can trace), or the
-        reference loop (``tolist`` syncs; fine for a reference). rows: (R, K), w: (E, N, K),
-        offsets: (E,) int32 block ends -> (R, N); rows past the last block are unspecified."""
+        `float8_grouped_mm` is set; torch's ``_grouped_mm`` in bf16 on operands in its layout
+        contract, which the compiler lowers to its kernels; else the ``torchmoe::grouped_mm``
+        custom op, which it can trace and which pads what is off the contract: any K and N in
+        any dtype, `nn.grouped_gemm`), or the reference loop (``tolist`` syncs; fine for a
+        reference). rows: (R, K), w: (E, N, K), offsets: (E,) int32 block ends -> (R, N); rows
+        past the last block are unspecified."""
         if self.float8_grouped_mm is not None:
             return self.float8_grouped_mm(rows, w, offsets)
         return self._high_precision_mm(rows, w, counts, offsets)
@@ -118,7 +121,7 @@ class RoutedExperts(nn.Module):
                 out[start:start + n] = rows[start:start + n] @ w[e].T
                 start += n
             return out
-        if rows.dtype == torch.bfloat16:
+        if rows.dtype == torch.bfloat16 and fits_kernel(rows, w):
             return private.grouped_mm(rows, w.transpose(-2, -1), offsets)
         return grouped_mm(rows, w, offsets)
 
@@ -208,9 +211,12 @@ class ClampedSwiGLUExperts(RoutedExperts):
                                                     local_shard(self.w2), self._down_bias())
             counts = num_tokens_per_expert
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            # Each row's expert, by device-side search (rows past the last block take the last).
+            # Each row's expert, by device-side search. Rows past the last block (the dispatcher's
+            # padding on CUDA and for float8) get index E, a zero bias: the GEMMs leave their
+            # values and gradients unspecified (uninitialised memory), which must reach no bias.
             rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
-            expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=counts.shape[0] - 1)
+            expert = torch.searchsorted(offsets, rows, right=True)  # (rows,) in [0, E]
+            b13, b2 = F.pad(b13, (0, 0, 0, 1)), F.pad(b2, (0, 0, 0, 1))  # (E + 1, ...)
             h = self._mm(x, w13, counts, offsets) + b13[expert]  # (rows, 2 * hidden)
             if (delta := self._adapter("w13", x, counts, offsets)) is not None:
                 h = h + delta

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchmoe.nn.grouped_gemm import stride_multiple
 from torchmoe.nn.init import Constant, ParamInit, Uniform
 
 __all__ = ["ADAPTER_PREFIX", "add_expert_adapters", "add_linear_adapter", "adapter_param_inits", "freeze_base",
@@ -113,11 +114,13 @@ def grouped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: flo
     Returns:
         (R, out); rows past the last block are unspecified.
     """
-    # The grouped GEMM reads its operands' rows on 16-byte strides, and r is the inner dimension
-    # of the second one: a rank whose rows are not (3 in fp32, 4 in bf16) is padded with zero rows
-    # of A_e and zero columns of B_e. They add nothing to the output, and the pad's backward
-    # drops their gradients: the same result and gradients as rank r.
-    pad = -a.shape[1] % (16 // x.element_size())
+    # The grouped GEMM reads rows on 16-byte strides (`nn.grouped_gemm`). `mm` pads the experts'
+    # dims (in, out) for it; the rank is the adapter's own, so it is padded here once, with zero
+    # rows of A_e and zero columns of B_e: they add nothing to the output, the pad's backward
+    # drops their gradients, bf16 stays on torch's own op (a rank of 4 in bf16 is 8 bytes), and
+    # fp32 is the loop's bit for bit (rows of r on a padded stride are not: CPU's BLAS picks its
+    # kernel by the stride).
+    pad = -a.shape[1] % stride_multiple(x.dtype)
     if pad:
         a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))  # (E, r + pad, in), (E, out, r + pad)
     low = mm(dropout(x), a, counts, offsets)  # (R, r + pad)

@@ -5,11 +5,15 @@
 A custom op is one node in a compiled graph: the graph stays whole around it (no graph break) and
 the compiler fuses what comes before and after, while the op itself runs its eager kernel.
 
-- ``torchmoe::grouped_mm``: the grouped GEMM in dtypes other than bf16. torch's ``_grouped_mm``
-  has eager kernels for fp32, but its meta function (what the compiler traces with) accepts bf16
-  only, so a compiled fp32 MoE would otherwise break the graph around every expert projection.
-  Its backward is two more grouped GEMMs, themselves custom ops, so the backward graph stays
-  whole as well. bf16 keeps torch's own op, which the compiler lowers to its grouped-GEMM kernels.
+- ``torchmoe::grouped_mm``: the grouped GEMM in dtypes other than bf16, and in bf16 where an
+  operand is off the kernel's layout contract (`nn.grouped_gemm`: a dim that is not a multiple of
+  16 bytes). torch's ``_grouped_mm`` has eager kernels for fp32, but its meta function (what the
+  compiler traces with) accepts bf16 only, so a compiled fp32 MoE would otherwise break the graph
+  around every expert projection. Its backward is two more grouped GEMMs, themselves custom ops,
+  so the backward graph stays whole as well. Each kernel hands torch's its operands in the
+  contract's layout (`grouped_gemm.kernel_layout`), and autograd saves the unpadded inputs. bf16
+  operands in the contract keep torch's own op, which the compiler lowers to its grouped-GEMM
+  kernels.
 - ``torchmoe::accumulate_token_counts``: adds a forward's routed-token counts to the layer's
   buffer unless the forward is an activation-checkpoint recomputation. The check must run at
   every call; traced, it would be evaluated once at compile time.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from torchmoe import _torch_private as private
+from torchmoe.nn.grouped_gemm import kernel_layout
 
 __all__ = ["accumulate_token_counts", "count_exchanged_bytes", "grouped_mm"]
 
@@ -37,9 +42,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     Returns:
         (R, N) contiguous; rows past ``offsets[-1]`` are unspecified.
     """
-    # The kernel pads rows to 16 bytes (N = 6 fp32 gets stride 8); the fake kernel promises a
-    # contiguous result, and for the usual N (a multiple of 4) this is no copy.
-    return private.grouped_mm(x, w.transpose(-2, -1), offsets).contiguous()
+    # The kernel pads its output's rows to 16 bytes (N = 6 fp32 gets stride 8); the fake kernel
+    # promises a contiguous result, and for N a stride multiple this is no copy.
+    return private.grouped_mm(kernel_layout(x), kernel_layout(w.transpose(-2, -1)), offsets).contiguous()
 
 
 @grouped_mm.register_fake
@@ -56,7 +61,7 @@ def grouped_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.T
     Returns:
         (G, N, K) contiguous.
     """
-    return private.grouped_mm(grad.transpose(0, 1), x, offsets).contiguous()  # as in grouped_mm
+    return private.grouped_mm(kernel_layout(grad.transpose(0, 1)), kernel_layout(x), offsets).contiguous()
 
 
 @grouped_mm_weight_grad.register_fake
@@ -71,7 +76,6 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: torch.Tensor):
     x, w, offsets = ctx.saved_tensors
-    grad = grad.contiguous()  # e.g. a sum's expanded gradient (strides 0): the kernel wants rows
     # d x_g = grad_g @ w_g: grouped_mm with w_g.T as the "weight" (a view, no copy).
     grad_x = grouped_mm(grad, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
     grad_w = grouped_mm_weight_grad(grad, x, offsets) if ctx.needs_input_grad[1] else None

@@ -9,7 +9,7 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.float8 import float8_unavailable
-from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by
+from torchmoe.plan.float8 import float8_tp_enabled, selected_by
 
 
 def check_float8(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check_device: bool) -> None:
@@ -18,7 +18,7 @@ def check_float8(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check
     a dry run too."""
     f8 = cfg.float8
     if f8.routed_experts:
-        _check_experts(cfg, args, degrees)
+        _check_experts(cfg, args)
     device = cfg.training.device
     on_cpu = device == "cpu" or (check_device and not torch.cuda.is_available())
     if check_device or device == "cpu":
@@ -42,9 +42,10 @@ def check_float8(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], check
                               "set enable_fsdp_float8_all_gather = false on CPU, or run on CUDA")
 
 
-def _check_experts(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int]) -> None:
-    """float8.routed_experts: moe_fqns names routed experts, which run grouped GEMMs from bf16 on
-    float8 tiles."""
+def _check_experts(cfg: JobConfig, args: ModelArgs) -> None:
+    """float8.routed_experts: moe_fqns names routed experts, which run grouped GEMMs from bf16 (on
+    any dims: `distributed.float8` pads a model dim or an expert hidden dim, MoE TP's share of it
+    included, to float8 tiles)."""
     f8, flavor = cfg.float8, cfg.model.flavor
     names = args.routed_expert_names()
     if not names:
@@ -68,14 +69,3 @@ def _check_experts(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int]) -> 
         raise ConfigError("float8.routed_experts", True, "the float8 grouped GEMM computes from and writes bf16, "
                           f"but training.mixed_precision_param = {show_value(cfg.training.mixed_precision_param)}",
                           'set training.mixed_precision_param = "bfloat16"')
-    # MoE TP (tp > 1, no EP) shards each expert's hidden dim.
-    etp = degrees["tp"] if degrees["tp"] > 1 and degrees["ep"] == 1 else 1
-    hidden = args.moe_hidden_dim // etp
-    if args.dim % FLOAT8_TILE or hidden % FLOAT8_TILE:
-        raise ConfigError("float8.routed_experts", True,
-                          f"float8 grouped GEMMs need the model dim and each rank's expert hidden dim to be "
-                          f"multiples of {FLOAT8_TILE}; flavor {show_value(flavor)} has dim {args.dim} and expert "
-                          f"hidden dim {args.moe_hidden_dim}" + (f" / tp {etp} = {hidden}" if etp > 1 else ""),
-                          "set float8.routed_experts = false" + (
-                              ", or a tensor_parallel_degree that keeps the hidden dim a multiple of 16"
-                              if etp > 1 else ""))
