@@ -119,9 +119,9 @@ def test_prefix_unstable_template_is_refused_naming_row_and_turn(folders):
     assert str(err.value) == (
         f'training.loss_on = "assistant": chat.jsonl:7, turn 1 (messages[1], the assistant\'s): the chat template of '
         f"{folders['qwen3']} renders the conversation before that turn (with the generation prompt) or through it as "
-        "tokens that the whole conversation does not begin with (it is not prefix-stable there: e.g. it drops the "
-        "reasoning of earlier turns), and it has no {% generation %} markers, so which tokens are that turn's cannot "
-        'be known\n  fix: set training.loss_on = "last" (only the last assistant turn of each conversation, whose '
+        "text that the whole conversation's rendering does not begin with (it is not prefix-stable there: e.g. it "
+        "drops the reasoning of earlier turns), and it has no {% generation %} markers, so which tokens are that "
+        'turn\'s cannot be known\n  fix: set training.loss_on = "last" (only the last assistant turn of each conversation, whose '
         "prefix such templates render alike), or use a chat template that marks the assistant's text with "
         "{% generation %} ... {% endgeneration %} (chat_template.jinja beside tokenizer.json)")
     ids, mask = _render(folders["qwen3"], REASONING, "last")  # the suggested fix works
@@ -302,10 +302,8 @@ def test_rows_without_targets_add_nothing_and_a_row_of_only_those_is_refused(fol
     (batch,) = loader.next_batch()
     assert batch.supervised == 5  # "two<|im_end|>\n" of the second (5 tokens); the first adds none
     assert loader.chat_stats()["data"]["unsupervised"] == 1
-    lonely = _loader(folders["chatml"], str(tmp_path / "a.jsonl"), local_batch_size=2, seq_len=16)
     with pytest.raises(DataConfigError, match=r"the 1 conversation\(s\) of a batch row \(.*a.jsonl:1\) hold no token"):
-        for _ in range(2):  # the first hands out the row's one window, the second finds its pass had no target
-            lonely.next_batch()
+        _loader(folders["chatml"], str(tmp_path / "a.jsonl"), local_batch_size=2, seq_len=16)  # before any batch
 
 
 def test_resume_packs_the_same_windows(folders, tmp_path):
@@ -328,7 +326,7 @@ def test_mixture_with_text_keeps_text_rows_as_they_were(folders, tmp_path):
     (tmp_path / "t.txt").write_text("plain text for pretraining. " * 40)
     tokenizer = build_tokenizer(str(folders["chatml"]))
     mix = _training("", dataset="local", dataset_mix=[f"chat=1:chat:{path}", f"text=1:local:{tmp_path / 't.txt'}"],
-                    local_batch_size=4, seq_len=48)
+                    local_batch_size=4, seq_len=96)  # row 0's one conversation has its first target at token 81
     text_only = dataclasses.replace(mix, dataset_mix=[], dataset_path=str(tmp_path / "t.txt"))
     mixed = build_dataloader(mix, tokenizer)
     (batch,) = mixed.next_batch()
@@ -343,7 +341,7 @@ def test_mixture_with_text_keeps_text_rows_as_they_were(folders, tmp_path):
     assert 0 < chat_rows_seen < 4
     assert batch.supervised == int((labels != IGNORE).sum())
     (plain,) = build_dataloader(text_only, tokenizer).next_batch()
-    assert plain.starts is None and plain.supervised == 4 * 48  # pretraining batches are as they were
+    assert plain.starts is None and plain.supervised == 4 * 96  # pretraining batches are as they were
 
 
 def test_byte_tokenizer_and_bad_settings_are_refused(tmp_path):
