@@ -123,6 +123,7 @@ BOUNDS = {
     "recursion": ("{% for i in [[1, [2]], [3]] recursive %}{% for j in range(400) %}{% endfor %}"
                   "{{ loop(i) if i is iterable else '' }}{% endfor %}", "it ran more than 1,010 steps"),
     "repeat": ("{{ 'x' * 20000 }}", "it builds a str of 20,000 characters or items, more than the bound of 10,000"),
+    "repeat_huge": ("{{ 'x' * 10**12 }}", "it builds a str of 1,000,000,000,000 characters or items"),  # not built
     "repeat_list": ("{{ ([1] * 20000)|length }}", "it builds a list of 20,000 characters or items"),
     "output": ("{% for i in range(50) %}{{ 'x' * 500 }}{% endfor %}", "its output grows past 10,000 characters, "
                "the bound"),

@@ -31,7 +31,7 @@ from torchmoe.config.paths import path_faults
 from torchmoe.config.text import SURROGATE_FIX, NotUTF8, lone_surrogate, utf8_text
 from torchmoe.data.chat_masks import Conversation
 from torchmoe.data.dataset import _parquet_file, local_files
-from torchmoe.data.errors import DataConfigError
+from torchmoe.data.errors import DataConfigError, shown_json
 from torchmoe.data.file_index import line_spans
 from torchmoe.data.read_bounds import GROUPS_FIX, check_regular, check_row, read_whole
 
@@ -268,7 +268,7 @@ def conversation(row: Any, where: str, source: tuple[str, str]) -> Conversation:
         raise DataConfigError(*source, f"{where} is not a chat row (found {found})", f"write each row as {ROW_FORMS}")
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
-        raise DataConfigError(*source, f"{where}: its tools are {_shown(tools)}, not a list of JSON schemas",
+        raise DataConfigError(*source, f"{where}: its tools are {shown_json(tools)}, not a list of JSON schemas",
                               'write them as [{"type": "function", "function": {"name": ..., ...}}, ...], or leave '
                               "tools out")
     _no_surrogates({"tools": tools}, where, source)
@@ -294,7 +294,7 @@ def _messages(value: Any, field: str, where: str, source: tuple[str, str], role:
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
             # A template writes it as Python writes it: True, 0.1, {'a': 1}, none of which the data says.
-            raise DataConfigError(*source, f"{where}: {field}[{i}].content is {_shown(content)}, not text (a string) "
+            raise DataConfigError(*source, f"{where}: {field}[{i}].content is {shown_json(content)}, not text (a string) "
                                   'or a list of content parts ([{"type": "text", "text": ...}])',
                                   f"write it as a string: {json.dumps(json.dumps(content, default=str))}")
     _no_surrogates({field: value}, where, source)
@@ -313,9 +313,3 @@ def _no_surrogates(value: Any, where: str, source: tuple[str, str], path: str = 
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             _no_surrogates(item, where, source, f"{path}[{i}]")
-
-
-def _shown(value: Any) -> str:
-    """A JSON value in a message: its type, and its start as JSON."""
-    text = json.dumps(value, default=str)
-    return f"a {type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"

@@ -30,7 +30,7 @@ from typing import Any
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data import read_bounds
-from torchmoe.data.errors import DataConfigError
+from torchmoe.data.errors import DataConfigError, shown_json
 from torchmoe.data.read_bounds import read_whole
 from torchmoe.data.template_sandbox import ContainerWritten, RenderBound, TemplateSandbox, transformers_sandbox
 from torchmoe.data.tokenizer import _json_object, special_tokens
@@ -234,7 +234,7 @@ def _templates(folder: Path, config: dict[str, Any], key: str) -> dict[str, str]
     named = written if isinstance(written, list) else []
     if written is not None and not (named and all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                                   and isinstance(t.get("template"), str) for t in named)):
-        raise DataConfigError(key, str(folder), f"tokenizer_config.json's chat_template is {_shown(written)}, not a "
+        raise DataConfigError(key, str(folder), f"tokenizer_config.json's chat_template is {shown_json(written)}, not a "
                               'template (a string) or a list of {"name": str, "template": str}',
                               f"fix it, or {_TEMPLATE_FIX}")
     return {t["name"]: t["template"] for t in named}
@@ -248,9 +248,3 @@ def _template_file(file: Path, folder: Path, key: str) -> str:
         return utf8_text(data, nul=False)
     except NotUTF8 as e:
         raise DataConfigError(key, str(folder), f"{file} {e.problem}", e.fix(file)) from None
-
-
-def _shown(value: Any) -> str:
-    """A JSON value named in a message: its type, and its start."""
-    text = repr(value)
-    return f"a {type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"
