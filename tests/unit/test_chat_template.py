@@ -42,6 +42,9 @@ WITH_PARTS = [{"role": "system", "content": [{"type": "text", "text": "be brief"
               {"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
                                            {"type": "text", "text": "?"}]},
               {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]}]
+# The answer's first newline merges with the header's ("\n\n" is one token): a token that straddles
+# the start of a {% generation %} block is marked, as transformers marks every token overlapping one.
+STRADDLE = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\nthe answer"}]
 REASONING = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning": "r1"},
              {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "thinking": "r2"}]
 
@@ -60,7 +63,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 CASES = [("chatml", c) for c in CONVERSATIONS] + [("chatml_marked", c) for c in CONVERSATIONS] + [
-    ("deepseek_marked", CONVERSATIONS[1]), ("qwen3", REASONING), ("harmony", CONVERSATIONS[0]),
+    ("chatml_marked", STRADDLE), ("chatml", STRADDLE), ("deepseek_marked", CONVERSATIONS[1]), ("qwen3", REASONING), ("harmony", CONVERSATIONS[0]),
     ("parts", WITH_PARTS), ("parts", CONVERSATIONS[0])]
 
 
@@ -91,6 +94,19 @@ def test_content_parts_are_trained_as_the_template_renders_them(folders):
         WITH_PARTS, tokenize=False) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nwhat is <think>?"
                                         "<|im_end|>\n<|im_start|>assistant\na cat<|im_end|>\n")
     assert "".join(t for t, m in zip(tokens, rendered.mask, strict=True) if m) == "a cat<|im_end|>\n"
+
+
+def test_a_turn_found_by_prefixes_is_the_marked_turn_where_a_token_straddles_it(folders):
+    """The prefix before the turn ends inside the token "\\n\\n": its text is a prefix of the whole
+    rendering (its tokens are not), and the turn's targets are the tokens overlapping its text,
+    the straddling one included, exactly as the same template with markers gives them."""
+    derived = render(ChatTemplate.load(folders["chatml"]), Conversation(STRADDLE), "assistant", where="x",
+                     source=SOURCE)
+    marked = render(ChatTemplate.load(folders["chatml_marked"]), Conversation(STRADDLE), "assistant", where="x",
+                    source=SOURCE)
+    assert (derived.ids, derived.mask) == (marked.ids, marked.mask)
+    tokens = ChatTemplate.load(folders["chatml"]).tokenizer.convert_ids_to_tokens(derived.ids)
+    assert [t for t, m in zip(tokens, derived.mask, strict=True) if m][:2] == ["\n\n", "the"]
 
 
 @pytest.mark.parametrize(("field", "messages", "tools"), [
