@@ -243,6 +243,19 @@ def test_files_folders_globs_and_saved_datasets(tmp_path, kind):
         assert rows.locate(2) == f"row 2 of the saved dataset {tmp_path / kind / 'd'}"
 
 
+def test_a_named_pipe_in_a_saved_dataset_is_refused_unopened(tmp_path):
+    """datasets opens each file of the folder: a named pipe among them waited for ever."""
+    import os
+
+    path = _write("saved", tmp_path / "saved")
+    arrow = next(Path(path).glob("*.arrow"))
+    arrow.unlink()
+    os.mkfifo(arrow)
+    with pytest.raises(DataConfigError, match=rf'training.dataset_path = "{path}": .*{arrow.name} is a named pipe, '
+                                              "not a regular file"):
+        chat_rows(path)
+
+
 def _training(path: str, **kw) -> object:
     t = JobConfig().training
     return dataclasses.replace(t, dataset=kw.pop("dataset", "chat"), dataset_path=path, seq_len=kw.pop("seq_len", 64),
