@@ -77,7 +77,7 @@ def _many_files(out_dir: Path) -> dict:
 
     from torchmoe.data import dataset
     from torchmoe.data.dataloader import DataLoader
-    from torchmoe.data.dataset import FileDocuments, local_files
+    from torchmoe.data import FileDocuments, local_files
     from torchmoe.data.errors import DataConfigError
     from torchmoe.data.tokenizer import ByteTokenizer
 
@@ -190,7 +190,7 @@ def test_a_corpus_of_many_files_is_indexed_a_share_a_rank_in_one_collective(worl
     of one process. Opened again, no file is read (the text file opened by its rank) and the one
     collective remains."""
     from torchmoe.data.dataloader import DataLoader
-    from torchmoe.data.dataset import FileDocuments, local_files
+    from torchmoe.data import FileDocuments, local_files
     from torchmoe.data.tokenizer import ByteTokenizer
 
     tmp_path, records = world

@@ -20,8 +20,8 @@ from torchmoe.data import (
     build_documents,
 )
 from torchmoe.data import dataset as dataset_module
+from torchmoe.data import file_listing, local_files, python_docs_files
 from torchmoe.data.errors import DataConfigError
-from torchmoe.data import local_files, python_docs_files
 from torchmoe.data.file_index import line_spans
 
 
@@ -303,7 +303,7 @@ def test_a_glob_through_symbolic_links_lists_each_file_once(tmp_path: Path) -> N
     (tmp_path / "data" / "sub" / "up").symlink_to("..")  # a loop
     (tmp_path / "data" / "alias.jsonl").symlink_to("a.jsonl")
     (tmp_path / "data" / "more").symlink_to(tmp_path / "elsewhere")
-    globbed = dataset_module._glob(str(tmp_path / "data" / "**" / "*.jsonl"))
+    globbed = file_listing._glob(str(tmp_path / "data" / "**" / "*.jsonl"))
     assert sorted(p.relative_to(tmp_path).as_posix() for p in globbed) == [
         "data/a.jsonl", "data/alias.jsonl", "data/more/c.jsonl", "data/sub/b.jsonl"]  # each folder once
     found = local_files(str(tmp_path / "data" / "**" / "*.jsonl"))

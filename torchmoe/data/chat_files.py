@@ -6,7 +6,7 @@
 
 Rows come from `.jsonl` (one per non-blank line, found once by `file_index.line_spans`, each
 read by a seek), `.json` (an array of rows, or lines), `.parquet` (one per row, a row group read
-at a time) files named by a file, a folder or a glob (`dataset.local_files`' rules), or from a
+at a time) files named by a file, a folder or a glob (`file_listing.local_files`' rules), or from a
 folder written by `datasets`' `save_to_disk` (read offline with `load_from_disk`; of a
 DatasetDict, the split `training.dataset_split`).
 
@@ -30,9 +30,10 @@ from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import SURROGATE_FIX, NotUTF8, lone_surrogate, utf8_text
 from torchmoe.data.chat_masks import Conversation
-from torchmoe.data.dataset import _parquet_file, local_files
+from torchmoe.data.dataset import _parquet_file
 from torchmoe.data.errors import DataConfigError, shown_json
 from torchmoe.data.file_index import line_spans
+from torchmoe.data.file_listing import local_files
 from torchmoe.data.read_bounds import GROUPS_FIX, check_regular, check_row, read_whole
 
 __all__ = ["ChatRows", "chat_rows", "conversation"]

@@ -22,11 +22,8 @@ read alone by a seek, hub datasets by rows (`datasets` splits them, by shard whe
 from __future__ import annotations
 
 import bisect
-import glob
 import json
-import logging
 import os
-import stat
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
@@ -35,14 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from torchmoe.config.errors import show_value
-from torchmoe.config.file_kinds import file_kind
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import SURROGATE_FIX, NotUTF8, lone_surrogate, utf8_text
-from torchmoe.data.dataset_kinds import ALWAYS_READ, check_kind, is_text_file
+from torchmoe.data.dataset_kinds import check_kind
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, text_part
 from torchmoe.data.file_index import LINES, START, Indexing, IndexKind, line_spans, shared_indexes, with_starts
+from torchmoe.data.file_listing import local_files
 from torchmoe.data.hub_documents import HFDocuments, as_text
 from torchmoe.data.read_bounds import GROUPS_FIX, check_row, read_whole
 from torchmoe.data.token_shards import TokenShards
@@ -50,19 +46,15 @@ from torchmoe.data.token_shards import TokenShards
 if TYPE_CHECKING:
     from torchmoe.config.job_config import Training
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
     "DataConfigError",
     "Documents",
     "InMemoryDocuments",
     "FileDocuments",
     "python_docs_files",
-    "local_files",
     "build_documents",
 ]
 
-LOCAL_FILES = "a .jsonl/.json/.parquet file of rows, or text files (.txt, code, any UTF-8 text)"
 # torchtitan v0.2.2's dataset names: c4 and c4_validation stream allenai/c4 ("en") from the hub,
 # c4_test reads its test corpus (a .json file of 2K documents) from a torchtitan checkout.
 C4_SPLITS = {"c4": "train", "c4_validation": "validation"}
@@ -419,145 +411,6 @@ def _plain_utf8(path: Path) -> bool:
     except NotUTF8:
         return False
     return True
-
-
-def local_files(dataset_path: str, *, key: str = "training.dataset_path",
-                extensions: Sequence[str] = ()) -> list[Path]:
-    """The corpus files named by `dataset_path` (the setting `key`), sorted: `.jsonl`, `.json`,
-    `.parquet` and `.txt` files, and every other file that is text (`is_text_file`).
-
-    `dataset_path` is a file, a folder (searched recursively, hidden files and folders left out)
-    or a glob (`**` allowed). In a folder or a glob, only files whose names end in one of
-    `extensions` (training.dataset_extensions, without case; empty: any) are kept, and files that
-    are not text (images, compiled code) are passed over, and how many is logged; a file named
-    alone must be text. Each file is listed once, however many links reach it (the first of its
-    paths, sorted), and a glob's ``**`` goes through each folder once (a symbolic link back to a
-    folder above it is a loop, not more files).
-
-    Raises:
-        DataConfigError: nothing usable matches, a match is a named pipe, device or socket (never
-            opened: a named pipe would wait for a writer), or the OS refuses the path or a file
-            or folder under it (missing, a path through a file, a name too long, a symbolic link
-            to nothing, no permission: its reason); the message names the path and what to give.
-    """
-    fix = f"point it at {LOCAL_FILES}, a folder holding such files, or a glob like 'data/*.jsonl'"
-    if not dataset_path:
-        raise DataConfigError(key, dataset_path, 'dataset = "local" needs files', fix)
-    path = Path(dataset_path)
-    with path_faults(key, dataset_path, fix, error=DataConfigError):
-        if glob.has_magic(dataset_path):  # glob passes over what it cannot read: its matches are stat'ed below
-            candidates, what = _glob(dataset_path), "this glob matches"
-        elif stat.S_ISDIR(os.stat(path).st_mode):
-            candidates, what = _files_under(path), "this folder holds"
-        else:
-            _check_regular_file(path, os.stat(path), key, dataset_path)
-            if path.suffix in ALWAYS_READ or is_text_file(path):
-                return [path]
-            raise DataConfigError(key, dataset_path, "is not a text file (a NUL byte or bytes that are not UTF-8 in "
-                                  "its first 8 KiB)", fix)
-        found = {p: os.stat(p) for p in candidates}
-        files = [p for p, st in found.items() if not stat.S_ISDIR(st.st_mode)]
-        if extensions:
-            kept = [p for p in files if p.name.lower().endswith(tuple(e.lower() for e in extensions))]
-            what += f" {len(files) - len(kept)} files of other extensions (training.dataset_extensions = " \
-                f"{show_value(list(extensions))}) and"
-            fix = "name the corpus's extensions in training.dataset_extensions (empty: every text file), or " + fix
-            files = kept
-        files = _each_file_once(sorted(files, key=lambda p: p.as_posix()), found)
-        for p in files:
-            _check_regular_file(p, found[p], key, dataset_path)
-        binary = [p for p in files if p.suffix not in ALWAYS_READ and not is_text_file(p)]
-        files = [p for p in files if p not in set(binary)]
-    if not files:
-        raise DataConfigError(key, dataset_path, f"{what} no corpus files" +
-                              (f" ({len(binary)} not text, e.g. {binary[0]})" if binary else ""), fix)
-    if binary:
-        logger.info("%s: passed over %d files that are not text (e.g. %s)", key, len(binary), binary[0])
-    return files
-
-
-def _check_regular_file(path: Path, st: os.stat_result, key: str, value: str) -> None:
-    """A corpus file is a regular file: a named pipe, device or socket is never opened."""
-    kind = file_kind(st.st_mode)
-    if kind is not None:
-        raise DataConfigError(key, value, f"{path} is a {kind}, not a regular file: it is never read (a named pipe "
-                              "would wait for a writer, a device never end)",
-                              "remove it, or leave it out with a glob or training.dataset_extensions")
-
-
-def _each_file_once(files: list[Path], found: dict[Path, os.stat_result]) -> list[Path]:
-    """`files` without the later paths of a file reached twice (a link to it, a linked folder)."""
-    seen: set[tuple[int, int]] = set()
-    once = []
-    for p in files:
-        ident = (found[p].st_dev, found[p].st_ino)
-        if ident not in seen:
-            seen.add(ident)
-            once.append(p)
-    return once
-
-
-def _glob(pattern: str) -> list[Path]:
-    """`glob.glob(pattern, recursive=True)`, whose ``**`` follows symbolic links to folders, but
-    through each folder once: a link to a folder it has been through (a loop) is not followed
-    again (glob's own listed a file once per turn of a loop, 41 times, or never ended)."""
-    parts = Path(pattern).parts
-    if "**" not in parts:
-        return [Path(p) for p in glob.glob(pattern)]
-    at = parts.index("**")
-    visited: set[tuple[int, int]] = set()
-    found: list[Path] = []
-    heads = [Path(p) for p in glob.glob(str(Path(*parts[:at])))] if at else [Path(".")]
-    for head in heads:
-        for folder in _folders_once(head, visited):
-            rest = parts[at + 1:]
-            if rest:  # the folder's name is matched as it is, not as a pattern
-                found += _glob(os.path.join(glob.escape(str(folder)), *rest))
-            else:  # a last "**" matches every file and folder under the head
-                found += [folder / name for name in _names(folder) if not name.startswith(".")]
-    return found
-
-
-def _folders_once(top: Path, visited: set[tuple[int, int]]) -> Iterator[Path]:
-    """`top` (if it is a folder) and the folders under it, as glob's ``**`` finds them (links to
-    folders followed, hidden names left out), each real folder once (`visited`: their device and
-    inode); a folder that cannot be listed is passed over, as glob passes it over."""
-    stack = [top]
-    while stack:
-        folder = stack.pop()
-        try:
-            st = os.stat(folder)
-        except OSError:
-            continue
-        ident = (st.st_dev, st.st_ino)
-        if not stat.S_ISDIR(st.st_mode) or ident in visited:
-            continue
-        visited.add(ident)
-        yield folder
-        stack += [folder / name for name in sorted(_names(folder), reverse=True) if not name.startswith(".")]
-
-
-def _names(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
-
-
-def _files_under(folder: Path) -> list[Path]:
-    """Every entry under `folder` that is not a folder, recursively, without following links to
-    folders, leaving out hidden ones (names starting with "."; their folders unread); a folder
-    that cannot be listed raises (os.walk and Path.rglob would pass over it)."""
-
-    def fail(err: OSError) -> None:
-        raise err
-
-    found = []
-    for parent, folders, names in os.walk(folder, onerror=fail):
-        folders[:] = [name for name in folders if not name.startswith(".")]  # .git, .cache, ...
-        found += [Path(parent) / name for name in names if not name.startswith(".")]
-    return found
-
 
 
 def build_documents(training: Training, *, key: str = "training.dataset_path",
