@@ -75,9 +75,8 @@ def _many_files(out_dir: Path) -> dict:
     import numpy as np
     import torch.distributed as dist
 
-    from torchmoe.data import dataset
+    from torchmoe.data import FileDocuments, dataset, local_files
     from torchmoe.data.dataloader import DataLoader
-    from torchmoe.data.dataset import FileDocuments, local_files
     from torchmoe.data.errors import DataConfigError
     from torchmoe.data.tokenizer import ByteTokenizer
 
@@ -189,8 +188,8 @@ def test_a_corpus_of_many_files_is_indexed_a_share_a_rank_in_one_collective(worl
     saved are those one process saves, byte for byte, and each rank's rows and batches are those
     of one process. Opened again, no file is read (the text file opened by its rank) and the one
     collective remains."""
+    from torchmoe.data import FileDocuments, local_files
     from torchmoe.data.dataloader import DataLoader
-    from torchmoe.data.dataset import FileDocuments, local_files
     from torchmoe.data.tokenizer import ByteTokenizer
 
     tmp_path, records = world

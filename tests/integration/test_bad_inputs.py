@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,237 @@ def test_good_tokenizer_with_its_config_trains(capsys, tmp_path: Path, tokenizer
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (export / name).read_bytes() == (tmp_path / "tok" / name).read_bytes(), name
     assert not (export / "special_tokens_map.json").exists()  # the source has none
+
+
+# ---- chat data and the tokenizer folder that renders it ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory) -> Path:
+    """The chat fixtures' ChatML tokenizer folder (no generation markers; vocab < tiny's)."""
+    from tests.chat_fixtures import chatml
+
+    return chatml(tmp_path_factory.mktemp("chat") / "tok", marked=False)
+
+
+def _chat_rows(path: Path, rows: list, *, raw: str = "") -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows) + raw)
+    return path
+
+
+ANSWERED = {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]}
+LONELY = {"messages": [{"role": "user", "content": "no answer here"}]}
+
+
+def _chat_data(tmp_path: Path, kind: str, monkeypatch) -> str:
+    """A chat dataset_path of each fault class (global batch: 2 rows), bounds set small where a
+    fault needs much data to pass the default."""
+    from torchmoe.data import chat_masks, read_bounds
+
+    data = tmp_path / "chat.jsonl"
+    if kind == "no_targets":  # no conversation has a target: loss 0 for a whole pass before
+        return str(_chat_rows(data, [LONELY] * 6))
+    if kind == "content_number":
+        return str(_chat_rows(data, [ANSWERED, {"messages": [{"role": "user", "content": 5}, *ANSWERED["messages"][1:]]}]))
+    if kind == "content_object":
+        return str(_chat_rows(data, [ANSWERED, {"messages": [{"role": "user", "content": {"a": 1}},
+                                                             *ANSWERED["messages"][1:]]}]))
+    if kind == "content_parts_written_whole":  # ChatML writes {{ m.content }}: the list's Python repr
+        return str(_chat_rows(data, [{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                                   *ANSWERED["messages"][1:]]}, ANSWERED]))
+    if kind == "tools_not_a_list":
+        return str(_chat_rows(data, [dict(ANSWERED, tools="get_weather"), ANSWERED]))
+    if kind == "lone_surrogate":  # JSON's escape of half a pair: no text, which the tokenizer refused
+        return str(_chat_rows(data, [ANSWERED, '{"messages": [{"role": "user", "content": "a\\ud800b"}, '
+                                     '{"role": "assistant", "content": "two"}]}']))
+    if kind == "named_pipe":  # a read would wait for a writer for ever
+        (tmp_path / "data").mkdir()
+        _chat_rows(tmp_path / "data" / "a.jsonl", [ANSWERED, ANSWERED])
+        os.mkfifo(tmp_path / "data" / "b.jsonl")
+        return str(tmp_path / "data")
+    if kind == "row_too_large":
+        monkeypatch.setattr(read_bounds, "READ_BYTES", 4096)
+        long = {"messages": [{"role": "user", "content": "x" * 5000}, ANSWERED["messages"][1]]}
+        return str(_chat_rows(data, [ANSWERED, long, ANSWERED, ANSWERED]))
+    if kind == "array_file_too_large":
+        monkeypatch.setattr(read_bounds, "READ_BYTES", 4096)
+        (tmp_path / "chat.json").write_text(json.dumps([ANSWERED] * 100))
+        return str(tmp_path / "chat.json")
+    if kind == "parquet_group_too_large":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        monkeypatch.setattr(read_bounds, "READ_BYTES", 4096)
+        rows = [{"messages": [{"role": "user", "content": f"question {i} " * 5}, ANSWERED["messages"][1]]}
+                for i in range(400)]  # each its own text: a row group of 200 holds some 6 KB
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet", row_group_size=200)
+        return str(tmp_path / "chat.parquet")
+    if kind == "long_conversation_without_markers":  # each turn renders the conversation up to it
+        monkeypatch.setattr(chat_masks, "PREFIX_MESSAGES", 1000)
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(3000)]
+        return str(_chat_rows(data, [{"messages": turns}, ANSWERED]))
+    raise ValueError(kind)
+
+
+CHAT_DATA = {
+    "no_targets": ('training.loss_on = "assistant": the 3 conversation(s) of a batch row ({0}/chat.jsonl:1, '
+                   "{0}/chat.jsonl:2, {0}/chat.jsonl:3) hold no token to train on (no assistant turn, or every one "
+                   "cut off or dropped as longer than training.seq_len + 1)\n  fix: give them assistant turns"),
+    "content_number": ('training.dataset_path = "{0}/chat.jsonl": {0}/chat.jsonl:2: messages[0].content is 5 (a '
+                       'number), not text (a string) or a list of content parts ([{{"type": "text", "text": ...}}])\n'
+                       '  fix: write it as a string: "5"'),
+    "content_object": ('{0}/chat.jsonl:2: messages[0].content is {{"a": 1}} (an object), not text (a string) or a '
+                       'list of content parts ([{{"type": "text", "text": ...}}])\n  fix: write it as a string: '
+                       '"{{\\"a\\": 1}}"'),
+    "content_parts_written_whole": ("{0}/chat.jsonl:1: the chat template of {1} writes its messages[0].content (a "
+                                    "list) into the text as its Python repr\n  fix: write messages[0].content as a "
+                                    "string; or, for content parts"),
+    "tools_not_a_list": ('{0}/chat.jsonl:1: its tools are "get_weather" (a string), not a list of JSON schemas\n'
+                         "  fix: write them as"),
+    "lone_surrogate": ("{0}/chat.jsonl:2: messages[0].content holds a lone surrogate (\\ud800 at character 1), which "
+                       "is no text: it cannot be encoded as UTF-8, nor tokenized\n  fix: fix the row: a character "
+                       "beyond U+FFFF is written in JSON as a pair of surrogates"),
+    "named_pipe": ('training.dataset_path = "{0}/data": {0}/data/b.jsonl is a named pipe, not a regular file: it is '
+                   "never read (a named pipe would wait for a writer, a device never end)\n  fix: remove it, or leave "
+                   "it out with a glob or training.dataset_extensions"),
+    "row_too_large": ('training.dataset_path = "{0}/chat.jsonl": {0}/chat.jsonl:2 holds 5,088 bytes, more than the '
+                      "4,096 torchmoe reads of one row at once (the bound)\n  fix: split the conversation into "
+                      "shorter ones, or remove it"),
+    "array_file_too_large": ('training.dataset_path = "{0}/chat.json": {0}/chat.json holds 9,300 bytes, more than '
+                             "the 4,096 torchmoe reads of one file at once (the bound)\n  fix: write its rows as "
+                             ".jsonl, one a line, which is read a row at a time"),
+    "parquet_group_too_large": ('training.dataset_path = "{0}/chat.parquet": {0}/chat.parquet row group 0 (rows 0 '
+                                "to 199) holds ",  # pyarrow's own count of its uncompressed bytes
+                                " bytes, more than the 4,096 torchmoe reads of one row at once (the bound)\n  fix: "
+                                "write the file with smaller row groups (pyarrow.parquet.write_table(..., "
+                                "row_group_size=N))"),
+    "long_conversation_without_markers": (
+        'training.loss_on = "assistant": {0}/chat.jsonl:1: finding the tokens of its 1500 assistant turns renders '
+        "the conversation up to each turn, more than 1,000 messages in all for its 3000 (the bound): the chat "
+        "template of {1} has no {{% generation %}} markers\n  fix: set training.loss_on = \"last\""),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHAT_DATA))
+def test_bad_chat_data_is_one_message_before_training(capsys, monkeypatch, tmp_path: Path, chat_tokenizer: Path,
+                                                      kind: str) -> None:
+    """Each is exit 2 naming the file, the row (and its field), the bound and the fix, before the
+    first step (the data loader renders each row's conversations until one has a target)."""
+    path = _chat_data(tmp_path, kind, monkeypatch)
+    # A row of 1,024 tokens holds some 70 of the long conversation's turns: 2,500 messages rendered.
+    status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(chat_tokenizer), "--training.dataset", "chat",
+                        "--training.dataset_path", path, "--training.seq_len", "1024")
+    expected = CHAT_DATA[kind] if isinstance(CHAT_DATA[kind], tuple) else (CHAT_DATA[kind],)
+    _assert_one_error(status, err, *(text.format(tmp_path, chat_tokenizer) for text in expected))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+
+
+def test_a_long_conversation_is_rendered_only_as_far_as_a_row_holds(capsys, monkeypatch, tmp_path: Path,
+                                                                    chat_tokenizer: Path) -> None:
+    """The conversation the bound refuses above (3,000 messages, 1,500 turns, at most 1,000
+    messages rendered for its prefixes) trains when cut to a row: only the turns that begin in
+    its first seq_len + 1 tokens are looked for."""
+    path = _chat_data(tmp_path, "long_conversation_without_markers", monkeypatch)
+    status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(chat_tokenizer), "--training.dataset", "chat",
+                        "--training.dataset_path", path, "--training.seq_len", "64")
+    assert status == 0, err
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def _template_folder(folder: Path, kind: str, monkeypatch) -> Path:
+    """A tokenizer folder with a faulty chat template or special token of each class."""
+    from tests.chat_fixtures import CHATML, CHATML_SPECIALS, tokenizer_folder
+    from torchmoe.data import read_bounds, template_sandbox
+
+    config: dict = {}
+    if kind == "nested_loops":  # 10^10 steps
+        monkeypatch.setattr(template_sandbox, "STEPS", 10_000)
+        template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CHATML
+    elif kind == "writes_200_mb":
+        template = "{{ 'x' * 200000000 }}" + CHATML
+    else:
+        template = CHATML
+    folder = tokenizer_folder(folder, template, CHATML_SPECIALS, eos="<|im_end|>")
+    if kind == "list_without_default":
+        config["chat_template"] = [{"name": "chatml", "template": CHATML}, {"name": "tool_use", "template": CHATML}]
+    elif kind == "list_entry_without_a_name":
+        config["chat_template"] = [{"template": CHATML}]
+    elif kind == "template_a_number":
+        config["chat_template"] = 5
+    elif kind == "bos_without_content":
+        config["bos_token"] = {"lstrip": False}
+    elif kind == "eos_a_list":
+        config["eos_token"] = ["<|im_end|>"]
+    elif kind == "pad_not_in_vocabulary":
+        config["pad_token"] = "<pad>"
+    elif kind == "jinja_not_utf8":
+        (folder / "chat_template.jinja").write_bytes(b"{{ '\xff' }}" + CHATML.encode())
+    elif kind == "jinja_a_named_pipe":
+        os.mkfifo(folder / "chat_template.jinja")
+    elif kind == "jinja_too_large":
+        monkeypatch.setattr(read_bounds, "TEMPLATE_BYTES", 1000)
+        (folder / "chat_template.jinja").write_text(CHATML + " " * 1000)
+    elif kind == "tokenizer_a_named_pipe":
+        (folder / "tokenizer.json").unlink()
+        os.mkfifo(folder / "tokenizer.json")
+    if config:
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {**json.loads((folder / "tokenizer_config.json").read_text()), **config}))
+    return folder
+
+
+# The message after 'model.tokenizer_path = "{0}": ' ({0} the folder, {1} the data file).
+CHAT_TEMPLATES = {
+    "nested_loops": ("{1}:1: its chat template stopped: it ran more than 30,000 steps (loop iterations and calls), "
+                     "the bound for this conversation (10,000, and 10,000 more a message or tool): a loop that does "
+                     "not end with the conversation\n  fix: fix the chat template"),
+    "writes_200_mb": ("{1}:1: its chat template stopped: it builds a str of 200,000,000 characters or items, more "
+                      "than the bound of 33,554,432\n  fix: fix the chat template"),
+    "list_without_default": ("its chat templates are named ['chatml', 'tool_use'], and none is \"default\", the one "
+                             'transformers renders a conversation with\n  fix: name the template to train with '
+                             '"default"'),
+    "list_entry_without_a_name": ("tokenizer_config.json's chat_template is [{{\"template\": "),
+    "template_a_number": ("tokenizer_config.json's chat_template is 5 (a number), not a template (a string) or a "
+                          'list of {{"name": str, "template": str}}'),
+    "bos_without_content": ("{0}/tokenizer_config.json: bos_token is {{'lstrip': False}}, not a token string (or "
+                            '{{"content": "<token>"}})\n  fix: write it as "bos_token": "<token>", or remove it'),
+    "eos_a_list": ("{0}/tokenizer_config.json: eos_token is ['<|im_end|>'], not a token string"),
+    "pad_not_in_vocabulary": ("its config names pad_token '<pad>', which tokenizer.json does not hold\n  fix: fix "
+                              "pad_token in tokenizer_config.json / special_tokens_map.json"),
+    "jinja_not_utf8": ("{0}/chat_template.jinja is not UTF-8 text (byte 4 is 0xFF: invalid start byte)\n  fix: "
+                       "convert chat_template.jinja to UTF-8"),
+    "jinja_a_named_pipe": ("{0}/chat_template.jinja is a named pipe, not a regular file"),
+    "jinja_too_large": ("{0}/chat_template.jinja holds 1,"),
+    "tokenizer_a_named_pipe": ("{0}/tokenizer.json is a named pipe, not a regular file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHAT_TEMPLATES))
+def test_a_bad_chat_template_or_special_token_is_one_message(capsys, monkeypatch, tmp_path: Path, kind: str) -> None:
+    """One message naming the folder, the file (and the row the template stopped on), never a
+    traceback and never a hang."""
+    folder = _template_folder(tmp_path / "tok", kind, monkeypatch)
+    data = _chat_rows(tmp_path / "chat.jsonl", [ANSWERED] * 4)
+    status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(folder), "--training.dataset", "chat",
+                        "--training.dataset_path", str(data))
+    _assert_one_error(status, err, f'model.tokenizer_path = "{folder}": '
+                      + CHAT_TEMPLATES[kind].format(folder, data))
+
+
+def test_validation_batches_without_a_target_are_refused(capsys, tmp_path: Path, chat_tokenizer: Path) -> None:
+    """Each row of the validation data has a target, but the one batch validated holds none (each
+    row's first window is a conversation without an answer): no mean of no tokens (it was a loss of
+    0, and eval's perplexity 1)."""
+    lonely = {"messages": [{"role": "user", "content": "a question with no answer, long enough to fill a row"}]}
+    val = _chat_rows(tmp_path / "val.jsonl", [lonely, ANSWERED, lonely, ANSWERED])
+    train = _chat_rows(tmp_path / "chat.jsonl", [ANSWERED] * 4)
+    status, err = _main(capsys, tmp_path, "--model.tokenizer_path", str(chat_tokenizer), "--training.dataset", "chat",
+                        "--training.dataset_path", str(train), "--validation.enable", "true", "--validation.dataset",
+                        "chat", "--validation.dataset_path", str(val), "--validation.seq_len", "32",
+                        "--validation.local_batch_size", "2", "--validation.steps", "1", "--validation.freq", "1")
+    _assert_one_error(status, err, f'validation.dataset_path = "{val}": its 1 batch(es) evaluated hold no target '
+                      "token (chat conversations whose assistant turns are cut off or missing in the rows read), so "
+                      "they have no mean loss\n  fix: evaluate more batches")
 
 
 _TOML = "[training]\nsteps = 2\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from torchmoe.config import JobConfig
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.loader import load_job_config
 from torchmoe.config.validate import validate_training
-from torchmoe.data import build_dataloader, build_tokenizer
+from torchmoe.data import build_dataloader, build_tokenizer, chat_masks
 from torchmoe.data.chat_files import chat_rows, conversation
 from torchmoe.data.chat_masks import Conversation, render
 from torchmoe.data.chat_template import ChatTemplate
@@ -119,9 +120,9 @@ def test_prefix_unstable_template_is_refused_naming_row_and_turn(folders):
     assert str(err.value) == (
         f'training.loss_on = "assistant": chat.jsonl:7, turn 1 (messages[1], the assistant\'s): the chat template of '
         f"{folders['qwen3']} renders the conversation before that turn (with the generation prompt) or through it as "
-        "tokens that the whole conversation does not begin with (it is not prefix-stable there: e.g. it drops the "
-        "reasoning of earlier turns), and it has no {% generation %} markers, so which tokens are that turn's cannot "
-        'be known\n  fix: set training.loss_on = "last" (only the last assistant turn of each conversation, whose '
+        "text that the whole conversation's rendering does not begin with (it is not prefix-stable there: e.g. it "
+        "drops the reasoning of earlier turns), and it has no {% generation %} markers, so which tokens are that "
+        'turn\'s cannot be known\n  fix: set training.loss_on = "last" (only the last assistant turn of each conversation, whose '
         "prefix such templates render alike), or use a chat template that marks the assistant's text with "
         "{% generation %} ... {% endgeneration %} (chat_template.jinja beside tokenizer.json)")
     ids, mask = _render(folders["qwen3"], REASONING, "last")  # the suggested fix works
@@ -242,6 +243,19 @@ def test_files_folders_globs_and_saved_datasets(tmp_path, kind):
         assert rows.locate(2) == f"row 2 of the saved dataset {tmp_path / kind / 'd'}"
 
 
+def test_a_named_pipe_in_a_saved_dataset_is_refused_unopened(tmp_path):
+    """datasets opens each file of the folder: a named pipe among them waited for ever."""
+    import os
+
+    path = _write("saved", tmp_path / "saved")
+    arrow = next(Path(path).glob("*.arrow"))
+    arrow.unlink()
+    os.mkfifo(arrow)
+    with pytest.raises(DataConfigError, match=rf'training.dataset_path = "{path}": .*{arrow.name} is a named pipe, '
+                                              "not a regular file"):
+        chat_rows(path)
+
+
 def _training(path: str, **kw) -> object:
     t = JobConfig().training
     return dataclasses.replace(t, dataset=kw.pop("dataset", "chat"), dataset_path=path, seq_len=kw.pop("seq_len", 64),
@@ -305,10 +319,112 @@ def test_rows_without_targets_add_nothing_and_a_row_of_only_those_is_refused(fol
     (batch,) = loader.next_batch()
     assert batch.supervised == 5  # "two<|im_end|>\n" of the second (5 tokens); the first adds none
     assert loader.chat_stats()["data"]["unsupervised"] == 1
-    lonely = _loader(folders["chatml"], str(tmp_path / "a.jsonl"), local_batch_size=2, seq_len=16)
     with pytest.raises(DataConfigError, match=r"the 1 conversation\(s\) of a batch row \(.*a.jsonl:1\) hold no token"):
-        for _ in range(2):  # the first hands out the row's one window, the second finds its pass had no target
-            lonely.next_batch()
+        _loader(folders["chatml"], str(tmp_path / "a.jsonl"), local_batch_size=2, seq_len=16)  # before any batch
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_refuses_its_own_rows_without_targets_before_a_batch(folders, tmp_path, rank):
+    """Rows 2 and 3 of 4 hold conversations without an answer: rank 1 of 2 (its rows) is refused
+    when its loader is built, rank 0 trains; the validation loader (one pass) alike, and a chat
+    source of a mixture."""
+    lonely = {"messages": [{"role": "user", "content": "no answer"}]}
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in [ROWS[2], ROWS[2], lonely, lonely]))
+    training = _training(str(tmp_path / "a.jsonl"), local_batch_size=2, seq_len=32)
+    tokenizer = build_tokenizer(str(folders["chatml"]))
+    build = lambda t, **kw: build_dataloader(dataclasses.replace(t, global_batch_size=4), tokenizer,  # noqa: E731
+                                             dp_rank=rank, dp_degree=2, **kw)
+    if rank == 0:
+        (batch,) = build(training).next_batch()
+        assert batch.supervised == 2 * 5
+        return
+    for made in (lambda: build(training), lambda: build(training, repeat=False),
+                 lambda: build(dataclasses.replace(training, dataset="local", dataset_path="", dataset_mix=[
+                     f"chat=1:chat:{tmp_path / 'a.jsonl'}", f"more=1:chat:{tmp_path / 'a.jsonl'}"]))):
+        with pytest.raises(DataConfigError, match=r"the 1 conversation\(s\) of a batch row \(.*a.jsonl:3\) hold no "):
+            made()
+
+
+def test_the_data_repeating_is_said_once_a_pass_with_the_counts(folders, tmp_path, caplog):
+    """Four rows of one conversation each: every batch ends a pass of every row. One line a pass
+    for the source (it was one a row and a pass), with this process's counts so far."""
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(ROWS[2]) for _ in range(4)))
+    loader = _loader(folders["chatml"], str(tmp_path / "a.jsonl"), local_batch_size=4, seq_len=24)
+    with caplog.at_level(logging.INFO, logger="torchmoe.data.chat"):
+        for _ in range(3):
+            loader.next_batch()
+    lines = [r.getMessage() for r in caplog.records if "start pass" in r.getMessage()]
+    assert lines == [
+        f"chat data (training.dataset_path = {tmp_path / 'a.jsonl'}): batch rows start pass {p} over their "
+        f"conversations as each finishes the one before (data repeats); this process's rows so far packed {4 * p} "
+        f"conversations (0 cut, 0 dropped as longer than a row, 0 without targets), {4 * p * 5} target tokens"
+        for p in (1, 2)]
+
+
+@pytest.mark.parametrize("family", ["chatml", "chatml_marked", "deepseek", "harmony"])
+@pytest.mark.parametrize("loss_on", ["assistant", "last"])
+def test_a_row_of_limit_tokens_is_the_whole_rendering_cut(folders, family, loss_on):
+    """Only the turns that begin in a row's tokens are looked for: the ids and targets of each cut
+    are those of the whole conversation cut there, at every length."""
+    template = ChatTemplate.load(folders[family])
+    messages = CONVERSATIONS[0] + CONVERSATIONS[2] * 3
+    if family == "harmony":
+        loss_on = "last"  # its earlier turns are not prefix-stable
+    whole = render(template, Conversation(messages), loss_on, where="x", source=SOURCE)
+    assert whole.length == len(whole.ids) and sum(whole.mask) > 0
+    for limit in range(1, whole.length + 2):
+        cut = render(template, Conversation(messages), loss_on, where="x", source=SOURCE, limit=limit)
+        assert (cut.ids, cut.mask, cut.length) == (whole.ids[:limit], whole.mask[:limit], whole.length), limit
+
+
+def test_finding_turns_without_markers_is_bounded_per_conversation(folders, monkeypatch):
+    """Each turn renders the conversation up to it: n^2 / 2 messages. Past the bound one message
+    names the row, the bound and the fixes, which both work."""
+    monkeypatch.setattr(chat_masks, "PREFIX_MESSAGES", 50)
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(20)]
+    with pytest.raises(DataConfigError) as err:
+        _render(folders["chatml"], messages, "assistant")
+    assert str(err.value) == (
+        'training.loss_on = "assistant": chat.jsonl:7: finding the tokens of its 10 assistant turns renders the '
+        "conversation up to each turn, more than 50 messages in all for its 20 (the bound): the chat template of "
+        f"{folders['chatml']} has no {{% generation %}} markers\n  fix: set training.loss_on = \"last\" (the last "
+        "assistant turn of each conversation: one rendering of its prefix), use a chat template that marks the "
+        "assistant's text with {% generation %} ... {% endgeneration %} (chat_template.jinja beside tokenizer.json) "
+        "(no prefix rendered), or split the conversation into shorter ones")
+    last, marked = _render(folders["chatml"], messages, "last"), _render(folders["chatml_marked"], messages, "last")
+    assert last == marked and sum(last[1]) == len(template_ids(folders["chatml"], ["m19<|im_end|>\n"]))
+
+
+def template_ids(folder: Path, texts: list[str]) -> list[int]:
+    return [i for text in texts for i in ChatTemplate.load(folder).encode(text)[0]]
+
+
+@pytest.mark.parametrize(("row", "problem", "fix"), [
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content is 7 (a number), not text (a string) or a "
+     'list of content parts ([{"type": "text", "text": ...}])', 'write it as a string: "7"'),
+    ({"messages": [{"role": "user", "content": True}]}, "messages[0].content is true (a boolean)",
+     'write it as a string: "true"'),
+    ({"prompt": "q", "completion": [{"role": "assistant", "content": {"answer": 4}}]}, 'completion[0].content is '
+     '{"answer": 4} (an object)', 'write it as a string: "{\\"answer\\": 4}"'),
+    ({"messages": CONVERSATIONS[2], "tools": {"name": "f"}}, 'its tools are {"name": "f"} (an object), not a list of '
+     "JSON schemas", 'write them as [{"type": "function", "function": {"name": ..., ...}}, ...], or leave tools out'),
+    ({"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages[0].content holds a lone surrogate (\\udfff at "
+     "character 1), which is no text: it cannot be encoded as UTF-8, nor tokenized", "fix the row: a character beyond "
+     "U+FFFF is written in JSON as a pair of surrogates (\\ud83d\\ude00), or as itself"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {"q": "\ud800"}}}]}]},
+     "messages[0].tool_calls[0].function.arguments.q holds a lone surrogate", "fix the row"),
+    ({"messages": CONVERSATIONS[2], "tools": [{"description": "x\ud800"}]}, "tools[0].description holds a lone "
+     "surrogate", "fix the row"),
+])
+def test_a_row_s_content_tools_and_text_are_checked(row, problem, fix):
+    """Content that is not text or parts would be written as Python writes it (True, {'answer': 4});
+    a lone surrogate was blamed on the template. Each names the row and the field."""
+    with pytest.raises(DataConfigError) as err:
+        conversation(row, "chat.jsonl:3", SOURCE)
+    assert str(err.value).startswith(f'training.dataset_path = "chat.jsonl": chat.jsonl:3: {problem}')
+    assert f"\n  fix: {fix}" in str(err.value)
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}, CONVERSATIONS[2][1]]}
+    assert conversation(parts, "chat.jsonl:3", SOURCE).messages == parts["messages"]  # parts go to the template
 
 
 def test_resume_packs_the_same_windows(folders, tmp_path):
@@ -331,7 +447,7 @@ def test_mixture_with_text_keeps_text_rows_as_they_were(folders, tmp_path):
     (tmp_path / "t.txt").write_text("plain text for pretraining. " * 40)
     tokenizer = build_tokenizer(str(folders["chatml"]))
     mix = _training("", dataset="local", dataset_mix=[f"chat=1:chat:{path}", f"text=1:local:{tmp_path / 't.txt'}"],
-                    local_batch_size=4, seq_len=48)
+                    local_batch_size=4, seq_len=96)  # row 0's one conversation has its first target at token 81
     text_only = dataclasses.replace(mix, dataset_mix=[], dataset_path=str(tmp_path / "t.txt"))
     mixed = build_dataloader(mix, tokenizer)
     (batch,) = mixed.next_batch()
@@ -348,7 +464,7 @@ def test_mixture_with_text_keeps_text_rows_as_they_were(folders, tmp_path):
     assert batch.supervised == int((labels != IGNORE).sum())
     (plain,) = build_dataloader(text_only, tokenizer).next_batch()
     # Pretraining batches are as they were: no starts, no mask (every token data), every label a target.
-    assert plain.starts is None and plain.real is None and plain.supervised == plain.real_tokens == 4 * 48
+    assert plain.starts is None and plain.real is None and plain.supervised == plain.real_tokens == 4 * 96
 
 
 def test_byte_tokenizer_and_bad_settings_are_refused(tmp_path):

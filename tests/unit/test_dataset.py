@@ -20,7 +20,8 @@ from torchmoe.data import (
     build_documents,
 )
 from torchmoe.data import dataset as dataset_module
-from torchmoe.data import local_files, python_docs_files
+from torchmoe.data import file_listing, local_files, python_docs_files
+from torchmoe.data.errors import DataConfigError
 from torchmoe.data.file_index import line_spans
 
 
@@ -289,6 +290,84 @@ def test_local_glob(tmp_path: Path) -> None:
     (tmp_path / "x" / "3.txt").write_text("three")
     assert [p.name for p in local_files(str(tmp_path / "*" / "*.jsonl"))] == ["1.jsonl", "2.jsonl"]
     assert [p.name for p in local_files(str(tmp_path / "**" / "*"))] == ["1.jsonl", "3.txt", "2.jsonl"]
+
+
+def test_a_glob_through_symbolic_links_lists_each_file_once(tmp_path: Path) -> None:
+    """A link back up the tree is a loop: glob's own ``**`` went round it until the path was too
+    long (the file 41 times; with two such links it never ended). Each folder is gone through
+    once, and a file reached by two paths (a link to it, a linked folder) is listed once, by its
+    first path; a link to a folder outside is still followed, as glob follows it."""
+    _write_jsonl(tmp_path / "data" / "a.jsonl", ["one"])
+    _write_jsonl(tmp_path / "data" / "sub" / "b.jsonl", ["two"])
+    _write_jsonl(tmp_path / "elsewhere" / "c.jsonl", ["three"])
+    (tmp_path / "data" / "sub" / "up").symlink_to("..")  # a loop
+    (tmp_path / "data" / "alias.jsonl").symlink_to("a.jsonl")
+    (tmp_path / "data" / "more").symlink_to(tmp_path / "elsewhere")
+    globbed = file_listing._glob(str(tmp_path / "data" / "**" / "*.jsonl"))
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in globbed) == [
+        "data/a.jsonl", "data/alias.jsonl", "data/more/c.jsonl", "data/sub/b.jsonl"]  # each folder once
+    found = local_files(str(tmp_path / "data" / "**" / "*.jsonl"))
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == ["data/a.jsonl", "data/more/c.jsonl",
+                                                                   "data/sub/b.jsonl"]
+    # The folder itself: links to folders are not followed (as before), a link to a file is one file.
+    assert [p.relative_to(tmp_path).as_posix() for p in local_files(str(tmp_path / "data"))] == \
+        ["data/a.jsonl", "data/sub/b.jsonl"]
+
+
+@pytest.mark.parametrize("how", ["file", "folder", "glob"])
+@pytest.mark.parametrize("kind", ["named pipe", "socket"])
+def test_a_named_pipe_or_socket_among_the_data_is_refused_unopened(tmp_path: Path, how: str, kind: str) -> None:
+    """Opened to read, a named pipe waits for a writer for ever (a `b.jsonl` FIFO hung a run)."""
+    import os
+    import socket
+
+    _write_jsonl(tmp_path / "a.jsonl", ["one"])
+    special = tmp_path / "b.jsonl"
+    if kind == "named pipe":
+        os.mkfifo(special)
+    else:
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(special))
+    path = {"file": special, "folder": tmp_path, "glob": tmp_path / "*.jsonl"}[how]
+    with pytest.raises(DataConfigError) as err:
+        local_files(str(path))
+    assert str(err.value) == (f'training.dataset_path = "{path}": {special} is a {kind}, not a regular file: it is '
+                              "never read (a named pipe would wait for a writer, a device never end)\n  fix: remove "
+                              "it, or leave it out with a glob or training.dataset_extensions")
+    assert local_files(str(tmp_path / "a.*")) == [tmp_path / "a.jsonl"]  # left out: never looked at
+
+
+def test_a_lone_surrogate_in_a_text_row_is_named(tmp_path: Path) -> None:
+    """JSON's escape of half a surrogate pair parses, and the tokenizer refused it with a traceback."""
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n{"text": "a\\udc00b"}\n')
+    docs = build_documents(Training(dataset="local", dataset_path=str(tmp_path / "d.jsonl")))
+    assert docs.read(0) == "fine"
+    with pytest.raises(DataConfigError) as err:
+        docs.read(1)
+    assert str(err.value) == (
+        f'training.dataset_path = "{tmp_path / "d.jsonl"}": {tmp_path / "d.jsonl"}:2: its text holds a lone '
+        "surrogate (\\udc00 at character 1), which is no text: it cannot be encoded as UTF-8, nor tokenized\n  fix: "
+        "fix the row: a character beyond U+FFFF is written in JSON as a pair of surrogates (\\ud83d\\ude00), or as "
+        "itself")
+
+
+def test_rows_and_files_read_whole_are_bounded(tmp_path: Path, monkeypatch) -> None:
+    """A .jsonl line and a .json array file are read whole (then decoded and parsed, several times
+    their size in memory): beyond the bound each is one message naming it, the bound and the fix."""
+    from torchmoe.data import read_bounds
+
+    monkeypatch.setattr(read_bounds, "READ_BYTES", 100)
+    _write_jsonl(tmp_path / "d.jsonl", ["short", "x" * 200])
+    docs = build_documents(Training(dataset="local", dataset_path=str(tmp_path / "d.jsonl")))
+    assert docs.read(0) == "short"
+    with pytest.raises(DataConfigError, match=r'd.jsonl:3 holds 221 bytes, more than the 100 torchmoe reads of one '
+                                              r'row at once \(the bound\)\n  fix: split the document into several '
+                                              r'rows \(or a .txt file, read in parts\), or remove it'):
+        docs.read(1)
+    (tmp_path / "a.json").write_text(json.dumps([{"text": "x" * 60}, {"text": "y" * 60}]))
+    with pytest.raises(DataConfigError, match=r"a.json holds 148 bytes, more than the 100 torchmoe reads of one "
+                                              r"file at once \(the bound\)\n  fix: write its rows as .jsonl"):
+        build_documents(Training(dataset="local", dataset_path=str(tmp_path / "a.json"))).read(0)
 
 
 def test_local_no_match_error_names_path_and_fix(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ resumes to the same files, and what is wrong with a folder is one DataConfigErro
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -190,6 +191,11 @@ def _damage(folder: Path, how: str) -> None:
         (folder / "shard-00001.sizes.npy").unlink()
     elif how == "version":
         (folder / MANIFEST).write_text(json.dumps({**manifest, "version": 2}))
+    elif how in ("piped_manifest", "piped_docs", "piped_tokens"):  # a read would wait for a writer for ever
+        name = {"piped_manifest": MANIFEST, "piped_docs": "shard-00001.docs.npy",
+                "piped_tokens": "shard-00001.tokens.npy"}[how]
+        (folder / name).unlink()
+        os.mkfifo(folder / name)
     elif how == "pickled":  # an object array, its digest recorded: loading it would unpickle
         np.save(folder / "shard-00001.sizes.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
         from torchmoe.config.digests import digest_file
@@ -203,6 +209,9 @@ def _damage(folder: Path, how: str) -> None:
                 r"it changed on disk"),
     ("missing", r".*out/shard-00001.sizes.npy: No such file or directory"),
     ("version", r"manifest.json is format version 2; this torchmoe reads version 1"),
+    ("piped_manifest", r".*out/manifest.json is a named pipe, not a regular file"),
+    ("piped_docs", r".*out/shard-00001.docs.npy is a named pipe, not a regular file"),
+    ("piped_tokens", r".*out/shard-00001.tokens.npy is a named pipe, not a regular file"),
     ("pickled", r"shard-00001.sizes.npy is not a whole .npy array \(Array can.t be memory-mapped: Python objects "
                 r"in dtype.\)"),
 ])

@@ -2,6 +2,7 @@
 
     file_kind(os.lstat(path).st_mode)   # "named pipe", "character device", ... or None (regular)
     data = read_regular(path)           # NotARegularFile for a pipe, device or socket
+    data = read_regular(path, limit=1 << 20)  # TooLarge beyond 1 MiB
 
 A named pipe opened to read waits for a writer for ever (a crafted ``.distcp`` or
 ``.metadata`` hung a load), and a device is read as if it were data (``/dev/zero`` never ends):
@@ -16,7 +17,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["NotARegularFile", "check_regular", "file_kind", "is_plain_name", "read_regular", "regular_fd"]
+__all__ = ["NotARegularFile", "TooLarge", "check_regular", "file_kind", "is_plain_name", "read_regular", "regular_fd"]
 
 _KINDS = ((stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
           (stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link"))
@@ -24,6 +25,14 @@ _KINDS = ((stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"), (stat.S_
 
 class NotARegularFile(ValueError):
     """A file read as data is something else (a named pipe, a device, a socket), in one sentence."""
+
+
+class TooLarge(ValueError):
+    """A file read whole holds more bytes than its reader's bound: `size` of `limit`."""
+
+    def __init__(self, path: str | os.PathLike, size: int, limit: int) -> None:
+        super().__init__(f"{Path(path).name} holds {size:,} bytes, more than the {limit:,} read at once")
+        self.size, self.limit = size, limit
 
 
 def is_plain_name(name: str) -> bool:
@@ -83,7 +92,17 @@ def _check_kind(path: str | os.PathLike, mode: int) -> None:
         raise NotARegularFile(f"{Path(path).name} is a {kind}, not a regular file")
 
 
-def read_regular(path: str | os.PathLike) -> bytes:
-    """The bytes of the regular file `path` (`regular_fd`'s errors otherwise)."""
+def read_regular(path: str | os.PathLike, *, limit: int | None = None) -> bytes:
+    """The bytes of the regular file `path` (`regular_fd`'s errors otherwise); with `limit`, at
+    most that many (`TooLarge` for a file that holds more, found before it is read)."""
     with _regular(path) as f:
-        return f.readall()
+        if limit is None:
+            return f.readall()
+        size = os.fstat(f.fileno()).st_size
+        chunks, read = [], 0
+        while size <= limit and read <= limit and (chunk := f.read(limit + 1 - read)):  # one that grows meanwhile
+            chunks.append(chunk)
+            read += len(chunk)
+        if size > limit or read > limit:
+            raise TooLarge(path, max(size, read), limit)
+        return b"".join(chunks)

@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 
-__all__ = ["NotUTF8", "utf8_text"]
+__all__ = ["SURROGATE_FIX", "NotUTF8", "lone_surrogate", "utf8_text"]
+
+# A code point of a UTF-16 surrogate pair, alone in a str: JSON's escapes write one ("\\ud800"), no
+# encoding holds it, and the tokenizers library refuses it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE_FIX = "a character beyond U+FFFF is written in JSON as a pair of surrogates (\\ud83d\\ude00), or as itself"
 
 # UTF-32 LE's mark begins with UTF-16 LE's: the longer marks are tried first.
 _BOMS = (("UTF-32LE", codecs.BOM_UTF32_LE), ("UTF-32BE", codecs.BOM_UTF32_BE), ("UTF-8", codecs.BOM_UTF8),
@@ -70,3 +76,13 @@ def utf8_text(data: bytes, *, nul: bool = True) -> str:
         # latin1: a guess, the most common other encoding.
         raise NotUTF8(f"is not UTF-8 text (byte {err.start} is 0x{data[err.start]:02X}: {err.reason})",
                       "latin1") from None
+
+
+def lone_surrogate(text: str) -> str | None:
+    """What is wrong with `text` if it holds a lone surrogate (parsed from JSON's escapes), in
+    words ("holds a lone surrogate (\\ud800 at character 3), which is no text: ..."), else None."""
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (f"holds a lone surrogate (\\u{ord(found.group()):04x} at character {found.start()}), which is no text: it "
+            "cannot be encoded as UTF-8, nor tokenized")

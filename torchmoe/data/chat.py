@@ -16,9 +16,14 @@ token is a target of the same conversation (`training.loss_on`), else -100: a co
 first token is never a target, so nothing is learned across a boundary.
 
 A conversation longer than `seq_len + 1` tokens is cut to that length or dropped
-(`training.chat_overlong`); both are counted (`ChatStats`, `DataLoader.chat_stats`) and the first of
-each is logged with its row. A conversation left with no target (no assistant turn, or its turns
-cut off) is packed and adds nothing to the loss; a batch row whose whole pass holds none is refused.
+(`training.chat_overlong`; only its first `seq_len + 1` tokens' targets are found); both are
+counted (`ChatStats`, `DataLoader.chat_stats`) and the first of each is logged with its row. A
+conversation left with no target (no assistant turn, or its turns cut off) is packed and adds
+nothing to the loss; a batch row whose whole range holds none is refused when its stream is made
+(its conversations are rendered until one has a target: before the first step, on every rank for
+its own rows, in validation and `eval` alike), never trained on with a loss of 0. When the rows
+of a source start another pass over their conversations (the data repeats), one line a pass says
+so, with the counts.
 
 The position of a row is `(epoch, index, 0)`: its next conversation not yet handed out in a
 window. Packing from a window's start depends on nothing before it, so a resumed run packs the
@@ -100,6 +105,7 @@ class ChatCorpus(Documents):
         self.source = (rows.key, rows.value)
         self.template: ChatTemplate | None = None
         self.stats = ChatStats()
+        self.passes = _Passes()
 
     def __repr__(self) -> str:
         return f"ChatCorpus({self.rows.value!r})"
@@ -147,7 +153,26 @@ class ChatCorpus(Documents):
             raise RuntimeError("ChatCorpus.check_tokenizer must load the chat template before streams are made")
         return ChatStream(self.split(index, count), self.template, window=window, loss_on=self.loss_on,
                           overlong=self.overlong, pad_id=pad_id, repeat=repeat, source=source or self.source,
-                          stats=self.stats)
+                          stats=self.stats, passes=self.passes)
+
+
+class _Passes:
+    """The last pass that a row of one chat source on this process started, so that one line a
+    pass says the data repeats."""
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    def start(self, epoch: int, stream: ChatStream) -> None:
+        """`stream` starts pass `epoch` over its conversations: said once a pass, with the counts."""
+        if epoch > self.started:
+            self.started = epoch
+            s = stream.stats
+            logger.info("chat data (%s = %s): batch rows start pass %d over their conversations as each finishes "
+                        "the one before (data repeats); this process's rows so far packed %s conversations (%s cut, "
+                        "%s dropped as longer than a row, %s without targets), %s target tokens", *stream.source,
+                        epoch, f"{s.packed:,}", f"{s.truncated:,}", f"{s.dropped:,}", f"{s.unsupervised:,}",
+                        f"{s.targets:,}")
 
 
 class ChatStream:
@@ -162,14 +187,21 @@ class ChatStream:
         repeat: start another pass at the end of the range; False raises `CorpusEnd` there,
             once the last (partly filled) window is handed out.
         source: the setting that named the data and its value, for messages.
-        stats: the counts this stream adds to.
+        stats: the counts this stream adds to; `passes` the passes its source's rows started.
+
+    Raises:
+        DataConfigError: no conversation of the range has a target (`_check_targets`), or one
+            cannot be read or rendered.
     """
 
     def __init__(self, conversations: ChatRange, template: ChatTemplate, *, window: int, loss_on: str,
-                 overlong: str, pad_id: int, repeat: bool, source: tuple[str, str], stats: ChatStats) -> None:
+                 overlong: str, pad_id: int, repeat: bool, source: tuple[str, str], stats: ChatStats,
+                 passes: _Passes | None = None) -> None:
         self.conversations, self.template = conversations, template
         self.window, self.loss_on, self.overlong = window, loss_on, overlong
         self.pad_id, self.repeat, self.source, self.stats = pad_id, repeat, source, stats
+        self.passes = passes or _Passes()
+        self._check_targets()
         self.seek(0, 0, 0)
 
     def position(self) -> tuple[int, int, int]:
@@ -191,7 +223,6 @@ class ChatStream:
                                   '= ["dataloader"] (every batch row starts again at its first conversation)')
         self._epoch, self._next = epoch, index
         self._pending: Rendered | None = None  # read, but not in a window yet
-        self._pass_targets: int | None = 0 if index == 0 else None  # conversations with a target this pass
 
     def take(self, n: int) -> ChatWindows:
         """The next `n` windows: inputs, labels and document starts, each (n, window - 1) int64,
@@ -223,6 +254,31 @@ class ChatStream:
         keep = target[1:].bool() & (start[1:] == start[:-1])
         return tokens[:-1], torch.where(keep, tokens[1:], IGNORE), start[:-1], torch.arange(self.window - 1) < real
 
+    def _render(self, index: int) -> Rendered:
+        """Conversation `index` of the row, its first `window` tokens' targets found."""
+        where = self.conversations.locate(index)
+        return render(self.template, conversation(self.conversations.read(index), where, self.source), self.loss_on,
+                      where=where, source=self.source, limit=self.window)
+
+    def _fits(self, rendered: Rendered) -> bool:
+        """Whether a conversation goes in a window: not when it is longer and `overlong` drops it."""
+        return rendered.length <= self.window or self.overlong != "drop"
+
+    def _check_targets(self) -> None:
+        """Refuse a row whose conversations hold no target, as they are packed (cut or dropped by
+        `overlong`), rendering them until one has one (the first, in data made for it)."""
+        if any(self._fits(r) and sum(r.mask[1:]) for r in map(self._render, range(len(self.conversations)))):
+            return
+        shown = ", ".join(self.conversations.locate(i) for i in range(min(len(self.conversations), 3)))
+        raise DataConfigError(
+            "training.loss_on", self.loss_on,
+            f"the {len(self.conversations)} conversation(s) of a batch row ({shown}{', ...' if len(self.conversations) > 3 else ''}) "
+            "hold no token to train on (no assistant turn, or every one cut off or dropped as longer than "
+            "training.seq_len + 1)",
+            "give them assistant turns, raise training.seq_len, or choose another training.loss_on; each of the "
+            "training.global_batch_size rows packs its own range of the conversations",
+        )  # fmt: skip
+
     def _next_conversation(self, *, handed_out: bool) -> Rendered | None:
         """The next conversation that fits a window (cut or dropped as `overlong` says); None at
         the end of a pass when the window has some already (`handed_out`) or the stream does not
@@ -234,50 +290,32 @@ class ChatStream:
                 self._end_pass()
             index = self._next
             self._next += 1
-            where = self.conversations.locate(index)
-            rendered = render(self.template, conversation(self.conversations.read(index), where, self.source),
-                              self.loss_on, where=where, source=self.source)
-            if len(rendered.ids) > self.window:
-                if self.overlong == "drop":
-                    self._count("dropped", where, len(rendered.ids))
+            rendered = self._render(index)
+            if rendered.length > self.window:
+                self._count("dropped" if not self._fits(rendered) else "truncated", index, rendered.length)
+                if not self._fits(rendered):
                     continue
-                self._count("truncated", where, len(rendered.ids))
-                rendered = Rendered(rendered.ids[:self.window], rendered.mask[:self.window])
             targets = sum(rendered.mask[1:])  # a conversation's first token has nothing to predict it from
             self.stats.packed += 1
             self.stats.targets += targets
             self.stats.unsupervised += targets == 0
-            if self._pass_targets is not None:
-                self._pass_targets += targets > 0
             return rendered
 
-    def _count(self, what: str, where: str, size: int) -> None:
+    def _count(self, what: str, index: int, size: int) -> None:
         """Count a conversation cut or dropped; the first of each kind is logged."""
         setattr(self.stats, what, getattr(self.stats, what) + 1)
         if getattr(self.stats, what) == 1:
             logger.warning("%s: %s tokens, more than a row's %d (training.seq_len + 1): %s (training.chat_overlong = "
-                           "%r); the data loader's chat_stats() counts every one", where, size, self.window, what,
-                           self.overlong)
+                           "%r); the data loader's chat_stats() counts every one", self.conversations.locate(index),
+                           size, self.window, what, self.overlong)
 
     def _end_pass(self) -> None:
         """At the end of the row's range: another pass, or `CorpusEnd`."""
-        if self._pass_targets == 0:
-            shown = ", ".join(self.conversations.locate(i) for i in range(min(len(self.conversations), 3)))
-            raise DataConfigError(
-                "training.loss_on", self.loss_on,
-                f"the {len(self.conversations)} conversation(s) of a batch row ({shown}{', ...' if len(self.conversations) > 3 else ''}) "
-                "hold no token to train on (no assistant turn, or every one cut off or dropped as longer than "
-                "training.seq_len + 1)",
-                "give them assistant turns, raise training.seq_len, or choose another training.loss_on; each of the "
-                "training.global_batch_size rows packs its own range of the conversations",
-            )  # fmt: skip
         if not self.repeat:
             raise CorpusEnd(f"{len(self.conversations)} conversations of {self.source[1]}")
-        logger.warning("chat data exhausted after %d conversations of a batch row (%s); starting pass %d over it "
-                       "(data repeats)", len(self.conversations), self.source[1], self._epoch + 1)
         self._epoch += 1
         self._next = 0
-        self._pass_targets = 0
+        self.passes.start(self._epoch, self)
 
 
 def chat_corpus(training: Training, *, key: str = "training.dataset_path") -> ChatCorpus:

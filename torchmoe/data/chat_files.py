@@ -6,7 +6,7 @@
 
 Rows come from `.jsonl` (one per non-blank line, found once by `file_index.line_spans`, each
 read by a seek), `.json` (an array of rows, or lines), `.parquet` (one per row, a row group read
-at a time) files named by a file, a folder or a glob (`dataset.local_files`' rules), or from a
+at a time) files named by a file, a folder or a glob (`file_listing.local_files`' rules), or from a
 folder written by `datasets`' `save_to_disk` (read offline with `load_from_disk`; of a
 DatasetDict, the split `training.dataset_split`).
 
@@ -19,6 +19,7 @@ template with it.
 from __future__ import annotations
 
 import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cached_property
@@ -27,17 +28,20 @@ from typing import Any
 
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
-from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.config.text import SURROGATE_FIX, NotUTF8, lone_surrogate, utf8_text
 from torchmoe.data.chat_masks import Conversation
-from torchmoe.data.dataset import _parquet_file, local_files
-from torchmoe.data.errors import DataConfigError
+from torchmoe.data.dataset import _parquet_file
+from torchmoe.data.errors import DataConfigError, shown_json
 from torchmoe.data.file_index import line_spans
+from torchmoe.data.file_listing import local_files
+from torchmoe.data.read_bounds import GROUPS_FIX, check_regular, check_row, read_whole
 
 __all__ = ["ChatRows", "chat_rows", "conversation"]
 
 ROW_FORMS = '{"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., "completion": ...}'
 _SAVED = ("dataset_info.json", "state.json")  # what `Dataset.save_to_disk` writes beside its .arrow files
 _SAVED_DICT = "dataset_dict.json"  # `DatasetDict.save_to_disk`'s
+_LARGE_ROW_FIX = "split the conversation into shorter ones, or remove it"
 
 
 class _Source(ABC):
@@ -70,6 +74,7 @@ class _JsonLines(_Source):
 
     def read(self, row: int) -> Any:
         offset, length = int(self._spans[row, 0]), int(self._spans[row, 1])
+        check_row(length, self.locate(row), key=self.key, value=str(self.file), fix=_LARGE_ROW_FIX)
         with self.file.open("rb") as f:
             f.seek(offset)
             return _parse(f.read(length), self.file, self.locate(row), self.key)
@@ -84,7 +89,9 @@ class _JsonArray(_Source):
 
     @cached_property
     def _rows(self) -> list[Any]:
-        rows = _parse(self.file.read_bytes(), self.file, str(self.file), self.key)
+        data = read_whole(self.file, key=self.key, value=str(self.file), fix="fix its permissions, or remove it",
+                          large_fix="write its rows as .jsonl, one a line, which is read a row at a time")
+        rows = _parse(data, self.file, str(self.file), self.key)
         if not isinstance(rows, list):
             raise DataConfigError(self.key, str(self.file), f"holds a JSON {type(rows).__name__}, not an array",
                                   "write a JSON array of rows, or one row per line")
@@ -121,6 +128,9 @@ class _Parquet(_Source):
     def read(self, row: int) -> Any:
         group = next(g for g in range(len(self._firsts) - 1) if row < self._firsts[g + 1])
         if self._group is None or self._group[0] != group:
+            check_row(self._pf.metadata.row_group(group).total_byte_size, f"{self.file} row group {group} (rows "
+                      f"{self._firsts[group]} to {self._firsts[group + 1] - 1})", key=self.key, value=str(self.file),
+                      fix=GROUPS_FIX)
             self._group = (group, self._pf.read_row_group(group).to_pylist())
         return self._group[1][row - self._firsts[group]]
 
@@ -137,6 +147,9 @@ class _Saved(_Source):
         except ImportError as e:
             raise DataConfigError(key, str(folder), "reading a saved Hugging Face dataset needs the 'datasets' "
                                   "package", "pip install 'torchmoe[data]'") from e
+        for parent, _, names in os.walk(folder):  # datasets would open a named pipe among them, and wait
+            for name in sorted(names):
+                check_regular(Path(parent) / name, key=key, value=str(folder))
         try:
             data = datasets.load_from_disk(str(folder))
         except Exception as e:  # noqa: BLE001 - datasets raises many kinds for a folder it cannot read
@@ -245,7 +258,9 @@ def conversation(row: Any, where: str, source: tuple[str, str]) -> Conversation:
     """What chat row `row` (found at `where`; `source` the dataset setting and its value) says.
 
     Raises:
-        DataConfigError: the row is not one of the two forms, or a message is not a dict with a role.
+        DataConfigError: the row is not one of the two forms, a message is not a dict with a role,
+            a content is neither text nor a list of parts, the tools are not a list of JSON
+            schemas, or a string holds a lone surrogate (JSON's "\\ud800": no text).
     """
     if isinstance(row, dict):  # arrow-backed rows hold every column, None where a row has none
         row = {key: value for key, value in row.items() if value is not None}
@@ -253,6 +268,11 @@ def conversation(row: Any, where: str, source: tuple[str, str]) -> Conversation:
         found = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise DataConfigError(*source, f"{where} is not a chat row (found {found})", f"write each row as {ROW_FORMS}")
     tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+        raise DataConfigError(*source, f"{where}: its tools are {shown_json(tools)}, not a list of JSON schemas",
+                              'write them as [{"type": "function", "function": {"name": ..., ...}}, ...], or leave '
+                              "tools out")
+    _no_surrogates({"tools": tools}, where, source)
     if "messages" in row:
         return Conversation(_messages(row["messages"], "messages", where, source), tools)
     prompt = _messages(row["prompt"], "prompt", where, source, role="user")
@@ -263,7 +283,7 @@ def conversation(row: Any, where: str, source: tuple[str, str]) -> Conversation:
 def _messages(value: Any, field: str, where: str, source: tuple[str, str], role: str = "") -> list[dict[str, Any]]:
     """The messages of a row's `field`; a string is one message of `role` (prompt/completion only)."""
     if isinstance(value, str) and role:
-        return [{"role": role, "content": value}]
+        value = [{"role": role, "content": value}]
     if not isinstance(value, list) or not value:
         raise DataConfigError(*source, f"{where}: its {field} is {type(value).__name__ if value else 'empty'}, not a "
                               "list of messages" + (" or a string" if role else ""),
@@ -272,5 +292,25 @@ def _messages(value: Any, field: str, where: str, source: tuple[str, str], role:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise DataConfigError(*source, f"{where}: {field}[{i}] is not a message (a dict with a role)",
                                   'write each message as {"role": ..., "content": ...}')
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            # A template writes it as Python writes it: True, 0.1, {'a': 1}, none of which the data says.
+            raise DataConfigError(*source, f"{where}: {field}[{i}].content is {shown_json(content)}, not text (a string) "
+                                  'or a list of content parts ([{"type": "text", "text": ...}])',
+                                  f"write it as a string: {json.dumps(json.dumps(content, default=str))}")
+    _no_surrogates({field: value}, where, source)
     # A field that is None is absent (as transformers takes it): arrow-backed rows give every field.
     return [{key: item for key, item in message.items() if item is not None} for message in value]
+
+
+def _no_surrogates(value: Any, where: str, source: tuple[str, str], path: str = "") -> None:
+    """Refuse a string of `value` (at `path` in the row) holding a lone surrogate (`lone_surrogate`)."""
+    if isinstance(value, str):
+        if (problem := lone_surrogate(value)) is not None:
+            raise DataConfigError(*source, f"{where}: {path} {problem}", f"fix the row: {SURROGATE_FIX}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _no_surrogates(item, where, source, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _no_surrogates(item, where, source, f"{path}[{i}]")

@@ -22,11 +22,8 @@ read alone by a seek, hub datasets by rows (`datasets` splits them, by shard whe
 from __future__ import annotations
 
 import bisect
-import glob
 import json
-import logging
 import os
-import stat
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
@@ -35,21 +32,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from torchmoe.config.errors import show_value
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
-from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.config.text import SURROGATE_FIX, NotUTF8, lone_surrogate, utf8_text
 from torchmoe.config.wording import counted
-from torchmoe.data.dataset_kinds import ALWAYS_READ, check_kind, is_text_file
+from torchmoe.data.dataset_kinds import check_kind
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, text_part
 from torchmoe.data.file_index import LINES, START, Indexing, IndexKind, line_spans, shared_indexes, with_starts
+from torchmoe.data.file_listing import local_files
 from torchmoe.data.hub_documents import HFDocuments, as_text
+from torchmoe.data.read_bounds import GROUPS_FIX, check_row, read_whole
 from torchmoe.data.token_shards import TokenShards
 
 if TYPE_CHECKING:
     from torchmoe.config.job_config import Training
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "DataConfigError",
@@ -57,11 +53,9 @@ __all__ = [
     "InMemoryDocuments",
     "FileDocuments",
     "python_docs_files",
-    "local_files",
     "build_documents",
 ]
 
-LOCAL_FILES = "a .jsonl/.json/.parquet file of rows, or text files (.txt, code, any UTF-8 text)"
 # torchtitan v0.2.2's dataset names: c4 and c4_validation stream allenai/c4 ("en") from the hub,
 # c4_test reads its test corpus (a .json file of 2K documents) from a torchtitan checkout.
 C4_SPLITS = {"c4": "train", "c4_validation": "validation"}
@@ -223,7 +217,7 @@ class FileDocuments(SizedDocuments):
         """The text of every row of a .json array or .parquet file, in order."""
         if kind == "array":
             rows = self._json_array(file)
-            return (_row_text(row, self.text_field, f"{file}[{i}]") for i, row in enumerate(rows))
+            return (_row_text(row, self.text_field, f"{file}[{i}]", self.source) for i, row in enumerate(rows))
         pf = _parquet_file(file, self.key)
         _parquet_column(pf, file, self.text_field)
         return (text for group in range(pf.metadata.num_row_groups)
@@ -236,10 +230,12 @@ class FileDocuments(SizedDocuments):
             return _utf8(file.read_bytes(), file, str(file), self.key)
         if kind == "lines":
             offset, length, line_number, _ = self._tables[f][row].tolist()
+            where = f"{file}:{line_number}"
+            check_row(length, where, key=self.key, value=str(file),
+                      fix="split the document into several rows (or a .txt file, read in parts), or remove it")
             with file.open("rb") as f:
                 f.seek(offset)
                 line = f.read(length)
-            where = f"{file}:{line_number}"
             # A long line is held as bytes, then as text, then parsed, never twice at once.
             text, line = _utf8(line, file, where, self.key, nul=False), None
             try:
@@ -247,9 +243,9 @@ class FileDocuments(SizedDocuments):
             except json.JSONDecodeError as e:
                 raise DataConfigError(self.key, str(file), f"{where} is not JSON ({e.msg})",
                                       "fix or remove that line: .jsonl files hold one JSON object per line") from None
-            return _row_text(parsed, self.text_field, where)
+            return _row_text(parsed, self.text_field, where, self.source)
         if kind == "array":
-            return _row_text(self._json_array(file)[row], self.text_field, f"{file}[{row}]")
+            return _row_text(self._json_array(file)[row], self.text_field, f"{file}[{row}]", self.source)
         return self._parquet_row(file, row)
 
     def _read_text_part(self, file: Path, part: int, parts: int) -> str:
@@ -269,7 +265,10 @@ class FileDocuments(SizedDocuments):
         """The rows of a .json array file, parsed once and kept while it is read."""
         if self._open is None or self._open[0] != file:
             try:
-                rows = json_loads(_utf8(file.read_bytes(), file, str(file), self.key, nul=False))
+                data = read_whole(file, key=self.key, value=str(file), fix="fix its permissions, or remove it from "
+                                  "the dataset", large_fix="write its rows as .jsonl, one a line, which is read a "
+                                  "row at a time")
+                rows = json_loads(_utf8(data, file, str(file), self.key, nul=False))
             except json.JSONDecodeError as e:
                 raise DataConfigError(self.key, str(file), f"is not JSON ({e.msg} at line {e.lineno})",
                                       "fix the file: a JSON array of objects, or one object per line") from None
@@ -295,6 +294,9 @@ class FileDocuments(SizedDocuments):
     def _parquet_group(self, file: Path, pf: Any, group: int) -> list[str]:
         """The texts of one row group, checked (`as_text`)."""
         first = sum(pf.metadata.row_group(g).num_rows for g in range(group))
+        rows = pf.metadata.row_group(group).num_rows
+        check_row(pf.metadata.row_group(group).total_byte_size, f"{file} row group {group} (rows {first} to "
+                  f"{first + rows - 1})", key=self.key, value=str(file), fix=GROUPS_FIX)
         texts = pf.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
         return [as_text(text, f"{file} row {first + i}", self.text_field) for i, text in enumerate(texts)]
 
@@ -324,13 +326,17 @@ def _row_sizes(texts: Iterator[str]) -> np.ndarray:
     return np.stack([np.arange(len(sizes), dtype=np.int64), sizes], axis=1)
 
 
-def _row_text(row: Any, text_field: str, where: str) -> str:
-    """The text of one JSON row (an object holding `text_field`)."""
+def _row_text(row: Any, text_field: str, where: str, source: tuple[str, str]) -> str:
+    """The text of one JSON row (an object holding `text_field`; `source` the setting that named
+    its file, and its value)."""
     if not isinstance(row, dict) or text_field not in row:
         keys = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise DataConfigError("training.dataset_text_field", text_field, f"{where} has no such field (found {keys})",
                               "set it to the key that holds the text")
-    return as_text(row[text_field], where, text_field)
+    text = as_text(row[text_field], where, text_field)
+    if (problem := lone_surrogate(text)) is not None:
+        raise DataConfigError(*source, f"{where}: its {text_field} {problem}", f"fix the row: {SURROGATE_FIX}")
+    return text
 
 
 def _parquet_file(file: Path, key: str) -> Any:
@@ -406,68 +412,6 @@ def _plain_utf8(path: Path) -> bool:
     except NotUTF8:
         return False
     return True
-
-
-def local_files(dataset_path: str, *, key: str = "training.dataset_path",
-                extensions: Sequence[str] = ()) -> list[Path]:
-    """The corpus files named by `dataset_path` (the setting `key`), sorted: `.jsonl`, `.json`,
-    `.parquet` and `.txt` files, and every other file that is text (`is_text_file`).
-
-    `dataset_path` is a file, a folder (searched recursively, hidden files and folders left out)
-    or a glob (`**` allowed). In a folder or a glob, only files whose names end in one of
-    `extensions` (training.dataset_extensions, without case; empty: any) are kept, and files that
-    are not text (images, compiled code) are passed over, and how many is logged; a file named
-    alone must be text.
-
-    Raises:
-        DataConfigError: nothing usable matches, or the OS refuses the path or a file or folder
-            under it (missing, a path through a file, a name too long, a symbolic link to
-            nothing, no permission: its reason); the message names the path and what to give.
-    """
-    fix = f"point it at {LOCAL_FILES}, a folder holding such files, or a glob like 'data/*.jsonl'"
-    if not dataset_path:
-        raise DataConfigError(key, dataset_path, 'dataset = "local" needs files', fix)
-    path = Path(dataset_path)
-    with path_faults(key, dataset_path, fix, error=DataConfigError):
-        if glob.has_magic(dataset_path):  # glob.glob passes over what it cannot read: its matches are stat'ed below
-            candidates, what = [Path(p) for p in glob.glob(dataset_path, recursive=True)], "this glob matches"
-        elif stat.S_ISDIR(os.stat(path).st_mode):
-            candidates, what = _files_under(path), "this folder holds"
-        elif path.suffix in ALWAYS_READ or is_text_file(path):
-            return [path]
-        else:
-            raise DataConfigError(key, dataset_path, "is not a text file (a NUL byte or bytes that are not UTF-8 in "
-                                  "its first 8 KiB)", fix)
-        files = [p for p in candidates if not stat.S_ISDIR(os.stat(p).st_mode)]
-        if extensions:
-            kept = [p for p in files if p.name.lower().endswith(tuple(e.lower() for e in extensions))]
-            what += f" {len(files) - len(kept)} files of other extensions (training.dataset_extensions = " \
-                f"{show_value(list(extensions))}) and"
-            fix = "name the corpus's extensions in training.dataset_extensions (empty: every text file), or " + fix
-            files = kept
-        binary = [p for p in files if p.suffix not in ALWAYS_READ and not is_text_file(p)]
-        files = sorted(set(files) - set(binary), key=lambda p: p.as_posix())
-    if not files:
-        raise DataConfigError(key, dataset_path, f"{what} no corpus files" +
-                              (f" ({len(binary)} not text, e.g. {binary[0]})" if binary else ""), fix)
-    if binary:
-        logger.info("%s: passed over %s that are not text (e.g. %s)", key, counted(len(binary), "file"), binary[0])
-    return files
-
-
-def _files_under(folder: Path) -> list[Path]:
-    """Every entry under `folder` that is not a folder, recursively, without following links to
-    folders, leaving out hidden ones (names starting with "."; their folders unread); a folder
-    that cannot be listed raises (os.walk and Path.rglob would pass over it)."""
-
-    def fail(err: OSError) -> None:
-        raise err
-
-    found = []
-    for parent, folders, names in os.walk(folder, onerror=fail):
-        folders[:] = [name for name in folders if not name.startswith(".")]  # .git, .cache, ...
-        found += [Path(parent) / name for name in names if not name.startswith(".")]
-    return found
 
 
 def build_documents(training: Training, *, key: str = "training.dataset_path",

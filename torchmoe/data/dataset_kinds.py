@@ -57,7 +57,7 @@ def token_shards_folder(path: str) -> Path | None:
 
 def _holds_text(path: str) -> bool:
     """Whether `path` is a corpus the text kinds read: a glob, a text file, or a folder holding
-    one with a corpus file's suffix (at any depth: `dataset.local_files`' rule)."""
+    one with a corpus file's suffix (at any depth: `file_listing.local_files`' rule)."""
     if glob.has_magic(path):
         return True
     here = Path(path)

@@ -48,8 +48,9 @@ from rich.text import Text
 
 from torchmoe.config.folder_owners import refuse_held
 from torchmoe.config.paths import path_faults
-from torchmoe.data.dataset import DataConfigError, Documents, FileDocuments, local_files
+from torchmoe.data.dataset import DataConfigError, Documents, FileDocuments
 from torchmoe.data.documents import SizedDocuments
+from torchmoe.data.file_listing import local_files
 from torchmoe.data.hub_documents import HFDocuments
 from torchmoe.data.packing import PIECE_CHARS
 from torchmoe.data.token_shards import (

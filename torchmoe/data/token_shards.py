@@ -50,6 +50,7 @@ from torchmoe.config.file_writes import os_error, write_file
 from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.data.documents import DataConfigError, SizedDocuments
+from torchmoe.data.read_bounds import check_regular, read_whole
 from torchmoe.data.tokenizer import ByteTokenizer, Fingerprint, Tokenizer
 
 __all__ = ["FORMAT", "KINDS", "MANIFEST", "PROGRESS", "VERSION", "TokenShards", "check_digest", "load_shard",
@@ -155,8 +156,9 @@ def read_manifest(path: Path, key: str, value: str) -> dict[str, Any]:
             or of the wrong type. `OSError` passes through.
     """
     fix = "prepare the data again with `torchmoe prepare-data`"
+    data = read_whole(path, key=key, value=value, fix=None, large_fix=fix)
     try:
-        manifest = json_loads(path.read_bytes())
+        manifest = json_loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataConfigError(key, value, f"{path.name} is not JSON ({e})", fix) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -197,6 +199,7 @@ def check_digest(folder: Path, file: str, recorded: str, key: str) -> None:
     digest. A file found good is not read again by this process while it stays as it was (the
     checks before a run and the run open the same shards: every rank would hash every index
     file twice)."""
+    check_regular(folder / file, key=key, value=str(folder))  # hashed whole: a named pipe would wait for ever
     st = os.stat(folder / file)
     ident = (os.path.abspath(folder / file), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, recorded)
     if ident in _VERIFIED:
@@ -221,6 +224,7 @@ def _load(folder: Path, file: str, dtype: np.dtype, count: int, key: str) -> np.
             than its header says). `OSError` passes through.
     """
     fix = "prepare the data again with `torchmoe prepare-data`"
+    check_regular(folder / file, key=key, value=str(folder))  # numpy would open a named pipe, and wait
     try:
         array = np.load(folder / file, mmap_mode="r", allow_pickle=False)
     except ValueError as e:  # not .npy, an object array, or shorter than its header says

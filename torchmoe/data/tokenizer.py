@@ -25,8 +25,9 @@ from torchmoe.config.nesting import json_loads
 from torchmoe.config.paths import path_faults
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.data.errors import DataConfigError
+from torchmoe.data.read_bounds import read_whole
 
-__all__ = ["Fingerprint", "Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
+__all__ = ["Fingerprint", "Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer", "special_tokens"]
 
 
 @dataclass(frozen=True)
@@ -177,10 +178,11 @@ class HFTokenizer(Tokenizer):
         path = Path(path)
         # Read here rather than by the library, whose errors carry no errno: the OS's reason is
         # the message.
-        with path_faults(key, str(path), "give a tokenizer.json this user can read, or a folder holding one; or "
-                         "leave it empty for the built-in byte tokenizer", error=DataConfigError):
+        fix = "give a tokenizer.json this user can read, or a folder holding one; or leave it empty for the built-in " \
+            "byte tokenizer"
+        with path_faults(key, str(path), fix, error=DataConfigError):
             file = path / "tokenizer.json" if path.is_dir() else path
-            data = file.read_bytes()
+        data = read_whole(file, key=key, value=str(path), fix=fix)
         try:
             text = utf8_text(data, nul=False)
         except NotUTF8 as e:
@@ -260,24 +262,35 @@ def _special_tokens_from_configs(folder: Path, tokenizer_path: str, key: str) ->
         if not file.exists():
             continue
         config = _json_object(file, tokenizer_path, key)
-        for field in ("bos_token", "eos_token"):
-            value = config.get(field)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if value is None:
-                continue
-            if not isinstance(value, str) or not value:
-                raise DataConfigError(key, tokenizer_path, f"{file}: {field} is {value!r}, not a token string",
-                                      f'write it as "{field}": "<token>", or remove it')
-            found[field] = value
+        found.update(special_tokens(config, ("bos_token", "eos_token"), file, tokenizer_path, key))
+    return found
+
+
+def special_tokens(config: dict[str, Any], fields: tuple[str, ...], file: Path, tokenizer_path: str,
+                   key: str) -> dict[str, str]:
+    """The tokens that the `fields` of `config` (read from `file`) name: a string, or a serialized
+    AddedToken ``{"content": ...}``; null (or absent) names none.
+
+    Raises:
+        DataConfigError: a field in another form (a number, a dict without a string content).
+    """
+    found = {}
+    for field in fields:
+        value = config.get(field)
+        token = value.get("content") if isinstance(value, dict) else value
+        if value is None:
+            continue
+        if not isinstance(token, str) or not token:
+            raise DataConfigError(key, tokenizer_path, f"{file}: {field} is {value!r}, not a token string (or "
+                                  '{"content": "<token>"})', f'write it as "{field}": "<token>", or remove it')
+        found[field] = token
     return found
 
 
 def _json_object(file: Path, tokenizer_path: str, key: str) -> dict[str, Any]:
     """The JSON object in `file`, or a `DataConfigError` saying why there is none."""
     fix = f"fix or delete {file.name} (it only names the special tokens)"
-    with path_faults(key, tokenizer_path, fix, error=DataConfigError):
-        data = file.read_bytes()
+    data = read_whole(file, key=key, value=tokenizer_path, fix=fix, large_fix=fix)
     try:
         config = json_loads(utf8_text(data, nul=False))
     except NotUTF8 as e:

@@ -64,6 +64,10 @@ class Validation:
         out of data (one flag in an all-reduce), so all stop at the same batch. The mean is over
         the batches' targets (labels not ignored: all of them but with chat data), counted on the
         host with each micro-batch over whole rows and summed over the data-parallel ranks.
+
+        Raises:
+            ConfigError: less than one batch of data, or batches without a target (chat data
+                whose assistant turns the rows read cut off or lack): a mean over no token.
         """
         val = self.cfg.validation
         loader = self.loader()
@@ -103,5 +107,11 @@ class Validation:
             raise ConfigError("validation.dataset", val.dataset, "holds less than one batch "
                               f"({loader.global_batch_size} rows of {val.seq_len + 1} tokens)",
                               "use more validation data, or a smaller validation.local_batch_size / seq_len")
-        # No targets at all: no token loss either (0, not 0 / 0).
-        return total.item() / max(int(count.item()), 1)
+        targets = int(count.item())
+        if not targets:  # a mean over no token: not a loss of 0 (a perplexity of 1)
+            raise ConfigError("validation.dataset_path", val.dataset_path, f"its {batches} batch(es) evaluated hold no "
+                              "target token (chat conversations whose assistant turns are cut off or missing in the "
+                              "rows read), so they have no mean loss",
+                              "evaluate more batches (validation.steps -1: one whole pass; eval --batches -1), a "
+                              "longer validation.seq_len, or conversations with assistant turns")
+        return total.item() / targets
