@@ -350,7 +350,7 @@ def test_the_data_repeating_is_said_once_a_pass_with_the_counts(folders, tmp_pat
     for the source (it was one a row and a pass), with this process's counts so far."""
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(ROWS[2]) for _ in range(4)))
     loader = _loader(folders["chatml"], str(tmp_path / "a.jsonl"), local_batch_size=4, seq_len=24)
-    with caplog.at_level(logging.INFO, logger="torchmoe.data.chat"):
+    with caplog.at_level(logging.INFO, logger="torchmoe.data.passes"):
         for _ in range(3):
             loader.next_batch()
     lines = [r.getMessage() for r in caplog.records if "start pass" in r.getMessage()]

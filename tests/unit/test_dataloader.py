@@ -270,14 +270,23 @@ def test_two_constructions_are_identical() -> None:
         assert torch.equal(_global(a.next_batch())[0], _global(b.next_batch())[0])
 
 
-def test_wraps_around_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_wraps_around_and_says_so_once_a_pass(caplog: pytest.LogCaptureFixture) -> None:
     loader = _loader(InMemoryDocuments(["abc", "de"]), seq_len=3, global_batch_size=1, local_batch_size=1)
-    with caplog.at_level(logging.WARNING, logger="torchmoe.data.dataloader"):
+    with caplog.at_level(logging.INFO, logger="torchmoe.data.passes"):
         batches = [loader.next_batch()[0][0].tolist() for _ in range(3)]
     a, b, c, d, e = (ord(ch) for ch in "abcde")
     # Stream: a b c EOS d e EOS | a b c EOS d e EOS ..., windows of 4.
     assert batches == [[[a, b, c]], [[d, e, EOS]], [[b, c, EOS]]]
-    assert "dataset exhausted after 2 documents" in caplog.text
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "batch rows start pass 1 over their documents as each finishes the one before (data repeats; this row's "
+        "share holds 2)"]
+    # Eight rows of one document each: every row starts each pass, and each pass is said once.
+    caplog.clear()
+    rows = _loader(InMemoryDocuments(["ab"] * 8), seq_len=3, global_batch_size=8, local_batch_size=8)
+    with caplog.at_level(logging.INFO, logger="torchmoe.data.passes"):
+        for _ in range(3):
+            rows.next_batch()
+    assert [r.getMessage().split("start pass ")[1][:2] for r in caplog.records] == ["1 ", "2 ", "3 "]  # not 8 each
     # The next window starts at "e": second pass, document 1, token 1.
     state = loader.state_dict()
     assert state["step"] == 3 and state["rows"].tolist() == [[1, 1, 1]]

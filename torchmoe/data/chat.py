@@ -45,6 +45,7 @@ from torchmoe.data.chat_template import ChatTemplate
 from torchmoe.data.documents import Documents
 from torchmoe.data.errors import CorpusEnd, DataConfigError
 from torchmoe.data.micro_batches import IGNORE, ChatWindows
+from torchmoe.data.passes import Passes
 
 if TYPE_CHECKING:
     from torchmoe.config.job_config import Training
@@ -105,7 +106,7 @@ class ChatCorpus(Documents):
         self.source = (rows.key, rows.value)
         self.template: ChatTemplate | None = None
         self.stats = ChatStats()
-        self.passes = _Passes()
+        self.passes = Passes()
 
     def __repr__(self) -> str:
         return f"ChatCorpus({self.rows.value!r})"
@@ -156,25 +157,6 @@ class ChatCorpus(Documents):
                           stats=self.stats, passes=self.passes)
 
 
-class _Passes:
-    """The last pass that a row of one chat source on this process started, so that one line a
-    pass says the data repeats."""
-
-    def __init__(self) -> None:
-        self.started = 0
-
-    def start(self, epoch: int, stream: ChatStream) -> None:
-        """`stream` starts pass `epoch` over its conversations: said once a pass, with the counts."""
-        if epoch > self.started:
-            self.started = epoch
-            s = stream.stats
-            logger.info("chat data (%s = %s): batch rows start pass %d over their conversations as each finishes "
-                        "the one before (data repeats); this process's rows so far packed %s conversations (%s cut, "
-                        "%s dropped as longer than a row, %s without targets), %s target tokens", *stream.source,
-                        epoch, f"{s.packed:,}", f"{s.truncated:,}", f"{s.dropped:,}", f"{s.unsupervised:,}",
-                        f"{s.targets:,}")
-
-
 class ChatStream:
     """One batch row's conversations packed into windows, with a resumable position.
 
@@ -196,14 +178,22 @@ class ChatStream:
 
     def __init__(self, conversations: ChatRange, template: ChatTemplate, *, window: int, loss_on: str,
                  overlong: str, pad_id: int, repeat: bool, source: tuple[str, str], stats: ChatStats,
-                 passes: _Passes | None = None) -> None:
+                 passes: Passes | None = None) -> None:
         self.conversations, self.template = conversations, template
         self.window, self.loss_on, self.overlong = window, loss_on, overlong
         self.pad_id, self.repeat, self.source, self.stats = pad_id, repeat, source, stats
-        self.passes = passes or _Passes()
+        self.passes = passes or Passes()
         self._check_targets()
         self.seek(0, 0, 0)
 
+
+    def _pass_line(self) -> str:
+        """What starting another pass says: the data repeats, and what this process's rows did so far."""
+        s = self.stats
+        return (f"chat data ({self.source[0]} = {self.source[1]}): batch rows start pass {self._epoch} over their "
+                f"conversations as each finishes the one before (data repeats); this process's rows so far packed "
+                f"{s.packed:,} conversations ({s.truncated:,} cut, {s.dropped:,} dropped as longer than a row, "
+                f"{s.unsupervised:,} without targets), {s.targets:,} target tokens")
     def position(self) -> tuple[int, int, int]:
         """`(epoch, index, 0)`: the next conversation not yet handed out, in pass `epoch`."""
         return self._epoch, self._next - (self._pending is not None), 0
@@ -315,7 +305,7 @@ class ChatStream:
             raise CorpusEnd(f"{len(self.conversations)} conversations of {self.source[1]}")
         self._epoch += 1
         self._next = 0
-        self.passes.start(self._epoch, self)
+        self.passes.start(self._epoch, self._pass_line)
 
 
 def chat_corpus(training: Training, *, key: str = "training.dataset_path") -> ChatCorpus:

@@ -40,6 +40,7 @@ from torchmoe.data.documents import DataConfigError, Documents
 from torchmoe.data.micro_batches import MicroBatch, micro_batches
 from torchmoe.data.mixture import KEY, MixSchedule, source_settings
 from torchmoe.data.packing import PackedStream
+from torchmoe.data.passes import Passes
 from torchmoe.data.token_shards import TokenShards
 from torchmoe.data.tokenizer import Tokenizer
 
@@ -140,6 +141,7 @@ class DataLoader:
             if bos is None:
                 raise DataConfigError("training.add_bos", True, "the tokenizer has no BOS token",
                                       "name one as bos_token in tokenizer_config.json, or set add_bos = false")
+        text_passes = [Passes() for _ in corpora]  # a text source's passes, said once each (chat's: its corpus's)
         self._streams = [  # [source][row of this rank]
             [
                 corpus.stream(row, global_batch_size, window=seq_len + 1, pad_id=tokenizer.eos_id, repeat=repeat,
@@ -148,7 +150,7 @@ class DataLoader:
                 PackedStream(
                     corpus.split(row, global_batch_size), tokenizer,
                     window=seq_len + 1, read_ahead=max(1, read_ahead // per_rank), bos=bos, repeat=repeat,
-                    source=sources[min(s, len(sources) - 1)],
+                    source=sources[min(s, len(sources) - 1)], passes=text_passes[s],
                 )  # fmt: skip
                 for row in self.rows
             ]

@@ -10,7 +10,6 @@ checkpoint saves and `seek` returns to. `dataloader.py` builds one per row and b
 from __future__ import annotations
 
 import array
-import logging
 from collections import deque
 from collections.abc import Iterator
 
@@ -19,11 +18,11 @@ import torch
 
 from torchmoe.data.documents import DataConfigError, Documents, Unit
 from torchmoe.data.errors import CorpusEnd
+from torchmoe.data.passes import Passes
 from torchmoe.data.tokenizer import Tokenizer
 
 __all__ = ["CorpusEnd", "PIECE_CHARS", "PackedStream"]
 
-logger = logging.getLogger(__name__)
 
 
 # A document longer than this many characters is tokenized in pieces of about this size, as it is
@@ -57,11 +56,14 @@ class PackedStream:
         repeat: start another pass at the end of the corpus; False raises `CorpusEnd` there.
         source: the setting that named the corpus and its value, for messages
             (``("training.dataset_path", "data/*.jsonl")``); default: the corpus itself.
+        passes: the passes the source's rows on this process started (one line a pass says the
+            data repeats); default: this row's own.
     """
 
     def __init__(
         self, documents: Documents, tokenizer: Tokenizer, *, window: int, read_ahead: int = 64,
         bos: int | None = None, repeat: bool = True, source: tuple[str, str] | None = None,
+        passes: Passes | None = None,
     ) -> None:
         self.documents = documents
         self.tokenizer = tokenizer
@@ -70,6 +72,7 @@ class PackedStream:
         self.window = window
         self.read_ahead = read_ahead
         self.source = source or ("training.dataset", repr(documents))
+        self.passes = passes or Passes()
         self.seek(0, 0, 0)
 
     def position(self) -> tuple[int, int, int]:
@@ -168,13 +171,10 @@ class PackedStream:
                 raise self._no_text()
             if not self.repeat:
                 raise CorpusEnd(f"{self._next_doc} documents of {self.documents!r}")
-            logger.warning(
-                "dataset exhausted after %d documents (%r); starting pass %d over it (data repeats)",
-                self._next_doc,
-                self.documents,
-                self._epoch + 1,
-            )
             self._epoch += 1
+            self.passes.start(self._epoch, lambda: (
+                f"{self.source[0]} = {self.source[1]}: batch rows start pass {self._epoch} over their documents as "
+                f"each finishes the one before (data repeats; this row's share holds {self._next_doc:,})"))
             self._next_doc = 0
             self._pass_text = 0
             self._docs = self.documents.iter_from(0)
