@@ -28,7 +28,7 @@ from pathlib import Path
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, FolderModel, check_model, model_args_from_config
-from torchmoe.components.checkpoint import saved_base
+from torchmoe.components.checkpoint import complete_checkpoints, saved_base
 from torchmoe.components.flavor_fit import matching_flavor
 from torchmoe.components.hf_storage import read_hf_args
 from torchmoe.config.errors import ConfigError, show_value
@@ -59,7 +59,9 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
     Raises:
         ConfigError: config.json is missing or holds what the family cannot represent (naming
             the field, its value and the fix: `components.hf_storage.read_hf_args`), or a set
-            `model.name` / `model.flavor` contradicts it.
+            `model.name` / `model.flavor` contradicts it; the folder of a run that saved
+            checkpoints (a resume, a report) is gone, and its flavor is no built-in one to plan
+            instead (`start_gone`).
     """
     ckpt = cfg.checkpoint
     if not (ckpt.initial_load_in_hf and ckpt.initial_load_path) or isinstance(cfg.model, FolderModel):
@@ -74,9 +76,13 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
         logger.info("%s %s holds no config.json here: the model is the run's saved base's, %s", key, folder, saved)
         folder = saved
         fields |= _saved_copies(cfg.model, saved)
-    if absent_ok and not (folder / "config.json").is_file():
-        logger.warning("%s %s holds no config.json here: planning model.flavor %s", key, folder, cfg.model.flavor)
-        return cfg
+    if not (folder / "config.json").is_file():
+        planned = absent_ok and cfg.model.flavor in FLAVORS.get(cfg.model.name, {})
+        if not planned and complete_checkpoints(Path(cfg.job.dump_folder) / ckpt.folder):
+            raise start_gone(cfg)  # a run of the folder's model (its resume, a report), which nothing describes now
+        if absent_ok:
+            logger.warning("%s %s holds no config.json here: planning model.flavor %s", key, folder, cfg.model.flavor)
+            return cfg
     if not folder.is_dir():  # the OS says first what is wrong with the path
         with path_faults(key, str(folder), f"point it at {_wanted(cfg.model)}, or leave it empty to start from "
                          "random weights"):
