@@ -159,3 +159,175 @@ def test_convert_of_the_run_s_step_writes_its_export(family: str, runs: dict[str
     for name in ("config.json", "generation_config.json", "adapter_config.json"):
         if (out / name).exists():
             assert json.loads((out / name).read_text()) == json.loads((run.export / name).read_text()), name
+
+
+# The older spellings of fields the export writes anew (`components.base_files`).
+RESPELLED = ("rope_scaling", "rope_theta", "torch_dtype")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_export_keeps_the_folder_s_settings_and_stops_at_its_end_of_turn(family: str, runs: dict[str, Run],
+                                                                            tmp_path: Path) -> None:
+    """The export (qwen3's adapter run: its merged model by convert, its folder gone, the run's
+    base/ standing for it) holds every field of the folder's config.json with its value (the
+    special tokens' ids, `router_aux_loss_coef`, Moonlight's own fields) and its
+    generation_config.json byte for byte; transformers' `generate` on it stops at the folder's
+    end of turn: with that token made likely (the output row of the third greedy token, doubled),
+    it ends there, before its token limit."""
+    run = runs[family]
+    export = run.export
+    if family == "qwen3":
+        export = tmp_path / "merged"
+        assert cli.main(["convert", "dcp-to-hf", str(run.dump / "checkpoint" / "step-2"), str(export),
+                         "--lora-export", "merged"]) == 0
+    base = json.loads((run.start / "config.json").read_text())
+    written = json.loads((export / "config.json").read_text())
+    assert {k: written.get(k) for k in base if k not in RESPELLED} == {k: v for k, v in base.items()
+                                                                      if k not in RESPELLED}
+    assert (export / "generation_config.json").read_bytes() == (run.start / "generation_config.json").read_bytes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    stops = model.generation_config.eos_token_id
+    assert stops == json.loads((run.start / "generation_config.json").read_text())["eos_token_id"]
+    assert model.config.eos_token_id == base["eos_token_id"] == stops[0]
+    prompt = torch.tensor([ChatTemplate.load(export).tokens([{"role": "user", "content": PROMPT}],
+                                                            add_generation_prompt=True)])
+    with torch.no_grad():
+        free = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, prompt.shape[1]:]
+        assert len(free) == 12 and not set(free.tolist()) & set(stops)
+        head = model.get_output_embeddings().weight
+        head[stops[0]] = 2 * head[free[2]]
+        ids = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert len(ids) <= 3 and ids[-1] == stops[0] and stops[0] not in ids[:-1], ids
+
+
+@pytest.mark.parametrize(("family", "problem"), [
+    ("deepseek_v3", "holds no config.json here, and {ckpt} keeps no copy of it: the model the run trained (its "
+                    "config.json's) cannot be built fix: restore the folder the run started from there, or use the "
+                    "run's Hugging Face export {ckpt}/step-2-hf, which describes the model itself; "),
+    ("gpt_oss", "is gone, and {ckpt} holds no copy of the frozen base (lora.checkpoint_base was false): the run's "
+                "adapters cannot be put back on their base fix: restore the folder the run started from there; "),
+])
+def test_every_reader_of_a_run_whose_folder_is_gone_says_so(family: str, problem: str, runs: dict[str, Run],
+                                                           tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A copy of the run whose config.toml names a folder that is gone (no base/: full
+    fine-tuning has none, the gpt_oss LoRA run kept none): eval, generate, convert, report and a
+    resume are each exit 2 naming checkpoint.initial_load_path, its path and the fix (the run's
+    own export, which holds the model whole, where there is one); nothing is written."""
+    run = runs[family]
+    copy, gone = tmp_path / "run", tmp_path / "gone"
+    shutil.copytree(run.dump, copy)
+    (copy / "config.toml").write_text((copy / "config.toml").read_text().replace(str(run.start), str(gone)))
+    ckpt = copy / "checkpoint"
+    before = sorted(p for p in copy.rglob("*"))
+    step = str(ckpt / "step-2")
+    for argv in (["eval", "--job.dump_folder", str(copy)], ["generate", "--checkpoint", step, "--prompt", "x"],
+                 ["convert", "dcp-to-hf", step, str(tmp_path / "out")], ["report", str(copy)],
+                 ["train", "--config", str(copy / "config.toml"), "--job.dump_folder", str(copy),
+                  "--training.steps", "3"]):
+        assert cli.main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.count("error:") == 1 and f'checkpoint.initial_load_path = "{gone}": ' in err, (argv, err)
+        assert problem.format(ckpt=ckpt) in err, (argv, err)
+    assert sorted(p for p in copy.rglob("*")) == before and not (tmp_path / "out").exists()
+
+
+def test_an_adapter_folder_goes_on_its_base(runs: dict[str, Run], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The qwen3 run's adapter export as `--checkpoint`: on the folder `--base` names, or its
+    adapter_config.json's base_model_name_or_path, generate writes what the run's own checkpoint
+    does and eval (the run's job for the data) gives the run's validation loss, bit for bit. A base
+    that is a hub id, none, no Hugging Face folder, or given for a whole model is one message
+    naming --base."""
+    run = runs["qwen3"]
+    sample = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "6"]
+    assert cli.main(["generate", "--job.dump_folder", str(run.dump), *sample]) == 0
+    expected = capsys.readouterr().out
+    adapter = tmp_path / "adapter"
+    shutil.copytree(run.export, adapter)
+    assert cli.main(["generate", "--checkpoint", str(adapter), "--base", str(run.start), *sample]) == 0
+    assert capsys.readouterr().out == expected
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", "--config", str(run.dump / "config.toml"), "--checkpoint", str(adapter), "--base",
+                     str(run.start), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["loss"] == run.records[2]["validation_loss"]
+    capsys.readouterr()
+    config_file = adapter / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    for named in (str(run.start), f"../{run.start.name}"):  # absolute, or relative to the adapter folder
+        shutil.copytree(run.start, tmp_path / run.start.name, dirs_exist_ok=True)
+        config_file.write_text(json.dumps({**config, "base_model_name_or_path": named}))
+        assert cli.main(["generate", "--checkpoint", str(adapter), *sample]) == 0
+        assert capsys.readouterr().out == expected
+    refused = {
+        "Qwen/Qwen3-30B-A3B": ('--base = "(not given)": --checkpoint {adapter} is a PEFT adapter whose '
+                               'adapter_config.json names base_model_name_or_path = "Qwen/Qwen3-30B-A3B", which is no '
+                               "Hugging Face folder here (torchmoe fetches nothing from the hub) fix: pass --base "
+                               "FOLDER"),
+        None: ('--base = "(not given)": --checkpoint {adapter} is a PEFT adapter, and its adapter_config.json names no '
+               "base (base_model_name_or_path is null) fix: pass --base FOLDER"),
+    }
+    for named, message in refused.items():
+        config_file.write_text(json.dumps({**config, "base_model_name_or_path": named}))
+        assert cli.main(["generate", "--checkpoint", str(adapter), *sample]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.count("error:") == 1 and message.format(adapter=adapter) in err, err
+    for argv, message in (
+            (["--checkpoint", str(adapter), "--base", str(tmp_path)],
+             f'--base = "{tmp_path}": holds no config.json: it is not a Hugging Face model folder'),
+            (["--checkpoint", str(runs["llama4"].export), "--base", str(run.start)],
+             f'--base = "{run.start}": names the base of a PEFT adapter folder, and --checkpoint '
+             f"{runs['llama4'].export} is none (no adapter_config.json): it holds a whole model fix: leave --base out")):
+        assert cli.main(["generate", *argv, *sample]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.count("error:") == 1 and message in err, err
+
+
+def test_eval_of_a_hugging_face_folder_reads_chat_data_with_its_tokenizer(runs: dict[str, Run], tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`eval --checkpoint` of the llama4 run's export (a folder of no flavor, its tokenizer in
+    it) with a job naming another tokenizer (DeepSeek's template and specials): the chat data is
+    rendered by the folder's tokenizer, so the loss is the run's validation loss, bit for bit;
+    the note says the tokenizer was the folder's."""
+    run = runs["llama4"]
+    other = runs["deepseek_v3"].start
+    job = tmp_path / "job.toml"
+    job.write_text((run.dump / "config.toml").read_text().replace(f'tokenizer_path = "{run.start}"',
+                                                                  f'tokenizer_path = "{other}"'))
+    assert f'tokenizer_path = "{other}"' in job.read_text()
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", "--config", str(job), "--checkpoint", str(run.export), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["loss"] == run.records[2]["validation_loss"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert f'model.tokenizer_path = "{run.export}"' in err and err.count("note:") == 1, err
+
+
+def test_eval_of_one_pass_says_what_its_mean_covers(runs: dict[str, Run], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`--batches -1` reads one pass and says how many batches, targets and conversations its
+    mean is over (and --out holds them); `--batches N` of that many batches is the same mean."""
+    run = runs["deepseek_v3"]
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", "--job.dump_folder", str(run.dump), "--split", "train", "--batches", "-1",
+                     "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert (f"over {result['batches_read']} batches (one pass), {result['targets']} targets in "
+            f"{result['documents']} conversations of chat") in printed, printed
+    assert result["batches_read"] >= 2 and 0 < result["documents"] <= len(CHAT_ROWS) < result["targets"]
+    assert cli.main(["eval", "--job.dump_folder", str(run.dump), "--split", "train", "--batches",
+                     str(result["batches_read"]), "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert (again["loss"], again["targets"], again["documents"]) == (result["loss"], result["targets"],
+                                                                     result["documents"])
+
+
+def test_the_lora_run_resumes_without_its_folder(runs: dict[str, Run], tmp_path: Path) -> None:
+    """The qwen3 run's step-1 resumed from its config.toml (model.hf_assets_path now gone: the
+    base, its config.json and the tokenizer come from base/): step 2's loss and gradient norm
+    are the uninterrupted run's, bit for bit."""
+    run = runs["qwen3"]
+    resumed = start_from(run.dump / "checkpoint" / "step-1", tmp_path / "resumed")
+    shutil.copytree(run.dump / "checkpoint" / "base", resumed / "checkpoint" / "base")
+    assert cli.main(["train", "--config", str(run.dump / "config.toml"), "--job.dump_folder", str(resumed)]) == 0
+    again = _records(resumed)[2]
+    assert (again["loss"], again["grad_norm"]) == (run.records[2]["loss"], run.records[2]["grad_norm"])

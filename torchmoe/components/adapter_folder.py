@@ -14,6 +14,7 @@ built, as for `lora.adapter`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -60,7 +61,7 @@ def adapter_base(folder: Path, *, base: str, key: str) -> Path:
            f"a run's own adapters also load over its base from its step-N folder (--job.dump_folder RUN)")
     if not isinstance(named, str) or not named:
         raise ConfigError("--base", "(not given)", f"{key} {folder} is a PEFT adapter, and its {ADAPTER_CONFIG} names "
-                          f"no base (base_model_name_or_path is {show_value(named)})", fix)
+                          f"no base (base_model_name_or_path is {json.dumps(named)})", fix)
     path = Path(named) if Path(named).is_absolute() else folder / named
     if not (path / "config.json").is_file():
         raise ConfigError("--base", "(not given)", f"{key} {folder} is a PEFT adapter whose {ADAPTER_CONFIG} names "

@@ -189,8 +189,11 @@ def with_weights_model(cfg: JobConfig, weights: TrainedWeights, *, flag_keys: se
         hf = weights.folder if weights.in_hf else weights.base
         model = _folder_model(cfg, hf, key="--checkpoint" if weights.in_hf else "--base")
         sources = [str(hf / "config.json")]
-        keep = {f.name for f in dataclasses.fields(Model)} - {"name", "flavor", "tokenizer_path"}
+        # The job's training settings stand; not its hf_assets_path, whose tokenizer (kept where the
+        # folder holds none) and weights the folder replaces.
+        keep = {f.name for f in dataclasses.fields(Model)} - {"name", "flavor", "tokenizer_path", "hf_assets_path"}
         tokenizers = [folder for folder in (weights.folder, hf) if (folder / "tokenizer.json").is_file()]
+        model = dataclasses.replace(model, hf_assets_path="")
         if tokenizers:
             model = dataclasses.replace(model, tokenizer_path=str(tokenizers[0]))
         else:
