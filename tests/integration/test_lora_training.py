@@ -261,9 +261,9 @@ def test_convert_without_the_base_names_the_missing_folder(based, tmp_path, caps
     assert cli.main(["convert", "dcp-to-hf", str(step), str(tmp_path / "out")]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert (f'error: checkpoint.initial_load_path = "{start}": is gone, and {step.parent} holds no copy of the frozen '
-            f"base (lora.checkpoint_base was false): the adapters of {step} cannot be put back on their base fix: "
-            "restore the folder the run started from there; lora.checkpoint_base = true makes future runs keep the "
-            "base with their checkpoints") in err, err
+            "base (lora.checkpoint_base was false): the run's adapters cannot be put back on their base fix: "
+            "restore the folder the run started from there; lora.checkpoint_base = true makes future LoRA runs keep "
+            "the base with their checkpoints") in err, err
     assert not (tmp_path / "out").exists()
 
 

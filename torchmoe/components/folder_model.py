@@ -2,6 +2,7 @@
 
     cfg = with_folder_model(cfg, set_keys=set_keys)   # torchmoe train / plan, before the preflight
     cfg = with_folder_model(cfg, key="--checkpoint")  # eval / generate on a Hugging Face folder
+    cfg = run_folder_model(run_cfg)                   # what a finished run trained (eval, generate, convert)
 
 With ``checkpoint.initial_load_in_hf``, the folder decides the model: any checkpoint of a family
 torchmoe trains, of any size, not only the shipped flavors (`model.flavor` sizes runs from
@@ -16,6 +17,12 @@ at another checkpoint has the wrong folder or the wrong job). Left at their defa
 claim and the folder's family and architecture are used. `eval` and `generate --checkpoint`
 judge the weights they are pointed at, with the run's job file for context: there the folder
 decides without a check.
+
+A LoRA run with `lora.checkpoint_base` keeps the folder's config.json, generation config and
+tokenizer files in its `base/`: once the folder is gone, its model, tokenizer and
+`hf_assets_path` are the copy's (its resume and every reader of it need the folder no more). A
+run that kept no copy is refused by name (`start_gone`) by whatever reads it: a resume, a report,
+`run_folder_model`'s readers.
 """
 
 from __future__ import annotations
