@@ -10,7 +10,7 @@ and validated, the export at the end:
     qwen3                 LoRA (adapter export, lora.checkpoint_base), started from
                           model.hf_assets_path as the shipped SFT configs do; its folder is
                           moved away after training: every reader works from the run's base/
-    gpt_oss               LoRA (merged export), without base/
+    gpt_oss               LoRA (merged export, dropout 0.25 on the adapters), without base/
 
     python -m pytest -q tests/integration/test_reading_a_run.py
 """
@@ -41,7 +41,8 @@ FAMILIES = ["llama4", "deepseek_v3", "qwen3", "gpt_oss"]
 LORA = ["--lora.enable", "true", "--lora.targets", '["attention", "experts", "router"]', "--lora.rank", "4",
         "--lora.alpha", "8"]
 KINDS = {"llama4": ["--model.load_balance_coeff", "0"], "deepseek_v3": [], "qwen3": [*LORA, "--lora.checkpoint_base", "true"],
-         "gpt_oss": [*LORA, "--lora.export", "merged", "--training.loss_on", "last"]}  # harmony: not prefix-stable
+         "gpt_oss": [*LORA, "--lora.export", "merged", "--lora.dropout", "0.25",
+                     "--training.loss_on", "last"]}  # harmony: not prefix-stable
 PROMPT = "the sum?"
 
 
@@ -110,6 +111,17 @@ def test_eval_of_the_run_is_its_own_validation_loss(family: str, runs: dict[str,
     printed = capsys.readouterr().out
     assert printed.startswith(f"validation loss {result['loss']:.6f} ") and \
         f"over 1 batch, {result['targets']} targets in {result['documents']} conversations of chat" in printed, printed
+
+
+def test_a_lora_run_is_read_without_its_dropout(runs: dict[str, Run], tmp_path: Path) -> None:
+    """The gpt_oss run trained its adapters with dropout; its validation (and so `eval` of its
+    checkpoint) reads the model as it is, without dropout: the loss of its merged export, a whole
+    model without adapters, evaluated on the same batch (within 1e-5: W + s B A summed first)."""
+    run = runs["gpt_oss"]
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", "--config", str(run.dump / "config.toml"), "--checkpoint", str(run.export),
+                     "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["loss"] == pytest.approx(run.records[2]["validation_loss"], rel=1e-5, abs=0)
 
 
 def _reference(run: Run, family: str) -> transformers.PreTrainedModel:
