@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 peft = pytest.importorskip("peft")
 import transformers  # noqa: E402
@@ -243,13 +243,35 @@ def test_every_reader_of_a_run_whose_folder_is_gone_says_so(family: str, problem
     assert sorted(p for p in copy.rglob("*")) == before and not (tmp_path / "out").exists()
 
 
+def test_a_lora_checkpoint_on_another_base_is_refused(runs: dict[str, Run], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The gpt_oss run's config.toml pointed at a copy of its folder with one weight changed by one
+    ulp: eval and generate of its step-2 are exit 2 naming checkpoint.initial_load_path, the folder
+    and the tensor that differs (the fingerprint the step recorded), as a resume is."""
+    run = runs["gpt_oss"]
+    changed, copy = tmp_path / "changed", tmp_path / "run"
+    shutil.copytree(run.start, changed)
+    weights = load_file(changed / "model.safetensors")
+    name = "model.layers.2.self_attn.o_proj.weight"
+    weights[name][3, 4] = torch.nextafter(weights[name][3, 4], torch.tensor(float("inf")))
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(run.dump, copy)
+    (copy / "config.toml").write_text((copy / "config.toml").read_text().replace(str(run.start), str(changed)))
+    for argv in (["eval", "--job.dump_folder", str(copy)], ["generate", "--job.dump_folder", str(copy), "--prompt", "x"]):
+        assert cli.main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.count("error:") == 1 and (
+            f'checkpoint.initial_load_path = "{changed}": holds other base weights than the run\'s checkpoints were '
+            "trained on (1 of ") in err and "e.g. layers.2.attention.wo.weight)" in err, (argv, err)
+
+
 def test_an_adapter_folder_goes_on_its_base(runs: dict[str, Run], tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """The qwen3 run's adapter export as `--checkpoint`: on the folder `--base` names, or its
     adapter_config.json's base_model_name_or_path, generate writes what the run's own checkpoint
     does and eval (the run's job for the data) gives the run's validation loss, bit for bit. A base
     that is a hub id, none, no Hugging Face folder, or given for a whole model is one message
-    naming --base."""
+    naming --base; an adapter of part of a target (PEFT's on some projections) one naming it."""
     run = runs["qwen3"]
     sample = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "6"]
     assert cli.main(["generate", "--job.dump_folder", str(run.dump), *sample]) == 0
@@ -283,7 +305,15 @@ def test_an_adapter_folder_goes_on_its_base(runs: dict[str, Run], tmp_path: Path
         assert cli.main(["generate", "--checkpoint", str(adapter), *sample]) == 2
         err = " ".join(capsys.readouterr().err.split())
         assert err.count("error:") == 1 and message.format(adapter=adapter) in err, err
+    config_file.write_text(json.dumps(config))
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    save_file({k: v for k, v in tensors.items() if ".layers.1.self_attn.k_proj." not in k},
+              adapter / "adapter_model.safetensors")
     for argv, message in (
+            (["--checkpoint", str(adapter), "--base", str(run.start)],
+             f'--checkpoint = "{adapter}": adapts part of what lora.targets "attention" adapts (22 of its 24 tensors; '
+             "it lacks e.g. base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight), and torchmoe adapts "
+             "whole targets fix: merge it into its base with PEFT"),
             (["--checkpoint", str(adapter), "--base", str(tmp_path)],
              f'--base = "{tmp_path}": holds no config.json: it is not a Hugging Face model folder'),
             (["--checkpoint", str(runs["llama4"].export), "--base", str(run.start)],
