@@ -64,12 +64,15 @@ FAMILY_TOKENIZERS = {
 def chat_checkpoint(family: str, folder: Path) -> Path:
     """`tests.any_checkpoint`'s tiny checkpoint of `family` (sizes of no flavor) as a release ships
     it: the family's chat tokenizer files beside the weights, config.json naming the special
-    tokens' ids (and keeping transformers' other fields, `router_aux_loss_coef`...), and a
-    generation_config.json of a chat release (two stop ids, sampling defaults)."""
+    tokens' ids and the dtype as transformers 4 spelled it (`torch_dtype`, bfloat16: the weights
+    are float32, which transformers 5's `dtype` says and reads), keeping transformers' other
+    fields (`router_aux_loss_coef`...), and a generation_config.json of a chat release (two stop
+    ids, sampling defaults)."""
     make, *specials = FAMILY_TOKENIZERS[family]
     tokenizer = make(folder.parent / f"{folder.name}-tokenizer")
     bos, eos, pad = (Tokenizer.from_file(str(tokenizer / "tokenizer.json")).token_to_id(t) for t in specials)
-    save_checkpoint(family, folder, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    # torch_dtype: as transformers 4 wrote the dtype (the releases' spelling), beside transformers 5's.
+    save_checkpoint(family, folder, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, torch_dtype="bfloat16")
     generation = {"bos_token_id": bos, "eos_token_id": [eos, pad], "pad_token_id": pad, "do_sample": True,
                   "temperature": 0.6, "top_k": 20, "top_p": 0.95}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -24,7 +24,7 @@ from transformers import Qwen3MoeForCausalLM  # noqa: E402
 from tests.any_checkpoint import reference_model, save_checkpoint  # noqa: E402
 from tests.helpers import start_from  # noqa: E402
 from tests.hf_parity import max_rel_err, random_tokens  # noqa: E402
-from tests.launch import read_metrics, run_train  # noqa: E402
+from tests.launch import read_metrics, run_cli, run_train  # noqa: E402
 from torchmoe.commands import cli  # noqa: E402
 from torchmoe.components.checkpoint_state import read_dcp_metadata  # noqa: E402
 from torchmoe.components.peft_adapter import load_peft_adapter  # noqa: E402
@@ -301,12 +301,14 @@ def test_a_resume_on_another_base_is_refused(run, folder, tmp_path, capsys):
 def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
     """2 gloo ranks, the experts split by EP and the rest sharded by FSDP: the export gathers
     each adapter whole to rank 0, and PEFT loads it with torchmoe's logits; imported again
-    (`lora.adapter`, each rank taking its shards), the next run starts from the trained loss."""
+    (`lora.adapter`, each rank taking its shards), the next run starts from the trained loss.
+    `torchmoe eval` of the run's step-2 in its layout (each rank loading its shards of the base
+    and of the step's adapters) gives the loss of one process's eval (fp32, 1e-5)."""
     job = tmp_path / "job.toml"
     dump = tmp_path / "ep"
     job.write_text(f'[training]\nlocal_batch_size = 2\nseq_len = 32\nsteps = 2\ndataset = "python_docs"\n'
                    f'[optimizer]\nlr = 0.01\n[lr_scheduler]\nwarmup_steps = 1\n'
-                   f'[checkpoint]\nenable = false\ninitial_load_in_hf = true\nlast_save_in_hf = true\n'
+                   f'[checkpoint]\nenable = true\ninterval = 2\ninitial_load_in_hf = true\nlast_save_in_hf = true\n'
                    f'initial_load_path = "{folder}"\n'
                    f'[lora]\nenable = true\ntargets = {json.dumps(TARGETS)}\nrank = 8\nalpha = 16.0\n'
                    '[parallelism]\ndata_parallel_shard_degree = 2\nexpert_parallel_degree = 2\n'
@@ -321,6 +323,14 @@ def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
     peft_model = peft.PeftModel.from_pretrained(reference_model("qwen3"), adapter).eval()
     with torch.no_grad():
         assert max_rel_err(peft_model(tokens).logits, ours(tokens)) <= 1e-5
-    run_train(["--config", str(job), "--lora.adapter", str(adapter)], dump_folder=tmp_path / "on", nproc=2, timeout=300)
+    run_train(["--config", str(job), "--lora.adapter", str(adapter), "--checkpoint.enable", "false"],
+              dump_folder=tmp_path / "on", nproc=2, timeout=300)
     first, go_on = read_metrics(dump)[0], read_metrics(tmp_path / "on")[0]
     assert go_on["loss"] < first["loss"] - 1e-3
+    batch = ["eval", "--job.dump_folder", dump, "--split", "train", "--batches", "1",
+             "--training.mixed_precision_param", "float32"]
+    run_cli([*batch, "--out", tmp_path / "ranks.json"], nproc=2, timeout=300)
+    run_cli([*batch, "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_degree", "1",
+             "--out", tmp_path / "one.json"], timeout=300)
+    losses = [json.loads((tmp_path / f"{name}.json").read_text())["loss"] for name in ("ranks", "one")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=0)

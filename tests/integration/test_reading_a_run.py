@@ -173,16 +173,13 @@ def test_convert_of_the_run_s_step_writes_its_export(family: str, runs: dict[str
             assert json.loads((out / name).read_text()) == json.loads((run.export / name).read_text()), name
 
 
-# The older spellings of fields the export writes anew (`components.base_files`).
-RESPELLED = ("rope_scaling", "rope_theta", "torch_dtype")
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_export_keeps_the_folder_s_settings_and_stops_at_its_end_of_turn(family: str, runs: dict[str, Run],
                                                                             tmp_path: Path) -> None:
     """The export (qwen3's adapter run: its merged model by convert, its folder gone, the run's
     base/ standing for it) holds every field of the folder's config.json with its value (the
-    special tokens' ids, `router_aux_loss_coef`, Moonlight's own fields) and its
+    special tokens' ids, `router_aux_loss_coef`, Moonlight's own fields; the dtype in transformers
+    4's spelling too, as written: float32, not the folder's bfloat16) and its
     generation_config.json byte for byte; transformers' `generate` on it stops at the folder's
     end of turn: with that token made likely (the output row of the third greedy token, doubled),
     it ends there, before its token limit."""
@@ -194,8 +191,9 @@ def test_the_export_keeps_the_folder_s_settings_and_stops_at_its_end_of_turn(fam
                          "--lora-export", "merged"]) == 0
     base = json.loads((run.start / "config.json").read_text())
     written = json.loads((export / "config.json").read_text())
-    assert {k: written.get(k) for k in base if k not in RESPELLED} == {k: v for k, v in base.items()
-                                                                      if k not in RESPELLED}
+    assert {k: written.get(k) for k in base if k != "torch_dtype"} == {k: v for k, v in base.items()
+                                                                       if k != "torch_dtype"}
+    assert base["torch_dtype"] == "bfloat16" and written["torch_dtype"] == written["dtype"] == "float32"
     assert (export / "generation_config.json").read_bytes() == (run.start / "generation_config.json").read_bytes()
     model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     stops = model.generation_config.eos_token_id

@@ -8,11 +8,11 @@ its base (`BASE_FILES`).
 
 The export's config.json is the base's with the fields torchmoe writes for the model on top
 (`models/<family>/hf.py`'s `hf_config_from_args`: the architecture, which is the base's, and the
-dtype written), less what no longer holds: a quantization the written weights do not have, and
-the older spellings of a field written anew (`torch_dtype`, `rope_scaling`, `rope_theta`, which
-transformers would read over the new ones). A Llama 4 base of the multimodal model contributes
-its text model's fields. A run from random weights or a DCP folder has no base: its export is
-torchmoe's config.json alone.
+dtype written), less what no longer holds: a quantization the written weights do not have
+(gpt-oss's MXFP4 release), and the older spelling of the dtype (transformers 4's `torch_dtype`,
+which readers of that version take for the weights' dtype) given the dtype written. A Llama 4
+base of the multimodal model contributes its text model's fields. A run from random weights or a
+DCP folder has no base: its export is torchmoe's config.json alone.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ BASE_FILES = ("config.json", "generation_config.json")
 """A Hugging Face folder's files beside its weights that describe the model (not the tokenizer's:
 `tokenizer_files.TOKENIZER_FILES`)."""
 
-# Fields the export writes under another name than an older base may hold them.
-_RESPELLED = {"dtype": ("torch_dtype",), "rope_parameters": ("rope_scaling", "rope_theta")}
+# A base's older spelling of a field the export writes anew -> that field: given its value.
+_RESPELLED = {"torch_dtype": "dtype"}
 # Fields of a base that describe its files, not the model: the written weights are not quantized.
 _DROPPED = ("quantization_config",)
 # A multimodal wrapper's fields its text model's generation needs (Llama 4's nest the rest).
@@ -43,8 +43,7 @@ def merged_config(base: dict, written: dict) -> dict:
     text = base.get("text_config")
     if base.get("model_type") != written.get("model_type") and isinstance(text, dict):
         base = {**{k: base[k] for k in _TOKEN_IDS if k in base}, **text}
-    stale = {old for new, olds in _RESPELLED.items() if new in written for old in olds}
-    kept = {k: v for k, v in base.items() if k not in stale and k not in _DROPPED}
+    kept = {k: written.get(_RESPELLED.get(k, k), v) for k, v in base.items() if k not in _DROPPED}
     return {**kept, **written}
 
 
