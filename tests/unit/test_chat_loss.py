@@ -126,10 +126,10 @@ def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_pa
     """Validation (and so `torchmoe eval`) on chat data: the mean over the targets of its
     batches, transformers' with the same labels ignored (1e-5), not over every token; what it
     covers (`torchmoe eval` prints it) is the batches' targets and the conversations holding one,
-    counted here row by row (rows of 128 tokens: several conversations each)."""
+    counted here row by row (rows of 256 tokens: several conversations each)."""
     trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
                        "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
-                       "--validation.seq_len", "128", "--validation.steps", "2")
+                       "--validation.seq_len", "256", "--validation.steps", "2")
     loader = trainer.validation.loader()
     batches = [mb for _ in range(2) for mb in loader.next_batch()]
     hf = reference_model("qwen3")
@@ -143,4 +143,4 @@ def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_pa
     result = trainer.validate()
     assert result.loss == pytest.approx(want.item(), rel=1e-5)
     assert (result.batches, result.targets, result.documents) == (2, int((labels != IGNORE).sum()), conversations)
-    assert conversations > len(batches) * 2  # rows of 128 tokens pack several conversations with targets
+    assert conversations > len(batches) * 2  # rows of 256 tokens pack several conversations with targets
