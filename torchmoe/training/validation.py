@@ -71,9 +71,8 @@ class Validation:
         """The mean token loss of `model` as it is over the validation batches, and what it covers:
         `steps` batches, or with -1 every complete batch of one pass over the data, the same
         batches each time. Runs the training layout's forward (each micro-batch placed by
-        `columns`, its loss `objective.summed`) without gradients, in eval mode (the adapters'
-        dropout off); the routed-token counts of `moe_layers` that the next bias update reads
-        are left as they were.
+        `columns`, its loss `objective.summed`) in eval mode, without gradients; the routed-token
+        counts of `moe_layers` that the next bias update reads are left as they were.
 
         Every rank draws its rows of each batch; they agree before each forward whether one ran
         out of data (one flag in an all-reduce), so all stop at the same batch. The mean is over
@@ -84,8 +83,10 @@ class Validation:
         val = self.cfg.validation
         loader = self.loader()
         counts = [moe.tokens_per_expert.clone() for moe in moe_layers]
-        training = model.training
-        model.eval()  # the model as it is: no LoRA dropout (nothing else differs between the modes)
+        # In eval mode: LoRA's dropout off (it drew masks, and consumed the training's RNG), and
+        # nothing observed for QK-Clip; back in the mode it was in afterwards.
+        was_training = model.training
+        model.train(False)
         weight = loss_weight(mesh)
         total = torch.zeros((), device=device)
         batches, targets, documents, told = 0, 0, 0, False
@@ -109,7 +110,7 @@ class Validation:
                     loss = objective.summed(model(inputs, segments), labels)
                 total += weight * (loss.full_tensor() if isinstance(loss, DTensor) else loss)
             batches += 1
-        model.train(training)
+        model.train(was_training)
         for moe, saved in zip(moe_layers, counts):
             moe.tokens_per_expert.copy_(saved)
         count = torch.tensor([targets, documents], dtype=torch.int64, device=device)
