@@ -303,7 +303,8 @@ def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
     each adapter whole to rank 0, and PEFT loads it with torchmoe's logits; imported again
     (`lora.adapter`, each rank taking its shards), the next run starts from the trained loss.
     `torchmoe eval` of the run's step-2 in its layout (each rank loading its shards of the base
-    and of the step's adapters) gives the loss of one process's eval (fp32, 1e-5)."""
+    and of the step's adapters) gives the loss one process's eval gives of the exported adapter
+    over the folder (fp32, 1e-5)."""
     job = tmp_path / "job.toml"
     dump = tmp_path / "ep"
     job.write_text(f'[training]\nlocal_batch_size = 2\nseq_len = 32\nsteps = 2\ndataset = "python_docs"\n'
@@ -327,10 +328,10 @@ def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
               dump_folder=tmp_path / "on", nproc=2, timeout=300)
     first, go_on = read_metrics(dump)[0], read_metrics(tmp_path / "on")[0]
     assert go_on["loss"] < first["loss"] - 1e-3
-    batch = ["eval", "--job.dump_folder", dump, "--split", "train", "--batches", "1",
-             "--training.mixed_precision_param", "float32"]
-    run_cli([*batch, "--out", tmp_path / "ranks.json"], nproc=2, timeout=300)
-    run_cli([*batch, "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_degree", "1",
-             "--out", tmp_path / "one.json"], timeout=300)
+    batch = ["--split", "train", "--batches", "1", "--training.mixed_precision_param", "float32"]
+    run_cli(["eval", "--job.dump_folder", dump, *batch, "--out", tmp_path / "ranks.json"], nproc=2, timeout=300)
+    run_cli(["eval", "--config", dump / "config.toml", "--checkpoint", adapter, "--base", folder, *batch,
+             "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_degree", "1",
+             "--training.local_batch_size", "4", "--out", tmp_path / "one.json"], timeout=300)  # the same 4 rows
     losses = [json.loads((tmp_path / f"{name}.json").read_text())["loss"] for name in ("ranks", "one")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=0)
