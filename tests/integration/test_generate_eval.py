@@ -237,8 +237,9 @@ def test_a_loss_that_is_not_finite_is_one_message_and_writes_nothing(capsys, mon
     """eval's result holds no NaN: the loss of weights whose computation overflows is refused,
     and --out is not written (json.dumps would have written NaN into it)."""
     from torchmoe.training import session as trainer
+    from torchmoe.training.validation import ValidationLoss
 
-    monkeypatch.setattr(trainer, "evaluate", lambda cfg, **kw: loss)
+    monkeypatch.setattr(trainer, "evaluate", lambda cfg, **kw: ValidationLoss(loss, 1, 64, None))
     out = tmp_path / "eval.json"
     status = cli.main(["eval", *TINY, "--job.dump_folder", str(run_dir), "--split", "train", "--out", str(out)])
     err = capsys.readouterr().err

@@ -28,7 +28,7 @@ from transformers import Qwen3MoeForCausalLM  # noqa: E402
 from tests.any_checkpoint import reference_model, save_checkpoint  # noqa: E402
 from tests.helpers import start_from  # noqa: E402
 from tests.hf_parity import max_rel_err, random_tokens  # noqa: E402
-from tests.launch import read_metrics, run_train  # noqa: E402
+from tests.launch import read_metrics, run_cli, run_train  # noqa: E402
 from torchmoe.commands import cli  # noqa: E402
 from torchmoe.components.checkpoint_state import read_dcp_metadata  # noqa: E402
 from torchmoe.components.peft_adapter import load_peft_adapter  # noqa: E402
@@ -306,9 +306,9 @@ def test_convert_without_the_base_names_the_missing_folder(based, tmp_path, caps
     assert cli.main(["convert", "dcp-to-hf", str(step), str(tmp_path / "out")]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert (f'error: checkpoint.initial_load_path = "{start}": is gone, and {step.parent} holds no copy of the frozen '
-            f"base (lora.checkpoint_base was false): the adapters of {step} cannot be put back on their base fix: "
-            "restore the folder the run started from there; lora.checkpoint_base = true makes future runs keep the "
-            "base with their checkpoints") in err, err
+            "base (lora.checkpoint_base was false): the run's adapters cannot be put back on their base fix: "
+            "restore the folder the run started from there; lora.checkpoint_base = true makes future LoRA runs keep "
+            "the base with their checkpoints") in err, err
     assert not (tmp_path / "out").exists()
 
 
@@ -346,12 +346,15 @@ def test_a_resume_on_another_base_is_refused(run, folder, tmp_path, capsys):
 def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
     """2 gloo ranks, the experts split by EP and the rest sharded by FSDP: the export gathers
     each adapter whole to rank 0, and PEFT loads it with torchmoe's logits; imported again
-    (`lora.adapter`, each rank taking its shards), the next run starts from the trained loss."""
+    (`lora.adapter`, each rank taking its shards), the next run starts from the trained loss.
+    `torchmoe eval` of the run's step-2 in its layout (each rank loading its shards of the base
+    and of the step's adapters) gives the loss one process's eval gives of the exported adapter
+    over the folder (fp32, 1e-5)."""
     job = tmp_path / "job.toml"
     dump = tmp_path / "ep"
     job.write_text(f'[training]\nlocal_batch_size = 2\nseq_len = 32\nsteps = 2\ndataset = "python_docs"\n'
                    f'[optimizer]\nlr = 0.01\n[lr_scheduler]\nwarmup_steps = 1\n'
-                   f'[checkpoint]\nenable = false\ninitial_load_in_hf = true\nlast_save_in_hf = true\n'
+                   f'[checkpoint]\nenable = true\ninterval = 2\ninitial_load_in_hf = true\nlast_save_in_hf = true\n'
                    f'initial_load_path = "{folder}"\n'
                    f'[lora]\nenable = true\ntargets = {json.dumps(TARGETS)}\nrank = 8\nalpha = 16.0\n'
                    '[parallelism]\ndata_parallel_shard_degree = 2\nexpert_parallel_degree = 2\n'
@@ -366,9 +369,17 @@ def test_an_ep_and_fsdp_run_exports_its_gathered_adapter(folder, tmp_path):
     peft_model = peft.PeftModel.from_pretrained(reference_model("qwen3"), adapter).eval()
     with torch.no_grad():
         assert max_rel_err(peft_model(tokens).logits, ours(tokens)) <= 1e-5
-    run_train(["--config", str(job), "--lora.adapter", str(adapter)], dump_folder=tmp_path / "on", nproc=2, timeout=300)
+    run_train(["--config", str(job), "--lora.adapter", str(adapter), "--checkpoint.enable", "false"],
+              dump_folder=tmp_path / "on", nproc=2, timeout=300)
     first, go_on = read_metrics(dump)[0], read_metrics(tmp_path / "on")[0]
     assert go_on["loss"] < first["loss"] - 1e-3
+    batch = ["--split", "train", "--batches", "1", "--training.mixed_precision_param", "float32"]
+    run_cli(["eval", "--job.dump_folder", dump, *batch, "--out", tmp_path / "ranks.json"], nproc=2, timeout=300)
+    run_cli(["eval", "--config", dump / "config.toml", "--checkpoint", adapter, "--base", folder, *batch,
+             "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_degree", "1",
+             "--training.local_batch_size", "4", "--out", tmp_path / "one.json"], timeout=300)  # the same 4 rows
+    losses = [json.loads((tmp_path / f"{name}.json").read_text())["loss"] for name in ("ranks", "one")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=0)
 
 
 # ---- the expert biases: left as the base's by default, else trained, checkpointed and exported ----

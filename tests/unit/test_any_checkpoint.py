@@ -200,3 +200,47 @@ def test_what_the_family_cannot_represent_is_one_error_naming_the_field(case: st
     assert (err.key, err.value) == ("checkpoint.initial_load_path", str(folder))
     assert err.problem == problem, err.problem
     assert err.fix == (_GENERIC_FIX if fix is None else fix.format(folder=folder))
+
+
+def test_an_export_keeps_what_a_release_s_config_json_says(folders: dict[str, Path], tmp_path: Path) -> None:
+    """What an export of a run from a release writes (`base_files.merged_config`: the release's
+    config.json under torchmoe's of the trained model), for the releases' forms the tiny folders
+    lack: gpt-oss's MXFP4 folder (its quantization_config dropped: the export's weights are
+    unquantized, and transformers would dequantize them again), Llama 4's multimodal folder (its
+    text model's fields, the wrapper's token ids; no vision config), a transformers 4
+    `torch_dtype` (the dtype written). Each reads back as the same model, in torchmoe and in
+    transformers' config."""
+    import json
+
+    import transformers
+
+    from torchmoe.components.base_files import merged_config
+    from torchmoe.components.hf_storage import read_hf_args
+    from torchmoe.models.registry import hf_mapping
+
+    release = json.loads((folders["gpt_oss"] / "config.json").read_text())
+    text = json.loads((folders["llama4"] / "config.json").read_text())
+    quantized = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}  # the releases'
+    releases = {
+        "gpt_oss": {**release, "quantization_config": quantized, "torch_dtype": "bfloat16"},
+        "llama4": {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "eos_token_id": 7,
+                   "pad_token_id": 9, "image_token_index": 200092, "vision_config": {"hidden_size": 88},
+                   "text_config": {k: v for k, v in text.items() if k not in ("eos_token_id", "pad_token_id")}},
+    }
+    for family, config in releases.items():
+        args = read_hf_args(folders[family], key="k", fix="f")
+        written = hf_mapping(args).hf_config_from_args(args, torch.float32)
+        merged = merged_config(config, written)
+        folder = tmp_path / family
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(merged))
+        assert args.architecture_differences(hf_mapping(args).args_from_hf_config(merged)) == []
+        assert transformers.AutoConfig.from_pretrained(folder).dtype == torch.float32
+        if family == "gpt_oss":
+            assert "quantization_config" not in merged and merged["torch_dtype"] == merged["dtype"] == "float32"
+            assert {k: merged[k] for k in config if k not in ("quantization_config", "torch_dtype")} == \
+                {k: v for k, v in config.items() if k not in ("quantization_config", "torch_dtype")}
+        else:
+            assert "vision_config" not in merged and "image_token_index" not in merged
+            assert merged["model_type"] == "llama4_text" and (merged["eos_token_id"], merged["pad_token_id"]) == (7, 9)
+            assert {k: merged[k] for k in config["text_config"]} == config["text_config"]

@@ -129,10 +129,12 @@ def test_document_masking_takes_the_chat_rows_document_starts(world, tmp_path):
 
 def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_path):
     """Validation (and so `torchmoe eval`) on chat data: the mean over the targets of its
-    batches, transformers' with the same labels ignored (1e-5), not over every token."""
+    batches, transformers' with the same labels ignored (1e-5), not over every token; what it
+    covers (`torchmoe eval` prints it) is the batches' targets and the conversations holding one,
+    counted here row by row (rows of 256 tokens: several conversations each)."""
     trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
                        "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
-                       "--validation.seq_len", "48", "--validation.steps", "2")
+                       "--validation.seq_len", "256", "--validation.steps", "2")
     loader = trainer.validation.loader()
     batches = [mb for _ in range(2) for mb in loader.next_batch()]
     hf = reference_model("qwen3")
@@ -141,7 +143,12 @@ def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_pa
     labels = torch.cat([labels for _, labels in batches])
     assert (labels == IGNORE).any()
     want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
-    assert trainer.validate() == pytest.approx(want.item(), rel=1e-5)
+    conversations = sum(bool((mb[1][row][mb.starts[row] == start] != IGNORE).any())
+                        for mb in batches for row in range(mb[1].shape[0]) for start in set(mb.starts[row].tolist()))
+    result = trainer.validate()
+    assert result.loss == pytest.approx(want.item(), rel=1e-5)
+    assert (result.batches, result.targets, result.documents) == (2, int((labels != IGNORE).sum()), conversations)
+    assert conversations > len(batches) * 2  # rows of 256 tokens pack several conversations with targets
 
 
 def test_padding_takes_no_part_in_the_routers_statistics(world, tmp_path):

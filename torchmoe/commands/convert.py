@@ -52,8 +52,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.arch.registry import FLAVORS, check_model
+from torchmoe.arch.registry import FLAVORS, FolderModel, check_model
 from torchmoe.commands.arguments import ArgumentParser, parse_args
+from torchmoe.components.base_files import keep_base_files
 from torchmoe.components.checksums import ChecksummingWriter
 from torchmoe.components.finite import refuse_bad_values
 from torchmoe.components.flavor_fit import (
@@ -63,6 +64,7 @@ from torchmoe.components.flavor_fit import (
     require_fit,
     stored_mtp_layers,
 )
+from torchmoe.components.folder_model import base_config_folder
 from torchmoe.components.hf_storage import (
     ExpertBiasDrop,
     load_hf_weights,
@@ -72,13 +74,12 @@ from torchmoe.components.hf_storage import (
 )
 from torchmoe.components.run_lock import LOCK_NAMES, lock_folders
 from torchmoe.components.tokenizer_files import copy_tokenizer_files
-from torchmoe.components.trained_weights import run_config_file
+from torchmoe.components.trained_weights import run_config_file, run_job
 from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.file_writes import os_cause, write_fault
-from torchmoe.config.job_config import JobConfig
+from torchmoe.config.job_config import JobConfig, Model
 from torchmoe.config.launch_env import launch_int
-from torchmoe.config.loader import load_toml_config
 from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
 from torchmoe.config.validate import LORA_EXPORTS, PARAM_DTYPES
 from torchmoe.models.decoder.model import Transformer
@@ -217,11 +218,13 @@ def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, *,
 
 
 def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: str = "llama4",
-              drop_expert_bias: bool = False) -> torch.dtype:
+              drop_expert_bias: bool = False, architecture: ModelArgs | None = None) -> torch.dtype:
     """Write the model weights of a DCP folder (a torchmoe `step-N/` or a bare model state dict)
     of family `name` as a Hugging Face folder of that family (`Llama4ForCausalLM`,
     `Qwen3MoeForCausalLM`), keeping the checkpoint's parameter dtype. A non-zero expert bias the
     family's Hugging Face model has no place for is refused, or with `drop_expert_bias` left out.
+    `architecture`: the model's, where it is no flavor's (a run from a Hugging Face folder,
+    which `flavor` then only names: `components.folder_model`).
 
     Returns:
         The dtype written.
@@ -234,14 +237,16 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
             empty, held by a live run, or cannot be written.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    check_model(name, flavor, name_key="--model-name", flavor_key="--flavor")
-    require_hf_form("--flavor", flavor, FLAVORS[name][flavor], flavor, "keep the DCP checkpoint (torchmoe trains "
+    if architecture is None:
+        check_model(name, flavor, name_key="--model-name", flavor_key="--flavor")
+        architecture = FLAVORS[name][flavor]
+    require_hf_form("--flavor", flavor, architecture, flavor, "keep the DCP checkpoint (torchmoe trains "
                     "and evaluates from it), or train a flavor the Hugging Face model can express")
     fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
     _require_dir("CKPT_DIR", ckpt_dir, fix)
     metadata = read_dcp_metadata("CKPT_DIR", ckpt_dir, fix)
     stored = model_tensors(metadata)
-    args = FLAVORS[name][flavor].replace(mtp_layers=stored_mtp_layers(stored))  # written as the release does
+    args = architecture.replace(mtp_layers=stored_mtp_layers(stored))  # written as the release does
     require_fit("--flavor", flavor, args, stored, str(ckpt_dir), family_key="--model-name")
     problem = non_float(meta_state(args), stored)
     if problem is not None:
@@ -296,35 +301,40 @@ def _parser() -> ArgumentParser:
     return parser
 
 
-def _checkpoint_model(ckpt_dir: Path, name: str, flavor: str, tokenizer: str | None) -> tuple[str, str, str, str]:
-    """(family, flavor, tokenizer, where they came from) of the DCP checkpoint `ckpt_dir`: what the
-    flags give, the rest from the run's config.toml for a run's step-N folder (`run_config_file`),
-    else from its tensors' shapes when they fit exactly one built-in flavor (of `name`'s family
-    when given); the tokenizer from the run, else none (the byte tokenizer).
+def _checkpoint_model(ckpt_dir: Path, name: str, flavor: str, tokenizer: str | None) -> tuple[Model, str]:
+    """The model of the DCP checkpoint `ckpt_dir` (its family, flavor and tokenizer; the
+    architecture of a run from a Hugging Face folder: a `FolderModel`), and where it came from:
+    what the flags give, the rest from the run's job for a run's step-N folder (`run_job`), else
+    from its tensors' shapes when they fit exactly one built-in flavor (of `name`'s family when
+    given); the tokenizer from the run, else none (the byte tokenizer).
 
     Raises:
         ConfigError: the checkpoint does not tell (its tensors fit no flavor, or several that differ
-            in what they compute): naming ``--flavor`` (or ``--model-name``) and the flavors that fit.
+            in what they compute): naming ``--flavor`` (or ``--model-name``) and the flavors that fit;
+            the run's model cannot be built (`run_job`: the folder it started from is gone).
     """
     if name and flavor:
-        return name, flavor, tokenizer or "", ""
+        return Model(name=name, flavor=flavor, tokenizer_path=tokenizer or ""), ""
     if name and name not in FLAVORS:  # a family spelled otherwise: said before anything is read
         check_model(name, flavor, name_key="--model-name", flavor_key="--flavor")
     fix = "pass a step-N checkpoint folder, or a folder written by `torchmoe convert hf-to-dcp`"
     _require_dir("CKPT_DIR", ckpt_dir, fix)
     run = run_config_file(ckpt_dir)
     if run is not None:
-        model = load_toml_config(run, key="CKPT_DIR").model
-        return (name or model.name, flavor or model.flavor, model.tokenizer_path if tokenizer is None else tokenizer,
-                f" from {run}")
+        model = run_job(run, key="CKPT_DIR").model
+        if name or flavor:  # a claim about the weights: the flavor's model, whose fit the load checks
+            model = Model(name=name or model.name, flavor=flavor or model.flavor, tokenizer_path=model.tokenizer_path)
+        return dataclasses.replace(model, tokenizer_path=model.tokenizer_path if tokenizer is None else tokenizer), \
+            f" from {run}"
     shapes = {k: md.size for k, md in model_tensors(read_dcp_metadata("CKPT_DIR", ckpt_dir, fix)).items()}
     everywhere = [(family, found) for family in FLAVORS for found in flavors_fitting(shapes, family)]
     families = list(dict.fromkeys(family for family, _ in everywhere))
     if flavor and not name and len(families) == 1:  # the tensors' family; the flavor's fit is the load's to check
-        return families[0], flavor, tokenizer or "", ""
+        return Model(name=families[0], flavor=flavor, tokenizer_path=tokenizer or ""), ""
     fits = [(family, found) for family, found in everywhere if name in ("", family) and flavor in ("", found)]
     if len(fits) == 1:
-        return (*fits[0], tokenizer or "", ", the one flavor its tensors fit")
+        return Model(name=fits[0][0], flavor=fits[0][1], tokenizer_path=tokenizer or ""), \
+            ", the one flavor its tensors fit"
     # The setting that does not fit, else the one missing.
     key, value = ("--model-name", name) if name and everywhere and not fits else ("--flavor", flavor or "(not given)")
     shown = "; ".join(f"{family} {found}" for family, found in everywhere) or "none of the built-in flavors"
@@ -355,9 +365,8 @@ def _lora_run(ckpt_dir: Path, export: str | None) -> tuple[JobConfig, Path] | No
     if launch_int("WORLD_SIZE", 1) > 1:  # the model is put together whole in one process, as the run's export does
         raise ConfigError("CKPT_DIR", str(ckpt_dir), "is a LoRA run's checkpoint, which convert writes in one "
                           "process", "run `torchmoe convert` without torchrun")
-    cfg = load_toml_config(run, key="CKPT_DIR")
-    lora = dataclasses.replace(cfg.lora, export=export or cfg.lora.export)
-    return dataclasses.replace(cfg, lora=lora, job=dataclasses.replace(cfg.job, dump_folder=str(run.parent))), run
+    cfg = run_job(run, key="CKPT_DIR")
+    return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, export=export or cfg.lora.export)), run
 
 
 def _lora_to_hf(cfg: JobConfig, ckpt_dir: Path, out_dir: Path, *, drop_expert_bias: bool) -> None:
@@ -410,11 +419,11 @@ def _run(opts: argparse.Namespace) -> int:
         lora_run = _lora_run(Path(opts.ckpt_dir), opts.lora_export)
         if lora_run is not None:
             cfg, run = lora_run
-            name, flavor, source = cfg.model.name, cfg.model.flavor, f" from {run}"
-            tokenizer = cfg.model.tokenizer_path if opts.tokenizer is None else opts.tokenizer
+            model, source = cfg.model, f" from {run}"
         else:
-            name, flavor, tokenizer, source = _checkpoint_model(Path(opts.ckpt_dir), opts.model_name, opts.flavor,
-                                                                opts.tokenizer)
+            model, source = _checkpoint_model(Path(opts.ckpt_dir), opts.model_name, opts.flavor, opts.tokenizer)
+        name, flavor = model.name, model.flavor
+        tokenizer = model.tokenizer_path if opts.tokenizer is None else opts.tokenizer
         tokenizer_fix = "pass the tokenizer.json the model trained with, or its folder"
         if tokenizer:  # before anything is written
             with path_faults("--tokenizer", tokenizer, tokenizer_fix):
@@ -425,14 +434,17 @@ def _run(opts: argparse.Namespace) -> int:
                 form = f"the LoRA run's {'PEFT adapter' if cfg.lora.export == 'adapter' else 'merged model'}"
             else:
                 dtype = dcp_to_hf(opts.ckpt_dir, opts.out_dir, flavor=flavor, name=name,
-                                  drop_expert_bias=opts.drop_expert_bias)
+                                  drop_expert_bias=opts.drop_expert_bias,
+                                  architecture=model.architecture if isinstance(model, FolderModel) else None)
                 form = str(dtype).removeprefix("torch.")
         for w in caught:
             _say(f"warning: {w.message}", file=sys.stderr)
-        copied = []
+        kept, copied = [], []
         if not dist.is_initialized() or dist.get_rank() == 0:
+            kept = keep_base_files(Path(opts.out_dir), base_config_folder(model))  # a Hugging Face start's fields
             with path_faults("--tokenizer", tokenizer, tokenizer_fix):
                 copied = copy_tokenizer_files(tokenizer, opts.out_dir)
         _say(f"wrote Hugging Face folder {opts.out_dir} ({name} {flavor}{source}, {form}"
+             + (f"; from the folder it started from: {', '.join(kept)}" if kept else "")
              + (f"; tokenizer: {', '.join(copied)})" if copied else ")"))
     return 0

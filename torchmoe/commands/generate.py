@@ -3,14 +3,16 @@
     torchmoe generate --job.dump_folder outputs/debug-40 --prompt "def main(" --max-new-tokens 64
 
 The weights (`--checkpoint`, else the newest checkpoint of the job's run: `components.trained_weights`)
-give the model (family, flavor, tokenizer) where they tell it, a run's config.toml or a Hugging
-Face config.json; the job (the job file, or without one that run's config.toml) the rest (device,
-compute dtype). The
-prompt is encoded as training encodes a document (BOS first with `training.add_bos`), or with
-`--chat` as a user message rendered through the tokenizer's chat template with the generation
-prompt after it (the template's tokens only: `data.chat_template`), as chat SFT trained; the
-model prefills it once, then decodes one token at a time over its cached keys and values
-(`nn.kv_cache`), so each step costs one position, and the logits are those of the full forward.
+give the model (family, architecture, adapters, tokenizer) where they tell it: a run's config.toml
+and the Hugging Face folder it started from (a LoRA run's checkpoint is its adapters over the
+run's base), a Hugging Face config.json, a PEFT adapter folder over its base (`--base FOLDER`, else
+the one its adapter_config.json names); the job (the job file, or without one that run's
+config.toml) the rest (device, compute dtype). The prompt is encoded as training encodes a
+document (BOS first with `training.add_bos`), or with `--chat` as a user message rendered through
+the tokenizer's chat template with the generation prompt after it (the template's tokens only:
+`data.chat_template`), as chat SFT trained; the model prefills it once, then decodes one token at
+a time over its cached keys and values (`nn.kv_cache`), so each step costs one position, and the
+logits are those of the full forward.
 
 Sampling: `--temperature 0` (the default) is greedy; above 0 the logits are divided by it and
 `--top-p` keeps the smallest set of tokens whose probability reaches p (nucleus sampling; the
@@ -35,20 +37,23 @@ import torch
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.commands.exits import rank_specific_errors
 from torchmoe.commands.job import checkpoint_job
-from torchmoe.components.folder_model import with_folder_model
 from torchmoe.components.initial_load import load_initial_weights
-from torchmoe.components.trained_weights import STEP
+from torchmoe.components.peft_adapter import load_peft_adapter
+from torchmoe.components.trained_weights import STEP, TrainedWeights
 from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.flags import Integer, Number, split_flags
 from torchmoe.config.numbers import INT64_MAX, shown_text
 from torchmoe.data.chat_template import ChatTemplate, TemplateRefused
 from torchmoe.data.tokenizer import build_tokenizer
+from torchmoe.models.decoder.lora import apply_lora
 from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.nn.kv_cache import KVCache
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.preflight import train_device
 from torchmoe.training.cpu_threads import cpu_threads
+from torchmoe.training.adapter_checkpoint import adapted_model
+from torchmoe.training.adapters import base_weights
 
 __all__ = ["NonFiniteLogits", "Sampling", "chat_prompt", "generate_ids", "generate_main", "load_trained_model", "next_token"]
 
@@ -131,27 +136,38 @@ def generate_ids(model: Transformer, prompt: list[int], sampling: Sampling, *, e
     return out
 
 
-def load_trained_model(cfg: JobConfig, folder: Path, *, in_hf: bool) -> Transformer:
-    """The job's model on its training device in eval mode, holding the weights in `folder` (a
-    Hugging Face folder when `in_hf`, else a DCP one: `components.trained_weights`), computing in
-    training's compute dtype."""
-    ckpt = dataclasses.replace(cfg.checkpoint, initial_load_path=str(folder), initial_load_in_hf=in_hf)
-    cfg = with_folder_model(dataclasses.replace(cfg, checkpoint=ckpt), key="--checkpoint")  # HF: its config.json
-    args = model_args_from_config(cfg.model)
+def load_trained_model(cfg: JobConfig, weights: TrainedWeights) -> Transformer:
+    """The job's model on its training device in eval mode, holding `weights`
+    (`components.trained_weights`: a Hugging Face or DCP folder; a PEFT adapter folder over its
+    base; a LoRA run's checkpoint over the run's base, `adapter_checkpoint.adapted_model`),
+    computing in training's compute dtype."""
     device = train_device(cfg.training.device)
     if device.type == "cpu":
         cpu_threads()  # the CPUs this process has to itself, as training chooses them
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    model.init_weights(seed=cfg.training.seed, buffer_device=device)  # the buffers; weights come next
-    with warnings.catch_warnings():
-        # DCP says it assumes one process when no process group exists: here that is the intent.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        load_initial_weights(ckpt, cfg.model.flavor, args, model, key="--checkpoint")
+    if weights.lora_step:
+        model = adapted_model(dataclasses.replace(weights.run, model=cfg.model), weights.folder).to(device)
+    else:
+        adapter = weights.form == "adapter"
+        path, key = (weights.base, "--base") if adapter else (weights.folder, "--checkpoint")
+        # Reading, not training: nothing is exported, so no expert bias is refused for an export.
+        ckpt = dataclasses.replace(cfg.checkpoint, initial_load_path=str(path),
+                                   initial_load_in_hf=weights.in_hf or adapter, last_save_in_hf=False)
+        args = model_args_from_config(cfg.model)
+        with torch.device("meta"):
+            model = Transformer(args)
+        if adapter:
+            apply_lora(model, cfg.lora)
+        model.to_empty(device=device)
+        model.init_weights(seed=cfg.training.seed, buffer_device=device)  # the buffers; weights come next
+        with warnings.catch_warnings():
+            # DCP says it assumes one process when no process group exists: here that is the intent.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            load_initial_weights(ckpt, cfg.model.flavor, args, model, key=key, keep=base_weights(cfg.lora))
+        if adapter:
+            load_peft_adapter(model, weights.folder, cfg.lora)
     dtype = torch_dtype(compute_dtype(cfg.training))
     model.autocast_dtype = None if dtype == torch.float32 else dtype
-    logger.info("generating from %s", folder)
+    logger.info("generating from %s", weights.folder)
     return model.eval()
 
 
@@ -159,17 +175,19 @@ def load_trained_model(cfg: JobConfig, folder: Path, *, in_hf: bool) -> Transfor
 # hardware may flush to 0, or 1e-320, which is 0 in float32) it would divide by zero.
 _TEMPERATURE = (float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max))
 
-_FLAGS = {"--checkpoint": str, "--step": STEP, "--prompt": str, "--max-new-tokens": Integer(1, INT64_MAX, "64"),
+_FLAGS = {"--checkpoint": str, "--base": str, "--step": STEP, "--prompt": str,
+          "--max-new-tokens": Integer(1, INT64_MAX, "64"),
           "--temperature": Number(0.0, _TEMPERATURE[1], "0.8"), "--top-p": Number(0.0, 1.0, "0.9", above_low=True),
           "--seed": Integer(0, 2**64 - 1, "0")}  # torch.Generator's seeds: 64 bits, unsigned
 
 GENERATE_DESCRIPTION = (
-    "Sample text from trained weights: those of --checkpoint (a step-N folder, a DCP folder or a Hugging Face "
-    "folder), or else the newest checkpoint of the run in --job.dump_folder (--step N picks one). The model and "
-    "tokenizer are the weights' own (the run's config.toml, the folder's config.json), else the job file's "
-    "(--config, optional with a run's weights). Own flags: --prompt TEXT (required), --chat (the prompt is a user "
-    "message, rendered through the tokenizer's chat template with the generation prompt), --max-new-tokens N (128), "
-    "--temperature T (0: greedy), --top-p P (1.0), --seed S (0). Every other flag overrides the job as in "
+    "Sample text from trained weights: those of --checkpoint (a step-N folder, a DCP folder, a Hugging Face folder, "
+    "or a PEFT adapter folder over --base FOLDER or the base its adapter_config.json names), or else the newest "
+    "checkpoint of the run in --job.dump_folder (--step N picks one). The model, adapters and tokenizer are the "
+    "weights' own (the run's config.toml and the folder it started from, the folder's config.json), else the job "
+    "file's (--config, optional with a run's weights). Own flags: --prompt TEXT (required), --chat (the prompt is a "
+    "user message, rendered through the tokenizer's chat template with the generation prompt), --max-new-tokens N "
+    "(128), --temperature T (0: greedy), --top-p P (1.0), --seed S (0). Every other flag overrides the job as in "
     "`torchmoe train`.")
 
 
@@ -199,10 +217,11 @@ def _generate(argv: list[str]) -> int:
     chat = "--chat" in argv  # a switch, without a value
     found, rest = split_flags([token for token in argv if token != "--chat"], _FLAGS)
     loaded = checkpoint_job(rest, "torchmoe generate", GENERATE_DESCRIPTION,
-                            checkpoint=str(found.get("--checkpoint", "")), step=found.get("--step"))
+                            checkpoint=str(found.get("--checkpoint", "")), step=found.get("--step"),
+                            base=str(found.get("--base", "")))
     if isinstance(loaded, int):
         return loaded
-    cfg, folder, in_hf = loaded
+    cfg, weights = loaded
     if "--prompt" not in found:
         raise ConfigError("--prompt", "(not given)", "is required",
                           'pass the text to continue, e.g. --prompt "def main("')
@@ -216,7 +235,7 @@ def _generate(argv: list[str]) -> int:
             + tokenizer.encode(text)
     if not prompt:
         raise ConfigError("--prompt", "", "encodes to no tokens", 'pass text to continue, e.g. --prompt "The"')
-    model = load_trained_model(cfg, folder, in_hf=in_hf)
+    model = load_trained_model(cfg, weights)
     limit = model.args.max_seq_len
     if len(prompt) >= limit:  # no --max-new-tokens fits: the prompt is what to change
         raise ConfigError("--prompt", shown_text(str(found["--prompt"])),

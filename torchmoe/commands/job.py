@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
@@ -18,6 +19,9 @@ from torchmoe.config.job_config import Parallelism
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import CONFIG_FLAGS
 from torchmoe.config.paths import replica_group_config
+
+if TYPE_CHECKING:
+    from torchmoe.components.trained_weights import TrainedWeights
 
 
 def _env_world_size() -> int | None:
@@ -85,18 +89,21 @@ def _needs_a_run(cfg: JobConfig) -> str:
 
 
 _WEIGHTS_FIX = ("name the weights: --job.dump_folder of a run that saved checkpoints (its config.toml gives the "
-                "model), --checkpoint FOLDER (a run's step-N, or a Hugging Face folder), or a job file: --config FILE")
+                "model), --checkpoint FOLDER (a run's step-N, a Hugging Face folder or a PEFT adapter folder), or a "
+                "job file: --config FILE")
 
 
 def checkpoint_job(config_argv: list[str], prog: str, description: str, *, checkpoint: str,
-                    step: int | None) -> tuple[JobConfig, Path, bool] | int:
-    """The job whose trained weights `generate` and `eval` read, the weights' folder and whether
-    it is a Hugging Face one (`trained_weights`); an int when --help was printed.
+                   step: int | None, base: str = "") -> tuple[JobConfig, TrainedWeights] | int:
+    """The job whose trained weights `generate` and `eval` read, and the weights
+    (`trained_weights`: a folder, what it is, the run it is a checkpoint of); an int when --help
+    was printed.
 
     Without a job file the job is the run's own config.toml: that of the run whose step-N
-    `checkpoint` is, else that of `--job.dump_folder`. The model is the weights' own wherever
-    they tell it (`with_weights_model`: a run's config.toml, a Hugging Face config.json), but for
-    the `--model.*` flags given; a job file that says otherwise gets one note. Under fault
+    `checkpoint` is, else that of `--job.dump_folder`. The model, and the adapters over it, are
+    the weights' own wherever they tell it (`with_weights_model`: a run's config.toml and the
+    Hugging Face folder it started from, a Hugging Face config.json, a PEFT adapter on its `base`),
+    but for the `--model.*` flags given; a job file that says otherwise gets one note. Under fault
     tolerance the dump folder is the replica group's own (`replica_group_config`).
     """
     from torchmoe.components.trained_weights import run_config_file, trained_weights, with_weights_model
@@ -109,13 +116,13 @@ def checkpoint_job(config_argv: list[str], prog: str, description: str, *, check
         if run is not None:
             config_argv = ["--config", str(run), *config_argv]
     cfg = job_config(config_argv, prog, description, require_file=None if checkpoint else _needs_a_run,
-                      fix=_WEIGHTS_FIX)
+                     fix=_WEIGHTS_FIX)
     if isinstance(cfg, int):
         return cfg
     cfg = replica_group_config(cfg)
-    folder, in_hf = trained_weights(cfg, "--checkpoint", path=checkpoint, step=step)
+    weights = trained_weights(cfg, "--checkpoint", path=checkpoint, step=step, base=base)
     flags = {token[2:].partition("=")[0].replace("-", "_") for token in config_argv if token.startswith("--model.")}
-    cfg, note = with_weights_model(cfg, folder, in_hf, flag_keys=flags)
+    cfg, note = with_weights_model(cfg, weights, flag_keys=flags)
     if note and os.environ.get("RANK") in (None, "0"):
         Console(stderr=True, soft_wrap=True, highlight=False).print(f"[yellow]note:[/] {escape(note)}")
-    return cfg, folder, in_hf
+    return cfg, weights

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import html
 import importlib.util
 import io
@@ -189,6 +190,8 @@ def load_run(folder: Path, world_size: int | None) -> RunData:
         raise ConfigError("DUMP_FOLDER", str(folder), f"holds no {RUN_INFO_FILE}, which tells the run's world size",
                           size_fix)
     cfg = load_toml_config(folder / "config.toml", key="DUMP_FOLDER")
+    # The run's folder is this one, wherever it was moved: its copy of a Hugging Face start's base lies here.
+    cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, dump_folder=str(folder)))
     with _config_faults(folder):  # checked as `train` checks its sections
         validate_sections(cfg)
         cfg = with_folder_model(cfg, absent_ok=True)  # a run from a Hugging Face folder: its config.json's model

@@ -46,7 +46,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -271,11 +271,12 @@ class CheckpointManager:
         self.save(0, {"model": state["model"]}, model_only=True)
         return self.folder / "step-0"
 
-    def save_base(self, state: dict[str, Any], files: tuple[Path, ...] = ()) -> Path:
+    def save_base(self, state: dict[str, Any], files: Mapping[str, Path] | None = None) -> Path:
         """Write `base/` (a LoRA run's frozen base: `state` = {"model": its ModelWrapper}) with
-        copies of `files` (the Hugging Face folder's config.json, which describes the model), as
-        a step-N folder is written: checksummed, visible by a rename once complete, replacing an
-        earlier run's. Returns the folder.
+        copies of `files` (name there -> source: the Hugging Face folder's config.json, which
+        describes the model, its generation config, the tokenizer's files), as a step-N folder is
+        written: checksummed, visible by a rename once complete, replacing an earlier run's.
+        Returns the folder.
 
         Raises:
             SaveFailed: writing it failed (a full disk): nothing of it is left.
@@ -288,8 +289,8 @@ class CheckpointManager:
         try:
             dcp.save(state, storage_writer=ChecksummingWriter(tmp), process_group=self.group, no_dist=not dist_on())
             if self.rank == 0:
-                for file in files:
-                    shutil.copyfile(file, tmp / file.name)
+                for name, file in (files or {}).items():
+                    shutil.copyfile(file, tmp / name)
         except (Exception, CheckpointException) as e:
             error = write_fault(e)
         self._finish(BASE_DIR, tmp, meta, error)

@@ -2,6 +2,7 @@
 
     cfg = with_folder_model(cfg, set_keys=set_keys)   # torchmoe train / plan, before the preflight
     cfg = with_folder_model(cfg, key="--checkpoint")  # eval / generate on a Hugging Face folder
+    cfg = run_folder_model(run_cfg)                   # what a finished run trained (eval, generate, convert)
 
 With ``checkpoint.initial_load_in_hf``, the folder decides the model: any checkpoint of a family
 torchmoe trains, of any size, not only the shipped flavors (`model.flavor` sizes runs from
@@ -16,6 +17,12 @@ at another checkpoint has the wrong folder or the wrong job). Left at their defa
 claim and the folder's family and architecture are used. `eval` and `generate --checkpoint`
 judge the weights they are pointed at, with the run's job file for context: there the folder
 decides without a check.
+
+A LoRA run with `lora.checkpoint_base` keeps the folder's config.json, generation config and
+tokenizer files in its `base/`: once the folder is gone, its model, tokenizer and
+`hf_assets_path` are the copy's (its resume and every reader of it need the folder no more). A
+run that kept no copy is refused by name (`start_gone`) by whatever reads it: a resume, a report,
+`run_folder_model`'s readers.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from pathlib import Path
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, FolderModel, check_model, model_args_from_config
-from torchmoe.components.checkpoint import saved_base
+from torchmoe.components.checkpoint import complete_checkpoints, saved_base
 from torchmoe.components.flavor_fit import matching_flavor
 from torchmoe.components.hf_storage import read_hf_args
 from torchmoe.config.errors import ConfigError, show_value
@@ -36,7 +43,7 @@ from torchmoe.config.job_config import JobConfig, Model
 from torchmoe.config.paths import path_faults, source_key
 from torchmoe.models.registry import family_titles, hf_mapping
 
-__all__ = ["folder_flavor", "hf_folder", "with_folder_model"]
+__all__ = ["base_config_folder", "folder_flavor", "hf_folder", "run_folder_model", "start_gone", "with_folder_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +66,9 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
     Raises:
         ConfigError: config.json is missing or holds what the family cannot represent (naming
             the field, its value and the fix: `components.hf_storage.read_hf_args`), or a set
-            `model.name` / `model.flavor` contradicts it.
+            `model.name` / `model.flavor` contradicts it; the folder of a run that saved
+            checkpoints (a resume, a report) is gone, and its flavor is no built-in one to plan
+            instead (`start_gone`).
     """
     ckpt = cfg.checkpoint
     if not (ckpt.initial_load_in_hf and ckpt.initial_load_path) or isinstance(cfg.model, FolderModel):
@@ -67,14 +76,20 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
     key = key or source_key(cfg, "checkpoint.initial_load_path")
     folder = Path(ckpt.initial_load_path)
     saved = saved_base(Path(cfg.job.dump_folder) / ckpt.folder)
+    fields = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(Model)}
     if not (folder / "config.json").is_file() and saved is not None and (saved / "config.json").is_file():
         # A LoRA run's own copy of the base (`lora.checkpoint_base`) holds the folder's config.json:
         # its resume needs the folder no more (the trainer loads the base from there too).
         logger.info("%s %s holds no config.json here: the model is the run's saved base's, %s", key, folder, saved)
         folder = saved
-    if absent_ok and not (folder / "config.json").is_file():
-        logger.warning("%s %s holds no config.json here: planning model.flavor %s", key, folder, cfg.model.flavor)
-        return cfg
+        fields |= _saved_copies(cfg.model, saved)
+    if not (folder / "config.json").is_file():
+        planned = absent_ok and cfg.model.flavor in FLAVORS.get(cfg.model.name, {})
+        if not planned and complete_checkpoints(Path(cfg.job.dump_folder) / ckpt.folder):
+            raise start_gone(cfg)  # a run of the folder's model (its resume, a report), which nothing describes now
+        if absent_ok:
+            logger.warning("%s %s holds no config.json here: planning model.flavor %s", key, folder, cfg.model.flavor)
+            return cfg
     if not folder.is_dir():  # the OS says first what is wrong with the path
         with path_faults(key, str(folder), f"point it at {_wanted(cfg.model)}, or leave it empty to start from "
                          "random weights"):
@@ -89,11 +104,71 @@ def with_folder_model(cfg: JobConfig, *, set_keys: Collection[str] | None = None
     if "model.flavor" in given and cfg.model.flavor != label:
         check_model(args.family, cfg.model.flavor)  # a flavor of the folder's family, or the error says whose
         _require_flavor(cfg.model.flavor, args, key, folder)
-    fields = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(Model)}
     model = FolderModel(**{**fields, "name": args.family, "flavor": label}, architecture=args, source=str(folder))
     logger.info("model: %s from %s/config.json (%.1f M parameters)", hf_mapping(args).title, folder,
                 args.param_counts()["total"] / 1e6)
     return dataclasses.replace(cfg, model=model)
+
+
+def _saved_copies(model: Model, saved: Path) -> dict[str, str]:
+    """The `[model]` paths that the run's saved base `saved` stands for once the folder they named
+    is gone: the tokenizer, whose files it keeps (`Checkpoints.load_initial_weights`), and
+    `hf_assets_path`, which filled the paths it now holds."""
+    copies = {}
+    if model.tokenizer_path and not os.path.exists(model.tokenizer_path) and (saved / "tokenizer.json").is_file():
+        copies["tokenizer_path"] = str(saved)
+    if model.hf_assets_path and not os.path.exists(model.hf_assets_path):
+        copies["hf_assets_path"] = ""
+    return copies
+
+
+def run_folder_model(cfg: JobConfig) -> JobConfig:
+    """The job of a finished run (`cfg`: its config.toml, `job.dump_folder` the folder that holds
+    it) with the model the run trained: for a start from a Hugging Face folder, the one its
+    config.json describes (`with_folder_model`), from the run's saved copy of it
+    (`lora.checkpoint_base`) where the folder is gone; `cfg` itself otherwise.
+
+    Raises:
+        ConfigError: the folder is gone and the run kept no copy (`start_gone`); what
+            `with_folder_model` raises.
+    """
+    ckpt = cfg.checkpoint
+    folder = Path(ckpt.initial_load_path)
+    if ckpt.initial_load_in_hf and ckpt.initial_load_path and not (folder / "config.json").is_file():
+        saved = saved_base(Path(cfg.job.dump_folder) / ckpt.folder)
+        if saved is None or not (saved / "config.json").is_file():
+            raise start_gone(cfg)
+    return with_folder_model(cfg)
+
+
+def start_gone(cfg: JobConfig) -> ConfigError:
+    """What refuses to read a run (`cfg`, `job.dump_folder` its folder) whose start,
+    `checkpoint.initial_load_path`, is gone, where the run kept no copy of what it needs of it: a
+    LoRA run its frozen base, a full fine-tuning its config.json (which describes the model). The
+    fix names the run's Hugging Face exports, which describe the model themselves."""
+    ckpt = cfg.checkpoint
+    folder = Path(cfg.job.dump_folder) / ckpt.folder
+    if cfg.lora.enable:
+        problem = (f"is gone, and {folder} holds no copy of the frozen base (lora.checkpoint_base was false): the "
+                   "run's adapters cannot be put back on their base")
+        fix = "restore the folder the run started from there"
+    else:
+        problem = (f"holds no config.json here, and {folder} keeps no copy of it: the model the run trained (its "
+                   "config.json's) cannot be built")
+        exports = sorted(folder.glob("step-*-hf/config.json"), key=lambda path: path.stat().st_mtime_ns)
+        fix = "restore the folder the run started from there" + (
+            f", or use the run's Hugging Face export {exports[-1].parent}, which describes the model itself"
+            if exports else "")
+    return ConfigError(source_key(cfg, "checkpoint.initial_load_path"), ckpt.initial_load_path, problem,
+                       f"{fix}; lora.checkpoint_base = true makes future LoRA runs keep the base with their "
+                       "checkpoints")
+
+
+def base_config_folder(model: Model) -> Path | None:
+    """The folder whose config.json `model` was built from (a Hugging Face start's, or the run's
+    saved copy of it: `with_folder_model`), whose other fields and generation config an export
+    keeps; None for a flavor's model."""
+    return Path(model.source) if isinstance(model, FolderModel) else None
 
 
 def hf_folder(model: Model) -> str:

@@ -47,7 +47,8 @@ from torchmoe.models.registry import hf_mapping
 from torchmoe.nn.experts import RoutedExperts
 from torchmoe.nn.lora import ADAPTER_PREFIX, is_adapter_name
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BIASES_WITHOUT_PLACE", "load_peft_adapter", "require_peft_form",
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BIASES_WITHOUT_PLACE", "load_peft_adapter", "peft_tensor_names",
+           "require_peft_form",
            "save_merged_model", "save_peft_adapter"]
 
 _PREFIX = "base_model.model."
@@ -86,6 +87,16 @@ def require_peft_form(model: torch.nn.Module) -> None:
     """Refuse (before training) adapters of `model` that PEFT cannot hold (`ConfigError` naming
     lora.export and the target, offering the merged export). Shapes only: a meta model does."""
     _pairs(model)
+
+
+def peft_tensor_names(model: torch.nn.Module) -> set[str]:
+    """The names of `model`'s adapter tensors in a PEFT adapter file (``...lora_A.weight`` and
+    ``...lora_B.weight``). Shapes only: a meta model does.
+
+    Raises:
+        ConfigError: as `require_peft_form`.
+    """
+    return {f"{stem}lora_{side}.weight" for stem in _keys(_pairs(model)) for side in "AB"}
 
 
 def _keys(pairs: list[tuple[PeftTarget, ...]]) -> list[str]:

@@ -1,10 +1,12 @@
-"""A LoRA run's step-N checkpoint as the trained model again, for `torchmoe convert dcp-to-hf`:
-the run's model (its config.toml; a Hugging Face start's config.json), its frozen base (the run's
-saved copy, `lora.checkpoint_base`, else its `checkpoint.initial_load_path`, checked against the
-fingerprint the checkpoint recorded) and the step's adapters, with the expert biases the run
-trained where it trained them, written as `lora.export` says (`adapters.export_hf`, as the run's
-own export at its last step).
+"""A LoRA run's step-N checkpoint as the trained model again: the run's model (its config.toml; a
+Hugging Face start's config.json), its frozen base (the run's saved copy, `lora.checkpoint_base`,
+else its `checkpoint.initial_load_path`, checked against the fingerprint the checkpoint recorded)
+and the step's adapters, with the expert biases the run trained where it trained them.
+`torchmoe convert dcp-to-hf` writes it as `lora.export` says (`adapters.export_hf`, as the run's
+own export at its last step), `torchmoe generate` samples from it, and `torchmoe eval` loads the
+same base (`lora_base`) under the trainer (`checkpointing.Checkpoints.load_trained`).
 
+    model = adapted_model(cfg, step_dir)                                        # one process, CPU
     export_checkpoint(cfg, step_dir, out_dir, bias_drop=ExpertBiasDrop(...))   # one process
 
     python -m pytest -q tests/integration/test_lora_training.py
@@ -12,6 +14,7 @@ own export at its last step).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from torchmoe.components.adapter_settings import AdapterSettings
 from torchmoe.components.base_fingerprint import BaseFingerprint, base_fingerprint
 from torchmoe.components.checkpoint import saved_base
 from torchmoe.components.checkpoint_state import dcp_load, load_model_only
-from torchmoe.components.folder_model import with_folder_model
+from torchmoe.components.folder_model import start_gone, with_folder_model
 from torchmoe.components.hf_storage import ExpertBiasDrop
 from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.components.peft_adapter import BIASES_WITHOUT_PLACE, require_peft_form
@@ -31,20 +34,88 @@ from torchmoe.components.weight_files import model_tensors, read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import source_key
+from torchmoe.models.decoder.model import Transformer
 from torchmoe.nn.lora import is_adapter_name
 from torchmoe.training.adapters import (
     base_source,
     base_tensors,
     base_weights,
+    checkpointed,
     export_hf,
     hf_base,
     plain_model,
     saved_tensors_check,
 )
 
-__all__ = ["export_checkpoint"]
+__all__ = ["adapted_model", "export_checkpoint", "lora_base"]
 
 _FIX = "pass a step-N checkpoint folder of the run"
+
+
+def lora_base(cfg: JobConfig, step_dir: Path) -> tuple[str, bool]:
+    """Where the frozen base of the LoRA run `cfg` (its job, `job.dump_folder` its folder) loads
+    from for its checkpoint `step_dir`, as (path, whether a Hugging Face folder): the run's saved
+    copy (`lora.checkpoint_base`), else its `checkpoint.initial_load_path`; ("", False) for the
+    seed's random init.
+
+    Raises:
+        ConfigError: the initial folder is gone and the run kept no copy (`start_gone`).
+    """
+    base = saved_base(step_dir.parent)
+    if base is not None:
+        return str(base), False
+    ckpt = cfg.checkpoint
+    if ckpt.initial_load_path and not os.path.lexists(ckpt.initial_load_path):
+        raise start_gone(cfg)
+    return ckpt.initial_load_path, ckpt.initial_load_in_hf
+
+
+def _step_model(cfg: JobConfig, step_dir: Path) -> tuple[JobConfig, ModelArgs, Transformer, list[str]]:
+    """The run's job with its folder's model, its arguments, the adapted model on the CPU in the
+    adapters' dtype (nothing loaded yet), and the base's tensors the step holds (the expert
+    biases its run trained), read from the step's metadata; the step's tensors checked against
+    the run's `[lora]` settings (config.toml edited since: refused, naming the key)."""
+    cfg = with_folder_model(cfg)  # a Hugging Face start: its config.json (the saved base's copy without the folder)
+    args = model_args_from_config(cfg.model, lora=cfg.lora.enable)
+    stored = model_tensors(read_dcp_metadata("CKPT_DIR", step_dir, _FIX))
+    dtype = next(md.properties.dtype for name, md in stored.items() if is_adapter_name(name))
+    saved_tensors_check(cfg, args)({name: md.size for name, md in stored.items()})
+    trained = sorted(name for name in stored if not is_adapter_name(name))
+    return cfg, args, plain_model(args, cfg.lora, dtype), trained
+
+
+def adapted_model(cfg: JobConfig, step_dir: Path) -> Transformer:
+    """The model the LoRA checkpoint `step_dir` of the run `cfg` (its job, `job.dump_folder` its
+    folder) holds: unsharded on the CPU, with its adapters, the base loaded as a resume loads it
+    (`lora_base`) and checked against the fingerprint the step recorded, then the step's tensors
+    (`adapters.checkpointed`: the adapters, and the expert biases where the run trained them).
+    Parameters in the adapters' dtype, as the run held them.
+
+    Raises:
+        ConfigError: the base is gone (naming `checkpoint.initial_load_path` and the fix), is
+            another than the run trained on (its fingerprint), or cannot be read; the step's
+            tensors are not this model's, or another `[lora]` setting's.
+    """
+    path, _ = lora_base(cfg, step_dir)
+    cfg, args, model, _ = _step_model(cfg, step_dir)
+    metadata = read_dcp_metadata("CKPT_DIR", step_dir, _FIX)
+    if any(key.startswith("lora.") for key in metadata.state_dict_metadata):  # recorded since 2026-12-07
+        dcp_load({"lora": AdapterSettings(cfg.lora, cfg.model.load_balance_coeff)}, step_dir, None)
+    base = saved_base(step_dir.parent)
+    if base is not None:  # checksummed when saved and checked as it loads: the run's own copy
+        model.init_buffers("cpu")  # fresh router state, as the run's before its base loaded
+        load_model_only(base, [model], key="checkpoint.folder", keep=base_weights(cfg.lora))
+    elif path:
+        model.init_buffers("cpu")
+        ckpt = dataclasses.replace(cfg.checkpoint, last_save_in_hf=False)  # reading: nothing is exported here
+        load_initial_weights(ckpt, cfg.model.flavor, args, model, key=source_key(cfg, "checkpoint.initial_load_path"),
+                             keep=base_weights(cfg.lora))
+    else:  # the base is the seed's random init, as the run drew it (`model_build.build_model`)
+        model.init_weights(seed=cfg.training.seed)
+    recorded = any(key.startswith("base.") for key in metadata.state_dict_metadata)
+    _check_base(cfg, model, args, step_dir, base, recorded=recorded)
+    load_model_only(step_dir, [model], key="CKPT_DIR", keep=checkpointed(cfg.lora, args))
+    return model
 
 
 def export_checkpoint(cfg: JobConfig, step_dir: Path, out_dir: Path, *, bias_drop: ExpertBiasDrop) -> None:
@@ -56,48 +127,19 @@ def export_checkpoint(cfg: JobConfig, step_dir: Path, out_dir: Path, *, bias_dro
         step_dir: the run's `<job.dump_folder>/<checkpoint.folder>/step-N`.
 
     Raises:
-        ConfigError: the base is gone (naming `checkpoint.initial_load_path` and the fix), is
-            another than the run trained on (its fingerprint), or cannot be read; PEFT cannot hold
-            an adapter, or the expert biases the run trained (naming ``--lora-export``, offering
-            "merged"); the step's adapters are not this model's.
+        ConfigError: as `adapted_model`; PEFT cannot hold an adapter, or the expert biases the run
+            trained (naming ``--lora-export``, offering "merged"), said before anything is read.
     """
-    ckpt, lora = cfg.checkpoint, cfg.lora
-    base = saved_base(step_dir.parent)
-    if base is None and ckpt.initial_load_path and not os.path.lexists(ckpt.initial_load_path):
-        key = source_key(cfg, "checkpoint.initial_load_path")
-        raise ConfigError(key, ckpt.initial_load_path, f"is gone, and {step_dir.parent} holds no copy of the frozen "
-                          f"base (lora.checkpoint_base was false): the adapters of {step_dir} cannot be put back on "
-                          "their base", "restore the folder the run started from there; lora.checkpoint_base = true "
-                          "makes future runs keep the base with their checkpoints")
-    cfg = with_folder_model(cfg)  # a Hugging Face start: its config.json (the saved base's copy without the folder)
-    args = model_args_from_config(cfg.model, lora=cfg.lora.enable)
-    metadata = read_dcp_metadata("CKPT_DIR", step_dir, _FIX)
-    stored = model_tensors(metadata)
-    dtype = next(md.properties.dtype for name, md in stored.items() if is_adapter_name(name))
-    # The base's tensors the run trained (its expert biases), as the checkpoint holds them.
-    trained = sorted(name for name in stored if not is_adapter_name(name))
-    model = plain_model(args, lora, dtype)
-    problem = _unholdable(model, step_dir, trained) if lora.export == "adapter" else None
-    if problem is not None:  # before anything is read: the export would refuse it
-        raise ConfigError("--lora-export", "adapter", problem, "pass --lora-export merged (the model with each "
-                          "adapter folded into its weight, and the expert biases as trained)")
-    # The run's [lora] settings made these tensors (config.toml edited since: refused, naming the key).
-    saved_tensors_check(cfg, args)({name: md.size for name, md in stored.items()})
-    if any(key.startswith("lora.") for key in metadata.state_dict_metadata):  # recorded since 2026-12-07
-        dcp_load({"lora": AdapterSettings(lora, cfg.model.load_balance_coeff)}, step_dir, None)
-    if base is not None:
-        model.init_buffers("cpu")  # fresh router state, as the run's before its base loaded
-        load_model_only(base, [model], key="checkpoint.folder", keep=base_weights(lora))
-    elif ckpt.initial_load_path:
-        model.init_buffers("cpu")
-        load_initial_weights(ckpt, cfg.model.flavor, args, model, key=source_key(cfg, "checkpoint.initial_load_path"),
-                             keep=base_weights(lora))
-    else:  # the base is the seed's random init, as the run drew it (`model_build.build_model`)
-        model.init_weights(seed=cfg.training.seed)
-    recorded = any(key.startswith("base.") for key in metadata.state_dict_metadata)
-    _check_base(cfg, model, args, step_dir, base, recorded=recorded)
-    load_model_only(step_dir, [model], key="CKPT_DIR", keep=lambda name: is_adapter_name(name) or name in trained)
-    export_hf(model, args, lora, out_dir, rank=0, bias_drop=bias_drop, base=hf_base(cfg))
+    lora = cfg.lora
+    if lora.export == "adapter":  # before anything is read: the export would refuse it
+        lora_base(cfg, step_dir)  # a base that is gone is said first
+        _, _, shapes, trained = _step_model(cfg, step_dir)
+        problem = _unholdable(shapes, step_dir, trained)
+        if problem is not None:
+            raise ConfigError("--lora-export", "adapter", problem, "pass --lora-export merged (the model with each "
+                              "adapter folded into its weight, and the expert biases as trained)")
+    model = adapted_model(cfg, step_dir)
+    export_hf(model, model.args, lora, out_dir, rank=0, bias_drop=bias_drop, base=hf_base(cfg))
 
 
 def _unholdable(model: nn.Module, step_dir: Path, trained: list[str]) -> str | None:

@@ -9,14 +9,17 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from torchmoe.arch.model_args import ModelArgs
+from torchmoe.components.base_files import BASE_FILES, keep_base_files
 from torchmoe.components.base_fingerprint import base_fingerprint
 from torchmoe.components.checkpoint import CheckpointManager, SaveFailed, saved_base
-from torchmoe.components.checkpoint_state import ModelWrapper, load_model_only
+from torchmoe.components.checkpoint_state import ModelWrapper, dcp_load, load_model_only
 from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.components.finite import NonFiniteValues
+from torchmoe.components.folder_model import base_config_folder
 from torchmoe.components.hf_storage import save_hf_weights
 from torchmoe.components.initial_load import hf_bias_drop, load_initial_weights
-from torchmoe.components.tokenizer_files import copy_tokenizer_files
+from torchmoe.components.tokenizer_files import copy_tokenizer_files, tokenizer_files
+from torchmoe.components.weight_files import read_dcp_metadata
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.paths import source_key
@@ -79,8 +82,30 @@ class Checkpoints:
         if not resumed:
             import_adapter(lora, self.model_args, self.model)
         if lora.checkpoint_base and base is None and self.manager.writes and not ckpt.create_seed_checkpoint:
-            config = (Path(ckpt.initial_load_path) / "config.json",) if ckpt.initial_load_in_hf else ()
-            self.manager.save_base({"model": ModelWrapper([self.model], keep=base_weights(lora))}, files=config)
+            self.manager.save_base({"model": ModelWrapper([self.model], keep=base_weights(lora))},
+                                   files=self._base_files())
+
+    def _base_files(self) -> dict[str, Path]:
+        """The files `base/` keeps beside the base's tensors, so that the run and every reader of
+        it need the folder it started from no more: a Hugging Face start's config.json and
+        generation config (`base_files.BASE_FILES`), and the tokenizer's files."""
+        ckpt = self.cfg.checkpoint
+        folder = Path(ckpt.initial_load_path)
+        files = {name: folder / name for name in BASE_FILES if ckpt.initial_load_in_hf and (folder / name).is_file()}
+        return {**tokenizer_files(self.cfg.model.tokenizer_path), **files}
+
+    def load_trained(self, step_dir: Path) -> None:
+        """The model of a LoRA run's checkpoint `step_dir` (`torchmoe eval`), as a resume from it
+        has it, without its training state: what the checkpoint holds of the model
+        (`adapters.checkpointed`) and the base's fingerprint, then the base from
+        `checkpoint.initial_load_path` (the run's base: `adapter_checkpoint.lora_base`), checked
+        against that fingerprint (`check_base`). Collective."""
+        metadata = read_dcp_metadata("--checkpoint", step_dir, "pass a step-N checkpoint folder of the run",
+                                     self.manager.group)
+        recorded = any(key.startswith("base.") for key in metadata.state_dict_metadata)
+        dcp_load({name: self.state[name] for name in ("model", "base") if name == "model" or recorded}, step_dir,
+                 self.manager.group)
+        self.load_initial_weights(resumed=True)
 
     def check_base(self, base: Path | None) -> None:
         """Record the fingerprint of the base as loaded (from the run's `base` copy, if not None),
@@ -155,7 +180,8 @@ class Checkpoints:
             else:
                 save_hf_weights(get_model_state_dict(self.model), self.model_args, folder,
                                 process_group=self.manager.group, bias_drop=hf_bias_drop(self.cfg.checkpoint))
-            if self.rank == 0:  # the tokenizer beside the weights: the folder loads whole
+            if self.rank == 0:  # the base's fields and the tokenizer beside the weights: the folder loads whole
+                keep_base_files(folder, base_config_folder(self.cfg.model))
                 copy_tokenizer_files(self.cfg.model.tokenizer_path, folder)
 
         try:

@@ -61,7 +61,7 @@ from torchmoe.training.replicas import LiveState, Replicas, join_replica_groups
 from torchmoe.training.run_files import write_run_files
 from torchmoe.training.step import MicroBatches, StepResult, StepRunner
 from torchmoe.training.step_metrics import StepMetrics
-from torchmoe.training.validation import Validation
+from torchmoe.training.validation import Validation, ValidationLoss
 from torchmoe.training.world import init_distributed
 
 
@@ -224,8 +224,16 @@ class Trainer:
         local_loss = self.forward_backward(micro_batches)
         return self.steps.finish(local_loss, step=self.step, stop_requested=self._stop_signal is not None)
 
-    def validate(self) -> float:
-        """The mean token loss of the model as it is over the validation batches (`Validation.loss`)."""
+    def load_trained(self, step_dir: Path) -> None:
+        """The model of a LoRA run's checkpoint `step_dir` over its base, without its training
+        state (`Checkpoints.load_trained`), for `torchmoe eval`; then the run files, as
+        `load_initial_state` writes them."""
+        self.checkpoints.load_trained(step_dir)
+        self._write_run_files(resumed=False)
+
+    def validate(self) -> ValidationLoss:
+        """The mean token loss of the model as it is over the validation batches, and what it
+        covers (`Validation.loss`)."""
         return self.validation.loss(self.model, self.moe_layers, self._local_columns, self.objective, self.mesh,
                                     self.device)
 
@@ -273,7 +281,7 @@ class Trainer:
                 extra = report.timed(extra)
                 validated = cfg.validation.enable and self.step % cfg.validation.freq == 0
                 if validated:
-                    extra["validation_loss"] = self.validation_loss = report.validate(self.validate)
+                    extra["validation_loss"] = self.validation_loss = report.validate(lambda: self.validate().loss)
                 report.write(self.step, result, extra, ft_report, validated=validated)
                 if result.stop:  # agreed by all ranks: a rank's own signal may arrive later
                     self._stop()

@@ -15,6 +15,7 @@ from torchmoe.distributed.interruption import leaving_for_failure
 from torchmoe.distributed.launcher import watch_launcher
 from torchmoe.preflight import train_device
 from torchmoe.training.loop import Trainer
+from torchmoe.training.validation import ValidationLoss
 from torchmoe.training.world import init_distributed
 
 __all__ = ["TrainingDiverged", "evaluate", "train"]  # `TrainingDiverged`: what `train` raises, for the CLI
@@ -45,13 +46,17 @@ def train(cfg: JobConfig) -> None:
     _with_trainer(cfg, body)
 
 
-def evaluate(cfg: JobConfig, *, index_cache: Path | None = None) -> float:
+def evaluate(cfg: JobConfig, *, index_cache: Path | None = None, lora_step: Path | None = None) -> ValidationLoss:
     """The mean token loss over `cfg`'s validation batches (`Trainer.validate`) of the weights its
-    run starts from (`checkpoint.initial_load_path`), in its layout, without training: the
+    run starts from (`checkpoint.initial_load_path`), or with `lora_step` of a LoRA run's
+    checkpoint over that base (`Trainer.load_trained`), in its layout, without training: the
     `torchmoe eval` command; the data's indexes kept in `index_cache` (`Trainer`). Failures and
     errors as `train`'s."""
-    def body(trainer: Trainer) -> float:
-        trainer.load_initial_state()
+    def body(trainer: Trainer) -> ValidationLoss:
+        if lora_step is not None:
+            trainer.load_trained(lora_step)
+        else:
+            trainer.load_initial_state()
         return trainer.validate()
 
     return _with_trainer(cfg, body, index_cache=index_cache)
