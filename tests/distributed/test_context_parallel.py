@@ -221,8 +221,8 @@ def _check_model(seq_len: int) -> dict:
     packed = tokens.clone()
     packed[0, [seq_len // 3, seq_len // 2 + 5]] = packed[1, 10] = 1
     starts, cpu = document_starts(packed, 1), torch.device("cpu")
-    full_docs = model(packed, document_segments(starts, whole_row_calls(args.attention_chunks(), seq_len), cpu))
-    rank_calls = [AttentionCall(*c) for c in cp.layout.attention_calls(dist.get_rank(), args.attention_chunks())]
+    full_docs = model(packed, document_segments(starts, whole_row_calls(args.attention_spans(), seq_len), cpu))
+    rank_calls = [AttentionCall(*c) for c in cp.layout.attention_calls(dist.get_rank(), args.attention_spans())]
     documents = document_segments(starts, rank_calls, cpu)
     logits_docs = sharded(packed[:, local], documents)
     logits_docs.float().pow(2).mean().backward()

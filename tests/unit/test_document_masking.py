@@ -57,7 +57,7 @@ class _AloneAt:
     def positions(self, device: torch.device) -> torch.Tensor:
         return torch.arange(self.offset, self.offset + self.n, device=device)
 
-    def attend(self, q, k, v, chunk, documents=None):
+    def attend(self, q, k, v, chunk, documents=None, *, window=None, sinks=None):
         pos = self.positions(q.device)
         allowed = pos[:, None] >= pos[None, :]
         if chunk is not None:
@@ -109,7 +109,7 @@ def _packed_rows(seed: int = 0) -> torch.Tensor:
 
 def _segments(tokens: torch.Tensor, calls: list[AttentionCall] | None = None, eos: int = EOS):
     """The segment tables of `tokens`' rows for `calls` (default: the tiny model's, whole rows)."""
-    calls = calls or whole_row_calls(FLAVORS["tiny"].attention_chunks(), tokens.shape[-1])
+    calls = calls or whole_row_calls(FLAVORS["tiny"].attention_spans(), tokens.shape[-1])
     return document_segments(document_starts(tokens, eos), calls, tokens.device)
 
 
@@ -145,7 +145,7 @@ def test_latent_attention_packed_row_equals_each_document_alone() -> None:
     model.init_weights(seed=0)
     model.eval()
     tokens = _packed_rows()
-    segments = document_segments(document_starts(tokens, EOS), whole_row_calls(args.attention_chunks(), 256),
+    segments = document_segments(document_starts(tokens, EOS), whole_row_calls(args.attention_spans(), 256),
                                  tokens.device)
     with refusing_attention_masks():
         packed = model(tokens, segments)
@@ -169,7 +169,7 @@ def test_attention_with_a_prefix_equals_the_whole_row() -> None:
     q = torch.randn(2, 4, 256, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, 256, 16, requires_grad=True) for _ in range(2))
     for chunk, start in ((None, 96), (CHUNK, 96), (CHUNK, 128)):
-        whole = document_attention(q, k, v, _segments(tokens, whole_row_calls([chunk], 256)), chunk=chunk)
+        whole = document_attention(q, k, v, _segments(tokens, whole_row_calls([(chunk, None)], 256)), chunk=chunk)
         lo = 0 if chunk is None else start // chunk * chunk
         segments = _segments(tokens, [AttentionCall(chunk, start, 256 - start, start - lo)])
         piece = document_attention(q[..., start:, :], k[..., start:, :], v[..., start:, :], segments,

@@ -213,7 +213,7 @@ def test_block_activations_match_saved_tensors(precision, seq, masking, family):
     act = ActivationModel(args, _dims(), a=4 if precision == "fp32" else 2, compiled=False, loss_parallel=False,
                           autocast=autocast, seq_len=seq, document_masking=masking)
     starts = torch.arange(seq).expand(batch, seq).clamp(max=30) // 30 * 30
-    documents = document_segments(starts, whole_row_calls(args.attention_chunks(), seq),
+    documents = document_segments(starts, whole_row_calls(args.attention_spans(), seq),
                                   torch.device("cpu")) if masking else None
     for i, block in model.layers.items():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -81,7 +81,7 @@ def test_gradients_in_float64():
 
 def test_custom_operator_passes_opcheck():
     (q, k, v), cu_q, cu_k = _inputs(torch.float32)
-    torch.library.opcheck(torch.ops.torchmoe.segment_attention, (q, k, v, cu_q, cu_k))
+    torch.library.opcheck(torch.ops.torchmoe.segment_attention, (q, k, v, cu_q, cu_k, cu_q, cu_k, None, 0, 5, 7))
 
 
 @pytest.mark.parametrize(("name", "make"), [

@@ -11,6 +11,7 @@ from torchmoe.components.checkpoint import CheckpointManager
 from torchmoe.components.metrics import MetricsLogger
 from torchmoe.components.metrics_records import METRICS_FILE
 from torchmoe.components.run_logs import LogFile
+from torchmoe.config.datasets import unmasked_examples_note
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.training.log import logger
@@ -27,7 +28,8 @@ def say(metrics: MetricsLogger, log_file: LogFile | None, text: str) -> None:
 def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_size: int, world_size: int,
             device_type: str, dump_folder: Path, optimizer_lines: Sequence[str] = ()) -> str:
     """The run's first console lines: its description, what trains where, where it writes, then
-    `optimizer_lines` (`Optimization.description`: which parameters which algorithm updates)."""
+    `optimizer_lines` (`Optimization.description`: which parameters which algorithm updates), and a
+    line when separate examples (chat data) are packed without document masking."""
     counts = model_args.param_counts()
     tokens = global_batch_size * cfg.training.seq_len
     steps = f"steps {step + 1}-{cfg.training.steps}, {tokens:,} tokens each" if step < cfg.training.steps \
@@ -35,7 +37,9 @@ def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_si
     line = (f"training {cfg.model.name} {cfg.model.flavor} ({counts['total'] / 1e6:,.1f} M parameters, "
             f"{counts['active'] / 1e6:,.1f} M active) on {world_size} x {device_type}: {steps}; "
             f"writing to {dump_folder}")
-    return "\n".join([*([cfg.job.description] if cfg.job.description else []), line, *optimizer_lines])
+    unmasked = unmasked_examples_note(cfg.training)
+    return "\n".join([*([cfg.job.description] if cfg.job.description else []), line, *optimizer_lines,
+                      *([unmasked] if unmasked else [])])
 
 
 def closing(cfg: JobConfig, result: StepResult | None, *, step: int, first_step: int, seconds: float,
