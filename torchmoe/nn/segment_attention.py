@@ -154,7 +154,7 @@ def _segment_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     if sinks is not None:  # in (Tq, H) rows: the sink of each query's head
         out, joined = join_sinks(out, lse.t(), sinks.view(1, -1))
         lse = joined.t()
-    return out.to(q.dtype), lse.contiguous()
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 @_segment_forward.register_fake
