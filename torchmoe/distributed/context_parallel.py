@@ -185,8 +185,12 @@ class ContextParallelAttention:
                                       sinks=sinks)
         if window is None and sinks is None:
             return causal_attention(q, k, v, chunk=chunk, start=start, prefix=prefix)
+        # A copy in every mode, as document masking packs them: a view would keep the whole
+        # exchanged or gathered buffer alive for the backward.
         if prefix is not None:
             k, v = (torch.cat([before, own], dim=-2) for before, own in zip(prefix, (k, v)))
+        else:
+            k, v = (t.clone(memory_format=torch.contiguous_format) for t in (k, v))
         return sink_attention(q, k, v, sinks, window)
 
     def _attend_gathered(self, q: torch.Tensor, kv: torch.Tensor, chunk: int | None, window: int | None, mode: str,
