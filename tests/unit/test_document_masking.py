@@ -50,7 +50,8 @@ class _Layout:
 
 class _AloneAt:
     """Context parallelism's hook, standing in: the tokens are one document at global positions
-    ``[offset, offset + n)``; attention is dense causal over them (within global chunks)."""
+    ``[offset, offset + n)``; attention is dense causal over them (within global chunks, or the
+    sliding window), in fp64, with the sink logits as one more column of each softmax."""
 
     def __init__(self, offset: int, n: int) -> None:
         self.offset, self.n = offset, n
@@ -64,10 +65,14 @@ class _AloneAt:
         allowed = pos[:, None] >= pos[None, :]
         if chunk is not None:
             allowed &= pos[:, None] // chunk == pos[None, :] // chunk
+        if window is not None:
+            allowed &= pos[:, None] - pos[None, :] < window
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        scores = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
-        return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.double()).to(q.dtype)
+        scores = ((q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+        return (scores.softmax(-1)[..., :k.shape[-2]] @ v.double()).to(q.dtype)
 
 
 def _documents(row: list[int], eos: int) -> list[tuple[int, int]]:
@@ -271,17 +276,25 @@ def test_step_one_loss_is_the_cross_entropy_of_each_document_alone(tmp_path: Pat
     assert trainer.train_step(batch).loss == pytest.approx(expected.item(), rel=1e-5)
 
 
-@torch.no_grad()
-def test_packed_row_on_flash_equals_each_document_alone() -> None:
+@pytest.mark.parametrize("family", ["llama4", "gpt_oss"])
+def test_packed_row_on_flash_equals_each_document_alone(family: str) -> None:
     """On CUDA flash's path (emulated: `varlen_attn`'s operands checked against what the kernel
-    assumes), one call per layer for both rows, the same logits, and no host read."""
-    model, tokens = _model(), _packed_rows()
-    reads = HostReads()
-    segments = _segments(tokens)
+    assumes; for gpt-oss its sliding window and log-sum-exp, and flash's varlen backward given the
+    sinks' joined output), one call per layer for both rows, no host read forward or backward,
+    and the logits of each document alone (a dense fp64 attention at its global positions, with
+    the window and the sink column)."""
+    args = FAMILY_FLAVORS[family]["tiny"]
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    tokens, reads = _packed_rows(), HostReads()
+    segments = document_segments(document_starts(tokens, EOS), whole_row_calls(args.attention_spans(), 256),
+                                 tokens.device)
     with emulated_flash(reads) as calls, reads.counting():
         packed = model(tokens, segments)
-    assert len(calls) == FLAVORS["tiny"].n_layers and not reads.counts
-    torch.testing.assert_close(packed, _per_document_logits(model, tokens), rtol=1e-5, atol=1e-5)
+        packed.float().pow(2).mean().backward()
+    assert len(calls) == args.n_layers and not reads.counts
+    with torch.no_grad():
+        torch.testing.assert_close(packed, _per_document_logits(model.eval(), tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_a_masked_step_on_flash_reads_nothing_on_the_host(tmp_path: Path, monkeypatch) -> None:
