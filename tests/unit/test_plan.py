@@ -405,4 +405,4 @@ def test_dry_run_expert_memory_per_rank_and_context_parallel(tmp_path):
     # layers gather keys and values like the NoPE layer 3.
     modes = report["context_parallel"]["modes"]
     assert list(modes) == ["gather", "global"] and modes["global"]["layers"] == [3]
-    assert "layers 0,1,2: all-gather K/V (chunk longer than a piece)" in out.getvalue()
+    assert "layers 0,1,2: all-gather K/V (chunk or sliding window longer than a piece)" in out.getvalue()
