@@ -8,6 +8,7 @@ each packed conversation's loss is transformers' on the conversation alone in ev
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -125,8 +126,7 @@ def test_each_packed_conversation_is_transformers_on_it_alone(world, tmp_path, f
     of target losses over the global count; rel 1e-5). Set off, the conversations after a row's
     first get other logits, and the run's opening lines say so."""
     rows = ("--training.dataset_path", str(world["short"]), "--training.seq_len", "96", "--training.loss_on", loss_on)
-    trainer = _trainer(world, family, tokenizer, tmp_path / "masked", *rows)
-    unmasked = _trainer(world, family, tokenizer, tmp_path / "unmasked", *rows, "--training.document_masking", "false")
+    trainer = _trainer(world, family, tokenizer, tmp_path, *rows)
     assert trainer.cfg.training.document_masking and unmasked_examples_note(trainer.cfg.training) is None
     batch = trainer.dataloader.next_batch()
     hf = reference_model(family)
@@ -134,7 +134,7 @@ def test_each_packed_conversation_is_transformers_on_it_alone(world, tmp_path, f
     with torch.no_grad():
         for mb in batch:
             masked_logits = trainer.model(*trainer._local_columns(mb[0], mb[1], mb.starts)[::2])
-            unmasked_logits = unmasked.model(mb[0])
+            unmasked_logits = trainer.model(mb[0])  # what the rows give with masking off: no tables
             for row in range(mb[0].shape[0]):
                 starts = mb.starts[row]
                 for start in sorted(set(starts.tolist())):
@@ -151,7 +151,9 @@ def test_each_packed_conversation_is_transformers_on_it_alone(world, tmp_path, f
     assert later > 0.2 * count, (later, count)  # conversations packed after another's have targets
     assert min(moved) > 1e-3, moved
     assert trainer.train_step(batch).loss == pytest.approx(total / count, rel=1e-5)
-    lines = opening(unmasked.cfg, unmasked.model_args, step=0, global_batch_size=4, world_size=1, device_type="cpu",
+    unmasked = dataclasses.replace(trainer.cfg, training=dataclasses.replace(trainer.cfg.training,
+                                                                             document_masking=False))
+    lines = opening(unmasked, trainer.model_args, step=0, global_batch_size=4, world_size=1, device_type="cpu",
                     dump_folder=tmp_path).splitlines()
     assert lines[-1] == ("training.document_masking = false: every chat example attends to the examples packed "
                          "before it in its batch row (the default for such data is true: each attends to itself "

@@ -25,6 +25,7 @@ and benchmarks can count them.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -194,7 +195,7 @@ class ContextParallelAttention:
         return sink_attention(q, k, v, sinks, window)
 
     def _attend_gathered(self, q: torch.Tensor, kv: torch.Tensor, chunk: int | None, window: int | None, mode: str,
-                         attend) -> torch.Tensor:
+                         attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Keys and values of every rank, gathered and put in global order; each local piece then
         attends over its prefix (global), over its chunks up to itself or its sliding window's
         reach before it (gather), so no rank computes more than its causal share.
@@ -216,7 +217,7 @@ class ContextParallelAttention:
         return torch.cat(outs, dim=-2)
 
     def _attend_with_halos(self, q: torch.Tensor, kv: torch.Tensor, chunk: int | None, window: int | None,
-                           attend) -> torch.Tensor:
+                           attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Per local piece: its keys/values, with the previous piece's tail (the halo) as the
         prefix its first chunk (or sliding window) sees. kv: (2, B, Hkv, L, hd)."""
         layout, p = self.layout, self.layout.piece
