@@ -353,7 +353,8 @@ def emulated_flash(reads: HostReads | None = None):
         with pause():
             check(q, k, v, cu_q, cu_k, max_q, max_k, (window_left, 0))
             assert out.shape == q.shape and out.dtype == q.dtype and grad.shape == q.shape
-            assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32) and lse.is_contiguous() and lse.shape == (q.shape[1], q.shape[0])
+            assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+            assert lse.is_contiguous() and lse.shape == (q.shape[1], q.shape[0])
             return segment_attention.host_segments_backward(grad, q, k, v, out, lse, cu_q.cpu(), cu_k.cpu(),
                                                             window_left + 1)
 

@@ -69,7 +69,8 @@ class _AloneAt:
             allowed &= pos[:, None] - pos[None, :] < window
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        scores = ((q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))
+        scores = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             scores = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
         return (scores.softmax(-1)[..., :k.shape[-2]] @ v.double()).to(q.dtype)

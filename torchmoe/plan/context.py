@@ -92,8 +92,10 @@ class CPLayout:
         mode, p, window = self.mode(chunk, window), self.piece, self.window(window)
         if mode == GLOBAL:
             return (piece + 1) * p
+        if mode == GATHER and window is not None:
+            return p + min(window - 1, piece * p)
         if mode == GATHER:
-            return p + min(window - 1, piece * p) if window is not None else (piece + 1) * p - piece * p // chunk * chunk
+            return (piece + 1) * p - piece * p // chunk * chunk
         return p + (self.halo(piece, chunk, window) if mode == HALO and piece else 0)
 
     def prefix(self, piece: int, chunk: int | None, window: int | None = None) -> int:
