@@ -63,7 +63,7 @@ def measure(flavor: str, masking: bool, *, seq: int, batch: int, document: int, 
     tokens = _batch(flavor, seq, batch, document)
     documents = None
     if masking:  # built once: every step trains the same batch
-        calls = whole_row_calls(FLAVORS[flavor].attention_chunks(), seq)
+        calls = whole_row_calls(FLAVORS[flavor].attention_spans(), seq)
         documents = document_segments(document_starts(tokens[:, :-1], EOS), calls, torch.device("cpu"))
     eager, compiled = _model(flavor, None), _model(flavor, backend)
     before = DynamoCounts.now()

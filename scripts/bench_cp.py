@@ -67,12 +67,12 @@ def _bytes_worker(seqs: list[int], out: str) -> None:
         model(torch.randint(0, args.vocab_size, (1, seq // 2))).float().pow(2).mean().backward()
         kv_per_token = 2 * 4 * args.n_kv_heads * args.head_dim
         per_mode = {}
-        for i, use_rope in enumerate(args.rope_layers):
-            chunk = args.attention_chunk_size if use_rope else None
-            mode = layout.chunk_mode(chunk)
+        for i in range(args.n_layers):
+            chunk, window = args.layer_chunk(i), args.layer_window(i)
+            mode = layout.mode(chunk, window)
             entry = per_mode.setdefault(mode, {"layers": 0, "minimum_bytes": 0.0})
             entry["layers"] += 1
-            entry["minimum_bytes"] += layout.bytes_received(mode, chunk, kv_per_token)
+            entry["minimum_bytes"] += layout.bytes_received(mode, chunk, kv_per_token, window)
         for mode, entry in per_mode.items():
             entry["sent_bytes"] = model.context_parallel.sent.get(mode, 0)
             entry["sent_over_minimum"] = entry["sent_bytes"] / entry["minimum_bytes"] if entry["minimum_bytes"] else None

@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 
 from torchmoe.config import job_config
+from torchmoe.config.datasets import DEPENDENT_DEFAULTS
 from torchmoe.config.errors import show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, TUNES, Mapped, Refused
@@ -49,9 +50,11 @@ def reference() -> str:
         docs, hints = field_docstrings(cls), typing.get_type_hints(cls)
         lines += ["", f"## `[{section.name}]`", "", "| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            default = show_value(getattr(getattr(defaults, section.name), f.name))
+            default = f"`{show_value(getattr(getattr(defaults, section.name), f.name))}`"
+            if (key := f"{section.name}.{f.name}") in DEPENDENT_DEFAULTS:
+                default += f" ({DEPENDENT_DEFAULTS[key]})"
             text = docs.get(f.name, "").replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| `{f.name}` | {_type_name(hints[f.name])} | `{default}` | {text} |")
+            lines.append(f"| `{f.name}` | {_type_name(hints[f.name])} | {default} | {text} |")
     return "\n".join([*lines, "", *torchtitan_reference()])
 
 

@@ -308,60 +308,86 @@ def counting_model_reads(trainer, reads: HostReads):
 @contextmanager
 def emulated_flash(reads: HostReads | None = None):
     """While inside, document masking takes CUDA flash's path on the CPU: `nn.segment_attention`
-    chooses the flash kernel, and torch's ``varlen_attn`` is replaced by a
-    stand-in that checks what the CUDA kernel assumes of its operands (3-D with the head dim
-    contiguous; int32, contiguous cumulative offsets on the queries' device from 0 to the packed
-    lengths, never decreasing; bounds no shorter than any segment; causal windows; grouped heads)
-    and computes the same attention with the host operator. Its own reads are paused in `reads`.
-    Yields the list of the calls' (q, k, v, cu_q, cu_k, max_q, max_k) shapes, for the test."""
+    chooses the flash kernel, and torch's ``varlen_attn`` is replaced by a stand-in that checks
+    what the CUDA kernel assumes of its operands (3-D with the head dim contiguous; int32,
+    contiguous cumulative offsets on the queries' device from 0 to the packed lengths, never
+    decreasing; bounds no shorter than any segment; causal windows, sliding ones as (W - 1, 0);
+    grouped heads) and computes the same attention with the host segments' kernels, returning its
+    log-sum-exp when asked (``return_aux``). Flash's varlen backward given another output and
+    log-sum-exp (`_torch_private.flash_varlen_attention_backward`, what sinks need) is replaced
+    the same way, its operands checked as well. Their own reads are paused in `reads`. Yields the
+    list of the forward calls' (q, k, v, cu_q, cu_k, max_q, max_k, window_size) shapes and values,
+    for the test."""
     import torch
 
+    from torchmoe import _torch_private as private
     from torchmoe.nn import segment_attention
     from torchmoe.nn.attention_kernel_choice import FLASH
 
     calls = []
-
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False, **kwargs):
-        with pause():
-            assert not kwargs, kwargs
-            assert window_size == (-1, 0), window_size
-            assert q.dim() == k.dim() == v.dim() == 3 and all(t.stride(-1) == 1 for t in (q, k, v))
-            assert q.shape[1] % k.shape[1] == 0 and (enable_gqa or q.shape[1] == k.shape[1])
-            for cu, packed_rows, bound in ((cu_q, q.shape[0], max_q), (cu_k, k.shape[0], max_k)):
-                assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous() and cu.device == q.device
-                values = cu.tolist()
-                assert values[0] == 0 and values[-1] == packed_rows, (values, packed_rows)
-                lengths = [b - a for a, b in zip(values, values[1:])]
-                assert min(lengths) >= 0 and max(lengths) <= bound, (lengths, bound)
-            assert cu_q.shape == cu_k.shape
-            calls.append(tuple(tuple(t.shape) for t in (q, k, v, cu_q, cu_k)) + (max_q, max_k))
-        return Varlen.apply(q, k, v, cu_q, cu_k)
-
     pause = (lambda: reads.pause()) if reads is not None else contextlib.nullcontext
 
+    def check(q, k, v, cu_q, cu_k, max_q, max_k, window_size):
+        assert window_size[1] == 0 and (window_size[0] == -1 or window_size[0] >= 0), window_size
+        assert q.dim() == k.dim() == v.dim() == 3 and all(t.stride(-1) == 1 for t in (q, k, v))
+        assert q.shape[1] % k.shape[1] == 0
+        for cu, packed_rows, bound in ((cu_q, q.shape[0], max_q), (cu_k, k.shape[0], max_k)):
+            assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous() and cu.device == q.device
+            values = cu.tolist()
+            assert values[0] == 0 and values[-1] == packed_rows, (values, packed_rows)
+            lengths = [b - a for a, b in zip(values, values[1:])]
+            assert min(lengths) >= 0 and max(lengths) <= bound, (lengths, bound)
+        assert cu_q.shape == cu_k.shape
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False, return_aux=None,
+               **kwargs):
+        with pause():
+            assert not kwargs, kwargs
+            assert enable_gqa or q.shape[1] == k.shape[1]
+            check(q, k, v, cu_q, cu_k, max_q, max_k, window_size)
+            calls.append(tuple(tuple(t.shape) for t in (q, k, v, cu_q, cu_k)) + (max_q, max_k, tuple(window_size)))
+        out, lse = Varlen.apply(q, k, v, cu_q, cu_k, window_size[0] + 1)
+        return (out, lse) if return_aux is not None and return_aux.lse else out
+
+    def varlen_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, window_left):
+        with pause():
+            check(q, k, v, cu_q, cu_k, max_q, max_k, (window_left, 0))
+            assert out.shape == q.shape and out.dtype == q.dtype and grad.shape == q.shape
+            assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+            assert lse.is_contiguous() and lse.shape == (q.shape[1], q.shape[0])
+            return segment_attention.host_segments_backward(grad, q, k, v, out, lse, cu_q.cpu(), cu_k.cpu(),
+                                                            window_left + 1)
+
     class Varlen(torch.autograd.Function):
-        """The kernel's result from the host operator, its reads (forward and backward) paused."""
+        """The kernel's result from the host segments' kernels, its reads (forward and backward)
+        paused; its log-sum-exp, as the kernel's, takes no gradient."""
 
         @staticmethod
-        def forward(ctx, q, k, v, cu_q, cu_k):
+        def forward(ctx, q, k, v, cu_q, cu_k, window):
             with pause():
                 tables = (cu_q.cpu(), cu_k.cpu())
-                out, lse = torch.ops.torchmoe.segment_attention(q, k, v, *tables)
+                out, lse = segment_attention.host_segments_forward(q, k, v, *tables, window)
+                out = out.to(q.dtype)  # the log-sum-exp in fp32 (fp64 for fp64 inputs, which the tests run)
             ctx.save_for_backward(q, k, v, out, lse, *tables)
-            return out
+            ctx.window = window
+            ctx.mark_non_differentiable(lse)
+            return out, lse
 
         @staticmethod
-        def backward(ctx, grad):
+        def backward(ctx, grad, _grad_lse):
             with pause():
-                grads = torch.ops.torchmoe.segment_attention_backward(grad.contiguous(), *ctx.saved_tensors)
-            return *grads, None, None
+                q, k, v, out, lse, *tables = ctx.saved_tensors
+                grads = segment_attention.host_segments_backward(grad.contiguous(), q, k, v, out, lse, *tables,
+                                                                 ctx.window)
+            return *grads, None, None, None
 
-    saved = segment_attention.kernel_for, segment_attention.varlen_attn
+    saved = segment_attention.kernel_for, segment_attention.varlen_attn, private.flash_varlen_attention_backward
     segment_attention.kernel_for, segment_attention.varlen_attn = (lambda q: FLASH), varlen
+    private.flash_varlen_attention_backward = varlen_backward
     try:
         yield calls
     finally:
-        segment_attention.kernel_for, segment_attention.varlen_attn = saved
+        segment_attention.kernel_for, segment_attention.varlen_attn, private.flash_varlen_attention_backward = saved
 
 
 def empty_tiny_model() -> Transformer:

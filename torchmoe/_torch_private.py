@@ -171,6 +171,18 @@ def flash_attention_cuda_backward(grad, q, k, v, out, lse, causal: bool):
                                                               k.shape[-2], 0.0, causal, rng, rng)
 
 
+def flash_varlen_attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, window_left: int):
+    """dq, dk, dv of the public ``torch.nn.attention.varlen.varlen_attn`` on flash, given an output
+    and log-sum-exp (H, Tq) other than its forward's own (gpt-oss's sinks joined to each segment's
+    softmax: `nn.segment_attention`); the same arguments as its own backward (no dropout, so the
+    RNG state is unread; causal as ``window_size (-1, 0)``, else a sliding window of
+    ``window_left + 1`` keys). Public replacement: none (``varlen_attn``'s autograd takes its own
+    output and drops a log-sum-exp gradient)."""
+    rng, unused = torch.zeros((2,), dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+    return _aten._flash_attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, window_left < 0,
+                                           rng, unused, window_size_left=window_left, window_size_right=0)
+
+
 def efficient_attention_cuda(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, log-sum-exp padded to a multiple of 32 queries) of CUDA's memory-efficient kernel
     (any float dtype; as many key/value heads as query heads)."""

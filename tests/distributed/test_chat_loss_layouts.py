@@ -21,6 +21,10 @@ on the ranks of every layout that splits rows (CP's pieces, the TP ranks EP borr
 micro-batches): the data mask must travel with the tokens, and the z-loss take the step's count
 of data tokens, for the statistics and the curve to be the single process's.
 
+Chat data masks documents by default, so every layout runs each packed conversation alone. gpt-oss
+(sinks in every layer, a sliding window of 4 keys: a halo on CP's pieces of 12 tokens) fine-tunes
+under CP 2, TP 2 with sequence parallel and PP 2, on the same curve as its single process.
+
 One forked world per size (2 and 4 ranks) runs every layout of that size, both jobs each, one
 after the other in the same process group; the references run in the test process. LoRA's first
 step is the base's (B starts at zero), so its curve is three steps long: the second and third
@@ -38,7 +42,7 @@ import pytest
 import torch
 
 from tests.any_checkpoint import save_checkpoint
-from tests.chat_fixtures import chatml
+from tests.chat_fixtures import HARMONY, HARMONY_SPECIALS, chatml, tokenizer_folder
 from tests.chat_jobs import RouterTaps, chat_job, data_mask, write_chat_file
 from tests.helpers import BALANCE, run_rank_script, write_rank_record
 
@@ -58,6 +62,10 @@ LAYOUTS = {
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "2"]),
 }
+# gpt-oss's full fine-tuning (harmony's template: the loss on each conversation's last turn), in
+# the layouts that cut its attention: CP's pieces, TP's heads (and sinks), PP's stages.
+GPT_OSS = ["--training.steps", "3", "--training.loss_on", "last"]
+GPT_OSS_LAYOUTS = ("cp2", "tp2_sp", "pp2")
 JOBS = {
     "full": ["--training.steps", "3", *BALANCE],
     "lora": ["--training.steps", "3", "--lora.enable", "true", "--lora.rank", "4", "--lora.alpha", "8",
@@ -65,13 +73,14 @@ JOBS = {
 }
 
 
-def _run(root: Path, dump: Path, *flags: str, taps: list | None = None) -> dict:
-    """Three steps of the chat job with `flags`: {"curve": [(loss, grad norm)] a step, "loads":
+def _run(root: Path, dump: Path, *flags: str, taps: list | None = None, family: str = "qwen3") -> dict:
+    """Three steps of the chat job of `family` with `flags`: {"curve": [(loss, grad norm)] a step, "loads":
     [(n_moe_layers, n_experts) token counts] a step, "biases": this rank's MoE blocks' expert
     biases after them}. `taps`: append the steps' `RouterTaps` and each step's micro-batches."""
     from torchmoe.training.loop import Trainer
 
-    trainer = Trainer(chat_job(root / "qwen3", root / "chatml", root / "chat.jsonl", dump, *flags))
+    tokenizer = "harmony" if family == "gpt_oss" else "chatml"
+    trainer = Trainer(chat_job(root / family, root / tokenizer, root / "chat.jsonl", dump, *flags))
     try:
         trainer.load_initial_state()
         batches = [trainer.dataloader.next_batch() for _ in range(3)]
@@ -90,16 +99,21 @@ def _run(root: Path, dump: Path, *flags: str, taps: list | None = None) -> dict:
 
 def _worker(out_dir: Path) -> None:
     root, world = out_dir.parent / "inputs", int(out_dir.name.removeprefix("world"))
-    write_rank_record(out_dir, {f"{layout}/{job}": _run(root, out_dir / layout / job, *flags, *job_flags)
-                                for layout, (size, flags) in LAYOUTS.items() if size == world
-                                for job, job_flags in JOBS.items()})
+    record = {f"{layout}/{job}": _run(root, out_dir / layout / job, *flags, *job_flags)
+              for layout, (size, flags) in LAYOUTS.items() if size == world for job, job_flags in JOBS.items()}
+    record.update({f"{layout}/gpt_oss": _run(root, out_dir / layout / "gpt_oss", *LAYOUTS[layout][1], *GPT_OSS,
+                                             family="gpt_oss")
+                   for layout in GPT_OSS_LAYOUTS if LAYOUTS[layout][0] == world})
+    write_rank_record(out_dir, record)
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("chat_layouts") / "inputs"
     save_checkpoint("qwen3", root / "qwen3")
+    save_checkpoint("gpt_oss", root / "gpt_oss")
     chatml(root / "chatml", marked=False)
+    tokenizer_folder(root / "harmony", HARMONY, HARMONY_SPECIALS, eos="<|return|>")
     write_chat_file(root / "chat.jsonl")
     return root
 
@@ -111,8 +125,9 @@ def taps(root: Path) -> list:
 
 @pytest.fixture(scope="module")
 def single(root: Path, taps: list) -> dict[str, dict]:
-    return {job: _run(root, root.parent / "single" / job, *flags, taps=taps if job == "full" else None)
-            for job, flags in JOBS.items()}
+    return {**{job: _run(root, root.parent / "single" / job, *flags, taps=taps if job == "full" else None)
+               for job, flags in JOBS.items()},
+            "gpt_oss": _run(root, root.parent / "single" / "gpt_oss", *GPT_OSS, family="gpt_oss")}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +182,19 @@ def test_routing_statistics_leave_padding_out_in_every_layout(single, worlds, la
         got = record[f"{layout}/full"]
         assert got["loads"] == want["loads"], (layout, rank)
         assert got["biases"] and got["biases"] == {name: want["biases"][name] for name in got["biases"]}, (layout, rank)
+
+
+@pytest.mark.parametrize("layout", GPT_OSS_LAYOUTS)
+def test_gpt_oss_chat_sft_with_document_masking_is_the_single_process_s(single, worlds, layout: str) -> None:
+    """gpt-oss's chat fine-tuning, each conversation attended alone (sinks and window within it):
+    three steps' loss and gradient norm within 1e-5 of the single process's, on every rank."""
+    want = single["gpt_oss"]["curve"]
+    assert len({norm for _, norm in want}) == 3 and all(norm > 0 for _, norm in want)
+    for rank, record in worlds[LAYOUTS[layout][0]].items():
+        got = record[f"{layout}/gpt_oss"]["curve"]
+        for (loss, norm), (want_loss, want_norm) in zip(got, want, strict=True):
+            assert loss == pytest.approx(want_loss, rel=RTOL) and norm == pytest.approx(want_norm, rel=RTOL), \
+                (rank, got, want)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,11 @@ counts exactly. The multi-rank runs are trained in one torchrun world per rank c
 The torchrun worker (2 ranks) checks the model itself, without the trainer: logits of a
 cp-sharded forward equal the unsharded forward at the same positions (1e-5) in every mode; the
 collectives each attention layer issues (all-gathers, point-to-point ops) counted per layer; and
-the bytes autograd saves per block under CP against the planner's activation model.
+the bytes autograd saves per block under CP against the planner's activation model. It checks
+gpt-oss's tiny flavor too (sinks in every layer, a sliding window of 8 keys in layers 0 and 2):
+at 64 tokens the window takes a halo of 7 keys from the previous piece (pieces of 16), at 24 it
+reaches across pieces (pieces of 6) and gathers; logits and every parameter's gradient (summed
+over cp) equal the unsharded model's, whole rows and under document masking.
 """
 
 from __future__ import annotations
@@ -221,8 +225,8 @@ def _check_model(seq_len: int) -> dict:
     packed = tokens.clone()
     packed[0, [seq_len // 3, seq_len // 2 + 5]] = packed[1, 10] = 1
     starts, cpu = document_starts(packed, 1), torch.device("cpu")
-    full_docs = model(packed, document_segments(starts, whole_row_calls(args.attention_chunks(), seq_len), cpu))
-    rank_calls = [AttentionCall(*c) for c in cp.layout.attention_calls(dist.get_rank(), args.attention_chunks())]
+    full_docs = model(packed, document_segments(starts, whole_row_calls(args.attention_spans(), seq_len), cpu))
+    rank_calls = [AttentionCall(*c) for c in cp.layout.attention_calls(dist.get_rank(), args.attention_spans())]
     documents = document_segments(starts, rank_calls, cpu)
     logits_docs = sharded(packed[:, local], documents)
     logits_docs.float().pow(2).mean().backward()
@@ -245,9 +249,78 @@ def _check_model(seq_len: int) -> dict:
                                                             "estimated": act.block_full(int(lid)) * 2 * seq_len // 2}
     dist.barrier()
     return {"max_rel_err": max_err, "max_rel_err_docs": max_err_docs, "calls": dict(calls), "modes": {
-        lid: cp.layout.chunk_mode(b.attention.chunk_size) for lid, b in sharded.layers.items()},
+        lid: cp.layout.mode(b.attention.chunk_size) for lid, b in sharded.layers.items()},
         "sent": sent, "saved": saved,
         "attention_modules": sum(isinstance(m, Attention) for m in sharded.modules())}
+
+
+# gpt-oss's sequence lengths on cp 2 -> its windowed layers' mode (window 8).
+GPT_OSS_MODES = {64: "halo", 24: "gather"}
+
+
+def _check_gpt_oss(seq_len: int) -> dict:
+    """gpt-oss's tiny flavor sharded over cp 2 against the whole model: the largest relative error
+    of the logits and of every parameter's gradient (of the summed squared logits; the sharded
+    ones summed over cp), whole rows and under document masking; each layer's mode; the bytes
+    autograd saves per block against the activation model."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchmoe.arch.gpt_oss import FLAVORS
+    from torchmoe.components.saved_tensors import saved_bytes
+    from torchmoe.models.decoder.model import Transformer
+    from torchmoe.models.decoder.parallelize import apply_cp
+    from torchmoe.nn.document_attention import AttentionCall, document_segments, document_starts, whole_row_calls
+    from torchmoe.plan.memory import ActivationModel
+    from torchmoe.plan.parallel_dims import ParallelDims
+
+    torch.manual_seed(0)
+    # fp64, so that gradients summed in another order (over pieces, then over cp) agree far below
+    # the errors the test looks for (the experts by their loop: grouped GEMMs take no fp64). No
+    # balance loss: its gradient is scaled by the trainer's objective, which this check leaves out.
+    args = FLAVORS["tiny"].replace(use_grouped_mm=False, aux_loss_coeff=0.0)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    model.double()
+    sharded = copy.deepcopy(model)
+    apply_cp(sharded, init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)), seq_len)
+    cp = sharded.context_parallel
+    local = cp.positions(torch.device("cpu"))
+    tokens = torch.randint(2, args.vocab_size, (2, seq_len))
+    # Documents ending in the first piece and inside the second, so pieces start inside them.
+    tokens[0, [seq_len // 8, seq_len // 3]] = tokens[1, seq_len // 2 + 1] = 1
+    starts, cpu = document_starts(tokens, 1), torch.device("cpu")
+    record = {}
+    for masking in (False, True):
+        whole = document_segments(starts, whole_row_calls(args.attention_spans(), seq_len), cpu) if masking else None
+        pieces = document_segments(starts, [AttentionCall(*c) for c in cp.layout.attention_calls(
+            dist.get_rank(), args.attention_spans())], cpu) if masking else None
+        for m in (model, sharded):
+            m.zero_grad(set_to_none=True)
+        full = model(tokens, whole)
+        full.pow(2).sum().backward()
+        logits = sharded(tokens[:, local], pieces)
+        logits.pow(2).sum().backward()
+        grads = {}
+        for (name, p), q in zip(model.named_parameters(), sharded.parameters()):
+            dist.all_reduce(q.grad)
+            grads[name] = ((q.grad - p.grad).abs().max() / p.grad.abs().max()).item()
+        record["docs" if masking else "rows"] = {
+            "logits": ((logits - full[:, local]).abs().max() / full.abs().max()).item(), "grads": grads}
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, world_size=2)
+    act = ActivationModel(args, dims, a=8, compiled=False, loss_parallel=False, seq_len=seq_len)
+    x = torch.randn(2, seq_len // 2, args.dim, dtype=torch.float64, requires_grad=True)
+    freqs, state = sharded._rotations(seq_len // 2), [*sharded.parameters(), *sharded.buffers()]
+    record["saved"] = {lid: {"measured": saved_bytes(lambda: block(x, freqs), exclude=state),
+                             "estimated": act.block_full(int(lid)) * 2 * seq_len // 2}
+                       for lid, block in sharded.layers.items()}
+    record["modes"] = {lid: cp.layout.mode(b.attention.chunk_size, b.attention.window)
+                       for lid, b in sharded.layers.items()}
+    dist.barrier()
+    return record
 
 
 def _worker(out_dir: Path) -> None:
@@ -256,6 +329,7 @@ def _worker(out_dir: Path) -> None:
     dist.init_process_group("gloo")
     with refusing_attention_masks():  # every mode, forward and backward, without a mask tensor
         record = {str(seq_len): _check_model(seq_len) for seq_len in MODES}
+        record["gpt_oss"] = {str(seq_len): _check_gpt_oss(seq_len) for seq_len in GPT_OSS_MODES}
     write_rank_record(out_dir, record)
 
 
@@ -271,6 +345,28 @@ def test_sharded_logits_equal_unsharded(model_checks, seq_len):
         assert got["max_rel_err"] < 1e-5, (rank, got["max_rel_err"])
         assert got["max_rel_err_docs"] < 1e-5, (rank, got["max_rel_err_docs"])
         assert got["modes"] == {"0": MODES[seq_len], "1": MODES[seq_len], "2": MODES[seq_len], "3": "global"}
+
+
+@pytest.mark.parametrize("seq_len", sorted(GPT_OSS_MODES))
+def test_gpt_oss_sharded_logits_and_gradients_equal_unsharded(model_checks, seq_len):
+    """gpt-oss under cp 2 (sinks everywhere; the window's halo, or its gathered keys across
+    pieces), in fp64: the logits and every parameter's gradient (the sinks' included) of the whole
+    model, within 1e-10 relative to their largest, whole rows and each document alone; the bytes
+    autograd saves per block are the activation model's (the pieces' keys packed with their
+    prefixes), at most 0.5% under."""
+    for rank in (0, 1):
+        got = model_checks[rank]["gpt_oss"][str(seq_len)]
+        assert got["modes"] == {"0": GPT_OSS_MODES[seq_len], "1": "global", "2": GPT_OSS_MODES[seq_len],
+                                "3": "global"}
+        for case in ("rows", "docs"):
+            assert got[case]["logits"] < 1e-10, (rank, case, got[case]["logits"])
+            assert any(name.endswith("attention.sinks") for name in got[case]["grads"])
+            worst = max(got[case]["grads"].items(), key=lambda item: item[1])
+            assert worst[1] < 1e-10, (rank, case, worst)
+    # The activation model is the fullest rank's (halos differ between ranks' pieces).
+    for layer, estimated in model_checks[0]["gpt_oss"][str(seq_len)]["saved"].items():
+        measured = max(model_checks[rank]["gpt_oss"][str(seq_len)]["saved"][layer]["measured"] for rank in (0, 1))
+        assert -0.005 * measured <= estimated["estimated"] - measured <= 0, (layer, estimated, measured)
 
 
 @pytest.mark.parametrize("seq_len", sorted(MODES))

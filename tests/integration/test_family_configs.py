@@ -207,28 +207,32 @@ def test_a_flavor_without_a_hugging_face_form_is_refused_before_anything_runs(
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize(("flags", "message", "fix"), [
-    (["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
-     "parallelism.context_parallel_degree = 2: model.name = \"gpt_oss\" attends with sinks and sliding windows over "
-     "whole rows; context parallelism's exchanges do not carry the sinks or the window",
-     "fix: set parallelism.context_parallel_degree = 1"),
-    (["--training.document_masking", "true"],
-     "training.document_masking = true: model.name = \"gpt_oss\" attends with sinks and sliding windows over whole "
-     "rows; document masking's per-document segments do not carry the sinks or the window",
-     "fix: set training.document_masking = false"),
-    (["--model.attn_backend", "flex", "--training.device", "cuda"],
-     "model.attn_backend = \"flex\": model.name = \"gpt_oss\" attends with sinks and sliding windows",
-     'fix: use model.attn_backend = "sdpa"'),
-])
-def test_gpt_oss_refuses_what_its_attention_cannot_run(flags: list[str], message: str, fix: str, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_gpt_oss_refuses_flex_attention(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Exit 2 and one message naming the key, the value and the fix; planned as for a GPU job
     (`--dry-run`), so the refusal comes before any process group or model."""
-    assert cli.main(["train", "--config", str(CONFIGS / "gpt_oss_20b.toml"), *flags,
-                     "--dry-run", "--world-size", "2", "--job.dump_folder", str(tmp_path)]) == 2
+    assert cli.main(["train", "--config", str(CONFIGS / "gpt_oss_20b.toml"), "--model.attn_backend", "flex",
+                     "--training.device", "cuda", "--dry-run", "--world-size", "2",
+                     "--job.dump_folder", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "Traceback" not in err, err
-    assert message in " ".join(err.split()) and fix in err, err
+    assert "model.attn_backend = \"flex\": model.name = \"gpt_oss\" attends with sinks and sliding windows; " \
+           "FlexAttention's block masks do not carry the sinks" in " ".join(err.split()), err
+    assert 'fix: use model.attn_backend = "sdpa"' in err, err
+
+
+def test_gpt_oss_plans_context_parallel_and_document_masking(tmp_path: Path) -> None:
+    """gpt-oss's shipped SFT job (chat data: document masking on) on 16 ranks with cp 2: the dry
+    run plans it (exit 0). Its sliding-window layers (window 128, pieces of 1024 tokens) wait for
+    one halo of 127 keys per sequence on each rank, its full layers gather."""
+    assert cli.main(["train", "--config", str(CONFIGS / "gpt_oss_20b_sft.toml"), "--model.flavor", "20b",
+                     "--dry-run", "--world-size", "16", "--parallelism.context_parallel_degree", "2",
+                     "--job.dump_folder", str(tmp_path)]) == 0
+    plan = json.loads((tmp_path / "dry_run.json").read_text())
+    modes = plan["context_parallel"]["modes"]
+    assert modes["halo"]["layers"] == list(range(0, 24, 2)) and modes["global"]["layers"] == list(range(1, 24, 2))
+    kv_per_token = 2 * 2 * 8 * 64  # (k, v) x bf16 bytes x kv heads x head dim
+    sequences = 32 // 8  # the global batch over dp = 16 / cp
+    assert modes["halo"]["bytes_per_step"] == 12 * 2 * sequences * 127 * kv_per_token  # forward and backward
 
 
 @pytest.mark.parametrize(("config", "flags", "message", "fix"), [

@@ -1,13 +1,15 @@
 """Chat SFT's loss through the trainer: the mean over the global batch's targets, as transformers
 computes it with the same tokens ignored, whatever the micro-batching; a row without targets
-adds nothing; document masking takes the chat rows' own document starts; the windows' padding
-takes no part in the MoE routers' statistics, balance losses or bias updates.
+adds nothing; document masking, chat data's default, takes the chat rows' own document starts, and
+each packed conversation's loss is transformers' on the conversation alone in every family; the
+windows' padding takes no part in the MoE routers' statistics, balance losses or bias updates.
 
     python -m pytest -q tests/unit/test_chat_loss.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,13 +21,20 @@ from tests.chat_fixtures import CHATML_SPECIALS, HARMONY, HARMONY_SPECIALS, chat
 from tests.chat_jobs import RouterTaps, chat_job, data_mask, write_chat_file
 from tests.helpers import BALANCE
 from tests.launch import metrics_by_step
+from torchmoe.config.datasets import unmasked_examples_note
 from torchmoe.data.micro_batches import IGNORE, MicroBatch
+from torchmoe.training.console import opening
 from torchmoe.training.loop import Trainer
 
 # (family, tokenizer, training.loss_on): templates with and without generation markers.
 CASES = [("qwen3", "chatml_marked", "assistant"), ("qwen3", "chatml", "assistant"),
          ("deepseek_v3", "deepseek_marked", "assistant"), ("deepseek_v3", "deepseek", "all"),
          ("gpt_oss", "harmony", "last")]
+
+
+# Short exchanges of several lengths: a row of 96 tokens packs a few, each with targets.
+SHORT_ROWS = [{"messages": [{"role": "user", "content": f"q{i} " + "ab" * (i % 4)},
+                            {"role": "assistant", "content": "answer " + "xy" * (i % 3 + 1)}]} for i in range(12)]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +50,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "deepseek": deepseek(root / "deepseek", marked=False),
         "harmony": tokenizer_folder(root / "harmony", HARMONY, HARMONY_SPECIALS, eos="<|return|>"),
         "data": write_chat_file(root / "chat.jsonl"),
+        "short": write_chat_file(root / "short.jsonl", SHORT_ROWS),
     }
 
 
@@ -57,9 +67,11 @@ def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family,tokenizer,loss_on", CASES)
 def test_first_step_loss_is_transformers_loss_with_the_same_labels_ignored(world, tmp_path, family, tokenizer,
                                                                             loss_on):
-    """Two micro-batches of packed conversations: the step's loss is transformers' mean cross
-    entropy over every target of the global batch (labels -100 elsewhere), within 1e-5."""
-    trainer = _trainer(world, family, tokenizer, tmp_path, "--training.loss_on", loss_on)
+    """Two micro-batches of packed conversations, document masking set off: the step's loss is
+    transformers' mean cross entropy over every target of the global batch (labels -100
+    elsewhere), each row run whole, within 1e-5."""
+    trainer = _trainer(world, family, tokenizer, tmp_path, "--training.loss_on", loss_on,
+                       "--training.document_masking", "false")
     batch = trainer.dataloader.next_batch()
     assert len(batch) == 2 and 0 < sum(mb.supervised for mb in batch) < sum(mb[1].numel() for mb in batch)
     hf = reference_model(family)
@@ -104,27 +116,53 @@ def test_a_micro_batch_without_targets_adds_nothing_and_a_step_without_any_is_ze
     assert all((g == 0).all() for g in _grads(trainer).values())
 
 
-def test_document_masking_takes_the_chat_rows_document_starts(world, tmp_path):
-    """With document masking each packed conversation attends to itself only, though ChatML's
-    EOS (<|im_end|>) ends every turn inside it: the loss is transformers' on each conversation
-    alone (the rows cut at the loader's starts), within 1e-5."""
-    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--training.document_masking", "true")
+# (family, tokenizer): Qwen3 (ChatML's EOS <|im_end|> ends every turn inside a conversation),
+# DeepSeek-V3 (latent attention), gpt-oss (sinks, and a sliding window of 4 keys, shorter than
+# any conversation).
+MASKED = [("qwen3", "chatml", "assistant"), ("deepseek_v3", "deepseek_marked", "assistant"),
+          ("gpt_oss", "harmony", "last")]
+
+
+@pytest.mark.parametrize("family,tokenizer,loss_on", MASKED)
+def test_each_packed_conversation_is_transformers_on_it_alone(world, tmp_path, family, tokenizer, loss_on):
+    """Chat data masks documents by default: each packed conversation attends to itself only, so
+    its logits in the trainer's forward are transformers' on the conversation alone (the rows cut
+    at the loader's starts; 1e-5), and the step's loss is transformers' (every conversation's sum
+    of target losses over the global count; rel 1e-5). Set off, the conversations after a row's
+    first get other logits, and the run's opening lines say so."""
+    rows = ("--training.dataset_path", str(world["short"]), "--training.seq_len", "96", "--training.loss_on", loss_on)
+    trainer = _trainer(world, family, tokenizer, tmp_path, *rows)
+    assert trainer.cfg.training.document_masking and unmasked_examples_note(trainer.cfg.training) is None
     batch = trainer.dataloader.next_batch()
-    hf = reference_model("qwen3")
-    total, count = 0.0, 0
+    hf = reference_model(family)
+    total, count, later, moved = 0.0, 0, 0, []
     with torch.no_grad():
         for mb in batch:
+            masked_logits = trainer.model(*trainer._local_columns(mb[0], mb[1], mb.starts)[::2])
+            unmasked_logits = trainer.model(mb[0])  # what the rows give with masking off: no tables
             for row in range(mb[0].shape[0]):
                 starts = mb.starts[row]
                 for start in sorted(set(starts.tolist())):
                     cols = (starts == start).nonzero().flatten()
                     logits = hf(mb[0][row, cols][None]).logits[0]
+                    torch.testing.assert_close(masked_logits[row, cols], logits, rtol=1e-5, atol=1e-5)
                     labels = mb[1][row, cols]
                     total += F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE).item()
                     count += int((labels != IGNORE).sum())
+                    if start:
+                        later += int((labels != IGNORE).sum())
+                        moved.append((unmasked_logits[row, cols] - logits).abs().max().item())
     assert count == sum(mb.supervised for mb in batch)
-    assert max(len(set(mb.starts[r].tolist())) for mb in batch for r in range(2)) >= 2  # rows pack conversations
+    assert later > 0.2 * count, (later, count)  # conversations packed after another's have targets
+    assert min(moved) > 1e-3, moved
     assert trainer.train_step(batch).loss == pytest.approx(total / count, rel=1e-5)
+    unmasked = dataclasses.replace(trainer.cfg, training=dataclasses.replace(trainer.cfg.training,
+                                                                             document_masking=False))
+    lines = opening(unmasked, trainer.model_args, step=0, global_batch_size=4, world_size=1, device_type="cpu",
+                    dump_folder=tmp_path).splitlines()
+    assert lines[-1] == ("training.document_masking = false: every chat example attends to the examples packed "
+                         "before it in its batch row (the default for such data is true: each attends to itself "
+                         "only)")
 
 
 def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_path):
@@ -134,7 +172,8 @@ def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_pa
     counted here row by row (rows of 256 tokens: several conversations each)."""
     trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
                        "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
-                       "--validation.seq_len", "256", "--validation.steps", "2")
+                       "--validation.seq_len", "256", "--validation.steps", "2", "--training.document_masking",
+                       "false")
     loader = trainer.validation.loader()
     batches = [mb for _ in range(2) for mb in loader.next_batch()]
     hf = reference_model("qwen3")

@@ -149,6 +149,49 @@ def test_help_shows_docstrings_and_toml_defaults(tmp_path: Path, capsys: pytest.
     assert "--float8.filter_fqns" in out
 
 
+@pytest.mark.parametrize(("training", "flags", "masked"), [
+    ('dataset = "chat"\ndataset_path = "c.jsonl"', [], True),  # separate examples: masked by default
+    ('dataset = "chat"\ndataset_path = "c.jsonl"', ["--training.dataset", "local"], False),  # the flag's kind
+    ('dataset = "local"\ndataset_path = "d.jsonl"', ["--training.dataset", "chat"], True),
+    ('dataset = "chat"\ndataset_path = "c.jsonl"\ndocument_masking = false', [], False),  # set: as it is
+    ('dataset = "chat"\ndataset_path = "c.jsonl"', ["--training.document_masking", "false"], False),
+    ('dataset = "python_docs"', [], False),  # text keeps torchtitan's default
+    ('dataset = "python_docs"\ndocument_masking = true', [], True),
+    ('dataset_mix = ["web=0.7:local:w.jsonl", "chat=0.3:chat:c.jsonl"]', [], True),  # a chat source
+    ('dataset_mix = ["web=0.7:local:w.jsonl", "c=0.3:tokens:x"]', [], False),
+])
+def test_document_masking_defaults_to_the_dataset_s_kind(tmp_path: Path, training: str, flags: list[str],
+                                                          masked: bool) -> None:
+    """`training.document_masking` left out: true for data of separate examples (chat), false for
+    text, whichever of the file and the flags names the dataset; set in either, as it is."""
+    path = write_toml(tmp_path, f"[training]\n{training}\n")
+    assert load_job_config(["--config", path, *flags]).training.document_masking is masked
+
+
+def test_torchtitan_s_causal_mask_type_keeps_chat_unmasked(tmp_path: Path) -> None:
+    """torchtitan's ``attn_mask_type = "causal"`` sets document_masking (false) as the key itself
+    would: a torchtitan file for chat data runs unchanged, unmasked."""
+    path = write_toml(tmp_path, '[model]\nattn_mask_type = "causal"\n[training]\ndataset = "chat"\n'
+                                'dataset_path = "c.jsonl"\n')
+    assert load_job_config(["--config", path]).training.document_masking is False
+
+
+def test_help_and_the_written_config_show_the_resolved_masking(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A chat job file without the key: `--help` shows true as the default the job would use,
+    and the run's config.toml writes it out (a resumed run reads the same)."""
+    path = write_toml(tmp_path, '[training]\ndataset = "chat"\ndataset_path = "c.jsonl"\n')
+    with pytest.raises(SystemExit):
+        load_job_config(["--config", path, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--training.document_masking {true,false}" in out
+    assert out.split("--training.document_masking", 1)[1].split("--training.", 1)[0].rstrip().endswith(
+        "(default: true)")
+    written = write_config_toml(load_job_config(["--config", path]), tmp_path / "run" / "config.toml")
+    assert "document_masking = true" in written.read_text()
+    assert load_job_config(["--config", str(written), "--training.dataset", "local"]).training.document_masking
+
+
 # ---- flag errors -----------------------------------------------------------------------------
 
 

@@ -32,14 +32,29 @@ def test_pieces_cover_the_sequence_and_balance_causal_work(seq_len, cp):
 def test_modes_halos_and_keys():
     # seq 384 on cp 2: pieces of 96 tokens.
     layout = CPLayout(384, 2)
-    assert layout.chunk_mode(None) == "global" and layout.chunk_mode(384) == "global"
-    assert layout.chunk_mode(32) == "local" and layout.chunk_mode(96) == "local"
-    assert layout.chunk_mode(64) == "halo" and layout.chunk_mode(128) == "gather"
+    assert layout.mode(None) == "global" and layout.mode(384) == "global"
+    assert layout.mode(32) == "local" and layout.mode(96) == "local"
+    assert layout.mode(64) == "halo" and layout.mode(128) == "gather"
     assert [layout.halo(j, 64) for j in range(4)] == [0, 32, 0, 32]
     assert [layout.keys(j, 64) for j in range(4)] == [96, 128, 96, 128]
     assert [layout.keys(j, None) for j in range(4)] == [96, 192, 288, 384]
     # gather, chunk 128: piece 2 (192..287) starts in chunk 1 (128..255): keys from 128.
     assert layout.keys(2, 128) == 288 - 128
+
+
+def test_sliding_windows_take_the_keys_their_first_query_sees():
+    """gpt-oss's windows (seq 384 on cp 2, pieces of 96): the W - 1 keys before a piece, from the
+    previous piece when they fit in it (halo), else from the gathered keys; a window of one key
+    sees nothing before; one no shorter than the sequence is full causal attention."""
+    layout = CPLayout(384, 2)
+    assert [layout.mode(None, w) for w in (1, 8, 97, 98, 200, 384, 500)] == \
+        ["local", "halo", "halo", "gather", "gather", "global", "global"]
+    assert [layout.halo(j, None, 8) for j in range(4)] == [0, 7, 7, 7]
+    assert [layout.keys(j, None, 8) for j in range(4)] == [96, 103, 103, 103]
+    assert [layout.prefix(j, None, 200) for j in range(4)] == [0, 96, 192, 199]
+    assert layout.attention_calls(1, ((None, 8), (None, None))) == [
+        (None, 96, 96, 7, 8), (None, 192, 96, 7, 8), (None, 96, 96, 96, None), (None, 192, 96, 192, None)]
+    assert layout.bytes_received("halo", None, 10.0, 8) == 7 * 10.0  # rank 0 waits for piece 2's tail
 
 
 def test_bytes_received_are_the_minimum():

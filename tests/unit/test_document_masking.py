@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import SHORT_DOCUMENTS, HostReads, counting_model_reads, emulated_flash, refusing_attention_masks
+from torchmoe.arch.registry import FLAVORS as FAMILY_FLAVORS
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
@@ -33,6 +34,7 @@ from torchmoe.nn.document_attention import (
     document_starts,
     whole_row_calls,
 )
+from torchmoe.nn.sink_attention import sink_attention
 from torchmoe.preflight.features import check_features
 from torchmoe.training.loop import Trainer
 
@@ -48,7 +50,8 @@ class _Layout:
 
 class _AloneAt:
     """Context parallelism's hook, standing in: the tokens are one document at global positions
-    ``[offset, offset + n)``; attention is dense causal over them (within global chunks)."""
+    ``[offset, offset + n)``; attention is dense causal over them (within global chunks, or the
+    sliding window), in fp64, with the sink logits as one more column of each softmax."""
 
     def __init__(self, offset: int, n: int) -> None:
         self.offset, self.n = offset, n
@@ -57,15 +60,20 @@ class _AloneAt:
     def positions(self, device: torch.device) -> torch.Tensor:
         return torch.arange(self.offset, self.offset + self.n, device=device)
 
-    def attend(self, q, k, v, chunk, documents=None):
+    def attend(self, q, k, v, chunk, documents=None, *, window=None, sinks=None):
         pos = self.positions(q.device)
         allowed = pos[:, None] >= pos[None, :]
         if chunk is not None:
             allowed &= pos[:, None] // chunk == pos[None, :] // chunk
+        if window is not None:
+            allowed &= pos[:, None] - pos[None, :] < window
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scores = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
-        return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.double()).to(q.dtype)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+        return (scores.softmax(-1)[..., :k.shape[-2]] @ v.double()).to(q.dtype)
 
 
 def _documents(row: list[int], eos: int) -> list[tuple[int, int]]:
@@ -109,7 +117,7 @@ def _packed_rows(seed: int = 0) -> torch.Tensor:
 
 def _segments(tokens: torch.Tensor, calls: list[AttentionCall] | None = None, eos: int = EOS):
     """The segment tables of `tokens`' rows for `calls` (default: the tiny model's, whole rows)."""
-    calls = calls or whole_row_calls(FLAVORS["tiny"].attention_chunks(), tokens.shape[-1])
+    calls = calls or whole_row_calls(FLAVORS["tiny"].attention_spans(), tokens.shape[-1])
     return document_segments(document_starts(tokens, eos), calls, tokens.device)
 
 
@@ -125,31 +133,43 @@ def test_document_starts() -> None:
     assert document_starts(tokens, EOS).tolist() == [[0, 0, 2, 2, 2, 5, 6], [0, 1, 1, 1, 1, 1, 1]]
 
 
+# Each family's attention: Llama 4's chunks (64) and NoPE layers, Qwen3's QK-norm, DeepSeek-V3's
+# latent attention, gpt-oss's sinks with sliding windows shorter than most conversations (8) and
+# longer than every one but shorter than the row (150).
+FAMILIES = [("llama4", None), ("qwen3", None), ("deepseek_v3", None), ("gpt_oss", 8), ("gpt_oss", 150)]
+
+
+@pytest.mark.parametrize(("family", "window"), FAMILIES)
 @torch.no_grad()
-def test_packed_row_equals_each_document_alone() -> None:
-    model, tokens = _model(), _packed_rows()
-    with refusing_attention_masks():  # no path of the masked attention hands SDPA a mask
-        packed = model(tokens, _segments(tokens))
-    torch.testing.assert_close(packed, _per_document_logits(model, tokens), rtol=1e-5, atol=1e-5)
-
-
-@torch.no_grad()
-def test_latent_attention_packed_row_equals_each_document_alone() -> None:
-    """DeepSeek-V3's latent attention (values padded to the query/key heads' width, YaRN's softmax
-    scale on the queries) through the varlen kernel's path: each document's logits are those of
-    the document alone against a float64 softmax."""
-    from torchmoe.arch.deepseek_v3 import FLAVORS as DEEPSEEK_V3
-
-    args = DEEPSEEK_V3["tiny"]
+def test_every_family_s_packed_conversations_are_each_conversation_alone(family: str, window: int | None) -> None:
+    """A packed row's conversations under document masking (fp32): each one's logits (1e-5) and
+    its loss (the mean cross entropy of its next tokens, rel 1e-5) are those of the conversation
+    run alone: its tokens by themselves through the model (RoPE is relative), or for Llama 4,
+    whose chunks and NoPE temperature count from the row start, at its global positions with a
+    dense reference attention. The same row without masking gives other logits after the first
+    conversation."""
+    args = FAMILY_FLAVORS[family]["tiny"]
+    if window is not None:
+        args = args.replace(sliding_window=window)
     model = Transformer(args)
     model.init_weights(seed=0)
     model.eval()
     tokens = _packed_rows()
-    segments = document_segments(document_starts(tokens, EOS), whole_row_calls(args.attention_chunks(), 256),
-                                 tokens.device)
     with refusing_attention_masks():
-        packed = model(tokens, segments)
-    torch.testing.assert_close(packed, _per_document_logits(model, tokens), rtol=1e-5, atol=1e-5)
+        packed = model(tokens, document_segments(document_starts(tokens, EOS),
+                                                 whole_row_calls(args.attention_spans(), 256), tokens.device))
+    unmasked, moved = model(tokens), []
+    for b, row in enumerate(tokens):
+        for s, e in _documents(row.tolist(), EOS):
+            alone = (_alone(model, row[None, s:e], s) if family == "llama4" else model(row[None, s:e]))[0]
+            torch.testing.assert_close(packed[b, s:e], alone, rtol=1e-5, atol=1e-5)
+            if e - s > 1:
+                labels = row[s + 1:e]
+                assert F.cross_entropy(packed[b, s:e - 1], labels).item() == pytest.approx(
+                    F.cross_entropy(alone[:-1], labels).item(), rel=1e-5)
+            if s:
+                moved.append((packed[b, s:e] - unmasked[b, s:e]).abs().max().item())
+    assert min(moved) > 1e-3, moved
 
 
 @torch.no_grad()
@@ -169,7 +189,7 @@ def test_attention_with_a_prefix_equals_the_whole_row() -> None:
     q = torch.randn(2, 4, 256, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, 256, 16, requires_grad=True) for _ in range(2))
     for chunk, start in ((None, 96), (CHUNK, 96), (CHUNK, 128)):
-        whole = document_attention(q, k, v, _segments(tokens, whole_row_calls([chunk], 256)), chunk=chunk)
+        whole = document_attention(q, k, v, _segments(tokens, whole_row_calls([(chunk, None)], 256)), chunk=chunk)
         lo = 0 if chunk is None else start // chunk * chunk
         segments = _segments(tokens, [AttentionCall(chunk, start, 256 - start, start - lo)])
         piece = document_attention(q[..., start:, :], k[..., start:, :], v[..., start:, :], segments,
@@ -179,6 +199,43 @@ def test_attention_with_a_prefix_equals_the_whole_row() -> None:
         expected = torch.autograd.grad(whole[..., start:, :], (q, k, v), grad)
         for got, want in zip(torch.autograd.grad(piece, (q, k, v), grad), expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 8, 150, None])
+def test_sinks_and_windows_within_documents_are_each_document_alone(window) -> None:
+    """gpt-oss's attention under document masking (fp64): each document's rows, and every
+    gradient (the sinks' included), are those of `sink_attention` over that document alone, its
+    window counted from the document's start (windows of 1 and 8 keys are shorter than most
+    documents, 150 longer than every one but shorter than the row). Context parallelism's
+    pieces, with the W - 1 keys before them (or the whole prefix) as theirs, give the whole row's."""
+    tokens = _packed_rows()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 256, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 2, 256, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    sinks = (torch.randn(4, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    out = document_attention(q, k, v, _segments(tokens, whole_row_calls([(None, window)], 256)), window=window,
+                             sinks=sinks)
+    alone = torch.cat([torch.cat([sink_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], sinks,
+                                                 window) for s, e in _documents(row, EOS)], dim=-2)
+                       for b, row in enumerate(tokens.tolist())])
+    torch.testing.assert_close(out, alone, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    expected = torch.autograd.grad(alone, (q, k, v, sinks), grad)
+    for name, got, want in zip("qkvs", torch.autograd.grad(out, (q, k, v, sinks), grad, retain_graph=True), expected):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11, msg=name)
+    row = sink_attention(q, k, v, sinks, window)  # the row as one document: other numbers
+    assert window == 1 or (out - row).abs().max() > 1e-2  # (a window of 1 key sees no other document)
+    for start in (96, 128):
+        m = start if window is None else min(window - 1, start)
+        segments = _segments(tokens, [AttentionCall(None, start, 256 - start, m, window)])
+        piece = document_attention(q[..., start:, :], k[..., start:, :], v[..., start:, :], segments, start=start,
+                                   prefix=(k[..., start - m:start, :], v[..., start - m:start, :]), window=window,
+                                   sinks=sinks)
+        torch.testing.assert_close(piece, out[..., start:, :], rtol=1e-12, atol=1e-12)
+        expected = torch.autograd.grad(out[..., start:, :], (q, k, v, sinks), grad[..., start:, :], retain_graph=True)
+        for name, got, want in zip("qkvs", torch.autograd.grad(piece, (q, k, v, sinks), grad[..., start:, :]),
+                                   expected):
+            torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11, msg=name)
 
 
 def test_a_prefix_too_short_is_refused() -> None:
@@ -220,17 +277,25 @@ def test_step_one_loss_is_the_cross_entropy_of_each_document_alone(tmp_path: Pat
     assert trainer.train_step(batch).loss == pytest.approx(expected.item(), rel=1e-5)
 
 
-@torch.no_grad()
-def test_packed_row_on_flash_equals_each_document_alone() -> None:
+@pytest.mark.parametrize("family", ["llama4", "gpt_oss"])
+def test_packed_row_on_flash_equals_each_document_alone(family: str) -> None:
     """On CUDA flash's path (emulated: `varlen_attn`'s operands checked against what the kernel
-    assumes), one call per layer for both rows, the same logits, and no host read."""
-    model, tokens = _model(), _packed_rows()
-    reads = HostReads()
-    segments = _segments(tokens)
+    assumes; for gpt-oss its sliding window and log-sum-exp, and flash's varlen backward given the
+    sinks' joined output), one call per layer for both rows, no host read forward or backward,
+    and the logits of each document alone (a dense fp64 attention at its global positions, with
+    the window and the sink column)."""
+    args = FAMILY_FLAVORS[family]["tiny"]
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    tokens, reads = _packed_rows(), HostReads()
+    segments = document_segments(document_starts(tokens, EOS), whole_row_calls(args.attention_spans(), 256),
+                                 tokens.device)
     with emulated_flash(reads) as calls, reads.counting():
         packed = model(tokens, segments)
-    assert len(calls) == FLAVORS["tiny"].n_layers and not reads.counts
-    torch.testing.assert_close(packed, _per_document_logits(model, tokens), rtol=1e-5, atol=1e-5)
+        packed.float().pow(2).mean().backward()
+    assert len(calls) == args.n_layers and not reads.counts
+    with torch.no_grad():
+        torch.testing.assert_close(packed, _per_document_logits(model.eval(), tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_a_masked_step_on_flash_reads_nothing_on_the_host(tmp_path: Path, monkeypatch) -> None:

@@ -213,7 +213,7 @@ def test_block_activations_match_saved_tensors(precision, seq, masking, family):
     act = ActivationModel(args, _dims(), a=4 if precision == "fp32" else 2, compiled=False, loss_parallel=False,
                           autocast=autocast, seq_len=seq, document_masking=masking)
     starts = torch.arange(seq).expand(batch, seq).clamp(max=30) // 30 * 30
-    documents = document_segments(starts, whole_row_calls(args.attention_chunks(), seq),
+    documents = document_segments(starts, whole_row_calls(args.attention_spans(), seq),
                                   torch.device("cpu")) if masking else None
     for i, block in model.layers.items():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -405,4 +405,4 @@ def test_dry_run_expert_memory_per_rank_and_context_parallel(tmp_path):
     # layers gather keys and values like the NoPE layer 3.
     modes = report["context_parallel"]["modes"]
     assert list(modes) == ["gather", "global"] and modes["global"]["layers"] == [3]
-    assert "layers 0,1,2: all-gather K/V (chunk longer than a piece)" in out.getvalue()
+    assert "layers 0,1,2: all-gather K/V (chunk or sliding window longer than a piece)" in out.getvalue()

@@ -30,7 +30,7 @@ def _brute(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> torch.Ten
 
 
 @pytest.mark.parametrize("block", [1 << 26, 64])  # one block of queries; several (5 queries each)
-@pytest.mark.parametrize("case", ["causal", "chunk", "window", "documents", "documents+chunk"])
+@pytest.mark.parametrize("case", ["causal", "chunk", "window", "documents", "documents+chunk", "documents+window"])
 def test_each_heads_largest_logit_is_the_masked_score_matrix_s(monkeypatch, case: str, block: int) -> None:
     monkeypatch.setattr(logit_max, "BLOCK_ELEMENTS", block)
     g = torch.Generator().manual_seed(0)
@@ -44,15 +44,16 @@ def test_each_heads_largest_logit_is_the_masked_score_matrix_s(monkeypatch, case
     documents = None
     if chunk:
         visible = visible & (j // chunk == i // chunk)
-    if case == "window":
-        visible = visible & (j > i - 3)
+    window = 3 if "window" in case else None
+    if window:
+        visible = visible & (j > i - window)
     if case.startswith("documents"):
         tokens = torch.randint(1, 9, (2, SEQ), generator=g)
         tokens[0, [2, 7]] = tokens[1, 9] = 0  # EOS: documents start after them
         starts = document_starts(tokens, eos_id=0)
         visible = visible & (j.unsqueeze(0) >= starts.unsqueeze(-1))
-        documents = document_segments(starts, whole_row_calls([chunk], SEQ), torch.device("cpu"))
-    starts = window_starts(SEQ, q.device, chunk=chunk, window=3 if case == "window" else None, documents=documents)
+        documents = document_segments(starts, whole_row_calls([(chunk, window)], SEQ), torch.device("cpu"))
+    starts = window_starts(SEQ, q.device, chunk=chunk, window=window, documents=documents)
     got = head_logit_max(q, k, starts)
     assert torch.allclose(got, _brute(q, k, visible), rtol=1e-6, atol=0)
     # A mask that is not the one used gives another maximum (the test can fail).

@@ -10,6 +10,8 @@ segment up to its position counted from the segment's end (bottom-right causal),
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -34,15 +36,21 @@ def _inputs(dtype=torch.float64):
     return [t.detach().requires_grad_() for t in (q, k, v)], cu_q, cu_k
 
 
-def _dense(q, k, v, cu_q, cu_k):
-    """fp64 masked softmax attention over the packed tensors, the mask built from the segments."""
+def _dense(q, k, v, cu_q, cu_k, window=None, sinks=None):
+    """fp64 masked softmax attention over the packed tensors, the mask built from the segments:
+    query i of a segment at key (keys - queries) + i sees its segment's keys up to there, the
+    `window` latest of them when given; `sinks` (H,): one more column of each softmax, of that
+    logit, whose value is zero."""
     allowed = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
     for qa, qb, ka, kb in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
         for i in range(qb - qa):
-            allowed[qa + i, ka:ka + (kb - ka) - (qb - qa) + i + 1] = True
+            last = ka + (kb - ka) - (qb - qa) + i  # the query's own key
+            allowed[qa + i, max(ka, last - window + 1 if window else ka):last + 1] = True
     kx, vx = (t.repeat_interleave(q.shape[1] // t.shape[1], 1).transpose(0, 1) for t in (k, v))
-    scores = q.transpose(0, 1) @ kx.transpose(-2, -1) * q.shape[-1] ** -0.5
-    return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vx).transpose(0, 1)
+    scores = (q.transpose(0, 1) @ kx.transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(-1, 1, 1).expand(-1, q.shape[0], 1)], dim=-1)
+    return (scores.softmax(-1)[..., :k.shape[0]] @ vx).transpose(0, 1)
 
 
 def test_the_host_operator_is_the_dense_attention():
@@ -72,6 +80,47 @@ def test_the_flash_path_hands_varlen_what_cuda_assumes():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+# Windows shorter than every segment, than some, of one key, and longer than any segment.
+WINDOWS = [1, 2, 3, 100]
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["host", "flash"])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("with_sinks", [True, False], ids=["sinks", "no_sinks"])
+def test_windows_and_sinks_are_each_segment_s_own(flash, window, with_sinks):
+    """gpt-oss's attention per segment: the sliding window counted from each segment's own keys
+    (a prefix's included), the sink logits joined to each segment's softmax. Output and the
+    gradients of q, k, v and the sinks equal the dense fp64 masked softmax with the sink column
+    (1e-12), on the host operator and on flash's path (emulated: ``varlen_attn`` with
+    ``window_size (W - 1, 0)`` and its log-sum-exp, flash's varlen backward given the joined
+    output), with no host read there."""
+    (q, k, v), cu_q, cu_k = _inputs()
+    sinks = (torch.randn(q.shape[1], dtype=q.dtype, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_()
+    sinks_in = sinks if with_sinks else None
+    inputs = [q, k, v, *([sinks] if with_sinks else [])]
+    reads = HostReads()
+    with emulated_flash(reads) if flash else contextlib.nullcontext([]) as calls, reads.counting():
+        out = segment_attention(q, k, v, cu_q, cu_k, cu_q, cu_k, max_q=5, max_k=7, window=window, sinks=sinks_in)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, inputs, grad)
+    assert not flash or (len(calls) == 1 and calls[0][-1] == (window - 1, 0) and not reads.counts)
+    ref = _dense(q, k, v, cu_q, cu_k, window, sinks_in)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for name, a, b in zip("qkvs", got, torch.autograd.grad(ref, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    if with_sinks:  # the sinks take a share of the softmax far beyond rounding
+        assert (out - _dense(q, k, v, cu_q, cu_k, window)).abs().max() > 1e-2
+
+
+def test_a_window_or_sinks_change_the_attention():
+    """The reference can fail: a window of 2 and the sinks each move the output."""
+    (q, k, v), cu_q, cu_k = _inputs()
+    plain = segment_attention(q, k, v, cu_q, cu_k, cu_q, cu_k, max_q=5, max_k=7)
+    windowed = segment_attention(q, k, v, cu_q, cu_k, cu_q, cu_k, max_q=5, max_k=7, window=2)
+    assert (plain - windowed).abs().max() > 1e-2
+    torch.testing.assert_close(windowed, _dense(q, k, v, cu_q, cu_k, 2), rtol=0, atol=1e-12)
+
+
 def test_gradients_in_float64():
     """torch's gradcheck of the host operator's backward against finite differences."""
     (q, k, v), cu_q, cu_k = _inputs()
@@ -81,7 +130,9 @@ def test_gradients_in_float64():
 
 def test_custom_operator_passes_opcheck():
     (q, k, v), cu_q, cu_k = _inputs(torch.float32)
-    torch.library.opcheck(torch.ops.torchmoe.segment_attention, (q, k, v, cu_q, cu_k))
+    torch.library.opcheck(torch.ops.torchmoe.segment_attention, (q, k, v, cu_q, cu_k, cu_q, cu_k, None, 0, 5, 7))
+    sinks = torch.randn(q.shape[1], requires_grad=True)
+    torch.library.opcheck(torch.ops.torchmoe.segment_attention, (q, k, v, cu_q, cu_k, cu_q, cu_k, sinks, 3, 5, 7))
 
 
 @pytest.mark.parametrize(("name", "make"), [

@@ -14,17 +14,19 @@ from torchmoe.nn.sink_attention import cached_sink_attention, sink_attention
 
 def _reference(q, k, v, sinks, window):
     """The definition: scores masked to the causal window, the sink logit as one more column,
-    softmax, the sink's column dropped (fp64 in, fp64 out)."""
-    b, h, s, hd = q.shape
+    softmax, the sink's column dropped (fp64 in, fp64 out). The n queries sit at the last n of
+    the keys' positions (a prefix before them when k is longer)."""
+    b, h, n, hd = q.shape
+    s = k.shape[-2]
     keys, values = (t.repeat_interleave(h // t.shape[1], 1) for t in (k, v))
     scores = q @ keys.transpose(-1, -2) * hd**-0.5
-    i, j = torch.arange(s).unsqueeze(-1), torch.arange(s)
+    i, j = torch.arange(s - n, s).unsqueeze(-1), torch.arange(s)
     hidden = j > i
     if window is not None:
         hidden |= j <= i - window
     scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is not None:
-        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(b, h, s, 1)], dim=-1)
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(b, h, n, 1)], dim=-1)
     return torch.softmax(scores, dim=-1)[..., :s] @ values
 
 
@@ -95,21 +97,28 @@ def test_the_output_is_laid_out_for_the_output_projection():
     assert out.transpose(1, 2).is_contiguous()
 
 
-def test_a_layer_refuses_documents_and_context_parallel_it_cannot_carry():
-    """The preflight refuses document masking and CP for sinks and windows (exit 2,
-    test_family_configs); a caller that skips it gets an error, not attention across documents or
-    over a CP piece alone."""
-    from torchmoe.arch.gpt_oss import FLAVORS
-    from torchmoe.models.decoder.model import Transformer
+# (queries, prefix keys, window): a prefix shorter than the window, as long as its W - 1 keys, longer
+# (its first keys seen by no query), a window longer than the span (plain causal), no window.
+PREFIXED = [(8, 2, 4), (8, 3, 4), (9, 7, 3), (5, 6, 16), (6, 5, None), (16, 4, 1)]
 
-    model = Transformer(FLAVORS["tiny"])
-    model.init_weights(seed=0)
-    block = model.layers["0"]
-    x = torch.randn(1, 16, FLAVORS["tiny"].dim)
-    freqs = model._rotations(16)
-    block(x, freqs)  # whole rows: runs
-    with pytest.raises(ValueError, match="document masking and context parallelism are not supported"):
-        block(x, freqs, documents=object())
-    block.attention.context_parallel = object()
-    with pytest.raises(ValueError, match="runs over whole rows"):
-        block(x, freqs)
+
+@pytest.mark.parametrize(("n", "m", "window"), PREFIXED)
+def test_queries_after_a_prefix_are_the_definition(n, m, window):
+    """Context parallelism's pieces: queries at the last n of m + n key positions, the window
+    reaching into the prefix. Output and every gradient (the prefix keys' included, zero where no
+    query sees them) equal the definition's in fp64."""
+    q, k, v, sinks = _inputs(m + n)
+    q = q[..., m:, :]
+    out = sink_attention(q, k, v, sinks, window)
+    ref = _reference(q, k, v, sinks, window)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad((out * grad).sum(), (q, k, v, sinks))
+    want = torch.autograd.grad((ref * grad).sum(), (q, k, v, sinks))
+    for name, a, b in zip("qkvs", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11, msg=name)
+    # The rows of the whole span's attention (the test can fail: without the prefix they differ).
+    whole = sink_attention(*_inputs(m + n)[:3], sinks.detach(), window)[..., m:, :]
+    torch.testing.assert_close(out, whole, rtol=1e-12, atol=1e-12)
+    alone = sink_attention(q, k[..., m:, :], v[..., m:, :], sinks, window)
+    assert window == 1 or (out - alone).abs().max() > 1e-3

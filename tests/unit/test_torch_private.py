@@ -229,6 +229,11 @@ def test_cuda_attention_kernels_have_the_arguments_we_pass():
     assert "Tensor attn_bias, Tensor out, Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, " \
         "float dropout_p, bool[4] grad_input_mask, bool is_causal=False" in \
         str(aten._scaled_dot_product_efficient_attention_backward.default._schema)
+    # flash_varlen_attention_backward: the arguments of torch's own varlen_attn backward.
+    assert "(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, " \
+        "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, " \
+        "Tensor rng_state, Tensor unused, *, float? scale=None, SymInt? window_size_left=None, " \
+        "SymInt? window_size_right=None)" in str(aten._flash_attention_backward.default._schema)
 
 
 def test_ops_selective_ac_saves_exist():

@@ -284,10 +284,11 @@ class ModelArgs:
             return True
         return not self.qk_rms_norm and not (self.use_qk_norm and self.rope_layers[layer_id])
 
-    def attention_chunks(self) -> tuple[int | None, ...]:
-        """Every distinct `layer_chunk` of the model, in layer order: the kinds of attention call
-        its layers make (document masking builds a segment table for each)."""
-        return tuple(dict.fromkeys(self.layer_chunk(i) for i in range(self.n_layers)))
+    def attention_spans(self) -> tuple[tuple[int | None, int | None], ...]:
+        """Every distinct (`layer_chunk`, `layer_window`) of the model, in layer order: the kinds of
+        attention call its layers make (document masking builds a segment table for each, context
+        parallelism gives each its mode)."""
+        return tuple(dict.fromkeys((self.layer_chunk(i), self.layer_window(i)) for i in range(self.n_layers)))
 
     def routed_expert_names(self) -> list[str]:
         """Module names of the routed experts (``GroupedExperts``), one per MoE layer."""

@@ -51,9 +51,9 @@ from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.nn.kv_cache import KVCache
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.preflight import train_device
-from torchmoe.training.cpu_threads import cpu_threads
 from torchmoe.training.adapter_checkpoint import adapted_model
 from torchmoe.training.adapters import base_weights
+from torchmoe.training.cpu_threads import cpu_threads
 
 __all__ = ["NonFiniteLogits", "Sampling", "chat_prompt", "generate_ids", "generate_main", "load_trained_model", "next_token"]
 

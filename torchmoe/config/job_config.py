@@ -153,7 +153,7 @@ class Training:
     add_bos: bool = False
     """Start every document with the tokenizer's BOS token, as torchtitan does; false: only the EOS after each document separates them. Not for 'chat' data, whose tokens are exactly the chat template's."""
     document_masking: bool = False
-    """Attention never crosses a document boundary inside a packed row (torchtitan's model.attn_mask_type = "block_causal"): a document starts at the row's first token and after every EOS. Positions stay global (RoPE counts from the row start, as in torchtitan). Runs each document's (and chunk's) causal attention as its own fused-kernel call, no mask tensor; not with model.attn_backend = "flex"."""
+    """Attention never crosses a document boundary inside a packed row (torchtitan's model.attn_mask_type = "block_causal"): a document starts at the row's first token and after every EOS. Positions stay global (RoPE counts from the row start, as in torchtitan); gpt-oss's sliding window counts within the document and its sinks join each document's softmax, so every document is attended as if alone. Runs each document's (and chunk's) causal attention as its own fused-kernel call, no mask tensor; not with model.attn_backend = "flex". Default: true when the training data's rows are separate examples ('chat', in training.dataset or a dataset_mix source), false otherwise (torchtitan's); set false with chat data, each conversation attends to those packed before it, and the run's opening lines say so."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps and never inside a step (0 = Python's automatic collection)."""
     dtype: str = "float32"

@@ -26,6 +26,7 @@ import tomli_w
 import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
+from torchmoe.config.datasets import default_document_masking
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
@@ -492,7 +493,9 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
     torchtitan's keys and its ``--job.config_file`` are accepted too (`torchmoe.config.torchtitan`);
     their warning lines go to `notes` (logged when None). `model.hf_assets_path` then fills
     `model.tokenizer_path` and, with `checkpoint.initial_load_in_hf`, `checkpoint.initial_load_path`
-    where those are empty, so the resolved config says what is read.
+    where those are empty, so the resolved config says what is read. A key whose default depends
+    on another (`training.document_masking` on the dataset: `config.datasets`) takes it here,
+    when neither the file nor a flag sets it.
 
     Args:
         argv: the arguments after the subcommand.
@@ -506,10 +509,12 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
         ConfigError: any user error in the file or the flags.
     """
     config_path, overrides, wants_help = _split_args(argv)
-    base = load_toml_config(config_path, notes=notes, set_keys=set_keys) if config_path is not None else JobConfig()
+    explicit: set[str] = set()  # the keys the file or a flag sets
+    base = load_toml_config(config_path, notes=notes, set_keys=explicit) if config_path is not None else JobConfig()
     if wants_help:
         # tyro renders the help from the dataclasses, their docstrings and the TOML's values.
-        tyro.cli(JobConfig, prog=prog, description=description, args=["--help"], default=base,
+        tyro.cli(JobConfig, prog=prog, description=description, args=["--help"],
+                 default=_with_dependent_defaults(base, explicit),
                  use_underscores=True, config=(tyro.conf.FlagConversionOff,), registry=_REGISTRY)
     # Overrides are applied here rather than by tyro's argparse, which would take a value that
     # starts with "-" (a path, a description) for a flag and fail outside our one-message errors.
@@ -537,10 +542,20 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
                                   f"(what \"\" means in a TOML file)", means=f"{dotted} not set ({_UNSET[dotted]})")
             section, _, leaf = dotted.partition(".")
             updates.setdefault(section, {})[leaf] = value
-            if set_keys is not None:
-                set_keys.add(dotted)
+            explicit.add(dotted)
+    if set_keys is not None:
+        set_keys.update(explicit)
     cfg = dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kv) for s, kv in updates.items()})
-    return _with_hf_assets(cfg)
+    return _with_dependent_defaults(_with_hf_assets(cfg), explicit)
+
+
+def _with_dependent_defaults(cfg: JobConfig, explicit: set[str]) -> JobConfig:
+    """`cfg` with the defaults that depend on another key, where the keys are not in `explicit`:
+    `training.document_masking` on for data of separate examples (`config.datasets`)."""
+    if "training.document_masking" in explicit:
+        return cfg
+    training = dataclasses.replace(cfg.training, document_masking=default_document_masking(cfg.training))
+    return dataclasses.replace(cfg, training=training)
 
 
 def _with_hf_assets(cfg: JobConfig) -> JobConfig:

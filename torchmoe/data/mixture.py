@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from torchmoe.config.datasets import split_mix_entry
 from torchmoe.data.documents import DataConfigError
 
 if TYPE_CHECKING:
@@ -64,11 +65,7 @@ def parse_mix(entries: list[str]) -> list[MixSource]:
     """
     sources: list[MixSource] = []
     for i, entry in enumerate(entries):
-        name, eq, rest = entry.partition("=")
-        if not eq or ":" in name:  # no name given (a path may hold "=")
-            name, rest = f"source{i}", entry
-        weight_text, _, spec = rest.partition(":")
-        dataset, _, path = spec.partition(":")
+        name, weight_text, dataset, path = split_mix_entry(entry, i)
         try:
             weight = float(weight_text)
         except ValueError:

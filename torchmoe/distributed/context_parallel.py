@@ -13,6 +13,11 @@ the loss is each rank's token sum over the global token count, summed over ranks
 Communication (see the layout's modes): global layers all-gather keys and values (backward sums
 their gradients back: a reduce-scatter, or on gloo an all-reduce and a slice); halo layers send
 the tail of a piece to the owner of the next piece point to point; local layers send nothing.
+gpt-oss's sliding windows take the same modes (a halo of W - 1 keys, or the gathered keys when
+a window spans more than a piece), and its sinks join each query's softmax where it is
+(`nn.sink_attention`, or each document's under document masking): a piece's queries see its
+prefix and its own keys as one span, packed (a copy, as document masking packs them, so that no
+gathered or exchanged buffer stays alive through a view of it).
 Every send is recorded in `ContextParallelAttention.sent` (forward bytes per mode), so tests
 and benchmarks can count them.
 """
@@ -20,6 +25,7 @@ and benchmarks can count them.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -29,7 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchmoe.distributed.process_groups import device_backend
 from torchmoe.nn.attention import causal_attention, chunked_causal_attention
 from torchmoe.nn.document_attention import DocumentSegments, document_attention
-from torchmoe.plan.context import GATHER, GLOBAL, HALO, LOCAL, CPLayout
+from torchmoe.nn.sink_attention import sink_attention
+from torchmoe.plan.context import GLOBAL, HALO, LOCAL, CPLayout
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -137,42 +144,62 @@ class ContextParallelAttention:
         return self._cached(("positions", device), lambda: torch.tensor(self.layout.positions(self.rank), device=device))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int | None,
-               documents: DocumentSegments | None = None) -> torch.Tensor:
-        """Causal (chunked when `chunk`) attention of the local queries, within documents when
-        `documents` is given.
+               documents: DocumentSegments | None = None, *, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal (chunked when `chunk`, or within a sliding `window`, with `sinks`) attention of
+        the local queries, within documents when `documents` is given.
 
         Args:
             q: (B, H, L, hd), k, v: (B, Hkv, L, hd) for the local tokens, L = seq_len / cp.
             documents: None, or the micro-batch's segment tables, built for this rank's calls
                 (`CPLayout.attention_calls`). A piece's first document may have begun in an
                 earlier piece: the keys the layer's mode brings (halo, gathered) reach back to its
-                chunk's start, so they hold that document's earlier keys wherever the query may
-                see them.
+                chunk's start (or its window's), so they hold that document's earlier keys
+                wherever the query may see them.
+            window, sinks: gpt-oss's sliding window and (H,) sink logits (`nn.sink_attention`).
         Returns:
             (B, H, L, hd).
         """
-        mode = self.layout.chunk_mode(chunk)
+        mode, window = self.layout.mode(chunk, window), self.layout.window(window)
+        attend = partial(self._attend_piece, chunk=chunk, documents=documents, window=window, sinks=sinks)
         if mode == LOCAL and documents is None:
-            return chunked_causal_attention(q, k, v, chunk)
-        if mode == LOCAL:  # every piece holds whole chunks: no key from another piece is seen
+            # Whole chunks in every piece, or a window of one key: nothing before a piece is seen.
+            return chunked_causal_attention(q, k, v, chunk) if window is None else sink_attention(q, k, v, sinks, 1)
+        if mode == LOCAL:
             p = self.layout.piece
-            return torch.cat([self._piece_attention(documents)(
-                q.narrow(-2, slot * p, p), k.narrow(-2, slot * p, p), v.narrow(-2, slot * p, p), chunk=chunk,
-                start=piece * p) for slot, piece in enumerate(self.layout.pieces(self.rank))], dim=-2)
+            return torch.cat([attend(q.narrow(-2, slot * p, p), k.narrow(-2, slot * p, p), v.narrow(-2, slot * p, p),
+                                     start=piece * p, prefix=None)
+                              for slot, piece in enumerate(self.layout.pieces(self.rank))], dim=-2)
         if mode == HALO:
-            return self._attend_with_halos(q, torch.stack([k, v]), chunk, documents)
-        return self._attend_gathered(q, torch.stack([k, v]), chunk, mode, documents)
+            return self._attend_with_halos(q, torch.stack([k, v]), chunk, window, attend)
+        return self._attend_gathered(q, torch.stack([k, v]), chunk, window, mode, attend)
 
     @staticmethod
-    def _piece_attention(documents: DocumentSegments | None):
-        """The attention of a local piece: `causal_attention`, or within documents."""
-        return causal_attention if documents is None else partial(document_attention, segments=documents)
+    def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk: int | None, start: int,
+                      prefix: tuple[torch.Tensor, torch.Tensor] | None, documents: DocumentSegments | None,
+                      window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """The attention of a local piece's queries at `start` over its keys after `prefix`:
+        `causal_attention`, gpt-oss's `sink_attention` (the prefix and the keys packed as one
+        span), or within documents. q: (B, H, p, hd), k, v: (B, Hkv, p, hd)."""
+        if documents is not None:
+            return document_attention(q, k, v, documents, chunk=chunk, start=start, prefix=prefix, window=window,
+                                      sinks=sinks)
+        if window is None and sinks is None:
+            return causal_attention(q, k, v, chunk=chunk, start=start, prefix=prefix)
+        # A copy in every mode, as document masking packs them: a view would keep the whole
+        # exchanged or gathered buffer alive for the backward.
+        if prefix is not None:
+            k, v = (torch.cat([before, own], dim=-2) for before, own in zip(prefix, (k, v)))
+        else:
+            k, v = (t.clone(memory_format=torch.contiguous_format) for t in (k, v))
+        return sink_attention(q, k, v, sinks, window)
 
-    def _attend_gathered(self, q: torch.Tensor, kv: torch.Tensor, chunk: int | None, mode: str,
-                         documents: torch.Tensor | None) -> torch.Tensor:
+    def _attend_gathered(self, q: torch.Tensor, kv: torch.Tensor, chunk: int | None, window: int | None, mode: str,
+                         attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Keys and values of every rank, gathered and put in global order; each local piece then
-        attends over its prefix (global) or over its chunks up to itself (gather), so no rank
-        computes more than its causal share. kv: (2, B, Hkv, L, hd)."""
+        attends over its prefix (global), over its chunks up to itself or its sliding window's
+        reach before it (gather), so no rank computes more than its causal share.
+        kv: (2, B, Hkv, L, hd)."""
         layout, p = self.layout, self.layout.piece
         self._count(mode, (layout.cp - 1) * _bytes(kv))
         gathered = _GatherSequence.apply(kv, self.group)  # (2, B, Hkv, seq_len, hd), rank order
@@ -182,25 +209,25 @@ class ContextParallelAttention:
         outs = []
         for slot, piece in enumerate(layout.pieces(self.rank)):
             start = piece * p
-            lo = 0 if mode == GLOBAL else start // chunk * chunk  # where its first chunk starts
-            outs.append(self._piece_attention(documents)(
+            lo = start - layout.prefix(piece, chunk, window)  # where its first chunk (or window) starts
+            outs.append(attend(
                 q.narrow(-2, slot * p, p), gathered[0, ..., start:start + p, :], gathered[1, ..., start:start + p, :],
-                chunk=chunk if mode == GATHER else None, start=start,
+                chunk=None if mode == GLOBAL else chunk, start=start,
                 prefix=(gathered[0, ..., lo:start, :], gathered[1, ..., lo:start, :]) if start > lo else None))
         return torch.cat(outs, dim=-2)
 
-    def _attend_with_halos(self, q: torch.Tensor, kv: torch.Tensor, chunk: int,
-                           documents: torch.Tensor | None) -> torch.Tensor:
+    def _attend_with_halos(self, q: torch.Tensor, kv: torch.Tensor, chunk: int | None, window: int | None,
+                           attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Per local piece: its keys/values, with the previous piece's tail (the halo) as the
-        prefix its first chunk sees. kv: (2, B, Hkv, L, hd)."""
+        prefix its first chunk (or sliding window) sees. kv: (2, B, Hkv, L, hd)."""
         layout, p = self.layout, self.layout.piece
         sends, recvs = [], []
         for slot, piece in enumerate(layout.pieces(self.rank)):
             nxt = piece + 1
-            if nxt < 2 * layout.cp and layout.halo(nxt, chunk) and layout.owner(nxt) != self.rank:
-                h = layout.halo(nxt, chunk)
+            if nxt < 2 * layout.cp and layout.halo(nxt, chunk, window) and layout.owner(nxt) != self.rank:
+                h = layout.halo(nxt, chunk, window)
                 sends.append((dist.get_global_rank(self.group, layout.owner(nxt)), (slot + 1) * p - h, h))
-            h = layout.halo(piece, chunk) if piece else 0
+            h = layout.halo(piece, chunk, window) if piece else 0
             if h and layout.owner(piece - 1) != self.rank:
                 recvs.append((dist.get_global_rank(self.group, layout.owner(piece - 1)), h))
         self._count(HALO, sum(length for _, _, length in sends) * _bytes(kv) // kv.shape[-2])
@@ -209,16 +236,15 @@ class ContextParallelAttention:
         outs = []
         for slot, piece in enumerate(layout.pieces(self.rank)):
             own = kv.narrow(-2, slot * p, p)
-            h = layout.halo(piece, chunk) if piece else 0
+            h = layout.halo(piece, chunk, window) if piece else 0
             if h and layout.owner(piece - 1) == self.rank:
                 # The previous piece is this rank's other piece (head piece cp - 1): a view of the
                 # exchange's output, so backward keeps no second copy of the keys and values.
                 halo = kv.narrow(-2, (1 - slot) * p + p - h, h)
             else:
                 halo = next(received) if h else None
-            outs.append(self._piece_attention(documents)(
-                q.narrow(-2, slot * p, p), own[0], own[1], chunk=chunk, start=piece * p,
-                prefix=(halo[0], halo[1]) if halo is not None else None))
+            outs.append(attend(q.narrow(-2, slot * p, p), own[0], own[1], start=piece * p,
+                               prefix=(halo[0], halo[1]) if halo is not None else None))
         return torch.cat(outs, dim=-2)
 
 

@@ -17,10 +17,15 @@ a piece whose first document, or chunk, began in an earlier piece): it also sees
 `prefix` the caller gathered, packed before the row's own keys (the kernel's causal mask is
 aligned bottom right, so the prefix is seen entirely).
 
+gpt-oss's attention runs the same segments: its sliding window counts within each segment (the
+kernel's window, so a query sees the W latest keys of its own document), and its sinks join each
+segment's softmax (`nn.segment_attention`): every document is attended exactly as if alone. A
+windowed call's prefix reaches back at most W - 1 keys, whatever its first document's start.
+
 The segments depend on the data, and are computed once per micro-batch on the host, from the
 token ids before they travel (`document_segments`, called by the trainer): one `SegmentTable` per
-kind of attention call the model makes (`AttentionCall`: a chunk size, and under context
-parallelism each local piece with its prefix length), each row's cumulative offsets padded to a
+kind of attention call the model makes (`AttentionCall`: a chunk size or sliding window, and under
+context parallelism each local piece with its prefix length), each row's cumulative offsets padded to a
 common width, on the host for the per-segment kernels and on the device for ``varlen_attn``. A
 layer adds its rows' offsets (one tensor operation) and reads nothing: no `nonzero`, `item` or
 `tolist` of a device value in forward, backward or recomputation. The tables are a pytree (the
@@ -57,12 +62,14 @@ def document_starts(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 class AttentionCall:
     """One kind of attention call a layer makes: queries at global positions ``[start, start + n)``
     of every row, `m` keys before them passed as the prefix, windows cut at multiples of `chunk`
-    (None: at documents only)."""
+    (None: at documents only); `window`: a sliding window of that many keys within each segment
+    (None: none), which bounds how far back the prefix must reach."""
 
     chunk: int | None
     start: int
     n: int
     m: int
+    window: int | None = None
 
 
 @dataclass
@@ -91,14 +98,15 @@ class DocumentSegments:
     calls: tuple[AttentionCall, ...]
     tables: tuple[SegmentTable, ...]
 
-    def table(self, chunk: int | None, start: int) -> tuple[AttentionCall, SegmentTable]:
-        """The call and table of queries from `start` with chunks of `chunk`."""
-        chunk = _effective_chunk(chunk, self.seq_len)
+    def table(self, chunk: int | None, start: int, window: int | None = None) -> tuple[AttentionCall, SegmentTable]:
+        """The call and table of queries from `start` with chunks of `chunk` and a sliding
+        `window`."""
+        chunk, window = _effective_chunk(chunk, self.seq_len), _effective_chunk(window, self.seq_len)
         for call, table in zip(self.calls, self.tables):
-            if call.chunk == chunk and call.start == start:
+            if (call.chunk, call.start, call.window) == (chunk, start, window):
                 return call, table
-        raise ValueError(f"document_attention: no segment table for chunk {chunk} from position {start}; the batch "
-                         f"has {[(c.chunk, c.start) for c in self.calls]}")
+        raise ValueError(f"document_attention: no segment table for chunk {chunk}, window {window} from position "
+                         f"{start}; the batch has {[(c.chunk, c.window, c.start) for c in self.calls]}")
 
 
 # The pipeline schedule splits a micro-batch's pytree leaves along dim 0 (the rows).
@@ -107,13 +115,14 @@ torch.export.register_dataclass(DocumentSegments)
 
 
 def _effective_chunk(chunk: int | None, seq_len: int) -> int | None:
-    """A chunk no shorter than the row cuts nothing."""
+    """A chunk (or sliding window) no shorter than the row cuts nothing."""
     return chunk if chunk is not None and chunk < seq_len else None
 
 
-def whole_row_calls(chunks: Sequence[int | None], seq_len: int) -> list[AttentionCall]:
-    """The calls of layers attending within `chunks` over whole rows (no context parallelism)."""
-    return [AttentionCall(chunk, 0, seq_len, 0) for chunk in chunks]
+def whole_row_calls(spans: Sequence[tuple[int | None, int | None]], seq_len: int) -> list[AttentionCall]:
+    """The calls of layers attending within each (chunk, sliding window) of `spans`
+    (`ModelArgs.attention_spans`) over whole rows (no context parallelism)."""
+    return [AttentionCall(chunk, 0, seq_len, 0, window) for chunk, window in spans]
 
 
 def document_segments(starts: torch.Tensor, calls: Sequence[AttentionCall], device: torch.device) -> DocumentSegments:
@@ -132,7 +141,8 @@ def document_segments(starts: torch.Tensor, calls: Sequence[AttentionCall], devi
                          "token ids before they travel to the device)")
     host = starts.numpy()
     seq_len = host.shape[-1]
-    unique = tuple(dict.fromkeys(AttentionCall(_effective_chunk(c.chunk, seq_len), c.start, c.n, c.m) for c in calls))
+    unique = tuple(dict.fromkeys(AttentionCall(_effective_chunk(c.chunk, seq_len), c.start, c.n, c.m,
+                                               _effective_chunk(c.window, seq_len)) for c in calls))
     tables = []
     for call in unique:
         queries, keys = (torch.from_numpy(t) for t in _row_offsets(host, call))
@@ -150,12 +160,14 @@ def document_segments(starts: torch.Tensor, calls: Sequence[AttentionCall], devi
 def _row_offsets(starts: np.ndarray, call: AttentionCall) -> tuple[np.ndarray, np.ndarray]:
     """(B, K) int32 query and key offsets of `call`'s segments (`SegmentTable`) from the rows'
     document starts (B, S). Each row: an empty first segment over the prefix keys its first
-    window does not reach, then one segment per window."""
+    window (nor its sliding window) does not reach, then one segment per window."""
     lo, n, m = call.start, call.n, call.m
     window = starts[:, lo:lo + n]
     if call.chunk is not None:
         window = np.maximum(window, np.arange(lo, lo + n) // call.chunk * call.chunk)
     reach = lo - window[:, 0]  # prefix keys the row's first segment sees
+    if call.window is not None:  # no query sees further back than its sliding window
+        reach = np.minimum(reach, call.window - 1)
     if (reach > m).any():
         raise ValueError(f"document_attention: a window starts {int(reach.max())} positions before the queries at "
                          f"{lo}, but the prefix holds {m}")
@@ -174,7 +186,8 @@ def _row_offsets(starts: np.ndarray, call: AttentionCall) -> tuple[np.ndarray, n
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments, *,
                        chunk: int | None = None, start: int = 0,
-                       prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       prefix: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within documents (and within chunks of `chunk` positions when given) of
     queries at positions ``[start, start + n)``, without a mask tensor (module docstring).
 
@@ -186,10 +199,12 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
         start: the global position of the first query.
         prefix: (k, v), each (B, Hkv, m, hd): the keys and values at ``[start - m, start)``; it
             must reach back to every row's first window start. None: m = 0.
+        window: a sliding window of that many keys, counted within each document (gpt-oss).
+        sinks: (H,) sink logits joined to each document's softmax (gpt-oss); None: none.
     Returns:
         (B, H, n, hd).
     """
-    call, table = segments.table(chunk, start)
+    call, table = segments.table(chunk, start, window)
     b, heads, n, hd = q.shape
     m = prefix[0].shape[-2] if prefix is not None else 0
     if (call.n, call.m) != (n, m):
@@ -204,7 +219,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
         k, v = packed(k), packed(v)
     cu = [_flat(rows, width) for rows, width in ((table.queries, n), (table.keys, m + n),
                                                  (table.host_queries, n), (table.host_keys, m + n))]
-    out = segment_attention(packed(q), k, v, *cu, max_q=n, max_k=m + n)
+    out = segment_attention(packed(q), k, v, *cu, max_q=n, max_k=m + n, window=call.window, sinks=sinks)
     return out.view(b, n, heads, hd).transpose(1, 2)
 
 

@@ -72,7 +72,7 @@ def window_starts(seq_len: int, device: torch.device, *, chunk: int | None = Non
     positions = torch.arange(seq_len, device=device).view(1, -1)
     starts = None
     if documents is not None:
-        _, table = documents.table(chunk, 0)
+        _, table = documents.table(chunk, 0, window)
         # A row's segment query offsets are sorted: a query's window starts at the last one at or before it.
         offsets = table.queries.to(device=device, dtype=torch.int64)
         index = torch.searchsorted(offsets, positions.expand(offsets.shape[0], -1), right=True) - 1

@@ -14,15 +14,13 @@ The backward is each kernel's own with ``out'`` and ``L'``: a kernel recomputes 
 ``exp(score - L')``, which are then the softmax over the keys and the sink, and ``D = rowsum(grad
 * out')`` is the true output's, so dq, dk, dv are exact. The sink's gradient is
 ``-sum over queries of exp(s_h - L') * D`` (its probability times the zero value, less D).
+`join_sinks` and `sink_gradient` are those two formulas, shared with document masking's segments
+(`nn.segment_attention`), where each document's softmax takes the sink alone.
 
-**Sliding window W** (a query at t sees the keys in ``(t - W, t]``). The queries are cut into
-blocks of W; block j's queries see their own block causally, and the keys of block j - 1 after
-their own offset (query i sees previous-block offsets ``i + 1 .. W - 1``: a strictly upper
-triangle). Reversing both the queries ``0 .. W - 2`` and the keys ``1 .. W - 1`` of that band
-makes it a causal square of side W - 1, which the kernels take as it is. So a windowed layer is
-two causal kernel calls over blocks folded into the batch, merged: work and memory linear in the
-length. A length that is not a multiple of W is padded with zeros at the end (later positions,
-which no real query sees).
+**Sliding window W** (a query at t sees the keys in ``(t - W, t]``): two causal kernel calls over
+blocks of W, merged (`nn.window_attention`). Under context parallelism a piece's queries see the
+keys before it as a prefix (``k``, ``v`` longer than ``q``), at most W - 1 of them on a windowed
+layer.
 
 The op is one custom operator (`SINK_ATTENTION`): torch.compile and selective activation
 checkpointing see one node.
@@ -31,11 +29,11 @@ checkpointing see one node.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from torchmoe.nn.attention_kernels import accumulation_dtype, block_backward, block_forward, heads_inner
+from torchmoe.nn.attention_kernels import accumulation_dtype, heads_inner
+from torchmoe.nn.window_attention import span_backward, span_forward
 
-__all__ = ["SINK_ATTENTION", "cached_sink_attention", "sink_attention"]
+__all__ = ["SINK_ATTENTION", "cached_sink_attention", "join_sinks", "no_sinks", "sink_attention", "sink_gradient"]
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
@@ -43,16 +41,44 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     """Causal attention with per-head sinks, within a sliding window when `window` is set.
 
     Args:
-        q: (B, H, S, hd); k, v: (B, Hkv, S, hd), positions 0 .. S - 1.
+        q: (B, H, n, hd) queries at positions m .. m + n - 1; k, v: (B, Hkv, m + n, hd), the keys
+            at positions 0 .. m + n - 1 (m = 0 for whole rows; under context parallelism the
+            prefix a piece's queries see).
         sinks: (H,) the heads' sink logits, or None (no sink).
         window: W: a query sees the W latest keys (its own included); None: every earlier key.
     Returns:
-        (B, H, S, hd) in q's dtype.
+        (B, H, n, hd) in q's dtype.
     """
-    if sinks is None:  # exp(-inf) = 0: no share of the softmax, and no gradient
-        sinks = torch.full((q.shape[1],), float("-inf"), dtype=accumulation_dtype(q), device=q.device)
-    width = window if window is not None and window < q.shape[-2] else 0
-    return torch.ops.torchmoe.sink_attention(q, k, v, sinks, width)[0]
+    sinks = no_sinks(q) if sinks is None else sinks
+    return torch.ops.torchmoe.sink_attention(q, k, v, sinks, window or 0)[0]
+
+
+def no_sinks(q: torch.Tensor) -> torch.Tensor:
+    """(H,) sink logits of -inf for the heads of q ((B, H, n, hd), or packed (T, H, hd)): exp(-inf)
+    = 0, no share of the softmax and no gradient (attention without sinks through the same operator)."""
+    return torch.full((q.shape[1],), float("-inf"), dtype=accumulation_dtype(q), device=q.device)
+
+
+def join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax over the keys joined by the sinks: (out * exp(L - L'), L'), L' = logaddexp(L, s).
+
+    Args:
+        out: the keys' attention, its rows shaped as `lse` then the head dim, in the accumulation
+            dtype.
+        lse: the keys' log-sum-exp L, in the accumulation dtype.
+        sinks: the sink logits, broadcastable to `lse`.
+    """
+    merged = torch.logaddexp(lse, sinks.to(lse.dtype))
+    return torch.exp(lse - merged).unsqueeze(-1) * out, merged
+
+
+def sink_gradient(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                  dims: tuple[int, ...]) -> torch.Tensor:
+    """The sinks' gradient ``-sum exp(s - L') * rowsum(grad * out')`` over `dims` of `lse`, from the
+    joined `out` and `lse` (`join_sinks`); `sinks` broadcastable to `lse`."""
+    acc = lse.dtype
+    rowsum = (grad.to(acc) * out.to(acc)).sum(-1)  # D, the kernels' own
+    return -(torch.exp(sinks.to(acc) - lse) * rowsum).sum(dims)
 
 
 def cached_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
@@ -79,110 +105,19 @@ def cached_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sin
     return (probs @ values).to(q.dtype)
 
 
-# ---- blocks of the window --------------------------------------------------------------------
-
-
-def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
-    """(..., S, hd) zero-padded to `length` positions (a view when no padding is needed)."""
-    return t if t.shape[-2] == length else F.pad(t, (0, 0, 0, length - t.shape[-2]))
-
-
-def _fold(t: torch.Tensor, window: int) -> torch.Tensor:
-    """(B, h, S, ...) -> (B, S / W, h, W, ...): the window-long blocks of each row."""
-    b, h, s, *rest = t.shape
-    return t.reshape(b, h, s // window, window, *rest).transpose(1, 2)
-
-
-def _unfold(t: torch.Tensor) -> torch.Tensor:
-    """The inverse of `_fold`: (B, nb, h, W, ...) -> (B, h, nb * W, ...)."""
-    b, nb, h, w, *rest = t.shape
-    return t.transpose(1, 2).reshape(b, h, nb * w, *rest)
-
-
-def _batch(t: torch.Tensor) -> torch.Tensor:
-    """(B, nb, h, W', ...) -> (B * nb, h, W', ...): blocks folded into the batch."""
-    return t.reshape(-1, *t.shape[2:])
-
-
-def _band_queries(t: torch.Tensor) -> torch.Tensor:
-    """The band's query side, reversed: rows 0 .. W - 2 of blocks 1 .. nb - 1 -> (B * (nb - 1), h, W - 1, ...)."""
-    return _batch(t[:, 1:, :, :-1].flip(3))
-
-
-def _band_keys(t: torch.Tensor) -> torch.Tensor:
-    """The band's key side, reversed: rows 1 .. W - 1 of blocks 0 .. nb - 2 -> (B * (nb - 1), h, W - 1, ...)."""
-    return _batch(t[:, :-1, :, 1:].flip(3))
-
-
-def _windowed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, H, S, hd), lse (B, H, S)) of sliding-window causal attention, both in the
-    accumulation dtype (module docstring)."""
-    acc, b, seq_len = accumulation_dtype(q), q.shape[0], q.shape[-2]
-    length = -(-seq_len // window) * window
-    qf, kf, vf = (_fold(_padded(t, length), window) for t in (q, k, v))  # (B, nb, h, W, hd)
-    nb = qf.shape[1]
-    out, lse = block_forward(_batch(qf), _batch(kf), _batch(vf), causal=True)
-    out = out.to(acc).view(b, nb, *out.shape[1:])
-    lse = lse.view(b, nb, *lse.shape[1:])
-    if window == 1:  # a query sees its own key only: no band
-        return _unfold(out)[..., :seq_len, :], _unfold(lse)[..., :seq_len]
-    band_out, band_lse = block_forward(_band_queries(qf), _band_keys(kf), _band_keys(vf), causal=True)
-    # Back in order, in place of rows 0 .. W - 2 of blocks 1 ..; no earlier key elsewhere.
-    shape = (b, nb - 1, *band_lse.shape[1:])
-    full_lse = torch.full_like(lse, float("-inf"))
-    full_lse[:, 1:, :, :-1] = band_lse.view(shape).flip(3)
-    full_out = torch.zeros_like(out)
-    full_out[:, 1:, :, :-1] = band_out.view(*shape, -1).flip(3)
-    merged = torch.logaddexp(lse, full_lse)
-    out = torch.exp(lse - merged).unsqueeze(-1) * out + torch.exp(full_lse - merged).unsqueeze(-1) * full_out
-    return _unfold(out)[..., :seq_len, :], _unfold(merged)[..., :seq_len]
-
-
-def _windowed_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of `_windowed_forward` from the whole output and log-sum-exp (sinks merged):
-    each block's kernel backward, summed in the accumulation dtype."""
-    acc, seq_len = accumulation_dtype(q), q.shape[-2]
-    length = -(-seq_len // window) * window
-    # Padded rows have a zero gradient and output: whatever their log-sum-exp, they add nothing.
-    gf, qf, kf, vf, of = (_fold(_padded(t, length), window) for t in (grad, q, k, v, out))
-    lf = _fold(F.pad(lse, (0, length - seq_len)).unsqueeze(-1), window).squeeze(-1)  # (B, nb, H, W)
-    dq, dk, dv = block_backward(_batch(gf), _batch(qf), _batch(kf), _batch(vf), _batch(of), _batch(lf).contiguous(),
-                                causal=True)
-    dq, dk, dv = (t.to(acc).view(qf.shape[0], qf.shape[1], *t.shape[1:]) for t in (dq, dk, dv))
-    if window == 1:
-        return tuple(_unfold(t)[..., :seq_len, :].to(x.dtype) for t, x in ((dq, q), (dk, k), (dv, v)))
-    band_lse = _batch(lf[:, 1:, :, :-1].flip(3)).contiguous()
-    bq, bk, bv = block_backward(_band_queries(gf), _band_queries(qf), _band_keys(kf), _band_keys(vf),
-                                _band_queries(of), band_lse, causal=True)
-    shape = (qf.shape[0], qf.shape[1] - 1)
-    dq[:, 1:, :, :-1] += bq.to(acc).view(*shape, *bq.shape[1:]).flip(3)
-    dk[:, :-1, :, 1:] += bk.to(acc).view(*shape, *bk.shape[1:]).flip(3)
-    dv[:, :-1, :, 1:] += bv.to(acc).view(*shape, *bv.shape[1:]).flip(3)
-    return tuple(_unfold(t)[..., :seq_len, :].to(x.dtype) for t, x in ((dq, q), (dk, k), (dv, v)))
-
-
 # ---- the custom operator -----------------------------------------------------------------------
 
 
 @torch.library.custom_op("torchmoe::sink_attention", mutates_args=())
 def _sink_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, H, S, hd) in q's dtype, lse (B, H, S) with the sinks merged, in the accumulation
+    """(out (B, H, n, hd) in q's dtype, lse (B, H, n) with the sinks merged, in the accumulation
     dtype): `sink_attention` with `window` 0 for plain causal attention."""
-    acc = accumulation_dtype(q)
-    if window:
-        out, lse = _windowed_forward(q, k, v, window)
-    else:
-        out, lse = block_forward(q, k, v, causal=True)
-        out = out.to(acc)
-    merged = torch.logaddexp(lse, sinks.to(acc).view(1, -1, 1))
-    out = torch.exp(lse - merged).unsqueeze(-1) * out
+    out, lse = join_sinks(*span_forward(q, k, v, window), sinks.view(1, -1, 1))
     # The output in (B, S, H, hd) memory order, as the fake kernel promises (the output
     # projection's input is then a free view of it), and the log-sum-exp contiguous, as CUDA's
     # kernels read it.
-    return heads_inner(out.to(q.dtype)), merged.contiguous()
+    return heads_inner(out.to(q.dtype)), lse.contiguous()
 
 
 @_sink_forward.register_fake
@@ -195,13 +130,8 @@ def _(q, k, v, sinks, window):
 def _sink_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, window: int) -> list[torch.Tensor]:
     """Gradients [dq, dk, dv, dsinks] of `sink_attention` for the output gradient `grad`."""
-    acc = accumulation_dtype(q)
-    rowsum = (grad.to(acc) * out.to(acc)).sum(-1)  # (B, H, S): D, the kernels' own
-    dsinks = -(torch.exp(sinks.to(acc).view(1, -1, 1) - lse) * rowsum).sum((0, 2))
-    if window:
-        dq, dk, dv = _windowed_backward(grad, q, k, v, out, lse, window)
-    else:
-        dq, dk, dv = block_backward(grad, q, k, v, out, lse, causal=True)
+    dsinks = sink_gradient(grad, out, lse, sinks.view(1, -1, 1), (0, 2))
+    dq, dk, dv = span_backward(grad, q, k, v, out, lse, window)
     return [dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.to(sinks.dtype)]
 
 

@@ -157,17 +157,17 @@ def context_report(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> dict:
     sequences = max(cfg.training.global_batch_size, 0) // dims.dp or cfg.training.local_batch_size
     modes: dict[str, dict] = {}
     for i in range(args.n_layers):
-        chunk = args.layer_chunk(i)
-        mode = layout.chunk_mode(chunk)
+        chunk, window = args.layer_chunk(i), args.layer_window(i)
+        mode = layout.mode(chunk, window)
         entry = modes.setdefault(mode, {"layers": [], "bytes_per_step": 0.0})
         entry["layers"].append(i)
-        entry["bytes_per_step"] += 2 * sequences * layout.bytes_received(mode, chunk, kv_per_token)
+        entry["bytes_per_step"] += 2 * sequences * layout.bytes_received(mode, chunk, kv_per_token, window)
     return {"layout": "head-tail", "pieces": 2 * dims.cp, "piece_tokens": layout.piece,
             "tokens_per_rank": cfg.training.seq_len // dims.cp, "modes": modes}
 
 
 def _context_detail(report: dict) -> str:
-    what = {"global": "all-gather K/V", "gather": "all-gather K/V (chunk longer than a piece)",
+    what = {"global": "all-gather K/V", "gather": "all-gather K/V (chunk or sliding window longer than a piece)",
             "halo": "point-to-point halo", "local": "no communication (whole chunks)"}
     parts = [f"layers {_ranges(m['layers'])}: {what[mode]}, {m['bytes_per_step'] / 2**20:.4g} MiB/step"
              for mode, m in report["modes"].items()]

@@ -250,7 +250,7 @@ class ActivationModel:
         recompute_mm_fqns: ``per_op_sac_force_recompute_mm_shapes_by_fqns``: the per-op policy
             recomputes every matmul with the weight shape of a linear these name.
         document_masking: attention within documents (`nn.document_attention`): see
-            `_document_attention`.
+            `_packed_attention`.
     """
 
     args: ModelArgs
@@ -427,18 +427,18 @@ class ActivationModel:
             own other piece is a view of its keys and values);
           - the attention output once more: pieces (and chunks cut at a piece or sequence end)
             are attended separately and concatenated, so the output projection's input is a copy.
-        Document masking: `_document_attention`.
+        Document masking, and gpt-oss's attention under CP: `_packed_attention`.
         """
-        if self.document_masking:
-            return self._document_attention(layer)
         m, cp = self.args, self.dims.cp
+        if self.document_masking or (cp > 1 and m.windowed_or_sink_attention):
+            return self._packed_attention(layer)
         chunk = m.layer_chunk(layer)
         output = self.a * m.n_heads * m.head_dim / self.dims.tp
         if cp == 1:
             cut = chunk is not None and chunk < self.seq_len and self.seq_len % chunk
             return output if cut else 0.0
         layout = CPLayout(self.seq_len, cp)
-        mode, tokens = layout.chunk_mode(chunk), self.seq_len // cp
+        mode, tokens = layout.mode(chunk), self.seq_len // cp
         if mode == LOCAL:
             return 0.0
         kv = 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp  # per token
@@ -448,10 +448,11 @@ class ActivationModel:
             return (kv * received + output * tokens) / tokens
         return kv * (cp - 1) + output
 
-    def _document_attention(self, layer: int) -> float:
-        """What attention within documents (`nn.document_attention`) adds: without CP nothing
-        (its segment tables live on the host; the whole rows' queries, keys and values go to the
-        kernel as views). Under CP, each piece's keys and values go packed with the prefix its
+    def _packed_attention(self, layer: int) -> float:
+        """What attention within documents (`nn.document_attention`), and gpt-oss's sink and
+        window attention under CP (`nn.sink_attention`), add: without CP nothing (document
+        masking's segment tables live on the host; the whole rows' queries, keys and values go to
+        the kernel as views). Under CP, each piece's keys and values go packed with the prefix its
         mode brings (halo, gathered; a copy, in every mode, so that no gathered or exchanged
         buffer stays alive through a view): the rank's keys and values once more than its own
         by the prefixes' length, for the fullest rank; and the pieces' outputs concatenated, so
@@ -459,9 +460,9 @@ class ActivationModel:
         m, cp = self.args, self.dims.cp
         if cp == 1:
             return 0.0
-        layout, chunk = CPLayout(self.seq_len, cp), m.layer_chunk(layer)
+        layout, chunk, window = CPLayout(self.seq_len, cp), m.layer_chunk(layer), m.layer_window(layer)
         kv = 2 * self.a * m.n_kv_heads * m.head_dim / self.dims.tp
-        prefixes = max(sum(layout.prefix(piece, chunk) for piece in layout.pieces(r)) for r in range(cp))
+        prefixes = max(sum(layout.prefix(piece, chunk, window) for piece in layout.pieces(r)) for r in range(cp))
         return kv * prefixes / (self.seq_len // cp) + self.a * m.n_heads * m.head_dim / self.dims.tp
 
 

@@ -392,9 +392,9 @@ def _critical_comm(ctx: _Context, pp_rank: int, tokens: float, n_mb: int) -> dic
         kv = 2 * a * m.n_kv_heads * m.head_dim / dims.tp
         sequences = tokens * dims.cp / cfg.training.seq_len
         for layer, pos in layers:
-            chunk = m.layer_chunk(layer)
-            mode = layout.chunk_mode(chunk)
-            received = layout.bytes_received(mode, chunk, kv) * sequences * (2 + _recomputed(cfg, pos))
+            chunk, window = m.layer_chunk(layer), m.layer_window(layer)
+            mode = layout.mode(chunk, window)
+            received = layout.bytes_received(mode, chunk, kv, window) * sequences * (2 + _recomputed(cfg, pos))
             if mode in ("global", "gather"):
                 out["cp"] += ctx.seconds("all_gather", "cp", received * dims.cp / (dims.cp - 1), 3 * n_mb, dims.cp)
             elif mode == "halo":

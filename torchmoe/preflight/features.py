@@ -39,7 +39,7 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
         raise ConfigError("model.attn_backend", "flex", "document masking runs the fused kernels per document "
                           "(nn.document_attention); FlexAttention is not wired to it",
                           'use model.attn_backend = "sdpa", or training.document_masking = false')
-    _check_sink_attention(cfg, args, degrees["cp"])
+    _check_sink_attention(cfg, args)
     _check_multi_token_prediction(args, degrees)
     if cfg.lora.enable:
         _check_lora(cfg, args)
@@ -133,22 +133,13 @@ def _check_hf_export(checkpoint: Checkpoint, args: ModelArgs, flavor: str) -> No
                           "without the bias")
 
 
-def _check_sink_attention(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
-    """gpt-oss's attention (sinks, sliding windows) runs `nn.sink_attention` over whole rows:
-    context parallelism's exchanges, document masking's segments and FlexAttention's masks do not
-    carry the sinks or the window."""
-    if not args.windowed_or_sink_attention:
-        return
-    what = f"model.name = {show_value(cfg.model.name)} attends with sinks and sliding windows over whole rows"
-    if cp > 1:
-        raise ConfigError("parallelism.context_parallel_degree", cp, f"{what}; context parallelism's exchanges do "
-                          "not carry the sinks or the window", "set parallelism.context_parallel_degree = 1 (shard "
-                          "over data_parallel_shard_degree instead)")
-    if cfg.training.document_masking:
-        raise ConfigError("training.document_masking", True, f"{what}; document masking's per-document segments do "
-                          "not carry the sinks or the window", "set training.document_masking = false")
-    if args.attn_backend == "flex":
-        raise ConfigError("model.attn_backend", "flex", f"{what}; FlexAttention's block masks do not carry the sinks",
+def _check_sink_attention(cfg: JobConfig, args: ModelArgs) -> None:
+    """gpt-oss's attention (sinks, sliding windows) runs `nn.sink_attention` (whole rows, context
+    parallelism's pieces) and document masking's segments (`nn.segment_attention`), which carry
+    the sinks and the window; FlexAttention's block masks do not."""
+    if args.windowed_or_sink_attention and args.attn_backend == "flex":
+        raise ConfigError("model.attn_backend", "flex", f"model.name = {show_value(cfg.model.name)} attends with sinks "
+                          "and sliding windows; FlexAttention's block masks do not carry the sinks",
                           'use model.attn_backend = "sdpa"')
 
 

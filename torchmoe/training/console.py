@@ -12,6 +12,7 @@ from torchmoe.components.checkpoint import CheckpointManager
 from torchmoe.components.metrics import MetricsLogger
 from torchmoe.components.metrics_records import METRICS_FILE
 from torchmoe.components.run_logs import LogFile
+from torchmoe.config.datasets import unmasked_examples_note
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.plan.dry_run import format_count
@@ -31,8 +32,9 @@ def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_si
             device_type: str, dump_folder: Path, optimizer_lines: Sequence[str] = (),
             threads: tuple[int, str] | None = None) -> str:
     """The run's first console lines: its description, what trains where, where it writes, then
-    a CPU run's threads and why (`cpu_threads.cpu_threads`), and `optimizer_lines`
-    (`Optimization.description`: which parameters which algorithm updates)."""
+    a CPU run's threads and why (`cpu_threads.cpu_threads`), LoRA's adapters, `optimizer_lines`
+    (`Optimization.description`: which parameters which algorithm updates), and a line when
+    separate examples (chat data) are packed without document masking."""
     counts = model_args.param_counts()
     tokens = global_batch_size * cfg.training.seq_len
     steps = f"steps {step + 1}-{cfg.training.steps}, {tokens:,} tokens each" if step < cfg.training.steps \
@@ -41,8 +43,9 @@ def opening(cfg: JobConfig, model_args: ModelArgs, *, step: int, global_batch_si
             f"{counts['active'] / 1e6:,.1f} M active) on {world_size} x {device_type}: {steps}; "
             f"writing to {dump_folder}")
     cpu = [f"CPU threads: {threads[0]} ({threads[1]})"] if threads is not None else []
+    unmasked = unmasked_examples_note(cfg.training)
     return "\n".join([*([cfg.job.description] if cfg.job.description else []), line, *cpu, *_lora_line(cfg, model_args),
-                      *optimizer_lines])
+                      *optimizer_lines, *([unmasked] if unmasked else [])])
 
 
 def _lora_line(cfg: JobConfig, model_args: ModelArgs) -> list[str]:

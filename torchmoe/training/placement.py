@@ -31,7 +31,7 @@ class LocalColumns:
     """Turns a (B, seq_len) micro-batch into this rank's part of it (`__call__`).
 
     Args:
-        model_args: the model (its attention chunk sizes).
+        model_args: the model (its attention chunk sizes and sliding windows).
         dims, mesh: the layout (its context-parallel degree and this rank's cp coordinate).
         seq_len: training's sequence length (validation's equals it under CP: `preflight`).
         eos_id: the tokenizer's end of sequence, which separates documents; None: no document
@@ -41,7 +41,7 @@ class LocalColumns:
 
     def __init__(self, model_args: ModelArgs, dims: ParallelDims, mesh: ParallelMesh | None, *, seq_len: int,
                  eos_id: int | None, device: torch.device) -> None:
-        self.chunks = model_args.attention_chunks()
+        self.spans = model_args.attention_spans()
         self.cp = dims.cp
         self.cp_rank = mesh["cp"].get_local_rank() if dims.cp_enabled else 0
         self.eos_id = eos_id
@@ -85,8 +85,8 @@ class LocalColumns:
 
     def attention_calls(self, seq_len: int) -> list[AttentionCall]:
         """The kinds of attention call this rank's layers make on rows of `seq_len` tokens: one
-        per chunk size of the model, per local CP piece under CP."""
+        per chunk size and sliding window of the model, per local CP piece under CP."""
         if self.cp == 1:
-            return whole_row_calls(self.chunks, seq_len)
+            return whole_row_calls(self.spans, seq_len)
         layout = CPLayout(seq_len, self.cp)
-        return [AttentionCall(*call) for call in layout.attention_calls(self.cp_rank, self.chunks)]
+        return [AttentionCall(*call) for call in layout.attention_calls(self.cp_rank, self.spans)]

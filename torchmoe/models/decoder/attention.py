@@ -30,8 +30,10 @@ class CausalAttention(nn.Module):
     `nn.attention` (within chunks of ``attention_chunk_size`` on chunked layers), under document
     masking, context parallelism (`context_parallel`, set by `apply_cp`) or a decoding cache;
     gpt-oss's sinks (``sinks``: (H,) logits) and sliding window (``window``) by
-    `nn.sink_attention` (the config checks refuse document masking, context parallelism and
-    FlexAttention for them). Subclasses project the heads and call `_attend` / `_attend_cached`."""
+    `nn.sink_attention` over whole rows, each document's segments under document masking (the
+    window counted within the document, the sinks joined to its softmax) and context
+    parallelism's pieces alike (the config checks refuse FlexAttention for them). Subclasses
+    project the heads and call `_attend` / `_attend_cached`."""
 
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
         super().__init__()
@@ -68,18 +70,14 @@ class CausalAttention(nn.Module):
                 documents: DocumentSegments | None) -> torch.Tensor:
         if self.logit_max is not None and self.training:
             self._observe_logits(q, k, documents)
-        if self.sinks is not None or self.window is not None:
-            if documents is not None or self.context_parallel is not None:
-                # The preflight refuses these (exit 2); a caller that skips it must not get
-                # attention across documents or over a CP piece alone, silently.
-                raise ValueError("sink and sliding-window attention runs over whole rows: document masking and "
-                                 "context parallelism are not supported with it")
-            # Under tensor parallel the sinks are sharded as the heads are: this rank's heads'.
-            return sink_attention(q, k, v, None if self.sinks is None else local_shard(self.sinks), self.window)
+        # Under tensor parallel the sinks are sharded as the heads are: this rank's heads'.
+        sinks = None if self.sinks is None else local_shard(self.sinks)
         if self.context_parallel is not None:
-            return self.context_parallel.attend(q, k, v, self.chunk_size, documents)
+            return self.context_parallel.attend(q, k, v, self.chunk_size, documents, window=self.window, sinks=sinks)
         if documents is not None:
-            return document_attention(q, k, v, documents, chunk=self.chunk_size)
+            return document_attention(q, k, v, documents, chunk=self.chunk_size, window=self.window, sinks=sinks)
+        if sinks is not None or self.window is not None:
+            return sink_attention(q, k, v, sinks, self.window)
         seq_len = q.shape[2]
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq_len else None
         if self.attn_backend == "flex":
