@@ -106,11 +106,19 @@ def test_boolean_flag_false_overrides_toml(tmp_path: Path) -> None:
     assert load_job_config(["--config", path, "--checkpoint.enable", "false"]).checkpoint.enable is False
 
 
+_FLOAT8 = ["--float8.enable", "true"]  # the switch float8.filter_fqns needs (`dependent_keys`)
+
+
 def test_list_flags() -> None:
-    assert load_job_config(["--float8.filter_fqns", "output", "router", "gate"]).float8.filter_fqns == \
+    assert load_job_config([*_FLOAT8, "--float8.filter_fqns", "output", "router", "gate"]).float8.filter_fqns == \
         ["output", "router", "gate"]
-    assert load_job_config(["--float8.filter_fqns=output"]).float8.filter_fqns == ["output"]
-    assert load_job_config(["--float8.filter_fqns"]).float8.filter_fqns == []
+    assert load_job_config([*_FLOAT8, "--float8.filter_fqns=output"]).float8.filter_fqns == ["output"]
+    assert load_job_config([*_FLOAT8, "--float8.filter_fqns"]).float8.filter_fqns == []
+
+
+# Each list flag beside the setting it needs (`dependent_keys`).
+_SWITCHES = {"lora": ["--lora.enable", "true"], "float8": _FLOAT8, "optimizer": ["--optimizer.name", "Muon"],
+             "parallelism": ["--parallelism.pipeline_parallel_degree", "2"]}
 
 
 @pytest.mark.parametrize(("flag", "value", "field", "want"), [
@@ -123,7 +131,7 @@ def test_list_flags() -> None:
 ])
 def test_a_list_flag_takes_the_toml_array_a_config_file_holds(flag, value, field, want) -> None:
     """Not split at its commas into bracketed, quoted names (which named no LoRA target)."""
-    got = getattr(getattr(load_job_config([flag, value]), field[0]), field[1])
+    got = getattr(getattr(load_job_config([*_SWITCHES[field[0]], flag, value]), field[0]), field[1])
     assert got == want and all(type(a) is type(b) for a, b in zip(got, want))
 
 
@@ -595,7 +603,7 @@ def test_resolve_degrees_errors() -> None:
 
 @pytest.mark.parametrize("name", ["debug_model", "llama4_16e", "llama4_128e", "qwen3_30b_a3b"])
 def test_write_config_round_trip(tmp_path: Path, name: str) -> None:
-    cfg = load_job_config(["--config", str(CONFIGS / f"{name}.toml"), "--optimizer.lr", "1.5e-4",
+    cfg = load_job_config(["--config", str(CONFIGS / f"{name}.toml"), "--optimizer.lr", "1.5e-4", *_FLOAT8,
                            "--float8.filter_fqns", "output", "router", "shared", "--job.description", 'say "hi"'])
     path = write_config_toml(cfg, tmp_path / "out" / "config.toml")
     reloaded = load_job_config(["--config", str(path)])
