@@ -160,7 +160,8 @@ def test_a_family_or_flavor_named_otherwise_is_one_message(tmp_path: Path, capsy
     # job's claim about the folder is wrong (leaving the flavor out trains the folder's model).
     ({"n_group": 2, "routed_scaling_factor": 1.0}, 'model.flavor = "tiny": contradicts checkpoint.initial_load_path',
      "its config.json differs from the flavor in n_group 2 (the flavor: 4), routed_scaling_factor 1.0 (the flavor: "
-     "2.5) fix: leave model.flavor out of the job: the folder decides the model"),
+     "2.5) fix: leave model.flavor out of the job (--model.flavor none drops the job file's): the folder decides "
+     "the model"),
 ])
 def test_a_deepseek_folder_the_model_cannot_represent_is_one_error(change: dict, message: str, fix: str | None,
                                                                   tmp_path: Path,

@@ -125,7 +125,8 @@ def test_document_masking_takes_the_chat_rows_document_starts(world, tmp_path):
 def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_path):
     """Validation (and so `torchmoe eval`) on chat data: the mean over the targets of its
     batches, transformers' with the same labels ignored (1e-5), not over every token."""
-    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
+    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.enable", "true",
+                       "--validation.dataset", "chat",
                        "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
                        "--validation.seq_len", "48", "--validation.steps", "2")
     loader = trainer.validation.loader()

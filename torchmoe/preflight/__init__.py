@@ -44,6 +44,7 @@ from torchmoe.preflight.layout import (
     check_seq_len,
     check_validation,
 )
+from torchmoe.preflight.optimizer import check_optimizer
 
 __all__ = ["device_memory_gib", "train_device", "validate_job_config", "validate_layout"]
 
@@ -104,6 +105,7 @@ def validate_layout(cfg: JobConfig, world_size: int, *, check_device: bool = Fal
     check_pipeline(cfg, args, degrees, world_size)
     check_validation(cfg, args, degrees)
     check_features(cfg, args, degrees, check_device)
+    check_optimizer(cfg.optimizer, args)
     check_float8(cfg, args, degrees, check_device)
     check_fault_tolerance(cfg, args, degrees, check_device)
     return degrees, args
