@@ -120,6 +120,36 @@ def test_a_family_that_contradicts_the_folder_is_refused(folders: dict[str, Path
                        "file's): the folder decides the model")
 
 
+SAYS = {"llama4": 'Llama 4: "llama4" or "llama4_text"', "qwen3": 'Qwen3-MoE: "qwen3_moe"',
+        "deepseek_v3": 'DeepSeek-V3: "deepseek_v3" or "kimi_k2"', "gpt_oss": 'gpt-oss: "gpt_oss"'}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_config_json_without_model_type_says_so(family: str, folders: dict[str, Path], tmp_path: Path) -> None:
+    """A missing model_type was read as "llama4_text": a Qwen3-MoE folder's fields were then
+    blamed on Llama 4. It is named missing, with the families' types and the one its
+    architectures point at."""
+    import json
+    import shutil
+
+    folder = tmp_path / family
+    shutil.copytree(folders[family], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("model_type")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as caught:
+        _resolved(folder)
+    known = "llama4, llama4_text, qwen3_moe, deepseek_v3, kimi_k2, gpt_oss"
+    assert caught.value.problem == (f'its config.json cannot be used: "model_type" is missing, so the family cannot be '
+                                    f"told: add the family's, one of {known} (its architectures "
+                                    f'{json.dumps(config["architectures"])} say {SAYS[family]})')
+    del config["architectures"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as caught:
+        _resolved(folder)
+    assert caught.value.problem.endswith(f"one of {known}") and "llama4_text model" not in str(caught.value)
+
+
 def test_what_the_job_leaves_unset_or_names_rightly_is_no_contradiction(folders: dict[str, Path]) -> None:
     """The defaults (llama4, tiny) are no claim; the folder's own name as the flavor (what the
     run's config.toml writes) and its family are the folder's; eval and generate do not check."""

@@ -106,9 +106,10 @@ def hf_mapping_for_config(config: dict) -> HFMapping:
     known = ", ".join(t for m in _MAPPINGS.values() for t in m.model_types)
     if "model_type" not in config:
         architectures = config.get("architectures")
-        named = {m.model_types[0] for m in _MAPPINGS.values() for c in _classes(m)
+        named = {m.title: m.model_types for m in _MAPPINGS.values() for c in _classes(m)
                  if isinstance(architectures, list) and c in architectures}
-        hint = f" (its architectures {show_json(architectures)} say {show_json(next(iter(named)))})" \
+        hint = "".join(f" (its architectures {show_json(architectures)} say {title}: "
+                       f"{' or '.join(map(show_json, types))})" for title, types in named.items()) \
             if len(named) == 1 else ""
         raise HFConversionError(f"\"model_type\" is missing, so the family cannot be told: add the family's, one of "
                                 f"{known}{hint}")
