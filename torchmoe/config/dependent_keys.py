@@ -141,8 +141,9 @@ RULES: tuple[Needs, ...] = (
     # [training]: what each data kind reads
     Needs(("training.dataset",), "no training.dataset_mix (a mixture names each source's dataset)",
           ("training.dataset_mix",), lambda cfg: not cfg.training.dataset_mix),
+    # (beside a mixture it is the preflight's: "set together with training.dataset_mix")
     Needs(("training.dataset_path",), 'a dataset read from a path (training.dataset other than "python_docs")',
-          ("training.dataset",), lambda cfg: cfg.training.dataset != "python_docs"),
+          ("training.dataset",), lambda cfg: cfg.training.dataset != "python_docs" or bool(cfg.training.dataset_mix)),
     _data(("training.loss_on", "training.chat_overlong"), (_CHAT,), "chat data"),
     _data(("training.dataset_split",), ("hf", _CHAT), "a hub dataset or a saved chat dataset", validation=False),
     _data(("training.dataset_text_field",), ("local", "hf", "c4", "c4_validation", "c4_test"), "rows with fields"),
