@@ -23,6 +23,8 @@ from torchmoe.config.paths import key_value
 # For each rule (by its condition): flags under which it does not hold, and flags under which it
 # does. The defaults leave every switch off; these are the rules a default meets or a flag must break.
 _OFF_ON: dict[str, tuple[list[str], list[str]]] = {
+    "model.tokenizer_path not set (the folder's tokenizer), or checkpoint.initial_load_in_hf = true without "
+    "checkpoint.initial_load_path (its weights)": (["--model.tokenizer_path", "tok"], []),
     "model.mtp_layers > 0": ([], ["--model.mtp_layers", "1"]),
     'optimizer.name = "Muon"': ([], ["--optimizer.name", "Muon"]),
     "a weight decay to apply (optimizer.weight_decay > 0; with Muon, optimizer.adamw_weight_decay's)":

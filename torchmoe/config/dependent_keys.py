@@ -120,8 +120,18 @@ _CHECKPOINT_KEYS = ("checkpoint.interval", "checkpoint.keep_latest_k", "checkpoi
                     "checkpoint.enable_first_step_checkpoint", "checkpoint.load_only")
 _SEMI_SYNC = ("local_sgd", "diloco")
 
+def _assets_read(cfg: JobConfig) -> bool:
+    """Whether `model.hf_assets_path` gave the tokenizer or the weights (`loader._with_hf_assets`
+    filled them with it where they were not set; a path given as well is the same one)."""
+    assets, ckpt = cfg.model.hf_assets_path, cfg.checkpoint
+    return cfg.model.tokenizer_path == assets or (ckpt.initial_load_in_hf and ckpt.initial_load_path == assets)
+
+
 RULES: tuple[Needs, ...] = (
     # [model]
+    Needs(("model.hf_assets_path",), "model.tokenizer_path not set (the folder's tokenizer), or "
+          "checkpoint.initial_load_in_hf = true without checkpoint.initial_load_path (its weights)",
+          ("model.tokenizer_path", "checkpoint.initial_load_in_hf", "checkpoint.initial_load_path"), _assets_read),
     Needs(("model.mtp_loss_coeff",), "model.mtp_layers > 0", ("model.mtp_layers",),
           lambda cfg: cfg.model.mtp_layers > 0, (("model.mtp_layers", 1),)),
     # [optimizer]
