@@ -524,6 +524,9 @@ def test_world_size_without_torchrun_is_refused(capsys, tmp_path: Path, monkeypa
 # ---- divergence and failed saves ---------------------------------------------------------------
 
 
+OVERFLOW = ["--optimizer.lr", "1e300", "--optimizer.weight_decay", "0"]
+
+
 @pytest.mark.parametrize("interval, flags, problem", [
     # Due to save after step 1: the check of the whole state before the save finds it.
     ("1", ["--model.load_balance_coeff", "1e300"], "state is not finite after step 1 (NaN or inf in "
@@ -531,14 +534,13 @@ def test_world_size_without_torchrun_is_refused(capsys, tmp_path: Path, monkeypa
      "model.load_balance_coeff"),
     # Not due to save: the next step's check of the biases finds it, before anything could save it.
     ("2", ["--model.load_balance_coeff", "1e300"], "an MoE expert bias is not finite after step 1"),
-    # foreach AdamW refuses the overflowing scalar before writing it...
-    ("1", ["--optimizer.lr", "1e300", "--optimizer.implementation", "foreach"],
-     "the optimizer update overflows at step 1"),
+    # foreach AdamW refuses the overflowing scalar before writing it (no weight decay: lr * weight_decay
+    # >= 1 is refused before training)...
+    ("1", [*OVERFLOW, "--optimizer.implementation", "foreach"], "the optimizer update overflows at step 1"),
     # ...fused AdamW (the default) writes NaN weights: the check of the state before the save finds them.
-    ("1", ["--optimizer.lr", "1e300"], "state is not finite after step 1 (NaN or inf in model.tok_embeddings.weight"),
+    ("1", OVERFLOW, "state is not finite after step 1 (NaN or inf in model.tok_embeddings.weight"),
     # ...and without checkpoints the last step's update reaches no save: the Hugging Face export checks it.
-    ("0", ["--optimizer.lr", "1e300", "--training.steps", "1", "--checkpoint.last_save_in_hf", "true",
-           *HF_EXPORT],
+    ("0", [*OVERFLOW, "--training.steps", "1", "--checkpoint.last_save_in_hf", "true", *HF_EXPORT],
      "stopping without writing Hugging Face weights; lower optimizer.lr"),
 ], ids=["expert_bias_at_save", "expert_bias_next_step", "optimizer_overflow_foreach", "optimizer_overflow_fused",
         "export_after_the_last_step"])

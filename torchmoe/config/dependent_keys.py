@@ -175,8 +175,8 @@ RULES: tuple[Needs, ...] = (
     Needs(("activation_checkpoint.early_stop",), 'activation checkpointing (activation_checkpoint.mode other than '
           '"none")', ("activation_checkpoint.mode",), lambda cfg: cfg.activation_checkpoint.mode != "none",
           (("activation_checkpoint.mode", "selective"),)),
-    Needs(("activation_checkpoint.selective_ac_option", "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"),
-          'activation_checkpoint.mode = "selective"', ("activation_checkpoint.mode",),
+    Needs(("activation_checkpoint.selective_ac_option",
+           "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"), 'activation_checkpoint.mode = "selective"', ("activation_checkpoint.mode",),
           lambda cfg: cfg.activation_checkpoint.mode == "selective", (("activation_checkpoint.mode", "selective"),)),
     Needs(("activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns",),
           'activation_checkpoint.selective_ac_option = "op"', ("activation_checkpoint.selective_ac_option",),
@@ -196,7 +196,8 @@ RULES: tuple[Needs, ...] = (
     _switch("metrics.enable_tensorboard", ("metrics.save_tb_folder",)),
     _switch("metrics.enable_wandb", ("metrics.wandb_project", "metrics.wandb_run_name", "metrics.wandb_tags")),
     Needs(("profiling.profile_freq", "profiling.profiler_active", "profiling.profiler_warmup",
-           "profiling.save_traces_folder"), "profiling.enable_profiling = true or profiling.enable_step_breakdown = true",
+           "profiling.save_traces_folder"),
+          "profiling.enable_profiling = true or profiling.enable_step_breakdown = true",
           ("profiling.enable_profiling", "profiling.enable_step_breakdown"),
           lambda cfg: cfg.profiling.enable_profiling or cfg.profiling.enable_step_breakdown,
           (("profiling.enable_profiling", True),)),
@@ -238,7 +239,7 @@ def _flag_value(value: Any) -> str:
 
 
 def check_dependent_keys(cfg: JobConfig, *, flags: Mapping[str, str], file: Mapping[str, str],
-                         defaults: JobConfig | None = None, runs_with: Mapping[str, Any] | None = None) -> list[str]:
+                         runs_with: Mapping[str, Any] | None = None) -> list[str]:
     """Refuse a flag that sets a key the job does not use; return one warning line per such key of
     the job file (module docstring).
 
@@ -246,7 +247,6 @@ def check_dependent_keys(cfg: JobConfig, *, flags: Mapping[str, str], file: Mapp
         cfg: the job, flags applied.
         flags: ``section.key`` -> the flag that set it, as typed (a torchtitan flag names the key it maps to).
         file: ``section.key`` -> the name the job file gives it (torchtitan's, for a key it maps).
-        defaults: the values that ask for nothing (`JobConfig()` when None).
         runs_with: settings the command applies whatever the job says (``torchmoe eval``:
             ``validation.enable = true``), against which the rules are judged.
 
@@ -262,17 +262,16 @@ def check_dependent_keys(cfg: JobConfig, *, flags: Mapping[str, str], file: Mapp
         fix = f"add {on}, or drop {flag}" if on else f"drop {flag}, or give the job {rule.when}"
         raise ConfigError(flag, key_value(cfg, key), f"has no effect: it only matters with {rule.when}, and this job "
                           f"has {_state(cfg, rule)}", fix)
-    defaults = defaults or JobConfig()
+    defaults = JobConfig()  # a file's key at its default asks for nothing
     warnings = []
     for key, name in file.items():
         rule = unused_rule(judged, key)
         if rule is None or key in flags or key_value(cfg, key) == key_value(defaults, key) or \
                 any(read in flags for read in rule.reads):
             continue
-        on = " or ".join(f"{k} = {show_value(v)}" for k, v in rule.turn_on)
+        on = "".join(f"set {k} = {show_value(v)}, or " for k, v in rule.turn_on)
         warnings.append(f"{name} = {show_value(key_value(cfg, key))} in the job file has no effect: it only matters "
-                        f"with {rule.when}, and the job has {_state(cfg, rule)} (set {on + ', or remove ' if on else 'remove '}"
-                        f"{name})")
+                        f"with {rule.when}, and the job has {_state(cfg, rule)} ({on}remove {name})")
     return warnings
 
 

@@ -36,6 +36,7 @@ from torchmoe.config.paths import PATH_KEYS, READ_KEYS, nonempty_path, path_faul
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, translate
+from torchmoe.config.unset import UNSET_WORD, is_optional, optional_keys
 
 try:
     import tomllib
@@ -316,27 +317,6 @@ def config_toml(cfg: JobConfig) -> str:
 # ---- command-line overrides ------------------------------------------------------------------
 
 
-UNSET_WORD = "none"
-"""A flag value that unsets an optional key (`optional_keys`), as if the job file and the flags
-left it out: ``--model.hf_assets_path none`` is a TOML's ``hf_assets_path = ""``, ``--model.flavor
-none`` lets a Hugging Face folder decide the model whatever flavor the job file names."""
-
-
-@functools.cache
-def _optional_keys() -> dict[str, Any]:
-    defaults = JobConfig()
-    keys = {f"{s}.{k}": getattr(getattr(defaults, s), k) for s, leaves in _config_fields().items() for k in leaves}
-    return {k: v for k, v in keys.items()
-            if (not isinstance(v, bool) and v in ("", -1, [])) or k in ("model.name", "model.flavor")}
-
-
-def optional_keys() -> dict[str, Any]:
-    """The keys a flag may unset with `UNSET_WORD` -> the value they then take: those whose default
-    means "not set" (``""``, ``-1``, an empty list: the default, or what another key says, is
-    used), and model.name and model.flavor (a Hugging Face folder then decides the model)."""
-    return {k: list(v) if isinstance(v, list) else v for k, v in _optional_keys().items()}
-
-
 # What each path the run reads means when it is not set.
 _UNSET = {"model.hf_assets_path": "no Hugging Face folder", "model.tokenizer_path": "the byte tokenizer",
           "checkpoint.initial_load_path": "random initial weights", "training.dataset_path": "no dataset files",
@@ -568,7 +548,7 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
     unset: set[str] = set()  # keys a flag unset (`UNSET_WORD`)
     for flag, values in overrides:
         name = flag[2:].replace("-", "_")
-        if values == [UNSET_WORD] and name in _optional_keys():
+        if values == [UNSET_WORD] and is_optional(name):
             values_set, note = {name: UNSET_WORD}, None
         else:
             values_set, note = _check_override(flag, values)
@@ -583,7 +563,7 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
                                   "pass one of the two flags")
             by_flag[dotted] = (flag, value)
             unset.discard(dotted)
-            if value == UNSET_WORD and name in _optional_keys():
+            if value == UNSET_WORD and is_optional(name):
                 unset.add(dotted)
                 value = optional_keys()[dotted]
             elif dotted in READ_KEYS:
