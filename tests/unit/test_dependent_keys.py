@@ -187,6 +187,20 @@ def test_eval_reads_validation_whatever_validation_enable_says() -> None:
     assert cfg.validation.dataset_path == "data/val" and not cfg.validation.enable  # judged, not changed
 
 
+def test_the_eval_command_takes_validation_flags_and_generate_judges_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`torchmoe eval` reads [validation] (its flags pass, and the next fault is the missing
+    weights); `generate` does not (the flag is refused)."""
+    flags = ["--config", DEBUG_CONFIG, "--validation.dataset_path", "data/val", "--job.dump_folder", str(tmp_path)]
+    assert cli.main(["eval", *flags, "--checkpoint", str(tmp_path / "gone")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--checkpoint" in err and "has no effect" not in err, err
+    assert cli.main(["generate", *flags, "--checkpoint", str(tmp_path / "gone"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --validation.dataset_path = \"data/val\": has no effect: it only matters with validation.enable = " \
+           "true" in err, err
+
+
 def test_a_job_file_s_idle_keys_warn_once_each_and_run(tmp_path: Path) -> None:
     """One line per key not at its default; a key at its default asks for nothing; a switch a
     flag set silences the file's keys under it; a flag beside the file's key is refused."""
