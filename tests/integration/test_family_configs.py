@@ -245,8 +245,8 @@ def test_gpt_oss_refuses_what_its_attention_cannot_run(flags: list[str], message
     ("deepseek_v3_lora_sft.toml", ["--world-size", "128", "--model.flavor", "671B"],
      "optimizer.qk_clip_threshold = 100.0: LoRA freezes the query and key weights",
      "fix: set it to 0 for LoRA"),
-    ("deepseek_v3_16b.toml", ["--optimizer.qk_clip_threshold", "-1"], "optimizer.qk_clip_threshold = -1.0: must be >= 0",
-     "fix: use 0 to turn QK-Clip off"),
+    ("deepseek_v3_16b.toml", ["--optimizer.qk_clip_threshold", "-1"], "optimizer.qk_clip_threshold = -1.0: must be 0 "
+     "(off) or a finite logit >= 1", "fix: use 0 to turn QK-Clip off"),
 ])
 def test_qk_clip_refuses_what_it_cannot_clip(config: str, flags: list[str], message: str, fix: str, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,7 +273,11 @@ def test_qk_clip_refuses_what_it_cannot_clip(config: str, flags: list[str], mess
      'fix: set model.mtp_layers = 0, or model.name = "deepseek_v3"'),
     (["--model.mtp_layers", "-1"], "model.mtp_layers = -1: must be >= 0",
      "fix: use 0 to disable multi-token prediction"),
-    (["--model.mtp_loss_coeff", "nan"], "model.mtp_loss_coeff = nan: must be >= 0", "fix: use a non-negative weight"),
+    (["--model.mtp_layers", "1", "--model.mtp_loss_coeff", "nan"], "model.mtp_loss_coeff = nan: must be >= 0",
+     "fix: use a non-negative weight"),
+    # the weight of no module (`config.dependent_keys`)
+    (["--model.mtp_loss_coeff", "0.3"], "--model.mtp_loss_coeff = 0.3: has no effect: it only matters with "
+     "model.mtp_layers > 0", "fix: add --model.mtp_layers 1, or drop --model.mtp_loss_coeff"),
 ])
 def test_multi_token_prediction_refuses_what_it_cannot_run(flags: list[str], message: str, fix: str, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
