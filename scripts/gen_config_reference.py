@@ -18,6 +18,7 @@ from pathlib import Path
 
 from torchmoe.config import job_config
 from torchmoe.config.datasets import DEPENDENT_DEFAULTS
+from torchmoe.config.dependent_keys import RULES
 from torchmoe.config.errors import show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, TUNES, Mapped, Refused
@@ -55,7 +56,23 @@ def reference() -> str:
                 default += f" ({DEPENDENT_DEFAULTS[key]})"
             text = docs.get(f.name, "").replace("|", "\\|").replace("\n", " ")
             lines.append(f"| `{f.name}` | {_type_name(hints[f.name])} | {default} | {text} |")
-    return "\n".join([*lines, "", *torchtitan_reference()])
+    return "\n".join([*lines, "", *dependent_reference(), "", *torchtitan_reference()])
+
+
+def dependent_reference() -> list[str]:
+    """The keys that only matter under another (`torchmoe.config.dependent_keys.RULES`)."""
+    lines = ["## Keys that only matter under another", "",
+             "Each key below does something only while its condition holds. Set where it does not, it is "
+             "refused as a flag (exit 2, naming the flag, the condition and both ways out: `--lora.rank 4` "
+             "without `--lora.enable true` says \"add --lora.enable true, or drop --lora.rank\"), and gives one "
+             "warning line in a job file, which still runs; a file's key at its default, or one whose switch a "
+             "flag set, stays quiet, and so does a run's own config.toml. `torchmoe eval` reads `[validation]` "
+             "whatever `validation.enable` says.", "",
+             "| key | only matters with |", "|---|---|"]
+    for rule in RULES:
+        for key in rule.keys:
+            lines.append(f"| `{key}` | {rule.when.replace('|', '/')} |")
+    return lines
 
 
 def torchtitan_reference() -> list[str]:

@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.helpers, for the parity jobs' common arguments
 
-from tests.helpers import TINY_JOB  # noqa: E402
+from tests.helpers import TINY_RUN  # noqa: E402
 from tests.launch import cli_env, metrics_by_step  # noqa: E402
 
 # bf16 against fp32 over 50 steps of the debugmodel flavor. On an H200 (2026-12-04) the first 12
@@ -71,7 +71,7 @@ PARITY_LAYOUTS = {
             "--training.local_batch_size", "8"],
     "fsdp2_cpu_offload": ["--training.local_batch_size", "4", "--parallelism.fsdp_cpu_offload", "true"],
 }
-GPU = ["--training.device", "cuda", "--training.mixed_precision_param", "float32", "--checkpoint.enable", "false"]
+GPU = ["--training.device", "cuda", "--training.mixed_precision_param", "float32"]  # without checkpoints: TINY_RUN
 
 
 @dataclass
@@ -234,7 +234,7 @@ def _parity_jobs(out: Path, layouts: dict[str, list[str]]) -> Path:
     checkpoint: every layout draws the same weights)."""
     folder = out / f"jobs_{len(layouts)}"
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = [{"label": label, "args": [*TINY_JOB, *flags, *GPU], "dump_folder": str(out / label), "start_from": None,
+    jobs = [{"label": label, "args": [*TINY_RUN, *flags, *GPU], "dump_folder": str(out / label), "start_from": None,
              "preflight": True} for label, flags in layouts.items()]
     (folder / "jobs.json").write_text(json.dumps(jobs))
     return folder
@@ -270,7 +270,7 @@ def _nccl_parity_reachable(out: Path) -> str:
         if not (REPO / path).is_file():
             raise RuntimeError(f"{path} is missing")
     for label, flags in PARITY_LAYOUTS.items():
-        _dry_run([*TINY_JOB, *flags, *GPU], out / f"dry_{label}", world_size=2)
+        _dry_run([*TINY_RUN, *flags, *GPU], out / f"dry_{label}", world_size=2)
     return f"{len(PARITY_LAYOUTS)} layouts pass --dry-run"
 
 

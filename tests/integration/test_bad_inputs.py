@@ -712,6 +712,28 @@ def test_batch_beyond_memory_names_the_largest_that_fits(capsys, tmp_path: Path)
                           args, degrees, torch.device("cpu"))
 
 
+def test_a_rank_beyond_memory_is_blamed_on_the_rank_not_the_batch(capsys, tmp_path: Path) -> None:
+    """A LoRA rank of 100000 (its adapters: weights, gradients, Adam state) was blamed on
+    training.local_batch_size, whose fix (a smaller batch) could not fit it. The largest rank named
+    fits, one more does not; with nothing that fits at 1 the model's state is named."""
+    lora = ["--model.name", "qwen3", "--lora.enable", "true", "--lora.export", "merged", "--job.device_memory_gib", "2"]
+    status, err = _main(capsys, tmp_path, *lora, "--lora.rank", "100000", "--lora.alpha", "100000")
+    _assert_one_error(status, err, "lora.rank = 100000: the fullest rank needs an estimated",
+                      "more than the 2.0 GiB it has (job.device_memory_gib); the adapters (weights, gradients, "
+                      "optimizer state and activations) take")
+    fits = int(err.split("use lora.rank <= ")[1].split(",")[0])
+    cfg = load_job_config([*TINY, *lora])
+    args = model_args_from_config(cfg.model)
+    degrees = resolve_degrees(cfg.parallelism, 1)
+    at = lambda rank: dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=rank))  # noqa: E731
+    check_memory_fits(at(fits), args, degrees, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="^lora.rank"):
+        check_memory_fits(at(fits + 1), args, degrees, torch.device("cpu"))
+    status, err = _main(capsys, tmp_path, "--job.device_memory_gib", "0.001")
+    _assert_one_error(status, err, 'model.flavor = "tiny": the fullest rank needs an estimated',
+                      "it does not fit even at training.local_batch_size 1", "shard the model over more ranks")
+
+
 @pytest.mark.parametrize("package", ["tensorboard", "wandb"])
 def test_missing_metrics_package_is_refused(capsys, tmp_path: Path, monkeypatch, package: str) -> None:
     import importlib.util
@@ -734,6 +756,9 @@ def test_world_size_without_torchrun_is_refused(capsys, tmp_path: Path, monkeypa
 # ---- divergence and failed saves ---------------------------------------------------------------
 
 
+OVERFLOW = ["--optimizer.lr", "1e300", "--optimizer.weight_decay", "0"]
+
+
 @pytest.mark.parametrize("interval, flags, problem", [
     # Due to save after step 1: the check of the whole state before the save finds it.
     ("1", ["--model.load_balance_coeff", "1e300"], "state is not finite after step 1 (NaN or inf in "
@@ -741,14 +766,13 @@ def test_world_size_without_torchrun_is_refused(capsys, tmp_path: Path, monkeypa
      "model.load_balance_coeff"),
     # Not due to save: the next step's check of the biases finds it, before anything could save it.
     ("2", ["--model.load_balance_coeff", "1e300"], "an MoE expert bias is not finite after step 1"),
-    # foreach AdamW refuses the overflowing scalar before writing it...
-    ("1", ["--optimizer.lr", "1e300", "--optimizer.implementation", "foreach"],
-     "the optimizer update overflows at step 1"),
+    # foreach AdamW refuses the overflowing scalar before writing it (no weight decay: lr * weight_decay
+    # >= 1 is refused before training)...
+    ("1", [*OVERFLOW, "--optimizer.implementation", "foreach"], "the optimizer update overflows at step 1"),
     # ...fused AdamW (the default) writes NaN weights: the check of the state before the save finds them.
-    ("1", ["--optimizer.lr", "1e300"], "state is not finite after step 1 (NaN or inf in model.tok_embeddings.weight"),
+    ("1", OVERFLOW, "state is not finite after step 1 (NaN or inf in model.tok_embeddings.weight"),
     # ...and without checkpoints the last step's update reaches no save: the Hugging Face export checks it.
-    ("0", ["--optimizer.lr", "1e300", "--training.steps", "1", "--checkpoint.last_save_in_hf", "true",
-           *HF_EXPORT],
+    ("0", [*OVERFLOW, "--training.steps", "1", "--checkpoint.last_save_in_hf", "true", *HF_EXPORT],
      "stopping without writing Hugging Face weights; lower optimizer.lr"),
 ], ids=["expert_bias_at_save", "expert_bias_next_step", "optimizer_overflow_foreach", "optimizer_overflow_fused",
         "export_after_the_last_step"])

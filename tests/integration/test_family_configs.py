@@ -160,7 +160,8 @@ def test_a_family_or_flavor_named_otherwise_is_one_message(tmp_path: Path, capsy
     # job's claim about the folder is wrong (leaving the flavor out trains the folder's model).
     ({"n_group": 2, "routed_scaling_factor": 1.0}, 'model.flavor = "tiny": contradicts checkpoint.initial_load_path',
      "its config.json differs from the flavor in n_group 2 (the flavor: 4), routed_scaling_factor 1.0 (the flavor: "
-     "2.5) fix: leave model.flavor out of the job: the folder decides the model"),
+     "2.5) fix: leave model.flavor out of the job (--model.flavor none drops the job file's): the folder decides "
+     "the model"),
 ])
 def test_a_deepseek_folder_the_model_cannot_represent_is_one_error(change: dict, message: str, fix: str | None,
                                                                   tmp_path: Path,
@@ -248,8 +249,8 @@ def test_gpt_oss_plans_context_parallel_and_document_masking(tmp_path: Path) -> 
     ("deepseek_v3_lora_sft.toml", ["--world-size", "128", "--model.flavor", "671B"],
      "optimizer.qk_clip_threshold = 100.0: LoRA freezes the query and key weights",
      "fix: set it to 0 for LoRA"),
-    ("deepseek_v3_16b.toml", ["--optimizer.qk_clip_threshold", "-1"], "optimizer.qk_clip_threshold = -1.0: must be >= 0",
-     "fix: use 0 to turn QK-Clip off"),
+    ("deepseek_v3_16b.toml", ["--optimizer.qk_clip_threshold", "-1"], "optimizer.qk_clip_threshold = -1.0: must be 0 "
+     "(off) or a finite logit >= 1", "fix: use 0 to turn QK-Clip off"),
 ])
 def test_qk_clip_refuses_what_it_cannot_clip(config: str, flags: list[str], message: str, fix: str, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
@@ -276,7 +277,11 @@ def test_qk_clip_refuses_what_it_cannot_clip(config: str, flags: list[str], mess
      'fix: set model.mtp_layers = 0, or model.name = "deepseek_v3"'),
     (["--model.mtp_layers", "-1"], "model.mtp_layers = -1: must be >= 0",
      "fix: use 0 to disable multi-token prediction"),
-    (["--model.mtp_loss_coeff", "nan"], "model.mtp_loss_coeff = nan: must be >= 0", "fix: use a non-negative weight"),
+    (["--model.mtp_layers", "1", "--model.mtp_loss_coeff", "nan"], "model.mtp_loss_coeff = nan: must be >= 0",
+     "fix: use a non-negative weight"),
+    # the weight of no module (`config.dependent_keys`)
+    (["--model.mtp_loss_coeff", "0.3"], "--model.mtp_loss_coeff = 0.3: has no effect: it only matters with "
+     "model.mtp_layers > 0", "fix: add --model.mtp_layers 1, or drop --model.mtp_loss_coeff"),
 ])
 def test_multi_token_prediction_refuses_what_it_cannot_run(flags: list[str], message: str, fix: str, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:

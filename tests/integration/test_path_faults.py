@@ -379,7 +379,10 @@ def test_every_path_key_is_walked() -> None:
     keys = [f"{section.name}.{field.name}" for section in dataclasses.fields(job)
             for field in dataclasses.fields(getattr(job, section.name))
             if field.name.endswith(("_path", "_folder")) or field.name == "folder"]
-    cfg = load_job_config([arg for key in keys for arg in (f"--{key}", "x")])
+    readers = ["--training.dataset", "local", "--validation.enable", "true", "--checkpoint.enable", "true",
+               "--metrics.enable_tensorboard", "true", "--profiling.enable_profiling", "true",
+               "--profiling.enable_memory_snapshot", "true"]  # what reads or writes each (`dependent_keys`)
+    cfg = load_job_config([*readers, *(arg for key in keys for arg in (f"--{key}", "x"))])
     assert sorted(p.key for p in job_paths(cfg)) == sorted(keys)
     assert set(keys) <= {spec.key for spec in KEYS} | {COMM.key}
 

@@ -340,6 +340,11 @@ EMPTY = {  # flag, value, the key named, what it would have meant
 }
 
 
+_WRITES = {"--metrics.save_tb_folder": ["--metrics.enable_tensorboard", "true"],
+           "--profiling.save_traces_folder": ["--profiling.enable_profiling", "true"],
+           "--profiling.save_memory_snapshot_folder": ["--profiling.enable_memory_snapshot", "true"]}
+
+
 @pytest.mark.parametrize("case", list(EMPTY))
 def test_an_empty_path_is_refused_before_anything_is_written(capsys, tmp_path, monkeypatch, case) -> None:
     """What an unset shell variable gives: never the current directory (here the user's own files)."""
@@ -347,7 +352,8 @@ def test_an_empty_path_is_refused_before_anything_is_written(capsys, tmp_path, m
     monkeypatch.chdir(tmp_path)
     (tmp_path / "config.toml").write_text("# the user's own\n")
     job = TINY[2:] if flag == "--config" else TINY  # --config once
-    status, err = _main(capsys, "train", *job, "--job.dump_folder", tmp_path / "run", flag, value)
+    switch = _WRITES.get(flag, [])  # the folder is written (else the flag would have no effect: `dependent_keys`)
+    status, err = _main(capsys, "train", *job, *switch, "--job.dump_folder", tmp_path / "run", flag, value)
     _one_error(status, err, f'{key} = "{value}": an empty path (an unset shell variable?), which would mean {means}')
     assert sorted(os.listdir(tmp_path)) == ["config.toml"]
     assert (tmp_path / "config.toml").read_text() == "# the user's own\n"

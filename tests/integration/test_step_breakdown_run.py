@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 def test_fsdp_run_writes_and_logs_the_breakdown(tmp_path: Path) -> None:
     proc = train_tiny(tmp_path, ["--training.steps", "2", "--training.local_batch_size", "4",
-                                 "--checkpoint.enable", "false", "--parallelism.data_parallel_shard_degree", "2",
+                                 "--parallelism.data_parallel_shard_degree", "2",
                                  "--profiling.enable_step_breakdown", "true", "--profiling.profile_freq", "2"],
                       nproc=2)
     folder = tmp_path / "profile_traces" / "iteration_2"

@@ -98,7 +98,7 @@ def test_torn_checkpoints_are_never_loaded(full_run: Path, tmp_path: Path) -> No
 def test_gradient_accumulation_matches_one_micro_batch(full_run: Path, tmp_path: Path) -> None:
     """Four micro-batches of 2 train as one of 8; logged every 4th step, metrics.jsonl still holds
     every step's loss, gradient norm and LR (the steps between logs in a short record)."""
-    train(tmp_path, [*SIX_STEPS, "--training.local_batch_size", "2", "--checkpoint.enable", "false",
+    train(tmp_path, [*TINY, "--training.steps", "6", "--training.local_batch_size", "2", "--checkpoint.enable", "false",
                      "--metrics.log_freq", "4"])
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records if "tokens_per_sec" in r] == [1, 4, 6]  # first, 4th, last

@@ -120,8 +120,23 @@ def test_a_flavor_that_contradicts_the_folder_is_refused(folders: dict[str, Path
     assert err.problem == (f"contradicts checkpoint.initial_load_path {folder}: its config.json differs from the "
                            "flavor in dim 48 (the flavor: 2048), n_layers 3 (the flavor: 48), n_heads 6 (the flavor: "
                            "32), n_kv_heads 2 (the flavor: 4) and 9 more")
-    assert err.fix == ("leave model.flavor out of the job: the folder decides the model, model.flavor sizes runs from "
-                       f"scratch; or point checkpoint.initial_load_path at a checkpoint of flavor 30B-A3B")
+    assert err.fix == ("leave model.flavor out of the job (--model.flavor none drops the job file's): the folder "
+                       "decides the model, model.flavor sizes runs from scratch; or point "
+                       "checkpoint.initial_load_path at a checkpoint of flavor 30B-A3B")
+
+
+def test_none_drops_the_job_file_s_model_for_the_folder_s(folders: dict[str, Path], tmp_path: Path) -> None:
+    """A shipped job file names a family and flavor; fine-tuning a folder of another size (or
+    family) from it needs no edited copy: `--model.flavor none` (and `--model.name none`) leave the
+    file's claim out, as the refusal above says, and the folder decides."""
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "qwen3"\nflavor = "30B-A3B"\n')
+    with pytest.raises(ConfigError, match="contradicts checkpoint.initial_load_path"):
+        _resolved(folders["qwen3"], "--config", str(job))
+    cfg = _resolved(folders["qwen3"], "--config", str(job), "--model.flavor", "none")
+    assert (cfg.model.name, cfg.model.flavor, model_args_from_config(cfg.model).dim) == ("qwen3", "qwen3", 48)
+    cfg = _resolved(folders["gpt_oss"], "--config", str(job), "--model.name", "none", "--model.flavor", "none")
+    assert (cfg.model.name, model_args_from_config(cfg.model).n_layers) == ("gpt_oss", 3)
 
 
 def test_a_family_that_contradicts_the_folder_is_refused(folders: dict[str, Path]) -> None:
@@ -131,7 +146,38 @@ def test_a_family_that_contradicts_the_folder_is_refused(folders: dict[str, Path
     err = caught.value
     assert (err.key, err.value) == ("model.name", "gpt_oss")
     assert err.problem == f"checkpoint.initial_load_path {folder} holds a Qwen3-MoE model (qwen3), not a gpt-oss one"
-    assert err.fix == "pass --model.name qwen3, or leave model.name out of the job: the folder decides the model"
+    assert err.fix == ("pass --model.name qwen3, or leave model.name out of the job (--model.name none drops the job "
+                       "file's): the folder decides the model")
+
+
+SAYS = {"llama4": 'Llama 4: "llama4" or "llama4_text"', "qwen3": 'Qwen3-MoE: "qwen3_moe"',
+        "deepseek_v3": 'DeepSeek-V3: "deepseek_v3" or "kimi_k2"', "gpt_oss": 'gpt-oss: "gpt_oss"'}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_config_json_without_model_type_says_so(family: str, folders: dict[str, Path], tmp_path: Path) -> None:
+    """A missing model_type was read as "llama4_text": a Qwen3-MoE folder's fields were then
+    blamed on Llama 4. It is named missing, with the families' types and the one its
+    architectures point at."""
+    import json
+    import shutil
+
+    folder = tmp_path / family
+    shutil.copytree(folders[family], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("model_type")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as caught:
+        _resolved(folder)
+    known = "llama4, llama4_text, qwen3_moe, deepseek_v3, kimi_k2, gpt_oss"
+    assert caught.value.problem == (f'its config.json cannot be used: "model_type" is missing, so the family cannot be '
+                                    f"told: add the family's, one of {known} (its architectures "
+                                    f'{json.dumps(config["architectures"])} say {SAYS[family]})')
+    del config["architectures"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as caught:
+        _resolved(folder)
+    assert caught.value.problem.endswith(f"one of {known}") and "llama4_text model" not in str(caught.value)
 
 
 def test_what_the_job_leaves_unset_or_names_rightly_is_no_contradiction(folders: dict[str, Path]) -> None:

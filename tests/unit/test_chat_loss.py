@@ -170,7 +170,8 @@ def test_validation_is_the_masked_mean_over_the_validation_targets(world, tmp_pa
     batches, transformers' with the same labels ignored (1e-5), not over every token; what it
     covers (`torchmoe eval` prints it) is the batches' targets and the conversations holding one,
     counted here row by row (rows of 256 tokens: several conversations each)."""
-    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
+    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.enable", "true",
+                       "--validation.dataset", "chat",
                        "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
                        "--validation.seq_len", "256", "--validation.steps", "2", "--training.document_masking",
                        "false")
@@ -241,7 +242,7 @@ def test_validation_runs_the_model_in_eval_mode(world, tmp_path):
     """Validation (and so `torchmoe eval`) of a LoRA run with dropout 0.5 and adapters that
     matter (B drawn off zero): no dropout mask is drawn (the RNG stays where training left it), the
     loss is the model's with its dropout at 0 (bit for bit), and training mode is back after it."""
-    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.dataset", "chat",
+    trainer = _trainer(world, "qwen3", "chatml", tmp_path, "--validation.enable", "true", "--validation.dataset", "chat",
                        "--validation.dataset_path", str(world["data"]), "--validation.local_batch_size", "2",
                        "--validation.seq_len", "48", "--validation.steps", "2", "--lora.enable", "true",
                        "--lora.targets", "attention", "--lora.dropout", "0.5")

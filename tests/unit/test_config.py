@@ -106,11 +106,19 @@ def test_boolean_flag_false_overrides_toml(tmp_path: Path) -> None:
     assert load_job_config(["--config", path, "--checkpoint.enable", "false"]).checkpoint.enable is False
 
 
+_FLOAT8 = ["--float8.enable", "true"]  # the switch float8.filter_fqns needs (`dependent_keys`)
+
+
 def test_list_flags() -> None:
-    assert load_job_config(["--float8.filter_fqns", "output", "router", "gate"]).float8.filter_fqns == \
+    assert load_job_config([*_FLOAT8, "--float8.filter_fqns", "output", "router", "gate"]).float8.filter_fqns == \
         ["output", "router", "gate"]
-    assert load_job_config(["--float8.filter_fqns=output"]).float8.filter_fqns == ["output"]
-    assert load_job_config(["--float8.filter_fqns"]).float8.filter_fqns == []
+    assert load_job_config([*_FLOAT8, "--float8.filter_fqns=output"]).float8.filter_fqns == ["output"]
+    assert load_job_config([*_FLOAT8, "--float8.filter_fqns"]).float8.filter_fqns == []
+
+
+# Each list flag beside the setting it needs (`dependent_keys`).
+_SWITCHES = {"lora": ["--lora.enable", "true"], "float8": _FLOAT8, "optimizer": ["--optimizer.name", "Muon"],
+             "parallelism": ["--parallelism.pipeline_parallel_degree", "2"]}
 
 
 @pytest.mark.parametrize(("flag", "value", "field", "want"), [
@@ -123,7 +131,7 @@ def test_list_flags() -> None:
 ])
 def test_a_list_flag_takes_the_toml_array_a_config_file_holds(flag, value, field, want) -> None:
     """Not split at its commas into bracketed, quoted names (which named no LoRA target)."""
-    got = getattr(getattr(load_job_config([flag, value]), field[0]), field[1])
+    got = getattr(getattr(load_job_config([*_SWITCHES[field[0]], flag, value]), field[0]), field[1])
     assert got == want and all(type(a) is type(b) for a, b in zip(got, want))
 
 
@@ -489,6 +497,75 @@ RULES = [
 ]
 
 
+# Every numeric key of [optimizer], [lr_scheduler] and [lora] in its domain (debug_model.toml: lr
+# 3e-3), the model-dependent ones (a pattern, a target) against the model: (settings, key, value
+# as shown, fix substring, problem substring).
+_MUON = {"optimizer.name": "Muon"}
+_LORA = {"lora.enable": True, "lora.export": "merged"}
+DOMAINS = [
+    ({"optimizer.qk_clip_threshold": 1e-300}, "optimizer.qk_clip_threshold", "1e-300", "Kimi K2: 100",
+     "must be 0 (off) or a finite logit >= 1: a head held below a logit of 1 attends almost uniformly"),
+    ({"optimizer.qk_clip_threshold": 0.5}, "optimizer.qk_clip_threshold", "0.5", "Kimi K2: 100", ">= 1"),
+    ({"optimizer.qk_clip_threshold": math.inf}, "optimizer.qk_clip_threshold", "inf", "Kimi K2: 100", ">= 1"),
+    ({"optimizer.weight_decay": 400.0}, "optimizer.weight_decay", "400.0",
+     "use a weight decay below 1 / optimizer.lr = 333.3 (typical: 0.1), or lower optimizer.lr",
+     "each step multiplies the decayed weights by 1 - optimizer.lr * weight_decay = 1 - 0.003 * 400 = -0.2 at the "
+     "peak LR: they would be zeroed or change sign every step"),
+    ({**_MUON, "optimizer.adamw_lr": 0.5, "optimizer.adamw_weight_decay": 2.0}, "optimizer.adamw_weight_decay",
+     "2.0", "below 1 / optimizer.adamw_lr = 2", "1 - optimizer.adamw_lr * weight_decay = 1 - 0.5 * 2 = 0"),
+    # adamw_weight_decay -1: the AdamW parameters decay by weight_decay at adamw_lr
+    ({**_MUON, "optimizer.adamw_lr": 0.5, "optimizer.weight_decay": 3.0}, "optimizer.weight_decay", "3.0",
+     "below 1 / optimizer.adamw_lr = 2", "1 - optimizer.adamw_lr * weight_decay = 1 - 0.5 * 3 = -0.5"),
+    ({**_LORA, "lora.alpha": 1e308}, "lora.alpha", "1e+308", "set alpha between 0.015625 and 16384 for rank 16",
+     "scales the adapters' output by alpha / rank = 1e+308 / 16 = 6.25e+306, outside [0.000976562, 1024]"),
+    ({**_LORA, "lora.alpha": 0.001}, "lora.alpha", "0.001", "between 0.015625 and 16384", "outside"),
+    ({**_LORA, "lora.alpha": 1.0, "lora.rank": 4096}, "lora.alpha", "1.0", "between 4 and 4.1943e+06", "outside"),
+    ({**_MUON, "optimizer.muon_params": ["layers.*.moe.router.gat.weight"]}, "optimizer.muon_params",
+     '"layers.*.moe.router.gat.weight"', "write a glob over the model's parameter names",
+     'matches no parameter of the llama4 model (its names are like "layers.*.moe.router.gate.weight"'),
+    ({**_MUON, "optimizer.adamw_params": ["layer.0.*"]}, "optimizer.adamw_params", '"layer.0.*"', "or remove it",
+     "so it moves nothing between Muon and AdamW"),
+    ({**_LORA, "model.name": "qwen3", "lora.targets": ["attention", "shared_experts"]}, "lora.targets",
+     '["attention", "shared_experts"]', 'drop "shared_experts" from lora.targets; this model has "attention", "mlp", '
+     '"experts", "router"', '"shared_experts": the qwen3 model (tiny) has no shared expert, so no adapter would be '
+     "put there"),
+    ({**_LORA, "model.name": "gpt_oss", "lora.targets": ["mlp"]}, "lora.targets", '["mlp"]',
+     'this model has "attention", "experts", "router"', "has no dense (non-MoE) layer"),
+    # Not named by the issue: each numeric key's domain.
+    ({"optimizer.eps": 0.0}, "optimizer.eps", "0.0", "positive value", "finite number > 0"),
+    ({"optimizer.lr": 0.0}, "optimizer.lr", "0.0", "positive value", "finite number > 0"),
+    ({"optimizer.beta1": 1.0}, "optimizer.beta1", "1.0", "beta1 = 0.9", "[0, 1)"),
+    ({"optimizer.beta2": math.nan}, "optimizer.beta2", "nan", "beta2 = 0.95", "[0, 1)"),
+    ({"optimizer.weight_decay": math.inf}, "optimizer.weight_decay", "inf", "disable weight decay", ">= 0"),
+    ({"optimizer.weight_decay": -0.1}, "optimizer.weight_decay", "-0.1", "disable weight decay", ">= 0"),
+    ({**_MUON, "optimizer.ns_eps": math.nan}, "optimizer.ns_eps", "nan", "positive value", "finite number > 0"),
+    ({**_MUON, "optimizer.adamw_lr": math.inf}, "optimizer.adamw_lr", "inf", "positive value", "finite"),
+    ({"lr_scheduler.min_lr_factor": 1.5}, "lr_scheduler.min_lr_factor", "1.5", "between 0 and 1", "[0, 1]"),
+    ({"lr_scheduler.decay_ratio": math.nan}, "lr_scheduler.decay_ratio", "nan", "between 0 and 1", "[0, 1]"),
+    ({"lr_scheduler.warmup_steps": -1}, "lr_scheduler.warmup_steps", "-1", "0 for no warmup", ">= 0"),
+    ({"lr_scheduler.total_steps": 0}, "lr_scheduler.total_steps", "0", "-1 for training.steps", ">= 1"),
+    ({**_LORA, "lora.dropout": 1.0}, "lora.dropout", "1.0", "such as 0.05", "[0, 1)"),
+    ({**_LORA, "lora.rank": 0}, "lora.rank", "0", "a rank such as 16", "integer >= 1"),
+    ({**_LORA, "lora.alpha": -1.0}, "lora.alpha", "-1.0", "positive value", "finite number > 0"),
+]
+
+
+@pytest.mark.parametrize(("settings", "key", "value", "fix", "problem"), DOMAINS,
+                         ids=[f"{d[1]}-{i}" for i, d in enumerate(DOMAINS)])
+def test_optimizer_schedule_and_lora_settings_in_their_domain(debug_cfg: JobConfig, settings: dict, key: str,
+                                                             value: str, fix: str, problem: str) -> None:
+    _raises(validate_job_config, _with(debug_cfg, settings), 1, key=key, value=value, fix=fix, problem=problem,
+            check_device=False)
+
+
+def test_the_domains_admit_their_edges(debug_cfg: JobConfig) -> None:
+    """qk_clip_threshold 1 (and 0, off), lr * weight_decay just under 1, alpha / rank at 1/1024 and 1024."""
+    for settings in ({"optimizer.qk_clip_threshold": 1.0}, {"optimizer.qk_clip_threshold": 0.0},
+                     {"optimizer.weight_decay": 333.0}, {**_LORA, "lora.alpha": 16 / 1024},
+                     {**_LORA, "lora.alpha": 16 * 1024.0}, {"optimizer.name": "Adam", "optimizer.weight_decay": 400.0}):
+        validate_job_config(_with(debug_cfg, settings), 1, check_device=False)
+
+
 @pytest.mark.parametrize(("settings", "world_size", "key", "value", "fix", "problem"), RULES,
                          ids=[f"{r[2]}-{i}" for i, r in enumerate(RULES)])
 def test_validation_rules(debug_cfg: JobConfig, settings: dict, world_size: int, key: str, value: str,
@@ -638,7 +715,7 @@ def test_resolve_degrees_errors() -> None:
 
 @pytest.mark.parametrize("name", ["debug_model", "llama4_16e", "llama4_128e", "qwen3_30b_a3b"])
 def test_write_config_round_trip(tmp_path: Path, name: str) -> None:
-    cfg = load_job_config(["--config", str(CONFIGS / f"{name}.toml"), "--optimizer.lr", "1.5e-4",
+    cfg = load_job_config(["--config", str(CONFIGS / f"{name}.toml"), "--optimizer.lr", "1.5e-4", *_FLOAT8,
                            "--float8.filter_fqns", "output", "router", "shared", "--job.description", 'say "hi"'])
     path = write_config_toml(cfg, tmp_path / "out" / "config.toml")
     reloaded = load_job_config(["--config", str(path)])

@@ -43,7 +43,9 @@ SEQ, ROWS = 32, 2
 
 
 def _cfg(*flags: str):
-    return load_job_config(["--config", DEBUG_CONFIG, "--float8.emulate", "true", "--training.seq_len", str(SEQ),
+    """The debug job with `flags`, float8 linears emulated where they are on (emulate is no flag without them)."""
+    emulate = ["--float8.emulate", "true"] if "--float8.enable" in flags else []
+    return load_job_config(["--config", DEBUG_CONFIG, *emulate, "--training.seq_len", str(SEQ),
                             "--training.local_batch_size", str(ROWS), *flags])
 
 

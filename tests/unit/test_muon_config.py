@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -34,10 +35,10 @@ def test_coefficients_from_toml_and_flags(tmp_path: Path) -> None:
     cfg = load_job_config(["--config", str(job)])
     assert cfg.optimizer.ns_coefficients == [3.0, -4.5, 2.0] and cfg.optimizer.muon_params == ["output.weight"]
     for flag in (["3.5", "-4", "2"], ["3.5,-4,2"]):
-        cfg = load_job_config(["--optimizer.ns_coefficients", *flag])
+        cfg = load_job_config(["--optimizer.name", "Muon", "--optimizer.ns_coefficients", *flag])
         assert cfg.optimizer.ns_coefficients == [3.5, -4.0, 2.0]
     with pytest.raises(ConfigError) as err:
-        load_job_config(["--optimizer.ns_coefficients", "3.5,x"])
+        load_job_config(["--optimizer.name", "Muon", "--optimizer.ns_coefficients", "3.5,x"])
     assert str(err.value) == ('--optimizer.ns_coefficients = "3.5,x": expected numbers\n'
                               "  fix: pass numbers, e.g. --optimizer.ns_coefficients 3.4445 -4.775 2.0315")
     job.write_text('[optimizer]\nns_coefficients = [3, "b", 2]\n')
@@ -54,7 +55,10 @@ def test_coefficients_from_toml_and_flags(tmp_path: Path) -> None:
                                '  fix: did you mean "match_rms_adamw"? Allowed: "original", "match_rms_adamw"'),
     ("ns_dtype", "float16", 'optimizer.ns_dtype = "float16": not an allowed value\n'
                             '  fix: did you mean "bfloat16"? Allowed: "bfloat16", "float32"'),
-    ("momentum", -0.5, "optimizer.momentum = -0.5: must be >= 0\n  fix: typical: 0.95 (torch.optim.Muon's default)"),
+    *((
+        "momentum", m, f"optimizer.momentum = {m}: must lie in [0, 1): the momentum buffer keeps momentum times its "
+        "past each step, which at 1 never forgets a gradient and above 1 grows without bound\n"
+        "  fix: typical: 0.95 (torch.optim.Muon's default)") for m in (-0.5, 1.0, 1.5, math.nan)),
     ("adamw_lr", 0.0, "optimizer.adamw_lr = 0.0: must be a finite number > 0\n  fix: set a positive value"),
     ("adamw_weight_decay", -0.5, "optimizer.adamw_weight_decay = -0.5: must be >= 0\n"
                                  "  fix: use 0 to disable, or -1 for optimizer.weight_decay"),

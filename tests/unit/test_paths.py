@@ -37,7 +37,8 @@ def _enoent(path: str | Path) -> FileNotFoundError:
     (["--model.hf_assets_path", "/hf/scout"], "/hf/scout/tokenizer.json", "model.hf_assets_path", "/hf/scout"),
     (["--model.tokenizer_path", "/tok"], "/tok/tokenizer.json", "model.tokenizer_path", "/tok"),
     # A glob holds what is under its folder part.
-    (["--validation.dataset_path", "/data/val/*.jsonl"], "/data/val/b.jsonl", "validation.dataset_path",
+    (["--validation.enable", "true", "--validation.dataset_path", "/data/val/*.jsonl"], "/data/val/b.jsonl",
+     "validation.dataset_path",
      "/data/val/*.jsonl"),
     # No key names it: the path itself.
     ([], "/elsewhere/file", "path", "/elsewhere/file"),

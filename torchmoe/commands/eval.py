@@ -176,8 +176,10 @@ def _evaluate(argv: list[str]) -> int:
     wants_help = any(token in ("-h", "--help") for token in rest)
     # Before the weights are looked for: a refused output wastes no reading.
     out = check_output_file("--out", str(found["--out"]), _OUT_FIX) if "--out" in found and not wants_help else None
+    # [validation] is what eval reads, whatever validation.enable says: its keys are in use.
     loaded = checkpoint_job(rest, "torchmoe eval", EVAL_DESCRIPTION, checkpoint=str(found.get("--checkpoint", "")),
-                            step=found.get("--step"), base=str(found.get("--base", "")))
+                            step=found.get("--step"), base=str(found.get("--base", "")),
+                            runs_with={"validation.enable": True})
     if isinstance(loaded, int):
         return loaded
     cfg, weights = loaded

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -61,18 +61,21 @@ _FILE_FIX = ("pass a job file: --config configs/debug_model.toml is the tiny job
 
 def job_config(config_argv: list[str], prog: str, description: str, *,
                 require_file: Callable[[JobConfig], str] | None = None, fix: str = _FILE_FIX,
-                set_keys: set[str] | None = None) -> JobConfig | int:
+                set_keys: set[str] | None = None, runs_with: Mapping[str, Any] | None = None) -> JobConfig | int:
     """The job file and overrides of `config_argv`, each section checked; an int when --help was
-    printed (the exit status). Notes (torchtitan keys mapped) are printed once, by rank 0.
+    printed (the exit status). Notes (torchtitan keys mapped, settings of the file without
+    effect) are printed once, by rank 0.
 
     Args:
         require_file: what the command would do with the defaults, when it needs a job file (a
             missing --config is then a `ConfigError`, with `fix`).
         set_keys: filled with the keys the file and the flags set.
+        runs_with: settings the command applies whatever the job says (`load_job_config`).
     """
     notes: list[str] = []
     try:
-        cfg = load_job_config(config_argv, prog=prog, description=description, notes=notes, set_keys=set_keys)
+        cfg = load_job_config(config_argv, prog=prog, description=description, notes=notes, set_keys=set_keys,
+                              runs_with=runs_with)
     except SystemExit as exit_:  # --help was printed
         return int(exit_.code or 0)
     if os.environ.get("RANK") in (None, "0"):  # the same on every rank: rank 0 says it once
@@ -94,7 +97,8 @@ _WEIGHTS_FIX = ("name the weights: --job.dump_folder of a run that saved checkpo
 
 
 def checkpoint_job(config_argv: list[str], prog: str, description: str, *, checkpoint: str,
-                   step: int | None, base: str = "") -> tuple[JobConfig, TrainedWeights] | int:
+                   step: int | None, base: str = "",
+                   runs_with: Mapping[str, Any] | None = None) -> tuple[JobConfig, TrainedWeights] | int:
     """The job whose trained weights `generate` and `eval` read, and the weights
     (`trained_weights`: a folder, what it is, the run it is a checkpoint of); an int when --help
     was printed.
@@ -104,19 +108,20 @@ def checkpoint_job(config_argv: list[str], prog: str, description: str, *, check
     the weights' own wherever they tell it (`with_weights_model`: a run's config.toml and the
     Hugging Face folder it started from, a Hugging Face config.json, a PEFT adapter on its `base`),
     but for the `--model.*` flags given; a job file that says otherwise gets one note. Under fault
-    tolerance the dump folder is the replica group's own (`replica_group_config`).
+    tolerance the dump folder is the replica group's own (`replica_group_config`). `runs_with`:
+    the settings the command applies whatever the job says (`load_job_config`).
     """
     from torchmoe.components.trained_weights import run_config_file, trained_weights, with_weights_model
 
     if not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
         run = run_config_file(Path(checkpoint)) if checkpoint else None
         if run is None and not checkpoint and not any(token in ("-h", "--help") for token in config_argv):
-            own = Path(load_job_config(config_argv, notes=[]).job.dump_folder) / "config.toml"
+            own = Path(load_job_config(config_argv, notes=[], runs_with=runs_with).job.dump_folder) / "config.toml"
             run = own if own.is_file() else None
         if run is not None:
             config_argv = ["--config", str(run), *config_argv]
     cfg = job_config(config_argv, prog, description, require_file=None if checkpoint else _needs_a_run,
-                     fix=_WEIGHTS_FIX)
+                     fix=_WEIGHTS_FIX, runs_with=runs_with)
     if isinstance(cfg, int):
         return cfg
     cfg = replica_group_config(cfg)

@@ -42,13 +42,14 @@ from torchmoe.components.folder_model import with_folder_model
 from torchmoe.components.metrics import layer_imbalance
 from torchmoe.components.metrics_records import METRICS_FILE, not_records, read_record_lines
 from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
+from torchmoe.config.degrees import resolve_degrees
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import load_toml_config
 from torchmoe.config.numbers import MAX_RANKS, parse_int
 from torchmoe.config.output_files import check_output_file, write_output
 from torchmoe.config.paths import nonempty_path, path_faults
-from torchmoe.config.validate import resolve_degrees, validate_sections
+from torchmoe.config.validate import validate_sections
 from torchmoe.plan.dry_run import format_count, plan_job
 from torchmoe.plan.parallel_dims import MESH_DIMS
 from torchmoe.preflight.layout import check_flavor

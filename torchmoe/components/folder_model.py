@@ -198,7 +198,8 @@ def _require_family(model: Model, args: ModelArgs, key: str, folder: Path) -> No
         return
     fits = matching_flavor(args)
     fix = (f"pass --model.name {args.family} --model.flavor {fits}" if fits else
-           f"pass --model.name {args.family}, or leave model.name out of the job: the folder decides the model")
+           f"pass --model.name {args.family}, or leave model.name out of the job (--model.name none drops the job "
+           "file's): the folder decides the model")
     title = hf_mapping(args).title
     other = hf_mapping(next(iter(FLAVORS[model.name].values()))).title if model.name in FLAVORS else model.name
     raise ConfigError("model.name", model.name, f"{key} {folder} holds a {title} model ({args.family}), not a "
@@ -215,7 +216,8 @@ def _require_flavor(flavor: str, args: ModelArgs, key: str, folder: Path) -> Non
     more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
     fits = matching_flavor(args)
     fix = (f"set model.flavor = {show_value(fits)} (the folder's flavor)" if fits else
-           "leave model.flavor out of the job: the folder decides the model, model.flavor sizes runs from scratch")
+           "leave model.flavor out of the job (--model.flavor none drops the job file's): the folder decides the "
+           "model, model.flavor sizes runs from scratch")
     raise ConfigError("model.flavor", flavor, f"contradicts {key} {folder}: its config.json differs from the "
                       f"flavor in {shown}{more}", f"{fix}; or point {key} at a checkpoint of flavor {flavor}")
 

@@ -1,9 +1,10 @@
 """Job configuration: the typed `JobConfig`, loading (TOML + `--section.key` flags) and validation."""
 
+from torchmoe.config.degrees import resolve_degrees
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.loader import job_config_from_dict, load_job_config, load_toml_config, write_config_toml
-from torchmoe.config.validate import resolve_degrees, validate_sections
+from torchmoe.config.validate import validate_sections
 
 __all__ = [
     "ConfigError",

@@ -18,7 +18,7 @@ import logging
 import tomllib
 import typing
 import unicodedata
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
 from torchmoe.config.datasets import default_document_masking
+from torchmoe.config.dependent_keys import check_dependent_keys
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
@@ -36,6 +37,7 @@ from torchmoe.config.paths import PATH_KEYS, READ_KEYS, nonempty_path, path_faul
 from torchmoe.config.text import NotUTF8, utf8_text
 from torchmoe.config.torchtitan import SECTIONS as TORCHTITAN_SECTIONS
 from torchmoe.config.torchtitan import TORCHTITAN_KEYS, translate
+from torchmoe.config.unset import UNSET_WORD, is_optional, optional_keys
 
 try:
     import tomllib
@@ -185,12 +187,14 @@ def _build(values: dict[str, Any]) -> JobConfig:
 
 
 def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = None,
-                         set_keys: set[str] | None = None) -> JobConfig:
+                         set_keys: set[str] | None = None, names: dict[str, str] | None = None) -> JobConfig:
     """Build a `JobConfig` from parsed TOML; fields left out keep their defaults.
 
     torchtitan v0.2.2's keys are read through `torchmoe.config.torchtitan`: a key mapped there
     sets its torchmoe keys (a torchmoe key given as well must agree with it); a key without effect adds a
     warning line to `notes` (logged when `notes` is None) if its value asks for something.
+    `set_keys` collects the torchmoe keys the file sets, `names` maps each to the key the file
+    wrote (torchtitan's, for a key it maps).
 
     Raises:
         ConfigError: an unknown section or key (with the closest valid name), a wrong type, or a
@@ -240,6 +244,8 @@ def job_config_from_dict(data: Mapping[str, Any], *, notes: list[str] | None = N
                           f"sets {clash} to {show_value(mapped[clash])}", "keep one of the two keys")
     if set_keys is not None:
         set_keys.update(mapped, own)
+    if names is not None:
+        names.update({**{key: sources[key][0] for key in mapped}, **{key: key for key in own}})
     return _build({**mapped, **own})
 
 
@@ -254,18 +260,24 @@ def load_toml_config(path: str | Path, *, notes: list[str] | None = None, key: s
             is not valid TOML (the message carries the parser's line and column), or holds an
             unknown key or a wrong type.
     """
+    return job_config_from_dict(_read_toml(path, key)[0], notes=notes, set_keys=set_keys)
+
+
+def _read_toml(path: str | Path, key: str) -> tuple[dict[str, Any], bool]:
+    """The TOML of job file `path` (`key` names it in messages), and whether it is a run's own
+    config.toml (`RESOLVED_HEADER`). Raises `ConfigError` as `load_toml_config` says."""
     path = Path(path)
     shipped = "the shipped configs are configs/debug_model.toml, configs/llama4_16e.toml, configs/llama4_128e.toml"
     with path_faults(key, str(path), f"pass a TOML job file this user can read; {shipped}"):
         raw = path.read_bytes()
     try:
-        data = toml_loads(utf8_text(raw, nul=False))
+        text = utf8_text(raw, nul=False)
+        return toml_loads(text), text.startswith(RESOLVED_HEADER)
     except NotUTF8 as err:
         raise ConfigError(key, str(path), err.problem, err.fix(path)) from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(key, str(path), f"malformed TOML: {err}",
                           "fix the TOML syntax at that line (strings need double quotes, tables [section])") from None
-    return job_config_from_dict(data, notes=notes, set_keys=set_keys)
 
 
 def write_config_toml(cfg: JobConfig, path: str | Path) -> Path:
@@ -280,9 +292,14 @@ def write_config_toml(cfg: JobConfig, path: str | Path) -> Path:
     return path
 
 
+# The first line of a run's own config.toml: every key written out, which a job file read back
+# does not warn about (`dependent_keys`: the run warned when it started).
+RESOLVED_HEADER = "# Resolved torchmoe job config."
+
+
 def resolved_config_text(cfg: JobConfig, path: str | Path) -> str:
     """`write_config_toml`'s text for a file at `path`: a header saying how to rerun it, then the TOML."""
-    return f"# Resolved torchmoe job config. Rerun it: python -m torchmoe train --config {path}\n\n" + config_toml(cfg)
+    return f"{RESOLVED_HEADER} Rerun it: python -m torchmoe train --config {path}\n\n" + config_toml(cfg)
 
 
 def differing_keys(a: JobConfig, b: JobConfig) -> list[str]:
@@ -302,8 +319,6 @@ def config_toml(cfg: JobConfig) -> str:
 
 
 # What each path the run reads means when it is not set.
-UNSET_WORD = "none"
-"""A read path's flag value that unsets it: ``--model.hf_assets_path none`` is a TOML's ``hf_assets_path = ""``."""
 _UNSET = {"model.hf_assets_path": "no Hugging Face folder", "model.tokenizer_path": "the byte tokenizer",
           "checkpoint.initial_load_path": "random initial weights", "training.dataset_path": "no dataset files",
           "validation.dataset_path": "no dataset files"}
@@ -480,7 +495,8 @@ def _split_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, list[s
 
 
 def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", description: str | None = None,
-                    notes: list[str] | None = None, set_keys: set[str] | None = None) -> JobConfig:
+                    notes: list[str] | None = None, set_keys: set[str] | None = None,
+                    runs_with: Mapping[str, Any] | None = None) -> JobConfig:
     """Parse ``[--config FILE] [--section.key VALUE | --section.key=VALUE ...]`` into a `JobConfig`.
 
     Values come from the flag, else the TOML file, else the dataclass default. List fields take
@@ -489,6 +505,13 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
 
     With ``-h``/``--help`` in argv, prints the help (every option, its docstring and the
     effective default under this TOML file) and raises ``SystemExit(0)`` like argparse.
+
+    ``--section.key none`` unsets an optional key (`optional_keys`): the file's value is dropped,
+    and the key counts as not set.
+
+    A key that does nothing in this job (`dependent_keys`: ``--lora.rank`` without
+    ``--lora.enable true``) is a `ConfigError` as a flag, and a warning line in the job file
+    (none for a run's own config.toml).
 
     torchtitan's keys and its ``--job.config_file`` are accepted too (`torchmoe.config.torchtitan`);
     their warning lines go to `notes` (logged when None). `model.hf_assets_path` then fills
@@ -504,24 +527,35 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
         notes: collects the warnings about torchtitan keys without effect here.
         set_keys: collects the ``section.key`` names the file or a flag sets (torchtitan keys as
             the torchmoe keys they set): what `torchmoe plan` keeps fixed.
+        runs_with: settings the command applies whatever the job says, for the check of keys
+            without effect (``torchmoe eval`` reads [validation] with validation.enable false).
 
     Raises:
         ConfigError: any user error in the file or the flags.
     """
     config_path, overrides, wants_help = _split_args(argv)
-    explicit: set[str] = set()  # the keys the file or a flag sets
-    base = load_toml_config(config_path, notes=notes, set_keys=explicit) if config_path is not None else JobConfig()
+    in_file: dict[str, str] = {}  # section.key -> its name in the file
+    resolved = False  # the file is a run's own config.toml
+    base = JobConfig()
+    if config_path is not None:
+        data, resolved = _read_toml(config_path, "--config")
+        base = job_config_from_dict(data, notes=notes, names=in_file)
     if wants_help:
         # tyro renders the help from the dataclasses, their docstrings and the TOML's values.
         tyro.cli(JobConfig, prog=prog, description=description, args=["--help"],
-                 default=_with_dependent_defaults(base, explicit),
+                 default=_with_dependent_defaults(base, in_file),
                  use_underscores=True, config=(tyro.conf.FlagConversionOff,), registry=_REGISTRY)
     # Overrides are applied here rather than by tyro's argparse, which would take a value that
     # starts with "-" (a path, a description) for a flag and fail outside our one-message errors.
     updates: dict[str, dict[str, Any]] = {}
     by_flag: dict[str, tuple[str, Any]] = {}  # key -> the flag that set it, and to what
+    unset: set[str] = set()  # keys a flag unset (`UNSET_WORD`)
     for flag, values in overrides:
-        values_set, note = _check_override(flag, values)
+        name = flag[2:].replace("-", "_")
+        if values == [UNSET_WORD] and is_optional(name):
+            values_set, note = {name: UNSET_WORD}, None
+        else:
+            values_set, note = _check_override(flag, values)
         _warn(notes, note)
         for dotted, value in values_set.items():
             # Two flags for one key (torchtitan's name and torchmoe's: --model.attn_mask_type
@@ -532,24 +566,30 @@ def load_job_config(argv: Sequence[str], *, prog: str = "torchmoe train", descri
                                   f"{dotted} to {show_value(said)} (this flag sets it to {show_value(value)})",
                                   "pass one of the two flags")
             by_flag[dotted] = (flag, value)
-            if dotted in READ_KEYS:
+            unset.discard(dotted)
+            if value == UNSET_WORD and is_optional(name):
+                unset.add(dotted)
+                value = optional_keys()[dotted]
+            elif dotted in READ_KEYS:
                 # "" (a TOML's "not set") from a flag is what an unset shell variable gives, so a
                 # flag unsets the key with a word instead: `none` (a folder of that name is ./none).
-                if value == UNSET_WORD:
-                    value = ""
-                else:
-                    nonempty_path(flag, value, f"pass the path, or `{flag} {UNSET_WORD}` to unset it "
-                                  f"(what \"\" means in a TOML file)", means=f"{dotted} not set ({_UNSET[dotted]})")
+                nonempty_path(flag, value, f"pass the path, or `{flag} {UNSET_WORD}` to unset it "
+                              f"(what \"\" means in a TOML file)", means=f"{dotted} not set ({_UNSET[dotted]})")
             section, _, leaf = dotted.partition(".")
             updates.setdefault(section, {})[leaf] = value
-            explicit.add(dotted)
-    if set_keys is not None:
-        set_keys.update(explicit)
     cfg = dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kv) for s, kv in updates.items()})
-    return _with_dependent_defaults(_with_hf_assets(cfg), explicit)
+    cfg = _with_hf_assets(cfg)
+    flags = {key: flag for key, (flag, _) in by_flag.items() if key not in unset}
+    in_file = {key: name for key, name in in_file.items() if key not in unset}
+    if set_keys is not None:
+        set_keys.update(in_file, flags)
+    cfg = _with_dependent_defaults(cfg, {*in_file, *flags})
+    for line in check_dependent_keys(cfg, flags=flags, file={} if resolved else in_file, runs_with=runs_with):
+        _warn(notes, line)
+    return cfg
 
 
-def _with_dependent_defaults(cfg: JobConfig, explicit: set[str]) -> JobConfig:
+def _with_dependent_defaults(cfg: JobConfig, explicit: Collection[str]) -> JobConfig:
     """`cfg` with the defaults that depend on another key, where the keys are not in `explicit`:
     `training.document_masking` on for data of separate examples (`config.datasets`)."""
     if "training.document_masking" in explicit:

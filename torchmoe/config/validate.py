@@ -1,4 +1,4 @@
-"""Validation of each `JobConfig` section on its own, and the parallel-degree arithmetic.
+"""Validation of each `JobConfig` section on its own (the parallel-degree arithmetic: `degrees`).
 
     python -c "from torchmoe.config import JobConfig, validate_sections as v; v(JobConfig())"
 
@@ -64,6 +64,9 @@ AC_MODES = ("none", "selective", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 LORA_TARGETS = ("attention", "mlp", "shared_experts", "experts", "router")
 LORA_EXPORTS = ("adapter", "merged")
+# The range of lora.alpha / lora.rank, the scale of the adapters' output: recipes use 1/64 (a rank
+# of 1024 at alpha 16) to 64 (rank 1 at alpha 64); this admits 16 times more either way.
+LORA_SCALING = (1 / 1024, 1024.0)
 # Targets whose PEFT form is a parameter adapter (`target_parameters`), which takes no dropout.
 LORA_PARAMETER_TARGETS = ("experts", "router")
 FT_PROCESS_GROUPS = ("gloo", "nccl")
@@ -71,17 +74,6 @@ SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")
 GRADIENT_AVERAGES = ("auto", "backward", "after_backward")
 
 MAX_TIMEOUT_SECONDS = 2**31 - 1
-
-# (short name used in meshes and messages, Parallelism field), outermost mesh dim first.
-_DEGREE_FIELDS = (
-    ("pp", "pipeline_parallel_degree"),
-    ("dp_replicate", "data_parallel_replicate_degree"),
-    ("dp_shard", "data_parallel_shard_degree"),
-    ("cp", "context_parallel_degree"),
-    ("tp", "tensor_parallel_degree"),
-    ("ep", "expert_parallel_degree"),
-)
-
 
 # ---- small checkers --------------------------------------------------------------------------
 
@@ -170,15 +162,41 @@ def validate_optimizer(optimizer: Optimizer) -> None:
         if not 0.0 <= beta < 1.0:
             raise ConfigError(key, beta, "must lie in [0, 1)", "typical values are beta1 = 0.9, beta2 = 0.95")
     one_of("optimizer.implementation", optimizer.implementation, OPTIMIZER_IMPLEMENTATIONS)
-    _at_least("optimizer.qk_clip_threshold", optimizer.qk_clip_threshold, 0,
-              "use 0 to turn QK-Clip off, or a logit above which heads are clipped (Kimi K2: 100)")
+    tau = optimizer.qk_clip_threshold
+    if tau != 0 and not MIN_QK_CLIP_THRESHOLD <= tau < math.inf:
+        raise ConfigError("optimizer.qk_clip_threshold", tau, f"must be 0 (off) or a finite logit >= "
+                          f"{MIN_QK_CLIP_THRESHOLD:g}: a head held below a logit of 1 attends almost uniformly (its "
+                          "favourite key at most e times any other's weight), and a tiny tau scales its query and "
+                          "key weights towards 0 (1e-300 zeroed every head)",
+                          "use 0 to turn QK-Clip off, or a logit above which heads are clipped (Kimi K2: 100)")
+    if optimizer.name != "Adam":  # decoupled: Adam's is an L2 term of the gradient instead
+        _check_decay_factor("optimizer.weight_decay", optimizer.weight_decay, "optimizer.lr", optimizer.lr)
     if optimizer.name == "Muon":
         _validate_muon(optimizer)
 
 
+# QK-Clip's smallest threshold (tau): a logit of 1 between a head's favourite key and any other
+# is a softmax weight ratio of e; a head clipped below that cannot attend to anything in
+# particular, so no tau below it is a setting (docs/muon.md, "QK-Clip").
+MIN_QK_CLIP_THRESHOLD = 1.0
+
+
+def _check_decay_factor(key: str, weight_decay: float, lr_key: str, lr: float) -> None:
+    """Decoupled weight decay multiplies each weight by 1 - lr * weight_decay per step: at 1 or
+    more (at the peak LR) it zeroes or flips the sign of every decayed weight."""
+    if lr * weight_decay >= 1:
+        raise ConfigError(key, weight_decay, f"each step multiplies the decayed weights by 1 - {lr_key} * "
+                          f"weight_decay = 1 - {lr:g} * {weight_decay:g} = {1 - lr * weight_decay:.3g} at the peak LR: "
+                          "they would be zeroed or change sign every step", f"use a weight decay below 1 / {lr_key} "
+                          f"= {1 / lr:.4g} (typical: 0.1), or lower {lr_key}")
+
+
 def _validate_muon(optimizer: Optimizer) -> None:
     """The Muon keys (the ranges torch.optim.Muon accepts) and the AdamW twins of lr and weight_decay."""
-    _at_least("optimizer.momentum", optimizer.momentum, 0, "typical: 0.95 (torch.optim.Muon's default)")
+    if not 0 <= optimizer.momentum < 1:  # the buffer's weight on its past: at 1 or more it never forgets, or grows
+        raise ConfigError("optimizer.momentum", optimizer.momentum, "must lie in [0, 1): the momentum buffer keeps "
+                          "momentum times its past each step, which at 1 never forgets a gradient and above 1 grows "
+                          "without bound", "typical: 0.95 (torch.optim.Muon's default)")
     if not 1 <= optimizer.ns_steps < 100:
         raise ConfigError("optimizer.ns_steps", optimizer.ns_steps, "must lie in 1 .. 99 (torch.optim.Muon's range)",
                           "use 5, torch.optim.Muon's default")
@@ -194,6 +212,11 @@ def _validate_muon(optimizer: Optimizer) -> None:
     if optimizer.adamw_weight_decay != -1:
         _at_least("optimizer.adamw_weight_decay", optimizer.adamw_weight_decay, 0,
                   "use 0 to disable, or -1 for optimizer.weight_decay")
+    adamw_lr_key = "optimizer.adamw_lr" if optimizer.adamw_lr != -1 else "optimizer.lr"
+    adamw_key = "optimizer.adamw_weight_decay" if optimizer.adamw_weight_decay != -1 else "optimizer.weight_decay"
+    _check_decay_factor(adamw_key, optimizer.adamw_weight_decay if optimizer.adamw_weight_decay != -1 else
+                        optimizer.weight_decay, adamw_lr_key,
+                        optimizer.adamw_lr if optimizer.adamw_lr != -1 else optimizer.lr)
     for key in ("optimizer.muon_params", "optimizer.adamw_params"):
         for pattern in getattr(optimizer, key.rpartition(".")[2]):
             if not pattern.strip():
@@ -288,7 +311,7 @@ def _check_stage_keys_agree(parallelism: Parallelism) -> None:
 
 
 def validate_parallelism(parallelism: Parallelism) -> None:
-    """The non-degree settings; the degrees are checked by `resolve_degrees`."""
+    """The non-degree settings; the degrees are checked by `degrees.resolve_degrees`."""
     one_of("parallelism.pipeline_parallel_schedule", parallelism.pipeline_parallel_schedule, PIPELINE_SCHEDULES)
     _at_least("parallelism.pipeline_parallel_microbatch_size", parallelism.pipeline_parallel_microbatch_size, 1)
     for key in ("pipeline_parallel_microbatches", "pipeline_parallel_layers_per_stage"):
@@ -385,6 +408,14 @@ def validate_lora(lora: LoRA) -> None:
     if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 1:
         raise ConfigError("lora.rank", lora.rank, "must be an integer >= 1", "set a rank such as 16")
     _positive("lora.alpha", lora.alpha)
+    low, high = LORA_SCALING
+    if not low <= lora.alpha / lora.rank <= high:
+        raise ConfigError("lora.alpha", lora.alpha, f"scales the adapters' output by alpha / rank = {lora.alpha:g} / "
+                          f"{lora.rank} = {lora.alpha / lora.rank:.4g}, outside [{low:g}, {high:g}]: below it the "
+                          "adapters' gradients sink under the optimizer's eps and they barely train; above it their "
+                          "first steps swamp the frozen weights (alpha 1e308 overflowed to NaN at step 1)",
+                          f"set alpha between {low * lora.rank:g} and {high * lora.rank:g} for rank {lora.rank} "
+                          "(PEFT's recipes use alpha = rank to 2 * rank)")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError("lora.dropout", lora.dropout, "must lie in [0, 1)", "set a value such as 0.05, or 0")
     one_of("lora.export", lora.export, LORA_EXPORTS)
@@ -500,89 +531,3 @@ def validate_sections(cfg: JobConfig) -> None:
     validate_profiling(cfg.profiling, cfg.training.steps)
     validate_validation(cfg.validation)
     validate_fault_tolerance(cfg.fault_tolerance)
-
-
-# ---- degrees ---------------------------------------------------------------------------------
-
-
-def _product(degrees: dict[str, int], names: Sequence[str]) -> tuple[int, str]:
-    """The product of the named degrees and its arithmetic, e.g. ``(8, "dp_shard(4) * tp(2)")``."""
-    return math.prod(degrees[n] for n in names), " * ".join(f"{n}({degrees[n]})" for n in names)
-
-
-def resolve_degrees(parallelism: Parallelism, world_size: int) -> dict[str, int]:
-    """Resolve the parallel degrees against the world size.
-
-    ``data_parallel_shard_degree = -1`` becomes whatever ``world_size`` leaves after the other
-    degrees. `ParallelDims` and the dry-run planner call this, so every layout they build has
-    passed these checks.
-
-    Args:
-        parallelism: the `[parallelism]` section.
-        world_size: number of processes (ranks).
-
-    Returns:
-        ``{"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"}`` -> degree, all >= 1, with
-        ``pp * dp_replicate * dp_shard * cp * tp == world_size`` and ``ep`` dividing
-        ``dp_shard * cp * tp``.
-
-    Raises:
-        ConfigError: a degree < 1 (other than dp_shard = -1), a product that is not the world
-            size (the message shows the arithmetic), a -1 that does not fill an integral rest,
-            ep not dividing dp_shard * cp * tp, or DDP combined with other parallelism.
-    """
-    if world_size < 1:
-        raise ConfigError("WORLD_SIZE", world_size, "must be >= 1", "pass --world-size N with N >= 1")
-    degrees = {short: getattr(parallelism, name) for short, name in _DEGREE_FIELDS}
-    for short, name in _DEGREE_FIELDS:
-        if degrees[short] >= 1 or (short == "dp_shard" and degrees[short] == -1):
-            continue
-        allowed = ">= 1, or -1 to fill the rest of the world size" if short == "dp_shard" else ">= 1"
-        raise ConfigError(f"parallelism.{name}", degrees[short], f"must be {allowed}",
-                          f"set it to 1 to disable {short}")
-
-    others, others_text = _product(degrees, ("dp_replicate", "cp", "tp", "pp"))
-    if degrees["dp_shard"] == -1:
-        if world_size % others:
-            raise ConfigError(
-                "parallelism.data_parallel_shard_degree", -1,
-                f"-1 fills the rest, but WORLD_SIZE({world_size}) / ({others_text}) = "
-                f"{world_size}/{others} is not an integer",
-                f"choose degrees whose product divides WORLD_SIZE({world_size}), "
-                f"or run on a multiple of {others} ranks",
-            )
-        degrees["dp_shard"] = world_size // others
-
-    total, total_text = _product(degrees, ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
-    if total != world_size:
-        raise ConfigError(
-            "parallelism.data_parallel_shard_degree", degrees["dp_shard"],
-            f"{total_text} = {total} != WORLD_SIZE({world_size})",
-            "make the degrees multiply to the world size, e.g. data_parallel_shard_degree = -1 to fill the rest "
-            "(or pass a matching --world-size / number of processes)",
-        )
-
-    if degrees["dp_replicate"] > 1 and degrees["dp_shard"] == 1:
-        mixed = [f"{n}({degrees[n]})" for n in ("tp", "cp", "pp", "ep") if degrees[n] > 1]
-        if mixed:
-            raise ConfigError(
-                "parallelism.data_parallel_replicate_degree", degrees["dp_replicate"],
-                f"DDP (dp_shard = 1) cannot be combined with {', '.join(mixed)}; HSDP needs dp_shard > 1",
-                "use HSDP with data_parallel_shard_degree > 1 (or -1), or plain DDP with every other degree 1",
-            )
-
-    ep_region, ep_text = _product(degrees, ("dp_shard", "cp", "tp"))
-    if ep_region % degrees["ep"]:
-        raise ConfigError(
-            "parallelism.expert_parallel_degree", degrees["ep"],
-            f"must divide {ep_text} = {ep_region} (EP borrows its ranks from there); "
-            f"{ep_region} % {degrees['ep']} = {ep_region % degrees['ep']}",
-            f"use an expert_parallel_degree that divides {ep_region}: {divisors_text(ep_region)}",
-        )
-    return degrees
-
-
-def divisors_text(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-

@@ -92,18 +92,30 @@ def hf_mapping(args: ModelArgs) -> HFMapping:
 
 
 def hf_mapping_for_config(config: dict) -> HFMapping:
-    """The mapping of the family config.json's ``model_type`` names (Llama 4 where it names none,
-    as in torchmoe's first releases), which its ``architectures`` (when given) must not contradict.
+    """The mapping of the family config.json's ``model_type`` names, which its ``architectures``
+    (when given) must not contradict.
 
     Raises:
-        HFConversionError: an unknown type.
+        HFConversionError: an unknown type, or none: every config.json transformers and torchmoe
+            write has one (a missing one was taken for Llama 4's, and the folder's fields were
+            blamed on Llama 4); the message names the families' types, and the one
+            ``architectures`` points at.
         HFConfigValueError: ``architectures`` names a class of another family (an edited or mixed
             config.json: which of the two to believe is the user's to say) or of none.
     """
-    model_type = config.get("model_type", "llama4_text")
+    known = ", ".join(t for m in _MAPPINGS.values() for t in m.model_types)
+    if "model_type" not in config:
+        architectures = config.get("architectures")
+        named = {m.title: m.model_types for m in _MAPPINGS.values() for c in _classes(m)
+                 if isinstance(architectures, list) and c in architectures}
+        hint = "".join(f" (its architectures {show_json(architectures)} say {title}: "
+                       f"{' or '.join(map(show_json, types))})" for title, types in named.items()) \
+            if len(named) == 1 else ""
+        raise HFConversionError(f"\"model_type\" is missing, so the family cannot be told: add the family's, one of "
+                                f"{known}{hint}")
+    model_type = config["model_type"]
     mapping = next((m for m in _MAPPINGS.values() if model_type in m.model_types), None)
     if mapping is None:
-        known = ", ".join(t for m in _MAPPINGS.values() for t in m.model_types)
         raise HFConversionError(f"model_type {model_type!r} is not a family torchmoe trains (known: {known})")
     architectures = config.get("architectures")
     if architectures is None:

@@ -23,9 +23,9 @@ from rich.table import Table
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.config.degrees import resolve_degrees
 from torchmoe.config.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.validate import resolve_degrees
 from torchmoe.config.wording import counted
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import FLOAT8_TILE, float8_tp_enabled, selected_by

@@ -595,7 +595,7 @@ def estimate_memory(model_args: ModelArgs, degrees: Mapping[str, int], training_
 
     Args:
         model_args: the model's shape.
-        degrees: resolved ``pp, dp_replicate, dp_shard, cp, tp, ep`` (`config.validate.resolve_degrees`).
+        degrees: resolved ``pp, dp_replicate, dp_shard, cp, tp, ep`` (`config.degrees.resolve_degrees`).
         training_cfg, ac_cfg, parallelism_cfg: the `[training]`, `[activation_checkpoint]` and
             `[parallelism]` sections.
         compiled: ``[compile] enable``.

@@ -29,8 +29,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from torchmoe.config.degrees import resolve_degrees
 from torchmoe.config.job_config import Parallelism
-from torchmoe.config.validate import resolve_degrees
 
 # The world mesh's dims, outermost first (DESIGN §4).
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -42,7 +42,7 @@ FLAT_VIEWS: dict[str, tuple[str, ...]] = {
 }
 # Every name `mesh_layout` and `ParallelMesh` answer to, in printing order.
 ALL_NAMES: tuple[str, ...] = MESH_DIMS + ("dp_shard_cp", "ep", "efsdp", "batch", "loss")
-# Degree keys as `config.validate.resolve_degrees` returns them.
+# Degree keys as `config.degrees.resolve_degrees` returns them.
 DEGREE_KEYS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 

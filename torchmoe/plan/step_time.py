@@ -68,9 +68,9 @@ from functools import cached_property, lru_cache
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.config.degrees import resolve_degrees
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.validate import resolve_degrees
 from torchmoe.nn.attention_kernel_choice import FLASH, MATH
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import selected_by

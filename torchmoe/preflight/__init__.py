@@ -16,10 +16,11 @@ import torch
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import model_args_from_config
+from torchmoe.config.degrees import resolve_degrees
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.paths import source_key
-from torchmoe.config.validate import resolve_degrees, validate_sections
+from torchmoe.config.validate import validate_sections
 from torchmoe.data.dataloader import validation_data
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.preflight.fault_tolerance import check_fault_tolerance
@@ -44,6 +45,7 @@ from torchmoe.preflight.layout import (
     check_seq_len,
     check_validation,
 )
+from torchmoe.preflight.optimizer import check_optimizer
 
 __all__ = ["device_memory_gib", "train_device", "validate_job_config", "validate_layout"]
 
@@ -104,6 +106,7 @@ def validate_layout(cfg: JobConfig, world_size: int, *, check_device: bool = Fal
     check_pipeline(cfg, args, degrees, world_size)
     check_validation(cfg, args, degrees)
     check_features(cfg, args, degrees, check_device)
+    check_optimizer(cfg.optimizer, args)
     check_float8(cfg, args, degrees, check_device)
     check_fault_tolerance(cfg, args, degrees, check_device)
     return degrees, args

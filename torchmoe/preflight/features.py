@@ -82,10 +82,19 @@ def check_features(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], che
 
 
 def _check_lora(cfg: JobConfig, args: ModelArgs) -> None:
-    """What a LoRA run cannot export, refused before training: adapters of a family torchmoe has
+    """Targets the model has none of (they would adapt nothing, or leave nothing to train), and
+    what a LoRA run cannot export, refused before training: adapters of a family torchmoe has
     no PEFT mapping for, or on a target PEFT cannot hold (checked on the adapted model's shapes,
     built on the meta device), or expert biases the run trains (`model.load_balance_coeff` set),
     which PEFT's format has no place for."""
+    layers = lora_target_layers(args)
+    missing = next((t for t in cfg.lora.targets if not layers[t]), None)
+    if missing is not None:
+        what = {"mlp": "dense (non-MoE) layer", "shared_experts": "shared expert"}.get(missing, "MoE layer")
+        has = ", ".join(show_value(t) for t, n in layers.items() if n)
+        raise ConfigError("lora.targets", cfg.lora.targets, f"{show_value(missing)}: the {args.family} model "
+                          f"({cfg.model.flavor}) has no {what}, so no adapter would be put there",
+                          f"drop {show_value(missing)} from lora.targets; this model has {has}")
     if cfg.lora.export != "adapter":
         return
     with torch.device("meta"):
@@ -98,6 +107,14 @@ def _check_lora(cfg: JobConfig, args: ModelArgs) -> None:
                           'set lora.export = "merged" (the model with each adapter folded into its weight, and the '
                           "biases as trained), or leave model.load_balance_coeff unset (-1: under LoRA the biases "
                           "stay the base's)")
+
+
+def lora_target_layers(args: ModelArgs) -> dict[str, int]:
+    """Each `lora.targets` name -> how many blocks of the model of `args` hold modules it adapts
+    (`models.decoder.lora`), counted from the arguments without building the model."""
+    moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    return {"attention": args.n_layers, "mlp": args.n_layers - moe,
+            "shared_experts": moe if args.num_shared_experts else 0, "experts": moe, "router": moe}
 
 
 def _check_flex_compiled(cfg: JobConfig, args: ModelArgs) -> None:

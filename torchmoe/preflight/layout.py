@@ -4,6 +4,7 @@ against the device's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -11,10 +12,11 @@ import torch
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FolderModel, check_model
+from torchmoe.config.degrees import divisors_text
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import JobConfig, Model, Parallelism, Training
 from torchmoe.config.launch_env import launch_int
-from torchmoe.config.validate import divisors_text
+from torchmoe.config.paths import key_value
 from torchmoe.plan.memory import estimate_memory
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import SPLIT_BACKWARD_SCHEDULES, check_microbatches, job_pipeline_layout
@@ -186,32 +188,50 @@ def memory_limit_gib(configured_gib: float, device: torch.device) -> tuple[float
 
 
 def check_memory_fits(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int], device: torch.device) -> None:
-    """Refuse a run whose fullest rank needs more memory than it has (the planner's estimate),
-    naming the largest local_batch_size that fits: it would die in its first step otherwise, or
-    take the whole machine down first."""
-    def total(local_batch_size: int) -> float:
-        training = cfg.training if local_batch_size == cfg.training.local_batch_size else \
-            _with_local_batch(cfg.training, local_batch_size)
-        return estimate_memory(args, degrees, training, cfg.activation_checkpoint, cfg.parallelism,
-                               compiled=cfg.compile.enable, lora=cfg.lora, optimizer_cfg=cfg.optimizer)["total"]
+    """Refuse a run whose fullest rank needs more memory than it has (the planner's estimate): it
+    would die in its first step otherwise, or take the whole machine down first.
 
+    The message blames what takes the memory. Memory grows linearly in the batch (activations)
+    and in LoRA's rank (the adapters, their gradients, optimizer state and activations): of those
+    that fit at some smaller value, the one with the largest share is named with the largest value
+    that fits (a rank of 100000 was blamed on training.local_batch_size); when neither fits even
+    at 1, the model's state on this layout is (model.flavor: shard it wider, or a smaller model).
+    The estimate's terms are shown."""
     limit, source = memory_limit_gib(cfg.job.device_memory_gib, device)
-    need = total(cfg.training.local_batch_size)
+    terms = _memory(cfg, args, degrees)
+    need = terms["total"]
     if need <= limit:
         return
-    # Memory grows linearly in the batch (activations); the rest is the model's state.
-    fixed, per_sample = total(1) - (total(2) - total(1)), total(2) - total(1)
-    fits = math.floor((limit - fixed) / per_sample) if per_sample > 0 else 0
-    fix = (f"use local_batch_size <= {fits}" if fits >= 1 else
-           "shard the model over more ranks (data_parallel_shard_degree, tp, ep, pp), or use a smaller flavor")
-    raise ConfigError("training.local_batch_size", cfg.training.local_batch_size,
-                      f"the fullest rank needs an estimated {need:,.1f} GiB (seq_len {cfg.training.seq_len}), "
-                      f"more than the {limit:,.1f} GiB it has ({source})",
-                      f"{fix}; shorten seq_len or enable activation checkpointing; set job.device_memory_gib "
-                      "to override the detected size")
+    knobs = {"training.local_batch_size": lambda n: dataclasses.replace(
+        cfg, training=dataclasses.replace(cfg.training, local_batch_size=n, global_batch_size=-1))}
+    if cfg.lora.enable:
+        knobs["lora.rank"] = lambda n: dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=n))
+    shares = {}  # key -> (its share of `need` in GiB, the largest value that fits with the rest as it is)
+    for key, at in knobs.items():
+        one, two = (_memory(at(n), args, degrees)["total"] for n in (1, 2))
+        per, rest = two - one, 2 * one - two
+        shares[key] = (per * key_value(cfg, key), math.floor((limit - rest) / per) if per > 0 else 0)
+    shown = ", ".join(f"{name} {terms[name]:,.1f}" for name in ("params", "grads", "optimizer", "fsdp_buffers",
+                                                                "activations") if terms[name] >= 0.05)
+    problem = (f"the fullest rank needs an estimated {need:,.1f} GiB (seq_len {cfg.training.seq_len}; GiB: {shown}), "
+               f"more than the {limit:,.1f} GiB it has ({source})")
+    tail = "; set job.device_memory_gib to override the detected size"
+    fitting = {key: share for key, share in shares.items() if share[1] >= 1}
+    if not fitting:
+        raise ConfigError("model.flavor", cfg.model.flavor, f"{problem}: it does not fit even at "
+                          f"{' and '.join(f'{key} 1' for key in shares)}",
+                          "shard the model over more ranks (data_parallel_shard_degree, tp, ep, pp), use a smaller "
+                          f"model, or enable activation checkpointing{tail}")
+    key = max(fitting, key=lambda k: fitting[k][0])
+    share, fits = fitting[key]
+    batch = key == "training.local_batch_size"
+    what = "its activations" if batch else "the adapters (weights, gradients, optimizer state and activations)"
+    more = "; shorten seq_len or enable activation checkpointing" if batch else ", or adapt fewer lora.targets"
+    raise ConfigError(key, key_value(cfg, key), f"{problem}; {what} take {share:,.1f} GiB of it",
+                      f"use {'local_batch_size' if batch else key} <= {fits}{more}{tail}")
 
 
-def _with_local_batch(training: Training, local_batch_size: int) -> Training:
-    import dataclasses
-
-    return dataclasses.replace(training, local_batch_size=local_batch_size, global_batch_size=-1)
+def _memory(cfg: JobConfig, args: ModelArgs, degrees: dict[str, int]) -> dict[str, float]:
+    """The planner's estimate of the fullest rank (`plan.memory.estimate_memory`), in GiB per term."""
+    return estimate_memory(args, degrees, cfg.training, cfg.activation_checkpoint, cfg.parallelism,
+                           compiled=cfg.compile.enable, lora=cfg.lora, optimizer_cfg=cfg.optimizer)
