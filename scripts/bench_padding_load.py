@@ -56,7 +56,7 @@ def packed_rows(rows: int, seq: int, median: float, sigma: float, vocab: int, eo
 
 def loads(model: Transformer, tokens: torch.Tensor, starts: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """(n_moe_layers, E) routed-token counts of one forward (`real` None: every token counted)."""
-    documents = document_segments(starts, whole_row_calls(model.args.attention_chunks(), tokens.shape[1]),
+    documents = document_segments(starts, whole_row_calls(model.args.attention_spans(), tokens.shape[1]),
                                   torch.device("cpu"))
     for moe in model.moe_layers():
         moe.tokens_per_expert.zero_()

@@ -364,15 +364,22 @@ def test_the_cpu_fine_tuning_recipe_runs_with_the_folder_and_the_chat_file_as_it
         family: str, tokenizer: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """configs/lora_sft_cpu.toml as its comment runs it: the folder and the chat file are the only
     changes (and, for time, two steps instead of 50); the model is the folder's, LoRA trains, the
-    opening line is the recipe's own, and the export is a Hugging Face folder."""
+    opening line is the recipe's own, and the export is a Hugging Face folder. Harmony's template
+    is not prefix-stable across turns: the recipe's first run is refused with the fix its comment
+    gives (`--training.loss_on last`), which then trains."""
     from tests.chat_jobs import write_chat_file
 
     folder = _tiny_folder(family, tokenizer, tmp_path / "tiny")
     data = write_chat_file(tmp_path / "chat.jsonl")
     run = tmp_path / "run"
-    assert cli.main(["train", "--config", str(CONFIGS / "lora_sft_cpu.toml"), "--model.hf_assets_path", str(folder),
-                     "--training.dataset_path", str(data), "--training.steps", "2", "--job.dump_folder",
-                     str(run)]) == 0
+    argv = ["train", "--config", str(CONFIGS / "lora_sft_cpu.toml"), "--model.hf_assets_path", str(folder),
+            "--training.dataset_path", str(data), "--training.steps", "2", "--job.dump_folder", str(run)]
+    if tokenizer == "harmony":
+        assert cli.main(argv) == 2 and not (run / "metrics.jsonl").exists()
+        assert 'fix: set training.loss_on = "last"' in " ".join(capsys.readouterr().err.split())
+        assert "--training.loss_on last" in (CONFIGS / "lora_sft_cpu.toml").read_text()
+        argv += ["--training.loss_on", "last"]
+    assert cli.main(argv) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(0 < r["loss"] < 20 and r["grad_norm"] > 0 for r in records)
     import math

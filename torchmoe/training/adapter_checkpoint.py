@@ -18,6 +18,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from torchmoe.arch.model_args import ModelArgs
@@ -133,8 +134,7 @@ def export_checkpoint(cfg: JobConfig, step_dir: Path, out_dir: Path, *, bias_dro
     lora = cfg.lora
     if lora.export == "adapter":  # before anything is read: the export would refuse it
         lora_base(cfg, step_dir)  # a base that is gone is said first
-        _, _, shapes, trained = _step_model(cfg, step_dir)
-        problem = _unholdable(shapes, step_dir, trained)
+        problem = _unholdable(cfg, step_dir)
         if problem is not None:
             raise ConfigError("--lora-export", "adapter", problem, "pass --lora-export merged (the model with each "
                               "adapter folded into its weight, and the expert biases as trained)")
@@ -142,13 +142,17 @@ def export_checkpoint(cfg: JobConfig, step_dir: Path, out_dir: Path, *, bias_dro
     export_hf(model, model.args, lora, out_dir, rank=0, bias_drop=bias_drop, base=hf_base(cfg))
 
 
-def _unholdable(model: nn.Module, step_dir: Path, trained: list[str]) -> str | None:
-    """Why PEFT's adapter format cannot hold the model of `step_dir` (`model` adapted as the run
-    was; `trained`: the base's tensors the checkpoint holds, its trained expert biases), or None."""
+def _unholdable(cfg: JobConfig, step_dir: Path) -> str | None:
+    """Why PEFT's adapter format cannot hold the model of the run `cfg`'s checkpoint `step_dir`, or
+    None. The adapters' form is the run's config alone, so it is asked before the step is read;
+    then the base's tensors the step holds (its trained expert biases)."""
+    folder = with_folder_model(cfg)
+    shapes = plain_model(model_args_from_config(folder.model, lora=True), cfg.lora, torch.float32)
     try:
-        require_peft_form(model)
+        require_peft_form(shapes)
     except ConfigError as err:
         return err.problem
+    _, _, _, trained = _step_model(cfg, step_dir)
     if trained:
         return f"{step_dir} holds the expert biases its run trained (e.g. {trained[0]}): {BIASES_WITHOUT_PLACE}"
     return None
