@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchmoe.arch.deepseek_v3 import deepseek_v3
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
 from torchmoe.components.muon import Muon, newton_schulz
 from torchmoe.components.muon_groups import muon_split
@@ -145,13 +146,17 @@ def test_step_time_adds_the_ns_and_the_gathers() -> None:
 
 
 def test_step_peak_matches_the_measured_step() -> None:
-    """One process (plain tensors, fp32 parameters, DeepSeek's debug flavor): the bytes the real
-    Muon step holds at its peak beyond its parameters, gradients and buffers (torch's MemTracker,
-    the second step) equal `step_peak_bytes`: the largest parameter's Nesterov update, its NS X,
-    X', G, H and norm, and the previous parameter's result."""
+    """One process (plain tensors, fp32 parameters): the bytes the real Muon step holds at its
+    peak beyond its parameters, gradients and buffers (torch's MemTracker, the second step) equal
+    `step_peak_bytes`: the largest parameter's Nesterov update, its NS X, X', G, H and norm, and
+    the previous parameter's result. A DeepSeek-V3 of every matrix kind (MLA's bottlenecks, dense
+    and shared MLPs, routed experts) at 1/4 of the debug flavor's widths: bf16 Newton-Schulz runs
+    at about 1 GFLOP/s on this project's CPU, and the debug flavor's step took 100 to 490 s."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    args = FLAVORS["deepseek_v3"]["debugmodel"]
+    args = deepseek_v3(dim=64, n_layers=2, n_heads=4, vocab_size=256, ffn_hidden_dim=256, moe_hidden_dim=64,
+                       num_experts=4, num_shared_experts=1, top_k=2, first_k_dense=1, q_lora_rank=32,
+                       kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
     torch.manual_seed(0)
     model = Transformer(args)
     cfg = OptimizerConfig(name="Muon")
