@@ -22,6 +22,7 @@ import torch._inductor.config
 import torch.fx.experimental._config
 
 from tests import fork_server
+from tests.cost_ledger import CostLedger
 from tests.launch import cli_env
 from torchmoe.components.run_logs import reset_logging
 
@@ -44,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    config.pluginmanager.register(CostLedger(config), "cost_ledger")  # each module's CPU seconds, at the end
     # The hundreds of processes the tests start each import torchmoe: with bytecode cached
     # (`__pycache__`, git-ignored) the first compiles it and the rest read it, about 0.25 s of CPU
     # less per process than compiling every module again where the machine sets
