@@ -282,17 +282,18 @@ _PLAIN_FIX = "(PEFT's default; plain LoRA)"
         "layers_to_transform", "fewer_parameters"])
 def test_an_adapter_folder_is_refused_by_name(exported, config, tensors, message, tmp_path):
     """What would load another adapter than the file's tensors say, or values no training makes:
-    one ConfigError naming lora.adapter, the folder and what is wrong, before any adapter changes."""
-    ours, cfg, _ = exported
+    one ConfigError naming lora.adapter, the folder and what is wrong, before any adapter of the
+    model it loads into (adapters of another seed than the file's) changes."""
+    _, cfg, _ = exported
     folder = _edited(exported, tmp_path, config, tensors)
-    before = {name: p.clone() for name, p in ours.named_parameters() if is_adapter_name(name)}
+    fresh, _ = _adapted(_hf("qwen3"), tmp_path / "hf", PEFT_TARGETS, seed=7)
+    before = {name: p.clone() for name, p in fresh.named_parameters() if is_adapter_name(name)}
     with pytest.raises(ConfigError) as e:
-        load_peft_adapter(ours, folder, cfg)
+        load_peft_adapter(fresh, folder, cfg)
     text = " ".join(str(e.value).split())
     assert e.value.key == "lora.adapter" and e.value.value == str(folder)
     assert message in text, text
-    if "holds tensors for" not in message and "names" not in message:  # refused before any tensor is copied
-        assert all(torch.equal(p, before[name]) for name, p in ours.named_parameters() if is_adapter_name(name))
+    assert all(torch.equal(p, before[name]) for name, p in fresh.named_parameters() if is_adapter_name(name))
 
 
 @pytest.mark.parametrize("config", [
@@ -341,3 +342,23 @@ def test_a_damaged_adapter_folder_is_one_message(exported, tmp_path):
     assert "adapter_config.json holds an array, not a JSON object" in refused(folder)
     (folder / "adapter_config.json").unlink()
     assert "has no adapter_config.json" in refused(folder)
+
+
+@pytest.mark.parametrize("stored,message", [
+    ({}, "holds no adapter tensors fix: pass a PEFT adapter folder that holds the lora_A and lora_B tensors"),
+    ({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(8, 64)},
+     "holds 1 adapter tensor(s) of modules no lora.targets of this model adapts, e.g. "
+     "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"),
+], ids=["empty", "stray"])
+def test_an_adapter_folder_read_for_its_targets_names_what_it_holds(exported, stored, message, tmp_path):
+    """`adapter_lora` (eval and generate reading an adapter folder over its base): a tensor file
+    that holds nothing says so, one with a tensor of no target names it (an empty file once said
+    "0 tensors of modules no lora.targets adapts, e.g. (none)")."""
+    from torchmoe.components.adapter_folder import adapter_lora
+
+    folder = _edited(exported, tmp_path)
+    save_file(stored, folder / "adapter_model.safetensors")
+    ours, _, _ = exported
+    with pytest.raises(ConfigError) as e:
+        adapter_lora(folder, ours.args, key="--checkpoint")
+    assert e.value.key == "--checkpoint" and message in " ".join(str(e.value).split()), str(e.value)

@@ -51,6 +51,7 @@ from torchmoe.config.launch_env import launch_int
 from torchmoe.config.numbers import INT64_MAX
 from torchmoe.config.output_files import check_output_file, write_output
 from torchmoe.config.paths import writable_folder
+from torchmoe.config.wording import counted
 from torchmoe.data.file_index import INDEX_FOLDER
 
 if TYPE_CHECKING:
@@ -223,12 +224,9 @@ def _evaluate(argv: list[str]) -> int:
 def _covered(result: ValidationLoss, steps: int, dataset: str) -> str:
     """What the mean is over, said: its batches (one pass: how many there were), and its tokens:
     a chat corpus's targets and the conversations that hold them, every token of text."""
-    batches = _count(result.batches, "batch", "batches") + (" (one pass)" if steps == -1 else "")
+    batches = counted(result.batches, "batch", "batches") + (" (one pass)" if steps == -1 else "")
     if result.documents is None:
-        return f"{batches}, {_count(result.targets, 'token', 'tokens')}"
+        return f"{batches}, {counted(result.targets, 'token')}"
     held = "conversation" if dataset == "chat" else "document"
-    return f"{batches}, {_count(result.targets, 'target', 'targets')} in {_count(result.documents, held, held + 's')}"
+    return f"{batches}, {counted(result.targets, 'target')} in {counted(result.documents, held)}"
 
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n:,} {one if n == 1 else many}"

@@ -152,7 +152,7 @@ def load_trained_model(cfg: JobConfig, weights: TrainedWeights) -> Transformer:
         # Reading, not training: nothing is exported, so no expert bias is refused for an export.
         ckpt = dataclasses.replace(cfg.checkpoint, initial_load_path=str(path),
                                    initial_load_in_hf=weights.in_hf or adapter, last_save_in_hf=False)
-        args = model_args_from_config(cfg.model)
+        args = model_args_from_config(cfg.model, lora=adapter)  # an adapter's base keeps its expert biases
         with torch.device("meta"):
             model = Transformer(args)
         if adapter:

@@ -104,10 +104,12 @@ def adapter_lora(folder: Path, args: ModelArgs, *, key: str) -> LoRA:
                               f"({len(names & stored)} of its {len(names)} tensors; it lacks e.g. {missing[0]}), "
                               "and torchmoe adapts whole targets", _WHOLE_FIX)
     extra = sorted(stored - covered)
-    if extra or not targets:
-        shown = extra[0] if extra else "(none)"
+    if extra:
         raise ConfigError(key, str(folder), f"holds {len(extra)} adapter tensor(s) of modules no lora.targets of "
-                          f"this model adapts, e.g. {shown}", _WHOLE_FIX)
+                          f"this model adapts, e.g. {extra[0]}", _WHOLE_FIX)
+    if not targets:
+        raise ConfigError(key, str(folder), "holds no adapter tensors", "pass a PEFT adapter folder that holds the "
+                          "lora_A and lora_B tensors of its targets")
     return LoRA(enable=True, targets=targets, rank=rank, alpha=float(alpha), dropout=0.0, adapter=str(folder))
 
 

@@ -244,8 +244,9 @@ def _check_files(hf_dir: Path, key: str, fix: str) -> None:
                                     f"{outside[:3]}: it was altered or crafted", fix)
         absent = sorted({f for f in weight_map.values() if not (hf_dir / str(f)).is_file()})
         if absent:
-            raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} lists {counted(len(absent), 'file')} that {'is' if len(absent) == 1 else 'are'} not there, "
-                                    f"e.g. {absent[:3]}: an incomplete download?", fix)
+            verb = "is" if len(absent) == 1 else "are"
+            raise UnreadableWeights(key, str(hf_dir), f"{_INDEX} lists {counted(len(absent), 'file')} that {verb} not "
+                                    f"there, e.g. {absent[:3]}: an incomplete download?", fix)
 
 
 def require_hf_form(key: str, value: object, args: ModelArgs, flavor: str, fix: str) -> None:

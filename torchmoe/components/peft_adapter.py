@@ -182,6 +182,7 @@ def load_peft_adapter(model: torch.nn.Module, folder: str | os.PathLike, cfg: Lo
     stored = read_adapter_tensors(folder, key=key)
     pairs = _pairs(model)
     wanted = set()
+    loaded = []
     for stem, (_, a, b, experts) in zip(_keys(pairs), pairs):
         wanted.update((f"{stem}lora_A.weight", f"{stem}lora_B.weight"))
         if f"{stem}lora_A.weight" not in stored or f"{stem}lora_B.weight" not in stored:
@@ -193,15 +194,17 @@ def load_peft_adapter(model: torch.nn.Module, folder: str | os.PathLike, cfg: Lo
                               f"{tuple(new_b.shape)}, the model's adapter {tuple(a.shape)} and {tuple(b.shape)}",
                               "pass an adapter of this model")
         check_product(stem, new_a, new_b, cfg.alpha / cfg.rank, key=key, folder=folder)
-        with torch.no_grad():
-            a.copy_(new_a)
-            b.copy_(new_b)
+        loaded.append((a, b, new_a, new_b))
     extra = sorted(set(stored) - wanted)
     if extra:
         raise ConfigError(key, str(folder), f"holds {len(extra)} tensor(s) lora.targets does not adapt, e.g. "
                           f"{extra[0]}", "add their targets to lora.targets")
     check_targets(config, {t.module for t, *_ in pairs if t.parameter is None},
                   {t.name for t, *_ in pairs if t.parameter is not None}, _hf_names(model), key=key, folder=folder)
+    with torch.no_grad():  # only once every check passed: a refused folder leaves the model as it was
+        for a, b, new_a, new_b in loaded:
+            a.copy_(new_a)
+            b.copy_(new_b)
 
 
 def _hf_names(model: torch.nn.Module) -> set[str]:

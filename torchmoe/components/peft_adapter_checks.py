@@ -7,7 +7,7 @@ file a user names is held to (`finite.WEIGHT_BOUND`), their product ``alpha / r 
 
     config = read_adapter_config(folder, cfg, key=key)   # the fields, checked
     tensors = read_adapter_tensors(folder, key=key)      # name -> tensor, checked
-    check_targets(config, held, universe, key=key, folder=folder)
+    check_targets(config, held_modules, held_parameters, universe, key=key, folder=folder)
 
     python -m pytest -q tests/unit/test_lora_peft.py -k refuses
 
@@ -28,7 +28,6 @@ torchmoe does not know must hold its default. What only describes the file or it
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -116,7 +115,8 @@ def read_adapter_config(folder: Path, cfg: LoRA, *, key: str) -> dict:
                       "with path_initial_model_for_weight_conversion), or pass one of init_lora_weights = true")
     for field, value in config.items():
         want = _DEFAULTS.get(field)
-        if field in _NOT_READ or _same(value, want) or (field not in _DEFAULTS and value in (None, False, [], {})):
+        unset = value is None or value is False or value in ([], {})  # not 0: 0 == False
+        if field in _NOT_READ or _same(value, want) or (field not in _DEFAULTS and unset):
             continue
         what = "torchmoe computes the adapter without it" if field in _DEFAULTS else \
             "a field torchmoe does not know, so it cannot say the adapter computes what torchmoe does"
@@ -234,7 +234,7 @@ def check_product(name: str, a: torch.Tensor, b: torch.Tensor, scaling: float, *
     """
     row_peaks = a.detach().float().abs().amax(-1, keepdim=True)  # (..., r, 1)
     bound = scaling * float((b.detach().float().abs() @ row_peaks).max())
-    if not bound <= WEIGHT_BOUND or not math.isfinite(bound):
+    if not bound <= WEIGHT_BOUND:  # NaN too
         raise _refuse(key, folder, f"its {name}lora_A/B.weight add up to {bound:.3g} to a weight (alpha / r * B @ A), "
                       f"beyond ±{WEIGHT_BOUND:,.0f}, which no trained model reaches: the file is damaged or crafted",
                       "point it at an adapter within that bound (a copy saved before the run diverged, or the "

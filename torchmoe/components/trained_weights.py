@@ -181,7 +181,7 @@ def with_weights_model(cfg: JobConfig, weights: TrainedWeights, *, flag_keys: se
     if weights.form == "dcp":
         if weights.run is None:
             return dataclasses.replace(cfg, lora=lora), ""
-        model, sources = weights.run.model, [str(weights.folder.parent.parent / "config.toml")]
+        model, sources = weights.run.model, [str(Path(weights.run.job.dump_folder) / "config.toml")]
         keep = set()
         if weights.lora_step:
             lora = weights.run.lora

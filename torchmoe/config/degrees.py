@@ -105,6 +105,5 @@ def resolve_degrees(parallelism: Parallelism, world_size: int) -> dict[str, int]
 
 
 def divisors_text(n: int) -> str:
+    """The divisors of `n`, in order, as a message lists them: "1, 2, 4, 8"."""
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-

@@ -67,6 +67,10 @@ LORA_EXPORTS = ("adapter", "merged")
 # The range of lora.alpha / lora.rank, the scale of the adapters' output: recipes use 1/64 (a rank
 # of 1024 at alpha 16) to 64 (rank 1 at alpha 64); this admits 16 times more either way.
 LORA_SCALING = (1 / 1024, 1024.0)
+# QK-Clip's smallest threshold (tau): a logit of 1 between a head's favourite key and any other
+# is a softmax weight ratio of e; a head clipped below that cannot attend to anything in
+# particular, so no tau below it is a setting (docs/muon.md, "QK-Clip").
+MIN_QK_CLIP_THRESHOLD = 1.0
 # Targets whose PEFT form is a parameter adapter (`target_parameters`), which takes no dropout.
 LORA_PARAMETER_TARGETS = ("experts", "router")
 FT_PROCESS_GROUPS = ("gloo", "nccl")
@@ -174,11 +178,6 @@ def validate_optimizer(optimizer: Optimizer) -> None:
     if optimizer.name == "Muon":
         _validate_muon(optimizer)
 
-
-# QK-Clip's smallest threshold (tau): a logit of 1 between a head's favourite key and any other
-# is a softmax weight ratio of e; a head clipped below that cannot attend to anything in
-# particular, so no tau below it is a setting (docs/muon.md, "QK-Clip").
-MIN_QK_CLIP_THRESHOLD = 1.0
 
 
 def _check_decay_factor(key: str, weight_decay: float, lr_key: str, lr: float) -> None:

@@ -280,7 +280,7 @@ def plan_job(cfg: JobConfig, world_size: int, *, machine_device_gib: float | Non
     """
     degrees = resolve_degrees(cfg.parallelism, world_size)
     dims = ParallelDims(**degrees, world_size=world_size)
-    args = model_args_from_config(cfg.model)
+    args = model_args_from_config(cfg.model, lora=cfg.lora.enable)  # the model the run trains
     layout = dims.layout()
     ranks = example_ranks(world_size)
 

@@ -28,6 +28,9 @@ _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
 _CGROUP_V1 = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
 
 
+# torch's own choice (the physical cores), read once: a second call must not lower it further.
+_TORCH_DEFAULT = torch.get_num_threads()
+
 def _quota(v2: Path = _CGROUP_V2, v1: tuple[Path, Path] = _CGROUP_V1) -> float | None:
     """The cgroup's CPU quota in CPUs (200000/100000 -> 2.0), or None: no quota, or none readable."""
     try:
@@ -61,7 +64,7 @@ def cpu_threads() -> tuple[int, str]:
         return torch.get_num_threads(), "as OMP_NUM_THREADS says"
     usable = usable_cpus()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    threads = choose_threads(usable=usable, load=load, default=torch.get_num_threads())
+    threads = choose_threads(usable=usable, load=load, default=_TORCH_DEFAULT)
     torch.set_num_threads(threads)
     return threads, (f"the {usable:g} CPUs this process may use, less a load average of {load:.1f}; "
                      "OMP_NUM_THREADS=N chooses")
