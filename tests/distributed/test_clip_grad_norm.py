@@ -65,6 +65,16 @@ def _dtensor_params() -> list[nn.Parameter]:
     return params
 
 
+def _holding(params: list[nn.Parameter]) -> nn.Module:
+    """A module holding `params` as the optimizer's roles see them (`param_roles`): p0 and p2 as
+    linear weights (decayed), p1 as a bias and p3 as a plain tensor (neither decayed)."""
+    model = nn.Module()
+    for i, (param, leaf) in enumerate(zip(params, ("weight", "bias", "weight", "tensor"))):
+        owner = nn.Linear(1, 1, bias=False) if leaf == "weight" else nn.Module()
+        setattr(owner, leaf, param)
+        model.add_module(f"m{i}", owner)
+    return model
+
 def _check_clip(rank: int) -> None:
     ref = [nn.Parameter(p.clone()) for p, _ in _full_tensors()]
     for r, (_, grad) in zip(ref, _full_tensors()):
@@ -82,18 +92,16 @@ def _check_clip(rank: int) -> None:
 def _check_optimizer(rank: int) -> None:
     for implementation in ("foreach", "for-loop"):
         params = _dtensor_params()
-        model = nn.Module()
-        for i, p in enumerate(params):
-            model.register_parameter(f"p{i}", p)
-        ref = nn.Module()
-        for i, (p, grad) in enumerate(_full_tensors()):
-            ref.register_parameter(f"p{i}", nn.Parameter(p.clone()))
-            getattr(ref, f"p{i}").grad = grad.clone()
+        model = _holding(params)
+        ref = _holding([nn.Parameter(p.clone()) for p, _ in _full_tensors()])
+        for r, (_, grad) in zip(ref.parameters(), _full_tensors()):
+            r.grad = grad.clone()
         cfg = OptimizerConfig(implementation=implementation)
         opt, ref_opt = build_optimizer(model, cfg), build_optimizer(ref, cfg)
-        # Foreach kernels cannot take tensors of two meshes: one param group per mesh.
-        # (decay, dense), (no decay, dense: the 1-D p1), (decay, expert) vs decay / no decay.
-        assert len(opt.param_groups) == 3 and len(ref_opt.param_groups) == 2
+        # Foreach kernels cannot take tensors of two meshes: one param group per mesh. (decay,
+        # dense: p0), (no decay, dense: the bias p1), (decay, expert: p2), (no decay, expert: the
+        # plain p3) against decay / no decay.
+        assert len(opt.param_groups) == 4 and len(ref_opt.param_groups) == 2
         opt.step()
         ref_opt.step()
         for p, r in zip(params, ref.parameters()):

@@ -44,13 +44,13 @@ def _trained(folder: Path, steps: int = 2):
 
 
 def _one_line(text: str) -> str:
-    """The output's only line besides the run's opening (its description and the "training ..."
-    line), the progress lines of training steps and the run's own INFO log (the attention kernel
-    it runs, ...)."""
+    """The output's only line besides the run's opening (its description, the "training ..."
+    line and the CPU threads it computes with), the progress lines of training steps and the
+    run's own INFO log (the attention kernel it runs, ...)."""
     all_lines = text.splitlines()
     opening = next((i + 1 for i, line in enumerate(all_lines) if line.startswith("training ")), 0)
-    lines = [line for line in all_lines[opening:]
-             if line.strip() and not line.startswith("step ") and " INFO torchmoe." not in line]
+    lines = [line for line in all_lines[opening:] if line.strip() and not line.startswith(("step ", "CPU threads: "))
+             and " INFO torchmoe." not in line]
     assert len(lines) == 1 and "Traceback" not in text, text
     return lines[0]
 

@@ -183,6 +183,14 @@ class Fault:
 
 
 _MISSING_SHARD = json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})
+
+def _set_field(config: Path, field: str, literal: str) -> None:
+    """`config` (a config.json) with `field` written as the JSON text `literal` (NaN, 1e400), its
+    other fields (model_type first of all) as they were."""
+    fields = json.loads(config.read_text())
+    fields[field] = "@value@"
+    config.write_text(json.dumps(fields).replace('"@value@"', literal))
+
 FAULTS = {
     # missing
     "dcp-missing-metadata": Fault("dcp", lambda d: (d / ".metadata").unlink(),
@@ -217,9 +225,9 @@ FAULTS = {
     # Python's digit limit: its ValueError traceback before; a NaN read as a value to check.
     "hf-long-number-config": Fault("hf", lambda d: (d / "config.json").write_text('{"vocab_size": ' + "9" * 5001 + "}"),
                                    ("config.json is not JSON (a number of more than 4,300 digits",)),
-    "hf-nan-config": Fault("hf", lambda d: (d / "config.json").write_text('{"rms_norm_eps": NaN}'),
+    "hf-nan-config": Fault("hf", lambda d: _set_field(d / "config.json", "rms_norm_eps", "NaN"),
                            ('its config.json sets "rms_norm_eps": NaN, not a finite number',)),
-    "hf-overflowing-config": Fault("hf", lambda d: (d / "config.json").write_text('{"rope_theta": 1e400}'),
+    "hf-overflowing-config": Fault("hf", lambda d: _set_field(d / "config.json", "rope_theta", "1e400"),
                                    ('its config.json sets "rope_theta": Infinity, not a finite number',)),
     "hf-truncated-weights": Fault("hf", lambda d: _truncate(d / "model.safetensors"),
                                   ("model.safetensors is damaged or truncated",)),

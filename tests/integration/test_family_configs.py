@@ -252,7 +252,7 @@ def test_gpt_oss_plans_context_parallel_and_document_masking(tmp_path: Path) -> 
      "optimizer.qk_clip_threshold = 100.0: LoRA freezes the query and key weights",
      "fix: set it to 0 for LoRA"),
     ("deepseek_v3_16b.toml", ["--optimizer.qk_clip_threshold", "-1"], "optimizer.qk_clip_threshold = -1.0: must be 0 "
-     "(off) or a finite logit >= 1", "fix: use 0 to turn QK-Clip off"),
+     "(off) or a finite logit >= 0.01", "fix: use 0 to turn QK-Clip off"),
 ])
 def test_qk_clip_refuses_what_it_cannot_clip(config: str, flags: list[str], message: str, fix: str, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:

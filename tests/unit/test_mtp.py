@@ -127,6 +127,7 @@ def test_the_loss_and_its_gradients_are_the_reports_on_transformers_modules(mode
     modules = _reference_modules(folder, hf)
     row = random_tokens(96, 33)
     ours.zero_grad(set_to_none=True)
+    hf.zero_grad(set_to_none=True)  # the module-scoped models: another test's backward left its gradients
     got = _trainer_loss(ours.train(), row)
     want = _reference_loss(hf.train(), modules, row)
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
@@ -160,6 +161,7 @@ def test_masked_labels_train_each_depth_within_the_supervised_spans(models):
     supervised[1, 5:9] = supervised[1, 9:13] = True  # two spans that meet: one chain of 8
     supervised[1, 30:] = True  # a span the row cuts
     ours.zero_grad(set_to_none=True)
+    hf.zero_grad(set_to_none=True)
     got = _trainer_loss(ours.train(), row, supervised)
     want = _reference_loss(hf.train(), modules, row, supervised)
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
