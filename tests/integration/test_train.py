@@ -171,9 +171,11 @@ def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path: Path) -> 
 
 
 def test_divergence_stops_with_one_message_and_no_checkpoint(tmp_path: Path) -> None:
-    # lr 1e30 without clipping: step 1 is fine, its update overflows the weights, step 2 is NaN.
+    # lr 1e30 without clipping (nor weight decay: lr * weight_decay >= 1 is refused before training):
+    # step 1 is fine, its update overflows the weights, step 2 is NaN.
     proc = train(tmp_path, [*TINY, "--training.steps", "4", "--checkpoint.interval", "1", "--optimizer.lr", "1e30",
-                            "--training.max_norm", "0", "--lr_scheduler.warmup_steps", "0"], returncode=1)
+                            "--optimizer.weight_decay", "0", "--training.max_norm", "0", "--lr_scheduler.warmup_steps",
+                            "0"], returncode=1)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("error:") == 1 and "at step 2" in proc.stderr, proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
