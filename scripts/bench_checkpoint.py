@@ -25,10 +25,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper
-from torchmoe.components.checksums import ChecksummingWriter
-from torchmoe.components.weight_files import load_dcp, read_dcp_metadata
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper, OptimizerWrapper
 from torchmoe.models.llama4 import FLAVORS, Transformer
+from torchmoe.weights.checksums import ChecksummingWriter
+from torchmoe.weights.weight_files import load_dcp, read_dcp_metadata
 
 
 def training_state(flavor: str) -> dict:

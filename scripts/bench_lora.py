@@ -139,7 +139,7 @@ def write_inputs(root: Path, args: argparse.Namespace) -> dict:
 def step_order(steps: int, batch: int) -> list[int]:
     """The rows of the chat file in the order torchmoe's steps read them: batch row j of G reads
     conversations [j*N/G, (j+1)*N/G) of the N, so step s holds conversation j*steps + s of each
-    row j (`data/chat.py`, one conversation per row)."""
+    row j (`data/chat/chat.py`, one conversation per row)."""
     return [j * steps + s for s in range(steps) for j in range(batch)]
 
 

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from torchmoe.arch.registry import FLAVORS
-from torchmoe.components.optimizer import build_optimizer
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.models.decoder.model import Transformer
+from torchmoe.optim.optimizer import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package

@@ -4,7 +4,7 @@
     python scripts/bench_padding_load.py --experts 64 --top-k 8 --rows 8 --seq 2048 --out outputs/padding_load.json
 
 Packs conversations whose lengths are log-normal (median `--median` tokens) whole into rows of
-`--seq` + 1 tokens, in order, as chat data packs them (`data.chat.ChatStream`: a conversation
+`--seq` + 1 tokens, in order, as chat data packs them (`data.chat.chat.ChatStream`: a conversation
 that does not fit the rest of a row starts the next one; the rest is EOS padding, a document of
 its own), and runs a randomly initialised Qwen3-MoE-shaped model (torchtitan's `debugmodel_moe`
 shapes, every layer MoE, with document masking as chat data trains) forward twice on the same
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from torchmoe.arch.qwen3 import qwen3_moe
-from torchmoe.components.metrics import layer_imbalance
+from torchmoe.metrics.metrics import layer_imbalance
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.nn.document_attention import document_segments, whole_row_calls
 

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchmoe.arch.registry import FLAVORS  # noqa: E402
-from torchmoe.components.qk_clip import QKClip, watch_attention_logits  # noqa: E402
 from torchmoe.models.decoder.model import Transformer  # noqa: E402
+from torchmoe.optim.qk_clip import QKClip, watch_attention_logits  # noqa: E402
 
 # Each family's debug flavor (Qwen3 is left out: QK-norm on every layer, nothing to watch).
 DEBUG = {"deepseek_v3": "debugmodel", "gpt_oss": "debugmodel", "llama4": "debugmodel"}

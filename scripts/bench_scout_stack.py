@@ -20,7 +20,7 @@ blocks are compiled as `compile.enable` compiles them (`fullgraph=True`). Tokens
 router still sees varying loads). Steps are timed with the device synchronised; the first
 `--warmup` steps (compilation) are left out; weights are drawn on the device (`fast_init`). The
 peak memory is reported against the planner's estimate (``memory_vs_planner``). MFU is against the device's dense bf16 peak
-(`torchmoe.components.metrics.device_peak_flops`), with `ModelArgs.flops_per_token`: the PaLM
+(`torchmoe.metrics.metrics.device_peak_flops`), with `ModelArgs.flops_per_token`: the PaLM
 convention (`mfu_pct`) and attention counted causally (`mfu_causal_pct`).
 
 `--precisions` runs the stack once per entry, each from the same weights: ``bf16``; ``float8-linears``
@@ -44,15 +44,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torchmoe.components.metrics import device_peak_flops, peak_memory_gib, reset_peak_memory
-from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.config.job_config import ActivationCheckpoint, Compile, Float8
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.config.job_config import Parallelism, Training
 from torchmoe.distributed.compile import apply_compile
 from torchmoe.distributed.data_parallel import apply_autocast
 from torchmoe.distributed.float8 import convert_float8_experts, convert_float8_linears
+from torchmoe.metrics.metrics import device_peak_flops, peak_memory_gib, reset_peak_memory
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer, update_expert_bias
+from torchmoe.optim.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.plan.memory import estimate_memory
 
 

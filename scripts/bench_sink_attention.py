@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from torchmoe.components.saved_tensors import saved_bytes
 from torchmoe.nn.sink_attention import sink_attention
+from torchmoe.performance.saved_tensors import saved_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 

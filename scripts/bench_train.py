@@ -16,7 +16,7 @@ all the threads the runs get. Writes JSON (default outputs/bench_train.json) and
 
 `--breakdown` profiles the measured steps (`[profiling] enable_step_breakdown`) and adds, per
 rank, where their time went (attention, routed experts, FFN, router, communication, optimizer,
-data, other: seconds per step and share; `components/step_breakdown.py`), printed as tables too.
+data, other: seconds per step and share; `performance/step_breakdown.py`), printed as tables too.
 The profiler's overhead is then in the measured steps' time.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from torchmoe.components.step_breakdown import format_breakdown
 from torchmoe.models.llama4 import FLAVORS
+from torchmoe.performance.step_breakdown import format_breakdown
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests/launch.py: test-harness code, not in the installed package

@@ -1,5 +1,5 @@
 """Tiny random Hugging Face checkpoints, made by transformers, whose sizes match no shipped flavor:
-what the tests of "any released checkpoint" start from (`components.folder_model`).
+what the tests of "any released checkpoint" start from (`weight_sources.folder_model`).
 
     folder = save_checkpoint("qwen3", tmp_path / "qwen3")   # config.json + model.safetensors
     hf = reference_model("qwen3")                            # the same weights, in transformers

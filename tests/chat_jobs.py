@@ -40,8 +40,8 @@ def chat_job(hf: Path, tokenizer: Path, data: Path, dump: Path, *flags: str):
     """The job that fine-tunes the checkpoint in `hf` on the chat file `data` (fp32, global batch
     4 x 48 tokens, two micro-batches per step, no checkpoints), its model built from the folder
     as `torchmoe train` builds it; `flags` override."""
-    from torchmoe.components.folder_model import with_folder_model
     from torchmoe.config import load_job_config
+    from torchmoe.weight_sources.folder_model import with_folder_model
 
     set_keys: set[str] = set()
     cfg = load_job_config([

@@ -24,9 +24,9 @@ import torch.fx.experimental._config
 from tests import fork_server
 from tests.cost_ledger import CostLedger
 from tests.launch import cli_env
-from torchmoe.components.run_logs import reset_logging
+from torchmoe.metrics.run_logs import reset_logging
 
-# The loggers torchmoe configures (`components.run_logs`) as the tests found them, before any
+# The loggers torchmoe configures (`metrics.run_logs`) as the tests found them, before any
 # test or fixture ran.
 _RUN_LOGS = [logging.getLogger(name) for name in ("torchmoe", "torch.distributed", "torchft")]
 _PRISTINE_LOGS = [(list(log.handlers), log.level, log.propagate) for log in _RUN_LOGS]

@@ -70,8 +70,8 @@ def assert_our_model_loads_in_transformers(ours: torch.nn.Module, hf_class: type
     """`ours` (a torchmoe model whose constant inits the caller perturbed) saved to `folder` is
     read by transformers' `hf_class` with the same logits over 96 tokens (1e-5), and read back by
     torchmoe as `flavor`."""
-    from torchmoe.components.flavor_fit import matching_flavor
     from torchmoe.hf import load_model, save_model
+    from torchmoe.weights.flavor_fit import matching_flavor
 
     save_model(ours.eval(), folder)
     hf = hf_class.from_pretrained(folder).eval()

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tests import fork_server
-from torchmoe.config.nesting import json_loads
+from torchmoe.config.files.nesting import json_loads
 
 __all__ = ["LaunchError", "Lighthouse", "ReplicaGroup", "cli_command", "cli_env", "free_port", "metrics_by_step",
            "read_metrics", "run_cli", "run_command", "run_replica_groups", "run_train", "torchrun_worker"]

@@ -7,7 +7,7 @@ DeepSeek-V3, gpt-oss) into torchmoe, save torchmoe as one.
     logits = model(tokens)                       # (batch, seq, vocab), equal to transformers'
     save_model(model, "out/hf")                  # transformers loads it with identical logits
 
-Both go through DCP's Hugging Face storage (`components/hf_storage.py`): loading reads each
+Both go through DCP's Hugging Face storage (`hf_files/hf_storage.py`): loading reads each
 tensor straight into the model's parameters; saving writes the model's (possibly sharded)
 parameters as they are. A sharded model saves collectively, each rank writing its shards.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from torchmoe.components.hf_storage import (
+from torchmoe.hf_files.hf_storage import (
     DEFAULT_SHARD_BYTES,
     ExpertBiasDrop,
     load_hf_weights,

@@ -27,14 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from torchmoe.components.checkpoint import CheckpointManager
-from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
-from torchmoe.components.checksums import SIDECAR, digest_file, verify
-from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.checkpoints.checkpoint import CheckpointManager
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
 from torchmoe.data import ByteTokenizer, DataLoader, InMemoryDocuments
+from torchmoe.optim.lr_scheduler import build_lr_scheduler
+from torchmoe.weights.checksums import SIDECAR, digest_file, verify
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 WORLD = 2

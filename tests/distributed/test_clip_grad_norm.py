@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.optim.optimizer import build_optimizer, clip_grad_norm_
 
 pytestmark = pytest.mark.distributed
 WORLD = 2

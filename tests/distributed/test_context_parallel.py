@@ -178,7 +178,7 @@ def _check_model(seq_len: int) -> dict:
     from torchmoe.models.decoder.parallelize import apply_cp
     from torchmoe.models.llama4 import FLAVORS, Transformer
     from torchmoe.nn.document_attention import AttentionCall, document_segments, document_starts, whole_row_calls
-    from torchmoe.plan.memory import ActivationModel
+    from torchmoe.plan.activations import ActivationModel
     from torchmoe.plan.parallel_dims import ParallelDims
 
     torch.manual_seed(0)
@@ -233,7 +233,7 @@ def _check_model(seq_len: int) -> dict:
     max_err_docs = ((logits_docs - full_docs[:, local]).abs().max() / full_docs.abs().max()).item()
 
     # Saved bytes per block under CP vs the activation model (fp32, one rank's tokens).
-    from torchmoe.components.saved_tensors import saved_bytes
+    from torchmoe.performance.saved_tensors import saved_bytes
 
     dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, world_size=2)
     x = torch.randn(2, seq_len // 2, args.dim, requires_grad=True)
@@ -270,11 +270,11 @@ def _check_gpt_oss(seq_len: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchmoe.arch.gpt_oss import FLAVORS
-    from torchmoe.components.saved_tensors import saved_bytes
     from torchmoe.models.decoder.model import Transformer
     from torchmoe.models.decoder.parallelize import apply_cp
     from torchmoe.nn.document_attention import AttentionCall, document_segments, document_starts, whole_row_calls
-    from torchmoe.plan.memory import ActivationModel
+    from torchmoe.performance.saved_tensors import saved_bytes
+    from torchmoe.plan.activations import ActivationModel
     from torchmoe.plan.parallel_dims import ParallelDims
 
     torch.manual_seed(0)

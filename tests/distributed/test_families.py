@@ -80,7 +80,7 @@ LAYOUTS = {
 }
 
 
-# QK-Clip (`components.qk_clip`) with a threshold the tiny flavors' heads cross in every step (their
+# QK-Clip (`optim.qk_clip`) with a threshold the tiny flavors' heads cross in every step (their
 # largest logits grow from 0.11 to 0.28 in DeepSeek-V3's five steps, 0.31 to 0.69 in gpt-oss's): the
 # maxima are reduced over every rank and each rank scales its shard of the rows, under MLA (every
 # layout QK-Clip admits: CP is refused) and GQA with biases (where the heads are split: TP, PP).

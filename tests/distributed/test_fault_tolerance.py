@@ -75,7 +75,7 @@ def _states(folder: Path, prefixes: tuple[str, ...] = ("model.", "optimizer.")) 
     """Every tensor of a step-N folder under `prefixes`, whole (read in this process)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torchmoe.components.weight_files import load_dcp, read_dcp_metadata
+    from torchmoe.weights.weight_files import load_dcp, read_dcp_metadata
 
     metadata = read_dcp_metadata("test", folder, "")
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()

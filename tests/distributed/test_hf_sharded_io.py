@@ -108,7 +108,7 @@ def _opens_under(folder: Path) -> Iterator[list[str]]:
     torch's reader and torchmoe call it."""
     import safetensors
 
-    from torchmoe.components import hf_storage, mxfp4
+    from torchmoe.hf_files import hf_storage, mxfp4
 
     if not getattr(_count_open, "hooked", False):  # an audit hook stays for the process's life
         sys.addaudithook(_count_open)
@@ -138,8 +138,8 @@ def _load_and_save(label: str, flags: list[str], hf_in: Path, out_dir: Path) -> 
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
-    from torchmoe.components import mxfp4
     from torchmoe.config.loader import load_job_config
+    from torchmoe.hf_files import mxfp4
     from torchmoe.models.registry import hf_mapping
     from torchmoe.training.loop import Trainer
 

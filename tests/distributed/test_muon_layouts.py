@@ -81,12 +81,12 @@ def _compare(label: str, out_dir: Path) -> dict:
     from torch.distributed.tensor import DTensor
 
     from torchmoe.arch.registry import model_args_from_config
-    from torchmoe.components.muon_groups import muon_split
-    from torchmoe.components.optimizer import build_optimizer
     from torchmoe.config.loader import load_job_config
     from torchmoe.distributed.mesh import build_mesh
     from torchmoe.models.decoder.model import Transformer
     from torchmoe.models.decoder.parallelize import parallelize_model
+    from torchmoe.optim.muon_groups import muon_split
+    from torchmoe.optim.optimizer import build_optimizer
     from torchmoe.plan.parallel_dims import ParallelDims
 
     flags, _ = LAYOUTS[label]

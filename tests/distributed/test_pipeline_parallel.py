@@ -43,7 +43,7 @@ def test_reference_step1_matches_plain_forward(seed, balance_reference):
     """The reference's step 1, recomputed without the trainer: the seed weights, the first global
     batch of the data pipeline, cross entropy and the total gradient norm (balance and z-loss
     gradients come from the model's forward itself)."""
-    from torchmoe.components.checkpoint_state import load_model_only
+    from torchmoe.checkpoints.checkpoint_state import load_model_only
     from torchmoe.config.loader import load_job_config
     from torchmoe.data.dataloader import build_dataloader
     from torchmoe.data.tokenizer import build_tokenizer

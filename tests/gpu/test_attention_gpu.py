@@ -239,9 +239,9 @@ def test_peak_memory_follows_the_planner_on_a_scout_stack():
     import importlib.util
 
     from tests.helpers import REPO
-    from torchmoe.components.optimizer import build_optimizer
     from torchmoe.config.job_config import ActivationCheckpoint, Optimizer, Parallelism, Training
     from torchmoe.distributed.data_parallel import apply_autocast
+    from torchmoe.optim.optimizer import build_optimizer
     from torchmoe.plan.memory import estimate_memory
 
     spec = importlib.util.spec_from_file_location("bench_scout_stack", REPO / "scripts" / "bench_scout_stack.py")

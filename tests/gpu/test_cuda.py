@@ -53,7 +53,7 @@ def test_init_on_cuda_equals_cpu():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_on_one_gpu_logs_mfu(tmp_path, dtype):
     """One GPU, no FSDP: bf16 runs under autocast. MFU is against the peak of the dtype that ran."""
-    from torchmoe.components.metrics import device_peak_flops
+    from torchmoe.metrics.metrics import device_peak_flops
 
     run_train(["--config", DEBUG_CONFIG, "--training.device", "cuda", "--training.steps", "20",
                "--metrics.log_freq", "10", "--training.mixed_precision_param", str(dtype).removeprefix("torch.")],

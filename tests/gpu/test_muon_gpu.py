@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchmoe.components.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz
+from torchmoe.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -303,7 +303,8 @@ LONELY = {"messages": [{"role": "user", "content": "no answer here"}]}
 def _chat_data(tmp_path: Path, kind: str, monkeypatch) -> str:
     """A chat dataset_path of each fault class (global batch: 2 rows), bounds set small where a
     fault needs much data to pass the default."""
-    from torchmoe.data import chat_masks, read_bounds
+    from torchmoe.data import read_bounds
+    from torchmoe.data.chat import chat_masks
 
     data = tmp_path / "chat.jsonl"
     if kind == "no_targets":  # no conversation has a target: loss 0 for a whole pass before
@@ -418,7 +419,8 @@ def test_a_long_conversation_is_rendered_only_as_far_as_a_row_holds(capsys, monk
 def _template_folder(folder: Path, kind: str, monkeypatch) -> Path:
     """A tokenizer folder with a faulty chat template or special token of each class."""
     from tests.chat_fixtures import CHATML, CHATML_SPECIALS, tokenizer_folder
-    from torchmoe.data import read_bounds, template_sandbox
+    from torchmoe.data import read_bounds
+    from torchmoe.data.chat import template_sandbox
 
     config: dict = {}
     if kind == "nested_loops":  # 10^10 steps

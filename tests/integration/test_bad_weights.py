@@ -30,16 +30,16 @@ from torch import nn
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, assert_user_error, empty_tiny_model
 from tests.launch import read_metrics, run_cli
+from torchmoe.checkpoints.checkpoint import MARKER, CheckpointManager
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper
 from torchmoe.commands import cli
-from torchmoe.components.checkpoint import MARKER, CheckpointManager
-from torchmoe.components.checkpoint_state import ModelWrapper
-from torchmoe.components.initial_load import load_initial_weights
-from torchmoe.components.run_lock import LOCK_NAME
-from torchmoe.components.weight_files import quiet_dcp_logs
 from torchmoe.config import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.models.llama4.hf import hf_config_from_args
+from torchmoe.run_folders.run_lock import LOCK_NAME
+from torchmoe.weight_sources.initial_load import load_initial_weights
+from torchmoe.weights.weight_files import quiet_dcp_logs
 
 # In-process DCP calls here run without a process group, which DCP warns about on every call.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -156,7 +156,7 @@ def _fifo(path: Path) -> None:
 
 def _data_file_outside(folder: Path) -> None:
     """.metadata points at ../<the data file> (the file moved there, so it exists)."""
-    from torchmoe.components.dcp_unpickling import unpickle_metadata
+    from torchmoe.weights.dcp_unpickling import unpickle_metadata
 
     metadata = unpickle_metadata((folder / ".metadata").read_bytes())
     for info in metadata.storage_data.values():
@@ -273,7 +273,7 @@ FAULTS = {
     "hf-nan-weights": Fault("hf", _nan_safetensors, (
         "the weights hold NaN or inf in model.embed_tokens.weight, model.layers.1.feed_forward.experts.gate_up_proj:",
         "fix: point it at weights without NaN or inf")),
-    # finite, but beyond ±2^16 (components.finite.WEIGHT_BOUND): passed the finite check, and trained on
+    # finite, but beyond ±2^16 (weights.finite.WEIGHT_BOUND): passed the finite check, and trained on
     "dcp-absurd-weights": Fault("dcp", _absurd_dcp, (
         "the weights hold values beyond ±65,536, which no trained model reaches (largest |value|: "
         "layers.1.moe.expert_bias (1e+09), norm.weight (7e+04)): the files are damaged or crafted",
@@ -595,8 +595,8 @@ def test_a_seed_checkpoint_seeds_from_initial_load_path(hf_dir: Path, tmp_path: 
 def test_every_writer_of_weights_refuses_nan_before_writing(tmp_path: Path) -> None:
     """The Hugging Face writer (`save_model`, the export, `convert dcp-to-hf`), checkpoint saves
     (seed ones too) and a float16 export that would overflow: nothing written."""
-    from torchmoe.components.finite import NonFiniteValues
     from torchmoe.hf import save_model
+    from torchmoe.weights.finite import NonFiniteValues
 
     model = empty_tiny_model()
     model.init_weights(seed=0)

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from tests.helpers import DEBUG_CONFIG, small_bpe
 from tests.launch import read_metrics
 from torchmoe.commands import cli
-from torchmoe.components.checksums import ALGORITHM, SIDECAR, digest_file
-from torchmoe.components.dcp_unpickling import unpickle_metadata
+from torchmoe.weights.checksums import ALGORITHM, SIDECAR, digest_file
+from torchmoe.weights.dcp_unpickling import unpickle_metadata
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

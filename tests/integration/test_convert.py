@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 
 from tests.helpers import DEBUG_CONFIG, assert_user_error, empty_tiny_model, small_bpe  # noqa: E402
 from tests.launch import run_cli  # noqa: E402
+from torchmoe.checkpoints.checkpoint_state import load_model_only  # noqa: E402
 from torchmoe.commands.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
-from torchmoe.components.checkpoint_state import load_model_only  # noqa: E402
-from torchmoe.components.checksums import SIDECAR, digest_file  # noqa: E402
 from torchmoe.config import ConfigError  # noqa: E402
+from torchmoe.weights.checksums import SIDECAR, digest_file  # noqa: E402
 
 # In-process DCP calls here run without a process group, which DCP warns about on every call.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, empty_tiny_model
+from torchmoe.checkpoints.checkpoint_state import load_model_only
 from torchmoe.commands import cli
-from torchmoe.components.checkpoint_state import load_model_only
-from torchmoe.components.metrics_records import parse_record
 from torchmoe.config import load_job_config
-from torchmoe.config.loader import config_toml
-from torchmoe.config.paths import FULL_FIX
+from torchmoe.config.files.paths import FULL_FIX
+from torchmoe.config.job_file import config_toml
+from torchmoe.metrics.metrics_records import parse_record
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 from tests.helpers import DEBUG_CONFIG, SHORT_DOCUMENTS  # noqa: E402
 from tests.hf_parity import max_rel_err, random_tokens  # noqa: E402
 from torchmoe.arch.registry import FLAVORS  # noqa: E402
+from torchmoe.checkpoints.checkpoint_state import load_model_only  # noqa: E402
 from torchmoe.commands import cli  # noqa: E402
-from torchmoe.components.checkpoint_state import load_model_only  # noqa: E402
 from torchmoe.models.decoder.model import Transformer  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

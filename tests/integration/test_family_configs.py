@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchmoe.commands import cli
-from torchmoe.components.run_lock import LOCK_NAMES
+from torchmoe.run_folders.run_lock import LOCK_NAMES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

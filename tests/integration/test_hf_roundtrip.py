@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.helpers import DEBUG_CONFIG, empty_tiny_model  # noqa: E402
 from tests.launch import read_metrics, run_train  # noqa: E402
-from torchmoe.components.checkpoint_state import load_model_only  # noqa: E402
+from torchmoe.checkpoints.checkpoint_state import load_model_only  # noqa: E402
 from torchmoe.hf import load_model, save_model  # noqa: E402
 from torchmoe.models.llama4 import Transformer  # noqa: E402
 

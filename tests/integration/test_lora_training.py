@@ -29,11 +29,11 @@ from tests.any_checkpoint import reference_model, save_checkpoint  # noqa: E402
 from tests.helpers import start_from  # noqa: E402
 from tests.hf_parity import max_rel_err, random_tokens  # noqa: E402
 from tests.launch import read_metrics, run_cli, run_train  # noqa: E402
+from torchmoe.checkpoints.checkpoint_state import read_dcp_metadata  # noqa: E402
 from torchmoe.commands import cli  # noqa: E402
-from torchmoe.components.checkpoint_state import read_dcp_metadata  # noqa: E402
-from torchmoe.components.peft_adapter import load_peft_adapter  # noqa: E402
 from torchmoe.config.job_config import LoRA  # noqa: E402
 from torchmoe.hf import load_model  # noqa: E402
+from torchmoe.hf_files.peft_adapter import load_peft_adapter  # noqa: E402
 from torchmoe.models.decoder.lora import apply_lora  # noqa: E402
 from torchmoe.nn.lora import is_adapter_name  # noqa: E402
 
@@ -221,7 +221,7 @@ def test_a_checkpoint_of_the_version_before_fingerprints_resumes_and_converts(fo
     """Checkpoints of LoRA runs written before base fingerprints hold no `base` entry: `run` saved
     so; a run resumed from its step-2 warns and gives the uninterrupted run's steps 3-4, and
     convert of that step-2 writes its adapter."""
-    from torchmoe.components.checkpoint import CheckpointManager
+    from torchmoe.checkpoints.checkpoint import CheckpointManager
 
     save = CheckpointManager.save
     monkeypatch.setattr(CheckpointManager, "save", lambda self, step, state, **kw: save(
@@ -420,7 +420,7 @@ def _biases(step: Path) -> dict[str, torch.Tensor]:
 def _trained_model(folder: Path, step: Path, targets: list[str]) -> torch.nn.Module:
     """torchmoe's model as the run of `folder` trained it to `step`: the folder's base, the step's
     adapters and the expert biases it holds (eval mode: no dropout)."""
-    from torchmoe.components.checkpoint_state import load_model_only
+    from torchmoe.checkpoints.checkpoint_state import load_model_only
 
     model = load_model(folder)
     apply_lora(model, LoRA(enable=True, targets=targets, rank=8, alpha=16.0))

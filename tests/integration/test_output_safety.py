@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers import DEBUG_CONFIG, REPO
 from torchmoe.commands import cli
-from torchmoe.config import file_writes
+from torchmoe.config.files import file_writes
 
 pytestmark = pytest.mark.integration
 

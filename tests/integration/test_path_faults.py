@@ -1,5 +1,5 @@
 """Any fault of a file or folder the job reads or writes is one message, by class: exit 2, one
-`error:` line naming the key, the path and the OS's reason, no traceback (`config/paths.py`).
+`error:` line naming the key, the path and the OS's reason, no traceback (`config/files/paths.py`).
 
     python -m pytest -q -m integration tests/integration/test_path_faults.py
 
@@ -38,7 +38,7 @@ from tests.helpers import DEBUG_CONFIG, REPO
 from torchmoe.commands import cli
 from torchmoe.config import ConfigError, JobConfig, load_job_config, write_config_toml
 from torchmoe.config.errors import show_value
-from torchmoe.config.paths import job_paths
+from torchmoe.config.files.paths import job_paths
 from torchmoe.preflight.files import check_outputs
 
 pytestmark = pytest.mark.integration

@@ -32,7 +32,7 @@ import transformers  # noqa: E402
 from tests.chat_jobs import CHAT_ROWS, chat_checkpoint, write_chat_file  # noqa: E402
 from tests.helpers import start_from  # noqa: E402
 from torchmoe.commands import cli  # noqa: E402
-from torchmoe.data.chat_template import ChatTemplate  # noqa: E402
+from torchmoe.data.chat.chat_template import ChatTemplate  # noqa: E402
 from torchmoe.data.tokenizer import build_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.integration

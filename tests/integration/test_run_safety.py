@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import DEBUG_CONFIG, HF_EXPORT, REPO, assert_user_error
 from tests.launch import read_metrics, run_train
 from torchmoe.commands import cli
-from torchmoe.components.run_lock import LOCK_NAME, OWNER_NAME
+from torchmoe.run_folders.run_lock import LOCK_NAME, OWNER_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +30,9 @@ TINY = ["--config", DEBUG_CONFIG, "--training.seq_len", "32", "--training.local_
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from torchmoe.components import run_lock
-from torchmoe.config import folder_owners
-from torchmoe.config.paths import UserPath
+from torchmoe.run_folders import run_lock
+from torchmoe.config.files import folder_owners
+from torchmoe.config.files.paths import UserPath
 folder_owners.HEARTBEAT_S = float(sys.argv[3])
 lock = run_lock.lock_folders([UserPath("job.dump_folder", sys.argv[1], sys.argv[1], "")], sys.argv[2])
 print("locked", flush=True)

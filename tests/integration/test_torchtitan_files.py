@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tests.launch import metrics_by_step
 from torchmoe.commands import cli
-from torchmoe.config.loader import load_toml_config
+from torchmoe.config.job_file import load_toml_config
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ import torch
 from tests.helpers import DEBUG_CONFIG
 from tests.launch import read_metrics, run_train
 from torchmoe.commands import cli
-from torchmoe.components.metrics import moe_imbalance
+from torchmoe.metrics.metrics import moe_imbalance
 
 pytestmark = pytest.mark.integration
 

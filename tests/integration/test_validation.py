@@ -38,7 +38,7 @@ def corpus(tmp_path_factory) -> Path:
 def _reference(weights: Path, corpus: Path, steps: int) -> float:
     """Mean token loss of `weights` over the first `steps` validation batches (-1: all complete
     ones), packed by torchmoe's loader but scored here."""
-    from torchmoe.components.checkpoint_state import load_model_only
+    from torchmoe.checkpoints.checkpoint_state import load_model_only
     from torchmoe.config.job_config import Training, Validation
     from torchmoe.data import ByteTokenizer
     from torchmoe.data.dataloader import build_dataloader, validation_data

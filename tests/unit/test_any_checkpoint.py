@@ -1,5 +1,5 @@
 """Any released checkpoint of a family torchmoe trains, not only the shipped flavors: a run from a
-Hugging Face folder builds the model its config.json describes (`components.folder_model`).
+Hugging Face folder builds the model its config.json describes (`weight_sources.folder_model`).
 
     python -m pytest -q tests/unit/test_any_checkpoint.py
 """
@@ -14,11 +14,11 @@ import torch
 from tests.any_checkpoint import CONFIGS, ODD_SHAPES, VOCAB, reference_model, save_checkpoint
 from tests.hf_parity import max_rel_err, random_tokens
 from torchmoe.arch.registry import FolderModel, model_args_from_config
-from torchmoe.components.flavor_fit import matching_flavor
-from torchmoe.components.folder_model import with_folder_model
-from torchmoe.components.initial_load import load_initial_weights
 from torchmoe.config import ConfigError, load_job_config
 from torchmoe.models.decoder.model import Transformer
+from torchmoe.weight_sources.folder_model import with_folder_model
+from torchmoe.weight_sources.initial_load import load_initial_weights
+from torchmoe.weights.flavor_fit import matching_flavor
 
 FAMILIES = sorted(CONFIGS)
 
@@ -260,8 +260,8 @@ def test_an_export_keeps_what_a_release_s_config_json_says(folders: dict[str, Pa
 
     import transformers
 
-    from torchmoe.components.base_files import merged_config
-    from torchmoe.components.hf_storage import read_hf_args
+    from torchmoe.hf_files.base_files import merged_config
+    from torchmoe.hf_files.hf_storage import read_hf_args
     from torchmoe.models.registry import hf_mapping
 
     release = json.loads((folders["gpt_oss"] / "config.json").read_text())

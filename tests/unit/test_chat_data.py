@@ -33,10 +33,11 @@ from torchmoe.config import JobConfig
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.loader import load_job_config
 from torchmoe.config.validate import validate_training
-from torchmoe.data import build_dataloader, build_tokenizer, chat_masks
-from torchmoe.data.chat_files import chat_rows, conversation
-from torchmoe.data.chat_masks import Conversation, render
-from torchmoe.data.chat_template import ChatTemplate
+from torchmoe.data import build_dataloader, build_tokenizer
+from torchmoe.data.chat import chat_masks
+from torchmoe.data.chat.chat_files import chat_rows, conversation
+from torchmoe.data.chat.chat_masks import Conversation, render
+from torchmoe.data.chat.chat_template import ChatTemplate
 from torchmoe.data.errors import DataConfigError
 from torchmoe.data.micro_batches import IGNORE
 from torchmoe.nn.document_attention import document_starts

@@ -23,11 +23,11 @@ from tests.chat_fixtures import (
     deepseek,
     tokenizer_folder,
 )
-from torchmoe.data import template_sandbox
-from torchmoe.data.chat_masks import Conversation, render
-from torchmoe.data.chat_template import ChatTemplate, TemplateRefused
+from torchmoe.data.chat import template_sandbox
+from torchmoe.data.chat.chat_masks import Conversation, render
+from torchmoe.data.chat.chat_template import ChatTemplate, TemplateRefused
+from torchmoe.data.chat.template_sandbox import RenderBound, TemplateSandbox, transformers_sandbox
 from torchmoe.data.errors import DataConfigError
-from torchmoe.data.template_sandbox import RenderBound, TemplateSandbox, transformers_sandbox
 
 SOURCE = ("training.dataset_path", "chat.jsonl")
 

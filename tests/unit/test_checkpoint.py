@@ -11,14 +11,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchmoe.components.base_fingerprint import BaseFingerprint
-from torchmoe.components.checkpoint import MARKER, CheckpointManager, SaveFailed
-from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState, load_model_only
-from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.checkpoints.base_fingerprint import BaseFingerprint
+from torchmoe.checkpoints.checkpoint import MARKER, CheckpointManager, SaveFailed
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState, load_model_only
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
 from torchmoe.data import ByteTokenizer, DataLoader, InMemoryDocuments
+from torchmoe.optim.lr_scheduler import build_lr_scheduler
 
 # pytest resets warning filters per test; the module's filter for DCP's no-process-group notice
 # (which async saves emit from their thread) is restated here.

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from torchmoe.components.checkpoint import CheckpointManager
-from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper
-from torchmoe.components.checksums import SIDECAR, digest_file, metadata_fault, verify
-from torchmoe.components.dcp_unpickling import unpickle_metadata
+from torchmoe.checkpoints.checkpoint import CheckpointManager
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper, OptimizerWrapper
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
+from torchmoe.weights.checksums import SIDECAR, digest_file, metadata_fault, verify
+from torchmoe.weights.dcp_unpickling import unpickle_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -103,7 +103,7 @@ def test_a_damaged_or_foreign_record_is_damage(saved: Path, record: bytes, probl
 
 def test_without_a_record_the_folder_loads_unverified_and_says_so(saved: Path, caplog) -> None:
     (saved / SIDECAR).unlink()
-    with caplog.at_level(logging.INFO, logger="torchmoe.components.checksums"):
+    with caplog.at_level(logging.INFO, logger="torchmoe.weights.checksums"):
         assert verify(saved, ["__0_0.distcp"]) is None
     assert caplog.messages == [f"{saved} has no .checksums.json (saved before torchmoe recorded checksums, or by "
                                "another tool): loading it unverified"]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from torchmoe.components.checkpoint import checkpoint_timeout
+from torchmoe.checkpoints.checkpoint import checkpoint_timeout
 from torchmoe.config.job_config import Checkpoint, Comm, Parallelism
 from torchmoe.distributed.process_groups import backend_spec, device_backend, set_timeout
 from torchmoe.training.world import init_distributed as _init_distributed

@@ -25,12 +25,12 @@ import pytest
 import torch
 from torch import nn
 
-from torchmoe.components.checkpoint import CheckpointManager
-from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
-from torchmoe.components.dcp_unpickling import _METADATA_GLOBALS, RefusedPickle, unpickle_metadata, value_fault
-from torchmoe.components.lr_scheduler import build_lr_scheduler
+from torchmoe.checkpoints.checkpoint import CheckpointManager
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+from torchmoe.optim.lr_scheduler import build_lr_scheduler
+from torchmoe.weights.dcp_unpickling import _METADATA_GLOBALS, RefusedPickle, unpickle_metadata, value_fault
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 PACKAGE = Path(__file__).resolve().parents[2] / "torchmoe"
@@ -124,10 +124,10 @@ def test_a_persistent_id_is_damage_not_a_call() -> None:
 _GUARDED = {
     r"\bpickle\.loads?\(|\bUnpickler\(": set(),  # only dcp_unpickling subclasses pickle.Unpickler
     r"weights_only\s*=\s*False": set(),
-    r"\btorch\.load\(": {"components/dcp_unpickling.py"},  # with weights_only=True
-    r"\bdcp\.load\(": {"components/weight_files.py", "components/hf_storage.py"},  # SafeReader; safetensors
-    r"FileSystemReader\b": {"components/dcp_unpickling.py"},
-    r"DefaultLoadPlanner\b": {"components/dcp_unpickling.py"},
+    r"\btorch\.load\(": {"weights/dcp_unpickling.py"},  # with weights_only=True
+    r"\bdcp\.load\(": {"weights/weight_files.py", "hf_files/hf_storage.py"},  # SafeReader; safetensors
+    r"FileSystemReader\b": {"weights/dcp_unpickling.py"},
+    r"DefaultLoadPlanner\b": {"weights/dcp_unpickling.py"},
     r"trust_remote_code|AutoTokenizer|from_pretrained|auto_map": set(),
     r"(?<![.\w])(eval|exec)\(|__import__\(|import_module\(": set(),
 }

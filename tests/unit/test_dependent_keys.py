@@ -17,7 +17,7 @@ from tests.helpers import DEBUG_CONFIG, write_toml
 from torchmoe.commands import cli
 from torchmoe.config import ConfigError, JobConfig, load_job_config, write_config_toml
 from torchmoe.config.dependent_keys import RULES, Needs, unused_rule
-from torchmoe.config.paths import key_value
+from torchmoe.config.files.paths import key_value
 from torchmoe.config.unset import optional_keys
 
 # For each rule (by its condition): flags under which it does not hold, and flags under which it

@@ -97,7 +97,7 @@ def test_every_user_error_crosses_a_broadcast_whole() -> None:
     import importlib
     import pickle
 
-    for module in ("torchmoe.components.weight_files", "torchmoe.data.errors"):  # the subclasses' homes
+    for module in ("torchmoe.weights.weight_files", "torchmoe.data.errors"):  # the subclasses' homes
         importlib.import_module(module)
     kinds = _subclasses(ConfigError)
     assert len(kinds) >= 4, kinds

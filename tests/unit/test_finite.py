@@ -1,12 +1,12 @@
-"""`components.finite`: which tensors hold NaN or inf, found fast and exactly."""
+"""`weights.finite`: which tensors hold NaN or inf, found fast and exactly."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from torchmoe.components.checkpoint_state import ModelWrapper
-from torchmoe.components.finite import NonFiniteValues, nonfinite_names
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper
+from torchmoe.weights.finite import NonFiniteValues, nonfinite_names
 
 
 def test_sums_pick_suspects_and_the_elements_settle_them() -> None:
@@ -32,8 +32,8 @@ def test_a_reader_refuses_values_beyond_the_bound_naming_each_tensor() -> None:
     The bound itself and anything inside it load; NaN is named as NaN; integers are skipped."""
     import pytest
 
-    from torchmoe.components.finite import WEIGHT_BOUND, refuse_bad_values
-    from torchmoe.components.weight_files import UnreadableWeights
+    from torchmoe.weights.finite import WEIGHT_BOUND, refuse_bad_values
+    from torchmoe.weights.weight_files import UnreadableWeights
 
     assert WEIGHT_BOUND == 65536.0
     good = {"norm": torch.full((4,), WEIGHT_BOUND), "bias": torch.tensor([-WEIGHT_BOUND, 3.0], dtype=torch.bfloat16),

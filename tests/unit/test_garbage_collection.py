@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from torchmoe.components.garbage_collection import GarbageCollection
+from torchmoe.performance.garbage_collection import GarbageCollection
 
 
 def test_collects_at_its_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,10 +11,10 @@ transformers = pytest.importorskip("transformers")
 from transformers import Llama4ForCausalLM, Llama4TextConfig  # noqa: E402
 
 from tests.hf_parity import max_rel_err, perturb_constant_inits  # noqa: E402
-from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
 from torchmoe.hf import HFConversionError, load_model, save_model  # noqa: E402
 from torchmoe.models.llama4 import FLAVORS, Transformer  # noqa: E402
 from torchmoe.models.llama4.hf import args_from_hf_config, hf_config_from_args  # noqa: E402
+from torchmoe.weights.flavor_fit import matching_flavor  # noqa: E402
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

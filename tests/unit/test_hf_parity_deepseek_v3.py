@@ -19,11 +19,11 @@ from tests.hf_parity import (  # noqa: E402
     random_tokens,
 )
 from torchmoe.arch.deepseek_v3 import FLAVORS  # noqa: E402
-from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
 from torchmoe.hf import HFConversionError, load_model  # noqa: E402
 from torchmoe.models.decoder.model import Transformer  # noqa: E402
 from torchmoe.models.deepseek_v3.hf import args_from_hf_config, hf_config_from_args  # noqa: E402
 from torchmoe.models.hf_config_spec import HFConfigValueError  # noqa: E402
+from torchmoe.weights.flavor_fit import matching_flavor  # noqa: E402
 
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}

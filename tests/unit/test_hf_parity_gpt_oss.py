@@ -25,13 +25,13 @@ from tests.hf_parity import (  # noqa: E402
     random_tokens,
 )
 from torchmoe.arch.gpt_oss import FLAVORS  # noqa: E402
-from torchmoe.components import mxfp4  # noqa: E402
-from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
-from torchmoe.components.weight_files import UnreadableWeights  # noqa: E402
 from torchmoe.hf import HFConversionError, load_model  # noqa: E402
+from torchmoe.hf_files import mxfp4  # noqa: E402
 from torchmoe.models.decoder.model import Transformer  # noqa: E402
 from torchmoe.models.gpt_oss.hf import args_from_hf_config, hf_config_from_args  # noqa: E402
 from torchmoe.models.hf_config_spec import HFConfigValueError  # noqa: E402
+from torchmoe.weights.flavor_fit import matching_flavor  # noqa: E402
+from torchmoe.weights.weight_files import UnreadableWeights  # noqa: E402
 
 _YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
          "original_max_position_embeddings": 16, "rope_theta": 150000.0}

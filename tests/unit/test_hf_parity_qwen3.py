@@ -16,11 +16,11 @@ from tests.hf_parity import (  # noqa: E402
     perturb_constant_inits,
 )
 from torchmoe.arch.qwen3 import FLAVORS  # noqa: E402
-from torchmoe.components.flavor_fit import matching_flavor  # noqa: E402
 from torchmoe.hf import HFConversionError  # noqa: E402
 from torchmoe.models.decoder.model import Transformer  # noqa: E402
 from torchmoe.models.hf_config_spec import HFConfigValueError  # noqa: E402
 from torchmoe.models.qwen3.hf import args_from_hf_config, hf_config_from_args  # noqa: E402
+from torchmoe.weights.flavor_fit import matching_flavor  # noqa: E402
 
 _BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,

@@ -25,10 +25,10 @@ from transformers import (  # noqa: E402
 )
 
 from tests.hf_parity import max_rel_err, perturb_constant_inits, random_tokens  # noqa: E402
-from torchmoe.components.peft_adapter import load_peft_adapter, save_merged_model, save_peft_adapter  # noqa: E402
 from torchmoe.config.errors import ConfigError  # noqa: E402
 from torchmoe.config.job_config import LoRA  # noqa: E402
 from torchmoe.hf import load_model  # noqa: E402
+from torchmoe.hf_files.peft_adapter import load_peft_adapter, save_merged_model, save_peft_adapter  # noqa: E402
 from torchmoe.models.decoder.lora import apply_lora  # noqa: E402
 from torchmoe.nn.lora import is_adapter_name  # noqa: E402
 
@@ -354,7 +354,7 @@ def test_an_adapter_folder_read_for_its_targets_names_what_it_holds(exported, st
     """`adapter_lora` (eval and generate reading an adapter folder over its base): a tensor file
     that holds nothing says so, one with a tensor of no target names it (an empty file once said
     "0 tensors of modules no lora.targets adapts, e.g. (none)")."""
-    from torchmoe.components.adapter_folder import adapter_lora
+    from torchmoe.hf_files.adapter_folder import adapter_lora
 
     folder = _edited(exported, tmp_path)
     save_file(stored, folder / "adapter_model.safetensors")

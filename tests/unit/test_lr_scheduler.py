@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from torchmoe.components.lr_scheduler import build_lr_scheduler, lr_factor
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
+from torchmoe.optim.lr_scheduler import build_lr_scheduler, lr_factor
 
 
 def _f(step: int, **kw) -> float:

@@ -13,18 +13,18 @@ import pytest
 import torch
 from rich.console import Console
 
-from torchmoe.components import metrics as metrics_mod
-from torchmoe.components.metrics import (
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.files import file_writes
+from torchmoe.config.job_config import Metrics as MetricsConfig
+from torchmoe.metrics import metrics as metrics_mod
+from torchmoe.metrics.metrics import (
     MetricsLogger,
     device_peak_flops,
     layer_imbalance,
     moe_imbalance,
     peak_memory_gib,
 )
-from torchmoe.components.wandb_logger import run_id
-from torchmoe.config import file_writes
-from torchmoe.config.errors import ConfigError
-from torchmoe.config.job_config import Metrics as MetricsConfig
+from torchmoe.metrics.wandb_logger import run_id
 
 CONTRACT_FIELDS = {
     "step", "loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu", "memory_gib",
@@ -270,7 +270,7 @@ def test_live_bar_on_a_terminal(tmp_path: Path) -> None:
 
 
 def test_throughput_window_leaves_out_the_first_step():
-    from torchmoe.components.metrics import ThroughputWindow
+    from torchmoe.metrics.metrics import ThroughputWindow
 
     window = ThroughputWindow()
     window.add(100, 10.0)  # compile + warm-up: 10 tokens/s
@@ -334,7 +334,7 @@ def test_records_held_past_the_bound_drop_the_oldest_and_the_file_says_how_many(
     bound, steps 2-8 are dropped (oldest first), and once the disk takes records the file holds 1,
     then 9 (marked: 7 records of steps 2-8 dropped), 10, 11, 12, the console saying so; full again
     to the end, `require_written` names the dropped and the held."""
-    from torchmoe.components.metrics import _RecordFile
+    from torchmoe.metrics.metrics import _RecordFile
 
     full = {"on": False}
     real_write = file_writes.os.write

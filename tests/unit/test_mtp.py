@@ -244,9 +244,9 @@ def test_checkpoints_with_fewer_modules_are_refused_and_more_skipped():
     """A run (or an initial load, or dcp-to-hf) reads a checkpoint's modules up to its own
     `mtp_layers`, skipping the rest; one that holds fewer is refused naming model.mtp_layers, and
     the flavor the tensors fit is found whatever modules they hold."""
-    from torchmoe.components.checkpoint_state import ModelWrapper
-    from torchmoe.components.flavor_fit import flavors_fitting, meta_state, require_fit
+    from torchmoe.checkpoints.checkpoint_state import ModelWrapper
     from torchmoe.config.errors import ConfigError
+    from torchmoe.weights.flavor_fit import flavors_fitting, meta_state, require_fit
 
     def stored(mtp: int) -> dict:
         model = meta_state(FLAVORS["tiny"].replace(mtp_layers=mtp))

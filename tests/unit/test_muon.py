@@ -1,4 +1,4 @@
-"""Muon (`components/muon.py`) against torch.optim.Muon: every matrix's update, every routed
+"""Muon (`optim/muon.py`) against torch.optim.Muon: every matrix's update, every routed
 expert's, MLA's projections; the Muon/AdamW split by role; the state dict.
 
     python -m pytest -q tests/unit/test_muon.py
@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from torchmoe.arch.registry import FLAVORS
-from torchmoe.components.muon import Muon, newton_schulz
-from torchmoe.components.muon_groups import describe_split, muon_split
-from torchmoe.components.optimizer import build_optimizer
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.models.decoder.model import Transformer
+from torchmoe.optim.muon import Muon, newton_schulz
+from torchmoe.optim.muon_groups import describe_split, muon_split
+from torchmoe.optim.optimizer import build_optimizer
 
 # name -> Muon settings (config keys): torch's defaults, then each key changed.
 SETTINGS = {
@@ -254,7 +254,7 @@ def test_only_shards_that_split_matrices_are_gathered() -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     from torchmoe import _torch_private as private
-    from torchmoe.components.muon_distributed import whole_matrix_placements
+    from torchmoe.optim.muon_distributed import whole_matrix_placements
 
     strided = private.strided_shard_type()(0, split_factor=2)
     assert whole_matrix_placements((strided, Shard(0)), 2) == (Replicate(), Replicate())

@@ -13,15 +13,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchmoe.components.checkpoint import CheckpointManager
-from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper
-from torchmoe.components.lr_scheduler import build_lr_scheduler
-from torchmoe.components.optimizer import build_optimizer
+from torchmoe.checkpoints.checkpoint import CheckpointManager
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper, OptimizerWrapper
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import Checkpoint as CheckpointConfig
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.nn.experts import GroupedExperts
+from torchmoe.optim.lr_scheduler import build_lr_scheduler
+from torchmoe.optim.optimizer import build_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

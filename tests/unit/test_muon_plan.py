@@ -16,14 +16,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torchmoe.arch.deepseek_v3 import deepseek_v3
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
-from torchmoe.components.muon import Muon, newton_schulz
-from torchmoe.components.muon_groups import muon_split
-from torchmoe.components.optimizer import build_optimizer
 from torchmoe.config import load_job_config
 from torchmoe.config.job_config import ActivationCheckpoint
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
 from torchmoe.config.job_config import Parallelism, Training
 from torchmoe.models.decoder.model import Transformer
+from torchmoe.optim.muon import Muon, newton_schulz
+from torchmoe.optim.muon_groups import muon_split
+from torchmoe.optim.optimizer import build_optimizer
 from torchmoe.plan.hardware import load_profile
 from torchmoe.plan.layout import param_specs
 from torchmoe.plan.memory import estimate_memory, memory_per_pp_rank

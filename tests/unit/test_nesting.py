@@ -1,4 +1,4 @@
-"""`config.nesting`: the one JSON and TOML parser of every reader refuses what no reader can use,
+"""`config.files.nesting`: the one JSON and TOML parser of every reader refuses what no reader can use,
 as the parser's own error for malformed input (which each reader turns into its one message)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from torchmoe.config.nesting import json_loads, toml_loads, tomllib
+from torchmoe.config.files.nesting import json_loads, toml_loads, tomllib
 
 
 @pytest.mark.parametrize(("text", "problem", "column"), [

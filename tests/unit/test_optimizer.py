@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from torchmoe import _torch_private as private
-from torchmoe.components.optimizer import build_optimizer, clip_grad_norm_
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.optim.optimizer import build_optimizer, clip_grad_norm_
 
 
 class _TinyMoE(nn.Module):

@@ -1,4 +1,4 @@
-"""`torchmoe.config.paths`: the OS's reason for a path, and which key a path belongs to.
+"""`torchmoe.config.files.paths`: the OS's reason for a path, and which key a path belongs to.
 
     python -m pytest -q tests/unit/test_paths.py
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from torchmoe.config import ConfigError, load_job_config
-from torchmoe.config.paths import describe_os_error, job_paths, user_path_faults, writable_file, writable_folder
+from torchmoe.config.files.paths import describe_os_error, job_paths, user_path_faults, writable_file, writable_folder
 
 
 def _raised_in(argv: list[str], err: OSError) -> ConfigError:

@@ -24,16 +24,17 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchmoe.arch.registry import FLAVORS as FAMILY_FLAVORS
-from torchmoe.components.saved_tensors import saved_bytes
 from torchmoe.config.job_config import ActivationCheckpoint, JobConfig, Parallelism, Training
 from torchmoe.config.loader import load_job_config
 from torchmoe.distributed.mesh import build_mesh
 from torchmoe.models.llama4 import FLAVORS, ModelArgs, Transformer
 from torchmoe.nn.document_attention import document_segments, whole_row_calls
 from torchmoe.nn.experts import GroupedExperts
+from torchmoe.performance.saved_tensors import saved_bytes
+from torchmoe.plan.activations import ActivationModel
 from torchmoe.plan.dry_run import format_ranks, run_dry_run
 from torchmoe.plan.layout import autocast_casts, param_specs, shard_numel
-from torchmoe.plan.memory import GIB, ActivationModel, estimate_memory, memory_per_pp_rank
+from torchmoe.plan.memory import GIB, estimate_memory, memory_per_pp_rank
 from torchmoe.plan.parallel_dims import ALL_NAMES, MESH_DIMS, ParallelDims
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from rich.console import Console
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.commands.plan import dry_run_advice, run_plan
 from torchmoe.config import ConfigError, load_job_config
-from torchmoe.config.loader import differing_keys
+from torchmoe.config.job_file import differing_keys
 from torchmoe.plan.hardware import BUILTIN_PROFILES, Link, load_profile, profile_from_dict, profile_to_dict
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import bubble_fraction

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.config.job_config import Profiling as ProfilingConfig
+from torchmoe.performance.profiling import maybe_memory_snapshot, maybe_profile
 
 
 def _train(prof, steps: int) -> None:

@@ -1,4 +1,4 @@
-"""QK-Clip (`components.qk_clip`, `nn.logit_max`): each head's largest logit equals the brute-force
+"""QK-Clip (`optim.qk_clip`, `nn.logit_max`): each head's largest logit equals the brute-force
 maximum of its masked score matrix; the clip brings every head above the threshold to it exactly,
 by the rows Kimi K2 names, and leaves every other head, and every other weight, as it was.
 
@@ -13,11 +13,11 @@ import importlib
 import pytest
 import torch
 
-from torchmoe.components.qk_clip import QKClip, watch_attention_logits
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.nn import logit_max
 from torchmoe.nn.document_attention import document_segments, document_starts, whole_row_calls
 from torchmoe.nn.logit_max import head_logit_max, window_starts
+from torchmoe.optim.qk_clip import QKClip, watch_attention_logits
 
 SEQ = 13
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe.components import run_lock
-from torchmoe.components.run_lock import OWNER_NAME, lock_folders, node_local_flock
-from torchmoe.config import folder_owners
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.paths import UserPath
+from torchmoe.config.files import folder_owners
+from torchmoe.config.files.paths import UserPath
+from torchmoe.run_folders import run_lock
+from torchmoe.run_folders.run_lock import OWNER_NAME, lock_folders, node_local_flock
 
 # /proc/self/mountinfo lines: id parent major:minor root point options [optional...] - type source super
 MOUNTS = """\

@@ -1,4 +1,4 @@
-"""Where a run's log messages go (`components.run_logs`): rank 0's console at metrics.log_level,
+"""Where a run's log messages go (`metrics.run_logs`): rank 0's console at metrics.log_level,
 warnings from every rank, and each rank's log file with what the console leaves out."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe.components import run_logs
-from torchmoe.components.run_logs import LogFile, log_file_path, reset_logging, setup_logging
+from torchmoe.metrics import run_logs
+from torchmoe.metrics.run_logs import LogFile, log_file_path, reset_logging, setup_logging
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_log_level_debug_shows_torchfts_rust_core(monkeypatch: pytest.MonkeyPatc
 def test_setup_logging_prefixes_the_rank(capsys: pytest.CaptureFixture) -> None:
     setup_logging(3)
     try:
-        log = logging.getLogger("torchmoe.components.test")
+        log = logging.getLogger("torchmoe.metrics.test")
         log.info("hidden on rank 3")
         log.warning("router collapsed")
         err = capsys.readouterr().err

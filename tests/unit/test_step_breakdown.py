@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from torchmoe.components.step_breakdown import CATEGORIES, attribute, format_breakdown, step_breakdown
 from torchmoe.config.job_config import ActivationCheckpoint
 from torchmoe.distributed.activation_checkpoint import apply_ac
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.nn.profiler_regions import region
+from torchmoe.performance.step_breakdown import CATEGORIES, attribute, format_breakdown, step_breakdown
 
 pytestmark = pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
 

@@ -198,7 +198,7 @@ def _damage(folder: Path, how: str) -> None:
         os.mkfifo(folder / name)
     elif how == "pickled":  # an object array, its digest recorded: loading it would unpickle
         np.save(folder / "shard-00001.sizes.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
-        from torchmoe.config.digests import digest_file
+        from torchmoe.config.files.digests import digest_file
         manifest["shards"][1]["files"]["shard-00001.sizes.npy"] = digest_file(folder / "shard-00001.sizes.npy")
         (folder / MANIFEST).write_text(json.dumps(manifest))
 
@@ -337,7 +337,7 @@ def test_a_resume_refuses_a_pickled_shard_whose_digest_was_recorded(tmp_path: Pa
     folder = tmp_path / "killed"
     np.save(folder / "shard-00000.sizes.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     progress = json.loads((folder / PROGRESS).read_text())
-    from torchmoe.config.digests import digest_file
+    from torchmoe.config.files.digests import digest_file
     progress["shards"][0]["files"]["shard-00000.sizes.npy"] = digest_file(folder / "shard-00000.sizes.npy")
     (folder / PROGRESS).write_text(json.dumps(progress))
     with pytest.raises(DataConfigError, match=r'OUT_DIR = ".*killed": shard-00000.sizes.npy is not a whole .npy '
@@ -350,7 +350,7 @@ def test_a_resume_refuses_a_pickled_shard_whose_digest_was_recorded(tmp_path: Pa
 def test_offsets_that_are_no_range_of_the_tokens_are_refused_where_read(tmp_path: Path, offsets: str) -> None:
     """docs.npy rewritten with its digest forged: a document whose offsets run backwards, past
     the shard's tokens or below 0 read other tokens, or none, silently before."""
-    from torchmoe.config.digests import digest_file
+    from torchmoe.config.files.digests import digest_file
 
     shards = _prepared(tmp_path)
     path = tmp_path / "out" / "shard-00000.docs.npy"

@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-from torchmoe.components.flavor_fit import matching_flavor, meta_state, require_fit
 from torchmoe.config import load_job_config
 from torchmoe.config.errors import ConfigError
 from torchmoe.config.job_config import ActivationCheckpoint, Parallelism, Training
@@ -25,6 +24,7 @@ from torchmoe.models.decoder.rotary import precompute_freqs_cis, rope_frequencie
 from torchmoe.models.llama4 import FLAVORS, Transformer
 from torchmoe.models.llama4.hf import args_from_hf_config, hf_config_from_args
 from torchmoe.plan.memory import estimate_memory
+from torchmoe.weights.flavor_fit import matching_flavor, meta_state, require_fit
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.helpers import compute_dtypes
-from torchmoe.components.divergence import TrainingDiverged
 from torchmoe.config import load_job_config
 from torchmoe.data.micro_batches import MicroBatch
 from torchmoe.training.loop import Trainer
+from torchmoe.weights.divergence import TrainingDiverged
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -279,7 +279,7 @@ class ModelArgs:
     def logits_unbounded(self, layer_id: int) -> bool:
         """Whether layer `layer_id`'s attention logits are free to grow with its weights: no
         QK-norm bounds them (Qwen3's per-head RMSNorm, Llama 4's L2 norm on RoPE layers; MLA has
-        none). QK-Clip watches only such layers (`components.qk_clip`)."""
+        none). QK-Clip watches only such layers (`optim.qk_clip`)."""
         if self.latent_attention:
             return True
         return not self.qk_rms_norm and not (self.use_qk_norm and self.rope_layers[layer_id])

@@ -101,7 +101,7 @@ def check_model(name: str, flavor: str, *, name_key: str = "model.name", flavor_
 @dataclass
 class FolderModel(Model):
     """A `[model]` section whose architecture is a Hugging Face folder's config.json, not a flavor
-    (`components.folder_model.with_folder_model` makes it for a run that starts from one).
+    (`weight_sources.folder_model.with_folder_model` makes it for a run that starts from one).
 
     Attributes:
         architecture: what config.json describes; the section's training settings

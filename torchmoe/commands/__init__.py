@@ -4,6 +4,6 @@ exit statuses; `train`, `eval`, `generate`, `plan` (with `calibrate` and `calibr
 `job` finds and checks the job a command runs, `exits` the statuses and messages the commands
 share, `arguments` the argparse whose usage errors are `ConfigError`s.
 
-The top layer: a command imports the library below it (the trainer, preflight, components, ...),
+The top layer: a command imports the library below it (the trainer, preflight, checkpoints, optimizers, ...),
 and nothing below imports a command.
 """

@@ -70,9 +70,9 @@ from torchmoe.commands.calibrate_steps import (
     stream_step,
     tiny_step,
 )
+from torchmoe.config.files.output_files import write_output
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.launch_env import launch_int
-from torchmoe.config.output_files import write_output
 from torchmoe.distributed.process_groups import backend_spec
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.plan.hardware import (

@@ -25,7 +25,7 @@ torchrun with more than one).
 
 Both directions run in one process, or as a sharded job under torchrun (gloo: this is host
 work): every tensor with at least one row per rank is split by rows over the ranks, and each
-rank reads and writes only its rows (DCP on both sides, `components/hf_storage.py` for Hugging
+rank reads and writes only its rows (DCP on both sides, `hf_files/hf_storage.py` for Hugging
 Face), so the host memory of a rank is about the model over the world size. User errors
 (missing folders, a file that is missing, unreadable or damaged, a flavor that does not fit the
 checkpoint, an unsupported Hugging Face config, an output folder that cannot be written) raise
@@ -54,39 +54,46 @@ from torch.distributed.tensor import Shard
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, FolderModel, check_model
 from torchmoe.commands.arguments import ArgumentParser, parse_args
-from torchmoe.components.base_files import keep_base_files
-from torchmoe.components.checksums import ChecksummingWriter
-from torchmoe.components.finite import refuse_bad_values
-from torchmoe.components.flavor_fit import (
-    flavors_fitting,
-    matching_flavor,
-    meta_state,
-    require_fit,
-    stored_mtp_layers,
+from torchmoe.config.errors import ConfigError
+from torchmoe.config.files.file_writes import os_cause, write_fault
+from torchmoe.config.files.paths import (
+    UserPath,
+    nonempty_path,
+    path_fault,
+    path_faults,
+    user_path_faults,
+    writable_folder,
 )
-from torchmoe.components.folder_model import base_config_folder
-from torchmoe.components.hf_storage import (
+from torchmoe.config.job_config import JobConfig, Model
+from torchmoe.config.launch_env import launch_int
+from torchmoe.config.validate import LORA_EXPORTS, PARAM_DTYPES
+from torchmoe.hf_files.base_files import keep_base_files
+from torchmoe.hf_files.hf_storage import (
     ExpertBiasDrop,
     load_hf_weights,
     read_hf_args,
     require_hf_form,
     save_hf_weights,
 )
-from torchmoe.components.run_lock import LOCK_NAMES, lock_folders
-from torchmoe.components.tokenizer_files import copy_tokenizer_files
-from torchmoe.components.trained_weights import run_config_file, run_job
-from torchmoe.components.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
-from torchmoe.config.errors import ConfigError
-from torchmoe.config.file_writes import os_cause, write_fault
-from torchmoe.config.job_config import JobConfig, Model
-from torchmoe.config.launch_env import launch_int
-from torchmoe.config.paths import UserPath, nonempty_path, path_fault, path_faults, user_path_faults, writable_folder
-from torchmoe.config.validate import LORA_EXPORTS, PARAM_DTYPES
+from torchmoe.hf_files.tokenizer_files import copy_tokenizer_files
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.models.registry import family_titles
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.nn.lora import is_adapter_name
+from torchmoe.run_folders.run_lock import LOCK_NAMES, lock_folders
 from torchmoe.training.adapter_checkpoint import export_checkpoint
+from torchmoe.weight_sources.folder_model import base_config_folder
+from torchmoe.weight_sources.trained_weights import run_config_file, run_job
+from torchmoe.weights.checksums import ChecksummingWriter
+from torchmoe.weights.finite import refuse_bad_values
+from torchmoe.weights.flavor_fit import (
+    flavors_fitting,
+    matching_flavor,
+    meta_state,
+    require_fit,
+    stored_mtp_layers,
+)
+from torchmoe.weights.weight_files import load_dcp, model_prefix, model_tensors, non_float, read_dcp_metadata
 
 __all__ = ["convert_main", "dcp_to_hf", "hf_to_dcp", "matching_flavor"]
 
@@ -109,7 +116,7 @@ def _require_dir(key: str, path: Path, fix: str) -> None:
 
 def _require_writable_out(path: Path) -> None:
     """Refuse an output folder that cannot be created or written (what the OS says:
-    `config.paths.writable_folder`); creates nothing (`_owning` does)."""
+    `config.files.paths.writable_folder`); creates nothing (`_owning` does)."""
     with path_faults("OUT_DIR", str(path), _OUT_FIX):
         writable_folder(path)
 
@@ -224,7 +231,7 @@ def dcp_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, flavor: str, name: s
     `Qwen3MoeForCausalLM`), keeping the checkpoint's parameter dtype. A non-zero expert bias the
     family's Hugging Face model has no place for is refused, or with `drop_expert_bias` left out.
     `architecture`: the model's, where it is no flavor's (a run from a Hugging Face folder,
-    which `flavor` then only names: `components.folder_model`).
+    which `flavor` then only names: `weight_sources.folder_model`).
 
     Returns:
         The dtype written.

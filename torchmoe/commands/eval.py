@@ -7,7 +7,7 @@
 `--checkpoint` (or the newest checkpoint of the job's run, or `--step N`'s) gives the weights,
 and with them the model where they tell it (a run's config.toml and the Hugging Face folder it
 started from, a Hugging Face config.json, a PEFT adapter folder's base: `--base`, else the one
-its adapter_config.json names: `components.trained_weights`). A LoRA run's checkpoint is its
+its adapter_config.json names: `weight_sources.trained_weights`). A LoRA run's checkpoint is its
 adapters over the run's base, loaded as a resume loads them (`Trainer.load_trained`); an
 adapter folder goes over its base as `lora.adapter` does. The job (the job file, or without one
 the weights' run's config.toml) gives the layout (any layout training runs: the loss is the same
@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING
 
 from torchmoe.commands.exits import rank_specific_errors, stopped_by_peer
 from torchmoe.commands.job import checkpoint_job, resolve_world_size
-from torchmoe.components.trained_weights import STEP, TrainedWeights
 from torchmoe.config import ConfigError, JobConfig
+from torchmoe.config.files.output_files import check_output_file, write_output
+from torchmoe.config.files.paths import writable_folder
 from torchmoe.config.flags import Integer, split_flags
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.numbers import INT64_MAX
-from torchmoe.config.output_files import check_output_file, write_output
-from torchmoe.config.paths import writable_folder
 from torchmoe.config.wording import counted
 from torchmoe.data.file_index import INDEX_FOLDER
+from torchmoe.weight_sources.trained_weights import STEP, TrainedWeights
 
 if TYPE_CHECKING:
     from torchmoe.training.validation import ValidationLoss

@@ -2,7 +2,7 @@
 
     torchmoe generate --job.dump_folder outputs/debug-40 --prompt "def main(" --max-new-tokens 64
 
-The weights (`--checkpoint`, else the newest checkpoint of the job's run: `components.trained_weights`)
+The weights (`--checkpoint`, else the newest checkpoint of the job's run: `weight_sources.trained_weights`)
 give the model (family, architecture, adapters, tokenizer) where they tell it: a run's config.toml
 and the Hugging Face folder it started from (a LoRA run's checkpoint is its adapters over the
 run's base), a Hugging Face config.json, a PEFT adapter folder over its base (`--base FOLDER`, else
@@ -10,7 +10,7 @@ the one its adapter_config.json names); the job (the job file, or without one th
 config.toml) the rest (device, compute dtype). The prompt is encoded as training encodes a
 document (BOS first with `training.add_bos`), or with `--chat` as a user message rendered through
 the tokenizer's chat template with the generation prompt after it (the template's tokens only:
-`data.chat_template`), as chat SFT trained; the model prefills it once, then decodes one token at
+`data.chat.chat_template`), as chat SFT trained; the model prefills it once, then decodes one token at
 a time over its cached keys and values (`nn.kv_cache`), so each step costs one position, and the
 logits are those of the full forward.
 
@@ -37,14 +37,12 @@ import torch
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.commands.exits import rank_specific_errors
 from torchmoe.commands.job import checkpoint_job
-from torchmoe.components.initial_load import load_initial_weights
-from torchmoe.components.peft_adapter import load_peft_adapter
-from torchmoe.components.trained_weights import STEP, TrainedWeights
 from torchmoe.config import ConfigError, JobConfig
 from torchmoe.config.flags import Integer, Number, split_flags
 from torchmoe.config.numbers import INT64_MAX, shown_text
-from torchmoe.data.chat_template import ChatTemplate, TemplateRefused
+from torchmoe.data.chat.chat_template import ChatTemplate, TemplateRefused
 from torchmoe.data.tokenizer import build_tokenizer
+from torchmoe.hf_files.peft_adapter import load_peft_adapter
 from torchmoe.models.decoder.lora import apply_lora
 from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.dtypes import torch_dtype
@@ -54,6 +52,8 @@ from torchmoe.preflight import train_device
 from torchmoe.training.adapter_checkpoint import adapted_model
 from torchmoe.training.adapters import base_weights
 from torchmoe.training.cpu_threads import cpu_threads
+from torchmoe.weight_sources.initial_load import load_initial_weights
+from torchmoe.weight_sources.trained_weights import STEP, TrainedWeights
 
 __all__ = ["NonFiniteLogits", "Sampling", "chat_prompt", "generate_ids", "generate_main", "load_trained_model", "next_token"]
 
@@ -138,7 +138,7 @@ def generate_ids(model: Transformer, prompt: list[int], sampling: Sampling, *, e
 
 def load_trained_model(cfg: JobConfig, weights: TrainedWeights) -> Transformer:
     """The job's model on its training device in eval mode, holding `weights`
-    (`components.trained_weights`: a Hugging Face or DCP folder; a PEFT adapter folder over its
+    (`weight_sources.trained_weights`: a Hugging Face or DCP folder; a PEFT adapter folder over its
     base; a LoRA run's checkpoint over the run's base, `adapter_checkpoint.adapted_model`),
     computing in training's compute dtype."""
     device = train_device(cfg.training.device)
@@ -289,7 +289,7 @@ def chat_prompt(folder: Path, message: str) -> tuple[list[int], str]:
 
 
 def _overflowed(err: NonFiniteLogits, cfg: JobConfig, found: dict[str, object]) -> ConfigError:
-    """What to do about weights (finite when loaded: `components.finite`) whose logits are not."""
+    """What to do about weights (finite when loaded: `weights.finite`) whose logits are not."""
     dtype = compute_dtype(cfg.training)
     fix = ("generate in float32 (--training.mixed_precision_param float32), whose range holds more"
            if dtype != "float32" else "use weights of a run that had not diverged (an earlier --step)")

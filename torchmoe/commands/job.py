@@ -15,13 +15,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
+from torchmoe.config.files.paths import replica_group_config
 from torchmoe.config.job_config import Parallelism
 from torchmoe.config.launch_env import launch_int
 from torchmoe.config.loader import CONFIG_FLAGS
-from torchmoe.config.paths import replica_group_config
 
 if TYPE_CHECKING:
-    from torchmoe.components.trained_weights import TrainedWeights
+    from torchmoe.weight_sources.trained_weights import TrainedWeights
 
 
 def _env_world_size() -> int | None:
@@ -111,7 +111,7 @@ def checkpoint_job(config_argv: list[str], prog: str, description: str, *, check
     tolerance the dump folder is the replica group's own (`replica_group_config`). `runs_with`:
     the settings the command applies whatever the job says (`load_job_config`).
     """
-    from torchmoe.components.trained_weights import run_config_file, trained_weights, with_weights_model
+    from torchmoe.weight_sources.trained_weights import run_config_file, trained_weights, with_weights_model
 
     if not any(token.partition("=")[0] in CONFIG_FLAGS for token in config_argv):
         run = run_config_file(Path(checkpoint)) if checkpoint else None

@@ -27,13 +27,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from torchmoe.arch.registry import model_args_from_config
-from torchmoe.components.folder_model import with_folder_model
-from torchmoe.components.metrics_records import METRICS_FILE
 from torchmoe.config import ConfigError, JobConfig, load_job_config, validate_sections
-from torchmoe.config.loader import resolved_config_text
+from torchmoe.config.files.output_files import check_output_file, write_output
+from torchmoe.config.files.paths import free_folder_name
+from torchmoe.config.job_file import resolved_config_text
 from torchmoe.config.numbers import MAX_RANKS, parse_int, parse_number
-from torchmoe.config.output_files import check_output_file, write_output
-from torchmoe.config.paths import free_folder_name
+from torchmoe.metrics.metrics_records import METRICS_FILE
 from torchmoe.nn.attention_kernel_choice import MATH
 from torchmoe.plan.hardware import BUILTIN_PROFILES, load_profile
 from torchmoe.plan.memory import compute_dtype
@@ -42,6 +41,7 @@ from torchmoe.plan.pipeline import bubble_fraction, job_pipeline_layout, microba
 from torchmoe.plan.search import DEFAULT_MARGIN, PLAN_KEYS, Layout, SearchResult, fixed_keys, search
 from torchmoe.plan.step_time import predict
 from torchmoe.preflight import validate_layout
+from torchmoe.weight_sources.folder_model import with_folder_model
 
 __all__ = ["PLAN_DESCRIPTION", "dry_run_advice", "plan_main", "run_plan"]
 

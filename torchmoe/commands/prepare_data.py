@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 from torchmoe.commands.arguments import ArgumentParser, parse_args
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.files.paths import nonempty_path
 from torchmoe.config.numbers import INT64_MAX, parse_int, shown_text
-from torchmoe.config.paths import nonempty_path
 from torchmoe.data import prepare as preparation
 from torchmoe.data.dataset import DataConfigError
 from torchmoe.data.prepare import DEFAULT_SHARD_TOKENS, HUB_PREFIX, prepare

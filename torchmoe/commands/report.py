@@ -38,21 +38,21 @@ import torch
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS, model_args_from_config
 from torchmoe.commands.arguments import ArgumentParser, parse_args
-from torchmoe.components.folder_model import with_folder_model
-from torchmoe.components.metrics import layer_imbalance
-from torchmoe.components.metrics_records import METRICS_FILE, not_records, read_record_lines
-from torchmoe.components.run_info import RUN_INFO_FILE, read_run_info
 from torchmoe.config.degrees import resolve_degrees
 from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.files.output_files import check_output_file, write_output
+from torchmoe.config.files.paths import nonempty_path, path_faults
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.loader import load_toml_config
+from torchmoe.config.job_file import load_toml_config
 from torchmoe.config.numbers import MAX_RANKS, parse_int
-from torchmoe.config.output_files import check_output_file, write_output
-from torchmoe.config.paths import nonempty_path, path_faults
 from torchmoe.config.validate import validate_sections
+from torchmoe.metrics.metrics import layer_imbalance
+from torchmoe.metrics.metrics_records import METRICS_FILE, not_records, read_record_lines
 from torchmoe.plan.dry_run import format_count, plan_job
 from torchmoe.plan.parallel_dims import MESH_DIMS
 from torchmoe.preflight.layout import check_flavor
+from torchmoe.run_folders.run_info import RUN_INFO_FILE, read_run_info
+from torchmoe.weight_sources.folder_model import with_folder_model
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

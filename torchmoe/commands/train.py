@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from torchmoe.commands.exits import RankSpecificError, report_error, stopped_by_peer
 from torchmoe.commands.job import job_config, resolve_world_size
 from torchmoe.config import ConfigError, JobConfig
-from torchmoe.config.folder_owners import refuse_held
+from torchmoe.config.files.folder_owners import refuse_held
+from torchmoe.config.files.paths import job_paths, replica_group_config, user_path_faults
+from torchmoe.config.job_file import config_toml
 from torchmoe.config.launch_env import tell_launcher
-from torchmoe.config.loader import config_toml
 from torchmoe.config.numbers import MAX_RANKS, parse_int
-from torchmoe.config.paths import job_paths, replica_group_config, user_path_faults
 
 TRAIN_DESCRIPTION = """\
 Train a mixture-of-experts model (model.name: llama4, qwen3, deepseek_v3, gpt_oss) from a TOML job
@@ -112,8 +112,8 @@ def _run_train(cfg: JobConfig, world_size: int, flags: TrainFlags, set_keys: set
 
             load_profile(flags.hardware)
         refuse_held("job.dump_folder", cfg.job.dump_folder, cfg.job.dump_folder)
-    from torchmoe.components.folder_model import with_folder_model
     from torchmoe.preflight import validate_job_config
+    from torchmoe.weight_sources.folder_model import with_folder_model
 
     cfg = with_folder_model(cfg, set_keys=set_keys, absent_ok=dry_run)  # from a Hugging Face folder: its config.json
     validate_job_config(cfg, world_size, check_device=not dry_run)

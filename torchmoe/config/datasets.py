@@ -21,7 +21,7 @@ from torchmoe.config.job_config import Training
 __all__ = ["DEPENDENT_DEFAULTS", "EXAMPLE_DATASETS", "default_document_masking", "example_kinds", "split_mix_entry",
            "unmasked_examples_note"]
 
-# Dataset kinds whose rows are separate examples, packed whole (`data.chat`). A preference kind
+# Dataset kinds whose rows are separate examples, packed whole (`data.chat.chat`). A preference kind
 # joins them when it is added.
 EXAMPLE_DATASETS = ("chat",)
 # The keys whose default depends on another key, and how (docs/config.md's default column).

@@ -14,7 +14,7 @@ read); a key set where its rule does not hold is:
   switched-off section's settings for later, as torchtitan's own files do). A key at its default
   asks for nothing and stays quiet, and so does one whose switch a flag set (the command line
   turned the section off on purpose). A run's own config.toml writes every key out
-  (`loader.RESOLVED_HEADER`): the run said its warnings when it started, so reading it back
+  (`job_file.RESOLVED_HEADER`): the run said its warnings when it started, so reading it back
   (`eval`, `generate`, a resume from it) says none.
 
 Keys that are wrong rather than idle are refused by `validate` instead, file or flag (a seed
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.files.paths import key_value
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.paths import key_value
 
 __all__ = ["RULES", "Needs", "check_dependent_keys", "unused_rule"]
 

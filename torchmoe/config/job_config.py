@@ -65,7 +65,7 @@ class Optimizer:
     eps: float = 1e-8
     """Adam epsilon (with Muon: of the AdamW parameters)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay; biases of every shape (gpt-oss's per-expert b13, b2 too), norms, attention sinks and the token embedding are exempt, by role, and LoRA adapters decay as under PEFT (components/param_roles.py) (with Muon: Muon's, applied as p *= 1 - lr * weight_decay, torch.optim.Muon's default 0.1)."""
+    """Decoupled weight decay; biases of every shape (gpt-oss's per-expert b13, b2 too), norms, attention sinks and the token embedding are exempt, by role, and LoRA adapters decay as under PEFT (optim/param_roles.py) (with Muon: Muon's, applied as p *= 1 - lr * weight_decay, torch.optim.Muon's default 0.1)."""
     beta1: float = 0.9
     """Adam beta1 (with Muon: of the AdamW parameters)."""
     beta2: float = 0.95

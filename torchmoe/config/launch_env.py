@@ -15,7 +15,7 @@ import os
 import time
 
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.file_writes import write_file
+from torchmoe.config.files.file_writes import write_file
 from torchmoe.config.numbers import MAX_RANKS, parse_int, shown_text
 
 __all__ = ["launch_int", "tell_launcher"]

@@ -4,7 +4,7 @@
 
 Most of torchtitan's keys are torchmoe's own under the same name (`training.steps`,
 `training.dtype`, `activation_checkpoint.early_stop`, `checkpoint.load_step`, ...) and
-`loader.py` reads them as such. This module holds the other 51, and one model argument its
+`job_file.py` (a file) and `loader.py` (a flag) read them as such. This module holds the other 51, and one model argument its
 flavors set (`model.attn_mask_type`, accepted as a key too), each either
 
 - **mapped** onto the torchmoe keys that do the same (`debug.seed` is `training.seed`,

@@ -5,7 +5,7 @@
 
 A TOML file unsets a key by leaving it out, or a path by ``""``; a flag cannot leave out what the
 job file sets, and ``""`` from a flag is what an unset shell variable gives (refused for a path:
-`config.paths.nonempty_path`). `loader.load_job_config` gives the key its unset value and counts
+`config.files.paths.nonempty_path`). `loader.load_job_config` gives the key its unset value and counts
 it as not set (`set_keys`, the checks of `dependent_keys`).
 """
 

@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 
 from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.files.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, nonempty_path
 from torchmoe.config.job_config import (
     ActivationCheckpoint,
     Checkpoint,
@@ -36,7 +37,6 @@ from torchmoe.config.job_config import (
     Validation,
 )
 from torchmoe.config.numbers import INT64_MAX, INT64_MIN
-from torchmoe.config.paths import READ_KEYS, WRITTEN_FOLDER_KEYS, key_value, nonempty_path
 
 OPTIMIZERS = ("AdamW", "Adam", "Muon")
 MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
@@ -44,8 +44,8 @@ NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 DECAY_TYPES = ("linear", "sqrt", "cosine")
 DATASETS = ("python_docs", "local", "tokens", "hf", "chat", "c4", "c4_test", "c4_validation")
-LOSS_ON = ("assistant", "last", "all")  # training.loss_on (`data.chat_masks`)
-CHAT_OVERLONG = ("truncate", "drop")  # training.chat_overlong (`data.chat`)
+LOSS_ON = ("assistant", "last", "all")  # training.loss_on (`data.chat.chat_masks`)
+CHAT_OVERLONG = ("truncate", "drop")  # training.chat_overlong (`data.chat.chat`)
 PARAM_DTYPES = ("bfloat16", "float32")
 LOG_LEVELS = ("warning", "info", "debug")  # metrics.log_level
 REDUCE_DTYPES = ("float32", "bfloat16")

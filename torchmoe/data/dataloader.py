@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from torchmoe.data.chat import ChatCorpus
+from torchmoe.data.chat.chat import ChatCorpus
 from torchmoe.data.dataset import build_documents
 from torchmoe.data.documents import DataConfigError, Documents
 from torchmoe.data.micro_batches import MicroBatch, micro_batches

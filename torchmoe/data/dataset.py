@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from torchmoe.config.nesting import json_loads
-from torchmoe.config.paths import path_faults
-from torchmoe.config.text import SURROGATE_FIX, NotUTF8, lone_surrogate, utf8_text
+from torchmoe.config.files.nesting import json_loads
+from torchmoe.config.files.paths import path_faults
+from torchmoe.config.files.text import SURROGATE_FIX, NotUTF8, lone_surrogate, utf8_text
 from torchmoe.config.wording import counted
 from torchmoe.data.dataset_kinds import check_kind
 from torchmoe.data.documents import DataConfigError, Documents, SizedDocuments, text_part
 from torchmoe.data.file_index import LINES, START, Indexing, IndexKind, line_spans, shared_indexes, with_starts
 from torchmoe.data.file_listing import local_files
 from torchmoe.data.hub_documents import HFDocuments, as_text
-from torchmoe.data.read_bounds import GROUPS_FIX, check_row, read_whole
+from torchmoe.data.read_bounds import GROUPS_FIX, check_row, parquet_file, read_whole
 from torchmoe.data.token_shards import TokenShards
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class FileDocuments(SizedDocuments):
         if kind == "array":
             rows = self._json_array(file)
             return (_row_text(row, self.text_field, f"{file}[{i}]", self.source) for i, row in enumerate(rows))
-        pf = _parquet_file(file, self.key)
+        pf = parquet_file(file, self.key)
         _parquet_column(pf, file, self.text_field)
         return (text for group in range(pf.metadata.num_row_groups)
                 for text in self._parquet_group(file, pf, group))
@@ -280,7 +280,7 @@ class FileDocuments(SizedDocuments):
 
     def _parquet_row(self, file: Path, row: int) -> str:
         """Row `row` of a .parquet file: its row group is read (and kept while it is read)."""
-        pf = _parquet_file(file, self.key)
+        pf = parquet_file(file, self.key)
         start = 0
         for group in range(pf.metadata.num_row_groups):
             end = start + pf.metadata.row_group(group).num_rows
@@ -339,21 +339,6 @@ def _row_text(row: Any, text_field: str, where: str, source: tuple[str, str]) ->
     return text
 
 
-def _parquet_file(file: Path, key: str) -> Any:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise DataConfigError(
-            key, str(file), "reading .parquet files needs pyarrow",
-            "pip install 'torchmoe[data]'",
-        ) from e  # fmt: skip
-    try:
-        return pq.ParquetFile(file)
-    except ValueError as e:  # pyarrow's ArrowInvalid: not a parquet file, or a truncated one
-        raise DataConfigError(key, str(file), f"is not a readable .parquet file ({e})",
-                              "replace it with a valid parquet file, or remove it from the dataset") from None
-
-
 def _parquet_column(pf: Any, file: Path, text_field: str) -> None:
     columns = pf.schema_arrow.names
     if text_field not in columns:
@@ -388,7 +373,7 @@ def python_docs_files(stdlib: str | Path | None = None) -> list[Path]:
     `config-*/`) are excluded, and so are the test suite's encoding samples: files that are not
     plain UTF-8 (a byte order mark, Latin-1, KOI8-R: 6 on CPython 3.11, e.g.
     `test/tokenizedata/bad_coding2.py`), which the corpus reader refuses as a user's file
-    (`config.text`) and which would stop the default job where a row reaches one.
+    (`config.files.text`) and which would stop the default job where a row reaches one.
 
     Args:
         stdlib: the stdlib folder; default `sysconfig.get_paths()["stdlib"]`.
@@ -436,7 +421,7 @@ def build_documents(training: Training, *, key: str = "training.dataset_path",
                                   "`torchmoe prepare-data`")
         return TokenShards(training.dataset_path, key=key, check_digests=check_digests)
     if kind == "chat":
-        from torchmoe.data.chat import chat_corpus  # lazily: the chat modules read files with this module's helpers
+        from torchmoe.data.chat.chat import chat_corpus  # lazily: only chat data needs jinja2 (templates)
 
         return chat_corpus(training, key=key)
     if kind == "hf":

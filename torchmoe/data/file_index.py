@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from torchmoe.config.file_writes import write_file
+from torchmoe.config.files.file_writes import write_file
 
 __all__ = ["INDEX_FOLDER", "LINES", "START", "IndexKind", "Indexing", "cached_index", "line_spans", "shared_indexes",
            "with_starts"]

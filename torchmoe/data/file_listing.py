@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from torchmoe.config.errors import show_value
-from torchmoe.config.file_kinds import file_kind
-from torchmoe.config.paths import path_faults
+from torchmoe.config.files.file_kinds import file_kind
+from torchmoe.config.files.paths import path_faults
 from torchmoe.config.wording import counted
 from torchmoe.data.dataset_kinds import ALWAYS_READ, is_text_file
 from torchmoe.data.errors import DataConfigError

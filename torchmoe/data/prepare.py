@@ -46,8 +46,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from torchmoe.config.folder_owners import refuse_held
-from torchmoe.config.paths import path_faults
+from torchmoe.config.files.folder_owners import refuse_held
+from torchmoe.config.files.paths import path_faults
 from torchmoe.data.dataset import DataConfigError, Documents, FileDocuments
 from torchmoe.data.documents import SizedDocuments
 from torchmoe.data.file_listing import local_files

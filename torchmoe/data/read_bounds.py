@@ -3,6 +3,7 @@
     data = read_whole(path, key="model.tokenizer_path", value=folder, fix="...")  # a file parsed whole
     check_row(length, "data/chat.jsonl:12", key="training.dataset_path", value=path, fix="...")
     check_regular(path, key="training.dataset_path", value=path)                  # before another reader opens it
+    pf = parquet_file(path, key="training.dataset_path")                          # pyarrow's reader of it
 
 A named pipe in a data folder (a ``b.jsonl`` that is a FIFO) made a run wait for a writer for
 ever, and a row or file of many gigabytes was read whole, then decoded and parsed, several times its
@@ -18,14 +19,15 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
-from torchmoe.config.file_kinds import NotARegularFile, TooLarge
-from torchmoe.config.file_kinds import check_regular as _check_regular
-from torchmoe.config.file_kinds import read_regular
-from torchmoe.config.paths import path_faults
+from torchmoe.config.files.file_kinds import NotARegularFile, TooLarge
+from torchmoe.config.files.file_kinds import check_regular as _check_regular
+from torchmoe.config.files.file_kinds import read_regular
+from torchmoe.config.files.paths import path_faults
 from torchmoe.data.errors import DataConfigError
 
-__all__ = ["GROUPS_FIX", "READ_BYTES", "TEMPLATE_BYTES", "check_regular", "check_row", "read_whole"]
+__all__ = ["GROUPS_FIX", "READ_BYTES", "TEMPLATE_BYTES", "check_regular", "check_row", "parquet_file", "read_whole"]
 
 READ_BYTES = 1 << 28
 """The most bytes of one row (a .jsonl line, a parquet row group) or of one file parsed whole (a
@@ -87,3 +89,20 @@ def check_regular(path: str | os.PathLike, *, key: str, value: str) -> None:
             _check_regular(path)
         except NotARegularFile as err:
             raise DataConfigError(key, value, f"{Path(path).parent}/{err}", _NOT_REGULAR_FIX) from None
+
+
+def parquet_file(file: Path, key: str) -> Any:
+    """pyarrow's reader of the .parquet file `file` (`key` named it): a `DataConfigError` without
+    pyarrow, or for a file that is not parquet."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataConfigError(
+            key, str(file), "reading .parquet files needs pyarrow",
+            "pip install 'torchmoe[data]'",
+        ) from e  # fmt: skip
+    try:
+        return pq.ParquetFile(file)
+    except ValueError as e:  # pyarrow's ArrowInvalid: not a parquet file, or a truncated one
+        raise DataConfigError(key, str(file), f"is not a readable .parquet file ({e})",
+                              "replace it with a valid parquet file, or remove it from the dataset") from None

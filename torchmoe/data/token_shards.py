@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from torchmoe.config.digests import ALGORITHM, digest_file
-from torchmoe.config.file_writes import os_error, write_file
-from torchmoe.config.nesting import json_loads
-from torchmoe.config.paths import path_faults
+from torchmoe.config.files.digests import ALGORITHM, digest_file
+from torchmoe.config.files.file_writes import os_error, write_file
+from torchmoe.config.files.nesting import json_loads
+from torchmoe.config.files.paths import path_faults
 from torchmoe.data.documents import DataConfigError, SizedDocuments
 from torchmoe.data.read_bounds import check_regular, read_whole
 from torchmoe.data.tokenizer import ByteTokenizer, Fingerprint, Tokenizer

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchmoe.config.nesting import json_loads
-from torchmoe.config.paths import path_faults
-from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.config.files.nesting import json_loads
+from torchmoe.config.files.paths import path_faults
+from torchmoe.config.files.text import NotUTF8, utf8_text
 from torchmoe.data.errors import DataConfigError
 from torchmoe.data.read_bounds import read_whole
 

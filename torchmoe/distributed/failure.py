@@ -71,8 +71,8 @@ import torch.distributed as dist
 
 from torchmoe import _torch_private as private
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.files.nesting import json_loads
 from torchmoe.config.launch_env import tell_launcher
-from torchmoe.config.nesting import json_loads
 from torchmoe.distributed.interruption import Interrupted
 from torchmoe.distributed.process_groups import device_backend
 

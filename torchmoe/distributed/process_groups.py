@@ -12,7 +12,7 @@ of a large job's many groups costs connections and start-up time.
 Timeouts. Every group starts with `[comm] init_timeout_seconds`, long enough for loading, compile
 and the first step. After the first step the groups the training step uses (the default group
 and the device mesh's) get the short `train_timeout_seconds`, so a stuck rank fails the job
-quickly. Checkpoint groups (`components.checkpoint`) keep a timeout of their own: a save's gather
+quickly. Checkpoint groups (`checkpoints.checkpoint`) keep a timeout of their own: a save's gather
 waits for the slowest rank's write, routinely minutes longer than the fastest's at scale.
 """
 

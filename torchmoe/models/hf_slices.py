@@ -1,5 +1,5 @@
 """Where each of our tensors lives in a Hugging Face checkpoint (`HFSlice`): what every family's
-mapping (``models/<family>/hf.py``) returns and `components.hf_storage` reads and writes by.
+mapping (``models/<family>/hf.py``) returns and `hf_files.hf_storage` reads and writes by.
 
 Three layouts occur in released checkpoints:
 

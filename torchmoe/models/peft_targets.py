@@ -1,5 +1,5 @@
 """Where PEFT puts an adapter of ours on a family's transformers model (`PeftTarget`): what each
-family's ``peft_target`` (``models/<family>/hf.py``) returns and `components.peft_adapter` writes
+family's ``peft_target`` (``models/<family>/hf.py``) returns and `hf_files.peft_adapter` writes
 and reads by.
 
 PEFT (0.21) adapts two kinds of places:

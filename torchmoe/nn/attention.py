@@ -30,7 +30,7 @@ definition, each called with its log-sum-exp, under the layout contract CUDA's k
 
 What autograd keeps for a prefixed block: q, both key/value blocks (views of the caller's
 tensors), the merged output and the fp32 log-sum-exp: what a flash kernel keeps, no mask and no
-score matrix (`plan.memory` counts it so).
+score matrix (`plan.activations` counts it so).
 
 Why not torch's public ``varlen_attn``, which takes a prefix too (FlashAttention-2 aligns its
 causal mask bottom right): it wants the prefix and the block's keys in one tensor, a copy of

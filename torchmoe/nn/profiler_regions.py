@@ -1,7 +1,7 @@
 """Profiler labels for the parts of a training step whose op names alone are ambiguous.
 
     with region("attention"):
-        ...  # shows as `torchmoe/attention` in traces; components/step_breakdown.py reads it
+        ...  # shows as `torchmoe/attention` in traces; performance/step_breakdown.py reads it
 
 A linear is a linear wherever it runs: the label says which part of the model ran it. The label
 costs nothing when no profiler runs, and is left out of compiled graphs (torch.compile would

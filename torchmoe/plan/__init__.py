@@ -4,6 +4,7 @@
 
 - `layout`: where each parameter lives (pipeline stage, TP/EP/FSDP shard sizes).
 - `memory`: per-rank memory estimate (parameters, gradients, optimizer, FSDP buffers, activations).
+- `activations`: the bytes each block saves for backward (under AC), a pp rank's peak.
 - `dry_run`: the printed report and ``dry_run.json``.
 """
 

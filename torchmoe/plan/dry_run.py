@@ -24,7 +24,7 @@ from rich.table import Table
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.degrees import resolve_degrees
-from torchmoe.config.file_writes import write_file
+from torchmoe.config.files.file_writes import write_file
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.wording import counted
 from torchmoe.plan.context import CPLayout

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchmoe.config.errors import ConfigError
-from torchmoe.config.nesting import json_loads
-from torchmoe.config.paths import path_faults
-from torchmoe.config.text import NotUTF8, utf8_text
+from torchmoe.config.files.nesting import json_loads
+from torchmoe.config.files.paths import path_faults
+from torchmoe.config.files.text import NotUTF8, utf8_text
 from torchmoe.nn import attention_kernel_choice
 
 __all__ = ["BUILTIN_PROFILES", "COLLECTIVES", "OP_CLASSES", "PROFILE_FORMAT", "HardwareProfile", "Link",

@@ -2,8 +2,8 @@
 
     cost = muon_cost(args, dims, cfg.optimizer, units)   # units: the rank's FSDP units (PP)
 
-Pure arithmetic over `ModelArgs` and the layout (no torch), mirroring `components.muon_groups`
-(which parameters are Muon's) and `components.muon_distributed` (what a step gathers):
+Pure arithmetic over `ModelArgs` and the layout (no torch), mirroring `optim.muon_groups`
+(which parameters are Muon's) and `optim.muon_distributed` (what a step gathers):
 
 - Muon's parameters (`is_muon`): every block matrix (attention and MLA projections, dense and
   shared-expert MLPs, the MTP projection), routed experts' ``(experts, out, in)`` stacks, the
@@ -26,7 +26,7 @@ Pure arithmetic over `ModelArgs` and the layout (no torch), mirroring `component
   ``b x (n - 1) / n x P`` bytes received (b: bytes of ns_dtype), first over its FSDP dim
   (dp_shard_cp, or efsdp for experts sharded on their hidden dim), then over tp (etp for the
   MoE block's own matrices and the experts).
-- The step's transient memory (`step_peak_bytes`): `components.muon` orthogonalises one
+- The step's transient memory (`step_peak_bytes`): `optim.muon` orthogonalises one
   parameter at a time (an expert stack in one batched NS), so the peak is that of its largest
   parameter. Its NS holds at once, at the last matmul of an iteration (X' = a X + H X), the
   whole input, X and X' (r x c each), G and H (r x r each) and the norm, all in ns_dtype:
@@ -75,7 +75,7 @@ def _has_matrices(spec: ParamSpec) -> bool:
 
 
 def is_muon(spec: ParamSpec, cfg: OptimizerConfig) -> bool:
-    """Whether Muon optimizes `spec` under `cfg` (`components.muon_groups.muon_split`'s rule)."""
+    """Whether Muon optimizes `spec` under `cfg` (`optim.muon_groups.muon_split`'s rule)."""
     if any(fnmatch.fnmatchcase(spec.fqn, p) for p in cfg.adamw_params):
         return False
     if any(fnmatch.fnmatchcase(spec.fqn, p) for p in cfg.muon_params):

@@ -28,7 +28,7 @@ checkpointing adds the forward again (a third of the block's FLOPs) for recomput
 per-op selective AC half of the plain matmuls' forward (it replays the rest of the forward too:
 its elementwise passes and kernels count as full AC's). Beside the FLOPs:
 
-    elementwise  4 x the bytes a block saves for backward (`memory.ActivationModel`) over the
+    elementwise  4 x the bytes a block saves for backward (`activations.ActivationModel`) over the
                  memory bandwidth: each saved tensor is written in forward, read in backward, and
                  its gradient written and read once more
     kernels      the operators a block runs per micro-batch (`KERNELS`; forward + backward,
@@ -72,13 +72,13 @@ from torchmoe.config.degrees import resolve_degrees
 from torchmoe.config.dtypes import DTYPE_BYTES
 from torchmoe.config.job_config import JobConfig
 from torchmoe.nn.attention_kernel_choice import FLASH, MATH
+from torchmoe.plan.activations import ActivationModel
 from torchmoe.plan.context import CPLayout
 from torchmoe.plan.float8 import selected_by
 from torchmoe.plan.hardware import HardwareProfile
 from torchmoe.plan.layout import REPLICATED, attention_linears, unit_sizes
 from torchmoe.plan.memo import memoised
 from torchmoe.plan.memory import (
-    ActivationModel,
     autocast_enabled,
     compute_dtype,
     compute_dtype_bytes,

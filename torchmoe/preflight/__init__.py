@@ -17,9 +17,9 @@ import torch
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import model_args_from_config
 from torchmoe.config.degrees import resolve_degrees
+from torchmoe.config.files.paths import source_key
 from torchmoe.config.job_config import JobConfig
 from torchmoe.config.launch_env import launch_int
-from torchmoe.config.paths import source_key
 from torchmoe.config.validate import validate_sections
 from torchmoe.data.dataloader import validation_data
 from torchmoe.data.tokenizer import build_tokenizer

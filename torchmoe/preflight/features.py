@@ -10,11 +10,11 @@ import os
 import torch
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.components.hf_storage import holds_expert_bias, require_hf_form
-from torchmoe.components.peft_adapter import BIASES_WITHOUT_PLACE, require_peft_form
 from torchmoe.config.errors import ConfigError, show_value
 from torchmoe.config.job_config import ActivationCheckpoint, Checkpoint, JobConfig, Metrics
 from torchmoe.config.launch_env import launch_int
+from torchmoe.hf_files.hf_storage import holds_expert_bias, require_hf_form
+from torchmoe.hf_files.peft_adapter import BIASES_WITHOUT_PLACE, require_peft_form
 from torchmoe.models.decoder.lora import apply_lora
 from torchmoe.models.llama4 import Transformer
 from torchmoe.models.registry import hf_mapping
@@ -161,7 +161,7 @@ def _check_sink_attention(cfg: JobConfig, args: ModelArgs) -> None:
 
 
 def _check_qk_clip(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
-    """QK-Clip (`components.qk_clip`) measures every head's logits over whole rows and scales
+    """QK-Clip (`optim.qk_clip`) measures every head's logits over whole rows and scales
     the weights that make them, the same in every replica."""
     key, value = "optimizer.qk_clip_threshold", cfg.optimizer.qk_clip_threshold
     if not any(args.logits_unbounded(layer) for layer in range(args.n_layers)):

@@ -13,16 +13,17 @@ from pathlib import Path
 import torch
 
 from torchmoe.arch.registry import model_args_from_config
-from torchmoe.components.folder_model import hf_folder
-from torchmoe.components.metrics_records import METRICS_FILE
-from torchmoe.components.run_info import RUN_INFO_FILE
-from torchmoe.components.run_lock import LOCK_NAMES
-from torchmoe.components.run_logs import LOG_FILE_NAME, LOG_FOLDER
-from torchmoe.components.wandb_logger import RUN_ID_FILE, WANDB_FOLDER
 from torchmoe.config.errors import ConfigError, show_value
+from torchmoe.config.files.paths import (
+    WRITE_FIX,
+    path_faults,
+    source_key,
+    writable_file,
+    writable_folder,
+    written_folders,
+)
 from torchmoe.config.job_config import Checkpoint, Job, JobConfig, Model, Training
 from torchmoe.config.launch_env import launch_int
-from torchmoe.config.paths import WRITE_FIX, path_faults, source_key, writable_file, writable_folder, written_folders
 from torchmoe.config.validate import check_dataset
 from torchmoe.data.dataset import DataConfigError, FileDocuments, build_documents
 from torchmoe.data.documents import SizedDocuments
@@ -30,8 +31,14 @@ from torchmoe.data.file_index import INDEX_FOLDER
 from torchmoe.data.mixture import KEY as MIX_KEY
 from torchmoe.data.mixture import source_settings
 from torchmoe.data.tokenizer import Tokenizer
+from torchmoe.metrics.metrics_records import METRICS_FILE
+from torchmoe.metrics.run_logs import LOG_FILE_NAME, LOG_FOLDER
+from torchmoe.metrics.wandb_logger import RUN_ID_FILE, WANDB_FOLDER
 from torchmoe.models.registry import hf_mapping
 from torchmoe.plan.dry_run import DRY_RUN_FILE
+from torchmoe.run_folders.run_info import RUN_INFO_FILE
+from torchmoe.run_folders.run_lock import LOCK_NAMES
+from torchmoe.weight_sources.folder_model import hf_folder
 
 _STEP_NAME = re.compile(r"step-(\d+)(-hf)?")
 # Every name the checkpoint manager writes, renames or prunes: step-N, its -hf export, a LoRA run's

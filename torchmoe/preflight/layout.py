@@ -14,9 +14,9 @@ from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FolderModel, check_model
 from torchmoe.config.degrees import divisors_text
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.files.paths import key_value
 from torchmoe.config.job_config import JobConfig, Model, Parallelism, Training
 from torchmoe.config.launch_env import launch_int
-from torchmoe.config.paths import key_value
 from torchmoe.plan.memory import estimate_memory
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import SPLIT_BACKWARD_SCHEDULES, check_microbatches, job_pipeline_layout

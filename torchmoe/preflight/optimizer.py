@@ -3,7 +3,7 @@
     check_optimizer(cfg.optimizer, args)   # a muon_params pattern that matches nothing: ConfigError
 
 Muon's ``muon_params`` / ``adamw_params`` are glob patterns over parameter names
-(`components.muon_groups`); one that matches no parameter of the model moved nothing between
+(`optim.muon_groups`); one that matches no parameter of the model moved nothing between
 Muon and AdamW, without a word (a typo, or another family's name). The names are the model's
 own (`plan.layout.param_specs`: those of ``Transformer.named_parameters()``), read without
 building the model.

@@ -23,18 +23,15 @@ import torch.nn as nn
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import model_args_from_config
-from torchmoe.components.adapter_settings import AdapterSettings
-from torchmoe.components.base_fingerprint import BaseFingerprint, base_fingerprint
-from torchmoe.components.checkpoint import saved_base
-from torchmoe.components.checkpoint_state import dcp_load, load_model_only
-from torchmoe.components.folder_model import start_gone, with_folder_model
-from torchmoe.components.hf_storage import ExpertBiasDrop
-from torchmoe.components.initial_load import load_initial_weights
-from torchmoe.components.peft_adapter import BIASES_WITHOUT_PLACE, require_peft_form
-from torchmoe.components.weight_files import model_tensors, read_dcp_metadata
+from torchmoe.checkpoints.adapter_settings import AdapterSettings
+from torchmoe.checkpoints.base_fingerprint import BaseFingerprint, base_fingerprint
+from torchmoe.checkpoints.checkpoint import saved_base
+from torchmoe.checkpoints.checkpoint_state import dcp_load, load_model_only
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.files.paths import source_key
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.paths import source_key
+from torchmoe.hf_files.hf_storage import ExpertBiasDrop
+from torchmoe.hf_files.peft_adapter import BIASES_WITHOUT_PLACE, require_peft_form
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.nn.lora import is_adapter_name
 from torchmoe.training.adapters import (
@@ -47,6 +44,9 @@ from torchmoe.training.adapters import (
     plain_model,
     saved_tensors_check,
 )
+from torchmoe.weight_sources.folder_model import start_gone, with_folder_model
+from torchmoe.weight_sources.initial_load import load_initial_weights
+from torchmoe.weights.weight_files import model_tensors, read_dcp_metadata
 
 __all__ = ["adapted_model", "export_checkpoint", "lora_base"]
 

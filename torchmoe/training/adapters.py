@@ -9,7 +9,7 @@ base is frozen: the optimizer, the gradient norm and clipping see the adapters a
 expert biases stay the base's unless the run trains them (`model.load_balance_coeff` set).
 A checkpoint holds what the run changes (`checkpointed`): the adapters, their optimizer state,
 the expert biases it trains, the [lora] settings the adapters mean something under
-(`components.adapter_settings`), and the base's fingerprint (`components.base_fingerprint`); the
+(`checkpoints.adapter_settings`), and the base's fingerprint (`checkpoints.base_fingerprint`); the
 base is what the run started from (`checkpoint.initial_load_path`, else the seed's init), loaded
 again at each resume, from the run's own copy (`<checkpoint.folder>/base/`) with
 `lora.checkpoint_base`.
@@ -28,11 +28,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.components.adapter_settings import check_saved_adapters
-from torchmoe.components.hf_storage import ExpertBiasDrop
-from torchmoe.components.peft_adapter import load_peft_adapter, save_merged_model, save_peft_adapter
+from torchmoe.checkpoints.adapter_settings import check_saved_adapters
+from torchmoe.config.files.paths import source_key
 from torchmoe.config.job_config import JobConfig, LoRA
-from torchmoe.config.paths import source_key
+from torchmoe.hf_files.hf_storage import ExpertBiasDrop
+from torchmoe.hf_files.peft_adapter import load_peft_adapter, save_merged_model, save_peft_adapter
 from torchmoe.models.decoder.lora import apply_lora
 from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.lora import is_adapter_name

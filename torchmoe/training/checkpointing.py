@@ -9,20 +9,15 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.components.base_files import BASE_FILES, keep_base_files
-from torchmoe.components.base_fingerprint import base_fingerprint
-from torchmoe.components.checkpoint import CheckpointManager, SaveFailed, saved_base
-from torchmoe.components.checkpoint_state import ModelWrapper, dcp_load, load_model_only
-from torchmoe.components.divergence import TrainingDiverged
-from torchmoe.components.finite import NonFiniteValues
-from torchmoe.components.folder_model import base_config_folder
-from torchmoe.components.hf_storage import save_hf_weights
-from torchmoe.components.initial_load import hf_bias_drop, load_initial_weights
-from torchmoe.components.tokenizer_files import copy_tokenizer_files, tokenizer_files
-from torchmoe.components.weight_files import read_dcp_metadata
+from torchmoe.checkpoints.base_fingerprint import base_fingerprint
+from torchmoe.checkpoints.checkpoint import CheckpointManager, SaveFailed, saved_base
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper, dcp_load, load_model_only
 from torchmoe.config.errors import ConfigError
+from torchmoe.config.files.paths import source_key
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.paths import source_key
+from torchmoe.hf_files.base_files import BASE_FILES, keep_base_files
+from torchmoe.hf_files.hf_storage import save_hf_weights
+from torchmoe.hf_files.tokenizer_files import copy_tokenizer_files, tokenizer_files
 from torchmoe.nn.lora import is_adapter_name
 from torchmoe.training.adapters import (
     base_source,
@@ -36,6 +31,11 @@ from torchmoe.training.adapters import (
     set_aside,
 )
 from torchmoe.training.log import logger
+from torchmoe.weight_sources.folder_model import base_config_folder
+from torchmoe.weight_sources.initial_load import hf_bias_drop, load_initial_weights
+from torchmoe.weights.divergence import TrainingDiverged
+from torchmoe.weights.finite import NonFiniteValues
+from torchmoe.weights.weight_files import read_dcp_metadata
 
 
 class Checkpoints:
@@ -167,7 +167,7 @@ class Checkpoints:
     def save_hf(self, step: int) -> None:
         """Write the weights as a Hugging Face folder, each rank writing its own shards (under
         LoRA: what `lora.export` names, gathered to rank 0: `adapters.export_hf`), with the
-        tokenizer's files (`components.tokenizer_files`; none for the byte tokenizer); not
+        tokenizer's files (`hf_files.tokenizer_files`; none for the byte tokenizer); not
         when they are non-finite (`TrainingDiverged`: the last step's update, unchecked by a save
         when checkpointing is off). Visible only once complete (`CheckpointManager.save_export`);
         a failed write is the run's last error (`save_failed`)."""
@@ -200,7 +200,7 @@ class Checkpoints:
 
 def diverged(err: NonFiniteValues, doing: str, step: int) -> TrainingDiverged:
     """The state became non-finite in training by step `step` (what is loaded is checked:
-    `components.finite`); the fix names the setting behind the tensors `err` names."""
+    `weights.finite`); the fix names the setting behind the tensors `err` names."""
     fix = "lower model.load_balance_coeff" if any("expert_bias" in n for n in err.names) else "lower optimizer.lr"
     return TrainingDiverged(f"the model or optimizer state is not finite after step {step} ({err}): "
                             f"stopping without {doing}; {fix}")

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.components.checkpoint import CheckpointManager
-from torchmoe.components.metrics import MetricsLogger
-from torchmoe.components.metrics_records import METRICS_FILE
-from torchmoe.components.run_logs import LogFile
+from torchmoe.checkpoints.checkpoint import CheckpointManager
 from torchmoe.config.datasets import unmasked_examples_note
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.compile import DynamoCounts
+from torchmoe.metrics.metrics import MetricsLogger
+from torchmoe.metrics.metrics_records import METRICS_FILE
+from torchmoe.metrics.run_logs import LogFile
 from torchmoe.plan.dry_run import format_count
 from torchmoe.plan.lora import adapter_specs
 from torchmoe.training.log import logger

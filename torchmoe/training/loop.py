@@ -22,30 +22,30 @@ import torch
 import torch.distributed as dist
 
 from torchmoe.arch.registry import model_args_from_config
-from torchmoe.components.adapter_settings import AdapterSettings
-from torchmoe.components.base_fingerprint import BaseFingerprint
-from torchmoe.components.checkpoint import CheckpointManager, checkpoint_timeout
-from torchmoe.components.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
-from torchmoe.components.garbage_collection import GarbageCollection
-from torchmoe.components.metrics import MetricsLogger, device_peak_flops
-from torchmoe.components.profiling import maybe_memory_snapshot, maybe_profile
-from torchmoe.components.run_lock import lock_folders
-from torchmoe.components.run_logs import LogFile, setup_logging
+from torchmoe.checkpoints.adapter_settings import AdapterSettings
+from torchmoe.checkpoints.base_fingerprint import BaseFingerprint
+from torchmoe.checkpoints.checkpoint import CheckpointManager, checkpoint_timeout
+from torchmoe.checkpoints.checkpoint_state import ModelWrapper, OptimizerWrapper, RankLocal, RNGState
+from torchmoe.config.files.paths import source_key, written_folders
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.paths import source_key, written_folders
 from torchmoe.data.dataloader import build_dataloader
 from torchmoe.data.file_index import INDEX_FOLDER
 from torchmoe.data.tokenizer import build_tokenizer
 from torchmoe.distributed.failure import FailureWatch
 from torchmoe.distributed.interruption import leaving_for_failure
 from torchmoe.distributed.mesh import ParallelMesh, build_mesh
+from torchmoe.metrics.metrics import MetricsLogger, device_peak_flops
+from torchmoe.metrics.run_logs import LogFile, setup_logging
 from torchmoe.nn.attention_kernels import describe_kernel
 from torchmoe.nn.dtypes import torch_dtype
 from torchmoe.nn.profiler_regions import region
+from torchmoe.performance.garbage_collection import GarbageCollection
+from torchmoe.performance.profiling import maybe_memory_snapshot, maybe_profile
 from torchmoe.plan.memory import compute_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import microbatches
 from torchmoe.preflight import train_device
+from torchmoe.run_folders.run_lock import lock_folders
 from torchmoe.training.adapters import checkpointed, saved_tensors_check, trainable
 from torchmoe.training.checkpointing import Checkpoints
 from torchmoe.training.console import chat_report, closing, opening, say

@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 
 from torchmoe.arch.model_args import ModelArgs
-from torchmoe.components.qk_clip import watch_attention_logits
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.mesh import ParallelMesh
 from torchmoe.distributed.pipeline_parallel import build_schedule, stage_io_metas
@@ -21,6 +20,7 @@ from torchmoe.models.decoder.parallelize import parallelize_model
 from torchmoe.models.decoder.pipeline_stages import PipelineRankModel, split_into_stages
 from torchmoe.models.llama4 import Transformer
 from torchmoe.nn.dtypes import torch_dtype
+from torchmoe.optim.qk_clip import watch_attention_logits
 from torchmoe.plan.memory import residual_dtype
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.plan.pipeline import PipelineLayout, job_pipeline_layout

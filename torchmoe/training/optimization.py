@@ -3,7 +3,7 @@ and how each group of them is updated.
 
 A trainable subset (LoRA: the adapters, not the frozen base) is a predicate over the named
 parameters: the others get no gradient and no optimizer state. The parameter groups are
-`components.optimizer.build_optimizer`'s, each named by what sets it apart (weight decay or not,
+`optim.optimizer.build_optimizer`'s, each named by what sets it apart (weight decay or not,
 mesh); an optimizer that updates some groups its own way (Muon: the hidden matrices, AdamW the
 rest) is built here from those named groups.
 """
@@ -17,12 +17,12 @@ import torch
 import torch.nn as nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from torchmoe.components.lr_scheduler import build_lr_scheduler
-from torchmoe.components.muon_groups import describe_split
-from torchmoe.components.optimizer import build_optimizer
-from torchmoe.components.qk_clip import QKClip
 from torchmoe.config.job_config import LRScheduler as LRSchedulerConfig
 from torchmoe.config.job_config import Optimizer as OptimizerConfig
+from torchmoe.optim.lr_scheduler import build_lr_scheduler
+from torchmoe.optim.muon_groups import describe_split
+from torchmoe.optim.optimizer import build_optimizer
+from torchmoe.optim.qk_clip import QKClip
 
 TrainableSubset = Callable[[str, nn.Parameter], bool]  # (full parameter name, parameter) -> trains?
 

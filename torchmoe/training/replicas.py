@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from torchmoe.arch.model_args import ModelArgs
 from torchmoe.arch.registry import FLAVORS
-from torchmoe.components.checkpoint_state import RankLocal
+from torchmoe.checkpoints.checkpoint_state import RankLocal
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.fault_tolerance import ReplicaGroups, connect, watch_lighthouse
 from torchmoe.distributed.replica_state import GroupLayout, decode_position, encode_position, like, local_tensors

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchmoe.components.metrics_records import check_history
-from torchmoe.components.run_info import write_run_info
-from torchmoe.components.run_logs import LogFile
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.loader import write_config_toml
+from torchmoe.config.job_file import write_config_toml
 from torchmoe.distributed.one_reader import one_reads
+from torchmoe.metrics.metrics_records import check_history
+from torchmoe.metrics.run_logs import LogFile
+from torchmoe.run_folders.run_info import write_run_info
 
 
 def write_run_files(cfg: JobConfig, dump_folder: Path, *, rank: int, world_size: int, log_file: LogFile | None,

@@ -7,9 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from torchmoe.components.divergence import TrainingDiverged
+from torchmoe.config.files.paths import job_paths, user_path_faults
 from torchmoe.config.job_config import JobConfig
-from torchmoe.config.paths import job_paths, user_path_faults
 from torchmoe.distributed.failure import FailureWatch, PeerFailed
 from torchmoe.distributed.interruption import leaving_for_failure
 from torchmoe.distributed.launcher import watch_launcher
@@ -17,6 +16,7 @@ from torchmoe.preflight import train_device
 from torchmoe.training.loop import Trainer
 from torchmoe.training.validation import ValidationLoss
 from torchmoe.training.world import init_distributed
+from torchmoe.weights.divergence import TrainingDiverged
 
 __all__ = ["TrainingDiverged", "evaluate", "train"]  # `TrainingDiverged`: what `train` raises, for the CLI
 
@@ -31,7 +31,7 @@ def train(cfg: JobConfig) -> None:
 
     Raises:
         ConfigError: a user error; also whatever the OS refuses about a file or folder the job
-            reads or writes (`config.paths.user_path_faults`: turned into one before the failure
+            reads or writes (`config.files.paths.user_path_faults`: turned into one before the failure
             watch takes this rank's exit status from it).
         TrainingDiverged: the loss, gradients or state stopped being finite (on every rank).
         PeerFailed: on the ranks that stopped because another rank failed.

@@ -21,8 +21,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchmoe.components.divergence import TrainingDiverged
-from torchmoe.components.optimizer import clip_grad_norm_
 from torchmoe.config.job_config import JobConfig
 from torchmoe.data.micro_batches import MicroBatch
 from torchmoe.distributed.fault_tolerance import ReplicaGroups
@@ -31,12 +29,14 @@ from torchmoe.distributed.mesh import ParallelMesh
 from torchmoe.distributed.replica_state import encode_position
 from torchmoe.nn.document_attention import DocumentSegments
 from torchmoe.nn.profiler_regions import region
+from torchmoe.optim.optimizer import clip_grad_norm_
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.training.model_build import BuiltModel
 from torchmoe.training.moe_balance import MoeBalance
 from torchmoe.training.objective import Objective, loss_weight
 from torchmoe.training.optimization import Optimization
 from torchmoe.training.placement import PlaceColumns
+from torchmoe.weights.divergence import TrainingDiverged
 
 MicroBatches = list[MicroBatch]  # (inputs, labels), each (B, seq_len) int64, with their starts and target count
 

@@ -10,11 +10,11 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from torchmoe.components.metrics import MetricsLogger, ThroughputWindow, peak_memory_gib, reset_peak_memory
 from torchmoe.config.job_config import JobConfig
 from torchmoe.distributed.compile import DynamoCounts
 from torchmoe.distributed.expert_parallel import ep_bytes_moved
 from torchmoe.distributed.mesh import ParallelMesh
+from torchmoe.metrics.metrics import MetricsLogger, ThroughputWindow, peak_memory_gib, reset_peak_memory
 from torchmoe.plan.parallel_dims import ParallelDims
 from torchmoe.training.console import compile_report
 from torchmoe.training.log import logger

@@ -54,7 +54,7 @@ class CausalAttention(nn.Module):
 
     def watch_logits(self, n_heads: int, index: int) -> None:
         """Record each of the `n_heads` heads' largest pre-softmax logit of every training
-        forward into ``logit_max`` (QK-Clip: `components.qk_clip`, whose table of every rank's
+        forward into ``logit_max`` (QK-Clip: `optim.qk_clip`, whose table of every rank's
         maxima holds this layer at row `index`); on the meta device as the model is built,
         before it is split and parallelized."""
         self.register_buffer("logit_max", torch.full((n_heads,), float("-inf")), persistent=False)
@@ -174,7 +174,7 @@ class Attention(CausalAttention):
 
     def qk_clip_factors(self, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
         """The per-row factors that multiply each head's logits by `gamma` (H,) (QK-Clip,
-        `components.qk_clip`): {parameter name: (rows,)}. A key head with one query head (MHA)
+        `optim.qk_clip`): {parameter name: (rows,)}. A key head with one query head (MHA)
         takes sqrt(gamma) on both sides, as Kimi K2 splits it; a key head shared by a group of
         query heads (GQA) is left alone and each query head takes its whole gamma, so that no
         other head's weights or logits change. Biases are scaled with their rows."""

@@ -11,8 +11,8 @@ interleaved, with their biases:
     HF  self_attn.sinks               [H]                    ours attention.sinks
 
 The released checkpoints hold the expert matrices in MXFP4 (``gate_up_proj_blocks`` and
-``_scales``, ``quantization_config.quant_method = "mxfp4"``): `components.hf_storage` dequantises
-them on load (`components.mxfp4`). Hugging Face rotates half-split pairs, as ``rope_style =
+``_scales``, ``quantization_config.quant_method = "mxfp4"``): `hf_files.hf_storage` dequantises
+them on load (`hf_files.mxfp4`). Hugging Face rotates half-split pairs, as ``rope_style =
 "half"`` does. The router's softmax over its top-k logits is torchmoe's softmax scores
 renormalised over the top k (`norm_topk_prob`).
 """
