@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -32,6 +33,7 @@ from torchmoe.config.files.paths import source_key
 from torchmoe.config.job_config import JobConfig
 from torchmoe.hf_files.hf_storage import ExpertBiasDrop
 from torchmoe.hf_files.peft_adapter import BIASES_WITHOUT_PLACE, require_peft_form
+from torchmoe.models.decoder.lora import apply_lora
 from torchmoe.models.decoder.model import Transformer
 from torchmoe.nn.lora import is_adapter_name
 from torchmoe.training.adapters import (
@@ -71,18 +73,23 @@ def lora_base(cfg: JobConfig, step_dir: Path) -> tuple[str, bool]:
     return ckpt.initial_load_path, ckpt.initial_load_in_hf
 
 
-def _step_model(cfg: JobConfig, step_dir: Path) -> tuple[JobConfig, ModelArgs, Transformer, list[str]]:
-    """The run's job with its folder's model, its arguments, the adapted model on the CPU in the
-    adapters' dtype (nothing loaded yet), and the base's tensors the step holds (the expert
-    biases its run trained), read from the step's metadata; the step's tensors checked against
-    the run's `[lora]` settings (config.toml edited since: refused, naming the key)."""
+def _step_tensors(cfg: JobConfig, step_dir: Path) -> tuple[JobConfig, ModelArgs, dict[str, Any]]:
+    """The run's job with its folder's model, its arguments, and the model tensors `step_dir`
+    holds (name -> DCP metadata), read from the step's metadata and checked against the run's
+    `[lora]` settings (config.toml edited since: refused, naming the key)."""
     cfg = with_folder_model(cfg)  # a Hugging Face start: its config.json (the saved base's copy without the folder)
     args = model_args_from_config(cfg.model, lora=cfg.lora.enable)
     stored = model_tensors(read_dcp_metadata("CKPT_DIR", step_dir, _FIX))
-    dtype = next(md.properties.dtype for name, md in stored.items() if is_adapter_name(name))
     saved_tensors_check(cfg, args)({name: md.size for name, md in stored.items()})
-    trained = sorted(name for name in stored if not is_adapter_name(name))
-    return cfg, args, plain_model(args, cfg.lora, dtype), trained
+    return cfg, args, stored
+
+
+def _step_model(cfg: JobConfig, step_dir: Path) -> tuple[JobConfig, ModelArgs, Transformer]:
+    """As `_step_tensors`, with the adapted model on the CPU in the adapters' dtype (nothing
+    loaded yet) in place of the tensors."""
+    cfg, args, stored = _step_tensors(cfg, step_dir)
+    dtype = next(md.properties.dtype for name, md in stored.items() if is_adapter_name(name))
+    return cfg, args, plain_model(args, cfg.lora, dtype)
 
 
 def adapted_model(cfg: JobConfig, step_dir: Path) -> Transformer:
@@ -98,7 +105,7 @@ def adapted_model(cfg: JobConfig, step_dir: Path) -> Transformer:
             tensors are not this model's, or another `[lora]` setting's.
     """
     path, _ = lora_base(cfg, step_dir)
-    cfg, args, model, _ = _step_model(cfg, step_dir)
+    cfg, args, model = _step_model(cfg, step_dir)
     metadata = read_dcp_metadata("CKPT_DIR", step_dir, _FIX)
     if any(key.startswith("lora.") for key in metadata.state_dict_metadata):  # recorded since 2026-12-07
         dcp_load({"lora": AdapterSettings(cfg.lora, cfg.model.load_balance_coeff)}, step_dir, None)
@@ -146,13 +153,15 @@ def _unholdable(cfg: JobConfig, step_dir: Path) -> str | None:
     """Why PEFT's adapter format cannot hold the model of the run `cfg`'s checkpoint `step_dir`, or
     None. The adapters' form is the run's config alone, so it is asked before the step is read;
     then the base's tensors the step holds (its trained expert biases)."""
-    folder = with_folder_model(cfg)
-    shapes = plain_model(model_args_from_config(folder.model, lora=True), cfg.lora, torch.float32)
+    with torch.device("meta"):  # shapes only
+        shapes = Transformer(model_args_from_config(with_folder_model(cfg).model, lora=True))
+    apply_lora(shapes, cfg.lora)
     try:
         require_peft_form(shapes)
     except ConfigError as err:
         return err.problem
-    _, _, _, trained = _step_model(cfg, step_dir)
+    _, _, stored = _step_tensors(cfg, step_dir)
+    trained = sorted(name for name in stored if not is_adapter_name(name))
     if trained:
         return f"{step_dir} holds the expert biases its run trained (e.g. {trained[0]}): {BIASES_WITHOUT_PLACE}"
     return None
